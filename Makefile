@@ -1,0 +1,40 @@
+# `make run`: set up .venv, install, fetch the embedded default model, run a real generation.
+# `make test`: the same set-up plus the test extras, then pytest.
+VENV := .venv
+PY := $(VENV)/bin/python
+# jax >= 0.11 needs Python >= 3.12: take the first such interpreter on PATH, else one from pyenv.
+FIND_PYTHON := for p in python3.14 python3.13 python3.12 python3 python; do \
+	  if $$p -c 'import sys; sys.exit(sys.version_info < (3, 12))' >/dev/null 2>&1; then command -v $$p; exit 0; fi; \
+	done; \
+	root=$$(pyenv root 2>/dev/null || echo $$HOME/.pyenv); \
+	for v in $$(ls $$root/versions 2>/dev/null | grep -E '^3\.(1[2-9])(\.|$$)' | sort -V -r); do \
+	  if [ -x $$root/versions/$$v/bin/python ]; then echo $$root/versions/$$v/bin/python; exit 0; fi; \
+	done; exit 1
+PROMPT ?= What is the capital of France?
+
+.PHONY: run test venv clean
+
+$(VENV)/.created:
+	@base=$$($(FIND_PYTHON)) || { echo "error: no Python >= 3.12 found (jax >= 0.11 needs it); install one, e.g. 'pyenv install 3.12'" >&2; exit 1; }; \
+	echo "using $$base"; $$base -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.created pyproject.toml
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+venv: $(VENV)/.installed
+
+run: $(VENV)/.installed
+	$(VENV)/bin/jaxinfer generate "$(PROMPT)"
+
+test: $(VENV)/.installed-test
+	$(PY) -m pytest -n 2 -q
+
+clean:
+	rm -rf $(VENV)
