@@ -1,0 +1,58 @@
+"""The KV cache as an explicit pytree.
+
+Slot i of a sequence's cache row holds the key/value of that sequence's token at position i, so
+a query at position p sees exactly the slots <= p (and, with a sliding window, > p - window):
+stale slots past a sequence's length are masked by causality and never need clearing.
+Per-layer arrays (a tuple, not one stacked [L, ...] array) keep the decode step free of the
+per-layer slice copies that indexing a stacked array makes XLA emit (see GPU.md).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxinfer.configs import Config
+
+
+@struct.dataclass
+class KVCache:
+    k: tuple[jax.Array, ...]  # per layer [B, S, Hkv, D]
+    v: tuple[jax.Array, ...]  # per layer [B, S, Hkv, D]
+    lengths: jax.Array  # [B] int32: valid slots per sequence (= next write position)
+
+    @property
+    def batch_size(self) -> int:
+        return self.lengths.shape[0]
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.k[0].shape[1]
+
+    @classmethod
+    def init(cls, config: Config, batch_size: int, max_seq_len: int, dtype=None) -> KVCache:
+        """Zeroed cache for `batch_size` sequences of up to `max_seq_len` tokens."""
+        if batch_size < 1 or max_seq_len < 1:
+            raise ValueError(f"KVCache needs batch_size >= 1 and max_seq_len >= 1, "
+                             f"got {batch_size} and {max_seq_len}")
+        dtype = jnp.dtype(dtype or config.dtype)
+        shape = (batch_size, max_seq_len, config.num_kv_heads, config.head_dim)
+        k = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
+        v = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
+        return cls(k=k, v=v, lengths=jnp.zeros((batch_size,), jnp.int32))
+
+    def nbytes(self) -> int:
+        return sum(a.size * a.dtype.itemsize for a in (*self.k, *self.v))
+
+
+def write_kv(cache_k: jax.Array, cache_v: jax.Array, k: jax.Array, v: jax.Array,
+             positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Scatter new keys/values k, v [B, T, Hkv, D] into slots `positions` [B, T] of one layer.
+
+    Positions past the end of the cache are dropped (callers check lengths on the host first).
+    """
+    rows = jnp.arange(k.shape[0])[:, None]  # [B, 1]
+    cache_k = cache_k.at[rows, positions].set(k.astype(cache_k.dtype), mode="drop")
+    cache_v = cache_v.at[rows, positions].set(v.astype(cache_v.dtype), mode="drop")
+    return cache_k, cache_v

@@ -1,0 +1,126 @@
+"""One frozen, hashable `Config` for every model family, and presets for benchmarks.
+
+`Config` is static under `jax.jit` (it is hashable), so model code can branch on its fields
+at trace time. Converters from HF `config.json` and GGUF metadata live in `checkpoints/`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+RopeKind = Literal["default", "linear", "dynamic", "llama3", "yarn"]
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """HF `rope_scaling` / `rope_parameters`, one field per knob any variant reads."""
+
+    kind: RopeKind = "default"
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    # llama3
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    # yarn
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Shapes and switches of a decoder-only transformer (Llama/Mistral/Qwen2/Qwen3 family)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = RopeScaling()
+    partial_rotary_factor: float = 1.0
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2; Llama's `attention_bias` sets this and o_bias
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    # Per-layer sliding window (None = full attention). A query at position p sees keys at
+    # positions p - window < k <= p, as HF's sliding-window mask does.
+    layer_windows: tuple[int | None, ...] = ()
+    dtype: str = "float32"  # params and activations; logits and softmax statistics stay float32
+    architecture: str = "LlamaForCausalLM"  # the HF architecture name, for messages
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        problems = []
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim"):
+            if int(getattr(self, name)) <= 0:
+                problems.append(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_kv_heads > 0 and self.num_heads % self.num_kv_heads:
+            problems.append(f"num_heads ({self.num_heads}) must be a multiple of "
+                            f"num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            problems.append(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.dtype not in DTYPES:
+            problems.append(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            problems.append(f"layer_windows has {len(self.layer_windows)} entries for "
+                            f"{self.num_layers} layers")
+        if problems:
+            raise ValueError("invalid model config: " + "; ".join(problems))
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def window(self, layer: int) -> int | None:
+        return self.layer_windows[layer] if self.layer_windows else None
+
+    def replace(self, **changes) -> Config:
+        return dataclasses.replace(self, **changes)
+
+    def num_params(self) -> int:
+        """Parameter count (embedding and head counted once when tied)."""
+        d, f, hd = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = d * hd * (self.num_heads * 2 + self.num_kv_heads * 2)
+        per_layer = attn + 3 * d * f + 2 * d
+        head = 0 if self.tie_word_embeddings else self.vocab_size * d
+        return self.num_layers * per_layer + self.vocab_size * d + head + d
+
+
+# Real shapes for benchmarks with random weights (`jaxinfer bench --preset NAME --random-weights`).
+PRESETS: dict[str, Config] = {
+    "llama3-8b": Config(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+        num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling=RopeScaling("llama3", factor=8.0, original_max_position_embeddings=8192),
+        max_position_embeddings=131072, dtype="bfloat16", bos_token_id=128000,
+        eos_token_ids=(128001, 128008, 128009)),
+    "llama3-70b": Config(
+        vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_layers=80,
+        num_heads=64, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling=RopeScaling("llama3", factor=8.0, original_max_position_embeddings=8192),
+        max_position_embeddings=131072, dtype="bfloat16", bos_token_id=128000,
+        eos_token_ids=(128001, 128008, 128009)),
+    "qwen3-8b": Config(
+        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
+        num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        max_position_embeddings=40960, qk_norm=True, dtype="bfloat16",
+        architecture="Qwen3ForCausalLM", eos_token_ids=(151645,)),
+    "smollm2-135m": Config(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+        num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
+        max_position_embeddings=8192, tie_word_embeddings=True, dtype="bfloat16",
+        bos_token_id=1, eos_token_ids=(2,)),
+}

@@ -1,0 +1,217 @@
+"""Layers shared by every model family: norms, RoPE, attention, MLP, and the parameter declaration.
+
+Each function is pure over arrays. The attention entry point here is the one place that picks
+a Pallas kernel (on GPU) or the pure-jnp reference (on CPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.configs import Config
+
+# ---------------------------------------------------------------------------------------------
+# Parameter declaration: shape + logical axes + initializer, declared once per weight.
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]  # logical axis names, mapped to mesh axes in jaxinfer/sharding.py
+    init: str = "normal"  # "normal" (std 0.02 / fan-in scaled), "ones", "zeros"
+
+    def initialize(self, key: jax.Array, dtype) -> jax.Array:
+        if self.init == "ones":
+            return jnp.ones(self.shape, dtype)
+        if self.init == "zeros":
+            return jnp.zeros(self.shape, dtype)
+        std = 1.0 / math.sqrt(self.shape[0]) if len(self.shape) == 2 else 0.02
+        return (std * jax.random.normal(key, self.shape, jnp.float32)).astype(dtype)
+
+
+def init_params(specs, key: jax.Array, dtype):
+    """Random params with the declared shapes (benchmarks with `--random-weights`, tests)."""
+    leaves, treedef = jax.tree.flatten(specs, is_leaf=lambda s: isinstance(s, ParamSpec))
+    keys = jax.random.split(key, len(leaves))
+    return jax.tree.unflatten(treedef, [s.initialize(k, dtype) for s, k in zip(leaves, keys)])
+
+
+def check_params(params, specs) -> None:
+    """Raise ValueError naming every param whose presence or shape differs from the declaration."""
+    want = {jax.tree_util.keystr(p): s for p, s in
+            jax.tree_util.tree_leaves_with_path(specs, is_leaf=lambda s: isinstance(s, ParamSpec))}
+    have = {jax.tree_util.keystr(p): a for p, a in jax.tree_util.tree_leaves_with_path(params)}
+    problems = [f"missing {k} (expected shape {s.shape})" for k, s in want.items() if k not in have]
+    problems += [f"unexpected {k}" for k in have if k not in want]
+    problems += [f"{k} has shape {tuple(have[k].shape)}, expected {s.shape}"
+                 for k, s in want.items() if k in have and tuple(have[k].shape) != s.shape]
+    if problems:
+        raise ValueError("params do not match the model config: " + "; ".join(problems[:10])
+                         + (f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""))
+
+
+# ---------------------------------------------------------------------------------------------
+# Norms, MLP
+# ---------------------------------------------------------------------------------------------
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """HF LlamaRMSNorm: statistics in float32, the weight multiplies the result in x's dtype."""
+    xf = x.astype(jnp.float32)
+    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * normed.astype(x.dtype)
+
+
+def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
+    """x [..., K] @ w [K, N] (+ b [N]) with float32 accumulation, result in x's dtype."""
+    y = jnp.einsum("...k,kn->...n", x, w, preferred_element_type=jnp.float32)
+    if b is not None:
+        y = y + b.astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+def swiglu_mlp(x: jax.Array, p: dict) -> jax.Array:
+    """down(silu(x @ gate) * (x @ up)); x [..., D] -> [..., D]."""
+    gate = linear(x, p["w_gate"], p.get("b_gate"))
+    up = linear(x, p["w_up"], p.get("b_up"))
+    return linear(jax.nn.silu(gate) * up, p["w_down"], p.get("b_down"))
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE (HF rotate-half convention) and its scaling variants
+# ---------------------------------------------------------------------------------------------
+
+
+def rope_frequencies(config: Config) -> tuple[np.ndarray, float]:
+    """Static inverse frequencies [rotary_dim / 2] (float32) and the cos/sin attention factor.
+
+    Mirrors transformers' `ROPE_INIT_FUNCTIONS`; "dynamic" returns the unscaled base here and
+    is rescaled per call in `rope_tables` from the longest position it sees.
+    """
+    rs = config.rope_scaling
+    dim = config.rotary_dim
+    base = config.rope_theta
+    exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim
+    inv_freq = (1.0 / (base ** exponents)).astype(np.float32)
+    if rs.kind in ("default", "dynamic"):
+        return inv_freq, 1.0
+    if rs.kind == "linear":
+        return (inv_freq / rs.factor).astype(np.float32), 1.0
+    if rs.kind == "llama3":
+        old_ctx = rs.original_max_position_embeddings
+        low_wavelen = old_ctx / rs.low_freq_factor
+        high_wavelen = old_ctx / rs.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > low_wavelen, inv_freq / rs.factor, inv_freq)
+        smooth = (old_ctx / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return np.where(medium, smoothed, scaled).astype(np.float32), 1.0
+    if rs.kind == "yarn":
+        return _yarn_frequencies(config)
+    raise ValueError(f"unsupported rope scaling {rs.kind!r}")
+
+
+def _yarn_frequencies(config: Config) -> tuple[np.ndarray, float]:
+    rs = config.rope_scaling
+    dim, base, factor = config.rotary_dim, config.rope_theta, rs.factor
+    orig = rs.original_max_position_embeddings or config.max_position_embeddings
+
+    def get_mscale(scale, mscale=1.0):
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    attention_factor = rs.attention_factor
+    if attention_factor is None:
+        if rs.mscale and rs.mscale_all_dim:
+            attention_factor = get_mscale(factor, rs.mscale) / get_mscale(factor, rs.mscale_all_dim)
+        else:
+            attention_factor = get_mscale(factor)
+
+    def correction_dim(rotations):
+        return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(rs.beta_fast), correction_dim(rs.beta_slow)
+    if rs.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    extrapolation_factor = 1 - ramp
+    pos_freqs = base ** (np.arange(0, dim, 2).astype(np.float32) / dim)
+    inv_extra = 1.0 / pos_freqs
+    inv_inter = 1.0 / (factor * pos_freqs)
+    inv_freq = inv_inter * (1 - extrapolation_factor) + inv_extra * extrapolation_factor
+    return inv_freq.astype(np.float32), float(attention_factor)
+
+
+def rope_tables(config: Config, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [B, T, rotary_dim] (float32) for integer positions [B, T]."""
+    inv_freq, attention_factor = rope_frequencies(config)
+    inv_freq = jnp.asarray(inv_freq)
+    rs = config.rope_scaling
+    if rs.kind == "dynamic":
+        # NTK-aware: once the sequence outgrows the original context, raise the base.
+        dim = config.rotary_dim
+        orig = config.max_position_embeddings  # HF's dynamic NTK measures against this, not original_*
+        seq_len = (jnp.max(positions) + 1).astype(jnp.float32)
+        new_base = config.rope_theta * ((rs.factor * seq_len / orig) - (rs.factor - 1)) ** (dim / (dim - 2))
+        exponents = jnp.arange(0, dim, 2, dtype=jnp.float32) / dim
+        inv_freq = jnp.where(seq_len > orig, 1.0 / (new_base ** exponents), inv_freq)
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, rotary_dim/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)  # [B, T, rotary_dim]
+    return jnp.cos(emb) * attention_factor, jnp.sin(emb) * attention_factor
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [B, T, H, D]; cos/sin [B, T, R] with R <= D (partial rotary leaves the tail as is)."""
+    rot = cos.shape[-1]
+    cos = cos[:, :, None, :].astype(x.dtype)
+    sin = sin[:, :, None, :].astype(x.dtype)
+    xr, tail = x[..., :rot], x[..., rot:]
+    half = rot // 2
+    rotated = jnp.concatenate([-xr[..., half:], xr[..., :half]], axis=-1)
+    out = xr * cos + rotated * sin
+    return jnp.concatenate([out, tail], axis=-1) if tail.shape[-1] else out
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention
+# ---------------------------------------------------------------------------------------------
+
+
+def attention_reference(q, k, v, q_pos, kv_pos, *, window=None, sm_scale=None):
+    """Masked GQA attention in plain jnp.
+
+    q [B, T, Hq, D]; k, v [B, S, Hkv, D]; q_pos [B, T], kv_pos [B, S] int32 positions.
+    A key is visible when kv_pos <= q_pos (and q_pos - kv_pos < window). Scores and softmax in
+    float32; probabilities are cast to v's dtype before the second matmul, as HF's eager path does.
+    Returns [B, T, Hq, D] in q's dtype.
+    """
+    b, t, hq, d = q.shape
+    hkv = k.shape[2]
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
+    qg = q.reshape(b, t, hkv, hq // hkv, d)  # [B, T, Hkv, G, D]
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    visible = kv_pos[:, None, :] <= q_pos[:, :, None]  # [B, T, S]
+    if window is not None:
+        visible &= (q_pos[:, :, None] - kv_pos[:, None, :]) < window
+    s = jnp.where(visible[:, None, None], s, -jnp.inf)
+    # Rows with no visible key (padding queries) would be NaN; give them zeros instead.
+    s_max = jnp.max(s, axis=-1, keepdims=True)
+    s_max = jnp.where(jnp.isfinite(s_max), s_max, 0.0)
+    p = jnp.exp(s - s_max)
+    p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
+    o = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return o.reshape(b, t, hq, d).astype(q.dtype)
+
+
+def attention(q, k, v, q_pos, kv_pos, *, window=None):
+    """The model's one attention entry point (shapes as in `attention_reference`)."""
+    return attention_reference(q, k, v, q_pos, kv_pos, window=window)

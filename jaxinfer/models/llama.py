@@ -1,0 +1,118 @@
+"""Llama-family decoder: Llama 2/3/3.1/3.2, Mistral, Qwen2, Qwen3, SmolLM.
+
+The family differences are switches on `Config` (qkv bias, q/k norm, sliding windows, RoPE
+scaling, tied embeddings), so one forward function covers them all.
+
+Layer loop: a Python loop over per-layer weight dicts, unrolled at trace time. Measured on an
+H200 (GPU.md) this is 2.3x faster for decode than `lax.scan` over stacked [L, ...] weights,
+which made XLA copy each layer's weights every step; the cost is compile time linear in the
+number of layers (reported in the foundation issue's closing note).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.cache import KVCache, write_kv
+from jaxinfer.configs import Config
+from jaxinfer.models import layers
+from jaxinfer.models.layers import ParamSpec
+
+
+def param_specs(config: Config) -> dict:
+    """Every weight declared once: shape [in, out] for matmuls, logical axes, initializer."""
+    d, f, hd = config.hidden_size, config.intermediate_size, config.head_dim
+    q_out, kv_out = config.num_heads * hd, config.num_kv_heads * hd
+    layer = {
+        "attn_norm": ParamSpec((d,), ("embed",), "ones"),
+        "wq": ParamSpec((d, q_out), ("embed", "q_heads")),
+        "wk": ParamSpec((d, kv_out), ("embed", "kv_heads")),
+        "wv": ParamSpec((d, kv_out), ("embed", "kv_heads")),
+        "wo": ParamSpec((q_out, d), ("q_heads", "embed")),
+        "mlp_norm": ParamSpec((d,), ("embed",), "ones"),
+        "w_gate": ParamSpec((d, f), ("embed", "mlp")),
+        "w_up": ParamSpec((d, f), ("embed", "mlp")),
+        "w_down": ParamSpec((f, d), ("mlp", "embed")),
+    }
+    if config.qkv_bias:
+        layer["bq"] = ParamSpec((q_out,), ("q_heads",), "zeros")
+        layer["bk"] = ParamSpec((kv_out,), ("kv_heads",), "zeros")
+        layer["bv"] = ParamSpec((kv_out,), ("kv_heads",), "zeros")
+    if config.o_bias:
+        layer["bo"] = ParamSpec((d,), ("embed",), "zeros")
+    if config.mlp_bias:
+        layer["b_gate"] = ParamSpec((f,), ("mlp",), "zeros")
+        layer["b_up"] = ParamSpec((f,), ("mlp",), "zeros")
+        layer["b_down"] = ParamSpec((d,), ("embed",), "zeros")
+    if config.qk_norm:
+        layer["q_norm"] = ParamSpec((hd,), (None,), "ones")
+        layer["k_norm"] = ParamSpec((hd,), (None,), "ones")
+    specs = {
+        "embed": ParamSpec((config.vocab_size, d), ("vocab", "embed")),
+        "layers": [dict(layer) for _ in range(config.num_layers)],
+        "final_norm": ParamSpec((d,), ("embed",), "ones"),
+    }
+    if not config.tie_word_embeddings:
+        specs["lm_head"] = ParamSpec((d, config.vocab_size), ("embed", "vocab"))
+    return specs
+
+
+def _attention_block(lp: dict, x, cos, sin, positions, config: Config, layer: int,
+                     cache_kv: tuple[jax.Array, jax.Array] | None):
+    """Pre-norm self-attention; returns (residual update [B, T, D], updated (k, v) cache or None)."""
+    b, t, _ = x.shape
+    hd, eps = config.head_dim, config.rms_norm_eps
+    h = layers.rms_norm(x, lp["attn_norm"], eps)
+    q = layers.linear(h, lp["wq"], lp.get("bq")).reshape(b, t, config.num_heads, hd)
+    k = layers.linear(h, lp["wk"], lp.get("bk")).reshape(b, t, config.num_kv_heads, hd)
+    v = layers.linear(h, lp["wv"], lp.get("bv")).reshape(b, t, config.num_kv_heads, hd)
+    if config.qk_norm:
+        q = layers.rms_norm(q, lp["q_norm"], eps)
+        k = layers.rms_norm(k, lp["k_norm"], eps)
+    q = layers.apply_rope(q, cos, sin)  # [B, T, Hq, D]
+    k = layers.apply_rope(k, cos, sin)  # [B, T, Hkv, D]
+    if cache_kv is None:
+        keys, values, kv_pos = k, v, positions
+    else:
+        keys, values = write_kv(*cache_kv, k, v, positions)  # [B, S, Hkv, D]
+        kv_pos = jnp.broadcast_to(jnp.arange(keys.shape[1], dtype=jnp.int32), keys.shape[:2])
+    o = layers.attention(q, keys, values, positions, kv_pos, window=config.window(layer))
+    out = layers.linear(o.reshape(b, t, config.num_heads * hd), lp["wo"], lp.get("bo"))
+    return out, (None if cache_kv is None else (keys, values))
+
+
+def forward(params: dict, tokens: jax.Array, positions: jax.Array, config: Config,
+            cache: KVCache | None = None, logits_at: jax.Array | None = None
+            ) -> tuple[jax.Array, KVCache | None]:
+    """Causal forward pass.
+
+    tokens, positions: [B, T] int32. Without a cache, the T tokens attend among themselves.
+    With a cache, their K/V are written to slots `positions` and they attend to every cache slot
+    at or before their position; `cache.lengths` is left for the caller to advance.
+    logits_at: optional [B] index into T; then only those rows get logits ([B, 1, V]).
+    Returns (logits [B, T or 1, V] float32, cache).
+    """
+    x = params["embed"][tokens]  # [B, T, D]
+    cos, sin = layers.rope_tables(config, positions)  # [B, T, R]
+    new_k, new_v = [], []
+    for i, lp in enumerate(params["layers"]):
+        with jax.named_scope(f"layer{i}"):
+            cache_kv = None if cache is None else (cache.k[i], cache.v[i])
+            attn, cache_kv = _attention_block(lp, x, cos, sin, positions, config, i, cache_kv)
+            x = x + attn
+            h = layers.rms_norm(x, lp["mlp_norm"], config.rms_norm_eps)
+            x = x + layers.swiglu_mlp(h, lp)
+            if cache_kv is not None:
+                new_k.append(cache_kv[0])
+                new_v.append(cache_kv[1])
+    if logits_at is not None:
+        x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)  # [B, 1, D]
+    x = layers.rms_norm(x, params["final_norm"], config.rms_norm_eps)
+    if config.tie_word_embeddings:
+        logits = jnp.einsum("btd,vd->btv", x, params["embed"], preferred_element_type=jnp.float32)
+    else:
+        logits = jnp.einsum("btd,dv->btv", x, params["lm_head"], preferred_element_type=jnp.float32)
+    if cache is not None:
+        cache = cache.replace(k=tuple(new_k), v=tuple(new_v))
+    return logits, cache
