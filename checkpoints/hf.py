@@ -1,0 +1,240 @@
+"""HF-layout checkpoint directories: config.json + *.safetensors (+ index) + tokenizer files.
+
+`load_hf_dir(path)` returns (Config, params, Tokenizer | None) with params in the model's own
+layout (see `jaxinfer.models.llama.param_specs`): matmul weights transposed to [in, out],
+one dict per layer. The tensor-name mapping is one table for the whole Llama family.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+
+import jax.numpy as jnp
+
+from jaxinfer.configs import Config, RopeScaling
+
+log = logging.getLogger(__name__)
+
+# HF architecture name -> the switches our Llama-family forward needs for it.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+# Our per-layer param name -> (HF tensor name under model.layers.{i}., transpose to [in, out]).
+LAYER_TENSORS = {
+    "attn_norm": ("input_layernorm.weight", False),
+    "wq": ("self_attn.q_proj.weight", True),
+    "wk": ("self_attn.k_proj.weight", True),
+    "wv": ("self_attn.v_proj.weight", True),
+    "wo": ("self_attn.o_proj.weight", True),
+    "bq": ("self_attn.q_proj.bias", False),
+    "bk": ("self_attn.k_proj.bias", False),
+    "bv": ("self_attn.v_proj.bias", False),
+    "bo": ("self_attn.o_proj.bias", False),
+    "q_norm": ("self_attn.q_norm.weight", False),
+    "k_norm": ("self_attn.k_norm.weight", False),
+    "mlp_norm": ("post_attention_layernorm.weight", False),
+    "w_gate": ("mlp.gate_proj.weight", True),
+    "w_up": ("mlp.up_proj.weight", True),
+    "w_down": ("mlp.down_proj.weight", True),
+    "b_gate": ("mlp.gate_proj.bias", False),
+    "b_up": ("mlp.up_proj.bias", False),
+    "b_down": ("mlp.down_proj.bias", False),
+}
+TOP_TENSORS = {
+    "embed": ("model.embed_tokens.weight", False),
+    "final_norm": ("model.norm.weight", False),
+    "lm_head": ("lm_head.weight", True),
+}
+# Buffers some exporters write that carry no weights.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _require(cfg: dict, key: str, path: pathlib.Path):
+    if cfg.get(key) is None:
+        raise ValueError(f"{path}: config.json has no {key!r}, which the model needs; "
+                         f"is this a complete HF config?")
+    return cfg[key]
+
+
+def _rope_from_hf(cfg: dict) -> tuple[float, RopeScaling, float]:
+    """(rope_theta, RopeScaling, partial_rotary_factor) from either config.json generation:
+    transformers >= 5 writes `rope_parameters`, older ones `rope_theta` + `rope_scaling`."""
+    params = dict(cfg.get("rope_parameters") or {})
+    scaling = dict(cfg.get("rope_scaling") or {})
+    merged = {**scaling, **params}
+    theta = float(merged.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    kind = merged.get("rope_type", merged.get("type", "default")) or "default"
+    if kind not in ("default", "linear", "dynamic", "llama3", "yarn"):
+        raise ValueError(f"config.json: unsupported rope scaling type {kind!r}; "
+                         "supported: default, linear, dynamic, llama3, yarn")
+    factor = merged.get("factor")
+    if factor is None and kind == "yarn" and merged.get("original_max_position_embeddings"):
+        factor = cfg["max_position_embeddings"] / merged["original_max_position_embeddings"]
+    rs = RopeScaling(
+        kind=kind,
+        factor=float(factor if factor is not None else 1.0),
+        original_max_position_embeddings=merged.get("original_max_position_embeddings"),
+        low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+        beta_fast=float(merged.get("beta_fast") or 32.0),
+        beta_slow=float(merged.get("beta_slow") or 1.0),
+        mscale=merged.get("mscale"),
+        mscale_all_dim=merged.get("mscale_all_dim"),
+        attention_factor=merged.get("attention_factor"),
+        truncate=bool(merged.get("truncate", True)),
+    )
+    if kind == "llama3" and rs.original_max_position_embeddings is None:
+        raise ValueError("config.json: llama3 rope scaling needs original_max_position_embeddings")
+    partial = float(merged.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+    return theta, rs, partial
+
+
+def _layer_windows(cfg: dict, family: str, num_layers: int) -> tuple[int | None, ...]:
+    window = cfg.get("sliding_window")
+    if family == "mistral":
+        return (window,) * num_layers if window else ()
+    if family in ("qwen2", "qwen3"):
+        if not cfg.get("use_sliding_window") or not window:
+            return ()
+        types = cfg.get("layer_types") or [
+            "sliding_attention" if i >= cfg.get("max_window_layers", num_layers) else "full_attention"
+            for i in range(num_layers)]
+        return tuple(window if t == "sliding_attention" else None for t in types)
+    return ()
+
+
+def config_from_hf(cfg: dict, path: pathlib.Path = pathlib.Path("config.json")) -> Config:
+    """HF config.json (as a dict) -> Config. Raises ValueError on unknown architectures."""
+    archs = cfg.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise ValueError(f"{path}: unsupported architecture {archs or cfg.get('model_type')!r}; "
+                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    family = SUPPORTED_ARCHITECTURES[arch]
+    heads = int(_require(cfg, "num_attention_heads", path))
+    hidden = int(_require(cfg, "hidden_size", path))
+    layers = int(_require(cfg, "num_hidden_layers", path))
+    theta, rope_scaling, partial = _rope_from_hf(cfg)
+    eos = cfg.get("eos_token_id")
+    eos = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+    attention_bias = bool(cfg.get("attention_bias", False))
+    return Config(
+        vocab_size=int(_require(cfg, "vocab_size", path)),
+        hidden_size=hidden,
+        intermediate_size=int(_require(cfg, "intermediate_size", path)),
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=rope_scaling,
+        partial_rotary_factor=partial,
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=True if family == "qwen2" else attention_bias,
+        o_bias=attention_bias if family in ("llama", "qwen3") else False,
+        mlp_bias=bool(cfg.get("mlp_bias", False)) if family == "llama" else False,
+        qk_norm=family == "qwen3",
+        layer_windows=_layer_windows(cfg, family, layers),
+        architecture=arch,
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=eos,
+    )
+
+
+def _safetensors_files(path: pathlib.Path) -> list[pathlib.Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({path / f for f in weight_map.values()})
+        missing = [f.name for f in files if not f.exists()]
+        if missing:
+            raise FileNotFoundError(f"{index} lists shards that are not in {path}: "
+                                    f"{', '.join(missing)}; download the missing shards")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors weights found")
+    return files
+
+
+def read_safetensors(files: list[pathlib.Path]) -> dict[str, jnp.ndarray]:
+    """All tensors of the given files by name; a truncated or corrupt file raises ValueError."""
+    from safetensors import SafetensorError, safe_open
+
+    tensors = {}
+    for f in files:
+        try:
+            # The flax framework keeps bfloat16 as is (numpy has no bfloat16).
+            with safe_open(f, framework="flax") as st:
+                for name in st.keys():
+                    tensors[name] = st.get_tensor(name)
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ValueError(f"{f}: cannot read safetensors weights ({e}); the file is truncated "
+                             "or corrupt, download it again") from e
+    return tensors
+
+
+def params_from_hf_tensors(tensors: dict, config: Config, source: str) -> dict:
+    """HF tensor dict -> our params layout (shape checks are the caller's, against param_specs)."""
+    used = set()
+
+    def take(name: str, transpose: bool):
+        used.add(name)
+        t = tensors[name]
+        return t.T if transpose else t
+
+    def present(name: str) -> bool:
+        return name in tensors
+
+    params = {}
+    for ours, (hf, tr) in TOP_TENSORS.items():
+        if present(hf) and not (ours == "lm_head" and config.tie_word_embeddings):
+            params[ours] = take(hf, tr)
+    params["layers"] = []
+    for i in range(config.num_layers):
+        layer = {}
+        for ours, (hf, tr) in LAYER_TENSORS.items():
+            name = f"model.layers.{i}.{hf}"
+            if present(name):
+                layer[ours] = take(name, tr)
+        params["layers"].append(layer)
+    unused = sorted(n for n in tensors if n not in used and not n.endswith(IGNORED_SUFFIXES)
+                    and not (n == "lm_head.weight" and config.tie_word_embeddings))
+    if unused:
+        raise ValueError(f"{source}: tensors the model config does not account for: "
+                         f"{', '.join(unused[:8])}{' ...' if len(unused) > 8 else ''}; "
+                         "does config.json (num_hidden_layers, biases) match the weights?")
+    return params
+
+
+def load_hf_dir(path: str | pathlib.Path):
+    """(Config, params, Tokenizer | None) from an HF-layout directory."""
+    path = pathlib.Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        raise FileNotFoundError(f"{path}: no config.json; an HF checkpoint directory needs "
+                                "config.json next to its *.safetensors files")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_file}: not valid JSON ({e})") from e
+    config = config_from_hf(cfg, cfg_file)
+    tensors = read_safetensors(_safetensors_files(path))
+    params = params_from_hf_tensors(tensors, config, str(path))
+    tokenizer = None
+    if (path / "tokenizer.json").exists():
+        from checkpoints.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.from_hf_dir(path)
+    else:
+        log.warning("%s: no tokenizer.json; the model loads without a tokenizer", path)
+    return config, params, tokenizer
+
