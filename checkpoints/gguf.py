@@ -1,0 +1,412 @@
+"""GGUF checkpoints (llama.cpp's single-file format): metadata, tensors, tokenizer.
+
+`load_gguf(path)` returns (Config, params, Tokenizer) with params as numpy float32 arrays in the
+model's own layout (see `jaxinfer.models.llama.param_specs`): matmul weights [in, out], one dict
+per layer. Quantized tensors are dequantized on load by the `gguf` package (`gguf.quants`), the
+same code transformers' GGUF loader uses, so our float32 weights equal its weights bit for bit.
+
+Two layout facts the loader undoes:
+- GGUF lists dimensions fastest-first (ne0 = the input features), so `GGUFReader` gives a
+  matmul weight as numpy [out, in], HF's layout; we transpose to [in, out].
+- llama.cpp's converter permutes the rows of attn_q / attn_k within each head so that its
+  RoPE can rotate adjacent pairs (x0, x1), (x2, x3), ...; HF (and our model) rotate halves
+  (x_i, x_{i+D/2}). We apply the inverse permutation per head.
+
+All reading goes through `gguf.GGUFReader`; a truncated or corrupt file raises ValueError naming
+the file and where it ends, never a raw numpy/memmap error, and nothing is returned half-built.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import pathlib
+from typing import Any
+
+import numpy as np
+
+from jaxinfer.configs import Config, RopeScaling
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+
+# Tensor types we dequantize (all through gguf.quants.dequantize).
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+
+# Our per-layer param name -> GGUF tensor name under blk.{i}.
+LAYER_TENSORS = {
+    "attn_norm": "attn_norm.weight",
+    "wq": "attn_q.weight",
+    "wk": "attn_k.weight",
+    "wv": "attn_v.weight",
+    "wo": "attn_output.weight",
+    "mlp_norm": "ffn_norm.weight",
+    "w_gate": "ffn_gate.weight",
+    "w_up": "ffn_up.weight",
+    "w_down": "ffn_down.weight",
+}
+TOP_TENSORS = {
+    "embed": "token_embd.weight",
+    "final_norm": "output_norm.weight",
+    "lm_head": "output.weight",
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading the file
+# ---------------------------------------------------------------------------------------------
+
+
+class _Truncated(Exception):
+    """Raised inside the reader when a read would pass the end of the file."""
+
+
+@functools.cache
+def _checked_reader_class():
+    """A GGUFReader that reports reads past the end of the file instead of mis-shaping arrays.
+
+    Built lazily so importing this module does not import `gguf` (and numpy memmap machinery).
+    """
+    import gguf
+
+    class CheckedReader(gguf.GGUFReader):
+        last_field = None  # name of the last metadata key read, for truncation messages
+
+        def _get(self, offset, dtype, count=1, override_order=None):
+            end = int(offset) + int(np.dtype(dtype).itemsize) * int(count)
+            if end > len(self.data):
+                after = f" after metadata key {self.last_field!r}" if self.last_field else ""
+                raise _Truncated(f"the header is cut short{after}: reading it needs byte {end} "
+                                 f"but the file has {len(self.data)} bytes")
+            return super()._get(offset, dtype, count, override_order)
+
+        def _push_field(self, field, skip_sum=False):
+            self.last_field = field.name
+            return super()._push_field(field, skip_sum)
+
+        def _build_tensors(self, start_offs, fields):
+            # Check each tensor's data range before the base class maps it, so the message can
+            # name the tensor that the file's end cuts into.
+            size = len(self.data)
+            for field in fields:
+                _, name_data, _, dims, raw_type, offset = field.parts
+                name = bytes(name_data).decode("utf-8", "replace")
+                try:
+                    qtype = gguf.GGMLQuantizationType(int(raw_type[0]))
+                except ValueError:
+                    raise ValueError(f"tensor {name!r} has unknown type id {int(raw_type[0])}; "
+                                     f"supported types: {', '.join(SUPPORTED_TYPES)}") from None
+                block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+                n_elems = int(np.prod(dims.astype(np.int64)))
+                end = int(start_offs) + int(offset[0]) + n_elems * type_size // block
+                if end > size:
+                    raise _Truncated(f"tensor {name!r} ({qtype.name}, shape "
+                                     f"{[int(d) for d in dims]}) needs bytes up to {end} but the "
+                                     f"file ends at byte {size}")
+            return super()._build_tensors(start_offs, fields)
+
+    return CheckedReader
+
+
+def _open(path: str | os.PathLike):
+    """Open `path` with the gguf package's reader; errors name the file and the problem."""
+    path = pathlib.Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    if not path.is_file():
+        raise ValueError(f"{path}: not a file; expected a .gguf checkpoint file")
+    size = path.stat().st_size
+    if size == 0:
+        raise ValueError(f"{path}: the file is empty (0 bytes); expected a GGUF checkpoint")
+    try:
+        return _checked_reader_class()(path, "r")
+    except _Truncated as e:
+        raise ValueError(f"{path}: truncated GGUF file: {e}; download it again") from None
+    except ValueError as e:
+        if "magic" in str(e).lower():
+            raise ValueError(f"{path}: not a GGUF file (bad magic bytes)") from None
+        raise ValueError(f"{path}: cannot read GGUF file: {e}") from e
+    except (IndexError, KeyError, OverflowError, TypeError, UnicodeDecodeError, MemoryError) as e:
+        raise ValueError(f"{path}: corrupt GGUF file ({type(e).__name__}: {e}); "
+                         "download it again") from e
+
+
+def _field_value(field) -> Any:
+    """A reader field as a plain Python value (arrays as lists; numpy scalars unwrapped)."""
+    value = field.contents()
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def _metadata(reader) -> dict[str, object]:
+    # "GGUF.*" entries are the reader's own bookkeeping (version, counts), not file metadata.
+    return {name: _field_value(f) for name, f in reader.fields.items()
+            if not name.startswith("GGUF.")}
+
+
+def read_metadata(path: str | os.PathLike) -> dict[str, object]:
+    """All key/value metadata of a GGUF file as plain Python values (arrays as lists)."""
+    return _metadata(_open(path))
+
+
+# ---------------------------------------------------------------------------------------------
+# Metadata -> Config
+# ---------------------------------------------------------------------------------------------
+
+
+def _get(meta: dict, key: str, path, kind=int, default=None, required=False):
+    """meta[key] converted with `kind`; a missing required key names the file and the key."""
+    if key not in meta:
+        if required:
+            raise ValueError(f"{path}: GGUF metadata key {key!r} is missing; it is required to "
+                             "build the model config (is this a complete llama.cpp export?)")
+        return default
+    value = meta[key]
+    try:
+        return kind(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{path}: GGUF metadata key {key!r} has value {value!r}, "
+                         f"expected {kind.__name__}") from None
+
+
+def _rope_scaling(meta: dict, arch: str, path, context_length: int) -> RopeScaling:
+    p = f"{arch}.rope.scaling."
+    kind = _get(meta, p + "type", path, str, default="none")
+    factor = _get(meta, p + "factor", path, float, default=None)
+    # Older exports wrote linear scaling as `rope.scale_linear`.
+    if kind == "none" and meta.get(f"{arch}.rope.scale_linear") not in (None, 1.0):
+        kind, factor = "linear", float(meta[f"{arch}.rope.scale_linear"])
+    if kind == "none":
+        return RopeScaling()
+    if factor is None:
+        raise ValueError(f"{path}: rope scaling type {kind!r} is set but {p + 'factor'!r} is missing")
+    if kind == "linear":
+        return RopeScaling("linear", factor=factor)
+    if kind == "yarn":
+        # llama.cpp's extra YaRN knobs have no counterpart in HF's llama yarn; refuse rather
+        # than silently compute something else.
+        for extra, neutral in (("attn_factor", 1.0), ("yarn_attn_factor", 1.0),
+                               ("yarn_ext_factor", None), ("yarn_log_multiplier", None)):
+            v = meta.get(p + extra)
+            if v is not None and not (neutral is not None and float(v) == neutral) \
+                    and not (extra == "yarn_ext_factor" and float(v) < 0):
+                raise ValueError(f"{path}: GGUF metadata {p + extra!r} = {v} is not supported "
+                                 "(only factor, original_context_length, yarn_beta_fast and "
+                                 "yarn_beta_slow are)")
+        return RopeScaling(
+            "yarn", factor=factor,
+            original_max_position_embeddings=_get(meta, p + "original_context_length", path,
+                                                  int, default=context_length),
+            beta_fast=_get(meta, p + "yarn_beta_fast", path, float, default=32.0),
+            beta_slow=_get(meta, p + "yarn_beta_slow", path, float, default=1.0))
+    raise ValueError(f"{path}: unsupported rope scaling type {kind!r} in {p + 'type'!r}; "
+                     "supported: none, linear, yarn")
+
+
+def config_from_metadata(meta: dict, path="<gguf>", token_embd_shape=None,
+                         has_output: bool = True) -> Config:
+    """GGUF metadata -> Config.
+
+    token_embd_shape: numpy shape [V, D] of token_embd.weight, used for the vocab size when the
+    metadata has neither `{arch}.vocab_size` nor a token list. has_output: whether the file has
+    an `output.weight` tensor (absent means the head is tied to the embedding).
+    """
+    arch = meta.get("general.architecture")
+    if arch is None:
+        raise ValueError(f"{path}: GGUF metadata key 'general.architecture' is missing")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"{path}: unsupported GGUF architecture {arch!r} "
+                         f"(general.architecture); supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+    def req(key, kind=int):
+        return _get(meta, f"{arch}.{key}", path, kind, required=True)
+
+    def opt(key, kind, default):
+        return _get(meta, f"{arch}.{key}", path, kind, default=default)
+
+    hidden = req("embedding_length")
+    heads = req("attention.head_count")
+    context = req("context_length")
+    head_dim = opt("attention.key_length", int, None) or opt("rope.dimension_count", int, None) \
+        or hidden // heads
+    rot = opt("rope.dimension_count", int, head_dim)
+    if rot != head_dim:
+        raise ValueError(f"{path}: {arch}.rope.dimension_count = {rot} differs from the head "
+                         f"dimension {head_dim}; partial rotary llama GGUFs are not supported")
+    value_len = opt("attention.value_length", int, head_dim)
+    if value_len != head_dim:
+        raise ValueError(f"{path}: {arch}.attention.value_length = {value_len} differs from "
+                         f"key_length {head_dim}; not supported for llama")
+
+    tokens = meta.get("tokenizer.ggml.tokens")
+    vocab = opt("vocab_size", int, None)
+    if vocab is None:
+        if isinstance(tokens, list):
+            vocab = len(tokens)
+        elif token_embd_shape is not None:
+            vocab = int(token_embd_shape[0])
+        else:
+            raise ValueError(f"{path}: cannot tell the vocabulary size: no {arch}.vocab_size, "
+                             "no tokenizer.ggml.tokens and no token_embd.weight")
+
+    eos_ids = []
+    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                "tokenizer.ggml.eom_token_id"):
+        v = _get(meta, key, path, int)
+        if v is not None and v not in eos_ids:
+            eos_ids.append(v)
+
+    return Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=req("feed_forward_length"),
+        num_layers=req("block_count"),
+        num_heads=heads,
+        num_kv_heads=opt("attention.head_count_kv", int, heads),
+        head_dim=head_dim,
+        rms_norm_eps=req("attention.layer_norm_rms_epsilon", float),
+        rope_theta=opt("rope.freq_base", float, 10000.0),
+        rope_scaling=_rope_scaling(meta, arch, path, context),
+        max_position_embeddings=context,
+        tie_word_embeddings=not has_output,
+        architecture="LlamaForCausalLM",
+        bos_token_id=_get(meta, "tokenizer.ggml.bos_token_id", path, int),
+        eos_token_ids=tuple(eos_ids),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensors -> params
+# ---------------------------------------------------------------------------------------------
+
+
+def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's per-head row interleave of attn_q / attn_k.
+
+    w: [n_heads * hd, in] (rows = output features, as the reader returns them). llama.cpp
+    stores, within each head, row order (0, hd/2, 1, hd/2+1, ...), i.e. a [hd/2, 2] grid of the
+    HF rows [2, hd/2]; swapping those two axes back restores HF's rotate-half order.
+    """
+    rows = w.shape[0]
+    hd = rows // n_heads
+    return w.reshape(n_heads, hd // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _expected_shapes(config: Config) -> dict[str, tuple[int, ...]]:
+    """GGUF tensor name -> numpy shape as the reader gives it ([out, in] for matmuls)."""
+    d, f, hd, v = config.hidden_size, config.intermediate_size, config.head_dim, config.vocab_size
+    q, kv = config.num_heads * hd, config.num_kv_heads * hd
+    per_layer = {
+        "attn_norm.weight": (d,), "ffn_norm.weight": (d,),
+        "attn_q.weight": (q, d), "attn_k.weight": (kv, d), "attn_v.weight": (kv, d),
+        "attn_output.weight": (d, q),
+        "ffn_gate.weight": (f, d), "ffn_up.weight": (f, d), "ffn_down.weight": (d, f),
+    }
+    shapes = {"token_embd.weight": (v, d), "output_norm.weight": (d,)}
+    if not config.tie_word_embeddings:
+        shapes["output.weight"] = (v, d)
+    for i in range(config.num_layers):
+        for name, shape in per_layer.items():
+            shapes[f"blk.{i}.{name}"] = shape
+    return shapes
+
+
+def _logical_shape(tensor) -> tuple[int, ...]:
+    """numpy-order shape of a reader tensor in elements (GGUF lists ne0 first, numpy last)."""
+    return tuple(int(n) for n in reversed(tensor.shape.tolist()))
+
+
+def _dequantize(tensor, path) -> np.ndarray:
+    """A reader tensor -> float32 numpy array in numpy order ([out, in] for matmuls)."""
+    from gguf.quants import dequantize
+
+    out = dequantize(tensor.data, tensor.tensor_type)
+    out = np.asarray(out, dtype=np.float32).reshape(_logical_shape(tensor))
+    if not np.all(np.isfinite(out)):
+        raise ValueError(f"{path}: tensor {tensor.name!r} ({tensor.tensor_type.name}) contains "
+                         "non-finite values after dequantization; the file is corrupt")
+    return out
+
+
+def params_from_reader(reader, config: Config, path) -> dict:
+    """Check every tensor's presence, type and shape, then dequantize into our params layout."""
+    tensors = {t.name: t for t in reader.tensors}
+    expected = _expected_shapes(config)
+    problems = []
+    for name, shape in expected.items():
+        t = tensors.get(name)
+        if t is None:
+            problems.append(f"tensor {name!r} is missing")
+        elif t.tensor_type.name not in SUPPORTED_TYPES:
+            problems.append(f"tensor {name!r} has type {t.tensor_type.name}, which is not "
+                            f"supported (supported: {', '.join(SUPPORTED_TYPES)})")
+        elif _logical_shape(t) != shape:
+            problems.append(f"tensor {name!r} has shape {list(_logical_shape(t))} (numpy order) "
+                            f"but the metadata implies {list(shape)}")
+    unknown = sorted(set(tensors) - set(expected))
+    if unknown:
+        problems.append(f"unexpected tensors the llama loader does not know: "
+                        f"{', '.join(unknown[:8])}{' ...' if len(unknown) > 8 else ''}")
+    if problems:
+        more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
+        raise ValueError(f"{path}: " + "; ".join(problems[:10]) + more)
+
+    def get(name: str) -> np.ndarray:
+        return _dequantize(tensors[name], path)
+
+    params: dict = {"embed": get(TOP_TENSORS["embed"])}  # [V, D]: already our layout
+    params["layers"] = []
+    for i in range(config.num_layers):
+        lp = {}
+        for ours, gname in LAYER_TENSORS.items():
+            w = get(f"blk.{i}.{gname}")
+            if ours == "wq":
+                w = unpermute_rope_rows(w, config.num_heads)
+            elif ours == "wk":
+                w = unpermute_rope_rows(w, config.num_kv_heads)
+            # [out, in] -> [in, out]; copy so the arrays are contiguous for jnp.asarray.
+            lp[ours] = np.ascontiguousarray(w.T) if w.ndim == 2 else w
+        params["layers"].append(lp)
+    params["final_norm"] = get(TOP_TENSORS["final_norm"])
+    if not config.tie_word_embeddings:
+        params["lm_head"] = np.ascontiguousarray(get(TOP_TENSORS["lm_head"]).T)  # [D, V]
+    return params
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry points
+# ---------------------------------------------------------------------------------------------
+
+
+def load_gguf_params(path: str | os.PathLike) -> tuple[Config, dict, dict[str, object]]:
+    """(Config, params as numpy float32, metadata) of a llama GGUF file; no tokenizer."""
+    reader = _open(path)
+    meta = _metadata(reader)
+    names = {t.name: t for t in reader.tensors}
+    embd = names.get("token_embd.weight")
+    config = config_from_metadata(
+        meta, path, token_embd_shape=None if embd is None else _logical_shape(embd),
+        has_output="output.weight" in names)
+    params = params_from_reader(reader, config, path)
+    return config, params, meta
+
+
+def load_gguf(path: str | os.PathLike):
+    """(Config, params, Tokenizer) from a llama GGUF file.
+
+    params are numpy float32 arrays in our layout ([in, out] matmul weights, one dict per layer);
+    the caller converts/casts them (e.g. `jax.tree.map(jnp.asarray, params)`).
+    """
+    from checkpoints.tokenizer import Tokenizer  # lazily: another module, heavier imports
+
+    config, params, meta = load_gguf_params(path)
+    try:
+        tokenizer = Tokenizer.from_gguf_metadata(meta)
+    except (KeyError, ValueError) as e:
+        raise ValueError(f"{path}: cannot build the tokenizer from the GGUF metadata: {e}") from e
+    log.info("loaded %s: %d layers, hidden %d, vocab %d", path, config.num_layers,
+             config.hidden_size, config.vocab_size)
+    return config, params, tokenizer
