@@ -62,8 +62,8 @@ def _require(cfg: dict, key: str, path: pathlib.Path):
     return cfg[key]
 
 
-def _rope_from_hf(cfg: dict) -> tuple[float, RopeScaling, float]:
-    """(rope_theta, RopeScaling, partial_rotary_factor) from either config.json generation:
+def _rope_from_hf(cfg: dict) -> tuple[float, RopeScaling]:
+    """(rope_theta, RopeScaling) from either config.json generation:
     transformers >= 5 writes `rope_parameters`, older ones `rope_theta` + `rope_scaling`."""
     params = dict(cfg.get("rope_parameters") or {})
     scaling = dict(cfg.get("rope_scaling") or {})
@@ -91,8 +91,9 @@ def _rope_from_hf(cfg: dict) -> tuple[float, RopeScaling, float]:
     )
     if kind == "llama3" and rs.original_max_position_embeddings is None:
         raise ValueError("config.json: llama3 rope scaling needs original_max_position_embeddings")
-    partial = float(merged.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
-    return theta, rs, partial
+    # partial_rotary_factor is not read: transformers' Llama/Mistral/Qwen2/Qwen3 rotate the whole
+    # head whatever the config says, and we match them.
+    return theta, rs
 
 
 def _layer_windows(cfg: dict, family: str, num_layers: int) -> tuple[int | None, ...]:
@@ -120,7 +121,7 @@ def config_from_hf(cfg: dict, path: pathlib.Path = pathlib.Path("config.json")) 
     heads = int(_require(cfg, "num_attention_heads", path))
     hidden = int(_require(cfg, "hidden_size", path))
     layers = int(_require(cfg, "num_hidden_layers", path))
-    theta, rope_scaling, partial = _rope_from_hf(cfg)
+    theta, rope_scaling = _rope_from_hf(cfg)
     eos = cfg.get("eos_token_id")
     eos = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
     attention_bias = bool(cfg.get("attention_bias", False))
@@ -135,10 +136,9 @@ def config_from_hf(cfg: dict, path: pathlib.Path = pathlib.Path("config.json")) 
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         rope_scaling=rope_scaling,
-        partial_rotary_factor=partial,
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=True if family == "qwen2" else attention_bias,
+        qkv_bias={"qwen2": True, "mistral": False}.get(family, attention_bias),
         o_bias=attention_bias if family in ("llama", "qwen3") else False,
         mlp_bias=bool(cfg.get("mlp_bias", False)) if family == "llama" else False,
         qk_norm=family == "qwen3",

@@ -1,0 +1,175 @@
+"""`jaxinfer bench`: prefill and decode speed against the memory-bandwidth floor.
+
+Bytes a decode step must move: every weight once (the embedding table only for the B rows
+looked up; a tied head reads it whole), the valid K/V positions of every layer, and the new K/V
+written. Floor = bytes / HBM bandwidth (GPU.md: 4.27 TB/s measured on the H200); the fraction of
+the floor is floor time / measured time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from jaxinfer import generate as gen
+from jaxinfer.configs import PRESETS, Config
+from jaxinfer.model import Model, default_dtype, load
+from jaxinfer.models import layers, llama
+from jaxinfer.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+# Measured ceilings (GPU.md); on CPU there is no meaningful floor, so none is reported.
+HBM_BYTES_PER_S = {"gpu": 4.27e12}
+
+
+@dataclasses.dataclass
+class BenchResult:
+    model: str
+    backend: str
+    dtype: str
+    batch: int
+    prompt_len: int
+    gen_len: int
+    compile_s: float
+    prefill_tokens_per_s: float
+    decode_ms_per_token: float
+    decode_tokens_per_s: float
+    host_overhead_ms_per_step: float
+    bytes_per_step: float
+    achieved_gb_per_s: float
+    floor_fraction: float | None
+    peak_memory_gb: float | None
+
+    def table_row(self) -> str:
+        frac = f"{self.floor_fraction:.1%}" if self.floor_fraction is not None else "n/a"
+        return (f"{self.model:22s} B={self.batch:<4d} ctx={self.prompt_len + self.gen_len:<6d} "
+                f"{self.decode_ms_per_token:8.3f} ms/tok {self.decode_tokens_per_s:9.1f} tok/s "
+                f"{self.achieved_gb_per_s:8.1f} GB/s floor {frac}")
+
+
+def decode_bytes_per_step(config: Config, batch: int, context: int) -> float:
+    """Bytes one decode step must move at an average context of `context` tokens per row."""
+    itemsize = jnp.dtype(config.dtype).itemsize
+    embed = config.vocab_size * config.hidden_size
+    weights = (config.num_params() - embed) * itemsize  # everything but the embedding table...
+    weights += batch * config.hidden_size * itemsize  # ...of which B rows are read
+    if config.tie_word_embeddings:
+        weights += embed * itemsize  # the tied head reads the whole table
+    kv_row = 2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize
+    return weights + batch * (context + 1) * kv_row
+
+
+def random_model(preset: str, dtype: str, seed: int = 0) -> Model:
+    """Real shapes, random values, initialized on the device (no download)."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+    config = PRESETS[preset].replace(dtype=dtype)
+    specs = llama.param_specs(config)
+    params = layers.init_params(specs, jax.random.key(seed), dtype)
+    return Model(config=config, params=params, tokenizer=None)
+
+
+def _median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def run(model: Model, name: str, batch: int, prompt_len: int, gen_len: int,
+        repeats: int = 3, seed: int = 0) -> BenchResult:
+    config = model.config
+    if prompt_len + gen_len > config.max_position_embeddings:
+        raise ValueError(f"prompt_len + gen_len = {prompt_len + gen_len} exceeds the model's "
+                         f"context of {config.max_position_embeddings}")
+    rng = np.random.default_rng(seed)
+    prompts = rng.integers(0, config.vocab_size, (batch, prompt_len)).tolist()
+    greedy = [SamplingParams()] * batch
+
+    def fresh_state():
+        # No stop ids: every row runs its whole budget, so the step count is known.
+        return gen.init_state(model, prompts, gen_len, greedy, seed, stop_ids=[])
+
+    progress = tqdm(total=4, desc=f"bench {name}", leave=False)
+    state, tokens, lengths = fresh_state()
+    t0 = time.perf_counter()
+    prefill_exe = gen.prefill.lower(model.params, tokens, lengths, state, config).compile()
+    state = jax.block_until_ready(prefill_exe(model.params, tokens, lengths, state))
+    loop_exe = gen.decode_loop.lower(model.params, state, config).compile()
+    step_exe = gen.decode_step.lower(model.params, state, config).compile()
+    compile_s = time.perf_counter() - t0
+    progress.update()
+
+    def prefill_once():
+        s, t, ln = fresh_state()
+        return jax.block_until_ready(prefill_exe(model.params, t, ln, s))
+
+    prefill_s = _median_time(prefill_once, repeats)
+    progress.update()
+
+    loop_times = []
+    for _ in range(repeats):
+        s = prefill_once()
+        t0 = time.perf_counter()
+        s = jax.block_until_ready(loop_exe(model.params, s))
+        loop_times.append(time.perf_counter() - t0)
+        assert int(s.step) == gen_len, "decode loop stopped early"
+    decode_s = statistics.median(loop_times) / (gen_len - 1)
+    progress.update()
+
+    # Host overhead: the same steps dispatched one by one from Python, minus the device loop.
+    s = prefill_once()
+    steps = min(gen_len - 1, 32)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        s = step_exe(model.params, s)
+    jax.block_until_ready(s)
+    python_step_s = (time.perf_counter() - t0) / steps
+    progress.update()
+    progress.close()
+
+    backend = jax.default_backend()
+    context = prompt_len + gen_len // 2
+    nbytes = decode_bytes_per_step(config, batch, context)
+    bw = HBM_BYTES_PER_S.get(backend)
+    peak = None
+    stats = jax.devices()[0].memory_stats() or {}
+    if "peak_bytes_in_use" in stats:
+        peak = stats["peak_bytes_in_use"] / 1e9
+    return BenchResult(
+        model=name, backend=backend, dtype=config.dtype, batch=batch, prompt_len=prompt_len,
+        gen_len=gen_len, compile_s=compile_s,
+        prefill_tokens_per_s=batch * prompt_len / prefill_s,
+        decode_ms_per_token=decode_s * 1e3, decode_tokens_per_s=batch / decode_s,
+        host_overhead_ms_per_step=max(python_step_s - decode_s, 0.0) * 1e3,
+        bytes_per_step=nbytes, achieved_gb_per_s=nbytes / decode_s / 1e9,
+        floor_fraction=(nbytes / bw) / decode_s if bw else None, peak_memory_gb=peak)
+
+
+def main(args) -> int:
+    dtype = args.dtype or default_dtype()
+    if args.preset:
+        if not args.random_weights:
+            raise ValueError("--preset needs --random-weights (presets carry shapes, not weights)")
+        model, name = random_model(args.preset, dtype), args.preset
+    else:
+        model, name = load(args.model, dtype=dtype), args.model
+    results = []
+    for b in args.batch:
+        r = run(model, name, b, args.prompt_len, args.gen_len, repeats=args.repeats)
+        results.append(r)
+        print(r.table_row(), flush=True)
+    for r in results:
+        print(json.dumps(dataclasses.asdict(r)) if args.json else r.table_row())
+    return 0
