@@ -1,0 +1,519 @@
+"""Tests of jaxinfer/sampling.py.
+
+Distributions are checked statistically: tens of thousands of rows with the same logits are
+sampled in one call (each row its own request key), and the token histogram is compared with a
+numpy reimplementation of the HF warpers (written independently of the module: HF's ascending
+sort + `cumprobs <= 1 - top_p` nucleus rule) by a chi-square test at a ~3e-7 false-alarm level.
+Every statistical test also checks that a plausible wrong implementation (off-by-one nucleus,
+stages in the wrong order, ...) would fail the same bound, so the bound has teeth.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer import sampling as S
+from jaxinfer.sampling import SamplingParams, SamplingTensors
+
+N_DRAWS = 40_000
+SMALL = 4096
+
+# ---------------------------------------------------------------------------------------------
+# numpy references
+# ---------------------------------------------------------------------------------------------
+
+
+def np_softmax(x):
+    x = np.asarray(x, np.float64)
+    m = np.max(x)
+    e = np.exp(x - m)
+    return e / e.sum()
+
+
+def ref_probs(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, *,
+              top_p_rule="hf", top_p_renormalize=True):
+    """HF's warper chain (temperature, top-k, top-p, min-p) in float64 numpy -> probs [V].
+
+    top_p_rule / top_p_renormalize select deliberately wrong variants, to show the bound bites.
+    """
+    x = np.asarray(logits, np.float64) / temperature
+    v = x.shape[0]
+    if top_k:
+        kth = np.sort(x)[::-1][min(top_k, v) - 1]
+        x = np.where(x < kth, -np.inf, x)
+    if top_p < 1:
+        base = x if top_p_renormalize else np.asarray(logits, np.float64) / temperature
+        order = np.argsort(base, kind="stable")  # ascending, as HF's TopPLogitsWarper
+        cum = np.cumsum(np_softmax(base[order]))
+        if top_p_rule == "hf":
+            remove = cum <= 1 - top_p
+        elif top_p_rule == "drop_boundary":  # keeps only tokens whose own inclusion stays < top_p
+            remove = cum < 1 - top_p + np_softmax(base[order])
+        elif top_p_rule == "extra_token":  # keeps one token more than the nucleus
+            remove = np.roll(cum <= 1 - top_p, -1)
+            remove[-1] = False
+        remove[-1] = False
+        finite = np.isfinite(base[order])
+        # The test logits must not sit on the boundary, or float rounding could flip a token.
+        assert np.min(np.abs(cum[finite] - (1 - top_p))) > 1e-4, "boundary too close to top_p"
+        x = x.copy()
+        x[order[remove]] = -np.inf
+    if min_p > 0:
+        p = np_softmax(x)
+        x = np.where(p < min_p * p.max(), -np.inf, x)
+    return np_softmax(x)
+
+
+def chi2_bound(df: int, z: float = 5.0) -> float:
+    """Wilson-Hilferty upper quantile of chi-square(df) at a normal z (z=5: ~3e-7 tail)."""
+    if df <= 0:
+        return 1e-9
+    h = 2.0 / (9.0 * df)
+    return df * (1.0 - h + z * math.sqrt(h)) ** 3
+
+
+def chi2(tokens, probs):
+    """(statistic, bound): inf when a token with zero expected probability was drawn."""
+    tokens = np.asarray(tokens)
+    n = tokens.size
+    obs = np.bincount(tokens, minlength=probs.size)
+    support = probs > 0
+    if obs[~support].any():
+        return math.inf, chi2_bound(int(support.sum()) - 1)
+    expected = n * probs[support]
+    stat = float(((obs[support] - expected) ** 2 / expected).sum())
+    return stat, chi2_bound(int(support.sum()) - 1)
+
+
+def assert_matches(tokens, probs, *, wrong=()):
+    stat, bound = chi2(tokens, probs)
+    tv = 0.5 * np.abs(np.bincount(tokens, minlength=probs.size) / len(tokens) - probs).sum()
+    assert stat < bound, f"chi2 {stat:.1f} >= {bound:.1f} (TV {tv:.4f})"
+    assert tv < 0.015, f"total variation {tv:.4f}"
+    for name, wrong_probs in wrong:
+        assert not np.allclose(wrong_probs, probs), f"wrong variant {name} is not different"
+        wstat, wbound = chi2(tokens, wrong_probs)
+        assert wstat > wbound, f"the bound would accept the wrong variant {name}"
+
+
+def np_penalize(logits, seen, counts, rep, presence, frequency):
+    """HF RepetitionPenaltyLogitsProcessor, then vLLM frequency/presence penalties, per row."""
+    x = np.array(logits, np.float64)
+    for b in range(x.shape[0]):
+        for t in range(x.shape[1]):
+            if seen[b, t]:
+                x[b, t] = x[b, t] * rep[b] if x[b, t] < 0 else x[b, t] / rep[b]
+            x[b, t] -= frequency[b] * counts[b, t] + presence[b] * (counts[b, t] > 0)
+    return x
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------
+
+_sample = jax.jit(S.sample)
+_sample_lp = jax.jit(S.sample_with_logprobs)
+
+
+def draw(logits_row, params: SamplingParams, n=N_DRAWS, seed=0, **kw):
+    """n tokens for the same logits, one request per row (request ids 0..n-1, position 7)."""
+    logits = jnp.broadcast_to(jnp.asarray(logits_row, jnp.float32), (n, len(logits_row)))
+    keys = S.request_keys(seed, jnp.arange(n), jnp.full((n,), 7))
+    return np.asarray(_sample(logits, keys, SamplingTensors.from_params(params, n, **kw)))
+
+
+def logits_of(seed, v=16, scale=1.5):
+    return np.random.default_rng(seed).normal(size=v) * scale
+
+
+# ---------------------------------------------------------------------------------------------
+# SamplingParams validation
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", -0.1), ("temperature", float("nan")), ("temperature", float("inf")),
+    ("top_k", -1), ("top_k", 2.5), ("top_k", True),
+    ("top_p", 0.0), ("top_p", 1.01), ("top_p", -0.5), ("top_p", float("nan")),
+    ("min_p", 1.0), ("min_p", -0.1),
+    ("repetition_penalty", 0.0), ("repetition_penalty", -1.0),
+    ("repetition_penalty", float("inf")),
+    ("presence_penalty", 2.5), ("frequency_penalty", -2.01), ("frequency_penalty", float("nan")),
+    ("logprobs", 1), ("seed", -3), ("seed", 1.5),
+])
+def test_invalid_params_raise_naming_the_parameter(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_valid_params_and_from_params_checks():
+    SamplingParams(temperature=0, top_k=0, top_p=1.0, min_p=0.0, presence_penalty=-2,
+                   frequency_penalty=2, repetition_penalty=1.2, logprobs=True, seed=5)
+    with pytest.raises(ValueError, match="batch_size"):
+        SamplingTensors.from_params(SamplingParams())
+    with pytest.raises(ValueError, match="batch_size"):
+        SamplingTensors.from_params([SamplingParams()] * 3, batch_size=2)
+    with pytest.raises(ValueError, match="top_p_candidates"):
+        SamplingTensors.from_params(SamplingParams(), 2, top_p_candidates=0)
+    with pytest.raises(ValueError, match="seen_mask"):
+        S.sample(jnp.zeros((2, 5)), jax.random.key(0), SamplingParams(repetition_penalty=1.1))
+    with pytest.raises(ValueError, match="token_counts"):
+        S.sample(jnp.zeros((2, 5)), jax.random.key(0), SamplingParams(presence_penalty=0.5))
+    with pytest.raises(ValueError, match="keys"):
+        S.sample(jnp.zeros((2, 5)), S.request_keys(0, jnp.arange(3), jnp.zeros(3, jnp.int32)),
+                 SamplingParams())
+
+
+# ---------------------------------------------------------------------------------------------
+# Distributions
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6, 1.7])
+def test_temperature_distribution(temperature):
+    logits = logits_of(1)
+    tokens = draw(logits, SamplingParams(temperature=temperature))
+    wrong_t = ref_probs(logits, temperature * 1.15)
+    assert_matches(tokens, ref_probs(logits, temperature), wrong=[("temperature*1.15", wrong_t)])
+
+
+@pytest.mark.parametrize("top_k", [1, 3, 6])
+def test_top_k_distribution(top_k):
+    logits = logits_of(2)
+    tokens = draw(logits, SamplingParams(temperature=0.9, top_k=top_k))
+    want = ref_probs(logits, 0.9, top_k=top_k)
+    assert set(np.unique(tokens)) <= set(np.flatnonzero(want))  # nothing outside the top k
+    assert_matches(tokens, want, wrong=[("k+1", ref_probs(logits, 0.9, top_k=top_k + 1))])
+
+
+def test_top_k_ties_kept_and_larger_than_vocab():
+    logits = np.array([0.0, 2.0, 1.0, 2.0, 1.0, -1.0])  # 3rd largest value 1.0 appears twice
+    tokens = draw(logits, SamplingParams(top_k=3))
+    assert_matches(tokens, ref_probs(logits, top_k=3))  # HF keeps all tokens tied with the k-th
+    assert set(np.unique(tokens)) == {1, 2, 3, 4}
+    tokens = draw(logits, SamplingParams(top_k=100))  # clamped to V: no truncation
+    assert_matches(tokens, ref_probs(logits))
+
+
+@pytest.mark.parametrize("top_p,seed", [(0.5, 3), (0.8, 4), (0.93, 5), (0.05, 6)])
+def test_top_p_distribution_hf_boundary(top_p, seed):
+    logits = logits_of(seed)
+    tokens = draw(logits, SamplingParams(top_p=top_p))
+    want = ref_probs(logits, top_p=top_p)
+    assert set(np.unique(tokens)) <= set(np.flatnonzero(want))
+    wrong = [("extra token", ref_probs(logits, top_p=top_p, top_p_rule="extra_token"))]
+    if np.count_nonzero(want) > 1:
+        wrong.append(("boundary dropped",
+                      ref_probs(logits, top_p=top_p, top_p_rule="drop_boundary")))
+    assert_matches(tokens, want, wrong=wrong)
+
+
+def test_top_p_tiny_keeps_the_top_token():
+    logits = logits_of(7)
+    tokens = draw(logits, SamplingParams(top_p=1e-6), n=SMALL)
+    assert (tokens == np.argmax(logits)).all()
+
+
+@pytest.mark.parametrize("min_p", [0.05, 0.3])
+def test_min_p_distribution(min_p):
+    logits = logits_of(8)
+    tokens = draw(logits, SamplingParams(temperature=1.2, min_p=min_p))
+    want = ref_probs(logits, 1.2, min_p=min_p)
+    wrong_t = ref_probs(logits, 1.0, min_p=min_p)  # min-p taken before temperature
+    assert_matches(tokens, want, wrong=[("min-p before temperature", wrong_t)])
+
+
+def test_combined_top_k_top_p_min_p():
+    logits = logits_of(19, v=32, scale=1.0)
+    # Each stage cuts here: top-k 9 -> nucleus 5 -> min-p 4 tokens.
+    k_p = ref_probs(logits, 0.8, top_k=9, top_p=0.7)
+    want = ref_probs(logits, 0.8, top_k=9, top_p=0.7, min_p=0.2)
+    assert np.count_nonzero(want) < np.count_nonzero(k_p) < 9
+    tokens = draw(logits, SamplingParams(temperature=0.8, top_k=9, top_p=0.7, min_p=0.2))
+    assert_matches(tokens, want, wrong=[("no min-p", k_p)])
+    tokens = draw(logits, SamplingParams(temperature=0.8, top_k=9, top_p=0.7))
+    assert_matches(tokens, k_p, wrong=[
+        # the nucleus taken over the full distribution instead of the top-k-renormalised one
+        ("top-p not renormalised after top-k",
+         ref_probs(logits, 0.8, top_k=9, top_p=0.7, top_p_renormalize=False)),
+        ("top-p extra token", ref_probs(logits, 0.8, top_k=9, top_p=0.7, top_p_rule="extra_token"))])
+
+
+def test_top_p_candidates_is_exact_when_the_nucleus_fits():
+    logits = logits_of(10, v=32, scale=2.5)
+    p = SamplingParams(top_p=0.6)
+    assert np.count_nonzero(ref_probs(logits, top_p=0.6)) <= 8
+    exact = draw(logits, p, n=SMALL)
+    approx = draw(logits, p, n=SMALL, top_p_candidates=8)
+    np.testing.assert_array_equal(exact, approx)
+    # A nucleus larger than the candidates is truncated to them.
+    wide = draw(logits, SamplingParams(top_p=0.99), n=SMALL, top_p_candidates=4)
+    assert set(np.unique(wide)) <= set(np.argsort(logits)[-4:])
+
+
+# ---------------------------------------------------------------------------------------------
+# Mixed batches, jit, determinism, batch independence
+# ---------------------------------------------------------------------------------------------
+
+MIXED = [
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.7),
+    SamplingParams(top_k=4),
+    SamplingParams(top_p=0.75),  # top-p without top-k: the full-sort path
+    SamplingParams(temperature=1.3, min_p=0.1),
+    SamplingParams(temperature=0.9, top_k=7, top_p=0.8, min_p=0.02),
+]
+
+
+def test_mixed_batch_under_jit_matches_each_distribution():
+    v, per_group = 16, 14_000
+    group_logits = np.stack([logits_of(20 + g, v) for g in range(len(MIXED))])
+    rows = np.random.default_rng(0).permutation(np.repeat(np.arange(len(MIXED)), per_group))
+    params = [MIXED[g] for g in rows]
+    keys = S.request_keys(3, jnp.arange(rows.size), jnp.zeros(rows.size, jnp.int32))
+    tensors = SamplingTensors.from_params(params)
+    tokens = np.asarray(_sample(jnp.asarray(group_logits[rows], jnp.float32), keys, tensors))
+    for g, p in enumerate(MIXED):
+        got = tokens[rows == g]
+        if p.temperature == 0:
+            assert (got == np.argmax(group_logits[g])).all()
+            continue
+        want = ref_probs(group_logits[g], p.temperature, p.top_k, p.top_p, p.min_p)
+        assert_matches(got, want)
+
+
+def test_changing_per_row_values_does_not_recompile():
+    traces = []
+
+    @jax.jit
+    def step(logits, keys, tensors):
+        traces.append(1)
+        return S.sample(logits, keys, tensors)
+
+    logits = jnp.asarray(np.stack([logits_of(i, 32) for i in range(4)]), jnp.float32)
+    keys = S.request_keys(0, jnp.arange(4), jnp.zeros(4, jnp.int32))
+    a = [SamplingParams(temperature=0), SamplingParams(top_k=5, top_p=0.9),
+         SamplingParams(temperature=0.5, min_p=0.1), SamplingParams(top_p=0.5)]
+    b = [SamplingParams(top_k=6, top_p=0.3), SamplingParams(temperature=0.2, min_p=0.3),
+         SamplingParams(top_p=0.95), SamplingParams(temperature=0)]
+    step(logits, keys, SamplingTensors.from_params(a))
+    step(logits, keys, SamplingTensors.from_params(b))  # same stages, same top-k bucket (8)
+    assert len(traces) == 1
+    step(logits, keys, SamplingTensors.from_params([SamplingParams()] * 4))  # fewer stages
+    assert len(traces) == 2
+
+
+def test_same_seed_same_tokens_other_seed_other_tokens():
+    logits = logits_of(30, v=32, scale=0.5)
+    p = SamplingParams(top_k=20, top_p=0.95)
+    a, b, c = draw(logits, p, n=SMALL, seed=11), draw(logits, p, n=SMALL, seed=11), draw(
+        logits, p, n=SMALL, seed=12)
+    np.testing.assert_array_equal(a, b)
+    assert (a != c).mean() > 0.5
+
+
+def test_a_request_draws_the_same_tokens_alone_and_in_any_batch():
+    v, positions = 32, 24
+    req_params = {0: SamplingParams(top_k=5), 1: SamplingParams(top_p=0.8),
+                  2: SamplingParams(temperature=0.6, min_p=0.05),
+                  3: SamplingParams(temperature=1.0), 4: SamplingParams(top_k=3, top_p=0.9),
+                  5: SamplingParams(temperature=0)}
+    req_logits = {r: logits_of(40 + r, v, scale=0.8) for r in req_params}
+
+    def run(reqs):
+        """One batch: every (request, position) pair of `reqs` as a row; -> {(r, pos): token}."""
+        pairs = [(r, t) for r in reqs for t in range(positions)]
+        logits = jnp.asarray(np.stack([req_logits[r] for r, _ in pairs]), jnp.float32)
+        keys = S.request_keys(5, jnp.array([r for r, _ in pairs]),
+                              jnp.array([t for _, t in pairs]))
+        tensors = SamplingTensors.from_params([req_params[r] for r, _ in pairs])
+        out = np.asarray(_sample(logits, keys, tensors))
+        return dict(zip(pairs, out.tolist())), tensors.flags
+
+    everything, flags_all = run([0, 1, 2, 3, 4, 5])
+    assert flags_all.top_p_without_top_k  # the full-sort path ...
+    for subset in ([0], [4, 0], [3, 1, 2], [5, 2]):
+        alone, flags = run(subset)  # ... versus top-k-only, no-truncation, greedy mixes
+        assert all(alone[pair] == everything[pair] for pair in alone), subset
+    assert len(set(everything[(3, t)] for t in range(positions))) > 3  # draws do vary
+
+
+# ---------------------------------------------------------------------------------------------
+# Greedy, penalties, logprobs, degenerate rows
+# ---------------------------------------------------------------------------------------------
+
+
+def test_greedy_is_argmax_first_on_ties():
+    rng = np.random.default_rng(50)
+    logits = rng.normal(size=(64, 100)).astype(np.float32)
+    logits[0] = 1.0  # all tied -> id 0
+    logits[1, [3, 7]] = 50.0  # tied maxima -> the first
+    keys = S.request_keys(0, jnp.arange(64), jnp.zeros(64, jnp.int32))
+    for p in (SamplingParams(temperature=0.0), SamplingParams(temperature=1e-7, top_k=5)):
+        tokens = np.asarray(_sample(jnp.asarray(logits), keys, SamplingTensors.from_params(p, 64)))
+        np.testing.assert_array_equal(tokens, np.argmax(logits, axis=-1))
+    assert tokens[1] == 3
+
+
+def _penalty_case(b=8, v=40, seed=60):
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(size=(b, v)).astype(np.float32) * 3
+    counts = rng.integers(0, 4, size=(b, v)) * (rng.random((b, v)) < 0.3)
+    seen = (counts > 0) | (rng.random((b, v)) < 0.2)  # prompt tokens are seen but not counted
+    params = [SamplingParams(temperature=0.0, repetition_penalty=1.0 + 0.2 * i,
+                             presence_penalty=0.5 - 0.25 * i, frequency_penalty=0.3 * (i % 3))
+              for i in range(b)]
+    return logits, counts.astype(np.int32), seen, params
+
+
+def test_penalties_match_numpy_hf_vllm():
+    logits, counts, seen, params = _penalty_case()
+    want = np_penalize(logits, seen, counts, [p.repetition_penalty for p in params],
+                       [p.presence_penalty for p in params], [p.frequency_penalty for p in params])
+    tensors = SamplingTensors.from_params(params)
+    got = S.apply_penalties(jnp.asarray(logits), tensors, token_counts=jnp.asarray(counts),
+                            seen_mask=jnp.asarray(seen))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-5)
+    assert not np.allclose(want, logits)
+    keys = S.request_keys(0, jnp.arange(len(params)), jnp.zeros(len(params), jnp.int32))
+    out = _sample_lp(jnp.asarray(logits), keys, tensors, token_counts=jnp.asarray(counts),
+                     seen_mask=jnp.asarray(seen))
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.argmax(want, axis=-1))
+    assert (np.argmax(want, axis=-1) != np.argmax(logits, axis=-1)).any()  # penalties mattered
+
+
+def test_sampled_distribution_after_penalties():
+    logits, counts, seen, _ = _penalty_case(b=1, v=16, seed=61)
+    p = SamplingParams(temperature=0.8, top_k=10, repetition_penalty=1.5, presence_penalty=0.4,
+                       frequency_penalty=0.2)
+    n = N_DRAWS
+    keys = S.request_keys(1, jnp.arange(n), jnp.zeros(n, jnp.int32))
+    tokens = np.asarray(_sample(
+        jnp.broadcast_to(jnp.asarray(logits), (n, 16)), keys, SamplingTensors.from_params(p, n),
+        token_counts=jnp.broadcast_to(jnp.asarray(counts), (n, 16)),
+        seen_mask=jnp.broadcast_to(jnp.asarray(seen), (n, 16))))
+    pen = np_penalize(logits, seen, counts, [1.5], [0.4], [0.2])[0]
+    assert_matches(tokens, ref_probs(pen, 0.8, top_k=10),
+                   wrong=[("no penalties", ref_probs(logits[0], 0.8, top_k=10))])
+
+
+def test_logprobs_are_processed_untruncated_log_softmax():
+    logits, counts, seen, _ = _penalty_case(b=6, v=40, seed=62)
+    params = [SamplingParams(temperature=0.0, repetition_penalty=1.3, logprobs=True),
+              SamplingParams(temperature=0.5, top_k=3, logprobs=True),
+              SamplingParams(temperature=1.5, top_p=0.5, presence_penalty=1.0),
+              SamplingParams(min_p=0.2, frequency_penalty=0.5),
+              SamplingParams(temperature=2.0),
+              SamplingParams(temperature=0.0)]
+    tensors = SamplingTensors.from_params(params)
+    assert tensors.flags.logprobs
+    keys = S.request_keys(0, jnp.arange(6), jnp.arange(6))
+    out = _sample_lp(jnp.asarray(logits), keys, tensors, token_counts=jnp.asarray(counts),
+                     seen_mask=jnp.asarray(seen))
+    pen = np_penalize(logits, seen, counts, [p.repetition_penalty for p in params],
+                      [p.presence_penalty for p in params], [p.frequency_penalty for p in params])
+    tokens = np.asarray(out.tokens)
+    for b, p in enumerate(params):
+        scaled = pen[b] / (p.temperature or 1.0)
+        want = scaled[tokens[b]] - np.log(np.exp(scaled - scaled.max()).sum()) - scaled.max()
+        np.testing.assert_allclose(float(out.logprobs[b]), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(
+        np.asarray(_sample(jnp.asarray(logits), keys, tensors, token_counts=jnp.asarray(counts),
+                           seen_mask=jnp.asarray(seen))), tokens)
+
+
+def test_masked_nan_and_tied_rows_stay_in_range():
+    v = 12
+    logits = np.zeros((5, v), np.float32)
+    logits[0] = -np.inf  # nothing allowed
+    logits[1] = np.nan
+    logits[2, :] = -np.inf
+    logits[2, 5] = 3.0  # a single allowed token
+    logits[3, 4] = np.nan  # one NaN among ties
+    keys = S.request_keys(0, jnp.arange(5), jnp.zeros(5, jnp.int32))
+    for p in (SamplingParams(), SamplingParams(temperature=0), SamplingParams(top_p=0.5),
+              SamplingParams(top_k=3, min_p=0.5), SamplingParams(top_k=2, top_p=0.3, min_p=0.1)):
+        out = _sample_lp(jnp.asarray(logits), keys, SamplingTensors.from_params(p, 5))
+        tokens, lps = np.asarray(out.tokens), np.asarray(out.logprobs)
+        assert ((tokens >= 0) & (tokens < v)).all(), (p, tokens)
+        assert not np.isnan(lps).any(), (p, lps)
+        assert tokens[2] == 5 and tokens[3] != 4
+        assert lps[0] == -np.inf and lps[2] == 0.0
+    # Uniform ties sample uniformly.
+    tokens = draw(np.zeros(8), SamplingParams(top_p=0.99))
+    assert_matches(tokens, np.full(8, 1 / 8))
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage skipping, keys, penalty state
+# ---------------------------------------------------------------------------------------------
+
+
+def _primitive_names(jaxpr) -> set[str]:
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    names |= _primitive_names(inner)
+    return names
+
+
+def _primitives(params, b=4, v=64, **kw):
+    jaxpr = jax.make_jaxpr(S.sample)(jnp.zeros((b, v)), jax.random.key(0),
+                                     SamplingTensors.from_params(params, b, **kw),
+                                     seen_mask=jnp.zeros((b, v), bool))
+    return _primitive_names(jaxpr.jaxpr)
+
+
+def test_stages_are_skipped_by_the_static_flags():
+    plain = _primitives(SamplingParams(temperature=0.8))
+    assert not {"sort", "top_k"} & plain and "random_bits" in plain
+    top_k = _primitives(SamplingParams(top_k=5, top_p=0.9, min_p=0.1))
+    assert "top_k" in top_k and "sort" not in top_k  # the nucleus is searched in the top k only
+    assert "sort" in _primitives(SamplingParams(top_p=0.9))
+    assert "sort" not in _primitives(SamplingParams(top_p=0.9), top_p_candidates=16)
+    greedy = _primitives(SamplingParams(temperature=0))
+    assert not {"random_bits", "sort", "top_k"} & greedy
+    penalties = _primitives(SamplingParams(temperature=0, repetition_penalty=1.1))
+    assert "div" in penalties and "div" not in greedy
+
+
+def test_request_keys_and_sampler_state():
+    ids, pos = jnp.array([0, 5, 9]), jnp.array([3, 3, 100])
+    keys = S.request_keys(42, ids, pos)
+    manual = jax.random.fold_in(jax.random.fold_in(jax.random.key(42), 5), 3)
+    np.testing.assert_array_equal(jax.random.key_data(keys[1]), jax.random.key_data(manual))
+    params = [SamplingParams(), SamplingParams(seed=7), SamplingParams(seed=7, top_k=3)]
+    state = S.SamplerState.init(42, params, [[1], [2], [3]], 10, request_ids=[0, 5, 9])
+    assert state.token_counts is None and state.seen_mask is None  # no penalties, no arrays
+    step = S.step_keys(state, pos)
+    np.testing.assert_array_equal(jax.random.key_data(step[0]), jax.random.key_data(keys[0]))
+    own = S.request_keys(7, jnp.array([0]), jnp.array([3]))[0]
+    np.testing.assert_array_equal(jax.random.key_data(step[1]), jax.random.key_data(own))
+
+
+def test_penalty_state_init_and_observe():
+    params = [SamplingParams(repetition_penalty=1.2), SamplingParams(frequency_penalty=0.5),
+              SamplingParams()]
+    state = S.SamplerState.init(0, params, [[1, 1, 4], [2], [0, 9]], 10)
+    seen = np.zeros((3, 10), bool)
+    seen[0, [1, 4]] = seen[1, 2] = seen[2, [0, 9]] = True
+    np.testing.assert_array_equal(np.asarray(state.seen_mask), seen)
+    np.testing.assert_array_equal(np.asarray(state.token_counts), 0)  # prompts are not counted
+    observe = jax.jit(S.observe)
+    state = observe(state, jnp.array([3, 3, 3]), jnp.array([True, True, False]))
+    state = observe(state, jnp.array([3, 7, -1]), None)
+    counts = np.zeros((3, 10), np.int32)
+    counts[0, 3] = 2
+    counts[1, [3, 7]] = 1
+    seen[0, 3] = seen[1, [3, 7]] = True
+    np.testing.assert_array_equal(np.asarray(state.token_counts), counts)
+    np.testing.assert_array_equal(np.asarray(state.seen_mask), seen)
+    with pytest.raises(ValueError, match="outside"):
+        S.SamplerState.init(0, params, [[10], [0], [0]], 10)
