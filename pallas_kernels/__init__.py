@@ -1,0 +1,21 @@
+"""Pallas GPU kernels, each beside its pure-jnp reference (same signature).
+
+On CPU, pass interpret=True (tests) or call the *_reference functions (the model's CPU path).
+"""
+
+from pallas_kernels.decode_attention import (
+    DecodeBlockSizes, decode_attention, decode_attention_reference)
+from pallas_kernels.flash_attention import (
+    FlashBlockSizes, flash_attention, flash_attention_reference)
+from pallas_kernels.rms_norm import rms_norm, rms_norm_reference
+from pallas_kernels.rope import rope, rope_reference
+from pallas_kernels.swiglu import SwigluBlockSizes, swiglu, swiglu_reference
+
+__all__ = [
+    "DecodeBlockSizes", "FlashBlockSizes", "SwigluBlockSizes",
+    "decode_attention", "decode_attention_reference",
+    "flash_attention", "flash_attention_reference",
+    "rms_norm", "rms_norm_reference",
+    "rope", "rope_reference",
+    "swiglu", "swiglu_reference",
+]

@@ -1,0 +1,68 @@
+"""Helpers shared by the Pallas kernels: input validation and small in-kernel utilities.
+
+Everything here runs at trace time (validation) or inside a kernel body (the dot helper); nothing
+holds state.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+# Masked scores are set to this finite value rather than -inf: a row whose first visited tile is
+# fully masked then gets m = MASK_VALUE instead of -inf, so exp2(m_prev - m_next) never computes
+# (-inf) - (-inf) = NaN. The garbage such a tile adds to l and acc is multiplied by
+# exp2(MASK_VALUE - real_max) = 0 as soon as the row meets a visible key (every valid row does).
+MASK_VALUE = -1e30
+
+LOG2_E = math.log2(math.e)
+
+FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def is_pow2(n: int) -> bool:
+    return n >= 1 and (n & (n - 1)) == 0
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def check_array(op: str, name: str, x, ndim: int, dtypes=FLOAT_DTYPES) -> None:
+    """Raise ValueError unless `x` is an array of rank `ndim` with one of `dtypes`."""
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise ValueError(f"{op}: {name} must be an array, got {type(x).__name__}")
+    if x.ndim != ndim:
+        raise ValueError(f"{op}: {name} must have rank {ndim}, got shape {tuple(x.shape)}")
+    if jnp.dtype(x.dtype) not in dtypes:
+        names = ", ".join(str(d) for d in dtypes)
+        raise ValueError(f"{op}: {name} has dtype {x.dtype}, expected one of {names}")
+
+
+def check_same_dtype(op: str, **arrays) -> None:
+    dts = {n: jnp.dtype(a.dtype) for n, a in arrays.items()}
+    if len(set(dts.values())) > 1:
+        desc = ", ".join(f"{n} {d}" for n, d in dts.items())
+        raise ValueError(f"{op}: inputs must share one dtype, got {desc}")
+
+
+def check_head_dim(op: str, d: int) -> None:
+    # Triton tiles must have power-of-two sides, and tl.dot needs each side >= 16.
+    if not is_pow2(d) or not 16 <= d <= 256:
+        raise ValueError(f"{op}: head dim {d} is not supported by the Pallas kernel "
+                         f"(need a power of two in [16, 256]); use the *_reference function")
+
+
+def dot_f32(a: jax.Array, b: jax.Array, *, trans_b: bool = False) -> jax.Array:
+    """a [M, K] @ b [K, N] (or b [N, K] with trans_b) accumulated in float32.
+
+    float32 operands use IEEE precision: Triton's default for float32 would be tf32, which loses
+    three decimal digits; bf16/fp16 operands use the tensor cores' native path.
+    """
+    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    contract = ((1,), (1,)) if trans_b else ((1,), (0,))
+    return lax.dot_general(a, b, (contract, ((), ())), precision=precision,
+                           preferred_element_type=jnp.float32)

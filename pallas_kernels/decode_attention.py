@@ -1,0 +1,217 @@
+"""Decode attention: one query token per sequence against a KV cache with per-sequence lengths.
+
+Split-K (FlashDecoding): the cache's sequence axis is cut into `num_splits` chunks; one program
+handles one (sequence, KV head, chunk) and all the query heads of that KV group at once (GQA:
+the group's K/V tile is read once for G query heads). Each program walks only the valid
+positions of its chunk (< lengths[b]) and writes an unnormalised partial output with its
+running max and sum; a second step merges the chunks (a few KB per sequence, fused by XLA).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels._common import (
+    LOG2_E, MASK_VALUE, check_array, check_head_dim, check_same_dtype, dot_f32, is_pow2,
+    next_pow2)
+
+NUM_SMS_H200 = 132
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeBlockSizes:
+    """block_k: keys per tile (power of two >= 16); num_splits: chunks of the sequence axis
+    (None: enough programs to fill the GPU several times over)."""
+    block_k: int = 64
+    num_splits: int | None = None
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self):
+        if not is_pow2(self.block_k) or self.block_k < 16:
+            raise ValueError(f"DecodeBlockSizes.block_k={self.block_k}: must be a power of two >= 16")
+        if self.num_splits is not None and self.num_splits < 1:
+            raise ValueError(f"DecodeBlockSizes.num_splits={self.num_splits}: must be >= 1")
+
+
+def choose_num_splits(batch: int, kv_heads: int, seq_len: int, block_k: int,
+                      target_programs: int = 4 * NUM_SMS_H200, min_chunk: int = 256) -> int:
+    """Fewest chunks that give ~target_programs programs, each chunk >= min_chunk keys."""
+    want = max(1, -(-target_programs // (batch * kv_heads)))
+    most = max(1, -(-seq_len // max(min_chunk, block_k)))
+    return min(want, most)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel
+# ---------------------------------------------------------------------------------------------
+
+
+def decode_attention_kernel(len_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *,
+                            sm_scale: float, chunk: int, block_k: int):
+    # len_ref [B] int32 (whole array; this program reads lengths[b])
+    # q_ref [Gp, D]: the query heads of one KV group, padded to Gp >= 16 rows with zeros
+    # k_ref, v_ref [S_pad, D]: one KV head's cache row (rows >= lengths[b] are never read)
+    # acc_ref [Gp, D], m_ref [Gp], l_ref [Gp] (float32): this chunk's partial results
+    b = pl.program_id(0)
+    split = pl.program_id(2)
+    length = len_ref[b]
+    start = split * chunk
+    end = jnp.minimum(start + chunk, length)
+    n_blocks = pl.cdiv(jnp.maximum(end - start, 0), block_k)
+    q = q_ref[...]  # [Gp, D]
+    gp, d = q.shape
+    qk_scale = sm_scale * LOG2_E
+
+    def step(j, carry):
+        acc, m, l = carry
+        base = pl.multiple_of(start + j * block_k, block_k)
+        cols = base + jnp.arange(block_k)  # [block_k] cache position
+        valid = cols < end
+        k = plgpu.load(k_ref.at[pl.ds(base, block_k), :], mask=valid[:, None], other=0)
+        v = plgpu.load(v_ref.at[pl.ds(base, block_k), :], mask=valid[:, None], other=0)
+        s = dot_f32(q, k, trans_b=True) * qk_scale  # [Gp, block_k]
+        s = jnp.where(valid[None, :], s, MASK_VALUE)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(s - m_new[:, None])
+        l = l * alpha + jnp.sum(p, axis=-1)
+        acc = acc * alpha[:, None] + dot_f32(p.astype(v.dtype), v)
+        return acc, m_new, l
+
+    acc, m, l = lax.fori_loop(
+        0, n_blocks, step,
+        (jnp.zeros((gp, d), jnp.float32), jnp.full((gp,), MASK_VALUE, jnp.float32),
+         jnp.zeros((gp,), jnp.float32)))
+    acc_ref[...] = acc
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+# ---------------------------------------------------------------------------------------------
+# Wrapper
+# ---------------------------------------------------------------------------------------------
+
+
+def _validate(q, k_cache, v_cache, lengths):
+    op = "decode_attention"
+    check_array(op, "q", q, 3)
+    check_array(op, "k_cache", k_cache, 4)
+    check_array(op, "v_cache", v_cache, 4)
+    check_same_dtype(op, q=q, k_cache=k_cache, v_cache=v_cache)
+    check_array(op, "lengths", lengths, 1, dtypes=(jnp.dtype(jnp.int32),))
+    b, hq, d = q.shape
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"{op}: k_cache {tuple(k_cache.shape)} and v_cache "
+                         f"{tuple(v_cache.shape)} must have one shape")
+    bc, s, hkv, dk = k_cache.shape
+    if bc != b or lengths.shape[0] != b:
+        raise ValueError(f"{op}: batch sizes differ: q {b}, caches {bc}, lengths {lengths.shape[0]}")
+    if dk != d:
+        raise ValueError(f"{op}: head dim of q ({d}) and the caches ({dk}) differ")
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"{op}: query heads ({hq}) must be a multiple of KV heads ({hkv})")
+    # Concrete lengths (not traced) can be checked here; under jit the caller owns this check.
+    if not isinstance(lengths, jax.core.Tracer):
+        lens = jax.device_get(lengths)
+        if lens.size and (lens.max() > s or lens.min() < 0):
+            raise ValueError(f"{op}: lengths must lie in [0, {s}] (the cache holds {s} "
+                             f"positions), got min {lens.min()} max {lens.max()}")
+
+
+def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale: float | None = None,
+                     interpret: bool = False, block_sizes: DecodeBlockSizes | None = None):
+    """q [B, Hq, D] attends to cache positions [0, lengths[b]) of k/v_cache [B, S, Hkv, D].
+
+    Returns [B, Hq, D] in q's dtype; a sequence of length 0 gets zeros.
+    """
+    _validate(q, k_cache, v_cache, lengths)
+    d = q.shape[-1]
+    check_head_dim("decode_attention", d)
+    sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d)
+    blocks = block_sizes or DecodeBlockSizes()
+    b, s, hkv, _ = k_cache.shape
+    num_splits = blocks.num_splits or choose_num_splits(b, hkv, s, blocks.block_k)
+    return _decode_attention_triton(q, k_cache, v_cache, lengths, sm_scale=sm_scale,
+                                    blocks=blocks, num_splits=num_splits, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "blocks", "num_splits", "interpret"))
+def _decode_attention_triton(q, k_cache, v_cache, lengths, *, sm_scale, blocks, num_splits,
+                             interpret):
+    b, hq, d = q.shape
+    _, s, hkv, _ = k_cache.shape
+    g = hq // hkv
+    gp = max(16, next_pow2(g))  # tl.dot needs >= 16 rows; padding q costs nothing in HBM reads
+    block_k = blocks.block_k
+    chunk = pl.cdiv(pl.cdiv(s, num_splits), block_k) * block_k
+    num_splits = pl.cdiv(s, chunk)
+    s_pad = num_splits * chunk  # cache blocks rounded up to whole chunks (rows >= s are masked)
+    qg = q.reshape(b, hkv, g, d)  # [B, Hkv, G, D]
+    if gp != g:
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - g), (0, 0)))  # [B, Hkv, Gp, D]
+
+    kernel = functools.partial(decode_attention_kernel, sm_scale=sm_scale, chunk=chunk,
+                               block_k=block_k)
+    acc, m, l = pl.pallas_call(
+        kernel,
+        grid=(b, hkv, num_splits),
+        in_specs=[pl.BlockSpec((b,), lambda i, h, c: (0,)),
+                  pl.BlockSpec((None, None, gp, d), lambda i, h, c: (i, h, 0, 0)),
+                  pl.BlockSpec((None, s_pad, None, d), lambda i, h, c: (i, 0, h, 0)),
+                  pl.BlockSpec((None, s_pad, None, d), lambda i, h, c: (i, 0, h, 0))],
+        out_specs=[pl.BlockSpec((None, None, None, gp, d), lambda i, h, c: (i, h, c, 0, 0)),
+                   pl.BlockSpec((None, None, None, gp), lambda i, h, c: (i, h, c, 0)),
+                   pl.BlockSpec((None, None, None, gp), lambda i, h, c: (i, h, c, 0))],
+        out_shape=[jax.ShapeDtypeStruct((b, hkv, num_splits, gp, d), jnp.float32),
+                   jax.ShapeDtypeStruct((b, hkv, num_splits, gp), jnp.float32),
+                   jax.ShapeDtypeStruct((b, hkv, num_splits, gp), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps,
+                                             num_stages=blocks.num_stages),
+        interpret=interpret,
+        name="decode_attention",
+    )(lengths, qg, k_cache, v_cache)
+    return _merge_splits(acc, m, l)[:, :, :g].reshape(b, hq, d).astype(q.dtype)
+
+
+def _merge_splits(acc, m, l):
+    """Second step: merge the chunks' partial softmaxes (log2 domain) -> [B, Hkv, Gp, D] f32."""
+    m_all = jnp.max(m, axis=2, keepdims=True)  # [B, Hkv, 1, Gp]
+    w = jnp.exp2(m - m_all)  # [B, Hkv, splits, Gp]; empty chunks have m = MASK_VALUE -> 0
+    l_all = jnp.sum(w * l, axis=2)  # [B, Hkv, Gp]
+    o = jnp.sum(w[..., None] * acc, axis=2)  # [B, Hkv, Gp, D]
+    return o / jnp.where(l_all > 0, l_all, 1.0)[..., None]  # length 0 -> zeros
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference
+# ---------------------------------------------------------------------------------------------
+
+
+def decode_attention_reference(q, k_cache, v_cache, lengths, *, sm_scale: float | None = None,
+                               interpret: bool = False):
+    """Plain-jnp decode attention with the same signature (interpret is ignored)."""
+    del interpret
+    _validate(q, k_cache, v_cache, lengths)
+    b, hq, d = q.shape
+    _, s, hkv, _ = k_cache.shape
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
+    qg = q.reshape(b, hkv, hq // hkv, d)  # [B, Hkv, G, D]
+    scores = jnp.einsum("bkgd,bskd->bkgs", qg, k_cache, preferred_element_type=jnp.float32,
+                        precision=lax.Precision.HIGHEST) * scale  # [B, Hkv, G, S]
+    valid = jnp.arange(s)[None, :] < lengths[:, None]  # [B, S]
+    scores = jnp.where(valid[:, None, None, :], scores, -jnp.inf)
+    m = jnp.max(scores, axis=-1, keepdims=True)
+    p = jnp.exp(scores - jnp.where(jnp.isfinite(m), m, 0.0))
+    p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
+    o = jnp.einsum("bkgs,bskd->bkgd", p.astype(v_cache.dtype), v_cache,
+                   preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
+    return o.reshape(b, hq, d).astype(q.dtype)

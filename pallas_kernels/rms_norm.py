@@ -1,0 +1,81 @@
+"""RMSNorm with HF semantics: statistics in float32, `weight * normed.astype(x.dtype)`.
+
+x [..., D] is viewed as rows [M, D]; one program normalises `block_m` rows. The feature axis is
+padded to a power of two inside the kernel (masked loads), so any D works (576, 896, 3584...).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels._common import check_array, next_pow2
+
+
+def rms_norm_kernel(x_ref, w_ref, o_ref, *, eps: float, rows: int, dim: int, block_m: int):
+    # x_ref, o_ref [block_m, Dp]; w_ref [Dp] (Dp = next power of two >= dim; columns >= dim are padding)
+    r = pl.program_id(0) * block_m + jnp.arange(block_m)  # [block_m]
+    dp = x_ref.shape[-1]
+    col_ok = jnp.arange(dp) < dim  # [Dp]
+    mask = (r < rows)[:, None] & col_ok[None, :]
+    x = plgpu.load(x_ref, mask=mask, other=0).astype(jnp.float32)  # [block_m, Dp]
+    w = plgpu.load(w_ref, mask=col_ok, other=0)  # [Dp]
+    inv_rms = jax.lax.rsqrt(jnp.sum(x * x, axis=-1) / dim + eps)  # [block_m]
+    normed = (x * inv_rms[:, None]).astype(x_ref.dtype)
+    out = w[None, :].astype(o_ref.dtype) * normed.astype(o_ref.dtype)
+    plgpu.store(o_ref, out, mask=mask)
+
+
+def _validate(x, weight):
+    op = "rms_norm"
+    if not hasattr(x, "ndim") or x.ndim < 1:
+        raise ValueError(f"{op}: x must be an array of rank >= 1")
+    check_array(op, "x", x, x.ndim)
+    check_array(op, "weight", weight, 1)
+    if weight.shape[0] != x.shape[-1]:
+        raise ValueError(f"{op}: weight has {weight.shape[0]} entries, x's last axis has "
+                         f"{x.shape[-1]}")
+
+
+def rms_norm(x, weight, *, eps: float, interpret: bool = False, block_m: int | None = None):
+    """HF LlamaRMSNorm over the last axis of x [..., D]; returns result_type(weight, x)."""
+    _validate(x, weight)
+    d = x.shape[-1]
+    if block_m is None:
+        block_m = max(1, min(16, 8192 // next_pow2(d)))
+    return _rms_norm_triton(x, weight, eps=float(eps), block_m=block_m, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "block_m", "interpret"))
+def _rms_norm_triton(x, weight, *, eps, block_m, interpret):
+    d = x.shape[-1]
+    x2 = x.reshape(-1, d)  # [M, D]
+    m = x2.shape[0]
+    dp = next_pow2(d)
+    out_dtype = jnp.result_type(weight.dtype, x.dtype)
+    kernel = functools.partial(rms_norm_kernel, eps=eps, rows=m, dim=d, block_m=block_m)
+    out = pl.pallas_call(
+        kernel,
+        grid=(pl.cdiv(m, block_m),),
+        in_specs=[pl.BlockSpec((block_m, dp), lambda i: (i, 0)),
+                  pl.BlockSpec((dp,), lambda i: (0,))],
+        out_specs=pl.BlockSpec((block_m, dp), lambda i: (i, 0)),
+        out_shape=jax.ShapeDtypeStruct((m, d), out_dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=4 if dp <= 2048 else 8, num_stages=1),
+        interpret=interpret,
+        name="rms_norm",
+    )(x2, weight)
+    return out.reshape(x.shape)
+
+
+def rms_norm_reference(x, weight, *, eps: float, interpret: bool = False):
+    """HF LlamaRMSNorm in plain jnp (interpret is ignored)."""
+    del interpret
+    _validate(x, weight)
+    xf = x.astype(jnp.float32)
+    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * normed.astype(x.dtype)

@@ -1,0 +1,308 @@
+"""Every Pallas kernel against its pure-jnp reference.
+
+CPU (CI): interpret mode at tiny shapes that are not multiples of the block sizes, float32 and
+bfloat16, with small blocks so that edge tiles, skipped tiles and multi-tile loops all occur.
+Interpret mode pads out-of-range block reads with NaN, so a kernel that reads past an array
+or leaves an output element unwritten fails the comparison.
+GPU (marked `gpu`): the compiled kernels with their default block sizes at moderate shapes.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import (
+    DecodeBlockSizes, FlashBlockSizes, SwigluBlockSizes, decode_attention,
+    decode_attention_reference, flash_attention, flash_attention_reference, rms_norm,
+    rms_norm_reference, rope, rope_reference, swiglu, swiglu_reference)
+
+ON_GPU = jax.devices()[0].platform == "gpu"
+gpu = pytest.mark.gpu
+needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU")
+
+# Relative error ||out - ref|| / ||ref||: float32 kernels land near 1e-7; bf16 operands and
+# bf16 outputs (rounding of p before the PV product, of the result) near 3e-3.
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 1.5e-2}
+# On the GPU, float32 dots run in IEEE mode, but exp2 and rsqrt are approximate.
+GPU_TOL = {jnp.float32: 1e-4, jnp.bfloat16: 1.5e-2}
+
+
+def rel_err(out, ref) -> float:
+    out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
+    ref = np.asarray(jnp.asarray(ref, jnp.float32), np.float64)
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    assert np.all(np.isfinite(out)), "kernel output has NaN/inf"
+    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def normal(seed: int, shape, dtype, scale=1.0):
+    return (scale * jax.random.normal(jax.random.PRNGKey(seed), shape, jnp.float32)).astype(dtype)
+
+
+def qkv(seed, b, tq, tk, hq, hkv, d, dtype):
+    return (normal(seed, (b, tq, hq, d), dtype), normal(seed + 1, (b, tk, hkv, d), dtype),
+            normal(seed + 2, (b, tk, hkv, d), dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# flash attention
+# ---------------------------------------------------------------------------------------------
+
+SMALL_FLASH = FlashBlockSizes(block_q=16, block_k=16, num_warps=4, num_stages=1)
+
+FLASH_CASES = [
+    # b, tq, tk, hq, hkv, d, causal, window
+    (2, 37, 37, 4, 2, 16, True, None),  # GQA 2:1, causal, ragged last tile
+    (1, 21, 50, 2, 1, 32, True, None),  # Tq < Tk (chunked prefill), MQA
+    (1, 21, 50, 2, 2, 16, False, None),  # non-causal, Tq < Tk
+    (2, 45, 45, 4, 1, 16, True, 7),  # sliding window narrower than a tile
+    (1, 13, 70, 2, 1, 16, True, 20),  # window + Tq < Tk: leading tiles skipped
+    (1, 5, 5, 1, 1, 16, True, None),  # a single partial tile
+]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("case", FLASH_CASES, ids=lambda c: "b{}_q{}_k{}_h{}/{}_d{}_c{}_w{}".format(*c))
+def test_flash_attention_interpret(case, dtype):
+    b, tq, tk, hq, hkv, d, causal, window = case
+    q, k, v = qkv(tq * 7 + tk, b, tq, tk, hq, hkv, d, dtype)
+    out = flash_attention(q, k, v, causal=causal, sliding_window=window, interpret=True,
+                          block_sizes=SMALL_FLASH)
+    ref = flash_attention_reference(q, k, v, causal=causal, sliding_window=window)
+    assert out.dtype == q.dtype
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+def test_flash_attention_sm_scale_and_window_matter():
+    q, k, v = qkv(3, 1, 20, 20, 2, 1, 16, jnp.float32)
+    kw = dict(interpret=True, block_sizes=SMALL_FLASH)
+    base = flash_attention(q, k, v, **kw)
+    scaled = flash_attention(q, k, v, sm_scale=0.05, **kw)
+    windowed = flash_attention(q, k, v, sliding_window=4, **kw)
+    assert rel_err(scaled, flash_attention_reference(q, k, v, sm_scale=0.05)) < TOL[jnp.float32]
+    # The options must change the result, or the tests above could pass on a kernel ignoring them.
+    assert rel_err(scaled, base) > 1e-2 and rel_err(windowed, base) > 1e-2
+
+
+def test_flash_reference_matches_model_attention():
+    """Cross-check our reference against the model's HF-semantics attention (independent code)."""
+    from jaxinfer.models.layers import attention_reference
+    q, k, v = qkv(5, 2, 9, 23, 4, 2, 16, jnp.float32)
+    q_pos = jnp.broadcast_to(jnp.arange(14, 23), (2, 9))
+    kv_pos = jnp.broadcast_to(jnp.arange(23), (2, 23))
+    want = attention_reference(q, k, v, q_pos, kv_pos, window=6)
+    got = flash_attention_reference(q, k, v, causal=True, sliding_window=6)
+    assert rel_err(got, want) < 1e-5
+
+
+# ---------------------------------------------------------------------------------------------
+# decode attention
+# ---------------------------------------------------------------------------------------------
+
+DECODE_CASES = [
+    # b, s, hq, hkv, d, lengths, num_splits
+    (3, 70, 8, 2, 16, (70, 1, 33), 3),  # GQA 4:1, full / single / ragged lengths
+    (2, 45, 4, 4, 32, (0, 45), 2),  # MHA, an empty sequence gets zeros
+    (2, 50, 6, 2, 16, (17, 49), None),  # G = 3 (not a power of two), automatic splits
+    (1, 40, 2, 1, 16, (40,), 5),  # more splits than full tiles: empty chunks
+]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: "b{}_s{}_h{}/{}_d{}_l{}_n{}".format(*c))
+def test_decode_attention_interpret(case, dtype):
+    b, s, hq, hkv, d, lengths, splits = case
+    q = normal(s, (b, hq, d), dtype)
+    k_cache = normal(s + 1, (b, s, hkv, d), dtype)
+    v_cache = normal(s + 2, (b, s, hkv, d), dtype)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    out = decode_attention(q, k_cache, v_cache, lengths, interpret=True,
+                           block_sizes=DecodeBlockSizes(block_k=16, num_splits=splits,
+                                                        num_stages=1))
+    ref = decode_attention_reference(q, k_cache, v_cache, lengths)
+    assert out.dtype == q.dtype
+    empty = np.asarray(lengths) == 0
+    if empty.any():
+        assert np.all(np.asarray(out, np.float32)[empty] == 0)
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+def test_decode_attention_ignores_stale_cache_slots():
+    """Positions >= length must not be read: poisoning them with NaN must not change the output."""
+    q = normal(1, (2, 4, 16), jnp.float32)
+    k_cache = normal(2, (2, 40, 2, 16), jnp.float32)
+    v_cache = normal(3, (2, 40, 2, 16), jnp.float32)
+    lengths = jnp.asarray([23, 7], jnp.int32)
+    stale = jnp.arange(40)[None, :, None, None] >= lengths[:, None, None, None]
+    k_bad = jnp.where(stale, jnp.nan, k_cache)
+    v_bad = jnp.where(stale, jnp.nan, v_cache)
+    blocks = DecodeBlockSizes(block_k=16, num_splits=2, num_stages=1)
+    out = decode_attention(q, k_bad, v_bad, lengths, interpret=True, block_sizes=blocks)
+    ref = decode_attention_reference(q, k_cache, v_cache, lengths)
+    assert rel_err(out, ref) < TOL[jnp.float32]
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE, RMSNorm, SwiGLU
+# ---------------------------------------------------------------------------------------------
+
+
+def inv_freq(d: int, theta: float = 10000.0):
+    return (1.0 / theta ** (np.arange(0, d, 2, dtype=np.float32) / d)).astype(np.float32)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_rope_interpret(dtype):
+    x = normal(0, (2, 19, 3, 32), dtype)
+    positions = jax.random.randint(jax.random.PRNGKey(1), (2, 19), 0, 5000, jnp.int32)
+    out = rope(x, positions, jnp.asarray(inv_freq(32)), interpret=True, block_t=8)
+    ref = rope_reference(x, positions, jnp.asarray(inv_freq(32)))
+    assert out.dtype == x.dtype
+    assert rel_err(out, ref) < TOL[dtype]
+    assert rel_err(out, x) > 0.1  # rotation happened
+
+
+def test_rope_reference_matches_model_rope():
+    from jaxinfer.models.layers import apply_rope
+    x = normal(4, (1, 6, 2, 16), jnp.float32)
+    positions = jnp.arange(6, dtype=jnp.int32)[None] + 100
+    angle = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq(16))
+    emb = jnp.concatenate([angle, angle], axis=-1)
+    want = apply_rope(x, jnp.cos(emb), jnp.sin(emb))
+    assert rel_err(rope_reference(x, positions, jnp.asarray(inv_freq(16))), want) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("shape", [(3, 7, 40), (5, 24)], ids=["3d_d40", "2d_d24"])
+def test_rms_norm_interpret(shape, dtype):
+    x = normal(0, shape, dtype, scale=3.0)
+    w = normal(1, shape[-1:], dtype, scale=0.2) + 1
+    out = rms_norm(x, w, eps=1e-6, interpret=True, block_m=4)
+    ref = rms_norm_reference(x, w, eps=1e-6)
+    assert out.dtype == ref.dtype and out.shape == x.shape
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+def test_rms_norm_float32_weight_promotes():
+    x = normal(0, (4, 24), jnp.bfloat16)
+    w = normal(1, (24,), jnp.float32) + 1
+    out = rms_norm(x, w, eps=1e-5, interpret=True, block_m=2)
+    assert out.dtype == jnp.float32
+    assert rel_err(out, rms_norm_reference(x, w, eps=1e-5)) < TOL[jnp.float32]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("mkn", [(21, 40, 37), (3, 64, 32)], ids=["ragged", "decode_like"])
+def test_swiglu_interpret(mkn, dtype):
+    m, k, n = mkn
+    x = normal(0, (m, k), dtype)
+    w_gate = normal(1, (k, n), dtype, scale=k ** -0.5 * 2)
+    w_up = normal(2, (k, n), dtype, scale=k ** -0.5)
+    out = swiglu(x, w_gate, w_up, interpret=True,
+                 block_sizes=SwigluBlockSizes(16, 16, 16, num_warps=4, num_stages=1))
+    ref = swiglu_reference(x, w_gate, w_up)
+    assert out.dtype == x.dtype
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: clear ValueErrors before lowering
+# ---------------------------------------------------------------------------------------------
+
+
+def test_bad_inputs_raise_clear_errors():
+    f32 = jnp.float32
+    q, k, v = qkv(0, 1, 8, 8, 4, 2, 16, f32)
+    cases = [
+        (lambda: flash_attention(q, k[..., :8], v[..., :8]), "head dim"),
+        (lambda: flash_attention(q[:, :, :3], k, v), "multiple of KV heads"),
+        (lambda: flash_attention(q.astype(jnp.int32), k, v), "dtype"),
+        (lambda: flash_attention(q, k.astype(jnp.bfloat16), v), "one dtype"),
+        (lambda: flash_attention(q[0], k, v), "rank 4"),
+        (lambda: flash_attention(jnp.concatenate([q, q], 1), k, v), "Tq <= Tk"),
+        (lambda: flash_attention(q, k, v, causal=False, sliding_window=4), "causal"),
+        (lambda: flash_attention(*qkv(0, 1, 8, 8, 2, 1, 24, f32)), "power of two"),
+    ]
+    qd = normal(0, (2, 4, 16), f32)
+    kc = normal(1, (2, 10, 2, 16), f32)
+    ok_len = jnp.asarray([3, 10], jnp.int32)
+    cases += [
+        (lambda: decode_attention(qd, kc, kc, jnp.asarray([3, 11], jnp.int32)), "lengths must lie"),
+        (lambda: decode_attention(qd, kc, kc, ok_len.astype(jnp.float32)), "lengths has dtype"),
+        (lambda: decode_attention(qd[:, :3], kc, kc, ok_len), "multiple of KV heads"),
+        (lambda: decode_attention(qd[..., :8], kc, kc, ok_len), "head dim"),
+        (lambda: decode_attention(qd[None], kc, kc, ok_len), "rank 3"),
+        (lambda: decode_attention(qd, kc, kc, ok_len[:1]), "batch sizes differ"),
+    ]
+    x = normal(0, (1, 3, 2, 16), f32)
+    pos = jnp.zeros((1, 3), jnp.int32)
+    cases += [
+        (lambda: rope(x, pos, jnp.asarray(inv_freq(8))), "inv_freq"),
+        (lambda: rope(x, pos[:, :2], jnp.asarray(inv_freq(16))), "positions"),
+        (lambda: rope(x, pos.astype(f32), jnp.asarray(inv_freq(16))), "positions has dtype"),
+        (lambda: rms_norm(x, jnp.ones((8,)), eps=1e-6), "weight has 8"),
+        (lambda: swiglu(x[0, 0, 0], jnp.ones((16, 4)), jnp.ones((16, 4))), "rank 2"),
+        (lambda: swiglu(x[0, 0], jnp.ones((8, 4)), jnp.ones((8, 4))), "K=16"),
+        (lambda: swiglu(x[0, 0], jnp.ones((16, 4)), jnp.ones((16, 5))), "one shape"),
+    ]
+    for fn, message in cases:
+        with pytest.raises(ValueError, match=message):
+            fn()
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: compiled kernels, default block sizes
+# ---------------------------------------------------------------------------------------------
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("case", [
+    (2, 300, 300, 8, 2, 128, True, None),
+    (1, 200, 777, 4, 1, 64, True, None),
+    (1, 333, 333, 4, 4, 128, False, None),
+    (2, 500, 500, 4, 2, 128, True, 100),
+    (1, 129, 129, 2, 1, 256, True, None),
+], ids=str)
+def test_flash_attention_gpu(case, dtype):
+    b, tq, tk, hq, hkv, d, causal, window = case
+    q, k, v = qkv(11, b, tq, tk, hq, hkv, d, dtype)
+    out = flash_attention(q, k, v, causal=causal, sliding_window=window)
+    ref = flash_attention_reference(q, k, v, causal=causal, sliding_window=window)
+    assert rel_err(out, ref) < GPU_TOL[dtype]
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_decode_attention_gpu(dtype):
+    b, s, hq, hkv, d = 5, 3000, 32, 8, 128
+    q = normal(1, (b, hq, d), dtype)
+    k_cache = normal(2, (b, s, hkv, d), dtype)
+    v_cache = normal(3, (b, s, hkv, d), dtype)
+    lengths = jnp.asarray([3000, 1, 1234, 0, 2049], jnp.int32)
+    out = decode_attention(q, k_cache, v_cache, lengths)
+    ref = decode_attention_reference(q, k_cache, v_cache, lengths)
+    assert rel_err(out, ref) < GPU_TOL[dtype]
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_small_ops_gpu(dtype):
+    x = normal(0, (2, 77, 8, 128), dtype)
+    positions = jax.random.randint(jax.random.PRNGKey(1), (2, 77), 0, 30000, jnp.int32)
+    freqs = jnp.asarray(inv_freq(128, 500000.0))
+    assert rel_err(rope(x, positions, freqs), rope_reference(x, positions, freqs)) < GPU_TOL[dtype]
+    h = normal(2, (3, 37, 576), dtype, scale=2.0)
+    w = normal(3, (576,), dtype, scale=0.1) + 1
+    assert rel_err(rms_norm(h, w, eps=1e-5), rms_norm_reference(h, w, eps=1e-5)) < GPU_TOL[dtype]
+    for m in (1, 7, 300):
+        x2 = normal(4 + m, (m, 576), dtype)
+        wg = normal(5, (576, 1536), dtype, scale=576 ** -0.5)
+        wu = normal(6, (576, 1536), dtype, scale=576 ** -0.5)
+        assert rel_err(swiglu(x2, wg, wu), swiglu_reference(x2, wg, wu)) < GPU_TOL[dtype]
