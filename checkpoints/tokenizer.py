@@ -238,7 +238,8 @@ class Tokenizer:
             )
         kind = _as_str(kind)
         tokens = [_as_str(t) for t in meta["tokenizer.ggml.tokens"]]
-        token_type = [int(t) for t in meta.get("tokenizer.ggml.token_type") or ()]
+        types = meta.get("tokenizer.ggml.token_type")
+        token_type = [int(t) for t in types] if types is not None else []
         arch = _as_str(meta.get("general.architecture", ""))
         if kind == "gpt2":
             backend = _gguf_byte_level_backend(meta, tokens, source)
@@ -490,7 +491,7 @@ class IncrementalDecoder:
         self._skip = skip_special_tokens
         self._ids: list[int] = []
         self._emitted: list[str] = []
-        self._stream = _DecodeStream(skip_special_tokens) if use_decode_stream and _DecodeStream else None
+        self._stream = _DecodeStream(skip_special_tokens=skip_special_tokens) if use_decode_stream and _DecodeStream else None
         # Fallback state: text of ids[prefix:read] was already emitted; decoding from `prefix` keeps the decoder's
         # view of the previous token (leading-space stripping, byte merging) the same as in a full decode.
         self._prefix = 0
@@ -667,17 +668,15 @@ def _gguf_sentencepiece_backend(meta: Mapping[str, object], tokens: list[str], s
 def _merges_from_scores(vocab: Mapping[str, int], scores: Mapping[str, float]) -> list[tuple[str, str]]:
     """Merges a sentencepiece vocabulary implies: every split of a token into two tokens, best score first.
 
-    Ties keep a fixed order: by the pieces' lengths (longer first), then by the pieces' ids, then by the
-    merged token's position; this is the order transformers derives, so the same merge wins.
+    Ties keep a fixed order: the longer left piece first, then the longer right piece, then the merged token's
+    position in `scores`; this is the order transformers derives, so the same merge wins.
     """
     found = []  # (score, len(left), len(right), order, left, right)
-    order = 0
     for token, score in scores.items():
-        pairs = [(token[:k], token[k:]) for k in range(1, len(token)) if token[:k] in vocab and token[k:] in vocab]
-        pairs.sort(key=lambda pair: (vocab[pair[0]], vocab[pair[1]]))
-        for left, right in pairs:
-            found.append((score, len(left), len(right), order, left, right))
-            order += 1
+        for k in range(1, len(token)):
+            left, right = token[:k], token[k:]
+            if left in vocab and right in vocab:
+                found.append((score, k, len(right), len(found), left, right))
     # Descending on (score, lengths) but stable for equal keys: sort by the key negated, then by arrival order.
     found.sort(key=lambda m: (-m[0], -m[1], -m[2], m[3]))
     return [(m[4], m[5]) for m in found]
