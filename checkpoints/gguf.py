@@ -77,7 +77,7 @@ def _checked_reader_class():
     import gguf
 
     class CheckedReader(gguf.GGUFReader):
-        last_field = None  # name of the last metadata key read, for truncation messages
+        where = "at the start"  # how far parsing got, for truncation messages
 
         def _get(self, offset, dtype, count=1, override_order=None):
             if type(self.data) is np.memmap:
@@ -87,14 +87,19 @@ def _checked_reader_class():
                 self.data = self.data.view(np.ndarray)
             end = int(offset) + _itemsize(dtype) * int(count)
             if end > len(self.data):
-                after = f" after metadata key {self.last_field!r}" if self.last_field else ""
-                raise _Truncated(f"the header is cut short{after}: reading it needs byte {end} "
-                                 f"but the file has {len(self.data)} bytes")
+                raise _Truncated(f"the header is cut short {self.where}: reading it needs byte "
+                                 f"{end} but the file has {len(self.data)} bytes")
             return super()._get(offset, dtype, count, override_order)
 
         def _push_field(self, field, skip_sum=False):
-            self.last_field = field.name
+            # The reader's own "GGUF.*" fields are the fixed header before the first key.
+            self.where = ("before the first metadata key" if field.name.startswith("GGUF.")
+                          else f"after metadata key {field.name!r}")
             return super()._push_field(field, skip_sum)
+
+        def _build_tensor_info(self, offs, count):
+            self.where = f"in the tensor table ({int(count)} tensors) after the metadata"
+            return super()._build_tensor_info(offs, count)
 
         def _build_tensors(self, start_offs, fields):
             # Check each tensor's data range before the base class maps it, so the message can
@@ -112,9 +117,8 @@ def _checked_reader_class():
                 n_elems = int(np.prod(dims.astype(np.int64)))
                 end = int(start_offs) + int(offset[0]) + n_elems * type_size // block
                 if end > size:
-                    raise _Truncated(f"tensor {name!r} ({qtype.name}, shape "
-                                     f"{[int(d) for d in dims]}) needs bytes up to {end} but the "
-                                     f"file ends at byte {size}")
+                    raise _Truncated(f"tensor {name!r} ({qtype.name}) needs bytes up to {end} "
+                                     f"but the file ends at byte {size}")
             return super()._build_tensors(start_offs, fields)
 
     return CheckedReader
@@ -192,7 +196,8 @@ def _rope_scaling(meta: dict, arch: str, path, context_length: int) -> RopeScali
     if kind == "none":
         return RopeScaling()
     if factor is None:
-        raise ValueError(f"{path}: rope scaling type {kind!r} is set but {p + 'factor'!r} is missing")
+        raise ValueError(f"{path}: rope scaling type {kind!r} is set but "
+                         f"{p + 'factor'!r} is missing")
     if kind == "linear":
         return RopeScaling("linear", factor=factor)
     if kind == "yarn":

