@@ -68,6 +68,8 @@ _END_OF_TURN_MARKERS = (
     "<|call|>",
 )
 
+_REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
+
 # GGUF `tokenizer.ggml.token_type` values (llama.cpp's llama_token_type).
 _GGUF_CONTROL = 3
 _GGUF_USER_DEFINED = 4
@@ -461,8 +463,13 @@ class Tokenizer:
         for i, message in enumerate(messages):
             if not isinstance(message, Mapping):
                 raise TypeError(f"messages[{i}] is a {type(message).__name__}; each message must be a dict")
-            # Like transformers: keys whose value is None are dropped (templates test for presence).
-            chat.append({k: v for k, v in message.items() if v is not None})
+            # Like transformers: keys whose value is None are dropped (templates test for presence), and a
+            # message's reasoning is visible under each name templates read it by.
+            message = {k: v for k, v in message.items() if v is not None}
+            reasoning = next((message[k] for k in _REASONING_KEYS if k in message), None)
+            if reasoning is not None:
+                message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+            chat.append(message)
         variables = {**self._special, "tools": None, "documents": None, **template_kwargs}
         try:
             text = _compile_template(template).render(
