@@ -623,6 +623,13 @@ def _merge_list(meta: Mapping[str, object], source: str) -> list[tuple[str, str]
     return merges
 
 
+def _bpe(source: str, **kwargs) -> models.BPE:
+    try:
+        return models.BPE(**kwargs)
+    except Exception as err:  # the tokenizers library raises a bare Exception, e.g. for a merge of unknown tokens
+        raise ValueError(f"{source}: tokenizer.ggml.tokens/merges do not form a BPE vocabulary: {err}") from err
+
+
 def _gguf_byte_level_backend(meta: Mapping[str, object], tokens: list[str], source: str) -> tokenizers.Tokenizer:
     """Byte-level BPE ("gpt2"): GPT-2's byte alphabet, the file's merges, a split pattern by tokenizer.ggml.pre."""
     if "tokenizer.ggml.merges" not in meta:
@@ -636,10 +643,8 @@ def _gguf_byte_level_backend(meta: Mapping[str, object], tokens: list[str], sour
         if not set(token) <= alphabet:
             token = "".join(spelling[b] for b in token.encode("utf-8"))
         vocab[token] = index
-    backend = tokenizers.Tokenizer(
-        models.BPE(vocab=vocab, merges=_merge_list(meta, source), dropout=None, continuing_subword_prefix="",
-                   end_of_word_suffix="", fuse_unk=False)
-    )
+    backend = tokenizers.Tokenizer(_bpe(source, vocab=vocab, merges=_merge_list(meta, source), dropout=None,
+                                        continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
     split = _GGUF_PRE_SPLITS.get(_as_str(meta.get("tokenizer.ggml.pre", "")))
     if split is None:
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -664,7 +669,7 @@ def _gguf_sentencepiece_backend(meta: Mapping[str, object], tokens: list[str], s
         merges = _merges_from_scores(vocab, dict(zip(tokens, scores)))
     else:
         raise ValueError(f"{source}: tokenizer.ggml.model='llama' needs tokenizer.ggml.merges or tokenizer.ggml.scores")
-    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True))
+    backend = tokenizers.Tokenizer(_bpe(source, vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True))
     backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
     backend.decoder = decoders.Sequence(
         [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]

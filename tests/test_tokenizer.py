@@ -402,6 +402,12 @@ def test_gguf_bad_metadata():
     del meta["tokenizer.ggml.merges"]
     with pytest.raises(ValueError, match="tokenizer.ggml.merges"):
         Tokenizer.from_gguf_metadata(meta)
+    meta["tokenizer.ggml.merges"] = ["a b c"]
+    with pytest.raises(ValueError, match=r"merges\[0\]='a b c' is not two tokens"):
+        Tokenizer.from_gguf_metadata(meta)
+    meta["tokenizer.ggml.merges"] = ["zzzz qqqq"]
+    with pytest.raises(ValueError, match="do not form a BPE vocabulary.*zzzz"):
+        Tokenizer.from_gguf_metadata(meta)
     meta = dict(TINY_GGUF["llama_spm"]["metadata"])
     meta["tokenizer.ggml.scores"] = meta["tokenizer.ggml.scores"][:-1]
     with pytest.raises(ValueError, match="scores"):
