@@ -7,12 +7,13 @@ from pallas_kernels.decode_attention import (
     DecodeBlockSizes, decode_attention, decode_attention_reference)
 from pallas_kernels.flash_attention import (
     FlashBlockSizes, flash_attention, flash_attention_reference)
+from pallas_kernels.flash_attention_mgpu import MosaicFlashConfig
 from pallas_kernels.rms_norm import rms_norm, rms_norm_reference
 from pallas_kernels.rope import rope, rope_reference
 from pallas_kernels.swiglu import SwigluBlockSizes, swiglu, swiglu_reference
 
 __all__ = [
-    "DecodeBlockSizes", "FlashBlockSizes", "SwigluBlockSizes",
+    "DecodeBlockSizes", "FlashBlockSizes", "MosaicFlashConfig", "SwigluBlockSizes",
     "decode_attention", "decode_attention_reference",
     "flash_attention", "flash_attention_reference",
     "rms_norm", "rms_norm_reference",

@@ -66,3 +66,9 @@ def dot_f32(a: jax.Array, b: jax.Array, *, trans_b: bool = False) -> jax.Array:
     contract = ((1,), (1,)) if trans_b else ((1,), (0,))
     return lax.dot_general(a, b, (contract, ((), ())), precision=precision,
                            preferred_element_type=jnp.float32)
+
+
+def ref_precision(dtype):
+    """Matmul precision for the references: IEEE float32 for float32 inputs (the GPU default would
+    be tf32), the native tensor-core path for 16-bit inputs (exact products, float32 sums)."""
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT

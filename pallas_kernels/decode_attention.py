@@ -21,7 +21,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
     LOG2_E, MASK_VALUE, check_array, check_head_dim, check_same_dtype, dot_f32, is_pow2,
-    next_pow2)
+    next_pow2, ref_precision)
 
 NUM_SMS_H200 = 132
 
@@ -206,12 +206,12 @@ def decode_attention_reference(q, k_cache, v_cache, lengths, *, sm_scale: float 
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
     qg = q.reshape(b, hkv, hq // hkv, d)  # [B, Hkv, G, D]
     scores = jnp.einsum("bkgd,bskd->bkgs", qg, k_cache, preferred_element_type=jnp.float32,
-                        precision=lax.Precision.HIGHEST) * scale  # [B, Hkv, G, S]
+                        precision=ref_precision(q.dtype)) * scale  # [B, Hkv, G, S]
     valid = jnp.arange(s)[None, :] < lengths[:, None]  # [B, S]
     scores = jnp.where(valid[:, None, None, :], scores, -jnp.inf)
     m = jnp.max(scores, axis=-1, keepdims=True)
     p = jnp.exp(scores - jnp.where(jnp.isfinite(m), m, 0.0))
     p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
     o = jnp.einsum("bkgs,bskd->bkgd", p.astype(v_cache.dtype), v_cache,
-                   preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
+                   preferred_element_type=jnp.float32, precision=ref_precision(q.dtype))
     return o.reshape(b, hq, d).astype(q.dtype)

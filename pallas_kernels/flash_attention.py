@@ -23,8 +23,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import flash_attention_mgpu
 from pallas_kernels._common import (
-    LOG2_E, MASK_VALUE, check_array, check_head_dim, check_same_dtype, dot_f32, is_pow2)
+    LOG2_E, MASK_VALUE, check_array, check_head_dim, check_same_dtype, dot_f32, is_pow2,
+    ref_precision)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +132,11 @@ def flash_attention_kernel(q_ref, k_ref, v_ref, o_ref, *, sm_scale: float, causa
 # ---------------------------------------------------------------------------------------------
 
 
+def _on_hopper() -> bool:
+    dev = jax.devices()[0]
+    return dev.platform == "gpu" and any(n in dev.device_kind for n in ("H100", "H200", "H800", "GH200"))
+
+
 def _validate(q, k, v, causal, sliding_window):
     op = "flash_attention"
     check_array(op, "q", q, 4)
@@ -159,15 +166,34 @@ def _validate(q, k, v, causal, sliding_window):
             raise ValueError(f"{op}: sliding_window must be >= 1, got {sliding_window}")
 
 
+BACKENDS = ("auto", "triton", "mosaic")
+
+
 def flash_attention(q, k, v, *, causal: bool = True, sm_scale: float | None = None,
                     sliding_window: int | None = None, interpret: bool = False,
-                    block_sizes: FlashBlockSizes | None = None):
+                    block_sizes: FlashBlockSizes | None = None, backend: str = "auto",
+                    mosaic_config=None):
     """Attention of q [B, Tq, Hq, D] over k, v [B, Tk, Hkv, D] -> [B, Tq, Hq, D] in q's dtype.
 
     Hq % Hkv == 0 (GQA: query head h reads KV head h // (Hq // Hkv)); Tq <= Tk, the queries being
     the last Tq positions. `sm_scale` defaults to 1/sqrt(D). Softmax statistics in float32.
+
+    backend: "triton" (portable; the only one for float32), "mosaic" (Hopper: wgmma, TMA,
+    warp-specialized; bf16/fp16, D a multiple of 64; see flash_attention_mgpu.py), or "auto"
+    (mosaic on a Hopper GPU when the inputs allow it, else triton). With interpret=True, "auto"
+    means triton and "mosaic" runs the Mosaic GPU interpreter.
     """
     _validate(q, k, v, causal, sliding_window)
+    if backend not in BACKENDS:
+        raise ValueError(f"flash_attention: backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        backend = "mosaic" if (not interpret and _on_hopper() and
+                               flash_attention_mgpu.supports(q, k, v, mosaic_config) is None) \
+            else "triton"
+    if backend == "mosaic":
+        return flash_attention_mgpu.flash_attention_mgpu(
+            q, k, v, causal=causal, sm_scale=sm_scale, sliding_window=sliding_window,
+            interpret=interpret, config=mosaic_config)
     d = q.shape[-1]
     check_head_dim("flash_attention", d)
     sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d)
@@ -226,7 +252,7 @@ def flash_attention_reference(q, k, v, *, causal: bool = True, sm_scale: float |
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
     qg = q.reshape(b, tq, hkv, hq // hkv, d)  # [B, Tq, Hkv, G, D]
     s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32,
-                   precision=lax.Precision.HIGHEST) * scale  # [B, Hkv, G, Tq, Tk]
+                   precision=ref_precision(q.dtype)) * scale  # [B, Hkv, G, Tq, Tk]
     q_pos = jnp.arange(tq)[:, None] + (tk - tq)  # [Tq, 1]
     k_pos = jnp.arange(tk)[None, :]  # [1, Tk]
     visible = jnp.ones((tq, tk), bool)
@@ -237,5 +263,5 @@ def flash_attention_reference(q, k, v, *, causal: bool = True, sm_scale: float |
     s = jnp.where(visible, s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1)
     o = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32,
-                   precision=lax.Precision.HIGHEST)
+                   precision=ref_precision(q.dtype))
     return o.reshape(b, tq, hq, d).astype(q.dtype)

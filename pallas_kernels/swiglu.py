@@ -17,7 +17,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import check_array, check_same_dtype, dot_f32, is_pow2
+from pallas_kernels._common import check_array, check_same_dtype, dot_f32, is_pow2, ref_precision
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +132,7 @@ def swiglu_reference(x, w_gate, w_up, *, interpret: bool = False):
     """silu(x @ w_gate) * (x @ w_up) with float32 accumulation, in plain jnp."""
     del interpret
     _validate(x, w_gate, w_up)
-    hp = lax.Precision.HIGHEST
+    hp = ref_precision(x.dtype)
     gate = jnp.dot(x, w_gate, preferred_element_type=jnp.float32, precision=hp)
     up = jnp.dot(x, w_up, preferred_element_type=jnp.float32, precision=hp)
     return (jax.nn.silu(gate) * up).astype(x.dtype)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import (
-    DecodeBlockSizes, FlashBlockSizes, SwigluBlockSizes, decode_attention,
+    DecodeBlockSizes, FlashBlockSizes, MosaicFlashConfig, SwigluBlockSizes, decode_attention,
     decode_attention_reference, flash_attention, flash_attention_reference, rms_norm,
     rms_norm_reference, rope, rope_reference, swiglu, swiglu_reference)
 
@@ -74,6 +74,31 @@ def test_flash_attention_interpret(case, dtype):
     ref = flash_attention_reference(q, k, v, causal=causal, sliding_window=window)
     assert out.dtype == q.dtype
     assert rel_err(out, ref) < TOL[dtype]
+
+
+MOSAIC_CASES = [
+    # b, tq, tk, hq, hkv, d, causal, window, pingpong
+    (1, 300, 300, 2, 1, 64, True, None, True),  # 3 row blocks (last ragged), GQA, pingpong
+    (2, 130, 400, 2, 2, 64, True, None, False),  # Tq < Tk, ragged keys, no pingpong
+    (1, 200, 200, 2, 1, 128, False, None, True),  # non-causal, head dim 128
+    (1, 100, 333, 2, 1, 64, True, 150, True),  # sliding window + Tq < Tk: leading tiles skipped
+]
+
+
+@pytest.mark.parametrize("case", MOSAIC_CASES, ids=lambda c: "b{}_q{}_k{}_h{}/{}_d{}_c{}_w{}_pp{}".format(*c))
+def test_flash_attention_mosaic_interpret(case):
+    """The Hopper kernel under the Mosaic GPU interpreter (simulated warpgroups, TMA, barriers).
+
+    The interpreter runs the P @ V product from shared memory instead of registers; everything
+    else (the producer ring, barriers, masks, tile ranges, pingpong) is the GPU kernel's code.
+    """
+    b, tq, tk, hq, hkv, d, causal, window, pingpong = case
+    q, k, v = qkv(tq + tk, b, tq, tk, hq, hkv, d, jnp.bfloat16)
+    cfg = MosaicFlashConfig(block_q=64, block_kv=64, stages=2, pingpong=pingpong)
+    out = flash_attention(q, k, v, causal=causal, sliding_window=window, interpret=True,
+                          backend="mosaic", mosaic_config=cfg)
+    ref = flash_attention_reference(q, k, v, causal=causal, sliding_window=window)
+    assert rel_err(out, ref) < TOL[jnp.bfloat16]
 
 
 def test_flash_attention_sm_scale_and_window_matter():
@@ -225,6 +250,8 @@ def test_bad_inputs_raise_clear_errors():
         (lambda: flash_attention(jnp.concatenate([q, q], 1), k, v), "Tq <= Tk"),
         (lambda: flash_attention(q, k, v, causal=False, sliding_window=4), "causal"),
         (lambda: flash_attention(*qkv(0, 1, 8, 8, 2, 1, 24, f32)), "power of two"),
+        (lambda: flash_attention(q, k, v, backend="mosaic"), "bfloat16 or float16"),
+        (lambda: flash_attention(q, k, v, backend="cuda"), "backend must be"),
     ]
     qd = normal(0, (2, 4, 16), f32)
     kc = normal(1, (2, 10, 2, 16), f32)
@@ -268,10 +295,13 @@ def test_bad_inputs_raise_clear_errors():
     (2, 500, 500, 4, 2, 128, True, 100),
     (1, 129, 129, 2, 1, 256, True, None),
 ], ids=str)
-def test_flash_attention_gpu(case, dtype):
+@pytest.mark.parametrize("backend", ["triton", "mosaic"])
+def test_flash_attention_gpu(case, dtype, backend):
     b, tq, tk, hq, hkv, d, causal, window = case
+    if backend == "mosaic" and dtype == jnp.float32:
+        pytest.skip("the Mosaic path is 16-bit only")
     q, k, v = qkv(11, b, tq, tk, hq, hkv, d, dtype)
-    out = flash_attention(q, k, v, causal=causal, sliding_window=window)
+    out = flash_attention(q, k, v, causal=causal, sliding_window=window, backend=backend)
     ref = flash_attention_reference(q, k, v, causal=causal, sliding_window=window)
     assert rel_err(out, ref) < GPU_TOL[dtype]
 

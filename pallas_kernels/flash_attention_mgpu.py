@@ -1,0 +1,307 @@
+"""Flash attention (prefill) for Hopper on the Pallas Mosaic GPU backend.
+
+Same semantics as `flash_attention.flash_attention` (causal, sliding window, GQA, Tq <= Tk with
+the queries at the end, any length); bf16/fp16 only, head dim a multiple of 64.
+
+One CUDA block handles 2 x `block_q` queries of one query head with three warpgroups:
+  * warpgroup 2 (producer, few registers) streams K and V tiles of the head's KV group into a
+    ring of `stages` shared-memory slots with TMA, waiting on per-slot "free" barriers;
+  * warpgroups 0 and 1 (consumers, many registers) each own `block_q` query rows: per KV tile,
+    S = Q K^T on the tensor cores (wgmma, Q and K from shared memory), online softmax in
+    registers (float32, base 2), O += P V (wgmma with P from registers), then release the slot.
+With `pingpong`, a two-party barrier makes the consumers alternate, so one warpgroup's softmax
+overlaps the other's matrix products (the FlashAttention-3 schedule).
+
+Both consumers walk the same KV range (the union of their rows' visible keys), in ascending
+order: masked edge tiles (sliding-window lower edge), tiles visible in full (no mask
+arithmetic), masked edge tiles (causal diagonal, ragged end). Masked scores get a finite
+MASK_VALUE, so a row whose first tile is fully masked carries no NaN (see _common.py).
+Sequence lengths that are not tile multiples are padded in the wrapper (a copy only then).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels._common import LOG2_E, MASK_VALUE
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicFlashConfig:
+    """block_q: rows per consumer warpgroup (the block handles 2 x block_q); block_kv: keys per
+    tile; stages: K/V ring depth; pingpong: alternate the two consumers' softmax and matmuls."""
+    block_q: int = 64
+    block_kv: int = 128
+    stages: int = 2
+    pingpong: bool = True
+
+    def __post_init__(self):
+        if self.block_q % 64 or self.block_kv % 64 or self.block_kv > 256:
+            raise ValueError(f"MosaicFlashConfig: block_q ({self.block_q}) and block_kv "
+                             f"({self.block_kv}) must be multiples of 64, block_kv <= 256")
+        if self.stages < 2:
+            raise ValueError(f"MosaicFlashConfig.stages={self.stages}: need >= 2")
+
+    def __str__(self):
+        return f"q{self.block_q}x2 kv{self.block_kv} st{self.stages}{' pp' if self.pingpong else ''}"
+
+
+def default_config(head_dim: int) -> MosaicFlashConfig:
+    if head_dim > 128:
+        return MosaicFlashConfig(block_q=64, block_kv=64, stages=2)
+    return MosaicFlashConfig(block_q=64, block_kv=128, stages=2)
+
+
+SMEM_LIMIT = 227 * 1024
+
+
+def smem_bytes(cfg: MosaicFlashConfig, head_dim: int, itemsize: int = 2) -> int:
+    q = 2 * cfg.block_q * head_dim * itemsize
+    kv = 2 * cfg.stages * cfg.block_kv * head_dim * itemsize
+    return q + kv + 1024  # barriers and alignment
+
+
+def supports(q, k, v, cfg: MosaicFlashConfig | None = None) -> str | None:
+    """None when the Mosaic path can run these inputs, else the reason it cannot."""
+    if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"dtype {q.dtype} (needs bfloat16 or float16)"
+    d = q.shape[-1]
+    if d % 64 or d > 256:
+        return f"head dim {d} (needs a multiple of 64, <= 256)"
+    cfg = cfg or default_config(d)
+    if smem_bytes(cfg, d) > SMEM_LIMIT:
+        return f"config {cfg} needs {smem_bytes(cfg, d)} bytes of shared memory"
+    return None
+
+
+def _mma_transforms(dtype):
+    swizzle = 128
+    return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+            plgpu.SwizzleTransform(swizzle))
+
+
+def _kernel(q_ref, k_ref, v_ref, o_ref, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready,
+            k_free, v_free, turn, *scratch, cfg: MosaicFlashConfig, sm_scale: float, causal: bool,
+            window: int | None, tq: int, tk: int, n_kv: int, group: int, num_tiles: int,
+            interpret: bool):
+    # q_ref, o_ref [B, Tq_pad, Hq, D], k_ref, v_ref [B, Tk_pad, Hkv, D] (GMEM)
+    # q_smem [2, block_q, D]; k_smem, v_smem [stages, block_kv, D]
+    bq, bkv, stages = cfg.block_q, cfg.block_kv, cfg.stages
+    b = lax.axis_index("b")
+    h = lax.axis_index("h")
+    tile = lax.axis_index("t")
+    if causal:
+        tile = num_tiles - 1 - tile  # longest rows first: the tail of the grid is short work
+    wg = lax.axis_index("wg")
+    offset = tk - tq
+
+    # KV range of the block (both consumers walk all of it; see the module docstring).
+    p_first = tile * (2 * bq) + offset
+    p_last = p_first + 2 * bq - 1
+    hi = jnp.minimum(pl.cdiv(jnp.minimum(p_last + 1, tk), bkv), n_kv) if causal else n_kv
+    if window is not None:
+        lo = jnp.maximum(p_first - window + 1, 0) // bkv
+        full_lo = jnp.clip(pl.cdiv(jnp.maximum(p_last - window + 1, 0), bkv), lo, hi)
+    else:
+        lo = full_lo = jnp.int32(0)
+    full_hi = jnp.clip((jnp.minimum(p_first + 1, tk) if causal else tk) // bkv, full_lo, hi)
+    hi = jnp.asarray(hi, jnp.int32)
+    lo = jnp.asarray(lo, jnp.int32)
+
+    def slot_of(j):
+        return lax.rem(j - lo, stages)
+
+    def rendezvous():
+        plgpu.barrier_arrive(turn)
+        plgpu.barrier_wait(turn)
+
+    @pl.when(wg < 2)
+    def _consumer():
+        plgpu.set_max_registers(232, action="increase")
+        row0 = tile * (2 * bq) + wg * bq
+        my_q = q_smem.at[wg]
+        plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, bq), h], my_q, q_ready.at[wg])
+        plgpu.barrier_wait(q_ready.at[wg])
+        d = q_ref.shape[-1]
+        qk_scale = sm_scale * LOG2_E
+        if cfg.pingpong:
+            pl.when(wg == 1)(rendezvous)  # offset warpgroup 1 by one phase
+
+        def step(j, carry, masked: bool):
+            acc, m, l = carry  # [bq, D] f32 (WGMMA), [bq], [bq] f32 (WGMMA rows)
+            slot = slot_of(j)
+            plgpu.barrier_wait(k_ready.at[slot])
+
+            def qk_product(s_ref):
+                plgpu.wgmma(s_ref, my_q, k_smem.at[slot].transpose((1, 0)))
+                if cfg.pingpong:
+                    rendezvous()  # let the other warpgroup issue while this one waits
+                return s_ref[...]
+
+            s = pl.run_scoped(qk_product, plgpu.ACC((bq, bkv), jnp.float32))  # [bq, bkv]
+            plgpu.barrier_arrive(k_free.at[slot])
+            s = s * qk_scale
+            if masked:
+                # Index grids are rebuilt per masked tile rather than kept live across the loop
+                # (an int32 [bq, bkv] grid costs 64 registers per thread).
+                rows = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0, layout=plgpu.Layout.WGMMA)
+                cols = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA)
+                pos = rows + (row0 + offset)  # [bq, bkv] query position
+                key = cols + j * bkv  # [bq, bkv] key position
+                visible = key < tk
+                if causal:
+                    visible = visible & (key <= pos)
+                if window is not None:
+                    visible = visible & (key > pos - window)
+                s = jnp.where(visible, s, MASK_VALUE)
+            m_new = jnp.maximum(m, s.max(axis=1))
+            alpha = jnp.exp2(m - m_new)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            l = l * alpha + p.sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            p16 = p.astype(v_smem.dtype)
+            if cfg.pingpong:
+                plgpu.barrier_arrive(turn)  # softmax done: hand the tensor cores over
+            plgpu.barrier_wait(v_ready.at[slot])
+            if cfg.pingpong:
+                plgpu.barrier_wait(turn)
+
+            if interpret:
+                # GPU interpret mode takes neither a register operand for wgmma nor
+                # pl.run_state over an accumulator: stage P through shared memory and add a
+                # fresh product (same arithmetic as the GPU path below).
+                p_smem = scratch[0].at[wg]
+                p_smem[...] = p16
+                plgpu.commit_smem()
+
+                def pv_fresh(o_ref):
+                    plgpu.wgmma(o_ref, p_smem, v_smem.at[slot])
+                    return o_ref[...]
+
+                acc = acc + pl.run_scoped(pv_fresh, plgpu.ACC((bq, d), jnp.float32))
+            else:
+                def pv_product(o_ref):
+                    plgpu.wgmma(o_ref, p16, v_smem.at[slot])
+
+                acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
+            plgpu.barrier_arrive(v_free.at[slot])
+            return acc, m_new, l
+
+        acc = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA)
+        m = plgpu.layout_cast(jnp.full((bq,), MASK_VALUE, jnp.float32),
+                              plgpu.Layout.WGMMA.reduce(1))
+        l = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        carry = (acc, m, l)
+        masked_step = functools.partial(step, masked=True)
+        if window is not None:
+            carry = lax.fori_loop(lo, full_lo, masked_step, carry)
+        carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
+        carry = lax.fori_loop(full_hi, hi, masked_step, carry)
+        acc, m, l = carry
+        if cfg.pingpong:
+            pl.when(wg == 0)(rendezvous)  # balance warpgroup 1's extra phase
+        l = jnp.where(l > 0, l, 1.0)
+        out = acc / lax.broadcast_in_dim(l, acc.shape, [0])
+        my_q[...] = out.astype(my_q.dtype)  # Q is dead: its buffer stages the output
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(my_q, o_ref.at[b, pl.ds(row0, bq), h])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _producer():
+        plgpu.set_max_registers(40, action="decrease")
+        kvh = lax.div(h, jnp.asarray(group, h.dtype))
+
+        def load(j, _):
+            slot = slot_of(j)
+
+            @pl.when(j - lo >= stages)
+            def _wait_free():
+                plgpu.barrier_wait(k_free.at[slot])
+                plgpu.barrier_wait(v_free.at[slot])
+
+            src = (b, pl.ds(j * bkv, bkv), kvh)
+            plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_ready.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot], v_ready.at[slot])
+            return 0
+
+        lax.fori_loop(lo, hi, load, 0)
+
+        # Await the releases not awaited above, so every barrier completion is observed.
+        def drain(j, _):
+            slot = slot_of(j)
+            plgpu.barrier_wait(k_free.at[slot])
+            plgpu.barrier_wait(v_free.at[slot])
+            return 0
+
+        lax.fori_loop(jnp.maximum(hi - stages, lo), hi, drain, 0)
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "window", "cfg", "interpret"))
+def _flash_attention_mgpu(q, k, v, *, causal, sm_scale, window, cfg, interpret):
+    b, tq, hq, d = q.shape
+    _, tk, hkv, _ = k.shape
+    rows_per_block = 2 * cfg.block_q
+    num_tiles = pl.cdiv(tq, rows_per_block)
+    tq_pad = num_tiles * rows_per_block
+    n_kv = pl.cdiv(tk, cfg.block_kv)
+    tk_pad = n_kv * cfg.block_kv
+    if tq_pad != tq:  # padded queries sit after the real ones and are sliced off
+        q = jnp.pad(q, ((0, 0), (0, tq_pad - tq), (0, 0), (0, 0)))
+    if tk_pad != tk:  # padded keys are masked (key < tk) in the last tile
+        k = jnp.pad(k, ((0, 0), (0, tk_pad - tk), (0, 0), (0, 0)))
+        v = jnp.pad(v, ((0, 0), (0, tk_pad - tk), (0, 0), (0, 0)))
+    transforms = _mma_transforms(q.dtype)
+    kernel = functools.partial(
+        _kernel, cfg=cfg, sm_scale=sm_scale, causal=causal, window=window, tq=tq, tk=tk,
+        n_kv=n_kv, group=hq // hkv, num_tiles=num_tiles, interpret=interpret)
+    # Offsets in the grid are taken from the real Tq/Tk (positions), the shapes from the padded.
+    out = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((b, tq_pad, hq, d), q.dtype),
+        scratch_types=[
+            plgpu.SMEM((2, cfg.block_q, d), q.dtype, transforms=transforms),
+            plgpu.SMEM((cfg.stages, cfg.block_kv, d), q.dtype, transforms=transforms),
+            plgpu.SMEM((cfg.stages, cfg.block_kv, d), q.dtype, transforms=transforms),
+            plgpu.Barrier(num_barriers=2),  # q_ready
+            plgpu.Barrier(num_barriers=cfg.stages),  # k_ready
+            plgpu.Barrier(num_barriers=cfg.stages),  # v_ready
+            plgpu.Barrier(num_arrivals=2, num_barriers=cfg.stages),  # k_free
+            plgpu.Barrier(num_arrivals=2, num_barriers=cfg.stages),  # v_free
+            plgpu.Barrier(num_arrivals=2),  # turn (pingpong)
+            # interpret mode only: P staged in shared memory (see the kernel)
+            *([plgpu.SMEM((2, cfg.block_q, cfg.block_kv), q.dtype, transforms=transforms)]
+              if interpret else []),
+        ],
+        grid=(b, hq, num_tiles),  # tiles fastest: neighbouring blocks share K/V in L2
+        grid_names=("b", "h", "t"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if interpret else False,
+    )(q, k, v)
+    return out[:, :tq] if tq_pad != tq else out
+
+
+def flash_attention_mgpu(q, k, v, *, causal: bool = True, sm_scale: float | None = None,
+                         sliding_window: int | None = None, interpret=False,
+                         config: MosaicFlashConfig | None = None):
+    """The Hopper path; same contract as `flash_attention` (validated there)."""
+    # flash_attention.flash_attention validated the inputs before dispatching here.
+    cfg = config or default_config(q.shape[-1])
+    reason = supports(q, k, v, cfg)
+    if reason is not None:
+        raise ValueError(f"flash_attention (mosaic backend): unsupported {reason}")
+    d = q.shape[-1]
+    sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d)
+    window = int(sliding_window) if sliding_window is not None else None
+    return _flash_attention_mgpu(q, k, v, causal=causal, sm_scale=sm_scale, window=window,
+                                 cfg=cfg, interpret=interpret)
