@@ -2,6 +2,9 @@
 
 from jaxinfer.cache import KVCache
 from jaxinfer.configs import PRESETS, Config, RopeScaling
+from jaxinfer.generate import Completion, generate, stream
 from jaxinfer.model import Model, load
+from jaxinfer.sampling import SamplingParams, sample
 
-__all__ = ["Config", "KVCache", "Model", "PRESETS", "RopeScaling", "load"]
+__all__ = ["Completion", "Config", "KVCache", "Model", "PRESETS", "RopeScaling", "SamplingParams",
+           "generate", "load", "sample", "stream"]

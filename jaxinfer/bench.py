@@ -95,7 +95,7 @@ def run(model: Model, name: str, batch: int, prompt_len: int, gen_len: int,
                          f"context of {config.max_position_embeddings}")
     rng = np.random.default_rng(seed)
     prompts = rng.integers(0, config.vocab_size, (batch, prompt_len)).tolist()
-    greedy = [SamplingParams()] * batch
+    greedy = [SamplingParams(temperature=0.0)] * batch
 
     def fresh_state():
         # No stop ids: every row runs its whole budget, so the step count is known.

@@ -81,7 +81,10 @@ def _record(state: DecodeState, new_tokens: jax.Array, new_logprobs: jax.Array) 
 def _sample(logits: jax.Array, state: DecodeState, positions: jax.Array):
     """Sample one token per row; the key of row b depends only on (seed_b, request_b, position)."""
     keys = sampling.step_keys(state.sampler, positions)
-    return sampling.sample(logits, keys, state.sampling, state=state.sampler)
+    out = sampling.sample_with_logprobs(logits, keys, state.sampling,
+                                        token_counts=state.sampler.token_counts,
+                                        seen_mask=state.sampler.seen_mask)
+    return out.tokens, out.logprobs
 
 
 @functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("state",))
@@ -235,7 +238,7 @@ def _prepare(model, prompts, max_new_tokens, sampling_params, seed, chat, stop, 
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     ids = _encode_prompts(model, prompts, chat)
     if sampling_params is None:
-        sampling_params = SamplingParams()
+        sampling_params = SamplingParams(temperature=0.0)  # greedy, as HF generate defaults to
     if isinstance(sampling_params, SamplingParams):
         sampling_params = [sampling_params] * len(ids)
     if len(sampling_params) != len(ids):
@@ -280,30 +283,29 @@ def stream(model, prompt, max_new_tokens: int = 128, sampling: SamplingParams | 
     """
     state, tokens, lengths, stop_ids, stop_strings, _ = _prepare(
         model, [prompt], max_new_tokens, sampling, seed, chat, stop, None)
-    tok = model.tokenizer
+    if model.tokenizer is None:
+        raise ValueError("stream() needs a tokenizer to turn tokens into text; use generate()")
+    decoder = model.tokenizer.incremental_decoder()
+    # Text that could still be the start of a stop string is held back until it is not.
+    hold = max((len(s) - 1 for s in stop_strings), default=0)
     state = prefill(model.params, tokens, lengths, state, model.config)
-    ids: list[int] = []
-    emitted = ""
+    text, emitted = "", 0
     while True:
-        step = int(state.step)
-        new = int(state.output[0, step - 1])
-        if new in stop_ids:
-            return
-        ids.append(new)
-        text = tok.decode(ids)
+        new = int(state.output[0, int(state.step) - 1])
+        finished = new in stop_ids or bool(state.done[0])
+        if new not in stop_ids:
+            text += decoder.step(new)
+        if finished:
+            text += decoder.flush()
         cut = min((text.find(s) for s in stop_strings if s in text), default=-1)
         if cut >= 0:
-            if cut > len(emitted):
-                yield text[len(emitted):cut]
+            if cut > emitted:
+                yield text[emitted:cut]
             return
-        # Hold back text that may still be the start of a stop string or a partial character.
-        hold = max((len(s) - 1 for s in stop_strings), default=0)
-        safe = len(text) - hold if not text.endswith("\ufffd") else len(text.rstrip("\ufffd"))
-        if safe > len(emitted):
-            yield text[len(emitted):safe]
-            emitted = text[:safe]
-        if bool(state.done[0]):
-            if len(text) > len(emitted):
-                yield text[len(emitted):]
+        safe = len(text) if finished else len(text) - hold
+        if safe > emitted:
+            yield text[emitted:safe]
+            emitted = safe
+        if finished:
             return
         state = decode_step(model.params, state, model.config)
