@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxinfer import generate as gen
+from jaxinfer.generate import decode_loop, decode_step, init_state, prefill
 from jaxinfer.configs import PRESETS, Config
 from jaxinfer.model import Model, default_dtype, load
 from jaxinfer.models import layers, llama
@@ -99,15 +99,15 @@ def run(model: Model, name: str, batch: int, prompt_len: int, gen_len: int,
 
     def fresh_state():
         # No stop ids: every row runs its whole budget, so the step count is known.
-        return gen.init_state(model, prompts, gen_len, greedy, seed, stop_ids=[])
+        return init_state(model, prompts, gen_len, greedy, seed, stop_ids=[])
 
     progress = tqdm(total=4, desc=f"bench {name}", leave=False)
     state, tokens, lengths = fresh_state()
     t0 = time.perf_counter()
-    prefill_exe = gen.prefill.lower(model.params, tokens, lengths, state, config).compile()
+    prefill_exe = prefill.lower(model.params, tokens, lengths, state, config).compile()
     state = jax.block_until_ready(prefill_exe(model.params, tokens, lengths, state))
-    loop_exe = gen.decode_loop.lower(model.params, state, config).compile()
-    step_exe = gen.decode_step.lower(model.params, state, config).compile()
+    loop_exe = decode_loop.lower(model.params, state, config).compile()
+    step_exe = decode_step.lower(model.params, state, config).compile()
     compile_s = time.perf_counter() - t0
     progress.update()
 

@@ -92,6 +92,12 @@ def cmd_chat(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from jaxinfer import bench
+
+    return bench.main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxinfer", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
@@ -111,6 +117,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(c)
     c.add_argument("--system", default=None, help="system message")
     c.set_defaults(func=cmd_chat)
+
+    b = sub.add_parser("bench", help="prefill/decode speed against the memory-bandwidth floor")
+    _add_model_args(b)
+    b.add_argument("--preset", default=None, help="real shapes of a known model (with --random-weights)")
+    b.add_argument("--random-weights", action="store_true", help="random values, no download")
+    b.add_argument("--batch", type=int, nargs="+", default=[1])
+    b.add_argument("--prompt-len", type=int, default=128)
+    b.add_argument("--gen-len", type=int, default=256)
+    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--json", action="store_true", help="a JSON line per run at the end")
+    b.set_defaults(func=cmd_bench)
     return parser
 
 

@@ -94,7 +94,7 @@ def prefill(params: dict, tokens: jax.Array, lengths: jax.Array, state: DecodeSt
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     logits, cache = llama.forward(params, tokens, positions, config, state.cache,
-                                  logits_at=lengths - 1)  # [B, 1, V]
+                                  logits_at=lengths - 1, fresh=True)  # [B, 1, V]
     state = state.replace(cache=cache.replace(lengths=lengths), positions=lengths)
     new_tokens, new_logprobs = _sample(logits[:, 0], state, lengths)
     return _record(state, new_tokens, new_logprobs)

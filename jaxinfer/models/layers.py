@@ -212,6 +212,22 @@ def attention_reference(q, k, v, q_pos, kv_pos, *, window=None, sm_scale=None):
     return o.reshape(b, t, hq, d).astype(q.dtype)
 
 
-def attention(q, k, v, q_pos, kv_pos, *, window=None):
-    """The model's one attention entry point (shapes as in `attention_reference`)."""
-    return attention_reference(q, k, v, q_pos, kv_pos, window=window)
+def causal_self_attention(q, k, v, positions, *, window=None):
+    """Causal attention among T new tokens at positions 0..T-1 (full forward, fresh prefill).
+
+    q [B, T, Hq, D], k/v [B, T, Hkv, D] -> [B, T, Hq, D]. On GPU a fused kernel: JAX's
+    `dot_product_attention` (cuDNN flash attention for bf16/fp16), which never materializes the
+    [T, T] scores; on CPU the masked reference, exact for any `positions`.
+    """
+    if jax.default_backend() == "gpu":
+        return jax.nn.dot_product_attention(
+            q, k, v, is_causal=True,
+            local_window_size=None if window is None else (window - 1, 0))
+    return attention_reference(q, k, v, positions, positions, window=window)
+
+
+def cached_attention(q, k_cache, v_cache, q_pos, *, window=None):
+    """New tokens q [B, T, Hq, D] at positions q_pos [B, T] against a cache [B, S, Hkv, D] whose
+    slot i holds position i (slots past a row's length are hidden by causality)."""
+    kv_pos = jnp.broadcast_to(jnp.arange(k_cache.shape[1], dtype=jnp.int32), k_cache.shape[:2])
+    return attention_reference(q, k_cache, v_cache, q_pos, kv_pos, window=window)

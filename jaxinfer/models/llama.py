@@ -59,7 +59,7 @@ def param_specs(config: Config) -> dict:
 
 
 def _attention_block(lp: dict, x, cos, sin, positions, config: Config, layer: int,
-                     cache_kv: tuple[jax.Array, jax.Array] | None):
+                     cache_kv: tuple[jax.Array, jax.Array] | None, fresh: bool):
     """Pre-norm self-attention; returns (residual update [B, T, D], updated (k, v) cache or None)."""
     b, t, _ = x.shape
     hd, eps = config.head_dim, config.rms_norm_eps
@@ -72,24 +72,28 @@ def _attention_block(lp: dict, x, cos, sin, positions, config: Config, layer: in
         k = layers.rms_norm(k, lp["k_norm"], eps)
     q = layers.apply_rope(q, cos, sin)  # [B, T, Hq, D]
     k = layers.apply_rope(k, cos, sin)  # [B, T, Hkv, D]
-    if cache_kv is None:
-        keys, values, kv_pos = k, v, positions
+    window = config.window(layer)
+    if cache_kv is not None:
+        cache_kv = write_kv(*cache_kv, k, v, positions)  # [B, S, Hkv, D] each
+    if cache_kv is None or fresh:
+        o = layers.causal_self_attention(q, k, v, positions, window=window)
     else:
-        keys, values = write_kv(*cache_kv, k, v, positions)  # [B, S, Hkv, D]
-        kv_pos = jnp.broadcast_to(jnp.arange(keys.shape[1], dtype=jnp.int32), keys.shape[:2])
-    o = layers.attention(q, keys, values, positions, kv_pos, window=config.window(layer))
+        o = layers.cached_attention(q, *cache_kv, positions, window=window)
     out = layers.linear(o.reshape(b, t, config.num_heads * hd), lp["wo"], lp.get("bo"))
-    return out, (None if cache_kv is None else (keys, values))
+    return out, cache_kv
 
 
 def forward(params: dict, tokens: jax.Array, positions: jax.Array, config: Config,
-            cache: KVCache | None = None, logits_at: jax.Array | None = None
-            ) -> tuple[jax.Array, KVCache | None]:
+            cache: KVCache | None = None, logits_at: jax.Array | None = None,
+            fresh: bool = False) -> tuple[jax.Array, KVCache | None]:
     """Causal forward pass.
 
-    tokens, positions: [B, T] int32. Without a cache, the T tokens attend among themselves.
-    With a cache, their K/V are written to slots `positions` and they attend to every cache slot
-    at or before their position; `cache.lengths` is left for the caller to advance.
+    tokens, positions: [B, T] int32. Without a cache, the T tokens attend among themselves
+    (positions 0..T-1: the GPU path assumes it). With a cache, their K/V are written to slots
+    `positions` and they attend to every cache slot at or before their position; `fresh=True`
+    says the cache held nothing before them (a prefill from position 0), so they attend among
+    themselves, which the fused self-attention kernel does faster. `cache.lengths` is left for
+    the caller to advance.
     logits_at: optional [B] index into T; then only those rows get logits ([B, 1, V]).
     Returns (logits [B, T or 1, V] float32, cache).
     """
@@ -99,7 +103,8 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, config: Confi
     for i, lp in enumerate(params["layers"]):
         with jax.named_scope(f"layer{i}"):
             cache_kv = None if cache is None else (cache.k[i], cache.v[i])
-            attn, cache_kv = _attention_block(lp, x, cos, sin, positions, config, i, cache_kv)
+            attn, cache_kv = _attention_block(lp, x, cos, sin, positions, config, i, cache_kv,
+                                              fresh)
             x = x + attn
             h = layers.rms_norm(x, lp["mlp_norm"], config.rms_norm_eps)
             x = x + layers.swiglu_mlp(h, lp)
