@@ -10,7 +10,7 @@ out=${OUT:-.}
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
 case "${1:-ours}" in
   ours)
-    for args in "--batch 1 --prompt-len 128 --gen-len 256" \
+    for args in "--batch 1 --prompt-len 128 --gen-len 256 --dump-hlo $out/decode" \
                 "--batch 64 --prompt-len 2048 --gen-len 128" \
                 "--batch 1 --prompt-len 32768 --gen-len 128"; do
       python3 benchmarks/decode.py --preset llama3-8b --random-weights $args --json \

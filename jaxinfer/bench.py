@@ -88,7 +88,7 @@ def _median_time(fn, repeats: int) -> float:
 
 
 def run(model: Model, name: str, batch: int, prompt_len: int, gen_len: int,
-        repeats: int = 3, seed: int = 0) -> BenchResult:
+        repeats: int = 3, seed: int = 0, dump_hlo: str | None = None) -> BenchResult:
     config = model.config
     if prompt_len + gen_len > config.max_position_embeddings:
         raise ValueError(f"prompt_len + gen_len = {prompt_len + gen_len} exceeds the model's "
@@ -109,6 +109,9 @@ def run(model: Model, name: str, batch: int, prompt_len: int, gen_len: int,
     loop_exe = decode_loop.lower(model.params, state, config).compile()
     step_exe = decode_step.lower(model.params, state, config).compile()
     compile_s = time.perf_counter() - t0
+    if dump_hlo:  # the optimized decode step, to count its kernels and spot copies
+        with open(f"{dump_hlo}.b{batch}.hlo.txt", "w") as f:
+            f.write(step_exe.as_text())
     progress.update()
 
     def prefill_once():
@@ -167,7 +170,8 @@ def main(args) -> int:
         model, name = load(args.model, dtype=dtype), args.model
     results = []
     for b in args.batch:
-        r = run(model, name, b, args.prompt_len, args.gen_len, repeats=args.repeats)
+        r = run(model, name, b, args.prompt_len, args.gen_len, repeats=args.repeats,
+                dump_hlo=args.dump_hlo)
         results.append(r)
         print(r.table_row(), flush=True)
     for r in results:

@@ -127,6 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--gen-len", type=int, default=256)
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--json", action="store_true", help="a JSON line per run at the end")
+    b.add_argument("--dump-hlo", default=None, metavar="PREFIX",
+                   help="write the optimized decode step's HLO to PREFIX.b<batch>.hlo.txt")
     b.set_defaults(func=cmd_bench)
     return parser
 
