@@ -45,11 +45,12 @@ class FlashBlockSizes:
 
 
 def default_block_sizes(head_dim: int) -> FlashBlockSizes:
-    """Per-shape defaults for the Triton path on Hopper (see benchmarks/kernels.py for the sweep)."""
+    """Per-head-dim defaults for the Triton path, the fastest of benchmarks/kernels.py's sweep on
+    the H200 (B4 T4096 H32 bf16 causal: D64 320, D128 404, D256 342 TFLOP/s)."""
     if head_dim <= 64:
         return FlashBlockSizes(block_q=128, block_k=64, num_warps=4, num_stages=3)
     if head_dim <= 128:
-        return FlashBlockSizes(block_q=128, block_k=64, num_warps=8, num_stages=3)
+        return FlashBlockSizes(block_q=128, block_k=128, num_warps=8, num_stages=3)
     return FlashBlockSizes(block_q=64, block_k=32, num_warps=4, num_stages=2)
 
 
@@ -179,16 +180,18 @@ def flash_attention(q, k, v, *, causal: bool = True, sm_scale: float | None = No
     the last Tq positions. `sm_scale` defaults to 1/sqrt(D). Softmax statistics in float32.
 
     backend: "triton" (portable; the only one for float32), "mosaic" (Hopper: wgmma, TMA,
-    warp-specialized; bf16/fp16, D a multiple of 64; see flash_attention_mgpu.py), or "auto"
-    (mosaic on a Hopper GPU when the inputs allow it, else triton). With interpret=True, "auto"
-    means triton and "mosaic" runs the Mosaic GPU interpreter.
+    warp-specialized; bf16/fp16, D a multiple of 64; see flash_attention_mgpu.py), or "auto":
+    mosaic on a Hopper GPU when the inputs allow it and need no padding (Tq a multiple of 128,
+    Tk of the KV tile: the mosaic wrapper would otherwise copy q/k/v into padded arrays), else
+    triton. With interpret=True, "auto" means triton; "mosaic" runs the Mosaic GPU interpreter.
     """
     _validate(q, k, v, causal, sliding_window)
     if backend not in BACKENDS:
         raise ValueError(f"flash_attention: backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        backend = "mosaic" if (not interpret and _on_hopper() and
-                               flash_attention_mgpu.supports(q, k, v, mosaic_config) is None) \
+        backend = "mosaic" if (not interpret and _on_hopper()
+                               and flash_attention_mgpu.supports(q, k, v, mosaic_config) is None
+                               and flash_attention_mgpu.is_aligned(q, k, mosaic_config)) \
             else "triton"
     if backend == "mosaic":
         return flash_attention_mgpu.flash_attention_mgpu(
