@@ -56,16 +56,23 @@ def choose_num_splits(batch: int, kv_heads: int, seq_len: int, block_k: int,
 
 
 def decode_attention_kernel(len_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *,
-                            sm_scale: float, chunk: int, block_k: int):
+                            sm_scale: float, chunk: int, block_k: int, window: int | None):
     # len_ref [B] int32 (whole array; this program reads lengths[b])
     # q_ref [Gp, D]: the query heads of one KV group, padded to Gp >= 16 rows with zeros
-    # k_ref, v_ref [S_pad, D]: one KV head's cache row (rows >= lengths[b] are never read)
+    # k_ref, v_ref [S_pad, D]: one KV head's cache row (rows >= lengths[b], and with a window
+    # rows < lengths[b] - window, are never read)
     # acc_ref [Gp, D], m_ref [Gp], l_ref [Gp] (float32): this chunk's partial results
     b = pl.program_id(0)
     split = pl.program_id(2)
     length = len_ref[b]
     start = split * chunk
     end = jnp.minimum(start + chunk, length)
+    first = start  # first position this program attends to
+    if window is not None:
+        # The query sits at position length - 1 and sees keys > length - 1 - window; skip the
+        # chunk's whole tiles below that (start stays tile-aligned, the rest is masked).
+        first = jnp.maximum(start, length - window)
+        start = jnp.maximum(start, (first // block_k) * block_k)
     n_blocks = pl.cdiv(jnp.maximum(end - start, 0), block_k)
     q = q_ref[...]  # [Gp, D]
     gp, d = q.shape
@@ -76,6 +83,8 @@ def decode_attention_kernel(len_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref,
         base = pl.multiple_of(start + j * block_k, block_k)
         cols = base + jnp.arange(block_k)  # [block_k] cache position
         valid = cols < end
+        if window is not None:
+            valid &= cols >= first
         k = plgpu.load(k_ref.at[pl.ds(base, block_k), :], mask=valid[:, None], other=0)
         v = plgpu.load(v_ref.at[pl.ds(base, block_k), :], mask=valid[:, None], other=0)
         s = dot_f32(q, k, trans_b=True) * qk_scale  # [Gp, block_k]
@@ -101,8 +110,10 @@ def decode_attention_kernel(len_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref,
 # ---------------------------------------------------------------------------------------------
 
 
-def _validate(q, k_cache, v_cache, lengths):
+def _validate(q, k_cache, v_cache, lengths, sliding_window=None):
     op = "decode_attention"
+    if sliding_window is not None and int(sliding_window) < 1:
+        raise ValueError(f"{op}: sliding_window must be >= 1, got {sliding_window}")
     check_array(op, "q", q, 3)
     check_array(op, "k_cache", k_cache, 4)
     check_array(op, "v_cache", v_cache, 4)
@@ -128,25 +139,31 @@ def _validate(q, k_cache, v_cache, lengths):
 
 
 def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale: float | None = None,
-                     interpret: bool = False, block_sizes: DecodeBlockSizes | None = None):
+                     interpret: bool = False, block_sizes: DecodeBlockSizes | None = None,
+                     sliding_window: int | None = None):
     """q [B, Hq, D] attends to cache positions [0, lengths[b]) of k/v_cache [B, S, Hkv, D].
 
-    Returns [B, Hq, D] in q's dtype; a sequence of length 0 gets zeros.
+    The query is the token at position lengths[b] - 1 (its own K/V already written). With
+    `sliding_window=w` it sees positions > lengths[b] - 1 - w only (HF semantics), and only those
+    are read. Returns [B, Hq, D] in q's dtype; a sequence of length 0 gets zeros.
     """
-    _validate(q, k_cache, v_cache, lengths)
+    _validate(q, k_cache, v_cache, lengths, sliding_window)
     d = q.shape[-1]
     check_head_dim("decode_attention", d)
     sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d)
     blocks = block_sizes or DecodeBlockSizes()
     b, s, hkv, _ = k_cache.shape
     num_splits = blocks.num_splits or choose_num_splits(b, hkv, s, blocks.block_k)
+    window = int(sliding_window) if sliding_window is not None else None
     return _decode_attention_triton(q, k_cache, v_cache, lengths, sm_scale=sm_scale,
-                                    blocks=blocks, num_splits=num_splits, interpret=interpret)
+                                    blocks=blocks, num_splits=num_splits, window=window,
+                                    interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "blocks", "num_splits", "interpret"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "blocks", "num_splits", "window",
+                                             "interpret"))
 def _decode_attention_triton(q, k_cache, v_cache, lengths, *, sm_scale, blocks, num_splits,
-                             interpret):
+                             window, interpret):
     b, hq, d = q.shape
     _, s, hkv, _ = k_cache.shape
     g = hq // hkv
@@ -160,7 +177,7 @@ def _decode_attention_triton(q, k_cache, v_cache, lengths, *, sm_scale, blocks, 
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - g), (0, 0)))  # [B, Hkv, Gp, D]
 
     kernel = functools.partial(decode_attention_kernel, sm_scale=sm_scale, chunk=chunk,
-                               block_k=block_k)
+                               block_k=block_k, window=window)
     acc, m, l = pl.pallas_call(
         kernel,
         grid=(b, hkv, num_splits),
@@ -197,10 +214,10 @@ def _merge_splits(acc, m, l):
 
 
 def decode_attention_reference(q, k_cache, v_cache, lengths, *, sm_scale: float | None = None,
-                               interpret: bool = False):
+                               interpret: bool = False, sliding_window: int | None = None):
     """Plain-jnp decode attention with the same signature (interpret is ignored)."""
     del interpret
-    _validate(q, k_cache, v_cache, lengths)
+    _validate(q, k_cache, v_cache, lengths, sliding_window)
     b, hq, d = q.shape
     _, s, hkv, _ = k_cache.shape
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
@@ -208,6 +225,8 @@ def decode_attention_reference(q, k_cache, v_cache, lengths, *, sm_scale: float 
     scores = jnp.einsum("bkgd,bskd->bkgs", qg, k_cache, preferred_element_type=jnp.float32,
                         precision=ref_precision(q.dtype)) * scale  # [B, Hkv, G, S]
     valid = jnp.arange(s)[None, :] < lengths[:, None]  # [B, S]
+    if sliding_window is not None:
+        valid &= jnp.arange(s)[None, :] >= lengths[:, None] - sliding_window
     scores = jnp.where(valid[:, None, None, :], scores, -jnp.inf)
     m = jnp.max(scores, axis=-1, keepdims=True)
     p = jnp.exp(scores - jnp.where(jnp.isfinite(m), m, 0.0))

@@ -20,7 +20,7 @@ from pallas_kernels._common import check_array, is_pow2, next_pow2
 
 
 def rope_kernel(pos_ref, inv_freq_ref, x_ref, o_ref, *, seq_len: int, num_heads: int,
-                block_t: int):
+                block_t: int, attention_factor: float):
     # pos_ref [block_t] int32; inv_freq_ref [D/2] float32
     # x_ref, o_ref [block_t, H, D]: one token tile of one sequence (rows past seq_len are padding)
     rows = pl.program_id(1) * block_t + jnp.arange(block_t)  # [block_t]
@@ -30,8 +30,8 @@ def rope_kernel(pos_ref, inv_freq_ref, x_ref, o_ref, *, seq_len: int, num_heads:
     half = inv_freq.shape[0]
     angle = pos[:, None] * inv_freq[None, :]  # [block_t, half], float32 as in HF
     # HF casts cos/sin to x's dtype before the products; do the same so bf16 results agree.
-    cos = jnp.cos(angle).astype(x_ref.dtype).astype(jnp.float32)
-    sin = jnp.sin(angle).astype(x_ref.dtype).astype(jnp.float32)
+    cos = (jnp.cos(angle) * attention_factor).astype(x_ref.dtype).astype(jnp.float32)
+    sin = (jnp.sin(angle) * attention_factor).astype(x_ref.dtype).astype(jnp.float32)
     mask = row_ok[:, None]
 
     def head(h, _):
@@ -62,8 +62,11 @@ def _validate(x, positions, inv_freq):
                          f"{d / 2} for head dim {d} (partial rotary is not supported here)")
 
 
-def rope(x, positions, inv_freq, *, interpret: bool = False, block_t: int | None = None):
-    """HF rotate-half RoPE; x [B, T, H, D], positions [B, T] int32, inv_freq [D/2] float32."""
+def rope(x, positions, inv_freq, *, interpret: bool = False, block_t: int | None = None,
+         attention_factor: float = 1.0):
+    """HF rotate-half RoPE; x [B, T, H, D], positions [B, T] int32, inv_freq [D/2] float32.
+
+    attention_factor scales cos and sin (HF's `attention_scaling`, e.g. YaRN's mscale)."""
     _validate(x, positions, inv_freq)
     half = x.shape[-1] // 2
     if not is_pow2(half):
@@ -71,13 +74,15 @@ def rope(x, positions, inv_freq, *, interpret: bool = False, block_t: int | None
                          f"(D/2 must be a power of two); use rope_reference")
     if block_t is None:
         block_t = min(next_pow2(x.shape[1]), 16)
-    return _rope_triton(x, positions, inv_freq, block_t=block_t, interpret=interpret)
+    return _rope_triton(x, positions, inv_freq, block_t=block_t,
+                        attention_factor=float(attention_factor), interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("block_t", "interpret"))
-def _rope_triton(x, positions, inv_freq, *, block_t, interpret):
+@functools.partial(jax.jit, static_argnames=("block_t", "attention_factor", "interpret"))
+def _rope_triton(x, positions, inv_freq, *, block_t, attention_factor, interpret):
     b, t, h, d = x.shape
-    kernel = functools.partial(rope_kernel, seq_len=t, num_heads=h, block_t=block_t)
+    kernel = functools.partial(rope_kernel, seq_len=t, num_heads=h, block_t=block_t,
+                               attention_factor=attention_factor)
     return pl.pallas_call(
         kernel,
         grid=(b, pl.cdiv(t, block_t)),
@@ -92,14 +97,15 @@ def _rope_triton(x, positions, inv_freq, *, block_t, interpret):
     )(positions, inv_freq, x)
 
 
-def rope_reference(x, positions, inv_freq, *, interpret: bool = False):
+def rope_reference(x, positions, inv_freq, *, interpret: bool = False,
+                   attention_factor: float = 1.0):
     """HF `apply_rotary_pos_emb` in plain jnp (interpret is ignored)."""
     del interpret
     _validate(x, positions, inv_freq)
     angle = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
     emb = jnp.concatenate([angle, angle], axis=-1)  # [B, T, D]
-    cos = jnp.cos(emb).astype(x.dtype)[:, :, None, :]  # [B, T, 1, D]
-    sin = jnp.sin(emb).astype(x.dtype)[:, :, None, :]
+    cos = (jnp.cos(emb) * attention_factor).astype(x.dtype)[:, :, None, :]  # [B, T, 1, D]
+    sin = (jnp.sin(emb) * attention_factor).astype(x.dtype)[:, :, None, :]
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos + rotated * sin

@@ -155,6 +155,23 @@ def test_decode_attention_interpret(case, dtype):
     assert rel_err(out, ref) < TOL[dtype]
 
 
+@pytest.mark.parametrize("window", [1, 5, 20])
+def test_decode_attention_sliding_window_interpret(window):
+    """Window edges inside a tile, across a chunk boundary, and wider than some sequences."""
+    b, s, hq, hkv, d = 3, 60, 4, 2, 16
+    q = normal(7, (b, hq, d), jnp.float32)
+    k_cache = normal(8, (b, s, hkv, d), jnp.float32)
+    v_cache = normal(9, (b, s, hkv, d), jnp.float32)
+    lengths = jnp.asarray([60, 13, 37], jnp.int32)
+    blocks = DecodeBlockSizes(block_k=16, num_splits=3, num_stages=1)
+    out = decode_attention(q, k_cache, v_cache, lengths, interpret=True, block_sizes=blocks,
+                           sliding_window=window)
+    ref = decode_attention_reference(q, k_cache, v_cache, lengths, sliding_window=window)
+    assert rel_err(out, ref) < TOL[jnp.float32]
+    full = decode_attention_reference(q, k_cache, v_cache, lengths)
+    assert rel_err(ref, full) > 1e-2  # the window changed the result
+
+
 def test_decode_attention_ignores_stale_cache_slots():
     """Positions >= length must not be read: poisoning them with NaN must not change the output."""
     q = normal(1, (2, 4, 16), jnp.float32)
@@ -183,8 +200,9 @@ def inv_freq(d: int, theta: float = 10000.0):
 def test_rope_interpret(dtype):
     x = normal(0, (2, 19, 3, 32), dtype)
     positions = jax.random.randint(jax.random.PRNGKey(1), (2, 19), 0, 5000, jnp.int32)
-    out = rope(x, positions, jnp.asarray(inv_freq(32)), interpret=True, block_t=8)
-    ref = rope_reference(x, positions, jnp.asarray(inv_freq(32)))
+    out = rope(x, positions, jnp.asarray(inv_freq(32)), interpret=True, block_t=8,
+               attention_factor=1.2)
+    ref = rope_reference(x, positions, jnp.asarray(inv_freq(32)), attention_factor=1.2)
     assert out.dtype == x.dtype
     assert rel_err(out, ref) < TOL[dtype]
     assert rel_err(out, x) > 0.1  # rotation happened
@@ -196,8 +214,9 @@ def test_rope_reference_matches_model_rope():
     positions = jnp.arange(6, dtype=jnp.int32)[None] + 100
     angle = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq(16))
     emb = jnp.concatenate([angle, angle], axis=-1)
-    want = apply_rope(x, jnp.cos(emb), jnp.sin(emb))
-    assert rel_err(rope_reference(x, positions, jnp.asarray(inv_freq(16))), want) < 1e-6
+    want = apply_rope(x, 1.3 * jnp.cos(emb), 1.3 * jnp.sin(emb))
+    got = rope_reference(x, positions, jnp.asarray(inv_freq(16)), attention_factor=1.3)
+    assert rel_err(got, want) < 1e-6
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
@@ -309,14 +328,15 @@ def test_flash_attention_gpu(case, dtype, backend):
 @gpu
 @needs_gpu
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-def test_decode_attention_gpu(dtype):
+@pytest.mark.parametrize("window", [None, 700])
+def test_decode_attention_gpu(dtype, window):
     b, s, hq, hkv, d = 5, 3000, 32, 8, 128
     q = normal(1, (b, hq, d), dtype)
     k_cache = normal(2, (b, s, hkv, d), dtype)
     v_cache = normal(3, (b, s, hkv, d), dtype)
     lengths = jnp.asarray([3000, 1, 1234, 0, 2049], jnp.int32)
-    out = decode_attention(q, k_cache, v_cache, lengths)
-    ref = decode_attention_reference(q, k_cache, v_cache, lengths)
+    out = decode_attention(q, k_cache, v_cache, lengths, sliding_window=window)
+    ref = decode_attention_reference(q, k_cache, v_cache, lengths, sliding_window=window)
     assert rel_err(out, ref) < GPU_TOL[dtype]
 
 
