@@ -8,6 +8,7 @@ Every statistical test also checks that a plausible wrong implementation (off-by
 stages in the wrong order, ...) would fail the same bound, so the bound has teeth.
 """
 
+import collections
 import math
 
 import jax
@@ -156,8 +157,6 @@ def test_valid_params_and_from_params_checks():
         SamplingTensors.from_params(SamplingParams())
     with pytest.raises(ValueError, match="batch_size"):
         SamplingTensors.from_params([SamplingParams()] * 3, batch_size=2)
-    with pytest.raises(ValueError, match="top_p_candidates"):
-        SamplingTensors.from_params(SamplingParams(), 2, top_p_candidates=0)
     with pytest.raises(ValueError, match="seen_mask"):
         S.sample(jnp.zeros((2, 5)), jax.random.key(0), SamplingParams(repetition_penalty=1.1))
     with pytest.raises(ValueError, match="token_counts"):
@@ -242,18 +241,6 @@ def test_combined_top_k_top_p_min_p():
         ("top-p extra token", ref_probs(logits, 0.8, top_k=9, top_p=0.7, top_p_rule="extra_token"))])
 
 
-def test_top_p_candidates_is_exact_when_the_nucleus_fits():
-    logits = logits_of(10, v=32, scale=2.5)
-    p = SamplingParams(top_p=0.6)
-    assert np.count_nonzero(ref_probs(logits, top_p=0.6)) <= 8
-    exact = draw(logits, p, n=SMALL)
-    approx = draw(logits, p, n=SMALL, top_p_candidates=8)
-    np.testing.assert_array_equal(exact, approx)
-    # A nucleus larger than the candidates is truncated to them.
-    wide = draw(logits, SamplingParams(top_p=0.99), n=SMALL, top_p_candidates=4)
-    assert set(np.unique(wide)) <= set(np.argsort(logits)[-4:])
-
-
 # ---------------------------------------------------------------------------------------------
 # Mixed batches, jit, determinism, batch independence
 # ---------------------------------------------------------------------------------------------
@@ -300,7 +287,7 @@ def test_changing_per_row_values_does_not_recompile():
     b = [SamplingParams(top_k=6, top_p=0.3), SamplingParams(temperature=0.2, min_p=0.3),
          SamplingParams(top_p=0.95), SamplingParams(temperature=0)]
     step(logits, keys, SamplingTensors.from_params(a))
-    step(logits, keys, SamplingTensors.from_params(b))  # same stages, same top-k bucket (8)
+    step(logits, keys, SamplingTensors.from_params(b))  # same stages
     assert len(traces) == 1
     step(logits, keys, SamplingTensors.from_params([SamplingParams()] * 4))  # fewer stages
     assert len(traces) == 2
@@ -331,12 +318,11 @@ def test_a_request_draws_the_same_tokens_alone_and_in_any_batch():
                               jnp.array([t for _, t in pairs]))
         tensors = SamplingTensors.from_params([req_params[r] for r, _ in pairs])
         out = np.asarray(_sample(logits, keys, tensors))
-        return dict(zip(pairs, out.tolist())), tensors.flags
+        return dict(zip(pairs, out.tolist()))
 
-    everything, flags_all = run([0, 1, 2, 3, 4, 5])
-    assert flags_all.top_p_without_top_k  # the full-sort path ...
-    for subset in ([0], [4, 0], [3, 1, 2], [5, 2]):
-        alone, flags = run(subset)  # ... versus top-k-only, no-truncation, greedy mixes
+    everything = run([0, 1, 2, 3, 4, 5])  # every stage compiled in
+    for subset in ([0], [4, 0], [3, 1, 2], [5, 2]):  # top-k only, no truncation, greedy mixes
+        alone = run(subset)
         assert all(alone[pair] == everything[pair] for pair in alone), subset
     assert len(set(everything[(3, t)] for t in range(positions))) > 3  # draws do vary
 
@@ -452,36 +438,54 @@ def test_masked_nan_and_tied_rows_stay_in_range():
 # ---------------------------------------------------------------------------------------------
 
 
-def _primitive_names(jaxpr) -> set[str]:
-    names = set()
+def _count_primitives(jaxpr, counts):
     for eqn in jaxpr.eqns:
-        names.add(eqn.primitive.name)
-        for value in eqn.params.values():
+        counts[eqn.primitive.name] += 1
+        for value in eqn.params.values():  # bodies of jit, vmap-ed random, loops, ...
             for sub in value if isinstance(value, (tuple, list)) else (value,):
                 inner = getattr(sub, "jaxpr", sub)
                 if hasattr(inner, "eqns"):
-                    names |= _primitive_names(inner)
-    return names
+                    _count_primitives(inner, counts)
+    return counts
 
 
-def _primitives(params, b=4, v=64, **kw):
+def _primitives(params, b=4, v=64):
     jaxpr = jax.make_jaxpr(S.sample)(jnp.zeros((b, v)), jax.random.key(0),
-                                     SamplingTensors.from_params(params, b, **kw),
+                                     SamplingTensors.from_params(params, b),
                                      seen_mask=jnp.zeros((b, v), bool))
-    return _primitive_names(jaxpr.jaxpr)
+    counts = _count_primitives(jaxpr.jaxpr, collections.Counter())
+    counts["loop"] = counts["while"] + counts["scan"]
+    return counts
 
 
 def test_stages_are_skipped_by_the_static_flags():
     plain = _primitives(SamplingParams(temperature=0.8))
-    assert not {"sort", "top_k"} & plain and "random_bits" in plain
-    top_k = _primitives(SamplingParams(top_k=5, top_p=0.9, min_p=0.1))
-    assert "top_k" in top_k and "sort" not in top_k  # the nucleus is searched in the top k only
-    assert "sort" in _primitives(SamplingParams(top_p=0.9))
-    assert "sort" not in _primitives(SamplingParams(top_p=0.9), top_p_candidates=16)
+    assert plain["random_bits"] == 1 and plain["top_k"] == plain["loop"] == 0
+    min_p = _primitives(SamplingParams(min_p=0.1))
+    assert min_p["top_k"] == min_p["loop"] == min_p["sort"] == 0
+    for p in (SamplingParams(top_k=5), SamplingParams(top_k=50, top_p=0.9, min_p=0.1)):
+        # top-k: two-stage top_k (chunk maxima, then candidates); the nucleus inside them
+        counts = _primitives(p, v=100_000)
+        assert counts["top_k"] == 2 and counts["loop"] == 0
+    top_p = _primitives(SamplingParams(top_p=0.9))
+    assert top_p["loop"] == 1 and top_p["top_k"] == 0  # the radix select
     greedy = _primitives(SamplingParams(temperature=0))
-    assert not {"random_bits", "sort", "top_k"} & greedy
-    penalties = _primitives(SamplingParams(temperature=0, repetition_penalty=1.1))
-    assert "div" in penalties and "div" not in greedy
+    assert greedy["random_bits"] == 0 and greedy["div"] == 0
+    assert _primitives(SamplingParams(temperature=0, repetition_penalty=1.1))["div"] > 0
+    for counts in (plain, top_p, greedy):
+        assert counts["sort"] == 0
+
+
+@pytest.mark.parametrize("v,n", [(5000, 16), (5003, 8), (70_000, 50), (300, 8)])
+def test_top_values_two_stage_is_exact(v, n):
+    rng = np.random.default_rng(v)
+    x = rng.normal(size=(6, v)).astype(np.float32)
+    x[1] = np.round(x[1] * 2)  # many ties
+    x[2, rng.choice(v, n + 3, replace=False)] = 9.0  # a tie spanning the n-th value
+    x[3, : v // 2] = -np.inf
+    x[4, rng.choice(v, n, replace=False)] = np.linspace(5, 6, n)  # the top n in few chunks
+    got = np.asarray(jax.jit(S._top_values, static_argnums=1)(jnp.asarray(x), n))
+    np.testing.assert_array_equal(got, -np.sort(-x, axis=-1)[:, :n])
 
 
 def test_request_keys_and_sampler_state():
