@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from checkpoints.layout import fuse_qkv
 from jaxinfer.configs import Config, RopeScaling
 
 log = logging.getLogger(__name__)
@@ -386,7 +387,7 @@ def params_from_reader(reader, config: Config, path) -> dict:
                 w = unpermute_rope_rows(w, config.num_kv_heads)
             # [out, in] -> [in, out]; copy so the arrays are contiguous for jnp.asarray.
             lp[ours] = np.ascontiguousarray(w.T) if w.ndim == 2 else w
-        params["layers"].append(lp)
+        params["layers"].append(fuse_qkv(lp, config, f"{path}: blk.{i}"))
     params["final_norm"] = get(TOP_TENSORS["final_norm"])
     if not config.tie_word_embeddings:
         params["lm_head"] = np.ascontiguousarray(get(TOP_TENSORS["lm_head"]).T)  # [D, V]

@@ -13,6 +13,7 @@ import pathlib
 
 import jax.numpy as jnp
 
+from checkpoints.layout import fuse_qkv
 from jaxinfer.configs import Config, RopeScaling
 
 log = logging.getLogger(__name__)
@@ -205,7 +206,7 @@ def params_from_hf_tensors(tensors: dict, config: Config, source: str) -> dict:
             name = f"model.layers.{i}.{hf}"
             if present(name):
                 layer[ours] = take(name, tr)
-        params["layers"].append(layer)
+        params["layers"].append(fuse_qkv(layer, config, f"{source}: model.layers.{i}"))
     unused = sorted(n for n in tensors if n not in used and not n.endswith(IGNORED_SUFFIXES)
                     and not (n == "lm_head.weight" and config.tie_word_embeddings))
     if unused:

@@ -55,8 +55,7 @@ def test_tiny_logits_match_transformers(name):
     assert config.tie_word_embeddings == name.endswith("-tied")
     assert ("lm_head" in params) != config.tie_word_embeddings
     assert config.bos_token_id == 1 and config.eos_token_ids == (2,)
-    assert params["layers"][0]["wq"].shape == (64, 64)  # [in, out]
-    assert params["layers"][0]["wk"].shape == (64, 32)
+    assert params["layers"][0]["wqkv"].shape == (64, 2, 4, 16)  # [in, Hkv, G + 2, hd]
     assert params["layers"][0]["w_down"].shape == (128, 64)
     assert all(a.dtype == np.float32 for a in jax.tree.leaves(params))
 
@@ -70,11 +69,19 @@ def test_tiny_logits_match_transformers(name):
 def test_unpermute_is_needed():
     """Without undoing llama.cpp's q/k row interleave the logits are far off (the test can fail)."""
     config, params, _ = G.load_gguf_params(DATA / "tiny-f32.gguf")
-    d = config.head_dim
-    for lp in params["layers"]:  # re-apply llama.cpp's interleave to the [in, out] columns
-        for key, heads in (("wq", config.num_heads), ("wk", config.num_kv_heads)):
-            w = lp[key].T.reshape(heads, 2, d // 2, -1).swapaxes(1, 2).reshape(heads * d, -1)
-            lp[key] = np.ascontiguousarray(w.T)
+    d, hkv = config.head_dim, config.num_kv_heads
+    g = config.num_heads // hkv
+
+    def interleave(cols, heads):  # cols [in, heads * d] -> llama.cpp's row order, same shape
+        return cols.T.reshape(heads, 2, d // 2, -1).swapaxes(1, 2).reshape(heads * d, -1).T
+
+    for lp in params["layers"]:  # re-apply the interleave to the q and k parts of wqkv
+        w = lp["wqkv"].copy()  # [in, Hkv, G + 2, hd]
+        din = w.shape[0]
+        w[:, :, :g] = interleave(w[:, :, :g].reshape(din, -1), config.num_heads).reshape(
+            din, hkv, g, d)
+        w[:, :, g] = interleave(w[:, :, g].reshape(din, -1), hkv).reshape(din, hkv, d)
+        lp["wqkv"] = w
     ours = run_forward(config, params, TINY_REFS["tokens"])
     assert rel_err(ours, TINY_REFS["logits/tiny-f32"]) > 1e-2
 

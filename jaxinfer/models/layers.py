@@ -31,7 +31,7 @@ class ParamSpec:
             return jnp.ones(self.shape, dtype)
         if self.init == "zeros":
             return jnp.zeros(self.shape, dtype)
-        std = 1.0 / math.sqrt(self.shape[0]) if len(self.shape) == 2 else 0.02
+        std = 1.0 / math.sqrt(self.shape[0]) if len(self.shape) >= 2 else 0.02  # fan-in first
         return (std * jax.random.normal(key, self.shape, jnp.float32)).astype(dtype)
 
 
@@ -69,18 +69,29 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 
 def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
-    """x [..., K] @ w [K, N] (+ b [N]) with float32 accumulation, result in x's dtype."""
-    y = jnp.einsum("...k,kn->...n", x, w, preferred_element_type=jnp.float32)
+    """x [..., K] @ w [K, *N] (+ b [*N]) -> [..., *N]; float32 accumulation, x's dtype out."""
+    y = jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())),
+                            preferred_element_type=jnp.float32)
     if b is not None:
         y = y + b.astype(jnp.float32)
     return y.astype(x.dtype)
 
 
+def use_kernels() -> bool:
+    """Pallas kernels on GPU; the pure-jnp references elsewhere (decided at trace time)."""
+    return jax.default_backend() == "gpu"
+
+
 def swiglu_mlp(x: jax.Array, p: dict) -> jax.Array:
     """down(silu(x @ gate) * (x @ up)); x [..., D] -> [..., D]."""
-    gate = linear(x, p["w_gate"], p.get("b_gate"))
-    up = linear(x, p["w_up"], p.get("b_up"))
-    return linear(jax.nn.silu(gate) * up, p["w_down"], p.get("b_down"))
+    if use_kernels() and "b_gate" not in p:
+        from pallas_kernels import swiglu  # gate and up in one pass over x, SiLU*up in the epilogue
+
+        act = swiglu(x.reshape(-1, x.shape[-1]), p["w_gate"], p["w_up"]).reshape(
+            *x.shape[:-1], p["w_gate"].shape[1])
+    else:
+        act = jax.nn.silu(linear(x, p["w_gate"], p.get("b_gate"))) * linear(x, p["w_up"], p.get("b_up"))
+    return linear(act, p["w_down"], p.get("b_down"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -212,22 +223,32 @@ def attention_reference(q, k, v, q_pos, kv_pos, *, window=None, sm_scale=None):
     return o.reshape(b, t, hq, d).astype(q.dtype)
 
 
+def _kernel_head_dim(d: int) -> bool:
+    return 16 <= d <= 256 and d & (d - 1) == 0  # the Triton attention kernels' tiles
+
+
 def causal_self_attention(q, k, v, positions, *, window=None):
     """Causal attention among T new tokens at positions 0..T-1 (full forward, fresh prefill).
 
-    q [B, T, Hq, D], k/v [B, T, Hkv, D] -> [B, T, Hq, D]. On GPU a fused kernel: JAX's
-    `dot_product_attention` (cuDNN flash attention for bf16/fp16), which never materializes the
-    [T, T] scores; on CPU the masked reference, exact for any `positions`.
+    q [B, T, Hq, D], k/v [B, T, Hkv, D] -> [B, T, Hq, D]. On GPU our flash-attention kernel
+    (never materializes the [T, T] scores; assumes positions 0..T-1); elsewhere the masked
+    reference, exact for any `positions`.
     """
-    if jax.default_backend() == "gpu":
-        return jax.nn.dot_product_attention(
-            q, k, v, is_causal=True,
-            local_window_size=None if window is None else (window - 1, 0))
+    if use_kernels() and _kernel_head_dim(q.shape[-1]):
+        from pallas_kernels import flash_attention
+
+        return flash_attention(q, k, v, causal=True, sliding_window=window)
     return attention_reference(q, k, v, positions, positions, window=window)
 
 
 def cached_attention(q, k_cache, v_cache, q_pos, *, window=None):
     """New tokens q [B, T, Hq, D] at positions q_pos [B, T] against a cache [B, S, Hkv, D] whose
-    slot i holds position i (slots past a row's length are hidden by causality)."""
+    slot i holds position i (slots past a row's length are hidden by causality). One token per
+    row on GPU: the split-K decode kernel, reading only the valid slots."""
+    if use_kernels() and q.shape[1] == 1 and _kernel_head_dim(q.shape[-1]):
+        from pallas_kernels import decode_attention
+
+        out = decode_attention(q[:, 0], k_cache, v_cache, q_pos[:, 0] + 1, sliding_window=window)
+        return out[:, None]  # [B, 1, Hq, D]
     kv_pos = jnp.broadcast_to(jnp.arange(k_cache.shape[1], dtype=jnp.int32), k_cache.shape[:2])
     return attention_reference(q, k_cache, v_cache, q_pos, kv_pos, window=window)

@@ -23,12 +23,12 @@ from jaxinfer.models.layers import ParamSpec
 def param_specs(config: Config) -> dict:
     """Every weight declared once: shape [in, out] for matmuls, logical axes, initializer."""
     d, f, hd = config.hidden_size, config.intermediate_size, config.head_dim
-    q_out, kv_out = config.num_heads * hd, config.num_kv_heads * hd
+    hkv, g = config.num_kv_heads, config.num_heads // config.num_kv_heads
+    q_out = config.num_heads * hd
     layer = {
         "attn_norm": ParamSpec((d,), ("embed",), "ones"),
-        "wq": ParamSpec((d, q_out), ("embed", "q_heads")),
-        "wk": ParamSpec((d, kv_out), ("embed", "kv_heads")),
-        "wv": ParamSpec((d, kv_out), ("embed", "kv_heads")),
+        # q, k, v in one weight (see checkpoints/layout.py): per KV head, G query heads, k, v.
+        "wqkv": ParamSpec((d, hkv, g + 2, hd), ("embed", "kv_heads", None, None)),
         "wo": ParamSpec((q_out, d), ("q_heads", "embed")),
         "mlp_norm": ParamSpec((d,), ("embed",), "ones"),
         "w_gate": ParamSpec((d, f), ("embed", "mlp")),
@@ -36,9 +36,7 @@ def param_specs(config: Config) -> dict:
         "w_down": ParamSpec((f, d), ("mlp", "embed")),
     }
     if config.qkv_bias:
-        layer["bq"] = ParamSpec((q_out,), ("q_heads",), "zeros")
-        layer["bk"] = ParamSpec((kv_out,), ("kv_heads",), "zeros")
-        layer["bv"] = ParamSpec((kv_out,), ("kv_heads",), "zeros")
+        layer["bqkv"] = ParamSpec((hkv, g + 2, hd), ("kv_heads", None, None), "zeros")
     if config.o_bias:
         layer["bo"] = ParamSpec((d,), ("embed",), "zeros")
     if config.mlp_bias:
@@ -63,10 +61,12 @@ def _attention_block(lp: dict, x, cos, sin, positions, config: Config, layer: in
     """Pre-norm self-attention; returns (residual update [B, T, D], updated (k, v) cache or None)."""
     b, t, _ = x.shape
     hd, eps = config.head_dim, config.rms_norm_eps
+    g = config.num_heads // config.num_kv_heads
     h = layers.rms_norm(x, lp["attn_norm"], eps)
-    q = layers.linear(h, lp["wq"], lp.get("bq")).reshape(b, t, config.num_heads, hd)
-    k = layers.linear(h, lp["wk"], lp.get("bk")).reshape(b, t, config.num_kv_heads, hd)
-    v = layers.linear(h, lp["wv"], lp.get("bv")).reshape(b, t, config.num_kv_heads, hd)
+    qkv = layers.linear(h, lp["wqkv"], lp.get("bqkv"))  # [B, T, Hkv, G + 2, hd]
+    q = qkv[:, :, :, :g].reshape(b, t, config.num_heads, hd)  # head j*G + i, as HF orders them
+    k = qkv[:, :, :, g]  # [B, T, Hkv, hd]
+    v = qkv[:, :, :, g + 1]
     if config.qk_norm:
         q = layers.rms_norm(q, lp["q_norm"], eps)
         k = layers.rms_norm(k, lp["k_norm"], eps)

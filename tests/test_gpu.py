@@ -1,0 +1,63 @@
+"""On the GPU (kernels wired in) the model gives the reference path's greedy tokens.
+
+The reference runs in a subprocess pinned to the CPU (JAX_PLATFORMS=cpu), where the model
+uses the pure-jnp references; both run float32 with full-precision matmuls.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import jaxinfer
+
+HF = pathlib.Path(__file__).parent / "fixtures" / "data" / "hf"
+VARIANTS = sorted(p.name for p in HF.iterdir() if (p / "ref.npz").exists())
+NEW_TOKENS = 24
+
+GREEDY_SCRIPT = """
+import json, sys, pathlib, numpy as np, jaxinfer
+out = {}
+for name in sys.argv[2:]:
+    model = jaxinfer.load(str(pathlib.Path(sys.argv[1]) / name), dtype="float32")
+    prompts = np.load(pathlib.Path(sys.argv[1]) / name / "ref.npz")["input_ids"][:, :12].tolist()
+    res = jaxinfer.generate(model, prompts, max_new_tokens=%d)
+    out[name] = [c.token_ids for c in res]
+print(json.dumps(out))
+""" % NEW_TOKENS
+
+
+def greedy_on_cpu(names):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_DEFAULT_MATMUL_PRECISION="highest")
+    res = subprocess.run([sys.executable, "-c", GREEDY_SCRIPT, str(HF), *names], env=env,
+                         capture_output=True, text=True, check=True,
+                         cwd=pathlib.Path(__file__).parent.parent)
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.gpu
+def test_kernels_give_the_reference_greedy_tokens():
+    import jax
+
+    assert jax.default_backend() == "gpu"
+    want = greedy_on_cpu(VARIANTS)
+    with jax.default_matmul_precision("highest"):
+        for name in VARIANTS:
+            model = jaxinfer.load(str(HF / name), dtype="float32")
+            prompts = np.load(HF / name / "ref.npz")["input_ids"][:, :12].tolist()
+            got = [c.token_ids for c in jaxinfer.generate(model, prompts, max_new_tokens=NEW_TOKENS)]
+            assert got == want[name], name
+
+
+@pytest.mark.gpu
+def test_bf16_logits_on_gpu_match_transformers():
+    for name in VARIANTS:
+        ref = np.load(HF / name / "ref.npz")
+        model = jaxinfer.load(str(HF / name), dtype="bfloat16")
+        logits = np.asarray(model(ref["input_ids"]))
+        rel = np.linalg.norm(logits - ref["logits"]) / np.linalg.norm(ref["logits"])
+        assert rel < 3e-2, (name, rel)
