@@ -1,22 +1,29 @@
 #!/usr/bin/env bash
-# The decode benchmarks of issue 5 on the lent H200, one part per device call (each < 10 min).
-#   bash benchmarks/run_h200.sh ours   # jaxinfer bench: B=1 ctx 128+256, B=64 ctx 2k, B=1 ctx 32k
-#   bash benchmarks/run_h200.sh peer   # HF transformers (static cache) on the same workload
-# Results: one JSON line per run in ${OUT:-.}/bench-<part>.jsonl; a table on stdout.
+# The GPU checks and benchmarks of issues 4 and 5 on the lent H200, in parts that fit one device
+# call (< 10 min each):
+#   bash benchmarks/run_h200.sh ours    # jaxinfer bench: B=1 ctx 128+256, B=64 ctx 2k, B=1 ctx 32k
+#   bash benchmarks/run_h200.sh peer    # HF transformers (static cache), B=1 ctx 128+256
+#   bash benchmarks/run_h200.sh tests   # GPU-marked tests (kernels vs references, greedy tokens)
+# Results: JSON lines in ${OUT:-.}/bench-<part>.jsonl; a table on stdout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 out=${OUT:-.}
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
-case "${1:-ours}" in
-  ours)
-    for args in "--batch 1 --prompt-len 128 --gen-len 256 --dump-hlo $out/decode" \
-                "--batch 64 --prompt-len 2048 --gen-len 128" \
-                "--batch 1 --prompt-len 32768 --gen-len 128"; do
-      python3 benchmarks/decode.py --preset llama3-8b --random-weights $args --json \
-        2> >(grep -v '^bench' >&2) | tee -a "$out/bench-ours.jsonl"
-    done ;;
-  peer)
-    python3 benchmarks/peer_hf.py --preset llama3-8b --batch 1 --prompt-len 128 --gen-len 256 \
-      | tee -a "$out/bench-peer.jsonl" ;;
-esac
+ours() {
+  for args in "--batch 1 --prompt-len 128 --gen-len 256 --dump-hlo $out/decode" \
+              "--batch 64 --prompt-len 2048 --gen-len 64 --repeats 2" \
+              "--batch 1 --prompt-len 32768 --gen-len 64 --repeats 2"; do
+    timeout 200 python3 benchmarks/decode.py --preset llama3-8b --random-weights $args --json \
+      2> >(grep -v '^bench' | tail -5 >&2) | tee -a "$out/bench-ours.jsonl"
+  done
+}
+peer() {
+  timeout 240 python3 benchmarks/peer_hf.py --preset llama3-8b --batch 1 --prompt-len 128 \
+    --gen-len 256 --repeats 2 | tee -a "$out/bench-peer.jsonl"
+}
+tests() {
+  timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider \
+    tests/test_gpu.py tests/test_kernels.py 2>&1 | tail -15
+}
+for part in "${@:-ours}"; do "$part"; done
