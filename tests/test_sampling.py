@@ -119,11 +119,11 @@ _sample = jax.jit(S.sample)
 _sample_lp = jax.jit(S.sample_with_logprobs)
 
 
-def draw(logits_row, params: SamplingParams, n=N_DRAWS, seed=0, **kw):
+def draw(logits_row, params: SamplingParams, n=N_DRAWS, seed=0):
     """n tokens for the same logits, one request per row (request ids 0..n-1, position 7)."""
     logits = jnp.broadcast_to(jnp.asarray(logits_row, jnp.float32), (n, len(logits_row)))
     keys = S.request_keys(seed, jnp.arange(n), jnp.full((n,), 7))
-    return np.asarray(_sample(logits, keys, SamplingTensors.from_params(params, n, **kw)))
+    return np.asarray(_sample(logits, keys, SamplingTensors.from_params(params, n)))
 
 
 def logits_of(seed, v=16, scale=1.5):
@@ -238,7 +238,8 @@ def test_combined_top_k_top_p_min_p():
         # the nucleus taken over the full distribution instead of the top-k-renormalised one
         ("top-p not renormalised after top-k",
          ref_probs(logits, 0.8, top_k=9, top_p=0.7, top_p_renormalize=False)),
-        ("top-p extra token", ref_probs(logits, 0.8, top_k=9, top_p=0.7, top_p_rule="extra_token"))])
+        ("top-p extra token",
+         ref_probs(logits, 0.8, top_k=9, top_p=0.7, top_p_rule="extra_token"))])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -521,3 +522,26 @@ def test_penalty_state_init_and_observe():
     np.testing.assert_array_equal(np.asarray(state.seen_mask), seen)
     with pytest.raises(ValueError, match="outside"):
         S.SamplerState.init(0, params, [[10], [0], [0]], 10)
+
+
+def test_radix_select_is_the_exact_nucleus_boundary():
+    rng = np.random.default_rng(70)
+    x = (rng.normal(size=(7, 3000)) * 2).astype(np.float32)
+    x[1] = np.round(x[1])  # heavy ties
+    x[2, 100:] = -np.inf
+    x[3] = -np.inf  # nothing finite: target 0
+    x[4, :] = 0.0
+    x[4, :5] = -0.0  # signed zeros tie
+    x[5] *= 40  # a peaked row: the nucleus is one token
+    top_p = np.array([0.9, 0.5, 0.99, 0.7, 0.3, 0.9, 1e-6], np.float32)
+    shift = np.where(np.isfinite(x.max(-1)), x.max(-1), 0)[:, None]
+    w = np.exp(x.astype(np.float64) - shift)
+    target = top_p * w.sum(-1)
+    got = np.asarray(jax.jit(S._radix_select)(jnp.asarray(x), jnp.asarray(shift, jnp.float32),
+                                              jnp.asarray(target, jnp.float32)))
+    for b in range(x.shape[0]):
+        order = np.argsort(-x[b], kind="stable")
+        above = np.cumsum(w[b, order]) - w[b, order]  # mass strictly before each sorted token
+        keep = np.flatnonzero(above < target[b])
+        want = x[b, order[keep[-1]]] if keep.size else x[b].max()
+        assert got[b] == want, (b, got[b], want)
