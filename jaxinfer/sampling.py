@@ -292,6 +292,8 @@ class SamplerState:
         seed), 0) when its SamplingParams.seed is set, so equal own seeds give equal draws.
         """
         params = list(params)
+        if not (_is_int(seed) and 0 <= seed < 2**32):
+            raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
         if len(prompt_ids) != len(params):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompt_ids)} prompts")
         flags = (tensors or SamplingTensors.from_params(params)).flags

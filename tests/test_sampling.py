@@ -161,6 +161,11 @@ def test_valid_params_and_from_params_checks():
         S.sample(jnp.zeros((2, 5)), jax.random.key(0), SamplingParams(repetition_penalty=1.1))
     with pytest.raises(ValueError, match="token_counts"):
         S.sample(jnp.zeros((2, 5)), jax.random.key(0), SamplingParams(presence_penalty=0.5))
+    # A SamplingParams is a static (leafless) pytree, so jit takes it as an argument directly.
+    tokens = _sample(jnp.asarray([[0.0, 5.0, 1.0]]), jax.random.key(0), SamplingParams(top_k=1))
+    assert tokens.tolist() == [1]
+    with pytest.raises(ValueError, match="seed"):
+        S.SamplerState.init(-1, [SamplingParams()], [[1]], 10)
     with pytest.raises(ValueError, match="keys"):
         S.sample(jnp.zeros((2, 5)), S.request_keys(0, jnp.arange(3), jnp.zeros(3, jnp.int32)),
                  SamplingParams())
