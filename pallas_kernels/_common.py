@@ -72,3 +72,12 @@ def ref_precision(dtype):
     """Matmul precision for the references: IEEE float32 for float32 inputs (the GPU default would
     be tf32), the native tensor-core path for 16-bit inputs (exact products, float32 sums)."""
     return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
+
+
+def multiple_of(x, n: int):
+    """`pl.multiple_of` for traced offsets; a Python int (a loop index the kernel fixed at trace
+    time, e.g. the masked tail step) is returned as is: Triton's lowering rejects the hint on a
+    constant ("'TypedInt' object has no attribute 'owner'", seen on the H200 with jax 0.11.2)."""
+    from jax.experimental import pallas as pl
+
+    return x if isinstance(x, int) else pl.multiple_of(x, n)

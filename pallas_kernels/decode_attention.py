@@ -19,7 +19,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import (
+from pallas_kernels._common import (multiple_of,
     LOG2_E, MASK_VALUE, check_array, check_head_dim, check_same_dtype, dot_f32, is_pow2,
     next_pow2, ref_precision)
 
@@ -80,7 +80,7 @@ def decode_attention_kernel(len_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref,
 
     def step(j, carry):
         acc, m, l = carry
-        base = pl.multiple_of(start + j * block_k, block_k)
+        base = multiple_of(start + j * block_k, block_k)
         cols = base + jnp.arange(block_k)  # [block_k] cache position
         valid = cols < end
         if window is not None:

@@ -24,7 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import flash_attention_mgpu
-from pallas_kernels._common import (
+from pallas_kernels._common import (multiple_of,
     LOG2_E, MASK_VALUE, check_array, check_head_dim, check_same_dtype, dot_f32, is_pow2,
     ref_precision)
 
@@ -90,7 +90,7 @@ def flash_attention_kernel(q_ref, k_ref, v_ref, o_ref, *, sm_scale: float, causa
 
     def step(j, carry, masked: bool):
         acc, m, l = carry  # [block_q, D], [block_q], [block_q] (float32)
-        start = pl.multiple_of(j * block_k, block_k)
+        start = multiple_of(j * block_k, block_k)
         cols = start + jnp.arange(block_k)  # [block_k] key index
         if masked:
             kv_ok = (cols < tk)[:, None]

@@ -17,7 +17,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import check_array, check_same_dtype, dot_f32, is_pow2, ref_precision
+from pallas_kernels._common import (check_array, check_same_dtype, dot_f32, is_pow2,
+                                     multiple_of, ref_precision)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +63,7 @@ def swiglu_kernel(x_ref, wg_ref, wu_ref, o_ref, *, m: int, n: int, k: int, block
 
     def step(j, carry, masked_k: bool):
         gate, up = carry  # [block_m, block_n] float32 each
-        start = pl.multiple_of(j * block_k, block_k)
+        start = multiple_of(j * block_k, block_k)
         k_ok = (start + jnp.arange(block_k)) < k if masked_k else None  # [block_k]
         x = load(x_ref.at[:, pl.ds(start, block_k)],
                  both(row_ok, None if k_ok is None else k_ok[None, :]))  # [block_m, block_k]
