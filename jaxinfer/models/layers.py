@@ -77,14 +77,16 @@ def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
     return y.astype(x.dtype)
 
 
-def use_kernels() -> bool:
-    """Pallas kernels on GPU; the pure-jnp references elsewhere (decided at trace time)."""
-    return jax.default_backend() == "gpu"
+def use_kernels(dtype) -> bool:
+    """Pallas kernels on GPU for 16-bit activations; the pure-jnp references elsewhere (decided
+    at trace time). float32 stays on the references: the Triton float32 attention and SwiGLU
+    paths failed to compile on the H200 at head dim 128 (2026-11-30, not yet fixed)."""
+    return jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
 
 
 def swiglu_mlp(x: jax.Array, p: dict) -> jax.Array:
     """down(silu(x @ gate) * (x @ up)); x [..., D] -> [..., D]."""
-    if use_kernels() and "b_gate" not in p:
+    if use_kernels(x.dtype) and "b_gate" not in p:
         from pallas_kernels import swiglu  # gate and up in one pass over x, SiLU*up in the epilogue
 
         act = swiglu(x.reshape(-1, x.shape[-1]), p["w_gate"], p["w_up"]).reshape(
@@ -234,7 +236,7 @@ def causal_self_attention(q, k, v, positions, *, window=None):
     (never materializes the [T, T] scores; assumes positions 0..T-1); elsewhere the masked
     reference, exact for any `positions`.
     """
-    if use_kernels() and _kernel_head_dim(q.shape[-1]):
+    if use_kernels(q.dtype) and _kernel_head_dim(q.shape[-1]):
         from pallas_kernels import flash_attention
 
         return flash_attention(q, k, v, causal=True, sliding_window=window)
@@ -245,7 +247,7 @@ def cached_attention(q, k_cache, v_cache, q_pos, *, window=None):
     """New tokens q [B, T, Hq, D] at positions q_pos [B, T] against a cache [B, S, Hkv, D] whose
     slot i holds position i (slots past a row's length are hidden by causality). One token per
     row on GPU: the split-K decode kernel, reading only the valid slots."""
-    if use_kernels() and q.shape[1] == 1 and _kernel_head_dim(q.shape[-1]):
+    if use_kernels(q.dtype) and q.shape[1] == 1 and _kernel_head_dim(q.shape[-1]):
         from pallas_kernels import decode_attention
 
         out = decode_attention(q[:, 0], k_cache, v_cache, q_pos[:, 0] + 1, sliding_window=window)
