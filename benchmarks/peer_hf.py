@@ -5,6 +5,9 @@ the decode step for it: its fast path). Prints one JSON line per batch size with
 names as `jaxinfer bench --json`, so the two can be put side by side.
 
     python benchmarks/peer_hf.py --preset llama3-8b --batch 1 --prompt-len 128 --gen-len 256
+    # the embedded model on CPU (transformers dequantizes the GGUF to float32):
+    python benchmarks/peer_hf.py --gguf ~/.cache/jaxinfer/SmolLM2-135M-Instruct.Q4_1.gguf \
+        --device cpu --cache dynamic --prompt-len 64 --gen-len 32
 """
 
 from __future__ import annotations
@@ -40,24 +43,35 @@ def main() -> int:
     ap.add_argument("--gen-len", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cache", default="static", choices=("static", "dynamic"))
+    ap.add_argument("--gguf", default=None, help="a real GGUF file instead of random weights")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     args = ap.parse_args()
 
-    cfg = AutoConfig.for_model("llama", **PRESETS[args.preset])
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    if args.gguf:
+        import pathlib
+
+        path = pathlib.Path(args.gguf).expanduser()
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                     dtype=torch.float32).to(args.device).eval()
+        cfg, name = model.config, path.name
+    else:
+        cfg, name = AutoConfig.for_model("llama", **PRESETS[args.preset]), args.preset
+        with torch.device(args.device):
+            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
     for b in args.batch:
-        ids = torch.randint(0, cfg.vocab_size, (b, args.prompt_len), device="cuda")
+        ids = torch.randint(0, cfg.vocab_size, (b, args.prompt_len), device=args.device)
         kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
         if args.cache == "static":
             kw["cache_implementation"] = "static"
 
         def run(n):
-            torch.cuda.synchronize()
+            sync()
             t0 = time.perf_counter()
             with torch.no_grad():
                 out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
-            torch.cuda.synchronize()
+            sync()
             assert out.shape[1] == args.prompt_len + n
             return time.perf_counter() - t0
 
@@ -67,7 +81,7 @@ def main() -> int:
         total = statistics.median(run(args.gen_len) for _ in range(args.repeats))
         decode_s = (total - prefill) / (args.gen_len - 1)
         print(json.dumps({
-            "model": args.preset, "peer": f"transformers {__import__('transformers').__version__} "
+            "model": name, "device": args.device, "peer": f"transformers {__import__('transformers').__version__} "
                                           f"({args.cache} cache)",
             "batch": b, "prompt_len": args.prompt_len, "gen_len": args.gen_len,
             "prefill_tokens_per_s": b * args.prompt_len / prefill,

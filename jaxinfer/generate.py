@@ -101,16 +101,18 @@ def prefill(params: dict, tokens: jax.Array, lengths: jax.Array, state: DecodeSt
 
 
 def _decode_step(params: dict, state: DecodeState, config: Config) -> DecodeState:
+    """One token for every row: (params, state) -> state. Finished rows stay where they are
+    (they recompute their last slot), so no row ever reads or writes past its budget."""
     positions = state.positions  # [B]
     logits, cache = llama.forward(params, state.tokens[:, None], positions[:, None], config,
                                   state.cache)  # [B, 1, V]
-    state = state.replace(cache=cache.replace(lengths=positions + 1), positions=positions + 1)
-    new_tokens, new_logprobs = _sample(logits[:, 0], state, positions + 1)
+    nxt = jnp.where(state.done, positions, positions + 1)
+    state = state.replace(cache=cache.replace(lengths=nxt), positions=nxt)
+    new_tokens, new_logprobs = _sample(logits[:, 0], state, nxt)
     return _record(state, new_tokens, new_logprobs)
 
 
 decode_step = jax.jit(_decode_step, static_argnames=("config",), donate_argnames=("state",))
-decode_step.__doc__ = """One token for every row: (params, state) -> state, the state donated."""
 
 
 @functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("state",))
