@@ -2,12 +2,13 @@
 # `make test`: the same set-up plus the test extras, then pytest.
 VENV := .venv
 PY := $(VENV)/bin/python
-# jax >= 0.11 needs Python >= 3.12: take the first such interpreter on PATH, else one from pyenv.
-FIND_PYTHON := for p in python3.14 python3.13 python3.12 python3 python; do \
+# jax >= 0.11 needs Python >= 3.12: take the first such interpreter on PATH, else the oldest
+# such one under pyenv (3.12 first: the lent H200 runs 3.12).
+FIND_PYTHON := for p in python3.12 python3.13 python3.14 python3 python; do \
 	  if $$p -c 'import sys; sys.exit(sys.version_info < (3, 12))' >/dev/null 2>&1; then command -v $$p; exit 0; fi; \
 	done; \
 	root=$$(pyenv root 2>/dev/null || echo $$HOME/.pyenv); \
-	for v in $$(ls $$root/versions 2>/dev/null | grep -E '^3\.(1[2-9])(\.|$$)' | sort -V -r); do \
+	for v in $$(ls $$root/versions 2>/dev/null | grep -E '^3\.(1[2-9])(\.|$$)' | sort -V); do \
 	  if [ -x $$root/versions/$$v/bin/python ]; then echo $$root/versions/$$v/bin/python; exit 0; fi; \
 	done; exit 1
 PROMPT ?= What is the capital of France?
