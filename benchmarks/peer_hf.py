@@ -5,9 +5,11 @@ the decode step for it: its fast path). Prints one JSON line per batch size with
 names as `jaxinfer bench --json`, so the two can be put side by side.
 
     python benchmarks/peer_hf.py --preset llama3-8b --batch 1 --prompt-len 128 --gen-len 256
-    # the embedded model on CPU (transformers dequantizes the GGUF to float32):
-    python benchmarks/peer_hf.py --gguf ~/.cache/jaxinfer/SmolLM2-135M-Instruct.Q4_1.gguf \
-        --device cpu --cache dynamic --prompt-len 64 --gen-len 32
+    # the embedded model on CPU (transformers dequantizes the GGUF to float32); -P keeps this
+    # folder off sys.path, where benchmarks/kernels.py would shadow the `kernels` package that
+    # transformers probes for:
+    python -P benchmarks/peer_hf.py --device cpu --cache dynamic --prompt-len 64 --gen-len 64 \
+        --gguf ~/.cache/jaxinfer/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf
 """
 
 from __future__ import annotations
