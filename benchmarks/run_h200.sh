@@ -19,7 +19,7 @@ ours() {
   done
 }
 peer() {
-  timeout 240 python3 benchmarks/peer_hf.py --preset llama3-8b --batch 1 --prompt-len 128 \
+  timeout 240 python3 -P benchmarks/peer_hf.py --preset llama3-8b --batch 1 --prompt-len 128 \
     --gen-len 256 --repeats 2 | tee -a "$out/bench-peer.jsonl"
 }
 tests() {
