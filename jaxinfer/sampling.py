@@ -84,6 +84,9 @@ def _is_real(x) -> bool:
 class SamplingParams:
     """How to pick the next token of one request. Frozen and hashable (static under jit).
 
+    The defaults sample at temperature 1 (as vLLM's); `generate` without `sampling` is greedy
+    (as HF's `generate`), and so is the CLI unless given --temperature.
+
     temperature: 0 = greedy (argmax); otherwise logits are divided by it. >= 0, finite.
     top_k: keep the k most likely tokens; 0 = off. Integer >= 0 (clamped to the vocabulary).
     top_p: nucleus sampling mass in (0, 1]; 1.0 = off.

@@ -18,6 +18,9 @@ import jaxinfer
 
 HF = pathlib.Path(__file__).parent / "fixtures" / "data" / "hf"
 VARIANTS = sorted(p.name for p in HF.iterdir() if (p / "ref.npz").exists())
+# Variants whose shapes take every kernel path (flash, decode, SwiGLU: power-of-two head dims,
+# no MLP biases): MHA, GQA with tied embeddings, qkv bias, q/k norm. Few, to keep compiles short.
+KERNEL_VARIANTS = ["llama_mha_untied", "llama_gqa_tied_llama3", "qwen2", "qwen3"]
 NEW_TOKENS = 24
 
 GREEDY_SCRIPT = """
@@ -46,8 +49,8 @@ def test_kernels_give_the_reference_greedy_tokens():
     import jax
 
     assert jax.default_backend() == "gpu"
-    want = greedy_on_cpu(VARIANTS)
-    for name in VARIANTS:
+    want = greedy_on_cpu(KERNEL_VARIANTS)
+    for name in KERNEL_VARIANTS:
         model = jaxinfer.load(str(HF / name), dtype="bfloat16")
         prompts = np.load(HF / name / "ref.npz")["input_ids"][:, :12].tolist()
         n = min(NEW_TOKENS, model.config.max_position_embeddings - 12)
