@@ -44,9 +44,16 @@ class FlashBlockSizes:
                 raise ValueError(f"FlashBlockSizes.{name}={val}: must be a power of two >= 16")
 
 
-def default_block_sizes(head_dim: int) -> FlashBlockSizes:
+def default_block_sizes(head_dim: int, itemsize: int = 2) -> FlashBlockSizes:
     """Per-head-dim defaults for the Triton path, the fastest of benchmarks/kernels.py's sweep on
-    the H200 (B4 T4096 H32 bf16 causal: D64 320, D128 404, D256 342 TFLOP/s)."""
+    the H200 (B4 T4096 H32 bf16 causal: D64 320, D128 404, D256 342 TFLOP/s).
+
+    float32 tiles take twice the shared memory: the 16-bit D128 tiles (q 128 rows + 3 stages of
+    128-row K and V) would need ~450 KB of the 227 KB a block may use, and float32 D128 failed to
+    compile on the H200. Halved tiles and 2 stages fit (~96 KB at D128); not yet run on a GPU."""
+    if itemsize >= 4:
+        return FlashBlockSizes(block_q=64, block_k=32 if head_dim > 64 else 64, num_warps=4,
+                               num_stages=2)
     if head_dim <= 64:
         return FlashBlockSizes(block_q=128, block_k=64, num_warps=4, num_stages=3)
     if head_dim <= 128:
@@ -201,7 +208,7 @@ def flash_attention(q, k, v, *, causal: bool = True, sm_scale: float | None = No
     check_head_dim("flash_attention", d)
     sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d)
     window = int(sliding_window) if sliding_window is not None else None
-    blocks = block_sizes or default_block_sizes(d)
+    blocks = block_sizes or default_block_sizes(d, q.dtype.itemsize)
     return _flash_attention_triton(q, k, v, causal=causal, sm_scale=sm_scale, window=window,
                                    blocks=blocks, interpret=interpret)
 

@@ -36,10 +36,15 @@ class SwigluBlockSizes:
                 raise ValueError(f"SwigluBlockSizes.{name}={val}: must be a power of two >= 16")
 
 
-def default_block_sizes(m: int) -> SwigluBlockSizes:
+def default_block_sizes(m: int, itemsize: int = 2) -> SwigluBlockSizes:
     """Small M (decode) streams the weights: thin tiles, many programs. Large M is matmul-bound.
     Fastest of benchmarks/kernels.py's sweep on the H200 at K4096 N14336 bf16: M1/M16 3.7 TB/s,
-    M64 3.5 TB/s, M4096 590 TFLOP/s (XLA: 2.5 / 3.3 / 3.0 TB/s, 605 TFLOP/s)."""
+    M64 3.5 TB/s, M4096 590 TFLOP/s (XLA: 2.5 / 3.3 / 3.0 TB/s, 605 TFLOP/s).
+    float32 gets half-depth tiles and 2 stages so two weight tiles per stage fit in shared
+    memory (float32 failed to compile on the H200 with the 16-bit tiles; not yet rerun)."""
+    if itemsize >= 4:
+        return SwigluBlockSizes(block_m=16 if m <= 16 else 64, block_n=64,
+                                block_k=64, num_warps=4, num_stages=2)
     if m <= 16:
         return SwigluBlockSizes(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=4)
     if m <= 64:
@@ -103,7 +108,7 @@ def swiglu(x, w_gate, w_up, *, interpret: bool = False,
            block_sizes: SwigluBlockSizes | None = None):
     """silu(x @ w_gate) * (x @ w_up); x [M, K], w_* [K, N] -> [M, N] in x's dtype."""
     _validate(x, w_gate, w_up)
-    blocks = block_sizes or default_block_sizes(x.shape[0])
+    blocks = block_sizes or default_block_sizes(x.shape[0], x.dtype.itemsize)
     return _swiglu_triton(x, w_gate, w_up, blocks=blocks, interpret=interpret)
 
 
