@@ -28,7 +28,7 @@ def test_greedy_matches_transformers_batched(smollm):
     n = REFERENCE["settings"]["max_new_tokens"]
     assert len(cases) >= 4 and {c["chat"] for c in cases} == {True, False}
     assert len({len(c["prompt_ids"]) for c in cases}) > 1  # really ragged
-    assert sum(len(c["new_token_ids"]) >= 48 for c in cases) >= 2  # long runs, not only EOS
+    assert sum(len(c["new_token_ids"]) >= 48 for c in cases) >= 4  # long runs, chat and plain
     # Our tokenizer and chat template give transformers' prompt ids...
     for c in cases:
         ours = (smollm.tokenizer.apply_chat_template([{"role": "user", "content": c["text"]}])
