@@ -22,14 +22,6 @@ class KVCache:
     v: tuple[jax.Array, ...]  # per layer [B, S, Hkv, D]
     lengths: jax.Array  # [B] int32: valid slots per sequence (= next write position)
 
-    @property
-    def batch_size(self) -> int:
-        return self.lengths.shape[0]
-
-    @property
-    def max_seq_len(self) -> int:
-        return self.k[0].shape[1]
-
     @classmethod
     def init(cls, config: Config, batch_size: int, max_seq_len: int, dtype=None) -> KVCache:
         """Zeroed cache for `batch_size` sequences of up to `max_seq_len` tokens."""
@@ -43,6 +35,7 @@ class KVCache:
         return cls(k=k, v=v, lengths=jnp.zeros((batch_size,), jnp.int32))
 
     def nbytes(self) -> int:
+        """Bytes the K and V arrays hold (allocated, not only the valid slots)."""
         return sum(a.size * a.dtype.itemsize for a in (*self.k, *self.v))
 
 
