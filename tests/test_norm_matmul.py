@@ -1,0 +1,104 @@
+"""norm_matmul (RMSNorm fused into a matmul prologue, residual in the epilogue) vs its references.
+
+CPU: interpret mode with 16-wide blocks at shapes that are not block multiples, so edge tiles in
+M, N and K and multi-tile K loops all occur. Interpret mode pads out-of-range block reads with
+NaN, so a missing mask shows up as NaN in the output.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer.models import layers
+from pallas_kernels.norm_matmul import (NormMatmulBlockSizes, norm_matmul,
+                                        norm_matmul_reference)
+
+EPS = 1e-5
+SMALL = NormMatmulBlockSizes(block_m=16, block_n=16, block_k=32, num_warps=4, num_stages=1)
+# Relative error ||out - ref|| / ||ref||: float32 lands near 1e-7; bf16 inputs round the normed
+# activations and the output, and one ulp flips of `normed` change products by ~4e-3.
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 1.5e-2}
+
+
+def rel_err(out, ref) -> float:
+    out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
+    ref = np.asarray(jnp.asarray(ref, jnp.float32), np.float64)
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    assert np.all(np.isfinite(out)), "kernel output has NaN/inf"
+    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def inputs(seed: int, m: int, k: int, n_dims: tuple[int, ...], dtype):
+    keys = jax.random.split(jax.random.PRNGKey(seed), 4)
+    # Rows at different scales: a kernel that normalises with the wrong row's (or the block's)
+    # statistics is off by the scale ratio.
+    scale = jnp.exp(jnp.linspace(-2.0, 2.0, m))[:, None]
+    x = (scale * jax.random.normal(keys[0], (m, k))).astype(dtype)
+    nw = (1.0 + 0.3 * jax.random.normal(keys[1], (k,))).astype(dtype)
+    w = (jax.random.normal(keys[2], (k, *n_dims)) / np.sqrt(k)).astype(dtype)
+    res = jax.random.normal(keys[3], (m, *n_dims)).astype(dtype)
+    return x, nw, w, res
+
+
+CASES = [(1, 64, (96,)), (3, 200, (2, 6, 16)), (37, 200, (96,)), (37, 64, (2, 6, 16))]
+
+
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("m,k,n_dims", CASES)
+def test_norm_matmul_interpret(m, k, n_dims, dtype, with_residual):
+    x, nw, w, res = inputs(m * 1000 + k, m, k, n_dims, dtype)
+    residual = res if with_residual else None
+    out = norm_matmul(x, nw, w, eps=EPS, residual=residual, interpret=True, block_sizes=SMALL)
+    ref = norm_matmul_reference(x, nw, w, eps=EPS, residual=residual)
+    assert out.shape == (m, *n_dims) and out.dtype == x.dtype
+    assert rel_err(out, ref) < TOL[dtype]
+    # The model's unfused path: layers.rms_norm then layers.linear (+ the residual).
+    unfused = layers.linear(layers.rms_norm(x, nw, EPS), w)
+    if with_residual:
+        unfused = (unfused.astype(jnp.float32) + res.astype(jnp.float32)).astype(dtype)
+    assert rel_err(out, unfused) < TOL[dtype]
+
+
+def test_default_blocks_and_norm_matters():
+    # Default block sizes (the decode path: block_k 256 > K, so only the masked tail runs), and a
+    # check that the test can fail: the result without the norm is far from the fused one.
+    x, nw, w, _ = inputs(7, 2, 200, (40,), jnp.float32)
+    out = norm_matmul(x, nw, w, eps=EPS, interpret=True)
+    assert rel_err(out, norm_matmul_reference(x, nw, w, eps=EPS)) < TOL[jnp.float32]
+    assert rel_err(out, layers.linear(x, w)) > 0.1
+
+
+@pytest.mark.parametrize("fn", [norm_matmul, norm_matmul_reference], ids=["kernel", "reference"])
+def test_bad_inputs_raise_clear_errors(fn):
+    x, nw, w, res = inputs(0, 3, 64, (2, 8), jnp.float32)
+    cases = [
+        ((x[0], nw, w), {}, "x must have rank 2"),
+        ((x, nw[None], w), {}, "norm_weight must have rank 1"),
+        ((x, nw, w[:, 0, 0]), {}, "w must be an array of rank >= 2"),
+        ((x, nw[:32], w), {}, "norm_weight has 32 entries"),
+        ((x, nw, w[:32]), {}, "w (32, 2, 8) has 32 rows"),
+        ((x, nw, w), {"residual": res[:, 0]}, "residual has shape (3, 8)"),
+        ((x.astype(jnp.bfloat16), nw, w), {}, "share one dtype"),
+        ((x, nw, w), {"residual": res.astype(jnp.float16)}, "residual float16"),
+        ((x.astype(jnp.int32), nw, w), {}, "x has dtype int32"),
+    ]
+    for args, kwargs, needle in cases:
+        with pytest.raises(ValueError, match="norm_matmul") as err:
+            fn(*args, eps=EPS, **kwargs)
+        assert needle in str(err.value), (needle, str(err.value))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+def test_norm_matmul_gpu_decode_shape(with_residual):
+    # Llama-3-8B's fused q/k/v projection at batch 1: wqkv [4096, Hkv 8, G + 2 = 6, hd 128].
+    x, nw, w, res = inputs(1, 1, 4096, (8, 6, 128), jnp.bfloat16)
+    residual = res if with_residual else None
+    out = norm_matmul(x, nw, w, eps=EPS, residual=residual)
+    ref = norm_matmul_reference(x, nw, w, eps=EPS, residual=residual)
+    assert rel_err(out, ref) < TOL[jnp.bfloat16]
