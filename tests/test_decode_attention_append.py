@@ -1,0 +1,190 @@
+"""decode_attention_append (write the new K/V + decode attention in one kernel) vs its reference.
+
+CPU: interpret mode at shapes that are not block multiples, with new slots at 0, S-1 and on chunk
+edges. Interpret mode pads out-of-range block reads with NaN, so a read past the cache fails.
+GPU (marked `gpu`): the compiled kernel at Llama-3-8B decode shapes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.decode_attention import DecodeBlockSizes
+from pallas_kernels.decode_attention_append import (
+    decode_attention_append, decode_attention_append_reference)
+
+# Relative error ||out - ref|| / ||ref|| (as in test_kernels.py): float32 near 1e-7, bf16 near
+# 3e-3 (p rounded before the PV product, the result rounded).
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 1.5e-2}
+needs_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
+
+
+def normal(seed: int, shape, dtype):
+    return jax.random.normal(jax.random.PRNGKey(seed), shape, jnp.float32).astype(dtype)
+
+
+def rel_err(out, ref) -> float:
+    out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
+    ref = np.asarray(jnp.asarray(ref, jnp.float32), np.float64)
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    assert np.all(np.isfinite(out)), "kernel output has NaN/inf"
+    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def inputs(seed, b, s, hq, hkv, d, dtype):
+    return (normal(seed, (b, hq, d), dtype), normal(seed + 1, (b, hkv, d), dtype),
+            normal(seed + 2, (b, hkv, d), dtype), normal(seed + 3, (b, s, hkv, d), dtype),
+            normal(seed + 4, (b, s, hkv, d), dtype))
+
+
+def check_caches(k_out, v_out, k_ref, v_ref, k_in, v_in, k_new, v_new, positions):
+    """Caches equal the reference's bit for bit: the new slot written, the rest as given."""
+    np.testing.assert_array_equal(np.asarray(k_out), np.asarray(k_ref))
+    np.testing.assert_array_equal(np.asarray(v_out), np.asarray(v_ref))
+    rows = np.arange(len(positions))
+    pos = np.asarray(positions)
+    for out, before, new in ((k_out, k_in, k_new), (v_out, v_in, v_new)):
+        out, before = np.array(out), np.array(before)
+        np.testing.assert_array_equal(out[rows, pos], np.asarray(new))
+        out[rows, pos] = before[rows, pos]
+        np.testing.assert_array_equal(out, before)  # nothing else changed
+
+
+CASES = [
+    # b, s, hq, hkv, d, positions, num_splits (block_k 16: chunks of 32 for s 45..70)
+    (3, 70, 8, 2, 16, (69, 0, 32), 3),  # GQA 4:1; S-1, slot 0, first slot of chunk 1
+    (3, 45, 4, 4, 32, (0, 44, 31), 2),  # MHA; last slot of chunk 0 (chunk 1 then empty)
+    (2, 50, 6, 2, 16, (17, 49), None),  # G = 3 (not a power of two), automatic splits
+]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "b{}_s{}_h{}/{}_d{}_p{}_n{}".format(*c))
+def test_matches_reference(case, dtype):
+    b, s, hq, hkv, d, positions, splits = case
+    q, k_new, v_new, k_cache, v_cache = inputs(s, b, s, hq, hkv, d, dtype)
+    positions = jnp.asarray(positions, jnp.int32)
+    blocks = DecodeBlockSizes(block_k=16, num_splits=splits, num_stages=1)
+    out, k_out, v_out = decode_attention_append(q, k_new, v_new, k_cache, v_cache, positions,
+                                                interpret=True, block_sizes=blocks)
+    ref, k_ref, v_ref = decode_attention_append_reference(q, k_new, v_new, k_cache, v_cache,
+                                                          positions)
+    assert out.dtype == q.dtype and k_out.dtype == k_cache.dtype
+    assert rel_err(out, ref) < TOL[dtype]
+    check_caches(k_out, v_out, k_ref, v_ref, k_cache, v_cache, k_new, v_new, positions)
+
+
+@pytest.mark.parametrize("window", [1, 20])
+def test_sliding_window(window):
+    """Window 1 sees the new token only (out = v_new); 20 starts mid-tile, crosses a chunk."""
+    b, s, hq, hkv, d = 3, 60, 4, 2, 16
+    q, k_new, v_new, k_cache, v_cache = inputs(7, b, s, hq, hkv, d, jnp.float32)
+    positions = jnp.asarray([59, 12, 36], jnp.int32)
+    blocks = DecodeBlockSizes(block_k=16, num_splits=2, num_stages=1)
+    out, k_out, v_out = decode_attention_append(q, k_new, v_new, k_cache, v_cache, positions,
+                                                sliding_window=window, interpret=True,
+                                                block_sizes=blocks)
+    ref, k_ref, v_ref = decode_attention_append_reference(
+        q, k_new, v_new, k_cache, v_cache, positions, sliding_window=window)
+    assert rel_err(out, ref) < TOL[jnp.float32]
+    check_caches(k_out, v_out, k_ref, v_ref, k_cache, v_cache, k_new, v_new, positions)
+    full, _, _ = decode_attention_append_reference(q, k_new, v_new, k_cache, v_cache, positions)
+    assert rel_err(ref, full) > 1e-2  # the window changed the result
+    if window == 1:
+        expect = jnp.repeat(v_new, hq // hkv, axis=1)  # [B, Hq, D]
+        assert rel_err(out, expect) < TOL[jnp.float32]
+
+
+def test_never_reads_the_new_slot_or_stale_slots():
+    """NaN at the slot being written and past it: the new K/V come from k_new/v_new, and slots
+    > position are never read, so the output stays finite and equal to the reference."""
+    b, s, hq, hkv, d = 2, 40, 4, 2, 16
+    q, k_new, v_new, k_cache, v_cache = inputs(3, b, s, hq, hkv, d, jnp.float32)
+    positions = jnp.asarray([23, 16], jnp.int32)
+    stale = jnp.arange(s)[None, :, None, None] >= positions[:, None, None, None]
+    k_bad = jnp.where(stale, jnp.nan, k_cache)
+    v_bad = jnp.where(stale, jnp.nan, v_cache)
+    blocks = DecodeBlockSizes(block_k=16, num_splits=2, num_stages=1)
+    out, k_out, v_out = decode_attention_append(q, k_new, v_new, k_bad, v_bad, positions,
+                                                interpret=True, block_sizes=blocks)
+    ref, _, _ = decode_attention_append_reference(q, k_new, v_new, k_cache, v_cache, positions)
+    assert rel_err(out, ref) < TOL[jnp.float32]
+    _, k_ref, v_ref = decode_attention_append_reference(q, k_new, v_new, k_bad, v_bad, positions)
+    check_caches(k_out, v_out, k_ref, v_ref, k_bad, v_bad, k_new, v_new, positions)
+
+
+def test_jit_with_donated_caches_updates_in_place():
+    b, s, hq, hkv, d = 2, 40, 4, 2, 16
+    q, k_new, v_new, k_cache, v_cache = inputs(5, b, s, hq, hkv, d, jnp.float32)
+    positions = jnp.asarray([39, 7], jnp.int32)
+    step = jax.jit(functools.partial(
+        decode_attention_append, interpret=True,
+        block_sizes=DecodeBlockSizes(block_k=16, num_splits=2, num_stages=1)),
+        donate_argnums=(3, 4))
+    k_in, v_in = k_cache.copy(), v_cache.copy()
+    k_ptr = k_in.unsafe_buffer_pointer()
+    out, k_out, v_out = step(q, k_new, v_new, k_in, v_in, positions)
+    assert k_in.is_deleted() and v_in.is_deleted()  # the donation was accepted
+    assert k_out.unsafe_buffer_pointer() == k_ptr  # the cache was updated where it lay
+    ref, k_ref, v_ref = decode_attention_append_reference(q, k_new, v_new, k_cache, v_cache,
+                                                          positions)
+    assert rel_err(out, ref) < TOL[jnp.float32]
+    check_caches(k_out, v_out, k_ref, v_ref, k_cache, v_cache, k_new, v_new, positions)
+
+
+def test_bad_inputs_raise():
+    f32 = jnp.float32
+    q, k_new, v_new, k_cache, v_cache = inputs(0, 2, 10, 4, 2, 16, f32)
+    pos = jnp.asarray([3, 9], jnp.int32)
+    call = functools.partial(decode_attention_append, interpret=True)
+    cases = [
+        (lambda: call(q, k_new, v_new, k_cache, v_cache, jnp.asarray([3, 10], jnp.int32)),
+         r"positions must lie in \[0, 10\)"),
+        (lambda: call(q, k_new, v_new, k_cache, v_cache, jnp.asarray([-1, 2], jnp.int32)),
+         "positions must lie"),
+        (lambda: call(q, k_new, v_new, k_cache, v_cache, pos.astype(f32)), "positions has dtype"),
+        (lambda: call(q, k_new, v_new, k_cache, v_cache, pos[:1]), "batch sizes differ"),
+        (lambda: call(q, k_new[:, :1], v_new, k_cache, v_cache, pos), "k_new must have shape"),
+        (lambda: call(q, k_new, v_new[:, :, None], k_cache, v_cache, pos), "v_new must have rank"),
+        (lambda: call(q, k_new.astype(jnp.bfloat16), v_new, k_cache, v_cache, pos), "one dtype"),
+        (lambda: call(q, k_new, v_new, k_cache, v_cache[:, :5], pos), "one shape"),
+        (lambda: call(q[:, :3], k_new, v_new, k_cache, v_cache, pos), "multiple of KV heads"),
+        (lambda: call(q[..., :8], k_new[..., :8], v_new[..., :8], k_cache[..., :8],
+                      v_cache[..., :8], pos), "head dim"),
+        (lambda: call(q, k_new, v_new, k_cache, v_cache, pos, sliding_window=0), "sliding_window"),
+        (lambda: decode_attention_append_reference(q, k_new, v_new, k_cache, v_cache,
+                                                   pos + 1), "positions must lie"),
+    ]
+    for fn, message in cases:
+        with pytest.raises(ValueError, match=message):
+            fn()
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: the compiled kernel at Llama-3-8B decode shapes
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("window", [None, 4096])
+@pytest.mark.parametrize("position", [0, 5000, 8191])
+def test_decode_attention_append_gpu(position, window):
+    b, s, hq, hkv, d, dtype = 1, 8192, 32, 8, 128, jnp.bfloat16
+    q, k_new, v_new, k_cache, v_cache = inputs(11, b, s, hq, hkv, d, dtype)
+    positions = jnp.asarray([position], jnp.int32)
+    ref, k_ref, v_ref = decode_attention_append_reference(
+        q, k_new, v_new, k_cache, v_cache, positions, sliding_window=window)
+    step = jax.jit(functools.partial(decode_attention_append, sliding_window=window),
+                   donate_argnums=(3, 4))
+    k_in, v_in = k_cache.copy(), v_cache.copy()
+    k_ptr = k_in.unsafe_buffer_pointer()
+    out, k_out, v_out = step(q, k_new, v_new, k_in, v_in, positions)
+    assert k_out.unsafe_buffer_pointer() == k_ptr  # written in place, no copy of the cache
+    assert rel_err(out, ref) < TOL[dtype]
+    check_caches(k_out, v_out, k_ref, v_ref, k_cache, v_cache, k_new, v_new, positions)
