@@ -24,6 +24,7 @@ peer() {
 }
 tests() {
   timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider \
-    tests/test_gpu.py tests/test_kernels.py 2>&1 | tail -15
+    tests/test_gpu.py tests/test_kernels.py tests/test_norm_matmul.py \
+    tests/test_decode_attention_append.py 2>&1 | tail -15
 }
 for part in "${@:-ours}"; do "$part"; done
