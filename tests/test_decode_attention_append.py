@@ -17,23 +17,12 @@ import pytest
 from pallas_kernels.decode_attention import DecodeBlockSizes
 from pallas_kernels.decode_attention_append import (
     decode_attention_append, decode_attention_append_reference)
+from kernel_testing import normal, rel_err
 
 # Relative error ||out - ref|| / ||ref|| (as in test_kernels.py): float32 near 1e-7, bf16 near
 # 3e-3 (p rounded before the PV product, the result rounded).
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 1.5e-2}
 needs_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
-
-
-def normal(seed: int, shape, dtype):
-    return jax.random.normal(jax.random.PRNGKey(seed), shape, jnp.float32).astype(dtype)
-
-
-def rel_err(out, ref) -> float:
-    out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
-    ref = np.asarray(jnp.asarray(ref, jnp.float32), np.float64)
-    assert out.shape == ref.shape, (out.shape, ref.shape)
-    assert np.all(np.isfinite(out)), "kernel output has NaN/inf"
-    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
 def inputs(seed, b, s, hq, hkv, d, dtype):

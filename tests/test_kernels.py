@@ -18,6 +18,7 @@ from pallas_kernels import (
     DecodeBlockSizes, FlashBlockSizes, MosaicFlashConfig, SwigluBlockSizes, decode_attention,
     decode_attention_reference, flash_attention, flash_attention_reference, rms_norm,
     rms_norm_reference, rope, rope_reference, swiglu, swiglu_reference)
+from kernel_testing import normal, rel_err
 
 ON_GPU = jax.devices()[0].platform == "gpu"
 gpu = pytest.mark.gpu
@@ -28,18 +29,6 @@ needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU")
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 1.5e-2}
 # On the GPU, float32 dots run in IEEE mode, but exp2 and rsqrt are approximate.
 GPU_TOL = {jnp.float32: 1e-4, jnp.bfloat16: 1.5e-2}
-
-
-def rel_err(out, ref) -> float:
-    out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
-    ref = np.asarray(jnp.asarray(ref, jnp.float32), np.float64)
-    assert out.shape == ref.shape, (out.shape, ref.shape)
-    assert np.all(np.isfinite(out)), "kernel output has NaN/inf"
-    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
-
-
-def normal(seed: int, shape, dtype, scale=1.0):
-    return (scale * jax.random.normal(jax.random.PRNGKey(seed), shape, jnp.float32)).astype(dtype)
 
 
 def qkv(seed, b, tq, tk, hq, hkv, d, dtype):

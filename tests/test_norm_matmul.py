@@ -15,6 +15,7 @@ import pytest
 from jaxinfer.models import layers
 from pallas_kernels.norm_matmul import (NormMatmulBlockSizes, norm_matmul,
                                         norm_matmul_reference)
+from kernel_testing import rel_err
 
 EPS = 1e-5
 SMALL = NormMatmulBlockSizes(block_m=16, block_n=16, block_k=32, num_warps=4, num_stages=1)
@@ -22,14 +23,6 @@ SMALL = NormMatmulBlockSizes(block_m=16, block_n=16, block_k=32, num_warps=4, nu
 # reference (summation order) and 2.5e-3 against the unfused model path, which rounds the
 # matmul to bf16 before adding the residual.
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 1.5e-2}
-
-
-def rel_err(out, ref) -> float:
-    out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
-    ref = np.asarray(jnp.asarray(ref, jnp.float32), np.float64)
-    assert out.shape == ref.shape, (out.shape, ref.shape)
-    assert np.all(np.isfinite(out)), "kernel output has NaN/inf"
-    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
 def inputs(seed: int, m: int, k: int, n_dims: tuple[int, ...], dtype):
