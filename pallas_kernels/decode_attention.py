@@ -55,35 +55,18 @@ def choose_num_splits(batch: int, kv_heads: int, seq_len: int, block_k: int,
 # ---------------------------------------------------------------------------------------------
 
 
-def decode_attention_kernel(len_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *,
-                            sm_scale: float, chunk: int, block_k: int, window: int | None):
-    # len_ref [B] int32 (whole array; this program reads lengths[b])
-    # q_ref [Gp, D]: the query heads of one KV group, padded to Gp >= 16 rows with zeros
-    # k_ref, v_ref [S_pad, D]: one KV head's cache row (rows >= lengths[b], and with a window
-    # rows < lengths[b] - window, are never read)
-    # acc_ref [Gp, D], m_ref [Gp], l_ref [Gp] (float32): this chunk's partial results
-    b = pl.program_id(0)
-    split = pl.program_id(2)
-    length = len_ref[b]
-    start = split * chunk
-    end = jnp.minimum(start + chunk, length)
-    first = start  # first position this program attends to
-    if window is not None:
-        # The query sits at position length - 1 and sees keys > length - 1 - window; skip the
-        # chunk's whole tiles below that (start stays tile-aligned, the rest is masked).
-        first = jnp.maximum(start, length - window)
-        start = jnp.maximum(start, (first // block_k) * block_k)
-    n_blocks = pl.cdiv(jnp.maximum(end - start, 0), block_k)
-    q = q_ref[...]  # [Gp, D]
-    gp, d = q.shape
-    qk_scale = sm_scale * LOG2_E
+def attend_tiles(q, k_ref, v_ref, *, start, first, end, block_k: int, qk_scale: float, carry):
+    """Online softmax (base 2) of q [Gp, D] over cache rows [first, end) of k_ref/v_ref [S, D],
+    read in tiles of block_k rows from `start` (tile-aligned, <= first; first=None: from start);
+    rows outside the range are masked, never used. carry = (acc [Gp, D], m [Gp], l [Gp])
+    float32; returns the same."""
 
     def step(j, carry):
         acc, m, l = carry
         base = multiple_of(start + j * block_k, block_k)
         cols = base + jnp.arange(block_k)  # [block_k] cache position
         valid = cols < end
-        if window is not None:
+        if first is not None:
             valid &= cols >= first
         k = plgpu.load(k_ref.at[pl.ds(base, block_k), :], mask=valid[:, None], other=0)
         v = plgpu.load(v_ref.at[pl.ds(base, block_k), :], mask=valid[:, None], other=0)
@@ -96,10 +79,35 @@ def decode_attention_kernel(len_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref,
         acc = acc * alpha[:, None] + dot_f32(p.astype(v.dtype), v)
         return acc, m_new, l
 
-    acc, m, l = lax.fori_loop(
-        0, n_blocks, step,
-        (jnp.zeros((gp, d), jnp.float32), jnp.full((gp,), MASK_VALUE, jnp.float32),
-         jnp.zeros((gp,), jnp.float32)))
+    n_blocks = pl.cdiv(jnp.maximum(end - start, 0), block_k)
+    return lax.fori_loop(0, n_blocks, step, carry)
+
+
+def decode_attention_kernel(len_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *,
+                            sm_scale: float, chunk: int, block_k: int, window: int | None):
+    # len_ref [B] int32 (whole array; this program reads lengths[b])
+    # q_ref [Gp, D]: the query heads of one KV group, padded to Gp >= 16 rows with zeros
+    # k_ref, v_ref [S_pad, D]: one KV head's cache row (rows >= lengths[b], and with a window
+    # rows < lengths[b] - window, are never read)
+    # acc_ref [Gp, D], m_ref [Gp], l_ref [Gp] (float32): this chunk's partial results
+    b = pl.program_id(0)
+    split = pl.program_id(2)
+    length = len_ref[b]
+    start = split * chunk
+    end = jnp.minimum(start + chunk, length)
+    first = None  # first position this program attends to, when not its first tile's start
+    if window is not None:
+        # The query sits at position length - 1 and sees keys > length - 1 - window; skip the
+        # chunk's whole tiles below that (start stays tile-aligned, the rest is masked).
+        first = jnp.maximum(start, length - window)
+        start = jnp.maximum(start, (first // block_k) * block_k)
+    q = q_ref[...]  # [Gp, D]
+    gp, d = q.shape
+    acc, m, l = attend_tiles(
+        q, k_ref, v_ref, start=start, first=first, end=end, block_k=block_k,
+        qk_scale=sm_scale * LOG2_E,
+        carry=(jnp.zeros((gp, d), jnp.float32), jnp.full((gp,), MASK_VALUE, jnp.float32),
+               jnp.zeros((gp,), jnp.float32)))
     acc_ref[...] = acc
     m_ref[...] = m
     l_ref[...] = l

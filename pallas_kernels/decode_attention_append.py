@@ -23,15 +23,13 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
-    LOG2_E, MASK_VALUE, check_array, check_head_dim, check_same_dtype, dot_f32, multiple_of,
-    next_pow2)
+    LOG2_E, MASK_VALUE, check_array, check_head_dim, check_same_dtype, next_pow2)
 from pallas_kernels.decode_attention import (
-    DecodeBlockSizes, _merge_splits, choose_num_splits, decode_attention_reference)
+    DecodeBlockSizes, _merge_splits, attend_tiles, choose_num_splits, decode_attention_reference)
 
 # ---------------------------------------------------------------------------------------------
 # Kernel
@@ -81,25 +79,8 @@ def decode_attention_append_kernel(pos_ref, q_ref, kn_ref, vn_ref, k_ref, v_ref,
         # The query at pos sees slots > pos - window; whole tiles below that are skipped.
         first = jnp.maximum(start, pos + 1 - window)
         start = jnp.maximum(start, (first // block_k) * block_k)
-    n_blocks = pl.cdiv(jnp.maximum(end - start, 0), block_k)
-
-    def step(j, carry):
-        acc, m, l = carry
-        base = multiple_of(start + j * block_k, block_k)
-        cols = base + jnp.arange(block_k)  # [block_k] cache slot
-        valid = (cols < end) & (cols >= first)
-        k = plgpu.load(k_ref.at[pl.ds(base, block_k), :], mask=valid[:, None], other=0)
-        v = plgpu.load(v_ref.at[pl.ds(base, block_k), :], mask=valid[:, None], other=0)
-        s = dot_f32(q, k, trans_b=True) * qk_scale  # [Gp, block_k]
-        s = jnp.where(valid[None, :], s, MASK_VALUE)
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        alpha = jnp.exp2(m - m_new)
-        p = jnp.exp2(s - m_new[:, None])
-        l = l * alpha + jnp.sum(p, axis=-1)
-        acc = acc * alpha[:, None] + dot_f32(p.astype(v.dtype), v)
-        return acc, m_new, l
-
-    acc, m, l = lax.fori_loop(0, n_blocks, step, (acc0, m0, l0))
+    acc, m, l = attend_tiles(q, k_ref, v_ref, start=start, first=first, end=end,
+                             block_k=block_k, qk_scale=qk_scale, carry=(acc0, m0, l0))
     plgpu.store(acc_ref, acc, mask=row_ok[:, None])
     plgpu.store(m_ref, m, mask=row_ok)
     plgpu.store(l_ref, l, mask=row_ok)
