@@ -81,3 +81,12 @@ def multiple_of(x, n: int):
     from jax.experimental import pallas as pl
 
     return x if isinstance(x, int) else pl.multiple_of(x, n)
+
+
+def check_tiles(sizes, *names: str) -> None:
+    """Raise ValueError unless each named tile side of the block-size dataclass `sizes` is a
+    power of two >= 16 (Triton's dot needs that)."""
+    for name in names:
+        val = getattr(sizes, name)
+        if not is_pow2(val) or val < 16:
+            raise ValueError(f"{type(sizes).__name__}.{name}={val}: must be a power of two >= 16")

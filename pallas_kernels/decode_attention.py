@@ -19,9 +19,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import (multiple_of,
-    LOG2_E, MASK_VALUE, check_array, check_head_dim, check_same_dtype, dot_f32, is_pow2,
-    next_pow2, ref_precision)
+from pallas_kernels._common import (
+    LOG2_E, MASK_VALUE, check_array, check_head_dim, check_same_dtype, check_tiles, dot_f32,
+    multiple_of, next_pow2, ref_precision)
 
 NUM_SMS_H200 = 132
 
@@ -36,8 +36,7 @@ class DecodeBlockSizes:
     num_stages: int = 3
 
     def __post_init__(self):
-        if not is_pow2(self.block_k) or self.block_k < 16:
-            raise ValueError(f"DecodeBlockSizes.block_k={self.block_k}: must be a power of two >= 16")
+        check_tiles(self, "block_k")
         if self.num_splits is not None and self.num_splits < 1:
             raise ValueError(f"DecodeBlockSizes.num_splits={self.num_splits}: must be >= 1")
 

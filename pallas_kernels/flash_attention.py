@@ -24,9 +24,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import flash_attention_mgpu
-from pallas_kernels._common import (multiple_of,
-    LOG2_E, MASK_VALUE, check_array, check_head_dim, check_same_dtype, dot_f32, is_pow2,
-    ref_precision)
+from pallas_kernels._common import (
+    LOG2_E, MASK_VALUE, check_array, check_head_dim, check_same_dtype, check_tiles, dot_f32,
+    multiple_of, ref_precision)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,10 +38,7 @@ class FlashBlockSizes:
     num_stages: int = 3
 
     def __post_init__(self):
-        for name in ("block_q", "block_k"):
-            val = getattr(self, name)
-            if not is_pow2(val) or val < 16:
-                raise ValueError(f"FlashBlockSizes.{name}={val}: must be a power of two >= 16")
+        check_tiles(self, "block_q", "block_k")
 
 
 def default_block_sizes(head_dim: int, itemsize: int = 2) -> FlashBlockSizes:

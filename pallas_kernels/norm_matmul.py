@@ -21,7 +21,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import (check_array, check_same_dtype, dot_f32, is_pow2,
+from pallas_kernels._common import (check_array, check_same_dtype, check_tiles, dot_f32,
                                      multiple_of, ref_precision)
 
 
@@ -34,10 +34,7 @@ class NormMatmulBlockSizes:
     num_stages: int = 4
 
     def __post_init__(self):
-        for name in ("block_m", "block_n", "block_k"):
-            val = getattr(self, name)
-            if not is_pow2(val) or val < 16:
-                raise ValueError(f"NormMatmulBlockSizes.{name}={val}: must be a power of two >= 16")
+        check_tiles(self, "block_m", "block_n", "block_k")
 
 
 def default_block_sizes(m: int, n: int, itemsize: int = 2) -> NormMatmulBlockSizes:
