@@ -26,10 +26,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import (
-    LOG2_E, MASK_VALUE, check_array, check_head_dim, check_same_dtype, next_pow2)
+from pallas_kernels._common import LOG2_E, MASK_VALUE, check_head_dim, next_pow2
 from pallas_kernels.decode_attention import (
-    DecodeBlockSizes, _merge_splits, attend_tiles, choose_num_splits, decode_attention_reference)
+    DecodeBlockSizes, _merge_splits, attend_tiles, check_decode_inputs, choose_num_splits,
+    decode_attention_reference)
 
 # ---------------------------------------------------------------------------------------------
 # Kernel
@@ -93,32 +93,13 @@ def decode_attention_append_kernel(pos_ref, q_ref, kn_ref, vn_ref, k_ref, v_ref,
 
 def _validate(q, k_new, v_new, k_cache, v_cache, positions, sliding_window):
     op = "decode_attention_append"
-    if sliding_window is not None and int(sliding_window) < 1:
-        raise ValueError(f"{op}: sliding_window must be >= 1, got {sliding_window}")
-    check_array(op, "q", q, 3)
-    check_array(op, "k_new", k_new, 3)
-    check_array(op, "v_new", v_new, 3)
-    check_array(op, "k_cache", k_cache, 4)
-    check_array(op, "v_cache", v_cache, 4)
-    check_same_dtype(op, q=q, k_new=k_new, v_new=v_new, k_cache=k_cache, v_cache=v_cache)
-    check_array(op, "positions", positions, 1, dtypes=(jnp.dtype(jnp.int32),))
-    b, hq, d = q.shape
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"{op}: k_cache {tuple(k_cache.shape)} and v_cache "
-                         f"{tuple(v_cache.shape)} must have one shape")
-    bc, s, hkv, dk = k_cache.shape
-    if bc != b or positions.shape[0] != b:
-        raise ValueError(f"{op}: batch sizes differ: q {b}, caches {bc}, "
-                         f"positions {positions.shape[0]}")
-    if dk != d:
-        raise ValueError(f"{op}: head dim of q ({d}) and the caches ({dk}) differ")
+    b, s, hkv, d = check_decode_inputs(op, q, k_cache, v_cache, "positions", positions,
+                                       sliding_window, k_new=k_new, v_new=v_new)
     for name, x in (("k_new", k_new), ("v_new", v_new)):
         if x.shape != (b, hkv, d):
             raise ValueError(f"{op}: {name} must have shape [B, Hkv, D] = {(b, hkv, d)} "
                              f"(one token per sequence, the caches' KV heads), got "
                              f"{tuple(x.shape)}")
-    if hkv == 0 or hq % hkv:
-        raise ValueError(f"{op}: query heads ({hq}) must be a multiple of KV heads ({hkv})")
     # Concrete positions can be checked here; under jit the caller owns this check (an
     # out-of-range traced position writes nothing and its output is unspecified).
     if not isinstance(positions, jax.core.Tracer):
