@@ -356,13 +356,92 @@ def bench_small(quick: bool):
 
 
 # ---------------------------------------------------------------------------------------------
+# Decode projections (weight-streaming matmuls, M = batch): norm_matmul / swiglu
+# ---------------------------------------------------------------------------------------------
+
+MB = pk.MatmulBlockSizes
+GEMV_VARIANTS = [  # block_m, block_n, block_k, warps, stages, split_k
+    MB(16, 32, 128, 4, 4), MB(16, 32, 256, 4, 4), MB(16, 64, 128, 4, 4), MB(16, 64, 256, 4, 3),
+    MB(16, 128, 128, 4, 4), MB(16, 64, 128, 4, 4, 2), MB(16, 64, 128, 4, 4, 4),
+    MB(16, 128, 128, 4, 4, 4), MB(16, 128, 128, 4, 4, 8), MB(16, 32, 128, 4, 4, 2),
+    MB(16, 64, 256, 4, 3, 2), MB(16, 128, 64, 4, 5, 4), MB(16, 64, 128, 8, 4, 4),
+    MB(16, 256, 64, 4, 4, 8),
+]
+
+
+def bench_gemv(quick: bool, m: int = 1):
+    """The five weight streams of a Llama-3-8B decode step at batch m, fused as the model
+    calls them, against XLA running the unfused reference (norm, dot, residual / SiLU)."""
+    dtype = jnp.bfloat16
+    d, f, v = 4096, 14336, 128256
+    # name, K, N, norm in the prologue, residual, swiglu, float32 out
+    cases = [("qkv", d, 6144, True, False, False, False), ("wo", d, d, False, True, False, False),
+             ("gate_up", d, f, True, False, True, False), ("down", f, d, False, True, False, False),
+             ("lm_head", d, v, True, False, False, True)]
+    variants = GEMV_VARIANTS[:3] if quick else GEMV_VARIANTS
+    for name, k, n, norm, resid, is_swiglu, f32_out in cases:
+        n_w = 2 if is_swiglu else 1
+        wbytes = n_w * k * n * 2
+        n_sets = max(2, min(8, math.ceil(3 * L2_BYTES / wbytes)))
+        xs = rand(30, (m, k), dtype, n_sets)
+        nw = (1 + 0.1 * rand(31, (k,), jnp.float32)[0]).astype(dtype)
+        ws = [[w * (k ** -0.5) for w in rand(32 + i, (k, n), dtype, n_sets)] for i in range(n_w)]
+        r = rand(40, (m, n), dtype)[0]
+        args = [(xs[i], *[w[i] for w in ws]) for i in range(n_sets)]
+        nbytes = wbytes + m * k * 2 + m * n * (4 if f32_out else 2) * (2 if resid else 1)
+        shape = f"{name} M{m} K{k} N{n}"
+        nwk = nw if norm else None
+
+        def ours_fn(blocks):
+            if is_swiglu:
+                return jax.jit(lambda x, a, b: pk.swiglu(x, a, b, norm_weight=nwk, eps=1e-5,
+                                                          block_sizes=blocks))
+            return jax.jit(lambda x, w: pk.norm_matmul(
+                x, nwk, w, eps=1e-5, residual=r if resid else None,
+                out_dtype=jnp.float32 if f32_out else None, block_sizes=blocks))
+
+        if is_swiglu:
+            ref_fn = jax.jit(lambda x, a, b: pk.swiglu_reference(x, a, b, norm_weight=nwk,
+                                                                 eps=1e-5))
+        else:
+            ref_fn = jax.jit(lambda x, w: pk.norm_matmul_reference(
+                x, nwk, w, eps=1e-5, residual=r if resid else None,
+                out_dtype=jnp.float32 if f32_out else None))
+        ref = ref_fn(*args[0])
+        peer = guarded(f"gemv xla {shape}", lambda: record(
+            "gemv", shape, "xla (unfused reference)", time_fn(ref_fn, args, iters=100),
+            nbytes=nbytes))
+        best = None
+        for blocks in [None] + variants:
+            label = ("ours default" if blocks is None else
+                     f"ours {blocks.block_n}x{blocks.block_k} w{blocks.num_warps} "
+                     f"s{blocks.num_stages} split{blocks.split_k}")
+
+            def one(blocks=blocks, label=label):
+                fn = ours_fn(blocks)
+                err = rel_err(fn(*args[0]), ref)
+                return record("gemv", shape, label, time_fn(fn, args, iters=100),
+                              nbytes=nbytes, err=err)
+            row = guarded(label, one)
+            if row and (best is None or row["ms"] < best["ms"]):
+                best = row
+        if best is not None and peer is not None:
+            print(f"   -> best ours {best['impl']}: {best['tbs']:.3f} TB/s, "
+                  f"{peer['ms'] / best['ms']:.2f}x XLA", flush=True)
+            RESULTS.append(dict(op="gemv", shape=shape, summary=True, best=best["impl"],
+                                ours_tbs=best["tbs"], peer="xla", peer_tbs=peer["tbs"],
+                                ratio=peer["ms"] / best["ms"]))
+        del xs, ws, args
+
+
+# ---------------------------------------------------------------------------------------------
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", help="write all rows to this file")
-    parser.add_argument("--only", default="flash,decode,small",
-                        help="comma-separated subset of flash,decode,small")
+    parser.add_argument("--only", default="flash,decode,small,gemv",
+                        help="comma-separated subset of flash,decode,small,gemv")
     parser.add_argument("--quick", action="store_true", help="one shape and variant per op")
     args = parser.parse_args(argv)
     dev = jax.devices()[0]
@@ -372,7 +451,8 @@ def main(argv=None):
         return 1
     parts = args.only.split(",")
     t0 = time.time()
-    for name, fn in (("flash", bench_flash), ("decode", bench_decode), ("small", bench_small)):
+    for name, fn in (("flash", bench_flash), ("decode", bench_decode), ("small", bench_small),
+                     ("gemv", bench_gemv)):
         if name in parts:
             guarded(f"bench {name}", fn, args.quick)
             print(f"[{name} done at {time.time() - t0:.0f}s]", flush=True)

@@ -4,6 +4,8 @@
 #   bash benchmarks/run_h200.sh ours    # jaxinfer bench: B=1 ctx 128+256, B=64 ctx 2k, B=1 ctx 32k
 #   bash benchmarks/run_h200.sh peer    # HF transformers (static cache), B=1 ctx 128+256
 #   bash benchmarks/run_h200.sh tests   # GPU-marked tests (kernels vs references, greedy tokens)
+#   bash benchmarks/run_h200.sh profile # per-kernel time of the B=1 decode step (and unfused)
+#   bash benchmarks/run_h200.sh kernels # benchmarks/kernels.py, parts from $KERNELS
 # Results: JSON lines in ${OUT:-.}/bench-<part>.jsonl; a table on stdout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,5 +28,15 @@ tests() {
   timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider \
     tests/test_gpu.py tests/test_kernels.py tests/test_norm_matmul.py \
     tests/test_decode_attention_append.py 2>&1 | tail -15
+}
+profile() {  # where the B=1 decode step's time goes, fused kernels vs the older path
+  for v in "" "--unfused"; do
+    timeout 150 python3 benchmarks/profile_decode.py --preset llama3-8b --batch 1 \
+      --prompt-len 128 --steps 32 $v --json "$out/profile${v:+-unfused}.json" 2>&1 | tail -45
+  done
+}
+kernels() {  # KERNELS="gemv,decode" picks parts of benchmarks/kernels.py
+  timeout "${KERNELS_TIMEOUT:-300}" python3 benchmarks/kernels.py --only "${KERNELS:-gemv}" \
+    --json "$out/kernels.json" 2>&1 | tail -"${KERNELS_TAIL:-60}"
 }
 for part in "${@:-ours}"; do "$part"; done

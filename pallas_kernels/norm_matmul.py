@@ -1,12 +1,23 @@
-"""RMSNorm fused into the prologue of the matmul that follows it: rms_norm(x) @ w (+ residual).
+"""Fused matmul for the decoder's projections: [RMSNorm prologue] x @ w [+ residual | SwiGLU].
 
-Built for decode (M = batch, 1..64), where the op streams the weight and the separate norm's
-reduce + scale kernels cost more than the bytes they move. One program owns a [block_m, block_n]
-output tile: it first walks its x rows along K for the float32 sum of squares (x is tiny, and
-every program re-reading it hits L2), then walks K again, normalising each x tile on the fly
-(HF semantics: float32 statistics, `weight * normed.astype(x.dtype)`) and multiplying it into
-its [K, block_n] weight slab with float32 accumulation. The residual, when given, is added in
-float32 in the epilogue. Any M, K, N: edge tiles use masked loads and stores.
+    norm_matmul(x, norm_weight, w, eps=, residual=)   rms_norm(x) @ w (+ residual)
+    swiglu(x, w_gate, w_up, norm_weight=, eps=)        silu(h @ w_gate) * (h @ w_up), h = [norm](x)
+                                                       (pallas_kernels/swiglu.py, same kernel)
+
+Built for decode (M = batch, 1..64), where the op streams the weight and every separate small
+kernel (the norm's reduce and scale, the residual add, a split-K reduction) costs more time than
+the bytes it moves. One program owns a [block_m, block_n] output tile (of each weight: SwiGLU
+multiplies x into the gate and the up slab in one pass) and one chunk of K:
+
+- Prologue (norm_weight given): the program first walks its x rows along K for the float32 sum
+  of squares (x is tiny, re-read from L2 by every program), then normalises each x tile on the
+  fly with HF semantics (float32 statistics, `weight * normed.astype(x.dtype)`).
+- Main loop: x tile @ weight slab [block_k, block_n], float32 accumulation.
+- Epilogue, split_k = 1: the residual added in float32, or SiLU(gate) * up, then the cast.
+  split_k > 1 (more programs than a thin N gives, so that every SM streams): each program writes
+  float32 partials [split_k, M, N] and the wrapper's sum, residual and SiLU are left to XLA,
+  which fuses them into the consumer.
+Any M, K, N: edge tiles use masked loads and stores.
 """
 
 from __future__ import annotations
@@ -26,42 +37,67 @@ from pallas_kernels._common import (check_array, check_same_dtype, check_tiles, 
 
 
 @dataclasses.dataclass(frozen=True)
-class NormMatmulBlockSizes:
+class MatmulBlockSizes:
     block_m: int = 16
     block_n: int = 64
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 4
+    split_k: int = 1  # chunks of K, each its own program (float32 partials summed by XLA)
 
     def __post_init__(self):
         check_tiles(self, "block_m", "block_n", "block_k")
+        if self.split_k < 1:
+            raise ValueError(f"{type(self).__name__}.split_k={self.split_k}: must be >= 1")
 
 
-def default_block_sizes(m: int, n: int, itemsize: int = 2) -> NormMatmulBlockSizes:
-    """Small M streams the weight: thin N tiles so that N = 6144 (Llama-3-8B's q/k/v) still gives
-    more programs than the H200's 132 SMs, deep K tiles for many bytes in flight. Unmeasured
-    guesses (no GPU when written): sweep them as benchmarks/kernels.py does for SwiGLU.
-    float32 gets half-depth tiles and 2 stages to fit shared memory, as in swiglu.py."""
+NormMatmulBlockSizes = MatmulBlockSizes
+
+
+def default_block_sizes(m: int, n: int, k: int, itemsize: int = 2,
+                        n_weights: int = 1) -> MatmulBlockSizes:
+    """Small M streams the weights: thin N tiles, deep K tiles, K split when N alone gives too
+    few programs for the H200's 132 SMs. Large M is matmul-bound: square tiles.
+    float32 gets half-depth tiles and 2 stages to fit shared memory."""
+    del k, n_weights
     if itemsize >= 4:
-        return NormMatmulBlockSizes(block_m=16 if m <= 16 else 64, block_n=32 if m <= 64 else 64,
-                                    block_k=64, num_warps=4, num_stages=2)
+        return MatmulBlockSizes(block_m=16 if m <= 16 else 64, block_n=32 if m <= 64 else 64,
+                                block_k=64, num_warps=4, num_stages=2)
     if m <= 16:
-        return NormMatmulBlockSizes(block_m=16, block_n=32 if n < 16384 else 64, block_k=256,
-                                    num_warps=4, num_stages=4)
+        return MatmulBlockSizes(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4,
+                                split_k=1 if n >= 16384 else 2)
     if m <= 64:
-        return NormMatmulBlockSizes(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=4)
-    return NormMatmulBlockSizes(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+        return MatmulBlockSizes(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=4)
+    return MatmulBlockSizes(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
 
 
-def norm_matmul_kernel(x_ref, nw_ref, w_ref, *refs, m: int, n: int, k: int, eps: float,
-                       block_m: int, block_n: int, block_k: int):
-    # x_ref [block_m, Kp]; nw_ref [Kp]; w_ref [Kp, block_n]; refs = ([r_ref,] o_ref), each
-    # [block_m, block_n]. Kp = K rounded up to block_k; the tail past K is masked.
-    *r_ref, o_ref = refs
+# ---------------------------------------------------------------------------------------------
+# Kernel
+# ---------------------------------------------------------------------------------------------
+
+
+def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int, block_n: int,
+                        block_k: int, k_chunk: int, n_weights: int, has_norm: bool,
+                        has_residual: bool, epilogue: str, partial: bool):
+    # refs, in order:
+    #   x_ref [block_m, Kp]; nw_ref [Kp] if has_norm; n_weights w_refs [Kp, block_n];
+    #   r_ref [block_m, block_n] if has_residual;
+    #   outputs: partial -> n_weights refs [block_m, block_n] float32 (this K chunk's sums);
+    #            else one ref [block_m, block_n] in x's dtype.
+    # Kp = split_k * k_chunk >= K; positions >= K are masked, never used.
+    it = iter(refs)
+    x_ref = next(it)
+    nw_ref = next(it) if has_norm else None
+    w_refs = [next(it) for _ in range(n_weights)]
+    r_ref = next(it) if has_residual else None
+    o_refs = list(it)
+
     rows = pl.program_id(0) * block_m + jnp.arange(block_m)
     cols = pl.program_id(1) * block_n + jnp.arange(block_n)
     row_ok = (rows < m)[:, None] if m % block_m else None  # [block_m, 1]
     col_ok = (cols < n)[None, :] if n % block_n else None  # [1, block_n]
+    # K positions need a mask when K is ragged against the tiles or the chunks.
+    mask_k = (k % block_k != 0) or (pl.cdiv(k, k_chunk) * k_chunk != k)
 
     def load(ref, mask):
         return ref[...] if mask is None else plgpu.load(ref, mask=mask, other=0)
@@ -69,65 +105,145 @@ def norm_matmul_kernel(x_ref, nw_ref, w_ref, *refs, m: int, n: int, k: int, eps:
     def both(a, b):
         return b if a is None else (a if b is None else a & b)
 
-    def x_tile(j, masked_k: bool):
-        start = multiple_of(j * block_k, block_k)
-        k_ok = (start + jnp.arange(block_k)) < k if masked_k else None  # [block_k]
+    def x_tile(start):
+        k_ok = (start + jnp.arange(block_k)) < k if mask_k else None  # [block_k]
         x = load(x_ref.at[:, pl.ds(start, block_k)],
                  both(row_ok, None if k_ok is None else k_ok[None, :]))  # [block_m, block_k]
-        return start, k_ok, x
+        return k_ok, x
 
-    def sumsq_step(j, acc, masked_k: bool):
-        x = x_tile(j, masked_k)[2].astype(jnp.float32)
-        return acc + jnp.sum(x * x, axis=1)
+    inv_rms = None
+    if has_norm:
+        def sumsq_step(j, acc):
+            x = x_tile(multiple_of(j * block_k, block_k))[1].astype(jnp.float32)
+            return acc + jnp.sum(x * x, axis=1)
 
-    def matmul_step(j, carry, masked_k: bool):
-        acc, inv_rms = carry  # [block_m, block_n], [block_m] float32
-        start, k_ok, x = x_tile(j, masked_k)
-        nw = load(nw_ref.at[pl.ds(start, block_k)], k_ok)  # [block_k]
-        normed = (x.astype(jnp.float32) * inv_rms[:, None]).astype(x.dtype)
-        # weight * normed in x's dtype: the product of two 16-bit floats is exact in float32,
-        # so one rounding here equals the reference's 16-bit multiply.
-        h = (nw.astype(jnp.float32)[None, :] * normed.astype(jnp.float32)).astype(x.dtype)
-        w = load(w_ref.at[pl.ds(start, block_k), :],
-                 both(None if k_ok is None else k_ok[:, None], col_ok))  # [block_k, block_n]
-        return acc + dot_f32(h, w), inv_rms
+        ss = lax.fori_loop(0, pl.cdiv(k, block_k), sumsq_step, jnp.zeros((block_m,), jnp.float32))
+        inv_rms = lax.rsqrt(ss / k + eps)  # [block_m]
 
-    full = k // block_k
-    ss = lax.fori_loop(0, full, functools.partial(sumsq_step, masked_k=False),
-                       jnp.zeros((block_m,), jnp.float32))
-    if k % block_k:
-        ss = sumsq_step(full, ss, masked_k=True)
-    inv_rms = lax.rsqrt(ss / k + eps)  # [block_m]
-    carry = (jnp.zeros((block_m, block_n), jnp.float32), inv_rms)
-    carry = lax.fori_loop(0, full, functools.partial(matmul_step, masked_k=False), carry)
-    if k % block_k:
-        carry = matmul_step(full, carry, masked_k=True)
-    acc = carry[0]
+    chunk_start = pl.program_id(2) * k_chunk
+
+    def step(j, accs):
+        start = multiple_of(chunk_start + j * block_k, block_k)
+        k_ok, x = x_tile(start)
+        if has_norm:
+            nw = load(nw_ref.at[pl.ds(start, block_k)], k_ok)  # [block_k]
+            normed = (x.astype(jnp.float32) * inv_rms[:, None]).astype(x.dtype)
+            # weight * normed in x's dtype: the product of two 16-bit floats is exact in
+            # float32, so one rounding here equals the reference's 16-bit multiply.
+            x = (nw.astype(jnp.float32)[None, :] * normed.astype(jnp.float32)).astype(x.dtype)
+        w_mask = both(None if k_ok is None else k_ok[:, None], col_ok)
+        return tuple(acc + dot_f32(x, load(w_ref.at[pl.ds(start, block_k), :], w_mask))
+                     for acc, w_ref in zip(accs, w_refs))  # [block_m, block_n] each
+
+    zeros = jnp.zeros((block_m, block_n), jnp.float32)
+    accs = lax.fori_loop(0, k_chunk // block_k, step, (zeros,) * n_weights)
     mask = both(row_ok, col_ok)
-    if r_ref:
-        acc = acc + load(r_ref[0], mask).astype(jnp.float32)
-    out = acc.astype(o_ref.dtype)
-    if mask is None:
-        o_ref[...] = out
+
+    def store(ref, val):
+        if mask is None:
+            ref[...] = val
+        else:
+            plgpu.store(ref, val, mask=mask)
+
+    if partial:
+        for ref, acc in zip(o_refs, accs):
+            store(ref, acc)
+        return
+    out = accs[0]
+    if epilogue == "swiglu":
+        gate, up = accs
+        out = gate * jax.nn.sigmoid(gate) * up
+    if has_residual:
+        out = out + load(r_ref, mask).astype(jnp.float32)
+    store(o_refs[0], out.astype(o_refs[0].dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "blocks", "epilogue", "interpret",
+                                             "out_dtype"))
+def fused_matmul(x, norm_weight, weights, residual, *, eps, blocks, epilogue, interpret,
+                 out_dtype=None):
+    """x [M, K]; norm_weight [K] or None; weights: tuple of [K, N] (1, or 2 for SwiGLU);
+    residual [M, N] or None -> [M, N] in out_dtype (default x's dtype). Shapes are checked by
+    the public wrappers."""
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    m, k = x.shape
+    n = weights[0].shape[1]
+    bm, bn, bk = blocks.block_m, blocks.block_n, blocks.block_k
+    split = max(1, min(blocks.split_k, pl.cdiv(k, bk)))
+    k_chunk = pl.cdiv(pl.cdiv(k, split), bk) * bk
+    split = pl.cdiv(k, k_chunk)
+    # The blocks span whole chunks: the masked tail tiles then index inside the block
+    # (interpret mode pads the arrays to the block shape).
+    kp = split * k_chunk
+    partial = split > 1
+    tile = pl.BlockSpec((bm, bn), lambda i, j, s: (i, j))
+    in_specs = [pl.BlockSpec((bm, kp), lambda i, j, s: (i, 0))]
+    args = [x]
+    if norm_weight is not None:
+        in_specs.append(pl.BlockSpec((kp,), lambda i, j, s: (0,)))
+        args.append(norm_weight)
+    in_specs += [pl.BlockSpec((kp, bn), lambda i, j, s: (0, j))] * len(weights)
+    args += list(weights)
+    has_residual = residual is not None and not partial
+    if has_residual:
+        in_specs.append(tile)
+        args.append(residual)
+    if partial:
+        out_specs = [pl.BlockSpec((None, bm, bn), lambda i, j, s: (s, i, j))] * len(weights)
+        out_shape = [jax.ShapeDtypeStruct((split, m, n), jnp.float32)] * len(weights)
     else:
-        plgpu.store(o_ref, out, mask=mask)
+        out_specs, out_shape = tile, jax.ShapeDtypeStruct((m, n), out_dtype)
+    kernel = functools.partial(
+        fused_matmul_kernel, m=m, n=n, k=k, eps=eps, block_m=bm, block_n=bn, block_k=bk,
+        k_chunk=k_chunk, n_weights=len(weights), has_norm=norm_weight is not None,
+        has_residual=has_residual, epilogue=epilogue, partial=partial)
+    out = pl.pallas_call(
+        kernel,
+        grid=(pl.cdiv(m, bm), pl.cdiv(n, bn), split),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps,
+                                             num_stages=blocks.num_stages),
+        interpret=interpret,
+        name=f"{'norm_' if norm_weight is not None else ''}matmul_{epilogue}"
+             + ("_splitk" if partial else ""),
+    )(*args)
+    if not partial:
+        return out
+    # XLA sums the K chunks and applies the epilogue, fused into one elementwise pass.
+    sums = [jnp.sum(p, axis=0) for p in out]  # [M, N] float32 each
+    y = sums[0]
+    if epilogue == "swiglu":
+        y = jax.nn.silu(sums[0]) * sums[1]
+    if residual is not None:
+        y = y + residual.astype(jnp.float32)
+    return y.astype(out_dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# norm_matmul: wrapper and reference
+# ---------------------------------------------------------------------------------------------
 
 
 def _validate(x, norm_weight, w, residual):
     op = "norm_matmul"
     check_array(op, "x", x, 2)
-    check_array(op, "norm_weight", norm_weight, 1)
+    if norm_weight is not None:
+        check_array(op, "norm_weight", norm_weight, 1)
     if not hasattr(w, "ndim") or w.ndim < 2:
         raise ValueError(f"{op}: w must be an array of rank >= 2 ([K, *N], [in, out]), got "
                          f"{getattr(w, 'shape', type(w).__name__)}")
     check_array(op, "w", w, w.ndim)
-    arrays = dict(x=x, norm_weight=norm_weight, w=w)
+    arrays = dict(x=x, w=w)
+    if norm_weight is not None:
+        arrays["norm_weight"] = norm_weight
     if residual is not None:
         check_array(op, "residual", residual, getattr(residual, "ndim", 0))
         arrays["residual"] = residual
     check_same_dtype(op, **arrays)
     k = x.shape[1]
-    if norm_weight.shape[0] != k:
+    if norm_weight is not None and norm_weight.shape[0] != k:
         raise ValueError(f"{op}: norm_weight has {norm_weight.shape[0]} entries, x has K={k} features")
     if w.shape[0] != k:
         raise ValueError(f"{op}: x has K={k} features but w {tuple(w.shape)} has {w.shape[0]} rows "
@@ -138,62 +254,39 @@ def _validate(x, norm_weight, w, residual):
                          f"([M, *N] of the output)")
 
 
-def norm_matmul(x, norm_weight, w, *, eps: float, residual=None, interpret: bool = False,
-                block_sizes: NormMatmulBlockSizes | None = None):
-    """rms_norm(x, norm_weight) @ w (+ residual); x [M, K], norm_weight [K], w [K, *N],
-    residual [M, *N] -> [M, *N] in x's dtype (float32 statistics and accumulation)."""
+def norm_matmul(x, norm_weight, w, *, eps: float = 1e-6, residual=None, out_dtype=None,
+                interpret: bool = False, block_sizes: MatmulBlockSizes | None = None):
+    """rms_norm(x, norm_weight) @ w (+ residual); x [M, K], norm_weight [K] (None: no norm,
+    a plain matmul), w [K, *N], residual [M, *N] -> [M, *N] in out_dtype, default x's dtype
+    (float32 statistics and accumulation, the residual added in float32 before the one
+    rounding; out_dtype=float32 keeps the accumulator, as for logits)."""
     _validate(x, norm_weight, w, residual)
     n = math.prod(w.shape[1:])
-    blocks = block_sizes or default_block_sizes(x.shape[0], n, x.dtype.itemsize)
-    return _norm_matmul_triton(x, norm_weight, w, residual, eps=float(eps), blocks=blocks,
-                               interpret=interpret)
-
-
-@functools.partial(jax.jit, static_argnames=("eps", "blocks", "interpret"))
-def _norm_matmul_triton(x, norm_weight, w, residual, *, eps, blocks, interpret):
     m, k = x.shape
-    out_dims = w.shape[1:]
-    n = math.prod(out_dims)
-    w2 = w.reshape(k, n)  # [K, N], free: trailing dims are contiguous
-    bm, bn, bk = blocks.block_m, blocks.block_n, blocks.block_k
-    # Pad the K extent of the blocks to a multiple of block_k: the masked tail tile then indexes
-    # inside the block (interpret mode pads the arrays to the block shape).
-    kp = pl.cdiv(k, bk) * bk
-    tile = pl.BlockSpec((bm, bn), lambda i, j: (i, j))
-    in_specs = [pl.BlockSpec((bm, kp), lambda i, j: (i, 0)),
-                pl.BlockSpec((kp,), lambda i, j: (0,)),
-                pl.BlockSpec((kp, bn), lambda i, j: (0, j))]
-    args = [x, norm_weight, w2]
-    if residual is not None:
-        in_specs.append(tile)
-        args.append(residual.reshape(m, n))
-    kernel = functools.partial(norm_matmul_kernel, m=m, n=n, k=k, eps=eps, block_m=bm,
-                               block_n=bn, block_k=bk)
-    out = pl.pallas_call(
-        kernel,
-        grid=(pl.cdiv(m, bm), pl.cdiv(n, bn)),
-        in_specs=in_specs,
-        out_specs=tile,
-        out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps,
-                                             num_stages=blocks.num_stages),
-        interpret=interpret,
-        name="norm_matmul",
-    )(*args)
-    return out.reshape(m, *out_dims)
+    blocks = block_sizes or default_block_sizes(m, n, k, x.dtype.itemsize)
+    out = fused_matmul(x, norm_weight, (w.reshape(k, n),),  # [K, N]: trailing dims contiguous
+                       None if residual is None else residual.reshape(m, n),
+                       eps=float(eps), blocks=blocks, epilogue="none", interpret=interpret,
+                       out_dtype=None if out_dtype is None else jnp.dtype(out_dtype).name)
+    return out.reshape(m, *w.shape[1:])
 
 
-def norm_matmul_reference(x, norm_weight, w, *, eps: float, residual=None,
-                          interpret: bool = False):
+def rms_norm_rows(x, norm_weight, eps: float):
+    """HF RMSNorm of x [M, K] in plain jnp (float32 statistics, weight * normed in x's dtype)."""
+    xf = x.astype(jnp.float32)
+    normed = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)  # [M, K]
+    return norm_weight * normed.astype(x.dtype)
+
+
+def norm_matmul_reference(x, norm_weight, w, *, eps: float = 1e-6, residual=None,
+                          out_dtype=None, interpret: bool = False):
     """rms_norm(x) @ w (+ residual) in plain jnp: HF RMSNorm, float32 accumulation, the residual
     added in float32 before the cast to x's dtype (interpret is ignored)."""
     del interpret
     _validate(x, norm_weight, w, residual)
-    xf = x.astype(jnp.float32)
-    normed = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)  # [M, K]
-    h = norm_weight * normed.astype(x.dtype)  # [M, K] in x's dtype
+    h = x if norm_weight is None else rms_norm_rows(x, norm_weight, eps)  # [M, K] x's dtype
     y = lax.dot_general(h, w, (((1,), (0,)), ((), ())), precision=ref_precision(x.dtype),
                         preferred_element_type=jnp.float32)  # [M, *N]
     if residual is not None:
         y = y + residual.astype(jnp.float32)
-    return y.astype(x.dtype)
+    return y.astype(out_dtype or x.dtype)

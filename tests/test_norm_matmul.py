@@ -15,6 +15,7 @@ import pytest
 from jaxinfer.models import layers
 from pallas_kernels.norm_matmul import (NormMatmulBlockSizes, norm_matmul,
                                         norm_matmul_reference)
+from pallas_kernels.swiglu import swiglu, swiglu_reference
 from kernel_testing import rel_err
 
 EPS = 1e-5
@@ -55,6 +56,43 @@ def test_norm_matmul_interpret(m, k, n_dims, dtype, with_residual):
     if with_residual:
         unfused = (unfused.astype(jnp.float32) + res.astype(jnp.float32)).astype(dtype)
     assert rel_err(out, unfused) < TOL[dtype]
+
+
+# K split in 3 chunks of 2 tiles (K = 200: the last chunk is ragged, with fully masked tiles).
+SPLIT = NormMatmulBlockSizes(block_m=16, block_n=16, block_k=32, num_warps=4, num_stages=1,
+                             split_k=3)
+
+
+@pytest.mark.parametrize("norm", [True, False], ids=["norm", "no_norm"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("blocks", [SMALL, SPLIT], ids=["one_chunk", "split_k"])
+def test_norm_matmul_split_k_and_plain(blocks, dtype, norm):
+    x, nw, w, res = inputs(11, 3, 200, (2, 24), dtype)
+    nw = nw if norm else None
+    out = norm_matmul(x, nw, w, eps=EPS, residual=res, interpret=True, block_sizes=blocks)
+    ref = norm_matmul_reference(x, nw, w, eps=EPS, residual=res)
+    assert out.shape == (3, 2, 24) and out.dtype == x.dtype
+    assert rel_err(out, ref) < TOL[dtype]
+    h = layers.rms_norm(x, nw, EPS) if norm else x
+    unfused = (layers.linear(h, w).astype(jnp.float32) + res.astype(jnp.float32)).astype(dtype)
+    assert rel_err(out, unfused) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("blocks", [SMALL, SPLIT], ids=["one_chunk", "split_k"])
+def test_swiglu_with_norm_prologue(blocks, dtype):
+    # The pre-MLP RMSNorm fused into SwiGLU, against the model's unfused path.
+    x, nw, _, _ = inputs(12, 5, 200, (1,), dtype)
+    keys = jax.random.split(jax.random.PRNGKey(3), 2)
+    wg, wu = ((jax.random.normal(kk, (200, 40)) / np.sqrt(200)).astype(dtype) for kk in keys)
+    out = swiglu(x, wg, wu, norm_weight=nw, eps=EPS, interpret=True, block_sizes=blocks)
+    ref = swiglu_reference(x, wg, wu, norm_weight=nw, eps=EPS)
+    assert out.shape == (5, 40) and out.dtype == x.dtype
+    assert rel_err(out, ref) < TOL[dtype]
+    h = layers.rms_norm(x, nw, EPS)
+    unfused = layers.swiglu_mlp(h, {"w_gate": wg, "w_up": wu, "w_down": jnp.eye(40, dtype=dtype)})
+    assert rel_err(out, unfused) < TOL[dtype]
+    assert rel_err(out, swiglu_reference(x, wg, wu)) > 0.1  # the norm matters here
 
 
 def test_default_blocks_and_norm_matters():

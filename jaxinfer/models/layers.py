@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.cache import write_kv
 from jaxinfer.configs import Config
 
 # ---------------------------------------------------------------------------------------------
@@ -84,16 +85,64 @@ def use_kernels(dtype) -> bool:
     return jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
 
 
-def swiglu_mlp(x: jax.Array, p: dict) -> jax.Array:
-    """down(silu(x @ gate) * (x @ up)); x [..., D] -> [..., D]."""
-    if use_kernels(x.dtype) and "b_gate" not in p:
-        from pallas_kernels import swiglu  # gate and up in one pass over x, SiLU*up in the epilogue
+def decode_kernels(x: jax.Array) -> bool:
+    """The fused small-M kernels (pallas_kernels/norm_matmul.py) for x [..., D]: on GPU, 16-bit,
+    at most 64 rows (decode). They stream each weight once with the RMSNorm in the prologue and
+    the residual add / SwiGLU in the epilogue; at larger M (prefill) XLA's GEMMs are faster."""
+    return use_kernels(x.dtype) and math.prod(x.shape[:-1]) <= 64
 
-        act = swiglu(x.reshape(-1, x.shape[-1]), p["w_gate"], p["w_up"]).reshape(
-            *x.shape[:-1], p["w_gate"].shape[1])
+
+def norm_linear(x: jax.Array, norm_weight: jax.Array, w: jax.Array, eps: float,
+                b: jax.Array | None = None) -> jax.Array:
+    """linear(rms_norm(x), w, b); x [..., K], w [K, *N] -> [..., *N]."""
+    if decode_kernels(x):
+        from pallas_kernels import norm_matmul
+
+        y = norm_matmul(x.reshape(-1, x.shape[-1]), norm_weight, w, eps=eps)
+        y = y.reshape(*x.shape[:-1], *w.shape[1:])
+        return y if b is None else (y.astype(jnp.float32) + b.astype(jnp.float32)).astype(x.dtype)
+    return linear(rms_norm(x, norm_weight, eps), w, b)
+
+
+def linear_residual(x: jax.Array, w: jax.Array, residual: jax.Array,
+                    b: jax.Array | None = None) -> jax.Array:
+    """residual + linear(x, w, b); x [..., K], w [K, N], residual [..., N]."""
+    if b is None and decode_kernels(x):
+        from pallas_kernels import norm_matmul  # the add rides in the matmul's epilogue
+
+        y = norm_matmul(x.reshape(-1, x.shape[-1]), None, w,
+                        residual=residual.reshape(-1, residual.shape[-1]))
+        return y.reshape(residual.shape)
+    return residual + linear(x, w, b)
+
+
+def swiglu_mlp(x: jax.Array, p: dict, norm_weight: jax.Array | None = None,
+               eps: float = 1e-6) -> jax.Array:
+    """down(silu(h @ gate) * (h @ up)), h = rms_norm(x, norm_weight) when given, else x;
+    x [..., D] -> [..., D]. Biases (b_gate, b_up, b_down) when p has them."""
+    if use_kernels(x.dtype) and "b_gate" not in p:
+        from pallas_kernels import swiglu  # gate and up in one pass over h, SiLU*up in the epilogue
+
+        if norm_weight is not None and not decode_kernels(x):
+            x, norm_weight = rms_norm(x, norm_weight, eps), None  # large M: norm once, by XLA
+        act = swiglu(x.reshape(-1, x.shape[-1]), p["w_gate"], p["w_up"], norm_weight=norm_weight,
+                     eps=eps).reshape(*x.shape[:-1], p["w_gate"].shape[1])
     else:
+        if norm_weight is not None:
+            x = rms_norm(x, norm_weight, eps)
         act = jax.nn.silu(linear(x, p["w_gate"], p.get("b_gate"))) * linear(x, p["w_up"], p.get("b_up"))
     return linear(act, p["w_down"], p.get("b_down"))
+
+
+def mlp_residual(x: jax.Array, p: dict, norm_weight: jax.Array, eps: float) -> jax.Array:
+    """x + swiglu_mlp(rms_norm(x)): the whole pre-norm MLP sublayer; x [..., D]."""
+    if decode_kernels(x) and "b_gate" not in p:
+        from pallas_kernels import swiglu
+
+        x2 = x.reshape(-1, x.shape[-1])  # [M, D]
+        act = swiglu(x2, p["w_gate"], p["w_up"], norm_weight=norm_weight, eps=eps)  # [M, F]
+        return linear_residual(act, p["w_down"], x2).reshape(x.shape)
+    return x + swiglu_mlp(x, p, norm_weight, eps)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -254,3 +303,20 @@ def cached_attention(q, k_cache, v_cache, q_pos, *, window=None):
         return out[:, None]  # [B, 1, Hq, D]
     kv_pos = jnp.broadcast_to(jnp.arange(k_cache.shape[1], dtype=jnp.int32), k_cache.shape[:2])
     return attention_reference(q, k_cache, v_cache, q_pos, kv_pos, window=window)
+
+
+def cached_attention_update(q, k, v, k_cache, v_cache, positions, *, window=None):
+    """Write the new tokens' k, v [B, T, Hkv, D] to slots `positions` [B, T] of one layer's
+    cache [B, S, Hkv, D], then attend q [B, T, Hq, D] to it (as cached_attention).
+    Returns (out [B, T, Hq, D], k_cache, v_cache). One token per row on GPU: one kernel writes
+    the slot and attends (pallas_kernels/decode_attention_append.py), updating the donated
+    cache in place."""
+    if use_kernels(q.dtype) and q.shape[1] == 1 and _kernel_head_dim(q.shape[-1]):
+        from pallas_kernels import decode_attention_append
+
+        out, k_cache, v_cache = decode_attention_append(
+            q[:, 0], k[:, 0].astype(k_cache.dtype), v[:, 0].astype(v_cache.dtype), k_cache,
+            v_cache, positions[:, 0], sliding_window=window)
+        return out[:, None], k_cache, v_cache  # [B, 1, Hq, D]
+    k_cache, v_cache = write_kv(k_cache, v_cache, k, v, positions)
+    return cached_attention(q, k_cache, v_cache, positions, window=window), k_cache, v_cache

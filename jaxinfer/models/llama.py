@@ -58,12 +58,12 @@ def param_specs(config: Config) -> dict:
 
 def _attention_block(lp: dict, x, cos, sin, positions, config: Config, layer: int,
                      cache_kv: tuple[jax.Array, jax.Array] | None, fresh: bool):
-    """Pre-norm self-attention; returns (residual update [B, T, D], updated (k, v) cache or None)."""
+    """Pre-norm self-attention sublayer: returns (x + attention(rms_norm(x)) [B, T, D], the
+    updated (k, v) cache or None)."""
     b, t, _ = x.shape
     hd, eps = config.head_dim, config.rms_norm_eps
     g = config.num_heads // config.num_kv_heads
-    h = layers.rms_norm(x, lp["attn_norm"], eps)
-    qkv = layers.linear(h, lp["wqkv"], lp.get("bqkv"))  # [B, T, Hkv, G + 2, hd]
+    qkv = layers.norm_linear(x, lp["attn_norm"], lp["wqkv"], eps, lp.get("bqkv"))  # [B, T, Hkv, G + 2, hd]
     q = qkv[:, :, :, :g].reshape(b, t, config.num_heads, hd)  # head j*G + i, as HF orders them
     k = qkv[:, :, :, g]  # [B, T, Hkv, hd]
     v = qkv[:, :, :, g + 1]
@@ -73,13 +73,13 @@ def _attention_block(lp: dict, x, cos, sin, positions, config: Config, layer: in
     q = layers.apply_rope(q, cos, sin)  # [B, T, Hq, D]
     k = layers.apply_rope(k, cos, sin)  # [B, T, Hkv, D]
     window = config.window(layer)
-    if cache_kv is not None:
-        cache_kv = write_kv(*cache_kv, k, v, positions)  # [B, S, Hkv, D] each
     if cache_kv is None or fresh:
+        if cache_kv is not None:
+            cache_kv = write_kv(*cache_kv, k, v, positions)  # [B, S, Hkv, D] each
         o = layers.causal_self_attention(q, k, v, positions, window=window)
     else:
-        o = layers.cached_attention(q, *cache_kv, positions, window=window)
-    out = layers.linear(o.reshape(b, t, config.num_heads * hd), lp["wo"], lp.get("bo"))
+        o, *cache_kv = layers.cached_attention_update(q, k, v, *cache_kv, positions, window=window)
+    out = layers.linear_residual(o.reshape(b, t, config.num_heads * hd), lp["wo"], x, lp.get("bo"))
     return out, cache_kv
 
 
@@ -103,11 +103,9 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, config: Confi
     for i, lp in enumerate(params["layers"]):
         with jax.named_scope(f"layer{i}"):
             cache_kv = None if cache is None else (cache.k[i], cache.v[i])
-            attn, cache_kv = _attention_block(lp, x, cos, sin, positions, config, i, cache_kv,
-                                              fresh)
-            x = x + attn
-            h = layers.rms_norm(x, lp["mlp_norm"], config.rms_norm_eps)
-            x = x + layers.swiglu_mlp(h, lp)
+            x, cache_kv = _attention_block(lp, x, cos, sin, positions, config, i, cache_kv,
+                                           fresh)
+            x = layers.mlp_residual(x, lp, lp["mlp_norm"], config.rms_norm_eps)
             if cache_kv is not None:
                 new_k.append(cache_kv[0])
                 new_v.append(cache_kv[1])

@@ -1,0 +1,154 @@
+"""Where a decode step's time goes: GPU kernel time per kernel name, from a JAX profiler trace.
+
+    PYTHONPATH=. python3 benchmarks/profile_decode.py --preset llama3-8b --batch 1 \
+        --prompt-len 128 --steps 32 [--out DIR] [--json FILE]
+
+Runs `steps` decode steps (the jitted while loop, as `jaxinfer bench` times it) under
+`jax.profiler.trace`, reads the Perfetto trace it writes, and prints for each kernel name the
+GPU time per step, the launches per step and the share of the step; then the sum of kernel time
+against the wall time per step (the difference is idle GPU time: launch gaps, host syncs).
+Kernel names are XLA fusion names (`fusion.123`, `loop_...`, `input_reduce_...`), cuBLAS
+kernels (`*gemv*`, `*gemm*`) and our Pallas kernels (their `name=`); groups fold the numbered
+XLA names together.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+
+import jax
+import numpy as np
+
+from jaxinfer.bench import random_model
+from jaxinfer.generate import decode_loop, init_state, prefill
+from jaxinfer.sampling import SamplingParams
+
+
+def load_trace(log_dir: str) -> dict:
+    paths = glob.glob(os.path.join(log_dir, "**", "*.trace.json.gz"), recursive=True)
+    if not paths:
+        raise FileNotFoundError(f"no *.trace.json.gz under {log_dir} (profiler wrote nothing)")
+    with gzip.open(max(paths, key=os.path.getmtime), "rt") as f:
+        return json.load(f)
+
+
+def device_kernels(trace: dict) -> list[dict]:
+    """Complete events ("ph": "X") on the GPU's stream threads."""
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    pnames = {e["pid"]: e["args"].get("name", "") for e in events
+              if e.get("ph") == "M" and e.get("name") == "process_name"}
+    gpu_pids = {p for p, n in pnames.items() if "GPU" in n or "gpu" in n}
+    if not gpu_pids:
+        print("process names in the trace:", sorted(set(pnames.values())), file=sys.stderr)
+    tnames = {(e["pid"], e["tid"]): e["args"].get("name", "") for e in events
+              if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    on_gpu = [e for e in events if e.get("ph") == "X" and e["pid"] in gpu_pids]
+    # The GPU process also holds XLA-op and module rows; keep the stream (kernel) rows.
+    out = [e for e in on_gpu if "stream" in tnames.get((e["pid"], e["tid"]), "").lower()]
+    if on_gpu and not out:
+        print("GPU thread names:", sorted({tnames.get((e["pid"], e["tid"]), "") for e in on_gpu}),
+              file=sys.stderr)
+        out = on_gpu
+    return out
+
+
+def group_name(name: str) -> str:
+    name = re.sub(r"\.\d+", "", name)  # fusion.123 -> fusion
+    name = re.sub(r"_\d+$", "", name)
+    return name[:90]
+
+
+def _use_unfused_decode_path() -> None:
+    """For before/after comparisons only: route the model's dispatch to the older path."""
+    from jaxinfer.models import layers
+
+    layers.decode_kernels = lambda x: False
+
+    def update(q, k, v, k_cache, v_cache, positions, *, window=None):
+        k_cache, v_cache = layers.write_kv(k_cache, v_cache, k, v, positions)
+        return layers.cached_attention(q, k_cache, v_cache, positions, window=window), k_cache, v_cache
+
+    layers.cached_attention_update = update
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", default="llama3-8b")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--out", default=None, help="keep the trace directory here")
+    p.add_argument("--json", default=None, help="write the per-kernel table here")
+    p.add_argument("--top", type=int, default=40)
+    p.add_argument("--unfused", action="store_true",
+                   help="profile the step as it was before the fused decode kernels: XLA "
+                        "norms/GEMVs/residual adds, XLA K/V scatters + decode_attention")
+    args = p.parse_args(argv)
+    if args.unfused:
+        _use_unfused_decode_path()
+
+    dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
+    model = random_model(args.preset, dtype)
+    cfg = model.config
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(0, cfg.vocab_size, (args.batch, args.prompt_len)).tolist()
+    greedy = [SamplingParams(temperature=0.0)] * args.batch
+
+    def fresh():
+        state, tokens, lengths = init_state(model, prompts, args.steps + 1, greedy, 0, stop_ids=[])
+        return jax.block_until_ready(prefill(model.params, tokens, lengths, state, cfg))
+
+    s = fresh()
+    loop = decode_loop.lower(model.params, s, cfg).compile()
+    jax.block_until_ready(loop(model.params, s))  # warm up
+    s = fresh()
+    t0 = time.perf_counter()
+    jax.block_until_ready(loop(model.params, s))
+    wall = (time.perf_counter() - t0) / args.steps
+
+    log_dir = args.out or tempfile.mkdtemp(prefix="jaxinfer-trace-")
+    s = fresh()
+    with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+        jax.block_until_ready(loop(model.params, s))
+    kernels = device_kernels(load_trace(log_dir))
+    if not kernels:
+        print("no GPU kernel events in the trace", file=sys.stderr)
+        return 1
+    total = collections.Counter()
+    count = collections.Counter()
+    for e in kernels:
+        g = group_name(e["name"])
+        total[g] += float(e["dur"])  # microseconds
+        count[g] += 1
+    busy = sum(total.values()) / args.steps
+    span = (max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)) / args.steps
+    print(f"\n{args.preset} B={args.batch} ctx={args.prompt_len}: wall {wall * 1e3:.3f} ms/step "
+          f"(untraced), traced span {span / 1e3:.3f} ms/step, kernel time {busy / 1e3:.3f} "
+          f"ms/step, {len(kernels) / args.steps:.1f} kernels/step")
+    print(f"{'us/step':>9s} {'n/step':>7s} {'share':>6s}  kernel")
+    rows = []
+    for g, t in total.most_common():
+        rows.append(dict(kernel=g, us_per_step=t / args.steps, n_per_step=count[g] / args.steps))
+    for r in rows[: args.top]:
+        print(f"{r['us_per_step']:9.1f} {r['n_per_step']:7.1f} {r['us_per_step'] / busy:6.1%}  "
+              f"{r['kernel']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(preset=args.preset, batch=args.batch, prompt_len=args.prompt_len,
+                           wall_ms=wall * 1e3, span_ms=span / 1e3, kernel_ms=busy / 1e3,
+                           kernels_per_step=len(kernels) / args.steps, rows=rows), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
