@@ -72,12 +72,29 @@ def _use_unfused_decode_path() -> None:
     from jaxinfer.models import layers
 
     layers.decode_kernels = lambda x: False
+    layers.fused_decode_attention_ok = lambda qkv, rotary_dim: False
 
-    def update(q, k, v, k_cache, v_cache, positions, *, window=None):
-        k_cache, v_cache = layers.write_kv(k_cache, v_cache, k, v, positions)
-        return layers.cached_attention(q, k_cache, v_cache, positions, window=window), k_cache, v_cache
 
-    layers.cached_attention_update = update
+def _override_blocks(table: dict) -> None:
+    """For configuration sweeps only: the listed (K, N, weights) shapes get the given blocks."""
+    import importlib  # the package exports functions of the modules' names
+
+    nm = importlib.import_module("pallas_kernels.norm_matmul")
+    sw = importlib.import_module("pallas_kernels.swiglu")
+
+    def pick(fallback, k, n, w):
+        cfg = table.get(f"{k},{n},{w}")
+        return nm.MatmulBlockSizes(*cfg) if cfg else fallback
+
+    real_fused = nm.fused_matmul
+
+    def fused(x, norm_weight, weights, residual, *, blocks, **kw):
+        k, n = weights[0].shape
+        return real_fused(x, norm_weight, weights, residual,
+                          blocks=pick(blocks, k, n, len(weights)), **kw)
+
+    nm.fused_matmul = fused
+    sw.fused_matmul = fused
 
 
 def main(argv=None) -> int:
@@ -92,10 +109,16 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--unfused", action="store_true",
                    help="profile the step as it was before the fused decode kernels: XLA "
-                        "norms/GEMVs/residual adds, XLA K/V scatters + decode_attention")
+                        "norms/GEMVs/residual adds, XLA RoPE and K/V scatters, decode_attention")
+    p.add_argument("--blocks", default=None,
+                   help='JSON {"K,N,W": [block_m, block_n, block_k, warps, stages, split_k]}: '
+                        "block sizes of the fused decode matmuls (W = 1, or 2 for SwiGLU), "
+                        "to compare configurations in the model")
     args = p.parse_args(argv)
     if args.unfused:
         _use_unfused_decode_path()
+    if args.blocks:
+        _override_blocks(json.loads(args.blocks))
 
     dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
     model = random_model(args.preset, dtype)

@@ -6,6 +6,7 @@
 #   bash benchmarks/run_h200.sh tests   # GPU-marked tests (kernels vs references, greedy tokens)
 #   bash benchmarks/run_h200.sh profile # per-kernel time of the B=1 decode step (and unfused)
 #   bash benchmarks/run_h200.sh kernels # benchmarks/kernels.py, parts from $KERNELS
+#   bash benchmarks/run_h200.sh sweep   # the B=1 step profiled under several matmul block sizes
 # Results: JSON lines in ${OUT:-.}/bench-<part>.jsonl; a table on stdout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,6 +34,17 @@ profile() {  # where the B=1 decode step's time goes, fused kernels vs the older
   for v in "" "--unfused"; do
     timeout 150 python3 benchmarks/profile_decode.py --preset llama3-8b --batch 1 \
       --prompt-len 128 --steps 32 $v --json "$out/profile${v:+-unfused}.json" 2>&1 | tail -45
+  done
+}
+sweep() {  # the B=1 step profiled under several block configurations of the fused matmuls
+  local q=4096,6144,1 o=4096,4096,1 gu=4096,14336,2 dn=14336,4096,1
+  for cfg in "" \
+      "{\"$q\":[16,64,256,4,3,1],\"$o\":[16,128,64,4,5,4],\"$gu\":[16,64,256,4,3,1],\"$dn\":[16,128,64,4,5,4]}" \
+      "{\"$q\":[16,32,256,4,4,1],\"$o\":[16,32,256,4,4,1],\"$gu\":[16,64,256,4,3,1],\"$dn\":[16,32,256,4,4,1]}" \
+      "{\"$q\":[16,64,256,4,3,2],\"$o\":[16,64,256,4,3,2],\"$gu\":[16,128,128,4,3,1],\"$dn\":[16,256,64,4,4,8]}"; do
+    echo "== blocks: ${cfg:-defaults}"
+    timeout 100 python3 benchmarks/profile_decode.py --preset llama3-8b --batch 1 --prompt-len 128 \
+      --steps 32 --top 14 ${cfg:+--blocks "$cfg"} 2>&1 | grep -v "^bench" | tail -17
   done
 }
 kernels() {  # KERNELS="gemv,decode" picks parts of benchmarks/kernels.py

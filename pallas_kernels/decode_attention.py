@@ -54,11 +54,15 @@ def choose_num_splits(batch: int, kv_heads: int, seq_len: int, block_k: int,
 # ---------------------------------------------------------------------------------------------
 
 
-def attend_tiles(q, k_ref, v_ref, *, start, first, end, block_k: int, qk_scale: float, carry):
-    """Online softmax (base 2) of q [Gp, D] over cache rows [first, end) of k_ref/v_ref [S, D],
+def attend_tiles(q_parts, k_ref, v_ref, *, start, first, end, block_k: int, qk_scale: float,
+                 carry):
+    """Online softmax (base 2) of a query over cache rows [first, end) of k_ref/v_ref [S, D],
     read in tiles of block_k rows from `start` (tile-aligned, <= first; first=None: from start);
-    rows outside the range are masked, never used. carry = (acc [Gp, D], m [Gp], l [Gp])
-    float32; returns the same."""
+    rows outside the range are masked, never used. The query comes in column pieces
+    q_parts = ((q_i [Gp, w_i], col_i), ...) covering D (one piece [Gp, D] at 0, or RoPE's two
+    halves): scores = sum_i q_i @ k[:, col_i:col_i + w_i]^T. carry = (acc [Gp, D], m [Gp],
+    l [Gp]) float32; returns the same."""
+    d = k_ref.shape[-1]
 
     def step(j, carry):
         acc, m, l = carry
@@ -67,10 +71,15 @@ def attend_tiles(q, k_ref, v_ref, *, start, first, end, block_k: int, qk_scale: 
         valid = cols < end
         if first is not None:
             valid &= cols >= first
-        k = plgpu.load(k_ref.at[pl.ds(base, block_k), :], mask=valid[:, None], other=0)
+        s = None
+        for q, col in q_parts:
+            w = q.shape[-1]
+            kk = plgpu.load(k_ref.at[pl.ds(base, block_k), pl.ds(col, w) if w < d else slice(None)],
+                            mask=valid[:, None], other=0)  # [block_k, w]
+            part = dot_f32(q, kk, trans_b=True)  # [Gp, block_k]
+            s = part if s is None else s + part
         v = plgpu.load(v_ref.at[pl.ds(base, block_k), :], mask=valid[:, None], other=0)
-        s = dot_f32(q, k, trans_b=True) * qk_scale  # [Gp, block_k]
-        s = jnp.where(valid[None, :], s, MASK_VALUE)
+        s = jnp.where(valid[None, :], s * qk_scale, MASK_VALUE)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         alpha = jnp.exp2(m - m_new)
         p = jnp.exp2(s - m_new[:, None])
@@ -103,7 +112,7 @@ def decode_attention_kernel(len_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref,
     q = q_ref[...]  # [Gp, D]
     gp, d = q.shape
     acc, m, l = attend_tiles(
-        q, k_ref, v_ref, start=start, first=first, end=end, block_k=block_k,
+        ((q, 0),), k_ref, v_ref, start=start, first=first, end=end, block_k=block_k,
         qk_scale=sm_scale * LOG2_E,
         carry=(jnp.zeros((gp, d), jnp.float32), jnp.full((gp,), MASK_VALUE, jnp.float32),
                jnp.zeros((gp,), jnp.float32)))

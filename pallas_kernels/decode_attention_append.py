@@ -1,18 +1,22 @@
-"""Decode attention that also appends the new token's K/V to the cache, in one pallas_call.
+"""Decode attention that also applies RoPE and appends the new token's K/V, in one pallas_call.
 
-The decode step used to write the new K and V with two XLA dynamic-update-slice fusions, pad q
-to 16 rows with a third, then run `decode_attention`. Here one kernel does all of it:
+Input is the decoder's fused q/k/v projection, qkv [B, Hkv, G + 2, D]: per KV head its G query
+heads, then its key, then its value (the layout of checkpoints/layout.py). Without this kernel
+a decode step slices q, k and v out of it, rotates q and k (XLA concatenate fusions), writes K
+and V with two dynamic-update-slice fusions and pads q to 16 rows: ~6 small kernels per layer,
+each a few microseconds at batch 1. Here one kernel does all of it:
 
+- qkv is passed three times with three BlockSpecs (the group's query rows, row G, row G + 1),
+  so q, k_new and v_new are read straight from the projection's output.
+- RoPE (optional; HF rotate-half with cos/sin [B, D] whose halves are equal) is applied in
+  float32 to the query halves and to k_new; the query stays split in its two halves and the
+  scores are q_lo . k_lo + q_hi . k_hi against the cache's two column halves.
 - The caches are outputs aliased to the cache inputs (`input_output_aliases`), so inside a jit
   that donates them they are updated in place: of the programs of one (sequence, KV head), only
-  the one whose chunk holds slot `positions[b]` writes the new row (D elements per cache).
+  the one whose chunk holds slot `positions[b]` writes the new row (the rotated key, the value).
 - No program reads slot `positions[b]` from the cache: the owner starts its running softmax from
-  the new token (q . k_new, v_new taken from the k_new/v_new inputs), and every program walks
-  only the cache slots < positions[b] of its chunk. Reads and the one write never touch the same
-  address, so the programs need no ordering between them.
-- q is passed as [B, Hkv, G, D] (a free reshape) with a block of Gp >= 16 rows; the kernel loads
-  it with rows >= G masked to zero, and stores the partial results for the G real rows only. No
-  padded copy of q or slice of the result is materialised.
+  the new token, and every program walks only the cache slots < positions[b] of its chunk.
+  Reads and the one write never touch the same address, so the programs need no ordering.
 - Split-K over the sequence and the XLA merge of the chunks are those of decode_attention.py.
 """
 
@@ -26,47 +30,72 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import LOG2_E, MASK_VALUE, check_head_dim, next_pow2
+from pallas_kernels._common import (LOG2_E, MASK_VALUE, check_array, check_head_dim,
+                                     check_same_dtype, next_pow2)
 from pallas_kernels.decode_attention import (
-    DecodeBlockSizes, _merge_splits, attend_tiles, check_decode_inputs, choose_num_splits,
-    decode_attention_reference)
+    DecodeBlockSizes, _merge_splits, attend_tiles, choose_num_splits, decode_attention_reference)
 
 # ---------------------------------------------------------------------------------------------
 # Kernel
 # ---------------------------------------------------------------------------------------------
 
 
-def decode_attention_append_kernel(pos_ref, q_ref, kn_ref, vn_ref, k_ref, v_ref,
-                                   acc_ref, m_ref, l_ref, ko_ref, vo_ref, *, sm_scale: float,
+def decode_attention_append_kernel(pos_ref, q_ref, kn_ref, vn_ref, *refs, sm_scale: float,
                                    chunk: int, block_k: int, window: int | None, groups: int,
-                                   seq_len: int):
+                                   seq_len: int, has_rope: bool):
     # pos_ref [B] int32 (whole array): slot of each sequence's new token
-    # q_ref [Gp, D]: block over the G query heads of one KV group; rows >= G are not this
-    #   group's (or lie past the array) and are masked to zero on load
-    # kn_ref, vn_ref [D]: the new token's key / value for this KV head
+    # q_ref [Gp, D]: qkv rows of one KV group from row 0; rows >= G (the key, the value, past
+    #   the array) are masked to zero on load
+    # kn_ref, vn_ref [D]: qkv rows G and G + 1 of this KV group: the new key (before RoPE), value
+    # cos_ref, sin_ref [D] (has_rope): this sequence's rotation, halves equal
     # k_ref, v_ref [S_pad, D]: one KV head's cache row, read at slots < pos only
     # acc_ref [Gp, D], m_ref [Gp], l_ref [Gp] (float32): this chunk's partials, G rows stored
     # ko_ref, vo_ref [S_pad, D]: the same buffers as k_ref / v_ref (aliased); slot pos written
+    if has_rope:
+        cos_ref, sin_ref, *refs = refs
+    k_ref, v_ref, acc_ref, m_ref, l_ref, ko_ref, vo_ref = refs
     b = pl.program_id(0)
     split = pl.program_id(2)
     pos = pos_ref[b]
     start = split * chunk
     # pos < seq_len keeps an out-of-range traced position from writing past the cache
     owns = (pos >= start) & (pos < start + chunk) & (pos < seq_len)
-    k_new = kn_ref[...]  # [D]
+    gp, d = q_ref.shape
+    dtype = k_ref.dtype
+    row_ok = jnp.arange(gp) < groups  # [Gp]
     v_new = vn_ref[...]  # [D]
+
+    if has_rope:
+        # Rotate-half RoPE in float32: lo' = lo*c - hi*s, hi' = hi*c + lo*s (c, s: one half).
+        h = d // 2
+        c = cos_ref[pl.ds(0, h)].astype(jnp.float32)[None, :]  # [1, D/2]
+        s_ = sin_ref[pl.ds(0, h)].astype(jnp.float32)[None, :]
+        q_lo = plgpu.load(q_ref.at[:, pl.ds(0, h)], mask=row_ok[:, None], other=0)
+        q_hi = plgpu.load(q_ref.at[:, pl.ds(h, h)], mask=row_ok[:, None], other=0)
+        q_lo, q_hi = q_lo.astype(jnp.float32), q_hi.astype(jnp.float32)
+        q_parts = (((q_lo * c - q_hi * s_).astype(dtype), 0),
+                   ((q_hi * c + q_lo * s_).astype(dtype), h))  # [Gp, D/2] each
+        k_lo = kn_ref[pl.ds(0, h)].astype(jnp.float32)[None, :]  # [1, D/2]
+        k_hi = kn_ref[pl.ds(h, h)].astype(jnp.float32)[None, :]
+        k_parts = ((k_lo * c - k_hi * s_).astype(dtype), (k_hi * c + k_lo * s_).astype(dtype))
+    else:
+        q_parts = ((plgpu.load(q_ref, mask=row_ok[:, None], other=0), 0),)  # [Gp, D]
+        k_parts = (kn_ref[...][None, :],)  # [1, D]
 
     @pl.when(owns)
     def _write_new_slot():
-        ko_ref[pos, :] = k_new
+        col = 0
+        for kp in k_parts:
+            w = kp.shape[-1]
+            ko_ref[pl.ds(pos, 1), pl.ds(col, w)] = kp
+            col += w
         vo_ref[pos, :] = v_new
 
-    gp, d = q_ref.shape
-    row_ok = jnp.arange(gp) < groups  # [Gp]
-    q = plgpu.load(q_ref, mask=row_ok[:, None], other=0)  # [Gp, D]
     qk_scale = sm_scale * LOG2_E
-    # The owner's running softmax starts from the new token; the others start empty.
-    s_new = jnp.sum(q.astype(jnp.float32) * k_new.astype(jnp.float32)[None, :], axis=-1)
+    # The owner's running softmax starts from the new token (its rotated key as stored, so
+    # the score matches a later read from the cache); the others start empty.
+    s_new = sum(jnp.sum(qp.astype(jnp.float32) * kp.astype(jnp.float32), axis=-1)
+                for (qp, _), kp in zip(q_parts, k_parts))  # [Gp]
     w0 = owns.astype(jnp.float32)  # 1 for the owner, 0 for the others
     m0 = jnp.where(owns, s_new * qk_scale, MASK_VALUE)  # [Gp]
     l0 = jnp.broadcast_to(w0, (gp,))  # [Gp]
@@ -79,7 +108,7 @@ def decode_attention_append_kernel(pos_ref, q_ref, kn_ref, vn_ref, k_ref, v_ref,
         # The query at pos sees slots > pos - window; whole tiles below that are skipped.
         first = jnp.maximum(start, pos + 1 - window)
         start = jnp.maximum(start, (first // block_k) * block_k)
-    acc, m, l = attend_tiles(q, k_ref, v_ref, start=start, first=first, end=end,
+    acc, m, l = attend_tiles(q_parts, k_ref, v_ref, start=start, first=first, end=end,
                              block_k=block_k, qk_scale=qk_scale, carry=(acc0, m0, l0))
     plgpu.store(acc_ref, acc, mask=row_ok[:, None])
     plgpu.store(m_ref, m, mask=row_ok)
@@ -91,15 +120,39 @@ def decode_attention_append_kernel(pos_ref, q_ref, kn_ref, vn_ref, k_ref, v_ref,
 # ---------------------------------------------------------------------------------------------
 
 
-def _validate(q, k_new, v_new, k_cache, v_cache, positions, sliding_window):
+def _validate(qkv, k_cache, v_cache, positions, rope, sliding_window) -> tuple[int, int, int, int]:
     op = "decode_attention_append"
-    b, s, hkv, d = check_decode_inputs(op, q, k_cache, v_cache, "positions", positions,
-                                       sliding_window, k_new=k_new, v_new=v_new)
-    for name, x in (("k_new", k_new), ("v_new", v_new)):
-        if x.shape != (b, hkv, d):
-            raise ValueError(f"{op}: {name} must have shape [B, Hkv, D] = {(b, hkv, d)} "
-                             f"(one token per sequence, the caches' KV heads), got "
-                             f"{tuple(x.shape)}")
+    if sliding_window is not None and int(sliding_window) < 1:
+        raise ValueError(f"{op}: sliding_window must be >= 1, got {sliding_window}")
+    check_array(op, "qkv", qkv, 4)
+    check_array(op, "k_cache", k_cache, 4)
+    check_array(op, "v_cache", v_cache, 4)
+    check_same_dtype(op, qkv=qkv, k_cache=k_cache, v_cache=v_cache)
+    check_array(op, "positions", positions, 1, dtypes=(jnp.dtype(jnp.int32),))
+    b, hkv, rows, d = qkv.shape
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"{op}: k_cache {tuple(k_cache.shape)} and v_cache "
+                         f"{tuple(v_cache.shape)} must have one shape")
+    bc, s, hkv_c, dc = k_cache.shape
+    if bc != b or positions.shape[0] != b:
+        raise ValueError(f"{op}: batch sizes differ: qkv {b}, caches {bc}, "
+                         f"positions {positions.shape[0]}")
+    if hkv_c != hkv or dc != d:
+        raise ValueError(f"{op}: qkv {tuple(qkv.shape)} ([B, Hkv, G + 2, D]) does not match the "
+                         f"caches' KV heads and head dim {(hkv_c, dc)}")
+    if rows < 3:
+        raise ValueError(f"{op}: qkv must hold G >= 1 query rows, then the key and the value, "
+                         f"per KV head ([B, Hkv, G + 2, D]); got {rows} rows")
+    if rope is not None:
+        if not isinstance(rope, (tuple, list)) or len(rope) != 2:
+            raise ValueError(f"{op}: rope must be a (cos, sin) pair")
+        for name, t in zip(("cos", "sin"), rope):
+            check_array(op, f"rope {name}", t, 2)
+            if tuple(t.shape) != (b, d):
+                raise ValueError(f"{op}: rope {name} must have shape [B, D] = {(b, d)}, got "
+                                 f"{tuple(t.shape)}")
+        if d % 2:
+            raise ValueError(f"{op}: RoPE needs an even head dim, got {d}")
     # Concrete positions can be checked here; under jit the caller owns this check (an
     # out-of-range traced position writes nothing and its output is unspecified).
     if not isinstance(positions, jax.core.Tracer):
@@ -107,58 +160,71 @@ def _validate(q, k_new, v_new, k_cache, v_cache, positions, sliding_window):
         if pos.size and (pos.max() >= s or pos.min() < 0):
             raise ValueError(f"{op}: positions must lie in [0, {s}) (the cache holds {s} "
                              f"slots), got min {pos.min()} max {pos.max()}")
+    return b, s, hkv, d
 
 
-def decode_attention_append(q, k_new, v_new, k_cache, v_cache, positions, *,
+def decode_attention_append(qkv, k_cache, v_cache, positions, *, rope=None,
                             sm_scale: float | None = None, sliding_window: int | None = None,
                             interpret: bool = False,
                             block_sizes: DecodeBlockSizes | None = None):
-    """Write k_new / v_new [B, Hkv, D] at slot positions[b] of k/v_cache [B, S, Hkv, D], then
-    attend q [B, Hq, D] (the token at positions[b]) to slots [0, positions[b]].
+    """One new token per sequence: rotate its q and k (RoPE, when `rope` is given), write its
+    k and v at slot positions[b] of k/v_cache [B, S, Hkv, D], and attend its q to slots
+    [0, positions[b]].
 
-    Returns (out [B, Hq, D] in q's dtype, k_cache, v_cache). Equal to writing the slot and then
-    `decode_attention(q, k_cache, v_cache, positions + 1, ...)`. With `sliding_window=w` only
+    qkv [B, Hkv, G + 2, D]: per KV head, the G query heads (query head j*G + i is row i of KV
+    head j, as HF orders them), then the key, then the value. rope: (cos, sin), each [B, D]
+    (HF rotate-half tables, e.g. `cos(positions * inv_freq)` twice over; halves equal).
+    Returns (out [B, Hq, D] in qkv's dtype, k_cache, v_cache). With `sliding_window=w` only
     slots > positions[b] - w are seen (HF semantics). The caches are aliased to the outputs: to
     update them in place, call this inside a jit that donates them (the model's decode step);
     an eager call or a jit without donation copies each cache once first.
     """
-    _validate(q, k_new, v_new, k_cache, v_cache, positions, sliding_window)
-    d = q.shape[-1]
+    _validate(qkv, k_cache, v_cache, positions, rope, sliding_window)
+    d = qkv.shape[-1]
     check_head_dim("decode_attention_append", d)
+    if rope is not None:
+        check_head_dim("decode_attention_append (RoPE halves)", d // 2)
     sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d)
     blocks = block_sizes or DecodeBlockSizes()
     b, s, hkv, _ = k_cache.shape
     num_splits = blocks.num_splits or choose_num_splits(b, hkv, s, blocks.block_k)
     window = int(sliding_window) if sliding_window is not None else None
     return _decode_attention_append_triton(
-        q, k_new, v_new, k_cache, v_cache, positions, sm_scale=sm_scale, blocks=blocks,
+        qkv, k_cache, v_cache, positions, rope, sm_scale=sm_scale, blocks=blocks,
         num_splits=num_splits, window=window, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "blocks", "num_splits", "window",
                                              "interpret"))
-def _decode_attention_append_triton(q, k_new, v_new, k_cache, v_cache, positions, *, sm_scale,
+def _decode_attention_append_triton(qkv, k_cache, v_cache, positions, rope, *, sm_scale,
                                     blocks, num_splits, window, interpret):
-    b, hq, d = q.shape
-    _, s, hkv, _ = k_cache.shape
-    g = hq // hkv
+    b, hkv, rows, d = qkv.shape
+    g = rows - 2
+    _, s, _, _ = k_cache.shape
     gp = max(16, next_pow2(g))  # tl.dot needs >= 16 rows; the block covers them, loads mask
     block_k = blocks.block_k
     chunk = pl.cdiv(pl.cdiv(s, num_splits), block_k) * block_k
     num_splits = pl.cdiv(s, chunk)
     s_pad = num_splits * chunk  # cache blocks rounded up to whole chunks (rows >= s unread)
-    qg = q.reshape(b, hkv, g, d)  # [B, Hkv, G, D]; a bitcast, no copy
 
     kernel = functools.partial(decode_attention_append_kernel, sm_scale=sm_scale, chunk=chunk,
-                               block_k=block_k, window=window, groups=g, seq_len=s)
-    head = pl.BlockSpec((None, None, d), lambda i, h, c: (i, h, 0))
+                               block_k=block_k, window=window, groups=g, seq_len=s,
+                               has_rope=rope is not None)
     row = pl.BlockSpec((None, s_pad, None, d), lambda i, h, c: (i, 0, h, 0))
+    in_specs = [pl.BlockSpec((b,), lambda i, h, c: (0,)),
+                pl.BlockSpec((None, None, gp, d), lambda i, h, c: (i, h, 0, 0)),  # queries
+                pl.BlockSpec((None, None, None, d), lambda i, h, c: (i, h, g, 0)),  # key
+                pl.BlockSpec((None, None, None, d), lambda i, h, c: (i, h, g + 1, 0))]  # value
+    args = [positions, qkv, qkv, qkv]
+    if rope is not None:
+        in_specs += [pl.BlockSpec((None, d), lambda i, h, c: (i, 0))] * 2
+        args += list(rope)
+    in_specs += [row, row]
+    args += [k_cache, v_cache]
     acc, m, l, k_cache, v_cache = pl.pallas_call(
         kernel,
         grid=(b, hkv, num_splits),
-        in_specs=[pl.BlockSpec((b,), lambda i, h, c: (0,)),
-                  pl.BlockSpec((None, None, gp, d), lambda i, h, c: (i, h, 0, 0)),
-                  head, head, row, row],
+        in_specs=in_specs,
         out_specs=[pl.BlockSpec((None, None, None, gp, d), lambda i, h, c: (i, h, c, 0, 0)),
                    pl.BlockSpec((None, None, None, gp), lambda i, h, c: (i, h, c, 0)),
                    pl.BlockSpec((None, None, None, gp), lambda i, h, c: (i, h, c, 0)),
@@ -168,13 +234,14 @@ def _decode_attention_append_triton(q, k_new, v_new, k_cache, v_cache, positions
                    jax.ShapeDtypeStruct((b, hkv, num_splits, g), jnp.float32),
                    jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
                    jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)],
-        input_output_aliases={4: 3, 5: 4},  # k_cache -> output 3, v_cache -> output 4
+        # k_cache -> output 3, v_cache -> output 4
+        input_output_aliases={len(args) - 2: 3, len(args) - 1: 4},
         compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps,
                                              num_stages=blocks.num_stages),
         interpret=interpret,
         name="decode_attention_append",
-    )(positions, qg, k_new, v_new, k_cache, v_cache)
-    out = _merge_splits(acc, m, l).reshape(b, hq, d).astype(q.dtype)  # [B, Hq, D]
+    )(*args)
+    out = _merge_splits(acc, m, l).reshape(b, hkv * g, d).astype(qkv.dtype)  # [B, Hq, D]
     return out, k_cache, v_cache
 
 
@@ -183,16 +250,31 @@ def _decode_attention_append_triton(q, k_new, v_new, k_cache, v_cache, positions
 # ---------------------------------------------------------------------------------------------
 
 
-def decode_attention_append_reference(q, k_new, v_new, k_cache, v_cache, positions, *,
+def rotate_half_f32(x, cos, sin):
+    """HF rotate-half RoPE of x [B, H, D] with cos/sin [B, D], in float32, cast back."""
+    xf = x.astype(jnp.float32)
+    h = x.shape[-1] // 2
+    rotated = jnp.concatenate([-xf[..., h:], xf[..., :h]], axis=-1)
+    return (xf * cos[:, None, :] + rotated * sin[:, None, :]).astype(x.dtype)
+
+
+def decode_attention_append_reference(qkv, k_cache, v_cache, positions, *, rope=None,
                                       sm_scale: float | None = None,
                                       sliding_window: int | None = None,
                                       interpret: bool = False,
                                       block_sizes: DecodeBlockSizes | None = None):
-    """Plain jnp: scatter the new K/V, then `decode_attention_reference` (interpret and
-    block_sizes are ignored). Returns (out, k_cache, v_cache) like the kernel."""
+    """Plain jnp: split qkv, rotate q and k, scatter the new K/V, then
+    `decode_attention_reference` (interpret and block_sizes are ignored). Returns
+    (out, k_cache, v_cache) like the kernel."""
     del interpret, block_sizes
-    _validate(q, k_new, v_new, k_cache, v_cache, positions, sliding_window)
-    rows = jnp.arange(q.shape[0])  # [B]
+    b, s, hkv, d = _validate(qkv, k_cache, v_cache, positions, rope, sliding_window)
+    g = qkv.shape[2] - 2
+    q = qkv[:, :, :g].reshape(b, hkv * g, d)  # [B, Hq, D]
+    k_new, v_new = qkv[:, :, g], qkv[:, :, g + 1]  # [B, Hkv, D]
+    if rope is not None:
+        cos, sin = (t.astype(jnp.float32) for t in rope)
+        q, k_new = rotate_half_f32(q, cos, sin), rotate_half_f32(k_new, cos, sin)
+    rows = jnp.arange(b)  # [B]
     k_cache = k_cache.at[rows, positions].set(k_new, mode="drop")  # [B, S, Hkv, D]
     v_cache = v_cache.at[rows, positions].set(v_new, mode="drop")
     out = decode_attention_reference(q, k_cache, v_cache, positions + 1, sm_scale=sm_scale,

@@ -1,4 +1,5 @@
-"""decode_attention_append (write the new K/V + decode attention in one kernel) vs its reference.
+"""decode_attention_append (RoPE + write the new K/V + decode attention in one kernel, reading
+the fused qkv projection) vs its reference and vs the model's unfused path.
 
 CPU: interpret mode at shapes that are not block multiples, with new slots at 0, S-1 and on chunk
 edges. Interpret mode pads out-of-range block reads with NaN, so a read past the cache fails.
@@ -14,10 +15,27 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.decode_attention import DecodeBlockSizes
+from jaxinfer.models import layers
+from pallas_kernels.decode_attention import DecodeBlockSizes, decode_attention_reference
 from pallas_kernels.decode_attention_append import (
-    decode_attention_append, decode_attention_append_reference)
+    decode_attention_append as _append_qkv, decode_attention_append_reference as _append_ref)
 from kernel_testing import normal, rel_err
+
+
+def pack(q, k_new, v_new):
+    """q [B, Hq, D], k_new/v_new [B, Hkv, D] -> qkv [B, Hkv, G + 2, D] (the model's layout)."""
+    b, hq, d = q.shape
+    hkv = k_new.shape[1]
+    return jnp.concatenate([q.reshape(b, hkv, hq // hkv, d), k_new[:, :, None],
+                            v_new[:, :, None]], axis=2)
+
+
+def decode_attention_append(q, k_new, v_new, *args, **kwargs):
+    return _append_qkv(pack(q, k_new, v_new), *args, **kwargs)
+
+
+def decode_attention_append_reference(q, k_new, v_new, *args, **kwargs):
+    return _append_ref(pack(q, k_new, v_new), *args, **kwargs)
 
 # Relative error ||out - ref|| / ||ref|| (as in test_kernels.py): float32 near 1e-7, bf16 near
 # 3e-3 (p rounded before the PV product, the result rounded).
@@ -126,28 +144,69 @@ def test_jit_with_donated_caches_updates_in_place():
     check_caches(k_out, v_out, k_ref, v_ref, k_cache, v_cache, k_new, v_new, positions)
 
 
+def rope_tables(positions, d, theta=10000.0):
+    """HF rotate-half cos/sin [B, D] for integer positions [B] (float32)."""
+    inv = 1.0 / theta ** (np.arange(0, d, 2) / d)
+    f = np.asarray(positions)[:, None] * inv[None, :]
+    emb = np.concatenate([f, f], axis=-1)
+    return jnp.asarray(np.cos(emb), jnp.float32), jnp.asarray(np.sin(emb), jnp.float32)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_rope_matches_the_model_path(dtype):
+    """RoPE inside the kernel vs the model's unfused path: layers.apply_rope on q and k, an XLA
+    scatter of k/v, then decode attention over the written cache."""
+    b, s, hq, hkv, d = 3, 70, 8, 2, 32
+    q, k_new, v_new, k_cache, v_cache = inputs(21, b, s, hq, hkv, d, dtype)
+    positions = jnp.asarray([69, 0, 40], jnp.int32)
+    cos, sin = rope_tables(positions, d)
+    blocks = DecodeBlockSizes(block_k=16, num_splits=3, num_stages=1)
+    out, k_out, v_out = decode_attention_append(q, k_new, v_new, k_cache, v_cache, positions,
+                                                rope=(cos, sin), interpret=True,
+                                                block_sizes=blocks)
+    ref, k_ref, v_ref = decode_attention_append_reference(q, k_new, v_new, k_cache, v_cache,
+                                                          positions, rope=(cos, sin))
+    assert rel_err(out, ref) < TOL[dtype]
+    # The rotated key may differ from the reference's in the last bit (operation order).
+    assert rel_err(k_out, k_ref) < {jnp.float32: 1e-6, jnp.bfloat16: 2e-3}[dtype]
+    np.testing.assert_array_equal(np.asarray(v_out), np.asarray(v_ref))
+    # The model's unfused path (rounding in x's dtype, as HF does).
+    q_r = layers.apply_rope(q[:, None], cos[:, None], sin[:, None])[:, 0]
+    k_r = layers.apply_rope(k_new[:, None], cos[:, None], sin[:, None])[:, 0]
+    rows = jnp.arange(b)
+    k_model = k_cache.at[rows, positions].set(k_r)
+    v_model = v_cache.at[rows, positions].set(v_new)
+    model = decode_attention_reference(q_r, k_model, v_model, positions + 1)
+    assert rel_err(out, model) < TOL[dtype]
+    assert rel_err(k_out, k_model) < TOL[dtype] / 10
+    plain, _, _ = decode_attention_append_reference(q, k_new, v_new, k_cache, v_cache, positions)
+    assert rel_err(plain, ref) > 0.05  # RoPE changed the result: the check can fail
+
+
 def test_bad_inputs_raise():
     f32 = jnp.float32
     q, k_new, v_new, k_cache, v_cache = inputs(0, 2, 10, 4, 2, 16, f32)
+    qkv = pack(q, k_new, v_new)
     pos = jnp.asarray([3, 9], jnp.int32)
-    call = functools.partial(decode_attention_append, interpret=True)
+    cos, sin = rope_tables(pos, 16)
+    call = functools.partial(_append_qkv, interpret=True)
     cases = [
-        (lambda: call(q, k_new, v_new, k_cache, v_cache, jnp.asarray([3, 10], jnp.int32)),
+        (lambda: call(qkv, k_cache, v_cache, jnp.asarray([3, 10], jnp.int32)),
          r"positions must lie in \[0, 10\)"),
-        (lambda: call(q, k_new, v_new, k_cache, v_cache, jnp.asarray([-1, 2], jnp.int32)),
+        (lambda: call(qkv, k_cache, v_cache, jnp.asarray([-1, 2], jnp.int32)),
          "positions must lie"),
-        (lambda: call(q, k_new, v_new, k_cache, v_cache, pos.astype(f32)), "positions has dtype"),
-        (lambda: call(q, k_new, v_new, k_cache, v_cache, pos[:1]), "batch sizes differ"),
-        (lambda: call(q, k_new[:, :1], v_new, k_cache, v_cache, pos), "k_new must have shape"),
-        (lambda: call(q, k_new, v_new[:, :, None], k_cache, v_cache, pos), "v_new must have rank"),
-        (lambda: call(q, k_new.astype(jnp.bfloat16), v_new, k_cache, v_cache, pos), "one dtype"),
-        (lambda: call(q, k_new, v_new, k_cache, v_cache[:, :5], pos), "one shape"),
-        (lambda: call(q[:, :3], k_new, v_new, k_cache, v_cache, pos), "multiple of KV heads"),
-        (lambda: call(q[..., :8], k_new[..., :8], v_new[..., :8], k_cache[..., :8],
-                      v_cache[..., :8], pos), "head dim"),
-        (lambda: call(q, k_new, v_new, k_cache, v_cache, pos, sliding_window=0), "sliding_window"),
-        (lambda: decode_attention_append_reference(q, k_new, v_new, k_cache, v_cache,
-                                                   pos + 1), "positions must lie"),
+        (lambda: call(qkv, k_cache, v_cache, pos.astype(f32)), "positions has dtype"),
+        (lambda: call(qkv, k_cache, v_cache, pos[:1]), "batch sizes differ"),
+        (lambda: call(qkv[:, :1], k_cache, v_cache, pos), "does not match the caches"),
+        (lambda: call(qkv[:, :, :2], k_cache, v_cache, pos), "G >= 1 query rows"),
+        (lambda: call(qkv[0], k_cache, v_cache, pos), "qkv must have rank 4"),
+        (lambda: call(qkv.astype(jnp.bfloat16), k_cache, v_cache, pos), "one dtype"),
+        (lambda: call(qkv, k_cache, v_cache[:, :5], pos), "one shape"),
+        (lambda: call(qkv[..., :8], k_cache[..., :8], v_cache[..., :8], pos), "head dim"),
+        (lambda: call(qkv, k_cache, v_cache, pos, sliding_window=0), "sliding_window"),
+        (lambda: call(qkv, k_cache, v_cache, pos, rope=(cos[:, :8], sin)), "rope cos must have"),
+        (lambda: call(qkv, k_cache, v_cache, pos, rope=cos), r"\(cos, sin\) pair"),
+        (lambda: _append_ref(qkv, k_cache, v_cache, pos + 1), "positions must lie"),
     ]
     for fn, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -161,19 +220,26 @@ def test_bad_inputs_raise():
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("rope", [False, True], ids=["plain", "rope"])
 @pytest.mark.parametrize("window", [None, 4096])
 @pytest.mark.parametrize("position", [0, 5000, 8191])
-def test_decode_attention_append_gpu(position, window):
-    b, s, hq, hkv, d, dtype = 1, 8192, 32, 8, 128, jnp.bfloat16
+def test_decode_attention_append_gpu(position, window, rope):
+    b, s, hq, hkv, d, dtype = 2, 8192, 32, 8, 128, jnp.bfloat16
     q, k_new, v_new, k_cache, v_cache = inputs(11, b, s, hq, hkv, d, dtype)
-    positions = jnp.asarray([position], jnp.int32)
+    positions = jnp.asarray([position, s - 1 - position], jnp.int32)
+    tables = rope_tables(positions, d, 500000.0) if rope else None
     ref, k_ref, v_ref = decode_attention_append_reference(
-        q, k_new, v_new, k_cache, v_cache, positions, sliding_window=window)
-    step = jax.jit(functools.partial(decode_attention_append, sliding_window=window),
-                   donate_argnums=(3, 4))
+        q, k_new, v_new, k_cache, v_cache, positions, sliding_window=window, rope=tables)
+    step = jax.jit(functools.partial(_append_qkv, sliding_window=window, rope=tables),
+                   donate_argnums=(1, 2))
+    qkv = pack(q, k_new, v_new)
     k_in, v_in = k_cache.copy(), v_cache.copy()
     k_ptr = k_in.unsafe_buffer_pointer()
-    out, k_out, v_out = step(q, k_new, v_new, k_in, v_in, positions)
+    out, k_out, v_out = step(qkv, k_in, v_in, positions)
     assert k_out.unsafe_buffer_pointer() == k_ptr  # written in place, no copy of the cache
     assert rel_err(out, ref) < TOL[dtype]
-    check_caches(k_out, v_out, k_ref, v_ref, k_cache, v_cache, k_new, v_new, positions)
+    if rope:  # the rotated key may differ from the reference's in the last bit
+        assert rel_err(k_out, k_ref) < 2e-3
+    else:
+        np.testing.assert_array_equal(np.asarray(k_out), np.asarray(k_ref))
+    np.testing.assert_array_equal(np.asarray(v_out), np.asarray(v_ref))

@@ -13,7 +13,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.cache import write_kv
 from jaxinfer.configs import Config
 
 # ---------------------------------------------------------------------------------------------
@@ -305,18 +304,23 @@ def cached_attention(q, k_cache, v_cache, q_pos, *, window=None):
     return attention_reference(q, k_cache, v_cache, q_pos, kv_pos, window=window)
 
 
-def cached_attention_update(q, k, v, k_cache, v_cache, positions, *, window=None):
-    """Write the new tokens' k, v [B, T, Hkv, D] to slots `positions` [B, T] of one layer's
-    cache [B, S, Hkv, D], then attend q [B, T, Hq, D] to it (as cached_attention).
-    Returns (out [B, T, Hq, D], k_cache, v_cache). One token per row on GPU: one kernel writes
-    the slot and attends (pallas_kernels/decode_attention_append.py), updating the donated
-    cache in place."""
-    if use_kernels(q.dtype) and q.shape[1] == 1 and _kernel_head_dim(q.shape[-1]):
-        from pallas_kernels import decode_attention_append
+def fused_decode_attention_ok(qkv: jax.Array, rotary_dim: int) -> bool:
+    """Whether `decode_attention_qkv` runs as one kernel for qkv [B, T, Hkv, G + 2, D]: GPU,
+    16-bit, one new token per row, a kernel head dim with RoPE over all of it."""
+    d = qkv.shape[-1]
+    return (use_kernels(qkv.dtype) and qkv.shape[1] == 1 and _kernel_head_dim(d)
+            and _kernel_head_dim(d // 2) and rotary_dim == d)
 
-        out, k_cache, v_cache = decode_attention_append(
-            q[:, 0], k[:, 0].astype(k_cache.dtype), v[:, 0].astype(v_cache.dtype), k_cache,
-            v_cache, positions[:, 0], sliding_window=window)
-        return out[:, None], k_cache, v_cache  # [B, 1, Hq, D]
-    k_cache, v_cache = write_kv(k_cache, v_cache, k, v, positions)
-    return cached_attention(q, k_cache, v_cache, positions, window=window), k_cache, v_cache
+
+def decode_attention_qkv(qkv, k_cache, v_cache, positions, cos, sin, *, window=None):
+    """One new token per row, straight from the fused projection qkv [B, 1, Hkv, G + 2, D]:
+    RoPE on its q and k (cos/sin [B, 1, D]), k and v written to slot positions [B, 1] of one
+    layer's cache [B, S, Hkv, D], q attending to slots <= its position. One kernel
+    (pallas_kernels/decode_attention_append.py), updating the donated cache in place; only
+    where `fused_decode_attention_ok`. Returns (out [B, 1, Hq, D], k_cache, v_cache)."""
+    from pallas_kernels import decode_attention_append
+
+    out, k_cache, v_cache = decode_attention_append(
+        qkv[:, 0], k_cache, v_cache, positions[:, 0], rope=(cos[:, 0], sin[:, 0]),
+        sliding_window=window)
+    return out[:, None], k_cache, v_cache

@@ -64,21 +64,27 @@ def _attention_block(lp: dict, x, cos, sin, positions, config: Config, layer: in
     hd, eps = config.head_dim, config.rms_norm_eps
     g = config.num_heads // config.num_kv_heads
     qkv = layers.norm_linear(x, lp["attn_norm"], lp["wqkv"], eps, lp.get("bqkv"))  # [B, T, Hkv, G + 2, hd]
-    q = qkv[:, :, :, :g].reshape(b, t, config.num_heads, hd)  # head j*G + i, as HF orders them
-    k = qkv[:, :, :, g]  # [B, T, Hkv, hd]
-    v = qkv[:, :, :, g + 1]
-    if config.qk_norm:
-        q = layers.rms_norm(q, lp["q_norm"], eps)
-        k = layers.rms_norm(k, lp["k_norm"], eps)
-    q = layers.apply_rope(q, cos, sin)  # [B, T, Hq, D]
-    k = layers.apply_rope(k, cos, sin)  # [B, T, Hkv, D]
     window = config.window(layer)
-    if cache_kv is None or fresh:
+    if (cache_kv is not None and not fresh and not config.qk_norm
+            and layers.fused_decode_attention_ok(qkv, config.rotary_dim)):
+        # Decode on GPU: RoPE, the cache write and attention in one kernel, reading qkv as is.
+        o, *cache_kv = layers.decode_attention_qkv(qkv, *cache_kv, positions, cos, sin,
+                                                   window=window)
+    else:
+        q = qkv[:, :, :, :g].reshape(b, t, config.num_heads, hd)  # head j*G + i, as HF orders them
+        k = qkv[:, :, :, g]  # [B, T, Hkv, hd]
+        v = qkv[:, :, :, g + 1]
+        if config.qk_norm:
+            q = layers.rms_norm(q, lp["q_norm"], eps)
+            k = layers.rms_norm(k, lp["k_norm"], eps)
+        q = layers.apply_rope(q, cos, sin)  # [B, T, Hq, D]
+        k = layers.apply_rope(k, cos, sin)  # [B, T, Hkv, D]
         if cache_kv is not None:
             cache_kv = write_kv(*cache_kv, k, v, positions)  # [B, S, Hkv, D] each
-        o = layers.causal_self_attention(q, k, v, positions, window=window)
-    else:
-        o, *cache_kv = layers.cached_attention_update(q, k, v, *cache_kv, positions, window=window)
+        if cache_kv is None or fresh:
+            o = layers.causal_self_attention(q, k, v, positions, window=window)
+        else:
+            o = layers.cached_attention(q, *cache_kv, positions, window=window)
     out = layers.linear_residual(o.reshape(b, t, config.num_heads * hd), lp["wo"], x, lp.get("bo"))
     return out, cache_kv
 
