@@ -114,7 +114,13 @@ def main(argv=None) -> int:
                    help='JSON {"K,N,W": [block_m, block_n, block_k, warps, stages, split_k]}: '
                         "block sizes of the fused decode matmuls (W = 1, or 2 for SwiGLU), "
                         "to compare configurations in the model")
+    p.add_argument("--decode-norm", choices=("matmul", "pallas", "xla"), default=None,
+                   help="where the decode path's RMSNorm runs (jaxinfer.models.layers.DECODE_NORM)")
     args = p.parse_args(argv)
+    if args.decode_norm:
+        from jaxinfer.models import layers
+
+        layers.DECODE_NORM = args.decode_norm
     if args.unfused:
         _use_unfused_decode_path()
     if args.blocks:

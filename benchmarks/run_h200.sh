@@ -36,18 +36,21 @@ profile() {  # where the B=1 decode step's time goes, fused kernels vs the older
       --prompt-len 128 --steps 32 $v --json "$out/profile${v:+-unfused}.json" 2>&1 | tail -45
   done
 }
-sweep() {  # the B=1 step profiled under several block configurations of the fused matmuls
+sweep() {  # the B=1 step profiled under several configurations ($SWEEP: one per line)
   local q=4096,6144,1 o=4096,4096,1 gu=4096,14336,2 dn=14336,4096,1
-  for cfg in "" "unfused" \
-      "{\"$q\":[16,64,256,4,3,2],\"$o\":[16,64,256,4,3,2],\"$gu\":[16,128,128,4,3,1],\"$dn\":[16,256,64,4,4,8]}" \
-      "{\"$q\":[16,64,256,4,3,1],\"$o\":[16,128,64,4,5,4],\"$gu\":[16,64,256,4,3,1],\"$dn\":[16,128,64,4,5,4]}" \
-      "{\"$q\":[16,128,128,4,4,4],\"$o\":[16,128,128,4,4,4],\"$gu\":[16,64,128,4,4,1],\"$dn\":[16,128,128,4,4,4]}"; do
-    echo "== blocks: ${cfg:-defaults}"
-    local opt=()
-    if [ "$cfg" = unfused ]; then opt=(--unfused); elif [ -n "$cfg" ]; then opt=(--blocks "$cfg"); fi
+  local blocks="{\"$q\":[16,64,256,4,3,2],\"$o\":[16,64,256,4,3,2],\"$gu\":[16,128,128,4,3,1],\"$dn\":[16,256,64,4,4,8]}"
+  local configs=${SWEEP:-"--unfused
+--decode-norm matmul
+--decode-norm pallas
+--decode-norm xla
+--decode-norm xla --blocks $blocks
+--decode-norm matmul --blocks $blocks"}
+  while IFS= read -r cfg; do
+    echo "== $cfg"
+    # shellcheck disable=SC2086
     timeout 100 python3 benchmarks/profile_decode.py --preset llama3-8b --batch 1 --prompt-len 128 \
-      --steps 32 --top 12 "${opt[@]}" 2>&1 | grep -v "^bench" | tail -15
-  done
+      --steps 32 --top 12 $cfg 2>&1 | grep -v "^bench" | tail -15
+  done <<< "$configs"
 }
 kernels() {  # KERNELS="gemv,decode" picks parts of benchmarks/kernels.py
   timeout "${KERNELS_TIMEOUT:-300}" python3 benchmarks/kernels.py --only "${KERNELS:-gemv}" \

@@ -115,32 +115,44 @@ def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int,
 
     chunk_start = pl.program_id(2) * k_chunk
 
+    chunk_end = jnp.minimum(chunk_start + k_chunk, k)
+
+    def norm_operands(start):
+        # x and norm_weight tiles at `start`, masked past this chunk (a prefetch past the end
+        # reads nothing).
+        k_ok = (start + jnp.arange(block_k)) < chunk_end  # [block_k]
+        x = plgpu.load(x_ref.at[:, pl.ds(start, block_k)],
+                       mask=both(row_ok, k_ok[None, :]), other=0)  # [block_m, block_k]
+        nw = plgpu.load(nw_ref.at[pl.ds(start, block_k)], mask=k_ok, other=0)  # [block_k]
+        return x, nw
+
     def step(j, carry):
-        accs, ss = carry
+        accs, ss, *cur = carry
         start = multiple_of(chunk_start + j * block_k, block_k)
-        k_ok, x = x_tile(start)
         if has_norm:
             # rms_norm(x) @ w = inv_rms * ((x * norm_weight) @ w): the sum of squares gathers
-            # in the same pass and the scale waits for the epilogue, so no program stalls on a
-            # first walk over x before its weight stream starts (a separate prologue loop cost
-            # ~12 us per call on the H200).
-            # Squares accumulate elementwise ([block_m, block_k]); the one cross-thread
-            # reduction waits for the epilogue (a reduction per tile, with its barrier, made
-            # the loop ~35% slower on the H200).
+            # in the same pass and the scale waits for the epilogue. x and norm_weight feed
+            # elementwise math, not the dot, so Triton's pipeliner leaves their loads in
+            # place; they are prefetched one tile ahead by hand (in the carry) instead.
+            x, nw = cur
+            cur = norm_operands(start + block_k)
+            k_ok = (start + jnp.arange(block_k)) < chunk_end if mask_k else None
             xf = x.astype(jnp.float32)
-            ss = ss + xf * xf
-            nw = load(nw_ref.at[pl.ds(start, block_k)], k_ok)  # [block_k]
+            ss = ss + xf * xf  # [block_m, block_k]; reduced once, after the loop
             x = (xf * nw.astype(jnp.float32)[None, :]).astype(x.dtype)
+        else:
+            k_ok, x = x_tile(start)
         w_mask = both(None if k_ok is None else k_ok[:, None], col_ok)
         accs = tuple(acc + dot_f32(x, load(w_ref.at[pl.ds(start, block_k), :], w_mask))
                      for acc, w_ref in zip(accs, w_refs))  # [block_m, block_n] each
-        return accs, ss
+        return (accs, ss, *cur)
 
     zeros = jnp.zeros((block_m, block_n), jnp.float32)
-    accs, ss = lax.fori_loop(0, k_chunk // block_k, step,
-                             ((zeros,) * n_weights,
-                              jnp.zeros((block_m, block_k) if has_norm else (block_m,),
-                                        jnp.float32)))
+    init = ((zeros,) * n_weights,
+            jnp.zeros((block_m, block_k) if has_norm else (block_m,), jnp.float32))
+    if has_norm:
+        init += norm_operands(multiple_of(chunk_start, block_k))
+    accs, ss, *_ = lax.fori_loop(0, k_chunk // block_k, step, init)
     if has_norm:
         ss = jnp.sum(ss, axis=1)  # [block_m]: this chunk's sum of squares of each x row
     mask = both(row_ok, col_ok)
