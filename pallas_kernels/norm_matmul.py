@@ -56,18 +56,29 @@ class MatmulBlockSizes:
 NormMatmulBlockSizes = MatmulBlockSizes
 
 
+NUM_SMS = 132  # H200
+
+
 def default_block_sizes(m: int, n: int, k: int, itemsize: int = 2,
                         n_weights: int = 1) -> MatmulBlockSizes:
-    """Small M streams the weights: thin N tiles, deep K tiles, K split when N alone gives too
-    few programs for the H200's 132 SMs. Large M is matmul-bound: square tiles.
+    """Small M streams the weights. Measured in the whole Llama-3-8B decode step on the H200
+    (benchmarks/run_h200.sh sweep, 2026-11-30): 64-wide N tiles 256 deep, 3 stages, K split so
+    that there are about two programs per SM (q/k/v N=6144: split 2, 20 -> 10 us; o N=4096:
+    split 2-4; down K=14336: split 4-8, 28-29 us = 4.0-4.2 TB/s); SwiGLU (two weights per
+    program) 128x128 tiles unsplit (55.5 us = 4.2 TB/s). Large M is matmul-bound: square tiles.
     float32 gets half-depth tiles and 2 stages to fit shared memory."""
-    del k, n_weights
     if itemsize >= 4:
         return MatmulBlockSizes(block_m=16 if m <= 16 else 64, block_n=32 if m <= 64 else 64,
                                 block_k=64, num_warps=4, num_stages=2)
     if m <= 16:
-        return MatmulBlockSizes(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4,
-                                split_k=1 if n >= 16384 else 2)
+        if n_weights == 2:
+            return MatmulBlockSizes(block_m=16, block_n=128, block_k=128, num_warps=4,
+                                    num_stages=3)
+        block_k = 256 if k >= 256 else 128
+        tiles = -(-n // 64)
+        split = max(1, min(8, (2 * NUM_SMS) // tiles, k // (4 * block_k)))
+        return MatmulBlockSizes(block_m=16, block_n=64, block_k=block_k, num_warps=4,
+                                num_stages=3, split_k=split)
     if m <= 64:
         return MatmulBlockSizes(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=4)
     return MatmulBlockSizes(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
@@ -295,7 +306,7 @@ def norm_matmul(x, norm_weight, w, *, eps: float = 1e-6, residual=None, out_dtyp
     _validate(x, norm_weight, w, residual)
     n = math.prod(w.shape[1:])
     m, k = x.shape
-    blocks = block_sizes or default_block_sizes(m, n, k, x.dtype.itemsize)
+    blocks = block_sizes or default_block_sizes(m, n, k, x.dtype.itemsize, n_weights=1)
     out = fused_matmul(x, norm_weight, (w.reshape(k, n),),  # [K, N]: trailing dims contiguous
                        None if residual is None else residual.reshape(m, n),
                        eps=float(eps), blocks=blocks, epilogue="none", interpret=interpret,

@@ -14,25 +14,16 @@ import jax.numpy as jnp
 
 from pallas_kernels._common import check_array, check_same_dtype, ref_precision
 from pallas_kernels.norm_matmul import MatmulBlockSizes, fused_matmul, rms_norm_rows
+from pallas_kernels.norm_matmul import default_block_sizes as default_block_sizes_matmul
 
 SwigluBlockSizes = MatmulBlockSizes
 
 
 def default_block_sizes(m: int, n: int, itemsize: int = 2) -> MatmulBlockSizes:
-    """Small M (decode) streams the weights: thin tiles, many programs. Large M is matmul-bound.
-    At K4096 N14336 bf16 on the H200 (benchmarks/kernels.py sweep, run 1): 16x128x128 reached
-    3.7 TB/s at M1/M16, 64x64x128 3.5 TB/s at M64, 128x128x64 590 TFLOP/s at M4096.
-    float32 gets half-depth tiles and 2 stages so two weight tiles per stage fit in shared
-    memory."""
-    del n
-    if itemsize >= 4:
-        return MatmulBlockSizes(block_m=16 if m <= 16 else 64, block_n=64, block_k=64,
-                                num_warps=4, num_stages=2)
-    if m <= 16:
-        return MatmulBlockSizes(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
-    if m <= 64:
-        return MatmulBlockSizes(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=4)
-    return MatmulBlockSizes(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+    """The fused matmul's blocks for two weights (norm_matmul.default_block_sizes): small M
+    (decode) streams the weights, 128x128 tiles at M <= 16 (4.2 TB/s in the Llama-3-8B decode
+    step on the H200); large M is matmul-bound (128x128x64: 590 TFLOP/s at M4096, XLA 605)."""
+    return default_block_sizes_matmul(m, n, 0, itemsize, n_weights=2)
 
 
 def _validate(x, w_gate, w_up, norm_weight=None):

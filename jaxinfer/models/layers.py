@@ -91,10 +91,11 @@ def decode_kernels(x: jax.Array) -> bool:
     return use_kernels(x.dtype) and math.prod(x.shape[:-1]) <= 16
 
 
-# Where the decode path's pre-projection RMSNorm runs (benchmarks/run_h200.sh sweep compares
-# them in the whole step): "matmul" in the fused matmul's main loop, "pallas" in the RMSNorm
-# kernel, "xla" as two XLA fusions.
-DECODE_NORM = "matmul"
+# Where the decode path's pre-projection RMSNorm runs: "pallas" (the RMSNorm kernel, then the
+# matmul), "matmul" (in the fused matmul's main loop), "xla" (two XLA fusions). The whole
+# Llama-3-8B B=1 step on the H200 (benchmarks/run_h200.sh sweep, 2026-11-30): 4.31 / 4.40 /
+# 4.32 ms; the in-loop norm slowed the short q/k/v matmul (10 -> 20 us), so "pallas".
+DECODE_NORM = "pallas"
 
 
 def _decode_norm(x2d: jax.Array, norm_weight: jax.Array, eps: float):
