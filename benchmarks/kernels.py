@@ -231,11 +231,16 @@ DECODE_SHAPES = [
 
 DECODE_VARIANTS = [pk.DecodeBlockSizes(64, None, 4, 3), pk.DecodeBlockSizes(128, None, 4, 3),
                    pk.DecodeBlockSizes(64, None, 4, 4), pk.DecodeBlockSizes(32, None, 4, 4),
-                   pk.DecodeBlockSizes(128, None, 8, 2)]
+                   pk.DecodeBlockSizes(128, None, 8, 2), pk.DecodeBlockSizes(64, 16, 4, 3),
+                   pk.DecodeBlockSizes(64, 32, 4, 3), pk.DecodeBlockSizes(128, 16, 4, 3),
+                   pk.DecodeBlockSizes(64, 64, 4, 3)]
 
 
-def bench_decode(quick: bool):
+def bench_decode(quick: bool, only_shapes: str | None = None):
     shapes = DECODE_SHAPES[1:2] if quick else DECODE_SHAPES
+    if only_shapes:  # "BxS,...": e.g. 8x8192,1x32768
+        want = {tuple(int(v) for v in x.split("x")) for x in only_shapes.split(",")}
+        shapes = [sh for sh in DECODE_SHAPES if sh[:2] in want]
     for b, s, hq, hkv, d in shapes:
         shape = f"B{b} S{s} H{hq}/{hkv} D{d}"
         dtype = jnp.bfloat16
@@ -260,7 +265,8 @@ def bench_decode(quick: bool):
         for blocks in DECODE_VARIANTS[: (1 if quick else None)]:
             fn = jax.jit(lambda q, k, v, l, blocks=blocks: pk.decode_attention(
                 q, k, v, l, block_sizes=blocks))
-            name = f"ours triton bk{blocks.block_k} w{blocks.num_warps} s{blocks.num_stages}"
+            name = (f"ours triton bk{blocks.block_k} w{blocks.num_warps} s{blocks.num_stages}"
+                    f" splits{blocks.num_splits or 'auto'}")
             row = guarded(name, measure, name, fn)
             if row and (best is None or row["ms"] < best["ms"]):
                 best = row
@@ -279,7 +285,8 @@ def bench_decode(quick: bool):
             best_blocks = DECODE_VARIANTS[0]
             if best is not None:
                 best_blocks = next(v for v in DECODE_VARIANTS
-                                   if f"bk{v.block_k} w{v.num_warps} s{v.num_stages}" in best["impl"])
+                                   if f"bk{v.block_k} w{v.num_warps} s{v.num_stages} "
+                                      f"splits{v.num_splits or 'auto'}" in best["impl"])
             fn = jax.jit(lambda q, k, v, l: pk.decode_attention(q, k, v, l, block_sizes=best_blocks))
 
             def ragged():
@@ -443,6 +450,8 @@ def main(argv=None):
     parser.add_argument("--only", default="flash,decode,small,gemv",
                         help="comma-separated subset of flash,decode,small,gemv")
     parser.add_argument("--quick", action="store_true", help="one shape and variant per op")
+    parser.add_argument("--decode-shapes", default=None,
+                        help="decode shapes to run, as BxS,... (default: all)")
     args = parser.parse_args(argv)
     dev = jax.devices()[0]
     print(f"device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}", flush=True)
@@ -454,7 +463,10 @@ def main(argv=None):
     for name, fn in (("flash", bench_flash), ("decode", bench_decode), ("small", bench_small),
                      ("gemv", bench_gemv)):
         if name in parts:
-            guarded(f"bench {name}", fn, args.quick)
+            if name == "decode":
+                guarded("bench decode", fn, args.quick, args.decode_shapes)
+            else:
+                guarded(f"bench {name}", fn, args.quick)
             print(f"[{name} done at {time.time() - t0:.0f}s]", flush=True)
             if args.json:  # after each part, so a run cut short still leaves its numbers
                 with open(args.json, "w") as f:
