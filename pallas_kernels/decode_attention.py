@@ -42,11 +42,16 @@ class DecodeBlockSizes:
 
 
 def choose_num_splits(batch: int, kv_heads: int, seq_len: int, block_k: int,
-                      target_programs: int = 4 * NUM_SMS_H200, min_chunk: int = 256) -> int:
-    """Fewest chunks that give ~target_programs programs, each chunk >= min_chunk keys."""
-    want = max(1, -(-target_programs // (batch * kv_heads)))
+                      chunk: int = 1024, min_chunk: int = 256) -> int:
+    """Chunks of about `chunk` keys, but at least one program per SM and at most ~4 per SM,
+    each chunk >= min_chunk keys. Measured on the H200 (benchmarks/kernels.py, 2026-11-30):
+    B1 S32k 64 splits 1.7 TB/s, 16-32 splits 3.25; B1 S8k 16 splits best; B8 S8k 8 splits
+    (3.40) over 16 (3.33) and 32 (3.13); B64 2 splits 4.27."""
+    rows = batch * kv_heads
+    want = max(-(-seq_len // chunk), -(-NUM_SMS_H200 // rows))
+    want = min(want, max(1, -(-4 * NUM_SMS_H200 // rows)))
     most = max(1, -(-seq_len // max(min_chunk, block_k)))
-    return min(want, most)
+    return max(1, min(want, most))
 
 
 # ---------------------------------------------------------------------------------------------

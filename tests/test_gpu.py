@@ -46,6 +46,8 @@ def greedy_on_cpu(names):
 
 @pytest.mark.gpu
 def test_kernels_give_the_reference_greedy_tokens():
+    """Token for token, except after a near tie (see below), which bf16 rounding in another
+    summation order may break either way (seen once: qwen2, row 1, new token 16 of 24)."""
     import jax
 
     assert jax.default_backend() == "gpu"
@@ -55,9 +57,19 @@ def test_kernels_give_the_reference_greedy_tokens():
         prompts = np.load(HF / name / "ref.npz")["input_ids"][:, :12].tolist()
         n = min(NEW_TOKENS, model.config.max_position_embeddings - 12)
         got = [c.token_ids for c in jaxinfer.generate(model, prompts, max_new_tokens=n)]
-        first = [next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), None)
-                 for g, w in zip(got, want[name])]
-        assert got == want[name], f"{name}: first differing new token per row {first}"
+        exact = jaxinfer.load(str(HF / name), dtype="float32")  # the references, float32
+        for prompt, g, w in zip(prompts, got, want[name]):
+            i = next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), None)
+            if i is None:
+                assert len(g) == len(w), name
+                continue
+            # Rows may part only where the two paths' choices are a near tie: bf16 rounding
+            # in another order can flip an argmax whose top two logits are this close.
+            logits = np.asarray(exact([prompt + w[:i]]))[0, -1]
+            gap = logits[w[i]] - logits[g[i]]
+            assert gap <= 1e-2 * np.abs(logits).max(), (
+                f"{name}: tokens part at new token {i} ({g[i]} vs {w[i]}), logit gap {gap}")
+            print(f"{name}: rows part at new token {i} of {len(w)} on a near tie (gap {gap:.2e})")
 
 
 @pytest.mark.gpu
