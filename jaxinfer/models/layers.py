@@ -79,8 +79,9 @@ def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
 
 def use_kernels(dtype) -> bool:
     """Pallas kernels on GPU for 16-bit activations; the pure-jnp references elsewhere (decided
-    at trace time). float32 stays on the references: the Triton float32 attention and SwiGLU
-    paths failed to compile on the H200 at head dim 128 (2026-11-30, not yet fixed)."""
+    at trace time). float32 stays on the references: the float32 Triton kernels compile and
+    pass their GPU tests (2026-11-30, session 2), but they use IEEE float32 dots and have not
+    been measured against XLA's float32 path."""
     return jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
 
 
