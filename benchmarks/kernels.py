@@ -121,6 +121,17 @@ def record(op: str, shape: str, impl: str, seconds: float, *, flops=None, nbytes
     return row
 
 
+def summarize(op: str, shape: str, best: dict | None, peer: dict | None, peer_name: str):
+    """Print and record the best variant of ours against the peer (a TB/s op)."""
+    if best is None or peer is None:
+        return
+    print(f"   -> best ours {best['impl']}: {best['tbs']:.3f} TB/s, "
+          f"{peer['ms'] / best['ms']:.2f}x {peer_name.upper()}", flush=True)
+    RESULTS.append(dict(op=op, shape=shape, summary=True, best=best["impl"],
+                        ours_tbs=best["tbs"], peer=peer_name, peer_tbs=peer["tbs"],
+                        ratio=peer["ms"] / best["ms"]))
+
+
 def guarded(label, fn, *args, **kwargs):
     """Run one measurement; a failing variant prints its error and the sweep goes on."""
     try:
@@ -270,12 +281,7 @@ def bench_decode(quick: bool, only_shapes: str | None = None):
             row = guarded(name, measure, name, fn)
             if row and (best is None or row["ms"] < best["ms"]):
                 best = row
-        if best is not None and peer is not None:
-            print(f"   -> best ours {best['impl']}: {best['tbs']:.3f} TB/s, "
-                  f"{peer['ms'] / best['ms']:.2f}x XLA", flush=True)
-            RESULTS.append(dict(op="decode", shape=shape, summary=True, best=best["impl"],
-                                ours_tbs=best["tbs"], peer="xla", peer_tbs=peer["tbs"],
-                                ratio=peer["ms"] / best["ms"]))
+        summarize("decode", shape, best, peer, "xla")
         # Ragged lengths: bytes counted over the valid positions only.
         if b >= 8 and s >= 8192:
             lens = jax.random.randint(jax.random.PRNGKey(5), (b,), s // 8, s + 1, jnp.int32)
@@ -432,12 +438,7 @@ def bench_gemv(quick: bool, m: int = 1):
             row = guarded(label, one)
             if row and (best is None or row["ms"] < best["ms"]):
                 best = row
-        if best is not None and peer is not None:
-            print(f"   -> best ours {best['impl']}: {best['tbs']:.3f} TB/s, "
-                  f"{peer['ms'] / best['ms']:.2f}x XLA", flush=True)
-            RESULTS.append(dict(op="gemv", shape=shape, summary=True, best=best["impl"],
-                                ours_tbs=best["tbs"], peer="xla", peer_tbs=peer["tbs"],
-                                ratio=peer["ms"] / best["ms"]))
+        summarize("gemv", shape, best, peer, "xla")
         del xs, ws, args
 
 

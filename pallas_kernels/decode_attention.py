@@ -131,28 +131,33 @@ def decode_attention_kernel(len_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref,
 # ---------------------------------------------------------------------------------------------
 
 
-def check_decode_inputs(op: str, q, k_cache, v_cache, rows_name: str, rows, sliding_window,
-                        **more_arrays) -> tuple[int, int, int, int]:
-    """Checks shared by the decode kernels: ranks, one dtype (q, caches, `more_arrays`), the
-    [B] int32 `rows` (lengths or positions), cache/batch/head-dim/GQA agreement, the window.
-    Returns (B, S, Hkv, D)."""
-    if sliding_window is not None and int(sliding_window) < 1:
-        raise ValueError(f"{op}: sliding_window must be >= 1, got {sliding_window}")
-    check_array(op, "q", q, 3)
-    for name, x in more_arrays.items():
-        check_array(op, name, x, 3)
+def check_cache_pair(op: str, k_cache, v_cache, batch: int, batch_of: str, rows_name: str,
+                     rows) -> tuple[int, int, int, int]:
+    """Checks shared by the decode kernels: k/v caches [B, S, Hkv, D] of one shape, and the
+    [B] int32 `rows` (lengths or positions), whose B agrees with `batch` (of the input named
+    `batch_of`). Returns the caches' (B, S, Hkv, D). Dtypes are the caller's to compare."""
     check_array(op, "k_cache", k_cache, 4)
     check_array(op, "v_cache", v_cache, 4)
-    check_same_dtype(op, q=q, **more_arrays, k_cache=k_cache, v_cache=v_cache)
     check_array(op, rows_name, rows, 1, dtypes=(jnp.dtype(jnp.int32),))
-    b, hq, d = q.shape
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"{op}: k_cache {tuple(k_cache.shape)} and v_cache "
                          f"{tuple(v_cache.shape)} must have one shape")
-    bc, s, hkv, dk = k_cache.shape
-    if bc != b or rows.shape[0] != b:
-        raise ValueError(f"{op}: batch sizes differ: q {b}, caches {bc}, "
-                         f"{rows_name} {rows.shape[0]}")
+    if k_cache.shape[0] != batch or rows.shape[0] != batch:
+        raise ValueError(f"{op}: batch sizes differ: {batch_of} {batch}, caches "
+                         f"{k_cache.shape[0]}, {rows_name} {rows.shape[0]}")
+    return tuple(k_cache.shape)
+
+
+def check_decode_inputs(op: str, q, k_cache, v_cache, rows_name: str, rows, sliding_window
+                        ) -> tuple[int, int, int, int]:
+    """decode_attention's checks: ranks, one dtype, cache/batch/head-dim/GQA agreement, the
+    window. Returns (B, S, Hkv, D)."""
+    if sliding_window is not None and int(sliding_window) < 1:
+        raise ValueError(f"{op}: sliding_window must be >= 1, got {sliding_window}")
+    check_array(op, "q", q, 3)
+    b, hq, d = q.shape
+    _, s, hkv, dk = check_cache_pair(op, k_cache, v_cache, b, "q", rows_name, rows)
+    check_same_dtype(op, q=q, k_cache=k_cache, v_cache=v_cache)
     if dk != d:
         raise ValueError(f"{op}: head dim of q ({d}) and the caches ({dk}) differ")
     if hkv == 0 or hq % hkv:

@@ -33,7 +33,8 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels._common import (LOG2_E, MASK_VALUE, check_array, check_head_dim,
                                      check_same_dtype, next_pow2)
 from pallas_kernels.decode_attention import (
-    DecodeBlockSizes, _merge_splits, attend_tiles, choose_num_splits, decode_attention_reference)
+    DecodeBlockSizes, _merge_splits, attend_tiles, check_cache_pair, choose_num_splits,
+    decode_attention_reference)
 
 # ---------------------------------------------------------------------------------------------
 # Kernel
@@ -125,18 +126,9 @@ def _validate(qkv, k_cache, v_cache, positions, rope, sliding_window) -> tuple[i
     if sliding_window is not None and int(sliding_window) < 1:
         raise ValueError(f"{op}: sliding_window must be >= 1, got {sliding_window}")
     check_array(op, "qkv", qkv, 4)
-    check_array(op, "k_cache", k_cache, 4)
-    check_array(op, "v_cache", v_cache, 4)
-    check_same_dtype(op, qkv=qkv, k_cache=k_cache, v_cache=v_cache)
-    check_array(op, "positions", positions, 1, dtypes=(jnp.dtype(jnp.int32),))
     b, hkv, rows, d = qkv.shape
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"{op}: k_cache {tuple(k_cache.shape)} and v_cache "
-                         f"{tuple(v_cache.shape)} must have one shape")
-    bc, s, hkv_c, dc = k_cache.shape
-    if bc != b or positions.shape[0] != b:
-        raise ValueError(f"{op}: batch sizes differ: qkv {b}, caches {bc}, "
-                         f"positions {positions.shape[0]}")
+    _, s, hkv_c, dc = check_cache_pair(op, k_cache, v_cache, b, "qkv", "positions", positions)
+    check_same_dtype(op, qkv=qkv, k_cache=k_cache, v_cache=v_cache)
     if hkv_c != hkv or dc != d:
         raise ValueError(f"{op}: qkv {tuple(qkv.shape)} ([B, Hkv, G + 2, D]) does not match the "
                          f"caches' KV heads and head dim {(hkv_c, dc)}")
