@@ -109,18 +109,19 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--unfused", action="store_true",
                    help="profile the step as it was before the fused decode kernels: XLA "
-                        "norms/GEMVs/residual adds, XLA RoPE and K/V scatters, decode_attention")
+                        "norms/GEMVs/residual adds, XLA RoPE and K/V scatters, decode_attention "
+                        "(the Pallas SwiGLU stays)")
     p.add_argument("--blocks", default=None,
                    help='JSON {"K,N,W": [block_m, block_n, block_k, warps, stages, split_k]}: '
                         "block sizes of the fused decode matmuls (W = 1, or 2 for SwiGLU), "
                         "to compare configurations in the model")
-    p.add_argument("--decode-norm", choices=("matmul", "pallas", "xla"), default=None,
-                   help="where the decode path's RMSNorm runs (jaxinfer.models.layers.DECODE_NORM)")
+    p.add_argument("--fused-add-norm", action="store_true",
+                   help="residual add + RMSNorm as one kernel (layers.FUSED_ADD_NORM)")
     args = p.parse_args(argv)
-    if args.decode_norm:
+    if args.fused_add_norm:
         from jaxinfer.models import layers
 
-        layers.DECODE_NORM = args.decode_norm
+        layers.FUSED_ADD_NORM = True
     if args.unfused:
         _use_unfused_decode_path()
     if args.blocks:

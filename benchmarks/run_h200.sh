@@ -39,12 +39,11 @@ profile() {  # where the B=1 decode step's time goes, fused kernels vs the older
 sweep() {  # the B=1 step profiled under several configurations ($SWEEP: one per line)
   local q=4096,6144,1 o=4096,4096,1 gu=4096,14336,2 dn=14336,4096,1
   local blocks="{\"$q\":[16,64,256,4,3,2],\"$o\":[16,64,256,4,3,2],\"$gu\":[16,128,128,4,3,1],\"$dn\":[16,256,64,4,4,8]}"
-  local configs=${SWEEP:-"--unfused
---decode-norm matmul
---decode-norm pallas
---decode-norm xla
---decode-norm xla --blocks $blocks
---decode-norm matmul --blocks $blocks"}
+  local configs=${SWEEP:-"
+--fused-add-norm
+--unfused
+--blocks $blocks
+--fused-add-norm --blocks $blocks"}
   while IFS= read -r cfg; do
     echo "== $cfg"
     # shellcheck disable=SC2086

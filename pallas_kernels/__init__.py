@@ -12,11 +12,13 @@ from pallas_kernels.flash_attention import (
 from pallas_kernels.flash_attention_mgpu import MosaicFlashConfig
 from pallas_kernels.norm_matmul import (
     MatmulBlockSizes, NormMatmulBlockSizes, norm_matmul, norm_matmul_reference)
-from pallas_kernels.rms_norm import rms_norm, rms_norm_reference
+from pallas_kernels.rms_norm import (
+    add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference)
 from pallas_kernels.rope import rope, rope_reference
 from pallas_kernels.swiglu import SwigluBlockSizes, swiglu, swiglu_reference
 
 __all__ = [
+    "add_rms_norm", "add_rms_norm_reference",
     "DecodeBlockSizes", "FlashBlockSizes", "MatmulBlockSizes", "MosaicFlashConfig",
     "NormMatmulBlockSizes",
     "SwigluBlockSizes",

@@ -196,12 +196,17 @@ def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int,
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "blocks", "epilogue", "interpret",
-                                             "out_dtype"))
+                                             "out_dtype", "partials"))
 def fused_matmul(x, norm_weight, weights, residual, *, eps, blocks, epilogue, interpret,
-                 out_dtype=None):
+                 out_dtype=None, partials=False):
     """x [M, K]; norm_weight [K] or None; weights: tuple of [K, N] (1, or 2 for SwiGLU);
-    residual [M, N] or None -> [M, N] in out_dtype (default x's dtype). Shapes are checked by
-    the public wrappers."""
+    residual [M, N] or None -> [M, N] in out_dtype (default x's dtype). partials=True (one
+    weight, no norm, residual or epilogue): the float32 K-chunk sums [S, M, N] unreduced, for
+    a consumer that adds them itself (add_rms_norm). Shapes are checked by the public
+    wrappers."""
+    if partials:
+        assert norm_weight is None and residual is None and len(weights) == 1, "plain matmul only"
+        out_dtype = jnp.float32
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     m, k = x.shape
     n = weights[0].shape[1]
@@ -250,7 +255,9 @@ def fused_matmul(x, norm_weight, weights, residual, *, eps, blocks, epilogue, in
              + ("_splitk" if partial else ""),
     )(*args)
     if not partial:
-        return out
+        return out[None] if partials else out
+    if partials:
+        return out[0]  # [S, M, N] float32
     # XLA sums the K chunks and applies the epilogue, fused into one elementwise pass.
     sums = [jnp.sum(p, axis=0) for p in out[:len(weights)]]  # [M, N] float32 each
     if norm_weight is not None:
@@ -298,20 +305,27 @@ def _validate(x, norm_weight, w, residual):
 
 
 def norm_matmul(x, norm_weight, w, *, eps: float = 1e-6, residual=None, out_dtype=None,
-                interpret: bool = False, block_sizes: MatmulBlockSizes | None = None):
+                partials: bool = False, interpret: bool = False,
+                block_sizes: MatmulBlockSizes | None = None):
     """rms_norm(x, norm_weight) @ w (+ residual); x [M, K], norm_weight [K] (None: no norm,
     a plain matmul), w [K, *N], residual [M, *N] -> [M, *N] in out_dtype, default x's dtype
     (float32 statistics and accumulation, the residual added in float32 before the one
-    rounding; out_dtype=float32 keeps the accumulator, as for logits)."""
+    rounding; out_dtype=float32 keeps the accumulator, as for logits).
+    partials=True (plain matmul only): float32 [S, M, *N] whose sum over S is x @ w, left
+    unreduced for a consumer that sums them itself (the K split's S chunks; S = 1 unsplit)."""
     _validate(x, norm_weight, w, residual)
+    if partials and (norm_weight is not None or residual is not None or out_dtype is not None):
+        raise ValueError("norm_matmul: partials=True is for a plain matmul (no norm_weight, "
+                         "residual or out_dtype)")
     n = math.prod(w.shape[1:])
     m, k = x.shape
     blocks = block_sizes or default_block_sizes(m, n, k, x.dtype.itemsize, n_weights=1)
     out = fused_matmul(x, norm_weight, (w.reshape(k, n),),  # [K, N]: trailing dims contiguous
                        None if residual is None else residual.reshape(m, n),
                        eps=float(eps), blocks=blocks, epilogue="none", interpret=interpret,
-                       out_dtype=None if out_dtype is None else jnp.dtype(out_dtype).name)
-    return out.reshape(m, *w.shape[1:])
+                       out_dtype=None if out_dtype is None else jnp.dtype(out_dtype).name,
+                       partials=partials)
+    return out.reshape(*out.shape[:-2], m, *w.shape[1:])
 
 
 def rms_norm_rows(x, norm_weight, eps: float):

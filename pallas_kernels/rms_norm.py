@@ -30,8 +30,7 @@ def rms_norm_kernel(x_ref, w_ref, o_ref, *, eps: float, rows: int, dim: int, blo
     plgpu.store(o_ref, out, mask=mask)
 
 
-def _validate(x, weight):
-    op = "rms_norm"
+def _validate(x, weight, op: str = "rms_norm"):
     if not hasattr(x, "ndim") or x.ndim < 1:
         raise ValueError(f"{op}: x must be an array of rank >= 1")
     check_array(op, "x", x, x.ndim)
@@ -79,3 +78,90 @@ def rms_norm_reference(x, weight, *, eps: float, interpret: bool = False):
     xf = x.astype(jnp.float32)
     normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return weight * normed.astype(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Residual add + RMSNorm (the decoder's sublayer boundary)
+# ---------------------------------------------------------------------------------------------
+
+
+def add_rms_norm_kernel(*refs, eps: float, rows: int, dim: int, block_m: int, splits: int):
+    # refs: `splits` delta refs [block_m, Dp] (the sublayer's output as partial sums: a split-K
+    # matmul's float32 chunks, the same array passed once per chunk so that every ref is 2-D),
+    # x_ref [block_m, Dp] the residual stream, w_ref [Dp]; outputs xo_ref, h_ref [block_m, Dp]:
+    # x + sum(deltas) in x's dtype, and its RMSNorm.
+    d_refs, (x_ref, w_ref, xo_ref, h_ref) = refs[:splits], refs[splits:]
+    r = pl.program_id(0) * block_m + jnp.arange(block_m)  # [block_m]
+    dp = x_ref.shape[-1]
+    col_ok = jnp.arange(dp) < dim  # [Dp]
+    mask = (r < rows)[:, None] & col_ok[None, :]
+    acc = plgpu.load(d_refs[0], mask=mask, other=0).astype(jnp.float32)  # [block_m, Dp]
+    for d_ref in d_refs[1:]:  # the chunks in order, then the residual, as XLA sums them
+        acc += plgpu.load(d_ref, mask=mask, other=0).astype(jnp.float32)
+    acc += plgpu.load(x_ref, mask=mask, other=0).astype(jnp.float32)
+    x_new = acc.astype(xo_ref.dtype)  # the residual stream keeps x's dtype (one rounding)
+    plgpu.store(xo_ref, x_new, mask=mask)
+    xf = x_new.astype(jnp.float32)
+    inv_rms = jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1) / dim + eps)  # [block_m]
+    normed = (xf * inv_rms[:, None]).astype(xo_ref.dtype)
+    w = plgpu.load(w_ref, mask=col_ok, other=0)  # [Dp]
+    plgpu.store(h_ref, w[None, :].astype(h_ref.dtype) * normed.astype(h_ref.dtype), mask=mask)
+
+
+def _validate_add(x, deltas, weight):
+    op = "add_rms_norm"
+    _validate(x, weight, op)
+    if not hasattr(deltas, "ndim") or deltas.ndim != x.ndim + 1:
+        raise ValueError(f"{op}: deltas must have rank {x.ndim + 1} ([S, *x.shape]: S partial "
+                         f"sums), got {getattr(deltas, 'shape', type(deltas).__name__)}")
+    check_array(op, "deltas", deltas, deltas.ndim)
+    if tuple(deltas.shape[1:]) != tuple(x.shape):
+        raise ValueError(f"{op}: deltas {tuple(deltas.shape)} must be [S, *x.shape] with x "
+                         f"{tuple(x.shape)}")
+
+
+def add_rms_norm(x, deltas, weight, *, eps: float, interpret: bool = False,
+                 block_m: int | None = None):
+    """x + sum(deltas) and its HF RMSNorm, in one pass: x [..., D] (the residual stream),
+    deltas [S, ..., D] (a sublayer's output, e.g. a split-K matmul's float32 partial sums),
+    weight [D]. Returns (x_new in x's dtype, rms_norm(x_new, weight))."""
+    _validate_add(x, deltas, weight)
+    d = x.shape[-1]
+    if block_m is None:
+        block_m = max(1, min(16, 4096 // next_pow2(d)))
+    return _add_rms_norm_triton(x, deltas, weight, eps=float(eps), block_m=block_m,
+                                interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "block_m", "interpret"))
+def _add_rms_norm_triton(x, deltas, weight, *, eps, block_m, interpret):
+    d = x.shape[-1]
+    x2 = x.reshape(-1, d)  # [M, D]
+    m = x2.shape[0]
+    s = deltas.shape[0]
+    d2 = deltas.reshape(s, m, d)  # [S, M, D]
+    dp = next_pow2(d)
+    h_dtype = jnp.result_type(weight.dtype, x.dtype)
+    kernel = functools.partial(add_rms_norm_kernel, eps=eps, rows=m, dim=d, block_m=block_m,
+                               splits=s)
+    row = pl.BlockSpec((block_m, dp), lambda i: (i, 0))
+    chunks = [pl.BlockSpec((None, block_m, dp), lambda i, c=c: (c, i, 0)) for c in range(s)]
+    x_new, h = pl.pallas_call(
+        kernel,
+        grid=(pl.cdiv(m, block_m),),
+        in_specs=[*chunks, row, pl.BlockSpec((dp,), lambda i: (0,))],
+        out_specs=[row, row],
+        out_shape=[jax.ShapeDtypeStruct((m, d), x.dtype), jax.ShapeDtypeStruct((m, d), h_dtype)],
+        compiler_params=plgpu.CompilerParams(num_warps=4 if dp <= 2048 else 8, num_stages=1),
+        interpret=interpret,
+        name="add_rms_norm",
+    )(*([d2] * s), x2, weight)
+    return x_new.reshape(x.shape), h.reshape(x.shape)
+
+
+def add_rms_norm_reference(x, deltas, weight, *, eps: float, interpret: bool = False):
+    """x + sum(deltas) (float32 sum, one rounding to x's dtype) and its RMSNorm, in plain jnp."""
+    del interpret
+    _validate_add(x, deltas, weight)
+    x_new = (jnp.sum(deltas.astype(jnp.float32), axis=0) + x.astype(jnp.float32)).astype(x.dtype)
+    return x_new, rms_norm_reference(x_new, weight, eps=eps)

@@ -23,8 +23,8 @@ from jaxinfer.configs import Config, RopeScaling
 from jaxinfer.models import layers, llama
 from kernel_testing import rel_err
 
-KERNELS = ("flash_attention", "decode_attention", "decode_attention_append", "norm_matmul",
-           "rms_norm", "swiglu")
+KERNELS = ("add_rms_norm", "flash_attention", "decode_attention", "decode_attention_append",
+           "norm_matmul", "rms_norm", "swiglu")
 
 
 @pytest.fixture
@@ -62,9 +62,12 @@ def decode_steps(params, config, ids):
     return np.asarray(jnp.concatenate(out, axis=1)), cache
 
 
+@pytest.mark.parametrize("fused_add_norm", [False, True], ids=["xla_add", "fused_add"])
 @pytest.mark.parametrize("variant", [{}, {"layer_windows": (5, None)}, {"qkv_bias": True}],
                          ids=["llama3", "window", "qkv_bias"])
-def test_kernel_path_matches_reference_path(kernels_in_interpret_mode, variant, monkeypatch):
+def test_kernel_path_matches_reference_path(kernels_in_interpret_mode, variant, fused_add_norm,
+                                            monkeypatch):
+    monkeypatch.setattr(layers, "FUSED_ADD_NORM", fused_add_norm)
     config = tiny_config(**variant)
     params = layers.init_params(llama.param_specs(config), jax.random.key(0), jnp.bfloat16)
     if config.qkv_bias:  # non-zero biases, so that a dropped bias shows
@@ -73,7 +76,7 @@ def test_kernel_path_matches_reference_path(kernels_in_interpret_mode, variant, 
                           ).astype(jnp.bfloat16)
     ids = jax.random.randint(jax.random.key(2), (2, 13), 0, config.vocab_size)
     calls = []
-    for name in ("decode_attention_append", "norm_matmul", "swiglu"):
+    for name in ("add_rms_norm", "decode_attention_append", "norm_matmul", "rms_norm", "swiglu"):
         fn = getattr(pallas_kernels, name)
 
         def spy(*a, _fn=fn, _name=name, **k):
@@ -81,7 +84,8 @@ def test_kernel_path_matches_reference_path(kernels_in_interpret_mode, variant, 
             return _fn(*a, **k)
         monkeypatch.setattr(pallas_kernels, name, spy)
     fused, cache = decode_steps(params, config, ids)
-    assert {"decode_attention_append", "norm_matmul", "swiglu"} <= set(calls)
+    want = {"decode_attention_append", "norm_matmul", "rms_norm", "swiglu"}
+    assert set(calls) == want | ({"add_rms_norm"} if fused_add_norm else set())
     monkeypatch.setattr(layers, "use_kernels", lambda dtype: False)
     ref, ref_cache = decode_steps(params, config, ids)
     for i in range(ids.shape[1]):
@@ -96,11 +100,13 @@ def test_kernel_path_matches_reference_path(kernels_in_interpret_mode, variant, 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("fused_add_norm", [False, True], ids=["xla_add", "fused_add"])
 @pytest.mark.parametrize("variant", [{}, {"layer_windows": (5, None)}, {"qkv_bias": True}],
                          ids=["llama3", "window", "qkv_bias"])
-def test_kernel_path_matches_reference_path_gpu(variant, monkeypatch):
+def test_kernel_path_matches_reference_path_gpu(variant, fused_add_norm, monkeypatch):
     """The same on the H200 with the compiled kernels (the HF fixtures' head dim 16 is below
     the fused attention kernel's 32, so test_gpu.py does not reach that kernel)."""
+    monkeypatch.setattr(layers, "FUSED_ADD_NORM", fused_add_norm)
     config = tiny_config(**variant)
     params = layers.init_params(llama.param_specs(config), jax.random.key(0), jnp.bfloat16)
     ids = jax.random.randint(jax.random.key(2), (2, 13), 0, config.vocab_size)

@@ -17,7 +17,8 @@ import pytest
 from pallas_kernels import (
     DecodeBlockSizes, FlashBlockSizes, MosaicFlashConfig, SwigluBlockSizes, decode_attention,
     decode_attention_reference, flash_attention, flash_attention_reference, rms_norm,
-    rms_norm_reference, rope, rope_reference, swiglu, swiglu_reference)
+    rms_norm_reference, rope, rope_reference, swiglu, swiglu_reference, add_rms_norm,
+    add_rms_norm_reference)
 from kernel_testing import normal, rel_err
 
 ON_GPU = jax.devices()[0].platform == "gpu"
@@ -219,6 +220,36 @@ def test_rms_norm_interpret(shape, dtype):
     assert rel_err(out, ref) < TOL[dtype]
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_add_rms_norm_interpret(dtype, splits):
+    """x + sum(deltas) and its norm in one kernel, deltas as float32 split-K partials."""
+    x = normal(0, (5, 40), dtype, scale=2.0)
+    deltas = normal(1, (splits, 5, 40), jnp.float32)
+    w = normal(2, (40,), dtype, scale=0.2) + 1
+    x_new, h = add_rms_norm(x, deltas, w, eps=1e-6, interpret=True, block_m=2)
+    x_ref, h_ref = add_rms_norm_reference(x, deltas, w, eps=1e-6)
+    assert x_new.dtype == x.dtype and h.dtype == x.dtype and h.shape == x.shape
+    assert rel_err(x_new, x_ref) < TOL[dtype] and rel_err(h, h_ref) < TOL[dtype]
+    # The model's unfused path: the sum rounded once to x's dtype, then rms_norm.
+    unfused = (x.astype(jnp.float32) + deltas.sum(0)).astype(dtype)
+    assert rel_err(x_new, unfused) < TOL[dtype]
+    assert rel_err(h, rms_norm_reference(unfused, w, eps=1e-6)) < TOL[dtype]
+    assert rel_err(h, rms_norm_reference(x, w, eps=1e-6)) > 0.1  # the add matters
+
+
+def test_add_rms_norm_bad_inputs():
+    x = normal(0, (4, 24), jnp.float32)
+    w = jnp.ones((24,))
+    for deltas, needle in ((jnp.ones((4, 24)), "deltas must have rank 3"),
+                           (jnp.ones((2, 4, 20)), "must be [S, *x.shape]"),
+                           (jnp.ones((2, 4, 24), jnp.int32), "deltas has dtype int32")):
+        for fn in (add_rms_norm, add_rms_norm_reference):
+            with pytest.raises(ValueError, match="add_rms_norm") as err:
+                fn(x, deltas, w, eps=1e-6)
+            assert needle in str(err.value)
+
+
 def test_rms_norm_float32_weight_promotes():
     x = normal(0, (4, 24), jnp.bfloat16)
     w = normal(1, (24,), jnp.float32) + 1
@@ -340,6 +371,13 @@ def test_small_ops_gpu(dtype):
     h = normal(2, (3, 37, 576), dtype, scale=2.0)
     w = normal(3, (576,), dtype, scale=0.1) + 1
     assert rel_err(rms_norm(h, w, eps=1e-5), rms_norm_reference(h, w, eps=1e-5)) < GPU_TOL[dtype]
+    for splits in (1, 4):  # the decode step's residual add + norm over split-K partials
+        xr = normal(7, (1, 4096), dtype)
+        deltas = normal(8 + splits, (splits, 1, 4096), jnp.float32)
+        wn = normal(9, (4096,), dtype, scale=0.1) + 1
+        for got, want in zip(add_rms_norm(xr, deltas, wn, eps=1e-5),
+                             add_rms_norm_reference(xr, deltas, wn, eps=1e-5)):
+            assert rel_err(got, want) < GPU_TOL[dtype]
     for m in (1, 7, 300):
         x2 = normal(4 + m, (m, 576), dtype)
         wg = normal(5, (576, 1536), dtype, scale=576 ** -0.5)

@@ -78,6 +78,17 @@ def test_norm_matmul_split_k_and_plain(blocks, dtype, norm):
     assert rel_err(out, unfused) < TOL[dtype]
 
 
+@pytest.mark.parametrize("blocks", [SMALL, SPLIT], ids=["one_chunk", "split_k"])
+def test_partials_sum_to_the_product(blocks):
+    x, _, w, _ = inputs(13, 3, 200, (2, 24), jnp.bfloat16)
+    parts = norm_matmul(x, None, w, partials=True, interpret=True, block_sizes=blocks)
+    assert parts.dtype == jnp.float32 and parts.shape == (blocks.split_k, 3, 2, 24)
+    ref = norm_matmul_reference(x, None, w, out_dtype=jnp.float32)
+    assert rel_err(parts.sum(0), ref) < 1e-5
+    with pytest.raises(ValueError, match="partials=True is for a plain matmul"):
+        norm_matmul(x, None, w, residual=ref.astype(x.dtype), partials=True, interpret=True)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("blocks", [SMALL, SPLIT], ids=["one_chunk", "split_k"])
 def test_swiglu_with_norm_prologue(blocks, dtype):

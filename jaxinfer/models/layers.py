@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -87,82 +88,89 @@ def use_kernels(dtype) -> bool:
 
 def decode_kernels(x: jax.Array) -> bool:
     """The fused small-M kernels (pallas_kernels/norm_matmul.py) for x [..., D]: on GPU, 16-bit,
-    at most 16 rows (decode). They stream each weight once, with the residual add / SwiGLU in
-    the epilogue; at larger M XLA's GEMMs were faster on the H200 (B=64: 9.6 vs 13.3 ms/step)."""
+    at most 16 rows (decode). They stream each weight once; at larger M XLA's GEMMs were faster
+    on the H200 (B=64 step: 9.6 ms with XLA's, 13.3 with the fused matmuls at block_m 64)."""
     return use_kernels(x.dtype) and math.prod(x.shape[:-1]) <= 16
 
 
-# Where the decode path's pre-projection RMSNorm runs: "pallas" (the RMSNorm kernel, then the
-# matmul), "matmul" (in the fused matmul's main loop), "xla" (two XLA fusions). The whole
-# Llama-3-8B B=1 step on the H200 (benchmarks/run_h200.sh sweep, 2026-11-30): 4.31 / 4.40 /
-# 4.32 ms; the in-loop norm slowed the short q/k/v matmul (10 -> 20 us), so "pallas".
-DECODE_NORM = "pallas"
+class Partials(NamedTuple):
+    """A sublayer's output left as float32 partial sums parts [S, ..., N] (a split-K matmul's
+    chunks): `add_norm` adds them to the residual stream in the same pass as the next norm."""
+    parts: jax.Array
 
 
-def _decode_norm(x2d: jax.Array, norm_weight: jax.Array, eps: float):
-    """(h, norm_weight for the matmul): x2d [M, K] normed here, or handed on to the kernel."""
-    if DECODE_NORM == "matmul":
-        return x2d, norm_weight
-    if DECODE_NORM == "pallas":
+def norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """rms_norm; on the decode path the RMSNorm kernel (one launch instead of XLA's two)."""
+    if decode_kernels(x):
         from pallas_kernels import rms_norm as rms_norm_kernel
 
-        return rms_norm_kernel(x2d, norm_weight, eps=eps), None
-    return rms_norm(x2d, norm_weight, eps), None
+        return rms_norm_kernel(x, weight, eps=eps)
+    return rms_norm(x, weight, eps)
 
 
-def norm_linear(x: jax.Array, norm_weight: jax.Array, w: jax.Array, eps: float,
-                b: jax.Array | None = None) -> jax.Array:
-    """linear(rms_norm(x), w, b); x [..., K], w [K, *N] -> [..., *N]."""
+def project(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
+    """linear(x, w, b); x [..., K], w [K, *N]. The fused matmul on the decode path."""
     if decode_kernels(x):
         from pallas_kernels import norm_matmul
 
-        h, nw = _decode_norm(x.reshape(-1, x.shape[-1]), norm_weight, eps)
-        y = norm_matmul(h, nw, w, eps=eps)
-        y = y.reshape(*x.shape[:-1], *w.shape[1:])
+        y = norm_matmul(x.reshape(-1, x.shape[-1]), None, w).reshape(*x.shape[:-1], *w.shape[1:])
         return y if b is None else (y.astype(jnp.float32) + b.astype(jnp.float32)).astype(x.dtype)
-    return linear(rms_norm(x, norm_weight, eps), w, b)
+    return linear(x, w, b)
 
 
-def linear_residual(x: jax.Array, w: jax.Array, residual: jax.Array,
-                    b: jax.Array | None = None) -> jax.Array:
-    """residual + linear(x, w, b); x [..., K], w [K, N], residual [..., N]."""
+def linear_delta(x: jax.Array, w: jax.Array, b: jax.Array | None = None):
+    """x @ w (+ b) as a sublayer's output for `add_norm`; x [..., K], w [K, N]. On the decode
+    path the fused matmul's unreduced float32 chunks (Partials), else linear()."""
     if b is None and decode_kernels(x):
-        from pallas_kernels import norm_matmul  # the add rides in the matmul's epilogue
+        from pallas_kernels import norm_matmul
 
-        y = norm_matmul(x.reshape(-1, x.shape[-1]), None, w,
-                        residual=residual.reshape(-1, residual.shape[-1]))
-        return y.reshape(residual.shape)
-    return residual + linear(x, w, b)
+        parts = norm_matmul(x.reshape(-1, x.shape[-1]), None, w, partials=True)  # [S, M, N]
+        return Partials(parts.reshape(parts.shape[0], *x.shape[:-1], w.shape[1]))
+    return linear(x, w, b)
 
 
-def swiglu_mlp(x: jax.Array, p: dict, norm_weight: jax.Array | None = None,
-               eps: float = 1e-6) -> jax.Array:
-    """down(silu(h @ gate) * (h @ up)), h = rms_norm(x, norm_weight) when given, else x;
-    x [..., D] -> [..., D]. Biases (b_gate, b_up, b_down) when p has them."""
-    if use_kernels(x.dtype) and "b_gate" not in p:
-        from pallas_kernels import swiglu  # gate and up in one pass over h, SiLU*up in the epilogue
+# Partials at a sublayer boundary: False sums them with the residual in an XLA fusion, then
+# runs the RMSNorm kernel (the path measured on the H200: 4.22 ms/token at B=1, 2026-11-30);
+# True runs pallas_kernels.add_rms_norm, one kernel for both (predicted ~3 us less per layer;
+# passes the CPU interpret tests, not yet compiled or timed on the GPU:
+# `profile_decode.py --fused-add-norm` measures it).
+FUSED_ADD_NORM = False
 
-        if norm_weight is not None and not decode_kernels(x):
-            x, norm_weight = rms_norm(x, norm_weight, eps), None  # large M: norm once, by XLA
-        act = swiglu(x.reshape(-1, x.shape[-1]), p["w_gate"], p["w_up"], norm_weight=norm_weight,
-                     eps=eps).reshape(*x.shape[:-1], p["w_gate"].shape[1])
+
+def add_norm(x: jax.Array, delta, weight: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
+    """The pre-norm decoder's sublayer boundary: (x + delta, rms_norm(x + delta)). delta is an
+    array [..., D] in x's dtype, or Partials, whose chunks are summed in float32 with the
+    residual and rounded once to x's dtype."""
+    if isinstance(delta, Partials):
+        if FUSED_ADD_NORM:
+            from pallas_kernels import add_rms_norm
+
+            return add_rms_norm(x, delta.parts, weight, eps=eps)
+        x = (jnp.sum(delta.parts, axis=0) + x.astype(jnp.float32)).astype(x.dtype)
     else:
-        if norm_weight is not None:
-            x = rms_norm(x, norm_weight, eps)
-        act = jax.nn.silu(linear(x, p["w_gate"], p.get("b_gate"))) * linear(x, p["w_up"], p.get("b_up"))
-    return linear(act, p["w_down"], p.get("b_down"))
+        x = x + delta
+    return x, norm(x, weight, eps)
 
 
-def mlp_residual(x: jax.Array, p: dict, norm_weight: jax.Array, eps: float) -> jax.Array:
-    """x + swiglu_mlp(rms_norm(x)): the whole pre-norm MLP sublayer; x [..., D]."""
-    if decode_kernels(x) and "b_gate" not in p:
+def swiglu_act(x: jax.Array, p: dict) -> jax.Array:
+    """silu(x @ gate + b) * (x @ up + b); x [..., D] -> [..., F]. On GPU (16-bit, no biases)
+    one kernel: gate and up in one pass over x, SiLU*up in the epilogue."""
+    if use_kernels(x.dtype) and "b_gate" not in p:
         from pallas_kernels import swiglu
 
-        x2 = x.reshape(-1, x.shape[-1])  # [M, D]
-        h, nw = _decode_norm(x2, norm_weight, eps)
-        act = swiglu(h, p["w_gate"], p["w_up"], norm_weight=nw, eps=eps)  # [M, F]
-        return linear_residual(act, p["w_down"], x2).reshape(x.shape)
-    return x + swiglu_mlp(x, p, norm_weight, eps)
+        return swiglu(x.reshape(-1, x.shape[-1]), p["w_gate"], p["w_up"]).reshape(
+            *x.shape[:-1], p["w_gate"].shape[1])
+    return jax.nn.silu(linear(x, p["w_gate"], p.get("b_gate"))) * linear(x, p["w_up"], p.get("b_up"))
+
+
+def swiglu_mlp(x: jax.Array, p: dict) -> jax.Array:
+    """down(silu(x @ gate) * (x @ up)); x [..., D] -> [..., D] (biases when p has them)."""
+    return linear(swiglu_act(x, p), p["w_down"], p.get("b_down"))
+
+
+def mlp_delta(x: jax.Array, p: dict):
+    """The MLP sublayer's output for `add_norm` (Partials on the decode path)."""
+    return linear_delta(swiglu_act(x, p), p["w_down"], p.get("b_down"))
 
 
 # ---------------------------------------------------------------------------------------------

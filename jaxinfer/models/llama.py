@@ -56,14 +56,14 @@ def param_specs(config: Config) -> dict:
     return specs
 
 
-def _attention_block(lp: dict, x, cos, sin, positions, config: Config, layer: int,
+def _attention_block(lp: dict, h, cos, sin, positions, config: Config, layer: int,
                      cache_kv: tuple[jax.Array, jax.Array] | None, fresh: bool):
-    """Pre-norm self-attention sublayer: returns (x + attention(rms_norm(x)) [B, T, D], the
-    updated (k, v) cache or None)."""
-    b, t, _ = x.shape
+    """Self-attention sublayer over the normed input h [B, T, D]: returns (its output for
+    layers.add_norm, the updated (k, v) cache or None)."""
+    b, t, _ = h.shape
     hd, eps = config.head_dim, config.rms_norm_eps
     g = config.num_heads // config.num_kv_heads
-    qkv = layers.norm_linear(x, lp["attn_norm"], lp["wqkv"], eps, lp.get("bqkv"))  # [B, T, Hkv, G + 2, hd]
+    qkv = layers.project(h, lp["wqkv"], lp.get("bqkv"))  # [B, T, Hkv, G + 2, hd]
     window = config.window(layer)
     if (cache_kv is not None and not fresh and not config.qk_norm
             and layers.fused_decode_attention_ok(qkv, config.rotary_dim)):
@@ -85,8 +85,7 @@ def _attention_block(lp: dict, x, cos, sin, positions, config: Config, layer: in
             o = layers.causal_self_attention(q, k, v, positions, window=window)
         else:
             o = layers.cached_attention(q, *cache_kv, positions, window=window)
-    out = layers.linear_residual(o.reshape(b, t, config.num_heads * hd), lp["wo"], x, lp.get("bo"))
-    return out, cache_kv
+    return layers.linear_delta(o.reshape(b, t, config.num_heads * hd), lp["wo"], lp.get("bo")), cache_kv
 
 
 def forward(params: dict, tokens: jax.Array, positions: jax.Array, config: Config,
@@ -105,23 +104,31 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, config: Confi
     """
     x = params["embed"][tokens]  # [B, T, D]
     cos, sin = layers.rope_tables(config, positions)  # [B, T, R]
+    eps = config.rms_norm_eps
+    blocks = params["layers"]
+    # Pre-norm decoder, written with the residual add fused into the norm that follows it:
+    # each sublayer reads the normed h and returns its output; add_norm adds that to the
+    # residual stream x and norms for the next sublayer (one kernel on the decode path).
+    h = layers.norm(x, blocks[0]["attn_norm"], eps)
     new_k, new_v = [], []
-    for i, lp in enumerate(params["layers"]):
+    for i, lp in enumerate(blocks):
+        next_norm = blocks[i + 1]["attn_norm"] if i + 1 < len(blocks) else params["final_norm"]
         with jax.named_scope(f"layer{i}"):
             cache_kv = None if cache is None else (cache.k[i], cache.v[i])
-            x, cache_kv = _attention_block(lp, x, cos, sin, positions, config, i, cache_kv,
-                                           fresh)
-            x = layers.mlp_residual(x, lp, lp["mlp_norm"], config.rms_norm_eps)
+            attn, cache_kv = _attention_block(lp, h, cos, sin, positions, config, i, cache_kv,
+                                              fresh)
+            x, h = layers.add_norm(x, attn, lp["mlp_norm"], eps)
+            x, h = layers.add_norm(x, layers.mlp_delta(h, lp), next_norm, eps)
             if cache_kv is not None:
                 new_k.append(cache_kv[0])
                 new_v.append(cache_kv[1])
     if logits_at is not None:
-        x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)  # [B, 1, D]
-    x = layers.rms_norm(x, params["final_norm"], config.rms_norm_eps)
+        h = jnp.take_along_axis(h, logits_at[:, None, None], axis=1)  # [B, 1, D]
+    # h is the final norm's output (the last add_norm used final_norm).
     if config.tie_word_embeddings:
-        logits = jnp.einsum("btd,vd->btv", x, params["embed"], preferred_element_type=jnp.float32)
+        logits = jnp.einsum("btd,vd->btv", h, params["embed"], preferred_element_type=jnp.float32)
     else:
-        logits = jnp.einsum("btd,dv->btv", x, params["lm_head"], preferred_element_type=jnp.float32)
+        logits = jnp.einsum("btd,dv->btv", h, params["lm_head"], preferred_element_type=jnp.float32)
     if cache is not None:
         cache = cache.replace(k=tuple(new_k), v=tuple(new_v))
     return logits, cache
