@@ -251,8 +251,9 @@ def fused_matmul(x, norm_weight, weights, residual, *, eps, blocks, epilogue, in
         compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps,
                                              num_stages=blocks.num_stages),
         interpret=interpret,
-        name=f"{'norm_' if norm_weight is not None else ''}matmul_{epilogue}"
-             + ("_splitk" if partial else ""),
+        # The shape in the name tells the projections apart in a profile.
+        name=f"{'norm_' if norm_weight is not None else ''}matmul_{epilogue}_k{k}_n{n}"
+             + (f"_split{split}" if partial else ""),
     )(*args)
     if not partial:
         return out[None] if partials else out
