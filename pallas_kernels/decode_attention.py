@@ -97,12 +97,15 @@ def attend_tiles(q_parts, k_ref, v_ref, *, start, first, end, block_k: int, qk_s
 
 
 def decode_attention_kernel(len_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *,
-                            sm_scale: float, chunk: int, block_k: int, window: int | None):
+                            sm_scale: float, chunk: int, block_k: int, window: int | None,
+                            groups: int):
     # len_ref [B] int32 (whole array; this program reads lengths[b])
-    # q_ref [Gp, D]: the query heads of one KV group, padded to Gp >= 16 rows with zeros
+    # q_ref [Gp, D]: a block over the G query heads of one KV group (Gp >= 16 for the tensor
+    #   cores); rows >= G lie past the array and are masked to zero on load, so no padded
+    #   copy of q is made
     # k_ref, v_ref [S_pad, D]: one KV head's cache row (rows >= lengths[b], and with a window
     # rows < lengths[b] - window, are never read)
-    # acc_ref [Gp, D], m_ref [Gp], l_ref [Gp] (float32): this chunk's partial results
+    # acc_ref [Gp, D], m_ref [Gp], l_ref [Gp] (float32): this chunk's partials, G rows stored
     b = pl.program_id(0)
     split = pl.program_id(2)
     length = len_ref[b]
@@ -114,16 +117,17 @@ def decode_attention_kernel(len_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref,
         # chunk's whole tiles below that (start stays tile-aligned, the rest is masked).
         first = jnp.maximum(start, length - window)
         start = jnp.maximum(start, (first // block_k) * block_k)
-    q = q_ref[...]  # [Gp, D]
-    gp, d = q.shape
+    gp, d = q_ref.shape
+    row_ok = jnp.arange(gp) < groups  # [Gp]
+    q = plgpu.load(q_ref, mask=row_ok[:, None], other=0)  # [Gp, D]
     acc, m, l = attend_tiles(
         ((q, 0),), k_ref, v_ref, start=start, first=first, end=end, block_k=block_k,
         qk_scale=sm_scale * LOG2_E,
         carry=(jnp.zeros((gp, d), jnp.float32), jnp.full((gp,), MASK_VALUE, jnp.float32),
                jnp.zeros((gp,), jnp.float32)))
-    acc_ref[...] = acc
-    m_ref[...] = m
-    l_ref[...] = l
+    plgpu.store(acc_ref, acc, mask=row_ok[:, None])
+    plgpu.store(m_ref, m, mask=row_ok)
+    plgpu.store(l_ref, l, mask=row_ok)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,17 +209,15 @@ def _decode_attention_triton(q, k_cache, v_cache, lengths, *, sm_scale, blocks, 
     b, hq, d = q.shape
     _, s, hkv, _ = k_cache.shape
     g = hq // hkv
-    gp = max(16, next_pow2(g))  # tl.dot needs >= 16 rows; padding q costs nothing in HBM reads
+    gp = max(16, next_pow2(g))  # tl.dot needs >= 16 rows; the block covers them, loads mask
     block_k = blocks.block_k
     chunk = pl.cdiv(pl.cdiv(s, num_splits), block_k) * block_k
     num_splits = pl.cdiv(s, chunk)
     s_pad = num_splits * chunk  # cache blocks rounded up to whole chunks (rows >= s are masked)
-    qg = q.reshape(b, hkv, g, d)  # [B, Hkv, G, D]
-    if gp != g:
-        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - g), (0, 0)))  # [B, Hkv, Gp, D]
+    qg = q.reshape(b, hkv, g, d)  # [B, Hkv, G, D]; a bitcast, no copy
 
     kernel = functools.partial(decode_attention_kernel, sm_scale=sm_scale, chunk=chunk,
-                               block_k=block_k, window=window)
+                               block_k=block_k, window=window, groups=g)
     acc, m, l = pl.pallas_call(
         kernel,
         grid=(b, hkv, num_splits),
@@ -226,19 +228,19 @@ def _decode_attention_triton(q, k_cache, v_cache, lengths, *, sm_scale, blocks, 
         out_specs=[pl.BlockSpec((None, None, None, gp, d), lambda i, h, c: (i, h, c, 0, 0)),
                    pl.BlockSpec((None, None, None, gp), lambda i, h, c: (i, h, c, 0)),
                    pl.BlockSpec((None, None, None, gp), lambda i, h, c: (i, h, c, 0))],
-        out_shape=[jax.ShapeDtypeStruct((b, hkv, num_splits, gp, d), jnp.float32),
-                   jax.ShapeDtypeStruct((b, hkv, num_splits, gp), jnp.float32),
-                   jax.ShapeDtypeStruct((b, hkv, num_splits, gp), jnp.float32)],
+        out_shape=[jax.ShapeDtypeStruct((b, hkv, num_splits, g, d), jnp.float32),
+                   jax.ShapeDtypeStruct((b, hkv, num_splits, g), jnp.float32),
+                   jax.ShapeDtypeStruct((b, hkv, num_splits, g), jnp.float32)],
         compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps,
                                              num_stages=blocks.num_stages),
         interpret=interpret,
         name="decode_attention",
     )(lengths, qg, k_cache, v_cache)
-    return _merge_splits(acc, m, l)[:, :, :g].reshape(b, hq, d).astype(q.dtype)
+    return _merge_splits(acc, m, l).reshape(b, hq, d).astype(q.dtype)
 
 
 def _merge_splits(acc, m, l):
-    """Second step: merge the chunks' partial softmaxes (log2 domain) -> [B, Hkv, Gp, D] f32."""
+    """Second step: merge the chunks' partial softmaxes (log2 domain) -> [B, Hkv, G, D] f32."""
     m_all = jnp.max(m, axis=2, keepdims=True)  # [B, Hkv, 1, Gp]
     w = jnp.exp2(m - m_all)  # [B, Hkv, splits, Gp]; empty chunks have m = MASK_VALUE -> 0
     l_all = jnp.sum(w * l, axis=2)  # [B, Hkv, Gp]
