@@ -352,9 +352,9 @@ def bench_small(quick: bool):
         ref = ref_fn(*args[0])
         variants = [None]
         if not quick:
-            variants += ([pk.SwigluBlockSizes(16, 32, 256, 4, 4), pk.SwigluBlockSizes(16, 128, 128, 4, 4)]
+            variants += ([pk.MatmulBlockSizes(16, 32, 256, 4, 4), pk.MatmulBlockSizes(16, 128, 128, 4, 4)]
                          if m <= 64 else
-                         [pk.SwigluBlockSizes(128, 128, 64, 8, 3), pk.SwigluBlockSizes(64, 128, 64, 4, 3)])
+                         [pk.MatmulBlockSizes(128, 128, 64, 8, 3), pk.MatmulBlockSizes(64, 128, 64, 4, 3)])
         shape = f"M{m} K{k} N{n}"
         metric = dict(nbytes=nbytes) if m <= 64 else dict(flops=flops)
         for blocks in variants:

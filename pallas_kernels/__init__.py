@@ -11,17 +11,15 @@ from pallas_kernels.flash_attention import (
     FlashBlockSizes, flash_attention, flash_attention_reference)
 from pallas_kernels.flash_attention_mgpu import MosaicFlashConfig
 from pallas_kernels.norm_matmul import (
-    MatmulBlockSizes, NormMatmulBlockSizes, norm_matmul, norm_matmul_reference)
+    MatmulBlockSizes, norm_matmul, norm_matmul_reference)
 from pallas_kernels.rms_norm import (
     add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference)
 from pallas_kernels.rope import rope, rope_reference
-from pallas_kernels.swiglu import SwigluBlockSizes, swiglu, swiglu_reference
+from pallas_kernels.swiglu import swiglu, swiglu_reference
 
 __all__ = [
     "add_rms_norm", "add_rms_norm_reference",
     "DecodeBlockSizes", "FlashBlockSizes", "MatmulBlockSizes", "MosaicFlashConfig",
-    "NormMatmulBlockSizes",
-    "SwigluBlockSizes",
     "decode_attention", "decode_attention_reference",
     "decode_attention_append", "decode_attention_append_reference",
     "flash_attention", "flash_attention_reference",

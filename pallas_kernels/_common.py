@@ -20,6 +20,8 @@ MASK_VALUE = -1e30
 
 LOG2_E = math.log2(math.e)
 
+NUM_SMS_H200 = 132  # streaming multiprocessors: the default grids aim at a few programs per SM
+
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 

@@ -20,11 +20,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
-    LOG2_E, MASK_VALUE, check_array, check_head_dim, check_same_dtype, check_tiles, dot_f32,
+    LOG2_E, MASK_VALUE, NUM_SMS_H200, check_array, check_head_dim, check_same_dtype, check_tiles,
+    dot_f32,
     multiple_of, next_pow2, ref_precision)
-
-NUM_SMS_H200 = 132
-
 
 @dataclasses.dataclass(frozen=True)
 class DecodeBlockSizes:

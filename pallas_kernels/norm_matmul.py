@@ -34,8 +34,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import (check_array, check_same_dtype, check_tiles, dot_f32,
-                                     multiple_of, ref_precision)
+from pallas_kernels._common import (NUM_SMS_H200, check_array, check_same_dtype, check_tiles,
+                                     dot_f32, multiple_of, ref_precision)
+from pallas_kernels.rms_norm import rms_norm_reference
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,12 +52,6 @@ class MatmulBlockSizes:
         check_tiles(self, "block_m", "block_n", "block_k")
         if self.split_k < 1:
             raise ValueError(f"{type(self).__name__}.split_k={self.split_k}: must be >= 1")
-
-
-NormMatmulBlockSizes = MatmulBlockSizes
-
-
-NUM_SMS = 132  # H200
 
 
 def default_block_sizes(m: int, n: int, k: int, itemsize: int = 2,
@@ -76,7 +71,7 @@ def default_block_sizes(m: int, n: int, k: int, itemsize: int = 2,
                                     num_stages=3)
         block_k = 256 if k >= 256 else 128
         tiles = -(-n // 64)
-        split = max(1, min(8, (2 * NUM_SMS) // tiles, k // (4 * block_k)))
+        split = max(1, min(8, (2 * NUM_SMS_H200) // tiles, k // (4 * block_k)))
         return MatmulBlockSizes(block_m=16, block_n=64, block_k=block_k, num_warps=4,
                                 num_stages=3, split_k=split)
     if m <= 64:
@@ -118,24 +113,20 @@ def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int,
     def both(a, b):
         return b if a is None else (a if b is None else a & b)
 
-    def x_tile(start):
-        k_ok = (start + jnp.arange(block_k)) < k if mask_k else None  # [block_k]
-        x = load(x_ref.at[:, pl.ds(start, block_k)],
-                 both(row_ok, None if k_ok is None else k_ok[None, :]))  # [block_m, block_k]
-        return k_ok, x
-
     chunk_start = pl.program_id(2) * k_chunk
-
     chunk_end = jnp.minimum(chunk_start + k_chunk, k)
 
+    def x_tile(start, masked: bool):
+        # [block_k] mask of the K positions in this chunk, and the x tile [block_m, block_k].
+        k_ok = (start + jnp.arange(block_k)) < chunk_end if masked else None
+        x = load(x_ref.at[:, pl.ds(start, block_k)],
+                 both(row_ok, None if k_ok is None else k_ok[None, :]))
+        return k_ok, x
+
     def norm_operands(start):
-        # x and norm_weight tiles at `start`, masked past this chunk (a prefetch past the end
-        # reads nothing).
-        k_ok = (start + jnp.arange(block_k)) < chunk_end  # [block_k]
-        x = plgpu.load(x_ref.at[:, pl.ds(start, block_k)],
-                       mask=both(row_ok, k_ok[None, :]), other=0)  # [block_m, block_k]
-        nw = plgpu.load(nw_ref.at[pl.ds(start, block_k)], mask=k_ok, other=0)  # [block_k]
-        return x, nw
+        # x and norm_weight tiles at `start` (a prefetch past the chunk's end reads nothing).
+        k_ok, x = x_tile(start, masked=True)
+        return x, plgpu.load(nw_ref.at[pl.ds(start, block_k)], mask=k_ok, other=0)
 
     def step(j, carry):
         accs, ss, *cur = carry
@@ -147,22 +138,22 @@ def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int,
             # place; they are prefetched one tile ahead by hand (in the carry) instead.
             x, nw = cur
             cur = norm_operands(start + block_k)
-            k_ok = (start + jnp.arange(block_k)) < chunk_end if mask_k else None
+            k_ok = (start + jnp.arange(block_k)) < chunk_end if mask_k else None  # [block_k]
             xf = x.astype(jnp.float32)
             ss = ss + xf * xf  # [block_m, block_k]; reduced once, after the loop
             x = (xf * nw.astype(jnp.float32)[None, :]).astype(x.dtype)
         else:
-            k_ok, x = x_tile(start)
+            k_ok, x = x_tile(start, mask_k)
         w_mask = both(None if k_ok is None else k_ok[:, None], col_ok)
         accs = tuple(acc + dot_f32(x, load(w_ref.at[pl.ds(start, block_k), :], w_mask))
                      for acc, w_ref in zip(accs, w_refs))  # [block_m, block_n] each
         return (accs, ss, *cur)
 
     zeros = jnp.zeros((block_m, block_n), jnp.float32)
-    init = ((zeros,) * n_weights,
-            jnp.zeros((block_m, block_k) if has_norm else (block_m,), jnp.float32))
+    init = ((zeros,) * n_weights, None)  # (accumulators, squares of x when has_norm)
     if has_norm:
-        init += norm_operands(multiple_of(chunk_start, block_k))
+        init = ((zeros,) * n_weights, jnp.zeros((block_m, block_k), jnp.float32),
+                *norm_operands(multiple_of(chunk_start, block_k)))
     accs, ss, *_ = lax.fori_loop(0, k_chunk // block_k, step, init)
     if has_norm:
         ss = jnp.sum(ss, axis=1)  # [block_m]: this chunk's sum of squares of each x row
@@ -329,20 +320,13 @@ def norm_matmul(x, norm_weight, w, *, eps: float = 1e-6, residual=None, out_dtyp
     return out.reshape(*out.shape[:-2], m, *w.shape[1:])
 
 
-def rms_norm_rows(x, norm_weight, eps: float):
-    """HF RMSNorm of x [M, K] in plain jnp (float32 statistics, weight * normed in x's dtype)."""
-    xf = x.astype(jnp.float32)
-    normed = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)  # [M, K]
-    return norm_weight * normed.astype(x.dtype)
-
-
 def norm_matmul_reference(x, norm_weight, w, *, eps: float = 1e-6, residual=None,
                           out_dtype=None, interpret: bool = False):
     """rms_norm(x) @ w (+ residual) in plain jnp: HF RMSNorm, float32 accumulation, the residual
     added in float32 before the cast to x's dtype (interpret is ignored)."""
     del interpret
     _validate(x, norm_weight, w, residual)
-    h = x if norm_weight is None else rms_norm_rows(x, norm_weight, eps)  # [M, K] x's dtype
+    h = x if norm_weight is None else rms_norm_reference(x, norm_weight, eps=eps)  # [M, K]
     y = lax.dot_general(h, w, (((1,), (0,)), ((), ())), precision=ref_precision(x.dtype),
                         preferred_element_type=jnp.float32)  # [M, *N]
     if residual is not None:

