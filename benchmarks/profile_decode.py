@@ -72,7 +72,7 @@ def _use_unfused_decode_path() -> None:
     from jaxinfer.models import layers
 
     layers.decode_kernels = lambda x: False
-    layers.fused_decode_attention_ok = lambda qkv, rotary_dim: False
+    layers.fused_decode_attention_ok = lambda *args: False
 
 
 def _override_blocks(table: dict) -> None:

@@ -40,11 +40,16 @@ class DecodeBlockSizes:
 
 
 def choose_num_splits(batch: int, kv_heads: int, seq_len: int, block_k: int,
-                      chunk: int = 1024, min_chunk: int = 256) -> int:
+                      chunk: int = 1024, min_chunk: int = 256, unsplit_max: int = 512) -> int:
     """Chunks of about `chunk` keys, but at least one program per SM and at most ~4 per SM,
     each chunk >= min_chunk keys. Measured on the H200 (benchmarks/kernels.py, 2026-11-30):
     B1 S32k 64 splits 1.7 TB/s, 16-32 splits 3.25; B1 S8k 16 splits best; B8 S8k 8 splits
-    (3.40) over 16 (3.33) and 32 (3.13); B64 2 splits 4.27."""
+    (3.40) over 16 (3.33) and 32 (3.13); B64 2 splits 4.27. A cache of <= unsplit_max slots is
+    not split: a program reads at most that many keys (~0.5 MB at D=128) and no merge runs
+    (the append kernel then writes the output itself; a B=1 decode step at short context
+    spent 1.3 us per layer in the merge)."""
+    if seq_len <= unsplit_max:
+        return 1
     rows = batch * kv_heads
     want = max(-(-seq_len // chunk), -(-NUM_SMS_H200 // rows))
     want = min(want, max(1, -(-4 * NUM_SMS_H200 // rows)))

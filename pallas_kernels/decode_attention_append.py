@@ -41,47 +41,66 @@ from pallas_kernels.decode_attention import (
 # ---------------------------------------------------------------------------------------------
 
 
-def decode_attention_append_kernel(pos_ref, q_ref, kn_ref, vn_ref, *refs, sm_scale: float,
-                                   chunk: int, block_k: int, window: int | None, groups: int,
-                                   seq_len: int, has_rope: bool):
+def decode_attention_append_kernel(pos_ref, *refs, sm_scale: float, chunk: int, block_k: int,
+                                   window: int | None, groups: int, seq_len: int,
+                                   has_rope: bool, num_parts: int, normalize: bool):
     # pos_ref [B] int32 (whole array): slot of each sequence's new token
-    # q_ref [Gp, D]: qkv rows of one KV group from row 0; rows >= G (the key, the value, past
-    #   the array) are masked to zero on load
-    # kn_ref, vn_ref [D]: qkv rows G and G + 1 of this KV group: the new key (before RoPE), value
+    # q_refs [Gp, D] x P: qkv rows of one KV group from row 0, from each of the P parts (one
+    #   16-bit array, or a split-K matmul's float32 chunks, summed here); rows >= G (the key,
+    #   the value, past the array) are masked to zero on load
+    # kn_refs, vn_refs [D] x P: qkv rows G and G + 1 of this KV group: the new key (before
+    #   RoPE), the new value
     # cos_ref, sin_ref [D] (has_rope): this sequence's rotation, halves equal
     # k_ref, v_ref [S_pad, D]: one KV head's cache row, read at slots < pos only
-    # acc_ref [Gp, D], m_ref [Gp], l_ref [Gp] (float32): this chunk's partials, G rows stored
+    # normalize=False: acc_ref [Gp, D], m_ref [Gp], l_ref [Gp] (float32): this chunk's
+    #   partials, G rows stored; normalize=True (one chunk): o_ref [Gp, D], the attention output
     # ko_ref, vo_ref [S_pad, D]: the same buffers as k_ref / v_ref (aliased); slot pos written
+    q_refs, kn_refs, vn_refs = (refs[i * num_parts:(i + 1) * num_parts] for i in range(3))
+    refs = refs[3 * num_parts:]
     if has_rope:
         cos_ref, sin_ref, *refs = refs
-    k_ref, v_ref, acc_ref, m_ref, l_ref, ko_ref, vo_ref = refs
+    k_ref, v_ref, *refs = refs
+    if normalize:
+        o_ref, ko_ref, vo_ref = refs
+    else:
+        acc_ref, m_ref, l_ref, ko_ref, vo_ref = refs
     b = pl.program_id(0)
     split = pl.program_id(2)
     pos = pos_ref[b]
     start = split * chunk
     # pos < seq_len keeps an out-of-range traced position from writing past the cache
     owns = (pos >= start) & (pos < start + chunk) & (pos < seq_len)
-    gp, d = q_ref.shape
+    gp, d = q_refs[0].shape
     dtype = k_ref.dtype
     row_ok = jnp.arange(gp) < groups  # [Gp]
-    v_new = vn_ref[...]  # [D]
+
+    def gather(refs_, cols=None, mask=None):
+        """The parts' sum in float32, rounded once to the cache dtype (as the matmul would)."""
+        total = None
+        for r in refs_:
+            idx = (slice(None),) * (len(r.shape) - 1) + (slice(None) if cols is None else cols,)
+            x = plgpu.load(r.at[idx], mask=mask, other=0) if mask is not None else r[idx]
+            total = x.astype(jnp.float32) if total is None else total + x.astype(jnp.float32)
+        return total.astype(dtype)
+
+    v_new = gather(vn_refs)  # [D]
 
     if has_rope:
         # Rotate-half RoPE in float32: lo' = lo*c - hi*s, hi' = hi*c + lo*s (c, s: one half).
         h = d // 2
-        c = cos_ref[pl.ds(0, h)].astype(jnp.float32)[None, :]  # [1, D/2]
-        s_ = sin_ref[pl.ds(0, h)].astype(jnp.float32)[None, :]
-        q_lo = plgpu.load(q_ref.at[:, pl.ds(0, h)], mask=row_ok[:, None], other=0)
-        q_hi = plgpu.load(q_ref.at[:, pl.ds(h, h)], mask=row_ok[:, None], other=0)
-        q_lo, q_hi = q_lo.astype(jnp.float32), q_hi.astype(jnp.float32)
+        lo, hi = pl.ds(0, h), pl.ds(h, h)
+        c = cos_ref[lo].astype(jnp.float32)[None, :]  # [1, D/2]
+        s_ = sin_ref[lo].astype(jnp.float32)[None, :]
+        q_lo = gather(q_refs, lo, row_ok[:, None]).astype(jnp.float32)  # [Gp, D/2]
+        q_hi = gather(q_refs, hi, row_ok[:, None]).astype(jnp.float32)
         q_parts = (((q_lo * c - q_hi * s_).astype(dtype), 0),
                    ((q_hi * c + q_lo * s_).astype(dtype), h))  # [Gp, D/2] each
-        k_lo = kn_ref[pl.ds(0, h)].astype(jnp.float32)[None, :]  # [1, D/2]
-        k_hi = kn_ref[pl.ds(h, h)].astype(jnp.float32)[None, :]
+        k_lo = gather(kn_refs, lo).astype(jnp.float32)[None, :]  # [1, D/2]
+        k_hi = gather(kn_refs, hi).astype(jnp.float32)[None, :]
         k_parts = ((k_lo * c - k_hi * s_).astype(dtype), (k_hi * c + k_lo * s_).astype(dtype))
     else:
-        q_parts = ((plgpu.load(q_ref, mask=row_ok[:, None], other=0), 0),)  # [Gp, D]
-        k_parts = (kn_ref[...][None, :],)  # [1, D]
+        q_parts = ((gather(q_refs, mask=row_ok[:, None]), 0),)  # [Gp, D]
+        k_parts = (gather(kn_refs)[None, :],)  # [1, D]
 
     @pl.when(owns)
     def _write_new_slot():
@@ -111,9 +130,12 @@ def decode_attention_append_kernel(pos_ref, q_ref, kn_ref, vn_ref, *refs, sm_sca
         start = jnp.maximum(start, (first // block_k) * block_k)
     acc, m, l = attend_tiles(q_parts, k_ref, v_ref, start=start, first=first, end=end,
                              block_k=block_k, qk_scale=qk_scale, carry=(acc0, m0, l0))
-    plgpu.store(acc_ref, acc, mask=row_ok[:, None])
-    plgpu.store(m_ref, m, mask=row_ok)
-    plgpu.store(l_ref, l, mask=row_ok)
+    if normalize:  # the only chunk: l >= 1 (the new token), no merge step
+        plgpu.store(o_ref, (acc / l[:, None]).astype(o_ref.dtype), mask=row_ok[:, None])
+    else:
+        plgpu.store(acc_ref, acc, mask=row_ok[:, None])
+        plgpu.store(m_ref, m, mask=row_ok)
+        plgpu.store(l_ref, l, mask=row_ok)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -125,10 +147,21 @@ def _validate(qkv, k_cache, v_cache, positions, rope, sliding_window) -> tuple[i
     op = "decode_attention_append"
     if sliding_window is not None and int(sliding_window) < 1:
         raise ValueError(f"{op}: sliding_window must be >= 1, got {sliding_window}")
-    check_array(op, "qkv", qkv, 4)
-    b, hkv, rows, d = qkv.shape
-    _, s, hkv_c, dc = check_cache_pair(op, k_cache, v_cache, b, "qkv", "positions", positions)
-    check_same_dtype(op, qkv=qkv, k_cache=k_cache, v_cache=v_cache)
+    if getattr(qkv, "ndim", None) == 5:  # a split-K matmul's chunks, summed by the kernel
+        check_array(op, "qkv", qkv, 5)
+        if qkv.dtype != jnp.float32:
+            raise ValueError(f"{op}: a 5-d qkv is the projection's float32 partial sums "
+                             f"[S, B, Hkv, G + 2, D]; got dtype {qkv.dtype}")
+        b, hkv, rows, d = qkv.shape[1:]
+        _, s, hkv_c, dc = check_cache_pair(op, k_cache, v_cache, b, "qkv", "positions",
+                                           positions)
+        check_same_dtype(op, k_cache=k_cache, v_cache=v_cache)
+    else:
+        check_array(op, "qkv", qkv, 4)
+        b, hkv, rows, d = qkv.shape
+        _, s, hkv_c, dc = check_cache_pair(op, k_cache, v_cache, b, "qkv", "positions",
+                                           positions)
+        check_same_dtype(op, qkv=qkv, k_cache=k_cache, v_cache=v_cache)
     if hkv_c != hkv or dc != d:
         raise ValueError(f"{op}: qkv {tuple(qkv.shape)} ([B, Hkv, G + 2, D]) does not match the "
                          f"caches' KV heads and head dim {(hkv_c, dc)}")
@@ -164,14 +197,18 @@ def decode_attention_append(qkv, k_cache, v_cache, positions, *, rope=None,
     [0, positions[b]].
 
     qkv [B, Hkv, G + 2, D]: per KV head, the G query heads (query head j*G + i is row i of KV
-    head j, as HF orders them), then the key, then the value. rope: (cos, sin), each [B, D]
+    head j, as HF orders them), then the key, then the value. Or the projection's float32
+    split-K chunks [S, B, Hkv, G + 2, D] (`norm_matmul(..., partials=True)`): the kernel sums
+    them and rounds once to the cache dtype, which saves the sum's own kernel. rope: (cos, sin), each [B, D]
     (HF rotate-half tables, e.g. `cos(positions * inv_freq)` twice over; halves equal).
-    Returns (out [B, Hq, D] in qkv's dtype, k_cache, v_cache). With `sliding_window=w` only
+    Returns (out [B, Hq, D] in the caches' dtype, k_cache, v_cache). With `sliding_window=w` only
     slots > positions[b] - w are seen (HF semantics). The caches are aliased to the outputs: to
     update them in place, call this inside a jit that donates them (the model's decode step);
     an eager call or a jit without donation copies each cache once first.
     """
     _validate(qkv, k_cache, v_cache, positions, rope, sliding_window)
+    if qkv.ndim == 4:
+        qkv = qkv[None]  # [1, B, Hkv, G + 2, D]: one part
     d = qkv.shape[-1]
     check_head_dim("decode_attention_append", d)
     if rope is not None:
@@ -190,50 +227,65 @@ def decode_attention_append(qkv, k_cache, v_cache, positions, *, rope=None,
                                              "interpret"))
 def _decode_attention_append_triton(qkv, k_cache, v_cache, positions, rope, *, sm_scale,
                                     blocks, num_splits, window, interpret):
-    b, hkv, rows, d = qkv.shape
+    # qkv [P, B, Hkv, G + 2, D]: P parts summed in the kernel
+    parts, b, hkv, rows, d = qkv.shape
     g = rows - 2
     _, s, _, _ = k_cache.shape
+    dtype = k_cache.dtype
     gp = max(16, next_pow2(g))  # tl.dot needs >= 16 rows; the block covers them, loads mask
     block_k = blocks.block_k
     chunk = pl.cdiv(pl.cdiv(s, num_splits), block_k) * block_k
     num_splits = pl.cdiv(s, chunk)
     s_pad = num_splits * chunk  # cache blocks rounded up to whole chunks (rows >= s unread)
+    normalize = num_splits == 1  # one chunk per row: the kernel writes the output itself
 
     kernel = functools.partial(decode_attention_append_kernel, sm_scale=sm_scale, chunk=chunk,
                                block_k=block_k, window=window, groups=g, seq_len=s,
-                               has_rope=rope is not None)
+                               has_rope=rope is not None, num_parts=parts, normalize=normalize)
     row = pl.BlockSpec((None, s_pad, None, d), lambda i, h, c: (i, 0, h, 0))
-    in_specs = [pl.BlockSpec((b,), lambda i, h, c: (0,)),
-                pl.BlockSpec((None, None, gp, d), lambda i, h, c: (i, h, 0, 0)),  # queries
-                pl.BlockSpec((None, None, None, d), lambda i, h, c: (i, h, g, 0)),  # key
-                pl.BlockSpec((None, None, None, d), lambda i, h, c: (i, h, g + 1, 0))]  # value
-    args = [positions, qkv, qkv, qkv]
+
+    def qkv_spec(p, first_row, n_rows):  # rows [first_row, +n_rows) of part p, KV group h
+        if n_rows is None:  # one row, squeezed
+            return pl.BlockSpec((None, None, None, None, d), lambda i, h, c: (p, i, h, first_row, 0))
+        return pl.BlockSpec((None, None, None, n_rows, d), lambda i, h, c: (p, i, h, 0, 0))
+
+    in_specs = [pl.BlockSpec((b,), lambda i, h, c: (0,))]
+    in_specs += [qkv_spec(p, 0, gp) for p in range(parts)]  # queries
+    in_specs += [qkv_spec(p, g, None) for p in range(parts)]  # keys
+    in_specs += [qkv_spec(p, g + 1, None) for p in range(parts)]  # values
+    args = [positions] + [qkv] * (3 * parts)
     if rope is not None:
         in_specs += [pl.BlockSpec((None, d), lambda i, h, c: (i, 0))] * 2
         args += list(rope)
     in_specs += [row, row]
     args += [k_cache, v_cache]
-    acc, m, l, k_cache, v_cache = pl.pallas_call(
+    if normalize:
+        out_specs = [pl.BlockSpec((None, None, gp, d), lambda i, h, c: (i, h, 0, 0))]
+        out_shape = [jax.ShapeDtypeStruct((b, hkv, g, d), dtype)]
+    else:
+        out_specs = [pl.BlockSpec((None, None, None, gp, d), lambda i, h, c: (i, h, c, 0, 0)),
+                     pl.BlockSpec((None, None, None, gp), lambda i, h, c: (i, h, c, 0)),
+                     pl.BlockSpec((None, None, None, gp), lambda i, h, c: (i, h, c, 0))]
+        out_shape = [jax.ShapeDtypeStruct((b, hkv, num_splits, g, d), jnp.float32),
+                     jax.ShapeDtypeStruct((b, hkv, num_splits, g), jnp.float32),
+                     jax.ShapeDtypeStruct((b, hkv, num_splits, g), jnp.float32)]
+    n_out = len(out_shape)
+    *outs, k_cache, v_cache = pl.pallas_call(
         kernel,
         grid=(b, hkv, num_splits),
         in_specs=in_specs,
-        out_specs=[pl.BlockSpec((None, None, None, gp, d), lambda i, h, c: (i, h, c, 0, 0)),
-                   pl.BlockSpec((None, None, None, gp), lambda i, h, c: (i, h, c, 0)),
-                   pl.BlockSpec((None, None, None, gp), lambda i, h, c: (i, h, c, 0)),
-                   row, row],
-        out_shape=[jax.ShapeDtypeStruct((b, hkv, num_splits, g, d), jnp.float32),
-                   jax.ShapeDtypeStruct((b, hkv, num_splits, g), jnp.float32),
-                   jax.ShapeDtypeStruct((b, hkv, num_splits, g), jnp.float32),
-                   jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
-                   jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)],
-        # k_cache -> output 3, v_cache -> output 4
-        input_output_aliases={len(args) - 2: 3, len(args) - 1: 4},
+        out_specs=out_specs + [row, row],
+        out_shape=out_shape + [jax.ShapeDtypeStruct(k_cache.shape, dtype),
+                               jax.ShapeDtypeStruct(v_cache.shape, dtype)],
+        # k_cache -> the output after the attention outputs, v_cache -> the last
+        input_output_aliases={len(args) - 2: n_out, len(args) - 1: n_out + 1},
         compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps,
                                              num_stages=blocks.num_stages),
         interpret=interpret,
         name="decode_attention_append",
     )(*args)
-    out = _merge_splits(acc, m, l).reshape(b, hkv * g, d).astype(qkv.dtype)  # [B, Hq, D]
+    out = outs[0] if normalize else _merge_splits(*outs).astype(dtype)  # [B, Hkv, G, D]
+    out = out.reshape(b, hkv * g, d)  # [B, Hq, D]
     return out, k_cache, v_cache
 
 
@@ -260,6 +312,8 @@ def decode_attention_append_reference(qkv, k_cache, v_cache, positions, *, rope=
     (out, k_cache, v_cache) like the kernel."""
     del interpret, block_sizes
     b, s, hkv, d = _validate(qkv, k_cache, v_cache, positions, rope, sliding_window)
+    if qkv.ndim == 5:  # split-K chunks: summed in float32, rounded once
+        qkv = jnp.sum(qkv, axis=0).astype(k_cache.dtype)
     g = qkv.shape[2] - 2
     q = qkv[:, :, :g].reshape(b, hkv * g, d)  # [B, Hq, D]
     k_new, v_new = qkv[:, :, g], qkv[:, :, g + 1]  # [B, Hkv, D]

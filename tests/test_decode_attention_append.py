@@ -67,6 +67,7 @@ CASES = [
     (3, 70, 8, 2, 16, (69, 0, 32), 3),  # GQA 4:1; S-1, slot 0, first slot of chunk 1
     (3, 45, 4, 4, 32, (0, 44, 31), 2),  # MHA; last slot of chunk 0 (chunk 1 then empty)
     (2, 50, 6, 2, 16, (17, 49), None),  # G = 3 (not a power of two), automatic splits
+    (2, 70, 8, 2, 16, (69, 5), 1),  # one chunk: the kernel normalizes, no merge
 ]
 
 
@@ -183,6 +184,39 @@ def test_rope_matches_the_model_path(dtype):
     assert rel_err(plain, ref) > 0.05  # RoPE changed the result: the check can fail
 
 
+def split_chunks(qkv, seed):
+    """qkv [B, Hkv, G + 2, D] as two float32 chunks [2, ...] whose sum is exactly qkv in float32
+    (as a split-K matmul's partials would be; two terms, so the order of the sum is moot)."""
+    a = normal(seed, qkv.shape, jnp.float32)
+    return jnp.stack([a, qkv.astype(jnp.float32) - a])
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_partials_input_is_summed_in_the_kernel(splits):
+    """qkv as float32 split-K chunks [S, B, Hkv, G + 2, D]: the kernel sums and rounds them to
+    the cache dtype; the result equals the kernel on the rounded sum, bit for bit in the caches."""
+    b, s, hq, hkv, d, dtype = 2, 70, 8, 2, 32, jnp.bfloat16
+    q, k_new, v_new, k_cache, v_cache = inputs(31, b, s, hq, hkv, d, dtype)
+    positions = jnp.asarray([69, 20], jnp.int32)
+    rope = rope_tables(positions, d)
+    blocks = DecodeBlockSizes(block_k=16, num_splits=splits, num_stages=1)
+    # float32 values between bfloat16 ones: the one rounding of the sum is exercised
+    qkv = pack(q, k_new, v_new).astype(jnp.float32) + 1e-3 * normal(32, (b, hkv, hq // hkv + 2, d),
+                                                                    jnp.float32)
+    parts = split_chunks(qkv, 33)
+    summed = jnp.sum(parts, axis=0).astype(dtype)
+    call = functools.partial(_append_qkv, rope=rope, interpret=True, block_sizes=blocks)
+    out, k_out, v_out = call(parts, k_cache, v_cache, positions)
+    want, k_want, v_want = call(summed, k_cache, v_cache, positions)
+    assert out.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(k_out), np.asarray(k_want))
+    np.testing.assert_array_equal(np.asarray(v_out), np.asarray(v_want))
+    ref, k_ref, _ = _append_ref(parts, k_cache, v_cache, positions, rope=rope)
+    assert rel_err(out, ref) < TOL[dtype]
+    assert rel_err(k_out, k_ref) < 2e-3
+
+
 def test_bad_inputs_raise():
     f32 = jnp.float32
     q, k_new, v_new, k_cache, v_cache = inputs(0, 2, 10, 4, 2, 16, f32)
@@ -207,6 +241,9 @@ def test_bad_inputs_raise():
         (lambda: call(qkv, k_cache, v_cache, pos, rope=(cos[:, :8], sin)), "rope cos must have"),
         (lambda: call(qkv, k_cache, v_cache, pos, rope=cos), r"\(cos, sin\) pair"),
         (lambda: _append_ref(qkv, k_cache, v_cache, pos + 1), "positions must lie"),
+        (lambda: call(qkv[None].astype(jnp.bfloat16), k_cache, v_cache, pos),
+         "float32 partial sums"),
+        (lambda: call(qkv[None, :, :1], k_cache, v_cache, pos), "does not match the caches"),
     ]
     for fn, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -242,4 +279,24 @@ def test_decode_attention_append_gpu(position, window, rope):
         assert rel_err(k_out, k_ref) < 2e-3
     else:
         np.testing.assert_array_equal(np.asarray(k_out), np.asarray(k_ref))
+    np.testing.assert_array_equal(np.asarray(v_out), np.asarray(v_ref))
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("s", [512, 8192])
+def test_decode_attention_append_partials_gpu(s):
+    """The model's B=1 decode call: the q/k/v projection's float32 chunks summed in the kernel;
+    S=512 runs unsplit (the kernel normalizes), S=8192 split with the merge."""
+    b, hq, hkv, d, dtype = 1, 32, 8, 128, jnp.bfloat16
+    q, k_new, v_new, k_cache, v_cache = inputs(13, b, s, hq, hkv, d, dtype)
+    positions = jnp.asarray([s - 100], jnp.int32)
+    tables = rope_tables(positions, d, 500000.0)
+    parts = split_chunks(pack(q, k_new, v_new), 14)
+    ref, k_ref, v_ref = _append_ref(parts, k_cache, v_cache, positions, rope=tables)
+    out, k_out, v_out = jax.jit(functools.partial(_append_qkv, rope=tables),
+                                donate_argnums=(1, 2))(parts, k_cache.copy(), v_cache.copy(),
+                                                       positions)
+    assert rel_err(out, ref) < TOL[dtype]
+    assert rel_err(k_out, k_ref) < 2e-3
     np.testing.assert_array_equal(np.asarray(v_out), np.asarray(v_ref))

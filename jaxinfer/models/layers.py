@@ -119,14 +119,15 @@ def project(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array
 
 
 def linear_delta(x: jax.Array, w: jax.Array, b: jax.Array | None = None):
-    """x @ w (+ b) as a sublayer's output for `add_norm`; x [..., K], w [K, N]. On the decode
-    path the fused matmul's unreduced float32 chunks (Partials), else linear()."""
+    """x @ w (+ b) for a consumer that sums split-K chunks itself (`add_norm`, the fused decode
+    attention); x [..., K], w [K, *N]. On the decode path the fused matmul's unreduced float32
+    chunks (Partials [S, ..., *N]), else project()."""
     if b is None and decode_kernels(x):
         from pallas_kernels import norm_matmul
 
-        parts = norm_matmul(x.reshape(-1, x.shape[-1]), None, w, partials=True)  # [S, M, N]
-        return Partials(parts.reshape(parts.shape[0], *x.shape[:-1], w.shape[1]))
-    return linear(x, w, b)
+        parts = norm_matmul(x.reshape(-1, x.shape[-1]), None, w, partials=True)  # [S, M, *N]
+        return Partials(parts.reshape(parts.shape[0], *x.shape[:-1], *w.shape[1:]))
+    return project(x, w, b)
 
 
 # Partials at a sublayer boundary: False sums them with the residual in an XLA fusion, then
@@ -328,23 +329,24 @@ def cached_attention(q, k_cache, v_cache, q_pos, *, window=None):
     return attention_reference(q, k_cache, v_cache, q_pos, kv_pos, window=window)
 
 
-def fused_decode_attention_ok(qkv: jax.Array, rotary_dim: int) -> bool:
-    """Whether `decode_attention_qkv` runs as one kernel for qkv [B, T, Hkv, G + 2, D]: GPU,
-    16-bit, one new token per row, a kernel head dim with RoPE over all of it."""
-    d = qkv.shape[-1]
-    return (use_kernels(qkv.dtype) and qkv.shape[1] == 1 and _kernel_head_dim(d)
-            and _kernel_head_dim(d // 2) and rotary_dim == d)
+def fused_decode_attention_ok(h: jax.Array, head_dim: int, rotary_dim: int) -> bool:
+    """Whether `decode_attention_qkv` runs as one kernel for the attention input h [B, T, D]:
+    GPU, 16-bit, one new token per row, a kernel head dim with RoPE over all of it."""
+    return (use_kernels(h.dtype) and h.shape[1] == 1 and _kernel_head_dim(head_dim)
+            and _kernel_head_dim(head_dim // 2) and rotary_dim == head_dim)
 
 
 def decode_attention_qkv(qkv, k_cache, v_cache, positions, cos, sin, *, window=None):
-    """One new token per row, straight from the fused projection qkv [B, 1, Hkv, G + 2, D]:
-    RoPE on its q and k (cos/sin [B, 1, D]), k and v written to slot positions [B, 1] of one
-    layer's cache [B, S, Hkv, D], q attending to slots <= its position. One kernel
+    """One new token per row, straight from the fused projection qkv [B, 1, Hkv, G + 2, D] (or
+    its split-K chunks, Partials [S, B, 1, Hkv, G + 2, D], summed by the kernel): RoPE on its
+    q and k (cos/sin [B, 1, D]), k and v written to slot positions [B, 1] of one layer's cache
+    [B, S, Hkv, D], q attending to slots <= its position. One kernel
     (pallas_kernels/decode_attention_append.py), updating the donated cache in place; only
     where `fused_decode_attention_ok`. Returns (out [B, 1, Hq, D], k_cache, v_cache)."""
     from pallas_kernels import decode_attention_append
 
+    qkv = qkv.parts[:, :, 0] if isinstance(qkv, Partials) else qkv[:, 0]  # drop T = 1
     out, k_cache, v_cache = decode_attention_append(
-        qkv[:, 0], k_cache, v_cache, positions[:, 0], rope=(cos[:, 0], sin[:, 0]),
+        qkv, k_cache, v_cache, positions[:, 0], rope=(cos[:, 0], sin[:, 0]),
         sliding_window=window)
     return out[:, None], k_cache, v_cache

@@ -63,14 +63,16 @@ def _attention_block(lp: dict, h, cos, sin, positions, config: Config, layer: in
     b, t, _ = h.shape
     hd, eps = config.head_dim, config.rms_norm_eps
     g = config.num_heads // config.num_kv_heads
-    qkv = layers.project(h, lp["wqkv"], lp.get("bqkv"))  # [B, T, Hkv, G + 2, hd]
     window = config.window(layer)
     if (cache_kv is not None and not fresh and not config.qk_norm
-            and layers.fused_decode_attention_ok(qkv, config.rotary_dim)):
-        # Decode on GPU: RoPE, the cache write and attention in one kernel, reading qkv as is.
+            and layers.fused_decode_attention_ok(h, hd, config.rotary_dim)):
+        # Decode on GPU: the projection's split-K chunks summed, RoPE, the cache write and
+        # attention in one kernel.
+        qkv = layers.linear_delta(h, lp["wqkv"], lp.get("bqkv"))  # [S, B, T, Hkv, G + 2, hd]
         o, *cache_kv = layers.decode_attention_qkv(qkv, *cache_kv, positions, cos, sin,
                                                    window=window)
     else:
+        qkv = layers.project(h, lp["wqkv"], lp.get("bqkv"))  # [B, T, Hkv, G + 2, hd]
         q = qkv[:, :, :, :g].reshape(b, t, config.num_heads, hd)  # head j*G + i, as HF orders them
         k = qkv[:, :, :, g]  # [B, T, Hkv, hd]
         v = qkv[:, :, :, g + 1]
