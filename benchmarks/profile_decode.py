@@ -97,6 +97,17 @@ def _override_blocks(table: dict) -> None:
     sw.fused_matmul = fused
 
 
+def _override_attention_blocks(cfg: list) -> None:
+    """For configuration sweeps only: the fused decode attention kernel's DecodeBlockSizes."""
+    import functools
+
+    import pallas_kernels
+    from pallas_kernels.decode_attention import DecodeBlockSizes
+
+    pallas_kernels.decode_attention_append = functools.partial(
+        pallas_kernels.decode_attention_append, block_sizes=DecodeBlockSizes(*cfg))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="llama3-8b")
@@ -115,6 +126,9 @@ def main(argv=None) -> int:
                    help='JSON {"K,N,W": [block_m, block_n, block_k, warps, stages, split_k]}: '
                         "block sizes of the fused decode matmuls (W = 1, or 2 for SwiGLU), "
                         "to compare configurations in the model")
+    p.add_argument("--attn-blocks", default=None,
+                   help="JSON [block_k, num_splits or null, warps, stages]: the fused decode "
+                        "attention kernel's block sizes")
     p.add_argument("--fused-add-norm", action="store_true",
                    help="residual add + RMSNorm as one kernel (layers.FUSED_ADD_NORM)")
     args = p.parse_args(argv)
@@ -126,6 +140,8 @@ def main(argv=None) -> int:
         _use_unfused_decode_path()
     if args.blocks:
         _override_blocks(json.loads(args.blocks))
+    if args.attn_blocks:
+        _override_attention_blocks(json.loads(args.attn_blocks))
 
     dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
     model = random_model(args.preset, dtype)

@@ -5,7 +5,8 @@
 #   bash benchmarks/run_h200.sh peer    # HF transformers (static cache), B=1 ctx 128+256
 #   bash benchmarks/run_h200.sh tests   # GPU-marked tests (kernels vs references, greedy tokens)
 #   bash benchmarks/run_h200.sh profile # per-kernel time of the B=1 decode step (and unfused)
-#   bash benchmarks/run_h200.sh kernels # benchmarks/kernels.py, parts from $KERNELS
+#   bash benchmarks/run_h200.sh kernels # benchmarks/kernels.py, parts from $KERNELS (decode
+#                                       # shapes from $DECODE_SHAPES, e.g. 8x8192,1x32768)
 #   bash benchmarks/run_h200.sh sweep   # the B=1 step profiled under several matmul block sizes
 # Results: JSON lines in ${OUT:-.}/bench-<part>.jsonl; a table on stdout.
 set -uo pipefail
@@ -53,6 +54,7 @@ sweep() {  # the B=1 step profiled under several configurations ($SWEEP: one per
 }
 kernels() {  # KERNELS="gemv,decode" picks parts of benchmarks/kernels.py
   timeout "${KERNELS_TIMEOUT:-300}" python3 benchmarks/kernels.py --only "${KERNELS:-gemv}" \
-    --json "$out/kernels.json" 2>&1 | tail -"${KERNELS_TAIL:-60}"
+    ${DECODE_SHAPES:+--decode-shapes "$DECODE_SHAPES"} --json "$out/kernels.json" 2>&1 \
+    | tail -"${KERNELS_TAIL:-60}"
 }
 for part in "${@:-ours}"; do "$part"; done

@@ -95,6 +95,9 @@ def add_rms_norm_kernel(*refs, eps: float, rows: int, dim: int, block_m: int, sp
     dp = x_ref.shape[-1]
     col_ok = jnp.arange(dp) < dim  # [Dp]
     mask = (r < rows)[:, None] & col_ok[None, :]
+    # Every load is issued before the first use: the weight would otherwise wait for the
+    # reduction (one more memory round trip in a latency-bound kernel).
+    w = plgpu.load(w_ref, mask=col_ok, other=0)  # [Dp]
     acc = plgpu.load(d_refs[0], mask=mask, other=0).astype(jnp.float32)  # [block_m, Dp]
     for d_ref in d_refs[1:]:  # the chunks in order, then the residual, as XLA sums them
         acc += plgpu.load(d_ref, mask=mask, other=0).astype(jnp.float32)
@@ -104,7 +107,6 @@ def add_rms_norm_kernel(*refs, eps: float, rows: int, dim: int, block_m: int, sp
     xf = x_new.astype(jnp.float32)
     inv_rms = jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1) / dim + eps)  # [block_m]
     normed = (xf * inv_rms[:, None]).astype(xo_ref.dtype)
-    w = plgpu.load(w_ref, mask=col_ok, other=0)  # [Dp]
     plgpu.store(h_ref, w[None, :].astype(h_ref.dtype) * normed.astype(h_ref.dtype), mask=mask)
 
 
