@@ -129,13 +129,14 @@ def main(argv=None) -> int:
     p.add_argument("--attn-blocks", default=None,
                    help="JSON [block_k, num_splits or null, warps, stages]: the fused decode "
                         "attention kernel's block sizes")
-    p.add_argument("--fused-add-norm", action="store_true",
-                   help="residual add + RMSNorm as one kernel (layers.FUSED_ADD_NORM)")
+    p.add_argument("--xla-add-norm", action="store_true",
+                   help="the residual add in XLA, then the RMSNorm kernel "
+                        "(layers.FUSED_ADD_NORM = False)")
     args = p.parse_args(argv)
-    if args.fused_add_norm:
+    if args.xla_add_norm:
         from jaxinfer.models import layers
 
-        layers.FUSED_ADD_NORM = True
+        layers.FUSED_ADD_NORM = False
     if args.unfused:
         _use_unfused_decode_path()
     if args.blocks:

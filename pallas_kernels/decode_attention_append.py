@@ -214,9 +214,13 @@ def decode_attention_append(qkv, k_cache, v_cache, positions, *, rope=None,
     if rope is not None:
         check_head_dim("decode_attention_append (RoPE halves)", d // 2)
     sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d)
-    blocks = block_sizes or DecodeBlockSizes()
     b, s, hkv, _ = k_cache.shape
+    blocks = block_sizes or DecodeBlockSizes()
     num_splits = blocks.num_splits or choose_num_splits(b, hkv, s, blocks.block_k)
+    if block_sizes is None and num_splits == 1:
+        # One program per (sequence, KV head) walks the whole short cache: tiles of 128 keys
+        # (fewer serial steps) measured 5.6 us vs 6.0 per call in the B=1 Llama-3-8B step.
+        blocks = DecodeBlockSizes(block_k=128, num_splits=1, num_stages=3)
     window = int(sliding_window) if sliding_window is not None else None
     return _decode_attention_append_triton(
         qkv, k_cache, v_cache, positions, rope, sm_scale=sm_scale, blocks=blocks,
