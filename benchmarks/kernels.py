@@ -174,14 +174,16 @@ TRITON_FLASH_VARIANTS = {
 MC = pk.MosaicFlashConfig
 MOSAIC_FLASH_VARIANTS = {
     128: [MC(64, 128, 2, True), MC(64, 128, 2, False), MC(64, 128, 3, True), MC(64, 64, 3, True),
-          MC(64, 64, 4, True)],
+          MC(64, 64, 4, True), MC(64, 192, 2, True)],
     64: [MC(64, 128, 2, True), MC(64, 128, 3, True), MC(64, 128, 4, True), MC(64, 64, 4, True)],
     256: [MC(64, 64, 2, True), MC(64, 64, 2, False)],
 }
 
 
-def bench_flash(quick: bool):
+def bench_flash(quick: bool, head_dims: str | None = None):
     shapes = FLASH_SHAPES[:2] if quick else FLASH_SHAPES
+    if head_dims:  # "128" or "64,128"
+        shapes = [sh for sh in shapes if str(sh[4]) in head_dims.split(",")]
     for b, t, hq, hkv, d, causal in shapes:
         shape = f"B{b} T{t} H{hq}/{hkv} D{d} {'causal' if causal else 'full'}"
         dtype = jnp.bfloat16
@@ -451,6 +453,8 @@ def main(argv=None):
     parser.add_argument("--only", default="flash,decode,small,gemv",
                         help="comma-separated subset of flash,decode,small,gemv")
     parser.add_argument("--quick", action="store_true", help="one shape and variant per op")
+    parser.add_argument("--flash-head-dims", default=None,
+                        help="flash shapes to run, by head dim: 128 or 64,128 (default: all)")
     parser.add_argument("--decode-shapes", default=None,
                         help="decode shapes to run, as BxS,... (default: all)")
     args = parser.parse_args(argv)
@@ -466,6 +470,8 @@ def main(argv=None):
         if name in parts:
             if name == "decode":
                 guarded("bench decode", fn, args.quick, args.decode_shapes)
+            elif name == "flash":
+                guarded("bench flash", fn, args.quick, args.flash_head_dims)
             else:
                 guarded(f"bench {name}", fn, args.quick)
             print(f"[{name} done at {time.time() - t0:.0f}s]", flush=True)

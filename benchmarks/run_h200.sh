@@ -54,7 +54,8 @@ sweep() {  # the B=1 step profiled under several configurations ($SWEEP: one per
 }
 kernels() {  # KERNELS="gemv,decode" picks parts of benchmarks/kernels.py
   timeout "${KERNELS_TIMEOUT:-300}" python3 benchmarks/kernels.py --only "${KERNELS:-gemv}" \
-    ${DECODE_SHAPES:+--decode-shapes "$DECODE_SHAPES"} --json "$out/kernels.json" 2>&1 \
+    ${DECODE_SHAPES:+--decode-shapes "$DECODE_SHAPES"} \
+    ${FLASH_HEAD_DIMS:+--flash-head-dims "$FLASH_HEAD_DIMS"} --json "$out/kernels.json" 2>&1 \
     | tail -"${KERNELS_TAIL:-60}"
 }
 for part in "${@:-ours}"; do "$part"; done

@@ -17,6 +17,7 @@ order: masked edge tiles (sliding-window lower edge), tiles visible in full (no 
 arithmetic), masked edge tiles (causal diagonal, ragged end). Masked scores get a finite
 MASK_VALUE, so a row whose first tile is fully masked carries no NaN (see _common.py).
 Sequence lengths that are not tile multiples are padded in the wrapper (a copy only then).
+Causal blocks run longest first, per section of one KV group's heads (see the kernel).
 """
 
 from __future__ import annotations
@@ -109,7 +110,16 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, q_smem, k_smem, v_smem, q_ready, k_ready
     h = lax.axis_index("h")
     tile = lax.axis_index("t")
     if causal:
-        tile = num_tiles - 1 - tile  # longest rows first: the tail of the grid is short work
+        # Blocks start in launch order, t fastest, then h. Causal blocks differ in length, so
+        # the order is remapped: per section of `group` heads (one KV group, sharing K/V in
+        # L2), all their longest rows first, heads fastest, then the next tile down. The short
+        # work then sits at the end of every section instead of the long rows of the last
+        # heads at the end of the grid (the tail where SMs idle).
+        idx = h * num_tiles + tile  # [0, Hq * num_tiles): launch order within the batch row
+        span = group * num_tiles
+        section, r = idx // span, lax.rem(idx, span)
+        h = section * group + lax.rem(r, group)
+        tile = num_tiles - 1 - r // group
     wg = lax.axis_index("wg")
     offset = tk - tq
 
@@ -158,7 +168,8 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, q_smem, k_smem, v_smem, q_ready, k_ready
 
             s = pl.run_scoped(qk_product, plgpu.ACC((bq, bkv), jnp.float32))  # [bq, bkv]
             plgpu.barrier_arrive(k_free.at[slot])
-            s = s * qk_scale
+            # Raw scores; the scale is folded into exp2's argument (one FMA per score) and m
+            # is kept scaled. Masked scores are the finite MASK_VALUE for the row maximum.
             if masked:
                 # Index grids are rebuilt per masked tile rather than kept live across the loop
                 # (an int32 [bq, bkv] grid costs 64 registers per thread).
@@ -172,13 +183,22 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, q_smem, k_smem, v_smem, q_ready, k_ready
                 if window is not None:
                     visible = visible & (key > pos - window)
                 s = jnp.where(visible, s, MASK_VALUE)
-            m_new = jnp.maximum(m, s.max(axis=1))
+            m_new = jnp.maximum(m, s.max(axis=1) * qk_scale)
             alpha = jnp.exp2(m - m_new)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            if masked:
+                # A fused multiply-add leaves MASK_VALUE * scale - m_new far from 0 when a row
+                # has no visible key yet (m_new = the rounded MASK_VALUE * scale): exp2 of that
+                # may overflow, so masked entries are zeroed here rather than by the exponent.
+                p = jnp.where(visible, p, 0.0)
             l = l * alpha + p.sum(axis=1)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             p16 = p.astype(v_smem.dtype)
             if cfg.pingpong:
+                if d <= 128:
+                    # The softmax finishes before the hand-over below is signalled (JAX's own
+                    # Hopper kernel reports this ordering matters for speed).
+                    acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
                 plgpu.barrier_arrive(turn)  # softmax done: hand the tensor cores over
             plgpu.barrier_wait(v_ready.at[slot])
             if cfg.pingpong:
@@ -233,14 +253,13 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, q_smem, k_smem, v_smem, q_ready, k_ready
         def load(j, _):
             slot = slot_of(j)
 
-            @pl.when(j - lo >= stages)
-            def _wait_free():
-                plgpu.barrier_wait(k_free.at[slot])
-                plgpu.barrier_wait(v_free.at[slot])
-
             src = (b, pl.ds(j * bkv, bkv), kvh)
-            plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_ready.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot], v_ready.at[slot])
+            # K and V are waited for and issued one at a time: K's slot is released (after
+            # Q K^T) before V's (after P V), so the next K load need not wait for the P V.
+            for free, smem, ref, ready in ((k_free, k_smem, k_ref, k_ready),
+                                           (v_free, v_smem, v_ref, v_ready)):
+                pl.when(j - lo >= stages)(lambda free=free: plgpu.barrier_wait(free.at[slot]))
+                plgpu.copy_gmem_to_smem(ref.at[src], smem.at[slot], ready.at[slot])
             return 0
 
         lax.fori_loop(lo, hi, load, 0)

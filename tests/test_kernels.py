@@ -72,6 +72,7 @@ MOSAIC_CASES = [
     (2, 130, 400, 2, 2, 64, True, None, False),  # Tq < Tk, ragged keys, no pingpong
     (1, 200, 200, 2, 1, 128, False, None, True),  # non-causal, head dim 128
     (1, 100, 333, 2, 1, 64, True, 150, True),  # sliding window + Tq < Tk: leading tiles skipped
+    (1, 256, 256, 4, 2, 64, True, None, True),  # two KV-group sections in the causal block order
 ]
 
 
