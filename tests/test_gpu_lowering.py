@@ -1,0 +1,171 @@
+"""The GPU kernels and the model's GPU decode path lowered for an H200 on the CPU.
+
+Interpret mode (the other kernel tests) runs a kernel's logic but never lowers it, so a block
+shape Triton rejects, an op the Mosaic GPU lowering lacks, or a wiring error that only the GPU
+dispatch reaches would pass CI and fail on the first GPU call. Here `jax.export` lowers for the
+"cuda" platform under an abstract H200 (no GPU needed: Pallas Triton takes the compute
+capability from the abstract device, Mosaic GPU emits its kernel in Python): each kernel at the
+benchmark shapes, and the Llama-3-8B decode step with the model's dispatch forced onto the
+kernels, where the lowered module also says which kernels a layer runs. What this cannot catch:
+Triton's and ptxas' own passes (they run in XLA's GPU compiler) and anything numeric (the GPU
+tests, `pytest -m gpu`, run those on the H200).
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import export
+from jax.sharding import AbstractDevice, AbstractMesh
+
+import pallas_kernels as pk
+from jaxinfer.cache import KVCache
+from jaxinfer.configs import PRESETS
+from jaxinfer.models import layers, llama
+
+S = jax.ShapeDtypeStruct
+BF16, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
+H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
+    device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
+TRITON = "__gpu$xla.gpu.triton"
+
+
+def lower_for_h200(fn, *args) -> str:
+    """fn(*args) (abstract args) lowered for CUDA on an abstract H200 -> the StableHLO text."""
+    with jax.sharding.use_abstract_mesh(H200):
+        exported = export.export(
+            jax.jit(fn), platforms=("cuda",),
+            # XLA compiles the Triton IR itself; the export only needs the lowering.
+            disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON)])(*args)
+    return exported.mlir_module()
+
+
+def kernel_names(module: str) -> collections.Counter:
+    """Names of the Pallas kernels in a lowered module, one count per distinct lowering (a
+    jitted kernel wrapper called twice with the same shapes is emitted once)."""
+    calls = re.findall(r"custom_call @[^\n]*", module)  # one line per kernel call site
+    return collections.Counter(n for c in calls for n in re.findall(r'name = "(\w+)"', c))
+
+
+KERNEL_CASES = {
+    # name: (fn, abstract args) at the shapes benchmarks/kernels.py and the 8B step use
+    "norm_matmul q/k/v partials": (
+        lambda x, w: pk.norm_matmul(x, None, w, partials=True),
+        (S((1, 4096), BF16), S((4096, 8, 6, 128), BF16))),
+    "norm_matmul norm + residual": (
+        lambda x, n, w, r: pk.norm_matmul(x, n, w, residual=r),
+        (S((16, 4096), BF16), S((4096,), BF16), S((4096, 4096), BF16), S((16, 4096), BF16))),
+    "swiglu": (lambda x, g, u: pk.swiglu(x, g, u),
+               (S((1, 4096), BF16), S((4096, 14336), BF16), S((4096, 14336), BF16))),
+    "swiglu norm": (lambda x, n, g, u: pk.swiglu(x, g, u, norm_weight=n),
+                    (S((16, 4096), BF16), S((4096,), BF16), S((4096, 14336), BF16),
+                     S((4096, 14336), BF16))),
+    "rms_norm": (lambda x, w: pk.rms_norm(x, w, eps=1e-5), (S((16384, 4096), BF16),
+                                                           S((4096,), BF16))),
+    "add_rms_norm": (lambda x, d, w: pk.add_rms_norm(x, d, w, eps=1e-5),
+                     (S((1, 1, 4096), BF16), S((4, 1, 1, 4096), F32), S((4096,), BF16))),
+    "rope": (lambda x, p, f: pk.rope(x, p, f),
+             (S((4, 4096, 32, 128), BF16), S((4, 4096), I32), S((64,), F32))),
+    "decode_attention B8 S8k": (
+        lambda q, k, v, n: pk.decode_attention(q, k, v, n),
+        (S((8, 32, 128), BF16), S((8, 8192, 8, 128), BF16), S((8, 8192, 8, 128), BF16),
+         S((8,), I32))),
+    "append unsplit, chunks": (
+        lambda qkv, k, v, p, c, s: pk.decode_attention_append(qkv, k, v, p, rope=(c, s)),
+        (S((2, 1, 8, 6, 128), F32), S((1, 512, 8, 128), BF16), S((1, 512, 8, 128), BF16),
+         S((1,), I32), S((1, 128), F32), S((1, 128), F32))),
+    "append split, window": (
+        lambda qkv, k, v, p: pk.decode_attention_append(qkv, k, v, p, sliding_window=4096),
+        (S((64, 8, 6, 128), BF16), S((64, 8192, 8, 128), BF16), S((64, 8192, 8, 128), BF16),
+         S((64,), I32))),
+    "flash triton causal": (
+        lambda q, k, v: pk.flash_attention(q, k, v, causal=True, backend="triton"),
+        (S((4, 4096, 32, 128), BF16), S((4, 4096, 8, 128), BF16), S((4, 4096, 8, 128), BF16))),
+}
+for _d in (64, 128, 256):
+    for _causal in (True, False):
+        KERNEL_CASES[f"flash mosaic d{_d} {'causal' if _causal else 'full'}"] = (
+            lambda q, k, v, c=_causal: pk.flash_attention(q, k, v, causal=c, backend="mosaic"),
+            (S((4, 4096, 32, _d), BF16), S((4, 4096, 8, _d), BF16), S((4, 4096, 8, _d), BF16)))
+KERNEL_CASES["flash mosaic ragged window"] = (
+    lambda q, k, v: pk.flash_attention(q, k, v, causal=True, sliding_window=1000,
+                                       backend="mosaic"),
+    (S((1, 1000, 16, 128), BF16), S((1, 3000, 4, 128), BF16), S((1, 3000, 4, 128), BF16)))
+
+
+@pytest.mark.parametrize("name", list(KERNEL_CASES))
+def test_kernel_lowers_for_h200(name):
+    fn, args = KERNEL_CASES[name]
+    module = lower_for_h200(fn, *args)
+    assert "custom_call" in module  # a kernel, not an XLA fallback
+
+
+def test_lowering_rejects_what_interpret_mode_accepts():
+    """The check can fail: a Triton block of 24 rows runs in interpret mode but not on a GPU."""
+    from jax.experimental import pallas as pl
+
+    def copy(x_ref, o_ref):
+        o_ref[...] = x_ref[...]
+
+    def call(x, interpret=False):
+        return pl.pallas_call(copy, out_shape=S(x.shape, x.dtype), grid=(2,),
+                              in_specs=[pl.BlockSpec((24,), lambda i: (i,))],
+                              out_specs=pl.BlockSpec((24,), lambda i: (i,)),
+                              interpret=interpret)(x)
+
+    x = jnp.arange(48, dtype=F32)
+    assert (call(x, interpret=True) == x).all()
+    with pytest.raises(Exception, match="power of 2"):
+        lower_for_h200(call, S((48,), F32))
+
+
+def decode_step_module(preset: str, batch: int, cache_len: int, **overrides) -> str:
+    """One decode step (T = 1) of `preset` with one layer, the model's GPU dispatch on."""
+    config = PRESETS[preset].replace(dtype="bfloat16", num_layers=1, **overrides)
+    params = jax.tree.map(lambda s: S(s.shape, BF16), llama.param_specs(config),
+                          is_leaf=lambda s: isinstance(s, layers.ParamSpec))
+    cache = jax.eval_shape(lambda: KVCache.init(config, batch, cache_len))
+    tokens = S((batch, 1), I32)
+
+    def step(params, tokens, positions, cache):
+        return llama.forward(params, tokens, positions, config, cache)
+
+    return lower_for_h200(step, params, tokens, tokens, cache)
+
+
+@pytest.fixture
+def gpu_dispatch(monkeypatch):
+    """The model's layers take the kernels as on a GPU (the default backend here is the CPU)."""
+    monkeypatch.setattr(layers, "use_kernels",
+                        lambda dtype: jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16))
+
+
+def test_llama3_8b_batch1_decode_layer_kernels(gpu_dispatch):
+    """B=1 at short context: the seven kernels of a decode layer (the first norm, q/k/v chunks,
+    attention summing them, o chunks, add + norm, SwiGLU, down chunks, add + norm) and no
+    merge, q/k/v sum or residual kernel from XLA around them."""
+    module = decode_step_module("llama3-8b", 1, 512)
+    assert kernel_names(module) == collections.Counter({
+        "rms_norm": 1, "matmul_none_k4096_n6144_split2": 1, "decode_attention_append": 1,
+        "matmul_none_k4096_n4096_split4": 1, "add_rms_norm": 2,
+        "matmul_swiglu_k4096_n14336": 1, "matmul_none_k14336_n4096_split4": 1})
+    assert module.count(TRITON) == 8  # the 7 of the layer + the first norm, one call each
+
+
+def test_llama3_8b_batch64_long_context_decode_lowers(gpu_dispatch):
+    """B=64 takes XLA's GEMMs (M > 16) and the split attention kernel with its merge."""
+    names = kernel_names(decode_step_module("llama3-8b", 64, 2304))
+    assert names["decode_attention_append"] == 1 and names["swiglu"] + names[
+        "matmul_swiglu_k4096_n14336"] == 1
+    assert not any(n.startswith("matmul_none") for n in names)  # the fused matmuls are M <= 16
+
+
+@pytest.mark.parametrize("preset", ["qwen3-8b", "smollm2-135m"])
+def test_other_presets_decode_lowers(gpu_dispatch, preset):
+    """Qwen3 (q/k norm: the unfused attention path) and SmolLM2 (head dim 64, tied embeddings)."""
+    names = kernel_names(decode_step_module(preset, 1, 512))
+    assert names["rms_norm"] >= 1 and names["add_rms_norm"] == 2
