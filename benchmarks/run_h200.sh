@@ -8,6 +8,7 @@
 #   bash benchmarks/run_h200.sh kernels # benchmarks/kernels.py, parts from $KERNELS (decode
 #                                       # shapes from $DECODE_SHAPES, e.g. 8x8192,1x32768)
 #   bash benchmarks/run_h200.sh sweep   # the B=1 step profiled under several matmul block sizes
+#   bash benchmarks/run_h200.sh pdl     # does programmatic dependent launch overlap kernels?
 # Results: JSON lines in ${OUT:-.}/bench-<part>.jsonl; a table on stdout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -57,5 +58,10 @@ kernels() {  # KERNELS="gemv,decode" picks parts of benchmarks/kernels.py
     ${DECODE_SHAPES:+--decode-shapes "$DECODE_SHAPES"} \
     ${FLASH_HEAD_DIMS:+--flash-head-dims "$FLASH_HEAD_DIMS"} --json "$out/kernels.json" 2>&1 \
     | tail -"${KERNELS_TAIL:-60}"
+}
+pdl() {  # a chain of weight-streaming Mosaic kernels with and without the PDL instructions
+  for chunks in 8 2; do
+    timeout 120 python3 benchmarks/pdl_probe.py --chunks "$chunks" --json "$out/pdl-$chunks.json"
+  done
 }
 for part in "${@:-ours}"; do "$part"; done

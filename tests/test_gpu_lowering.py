@@ -14,6 +14,9 @@ tests, `pytest -m gpu`, run those on the H200).
 from __future__ import annotations
 
 import collections
+import functools
+import importlib.util
+import pathlib
 import re
 
 import jax
@@ -169,3 +172,18 @@ def test_other_presets_decode_lowers(gpu_dispatch, preset):
     """Qwen3 (q/k norm: the unfused attention path) and SmolLM2 (head dim 64, tied embeddings)."""
     names = kernel_names(decode_step_module(preset, 1, 512))
     assert names["rms_norm"] >= 1 and names["add_rms_norm"] == 2
+
+
+def test_pdl_probe_kernels_lower():
+    """benchmarks/pdl_probe.py (the first thing to run on the H200 about programmatic dependent
+    launch): its kernel lowers with and without the PDL instructions, and only the PDL one is
+    marked for XLA (interpret mode has no rule for those instructions)."""
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "pdl_probe.py"
+    spec = importlib.util.spec_from_file_location("pdl_probe", path)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    for pdl in (False, True):
+        module = lower_for_h200(functools.partial(probe.chain, probe.streaming_kernel(132, 8, pdl)),
+                                S((132, *probe.TILE), BF16), [S((132, 8, *probe.TILE), BF16)] * 2)
+        assert module.count("custom_call @mosaic_gpu") == 2
+        assert ("uses_pdl" in module) == pdl
