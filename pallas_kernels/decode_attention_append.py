@@ -17,7 +17,12 @@ each a few microseconds at batch 1. Here one kernel does all of it:
 - No program reads slot `positions[b]` from the cache: the owner starts its running softmax from
   the new token, and every program walks only the cache slots < positions[b] of its chunk.
   Reads and the one write never touch the same address, so the programs need no ordering.
-- Split-K over the sequence and the XLA merge of the chunks are those of decode_attention.py.
+- Split-K over the sequence and the XLA merge of the chunks are those of decode_attention.py;
+  a short cache is one chunk per row, and the kernel then normalizes and writes the output
+  itself (no merge).
+- qkv may also come as the projection's float32 split-K chunks [S, B, Hkv, G + 2, D]: each
+  BlockSpec above is then passed once per chunk and the kernel sums them (one rounding to the
+  cache dtype), so the matmul's partial sums need no kernel of their own.
 """
 
 from __future__ import annotations
