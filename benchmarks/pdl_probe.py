@@ -1,22 +1,22 @@
-"""Does programmatic dependent launch (PDL) overlap consecutive Pallas kernels under XLA?
+"""Does programmatic dependent launch (PDL) overlap consecutive decode matmuls under XLA?
 
-    PYTHONPATH=. python3 benchmarks/pdl_probe.py [--layers 16] [--json FILE]
+    PYTHONPATH=. python3 benchmarks/pdl_probe.py [--dims 4096,8192] [--layers 16] [--json FILE]
 
 The B=1 decode step is a chain of kernels that each stream a weight (which does not depend on
 the previous kernel) and read a small activation (which does). Every kernel pays a ramp and a
-tail of ~2.5 us (benchmarks/NOTES.md, Run D); with PDL a kernel may start on the SMs its
-predecessor frees and stream its weight before `griddepcontrol.wait`, hiding both. Pallas
-Mosaic GPU exposes the two instructions (`plgpu.griddepcontrol_launch_dependents`,
-`plgpu.griddepcontrol_wait`) and marks such kernels `uses_pdl`; whether XLA's runtime then
-launches them with programmatic stream serialization is what this probe measures.
-
-The kernel mimics a decode matmul: one block per SM, each streams its share of a weight
-[num_sms, chunks, 64, 128] bf16 into shared memory with TMA (all chunks in flight), then reads
-the activation x [num_sms, 64, 128] and writes y = x + its first weight tile. A chain of
-`--layers` such kernels, each with its own weight (the chain is larger than L2), runs in one
-jitted program with and without the PDL instructions. Output: us per kernel, the weight
-bytes' rate, and the ratio; a PDL that works shows the PDL chain faster by about the ramp and
-tail per kernel. The result is checked against jnp on every run.
+tail of ~2.5 us (benchmarks/NOTES.md, Run D). With PDL a kernel may start on the SMs its
+predecessor frees and stream its weight before `griddepcontrol.wait`. This probe times a chain
+of `--layers` square matmuls x [8, D] @ w [D, D] (each layer its own weight; the chain is larger
+than L2), y of one the x of the next, in one executable repeated `--repeats` times (so the
+host's dispatch is amortized), for:
+  - mosaic: pallas_kernels.decode_matmul_mgpu without the PDL instructions,
+  - mosaic+pdl: the same kernel issuing its first weight tiles before `griddepcontrol.wait`,
+  - mosaic+pdl-nowait: the same without the wait (wrong results by design: it shows whether
+    XLA launches the kernels with PDL at all, i.e. whether consecutive kernels overlap),
+  - triton: our current decode matmul (pallas_kernels.norm_matmul, x [1, D], default blocks),
+  - xla: jnp.dot.
+Output per variant: us per matmul, weight TB/s, and us over the bytes at 4.27 TB/s (the ramp +
+tail a PDL that works should shrink). Every variant's chain is checked against jnp.
 """
 
 from __future__ import annotations
@@ -30,96 +30,90 @@ import time
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
-TILE = (64, 128)  # one bf16 TMA tile: 16 KiB
+import pallas_kernels as pk
+from pallas_kernels.decode_matmul_mgpu import DecodeMatmulConfig, decode_matmul_mgpu
 
-
-def streaming_kernel(num_blocks: int, chunks: int, pdl: bool):
-    """y = x + w[:, 0]: x, y [num_blocks, 64, 128], w [num_blocks, chunks, 64, 128] (bf16);
-    block b streams w[b] (chunks x 16 KiB) before it touches x."""
-
-    def body(x_ref, w_ref, y_ref, w_smem, loaded):
-        b = lax.axis_index("b")
-        if pdl:
-            # Every block has started: the next kernel may be scheduled on freed SMs.
-            plgpu.griddepcontrol_launch_dependents()
-        for c in range(chunks):  # all loads in flight at once (one barrier each)
-            plgpu.copy_gmem_to_smem(w_ref.at[b, c], w_smem.at[c], loaded.at[c])
-        for c in range(chunks):
-            plgpu.barrier_wait(loaded.at[c])
-        if pdl:
-            # Only now the activation, which the previous kernel writes.
-            plgpu.griddepcontrol_wait()
-        y_ref[b] = x_ref[b] + w_smem[0]
-
-    def call(x, w):
-        return plgpu.kernel(
-            body,
-            out_type=jax.ShapeDtypeStruct(x.shape, x.dtype),
-            scratch_types=[plgpu.SMEM((chunks, *TILE), jnp.bfloat16),
-                           plgpu.Barrier(num_barriers=chunks)],
-            grid=(num_blocks,),
-            grid_names=("b",),
-        )(x, w)
-
-    return call
+HBM_TBS = 4.27  # ../shared/docs/GPU.md, measured copy bandwidth of the H200
 
 
-def chain(kernel, x, weights):
-    for w in weights:  # [layers] of [num_blocks, chunks, 64, 128]
-        x = kernel(x, w)
+def variants(configs):
+    out = {"xla": lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype),
+           "triton": lambda x, w: pk.norm_matmul(x, None, w)}  # takes any rows: give it 1
+    for cfg in configs:
+        for pdl in (False, True, "nowait"):
+            tag = {False: "", True: "+pdl", "nowait": "+pdl-nowait"}[pdl]
+            out[f"mosaic{tag} n{cfg.block_n}k{cfg.block_k} st{cfg.stages}"] = (
+                functools.partial(lambda x, w, cfg, pdl: decode_matmul_mgpu(
+                    x, w, config=cfg, pdl=pdl), cfg=cfg, pdl=pdl))
+    return out
+
+
+def chain(matmul, x, weights):
+    for w in weights:  # [layers] of [D, D]
+        x = matmul(x, w)
     return x
 
 
-def chain_reference(x, weights):
-    for w in weights:
-        x = x + w[:, 0]
-    return x
+def repeated(matmul, repeats: int):
+    """The chain `repeats` times in one executable (a loop the host dispatches once)."""
+    def run(x, weights):
+        return lax.fori_loop(0, repeats, lambda _, x: chain(matmul, x, weights), x)
+    return jax.jit(run)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dims", default="4096,8192")
     p.add_argument("--layers", type=int, default=16)
-    p.add_argument("--chunks", type=int, default=8, help="16 KiB weight tiles per block")
-    p.add_argument("--blocks", type=int, default=None, help="default: one per SM")
-    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--configs", default="64x64x6,64x128x4,64x256x2",
+                   help="mosaic block_n x block_k x stages variants")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    dev = jax.devices()[0]
-    if dev.platform != "gpu":
+    if jax.devices()[0].platform != "gpu":
         print("pdl_probe: needs an NVIDIA GPU (Hopper or newer)", file=sys.stderr)
         return 1
-    blocks = args.blocks or dev.core_count
-    keys = jax.random.split(jax.random.key(0), args.layers + 1)
-    x = jax.random.normal(keys[0], (blocks, *TILE), jnp.float32).astype(jnp.bfloat16)
-    weights = [jax.random.normal(k, (blocks, args.chunks, *TILE), jnp.float32).astype(jnp.bfloat16)
-               for k in keys[1:]]
-    want = jax.jit(chain_reference)(x, weights)
-    weight_bytes = blocks * args.chunks * TILE[0] * TILE[1] * 2  # per kernel
-    rows = []
-    for pdl in (False, True):
-        fn = jax.jit(functools.partial(chain, streaming_kernel(blocks, args.chunks, pdl)))
-        got = jax.block_until_ready(fn(x, weights))
-        err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
-        times = []
-        for _ in range(args.iters):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(x, weights))
-            times.append(time.perf_counter() - t0)
-        sec = sorted(times)[len(times) // 2] / args.layers  # median, per kernel
-        row = dict(pdl=pdl, blocks=blocks, chunks=args.chunks, layers=args.layers,
-                   us_per_kernel=sec * 1e6, weight_tbs=weight_bytes / sec / 1e12,
-                   max_abs_err=err)
-        rows.append(row)
-        print(f"pdl={pdl!s:5s} {blocks} blocks x {args.chunks} x 16 KiB: "
-              f"{row['us_per_kernel']:.2f} us/kernel, {row['weight_tbs']:.2f} TB/s of weight, "
-              f"max |err| {err:.2e}", flush=True)
-    print(f"PDL chain / plain chain time: {rows[1]['us_per_kernel'] / rows[0]['us_per_kernel']:.3f}")
+    configs = [DecodeMatmulConfig(block_n=int(n), block_k=int(k), stages=int(s))
+               for n, k, s in (c.split("x") for c in args.configs.split(","))]
+    rows, ok = [], True
+    for d in (int(v) for v in args.dims.split(",")):
+        keys = jax.random.split(jax.random.key(d), args.layers + 1)
+        x = jax.random.normal(keys[0], (8, d), jnp.float32).astype(jnp.bfloat16)
+        # Scaled so that activations keep their size along the chain.
+        weights = [(jax.random.normal(k, (d, d), jnp.float32) / d ** 0.5).astype(jnp.bfloat16)
+                   for k in keys[1:]]
+        want = jax.jit(functools.partial(chain, variants([])["xla"]))(x, weights)
+        want_norm = float(jnp.linalg.norm(want[:1].astype(jnp.float32)))
+        nbytes = d * d * 2
+        for name, matmul in variants([c for c in configs if d % c.block_n == 0]).items():
+            xv = x[:1] if name == "triton" else x  # B=1 as in the model; Mosaic pads to 8 rows
+            try:
+                got = jax.block_until_ready(jax.jit(functools.partial(chain, matmul))(xv, weights))
+                err = float(jnp.linalg.norm((got[:1] - want[:1]).astype(jnp.float32))) / want_norm
+                fn = repeated(matmul, args.repeats)
+                jax.block_until_ready(fn(xv, weights))
+                times = []
+                for _ in range(5):
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(fn(xv, weights))
+                    times.append(time.perf_counter() - t0)
+            except Exception as e:  # a variant that fails is reported, the others still run
+                print(f"D={d} {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+                ok = False
+                continue
+            sec = min(times) / (args.repeats * args.layers)
+            row = dict(dim=d, variant=name, us_per_matmul=sec * 1e6, tbs=nbytes / sec / 1e12,
+                       us_over_floor=sec * 1e6 - nbytes / HBM_TBS / 1e6, rel_err=err)
+            rows.append(row)
+            ok &= err < 2e-2 or "nowait" in name  # nowait races by design
+            print(f"D={d:5d} {name:22s} {row['us_per_matmul']:7.2f} us  {row['tbs']:.2f} TB/s  "
+                  f"+{row['us_over_floor']:.2f} us over bytes/4.27TB/s  rel err {err:.1e}",
+                  flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
-    return 0 if all(r["max_abs_err"] == 0.0 for r in rows) else 2
+    return 0 if ok else 2
 
 
 if __name__ == "__main__":

@@ -59,9 +59,10 @@ kernels() {  # KERNELS="gemv,decode" picks parts of benchmarks/kernels.py
     ${FLASH_HEAD_DIMS:+--flash-head-dims "$FLASH_HEAD_DIMS"} --json "$out/kernels.json" 2>&1 \
     | tail -"${KERNELS_TAIL:-60}"
 }
-pdl() {  # a chain of weight-streaming Mosaic kernels with and without the PDL instructions
-  for chunks in 8 2; do
-    timeout 120 python3 benchmarks/pdl_probe.py --chunks "$chunks" --json "$out/pdl-$chunks.json"
-  done
+pdl() {  # chains of decode matmuls: Mosaic with and without PDL, our Triton kernel, XLA
+  timeout "${PDL_TIMEOUT:-300}" python3 benchmarks/pdl_probe.py ${PDL_ARGS:-} --json "$out/pdl.json"
+  echo "== XLA command buffers off"  # do CUDA graphs drop the PDL launch attribute?
+  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" timeout "${PDL_TIMEOUT:-300}" \
+    python3 benchmarks/pdl_probe.py ${PDL_ARGS:-} --json "$out/pdl-nocmdbuf.json"
 }
 for part in "${@:-ours}"; do "$part"; done

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import importlib.util
-import pathlib
 import re
 
 import jax
@@ -173,16 +171,14 @@ def test_other_presets_decode_lowers(gpu_dispatch, preset):
     assert names["rms_norm"] >= 1 and names["add_rms_norm"] == 2
 
 
-def test_pdl_probe_kernels_lower():
-    """benchmarks/pdl_probe.py (the first thing to run on the H200 about programmatic dependent
-    launch): its kernel lowers with and without the PDL instructions, and only the PDL one is
-    marked for XLA (interpret mode has no rule for those instructions)."""
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "pdl_probe.py"
-    spec = importlib.util.spec_from_file_location("pdl_probe", path)
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
+def test_decode_matmul_mgpu_lowers():
+    """The Mosaic decode matmul (benchmarks/pdl_probe.py times it on the H200) lowers with and
+    without the PDL instructions, and only the PDL one is marked for XLA's launch (interpret
+    mode has no rule for those instructions)."""
     for pdl in (False, True):
-        module = lower_for_h200(functools.partial(probe.chain, probe.streaming_kernel(132, 8, pdl)),
-                                S((132, *probe.TILE), BF16), [S((132, 8, *probe.TILE), BF16)] * 2)
-        assert module.count("custom_call @mosaic_gpu") == 2
-        assert ("uses_pdl" in module) == pdl
+        for cfg in (pk.DecodeMatmulConfig(64, 64, 4), pk.DecodeMatmulConfig(128, 64, 6)):
+            module = lower_for_h200(
+                lambda x, w: pk.decode_matmul_mgpu(x, w, config=cfg, pdl=pdl),
+                S((8, 4096), BF16), S((4096, 4096), BF16))
+            assert module.count("custom_call @mosaic_gpu") == 1
+            assert ("uses_pdl" in module) == pdl
