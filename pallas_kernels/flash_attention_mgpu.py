@@ -10,7 +10,8 @@ One CUDA block handles 2 x `block_q` queries of one query head with three warpgr
     S = Q K^T on the tensor cores (wgmma, Q and K from shared memory), online softmax in
     registers (float32, base 2), O += P V (wgmma with P from registers), then release the slot.
 With `pingpong`, a two-party barrier makes the consumers alternate, so one warpgroup's softmax
-overlaps the other's matrix products (the FlashAttention-3 schedule).
+overlaps the other's matrix products (the FlashAttention-3 schedule). `overlap` (opt-in) shortens
+or removes the gap between a warpgroup's P V and its next Q K^T (see the config).
 
 Both consumers walk the same KV range (the union of their rows' visible keys), in ascending
 order: masked edge tiles (sliding-window lower edge), tiles visible in full (no mask
@@ -35,14 +36,32 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels._common import LOG2_E, MASK_VALUE
 
 
+# How a consumer warpgroup orders its matrix products (MosaicFlashConfig.overlap).
+OVERLAPS = ("none", "k_wait", "qk_pv")
+
+
 @dataclasses.dataclass(frozen=True)
 class MosaicFlashConfig:
     """block_q: rows per consumer warpgroup (the block handles 2 x block_q); block_kv: keys per
-    tile; stages: K/V ring depth; pingpong: alternate the two consumers' softmax and matmuls."""
+    tile; stages: K/V ring depth; pingpong: alternate the two consumers' softmax and matmuls.
+
+    overlap: what keeps a consumer's tensor-core queue busy across KV steps.
+      * "none": per step, wait for K_j, issue Q K_j^T, softmax, issue P V_j and wait for it.
+        The P V scope (`pl.run_state`) ends in `wgmma.wait_group 0`, and only then is the next
+        K barrier waited for and the next Q K^T issued: the queue drains once per step.
+      * "k_wait": as "none", but the next tile's K barrier is waited for inside the P V scope,
+        after the P V issue (JAX's attention_mgpu.py does this), so that wait overlaps P V.
+      * "qk_pv": software pipeline (FlashAttention-3): S_{j+1} = Q K_{j+1}^T and P_j V_j are
+        issued back to back in one accumulator scope, Q K^T first, while the softmax works on
+        S_j carried from the step before (a prologue computes S_0, the last step issues P V
+        only). One more [block_q, block_kv] f32 accumulator per thread (64 registers at
+        block_kv 128).
+    """
     block_q: int = 64
     block_kv: int = 128
     stages: int = 2
     pingpong: bool = True
+    overlap: str = "none"
 
     def __post_init__(self):
         if self.block_q % 64 or self.block_kv % 64 or self.block_kv > 256:
@@ -50,21 +69,28 @@ class MosaicFlashConfig:
                              f"({self.block_kv}) must be multiples of 64, block_kv <= 256")
         if self.stages < 2:
             raise ValueError(f"MosaicFlashConfig.stages={self.stages}: need >= 2")
+        if self.overlap not in OVERLAPS:
+            raise ValueError(f"MosaicFlashConfig.overlap={self.overlap!r}: one of {OVERLAPS}")
 
     def __str__(self):
-        return f"q{self.block_q}x2 kv{self.block_kv} st{self.stages}{' pp' if self.pingpong else ''}"
+        return (f"q{self.block_q}x2 kv{self.block_kv} st{self.stages}"
+                f"{' pp' if self.pingpong else ''}"
+                f"{'' if self.overlap == 'none' else ' ' + self.overlap}")
 
 
 def default_config(head_dim: int) -> MosaicFlashConfig:
     """The fastest of benchmarks/kernels.py's sweep on the H200 (B4 T4096 H32 bf16 causal:
     D64 358, D128 500, D256 531 TFLOP/s; cuDNN 394, 501, 562 in the same run; session 3, after
     the scale folding and causal block order: D64 378 (st2 and st3 within 2%), D128 506,
-    D128 non-causal 568, D128 GQA 32/8 526, D256 537; cuDNN 396, 504, 584, 511, 563)."""
+    D128 non-causal 568, D128 GQA 32/8 526, D256 537; cuDNN 396, 504, 584, 511, 563; session 4,
+    D128 with overlap="qk_pv" and no pingpong: causal 521, full 590, GQA 534 against cuDNN's
+    505, 578, 511 in the same run; pingpong with qk_pv 1-2% behind, the old default 507/569/523
+    in that run)."""
     if head_dim <= 64:
         return MosaicFlashConfig(block_q=64, block_kv=128, stages=3)
     if head_dim > 128:
         return MosaicFlashConfig(block_q=64, block_kv=64, stages=2, pingpong=False)
-    return MosaicFlashConfig(block_q=64, block_kv=128, stages=2)
+    return MosaicFlashConfig(block_q=64, block_kv=128, stages=2, pingpong=False, overlap="qk_pv")
 
 
 SMEM_LIMIT = 227 * 1024
@@ -157,11 +183,9 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, q_smem, k_smem, v_smem, q_ready, k_ready
         if cfg.pingpong:
             pl.when(wg == 1)(rendezvous)  # offset warpgroup 1 by one phase
 
-        def step(j, carry, masked: bool):
-            acc, m, l = carry  # [bq, D] f32 (WGMMA), [bq], [bq] f32 (WGMMA rows)
-            slot = slot_of(j)
-            plgpu.barrier_wait(k_ready.at[slot])
-
+        def qk_scores(slot):
+            """S = Q K^T [bq, bkv] f32 for the K tile in `slot` (already waited for); releases
+            the K slot once S is in registers."""
             def qk_product(s_ref):
                 plgpu.wgmma(s_ref, my_q, k_smem.at[slot].transpose((1, 0)))
                 if cfg.pingpong:
@@ -170,6 +194,12 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, q_smem, k_smem, v_smem, q_ready, k_ready
 
             s = pl.run_scoped(qk_product, plgpu.ACC((bq, bkv), jnp.float32))  # [bq, bkv]
             plgpu.barrier_arrive(k_free.at[slot])
+            return s
+
+        def softmax(j, s, acc, m, l, masked: bool):
+            """Online softmax of tile j's raw scores s [bq, bkv]: returns the rescaled acc
+            [bq, D], m, l [bq] and P [bq, bkv] in the input dtype. With pingpong, it ends by
+            signalling `turn` (softmax done)."""
             # Raw scores; the scale is folded into exp2's argument (one FMA per score) and m
             # is kept scaled. Masked scores are the finite MASK_VALUE for the row maximum.
             if masked:
@@ -202,9 +232,27 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, q_smem, k_smem, v_smem, q_ready, k_ready
                     # Hopper kernel reports this ordering matters for speed).
                     acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
                 plgpu.barrier_arrive(turn)  # softmax done: hand the tensor cores over
-            plgpu.barrier_wait(v_ready.at[slot])
-            if cfg.pingpong:
-                plgpu.barrier_wait(turn)
+            return acc, m_new, l, p16
+
+        def products(acc, p16, slot, *, qk_slot=None, k_next=None, hand_over=False):
+            """acc [bq, D] + P V for the V tile in `slot`, waited for on return.
+
+            qk_slot: also S' = Q K^T for the K tile in that slot, issued before P V in the same
+              accumulator scope, so the tensor cores have both queued; returns (acc, S').
+            k_next: (pred, slot): when pred, wait for that K tile's barrier after the issue,
+              while P V runs.
+            hand_over: pingpong rendezvous on `turn` after the issue (the other warpgroup may
+              then issue while these products run).
+            """
+            def issue(o_ref, p_operand, s_ref):
+                if s_ref is not None:
+                    plgpu.wgmma(s_ref, my_q, k_smem.at[qk_slot].transpose((1, 0)))
+                plgpu.wgmma(o_ref, p_operand, v_smem.at[slot])
+                if k_next is not None:
+                    pred, next_slot = k_next
+                    pl.when(pred)(lambda: plgpu.barrier_wait(k_ready.at[next_slot]))
+                if hand_over and cfg.pingpong:
+                    rendezvous()
 
             if interpret:
                 # GPU interpret mode takes neither a register operand for wgmma nor
@@ -213,30 +261,110 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, q_smem, k_smem, v_smem, q_ready, k_ready
                 p_smem = scratch[0].at[wg]
                 p_smem[...] = p16
                 plgpu.commit_smem()
+                if qk_slot is None:
+                    def pv_fresh(o_ref):
+                        issue(o_ref, p_smem, None)
+                        return o_ref[...]
 
-                def pv_fresh(o_ref):
-                    plgpu.wgmma(o_ref, p_smem, v_smem.at[slot])
-                    return o_ref[...]
+                    return acc + pl.run_scoped(pv_fresh, plgpu.ACC((bq, d), jnp.float32))
 
-                acc = acc + pl.run_scoped(pv_fresh, plgpu.ACC((bq, d), jnp.float32))
-            else:
+                def pair_fresh(o_ref, s_ref):
+                    issue(o_ref, p_smem, s_ref)
+                    return o_ref[...], s_ref[...]
+
+                o, s = pl.run_scoped(pair_fresh, plgpu.ACC((bq, d), jnp.float32),
+                                     plgpu.ACC((bq, bkv), jnp.float32))
+                return acc + o, s
+            if qk_slot is None:
                 def pv_product(o_ref):
-                    plgpu.wgmma(o_ref, p16, v_smem.at[slot])
+                    issue(o_ref, p16, None)
 
-                acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
+                return pl.run_state(pv_product)(plgpu.ACC.init(acc))
+
+            def pair(refs):
+                o_ref, s_ref = refs
+                issue(o_ref, p16, s_ref)
+
+            s0 = plgpu.layout_cast(jnp.zeros((bq, bkv), jnp.float32), plgpu.Layout.WGMMA)
+            # The scope ends in wgmma.wait_group 0: both products are complete after it.
+            acc, s = pl.run_state(pair)((plgpu.ACC.init(acc), plgpu.ACC.init(s0)))
+            return acc, s
+
+        def step(j, carry, masked: bool):
+            """overlap "none" / "k_wait": one KV tile, Q K^T to P V."""
+            acc, m, l = carry  # [bq, D] f32 (WGMMA), [bq], [bq] f32 (WGMMA rows)
+            slot = slot_of(j)
+            if cfg.overlap == "none":
+                plgpu.barrier_wait(k_ready.at[slot])  # ("k_wait": waited for by step j - 1)
+            s = qk_scores(slot)
+            acc, m_new, l, p16 = softmax(j, s, acc, m, l, masked)
+            plgpu.barrier_wait(v_ready.at[slot])
+            if cfg.pingpong:
+                plgpu.barrier_wait(turn)
+            k_next = (j + 1 < hi, slot_of(j + 1)) if cfg.overlap == "k_wait" else None
+            acc = products(acc, p16, slot, k_next=k_next)
             plgpu.barrier_arrive(v_free.at[slot])
             return acc, m_new, l
+
+        def pipelined_step(j, carry, masked: bool, last: bool = False):
+            """overlap "qk_pv": softmax of tile j (S_j from the step before), then P_j V_j
+            with S_{j+1} = Q K_{j+1}^T issued ahead of it (none in the last step)."""
+            acc, m, l, s = carry  # [bq, D], [bq], [bq], S_j [bq, bkv] f32 (WGMMA)
+            slot = slot_of(j)
+            acc, m_new, l, p16 = softmax(j, s, acc, m, l, masked)
+            plgpu.barrier_wait(v_ready.at[slot])
+            if last:
+                if cfg.pingpong:
+                    plgpu.barrier_wait(turn)
+                acc = products(acc, p16, slot, hand_over=True)
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m_new, l
+            next_slot = slot_of(j + 1)
+            plgpu.barrier_wait(k_ready.at[next_slot])
+            if cfg.pingpong:
+                plgpu.barrier_wait(turn)
+            # The rendezvous after the issue pairs with the other warpgroup's end of softmax,
+            # as the one after Q K^T does in `step`: each turn phase lets one warpgroup's pair
+            # of products run under the other's softmax. Turn phases per warpgroup: one for the
+            # prologue's Q K^T, two per tile (end of softmax, after the issue, also in the last
+            # step), the same for both, so the offset / balance rendezvous still pair up.
+            acc, s = products(acc, p16, slot, qk_slot=next_slot, hand_over=True)
+            plgpu.barrier_arrive(k_free.at[next_slot])  # S_{j+1} is in registers
+            plgpu.barrier_arrive(v_free.at[slot])
+            return acc, m_new, l, s
 
         acc = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA)
         m = plgpu.layout_cast(jnp.full((bq,), MASK_VALUE, jnp.float32),
                               plgpu.Layout.WGMMA.reduce(1))
         l = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        carry = (acc, m, l)
-        masked_step = functools.partial(step, masked=True)
-        if window is not None:
-            carry = lax.fori_loop(lo, full_lo, masked_step, carry)
-        carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
-        carry = lax.fori_loop(full_hi, hi, masked_step, carry)
+        if cfg.overlap != "qk_pv":
+            if cfg.overlap == "k_wait":
+                plgpu.barrier_wait(k_ready.at[slot_of(lo)])  # later tiles: in the previous step
+            carry = (acc, m, l)
+            masked_step = functools.partial(step, masked=True)
+            if window is not None:
+                carry = lax.fori_loop(lo, full_lo, masked_step, carry)
+            carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False),
+                                  carry)
+            carry = lax.fori_loop(full_hi, hi, masked_step, carry)
+        else:
+            # Prologue: S of the first tile. Every block has at least one KV tile (its first
+            # query sees key 0 or its window start), so lo < hi.
+            plgpu.barrier_wait(k_ready.at[slot_of(lo)])
+            carry = (acc, m, l, qk_scores(slot_of(lo)))
+            # Tiles lo .. hi - 2 in the three ranges (masking follows the tile whose S is
+            # softmaxed), then the last tile peeled off. The last tile is masked whenever it
+            # can be: the causal diagonal, a window edge, ragged keys (a mask on a fully
+            # visible tile changes nothing).
+            last = hi - 1
+            masked_step = functools.partial(pipelined_step, masked=True)
+            if window is not None:
+                carry = lax.fori_loop(lo, jnp.minimum(full_lo, last), masked_step, carry)
+            carry = lax.fori_loop(jnp.minimum(full_lo, last), jnp.minimum(full_hi, last),
+                                  functools.partial(pipelined_step, masked=False), carry)
+            carry = lax.fori_loop(jnp.minimum(full_hi, last), last, masked_step, carry)
+            last_masked = causal or window is not None or tk % bkv != 0
+            carry = pipelined_step(last, carry, masked=last_masked, last=True)
         acc, m, l = carry
         if cfg.pingpong:
             pl.when(wg == 0)(rendezvous)  # balance warpgroup 1's extra phase

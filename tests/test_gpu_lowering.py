@@ -96,6 +96,22 @@ KERNEL_CASES["flash mosaic ragged window"] = (
     lambda q, k, v: pk.flash_attention(q, k, v, causal=True, sliding_window=1000,
                                        backend="mosaic"),
     (S((1, 1000, 16, 128), BF16), S((1, 3000, 4, 128), BF16), S((1, 3000, 4, 128), BF16)))
+# The opt-in wgmma overlaps of the flash kernel (MosaicFlashConfig.overlap) at the D128 bench
+# shapes: the pipelined variant carries a second accumulator through the KV loops and issues two
+# products in one accumulator scope, which only the real lowering exercises.
+for _overlap, _pingpong in (("k_wait", True), ("qk_pv", True), ("qk_pv", False)):
+    _cfg = pk.MosaicFlashConfig(64, 128, 2, _pingpong, overlap=_overlap)
+    for _causal in (True, False):
+        KERNEL_CASES[f"flash mosaic d128 {'causal' if _causal else 'full'} {_cfg}"] = (
+            lambda q, k, v, c=_causal, cfg=_cfg: pk.flash_attention(
+                q, k, v, causal=c, backend="mosaic", mosaic_config=cfg),
+            (S((4, 4096, 32, 128), BF16), S((4, 4096, 8, 128), BF16),
+             S((4, 4096, 8, 128), BF16)))
+KERNEL_CASES["flash mosaic ragged window qk_pv"] = (
+    lambda q, k, v: pk.flash_attention(
+        q, k, v, causal=True, sliding_window=1000, backend="mosaic",
+        mosaic_config=pk.MosaicFlashConfig(overlap="qk_pv")),
+    (S((1, 1000, 16, 128), BF16), S((1, 3000, 4, 128), BF16), S((1, 3000, 4, 128), BF16)))
 
 
 @pytest.mark.parametrize("name", list(KERNEL_CASES))

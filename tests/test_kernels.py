@@ -9,6 +9,8 @@ GPU (marked `gpu`): the compiled kernels with their default block sizes at moder
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +21,7 @@ from pallas_kernels import (
     decode_attention_reference, flash_attention, flash_attention_reference, rms_norm,
     rms_norm_reference, rope, rope_reference, swiglu, swiglu_reference, add_rms_norm,
     add_rms_norm_reference)
+from pallas_kernels.flash_attention_mgpu import default_config as mosaic_default_config
 from kernel_testing import normal, rel_err
 
 ON_GPU = jax.devices()[0].platform == "gpu"
@@ -73,19 +76,25 @@ MOSAIC_CASES = [
     (1, 200, 200, 2, 1, 128, False, None, True),  # non-causal, head dim 128
     (1, 100, 333, 2, 1, 64, True, 150, True),  # sliding window + Tq < Tk: leading tiles skipped
     (1, 256, 256, 4, 2, 64, True, None, True),  # two KV-group sections in the causal block order
+    (1, 128, 256, 2, 1, 64, False, None, True),  # non-causal, whole tiles: no masked tile at all
+    (1, 50, 50, 2, 2, 64, True, None, True),  # a single KV tile (qk_pv: prologue + last step only)
 ]
 
 
+@pytest.mark.parametrize("overlap", ["none", "k_wait", "qk_pv"])
 @pytest.mark.parametrize("case", MOSAIC_CASES, ids=lambda c: "b{}_q{}_k{}_h{}/{}_d{}_c{}_w{}_pp{}".format(*c))
-def test_flash_attention_mosaic_interpret(case):
+def test_flash_attention_mosaic_interpret(case, overlap):
     """The Hopper kernel under the Mosaic GPU interpreter (simulated warpgroups, TMA, barriers).
 
     The interpreter runs the P @ V product from shared memory instead of registers; everything
     else (the producer ring, barriers, masks, tile ranges, pingpong) is the GPU kernel's code.
+    For the `overlap` variants that covers the barrier protocol (a missing arrival hangs), the
+    pipelined carry of S across the masked / full / last tile ranges and the masks; not the
+    order of the asynchronous wgmma issues and waits (the interpreter runs each at once).
     """
     b, tq, tk, hq, hkv, d, causal, window, pingpong = case
     q, k, v = qkv(tq + tk, b, tq, tk, hq, hkv, d, jnp.bfloat16)
-    cfg = MosaicFlashConfig(block_q=64, block_kv=64, stages=2, pingpong=pingpong)
+    cfg = MosaicFlashConfig(block_q=64, block_kv=64, stages=2, pingpong=pingpong, overlap=overlap)
     out = flash_attention(q, k, v, causal=causal, sliding_window=window, interpret=True,
                           backend="mosaic", mosaic_config=cfg)
     ref = flash_attention_reference(q, k, v, causal=causal, sliding_window=window)
@@ -292,6 +301,7 @@ def test_bad_inputs_raise_clear_errors():
         (lambda: flash_attention(*qkv(0, 1, 8, 8, 2, 1, 24, f32)), "power of two"),
         (lambda: flash_attention(q, k, v, backend="mosaic"), "bfloat16 or float16"),
         (lambda: flash_attention(q, k, v, backend="cuda"), "backend must be"),
+        (lambda: MosaicFlashConfig(overlap="qk"), "overlap='qk'"),
     ]
     qd = normal(0, (2, 4, 16), f32)
     kc = normal(1, (2, 10, 2, 16), f32)
@@ -344,6 +354,30 @@ def test_flash_attention_gpu(case, dtype, backend):
     out = flash_attention(q, k, v, causal=causal, sliding_window=window, backend=backend)
     ref = flash_attention_reference(q, k, v, causal=causal, sliding_window=window)
     assert rel_err(out, ref) < GPU_TOL[dtype]
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("overlap,pingpong", [("k_wait", True), ("qk_pv", True),
+                                              ("qk_pv", False)])
+@pytest.mark.parametrize("case", [
+    (2, 300, 300, 8, 2, 128, True, None),
+    (1, 200, 777, 4, 1, 64, True, None),
+    (1, 333, 333, 4, 4, 128, False, None),
+    (1, 256, 512, 4, 4, 128, False, None),
+    (2, 500, 500, 4, 2, 128, True, 100),
+], ids=str)
+def test_flash_attention_mosaic_overlap_gpu(case, overlap, pingpong):
+    """The opt-in wgmma overlaps (MosaicFlashConfig.overlap) compiled: interpret mode cannot
+    check the order of the asynchronous products against the barriers that release their
+    operands."""
+    b, tq, tk, hq, hkv, d, causal, window = case
+    q, k, v = qkv(11, b, tq, tk, hq, hkv, d, jnp.bfloat16)
+    cfg = dataclasses.replace(mosaic_default_config(d), overlap=overlap, pingpong=pingpong)
+    out = flash_attention(q, k, v, causal=causal, sliding_window=window, backend="mosaic",
+                          mosaic_config=cfg)
+    ref = flash_attention_reference(q, k, v, causal=causal, sliding_window=window)
+    assert rel_err(out, ref) < GPU_TOL[jnp.bfloat16]
 
 
 @gpu
