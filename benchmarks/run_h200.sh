@@ -8,7 +8,7 @@
 #   bash benchmarks/run_h200.sh kernels # benchmarks/kernels.py, parts from $KERNELS (decode
 #                                       # shapes from $DECODE_SHAPES, e.g. 8x8192,1x32768)
 #   bash benchmarks/run_h200.sh sweep   # the B=1 step profiled under several matmul block sizes
-#   bash benchmarks/run_h200.sh pdl     # does programmatic dependent launch overlap kernels?
+#   bash benchmarks/run_h200.sh pdl     # does PDL overlap kernels under XLA? (session 4: no)
 # Results: JSON lines in ${OUT:-.}/bench-<part>.jsonl; a table on stdout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
