@@ -7,8 +7,6 @@ from pallas_kernels.decode_attention import (
     DecodeBlockSizes, decode_attention, decode_attention_reference)
 from pallas_kernels.decode_attention_append import (
     decode_attention_append, decode_attention_append_reference)
-from pallas_kernels.decode_matmul_mgpu import (
-    DecodeMatmulConfig, decode_matmul_mgpu, decode_matmul_reference)
 from pallas_kernels.flash_attention import (
     FlashBlockSizes, flash_attention, flash_attention_reference)
 from pallas_kernels.flash_attention_mgpu import MosaicFlashConfig
@@ -21,10 +19,9 @@ from pallas_kernels.swiglu import swiglu, swiglu_reference
 
 __all__ = [
     "add_rms_norm", "add_rms_norm_reference",
-    "DecodeBlockSizes", "DecodeMatmulConfig", "FlashBlockSizes", "MatmulBlockSizes", "MosaicFlashConfig",
+    "DecodeBlockSizes", "FlashBlockSizes", "MatmulBlockSizes", "MosaicFlashConfig",
     "decode_attention", "decode_attention_reference",
     "decode_attention_append", "decode_attention_append_reference",
-    "decode_matmul_mgpu", "decode_matmul_reference",
     "flash_attention", "flash_attention_reference",
     "norm_matmul", "norm_matmul_reference",
     "rms_norm", "rms_norm_reference",

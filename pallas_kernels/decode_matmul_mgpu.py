@@ -2,6 +2,13 @@
 
     decode_matmul_mgpu(x, w, config=, pdl=)   x [Mp, K] @ w [K, N] -> [Mp, N] in x's dtype
 
+Not used by the model: the decode matmuls are `norm_matmul` (Pallas Triton). This kernel exists
+to measure programmatic dependent launch (benchmarks/pdl_probe.py), and it measured that XLA
+(jax 0.11.2) does not overlap consecutive Mosaic kernels even when they carry the PDL
+instructions (benchmarks/NOTES.md, "What should close the rest of the gap"); it is also slower
+than the Triton kernel at batch 1 (14.1 vs 12.6 us for a 4096 x 4096 weight on the H200). It is
+kept, tested, as the starting point for when a launch path honours PDL.
+
 Why it exists: a batch-1 decode step is a chain of kernels that each stream a weight and read a
 small activation the previous kernel wrote. Every kernel pays a ramp (its first loads) and a
 tail (its last programs) of ~2.5 us (benchmarks/NOTES.md, Run D) that block sizes cannot hide.

@@ -7,7 +7,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels import DecodeMatmulConfig, decode_matmul_mgpu, decode_matmul_reference
+from pallas_kernels.decode_matmul_mgpu import (DecodeMatmulConfig, decode_matmul_mgpu,
+                                               decode_matmul_reference)
 from kernel_testing import normal, rel_err
 
 CASES = [  # (Mp, K, N, config): one and several ring laps, a ring deeper than K, 16 rows

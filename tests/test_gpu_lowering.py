@@ -24,6 +24,7 @@ from jax import export
 from jax.sharding import AbstractDevice, AbstractMesh
 
 import pallas_kernels as pk
+from pallas_kernels.decode_matmul_mgpu import DecodeMatmulConfig, decode_matmul_mgpu
 from jaxinfer.cache import KVCache
 from jaxinfer.configs import PRESETS
 from jaxinfer.models import layers, llama
@@ -192,9 +193,9 @@ def test_decode_matmul_mgpu_lowers():
     without the PDL instructions, and only the PDL one is marked for XLA's launch (interpret
     mode has no rule for those instructions)."""
     for pdl in (False, True):
-        for cfg in (pk.DecodeMatmulConfig(64, 64, 4), pk.DecodeMatmulConfig(128, 64, 6)):
+        for cfg in (DecodeMatmulConfig(64, 64, 4), DecodeMatmulConfig(128, 64, 6)):
             module = lower_for_h200(
-                lambda x, w: pk.decode_matmul_mgpu(x, w, config=cfg, pdl=pdl),
+                lambda x, w: decode_matmul_mgpu(x, w, config=cfg, pdl=pdl),
                 S((8, 4096), BF16), S((4096, 4096), BF16))
             assert module.count("custom_call @mosaic_gpu") == 1
             assert ("uses_pdl" in module) == pdl
