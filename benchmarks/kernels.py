@@ -176,13 +176,19 @@ MOSAIC_FLASH_VARIANTS = {
     # The default first. MosaicFlashConfig.overlap: "k_wait" waits for the next K inside the
     # P V scope, "qk_pv" issues Q K_{j+1}^T with P_j V_j (run 4, D128: qk_pv without pingpong
     # won all three shapes, causal 521, full 590, GQA 534 TFLOP/s; k_wait 1-2% over none).
-    # Dropped after losing: 64x192 (run 3), 64x64 st4, st3 + qk_pv, k_wait (run 4).
-    128: [MC(64, 128, 2, False, "qk_pv"), MC(64, 128, 2, True, "qk_pv"), MC(64, 128, 2, True),
-          MC(64, 128, 3, True)],
-    64: [MC(64, 128, 3, True), MC(64, 128, 2, False, "qk_pv"), MC(64, 128, 3, False, "qk_pv"),
-         MC(64, 128, 3, True, "qk_pv"), MC(64, 128, 2, True)],
-    256: [MC(64, 64, 2, False), MC(64, 64, 2, False, "qk_pv"), MC(64, 64, 3, False, "qk_pv"),
-          MC(64, 64, 2, True, "qk_pv")],
+    # Dropped after losing: 64x192 (run 3), 64x64 st4, st3 + qk_pv, k_wait (run 4), st3 pp.
+    # Run 6: "qk_pv_intra" (FA3 intra-warpgroup overlap: softmax of S_{j+1} while P_j V_j runs)
+    # 518.4 causal / 593.6 full / 534.9 GQA against qk_pv's 522.0 / 584.3 / 535.0, i.e. a tie
+    # (the default stays); with pingpong 497-563. wg_ranges (per-warpgroup KV ranges; at kv128
+    # on these shapes both warpgroups' ranges are the block's, so it is timed at kv64, where
+    # warpgroup 0 skips a fully masked diagonal tile per causal block): 464 / 526 / 479.
+    128: [MC(64, 128, 2, False, "qk_pv"), MC(64, 128, 2, False, "qk_pv_intra"),
+          MC(64, 128, 2, True, "qk_pv_intra"), MC(64, 128, 2, True, "qk_pv"),
+          MC(64, 128, 2, True), MC(64, 64, 2, False, "qk_pv_intra", wg_ranges=True)],
+    64: [MC(64, 128, 3, True), MC(64, 128, 2, True), MC(64, 128, 2, False, "qk_pv")],
+    # D256 (run 5): qk_pv 566.5 over 533.0 without it, pingpong + qk_pv 549.0; st3 does not
+    # fit shared memory. D64: st2 pp 380.5, st3 pp 374.3, qk_pv 358-374 (cuDNN 394).
+    256: [MC(64, 64, 2, False, "qk_pv"), MC(64, 64, 2, False), MC(64, 64, 2, True, "qk_pv")],
 }
 
 

@@ -10,13 +10,15 @@ One CUDA block handles 2 x `block_q` queries of one query head with three warpgr
     S = Q K^T on the tensor cores (wgmma, Q and K from shared memory), online softmax in
     registers (float32, base 2), O += P V (wgmma with P from registers), then release the slot.
 With `pingpong`, a two-party barrier makes the consumers alternate, so one warpgroup's softmax
-overlaps the other's matrix products (the FlashAttention-3 schedule). `overlap` (opt-in) shortens
-or removes the gap between a warpgroup's P V and its next Q K^T (see the config).
+overlaps the other's matrix products (the FlashAttention-3 schedule). `overlap` shortens or
+removes the gap between a warpgroup's P V and its next Q K^T (see the config).
 
-Both consumers walk the same KV range (the union of their rows' visible keys), in ascending
-order: masked edge tiles (sliding-window lower edge), tiles visible in full (no mask
-arithmetic), masked edge tiles (causal diagonal, ragged end). Masked scores get a finite
-MASK_VALUE, so a row whose first tile is fully masked carries no NaN (see _common.py).
+The producer loads the block's KV range (the union of its rows' visible keys). By default both
+consumers walk all of it; with `wg_ranges` (opt-in) each walks its own rows' range and only
+takes part in the barrier protocol for the tiles outside it. A range runs in ascending order:
+masked edge tiles (sliding-window lower edge), tiles visible in full (no mask arithmetic), masked
+edge tiles (causal diagonal, ragged end). Masked scores get a finite MASK_VALUE, so a row whose
+first tile is fully masked carries no NaN (see _common.py).
 Sequence lengths that are not tile multiples are padded in the wrapper (a copy only then).
 Causal blocks run longest first, per section of one KV group's heads (see the kernel).
 """
@@ -37,7 +39,7 @@ from pallas_kernels._common import LOG2_E, MASK_VALUE
 
 
 # How a consumer warpgroup orders its matrix products (MosaicFlashConfig.overlap).
-OVERLAPS = ("none", "k_wait", "qk_pv")
+OVERLAPS = ("none", "k_wait", "qk_pv", "qk_pv_intra")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,12 +58,31 @@ class MosaicFlashConfig:
         S_j carried from the step before (a prologue computes S_0, the last step issues P V
         only). One more [block_q, block_kv] f32 accumulator per thread (64 registers at
         block_kv 128).
+      * "qk_pv_intra": "qk_pv" with FlashAttention-3's intra-warpgroup overlap: O stays in a
+        wgmma accumulator across the KV loop; after issuing S_{j+1} and P_j V_j, only S_{j+1} is
+        waited for (wgmma.wait_group 1), so its softmax runs while P_j V_j is still on the
+        tensor cores; O is rescaled once P_j V_j is done (just before P_{j+1} V_{j+1}). Per
+        thread during the softmax (block_kv 128, D 128): O 64 registers (being written by the
+        tensor cores), P_j 32 (bf16, the running product's operand), S_{j+1} 64 (f32, turned
+        into P in place; converted to bf16 only after P_j V_j is done, as in FA3): about the
+        same peak as "qk_pv", whose P only exists after its softmax.
+
+    wg_ranges: each consumer walks the KV tiles its own block_q rows see, not the union over the
+    block's 2 x block_q rows. The producer still loads the union; for the tiles outside its
+    range a consumer only waits for the loads and releases the slots (and keeps the pingpong
+    `turn` phases balanced). Saves a fully masked tile (causal: warpgroup 0 past its diagonal;
+    sliding window: warpgroup 1 before its window) and some mask arithmetic whenever the two
+    row groups' ranges differ: with block_kv = block_q = 64, or when (Tk - Tq) is not a multiple
+    of block_kv (chunked prefill). With block_kv = 2 x block_q and (Tk - Tq) % block_kv == 0
+    (the causal benchmark shapes at block_kv 128) the ranges are the same and nothing is saved:
+    warpgroup 0's diagonal tile is half visible, not fully masked.
     """
     block_q: int = 64
     block_kv: int = 128
     stages: int = 2
     pingpong: bool = True
     overlap: str = "none"
+    wg_ranges: bool = False
 
     def __post_init__(self):
         if self.block_q % 64 or self.block_kv % 64 or self.block_kv > 256:
@@ -75,7 +96,8 @@ class MosaicFlashConfig:
     def __str__(self):
         return (f"q{self.block_q}x2 kv{self.block_kv} st{self.stages}"
                 f"{' pp' if self.pingpong else ''}"
-                f"{'' if self.overlap == 'none' else ' ' + self.overlap}")
+                f"{'' if self.overlap == 'none' else ' ' + self.overlap}"
+                f"{' wgr' if self.wg_ranges else ''}")
 
 
 def default_config(head_dim: int) -> MosaicFlashConfig:
@@ -88,8 +110,9 @@ def default_config(head_dim: int) -> MosaicFlashConfig:
     in that run)."""
     if head_dim <= 64:
         return MosaicFlashConfig(block_q=64, block_kv=128, stages=3)
-    if head_dim > 128:
-        return MosaicFlashConfig(block_q=64, block_kv=64, stages=2, pingpong=False)
+    if head_dim > 128:  # session 4: qk_pv 566.5 vs 533.0 without, cuDNN 560.5
+        return MosaicFlashConfig(block_q=64, block_kv=64, stages=2, pingpong=False,
+                                 overlap="qk_pv")
     return MosaicFlashConfig(block_q=64, block_kv=128, stages=2, pingpong=False, overlap="qk_pv")
 
 
@@ -151,18 +174,24 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, q_smem, k_smem, v_smem, q_ready, k_ready
     wg = lax.axis_index("wg")
     offset = tk - tq
 
-    # KV range of the block (both consumers walk all of it; see the module docstring).
+    def kv_range(p_first, p_last):
+        """KV tiles [lo, hi) holding the keys visible to query positions p_first..p_last, of
+        which [full_lo, full_hi) are visible to all of them (no mask)."""
+        hi = jnp.minimum(pl.cdiv(jnp.minimum(p_last + 1, tk), bkv), n_kv) if causal else n_kv
+        if window is not None:
+            lo = jnp.maximum(p_first - window + 1, 0) // bkv
+            full_lo = jnp.clip(pl.cdiv(jnp.maximum(p_last - window + 1, 0), bkv), lo, hi)
+        else:
+            lo = full_lo = jnp.int32(0)
+        full_hi = jnp.clip((jnp.minimum(p_first + 1, tk) if causal else tk) // bkv, full_lo, hi)
+        hi = jnp.asarray(hi, jnp.int32)
+        lo = jnp.asarray(lo, jnp.int32)
+        return lo, full_lo, full_hi, hi
+
+    # KV range of the block: the producer loads it, the consumers walk it (all of it, or with
+    # wg_ranges their own part; see the module docstring). The ring slots count from its `lo`.
     p_first = tile * (2 * bq) + offset
-    p_last = p_first + 2 * bq - 1
-    hi = jnp.minimum(pl.cdiv(jnp.minimum(p_last + 1, tk), bkv), n_kv) if causal else n_kv
-    if window is not None:
-        lo = jnp.maximum(p_first - window + 1, 0) // bkv
-        full_lo = jnp.clip(pl.cdiv(jnp.maximum(p_last - window + 1, 0), bkv), lo, hi)
-    else:
-        lo = full_lo = jnp.int32(0)
-    full_hi = jnp.clip((jnp.minimum(p_first + 1, tk) if causal else tk) // bkv, full_lo, hi)
-    hi = jnp.asarray(hi, jnp.int32)
-    lo = jnp.asarray(lo, jnp.int32)
+    lo, full_lo, full_hi, hi = kv_range(p_first, p_first + 2 * bq - 1)
 
     def slot_of(j):
         return lax.rem(j - lo, stages)
@@ -183,6 +212,36 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, q_smem, k_smem, v_smem, q_ready, k_ready
         if cfg.pingpong:
             pl.when(wg == 1)(rendezvous)  # offset warpgroup 1 by one phase
 
+        if cfg.wg_ranges:
+            # This warpgroup's own tiles [c_lo, c_hi), inside the block's [lo, hi): warpgroup 0
+            # (earlier rows) may end before the block's causal end, warpgroup 1 start after the
+            # block's window start. Its masked / full tiles follow its own rows too.
+            c_lo, c_full_lo, c_full_hi, c_hi = kv_range(row0 + offset, row0 + offset + bq - 1)
+            # Warpgroup 1 of a block whose rows it holds are all padding (positions >= Tk) may
+            # see no key of a narrow window: keep one (masked) tile, its output is dropped.
+            c_lo = jnp.minimum(c_lo, c_hi - 1)
+        else:
+            c_lo, c_full_lo, c_full_hi, c_hi = lo, full_lo, full_hi, hi
+
+        def skip(j, _):
+            """Tile j of the block's range outside this warpgroup's: the barrier events of a
+            step ("none" order) without its work. The loads are waited for: each consumer
+            tracks every barrier's phases (each wait flips its parity bit), and releasing a
+            slot only once it is loaded keeps the two consumers' releases of one slot in the
+            same phase. Two `turn` phases per tile, as a working step has."""
+            slot = slot_of(j)
+            plgpu.barrier_wait(k_ready.at[slot])
+            if cfg.pingpong:
+                rendezvous()
+            plgpu.barrier_arrive(k_free.at[slot])
+            if cfg.pingpong:
+                plgpu.barrier_arrive(turn)
+            plgpu.barrier_wait(v_ready.at[slot])
+            if cfg.pingpong:
+                plgpu.barrier_wait(turn)
+            plgpu.barrier_arrive(v_free.at[slot])
+            return _
+
         def qk_scores(slot):
             """S = Q K^T [bq, bkv] f32 for the K tile in `slot` (already waited for); releases
             the K slot once S is in registers."""
@@ -198,8 +257,10 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, q_smem, k_smem, v_smem, q_ready, k_ready
 
         def softmax(j, s, acc, m, l, masked: bool):
             """Online softmax of tile j's raw scores s [bq, bkv]: returns the rescaled acc
-            [bq, D], m, l [bq] and P [bq, bkv] in the input dtype. With pingpong, it ends by
-            signalling `turn` (softmax done)."""
+            [bq, D], m, l [bq] and P [bq, bkv] in the input dtype; with acc None, the rescale
+            factor alpha [bq] and P in float32 instead (for "qk_pv_intra", which rescales O and
+            converts P once the P V in flight is done). With pingpong, it ends by signalling
+            `turn` (softmax done)."""
             # Raw scores; the scale is folded into exp2's argument (one FMA per score) and m
             # is kept scaled. Masked scores are the finite MASK_VALUE for the row maximum.
             if masked:
@@ -224,8 +285,11 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, q_smem, k_smem, v_smem, q_ready, k_ready
                 # may overflow, so masked entries are zeroed here rather than by the exponent.
                 p = jnp.where(visible, p, 0.0)
             l = l * alpha + p.sum(axis=1)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            p16 = p.astype(v_smem.dtype)
+            if acc is None:
+                acc, p16 = alpha, p
+            else:
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                p16 = p.astype(v_smem.dtype)
             if cfg.pingpong:
                 if d <= 128:
                     # The softmax finishes before the hand-over below is signalled (JAX's own
@@ -258,9 +322,7 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, q_smem, k_smem, v_smem, q_ready, k_ready
                 # GPU interpret mode takes neither a register operand for wgmma nor
                 # pl.run_state over an accumulator: stage P through shared memory and add a
                 # fresh product (same arithmetic as the GPU path below).
-                p_smem = scratch[0].at[wg]
-                p_smem[...] = p16
-                plgpu.commit_smem()
+                p_smem = stage_p(p16)
                 if qk_slot is None:
                     def pv_fresh(o_ref):
                         issue(o_ref, p_smem, None)
@@ -290,6 +352,13 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, q_smem, k_smem, v_smem, q_ready, k_ready
             acc, s = pl.run_state(pair)((plgpu.ACC.init(acc), plgpu.ACC.init(s0)))
             return acc, s
 
+        def stage_p(p16):
+            """Interpret mode: P [bq, bkv] staged in this warpgroup's shared-memory buffer."""
+            p_smem = scratch[0].at[wg]
+            p_smem[...] = p16
+            plgpu.commit_smem()
+            return p_smem
+
         def step(j, carry, masked: bool):
             """overlap "none" / "k_wait": one KV tile, Q K^T to P V."""
             acc, m, l = carry  # [bq, D] f32 (WGMMA), [bq], [bq] f32 (WGMMA rows)
@@ -301,7 +370,7 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, q_smem, k_smem, v_smem, q_ready, k_ready
             plgpu.barrier_wait(v_ready.at[slot])
             if cfg.pingpong:
                 plgpu.barrier_wait(turn)
-            k_next = (j + 1 < hi, slot_of(j + 1)) if cfg.overlap == "k_wait" else None
+            k_next = (j + 1 < c_hi, slot_of(j + 1)) if cfg.overlap == "k_wait" else None
             acc = products(acc, p16, slot, k_next=k_next)
             plgpu.barrier_arrive(v_free.at[slot])
             return acc, m_new, l
@@ -333,39 +402,127 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, q_smem, k_smem, v_smem, q_ready, k_ready
             plgpu.barrier_arrive(v_free.at[slot])
             return acc, m_new, l, s
 
+        def intra_step(o_acc, j, carry, masked: bool, last: bool = False):
+            """overlap "qk_pv_intra": as pipelined_step, but P_{j-1} V_{j-1} (issued by the
+            step before) is still running during the softmax of S_j; the step then waits for
+            it, rescales O, issues S_{j+1} = Q K_{j+1}^T and P_j V_j, and waits for S_{j+1}
+            only (none in the last step, which waits for its P V).
+
+            o_acc: O [bq, D] f32, a wgmma accumulator kept across the loops (GPU); None in
+            interpret mode, where O is the carry's `o` instead (P V added as it is issued).
+            """
+            o, m, l, s = carry  # O [bq, D] (interpret mode; else None), [bq], [bq], S_j
+            slot = slot_of(j)
+            alpha, m_new, l, p = softmax(j, s, None, m, l, masked)  # p: float32
+            # Once the P V in flight (tile j - 1; none in the first step) is done: O *= alpha,
+            # and P into the input dtype (as FlashAttention-3 does, so that the registers of
+            # P_{j-1}, an operand of that P V, are free for P_j). Reading the accumulator waits
+            # for all products (wgmma.wait_group 0).
+            prev_done = lambda: plgpu.barrier_arrive(v_free.at[slot_of(j - 1)])
+            scale = lax.broadcast_in_dim(alpha, (bq, d), [0])
+            if interpret:
+                pl.when(j > c_lo)(prev_done)
+                p16 = p.astype(v_smem.dtype)
+                o = o * scale
+            else:
+                o_prev = o_acc[...]
+                pl.when(j > c_lo)(prev_done)
+                p16 = p.astype(v_smem.dtype)
+                o_acc[...] = o_prev * scale  # back into the accumulator (with wgmma.fence)
+            plgpu.barrier_wait(v_ready.at[slot])
+            next_slot = None if last else slot_of(j + 1)
+            if not last:
+                plgpu.barrier_wait(k_ready.at[next_slot])
+            if cfg.pingpong:
+                plgpu.barrier_wait(turn)  # turn phases as in pipelined_step
+
+            def issue(o_dst, p_operand, s_ref):
+                if s_ref is not None:
+                    # Q K^T first: wgmma groups complete in order, so waiting for all but the
+                    # newest group (P V) waits for S_{j+1} alone.
+                    plgpu.wgmma(s_ref, my_q, k_smem.at[next_slot].transpose((1, 0)))
+                plgpu.wgmma(o_dst, p_operand, v_smem.at[slot])
+                if cfg.pingpong:
+                    rendezvous()
+
+            if interpret:
+                p_smem = stage_p(p16)  # (see `products`)
+
+                def fresh(o_fresh, s_ref=None):
+                    issue(o_fresh, p_smem, s_ref)
+                    return o_fresh[...], None if s_ref is None else s_ref[...]
+
+                accs = [plgpu.ACC((bq, d), jnp.float32)]
+                if not last:
+                    accs.append(plgpu.ACC((bq, bkv), jnp.float32))
+                o_new, s = pl.run_scoped(fresh, *accs)
+                o = o + o_new
+            elif last:
+                issue(o_acc, p16, None)
+                o = o_acc[...]  # waits for the last P V
+            else:
+                def pair(s_ref):
+                    issue(o_acc, p16, s_ref)
+                    return plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # P V keeps running
+
+                s = pl.run_scoped(pair, plgpu.ACC((bq, bkv), jnp.float32))
+            if last:
+                plgpu.barrier_arrive(v_free.at[slot])
+                return o, m_new, l
+            plgpu.barrier_arrive(k_free.at[next_slot])  # S_{j+1} is in registers
+            return o, m_new, l, s
+
+        def pipelined_loops(step_fn, carry, last_masked: bool):
+            """Tiles c_lo .. c_hi - 2 of a pipelined overlap in the three ranges (masking
+            follows the tile whose S is softmaxed), then the last tile peeled off."""
+            last = c_hi - 1
+            masked_step = functools.partial(step_fn, masked=True)
+            if window is not None:
+                carry = lax.fori_loop(c_lo, jnp.minimum(c_full_lo, last), masked_step, carry)
+            carry = lax.fori_loop(jnp.minimum(c_full_lo, last), jnp.minimum(c_full_hi, last),
+                                  functools.partial(step_fn, masked=False), carry)
+            carry = lax.fori_loop(jnp.minimum(c_full_hi, last), last, masked_step, carry)
+            return step_fn(last, carry, masked=last_masked, last=True)
+
         acc = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA)
         m = plgpu.layout_cast(jnp.full((bq,), MASK_VALUE, jnp.float32),
                               plgpu.Layout.WGMMA.reduce(1))
         l = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        if cfg.overlap != "qk_pv":
+        if cfg.wg_ranges:
+            lax.fori_loop(lo, c_lo, skip, 0)  # warpgroup 1 before its window
+        # The last tile is masked whenever it can be: the causal diagonal, a window edge,
+        # ragged keys (a mask on a fully visible tile changes nothing).
+        last_masked = causal or window is not None or tk % bkv != 0
+        if cfg.overlap in ("none", "k_wait"):
             if cfg.overlap == "k_wait":
-                plgpu.barrier_wait(k_ready.at[slot_of(lo)])  # later tiles: in the previous step
+                plgpu.barrier_wait(k_ready.at[slot_of(c_lo)])  # later tiles: in the previous step
             carry = (acc, m, l)
             masked_step = functools.partial(step, masked=True)
             if window is not None:
-                carry = lax.fori_loop(lo, full_lo, masked_step, carry)
-            carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False),
+                carry = lax.fori_loop(c_lo, c_full_lo, masked_step, carry)
+            carry = lax.fori_loop(c_full_lo, c_full_hi, functools.partial(step, masked=False),
                                   carry)
-            carry = lax.fori_loop(full_hi, hi, masked_step, carry)
-        else:
+            carry = lax.fori_loop(c_full_hi, c_hi, masked_step, carry)
+        elif cfg.overlap == "qk_pv":
             # Prologue: S of the first tile. Every block has at least one KV tile (its first
-            # query sees key 0 or its window start), so lo < hi.
-            plgpu.barrier_wait(k_ready.at[slot_of(lo)])
-            carry = (acc, m, l, qk_scores(slot_of(lo)))
-            # Tiles lo .. hi - 2 in the three ranges (masking follows the tile whose S is
-            # softmaxed), then the last tile peeled off. The last tile is masked whenever it
-            # can be: the causal diagonal, a window edge, ragged keys (a mask on a fully
-            # visible tile changes nothing).
-            last = hi - 1
-            masked_step = functools.partial(pipelined_step, masked=True)
-            if window is not None:
-                carry = lax.fori_loop(lo, jnp.minimum(full_lo, last), masked_step, carry)
-            carry = lax.fori_loop(jnp.minimum(full_lo, last), jnp.minimum(full_hi, last),
-                                  functools.partial(pipelined_step, masked=False), carry)
-            carry = lax.fori_loop(jnp.minimum(full_hi, last), last, masked_step, carry)
-            last_masked = causal or window is not None or tk % bkv != 0
-            carry = pipelined_step(last, carry, masked=last_masked, last=True)
+            # query sees key 0 or its window start), so lo < hi (and c_lo < c_hi).
+            plgpu.barrier_wait(k_ready.at[slot_of(c_lo)])
+            carry = (acc, m, l, qk_scores(slot_of(c_lo)))
+            carry = pipelined_loops(pipelined_step, carry, last_masked)
+        else:
+            def intra_loops(o_acc):
+                plgpu.barrier_wait(k_ready.at[slot_of(c_lo)])  # prologue: S of the first tile
+                carry = (acc if o_acc is None else None, m, l, qk_scores(slot_of(c_lo)))
+                return pipelined_loops(functools.partial(intra_step, o_acc), carry, last_masked)
+
+            if interpret:
+                carry = intra_loops(None)  # O in registers (the interpreter has no ACC store)
+            else:
+                # O zeroed in the accumulator, kept there across all the loops.
+                carry = pl.run_scoped(intra_loops, plgpu.ACC((bq, d), jnp.float32))
         acc, m, l = carry
+        if cfg.wg_ranges:
+            lax.fori_loop(c_hi, hi, skip, 0)  # warpgroup 0 past its diagonal
         if cfg.pingpong:
             pl.when(wg == 0)(rendezvous)  # balance warpgroup 1's extra phase
         l = jnp.where(l > 0, l, 1.0)

@@ -99,20 +99,26 @@ KERNEL_CASES["flash mosaic ragged window"] = (
     (S((1, 1000, 16, 128), BF16), S((1, 3000, 4, 128), BF16), S((1, 3000, 4, 128), BF16)))
 # The opt-in wgmma overlaps of the flash kernel (MosaicFlashConfig.overlap) at the D128 bench
 # shapes: the pipelined variant carries a second accumulator through the KV loops and issues two
-# products in one accumulator scope, which only the real lowering exercises.
-for _overlap, _pingpong in (("k_wait", True), ("qk_pv", True), ("qk_pv", False)):
-    _cfg = pk.MosaicFlashConfig(64, 128, 2, _pingpong, overlap=_overlap)
+# products in one accumulator scope, which only the real lowering exercises; "qk_pv_intra" keeps
+# O in an accumulator across the loops, loads S with wgmma.wait_group 1 and stores the rescaled
+# O back (interpret mode keeps O in registers instead); wg_ranges adds the skipped-tile loops.
+for _overlap, _pingpong, _wgr in (("k_wait", True, False), ("qk_pv", True, False),
+                                  ("qk_pv", False, False), ("qk_pv_intra", False, False),
+                                  ("qk_pv_intra", True, False), ("qk_pv", False, True),
+                                  ("qk_pv_intra", False, True), ("none", True, True)):
+    _cfg = pk.MosaicFlashConfig(64, 128, 2, _pingpong, overlap=_overlap, wg_ranges=_wgr)
     for _causal in (True, False):
         KERNEL_CASES[f"flash mosaic d128 {'causal' if _causal else 'full'} {_cfg}"] = (
             lambda q, k, v, c=_causal, cfg=_cfg: pk.flash_attention(
                 q, k, v, causal=c, backend="mosaic", mosaic_config=cfg),
             (S((4, 4096, 32, 128), BF16), S((4, 4096, 8, 128), BF16),
              S((4, 4096, 8, 128), BF16)))
-KERNEL_CASES["flash mosaic ragged window qk_pv"] = (
-    lambda q, k, v: pk.flash_attention(
-        q, k, v, causal=True, sliding_window=1000, backend="mosaic",
-        mosaic_config=pk.MosaicFlashConfig(overlap="qk_pv")),
-    (S((1, 1000, 16, 128), BF16), S((1, 3000, 4, 128), BF16), S((1, 3000, 4, 128), BF16)))
+for _cfg in (pk.MosaicFlashConfig(overlap="qk_pv"),
+             pk.MosaicFlashConfig(64, 64, 2, False, overlap="qk_pv_intra", wg_ranges=True)):
+    KERNEL_CASES[f"flash mosaic ragged window {_cfg}"] = (
+        lambda q, k, v, cfg=_cfg: pk.flash_attention(
+            q, k, v, causal=True, sliding_window=1000, backend="mosaic", mosaic_config=cfg),
+        (S((1, 1000, 16, 128), BF16), S((1, 3000, 4, 128), BF16), S((1, 3000, 4, 128), BF16)))
 
 
 @pytest.mark.parametrize("name", list(KERNEL_CASES))

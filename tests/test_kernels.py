@@ -79,22 +79,54 @@ MOSAIC_CASES = [
     (1, 128, 256, 2, 1, 64, False, None, True),  # non-causal, whole tiles: no masked tile at all
     (1, 50, 50, 2, 2, 64, True, None, True),  # a single KV tile (qk_pv: prologue + last step only)
 ]
+# At block_kv = block_q = 64 the two warpgroups' own KV ranges (wg_ranges) differ by a tile in
+# every causal block (warpgroup 0 ends a tile early) and in the window case (warpgroup 1 starts
+# a tile late), so the cases above also run the skipped-tile barrier protocol.
+MOSAIC_VARIANTS = [
+    # overlap, wg_ranges
+    ("none", False), ("k_wait", False), ("qk_pv", False), ("qk_pv_intra", False),
+    ("none", True), ("k_wait", True), ("qk_pv", True), ("qk_pv_intra", True),
+]
 
 
-@pytest.mark.parametrize("overlap", ["none", "k_wait", "qk_pv"])
+@pytest.mark.parametrize("overlap,wg_ranges", MOSAIC_VARIANTS,
+                         ids=lambda v: v if isinstance(v, str) else ("wgr" if v else "union"))
 @pytest.mark.parametrize("case", MOSAIC_CASES, ids=lambda c: "b{}_q{}_k{}_h{}/{}_d{}_c{}_w{}_pp{}".format(*c))
-def test_flash_attention_mosaic_interpret(case, overlap):
+def test_flash_attention_mosaic_interpret(case, overlap, wg_ranges):
     """The Hopper kernel under the Mosaic GPU interpreter (simulated warpgroups, TMA, barriers).
 
-    The interpreter runs the P @ V product from shared memory instead of registers; everything
-    else (the producer ring, barriers, masks, tile ranges, pingpong) is the GPU kernel's code.
-    For the `overlap` variants that covers the barrier protocol (a missing arrival hangs), the
-    pipelined carry of S across the masked / full / last tile ranges and the masks; not the
-    order of the asynchronous wgmma issues and waits (the interpreter runs each at once).
+    The interpreter runs the P @ V product from shared memory instead of registers (and keeps
+    "qk_pv_intra"'s O in registers, not in an accumulator); everything else (the producer ring,
+    barriers, masks, tile ranges, pingpong) is the GPU kernel's code. For the `overlap` and
+    `wg_ranges` variants that covers the barrier protocol (a missing arrival or wait hangs or
+    leaves a phase out of step), the pipelined carry of S across the masked / full / last tile
+    ranges and the masks; not the order of the asynchronous wgmma issues and waits (the
+    interpreter runs each at once).
     """
     b, tq, tk, hq, hkv, d, causal, window, pingpong = case
     q, k, v = qkv(tq + tk, b, tq, tk, hq, hkv, d, jnp.bfloat16)
-    cfg = MosaicFlashConfig(block_q=64, block_kv=64, stages=2, pingpong=pingpong, overlap=overlap)
+    cfg = MosaicFlashConfig(block_q=64, block_kv=64, stages=2, pingpong=pingpong, overlap=overlap,
+                            wg_ranges=wg_ranges)
+    out = flash_attention(q, k, v, causal=causal, sliding_window=window, interpret=True,
+                          backend="mosaic", mosaic_config=cfg)
+    ref = flash_attention_reference(q, k, v, causal=causal, sliding_window=window)
+    assert rel_err(out, ref) < TOL[jnp.bfloat16]
+
+
+@pytest.mark.parametrize("overlap", ["none", "qk_pv_intra"])
+@pytest.mark.parametrize("case", [
+    # b, tq, tk, hq, hkv, causal, window, pingpong
+    (1, 256, 320, 2, 1, True, None, True),  # Tk - Tq = 64: warpgroup 0 ends 2 tiles early
+    (1, 200, 450, 2, 2, True, 100, False),  # window: warpgroup 1 starts 2 tiles late
+], ids=lambda c: "b{}_q{}_k{}_h{}/{}_c{}_w{}_pp{}".format(*c))
+def test_flash_attention_mosaic_wg_ranges_interpret(case, overlap):
+    """wg_ranges when a warpgroup skips as many tiles as the ring has slots (block_q 128 over
+    block_kv 64, 2 stages): its releases of a slot must not run ahead of the other warpgroup's
+    use of the tile before in that slot (the skipped tiles' loads are waited for)."""
+    b, tq, tk, hq, hkv, causal, window, pingpong = case
+    q, k, v = qkv(tq + tk, b, tq, tk, hq, hkv, 64, jnp.bfloat16)
+    cfg = MosaicFlashConfig(block_q=128, block_kv=64, stages=2, pingpong=pingpong,
+                            overlap=overlap, wg_ranges=True)
     out = flash_attention(q, k, v, causal=causal, sliding_window=window, interpret=True,
                           backend="mosaic", mosaic_config=cfg)
     ref = flash_attention_reference(q, k, v, causal=causal, sliding_window=window)
@@ -374,6 +406,35 @@ def test_flash_attention_mosaic_overlap_gpu(case, overlap, pingpong):
     b, tq, tk, hq, hkv, d, causal, window = case
     q, k, v = qkv(11, b, tq, tk, hq, hkv, d, jnp.bfloat16)
     cfg = dataclasses.replace(mosaic_default_config(d), overlap=overlap, pingpong=pingpong)
+    out = flash_attention(q, k, v, causal=causal, sliding_window=window, backend="mosaic",
+                          mosaic_config=cfg)
+    ref = flash_attention_reference(q, k, v, causal=causal, sliding_window=window)
+    assert rel_err(out, ref) < GPU_TOL[jnp.bfloat16]
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("cfg", [
+    MosaicFlashConfig(64, 128, 2, False, "qk_pv_intra"),
+    MosaicFlashConfig(64, 128, 2, True, "qk_pv_intra"),
+    MosaicFlashConfig(64, 128, 2, False, "qk_pv", wg_ranges=True),
+    MosaicFlashConfig(64, 128, 2, False, "qk_pv_intra", wg_ranges=True),
+    MosaicFlashConfig(64, 64, 2, True, "none", wg_ranges=True),
+    MosaicFlashConfig(64, 64, 2, False, "qk_pv_intra", wg_ranges=True),
+], ids=str)
+@pytest.mark.parametrize("case", [
+    (2, 300, 300, 8, 2, 128, True, None),
+    (1, 333, 333, 4, 4, 128, False, None),
+    (2, 500, 500, 4, 2, 128, True, 100),
+    (1, 448, 512, 4, 2, 128, True, None),  # Tk - Tq = 64: per-warpgroup ranges differ at kv128
+    (1, 2048, 2048, 4, 1, 128, True, None),  # long loops: the steady state of the pipeline
+], ids=str)
+def test_flash_attention_mosaic_intra_wg_ranges_gpu(case, cfg):
+    """overlap="qk_pv_intra" and wg_ranges compiled: interpret mode runs neither the
+    accumulator kept across the loop nor the wait for all but the newest wgmma group (P V still
+    running during the softmax), nor the timing of a warpgroup's skipped-tile releases."""
+    b, tq, tk, hq, hkv, d, causal, window = case
+    q, k, v = qkv(11, b, tq, tk, hq, hkv, d, jnp.bfloat16)
     out = flash_attention(q, k, v, causal=causal, sliding_window=window, backend="mosaic",
                           mosaic_config=cfg)
     ref = flash_attention_reference(q, k, v, causal=causal, sliding_window=window)
