@@ -403,9 +403,15 @@ def test_flash_attention_mosaic_overlap_gpu(case, overlap, pingpong):
     """The opt-in wgmma overlaps (MosaicFlashConfig.overlap) compiled: interpret mode cannot
     check the order of the asynchronous products against the barriers that release their
     operands."""
+    cfg = dataclasses.replace(mosaic_default_config(case[5]), overlap=overlap, pingpong=pingpong)
+    _check_mosaic_gpu(case, cfg)
+
+
+def _check_mosaic_gpu(case, cfg):
+    """The Mosaic kernel under `cfg` against the reference at case = (B, Tq, Tk, Hq, Hkv, D,
+    causal, window), bfloat16, on the GPU."""
     b, tq, tk, hq, hkv, d, causal, window = case
     q, k, v = qkv(11, b, tq, tk, hq, hkv, d, jnp.bfloat16)
-    cfg = dataclasses.replace(mosaic_default_config(d), overlap=overlap, pingpong=pingpong)
     out = flash_attention(q, k, v, causal=causal, sliding_window=window, backend="mosaic",
                           mosaic_config=cfg)
     ref = flash_attention_reference(q, k, v, causal=causal, sliding_window=window)
@@ -433,12 +439,7 @@ def test_flash_attention_mosaic_intra_wg_ranges_gpu(case, cfg):
     """overlap="qk_pv_intra" and wg_ranges compiled: interpret mode runs neither the
     accumulator kept across the loop nor the wait for all but the newest wgmma group (P V still
     running during the softmax), nor the timing of a warpgroup's skipped-tile releases."""
-    b, tq, tk, hq, hkv, d, causal, window = case
-    q, k, v = qkv(11, b, tq, tk, hq, hkv, d, jnp.bfloat16)
-    out = flash_attention(q, k, v, causal=causal, sliding_window=window, backend="mosaic",
-                          mosaic_config=cfg)
-    ref = flash_attention_reference(q, k, v, causal=causal, sliding_window=window)
-    assert rel_err(out, ref) < GPU_TOL[jnp.bfloat16]
+    _check_mosaic_gpu(case, cfg)
 
 
 @gpu
