@@ -1,0 +1,243 @@
+"""Is a grid barrier inside one persistent kernel cheaper than a kernel boundary at batch 1?
+
+    PYTHONPATH=. python3 benchmarks/grid_barrier_probe.py [--dim 4096] [--layers 16] [--json F]
+
+Why: the batch-1 decode step is a chain of weight-streaming kernels and pays ~2.5 us per kernel
+(benchmarks/NOTES.md, Run D) in ramp (the first loads' latency) and tail. Programmatic
+dependent launch would hide the ramp, but XLA does not overlap Pallas kernels (NOTES.md,
+session 4). The other way to hide it is a persistent kernel: all phases in one launch, one
+program per SM, phases separated by a grid barrier, and the next phase's first weight tiles
+loaded *before* the barrier (they do not depend on the previous phase), so they are in flight
+while the barrier waits. Whether that beats the kernel boundary decides if a decode-layer
+megakernel is worth building.
+
+The workload: a chain of `--layers` products y = x @ w_l, x [1, D], w_l [D, D] bf16 (each layer
+its own weight; the chain is larger than L2), y the x of the next, timed in one executable
+repeated `--repeats` times, as:
+  - kernels: one Pallas Triton kernel per product (the same program body as below);
+  - persistent: one kernel, a flag barrier between phases;
+  - persistent+prefetch: the same, the next phase's first `--prefetch` weight tiles loaded
+    before the barrier.
+Every program owns `block_n` output columns for all phases (D / block_n programs, at most one
+per SM, so all are resident: the barrier needs that). Each variant is checked against jnp.
+
+The barrier: after its stores (and a thread barrier), a program adds 1 to a counter (atomic,
+release), then polls it with atomic reads (acquire) until all programs have arrived for this
+phase; activations written by other programs are then loaded with volatile loads (not cached
+in L1). Interpret mode runs programs one after another, so it can only run one program (the
+CPU test does); on the GPU a program that is not resident would deadlock the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+HBM_TBS = 4.27  # ../shared/docs/GPU.md, measured copy bandwidth of the H200
+ROWS = 16  # the dot's minimum M: x's one row, the rest masked to zero
+
+
+def _x_tile(src, k0, block_k):
+    """x[0, k0:k0 + block_k] as a [ROWS, block_k] tile whose other rows are 0; a volatile load,
+    not cached in L1: another program may have written it since this SM last read that line
+    (the ".cg" cache modifier would say so more narrowly, but jax 0.11.2's Triton lowering
+    looks ".cg" up under "cg" and fails).
+    src = (ref, *leading indices) of a [..., 1, D] array (one indexer: interpret mode's masked
+    loads take no stacked views)."""
+    ref, *lead = src
+    rows = jnp.arange(ROWS)[:, None] < 1
+    return plgpu.load(ref.at[(*lead, pl.ds(0, ROWS), pl.ds(k0, block_k))], mask=rows, other=0,
+                      volatile=True)
+
+
+def _phase(src, w_ref, cols, *, block_k: int, first=()):
+    """src (see _x_tile: x [1, D]) @ w_ref[:, cols] -> [ROWS, block_n] float32 (row 0 real).
+    w_ref = (ref, *leading indices) of a [..., D, D] array. `first`: weight tiles of the first
+    steps, already loaded."""
+    w_ref, *w_lead = w_ref
+    d = w_ref.shape[-2]
+    acc = jnp.zeros((ROWS, cols.size), jnp.float32)
+    for i, w in enumerate(first):
+        acc += jnp.dot(_x_tile(src, i * block_k, block_k), w,
+                       preferred_element_type=jnp.float32)
+
+    def step(j, acc):
+        k0 = pl.multiple_of(j * block_k, block_k)
+        w = w_ref[(*w_lead, pl.ds(k0, block_k), cols)]
+        return acc + jnp.dot(_x_tile(src, k0, block_k), w, preferred_element_type=jnp.float32)
+
+    return lax.fori_loop(len(first), d // block_k, step, acc)
+
+
+def _store_row(dst, acc, cols):
+    """Row 0 of acc into dst = (ref, *leading indices) of a [..., 1, D] array."""
+    ref, *lead = dst
+    rows = jnp.arange(ROWS)[:, None] < 1
+    plgpu.store(ref.at[(*lead, pl.ds(0, ROWS), cols)], acc.astype(ref.dtype), mask=rows)
+
+
+def phase_kernel(x_ref, w_ref, y_ref, *, block_n: int, block_k: int):
+    # x_ref [1, D], w_ref [D, D], y_ref [1, D]; program p: columns p*block_n...
+    cols = pl.ds(pl.program_id(0) * block_n, block_n)
+    _store_row((y_ref,), _phase((x_ref,), (w_ref,), cols, block_k=block_k), cols)
+
+
+def _grid_barrier(counter_ref, phase, programs: int, interpret: bool):
+    """Wait until all `programs` programs have arrived `phase` times at counter_ref [1] (int32).
+    Scalar atomics: Triton runs them once per program (one thread, the result broadcast), and
+    jax 0.11.2's Pallas Triton lowering takes only scalar integer atomics (a vector of int32
+    takes its float path). (Interpret mode runs one thread per program: no thread barrier, and
+    it has no rule for it.)"""
+    if not interpret:
+        plgpu.debug_barrier()  # all of this program's threads have issued their stores
+    def counter_add(v):
+        if interpret:  # its rule takes a slice, not a scalar index
+            return plgpu.atomic_add(counter_ref, (pl.ds(0, 1),), jnp.full((1,), v))[0]
+        return plgpu.atomic_add(counter_ref, (jnp.int32(0),), jnp.int32(v))
+
+    counter_add(1)  # arrive (release)
+    target = phase * programs
+
+    def not_all_there(seen):
+        return seen < target
+
+    def poll(_):  # acquire: what the others stored before arriving is visible after
+        return counter_add(0)
+
+    lax.while_loop(not_all_there, poll, jnp.int32(0))
+    if not interpret:
+        plgpu.debug_barrier()
+
+
+def persistent_kernel(x_ref, w_ref, counter_in_ref, out_ref, counter_ref, *, block_n: int,
+                      block_k: int, prefetch: int, interpret: bool):
+    # x_ref [1, D]; w_ref [L, D, D]; out_ref [L, 1, D]: phase l's output, the x of phase l + 1;
+    # counter_ref [1] int32 (the same buffer as counter_in_ref, 0 on entry): barrier arrivals
+    del counter_in_ref
+    layers = w_ref.shape[0]
+    programs = pl.num_programs(0)
+    cols = pl.ds(pl.program_id(0) * block_n, block_n)
+    first = ()
+    for layer in range(layers):
+        here = jnp.int32(layer)  # an index array (a Python int has no shape for the indexer)
+        src = (x_ref,) if layer == 0 else (out_ref, here - 1)
+        acc = _phase(src, (w_ref, here), cols, block_k=block_k, first=first)
+        _store_row((out_ref, here), acc, cols)
+        if layer + 1 < layers:
+            # The next weight's first tiles do not depend on this phase: in flight while the
+            # barrier waits.
+            first = tuple(w_ref[here + 1, pl.ds(i * block_k, block_k), cols]
+                          for i in range(prefetch))
+            _grid_barrier(counter_ref, layer + 1, programs, interpret)
+
+
+def chain_kernels(x, weights, *, block_n=32, block_k=256, interpret=False):
+    """x [1, D], weights [L, D, D]: one kernel per layer."""
+    d = x.shape[1]
+    call = pl.pallas_call(
+        functools.partial(phase_kernel, block_n=block_n, block_k=block_k),
+        grid=(d // block_n,),
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
+        interpret=interpret, name=f"gemv_phase_d{d}")
+    for layer in range(weights.shape[0]):
+        x = call(x, weights[layer])
+    return x
+
+
+def chain_persistent(x, weights, *, block_n=32, block_k=256, prefetch=0, interpret=False):
+    """x [1, D], weights [L, D, D]: one persistent kernel for all layers."""
+    layers, d, _ = weights.shape
+    programs = d // block_n
+    counter = jnp.zeros((1,), jnp.int32)
+    out, _ = pl.pallas_call(
+        functools.partial(persistent_kernel, block_n=block_n, block_k=block_k,
+                          prefetch=prefetch, interpret=bool(interpret)),
+        grid=(programs,),
+        out_shape=(jax.ShapeDtypeStruct((layers, *x.shape), x.dtype),
+                   jax.ShapeDtypeStruct((1,), jnp.int32)),
+        input_output_aliases={2: 1},  # the counter is updated in place
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
+        interpret=interpret, name=f"gemv_persistent_d{d}_l{layers}_pre{prefetch}")(
+            x, weights, counter)
+    return out[-1]
+
+
+def chain_reference(x, weights):
+    for w in weights:
+        x = jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+    return x
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dim", type=int, default=4096)
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--block-n", type=int, default=32)
+    p.add_argument("--prefetch", default="1,2", help="tiles loaded before the barrier")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    if jax.devices()[0].platform != "gpu":
+        print("grid_barrier_probe: needs an NVIDIA GPU", file=sys.stderr)
+        return 1
+    programs = args.dim // args.block_n
+    if programs > jax.devices()[0].core_count:
+        print(f"grid_barrier_probe: {programs} programs > {jax.devices()[0].core_count} SMs: "
+              f"raise --block-n (all programs must be resident)", file=sys.stderr)
+        return 1
+    keys = jax.random.split(jax.random.key(0), 2)
+    d = args.dim
+    x = jax.random.normal(keys[0], (1, d), jnp.float32).astype(jnp.bfloat16)
+    weights = (jax.random.normal(keys[1], (args.layers, d, d), jnp.float32)
+               / d ** 0.5).astype(jnp.bfloat16)  # activations keep their size along the chain
+    want = jax.jit(chain_reference)(x, weights).astype(jnp.float32)
+    variants = {"xla": chain_reference,
+                "kernels": functools.partial(chain_kernels, block_n=args.block_n),
+                "persistent": functools.partial(chain_persistent, block_n=args.block_n)}
+    for pre in (int(v) for v in args.prefetch.split(",") if v):
+        variants[f"persistent+prefetch{pre}"] = functools.partial(
+            chain_persistent, block_n=args.block_n, prefetch=pre)
+    nbytes = d * d * 2
+    rows, ok = [], True
+    for name, fn in variants.items():
+        try:
+            got = jax.block_until_ready(jax.jit(fn)(x, weights)).astype(jnp.float32)
+            err = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+            run = jax.jit(lambda x, w, fn=fn: lax.fori_loop(
+                0, args.repeats, lambda _, x: fn(x, w), x))
+            jax.block_until_ready(run(x, weights))
+            times = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                jax.block_until_ready(run(x, weights))
+                times.append(time.perf_counter() - t0)
+        except Exception as e:  # one failing variant does not hide the others
+            print(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+            ok = False
+            continue
+        sec = min(times) / (args.repeats * args.layers)
+        row = dict(variant=name, dim=d, us_per_layer=sec * 1e6, tbs=nbytes / sec / 1e12,
+                   us_over_floor=sec * 1e6 - nbytes / HBM_TBS / 1e6, rel_err=err)
+        rows.append(row)
+        ok &= err < 2e-2
+        print(f"D={d} {name:24s} {row['us_per_layer']:7.2f} us/layer  {row['tbs']:.2f} TB/s  "
+              f"+{row['us_over_floor']:.2f} us over bytes/4.27TB/s  rel err {err:.1e}",
+              flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0 if ok else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
