@@ -44,6 +44,7 @@ from jax.experimental.pallas import triton as plgpu
 
 HBM_TBS = 4.27  # ../shared/docs/GPU.md, measured copy bandwidth of the H200
 ROWS = 16  # the dot's minimum M: x's one row, the rest masked to zero
+MAX_POLLS = 1 << 16  # per barrier, ~50 ms of polling
 
 
 def _x_tile(src, k0, block_k):
@@ -107,13 +108,16 @@ def _grid_barrier(counter_ref, phase, programs: int, interpret: bool):
     counter_add(1)  # arrive (release)
     target = phase * programs
 
-    def not_all_there(seen):
-        return seen < target
+    def not_all_there(carry):
+        seen, polls = carry
+        # Bounded, so that a program that never arrives (one not resident) costs the probe a
+        # wrong result, which the check reports, rather than a hung GPU.
+        return (seen < target) & (polls < MAX_POLLS)
 
-    def poll(_):  # acquire: what the others stored before arriving is visible after
-        return counter_add(0)
+    def poll(carry):  # acquire: what the others stored before arriving is visible after
+        return counter_add(0), carry[1] + 1
 
-    lax.while_loop(not_all_there, poll, jnp.int32(0))
+    lax.while_loop(not_all_there, poll, (jnp.int32(0), jnp.int32(0)))
     if not interpret:
         plgpu.debug_barrier()
 
