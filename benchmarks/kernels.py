@@ -173,9 +173,10 @@ TRITON_FLASH_VARIANTS = {
 
 MC = pk.MosaicFlashConfig
 MOSAIC_FLASH_VARIANTS = {
-    # The default first. MosaicFlashConfig.overlap: "k_wait" waits for the next K inside the
-    # P V scope, "qk_pv" issues Q K_{j+1}^T with P_j V_j (run 4, D128: qk_pv without pingpong
-    # won all three shapes, causal 521, full 590, GQA 534 TFLOP/s; k_wait 1-2% over none).
+    # The default first. MosaicFlashConfig.overlap "qk_pv" issues Q K_{j+1}^T with P_j V_j
+    # (run 4, D128: qk_pv without pingpong won all three shapes, causal 521, full 590, GQA 534
+    # TFLOP/s; a variant that only waited for the next K inside the P V scope, 1-2% over none,
+    # was removed).
     # Dropped after losing: 64x192 (run 3), 64x64 st4, st3 + qk_pv, k_wait (run 4), st3 pp.
     # Run 6: "qk_pv_intra" (FA3 intra-warpgroup overlap: softmax of S_{j+1} while P_j V_j runs)
     # 518.4 causal / 593.6 full / 534.9 GQA against qk_pv's 522.0 / 584.3 / 535.0, i.e. a tie

@@ -39,7 +39,7 @@ from pallas_kernels._common import LOG2_E, MASK_VALUE
 
 
 # How a consumer warpgroup orders its matrix products (MosaicFlashConfig.overlap).
-OVERLAPS = ("none", "k_wait", "qk_pv", "qk_pv_intra")
+OVERLAPS = ("none", "qk_pv", "qk_pv_intra")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,8 +51,6 @@ class MosaicFlashConfig:
       * "none": per step, wait for K_j, issue Q K_j^T, softmax, issue P V_j and wait for it.
         The P V scope (`pl.run_state`) ends in `wgmma.wait_group 0`, and only then is the next
         K barrier waited for and the next Q K^T issued: the queue drains once per step.
-      * "k_wait": as "none", but the next tile's K barrier is waited for inside the P V scope,
-        after the P V issue (JAX's attention_mgpu.py does this), so that wait overlaps P V.
       * "qk_pv": software pipeline (FlashAttention-3): S_{j+1} = Q K_{j+1}^T and P_j V_j are
         issued back to back in one accumulator scope, Q K^T first, while the softmax works on
         S_j carried from the step before (a prologue computes S_0, the last step issues P V
@@ -298,13 +296,11 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, q_smem, k_smem, v_smem, q_ready, k_ready
                 plgpu.barrier_arrive(turn)  # softmax done: hand the tensor cores over
             return acc, m_new, l, p16
 
-        def products(acc, p16, slot, *, qk_slot=None, k_next=None, hand_over=False):
+        def products(acc, p16, slot, *, qk_slot=None, hand_over=False):
             """acc [bq, D] + P V for the V tile in `slot`, waited for on return.
 
             qk_slot: also S' = Q K^T for the K tile in that slot, issued before P V in the same
               accumulator scope, so the tensor cores have both queued; returns (acc, S').
-            k_next: (pred, slot): when pred, wait for that K tile's barrier after the issue,
-              while P V runs.
             hand_over: pingpong rendezvous on `turn` after the issue (the other warpgroup may
               then issue while these products run).
             """
@@ -312,9 +308,6 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, q_smem, k_smem, v_smem, q_ready, k_ready
                 if s_ref is not None:
                     plgpu.wgmma(s_ref, my_q, k_smem.at[qk_slot].transpose((1, 0)))
                 plgpu.wgmma(o_ref, p_operand, v_smem.at[slot])
-                if k_next is not None:
-                    pred, next_slot = k_next
-                    pl.when(pred)(lambda: plgpu.barrier_wait(k_ready.at[next_slot]))
                 if hand_over and cfg.pingpong:
                     rendezvous()
 
@@ -360,18 +353,16 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, q_smem, k_smem, v_smem, q_ready, k_ready
             return p_smem
 
         def step(j, carry, masked: bool):
-            """overlap "none" / "k_wait": one KV tile, Q K^T to P V."""
+            """overlap "none": one KV tile, Q K^T to P V."""
             acc, m, l = carry  # [bq, D] f32 (WGMMA), [bq], [bq] f32 (WGMMA rows)
             slot = slot_of(j)
-            if cfg.overlap == "none":
-                plgpu.barrier_wait(k_ready.at[slot])  # ("k_wait": waited for by step j - 1)
+            plgpu.barrier_wait(k_ready.at[slot])
             s = qk_scores(slot)
             acc, m_new, l, p16 = softmax(j, s, acc, m, l, masked)
             plgpu.barrier_wait(v_ready.at[slot])
             if cfg.pingpong:
                 plgpu.barrier_wait(turn)
-            k_next = (j + 1 < c_hi, slot_of(j + 1)) if cfg.overlap == "k_wait" else None
-            acc = products(acc, p16, slot, k_next=k_next)
+            acc = products(acc, p16, slot)
             plgpu.barrier_arrive(v_free.at[slot])
             return acc, m_new, l
 
@@ -493,9 +484,7 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, q_smem, k_smem, v_smem, q_ready, k_ready
         # The last tile is masked whenever it can be: the causal diagonal, a window edge,
         # ragged keys (a mask on a fully visible tile changes nothing).
         last_masked = causal or window is not None or tk % bkv != 0
-        if cfg.overlap in ("none", "k_wait"):
-            if cfg.overlap == "k_wait":
-                plgpu.barrier_wait(k_ready.at[slot_of(c_lo)])  # later tiles: in the previous step
+        if cfg.overlap == "none":
             carry = (acc, m, l)
             masked_step = functools.partial(step, masked=True)
             if window is not None:

@@ -102,7 +102,7 @@ KERNEL_CASES["flash mosaic ragged window"] = (
 # products in one accumulator scope, which only the real lowering exercises; "qk_pv_intra" keeps
 # O in an accumulator across the loops, loads S with wgmma.wait_group 1 and stores the rescaled
 # O back (interpret mode keeps O in registers instead); wg_ranges adds the skipped-tile loops.
-for _overlap, _pingpong, _wgr in (("k_wait", True, False), ("qk_pv", True, False),
+for _overlap, _pingpong, _wgr in (("qk_pv", True, False),
                                   ("qk_pv", False, False), ("qk_pv_intra", False, False),
                                   ("qk_pv_intra", True, False), ("qk_pv", False, True),
                                   ("qk_pv_intra", False, True), ("none", True, True)):

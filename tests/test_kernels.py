@@ -84,8 +84,8 @@ MOSAIC_CASES = [
 # a tile late), so the cases above also run the skipped-tile barrier protocol.
 MOSAIC_VARIANTS = [
     # overlap, wg_ranges
-    ("none", False), ("k_wait", False), ("qk_pv", False), ("qk_pv_intra", False),
-    ("none", True), ("k_wait", True), ("qk_pv", True), ("qk_pv_intra", True),
+    ("none", False), ("qk_pv", False), ("qk_pv_intra", False),
+    ("none", True), ("qk_pv", True), ("qk_pv_intra", True),
 ]
 
 
@@ -390,7 +390,7 @@ def test_flash_attention_gpu(case, dtype, backend):
 
 @gpu
 @needs_gpu
-@pytest.mark.parametrize("overlap,pingpong", [("k_wait", True), ("qk_pv", True),
+@pytest.mark.parametrize("overlap,pingpong", [("none", False), ("qk_pv", True),
                                               ("qk_pv", False)])
 @pytest.mark.parametrize("case", [
     (2, 300, 300, 8, 2, 128, True, None),
