@@ -34,7 +34,6 @@ import argparse
 import functools
 import json
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +41,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-HBM_TBS = 4.27  # ../shared/docs/GPU.md, measured copy bandwidth of the H200
+from benchmarks.chain_timing import measure_chain
+
 ROWS = 16  # the dot's minimum M: x's one row, the rest masked to zero
 MAX_POLLS = 1 << 16  # per barrier, ~50 ms of polling
 
@@ -204,39 +204,22 @@ def main(argv=None) -> int:
     x = jax.random.normal(keys[0], (1, d), jnp.float32).astype(jnp.bfloat16)
     weights = (jax.random.normal(keys[1], (args.layers, d, d), jnp.float32)
                / d ** 0.5).astype(jnp.bfloat16)  # activations keep their size along the chain
-    want = jax.jit(chain_reference)(x, weights).astype(jnp.float32)
+    want = jax.jit(chain_reference)(x, weights)
     variants = {"xla": chain_reference,
                 "kernels": functools.partial(chain_kernels, block_n=args.block_n),
                 "persistent": functools.partial(chain_persistent, block_n=args.block_n)}
     for pre in (int(v) for v in args.prefetch.split(",") if v):
         variants[f"persistent+prefetch{pre}"] = functools.partial(
             chain_persistent, block_n=args.block_n, prefetch=pre)
-    nbytes = d * d * 2
     rows, ok = [], True
     for name, fn in variants.items():
-        try:
-            got = jax.block_until_ready(jax.jit(fn)(x, weights)).astype(jnp.float32)
-            err = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
-            run = jax.jit(lambda x, w, fn=fn: lax.fori_loop(
-                0, args.repeats, lambda _, x: fn(x, w), x))
-            jax.block_until_ready(run(x, weights))
-            times = []
-            for _ in range(5):
-                t0 = time.perf_counter()
-                jax.block_until_ready(run(x, weights))
-                times.append(time.perf_counter() - t0)
-        except Exception as e:  # one failing variant does not hide the others
-            print(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        row = measure_chain(name, fn, x, weights, want, layers=args.layers,
+                            repeats=args.repeats, layer_bytes=d * d * 2, label=f"D={d} ")
+        if row is None:
             ok = False
             continue
-        sec = min(times) / (args.repeats * args.layers)
-        row = dict(variant=name, dim=d, us_per_layer=sec * 1e6, tbs=nbytes / sec / 1e12,
-                   us_over_floor=sec * 1e6 - nbytes / HBM_TBS / 1e6, rel_err=err)
-        rows.append(row)
-        ok &= err < 2e-2
-        print(f"D={d} {name:24s} {row['us_per_layer']:7.2f} us/layer  {row['tbs']:.2f} TB/s  "
-              f"+{row['us_over_floor']:.2f} us over bytes/4.27TB/s  rel err {err:.1e}",
-              flush=True)
+        rows.append(dict(row, dim=d))
+        ok &= row["ok"]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

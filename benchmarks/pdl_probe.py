@@ -25,16 +25,14 @@ import argparse
 import functools
 import json
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 import pallas_kernels as pk
+from benchmarks.chain_timing import measure_chain
 from pallas_kernels.decode_matmul_mgpu import DecodeMatmulConfig, decode_matmul_mgpu
 
-HBM_TBS = 4.27  # ../shared/docs/GPU.md, measured copy bandwidth of the H200
 
 
 def variants(configs):
@@ -53,13 +51,6 @@ def chain(matmul, x, weights):
     for w in weights:  # [layers] of [D, D]
         x = matmul(x, w)
     return x
-
-
-def repeated(matmul, repeats: int):
-    """The chain `repeats` times in one executable (a loop the host dispatches once)."""
-    def run(x, weights):
-        return lax.fori_loop(0, repeats, lambda _, x: chain(matmul, x, weights), x)
-    return jax.jit(run)
 
 
 def main(argv=None) -> int:
@@ -84,32 +75,16 @@ def main(argv=None) -> int:
         weights = [(jax.random.normal(k, (d, d), jnp.float32) / d ** 0.5).astype(jnp.bfloat16)
                    for k in keys[1:]]
         want = jax.jit(functools.partial(chain, variants([])["xla"]))(x, weights)
-        want_norm = float(jnp.linalg.norm(want[:1].astype(jnp.float32)))
-        nbytes = d * d * 2
         for name, matmul in variants([c for c in configs if d % c.block_n == 0]).items():
             xv = x[:1] if name == "triton" else x  # B=1 as in the model; Mosaic pads to 8 rows
-            try:
-                got = jax.block_until_ready(jax.jit(functools.partial(chain, matmul))(xv, weights))
-                err = float(jnp.linalg.norm((got[:1] - want[:1]).astype(jnp.float32))) / want_norm
-                fn = repeated(matmul, args.repeats)
-                jax.block_until_ready(fn(xv, weights))
-                times = []
-                for _ in range(5):
-                    t0 = time.perf_counter()
-                    jax.block_until_ready(fn(xv, weights))
-                    times.append(time.perf_counter() - t0)
-            except Exception as e:  # a variant that fails is reported, the others still run
-                print(f"D={d} {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+            row = measure_chain(name, functools.partial(chain, matmul), xv, weights, want,
+                                layers=args.layers, repeats=args.repeats, layer_bytes=d * d * 2,
+                                label=f"D={d:5d} ", racy="nowait" in name)
+            if row is None:
                 ok = False
                 continue
-            sec = min(times) / (args.repeats * args.layers)
-            row = dict(dim=d, variant=name, us_per_matmul=sec * 1e6, tbs=nbytes / sec / 1e12,
-                       us_over_floor=sec * 1e6 - nbytes / HBM_TBS / 1e6, rel_err=err)
-            rows.append(row)
-            ok &= err < 2e-2 or "nowait" in name  # nowait races by design
-            print(f"D={d:5d} {name:22s} {row['us_per_matmul']:7.2f} us  {row['tbs']:.2f} TB/s  "
-                  f"+{row['us_over_floor']:.2f} us over bytes/4.27TB/s  rel err {err:.1e}",
-                  flush=True)
+            rows.append(dict(row, dim=d))
+            ok &= row["ok"]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -1,0 +1,45 @@
+"""Timing a chain of weight-streaming kernels inside one executable (pdl_probe.py,
+grid_barrier_probe.py).
+
+A chain fn(x, weights) -> x runs `repeats` times in one jitted loop, so the host's dispatch is
+paid once; the time per layer is compared with the weight bytes at the H200's copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+HBM_TBS = 4.27  # ../shared/docs/GPU.md, measured copy bandwidth of the H200
+
+
+def measure_chain(name: str, fn, x, weights, want, *, layers: int, repeats: int,
+                  layer_bytes: int, label: str = "", racy: bool = False):
+    """Time fn(x, weights) per layer and check its first row against want's. Returns the
+    result row (dict), or None when the variant fails (printed; the caller goes on).
+    racy: a variant wrong by design (a timing probe), not counted as failing the check."""
+    try:
+        got = jax.block_until_ready(jax.jit(fn)(x, weights))
+        diff = (got[:1] - want[:1]).astype(jnp.float32)
+        err = float(jnp.linalg.norm(diff) / jnp.linalg.norm(want[:1].astype(jnp.float32)))
+        run = jax.jit(lambda x, w: lax.fori_loop(0, repeats, lambda _, x: fn(x, w), x))
+        jax.block_until_ready(run(x, weights))
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            jax.block_until_ready(run(x, weights))
+            times.append(time.perf_counter() - t0)
+    except Exception as e:  # one failing variant does not hide the others
+        print(f"{label}{name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        return None
+    sec = min(times) / (repeats * layers)
+    row = dict(variant=name, us_per_layer=sec * 1e6, tbs=layer_bytes / sec / 1e12,
+               us_over_floor=sec * 1e6 - layer_bytes / HBM_TBS / 1e6, rel_err=err,
+               ok=racy or err < 2e-2)
+    print(f"{label}{name:24s} {row['us_per_layer']:7.2f} us/layer  {row['tbs']:.2f} TB/s  "
+          f"+{row['us_over_floor']:.2f} us over bytes/{HBM_TBS}TB/s  rel err {err:.1e}",
+          flush=True)
+    return row
