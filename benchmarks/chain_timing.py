@@ -7,6 +7,7 @@ paid once; the time per layer is compared with the weight bytes at the H200's co
 
 from __future__ import annotations
 
+import json
 import time
 
 import jax
@@ -43,3 +44,12 @@ def measure_chain(name: str, fn, x, weights, want, *, layers: int, repeats: int,
           f"+{row['us_over_floor']:.2f} us over bytes/{HBM_TBS}TB/s  rel err {err:.1e}",
           flush=True)
     return row
+
+
+def finish(rows: list, failures: int, json_path: str | None) -> int:
+    """Write the rows (JSON) where asked; the exit status: 0 when every variant ran and
+    passed its check, else 2."""
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0 if failures == 0 and all(r["ok"] for r in rows) else 2

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import sys
 
 import jax
@@ -41,7 +40,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from benchmarks.chain_timing import measure_chain
+from benchmarks.chain_timing import finish, measure_chain
 
 ROWS = 16  # the dot's minimum M: x's one row, the rest masked to zero
 MAX_POLLS = 1 << 16  # per barrier, ~50 ms of polling
@@ -211,19 +210,15 @@ def main(argv=None) -> int:
     for pre in (int(v) for v in args.prefetch.split(",") if v):
         variants[f"persistent+prefetch{pre}"] = functools.partial(
             chain_persistent, block_n=args.block_n, prefetch=pre)
-    rows, ok = [], True
+    rows, failures = [], 0
     for name, fn in variants.items():
         row = measure_chain(name, fn, x, weights, want, layers=args.layers,
                             repeats=args.repeats, layer_bytes=d * d * 2, label=f"D={d} ")
         if row is None:
-            ok = False
-            continue
-        rows.append(dict(row, dim=d))
-        ok &= row["ok"]
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
-    return 0 if ok else 2
+            failures += 1
+        else:
+            rows.append(dict(row, dim=d))
+    return finish(rows, failures, args.json)
 
 
 if __name__ == "__main__":

@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import sys
 
 import jax
 import jax.numpy as jnp
 
 import pallas_kernels as pk
-from benchmarks.chain_timing import measure_chain
+from benchmarks.chain_timing import finish, measure_chain
 from pallas_kernels.decode_matmul_mgpu import DecodeMatmulConfig, decode_matmul_mgpu
 
 
@@ -67,7 +66,7 @@ def main(argv=None) -> int:
         return 1
     configs = [DecodeMatmulConfig(block_n=int(n), block_k=int(k), stages=int(s))
                for n, k, s in (c.split("x") for c in args.configs.split(","))]
-    rows, ok = [], True
+    rows, failures = [], 0
     for d in (int(v) for v in args.dims.split(",")):
         keys = jax.random.split(jax.random.key(d), args.layers + 1)
         x = jax.random.normal(keys[0], (8, d), jnp.float32).astype(jnp.bfloat16)
@@ -81,14 +80,10 @@ def main(argv=None) -> int:
                                 layers=args.layers, repeats=args.repeats, layer_bytes=d * d * 2,
                                 label=f"D={d:5d} ", racy="nowait" in name)
             if row is None:
-                ok = False
-                continue
-            rows.append(dict(row, dim=d))
-            ok &= row["ok"]
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
-    return 0 if ok else 2
+                failures += 1
+            else:
+                rows.append(dict(row, dim=d))
+    return finish(rows, failures, args.json)
 
 
 if __name__ == "__main__":
