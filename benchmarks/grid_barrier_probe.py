@@ -14,6 +14,7 @@ megakernel is worth building.
 The workload: a chain of `--layers` products y = x @ w_l, x [1, D], w_l [D, D] bf16 (each layer
 its own weight; the chain is larger than L2), y the x of the next, timed in one executable
 repeated `--repeats` times, as:
+  - norm_matmul: the model's decode matmul per product (split-K, XLA sums the chunks);
   - kernels: one Pallas Triton kernel per product (the same program body as below);
   - persistent: one kernel, a flag barrier between phases;
   - persistent+prefetch: the same, the next phase's first `--prefetch` weight tiles loaded
@@ -40,6 +41,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+import pallas_kernels as pk
 from benchmarks.chain_timing import finish, measure_chain
 
 ROWS = 16  # the dot's minimum M: x's one row, the rest masked to zero
@@ -175,6 +177,13 @@ def chain_persistent(x, weights, *, block_n=32, block_k=256, prefetch=0, interpr
     return out[-1]
 
 
+def chain_norm_matmul(x, weights):
+    """The model's decode matmul per layer (its default blocks: split-K + the XLA sum)."""
+    for w in weights:
+        x = pk.norm_matmul(x, None, w)
+    return x
+
+
 def chain_reference(x, weights):
     for w in weights:
         x = jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
@@ -205,6 +214,7 @@ def main(argv=None) -> int:
                / d ** 0.5).astype(jnp.bfloat16)  # activations keep their size along the chain
     want = jax.jit(chain_reference)(x, weights)
     variants = {"xla": chain_reference,
+                "norm_matmul (production)": chain_norm_matmul,
                 "kernels": functools.partial(chain_kernels, block_n=args.block_n),
                 "persistent": functools.partial(chain_persistent, block_n=args.block_n)}
     for pre in (int(v) for v in args.prefetch.split(",") if v):
