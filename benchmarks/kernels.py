@@ -186,7 +186,7 @@ MOSAIC_FLASH_VARIANTS = {
     128: [MC(64, 128, 2, False, "qk_pv"), MC(64, 128, 2, False, "qk_pv_intra"),
           MC(64, 128, 2, True, "qk_pv_intra"), MC(64, 128, 2, True, "qk_pv"),
           MC(64, 128, 2, True), MC(64, 64, 2, False, "qk_pv_intra", wg_ranges=True)],
-    64: [MC(64, 128, 3, True), MC(64, 128, 2, True), MC(64, 128, 2, False, "qk_pv")],
+    64: [MC(64, 128, 2, True), MC(64, 128, 3, True), MC(64, 128, 2, False, "qk_pv")],
     # D256 (run 5): qk_pv 566.5 over 533.0 without it, pingpong + qk_pv 549.0; st3 does not
     # fit shared memory. D64: st2 pp 380.5, st3 pp 374.3, qk_pv 358-374 (cuDNN 394).
     256: [MC(64, 64, 2, False, "qk_pv"), MC(64, 64, 2, False), MC(64, 64, 2, True, "qk_pv")],
