@@ -46,6 +46,21 @@ def measure_chain(name: str, fn, x, weights, want, *, layers: int, repeats: int,
     return row
 
 
+def measure_all(cases, weights, want, *, dim: int, layers: int, repeats: int,
+                label: str = "") -> tuple[list, int]:
+    """measure_chain for each (name, fn, x, racy) of `cases`: the rows (with `dim`) and the
+    number of variants that failed to run."""
+    rows, failures = [], 0
+    for name, fn, x, racy in cases:
+        row = measure_chain(name, fn, x, weights, want, layers=layers, repeats=repeats,
+                            layer_bytes=dim * dim * 2, label=label, racy=racy)
+        if row is None:
+            failures += 1
+        else:
+            rows.append(dict(row, dim=dim))
+    return rows, failures
+
+
 def finish(rows: list, failures: int, json_path: str | None) -> int:
     """Write the rows (JSON) where asked; the exit status: 0 when every variant ran and
     passed its check, else 2."""

@@ -16,7 +16,7 @@ its own weight; the chain is larger than L2), y the x of the next, timed in one 
 repeated `--repeats` times, as:
   - norm_matmul: the model's decode matmul per product (split-K, XLA sums the chunks);
   - kernels: one Pallas Triton kernel per product (the same program body as below);
-  - persistent: one kernel, a flag barrier between phases;
+  - persistent: one kernel, a counter barrier between phases;
   - persistent+prefetch: the same, the next phase's first `--prefetch` weight tiles loaded
     before the barrier.
 Every program owns `block_n` output columns for all phases (D / block_n programs, at most one
@@ -42,7 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 import pallas_kernels as pk
-from benchmarks.chain_timing import finish, measure_chain
+from benchmarks.chain_timing import finish, measure_all
 
 ROWS = 16  # the dot's minimum M: x's one row, the rest masked to zero
 MAX_POLLS = 1 << 16  # per barrier, ~50 ms of polling
@@ -220,14 +220,9 @@ def main(argv=None) -> int:
     for pre in (int(v) for v in args.prefetch.split(",") if v):
         variants[f"persistent+prefetch{pre}"] = functools.partial(
             chain_persistent, block_n=args.block_n, prefetch=pre)
-    rows, failures = [], 0
-    for name, fn in variants.items():
-        row = measure_chain(name, fn, x, weights, want, layers=args.layers,
-                            repeats=args.repeats, layer_bytes=d * d * 2, label=f"D={d} ")
-        if row is None:
-            failures += 1
-        else:
-            rows.append(dict(row, dim=d))
+    rows, failures = measure_all([(name, fn, x, False) for name, fn in variants.items()],
+                                 weights, want, dim=d, layers=args.layers,
+                                 repeats=args.repeats, label=f"D={d} ")
     return finish(rows, failures, args.json)
 
 

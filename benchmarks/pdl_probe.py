@@ -29,9 +29,8 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels as pk
-from benchmarks.chain_timing import finish, measure_chain
+from benchmarks.chain_timing import finish, measure_all
 from pallas_kernels.decode_matmul_mgpu import DecodeMatmulConfig, decode_matmul_mgpu
-
 
 
 def variants(configs):
@@ -74,15 +73,14 @@ def main(argv=None) -> int:
         weights = [(jax.random.normal(k, (d, d), jnp.float32) / d ** 0.5).astype(jnp.bfloat16)
                    for k in keys[1:]]
         want = jax.jit(functools.partial(chain, variants([])["xla"]))(x, weights)
-        for name, matmul in variants([c for c in configs if d % c.block_n == 0]).items():
-            xv = x[:1] if name == "triton" else x  # B=1 as in the model; Mosaic pads to 8 rows
-            row = measure_chain(name, functools.partial(chain, matmul), xv, weights, want,
-                                layers=args.layers, repeats=args.repeats, layer_bytes=d * d * 2,
-                                label=f"D={d:5d} ", racy="nowait" in name)
-            if row is None:
-                failures += 1
-            else:
-                rows.append(dict(row, dim=d))
+        cases = [(name, functools.partial(chain, matmul),
+                  x[:1] if name == "triton" else x,  # B=1 as in the model; Mosaic pads to 8
+                  "nowait" in name)  # races by design
+                 for name, matmul in variants([c for c in configs if d % c.block_n == 0]).items()]
+        new_rows, new_failures = measure_all(cases, weights, want, dim=d, layers=args.layers,
+                                             repeats=args.repeats, label=f"D={d:5d} ")
+        rows += new_rows
+        failures += new_failures
     return finish(rows, failures, args.json)
 
 

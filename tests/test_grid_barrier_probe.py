@@ -5,20 +5,14 @@ one after another, so a barrier across several would never open) and lower for a
 from __future__ import annotations
 
 import functools
-import importlib.util
-import pathlib
 
 import jax
 import jax.numpy as jnp
 import pytest
 
+import benchmarks.grid_barrier_probe as probe
 from kernel_testing import rel_err
 from test_gpu_lowering import S, lower_for_h200
-
-_path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "grid_barrier_probe.py"
-_spec = importlib.util.spec_from_file_location("grid_barrier_probe", _path)
-probe = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(probe)
 
 
 def _inputs(d=64, layers=3):
