@@ -63,9 +63,7 @@ def _x_tile(src, k0, block_k):
 
 def _phase(src, w_ref, cols, *, block_k: int, first=()):
     """src (see _x_tile: x [1, D]) @ w_ref[:, cols] -> [ROWS, block_n] float32 (row 0 real).
-    w_ref = (ref, *leading indices) of a [..., D, D] array. `first`: weight tiles of the first
-    steps, already loaded."""
-    w_ref, *w_lead = w_ref
+    w_ref: a [D, D] ref. `first`: weight tiles of the first steps, already loaded."""
     d = w_ref.shape[-2]
     acc = jnp.zeros((ROWS, cols.size), jnp.float32)
     for i, w in enumerate(first):
@@ -74,7 +72,7 @@ def _phase(src, w_ref, cols, *, block_k: int, first=()):
 
     def step(j, acc):
         k0 = pl.multiple_of(j * block_k, block_k)
-        w = w_ref[(*w_lead, pl.ds(k0, block_k), cols)]
+        w = w_ref[pl.ds(k0, block_k), cols]
         return acc + jnp.dot(_x_tile(src, k0, block_k), w, preferred_element_type=jnp.float32)
 
     return lax.fori_loop(len(first), d // block_k, step, acc)
@@ -90,7 +88,7 @@ def _store_row(dst, acc, cols):
 def phase_kernel(x_ref, w_ref, y_ref, *, block_n: int, block_k: int):
     # x_ref [1, D], w_ref [D, D], y_ref [1, D]; program p: columns p*block_n...
     cols = pl.ds(pl.program_id(0) * block_n, block_n)
-    _store_row((y_ref,), _phase((x_ref,), (w_ref,), cols, block_k=block_k), cols)
+    _store_row((y_ref,), _phase((x_ref,), w_ref, cols, block_k=block_k), cols)
 
 
 def _grid_barrier(counter_ref, phase, programs: int, interpret: bool):
@@ -123,45 +121,48 @@ def _grid_barrier(counter_ref, phase, programs: int, interpret: bool):
         plgpu.debug_barrier()
 
 
-def persistent_kernel(x_ref, w_ref, counter_in_ref, out_ref, counter_ref, *, block_n: int,
-                      block_k: int, prefetch: int, interpret: bool):
-    # x_ref [1, D]; w_ref [L, D, D]; out_ref [L, 1, D]: phase l's output, the x of phase l + 1;
-    # counter_ref [1] int32 (the same buffer as counter_in_ref, 0 on entry): barrier arrivals
-    del counter_in_ref
-    layers = w_ref.shape[0]
+def persistent_kernel(x_ref, *refs, block_n: int, block_k: int, prefetch: int,
+                      interpret: bool):
+    # x_ref [1, D]; refs = L weight refs [D, D] (one buffer each, as the model's layers), the
+    # counter [1] int32 (0 on entry), out [L, 1, D] (phase l's output, the x of phase l + 1),
+    # the counter again (the same buffer, aliased): barrier arrivals
+    *w_refs, _, out_ref, counter_ref = refs
+    layers = len(w_refs)
     programs = pl.num_programs(0)
     cols = pl.ds(pl.program_id(0) * block_n, block_n)
     first = ()
     for layer in range(layers):
         here = jnp.int32(layer)  # an index array (a Python int has no shape for the indexer)
         src = (x_ref,) if layer == 0 else (out_ref, here - 1)
-        acc = _phase(src, (w_ref, here), cols, block_k=block_k, first=first)
+        acc = _phase(src, w_refs[layer], cols, block_k=block_k, first=first)
         _store_row((out_ref, here), acc, cols)
         if layer + 1 < layers:
             # The next weight's first tiles do not depend on this phase: in flight while the
             # barrier waits.
-            first = tuple(w_ref[here + 1, pl.ds(i * block_k, block_k), cols]
+            first = tuple(w_refs[layer + 1][pl.ds(i * block_k, block_k), cols]
                           for i in range(prefetch))
             _grid_barrier(counter_ref, layer + 1, programs, interpret)
 
 
-def chain_kernels(x, weights, *, block_n=32, block_k=256, interpret=False):
-    """x [1, D], weights [L, D, D]: one kernel per layer."""
+def chain_kernels(x, weights, *, block_n=32, block_k=256, stages=3, warps=4, interpret=False):
+    """x [1, D], weights: L arrays [D, D] (separate buffers: a slice of one stacked array would
+    be copied before each custom call): one kernel per layer."""
     d = x.shape[1]
     call = pl.pallas_call(
         functools.partial(phase_kernel, block_n=block_n, block_k=block_k),
         grid=(d // block_n,),
         out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
+        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
         interpret=interpret, name=f"gemv_phase_d{d}")
-    for layer in range(weights.shape[0]):
-        x = call(x, weights[layer])
+    for w in weights:
+        x = call(x, w)
     return x
 
 
-def chain_persistent(x, weights, *, block_n=32, block_k=256, prefetch=0, interpret=False):
-    """x [1, D], weights [L, D, D]: one persistent kernel for all layers."""
-    layers, d, _ = weights.shape
+def chain_persistent(x, weights, *, block_n=32, block_k=256, stages=3, warps=4, prefetch=0,
+                     interpret=False):
+    """x [1, D], weights: L arrays [D, D]: one persistent kernel for all layers."""
+    layers, d = len(weights), x.shape[1]
     programs = d // block_n
     counter = jnp.zeros((1,), jnp.int32)
     out, _ = pl.pallas_call(
@@ -170,10 +171,10 @@ def chain_persistent(x, weights, *, block_n=32, block_k=256, prefetch=0, interpr
         grid=(programs,),
         out_shape=(jax.ShapeDtypeStruct((layers, *x.shape), x.dtype),
                    jax.ShapeDtypeStruct((1,), jnp.int32)),
-        input_output_aliases={2: 1},  # the counter is updated in place
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
+        input_output_aliases={1 + layers: 1},  # the counter is updated in place
+        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
         interpret=interpret, name=f"gemv_persistent_d{d}_l{layers}_pre{prefetch}")(
-            x, weights, counter)
+            x, *weights, counter)
     return out[-1]
 
 
@@ -197,6 +198,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--block-n", type=int, default=32)
     p.add_argument("--prefetch", default="1,2", help="tiles loaded before the barrier")
+    p.add_argument("--bodies", default="256x3x4,512x4x4,512x3x8",
+                   help="program bodies block_k x stages x warps, each as kernels and persistent")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     if jax.devices()[0].platform != "gpu":
@@ -210,16 +213,19 @@ def main(argv=None) -> int:
     keys = jax.random.split(jax.random.key(0), 2)
     d = args.dim
     x = jax.random.normal(keys[0], (1, d), jnp.float32).astype(jnp.bfloat16)
-    weights = (jax.random.normal(keys[1], (args.layers, d, d), jnp.float32)
-               / d ** 0.5).astype(jnp.bfloat16)  # activations keep their size along the chain
+    # Separate buffers per layer, as the model's; activations keep their size along the chain.
+    weights = [(jax.random.normal(k, (d, d), jnp.float32) / d ** 0.5).astype(jnp.bfloat16)
+               for k in jax.random.split(keys[1], args.layers)]
     want = jax.jit(chain_reference)(x, weights)
-    variants = {"xla": chain_reference,
-                "norm_matmul (production)": chain_norm_matmul,
-                "kernels": functools.partial(chain_kernels, block_n=args.block_n),
-                "persistent": functools.partial(chain_persistent, block_n=args.block_n)}
-    for pre in (int(v) for v in args.prefetch.split(",") if v):
-        variants[f"persistent+prefetch{pre}"] = functools.partial(
-            chain_persistent, block_n=args.block_n, prefetch=pre)
+    variants = {"xla": chain_reference, "norm_matmul (production)": chain_norm_matmul}
+    for body in args.bodies.split(","):
+        bk, st, wa = (int(v) for v in body.split("x"))
+        kw = dict(block_n=args.block_n, block_k=bk, stages=st, warps=wa)
+        variants[f"kernels {body}"] = functools.partial(chain_kernels, **kw)
+        variants[f"persistent {body}"] = functools.partial(chain_persistent, **kw)
+        for pre in (int(v) for v in args.prefetch.split(",") if v):
+            variants[f"persistent {body} +prefetch{pre}"] = functools.partial(
+                chain_persistent, prefetch=pre, **kw)
     rows, failures = measure_all([(name, fn, x, False) for name, fn in variants.items()],
                                  weights, want, dim=d, layers=args.layers,
                                  repeats=args.repeats, label=f"D={d} ")

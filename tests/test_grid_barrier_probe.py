@@ -17,8 +17,8 @@ from test_gpu_lowering import S, lower_for_h200
 
 def _inputs(d=64, layers=3):
     x = jax.random.normal(jax.random.key(0), (1, d), jnp.float32).astype(jnp.bfloat16)
-    w = (jax.random.normal(jax.random.key(1), (layers, d, d), jnp.float32)
-         / d ** 0.5).astype(jnp.bfloat16)
+    w = [(jax.random.normal(k, (d, d), jnp.float32) / d ** 0.5).astype(jnp.bfloat16)
+         for k in jax.random.split(jax.random.key(1), layers)]
     return x, w
 
 
@@ -36,5 +36,5 @@ def test_probe_chains_interpret(variant):
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_persistent_kernel_lowers(prefetch):
     module = lower_for_h200(functools.partial(probe.chain_persistent, prefetch=prefetch),
-                            S((1, 4096), jnp.bfloat16), S((2, 4096, 4096), jnp.bfloat16))
+                            S((1, 4096), jnp.bfloat16), [S((4096, 4096), jnp.bfloat16)] * 2)
     assert "gemv_persistent_d4096_l2" in module
