@@ -129,14 +129,20 @@ def main(argv=None) -> int:
     p.add_argument("--attn-blocks", default=None,
                    help="JSON [block_k, num_splits or null, warps, stages]: the fused decode "
                         "attention kernel's block sizes")
-    p.add_argument("--xla-add-norm", action="store_true",
-                   help="the residual add in XLA, then the RMSNorm kernel "
-                        "(layers.FUSED_ADD_NORM = False)")
+    p.add_argument("--boundaries", default=None,
+                   help="where the sublayer boundaries' residual add + RMSNorm run: xla, "
+                        "kernel, swiglu, consumers (layers.BOUNDARY_MODES; default: the "
+                        "model's)")
+    p.add_argument("--o-prefetch", type=float, default=None,
+                   help="layers.O_PREFETCH: the fraction of the o projection's weight pulled "
+                        "into L2 during the decode attention kernel (0: off)")
     args = p.parse_args(argv)
-    if args.xla_add_norm:
-        from jaxinfer.models import layers
+    from jaxinfer.models import layers
 
-        layers.FUSED_ADD_NORM = False
+    if args.boundaries:
+        layers.set_boundaries(args.boundaries)
+    if args.o_prefetch is not None:
+        layers.O_PREFETCH = args.o_prefetch
     if args.unfused:
         _use_unfused_decode_path()
     if args.blocks:

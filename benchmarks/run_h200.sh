@@ -45,7 +45,9 @@ sweep() {  # the B=1 step profiled under several configurations ($SWEEP: one per
   local q=4096,6144,1 o=4096,4096,1 gu=4096,14336,2 dn=14336,4096,1
   local blocks="{\"$q\":[16,64,256,4,3,2],\"$o\":[16,64,256,4,3,2],\"$gu\":[16,128,128,4,3,1],\"$dn\":[16,256,64,4,4,8]}"
   local configs=${SWEEP:-"
---xla-add-norm
+--boundaries xla
+--boundaries swiglu
+--boundaries consumers
 --unfused
 --attn-blocks [64,null,4,4]
 --blocks $blocks"}

@@ -86,18 +86,23 @@ def default_block_sizes(m: int, n: int, k: int, itemsize: int = 2,
 
 def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int, block_n: int,
                         block_k: int, k_chunk: int, n_weights: int, has_norm: bool,
-                        has_residual: bool, epilogue: str, partial: bool):
+                        has_residual: bool, epilogue: str, partial: bool, n_deltas: int):
     # refs, in order:
-    #   x_ref [block_m, Kp]; nw_ref [Kp] if has_norm; n_weights w_refs [Kp, block_n];
-    #   r_ref [block_m, block_n] if has_residual;
-    #   outputs: partial -> n_weights refs [block_m, block_n] float32 (this K chunk's sums);
-    #            else one ref [block_m, block_n] in x's dtype.
+    #   x_ref [block_m, Kp]; n_deltas d_refs [block_m, Kp] (float32 partial sums added to x:
+    #   the same [S, M, K] array once per chunk); nw_ref [Kp] if has_norm;
+    #   n_weights w_refs [Kp, block_n]; r_ref [block_m, block_n] if has_residual;
+    #   outputs: xo_ref [block_m, Kp] if n_deltas (x + sum(deltas), written by the programs of
+    #            the first N tile);
+    #            partial -> n_weights refs [block_m, block_n] float32 (this K chunk's sums)
+    #            (+ [block_m] sums of squares if has_norm); else one ref [block_m, block_n].
     # Kp = split_k * k_chunk >= K; positions >= K are masked, never used.
     it = iter(refs)
     x_ref = next(it)
+    d_refs = [next(it) for _ in range(n_deltas)]
     nw_ref = next(it) if has_norm else None
     w_refs = [next(it) for _ in range(n_weights)]
     r_ref = next(it) if has_residual else None
+    xo_ref = next(it) if n_deltas else None
     o_refs = list(it)
 
     rows = pl.program_id(0) * block_m + jnp.arange(block_m)
@@ -116,32 +121,53 @@ def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int,
     chunk_start = pl.program_id(2) * k_chunk
     chunk_end = jnp.minimum(chunk_start + k_chunk, k)
 
-    def x_tile(start, masked: bool):
+    def x_tile(start, masked: bool, ref=x_ref):
         # [block_k] mask of the K positions in this chunk, and the x tile [block_m, block_k].
         k_ok = (start + jnp.arange(block_k)) < chunk_end if masked else None
-        x = load(x_ref.at[:, pl.ds(start, block_k)],
+        x = load(ref.at[:, pl.ds(start, block_k)],
                  both(row_ok, None if k_ok is None else k_ok[None, :]))
         return k_ok, x
 
-    def norm_operands(start):
-        # x and norm_weight tiles at `start` (a prefetch past the chunk's end reads nothing).
+    def operands(start):
+        # The x, delta and norm_weight tiles at `start` (a prefetch past the chunk's end reads
+        # nothing).
         k_ok, x = x_tile(start, masked=True)
-        return x, plgpu.load(nw_ref.at[pl.ds(start, block_k)], mask=k_ok, other=0)
+        tiles = [x] + [x_tile(start, True, d_ref)[1] for d_ref in d_refs]
+        if has_norm:
+            tiles.append(plgpu.load(nw_ref.at[pl.ds(start, block_k)], mask=k_ok, other=0))
+        return tuple(tiles)
+
+    prefetched = has_norm or n_deltas > 0
+    # The programs of the first N tile write x + sum(deltas) (each its own K chunk).
+    writes_x = pl.program_id(1) == 0
 
     def step(j, carry):
         accs, ss, *cur = carry
         start = multiple_of(chunk_start + j * block_k, block_k)
-        if has_norm:
-            # rms_norm(x) @ w = inv_rms * ((x * norm_weight) @ w): the sum of squares gathers
-            # in the same pass and the scale waits for the epilogue. x and norm_weight feed
-            # elementwise math, not the dot, so Triton's pipeliner leaves their loads in
-            # place; they are prefetched one tile ahead by hand (in the carry) instead.
-            x, nw = cur
-            cur = norm_operands(start + block_k)
+        if prefetched:
+            # The x tile is built by elementwise math (the deltas' sum, the norm weight), not
+            # fed to the dot as loaded, so Triton's pipeliner leaves these loads in place;
+            # they are prefetched one tile ahead by hand (in the carry) instead.
+            x, *deltas = cur[:1 + n_deltas]
+            nw = cur[-1] if has_norm else None
+            cur = operands(start + block_k)
             k_ok = (start + jnp.arange(block_k)) < chunk_end if mask_k else None  # [block_k]
-            xf = x.astype(jnp.float32)
-            ss = ss + xf * xf  # [block_m, block_k]; reduced once, after the loop
-            x = (xf * nw.astype(jnp.float32)[None, :]).astype(x.dtype)
+            if n_deltas:
+                # The chunks in order, then the residual, as add_rms_norm sums them; one
+                # rounding to x's dtype (the residual stream's).
+                total = deltas[0].astype(jnp.float32)
+                for dt in deltas[1:]:
+                    total += dt.astype(jnp.float32)
+                x = (total + x.astype(jnp.float32)).astype(x.dtype)
+                x_mask = jnp.broadcast_to(writes_x, (block_m, block_k))
+                x_mask = both(both(x_mask, row_ok), None if k_ok is None else k_ok[None, :])
+                plgpu.store(xo_ref.at[:, pl.ds(start, block_k)], x, mask=x_mask)
+            if has_norm:
+                # rms_norm(x) @ w = inv_rms * ((x * norm_weight) @ w): the sum of squares
+                # gathers in the same pass and the scale waits for the epilogue.
+                xf = x.astype(jnp.float32)
+                ss = ss + xf * xf  # [block_m, block_k]; reduced once, after the loop
+                x = (xf * nw.astype(jnp.float32)[None, :]).astype(x.dtype)
         else:
             k_ok, x = x_tile(start, mask_k)
         w_mask = both(None if k_ok is None else k_ok[:, None], col_ok)
@@ -150,10 +176,11 @@ def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int,
         return (accs, ss, *cur)
 
     zeros = jnp.zeros((block_m, block_n), jnp.float32)
-    init = ((zeros,) * n_weights, None)  # (accumulators, squares of x when has_norm)
-    if has_norm:
-        init = ((zeros,) * n_weights, jnp.zeros((block_m, block_k), jnp.float32),
-                *norm_operands(multiple_of(chunk_start, block_k)))
+    # (accumulators, squares of x when has_norm, the prefetched operand tiles)
+    init = ((zeros,) * n_weights,
+            jnp.zeros((block_m, block_k), jnp.float32) if has_norm else None)
+    if prefetched:
+        init = (*init, *operands(multiple_of(chunk_start, block_k)))
     accs, ss, *_ = lax.fori_loop(0, k_chunk // block_k, step, init)
     if has_norm:
         ss = jnp.sum(ss, axis=1)  # [block_m]: this chunk's sum of squares of each x row
@@ -189,14 +216,18 @@ def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int,
 @functools.partial(jax.jit, static_argnames=("eps", "blocks", "epilogue", "interpret",
                                              "out_dtype", "partials"))
 def fused_matmul(x, norm_weight, weights, residual, *, eps, blocks, epilogue, interpret,
-                 out_dtype=None, partials=False):
+                 out_dtype=None, partials=False, deltas=None):
     """x [M, K]; norm_weight [K] or None; weights: tuple of [K, N] (1, or 2 for SwiGLU);
     residual [M, N] or None -> [M, N] in out_dtype (default x's dtype). partials=True (one
-    weight, no norm, residual or epilogue): the float32 K-chunk sums [S, M, N] unreduced, for
-    a consumer that adds them itself (add_rms_norm). Shapes are checked by the public
-    wrappers."""
+    weight, no residual or epilogue): the float32 K-chunk sums [S, M, N] unreduced, for a
+    consumer that adds them itself (add_rms_norm, the decode attention kernel); with a norm,
+    (those sums of (x * norm_weight) @ w, each chunk's sums of squares of x [S, M]): the
+    consumer scales the total by rsqrt(sum of squares / K + eps).
+    deltas [S, M, K] float32 or None: the matmul's x is x + sum(deltas) (a residual add of a
+    split-K producer's chunks, rounded once to x's dtype); the result is then (x + sum(deltas),
+    the output as above). Shapes are checked by the public wrappers."""
     if partials:
-        assert norm_weight is None and residual is None and len(weights) == 1, "plain matmul only"
+        assert residual is None and len(weights) == 1, "plain matmul only"
         out_dtype = jnp.float32
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     m, k = x.shape
@@ -208,10 +239,16 @@ def fused_matmul(x, norm_weight, weights, residual, *, eps, blocks, epilogue, in
     # The blocks span whole chunks: the masked tail tiles then index inside the block
     # (interpret mode pads the arrays to the block shape).
     kp = split * k_chunk
-    partial = split > 1
+    # Partial sums out of the kernel: a split K, or a consumer that applies the norm itself.
+    partial = split > 1 or (partials and norm_weight is not None)
     tile = pl.BlockSpec((bm, bn), lambda i, j, s: (i, j))
-    in_specs = [pl.BlockSpec((bm, kp), lambda i, j, s: (i, 0))]
+    x_band = pl.BlockSpec((bm, kp), lambda i, j, s: (i, 0))  # rows of x, all of K
+    in_specs = [x_band]
     args = [x]
+    n_deltas = 0 if deltas is None else deltas.shape[0]
+    for c in range(n_deltas):  # the same array once per chunk: every ref is 2-D
+        in_specs.append(pl.BlockSpec((None, bm, kp), lambda i, j, s, c=c: (c, i, 0)))
+        args.append(deltas)
     if norm_weight is not None:
         in_specs.append(pl.BlockSpec((kp,), lambda i, j, s: (0,)))
         args.append(norm_weight)
@@ -228,11 +265,14 @@ def fused_matmul(x, norm_weight, weights, residual, *, eps, blocks, epilogue, in
             out_specs.append(pl.BlockSpec((None, bm), lambda i, j, s: (s, i)))
             out_shape.append(jax.ShapeDtypeStruct((split, m), jnp.float32))
     else:
-        out_specs, out_shape = tile, jax.ShapeDtypeStruct((m, n), out_dtype)
+        out_specs, out_shape = [tile], [jax.ShapeDtypeStruct((m, n), out_dtype)]
+    if n_deltas:  # x + sum(deltas), the next residual stream
+        out_specs = [x_band] + out_specs
+        out_shape = [jax.ShapeDtypeStruct((m, k), x.dtype)] + out_shape
     kernel = functools.partial(
         fused_matmul_kernel, m=m, n=n, k=k, eps=eps, block_m=bm, block_n=bn, block_k=bk,
         k_chunk=k_chunk, n_weights=len(weights), has_norm=norm_weight is not None,
-        has_residual=has_residual, epilogue=epilogue, partial=partial)
+        has_residual=has_residual, epilogue=epilogue, partial=partial, n_deltas=n_deltas)
     out = pl.pallas_call(
         kernel,
         grid=(pl.cdiv(m, bm), pl.cdiv(n, bn), split),
@@ -243,15 +283,26 @@ def fused_matmul(x, norm_weight, weights, residual, *, eps, blocks, epilogue, in
                                              num_stages=blocks.num_stages),
         interpret=interpret,
         # The shape in the name tells the projections apart in a profile.
-        name=f"{'norm_' if norm_weight is not None else ''}matmul_{epilogue}_k{k}_n{n}"
-             + (f"_split{split}" if partial else ""),
+        name=f"{'add_' if n_deltas else ''}{'norm_' if norm_weight is not None else ''}"
+             f"matmul_{epilogue}_k{k}_n{n}" + (f"_split{split}" if partial else ""),
     )(*args)
+    if n_deltas:
+        x_new, *out = out
+        return x_new, _finish(out, x, norm_weight, residual, eps=eps, epilogue=epilogue,
+                              out_dtype=out_dtype, partial=partial, partials=partials)
+    return _finish(out, x, norm_weight, residual, eps=eps, epilogue=epilogue,
+                   out_dtype=out_dtype, partial=partial, partials=partials)
+
+
+def _finish(out, x, norm_weight, residual, *, eps, epilogue, out_dtype, partial, partials):
+    """The pallas_call's outputs (a list) -> the result fused_matmul documents."""
+    k = x.shape[1]
     if not partial:
-        return out[None] if partials else out
-    if partials:
-        return out[0]  # [S, M, N] float32
+        return out[0][None] if partials else out[0]
+    if partials:  # [S, M, N] float32 (+ the sums of squares [S, M] with a norm)
+        return out[0] if norm_weight is None else (out[0], out[1])
     # XLA sums the K chunks and applies the epilogue, fused into one elementwise pass.
-    sums = [jnp.sum(p, axis=0) for p in out[:len(weights)]]  # [M, N] float32 each
+    sums = [jnp.sum(p, axis=0) for p in out[:-1 if norm_weight is not None else None]]
     if norm_weight is not None:
         inv_rms = lax.rsqrt(jnp.sum(out[-1], axis=0) / k + eps)[:, None]  # [M, 1]
         sums = [acc * inv_rms for acc in sums]
@@ -266,6 +317,21 @@ def fused_matmul(x, norm_weight, weights, residual, *, eps, blocks, epilogue, in
 # ---------------------------------------------------------------------------------------------
 # norm_matmul: wrapper and reference
 # ---------------------------------------------------------------------------------------------
+
+
+def check_deltas(op: str, x, deltas) -> None:
+    """deltas must be float32 [S, *x.shape] (a split-K producer's chunks)."""
+    check_array(op, "deltas", deltas, getattr(deltas, "ndim", 0))
+    if deltas.ndim != x.ndim + 1 or tuple(deltas.shape[1:]) != tuple(x.shape):
+        raise ValueError(f"{op}: deltas {tuple(deltas.shape)} must be [S, *x.shape] with x "
+                         f"{tuple(x.shape)} (S partial sums added to x)")
+    if deltas.dtype != jnp.float32:
+        raise ValueError(f"{op}: deltas must be float32 partial sums, got {deltas.dtype}")
+
+
+def add_deltas_reference(x, deltas):
+    """x + sum(deltas): the chunks summed in float32 with x, rounded once to x's dtype."""
+    return (jnp.sum(deltas, axis=0) + x.astype(jnp.float32)).astype(x.dtype)
 
 
 def _validate(x, norm_weight, w, residual):
@@ -297,17 +363,25 @@ def _validate(x, norm_weight, w, residual):
 
 
 def norm_matmul(x, norm_weight, w, *, eps: float = 1e-6, residual=None, out_dtype=None,
-                partials: bool = False, interpret: bool = False,
+                partials: bool = False, deltas=None, interpret: bool = False,
                 block_sizes: MatmulBlockSizes | None = None):
     """rms_norm(x, norm_weight) @ w (+ residual); x [M, K], norm_weight [K] (None: no norm,
     a plain matmul), w [K, *N], residual [M, *N] -> [M, *N] in out_dtype, default x's dtype
     (float32 statistics and accumulation, the residual added in float32 before the one
     rounding; out_dtype=float32 keeps the accumulator, as for logits).
-    partials=True (plain matmul only): float32 [S, M, *N] whose sum over S is x @ w, left
-    unreduced for a consumer that sums them itself (the K split's S chunks; S = 1 unsplit)."""
+    partials=True (no residual or out_dtype): float32 [S, M, *N] whose sum over S is x @ w,
+    left unreduced for a consumer that sums them itself (the K split's S chunks; S = 1
+    unsplit). With norm_weight: (float32 [S, M, *N] whose sum is (x * norm_weight) @ w, the
+    chunks' sums of squares of x [S, M]); the consumer multiplies the sum by
+    rsqrt(sum of squares / K + eps) (`apply_norm_partials`).
+    deltas [S', M, K] float32: x is first replaced by x + sum(deltas) (a split-K producer's
+    chunks added to the residual stream, rounded once to x's dtype, in the same pass); the
+    result is then (x + sum(deltas), the output as above)."""
     _validate(x, norm_weight, w, residual)
-    if partials and (norm_weight is not None or residual is not None or out_dtype is not None):
-        raise ValueError("norm_matmul: partials=True is for a plain matmul (no norm_weight, "
+    if deltas is not None:
+        check_deltas("norm_matmul", x, deltas)
+    if partials and (residual is not None or out_dtype is not None):
+        raise ValueError("norm_matmul: partials=True is for a plain or normed matmul (no "
                          "residual or out_dtype)")
     n = math.prod(w.shape[1:])
     m, k = x.shape
@@ -316,16 +390,39 @@ def norm_matmul(x, norm_weight, w, *, eps: float = 1e-6, residual=None, out_dtyp
                        None if residual is None else residual.reshape(m, n),
                        eps=float(eps), blocks=blocks, epilogue="none", interpret=interpret,
                        out_dtype=None if out_dtype is None else jnp.dtype(out_dtype).name,
-                       partials=partials)
-    return out.reshape(*out.shape[:-2], m, *w.shape[1:])
+                       partials=partials, deltas=deltas)
+    x_new = None
+    if deltas is not None:
+        x_new, out = out
+    ss = None
+    if partials and norm_weight is not None:
+        out, ss = out
+    out = out.reshape(*out.shape[:-2], m, *w.shape[1:])
+    if ss is not None:
+        out = (out, ss)
+    return out if x_new is None else (x_new, out)
+
+
+def apply_norm_partials(parts, ss, k: int, eps: float):
+    """The finished normed matmul from `norm_matmul(..., partials=True)` with a norm:
+    parts [S, M, *N], ss [S, M] -> float32 [M, *N] (what a consumer kernel does in its
+    gather)."""
+    inv_rms = lax.rsqrt(jnp.sum(ss, axis=0) / k + eps)  # [M]
+    return jnp.sum(parts, axis=0) * inv_rms.reshape(-1, *(1,) * (parts.ndim - 2))
 
 
 def norm_matmul_reference(x, norm_weight, w, *, eps: float = 1e-6, residual=None,
-                          out_dtype=None, interpret: bool = False):
+                          out_dtype=None, deltas=None, interpret: bool = False):
     """rms_norm(x) @ w (+ residual) in plain jnp: HF RMSNorm, float32 accumulation, the residual
-    added in float32 before the cast to x's dtype (interpret is ignored)."""
+    added in float32 before the cast to x's dtype (interpret is ignored). deltas as in
+    norm_matmul (returns (x + sum(deltas), the output)); no partials here."""
     del interpret
     _validate(x, norm_weight, w, residual)
+    if deltas is not None:
+        check_deltas("norm_matmul", x, deltas)
+        x = add_deltas_reference(x, deltas)
+        return x, norm_matmul_reference(x, norm_weight, w, eps=eps, residual=residual,
+                                        out_dtype=out_dtype)
     h = x if norm_weight is None else rms_norm_reference(x, norm_weight, eps=eps)  # [M, K]
     y = lax.dot_general(h, w, (((1,), (0,)), ((), ())), precision=ref_precision(x.dtype),
                         preferred_element_type=jnp.float32)  # [M, *N]

@@ -13,13 +13,16 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels._common import check_array, check_same_dtype, ref_precision
-from pallas_kernels.norm_matmul import MatmulBlockSizes, default_block_sizes, fused_matmul
+from pallas_kernels.norm_matmul import (MatmulBlockSizes, add_deltas_reference, check_deltas,
+                                        default_block_sizes, fused_matmul)
 from pallas_kernels.rms_norm import rms_norm_reference
 
 
-def _validate(x, w_gate, w_up, norm_weight=None):
+def _validate(x, w_gate, w_up, norm_weight=None, deltas=None):
     op = "swiglu"
     check_array(op, "x", x, 2)
+    if deltas is not None:
+        check_deltas(op, x, deltas)
     check_array(op, "w_gate", w_gate, 2)
     check_array(op, "w_up", w_up, 2)
     arrays = dict(x=x, w_gate=w_gate, w_up=w_up)
@@ -38,23 +41,30 @@ def _validate(x, w_gate, w_up, norm_weight=None):
                          f"{w_gate.shape[0]} rows (weights are [K, N], [in, out])")
 
 
-def swiglu(x, w_gate, w_up, *, norm_weight=None, eps: float = 1e-6, interpret: bool = False,
-           block_sizes: MatmulBlockSizes | None = None):
+def swiglu(x, w_gate, w_up, *, norm_weight=None, eps: float = 1e-6, deltas=None,
+           interpret: bool = False, block_sizes: MatmulBlockSizes | None = None):
     """silu(h @ w_gate) * (h @ w_up); x [M, K], w_* [K, N] -> [M, N] in x's dtype, where h is x,
-    or rms_norm(x, norm_weight, eps) (HF semantics) fused into the prologue when norm_weight
-    [K] is given."""
-    _validate(x, w_gate, w_up, norm_weight)
+    or rms_norm(x, norm_weight, eps) (HF semantics) fused into the main loop when norm_weight
+    [K] is given.
+    deltas [S, M, K] float32 (a split-K producer's chunks): x is first replaced by
+    x + sum(deltas) (rounded once to x's dtype), the decoder's residual add done in the same
+    pass; returns (x + sum(deltas), the SwiGLU output) then."""
+    _validate(x, w_gate, w_up, norm_weight, deltas)
     blocks = block_sizes or default_block_sizes(x.shape[0], w_gate.shape[1], x.shape[1],
                                                 x.dtype.itemsize, n_weights=2)
     return fused_matmul(x, norm_weight, (w_gate, w_up), None, eps=float(eps), blocks=blocks,
-                        epilogue="swiglu", interpret=interpret)
+                        epilogue="swiglu", interpret=interpret, deltas=deltas)
 
 
-def swiglu_reference(x, w_gate, w_up, *, norm_weight=None, eps: float = 1e-6,
+def swiglu_reference(x, w_gate, w_up, *, norm_weight=None, eps: float = 1e-6, deltas=None,
                      interpret: bool = False):
-    """silu(h @ w_gate) * (h @ w_up) with float32 accumulation, in plain jnp (h as in swiglu)."""
+    """silu(h @ w_gate) * (h @ w_up) with float32 accumulation, in plain jnp (h and the
+    deltas' residual add as in swiglu)."""
     del interpret
-    _validate(x, w_gate, w_up, norm_weight)
+    _validate(x, w_gate, w_up, norm_weight, deltas)
+    if deltas is not None:
+        x = add_deltas_reference(x, deltas)
+        return x, swiglu_reference(x, w_gate, w_up, norm_weight=norm_weight, eps=eps)
     if norm_weight is not None:
         x = rms_norm_reference(x, norm_weight, eps=eps)
     hp = ref_precision(x.dtype)

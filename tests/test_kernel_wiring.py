@@ -62,12 +62,21 @@ def decode_steps(params, config, ids):
     return np.asarray(jnp.concatenate(out, axis=1)), cache
 
 
-@pytest.mark.parametrize("fused_add_norm", [False, True], ids=["xla_add", "fused_add"])
+BOUNDARIES = layers.BOUNDARY_MODES
+
+
+def set_boundaries(monkeypatch, mode: str) -> None:
+    """The sublayer-boundary flags of layers.py for the named mode (undone after the test)."""
+    for flag, on in zip(("FUSED_ADD_NORM", "SWIGLU_ADD_NORM", "QKV_ADD_NORM"), BOUNDARIES[mode]):
+        monkeypatch.setattr(layers, flag, on)
+
+
+@pytest.mark.parametrize("boundary", list(BOUNDARIES))
 @pytest.mark.parametrize("variant", [{}, {"layer_windows": (5, None)}, {"qkv_bias": True}],
                          ids=["llama3", "window", "qkv_bias"])
-def test_kernel_path_matches_reference_path(kernels_in_interpret_mode, variant, fused_add_norm,
+def test_kernel_path_matches_reference_path(kernels_in_interpret_mode, variant, boundary,
                                             monkeypatch):
-    monkeypatch.setattr(layers, "FUSED_ADD_NORM", fused_add_norm)
+    set_boundaries(monkeypatch, boundary)
     config = tiny_config(**variant)
     params = layers.init_params(llama.param_specs(config), jax.random.key(0), jnp.bfloat16)
     if config.qkv_bias:  # non-zero biases, so that a dropped bias shows
@@ -81,11 +90,18 @@ def test_kernel_path_matches_reference_path(kernels_in_interpret_mode, variant, 
 
         def spy(*a, _fn=fn, _name=name, **k):
             calls.append(_name)
+            if k.get("deltas") is not None:
+                calls.append(f"{_name}+deltas")
             return _fn(*a, **k)
         monkeypatch.setattr(pallas_kernels, name, spy)
     fused, cache = decode_steps(params, config, ids)
     want = {"decode_attention_append", "norm_matmul", "rms_norm", "swiglu"}
-    assert set(calls) == want | ({"add_rms_norm"} if fused_add_norm else set())
+    # (with the boundaries in the consumers' matmuls add_rms_norm is still the final norm's)
+    add_kernel, in_swiglu, in_qkv = BOUNDARIES[boundary]
+    want |= {"add_rms_norm"} if add_kernel else set()
+    want |= {"swiglu+deltas"} if in_swiglu else set()
+    want |= {"norm_matmul+deltas"} if in_qkv and not config.qkv_bias else set()
+    assert set(calls) == want
     monkeypatch.setattr(layers, "use_kernels", lambda dtype: False)
     ref, ref_cache = decode_steps(params, config, ids)
     for i in range(ids.shape[1]):
@@ -100,13 +116,13 @@ def test_kernel_path_matches_reference_path(kernels_in_interpret_mode, variant, 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
-@pytest.mark.parametrize("fused_add_norm", [False, True], ids=["xla_add", "fused_add"])
+@pytest.mark.parametrize("boundary", list(BOUNDARIES))
 @pytest.mark.parametrize("variant", [{}, {"layer_windows": (5, None)}, {"qkv_bias": True}],
                          ids=["llama3", "window", "qkv_bias"])
-def test_kernel_path_matches_reference_path_gpu(variant, fused_add_norm, monkeypatch):
+def test_kernel_path_matches_reference_path_gpu(variant, boundary, monkeypatch):
     """The same on the H200 with the compiled kernels (the HF fixtures' head dim 16 is below
     the fused attention kernel's 32, so test_gpu.py does not reach that kernel)."""
-    monkeypatch.setattr(layers, "FUSED_ADD_NORM", fused_add_norm)
+    set_boundaries(monkeypatch, boundary)
     config = tiny_config(**variant)
     params = layers.init_params(llama.param_specs(config), jax.random.key(0), jnp.bfloat16)
     ids = jax.random.randint(jax.random.key(2), (2, 13), 0, config.vocab_size)

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from jaxinfer.models import layers
-from pallas_kernels.norm_matmul import (MatmulBlockSizes, norm_matmul,
+from pallas_kernels.norm_matmul import (MatmulBlockSizes, apply_norm_partials, norm_matmul,
                                         norm_matmul_reference)
+from pallas_kernels.rms_norm import add_rms_norm_reference
 from pallas_kernels.swiglu import swiglu, swiglu_reference
 from kernel_testing import rel_err
 
@@ -85,7 +86,7 @@ def test_partials_sum_to_the_product(blocks):
     assert parts.dtype == jnp.float32 and parts.shape == (blocks.split_k, 3, 2, 24)
     ref = norm_matmul_reference(x, None, w, out_dtype=jnp.float32)
     assert rel_err(parts.sum(0), ref) < 1e-5
-    with pytest.raises(ValueError, match="partials=True is for a plain matmul"):
+    with pytest.raises(ValueError, match="partials=True is for a plain or normed matmul"):
         norm_matmul(x, None, w, residual=ref.astype(x.dtype), partials=True, interpret=True)
 
 
@@ -113,6 +114,72 @@ def test_default_blocks_and_norm_matters():
     out = norm_matmul(x, nw, w, eps=EPS, interpret=True)
     assert rel_err(out, norm_matmul_reference(x, nw, w, eps=EPS)) < TOL[jnp.float32]
     assert rel_err(out, layers.linear(x, w)) > 0.1
+
+
+def deltas_for(seed, x, chunks=2):
+    """float32 partial sums [S, *x.shape] at x's scale (a split-K producer's chunks)."""
+    return 0.5 * jax.random.normal(jax.random.PRNGKey(seed), (chunks, *x.shape), jnp.float32)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("blocks", [SMALL, SPLIT], ids=["one_chunk", "split_k"])
+def test_swiglu_adds_deltas_to_the_residual_in_its_main_loop(blocks, dtype):
+    # The decoder's attention -> MLP boundary in the SwiGLU kernel: x + sum(deltas) written
+    # out (by the first N tile's programs, whole), its RMSNorm and SwiGLU, against the model's
+    # boundary (add_norm's reference) followed by the unfused MLP.
+    x, nw, _, _ = inputs(14, 5, 200, (1,), dtype)
+    deltas = deltas_for(15, x, chunks=3)
+    keys = jax.random.split(jax.random.PRNGKey(4), 2)
+    wg, wu = ((jax.random.normal(kk, (200, 72)) / np.sqrt(200)).astype(dtype) for kk in keys)
+    x_new, out = swiglu(x, wg, wu, norm_weight=nw, eps=EPS, deltas=deltas, interpret=True,
+                        block_sizes=blocks)
+    x_ref, ref = swiglu_reference(x, wg, wu, norm_weight=nw, eps=EPS, deltas=deltas)
+    np.testing.assert_array_equal(np.asarray(x_new), np.asarray(x_ref))  # one rounding, same order
+    assert out.shape == (5, 72) and out.dtype == x.dtype
+    assert rel_err(out, ref) < TOL[dtype]
+    x_model, h = add_rms_norm_reference(x, deltas, nw, eps=EPS)  # the model's boundary
+    np.testing.assert_array_equal(np.asarray(x_new), np.asarray(x_model))
+    assert rel_err(out, layers.swiglu_act(h, {"w_gate": wg, "w_up": wu})) < TOL[dtype]
+    assert rel_err(out, swiglu_reference(x, wg, wu, norm_weight=nw, eps=EPS)) > 0.1
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("blocks", [SMALL, SPLIT], ids=["one_chunk", "split_k"])
+def test_normed_partials_with_deltas(blocks, dtype):
+    # The MLP -> attention boundary in the q/k/v matmul: x + sum(deltas), and the chunks of
+    # (x_new * norm_weight) @ w with their sums of squares, finished by apply_norm_partials
+    # (what the decode attention kernel does) = the model's boundary, then the projection.
+    x, nw, w, _ = inputs(16, 3, 200, (2, 24), dtype)
+    deltas = deltas_for(17, x)
+    x_new, (parts, ss) = norm_matmul(x, nw, w, eps=EPS, partials=True, deltas=deltas,
+                                     interpret=True, block_sizes=blocks)
+    assert parts.shape == (blocks.split_k, 3, 2, 24) and ss.shape == (blocks.split_k, 3)
+    x_model, h = add_rms_norm_reference(x, deltas, nw, eps=EPS)  # the model's boundary
+    np.testing.assert_array_equal(np.asarray(x_new), np.asarray(x_model))
+    y = apply_norm_partials(parts, ss, 200, EPS)
+    assert rel_err(y, layers.linear(h, w)) < TOL[dtype]
+    x_ref, ref = norm_matmul_reference(x, nw, w, eps=EPS, deltas=deltas)
+    np.testing.assert_array_equal(np.asarray(x_new), np.asarray(x_ref))
+    assert rel_err(y, ref) < TOL[dtype]
+    # Unnormed chunks differ: the scale is left to the consumer.
+    assert rel_err(parts.sum(0), ref) > 0.1
+    # No deltas: the same chunks of x itself.
+    parts0, ss0 = norm_matmul(x, nw, w, eps=EPS, partials=True, interpret=True,
+                              block_sizes=blocks)
+    assert rel_err(apply_norm_partials(parts0, ss0, 200, EPS),
+                   norm_matmul_reference(x, nw, w, eps=EPS)) < TOL[dtype]
+
+
+def test_bad_deltas_raise_clear_errors():
+    x, nw, w, _ = inputs(0, 3, 64, (8,), jnp.float32)
+    d = deltas_for(1, x)
+    for bad, needle in ((d[0], "must be [S, *x.shape]"), (d[:, :2], "must be [S, *x.shape]"),
+                        (d.astype(jnp.bfloat16), "float32 partial sums")):
+        with pytest.raises(ValueError, match="norm_matmul") as err:
+            norm_matmul(x, nw, w, deltas=bad, interpret=True)
+        assert needle in str(err.value)
+        with pytest.raises(ValueError, match="swiglu"):
+            swiglu(x, w, w, deltas=bad, interpret=True)
 
 
 @pytest.mark.parametrize("fn", [norm_matmul, norm_matmul_reference], ids=["kernel", "reference"])
@@ -145,3 +212,22 @@ def test_norm_matmul_gpu_decode_shape(with_residual):
     out = norm_matmul(x, nw, w, eps=EPS, residual=residual)
     ref = norm_matmul_reference(x, nw, w, eps=EPS, residual=residual)
     assert rel_err(out, ref) < TOL[jnp.bfloat16]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
+def test_boundaries_in_the_consumers_gpu_decode_shapes():
+    # Llama-3-8B at batch 1, default blocks: SwiGLU (K 4096, N 14336) adding o's 2 chunks, and
+    # the q/k/v projection adding down's 8 chunks, with the norm deferred to the consumer.
+    x, nw, w, _ = inputs(2, 1, 4096, (8, 6, 128), jnp.bfloat16)
+    keys = jax.random.split(jax.random.PRNGKey(5), 2)
+    wg, wu = ((jax.random.normal(kk, (4096, 14336)) / 64).astype(jnp.bfloat16) for kk in keys)
+    d2, d8 = deltas_for(3, x, 2), deltas_for(4, x, 8)
+    x_new, out = swiglu(x, wg, wu, norm_weight=nw, eps=EPS, deltas=d2)
+    x_ref, ref = swiglu_reference(x, wg, wu, norm_weight=nw, eps=EPS, deltas=d2)
+    np.testing.assert_array_equal(np.asarray(x_new), np.asarray(x_ref))
+    assert rel_err(out, ref) < TOL[jnp.bfloat16]
+    x_new, (parts, ss) = norm_matmul(x, nw, w, eps=EPS, partials=True, deltas=d8)
+    x_ref, ref = norm_matmul_reference(x, nw, w, eps=EPS, deltas=d8)
+    np.testing.assert_array_equal(np.asarray(x_new), np.asarray(x_ref))
+    assert rel_err(apply_norm_partials(parts, ss, 4096, EPS), ref) < TOL[jnp.bfloat16]

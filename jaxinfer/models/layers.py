@@ -140,7 +140,9 @@ FUSED_ADD_NORM = True
 def add_norm(x: jax.Array, delta, weight: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
     """The pre-norm decoder's sublayer boundary: (x + delta, rms_norm(x + delta)). delta is an
     array [..., D] in x's dtype, or Partials, whose chunks are summed in float32 with the
-    residual and rounded once to x's dtype."""
+    residual and rounded once to x's dtype, or None (the first layer: (x, rms_norm(x)))."""
+    if delta is None:
+        return x, norm(x, weight, eps)
     if isinstance(delta, Partials):
         if FUSED_ADD_NORM:
             from pallas_kernels import add_rms_norm
@@ -150,6 +152,74 @@ def add_norm(x: jax.Array, delta, weight: jax.Array, eps: float) -> tuple[jax.Ar
     else:
         x = x + delta
     return x, norm(x, weight, eps)
+
+
+# Where the decode path's sublayer boundaries (residual add + RMSNorm) run, by name, as
+# (FUSED_ADD_NORM, SWIGLU_ADD_NORM, QKV_ADD_NORM): "xla" (XLA's add, the RMSNorm kernel),
+# "kernel" (add_rms_norm), "swiglu" (the attention -> MLP one in the SwiGLU kernel),
+# "consumers" (both in the consuming matmuls). For benchmarks and tests: set_boundaries.
+BOUNDARY_MODES = {"xla": (False, False, False), "kernel": (True, False, False),
+                  "swiglu": (True, True, False), "consumers": (True, True, True)}
+
+
+def set_boundaries(mode: str) -> None:
+    """Set the three boundary flags of this module to BOUNDARY_MODES[mode] (trace-time
+    switches: jit again after a change)."""
+    global FUSED_ADD_NORM, SWIGLU_ADD_NORM, QKV_ADD_NORM
+    if mode not in BOUNDARY_MODES:
+        raise ValueError(f"unknown boundary mode {mode!r}; one of {sorted(BOUNDARY_MODES)}")
+    FUSED_ADD_NORM, SWIGLU_ADD_NORM, QKV_ADD_NORM = BOUNDARY_MODES[mode]
+
+
+# The MLP -> next attention boundary on the decode path: True adds the MLP's Partials to the
+# residual stream and norms inside the q/k/v matmul's main loop, whose chunks the attention
+# kernel then scales by the norm's rsqrt (`norm_qkv`); False runs `add_norm` first.
+QKV_ADD_NORM = False
+
+
+def norm_qkv(x: jax.Array, delta, weight: jax.Array, w: jax.Array, b: jax.Array | None,
+             eps: float):
+    """The attention input of a pre-norm layer on the fused decode path: x + delta -> (that
+    residual stream, the q/k/v projection of its RMSNorm (`linear_delta`), the deferred norm
+    or None). x [..., D]; delta as in `add_norm`; w [D, *N], b [*N] or None. With
+    QKV_ADD_NORM (no bias) the projection is Partials [S, ..., *N] of (x * weight) @ w and
+    the norm is (sums of squares [S, M], D, eps), for `decode_attention_qkv` to finish."""
+    if (QKV_ADD_NORM and b is None and decode_kernels(x)
+            and (delta is None or isinstance(delta, Partials))):
+        from pallas_kernels import norm_matmul
+
+        d = x.shape[-1]
+        deltas = None if delta is None else delta.parts.reshape(delta.parts.shape[0], -1, d)
+        out = norm_matmul(x.reshape(-1, d), weight, w, eps=eps, partials=True, deltas=deltas)
+        x_new, (parts, ss) = out if deltas is not None else (x.reshape(-1, d), out)
+        parts = parts.reshape(parts.shape[0], *x.shape[:-1], *w.shape[1:])
+        return x_new.reshape(x.shape), Partials(parts), (ss, d, eps)
+    x, h = add_norm(x, delta, weight, eps)
+    return x, linear_delta(h, w, b), None
+
+
+# The attention -> MLP boundary on the decode path: True adds the attention's Partials to the
+# residual stream and norms inside the SwiGLU kernel's main loop (`norm_mlp`), so the boundary
+# has no kernel of its own; False runs `add_norm` first.
+SWIGLU_ADD_NORM = False
+
+
+def norm_mlp(x: jax.Array, delta, p: dict, norm_weight: jax.Array,
+             eps: float) -> tuple[jax.Array, jax.Array]:
+    """The MLP half of a pre-norm layer: x + delta -> (that residual stream, the MLP's output
+    on its RMSNorm, for the next `add_norm`). x [..., D]; delta as in `add_norm`."""
+    if (SWIGLU_ADD_NORM and isinstance(delta, Partials) and "b_gate" not in p
+            and use_kernels(x.dtype)):
+        from pallas_kernels import swiglu
+
+        d = x.shape[-1]
+        parts = delta.parts.reshape(delta.parts.shape[0], -1, d)  # [S, M, D]
+        x_new, act = swiglu(x.reshape(-1, d), p["w_gate"], p["w_up"], norm_weight=norm_weight,
+                            eps=eps, deltas=parts)  # [M, D], [M, F]
+        act = act.reshape(*x.shape[:-1], act.shape[-1])
+        return x_new.reshape(x.shape), linear_delta(act, p["w_down"], p.get("b_down"))
+    x, h = add_norm(x, delta, norm_weight, eps)
+    return x, mlp_delta(h, p)
 
 
 def swiglu_act(x: jax.Array, p: dict) -> jax.Array:
@@ -335,11 +405,36 @@ def fused_decode_attention_ok(h: jax.Array, head_dim: int, rotary_dim: int) -> b
             and _kernel_head_dim(head_dim // 2) and rotary_dim == head_dim)
 
 
-def decode_attention_qkv(qkv, k_cache, v_cache, positions, cos, sin, *, window=None):
+# The fraction of the output projection's weight that the decode attention kernel pulls into
+# L2 with programs on the SMs it leaves idle (B * Hkv * splits small: batch 1-2 at short
+# context), so that the o matmul after it streams that part from L2; 0 turns it off.
+O_PREFETCH = 0.0
+
+
+def o_prefetch(wo: jax.Array, rows: int):
+    """decode_attention_append's l2_prefetch for the o projection wo [K, N] that follows it
+    (x of `rows` rows): the first O_PREFETCH of each K chunk of the decode matmul's default
+    blocks (each split-K program reads one chunk from its start). None when off."""
+    if O_PREFETCH <= 0 or wo.ndim != 2 or wo.shape[1] % 1024:
+        return None
+    from pallas_kernels.norm_matmul import default_block_sizes
+
+    k, n = wo.shape
+    blocks = default_block_sizes(rows, n, k, wo.dtype.itemsize, n_weights=1)
+    split = max(1, min(blocks.split_k, -(-k // blocks.block_k)))
+    chunk_rows = -(-(-(-k // split)) // blocks.block_k) * blocks.block_k
+    pf_rows = int(O_PREFETCH * chunk_rows) // 8 * 8
+    return (wo, chunk_rows, pf_rows, 128) if pf_rows > 0 else None
+
+
+def decode_attention_qkv(qkv, k_cache, v_cache, positions, cos, sin, *, window=None,
+                         norm=None, prefetch=None):
     """One new token per row, straight from the fused projection qkv [B, 1, Hkv, G + 2, D] (or
     its split-K chunks, Partials [S, B, 1, Hkv, G + 2, D], summed by the kernel): RoPE on its
     q and k (cos/sin [B, 1, D]), k and v written to slot positions [B, 1] of one layer's cache
-    [B, S, Hkv, D], q attending to slots <= its position. One kernel
+    [B, S, Hkv, D], q attending to slots <= its position. norm: the deferred RMSNorm of
+    `norm_qkv` (the chunks' sum is scaled by it) or None. prefetch: the kernel's l2_prefetch
+    (`o_prefetch`) or None. One kernel
     (pallas_kernels/decode_attention_append.py), updating the donated cache in place; only
     where `fused_decode_attention_ok`. Returns (out [B, 1, Hq, D], k_cache, v_cache)."""
     from pallas_kernels import decode_attention_append
@@ -347,5 +442,5 @@ def decode_attention_qkv(qkv, k_cache, v_cache, positions, cos, sin, *, window=N
     qkv = qkv.parts[:, :, 0] if isinstance(qkv, Partials) else qkv[:, 0]  # drop T = 1
     out, k_cache, v_cache = decode_attention_append(
         qkv, k_cache, v_cache, positions[:, 0], rope=(cos[:, 0], sin[:, 0]),
-        sliding_window=window)
+        sliding_window=window, norm=norm, l2_prefetch=prefetch)
     return out[:, None], k_cache, v_cache

@@ -56,22 +56,26 @@ def param_specs(config: Config) -> dict:
     return specs
 
 
-def _attention_block(lp: dict, h, cos, sin, positions, config: Config, layer: int,
+def _attention_block(lp: dict, x, delta, cos, sin, positions, config: Config, layer: int,
                      cache_kv: tuple[jax.Array, jax.Array] | None, fresh: bool):
-    """Self-attention sublayer over the normed input h [B, T, D]: returns (its output for
-    layers.add_norm, the updated (k, v) cache or None)."""
-    b, t, _ = h.shape
+    """Self-attention sublayer of the residual stream x [B, T, D] plus the previous sublayer's
+    output delta (not yet added; None in the first layer): returns (x + delta, the
+    sublayer's output for the next boundary, the updated (k, v) cache or None)."""
+    b, t, _ = x.shape
     hd, eps = config.head_dim, config.rms_norm_eps
     g = config.num_heads // config.num_kv_heads
     window = config.window(layer)
     if (cache_kv is not None and not fresh and not config.qk_norm
-            and layers.fused_decode_attention_ok(h, hd, config.rotary_dim)):
-        # Decode on GPU: the projection's split-K chunks summed, RoPE, the cache write and
-        # attention in one kernel.
-        qkv = layers.linear_delta(h, lp["wqkv"], lp.get("bqkv"))  # [S, B, T, Hkv, G + 2, hd]
-        o, *cache_kv = layers.decode_attention_qkv(qkv, *cache_kv, positions, cos, sin,
-                                                   window=window)
+            and layers.fused_decode_attention_ok(x, hd, config.rotary_dim)):
+        # Decode on GPU: the boundary's add and norm, the q/k/v projection (its split-K
+        # chunks summed, the norm applied, RoPE), the cache write and attention in 2-3 kernels.
+        x, qkv, norm = layers.norm_qkv(x, delta, lp["attn_norm"], lp["wqkv"], lp.get("bqkv"),
+                                       eps)  # qkv: [S, B, T, Hkv, G + 2, hd] chunks
+        o, *cache_kv = layers.decode_attention_qkv(
+            qkv, *cache_kv, positions, cos, sin, window=window, norm=norm,
+            prefetch=None if "bo" in lp else layers.o_prefetch(lp["wo"], b * t))
     else:
+        x, h = layers.add_norm(x, delta, lp["attn_norm"], eps)
         qkv = layers.project(h, lp["wqkv"], lp.get("bqkv"))  # [B, T, Hkv, G + 2, hd]
         q = qkv[:, :, :, :g].reshape(b, t, config.num_heads, hd)  # head j*G + i, as HF orders them
         k = qkv[:, :, :, g]  # [B, T, Hkv, hd]
@@ -87,7 +91,8 @@ def _attention_block(lp: dict, h, cos, sin, positions, config: Config, layer: in
             o = layers.causal_self_attention(q, k, v, positions, window=window)
         else:
             o = layers.cached_attention(q, *cache_kv, positions, window=window)
-    return layers.linear_delta(o.reshape(b, t, config.num_heads * hd), lp["wo"], lp.get("bo")), cache_kv
+    attn = layers.linear_delta(o.reshape(b, t, config.num_heads * hd), lp["wo"], lp.get("bo"))
+    return x, attn, cache_kv
 
 
 def forward(params: dict, tokens: jax.Array, positions: jax.Array, config: Config,
@@ -109,24 +114,23 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, config: Confi
     eps = config.rms_norm_eps
     blocks = params["layers"]
     # Pre-norm decoder, written with the residual add fused into the norm that follows it:
-    # each sublayer reads the normed h and returns its output; add_norm adds that to the
-    # residual stream x and norms for the next sublayer (one kernel on the decode path).
-    h = layers.norm(x, blocks[0]["attn_norm"], eps)
+    # each sublayer returns its output (delta) and the next sublayer boundary adds it to the
+    # residual stream x and norms (one kernel on the decode path, or none: the consumer's
+    # matmul does it, layers.SWIGLU_ADD_NORM / QKV_ADD_NORM).
+    delta = None  # the last sublayer's output, not yet in x
     new_k, new_v = [], []
     for i, lp in enumerate(blocks):
-        next_norm = blocks[i + 1]["attn_norm"] if i + 1 < len(blocks) else params["final_norm"]
         with jax.named_scope(f"layer{i}"):
             cache_kv = None if cache is None else (cache.k[i], cache.v[i])
-            attn, cache_kv = _attention_block(lp, h, cos, sin, positions, config, i, cache_kv,
-                                              fresh)
-            x, h = layers.add_norm(x, attn, lp["mlp_norm"], eps)
-            x, h = layers.add_norm(x, layers.mlp_delta(h, lp), next_norm, eps)
+            x, attn, cache_kv = _attention_block(lp, x, delta, cos, sin, positions, config, i,
+                                                 cache_kv, fresh)
+            x, delta = layers.norm_mlp(x, attn, lp, lp["mlp_norm"], eps)
             if cache_kv is not None:
                 new_k.append(cache_kv[0])
                 new_v.append(cache_kv[1])
+    x, h = layers.add_norm(x, delta, params["final_norm"], eps)
     if logits_at is not None:
         h = jnp.take_along_axis(h, logits_at[:, None, None], axis=1)  # [B, 1, D]
-    # h is the final norm's output (the last add_norm used final_norm).
     if config.tie_word_embeddings:
         logits = jnp.einsum("btd,vd->btv", h, params["embed"], preferred_element_type=jnp.float32)
     else:
