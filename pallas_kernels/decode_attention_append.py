@@ -50,13 +50,15 @@ from pallas_kernels.norm_matmul import apply_norm_partials
 
 
 PREFETCH_TILE = (8, 1024)  # [rows, columns] of one L2 prefetch load (16 KB in bf16)
+PREFETCH_DEPTH = 4  # loads issued before the first is used: ~64 KB in flight per program
 
 
 def l2_prefetch_kernel(w_ref, sink_ref, *, pf_id, n_pf: int, chunk_rows: int, rows: int):
     """Pull rows [c * chunk_rows, c * chunk_rows + rows) of every chunk c of w_ref [R, C] into
-    L2 (evict-last), in PREFETCH_TILE loads strided over the n_pf prefetch programs, so that
-    the next kernel (which reads w in those chunks, each from its start) finds them there.
-    The loads feed a max that is stored only if it is NaN (sink_ref [n_pf]): used, so kept."""
+    L2 (evict-last), in PREFETCH_TILE loads strided over the n_pf prefetch programs,
+    PREFETCH_DEPTH in flight at a time, so that the next kernel (which reads w in those chunks,
+    each from its start) finds them there. The loads feed a max that is stored only if it is
+    NaN (sink_ref [n_pf]): used, so kept."""
     r_all, c_all = w_ref.shape
     tr, tc = PREFETCH_TILE
     col_tiles = c_all // tc
@@ -64,15 +66,22 @@ def l2_prefetch_kernel(w_ref, sink_ref, *, pf_id, n_pf: int, chunk_rows: int, ro
     total = pl.cdiv(r_all, chunk_rows) * per_chunk
     n_mine = jnp.maximum(total - pf_id + n_pf - 1, 0) // n_pf
 
-    def step(j, acc):
-        t = pf_id + j * n_pf
+    def load(i):  # this program's i-th tile (masked off past the last)
+        t = jnp.minimum(pf_id + i * n_pf, total - 1)
         c, rest = t // per_chunk, t % per_chunk
         r0 = c * chunk_rows + (rest // col_tiles) * tr
-        tile = plgpu.load(w_ref.at[pl.ds(r0, tr), pl.ds((rest % col_tiles) * tc, tc)],
+        return plgpu.load(w_ref.at[pl.ds(r0, tr), pl.ds((rest % col_tiles) * tc, tc)],
+                          mask=jnp.broadcast_to(i < n_mine, (tr, tc)), other=0,
                           eviction_policy="evict_last")
-        return jnp.maximum(acc, tile.astype(jnp.float32))
 
-    acc = lax.fori_loop(0, n_mine, step, jnp.full((tr, tc), -jnp.inf, jnp.float32))
+    def step(j, acc):
+        tiles = [load(j * PREFETCH_DEPTH + u) for u in range(PREFETCH_DEPTH)]  # all issued
+        for tile in tiles:
+            acc = jnp.maximum(acc, tile.astype(jnp.float32))
+        return acc
+
+    acc = lax.fori_loop(0, pl.cdiv(n_mine, PREFETCH_DEPTH), step,
+                        jnp.full((tr, tc), -jnp.inf, jnp.float32))
     peak = jnp.max(jnp.max(acc, axis=1), axis=0)  # (one axis at a time: a full 2-D reduce
     # trips the sharding check under an abstract mesh when lowered)
 

@@ -121,18 +121,32 @@ def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int,
     chunk_start = pl.program_id(2) * k_chunk
     chunk_end = jnp.minimum(chunk_start + k_chunk, k)
 
-    def x_tile(start, masked: bool, ref=x_ref):
+    def x_tile(start, masked: bool):
         # [block_k] mask of the K positions in this chunk, and the x tile [block_m, block_k].
         k_ok = (start + jnp.arange(block_k)) < chunk_end if masked else None
-        x = load(ref.at[:, pl.ds(start, block_k)],
+        x = load(x_ref.at[:, pl.ds(start, block_k)],
                  both(row_ok, None if k_ok is None else k_ok[None, :]))
         return k_ok, x
 
-    def operands(start):
-        # The x, delta and norm_weight tiles at `start` (a prefetch past the chunk's end reads
+    # The elementwise operand math (deltas, norm) runs on op_rows rows: at M = 1 on the one
+    # real row, broadcast to the dot's block_m rows at the end (the other output rows are
+    # never stored), not on block_m rows of which block_m - 1 are masked: in the q/k/v matmul
+    # with four float32 deltas that was ~150 registers per thread of prefetched tiles.
+    op_rows = 1 if m == 1 else block_m
+
+    def op_tile(ref, start):
+        # ref's op_rows x block_k tile at `start` (a prefetch past the chunk's end reads
         # nothing).
-        k_ok, x = x_tile(start, masked=True)
-        tiles = [x] + [x_tile(start, True, d_ref)[1] for d_ref in d_refs]
+        k_ok = (start + jnp.arange(block_k)) < chunk_end
+        if op_rows == 1:
+            return plgpu.load(ref.at[pl.ds(0, 1), pl.ds(start, block_k)], mask=k_ok[None, :],
+                              other=0)
+        return load(ref.at[:, pl.ds(start, block_k)], both(row_ok, k_ok[None, :]))
+
+    def operands(start):
+        # The x, delta and norm_weight tiles at `start`.
+        k_ok = (start + jnp.arange(block_k)) < chunk_end
+        tiles = [op_tile(x_ref, start)] + [op_tile(d_ref, start) for d_ref in d_refs]
         if has_norm:
             tiles.append(plgpu.load(nw_ref.at[pl.ds(start, block_k)], mask=k_ok, other=0))
         return tuple(tiles)
@@ -158,16 +172,21 @@ def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int,
                 total = deltas[0].astype(jnp.float32)
                 for dt in deltas[1:]:
                     total += dt.astype(jnp.float32)
-                x = (total + x.astype(jnp.float32)).astype(x.dtype)
-                x_mask = jnp.broadcast_to(writes_x, (block_m, block_k))
-                x_mask = both(both(x_mask, row_ok), None if k_ok is None else k_ok[None, :])
-                plgpu.store(xo_ref.at[:, pl.ds(start, block_k)], x, mask=x_mask)
+                x = (total + x.astype(jnp.float32)).astype(x.dtype)  # [op_rows, block_k]
+                x_mask = jnp.broadcast_to(writes_x, (op_rows, block_k))
+                if op_rows > 1:
+                    x_mask = both(x_mask, row_ok)
+                x_mask = both(x_mask, None if k_ok is None else k_ok[None, :])
+                plgpu.store(xo_ref.at[pl.ds(0, op_rows), pl.ds(start, block_k)], x,
+                            mask=x_mask)
             if has_norm:
                 # rms_norm(x) @ w = inv_rms * ((x * norm_weight) @ w): the sum of squares
                 # gathers in the same pass and the scale waits for the epilogue.
                 xf = x.astype(jnp.float32)
-                ss = ss + xf * xf  # [block_m, block_k]; reduced once, after the loop
+                ss = ss + xf * xf  # [op_rows, block_k]; reduced once, after the loop
                 x = (xf * nw.astype(jnp.float32)[None, :]).astype(x.dtype)
+            if op_rows < block_m:
+                x = jnp.broadcast_to(x, (block_m, block_k))  # the dot's rows (row 0 real)
         else:
             k_ok, x = x_tile(start, mask_k)
         w_mask = both(None if k_ok is None else k_ok[:, None], col_ok)
@@ -178,12 +197,13 @@ def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int,
     zeros = jnp.zeros((block_m, block_n), jnp.float32)
     # (accumulators, squares of x when has_norm, the prefetched operand tiles)
     init = ((zeros,) * n_weights,
-            jnp.zeros((block_m, block_k), jnp.float32) if has_norm else None)
+            jnp.zeros((op_rows, block_k), jnp.float32) if has_norm else None)
     if prefetched:
         init = (*init, *operands(multiple_of(chunk_start, block_k)))
     accs, ss, *_ = lax.fori_loop(0, k_chunk // block_k, step, init)
     if has_norm:
-        ss = jnp.sum(ss, axis=1)  # [block_m]: this chunk's sum of squares of each x row
+        ss = jnp.sum(ss, axis=1)  # [op_rows]: this chunk's sum of squares of each x row
+        ss = jnp.broadcast_to(ss, (block_m,)) if op_rows < block_m else ss  # [block_m]
     mask = both(row_ok, col_ok)
 
     def store(ref, val, mask=mask):

@@ -121,13 +121,14 @@ def deltas_for(seed, x, chunks=2):
     return 0.5 * jax.random.normal(jax.random.PRNGKey(seed), (chunks, *x.shape), jnp.float32)
 
 
+@pytest.mark.parametrize("m", [1, 5])  # one row: the operand math runs on that row alone
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("blocks", [SMALL, SPLIT], ids=["one_chunk", "split_k"])
-def test_swiglu_adds_deltas_to_the_residual_in_its_main_loop(blocks, dtype):
+def test_swiglu_adds_deltas_to_the_residual_in_its_main_loop(blocks, dtype, m):
     # The decoder's attention -> MLP boundary in the SwiGLU kernel: x + sum(deltas) written
     # out (by the first N tile's programs, whole), its RMSNorm and SwiGLU, against the model's
     # boundary (add_norm's reference) followed by the unfused MLP.
-    x, nw, _, _ = inputs(14, 5, 200, (1,), dtype)
+    x, nw, _, _ = inputs(14, m, 200, (1,), dtype)
     deltas = deltas_for(15, x, chunks=3)
     keys = jax.random.split(jax.random.PRNGKey(4), 2)
     wg, wu = ((jax.random.normal(kk, (200, 72)) / np.sqrt(200)).astype(dtype) for kk in keys)
@@ -135,7 +136,7 @@ def test_swiglu_adds_deltas_to_the_residual_in_its_main_loop(blocks, dtype):
                         block_sizes=blocks)
     x_ref, ref = swiglu_reference(x, wg, wu, norm_weight=nw, eps=EPS, deltas=deltas)
     np.testing.assert_array_equal(np.asarray(x_new), np.asarray(x_ref))  # one rounding, same order
-    assert out.shape == (5, 72) and out.dtype == x.dtype
+    assert out.shape == (m, 72) and out.dtype == x.dtype
     assert rel_err(out, ref) < TOL[dtype]
     x_model, h = add_rms_norm_reference(x, deltas, nw, eps=EPS)  # the model's boundary
     np.testing.assert_array_equal(np.asarray(x_new), np.asarray(x_model))
@@ -143,17 +144,18 @@ def test_swiglu_adds_deltas_to_the_residual_in_its_main_loop(blocks, dtype):
     assert rel_err(out, swiglu_reference(x, wg, wu, norm_weight=nw, eps=EPS)) > 0.1
 
 
+@pytest.mark.parametrize("m", [1, 3])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("blocks", [SMALL, SPLIT], ids=["one_chunk", "split_k"])
-def test_normed_partials_with_deltas(blocks, dtype):
+def test_normed_partials_with_deltas(blocks, dtype, m):
     # The MLP -> attention boundary in the q/k/v matmul: x + sum(deltas), and the chunks of
     # (x_new * norm_weight) @ w with their sums of squares, finished by apply_norm_partials
     # (what the decode attention kernel does) = the model's boundary, then the projection.
-    x, nw, w, _ = inputs(16, 3, 200, (2, 24), dtype)
+    x, nw, w, _ = inputs(16, m, 200, (2, 24), dtype)
     deltas = deltas_for(17, x)
     x_new, (parts, ss) = norm_matmul(x, nw, w, eps=EPS, partials=True, deltas=deltas,
                                      interpret=True, block_sizes=blocks)
-    assert parts.shape == (blocks.split_k, 3, 2, 24) and ss.shape == (blocks.split_k, 3)
+    assert parts.shape == (blocks.split_k, m, 2, 24) and ss.shape == (blocks.split_k, m)
     x_model, h = add_rms_norm_reference(x, deltas, nw, eps=EPS)  # the model's boundary
     np.testing.assert_array_equal(np.asarray(x_new), np.asarray(x_model))
     y = apply_norm_partials(parts, ss, 200, EPS)
