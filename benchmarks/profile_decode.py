@@ -133,24 +133,11 @@ def main(argv=None) -> int:
                    help="where the sublayer boundaries' residual add + RMSNorm run: xla, "
                         "kernel, swiglu, consumers (layers.BOUNDARY_MODES; default: the "
                         "model's)")
-    p.add_argument("--o-prefetch", type=float, default=None,
-                   help="layers.O_PREFETCH: the fraction of the o projection's weight pulled "
-                        "into L2 during the decode attention kernel (0: off)")
-    p.add_argument("--prefetch-depth", type=int, default=None,
-                   help="decode_attention_append.PREFETCH_DEPTH: L2 prefetch loads in flight "
-                        "per program")
     args = p.parse_args(argv)
-    from jaxinfer.models import layers
-
-    if args.prefetch_depth:
-        import importlib  # the package exports a function of the module's name
-
-        importlib.import_module("pallas_kernels.decode_attention_append").PREFETCH_DEPTH = (
-            args.prefetch_depth)
     if args.boundaries:
+        from jaxinfer.models import layers
+
         layers.set_boundaries(args.boundaries)
-    if args.o_prefetch is not None:
-        layers.O_PREFETCH = args.o_prefetch
     if args.unfused:
         _use_unfused_decode_path()
     if args.blocks:

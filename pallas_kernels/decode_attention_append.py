@@ -32,12 +32,10 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import (LOG2_E, MASK_VALUE, NUM_SMS_H200, check_array,
-                                     check_head_dim,
+from pallas_kernels._common import (LOG2_E, MASK_VALUE, check_array, check_head_dim,
                                      check_same_dtype, next_pow2)
 from pallas_kernels.decode_attention import (
     DecodeBlockSizes, _merge_splits, attend_tiles, check_cache_pair, choose_num_splits,
@@ -49,84 +47,10 @@ from pallas_kernels.norm_matmul import apply_norm_partials
 # ---------------------------------------------------------------------------------------------
 
 
-PREFETCH_TILE = (8, 1024)  # [rows, columns] of one L2 prefetch load (16 KB in bf16)
-PREFETCH_DEPTH = 4  # loads issued before the first is used: ~64 KB in flight per program
-
-
-def l2_prefetch_kernel(w_ref, sink_ref, *, pf_id, n_pf: int, chunk_rows: int, rows: int):
-    """Pull rows [c * chunk_rows, c * chunk_rows + rows) of every chunk c of w_ref [R, C] into
-    L2 (evict-last), in PREFETCH_TILE loads strided over the n_pf prefetch programs,
-    PREFETCH_DEPTH in flight at a time, so that the next kernel (which reads w in those chunks,
-    each from its start) finds them there. The loads feed a max that is stored only if it is
-    NaN (sink_ref [n_pf]): used, so kept."""
-    r_all, c_all = w_ref.shape
-    tr, tc = PREFETCH_TILE
-    col_tiles = c_all // tc
-    per_chunk = (rows // tr) * col_tiles
-    total = pl.cdiv(r_all, chunk_rows) * per_chunk
-    n_mine = jnp.maximum(total - pf_id + n_pf - 1, 0) // n_pf
-
-    def load(i):  # this program's i-th tile (masked off past the last)
-        t = jnp.minimum(pf_id + i * n_pf, total - 1)
-        c, rest = t // per_chunk, t % per_chunk
-        r0 = c * chunk_rows + (rest // col_tiles) * tr
-        return plgpu.load(w_ref.at[pl.ds(r0, tr), pl.ds((rest % col_tiles) * tc, tc)],
-                          mask=jnp.broadcast_to(i < n_mine, (tr, tc)), other=0,
-                          eviction_policy="evict_last")
-
-    def step(j, acc):
-        tiles = [load(j * PREFETCH_DEPTH + u) for u in range(PREFETCH_DEPTH)]  # all issued
-        for tile in tiles:
-            acc = jnp.maximum(acc, tile.astype(jnp.float32))
-        return acc
-
-    acc = lax.fori_loop(0, pl.cdiv(n_mine, PREFETCH_DEPTH), step,
-                        jnp.full((tr, tc), -jnp.inf, jnp.float32))
-    peak = jnp.max(jnp.max(acc, axis=1), axis=0)  # (one axis at a time: a full 2-D reduce
-    # trips the sharding check under an abstract mesh when lowered)
-
-    @pl.when(peak != peak)
-    def _():
-        sink_ref[pf_id] = peak
-
-
 def decode_attention_append_kernel(pos_ref, *refs, sm_scale: float, chunk: int, block_k: int,
                                    window: int | None, groups: int, seq_len: int,
                                    has_rope: bool, num_parts: int, normalize: bool,
-                                   norm: tuple[int, float] | None,
-                                   prefetch: tuple[int, int, int] | None):
-    """The attention programs (grid axis 2 < num_splits) and, with `prefetch` = (num_splits,
-    chunk_rows, rows), L2 prefetch programs after them (refs then start with w_ref [R, C] and
-    end with the sink [n_pf])."""
-    # Program ids are read here, outside the branches (interpret mode's cond has no rule
-    # for them).
-    b, split = pl.program_id(0), pl.program_id(2)
-    attend = functools.partial(_attend_append, pos_ref, b=b, split=split, sm_scale=sm_scale,
-                               chunk=chunk, block_k=block_k, window=window, groups=groups,
-                               seq_len=seq_len, has_rope=has_rope, num_parts=num_parts,
-                               normalize=normalize, norm=norm)
-    if prefetch is None:
-        return attend(*refs)
-    num_splits, chunk_rows, rows = prefetch
-    w_ref, *refs, sink_ref = refs  # the first input and the last output
-    rows_per_split = pl.num_programs(0) * pl.num_programs(1)
-    pf_id = (split - num_splits) * rows_per_split + b * pl.num_programs(1) + pl.program_id(1)
-    n_pf = (pl.num_programs(2) - num_splits) * rows_per_split
-
-    @pl.when(split < num_splits)
-    def _attend():
-        attend(*refs)
-
-    @pl.when(split >= num_splits)
-    def _prefetch():
-        l2_prefetch_kernel(w_ref, sink_ref, pf_id=pf_id, n_pf=n_pf, chunk_rows=chunk_rows,
-                           rows=rows)
-
-
-def _attend_append(pos_ref, *refs, b, split, sm_scale: float, chunk: int, block_k: int,
-                   window: int | None, groups: int, seq_len: int, has_rope: bool,
-                   num_parts: int, normalize: bool, norm: tuple[int, float] | None):
-    # b, split: this program's sequence and chunk (grid axes 0 and 2)
+                                   norm: tuple[int, float] | None):
     # pos_ref [B] int32 (whole array): slot of each sequence's new token
     # q_refs [Gp, D] x P: qkv rows of one KV group from row 0, from each of the P parts (one
     #   16-bit array, or a split-K matmul's float32 chunks, summed here); rows >= G (the key,
@@ -151,6 +75,8 @@ def _attend_append(pos_ref, *refs, b, split, sm_scale: float, chunk: int, block_
         o_ref, ko_ref, vo_ref = refs
     else:
         acc_ref, m_ref, l_ref, ko_ref, vo_ref = refs
+    b = pl.program_id(0)
+    split = pl.program_id(2)
     pos = pos_ref[b]
     start = split * chunk
     # pos < seq_len keeps an out-of-range traced position from writing past the cache
@@ -299,7 +225,7 @@ def _validate(qkv, k_cache, v_cache, positions, rope, sliding_window,
 
 def decode_attention_append(qkv, k_cache, v_cache, positions, *, rope=None,
                             sm_scale: float | None = None, sliding_window: int | None = None,
-                            norm=None, l2_prefetch=None, interpret: bool = False,
+                            norm=None, interpret: bool = False,
                             block_sizes: DecodeBlockSizes | None = None):
     """One new token per sequence: rotate its q and k (RoPE, when `rope` is given), write its
     k and v at slot positions[b] of k/v_cache [B, S, Hkv, D], and attend its q to slots
@@ -311,12 +237,7 @@ def decode_attention_append(qkv, k_cache, v_cache, positions, *, rope=None,
     them and rounds once to the cache dtype, which saves the sum's own kernel. norm: with the
     chunks of a normed projection (`norm_matmul(x, norm_weight, w, partials=True)`), its
     (sums of squares [S, B], K, eps): the chunks' sum is scaled by rsqrt(sum / K + eps), the
-    RMSNorm deferred to here. l2_prefetch: (w [R, C], chunk_rows, rows, programs) or None:
-    `programs` more programs (rounded up to whole B * Hkv rows of the grid), run beside the
-    attention's on SMs it leaves idle, pull rows [c * chunk_rows, c * chunk_rows + rows) of
-    every chunk c of w into L2 for the kernel that reads w next (the output projection, whose
-    split-K programs each read one chunk from its start). It changes no result. C must be a
-    multiple of 1024 and rows of 8. rope: (cos, sin), each [B, D]
+    RMSNorm deferred to here. rope: (cos, sin), each [B, D]
     (HF rotate-half tables, e.g. `cos(positions * inv_freq)` twice over; halves equal).
     Returns (out [B, Hq, D] in the caches' dtype, k_cache, v_cache). With `sliding_window=w` only
     slots > positions[b] - w are seen (HF semantics). The caches are aliased to the outputs: to
@@ -342,35 +263,15 @@ def decode_attention_append(qkv, k_cache, v_cache, positions, *, rope=None,
     ss, norm_static = None, None
     if norm is not None:
         ss, norm_static = norm[0], (int(norm[1]), float(norm[2]))
-    w_pf, pf_static = None, None
-    if l2_prefetch is not None:
-        w_pf, chunk_rows, rows, programs = l2_prefetch
-        check_array("decode_attention_append", "l2_prefetch w", w_pf, 2)
-        tr, tc = PREFETCH_TILE
-        if (w_pf.shape[1] % tc or int(rows) % tr or not 0 < int(rows) <= int(chunk_rows)
-                or int(programs) < 1):
-            raise ValueError(f"decode_attention_append: l2_prefetch needs C % {tc} == 0, rows "
-                             f"a positive multiple of {tr} <= chunk_rows and programs >= 1; "
-                             f"got w {tuple(w_pf.shape)}, chunk_rows {chunk_rows}, rows "
-                             f"{rows}, programs {programs}")
-        attention_programs = b * hkv * num_splits
-        # Only beside a few attention programs: with more, the SMs are not idle.
-        if attention_programs <= NUM_SMS_H200 // 4:
-            programs = min(int(programs), NUM_SMS_H200 - attention_programs)
-            pf_static = (int(chunk_rows), int(rows), programs)
-        else:
-            w_pf = None
     return _decode_attention_append_triton(
-        qkv, k_cache, v_cache, positions, rope, ss, w_pf, sm_scale=sm_scale, blocks=blocks,
-        num_splits=num_splits, window=window, norm=norm_static, prefetch=pf_static,
-        interpret=interpret)
+        qkv, k_cache, v_cache, positions, rope, ss, sm_scale=sm_scale, blocks=blocks,
+        num_splits=num_splits, window=window, norm=norm_static, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "blocks", "num_splits", "window",
-                                             "norm", "prefetch", "interpret"))
-def _decode_attention_append_triton(qkv, k_cache, v_cache, positions, rope, ss, w_pf, *,
-                                    sm_scale, blocks, num_splits, window, norm, prefetch,
-                                    interpret):
+                                             "norm", "interpret"))
+def _decode_attention_append_triton(qkv, k_cache, v_cache, positions, rope, ss, *, sm_scale,
+                                    blocks, num_splits, window, norm, interpret):
     # qkv [P, B, Hkv, G + 2, D]: P parts summed in the kernel
     parts, b, hkv, rows, d = qkv.shape
     g = rows - 2
@@ -382,18 +283,11 @@ def _decode_attention_append_triton(qkv, k_cache, v_cache, positions, rope, ss, 
     num_splits = pl.cdiv(s, chunk)
     s_pad = num_splits * chunk  # cache blocks rounded up to whole chunks (rows >= s unread)
     normalize = num_splits == 1  # one chunk per row: the kernel writes the output itself
-    grid_splits = num_splits
-    kernel_prefetch = None
-    if prefetch is not None:
-        chunk_rows, pf_rows, programs = prefetch
-        grid_splits += pl.cdiv(programs, b * hkv)  # prefetch programs after the attention's
-        kernel_prefetch = (num_splits, chunk_rows, pf_rows)
 
     kernel = functools.partial(decode_attention_append_kernel, sm_scale=sm_scale, chunk=chunk,
                                block_k=block_k, window=window, groups=g, seq_len=s,
                                has_rope=rope is not None, num_parts=parts, normalize=normalize,
-                               norm=norm, prefetch=kernel_prefetch)
-    last = num_splits - 1  # prefetch programs map onto the last split's blocks (never stored)
+                               norm=norm)
     row = pl.BlockSpec((None, s_pad, None, d), lambda i, h, c: (i, 0, h, 0))
 
     def qkv_spec(p, first_row, n_rows):  # rows [first_row, +n_rows) of part p, KV group h
@@ -418,12 +312,9 @@ def _decode_attention_append_triton(qkv, k_cache, v_cache, positions, rope, ss, 
         out_specs = [pl.BlockSpec((None, None, gp, d), lambda i, h, c: (i, h, 0, 0))]
         out_shape = [jax.ShapeDtypeStruct((b, hkv, g, d), dtype)]
     else:
-        def split_of(c):
-            return jnp.minimum(c, last)
-        out_specs = [pl.BlockSpec((None, None, None, gp, d),
-                                  lambda i, h, c: (i, h, split_of(c), 0, 0)),
-                     pl.BlockSpec((None, None, None, gp), lambda i, h, c: (i, h, split_of(c), 0)),
-                     pl.BlockSpec((None, None, None, gp), lambda i, h, c: (i, h, split_of(c), 0))]
+        out_specs = [pl.BlockSpec((None, None, None, gp, d), lambda i, h, c: (i, h, c, 0, 0)),
+                     pl.BlockSpec((None, None, None, gp), lambda i, h, c: (i, h, c, 0)),
+                     pl.BlockSpec((None, None, None, gp), lambda i, h, c: (i, h, c, 0))]
         out_shape = [jax.ShapeDtypeStruct((b, hkv, num_splits, g, d), jnp.float32),
                      jax.ShapeDtypeStruct((b, hkv, num_splits, g), jnp.float32),
                      jax.ShapeDtypeStruct((b, hkv, num_splits, g), jnp.float32)]
@@ -431,16 +322,10 @@ def _decode_attention_append_triton(qkv, k_cache, v_cache, positions, rope, ss, 
     out_specs += [row, row]
     out_shape += [jax.ShapeDtypeStruct(k_cache.shape, dtype),
                   jax.ShapeDtypeStruct(v_cache.shape, dtype)]
-    if prefetch is not None:  # w after the positions (the caches stay the last inputs)
-        n_pf = (grid_splits - num_splits) * b * hkv
-        in_specs.insert(1, pl.BlockSpec(w_pf.shape, lambda i, h, c: (0, 0)))  # whole
-        args.insert(1, w_pf)
-        out_specs.append(pl.BlockSpec((n_pf,), lambda i, h, c: (0,)))
-        out_shape.append(jax.ShapeDtypeStruct((n_pf,), jnp.float32))  # the sink, never read
     aliases = {len(args) - 2: n_out, len(args) - 1: n_out + 1}  # the caches, in place
-    result = pl.pallas_call(
+    *outs, k_cache, v_cache = pl.pallas_call(
         kernel,
-        grid=(b, hkv, grid_splits),
+        grid=(b, hkv, num_splits),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
@@ -448,9 +333,8 @@ def _decode_attention_append_triton(qkv, k_cache, v_cache, positions, rope, ss, 
         compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps,
                                              num_stages=blocks.num_stages),
         interpret=interpret,
-        name="decode_attention_append" + ("_l2_prefetch" if prefetch else ""),
+        name="decode_attention_append",
     )(*args)
-    *outs, k_cache, v_cache = result[:-1] if prefetch is not None else result  # (the sink)
     out = outs[0] if normalize else _merge_splits(*outs).astype(dtype)  # [B, Hkv, G, D]
     out = out.reshape(b, hkv * g, d)  # [B, Hq, D]
     return out, k_cache, v_cache

@@ -128,11 +128,13 @@ def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int,
                  both(row_ok, None if k_ok is None else k_ok[None, :]))
         return k_ok, x
 
-    # The elementwise operand math (deltas, norm) runs on op_rows rows: at M = 1 on the one
-    # real row, broadcast to the dot's block_m rows at the end (the other output rows are
-    # never stored), not on block_m rows of which block_m - 1 are masked: in the q/k/v matmul
-    # with four float32 deltas that was ~150 registers per thread of prefetched tiles.
-    op_rows = 1 if m == 1 else block_m
+    # The elementwise operand math (deltas, norm) runs on op_rows rows. One weight at M = 1:
+    # on the one real row, broadcast to the dot's block_m rows at the end (the other output
+    # rows are never stored), not on block_m rows of which block_m - 1 are masked (with four
+    # float32 deltas, ~150 registers per thread of prefetched tiles). Measured on the H200
+    # (benchmarks/sm_probe.py, 2026-11-30): the q/k/v matmul with norm + 4 deltas 17.0 ->
+    # 16.5 us; SwiGLU (two weights) went the other way, 57.9 -> 59.8 us, so it keeps the rows.
+    op_rows = 1 if m == 1 and n_weights == 1 else block_m
 
     def op_tile(ref, start):
         # ref's op_rows x block_k tile at `start` (a prefetch past the chunk's end reads

@@ -84,12 +84,11 @@ KERNEL_CASES = {
         lambda qkv, k, v, p: pk.decode_attention_append(qkv, k, v, p, sliding_window=4096),
         (S((64, 8, 6, 128), BF16), S((64, 8192, 8, 128), BF16), S((64, 8192, 8, 128), BF16),
          S((64,), I32))),
-    "append chunks, deferred norm, o prefetch": (
-        lambda qkv, ss, k, v, p, c, s, w: pk.decode_attention_append(
-            qkv, k, v, p, rope=(c, s), norm=(ss, 4096, 1e-5), l2_prefetch=(w, 1024, 512, 124)),
+    "append chunks, deferred norm": (
+        lambda qkv, ss, k, v, p, c, s: pk.decode_attention_append(
+            qkv, k, v, p, rope=(c, s), norm=(ss, 4096, 1e-5)),
         (S((2, 1, 8, 6, 128), F32), S((2, 1), F32), S((1, 512, 8, 128), BF16),
-         S((1, 512, 8, 128), BF16), S((1,), I32), S((1, 128), F32), S((1, 128), F32),
-         S((4096, 4096), BF16))),
+         S((1, 512, 8, 128), BF16), S((1,), I32), S((1, 128), F32), S((1, 128), F32))),
     "swiglu norm + deltas": (
         lambda x, d, n, g, u: pk.swiglu(x, g, u, norm_weight=n, deltas=d),
         (S((1, 4096), BF16), S((4, 1, 4096), F32), S((4096,), BF16), S((4096, 14336), BF16),
@@ -194,15 +193,14 @@ def test_llama3_8b_batch1_decode_layer_kernels(gpu_dispatch):
 
 
 def test_llama3_8b_batch1_decode_layer_boundaries_in_consumers(gpu_dispatch, monkeypatch):
-    """layers.BOUNDARY_MODES["consumers"] with the o prefetch: 5 kernels per decode layer (the
-    boundaries ride in the q/k/v and SwiGLU matmuls), the last add + norm before the logits."""
+    """layers.BOUNDARY_MODES["consumers"]: 5 kernels per decode layer (the boundaries ride in
+    the q/k/v and SwiGLU matmuls), the last add + norm before the logits."""
     for flag, on in zip(("FUSED_ADD_NORM", "SWIGLU_ADD_NORM", "QKV_ADD_NORM"),
                         layers.BOUNDARY_MODES["consumers"]):
         monkeypatch.setattr(layers, flag, on)
-    monkeypatch.setattr(layers, "O_PREFETCH", 0.5)
     module = decode_step_module("llama3-8b", 1, 512)
     assert kernel_names(module) == collections.Counter({
-        "norm_matmul_none_k4096_n6144_split2": 1, "decode_attention_append_l2_prefetch": 1,
+        "norm_matmul_none_k4096_n6144_split2": 1, "decode_attention_append": 1,
         "matmul_none_k4096_n4096_split4": 1, "add_norm_matmul_swiglu_k4096_n14336": 1,
         "matmul_none_k14336_n4096_split4": 1, "add_rms_norm": 1})
 

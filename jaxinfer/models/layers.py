@@ -405,36 +405,13 @@ def fused_decode_attention_ok(h: jax.Array, head_dim: int, rotary_dim: int) -> b
             and _kernel_head_dim(head_dim // 2) and rotary_dim == head_dim)
 
 
-# The fraction of the output projection's weight that the decode attention kernel pulls into
-# L2 with programs on the SMs it leaves idle (B * Hkv * splits small: batch 1-2 at short
-# context), so that the o matmul after it streams that part from L2; 0 turns it off.
-O_PREFETCH = 0.0
-
-
-def o_prefetch(wo: jax.Array, rows: int):
-    """decode_attention_append's l2_prefetch for the o projection wo [K, N] that follows it
-    (x of `rows` rows): the first O_PREFETCH of each K chunk of the decode matmul's default
-    blocks (each split-K program reads one chunk from its start). None when off."""
-    if O_PREFETCH <= 0 or wo.ndim != 2 or wo.shape[1] % 1024:
-        return None
-    from pallas_kernels.norm_matmul import default_block_sizes
-
-    k, n = wo.shape
-    blocks = default_block_sizes(rows, n, k, wo.dtype.itemsize, n_weights=1)
-    split = max(1, min(blocks.split_k, -(-k // blocks.block_k)))
-    chunk_rows = -(-(-(-k // split)) // blocks.block_k) * blocks.block_k
-    pf_rows = int(O_PREFETCH * chunk_rows) // 8 * 8
-    return (wo, chunk_rows, pf_rows, 128) if pf_rows > 0 else None
-
-
 def decode_attention_qkv(qkv, k_cache, v_cache, positions, cos, sin, *, window=None,
-                         norm=None, prefetch=None):
+                         norm=None):
     """One new token per row, straight from the fused projection qkv [B, 1, Hkv, G + 2, D] (or
     its split-K chunks, Partials [S, B, 1, Hkv, G + 2, D], summed by the kernel): RoPE on its
     q and k (cos/sin [B, 1, D]), k and v written to slot positions [B, 1] of one layer's cache
     [B, S, Hkv, D], q attending to slots <= its position. norm: the deferred RMSNorm of
-    `norm_qkv` (the chunks' sum is scaled by it) or None. prefetch: the kernel's l2_prefetch
-    (`o_prefetch`) or None. One kernel
+    `norm_qkv` (the chunks' sum is scaled by it) or None. One kernel
     (pallas_kernels/decode_attention_append.py), updating the donated cache in place; only
     where `fused_decode_attention_ok`. Returns (out [B, 1, Hq, D], k_cache, v_cache)."""
     from pallas_kernels import decode_attention_append
@@ -442,5 +419,5 @@ def decode_attention_qkv(qkv, k_cache, v_cache, positions, cos, sin, *, window=N
     qkv = qkv.parts[:, :, 0] if isinstance(qkv, Partials) else qkv[:, 0]  # drop T = 1
     out, k_cache, v_cache = decode_attention_append(
         qkv, k_cache, v_cache, positions[:, 0], rope=(cos[:, 0], sin[:, 0]),
-        sliding_window=window, norm=norm, l2_prefetch=prefetch)
+        sliding_window=window, norm=norm)
     return out[:, None], k_cache, v_cache

@@ -71,9 +71,8 @@ def _attention_block(lp: dict, x, delta, cos, sin, positions, config: Config, la
         # chunks summed, the norm applied, RoPE), the cache write and attention in 2-3 kernels.
         x, qkv, norm = layers.norm_qkv(x, delta, lp["attn_norm"], lp["wqkv"], lp.get("bqkv"),
                                        eps)  # qkv: [S, B, T, Hkv, G + 2, hd] chunks
-        o, *cache_kv = layers.decode_attention_qkv(
-            qkv, *cache_kv, positions, cos, sin, window=window, norm=norm,
-            prefetch=None if "bo" in lp else layers.o_prefetch(lp["wo"], b * t))
+        o, *cache_kv = layers.decode_attention_qkv(qkv, *cache_kv, positions, cos, sin,
+                                                   window=window, norm=norm)
     else:
         x, h = layers.add_norm(x, delta, lp["attn_norm"], eps)
         qkv = layers.project(h, lp["wqkv"], lp.get("bqkv"))  # [B, T, Hkv, G + 2, hd]
