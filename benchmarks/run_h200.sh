@@ -45,11 +45,11 @@ sweep() {  # the B=1 step profiled under several configurations ($SWEEP: one per
   local q=4096,6144,1 o=4096,4096,1 gu=4096,14336,2 dn=14336,4096,1
   local blocks="{\"$q\":[16,64,256,4,3,2],\"$o\":[16,64,256,4,3,2],\"$gu\":[16,128,128,4,3,1],\"$dn\":[16,256,64,4,4,8]}"
   local configs=${SWEEP:-"
---boundaries xla
+--boundaries kernel
 --boundaries swiglu
---boundaries consumers
+--blocks {\"$o\":[16,64,256,4,3,2]}
+--blocks {\"$dn\":[16,64,256,4,3,2]}
 --unfused
---attn-blocks [64,null,4,4]
 --blocks $blocks"}
   while IFS= read -r cfg; do
     echo "== $cfg"
