@@ -17,3 +17,13 @@ def rel_err(out, ref) -> float:
     assert out.shape == ref.shape, (out.shape, ref.shape)
     assert np.all(np.isfinite(out)), "kernel output has NaN/inf"
     return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def set_boundaries(monkeypatch, mode: str) -> None:
+    """The decode path's sublayer-boundary flags of jaxinfer/models/layers.py set to
+    BOUNDARY_MODES[mode] for one test (monkeypatch undoes it)."""
+    from jaxinfer.models import layers
+
+    for flag, on in zip(("FUSED_ADD_NORM", "SWIGLU_ADD_NORM", "QKV_ADD_NORM"),
+                        layers.BOUNDARY_MODES[mode]):
+        monkeypatch.setattr(layers, flag, on)

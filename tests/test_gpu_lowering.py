@@ -28,6 +28,7 @@ from pallas_kernels.decode_matmul_mgpu import DecodeMatmulConfig, decode_matmul_
 from jaxinfer.cache import KVCache
 from jaxinfer.configs import PRESETS
 from jaxinfer.models import layers, llama
+from kernel_testing import set_boundaries
 
 S = jax.ShapeDtypeStruct
 BF16, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
@@ -178,12 +179,6 @@ def gpu_dispatch(monkeypatch):
     """The model's layers take the kernels as on a GPU (the default backend here is the CPU)."""
     monkeypatch.setattr(layers, "use_kernels",
                         lambda dtype: jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16))
-
-
-def set_boundaries(monkeypatch, mode: str) -> None:
-    for flag, on in zip(("FUSED_ADD_NORM", "SWIGLU_ADD_NORM", "QKV_ADD_NORM"),
-                        layers.BOUNDARY_MODES[mode]):
-        monkeypatch.setattr(layers, flag, on)
 
 
 def test_llama3_8b_batch1_decode_layer_kernels(gpu_dispatch, monkeypatch):

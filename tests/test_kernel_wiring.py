@@ -21,7 +21,7 @@ import pallas_kernels
 from jaxinfer.cache import KVCache
 from jaxinfer.configs import Config, RopeScaling
 from jaxinfer.models import layers, llama
-from kernel_testing import rel_err
+from kernel_testing import rel_err, set_boundaries
 
 KERNELS = ("add_rms_norm", "flash_attention", "decode_attention", "decode_attention_append",
            "norm_matmul", "rms_norm", "swiglu")
@@ -63,12 +63,6 @@ def decode_steps(params, config, ids):
 
 
 BOUNDARIES = layers.BOUNDARY_MODES
-
-
-def set_boundaries(monkeypatch, mode: str) -> None:
-    """The sublayer-boundary flags of layers.py for the named mode (undone after the test)."""
-    for flag, on in zip(("FUSED_ADD_NORM", "SWIGLU_ADD_NORM", "QKV_ADD_NORM"), BOUNDARIES[mode]):
-        monkeypatch.setattr(layers, flag, on)
 
 
 @pytest.mark.parametrize("boundary", list(BOUNDARIES))
