@@ -3,12 +3,19 @@
     norm_matmul(x, norm_weight, w, eps=, residual=)   rms_norm(x) @ w (+ residual)
     swiglu(x, w_gate, w_up, norm_weight=, eps=)        silu(h @ w_gate) * (h @ w_up), h = [norm](x)
                                                        (pallas_kernels/swiglu.py, same kernel)
+    ... deltas=d                                       x + sum(d) first (the residual add), and
+                                                       that sum returned too
+    norm_matmul(..., partials=True)                    unreduced float32 K chunks (+ the norm's
+                                                       sums of squares) for a consumer kernel
 
 Built for decode (M = batch, 1..64), where the op streams the weight and every separate small
 kernel (the norm's reduce and scale, the residual add, a split-K reduction) costs more time than
 the bytes it moves. One program owns a [block_m, block_n] output tile (of each weight: SwiGLU
 multiplies x into the gate and the up slab in one pass) and one chunk of K:
 
+- Residual add (deltas [S, M, K] given, a split-K producer's chunks): each x tile is x plus
+  the chunks' tiles, summed in float32 and rounded once; the programs of the first N tile
+  store it (the next residual stream). The decoder's sublayer boundary thus needs no kernel.
 - Norm (norm_weight given): rms_norm(x) @ w = inv_rms * ((x * norm_weight) @ w), so the main
   loop multiplies (x * norm_weight) tiles (rounded to x's dtype, as HF rounds the normed x) and
   gathers each row's float32 sum of squares from the same x tiles; the epilogue scales by
@@ -18,7 +25,8 @@ multiplies x into the gate and the up slab in one pass) and one chunk of K:
   then the cast.
   split_k > 1 (more programs than a thin N gives, so that every SM streams): each program writes
   float32 partials [split_k, M, N] (and its chunk's sums of squares) and the wrapper's sum, norm
-  scale, residual and SiLU are left to XLA, which fuses them into one small kernel.
+  scale, residual and SiLU are left to XLA, which fuses them into one small kernel, or to the
+  consumer (partials=True: the decode attention kernel sums and scales the q/k/v chunks).
 Any M, K, N: edge tiles use masked loads and stores.
 """
 

@@ -3,8 +3,10 @@
 One program computes a [block_m, block_n] tile of the output: it walks K once, multiplying each
 x tile into both the gate and the up accumulators (float32), and applies SiLU and the product in
 the epilogue, so neither intermediate [M, N] matrix touches HBM. The pre-MLP RMSNorm can ride in
-the same pass (`norm_weight=`). The kernel is the shared fused matmul of norm_matmul.py. Any M, N,
-K: edge tiles use masked loads and stores.
+the same pass (`norm_weight=`), and before it the residual add of the attention's split-K
+chunks (`deltas=`), so the decoder's attention -> MLP boundary has no kernel of its own. The
+kernel is the shared fused matmul of norm_matmul.py. Any M, N, K: edge tiles use masked loads
+and stores.
 """
 
 from __future__ import annotations
