@@ -174,7 +174,7 @@ def set_boundaries(mode: str) -> None:
 # The MLP -> next attention boundary on the decode path: True adds the MLP's Partials to the
 # residual stream and norms inside the q/k/v matmul's main loop, whose chunks the attention
 # kernel then scales by the norm's rsqrt (`norm_qkv`); False runs `add_norm` first.
-# With SWIGLU_ADD_NORM ("consumers" below), measured in the B=1 Llama-3-8B step on the H200
+# With SWIGLU_ADD_NORM (mode "consumers"), measured in the B=1 Llama-3-8B step on the H200
 # (benchmarks/decode.py, one call, alternating, 2026-11-30): 4.055 / 4.040 ms/token against
 # 4.113 / 4.088 with both boundaries as add_rms_norm kernels; at 32k context 5.286 vs 5.340.
 # The step has 5 kernels per layer instead of 7; each consumer matmul pays ~1.5-2 us for the
