@@ -44,7 +44,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (NUM_SMS_H200, check_array, check_same_dtype, check_tiles,
                                      dot_f32, multiple_of, ref_precision)
-from pallas_kernels.rms_norm import rms_norm_reference
+from pallas_kernels.rms_norm import add_deltas_reference, check_deltas, rms_norm_reference
 
 
 @dataclasses.dataclass(frozen=True)
@@ -349,21 +349,6 @@ def _finish(out, x, norm_weight, residual, *, eps, epilogue, out_dtype, partial,
 # ---------------------------------------------------------------------------------------------
 
 
-def check_deltas(op: str, x, deltas) -> None:
-    """deltas must be float32 [S, *x.shape] (a split-K producer's chunks)."""
-    check_array(op, "deltas", deltas, getattr(deltas, "ndim", 0))
-    if deltas.ndim != x.ndim + 1 or tuple(deltas.shape[1:]) != tuple(x.shape):
-        raise ValueError(f"{op}: deltas {tuple(deltas.shape)} must be [S, *x.shape] with x "
-                         f"{tuple(x.shape)} (S partial sums added to x)")
-    if deltas.dtype != jnp.float32:
-        raise ValueError(f"{op}: deltas must be float32 partial sums, got {deltas.dtype}")
-
-
-def add_deltas_reference(x, deltas):
-    """x + sum(deltas): the chunks summed in float32 with x, rounded once to x's dtype."""
-    return (jnp.sum(deltas, axis=0) + x.astype(jnp.float32)).astype(x.dtype)
-
-
 def _validate(x, norm_weight, w, residual):
     op = "norm_matmul"
     check_array(op, "x", x, 2)
@@ -409,7 +394,7 @@ def norm_matmul(x, norm_weight, w, *, eps: float = 1e-6, residual=None, out_dtyp
     result is then (x + sum(deltas), the output as above)."""
     _validate(x, norm_weight, w, residual)
     if deltas is not None:
-        check_deltas("norm_matmul", x, deltas)
+        check_deltas("norm_matmul", x, deltas, float32_only=True)
     if partials and (residual is not None or out_dtype is not None):
         raise ValueError("norm_matmul: partials=True is for a plain or normed matmul (no "
                          "residual or out_dtype)")
@@ -449,7 +434,7 @@ def norm_matmul_reference(x, norm_weight, w, *, eps: float = 1e-6, residual=None
     del interpret
     _validate(x, norm_weight, w, residual)
     if deltas is not None:
-        check_deltas("norm_matmul", x, deltas)
+        check_deltas("norm_matmul", x, deltas, float32_only=True)
         x = add_deltas_reference(x, deltas)
         return x, norm_matmul_reference(x, norm_weight, w, eps=eps, residual=residual,
                                         out_dtype=out_dtype)

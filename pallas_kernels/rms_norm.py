@@ -110,9 +110,9 @@ def add_rms_norm_kernel(*refs, eps: float, rows: int, dim: int, block_m: int, sp
     plgpu.store(h_ref, w[None, :].astype(h_ref.dtype) * normed.astype(h_ref.dtype), mask=mask)
 
 
-def _validate_add(x, deltas, weight):
-    op = "add_rms_norm"
-    _validate(x, weight, op)
+def check_deltas(op: str, x, deltas, *, float32_only: bool = False) -> None:
+    """deltas must be [S, *x.shape] (S partial sums added to x: a split-K producer's chunks,
+    float32 where the kernel takes only those)."""
     if not hasattr(deltas, "ndim") or deltas.ndim != x.ndim + 1:
         raise ValueError(f"{op}: deltas must have rank {x.ndim + 1} ([S, *x.shape]: S partial "
                          f"sums), got {getattr(deltas, 'shape', type(deltas).__name__)}")
@@ -120,6 +120,18 @@ def _validate_add(x, deltas, weight):
     if tuple(deltas.shape[1:]) != tuple(x.shape):
         raise ValueError(f"{op}: deltas {tuple(deltas.shape)} must be [S, *x.shape] with x "
                          f"{tuple(x.shape)}")
+    if float32_only and deltas.dtype != jnp.float32:
+        raise ValueError(f"{op}: deltas must be float32 partial sums, got {deltas.dtype}")
+
+
+def add_deltas_reference(x, deltas):
+    """x + sum(deltas): the chunks summed in float32 with x, rounded once to x's dtype."""
+    return (jnp.sum(deltas.astype(jnp.float32), axis=0) + x.astype(jnp.float32)).astype(x.dtype)
+
+
+def _validate_add(x, deltas, weight):
+    _validate(x, weight, "add_rms_norm")
+    check_deltas("add_rms_norm", x, deltas)
 
 
 def add_rms_norm(x, deltas, weight, *, eps: float, interpret: bool = False,
@@ -165,5 +177,5 @@ def add_rms_norm_reference(x, deltas, weight, *, eps: float, interpret: bool = F
     """x + sum(deltas) (float32 sum, one rounding to x's dtype) and its RMSNorm, in plain jnp."""
     del interpret
     _validate_add(x, deltas, weight)
-    x_new = (jnp.sum(deltas.astype(jnp.float32), axis=0) + x.astype(jnp.float32)).astype(x.dtype)
+    x_new = add_deltas_reference(x, deltas)
     return x_new, rms_norm_reference(x_new, weight, eps=eps)

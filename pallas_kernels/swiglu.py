@@ -15,16 +15,15 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels._common import check_array, check_same_dtype, ref_precision
-from pallas_kernels.norm_matmul import (MatmulBlockSizes, add_deltas_reference, check_deltas,
-                                        default_block_sizes, fused_matmul)
-from pallas_kernels.rms_norm import rms_norm_reference
+from pallas_kernels.norm_matmul import MatmulBlockSizes, default_block_sizes, fused_matmul
+from pallas_kernels.rms_norm import add_deltas_reference, check_deltas, rms_norm_reference
 
 
 def _validate(x, w_gate, w_up, norm_weight=None, deltas=None):
     op = "swiglu"
     check_array(op, "x", x, 2)
     if deltas is not None:
-        check_deltas(op, x, deltas)
+        check_deltas(op, x, deltas, float32_only=True)
     check_array(op, "w_gate", w_gate, 2)
     check_array(op, "w_up", w_up, 2)
     arrays = dict(x=x, w_gate=w_gate, w_up=w_up)

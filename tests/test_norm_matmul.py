@@ -175,7 +175,7 @@ def test_normed_partials_with_deltas(blocks, dtype, m):
 def test_bad_deltas_raise_clear_errors():
     x, nw, w, _ = inputs(0, 3, 64, (8,), jnp.float32)
     d = deltas_for(1, x)
-    for bad, needle in ((d[0], "must be [S, *x.shape]"), (d[:, :2], "must be [S, *x.shape]"),
+    for bad, needle in ((d[0], "must have rank 3"), (d[:, :2], "must be [S, *x.shape]"),
                         (d.astype(jnp.bfloat16), "float32 partial sums")):
         with pytest.raises(ValueError, match="norm_matmul") as err:
             norm_matmul(x, nw, w, deltas=bad, interpret=True)
