@@ -133,15 +133,7 @@ def main(argv=None) -> int:
                    help="where the sublayer boundaries' residual add + RMSNorm run: xla, "
                         "kernel, swiglu, consumers (layers.BOUNDARY_MODES; default: the "
                         "model's)")
-    p.add_argument("--attention-o", default=None,
-                   help="SLOTS[,BLOCK_N]: run the o projection in the decode attention kernel "
-                        "for caches of <= SLOTS slots (0: never), BLOCK_N columns per program "
-                        "(layers.set_attention_o; default: the model's)")
     args = p.parse_args(argv)
-    if args.attention_o:
-        from jaxinfer.models import layers
-
-        layers.set_attention_o(*(int(v) for v in args.attention_o.split(",")))
     if args.boundaries:
         from jaxinfer.models import layers
 

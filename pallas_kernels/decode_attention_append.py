@@ -32,13 +32,11 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (LOG2_E, MASK_VALUE, check_array, check_head_dim,
-                                     check_same_dtype, dot_f32, multiple_of, next_pow2,
-                                     ref_precision)
+                                     check_same_dtype, next_pow2)
 from pallas_kernels.decode_attention import (
     DecodeBlockSizes, _merge_splits, attend_tiles, check_cache_pair, choose_num_splits,
     decode_attention_reference)
@@ -47,101 +45,6 @@ from pallas_kernels.norm_matmul import apply_norm_partials
 # ---------------------------------------------------------------------------------------------
 # Kernel
 # ---------------------------------------------------------------------------------------------
-
-
-def append_attend(q_refs, kn_refs, vn_refs, k_ref, v_ref, ko_ref, vo_ref, *, pos, start,
-                  chunk: int, seq_len: int, window: int | None, block_k: int, groups: int,
-                  qk_scale: float, inv_rms=None, rope=None, writes=None, lead: tuple = ()):
-    """The body shared by the append kernels for one (sequence, KV group, chunk of `chunk`
-    cache slots from `start`): gather q, k_new, v_new from the projection's parts (summed in
-    float32, times the deferred norm's inv_rms if given, rounded once to the cache dtype),
-    rotate q and k_new (rope = (cos_ref, sin_ref), [D] each, halves equal), write the new slot
-    `pos` if this chunk holds it (and `writes`, when given, is true), and run the online
-    softmax over the cache slots < pos of the chunk, starting from the new token when the chunk
-    holds it. lead: leading indices of every ref before the axes below.
-    q_refs [Gp, D] x P (rows >= groups masked), kn_refs / vn_refs [D] x P, k_ref / v_ref /
-    ko_ref / vo_ref [S_pad, D]. Returns (acc [Gp, D], m [Gp], l [Gp]) float32 and the row mask
-    [Gp] of the real query heads."""
-    # pos < seq_len keeps an out-of-range traced position from writing past the cache
-    owns = (pos >= start) & (pos < start + chunk) & (pos < seq_len)
-    gp, d = q_refs[0].shape[-2:]
-    dtype = k_ref.dtype
-    row_ok = jnp.arange(gp) < groups  # [Gp]
-
-    def gather(refs_, cols=None, mask=None):
-        """The parts' sum in float32 (times the deferred norm's inv_rms), rounded once to the
-        cache dtype (as the matmul would)."""
-        total = None
-        for r in refs_:
-            idx = (*lead, *(slice(None),) * (len(r.shape) - 1 - len(lead)),
-                   slice(None) if cols is None else cols)
-            x = plgpu.load(r.at[idx], mask=mask, other=0) if mask is not None else r[idx]
-            total = x.astype(jnp.float32) if total is None else total + x.astype(jnp.float32)
-        if inv_rms is not None:
-            total = total * inv_rms
-        return total.astype(dtype)
-
-    v_new = gather(vn_refs)  # [D]
-
-    if rope is not None:
-        # Rotate-half RoPE in float32: lo' = lo*c - hi*s, hi' = hi*c + lo*s (c, s: one half).
-        cos_ref, sin_ref = rope
-        h = d // 2
-        lo, hi = pl.ds(0, h), pl.ds(h, h)
-        c = cos_ref[(*lead, lo)].astype(jnp.float32)[None, :]  # [1, D/2]
-        s_ = sin_ref[(*lead, lo)].astype(jnp.float32)[None, :]
-        q_lo = gather(q_refs, lo, row_ok[:, None]).astype(jnp.float32)  # [Gp, D/2]
-        q_hi = gather(q_refs, hi, row_ok[:, None]).astype(jnp.float32)
-        q_parts = (((q_lo * c - q_hi * s_).astype(dtype), 0),
-                   ((q_hi * c + q_lo * s_).astype(dtype), h))  # [Gp, D/2] each
-        k_lo = gather(kn_refs, lo).astype(jnp.float32)[None, :]  # [1, D/2]
-        k_hi = gather(kn_refs, hi).astype(jnp.float32)[None, :]
-        k_parts = ((k_lo * c - k_hi * s_).astype(dtype), (k_hi * c + k_lo * s_).astype(dtype))
-    else:
-        q_parts = ((gather(q_refs, mask=row_ok[:, None]), 0),)  # [Gp, D]
-        k_parts = (gather(kn_refs)[None, :],)  # [1, D]
-
-    @pl.when(owns if writes is None else owns & writes)
-    def _write_new_slot():
-        col = 0
-        for kp in k_parts:
-            w = kp.shape[-1]
-            ko_ref[(*lead, pl.ds(pos, 1), pl.ds(col, w))] = kp
-            col += w
-        vo_ref[(*lead, pos, slice(None))] = v_new
-
-    # The owner's running softmax starts from the new token (its rotated key as stored, so
-    # the score matches a later read from the cache); the others start empty.
-    s_new = sum(jnp.sum(qp.astype(jnp.float32) * kp.astype(jnp.float32), axis=-1)
-                for (qp, _), kp in zip(q_parts, k_parts))  # [Gp]
-    w0 = owns.astype(jnp.float32)  # 1 for the owner, 0 for the others
-    m0 = jnp.where(owns, s_new * qk_scale, MASK_VALUE)  # [Gp]
-    l0 = jnp.broadcast_to(w0, (gp,))  # [Gp]
-    acc0 = jnp.broadcast_to(w0 * v_new.astype(jnp.float32)[None, :], (gp, d))  # [Gp, D]
-
-    # Cache slots this program reads: [first, end), end excluding the new slot itself.
-    end = jnp.minimum(jnp.minimum(start + chunk, pos), seq_len)
-    first = start
-    if window is not None:
-        # The query at pos sees slots > pos - window; whole tiles below that are skipped.
-        first = jnp.maximum(start, pos + 1 - window)
-        start = jnp.maximum(start, (first // block_k) * block_k)
-    acc, m, l = attend_tiles(q_parts, k_ref, v_ref, start=start, first=first, end=end,
-                             block_k=block_k, qk_scale=qk_scale, carry=(acc0, m0, l0),
-                             lead=lead)
-    return acc, m, l, row_ok
-
-
-def deferred_inv_rms(ss_ref, b, num_parts: int, norm: tuple[int, float] | None):
-    """rsqrt(sum of the parts' sums of squares ss_ref[:, b] / K + eps) for norm = (K, eps),
-    or None without a norm."""
-    if norm is None:
-        return None
-    norm_dim, eps = norm
-    sum_sq = ss_ref[0, b]
-    for part in range(1, num_parts):
-        sum_sq += ss_ref[part, b]
-    return jax.lax.rsqrt(sum_sq / norm_dim + eps)
 
 
 def decode_attention_append_kernel(pos_ref, *refs, sm_scale: float, chunk: int, block_k: int,
@@ -163,24 +66,91 @@ def decode_attention_append_kernel(pos_ref, *refs, sm_scale: float, chunk: int, 
     # ko_ref, vo_ref [S_pad, D]: the same buffers as k_ref / v_ref (aliased); slot pos written
     q_refs, kn_refs, vn_refs = (refs[i * num_parts:(i + 1) * num_parts] for i in range(3))
     refs = refs[3 * num_parts:]
-    ss_ref = None
     if norm is not None:
         ss_ref, *refs = refs
-    rope = None
     if has_rope:
         cos_ref, sin_ref, *refs = refs
-        rope = (cos_ref, sin_ref)
     k_ref, v_ref, *refs = refs
     if normalize:
         o_ref, ko_ref, vo_ref = refs
     else:
         acc_ref, m_ref, l_ref, ko_ref, vo_ref = refs
     b = pl.program_id(0)
-    acc, m, l, row_ok = append_attend(
-        q_refs, kn_refs, vn_refs, k_ref, v_ref, ko_ref, vo_ref, pos=pos_ref[b],
-        start=pl.program_id(2) * chunk, chunk=chunk, seq_len=seq_len, window=window,
-        block_k=block_k, groups=groups, qk_scale=sm_scale * LOG2_E,
-        inv_rms=deferred_inv_rms(ss_ref, b, num_parts, norm), rope=rope)
+    split = pl.program_id(2)
+    pos = pos_ref[b]
+    start = split * chunk
+    # pos < seq_len keeps an out-of-range traced position from writing past the cache
+    owns = (pos >= start) & (pos < start + chunk) & (pos < seq_len)
+    gp, d = q_refs[0].shape
+    dtype = k_ref.dtype
+    row_ok = jnp.arange(gp) < groups  # [Gp]
+    inv_rms = None
+    if norm is not None:
+        norm_dim, eps = norm
+        sum_sq = ss_ref[0, b]
+        for part in range(1, num_parts):
+            sum_sq += ss_ref[part, b]
+        inv_rms = jax.lax.rsqrt(sum_sq / norm_dim + eps)
+
+    def gather(refs_, cols=None, mask=None):
+        """The parts' sum in float32 (times the deferred norm's inv_rms), rounded once to the
+        cache dtype (as the matmul would)."""
+        total = None
+        for r in refs_:
+            idx = (slice(None),) * (len(r.shape) - 1) + (slice(None) if cols is None else cols,)
+            x = plgpu.load(r.at[idx], mask=mask, other=0) if mask is not None else r[idx]
+            total = x.astype(jnp.float32) if total is None else total + x.astype(jnp.float32)
+        if inv_rms is not None:
+            total = total * inv_rms
+        return total.astype(dtype)
+
+    v_new = gather(vn_refs)  # [D]
+
+    if has_rope:
+        # Rotate-half RoPE in float32: lo' = lo*c - hi*s, hi' = hi*c + lo*s (c, s: one half).
+        h = d // 2
+        lo, hi = pl.ds(0, h), pl.ds(h, h)
+        c = cos_ref[lo].astype(jnp.float32)[None, :]  # [1, D/2]
+        s_ = sin_ref[lo].astype(jnp.float32)[None, :]
+        q_lo = gather(q_refs, lo, row_ok[:, None]).astype(jnp.float32)  # [Gp, D/2]
+        q_hi = gather(q_refs, hi, row_ok[:, None]).astype(jnp.float32)
+        q_parts = (((q_lo * c - q_hi * s_).astype(dtype), 0),
+                   ((q_hi * c + q_lo * s_).astype(dtype), h))  # [Gp, D/2] each
+        k_lo = gather(kn_refs, lo).astype(jnp.float32)[None, :]  # [1, D/2]
+        k_hi = gather(kn_refs, hi).astype(jnp.float32)[None, :]
+        k_parts = ((k_lo * c - k_hi * s_).astype(dtype), (k_hi * c + k_lo * s_).astype(dtype))
+    else:
+        q_parts = ((gather(q_refs, mask=row_ok[:, None]), 0),)  # [Gp, D]
+        k_parts = (gather(kn_refs)[None, :],)  # [1, D]
+
+    @pl.when(owns)
+    def _write_new_slot():
+        col = 0
+        for kp in k_parts:
+            w = kp.shape[-1]
+            ko_ref[pl.ds(pos, 1), pl.ds(col, w)] = kp
+            col += w
+        vo_ref[pos, :] = v_new
+
+    qk_scale = sm_scale * LOG2_E
+    # The owner's running softmax starts from the new token (its rotated key as stored, so
+    # the score matches a later read from the cache); the others start empty.
+    s_new = sum(jnp.sum(qp.astype(jnp.float32) * kp.astype(jnp.float32), axis=-1)
+                for (qp, _), kp in zip(q_parts, k_parts))  # [Gp]
+    w0 = owns.astype(jnp.float32)  # 1 for the owner, 0 for the others
+    m0 = jnp.where(owns, s_new * qk_scale, MASK_VALUE)  # [Gp]
+    l0 = jnp.broadcast_to(w0, (gp,))  # [Gp]
+    acc0 = jnp.broadcast_to(w0 * v_new.astype(jnp.float32)[None, :], (gp, d))  # [Gp, D]
+
+    # Cache slots this program reads: [first, end), end excluding the new slot itself.
+    end = jnp.minimum(jnp.minimum(start + chunk, pos), seq_len)
+    first = start
+    if window is not None:
+        # The query at pos sees slots > pos - window; whole tiles below that are skipped.
+        first = jnp.maximum(start, pos + 1 - window)
+        start = jnp.maximum(start, (first // block_k) * block_k)
+    acc, m, l = attend_tiles(q_parts, k_ref, v_ref, start=start, first=first, end=end,
+                             block_k=block_k, qk_scale=qk_scale, carry=(acc0, m0, l0))
     if normalize:  # the only chunk: l >= 1 (the new token), no merge step
         plgpu.store(o_ref, (acc / l[:, None]).astype(o_ref.dtype), mask=row_ok[:, None])
     else:
@@ -189,73 +159,13 @@ def decode_attention_append_kernel(pos_ref, *refs, sm_scale: float, chunk: int, 
         plgpu.store(l_ref, l, mask=row_ok)
 
 
-def decode_attention_o_kernel(pos_ref, *refs, sm_scale: float, block_k: int,
-                              window: int | None, groups: int, seq_len: int, has_rope: bool,
-                              num_parts: int, norm: tuple[int, float] | None, batch: int,
-                              n: int):
-    # Grid (KV group g, N block j). Every program of group g runs the group's attention for all
-    # B sequences over the whole (short) cache, then multiplies it by its block of the o
-    # projection: a [B, bn] share of attn @ wo from the group's G * D rows of wo. The attention
-    # is computed once per N block (its K/V come from L2 after the first program), so the
-    # attention kernel's launch and ramp go, and no attention output is written or read back.
-    # q_refs [B, Gp, D] x P, kn_refs / vn_refs [B, D] x P: as in the append kernel, per sequence
-    # ss_ref [P, B] (norm), cos_ref / sin_ref [B, D] (has_rope)
-    # k_ref, v_ref [B, S_pad, D]: group g's cache rows of every sequence
-    # wo_ref [G * D, bn]: wo's rows of group g's query heads (head g*G + i: rows (g*G + i) * D
-    #   + [0, D)), N block j
-    # out_ref [Bp, bn] float32: rows < B stored
-    # ko_ref, vo_ref: the caches (aliased); the programs of N block 0 write the new slots
-    q_refs, kn_refs, vn_refs = (refs[i * num_parts:(i + 1) * num_parts] for i in range(3))
-    refs = refs[3 * num_parts:]
-    ss_ref = None
-    if norm is not None:
-        ss_ref, *refs = refs
-    rope = None
-    if has_rope:
-        cos_ref, sin_ref, *refs = refs
-        rope = (cos_ref, sin_ref)
-    k_ref, v_ref, wo_ref, out_ref, ko_ref, vo_ref = refs
-    s_pad, d = k_ref.shape[-2:]
-    dtype = k_ref.dtype
-    first_block = pl.program_id(1) == 0
-    attn = []  # per sequence [Gp, D] float32: the attention output, rounded as stored unfused
-    for b in range(batch):
-        acc, _, l, _ = append_attend(
-            q_refs, kn_refs, vn_refs, k_ref, v_ref, ko_ref, vo_ref, pos=pos_ref[b], start=0,
-            chunk=s_pad, seq_len=seq_len, window=window, block_k=block_k, groups=groups,
-            qk_scale=sm_scale * LOG2_E, inv_rms=deferred_inv_rms(ss_ref, b, num_parts, norm),
-            rope=rope, writes=first_block, lead=(jnp.int32(b),))
-        attn.append((acc / l[:, None]).astype(dtype).astype(jnp.float32))
-    gp = attn[0].shape[0]
-    bp, bn = out_ref.shape
-    head_rows = jnp.arange(gp)[:, None]  # [Gp, 1]
-    seq_rows = jnp.arange(bp)[:, None]  # [Bp, 1]
-    cols = pl.program_id(1) * bn + jnp.arange(bn)
-    col_ok = (cols < n)[None, :] if n % bn else None  # [1, bn]
-
-    def head(h, acc):
-        # x [Bp, D]: row b = sequence b's output of query head g*G + h; times wo's D rows of it
-        x = jnp.zeros((bp, d), jnp.float32)
-        for b, a in enumerate(attn):
-            row = jnp.sum(jnp.where(head_rows == h, a, 0.0), axis=0)  # [D]
-            x = jnp.where(seq_rows == b, row[None, :], x)
-        w_idx = (pl.ds(multiple_of(h * d, d), d), slice(None))
-        w = wo_ref[w_idx] if col_ok is None else plgpu.load(wo_ref.at[w_idx], mask=col_ok,
-                                                              other=0)  # [D, bn]
-        return acc + dot_f32(x.astype(dtype), w)
-
-    out = lax.fori_loop(0, groups, head, jnp.zeros((bp, bn), jnp.float32))  # [Bp, bn]
-    mask = seq_rows < batch
-    plgpu.store(out_ref, out, mask=mask if col_ok is None else mask & col_ok)
-
-
 # ---------------------------------------------------------------------------------------------
 # Wrapper
 # ---------------------------------------------------------------------------------------------
 
 
 def _validate(qkv, k_cache, v_cache, positions, rope, sliding_window,
-              norm=None, wo=None) -> tuple[int, int, int, int]:
+              norm=None) -> tuple[int, int, int, int]:
     op = "decode_attention_append"
     if norm is not None:
         if getattr(qkv, "ndim", None) != 5:
@@ -303,17 +213,6 @@ def _validate(qkv, k_cache, v_cache, positions, rope, sliding_window,
                                  f"{tuple(t.shape)}")
         if d % 2:
             raise ValueError(f"{op}: RoPE needs an even head dim, got {d}")
-    if wo is not None:
-        check_array(op, "wo", wo, 2)
-        if wo.shape[0] != hkv * (rows - 2) * d:
-            raise ValueError(f"{op}: wo must be the o projection [Hq * D, N] = "
-                             f"[{hkv * (rows - 2) * d}, N], got {tuple(wo.shape)}")
-        if wo.dtype != k_cache.dtype:
-            raise ValueError(f"{op}: wo must have the caches' dtype {k_cache.dtype}, got "
-                             f"{wo.dtype}")
-        if b > MAX_O_BATCH:
-            raise ValueError(f"{op}: wo= takes at most {MAX_O_BATCH} sequences, got {b}; "
-                             f"project the attention output separately")
     # Concrete positions can be checked here; under jit the caller owns this check (an
     # out-of-range traced position writes nothing and its output is unspecified).
     if not isinstance(positions, jax.core.Tracer):
@@ -324,15 +223,10 @@ def _validate(qkv, k_cache, v_cache, positions, rope, sliding_window,
     return b, s, hkv, d
 
 
-# wo= runs every sequence's attention in each program (a static loop): a few at most.
-MAX_O_BATCH = 4
-
-
 def decode_attention_append(qkv, k_cache, v_cache, positions, *, rope=None,
                             sm_scale: float | None = None, sliding_window: int | None = None,
-                            norm=None, wo=None, interpret: bool = False,
-                            block_sizes: DecodeBlockSizes | None = None,
-                            wo_block_n: int = 256):
+                            norm=None, interpret: bool = False,
+                            block_sizes: DecodeBlockSizes | None = None):
     """One new token per sequence: rotate its q and k (RoPE, when `rope` is given), write its
     k and v at slot positions[b] of k/v_cache [B, S, Hkv, D], and attend its q to slots
     [0, positions[b]].
@@ -349,14 +243,8 @@ def decode_attention_append(qkv, k_cache, v_cache, positions, *, rope=None,
     slots > positions[b] - w are seen (HF semantics). The caches are aliased to the outputs: to
     update them in place, call this inside a jit that donates them (the model's decode step);
     an eager call or a jit without donation copies each cache once first.
-    wo [Hq * D, N] (at most MAX_O_BATCH sequences): the attention output's projection runs in
-    the same kernel, and out is its float32 per-KV-group share [Hkv, B, N] (out.sum(0) is the
-    attention output [B, Hq * D], rounded to the caches' dtype, @ wo), split-K chunks for a
-    consumer that sums them. Each of the Hkv * N / wo_block_n programs recomputes its group's
-    attention over the whole cache: for short caches (the B = 1 decode step at a few hundred
-    slots), where a separate attention kernel costs more than the recompute.
     """
-    _validate(qkv, k_cache, v_cache, positions, rope, sliding_window, norm, wo)
+    _validate(qkv, k_cache, v_cache, positions, rope, sliding_window, norm)
     if qkv.ndim == 4:
         qkv = qkv[None]  # [1, B, Hkv, G + 2, D]: one part
     d = qkv.shape[-1]
@@ -375,12 +263,6 @@ def decode_attention_append(qkv, k_cache, v_cache, positions, *, rope=None,
     ss, norm_static = None, None
     if norm is not None:
         ss, norm_static = norm[0], (int(norm[1]), float(norm[2]))
-    if wo is not None:
-        if block_sizes is None:
-            blocks = DecodeBlockSizes(block_k=128, num_splits=1, num_stages=3)
-        return _decode_attention_o_triton(
-            qkv, k_cache, v_cache, positions, rope, ss, wo, sm_scale=sm_scale, blocks=blocks,
-            block_n=int(wo_block_n), window=window, norm=norm_static, interpret=interpret)
     return _decode_attention_append_triton(
         qkv, k_cache, v_cache, positions, rope, ss, sm_scale=sm_scale, blocks=blocks,
         num_splits=num_splits, window=window, norm=norm_static, interpret=interpret)
@@ -458,63 +340,6 @@ def _decode_attention_append_triton(qkv, k_cache, v_cache, positions, rope, ss, 
     return out, k_cache, v_cache
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "blocks", "block_n", "window", "norm",
-                                             "interpret"))
-def _decode_attention_o_triton(qkv, k_cache, v_cache, positions, rope, ss, wo, *, sm_scale,
-                               blocks, block_n, window, norm, interpret):
-    # qkv [P, B, Hkv, G + 2, D]: P parts summed in the kernel; wo [Hkv * G * D, N]
-    parts, b, hkv, rows, d = qkv.shape
-    g = rows - 2
-    _, s, _, _ = k_cache.shape
-    n = wo.shape[1]
-    dtype = k_cache.dtype
-    gp = max(16, next_pow2(g))  # tl.dot needs >= 16 rows
-    bp = max(16, next_pow2(b))
-    block_k = blocks.block_k
-    s_pad = pl.cdiv(s, block_k) * block_k  # one chunk: the whole cache
-    block_n = min(block_n, max(16, next_pow2(n)))
-    kernel = functools.partial(decode_attention_o_kernel, sm_scale=sm_scale, block_k=block_k,
-                               window=window, groups=g, seq_len=s, has_rope=rope is not None,
-                               num_parts=parts, norm=norm, batch=b, n=n)
-
-    def qkv_spec(p, first_row):  # every sequence's rows of part p, KV group h
-        if first_row is None:  # the G query rows (from row 0; rows >= G masked on load)
-            return pl.BlockSpec((None, b, None, gp, d), lambda h, j: (p, 0, h, 0, 0))
-        return pl.BlockSpec((None, b, None, None, d), lambda h, j: (p, 0, h, first_row, 0))
-
-    in_specs = [pl.BlockSpec((b,), lambda h, j: (0,))]
-    in_specs += [qkv_spec(p, None) for p in range(parts)]  # queries
-    in_specs += [qkv_spec(p, g) for p in range(parts)]  # keys
-    in_specs += [qkv_spec(p, g + 1) for p in range(parts)]  # values
-    args = [positions] + [qkv] * (3 * parts)
-    if norm is not None:  # the parts' sums of squares [P, B], whole
-        in_specs.append(pl.BlockSpec(ss.shape, lambda h, j: (0, 0)))
-        args.append(ss)
-    if rope is not None:
-        in_specs += [pl.BlockSpec((b, d), lambda h, j: (0, 0))] * 2
-        args += list(rope)
-    cache = pl.BlockSpec((b, s_pad, None, d), lambda h, j: (0, 0, h, 0))
-    in_specs += [cache, cache, pl.BlockSpec((g * d, block_n), lambda h, j: (h, j))]
-    args += [k_cache, v_cache, wo]
-    out_specs = [pl.BlockSpec((None, bp, block_n), lambda h, j: (h, 0, j)), cache, cache]
-    out_shape = [jax.ShapeDtypeStruct((hkv, b, n), jnp.float32),
-                 jax.ShapeDtypeStruct(k_cache.shape, dtype),
-                 jax.ShapeDtypeStruct(v_cache.shape, dtype)]
-    aliases = {len(args) - 3: 1, len(args) - 2: 2}  # the caches, in place
-    return pl.pallas_call(
-        kernel,
-        grid=(hkv, pl.cdiv(n, block_n)),
-        in_specs=in_specs,
-        out_specs=out_specs,
-        out_shape=out_shape,
-        input_output_aliases=aliases,
-        compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps,
-                                             num_stages=blocks.num_stages),
-        interpret=interpret,
-        name="decode_attention_o",
-    )(*args)
-
-
 # ---------------------------------------------------------------------------------------------
 # Reference
 # ---------------------------------------------------------------------------------------------
@@ -530,15 +355,14 @@ def rotate_half_f32(x, cos, sin):
 
 def decode_attention_append_reference(qkv, k_cache, v_cache, positions, *, rope=None,
                                       sm_scale: float | None = None,
-                                      sliding_window: int | None = None, norm=None, wo=None,
+                                      sliding_window: int | None = None, norm=None,
                                       interpret: bool = False,
-                                      block_sizes: DecodeBlockSizes | None = None,
-                                      wo_block_n: int = 256):
+                                      block_sizes: DecodeBlockSizes | None = None):
     """Plain jnp: split qkv, rotate q and k, scatter the new K/V, then
-    `decode_attention_reference` (and with wo, each KV group's share of out @ wo; interpret
-    and the block sizes are ignored). Returns (out, k_cache, v_cache) like the kernel."""
-    del interpret, block_sizes, wo_block_n
-    b, s, hkv, d = _validate(qkv, k_cache, v_cache, positions, rope, sliding_window, norm, wo)
+    `decode_attention_reference` (interpret and block_sizes are ignored). Returns
+    (out, k_cache, v_cache) like the kernel."""
+    del interpret, block_sizes
+    b, s, hkv, d = _validate(qkv, k_cache, v_cache, positions, rope, sliding_window, norm)
     if qkv.ndim == 5:  # split-K chunks: summed in float32 (normed), rounded once
         if norm is not None:
             qkv = apply_norm_partials(qkv, norm[0], int(norm[1]), float(norm[2]))
@@ -556,8 +380,4 @@ def decode_attention_append_reference(qkv, k_cache, v_cache, positions, *, rope=
     v_cache = v_cache.at[rows, positions].set(v_new, mode="drop")
     out = decode_attention_reference(q, k_cache, v_cache, positions + 1, sm_scale=sm_scale,
                                      sliding_window=sliding_window)
-    if wo is not None:  # [B, Hkv, G * D] @ [Hkv, G * D, N] -> [Hkv, B, N], float32
-        out = jnp.einsum("bhk,hkn->hbn", out.reshape(b, hkv, g * d),
-                         wo.reshape(hkv, g * d, wo.shape[1]),
-                         preferred_element_type=jnp.float32, precision=ref_precision(out.dtype))
     return out, k_cache, v_cache

@@ -254,51 +254,6 @@ def test_deferred_norm_scales_the_summed_parts():
         call(want, k_cache, v_cache, positions, norm=norm)
 
 
-WO_CASES = [
-    # b, s, hq, hkv, d, positions, n, window: N not a block multiple, G = 3, a window
-    (1, 45, 8, 2, 32, (44,), 80, None),
-    (2, 40, 6, 2, 32, (0, 23), 48, None),
-    (3, 70, 8, 4, 32, (69, 5, 31), 64, 20),
-]
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("case", WO_CASES,
-                         ids=lambda c: "b{}_s{}_h{}/{}_d{}_p{}_n{}_w{}".format(*c))
-def test_output_projection_in_the_kernel(case, dtype):
-    """wo=: every program recomputes its KV group's attention and multiplies it by its block of
-    wo; the [Hkv, B, N] float32 shares match the reference's, sum to the unfused path's
-    attention @ wo, and the caches are written once (bit for bit the reference's)."""
-    b, s, hq, hkv, d, positions, n, window = case
-    q, k_new, v_new, k_cache, v_cache = inputs(61, b, s, hq, hkv, d, dtype)
-    positions = jnp.asarray(positions, jnp.int32)
-    rope = rope_tables(positions, d)
-    wo = (normal(62, (hq * d, n), jnp.float32) / np.sqrt(hq * d)).astype(dtype)
-    parts = split_chunks(pack(q, k_new, v_new).astype(jnp.float32), 63)
-    ss = jnp.abs(normal(64, (2, b), jnp.float32)) * 96
-    norm = (ss, 96, 1e-5)
-    blocks = DecodeBlockSizes(block_k=16, num_splits=1, num_stages=1)
-    call = functools.partial(_append_qkv, rope=rope, norm=norm, sliding_window=window,
-                             interpret=True, block_sizes=blocks)
-    out, k_out, v_out = call(parts, k_cache, v_cache, positions, wo=wo, wo_block_n=32)
-    assert out.shape == (hkv, b, n) and out.dtype == jnp.float32
-    ref, k_ref, v_ref = _append_ref(parts, k_cache, v_cache, positions, rope=rope, norm=norm,
-                                    sliding_window=window, wo=wo)
-    assert rel_err(out, ref) < TOL[dtype]
-    assert rel_err(k_out, k_ref) < 2e-3 and rel_err(v_out, v_ref) < 2e-3
-    attn, k_plain, v_plain = call(parts, k_cache, v_cache, positions)  # [B, Hq, D], unfused
-    want = jnp.dot(attn.reshape(b, hq * d), wo, preferred_element_type=jnp.float32,
-                   precision=jax.lax.Precision.HIGHEST)
-    assert rel_err(jnp.sum(out, axis=0), want) < TOL[dtype]
-    np.testing.assert_array_equal(np.asarray(k_out), np.asarray(k_plain))
-    np.testing.assert_array_equal(np.asarray(v_out), np.asarray(v_plain))
-    with pytest.raises(ValueError, match=r"wo must be the o projection"):
-        call(parts, k_cache, v_cache, positions, wo=wo[:-1])
-    with pytest.raises(ValueError, match="wo must have the caches' dtype"):
-        call(parts, k_cache, v_cache, positions, wo=wo.astype(
-            jnp.float16 if dtype == jnp.float32 else jnp.float32))
-
-
 def test_bad_inputs_raise():
     f32 = jnp.float32
     q, k_new, v_new, k_cache, v_cache = inputs(0, 2, 10, 4, 2, 16, f32)
@@ -401,28 +356,3 @@ def test_deferred_norm_gpu(s):
         parts, k_cache, v_cache, positions)
     ref, k_ref, _ = _append_ref(parts, k_cache, v_cache, positions, rope=tables, norm=norm)
     assert rel_err(out, ref) < TOL[dtype] and rel_err(k_out, k_ref) < 2e-3
-
-
-@pytest.mark.gpu
-@needs_gpu
-@pytest.mark.parametrize("block_n", [128, 256, 512])
-@pytest.mark.parametrize("b,s", [(1, 384), (1, 512), (2, 300)])
-def test_output_projection_gpu(b, s, block_n):
-    """The model's short-context decode call with the o projection in the kernel (B=1, the
-    Llama-3-8B shapes): shares against the reference, the caches written once."""
-    hq, hkv, d, n, dtype = 32, 8, 128, 4096, jnp.bfloat16
-    q, k_new, v_new, k_cache, v_cache = inputs(19, b, s, hq, hkv, d, dtype)
-    positions = jnp.asarray([s - 1 - 37 * i for i in range(b)], jnp.int32)
-    tables = rope_tables(positions, d, 500000.0)
-    parts = split_chunks(pack(q, k_new, v_new), 20)
-    ss = jnp.abs(normal(21, (2, b), jnp.float32)) * 4096
-    norm = (ss, 4096, 1e-5)
-    wo = (normal(22, (hq * d, n), jnp.float32) / 64).astype(dtype)
-    out, k_out, v_out = jax.jit(
-        functools.partial(_append_qkv, rope=tables, norm=norm, wo_block_n=block_n),
-        donate_argnums=(1, 2))(parts, k_cache.copy(), v_cache.copy(), positions, wo=wo)
-    ref, k_ref, v_ref = _append_ref(parts, k_cache, v_cache, positions, rope=tables, norm=norm,
-                                    wo=wo)
-    assert out.shape == (hkv, b, n)
-    assert rel_err(out, ref) < TOL[dtype]
-    assert rel_err(k_out, k_ref) < 2e-3 and rel_err(v_out, v_ref) < 2e-3

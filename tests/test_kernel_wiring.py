@@ -65,16 +65,12 @@ def decode_steps(params, config, ids):
 BOUNDARIES = layers.BOUNDARY_MODES
 
 
-@pytest.mark.parametrize("attention_o", [512, 0], ids=["attn_o", "attn_then_o"])
 @pytest.mark.parametrize("boundary", list(BOUNDARIES))
 @pytest.mark.parametrize("variant", [{}, {"layer_windows": (5, None)}, {"qkv_bias": True}],
                          ids=["llama3", "window", "qkv_bias"])
 def test_kernel_path_matches_reference_path(kernels_in_interpret_mode, variant, boundary,
-                                            attention_o, monkeypatch):
-    """attention_o: layers.ATTENTION_O_MAX_SLOTS (the cache has 16 slots: 512 runs the o
-    projection in the attention kernel, 0 after it)."""
+                                            monkeypatch):
     set_boundaries(monkeypatch, boundary)
-    monkeypatch.setattr(layers, "ATTENTION_O_MAX_SLOTS", attention_o)
     config = tiny_config(**variant)
     params = layers.init_params(llama.param_specs(config), jax.random.key(0), jnp.bfloat16)
     if config.qkv_bias:  # non-zero biases, so that a dropped bias shows
@@ -88,9 +84,8 @@ def test_kernel_path_matches_reference_path(kernels_in_interpret_mode, variant, 
 
         def spy(*a, _fn=fn, _name=name, **k):
             calls.append(_name)
-            for arg in ("deltas", "wo"):
-                if k.get(arg) is not None:
-                    calls.append(f"{_name}+{arg}")
+            if k.get("deltas") is not None:
+                calls.append(f"{_name}+deltas")
             return _fn(*a, **k)
         monkeypatch.setattr(pallas_kernels, name, spy)
     fused, cache = decode_steps(params, config, ids)
@@ -100,7 +95,6 @@ def test_kernel_path_matches_reference_path(kernels_in_interpret_mode, variant, 
     want |= {"add_rms_norm"} if add_kernel else set()
     want |= {"swiglu+deltas"} if in_swiglu else set()
     want |= {"norm_matmul+deltas"} if in_qkv and not config.qkv_bias else set()
-    want |= {"decode_attention_append+wo"} if attention_o else set()
     assert set(calls) == want
     monkeypatch.setattr(layers, "use_kernels", lambda dtype: False)
     ref, ref_cache = decode_steps(params, config, ids)
@@ -116,15 +110,13 @@ def test_kernel_path_matches_reference_path(kernels_in_interpret_mode, variant, 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
-@pytest.mark.parametrize("attention_o", [512, 0], ids=["attn_o", "attn_then_o"])
 @pytest.mark.parametrize("boundary", list(BOUNDARIES))
 @pytest.mark.parametrize("variant", [{}, {"layer_windows": (5, None)}, {"qkv_bias": True}],
                          ids=["llama3", "window", "qkv_bias"])
-def test_kernel_path_matches_reference_path_gpu(variant, boundary, attention_o, monkeypatch):
+def test_kernel_path_matches_reference_path_gpu(variant, boundary, monkeypatch):
     """The same on the H200 with the compiled kernels (the HF fixtures' head dim 16 is below
     the fused attention kernel's 32, so test_gpu.py does not reach that kernel)."""
     set_boundaries(monkeypatch, boundary)
-    monkeypatch.setattr(layers, "ATTENTION_O_MAX_SLOTS", attention_o)
     config = tiny_config(**variant)
     params = layers.init_params(llama.param_specs(config), jax.random.key(0), jnp.bfloat16)
     ids = jax.random.randint(jax.random.key(2), (2, 13), 0, config.vocab_size)

@@ -410,53 +410,19 @@ def fused_decode_attention_ok(h: jax.Array, head_dim: int, rotary_dim: int) -> b
             and _kernel_head_dim(head_dim // 2) and rotary_dim == head_dim)
 
 
-# The decode attention and the o projection in one kernel (`decode_attention_append(wo=)`,
-# every program recomputing its KV group's attention) when the cache holds at most this many
-# slots and the batch at most MAX_O_BATCH rows; 0 turns it off. ATTENTION_O_BLOCK_N: wo's
-# columns per program (Hkv * D_model / block_n programs). For benchmarks: set_attention_o.
-ATTENTION_O_MAX_SLOTS = 512
-ATTENTION_O_BLOCK_N = 256
-
-
-def set_attention_o(max_slots: int, block_n: int | None = None) -> None:
-    """Set ATTENTION_O_MAX_SLOTS (and ATTENTION_O_BLOCK_N) (trace-time: jit again after)."""
-    global ATTENTION_O_MAX_SLOTS, ATTENTION_O_BLOCK_N
-    if max_slots < 0 or (block_n is not None and block_n < 16):
-        raise ValueError(f"set_attention_o: max_slots >= 0 and block_n >= 16, got {max_slots}, "
-                         f"{block_n}")
-    ATTENTION_O_MAX_SLOTS = int(max_slots)
-    if block_n is not None:
-        ATTENTION_O_BLOCK_N = int(block_n)
-
-
-def attention_o_ok(k_cache: jax.Array, wo, wo_bias) -> bool:
-    """Whether `decode_attention_qkv` also runs the o projection wo (a plain [Hq * D, N]
-    array in the cache's dtype, no bias), for this layer's k_cache [B, S, Hkv, D] (only on
-    the path where `fused_decode_attention_ok`)."""
-    from pallas_kernels.decode_attention_append import MAX_O_BATCH
-
-    b, s = k_cache.shape[:2]
-    return (wo_bias is None and isinstance(wo, jax.Array) and wo.ndim == 2
-            and wo.dtype == k_cache.dtype and b <= MAX_O_BATCH and s <= ATTENTION_O_MAX_SLOTS)
-
-
 def decode_attention_qkv(qkv, k_cache, v_cache, positions, cos, sin, *, window=None,
-                         norm=None, wo=None):
+                         norm=None):
     """One new token per row, straight from the fused projection qkv [B, 1, Hkv, G + 2, D] (or
     its split-K chunks, Partials [S, B, 1, Hkv, G + 2, D], summed by the kernel): RoPE on its
     q and k (cos/sin [B, 1, D]), k and v written to slot positions [B, 1] of one layer's cache
     [B, S, Hkv, D], q attending to slots <= its position. norm: the deferred RMSNorm of
     `norm_qkv` (the chunks' sum is scaled by it) or None. One kernel
     (pallas_kernels/decode_attention_append.py), updating the donated cache in place; only
-    where `fused_decode_attention_ok`. Returns (out [B, 1, Hq, D], k_cache, v_cache); with
-    wo [Hq * D, N] (where `attention_o_ok`), out is the o projection of the attention output
-    as Partials [Hkv, B, 1, N], from the same kernel."""
+    where `fused_decode_attention_ok`. Returns (out [B, 1, Hq, D], k_cache, v_cache)."""
     from pallas_kernels import decode_attention_append
 
     qkv = qkv.parts[:, :, 0] if isinstance(qkv, Partials) else qkv[:, 0]  # drop T = 1
     out, k_cache, v_cache = decode_attention_append(
         qkv, k_cache, v_cache, positions[:, 0], rope=(cos[:, 0], sin[:, 0]),
-        sliding_window=window, norm=norm, wo=wo, wo_block_n=ATTENTION_O_BLOCK_N)
-    if wo is not None:
-        return Partials(out[:, :, None]), k_cache, v_cache  # [Hkv, B, 1, N]
+        sliding_window=window, norm=norm)
     return out[:, None], k_cache, v_cache

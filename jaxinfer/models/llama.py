@@ -71,11 +71,6 @@ def _attention_block(lp: dict, x, delta, cos, sin, positions, config: Config, la
         # chunks summed, the norm applied, RoPE), the cache write and attention in 2-3 kernels.
         x, qkv, norm = layers.norm_qkv(x, delta, lp["attn_norm"], lp["wqkv"], lp.get("bqkv"),
                                        eps)  # qkv: [S, B, T, Hkv, G + 2, hd] chunks
-        if layers.attention_o_ok(cache_kv[0], lp["wo"], lp.get("bo")):
-            # A short cache: the o projection runs in the attention kernel too.
-            attn, *cache_kv = layers.decode_attention_qkv(
-                qkv, *cache_kv, positions, cos, sin, window=window, norm=norm, wo=lp["wo"])
-            return x, attn, tuple(cache_kv)
         o, *cache_kv = layers.decode_attention_qkv(qkv, *cache_kv, positions, cos, sin,
                                                    window=window, norm=norm)
     else:
