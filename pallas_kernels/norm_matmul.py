@@ -65,11 +65,15 @@ class MatmulBlockSizes:
 def default_block_sizes(m: int, n: int, k: int, itemsize: int = 2,
                         n_weights: int = 1) -> MatmulBlockSizes:
     """Small M streams the weights. Measured in the whole Llama-3-8B decode step on the H200
-    (benchmarks/run_h200.sh sweep, 2026-11-30): 64-wide N tiles 256 deep, 3 stages, K split so
-    that there are about two programs per SM (q/k/v N=6144: split 2, 20 -> 10 us; o N=4096:
-    split 2-4; down K=14336: split 4-8, 28-29 us = 4.0-4.2 TB/s); SwiGLU (two weights per
-    program) 128x128 tiles unsplit (55.5 us = 4.2 TB/s). Large M is matmul-bound: square tiles.
-    float32 gets half-depth tiles and 2 stages to fit shared memory."""
+    (benchmarks/run_h200.sh sweep, 2026-11-30): 64-wide N tiles 256 deep, 3 stages, and the
+    fewest K chunks that give about one program per SM (tiles * split >= NUM_SMS - 8): q/k/v
+    N=6144 split 2 (20 -> 10 us against unsplit); o N=4096 and down K=14336 split 2, not 4
+    (session 6, B=1 step profiled: down 28.7 vs 29.1 us, and the consumers that add their
+    float32 chunks get faster: q/k/v 14.7 vs 16.2 us with 2 chunks of down instead of 4,
+    SwiGLU 56.3 vs 56.8 with 2 of o; 3.961 vs 4.042 ms of kernel time per step; split 3 was
+    slower than 2); SwiGLU (two weights per program) 128x128 tiles unsplit (55.5 us = 4.2 TB/s).
+    Large M is matmul-bound: square tiles. float32 gets half-depth tiles and 2 stages to fit
+    shared memory."""
     if itemsize >= 4:
         return MatmulBlockSizes(block_m=16 if m <= 16 else 64, block_n=32 if m <= 64 else 64,
                                 block_k=64, num_warps=4, num_stages=2)
@@ -79,7 +83,7 @@ def default_block_sizes(m: int, n: int, k: int, itemsize: int = 2,
                                     num_stages=3)
         block_k = 256 if k >= 256 else 128
         tiles = -(-n // 64)
-        split = max(1, min(8, (2 * NUM_SMS_H200) // tiles, k // (4 * block_k)))
+        split = max(1, min(8, -(-(NUM_SMS_H200 - 8) // tiles), k // (4 * block_k)))
         return MatmulBlockSizes(block_m=16, block_n=64, block_k=block_k, num_warps=4,
                                 num_stages=3, split_k=split)
     if m <= 64:

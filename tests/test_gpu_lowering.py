@@ -190,8 +190,8 @@ def test_llama3_8b_batch1_decode_layer_kernels(gpu_dispatch, monkeypatch):
     module = decode_step_module("llama3-8b", 1, 512)
     assert kernel_names(module) == collections.Counter({
         "rms_norm": 1, "matmul_none_k4096_n6144_split2": 1, "decode_attention_append": 1,
-        "matmul_none_k4096_n4096_split4": 1, "add_rms_norm": 2,
-        "matmul_swiglu_k4096_n14336": 1, "matmul_none_k14336_n4096_split4": 1})
+        "matmul_none_k4096_n4096_split2": 1, "add_rms_norm": 2,
+        "matmul_swiglu_k4096_n14336": 1, "matmul_none_k14336_n4096_split2": 1})
     assert module.count(TRITON) == 8  # the 7 of the layer + the first norm, one call each
 
 
@@ -203,8 +203,8 @@ def test_llama3_8b_batch1_decode_layer_boundaries_in_consumers(gpu_dispatch, mon
     module = decode_step_module("llama3-8b", 1, 512)
     assert kernel_names(module) == collections.Counter({
         "norm_matmul_none_k4096_n6144_split2": 1, "decode_attention_append": 1,
-        "matmul_none_k4096_n4096_split4": 1, "add_norm_matmul_swiglu_k4096_n14336": 1,
-        "matmul_none_k14336_n4096_split4": 1, "add_rms_norm": 1})
+        "matmul_none_k4096_n4096_split2": 1, "add_norm_matmul_swiglu_k4096_n14336": 1,
+        "matmul_none_k14336_n4096_split2": 1, "add_rms_norm": 1})
 
 
 def test_llama3_8b_batch64_long_context_decode_lowers(gpu_dispatch):
