@@ -133,7 +133,14 @@ def main(argv=None) -> int:
                    help="where the sublayer boundaries' residual add + RMSNorm run: xla, "
                         "kernel, swiglu, consumers (layers.BOUNDARY_MODES; default: the "
                         "model's)")
+    p.add_argument("--qkv-attention", choices=("on", "off"), default=None,
+                   help="the decode attention in the q/k/v kernel's tail for short caches "
+                        "(layers.QKV_ATTENTION; default: the model's)")
     args = p.parse_args(argv)
+    if args.qkv_attention:
+        from jaxinfer.models import layers
+
+        layers.QKV_ATTENTION = args.qkv_attention == "on"
     if args.boundaries:
         from jaxinfer.models import layers
 

@@ -65,13 +65,16 @@ def choose_num_splits(batch: int, kv_heads: int, seq_len: int, block_k: int,
 
 
 def attend_tiles(q_parts, k_ref, v_ref, *, start, first, end, block_k: int, qk_scale: float,
-                 carry):
+                 carry, kv_index=None):
     """Online softmax (base 2) of a query over cache rows [first, end) of k_ref/v_ref [S, D],
     read in tiles of block_k rows from `start` (tile-aligned, <= first; first=None: from start);
     rows outside the range are masked, never used. The query comes in column pieces
     q_parts = ((q_i [Gp, w_i], col_i), ...) covering D (one piece [Gp, D] at 0, or RoPE's two
     halves): scores = sum_i q_i @ k[:, col_i:col_i + w_i]^T. carry = (acc [Gp, D], m [Gp],
-    l [Gp]) float32; returns the same."""
+    l [Gp]) float32; returns the same. kv_index(rows, cols): the index of k_ref / v_ref for
+    cache rows `rows` and columns `cols` (default (rows, cols): refs [S, D]; one indexer per
+    access, as Pallas Triton takes no stacked views)."""
+    kv_index = kv_index or (lambda rows, cols: (rows, cols))
     d = k_ref.shape[-1]
 
     def step(j, carry):
@@ -84,11 +87,12 @@ def attend_tiles(q_parts, k_ref, v_ref, *, start, first, end, block_k: int, qk_s
         s = None
         for q, col in q_parts:
             w = q.shape[-1]
-            kk = plgpu.load(k_ref.at[pl.ds(base, block_k), pl.ds(col, w) if w < d else slice(None)],
+            kk = plgpu.load(k_ref.at[kv_index(pl.ds(base, block_k), pl.ds(col, w))],
                             mask=valid[:, None], other=0)  # [block_k, w]
             part = dot_f32(q, kk, trans_b=True)  # [Gp, block_k]
             s = part if s is None else s + part
-        v = plgpu.load(v_ref.at[pl.ds(base, block_k), :], mask=valid[:, None], other=0)
+        v = plgpu.load(v_ref.at[kv_index(pl.ds(base, block_k), pl.ds(0, d))],
+                       mask=valid[:, None], other=0)
         s = jnp.where(valid[None, :], s * qk_scale, MASK_VALUE)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         alpha = jnp.exp2(m - m_new)

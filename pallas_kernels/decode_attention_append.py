@@ -47,6 +47,108 @@ from pallas_kernels.norm_matmul import apply_norm_partials
 # ---------------------------------------------------------------------------------------------
 
 
+def append_attend(q_src, k_src, v_src, k_ref, v_ref, ko_ref, vo_ref, *, kv_index, gp: int,
+                  d: int, pos, start, chunk: int, seq_len: int, window: int | None,
+                  block_k: int, groups: int, qk_scale: float, inv_rms=None, rope=None,
+                  writes=None, volatile: bool = False):
+    """The body of the append kernels for one (sequence, KV group, chunk of `chunk` cache slots
+    from `start`): gather q, k_new, v_new from the projection's parts (summed in float32, times
+    the deferred norm's inv_rms if given, rounded once to the cache dtype), rotate q and k_new,
+    write slot `pos` if this chunk holds it (and `writes`, when given, is true), and run the
+    online softmax over the cache slots < pos of the chunk, from the new token when the chunk
+    holds it.
+
+    Every ref is reached through one indexer (Pallas Triton stacks no views):
+    q_src: per part (ref, prefix): ref[(*prefix, cols)] is the group's [Gp, cols] query rows
+      (rows >= groups are masked, never read); k_src / v_src: per part (ref, prefix):
+      ref[(*prefix, cols)] is the new key / value [cols]. volatile: load them past L1 (other
+      programs of this kernel wrote them).
+    kv_index(rows, cols): the index of k_ref / v_ref / ko_ref / vo_ref (the caches, read at
+      slots < pos; ko/vo the same buffers, aliased) for cache slots `rows`, columns `cols`.
+    rope: (cos_ref, sin_ref, prefix) with ref[(*prefix, cols)] this sequence's [cols] of the
+      rotate-half tables (halves equal), or None.
+    Returns (acc [Gp, D], m [Gp], l [Gp]) float32 and the row mask [Gp] of the query heads."""
+    # pos < seq_len keeps an out-of-range traced position from writing past the cache
+    owns = (pos >= start) & (pos < start + chunk) & (pos < seq_len)
+    dtype = k_ref.dtype
+    row_ok = jnp.arange(gp) < groups  # [Gp]
+    all_cols = pl.ds(0, d)
+
+    def gather(src, cols=all_cols, mask=None):
+        """The parts' sum in float32 (times the deferred norm's inv_rms), rounded once to the
+        cache dtype (as the matmul would)."""
+        total = None
+        for ref, prefix in src:
+            idx = (*prefix, cols)
+            if mask is None and not volatile:
+                x = ref[idx]
+            else:
+                x = plgpu.load(ref.at[idx], mask=mask, other=None if mask is None else 0,
+                               volatile=volatile)
+            total = x.astype(jnp.float32) if total is None else total + x.astype(jnp.float32)
+        if inv_rms is not None:
+            total = total * inv_rms
+        return total.astype(dtype)
+
+    v_new = gather(v_src)  # [D]
+
+    if rope is not None:
+        # Rotate-half RoPE in float32: lo' = lo*c - hi*s, hi' = hi*c + lo*s (c, s: one half).
+        cos_ref, sin_ref, prefix = rope
+        h = d // 2
+        lo, hi = pl.ds(0, h), pl.ds(h, h)
+        c = cos_ref[(*prefix, lo)].astype(jnp.float32)[None, :]  # [1, D/2]
+        s_ = sin_ref[(*prefix, lo)].astype(jnp.float32)[None, :]
+        q_lo = gather(q_src, lo, row_ok[:, None]).astype(jnp.float32)  # [Gp, D/2]
+        q_hi = gather(q_src, hi, row_ok[:, None]).astype(jnp.float32)
+        q_parts = (((q_lo * c - q_hi * s_).astype(dtype), 0),
+                   ((q_hi * c + q_lo * s_).astype(dtype), h))  # [Gp, D/2] each
+        k_lo = gather(k_src, lo).astype(jnp.float32)[None, :]  # [1, D/2]
+        k_hi = gather(k_src, hi).astype(jnp.float32)[None, :]
+        k_parts = ((k_lo * c - k_hi * s_).astype(dtype), (k_hi * c + k_lo * s_).astype(dtype))
+    else:
+        q_parts = ((gather(q_src, mask=row_ok[:, None]), 0),)  # [Gp, D]
+        k_parts = (gather(k_src)[None, :],)  # [1, D]
+
+    @pl.when(owns if writes is None else owns & writes)
+    def _write_new_slot():
+        col = 0
+        for kp in k_parts:
+            w = kp.shape[-1]
+            ko_ref[kv_index(pl.ds(pos, 1), pl.ds(col, w))] = kp
+            col += w
+        vo_ref[kv_index(pos, all_cols)] = v_new
+
+    # The owner's running softmax starts from the new token (its rotated key as stored, so
+    # the score matches a later read from the cache); the others start empty.
+    s_new = sum(jnp.sum(qp.astype(jnp.float32) * kp.astype(jnp.float32), axis=-1)
+                for (qp, _), kp in zip(q_parts, k_parts))  # [Gp]
+    w0 = owns.astype(jnp.float32)  # 1 for the owner, 0 for the others
+    m0 = jnp.where(owns, s_new * qk_scale, MASK_VALUE)  # [Gp]
+    l0 = jnp.broadcast_to(w0, (gp,))  # [Gp]
+    acc0 = jnp.broadcast_to(w0 * v_new.astype(jnp.float32)[None, :], (gp, d))  # [Gp, D]
+
+    # Cache slots this program reads: [first, end), end excluding the new slot itself.
+    end = jnp.minimum(jnp.minimum(start + chunk, pos), seq_len)
+    first = start
+    if window is not None:
+        # The query at pos sees slots > pos - window; whole tiles below that are skipped.
+        first = jnp.maximum(start, pos + 1 - window)
+        start = jnp.maximum(start, (first // block_k) * block_k)
+    acc, m, l = attend_tiles(q_parts, k_ref, v_ref, start=start, first=first, end=end,
+                             block_k=block_k, qk_scale=qk_scale, carry=(acc0, m0, l0),
+                             kv_index=kv_index)
+    return acc, m, l, row_ok
+
+
+def deferred_inv_rms(sum_sq, norm: tuple[int, float] | None):
+    """rsqrt(sum_sq / K + eps) for norm = (K, eps) (the deferred RMSNorm's scale), or None."""
+    if norm is None:
+        return None
+    norm_dim, eps = norm
+    return jax.lax.rsqrt(sum_sq / norm_dim + eps)
+
+
 def decode_attention_append_kernel(pos_ref, *refs, sm_scale: float, chunk: int, block_k: int,
                                    window: int | None, groups: int, seq_len: int,
                                    has_rope: bool, num_parts: int, normalize: bool,
@@ -66,91 +168,31 @@ def decode_attention_append_kernel(pos_ref, *refs, sm_scale: float, chunk: int, 
     # ko_ref, vo_ref [S_pad, D]: the same buffers as k_ref / v_ref (aliased); slot pos written
     q_refs, kn_refs, vn_refs = (refs[i * num_parts:(i + 1) * num_parts] for i in range(3))
     refs = refs[3 * num_parts:]
+    inv_rms = None
+    b = pl.program_id(0)
     if norm is not None:
         ss_ref, *refs = refs
+        sum_sq = ss_ref[0, b]
+        for part in range(1, num_parts):
+            sum_sq += ss_ref[part, b]
+        inv_rms = deferred_inv_rms(sum_sq, norm)
+    rope = None
     if has_rope:
         cos_ref, sin_ref, *refs = refs
+        rope = (cos_ref, sin_ref, ())
     k_ref, v_ref, *refs = refs
     if normalize:
         o_ref, ko_ref, vo_ref = refs
     else:
         acc_ref, m_ref, l_ref, ko_ref, vo_ref = refs
-    b = pl.program_id(0)
-    split = pl.program_id(2)
-    pos = pos_ref[b]
-    start = split * chunk
-    # pos < seq_len keeps an out-of-range traced position from writing past the cache
-    owns = (pos >= start) & (pos < start + chunk) & (pos < seq_len)
     gp, d = q_refs[0].shape
-    dtype = k_ref.dtype
-    row_ok = jnp.arange(gp) < groups  # [Gp]
-    inv_rms = None
-    if norm is not None:
-        norm_dim, eps = norm
-        sum_sq = ss_ref[0, b]
-        for part in range(1, num_parts):
-            sum_sq += ss_ref[part, b]
-        inv_rms = jax.lax.rsqrt(sum_sq / norm_dim + eps)
-
-    def gather(refs_, cols=None, mask=None):
-        """The parts' sum in float32 (times the deferred norm's inv_rms), rounded once to the
-        cache dtype (as the matmul would)."""
-        total = None
-        for r in refs_:
-            idx = (slice(None),) * (len(r.shape) - 1) + (slice(None) if cols is None else cols,)
-            x = plgpu.load(r.at[idx], mask=mask, other=0) if mask is not None else r[idx]
-            total = x.astype(jnp.float32) if total is None else total + x.astype(jnp.float32)
-        if inv_rms is not None:
-            total = total * inv_rms
-        return total.astype(dtype)
-
-    v_new = gather(vn_refs)  # [D]
-
-    if has_rope:
-        # Rotate-half RoPE in float32: lo' = lo*c - hi*s, hi' = hi*c + lo*s (c, s: one half).
-        h = d // 2
-        lo, hi = pl.ds(0, h), pl.ds(h, h)
-        c = cos_ref[lo].astype(jnp.float32)[None, :]  # [1, D/2]
-        s_ = sin_ref[lo].astype(jnp.float32)[None, :]
-        q_lo = gather(q_refs, lo, row_ok[:, None]).astype(jnp.float32)  # [Gp, D/2]
-        q_hi = gather(q_refs, hi, row_ok[:, None]).astype(jnp.float32)
-        q_parts = (((q_lo * c - q_hi * s_).astype(dtype), 0),
-                   ((q_hi * c + q_lo * s_).astype(dtype), h))  # [Gp, D/2] each
-        k_lo = gather(kn_refs, lo).astype(jnp.float32)[None, :]  # [1, D/2]
-        k_hi = gather(kn_refs, hi).astype(jnp.float32)[None, :]
-        k_parts = ((k_lo * c - k_hi * s_).astype(dtype), (k_hi * c + k_lo * s_).astype(dtype))
-    else:
-        q_parts = ((gather(q_refs, mask=row_ok[:, None]), 0),)  # [Gp, D]
-        k_parts = (gather(kn_refs)[None, :],)  # [1, D]
-
-    @pl.when(owns)
-    def _write_new_slot():
-        col = 0
-        for kp in k_parts:
-            w = kp.shape[-1]
-            ko_ref[pl.ds(pos, 1), pl.ds(col, w)] = kp
-            col += w
-        vo_ref[pos, :] = v_new
-
-    qk_scale = sm_scale * LOG2_E
-    # The owner's running softmax starts from the new token (its rotated key as stored, so
-    # the score matches a later read from the cache); the others start empty.
-    s_new = sum(jnp.sum(qp.astype(jnp.float32) * kp.astype(jnp.float32), axis=-1)
-                for (qp, _), kp in zip(q_parts, k_parts))  # [Gp]
-    w0 = owns.astype(jnp.float32)  # 1 for the owner, 0 for the others
-    m0 = jnp.where(owns, s_new * qk_scale, MASK_VALUE)  # [Gp]
-    l0 = jnp.broadcast_to(w0, (gp,))  # [Gp]
-    acc0 = jnp.broadcast_to(w0 * v_new.astype(jnp.float32)[None, :], (gp, d))  # [Gp, D]
-
-    # Cache slots this program reads: [first, end), end excluding the new slot itself.
-    end = jnp.minimum(jnp.minimum(start + chunk, pos), seq_len)
-    first = start
-    if window is not None:
-        # The query at pos sees slots > pos - window; whole tiles below that are skipped.
-        first = jnp.maximum(start, pos + 1 - window)
-        start = jnp.maximum(start, (first // block_k) * block_k)
-    acc, m, l = attend_tiles(q_parts, k_ref, v_ref, start=start, first=first, end=end,
-                             block_k=block_k, qk_scale=qk_scale, carry=(acc0, m0, l0))
+    acc, m, l, row_ok = append_attend(
+        [(r, (slice(None),)) for r in q_refs], [(r, ()) for r in kn_refs],
+        [(r, ()) for r in vn_refs], k_ref, v_ref, ko_ref, vo_ref,
+        kv_index=lambda rows, cols: (rows, cols), gp=gp, d=d, pos=pos_ref[b],
+        start=pl.program_id(2) * chunk, chunk=chunk, seq_len=seq_len, window=window,
+        block_k=block_k, groups=groups, qk_scale=sm_scale * LOG2_E, inv_rms=inv_rms,
+        rope=rope)
     if normalize:  # the only chunk: l >= 1 (the new token), no merge step
         plgpu.store(o_ref, (acc / l[:, None]).astype(o_ref.dtype), mask=row_ok[:, None])
     else:

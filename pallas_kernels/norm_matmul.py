@@ -98,7 +98,8 @@ def default_block_sizes(m: int, n: int, k: int, itemsize: int = 2,
 
 def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int, block_n: int,
                         block_k: int, k_chunk: int, n_weights: int, has_norm: bool,
-                        has_residual: bool, epilogue: str, partial: bool, n_deltas: int):
+                        has_residual: bool, epilogue: str, partial: bool, n_deltas: int,
+                        ss_every_tile: bool = False):
     # refs, in order:
     #   x_ref [block_m, Kp]; n_deltas d_refs [block_m, Kp] (float32 partial sums added to x:
     #   the same [S, M, K] array once per chunk); nw_ref [Kp] if has_norm;
@@ -106,7 +107,9 @@ def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int,
     #   outputs: xo_ref [block_m, Kp] if n_deltas (x + sum(deltas), written by the programs of
     #            the first N tile);
     #            partial -> n_weights refs [block_m, block_n] float32 (this K chunk's sums)
-    #            (+ [block_m] sums of squares if has_norm); else one ref [block_m, block_n].
+    #            (+ [block_m] sums of squares if has_norm, stored by the programs of the first
+    #            N tile, or by every program with ss_every_tile); else one ref
+    #            [block_m, block_n]. (Output refs may be views, one indexer each.)
     # Kp = split_k * k_chunk >= K; positions >= K are masked, never used.
     it = iter(refs)
     x_ref = next(it)
@@ -221,17 +224,14 @@ def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int,
     mask = both(row_ok, col_ok)
 
     def store(ref, val, mask=mask):
-        if mask is None:
-            ref[...] = val
-        else:
-            plgpu.store(ref, val, mask=mask)
+        plgpu.store(ref, val, mask=mask)
 
     if partial:
         # This chunk's sums, and (norm) its sum of squares: XLA finishes the norm.
         for ref, acc in zip(o_refs, accs):
             store(ref, acc)
         if has_norm:
-            @pl.when(pl.program_id(1) == 0)
+            @pl.when((pl.program_id(1) == 0) | ss_every_tile)
             def _():
                 store(o_refs[n_weights], ss, None if row_ok is None else row_ok[:, 0])
         return
