@@ -11,6 +11,8 @@
 #   bash benchmarks/run_h200.sh pdl     # does PDL overlap kernels under XLA? (session 4: no)
 #   bash benchmarks/run_h200.sh gridbar # is a grid barrier in a persistent kernel cheaper than
 #                                       # a kernel boundary? (grid_barrier_probe.py, ~1 min)
+#   bash benchmarks/run_h200.sh qkvattn # the attention in the q/k/v kernel's tail
+#                                       # (layers.QKV_ATTENTION): GPU tests, profile, bench
 # Results: JSON lines in ${OUT:-.}/bench-<part>.jsonl; a table on stdout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -73,5 +75,18 @@ pdl() {  # chains of decode matmuls: Mosaic with and without PDL, our Triton ker
 gridbar() {
   timeout "${GRIDBAR_TIMEOUT:-240}" python3 benchmarks/grid_barrier_probe.py ${GRIDBAR_ARGS:-} \
     --json "$out/gridbar.json"
+}
+qkvattn() {  # decode_qkv_attention on the GPU: correct (the counters race), then faster?
+  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_decode_qkv_attention.py \
+    2>&1 | tail -3
+  for q in on off; do
+    timeout 90 python3 benchmarks/profile_decode.py --preset llama3-8b --batch 1 --prompt-len 128 \
+      --steps 32 --top 8 --qkv-attention $q 2>&1 | grep "wall\|n6144\|attention"
+  done
+  for q in on off on off; do
+    timeout 100 python3 benchmarks/decode.py --preset llama3-8b --random-weights --batch 1 \
+      --prompt-len 128 --gen-len 256 --json --qkv-attention $q 2>&1 | grep -v '^bench' | tail -1 \
+      | tee -a "$out/bench-qkvattn.jsonl"
+  done
 }
 for part in "${@:-ours}"; do "$part"; done
