@@ -6,9 +6,11 @@ dispatch reaches would pass CI and fail on the first GPU call. Here `jax.export`
 "cuda" platform under an abstract H200 (no GPU needed: Pallas Triton takes the compute
 capability from the abstract device, Mosaic GPU emits its kernel in Python): each kernel at the
 benchmark shapes, and the Llama-3-8B decode step with the model's dispatch forced onto the
-kernels, where the lowered module also says which kernels a layer runs. What this cannot catch:
-Triton's and ptxas' own passes (they run in XLA's GPU compiler) and anything numeric (the GPU
-tests, `pytest -m gpu`, run those on the H200).
+kernels, where the lowered module also says which kernels a layer runs. Every Pallas Triton
+module is also run through the MLIR verifier, as XLA does when it parses it on the GPU (an
+atomic whose value type differs from its pointer's passed interpret mode and failed only
+there, session 6). What this cannot catch: Triton's and ptxas' own passes (they run in XLA's
+GPU compiler) and anything numeric (the GPU tests, `pytest -m gpu`, run those on the H200).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from jax import export
+from jax._src.pallas.triton import lowering as triton_lowering  # to verify its modules
 from jax.sharding import AbstractDevice, AbstractMesh
 
 import pallas_kernels as pk
@@ -35,6 +38,20 @@ BF16, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
 H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
     device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
 TRITON = "__gpu$xla.gpu.triton"
+
+
+@pytest.fixture(autouse=True)
+def verify_triton_modules(monkeypatch):
+    """Every Triton module Pallas lowers here goes through the MLIR verifier (raises on an
+    op that XLA's parser would reject)."""
+    real = triton_lowering.lower_jaxpr_to_triton_module
+
+    def lower_and_verify(*args, **kwargs):
+        result = real(*args, **kwargs)
+        result.module.operation.verify()
+        return result
+
+    monkeypatch.setattr(triton_lowering, "lower_jaxpr_to_triton_module", lower_and_verify)
 
 
 def lower_for_h200(fn, *args) -> str:
@@ -97,6 +114,12 @@ KERNEL_CASES = {
     "norm_matmul norm + deltas, partials": (
         lambda x, d, n, w: pk.norm_matmul(x, n, w, deltas=d, partials=True),
         (S((1, 4096), BF16), S((4, 1, 4096), F32), S((4096,), BF16), S((4096, 8, 6, 128), BF16))),
+    "decode_qkv_attention, deltas": (
+        lambda x, d, n, w, k, v, p, cnt, c, s: pk.decode_qkv_attention(
+            x, n, w, k, v, p, cnt, rope=(c, s), eps=1e-5, deltas=d),
+        (S((1, 4096), BF16), S((2, 1, 4096), F32), S((4096,), BF16), S((4096, 8, 6, 128), BF16),
+         S((1, 384, 8, 128), BF16), S((1, 384, 8, 128), BF16), S((1,), I32), S((8,), I32),
+         S((1, 128), F32), S((1, 128), F32))),
     "flash triton causal": (
         lambda q, k, v: pk.flash_attention(q, k, v, causal=True, backend="triton"),
         (S((4, 4096, 32, 128), BF16), S((4, 4096, 8, 128), BF16), S((4, 4096, 8, 128), BF16))),
@@ -205,6 +228,19 @@ def test_llama3_8b_batch1_decode_layer_boundaries_in_consumers(gpu_dispatch, mon
         "norm_matmul_none_k4096_n6144_split2": 1, "decode_attention_append": 1,
         "matmul_none_k4096_n4096_split2": 1, "add_norm_matmul_swiglu_k4096_n14336": 1,
         "matmul_none_k14336_n4096_split2": 1, "add_rms_norm": 1})
+
+
+def test_llama3_8b_batch1_decode_layer_qkv_attention(gpu_dispatch, monkeypatch):
+    """layers.QKV_ATTENTION: 4 kernels per decode layer at a short cache (the attention in the
+    q/k/v kernel's tail), the separate attention kernel back above MAX_SLOTS."""
+    monkeypatch.setattr(layers, "QKV_ATTENTION", True)
+    module = decode_step_module("llama3-8b", 1, 512)
+    assert kernel_names(module) == collections.Counter({
+        "norm_matmul_attention_k4096_n6144_split2": 1, "matmul_none_k4096_n4096_split2": 1,
+        "add_norm_matmul_swiglu_k4096_n14336": 1, "matmul_none_k14336_n4096_split2": 1,
+        "add_rms_norm": 1})
+    names = kernel_names(decode_step_module("llama3-8b", 1, 1024))
+    assert names["decode_attention_append"] == 1 and names["norm_matmul_none_k4096_n6144_split2"]
 
 
 def test_llama3_8b_batch64_long_context_decode_lowers(gpu_dispatch):
