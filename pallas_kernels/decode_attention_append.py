@@ -217,6 +217,29 @@ def decode_attention_append_kernel(pos_ref, *refs, sm_scale: float, chunk: int, 
 # ---------------------------------------------------------------------------------------------
 
 
+def check_rope(op: str, rope, b: int, d: int) -> None:
+    """rope must be (cos, sin), each [B, D], D even."""
+    if not isinstance(rope, (tuple, list)) or len(rope) != 2:
+        raise ValueError(f"{op}: rope must be a (cos, sin) pair")
+    for name, t in zip(("cos", "sin"), rope):
+        check_array(op, f"rope {name}", t, 2)
+        if tuple(t.shape) != (b, d):
+            raise ValueError(f"{op}: rope {name} must have shape [B, D] = {(b, d)}, got "
+                             f"{tuple(t.shape)}")
+    if d % 2:
+        raise ValueError(f"{op}: RoPE needs an even head dim, got {d}")
+
+
+def check_positions(op: str, positions, s: int) -> None:
+    """Concrete new-token slots must lie in [0, s); under jit the caller owns this check (an
+    out-of-range traced position writes nothing and its output is unspecified)."""
+    if not isinstance(positions, jax.core.Tracer):
+        pos = jax.device_get(positions)
+        if pos.size and (pos.max() >= s or pos.min() < 0):
+            raise ValueError(f"{op}: positions must lie in [0, {s}) (the cache holds {s} "
+                             f"slots), got min {pos.min()} max {pos.max()}")
+
+
 def _validate(qkv, k_cache, v_cache, positions, rope, sliding_window,
               norm=None) -> tuple[int, int, int, int]:
     op = "decode_attention_append"
@@ -257,22 +280,8 @@ def _validate(qkv, k_cache, v_cache, positions, rope, sliding_window,
         raise ValueError(f"{op}: qkv must hold G >= 1 query rows, then the key and the value, "
                          f"per KV head ([B, Hkv, G + 2, D]); got {rows} rows")
     if rope is not None:
-        if not isinstance(rope, (tuple, list)) or len(rope) != 2:
-            raise ValueError(f"{op}: rope must be a (cos, sin) pair")
-        for name, t in zip(("cos", "sin"), rope):
-            check_array(op, f"rope {name}", t, 2)
-            if tuple(t.shape) != (b, d):
-                raise ValueError(f"{op}: rope {name} must have shape [B, D] = {(b, d)}, got "
-                                 f"{tuple(t.shape)}")
-        if d % 2:
-            raise ValueError(f"{op}: RoPE needs an even head dim, got {d}")
-    # Concrete positions can be checked here; under jit the caller owns this check (an
-    # out-of-range traced position writes nothing and its output is unspecified).
-    if not isinstance(positions, jax.core.Tracer):
-        pos = jax.device_get(positions)
-        if pos.size and (pos.max() >= s or pos.min() < 0):
-            raise ValueError(f"{op}: positions must lie in [0, {s}) (the cache holds {s} "
-                             f"slots), got min {pos.min()} max {pos.max()}")
+        check_rope(op, rope, b, d)
+    check_positions(op, positions, s)
     return b, s, hkv, d
 
 

@@ -36,7 +36,8 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels._common import LOG2_E, check_array, check_head_dim, next_pow2
 from pallas_kernels.decode_attention import check_cache_pair
 from pallas_kernels.decode_attention_append import (
-    append_attend, decode_attention_append_reference, deferred_inv_rms)
+    append_attend, check_positions, check_rope, decode_attention_append_reference,
+    deferred_inv_rms)
 from pallas_kernels.norm_matmul import (
     MatmulBlockSizes, _validate as _validate_matmul, default_block_sizes, fused_matmul_kernel,
     norm_matmul_reference)
@@ -158,20 +159,10 @@ def _validate(x, norm_weight, w, k_cache, v_cache, positions, counters, rope, de
     if counters.shape[0] != hkv:
         raise ValueError(f"{op}: counters must be [Hkv] = [{hkv}] int32 zeros, got "
                          f"{tuple(counters.shape)}")
-    if not isinstance(rope, (tuple, list)) or len(rope) != 2:
-        raise ValueError(f"{op}: rope must be a (cos, sin) pair")
-    for name, t in zip(("cos", "sin"), rope):
-        check_array(op, f"rope {name}", t, 2)
-        if tuple(t.shape) != (b, d):
-            raise ValueError(f"{op}: rope {name} must have shape [B, D] = {(b, d)}, got "
-                             f"{tuple(t.shape)}")
+    check_rope(op, rope, b, d)
     check_head_dim(op, d)
     check_head_dim(f"{op} (RoPE halves)", d // 2)
-    if not isinstance(positions, jax.core.Tracer):
-        pos = jax.device_get(positions)
-        if pos.size and (pos.max() >= s or pos.min() < 0):
-            raise ValueError(f"{op}: positions must lie in [0, {s}) (the cache holds {s} "
-                             f"slots), got min {pos.min()} max {pos.max()}")
+    check_positions(op, positions, s)
 
 
 def decode_qkv_attention(x, norm_weight, w, k_cache, v_cache, positions, counters, *, rope,
