@@ -97,8 +97,8 @@ def qkv_attention_kernel(*refs, matmul: dict, n_deltas: int, batch: int, groups:
     # Every program runs the attention code, predicated on `last`; the others load, loop and
     # store nothing. With the code inside `pl.when(last)` the tail took 12.7 us on the H200
     # (against 6.2 for the whole separate kernel, and 8.2 with 32-key tiles: the cost grew
-    # with the tile, as when the loop's loads are not pipelined); this form is the fix to
-    # measure (not yet compiled on the GPU).
+    # with the tile, as when the loop's loads are not pipelined); this form is the next
+    # thing to measure (not yet compiled on the GPU; benchmarks/NOTES.md, run G).
     if not interpret:
         plgpu.debug_barrier()
 

@@ -416,9 +416,9 @@ def fused_decode_attention_ok(h: jax.Array, head_dim: int, rotary_dim: int) -> b
 # default): the projection, then decode_attention_append. Off because it has not paid yet:
 # with the tail's attention inside a branch, the B=1 Llama-3-8B step on the H200 ran 4.209
 # vs 3.961 ms of kernel time (the tail took 12.7 us; the separate kernel 6.2). The attention
-# is now predicated instead (the hypothesis: Triton does not pipeline a loop inside an `if`);
-# that form passes the interpret tests but is not yet compiled or measured on the GPU
-# (`bash benchmarks/run_h200.sh qkvattn`).
+# is now predicated instead of branched; that form passes the interpret tests and the MLIR
+# verifier but is not yet compiled or measured on the GPU (`bash benchmarks/run_h200.sh
+# qkvattn`; benchmarks/NOTES.md, run G, has what else may slow the tail).
 QKV_ATTENTION = False
 
 
