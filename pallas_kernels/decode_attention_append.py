@@ -181,6 +181,7 @@ def decode_attention_append_kernel(pos_ref, *refs, sm_scale: float, chunk: int, 
     refs = refs[3 * num_parts:]
     inv_rms = None
     b = pl.program_id(0)
+    pos, start = pos_ref[b], pl.program_id(2) * chunk
     if norm is not None:
         ss_ref, *refs = refs
         sum_sq = ss_ref[0, b]
@@ -200,10 +201,9 @@ def decode_attention_append_kernel(pos_ref, *refs, sm_scale: float, chunk: int, 
     acc, m, l, row_ok = append_attend(
         [(r, (slice(None),)) for r in q_refs], [(r, ()) for r in kn_refs],
         [(r, ()) for r in vn_refs], k_ref, v_ref, ko_ref, vo_ref,
-        kv_index=lambda rows, cols: (rows, cols), gp=gp, d=d, pos=pos_ref[b],
-        start=pl.program_id(2) * chunk, chunk=chunk, seq_len=seq_len, window=window,
-        block_k=block_k, groups=groups, qk_scale=sm_scale * LOG2_E, inv_rms=inv_rms,
-        rope=rope)
+        kv_index=lambda rows, cols: (rows, cols), gp=gp, d=d, pos=pos, start=start, chunk=chunk,
+        seq_len=seq_len, window=window, block_k=block_k, groups=groups,
+        qk_scale=sm_scale * LOG2_E, inv_rms=inv_rms, rope=rope)
     if normalize:  # the only chunk: l >= 1 (the new token), no merge step
         plgpu.store(o_ref, (acc / l[:, None]).astype(o_ref.dtype), mask=row_ok[:, None])
     else:

@@ -94,11 +94,6 @@ def qkv_attention_kernel(*refs, matmul: dict, n_deltas: int, batch: int, groups:
     tiles_per_group = rows * d // block_n
     last = _atomic_add(cnt_ref, g, 1, interpret) == tiles_per_group * split - 1
 
-    # Every program runs the attention code, predicated on `last`; the others load, loop and
-    # store nothing. With the code inside `pl.when(last)` the tail took 12.7 us on the H200
-    # (against 6.2 for the whole separate kernel, and 8.2 with 32-key tiles: the cost grew
-    # with the tile, as when the loop's loads are not pipelined); this form is the next
-    # thing to measure (not yet compiled on the GPU; benchmarks/NOTES.md, run G).
     if not interpret:
         plgpu.debug_barrier()
 
@@ -106,6 +101,11 @@ def qkv_attention_kernel(*refs, matmul: dict, n_deltas: int, batch: int, groups:
     def _reset():  # back to 0 for the next layer (no loop in this branch)
         _atomic_add(cnt_ref, g, -(tiles_per_group * split), interpret)
 
+    # Every program runs the attention code, predicated on `last`; the others load, loop and
+    # store nothing. With the code inside `pl.when(last)` the tail took 12.7 us on the H200
+    # (against 6.2 for the whole separate kernel, and 8.2 with 32-key tiles: the cost grew
+    # with the tile, as when the loop's loads are not pipelined); this form is the next
+    # thing to measure (not yet compiled on the GPU; benchmarks/NOTES.md, run G).
     gp = o_ref.shape[2]
     bp = ss_ref.shape[2]
     s_pad = k_ref.shape[1]

@@ -231,9 +231,13 @@ def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int,
         for ref, acc in zip(o_refs, accs):
             store(ref, acc)
         if has_norm:
-            @pl.when((pl.program_id(1) == 0) | ss_every_tile)
-            def _():
+            def store_ss():
                 store(o_refs[n_weights], ss, None if row_ok is None else row_ok[:, 0])
+
+            if ss_every_tile:
+                store_ss()
+            else:
+                pl.when(pl.program_id(1) == 0)(store_ss)
         return
     if has_norm:
         inv_rms = lax.rsqrt(ss / k + eps)[:, None]  # [block_m, 1]
