@@ -13,6 +13,7 @@
 #                                       # a kernel boundary? (grid_barrier_probe.py, ~1 min)
 #   bash benchmarks/run_h200.sh qkvattn # the attention in the q/k/v kernel's tail
 #                                       # (layers.QKV_ATTENTION): GPU tests, profile, bench
+#   bash benchmarks/run_h200.sh ptx     # registers / spills / cp.async of the attention kernels
 # Results: JSON lines in ${OUT:-.}/bench-<part>.jsonl; a table on stdout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -79,14 +80,17 @@ gridbar() {
 qkvattn() {  # decode_qkv_attention on the GPU: correct (the counters race), then faster?
   timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_decode_qkv_attention.py \
     2>&1 | tail -3
-  for q in on off; do
-    timeout 90 python3 benchmarks/profile_decode.py --preset llama3-8b --batch 1 --prompt-len 128 \
-      --steps 32 --top 8 --qkv-attention $q 2>&1 | grep "wall\|n6144\|attention"
-  done
+  timeout 90 python3 benchmarks/profile_decode.py --preset llama3-8b --batch 1 --prompt-len 128 \
+    --steps 32 --top 8 --qkv-attention on 2>&1 | grep "wall\|n6144\|attention"
+  timeout 90 python3 benchmarks/profile_decode.py --preset llama3-8b --batch 1 --prompt-len 128 \
+    --steps 32 --top 40 --qkv-attention off 2>&1 | grep -A41 "wall"
   for q in on off on off; do
     timeout 100 python3 benchmarks/decode.py --preset llama3-8b --random-weights --batch 1 \
       --prompt-len 128 --gen-len 256 --json --qkv-attention $q 2>&1 | grep -v '^bench' | tail -1 \
       | tee -a "$out/bench-qkvattn.jsonl"
   done
+}
+ptx() {  # registers, spills and async copies of the separate and the fused attention kernels
+  timeout 120 python3 benchmarks/ptx_probe.py --out "$out" 2>&1 | grep -v "^WARNING\|^I0000\|^W0000"
 }
 for part in "${@:-ours}"; do "$part"; done
