@@ -136,7 +136,14 @@ def main(argv=None) -> int:
     p.add_argument("--qkv-attention", choices=("on", "off"), default=None,
                    help="the decode attention in the q/k/v kernel's tail for short caches "
                         "(layers.QKV_ATTENTION; default: the model's)")
+    p.add_argument("--no-cache-loop", action="store_true",
+                   help="a timing bound, not a result: the decode attention kernels skip their "
+                        "loop over the cache (only the new token is attended)")
     args = p.parse_args(argv)
+    if args.no_cache_loop:
+        from pallas_kernels import decode_attention_append as daa
+
+        daa.attend_tiles = lambda q_parts, k_ref, v_ref, *, carry, **kw: carry
     if args.qkv_attention:
         from jaxinfer.models import layers
 

@@ -94,8 +94,12 @@ def main() -> int:
     print("ptxas:", ptxas)
     os.makedirs(args.out, exist_ok=True)
     kept = []
-    for path in sorted(glob.glob(os.path.join(dump, "*.ptx"))):
-        ptx = open(path).read()
+    for path in sorted(glob.glob(os.path.join(dump, "**", "*"), recursive=True)):
+        if not os.path.isfile(path) or os.path.getsize(path) > 200e6:
+            continue
+        ptx = open(path, errors="replace").read()
+        if ".entry" not in ptx or ".version" not in ptx:
+            continue
         for name, body in entries(ptx).items():
             if not re.search(r"norm_matmul|attention", name):
                 continue
@@ -104,7 +108,8 @@ def main() -> int:
                   ", ".join(f"{c} {n}" for c, n in counts.items()))
             kept.append(path)
     for path in sorted(set(kept)):
-        shutil.copy(path, os.path.join(args.out, os.path.basename(path)[-60:]))
+        shutil.copy(path, os.path.join(args.out, re.sub(r"[^A-Za-z0-9._-]", "_",
+                                                        os.path.basename(path))[-60:] + ".ptx"))
         if ptxas:
             r = subprocess.run([ptxas, "-v", "-arch=sm_90a", path, "-o", os.devnull],
                                capture_output=True, text=True)
@@ -112,7 +117,9 @@ def main() -> int:
                     if re.search(r"Compiling entry|registers|spill", ln)]
             print("\n".join(info[-40:]) or (r.stdout + r.stderr)[-2000:])
     if not kept:
-        print("no kernel PTX in the dump:", sorted(os.listdir(dump))[:40])
+        names = sorted(os.path.relpath(q, dump) for q in glob.glob(os.path.join(dump, "**", "*"),
+                                                                   recursive=True))
+        print("no kernel PTX in the dump:", [q for q in names if "fused" in q or "separate" in q])
     return 0
 
 
