@@ -141,8 +141,9 @@ def main(argv=None) -> int:
                         "loop over the cache (only the new token is attended)")
     args = p.parse_args(argv)
     if args.no_cache_loop:
-        from pallas_kernels import decode_attention_append as daa
+        import importlib  # the package exports functions of the modules' names
 
+        daa = importlib.import_module("pallas_kernels.decode_attention_append")
         daa.attend_tiles = lambda q_parts, k_ref, v_ref, *, carry, **kw: carry
     if args.qkv_attention:
         from jaxinfer.models import layers

@@ -1,13 +1,13 @@
-"""What the compiler made of the decode attention kernels: registers, spills, async copies.
+"""What the compiler made of the decode attention kernels: registers, spills, machine code.
 
-    PYTHONPATH=. python3 benchmarks/ptx_probe.py --out DIR
+    PYTHONPATH=. python3 benchmarks/ptx_probe.py --out DIR          # dump
+    ncu ... python3 benchmarks/ptx_probe.py --no-dump --slots 384    # a workload for ncu
 
-Compiles, at Llama-3-8B batch-1 decode shapes, the separate kernels (norm_matmul's q/k/v
-projection, decode_attention_append) and the fused `decode_qkv_attention`, with XLA's dump
-on (`--xla_dump_to`), then for every kernel entry in the dumped PTX prints its register count
-and spill bytes (`ptxas -v`, found in the CUDA wheels) and counts of the instructions that tell
-a pipelined, spill-free loop from one that is not: cp.async / TMA copies, local-memory loads
-and stores, global loads. Writes the kernels' PTX (only ours) to DIR for reading.
+Runs, at Llama-3-8B batch-1 decode shapes, the separate kernels (norm_matmul's q/k/v
+projection, decode_attention_append) and the fused `decode_qkv_attention`. With the dump on,
+XLA writes its serialized GPU executables (`--xla_gpu_experimental_dump_gpu_executable`); the
+cubins inside them are cut out and `cuobjdump` prints each kernel's registers, stack and local
+memory (spills) and writes the SASS to DIR/{separate,fused}N.sass.
 """
 
 from __future__ import annotations
@@ -16,46 +16,36 @@ import argparse
 import glob
 import os
 import re
-import shutil
+import struct
 import subprocess
 import sys
 import tempfile
 
 
-def find_ptxas() -> str | None:
-    cands = [shutil.which("ptxas")]
-    for base in sys.path:
-        cands += glob.glob(os.path.join(base, "nvidia", "cuda_nvcc", "bin", "ptxas"))
-    cands += glob.glob("/usr/local/cuda*/bin/ptxas")
-    return next((c for c in cands if c and os.access(c, os.X_OK)), None)
-
-
-def entries(ptx: str) -> dict[str, str]:
-    """Kernel name -> its body in a PTX module."""
-    out = {}
-    for m in re.finditer(r"\.entry\s+(\S+?)\s*\(", ptx):
-        start = m.start()
-        depth, i = 0, ptx.index("{", m.end())
-        for j in range(i, len(ptx)):
-            depth += {"{": 1, "}": -1}.get(ptx[j], 0)
-            if depth == 0:
-                out[m.group(1)] = ptx[start:j + 1]
-                break
-    return out
-
-
-COUNTS = {"cp.async": r"cp\.async\.c[ag]", "tma": r"cp\.async\.bulk", "ld.local": r"ld\.local",
-          "st.local": r"st\.local", "ld.global": r"ld\.global", "bar.sync": r"bar\.sync",
-          "mma": r"mma\.sync|wgmma", "atom": r"atom\.", "loop labels": r"^\$L__BB\d+_\d+:"}
+def elves(blob: bytes):
+    """The 64-bit ELF images (cubins) inside a serialized executable."""
+    at = blob.find(b"\x7fELF")
+    while at >= 0:
+        if blob[at + 4] == 2:
+            shoff, = struct.unpack_from("<Q", blob, at + 0x28)
+            shentsize, shnum = struct.unpack_from("<HH", blob, at + 0x3A)
+            size = shoff + shentsize * shnum
+            if 0 < size <= len(blob) - at:
+                yield blob[at:at + size]
+        at = blob.find(b"\x7fELF", at + 4)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=".")
     p.add_argument("--slots", type=int, default=161, help="cache slots (profile: 128 + 32 + 1)")
+    p.add_argument("--no-dump", action="store_true", help="only run the kernels (under ncu)")
+    p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
     dump = tempfile.mkdtemp(prefix="xla-dump-")
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump}").strip()
+    if not args.no_dump:
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump}"
+                                   " --xla_gpu_experimental_dump_gpu_executable=true").strip()
 
     import jax
     import jax.numpy as jnp
@@ -87,39 +77,33 @@ def main() -> int:
         return decode_qkv_attention(x, nw, w, kc, vc, pos, cnt, rope=(cos, sin), eps=1e-5,
                                     deltas=deltas)
 
-    jax.block_until_ready(jax.jit(separate)(x, nw, w, kc, vc, pos, deltas))
-    jax.block_until_ready(jax.jit(fused)(x, nw, w, kc, vc, pos, deltas, cnt))
+    run_sep, run_fused = jax.jit(separate), jax.jit(fused)
+    for _ in range(args.repeats):
+        jax.block_until_ready(run_sep(x, nw, w, kc, vc, pos, deltas))
+        jax.block_until_ready(run_fused(x, nw, w, kc, vc, pos, deltas, cnt))
+    if args.no_dump:
+        return 0
 
-    ptxas = find_ptxas()
-    print("ptxas:", ptxas)
     os.makedirs(args.out, exist_ok=True)
-    kept = []
+    cubins = []
     for path in sorted(glob.glob(os.path.join(dump, "**", "*"), recursive=True)):
-        if not os.path.isfile(path) or os.path.getsize(path) > 200e6:
+        m = re.search(r"jit_(fused|separate)", path)
+        if not m or not os.path.isfile(path):
             continue
-        ptx = open(path, errors="replace").read()
-        if ".entry" not in ptx or ".version" not in ptx:
-            continue
-        for name, body in entries(ptx).items():
-            if not re.search(r"norm_matmul|attention", name):
-                continue
-            counts = {c: len(re.findall(rx, body, re.M)) for c, rx in COUNTS.items()}
-            print(f"\n{name} ({os.path.basename(path)}): " +
-                  ", ".join(f"{c} {n}" for c, n in counts.items()))
-            kept.append(path)
-    for path in sorted(set(kept)):
-        shutil.copy(path, os.path.join(args.out, re.sub(r"[^A-Za-z0-9._-]", "_",
-                                                        os.path.basename(path))[-60:] + ".ptx"))
-        if ptxas:
-            r = subprocess.run([ptxas, "-v", "-arch=sm_90a", path, "-o", os.devnull],
-                               capture_output=True, text=True)
-            info = [ln for ln in (r.stdout + r.stderr).splitlines()
-                    if re.search(r"Compiling entry|registers|spill", ln)]
-            print("\n".join(info[-40:]) or (r.stdout + r.stderr)[-2000:])
-    if not kept:
-        names = sorted(os.path.relpath(q, dump) for q in glob.glob(os.path.join(dump, "**", "*"),
-                                                                   recursive=True))
-        print("no kernel PTX in the dump:", [q for q in names if "fused" in q or "separate" in q])
+        for elf in elves(open(path, "rb").read()):
+            name = os.path.join(dump, f"{m.group(1)}{len(cubins)}.cubin")
+            open(name, "wb").write(elf)
+            cubins.append(name)
+    print("cubins:", [os.path.basename(c) for c in cubins])
+    for name in cubins:
+        r = subprocess.run(["cuobjdump", "-res-usage", name], capture_output=True, text=True)
+        print(f"== {os.path.basename(name)}")
+        print("\n".join(ln.strip()[:220] for ln in (r.stdout + r.stderr).splitlines()
+                        if re.search(r"Function|REG|rror", ln)))
+        r = subprocess.run(["cuobjdump", "-sass", name], capture_output=True, text=True)
+        if re.search(r"attention", r.stdout):
+            with open(os.path.join(args.out, os.path.basename(name) + ".sass"), "w") as f:
+                f.write(r.stdout)
     return 0
 
 

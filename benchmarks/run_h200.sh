@@ -13,7 +13,8 @@
 #                                       # a kernel boundary? (grid_barrier_probe.py, ~1 min)
 #   bash benchmarks/run_h200.sh qkvattn # the attention in the q/k/v kernel's tail
 #                                       # (layers.QKV_ATTENTION): GPU tests, profile, bench
-#   bash benchmarks/run_h200.sh ptx     # registers / spills / cp.async of the attention kernels
+#   bash benchmarks/run_h200.sh ptx     # registers / spills / SASS of the attention kernels
+#   bash benchmarks/run_h200.sh ncu     # Nsight Compute on them (stalls per instruction)
 # Results: JSON lines in ${OUT:-.}/bench-<part>.jsonl; a table on stdout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -90,7 +91,19 @@ qkvattn() {  # decode_qkv_attention on the GPU: correct (the counters race), the
       | tee -a "$out/bench-qkvattn.jsonl"
   done
 }
-ptx() {  # registers, spills and async copies of the separate and the fused attention kernels
+ptx() {  # registers, spills and SASS of the separate and the fused attention kernels
   timeout 120 python3 benchmarks/ptx_probe.py --out "$out" 2>&1 | grep -v "^WARNING\|^I0000\|^W0000"
+}
+ncu() {  # Nsight Compute on the attention kernels (separate, fused): stalls per instruction
+  local bin
+  bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  timeout 240 "$bin" --cache-control none --clock-control none -k regex:attention -c 4 \
+    --set full -f -o "$out/attn" python3 benchmarks/ptx_probe.py --no-dump --slots "${SLOTS:-384}" \
+    2>&1 | grep -v "^WARNING\|^I0000\|^W0000" | tail -5
+  "$bin" --import "$out/attn.ncu-rep" --page details > "$out/attn-details.txt" 2>&1
+  "$bin" --import "$out/attn.ncu-rep" --page source --csv --print-source sass \
+    > "$out/attn-source.csv" 2>&1
+  grep -i "duration\|registers\|stall\|warp cycles per issued\|  attention\|norm_matmul" \
+    "$out/attn-details.txt" | head -60
 }
 for part in "${@:-ours}"; do "$part"; done
