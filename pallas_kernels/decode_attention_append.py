@@ -39,8 +39,11 @@ from pallas_kernels._common import (LOG2_E, MASK_VALUE, check_array, check_head_
                                      check_same_dtype, next_pow2)
 from pallas_kernels.decode_attention import (
     DecodeBlockSizes, _merge_splits, attend_tiles, check_cache_pair, choose_num_splits,
-    decode_attention_reference)
+    decode_attention_reference, load_first_tile)
 from pallas_kernels.norm_matmul import apply_norm_partials
+
+# Issue the first cache tile's loads before gathering the query (append_attend(early=)).
+EARLY_FIRST_TILE = True
 
 # ---------------------------------------------------------------------------------------------
 # Kernel
@@ -50,10 +53,11 @@ from pallas_kernels.norm_matmul import apply_norm_partials
 def append_attend(q_src, k_src, v_src, k_ref, v_ref, ko_ref, vo_ref, *, kv_index, gp: int,
                   d: int, pos, start, chunk: int, seq_len: int, window: int | None,
                   block_k: int, groups: int, qk_scale: float, inv_rms=None, rope=None,
-                  writes=None, volatile: bool = False, active=None):
+                  writes=None, volatile: bool = False, active=None, early: bool = False):
     """The body of the append kernels for one (sequence, KV group, chunk of `chunk` cache slots
     from `start`): gather q, k_new, v_new from the projection's parts (summed in float32, times
-    the deferred norm's inv_rms if given, rounded once to the cache dtype), rotate q and k_new,
+    the deferred norm's inv_rms if given (a value, or a function that loads and computes it),
+    rounded once to the cache dtype), rotate q and k_new,
     write slot `pos` if this chunk holds it (and `writes`, when given, is true), and run the
     online softmax over the cache slots < pos of the chunk, from the new token when the chunk
     holds it.
@@ -70,10 +74,30 @@ def append_attend(q_src, k_src, v_src, k_ref, v_ref, ko_ref, vo_ref, *, kv_index
     active (a traced bool, or None for true): false makes every load, store and the loop over
     the cache empty (predication instead of a branch: Triton does not software-pipeline the
     cache loop inside an `if`, measured 3x slower per tile there).
+    early: issue the loads of the chunk's first cache tile before anything else, so that
+    they are in flight while q, k_new and v_new are gathered and rotated (not with `active`).
     Returns (acc [Gp, D], m [Gp], l [Gp]) float32 and the row mask [Gp] of the query heads."""
     # pos < seq_len keeps an out-of-range traced position from writing past the cache
     owns = (pos >= start) & (pos < start + chunk) & (pos < seq_len)
     dtype = k_ref.dtype
+    # Cache slots this program reads: [first, end), end excluding the new slot itself.
+    end = jnp.minimum(jnp.minimum(start + chunk, pos), seq_len)
+    first = start
+    if window is not None:
+        # The query at pos sees slots > pos - window; whole tiles below that are skipped.
+        first = jnp.maximum(start, pos + 1 - window)
+        start = jnp.maximum(start, (first // block_k) * block_k)
+    if active is not None:
+        end = jnp.where(active, end, start)  # no tiles
+    first_tile = None
+    if early:
+        assert active is None, "early loads are not predicated"
+        h = d // 2
+        pieces = [(0, h), (h, h)] if rope is not None else [(0, d)]
+        first_tile = load_first_tile(k_ref, v_ref, pieces, start=start, block_k=block_k,
+                                     seq_len=seq_len, kv_index=kv_index)
+    if callable(inv_rms):  # its loads go after the first tile's
+        inv_rms = inv_rms()
     row_ok = jnp.arange(gp) < groups  # [Gp]
     all_cols = pl.ds(0, d)
 
@@ -137,18 +161,9 @@ def append_attend(q_src, k_src, v_src, k_ref, v_ref, ko_ref, vo_ref, *, kv_index
     l0 = jnp.broadcast_to(w0, (gp,))  # [Gp]
     acc0 = jnp.broadcast_to(w0 * v_new.astype(jnp.float32)[None, :], (gp, d))  # [Gp, D]
 
-    # Cache slots this program reads: [first, end), end excluding the new slot itself.
-    end = jnp.minimum(jnp.minimum(start + chunk, pos), seq_len)
-    first = start
-    if window is not None:
-        # The query at pos sees slots > pos - window; whole tiles below that are skipped.
-        first = jnp.maximum(start, pos + 1 - window)
-        start = jnp.maximum(start, (first // block_k) * block_k)
-    if active is not None:
-        end = jnp.where(active, end, start)  # no tiles
     acc, m, l = attend_tiles(q_parts, k_ref, v_ref, start=start, first=first, end=end,
                              block_k=block_k, qk_scale=qk_scale, carry=(acc0, m0, l0),
-                             kv_index=kv_index)
+                             kv_index=kv_index, first_tile=first_tile)
     return acc, m, l, row_ok
 
 
@@ -184,10 +199,12 @@ def decode_attention_append_kernel(pos_ref, *refs, sm_scale: float, chunk: int, 
     pos, start = pos_ref[b], pl.program_id(2) * chunk
     if norm is not None:
         ss_ref, *refs = refs
-        sum_sq = ss_ref[0, b]
-        for part in range(1, num_parts):
-            sum_sq += ss_ref[part, b]
-        inv_rms = deferred_inv_rms(sum_sq, norm)
+
+        def inv_rms():  # called by append_attend after it issues the first tile's loads
+            sum_sq = ss_ref[0, b]
+            for part in range(1, num_parts):
+                sum_sq += ss_ref[part, b]
+            return deferred_inv_rms(sum_sq, norm)
     rope = None
     if has_rope:
         cos_ref, sin_ref, *refs = refs
@@ -203,7 +220,7 @@ def decode_attention_append_kernel(pos_ref, *refs, sm_scale: float, chunk: int, 
         [(r, ()) for r in vn_refs], k_ref, v_ref, ko_ref, vo_ref,
         kv_index=lambda rows, cols: (rows, cols), gp=gp, d=d, pos=pos, start=start, chunk=chunk,
         seq_len=seq_len, window=window, block_k=block_k, groups=groups,
-        qk_scale=sm_scale * LOG2_E, inv_rms=inv_rms, rope=rope)
+        qk_scale=sm_scale * LOG2_E, inv_rms=inv_rms, rope=rope, early=EARLY_FIRST_TILE)
     if normalize:  # the only chunk: l >= 1 (the new token), no merge step
         plgpu.store(o_ref, (acc / l[:, None]).astype(o_ref.dtype), mask=row_ok[:, None])
     else:
