@@ -139,15 +139,15 @@ def main(argv=None) -> int:
     p.add_argument("--no-cache-loop", action="store_true",
                    help="a timing bound, not a result: the decode attention kernels skip their "
                         "loop over the cache (only the new token is attended)")
-    p.add_argument("--early-tile", choices=("on", "off"), default=None,
-                   help="the decode attention issues its first cache tile's loads before the "
-                        "query gather (decode_attention_append.EARLY_FIRST_TILE)")
+    p.add_argument("--early", choices=("none", "touch", "tile"), default=None,
+                   help="what the decode attention loads from the cache before its query "
+                        "gather (decode_attention_append.EARLY_LOADS)")
     args = p.parse_args(argv)
-    if args.early_tile:
+    if args.early:
         import importlib  # the package exports functions of the modules' names
 
-        importlib.import_module("pallas_kernels.decode_attention_append").EARLY_FIRST_TILE = (
-            args.early_tile == "on")
+        importlib.import_module("pallas_kernels.decode_attention_append").EARLY_LOADS = (
+            None if args.early == "none" else args.early)
     if args.no_cache_loop:
         import importlib  # the package exports functions of the modules' names
 

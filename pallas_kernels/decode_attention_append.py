@@ -42,8 +42,9 @@ from pallas_kernels.decode_attention import (
     decode_attention_reference, load_first_tile)
 from pallas_kernels.norm_matmul import apply_norm_partials
 
-# Issue the first cache tile's loads before gathering the query (append_attend(early=)).
-EARLY_FIRST_TILE = True
+# What the attention kernel loads from the cache before it gathers its query
+# (append_attend(early=)): None, "touch" or "tile".
+EARLY_LOADS = None
 
 # ---------------------------------------------------------------------------------------------
 # Kernel
@@ -53,7 +54,7 @@ EARLY_FIRST_TILE = True
 def append_attend(q_src, k_src, v_src, k_ref, v_ref, ko_ref, vo_ref, *, kv_index, gp: int,
                   d: int, pos, start, chunk: int, seq_len: int, window: int | None,
                   block_k: int, groups: int, qk_scale: float, inv_rms=None, rope=None,
-                  writes=None, volatile: bool = False, active=None, early: bool = False):
+                  writes=None, volatile: bool = False, active=None, early: str | None = None):
     """The body of the append kernels for one (sequence, KV group, chunk of `chunk` cache slots
     from `start`): gather q, k_new, v_new from the projection's parts (summed in float32, times
     the deferred norm's inv_rms if given (a value, or a function that loads and computes it),
@@ -74,8 +75,10 @@ def append_attend(q_src, k_src, v_src, k_ref, v_ref, ko_ref, vo_ref, *, kv_index
     active (a traced bool, or None for true): false makes every load, store and the loop over
     the cache empty (predication instead of a branch: Triton does not software-pipeline the
     cache loop inside an `if`, measured 3x slower per tile there).
-    early: issue the loads of the chunk's first cache tile before anything else, so that
-    they are in flight while q, k_new and v_new are gathered and rotated (not with `active`).
+    early: "tile" issues the loads of the chunk's first cache tile before anything else, so
+    that they are in flight while q, k_new and v_new are gathered and rotated; "touch" loads
+    only a [16, 16] corner of it and of V there (the pages' address translations and first
+    lines warm by the time the loop reads them); None neither (not with `active`).
     Returns (acc [Gp, D], m [Gp], l [Gp]) float32 and the row mask [Gp] of the query heads."""
     # pos < seq_len keeps an out-of-range traced position from writing past the cache
     owns = (pos >= start) & (pos < start + chunk) & (pos < seq_len)
@@ -89,13 +92,19 @@ def append_attend(q_src, k_src, v_src, k_ref, v_ref, ko_ref, vo_ref, *, kv_index
         start = jnp.maximum(start, (first // block_k) * block_k)
     if active is not None:
         end = jnp.where(active, end, start)  # no tiles
-    first_tile = None
+    first_tile = touched = None
     if early:
         assert active is None, "early loads are not predicated"
+    if early == "tile":
         h = d // 2
         pieces = [(0, h), (h, h)] if rope is not None else [(0, d)]
         first_tile = load_first_tile(k_ref, v_ref, pieces, start=start, block_k=block_k,
                                      seq_len=seq_len, kv_index=kv_index)
+    elif early == "touch":
+        rows = pl.ds(start, 16)
+        exists = (start + jnp.arange(16)) < seq_len
+        touched = [plgpu.load(r.at[kv_index(rows, pl.ds(0, 16))], mask=exists[:, None], other=0)
+                   for r in (k_ref, v_ref)]  # [16, 16] each, used below where it costs nothing
     if callable(inv_rms):  # its loads go after the first tile's
         inv_rms = inv_rms()
     row_ok = jnp.arange(gp) < groups  # [Gp]
@@ -158,6 +167,9 @@ def append_attend(q_src, k_src, v_src, k_ref, v_ref, ko_ref, vo_ref, *, kv_index
                 for (qp, _), kp in zip(q_parts, k_parts))  # [Gp]
     w0 = owns.astype(jnp.float32)  # 1 for the owner, 0 for the others
     m0 = jnp.where(owns, s_new * qk_scale, MASK_VALUE)  # [Gp]
+    if touched is not None:  # keeps the loads (pos < 0 never holds, the compiler can't know)
+        t = sum(jnp.sum(x.astype(jnp.float32)) for x in touched)
+        m0 = jnp.where(pos < 0, t, m0)
     l0 = jnp.broadcast_to(w0, (gp,))  # [Gp]
     acc0 = jnp.broadcast_to(w0 * v_new.astype(jnp.float32)[None, :], (gp, d))  # [Gp, D]
 
@@ -220,7 +232,7 @@ def decode_attention_append_kernel(pos_ref, *refs, sm_scale: float, chunk: int, 
         [(r, ()) for r in vn_refs], k_ref, v_ref, ko_ref, vo_ref,
         kv_index=lambda rows, cols: (rows, cols), gp=gp, d=d, pos=pos, start=start, chunk=chunk,
         seq_len=seq_len, window=window, block_k=block_k, groups=groups,
-        qk_scale=sm_scale * LOG2_E, inv_rms=inv_rms, rope=rope, early=EARLY_FIRST_TILE)
+        qk_scale=sm_scale * LOG2_E, inv_rms=inv_rms, rope=rope, early=EARLY_LOADS)
     if normalize:  # the only chunk: l >= 1 (the new token), no merge step
         plgpu.store(o_ref, (acc / l[:, None]).astype(o_ref.dtype), mask=row_ok[:, None])
     else:
