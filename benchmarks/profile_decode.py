@@ -133,30 +133,15 @@ def main(argv=None) -> int:
                    help="where the sublayer boundaries' residual add + RMSNorm run: xla, "
                         "kernel, swiglu, consumers (layers.BOUNDARY_MODES; default: the "
                         "model's)")
-    p.add_argument("--qkv-attention", choices=("on", "off"), default=None,
-                   help="the decode attention in the q/k/v kernel's tail for short caches "
-                        "(layers.QKV_ATTENTION; default: the model's)")
     p.add_argument("--no-cache-loop", action="store_true",
                    help="a timing bound, not a result: the decode attention kernels skip their "
                         "loop over the cache (only the new token is attended)")
-    p.add_argument("--early", choices=("none", "touch", "tile"), default=None,
-                   help="what the decode attention loads from the cache before its query "
-                        "gather (decode_attention_append.EARLY_LOADS)")
     args = p.parse_args(argv)
-    if args.early:
-        import importlib  # the package exports functions of the modules' names
-
-        importlib.import_module("pallas_kernels.decode_attention_append").EARLY_LOADS = (
-            None if args.early == "none" else args.early)
     if args.no_cache_loop:
         import importlib  # the package exports functions of the modules' names
 
         daa = importlib.import_module("pallas_kernels.decode_attention_append")
         daa.attend_tiles = lambda q_parts, k_ref, v_ref, *, carry, **kw: carry
-    if args.qkv_attention:
-        from jaxinfer.models import layers
-
-        layers.QKV_ATTENTION = args.qkv_attention == "on"
     if args.boundaries:
         from jaxinfer.models import layers
 

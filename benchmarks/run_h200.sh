@@ -11,10 +11,6 @@
 #   bash benchmarks/run_h200.sh pdl     # does PDL overlap kernels under XLA? (session 4: no)
 #   bash benchmarks/run_h200.sh gridbar # is a grid barrier in a persistent kernel cheaper than
 #                                       # a kernel boundary? (grid_barrier_probe.py, ~1 min)
-#   bash benchmarks/run_h200.sh qkvattn # the attention in the q/k/v kernel's tail
-#                                       # (layers.QKV_ATTENTION): GPU tests, profile, bench
-#   bash benchmarks/run_h200.sh ptx     # registers / spills / SASS of the attention kernels
-#   bash benchmarks/run_h200.sh ncu     # Nsight Compute on them (stalls per instruction)
 # Results: JSON lines in ${OUT:-.}/bench-<part>.jsonl; a table on stdout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -77,33 +73,5 @@ pdl() {  # chains of decode matmuls: Mosaic with and without PDL, our Triton ker
 gridbar() {
   timeout "${GRIDBAR_TIMEOUT:-240}" python3 benchmarks/grid_barrier_probe.py ${GRIDBAR_ARGS:-} \
     --json "$out/gridbar.json"
-}
-qkvattn() {  # decode_qkv_attention on the GPU: correct (the counters race), then faster?
-  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_decode_qkv_attention.py \
-    2>&1 | tail -3
-  timeout 90 python3 benchmarks/profile_decode.py --preset llama3-8b --batch 1 --prompt-len 128 \
-    --steps 32 --top 8 --qkv-attention on 2>&1 | grep "wall\|n6144\|attention"
-  timeout 90 python3 benchmarks/profile_decode.py --preset llama3-8b --batch 1 --prompt-len 128 \
-    --steps 32 --top 40 --qkv-attention off 2>&1 | grep -A41 "wall"
-  for q in on off on off; do
-    timeout 100 python3 benchmarks/decode.py --preset llama3-8b --random-weights --batch 1 \
-      --prompt-len 128 --gen-len 256 --json --qkv-attention $q 2>&1 | grep -v '^bench' | tail -1 \
-      | tee -a "$out/bench-qkvattn.jsonl"
-  done
-}
-ptx() {  # registers, spills and SASS of the separate and the fused attention kernels
-  timeout 120 python3 benchmarks/ptx_probe.py --out "$out" 2>&1 | grep -v "^WARNING\|^I0000\|^W0000"
-}
-ncu() {  # Nsight Compute on the attention kernels (separate, fused): stalls per instruction
-  local bin
-  bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-  timeout 240 "$bin" --cache-control none --clock-control none -k regex:attention -c 4 \
-    --set full -f -o "$out/attn" python3 benchmarks/ptx_probe.py --no-dump --slots "${SLOTS:-384}" \
-    2>&1 | grep -v "^WARNING\|^I0000\|^W0000" | tail -5
-  "$bin" --import "$out/attn.ncu-rep" --page details > "$out/attn-details.txt" 2>&1
-  "$bin" --import "$out/attn.ncu-rep" --page source --csv --print-source sass \
-    > "$out/attn-source.csv" 2>&1
-  grep -i "duration\|registers\|stall\|warp cycles per issued\|  attention\|norm_matmul" \
-    "$out/attn-details.txt" | head -60
 }
 for part in "${@:-ours}"; do "$part"; done

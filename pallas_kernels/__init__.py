@@ -7,8 +7,6 @@ from pallas_kernels.decode_attention import (
     DecodeBlockSizes, decode_attention, decode_attention_reference)
 from pallas_kernels.decode_attention_append import (
     decode_attention_append, decode_attention_append_reference)
-from pallas_kernels.decode_qkv_attention import (
-    decode_qkv_attention, decode_qkv_attention_reference)
 from pallas_kernels.flash_attention import (
     FlashBlockSizes, flash_attention, flash_attention_reference)
 from pallas_kernels.flash_attention_mgpu import MosaicFlashConfig
@@ -24,7 +22,6 @@ __all__ = [
     "DecodeBlockSizes", "FlashBlockSizes", "MatmulBlockSizes", "MosaicFlashConfig",
     "decode_attention", "decode_attention_reference",
     "decode_attention_append", "decode_attention_append_reference",
-    "decode_qkv_attention", "decode_qkv_attention_reference",
     "flash_attention", "flash_attention_reference",
     "norm_matmul", "norm_matmul_reference",
     "rms_norm", "rms_norm_reference",

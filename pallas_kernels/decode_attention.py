@@ -65,7 +65,7 @@ def choose_num_splits(batch: int, kv_heads: int, seq_len: int, block_k: int,
 
 
 def attend_tiles(q_parts, k_ref, v_ref, *, start, first, end, block_k: int, qk_scale: float,
-                 carry, kv_index=None, first_tile=None):
+                 carry, kv_index=None):
     """Online softmax (base 2) of a query over cache rows [first, end) of k_ref/v_ref [S, D],
     read in tiles of block_k rows from `start` (tile-aligned, <= first; first=None: from start);
     rows outside the range are masked, never used. The query comes in column pieces
@@ -73,38 +73,17 @@ def attend_tiles(q_parts, k_ref, v_ref, *, start, first, end, block_k: int, qk_s
     halves): scores = sum_i q_i @ k[:, col_i:col_i + w_i]^T. carry = (acc [Gp, D], m [Gp],
     l [Gp]) float32; returns the same. kv_index(rows, cols): the index of k_ref / v_ref for
     cache rows `rows` and columns `cols` (default (rows, cols): refs [S, D]; one indexer per
-    access, as Pallas Triton takes no stacked views).
-    first_tile: the tile at `start` as `load_first_tile` returned it, loaded by the caller
-    ahead of its own work (its rows outside the range are masked here, whatever they hold);
-    the loop then starts at the second tile."""
+    access, as Pallas Triton takes no stacked views)."""
     kv_index = kv_index or (lambda rows, cols: (rows, cols))
     d = k_ref.shape[-1]
 
-    def tile_rows(base):
+    def step(j, carry):
+        acc, m, l = carry
+        base = multiple_of(start + j * block_k, block_k)
         cols = base + jnp.arange(block_k)  # [block_k] cache position
         valid = cols < end
         if first is not None:
             valid &= cols >= first
-        return valid
-
-    def absorb(s, v, valid, carry, unmasked=False):
-        """The running softmax after a tile's scores s [Gp, block_k] and values v [block_k, D]
-        (unmasked: rows outside the range were loaded, whatever they hold)."""
-        acc, m, l = carry
-        s = jnp.where(valid[None, :], s * qk_scale, MASK_VALUE)
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        alpha = jnp.exp2(m - m_new)
-        p = jnp.exp2(s - m_new[:, None])
-        if unmasked:  # rows out of range add nothing (0 * inf would not)
-            p = jnp.where(valid[None, :], p, 0.0)
-            v = jnp.where(valid[:, None], v, 0)
-        l = l * alpha + jnp.sum(p, axis=-1)
-        acc = acc * alpha[:, None] + dot_f32(p.astype(v.dtype), v)
-        return acc, m_new, l
-
-    def step(j, carry):
-        base = multiple_of(start + j * block_k, block_k)
-        valid = tile_rows(base)
         s = None
         for q, col in q_parts:
             w = q.shape[-1]
@@ -114,33 +93,16 @@ def attend_tiles(q_parts, k_ref, v_ref, *, start, first, end, block_k: int, qk_s
             s = part if s is None else s + part
         v = plgpu.load(v_ref.at[kv_index(pl.ds(base, block_k), pl.ds(0, d))],
                        mask=valid[:, None], other=0)
-        return absorb(s, v, valid, carry)
+        s = jnp.where(valid[None, :], s * qk_scale, MASK_VALUE)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(s - m_new[:, None])
+        l = l * alpha + jnp.sum(p, axis=-1)
+        acc = acc * alpha[:, None] + dot_f32(p.astype(v.dtype), v)
+        return acc, m_new, l
 
     n_blocks = pl.cdiv(jnp.maximum(end - start, 0), block_k)
-    if first_tile is None:
-        return lax.fori_loop(0, n_blocks, step, carry)
-    ks, v = first_tile
-    s = sum(dot_f32(q, kk, trans_b=True) for (q, _), kk in zip(q_parts, ks))  # [Gp, block_k]
-    carry = absorb(s, v, tile_rows(multiple_of(start, block_k)), carry, unmasked=True)
-    return lax.fori_loop(1, n_blocks, step, carry)
-
-
-def load_first_tile(k_ref, v_ref, pieces, *, start, block_k: int, seq_len: int,
-                    kv_index=None):
-    """The K column pieces [(col, w), ...] and V of cache rows [start, start + block_k), for
-    `attend_tiles(first_tile=)`: loaded without waiting for the sequence's length (rows past
-    the cache are masked, the others are masked later), so a kernel can issue them first and
-    have them in flight while it gathers its query (one HBM round trip off its latency chain).
-    Returns ([K piece [block_k, w], ...], V [block_k, D])."""
-    kv_index = kv_index or (lambda rows, cols: (rows, cols))
-    d = k_ref.shape[-1]
-    base = multiple_of(start, block_k)
-    exists = (base + jnp.arange(block_k)) < seq_len  # [block_k]
-    ks = [plgpu.load(k_ref.at[kv_index(pl.ds(base, block_k), pl.ds(col, w))],
-                     mask=exists[:, None], other=0) for col, w in pieces]
-    v = plgpu.load(v_ref.at[kv_index(pl.ds(base, block_k), pl.ds(0, d))], mask=exists[:, None],
-                   other=0)
-    return ks, v
+    return lax.fori_loop(0, n_blocks, step, carry)
 
 
 def decode_attention_kernel(len_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *,

@@ -39,12 +39,8 @@ from pallas_kernels._common import (LOG2_E, MASK_VALUE, check_array, check_head_
                                      check_same_dtype, next_pow2)
 from pallas_kernels.decode_attention import (
     DecodeBlockSizes, _merge_splits, attend_tiles, check_cache_pair, choose_num_splits,
-    decode_attention_reference, load_first_tile)
+    decode_attention_reference)
 from pallas_kernels.norm_matmul import apply_norm_partials
-
-# What the attention kernel loads from the cache before it gathers its query
-# (append_attend(early=)): None, "touch" or "tile".
-EARLY_LOADS = None
 
 # ---------------------------------------------------------------------------------------------
 # Kernel
@@ -53,76 +49,35 @@ EARLY_LOADS = None
 
 def append_attend(q_src, k_src, v_src, k_ref, v_ref, ko_ref, vo_ref, *, kv_index, gp: int,
                   d: int, pos, start, chunk: int, seq_len: int, window: int | None,
-                  block_k: int, groups: int, qk_scale: float, inv_rms=None, rope=None,
-                  writes=None, volatile: bool = False, active=None, early: str | None = None):
+                  block_k: int, groups: int, qk_scale: float, inv_rms=None, rope=None):
     """The body of the append kernels for one (sequence, KV group, chunk of `chunk` cache slots
     from `start`): gather q, k_new, v_new from the projection's parts (summed in float32, times
-    the deferred norm's inv_rms if given (a value, or a function that loads and computes it),
-    rounded once to the cache dtype), rotate q and k_new,
-    write slot `pos` if this chunk holds it (and `writes`, when given, is true), and run the
-    online softmax over the cache slots < pos of the chunk, from the new token when the chunk
+    the deferred norm's inv_rms if given, rounded once to the cache dtype), rotate q and k_new,
+    write slot `pos` if this chunk holds it, and run the online softmax over the cache slots < pos of the chunk, from the new token when the chunk
     holds it.
 
     Every ref is reached through one indexer (Pallas Triton stacks no views):
     q_src: per part (ref, prefix): ref[(*prefix, cols)] is the group's [Gp, cols] query rows
       (rows >= groups are masked, never read); k_src / v_src: per part (ref, prefix):
-      ref[(*prefix, cols)] is the new key / value [cols]. volatile: load them past L1 (other
-      programs of this kernel wrote them).
+      ref[(*prefix, cols)] is the new key / value [cols].
     kv_index(rows, cols): the index of k_ref / v_ref / ko_ref / vo_ref (the caches, read at
       slots < pos; ko/vo the same buffers, aliased) for cache slots `rows`, columns `cols`.
     rope: (cos_ref, sin_ref, prefix) with ref[(*prefix, cols)] this sequence's [cols] of the
       rotate-half tables (halves equal), or None.
-    active (a traced bool, or None for true): false makes every load, store and the loop over
-    the cache empty (predication instead of a branch: Triton does not software-pipeline the
-    cache loop inside an `if`, measured 3x slower per tile there).
-    early: "tile" issues the loads of the chunk's first cache tile before anything else, so
-    that they are in flight while q, k_new and v_new are gathered and rotated; "touch" loads
-    only a [16, 16] corner of it and of V there (the pages' address translations and first
-    lines warm by the time the loop reads them); None neither (not with `active`).
     Returns (acc [Gp, D], m [Gp], l [Gp]) float32 and the row mask [Gp] of the query heads."""
     # pos < seq_len keeps an out-of-range traced position from writing past the cache
     owns = (pos >= start) & (pos < start + chunk) & (pos < seq_len)
     dtype = k_ref.dtype
-    # Cache slots this program reads: [first, end), end excluding the new slot itself.
-    end = jnp.minimum(jnp.minimum(start + chunk, pos), seq_len)
-    first = start
-    if window is not None:
-        # The query at pos sees slots > pos - window; whole tiles below that are skipped.
-        first = jnp.maximum(start, pos + 1 - window)
-        start = jnp.maximum(start, (first // block_k) * block_k)
-    if active is not None:
-        end = jnp.where(active, end, start)  # no tiles
-    first_tile = touched = None
-    if early:
-        assert active is None, "early loads are not predicated"
-    if early == "tile":
-        h = d // 2
-        pieces = [(0, h), (h, h)] if rope is not None else [(0, d)]
-        first_tile = load_first_tile(k_ref, v_ref, pieces, start=start, block_k=block_k,
-                                     seq_len=seq_len, kv_index=kv_index)
-    elif early == "touch":
-        rows = pl.ds(start, 16)
-        exists = (start + jnp.arange(16)) < seq_len
-        touched = [plgpu.load(r.at[kv_index(rows, pl.ds(0, 16))], mask=exists[:, None], other=0)
-                   for r in (k_ref, v_ref)]  # [16, 16] each, used below where it costs nothing
-    if callable(inv_rms):  # its loads go after the first tile's
-        inv_rms = inv_rms()
     row_ok = jnp.arange(gp) < groups  # [Gp]
     all_cols = pl.ds(0, d)
 
     def gather(src, cols=all_cols, mask=None):
         """The parts' sum in float32 (times the deferred norm's inv_rms), rounded once to the
         cache dtype (as the matmul would)."""
-        if active is not None:  # [cols] loads, or [Gp, cols] with a row mask [Gp, 1]
-            mask = jnp.broadcast_to(active, (cols.size,)) if mask is None else mask & active
         total = None
         for ref, prefix in src:
             idx = (*prefix, cols)
-            if mask is None and not volatile:
-                x = ref[idx]
-            else:
-                x = plgpu.load(ref.at[idx], mask=mask, other=None if mask is None else 0,
-                               volatile=volatile)
+            x = ref[idx] if mask is None else plgpu.load(ref.at[idx], mask=mask, other=0)
             total = x.astype(jnp.float32) if total is None else total + x.astype(jnp.float32)
         if inv_rms is not None:
             total = total * inv_rms
@@ -148,11 +103,7 @@ def append_attend(q_src, k_src, v_src, k_ref, v_ref, ko_ref, vo_ref, *, kv_index
         q_parts = ((gather(q_src, mask=row_ok[:, None]), 0),)  # [Gp, D]
         k_parts = (gather(k_src)[None, :],)  # [1, D]
 
-    write = owns if writes is None else owns & writes
-    if active is not None:
-        write &= active
-
-    @pl.when(write)
+    @pl.when(owns)
     def _write_new_slot():
         col = 0
         for kp in k_parts:
@@ -167,15 +118,19 @@ def append_attend(q_src, k_src, v_src, k_ref, v_ref, ko_ref, vo_ref, *, kv_index
                 for (qp, _), kp in zip(q_parts, k_parts))  # [Gp]
     w0 = owns.astype(jnp.float32)  # 1 for the owner, 0 for the others
     m0 = jnp.where(owns, s_new * qk_scale, MASK_VALUE)  # [Gp]
-    if touched is not None:  # keeps the loads (pos < 0 never holds, the compiler can't know)
-        t = sum(jnp.sum(x.astype(jnp.float32)) for x in touched)
-        m0 = jnp.where(pos < 0, t, m0)
     l0 = jnp.broadcast_to(w0, (gp,))  # [Gp]
     acc0 = jnp.broadcast_to(w0 * v_new.astype(jnp.float32)[None, :], (gp, d))  # [Gp, D]
 
+    # Cache slots this program reads: [first, end), end excluding the new slot itself.
+    end = jnp.minimum(jnp.minimum(start + chunk, pos), seq_len)
+    first = start
+    if window is not None:
+        # The query at pos sees slots > pos - window; whole tiles below that are skipped.
+        first = jnp.maximum(start, pos + 1 - window)
+        start = jnp.maximum(start, (first // block_k) * block_k)
     acc, m, l = attend_tiles(q_parts, k_ref, v_ref, start=start, first=first, end=end,
                              block_k=block_k, qk_scale=qk_scale, carry=(acc0, m0, l0),
-                             kv_index=kv_index, first_tile=first_tile)
+                             kv_index=kv_index)
     return acc, m, l, row_ok
 
 
@@ -211,12 +166,10 @@ def decode_attention_append_kernel(pos_ref, *refs, sm_scale: float, chunk: int, 
     pos, start = pos_ref[b], pl.program_id(2) * chunk
     if norm is not None:
         ss_ref, *refs = refs
-
-        def inv_rms():  # called by append_attend after it issues the first tile's loads
-            sum_sq = ss_ref[0, b]
-            for part in range(1, num_parts):
-                sum_sq += ss_ref[part, b]
-            return deferred_inv_rms(sum_sq, norm)
+        sum_sq = ss_ref[0, b]
+        for part in range(1, num_parts):
+            sum_sq += ss_ref[part, b]
+        inv_rms = deferred_inv_rms(sum_sq, norm)
     rope = None
     if has_rope:
         cos_ref, sin_ref, *refs = refs
@@ -232,7 +185,7 @@ def decode_attention_append_kernel(pos_ref, *refs, sm_scale: float, chunk: int, 
         [(r, ()) for r in vn_refs], k_ref, v_ref, ko_ref, vo_ref,
         kv_index=lambda rows, cols: (rows, cols), gp=gp, d=d, pos=pos, start=start, chunk=chunk,
         seq_len=seq_len, window=window, block_k=block_k, groups=groups,
-        qk_scale=sm_scale * LOG2_E, inv_rms=inv_rms, rope=rope, early=EARLY_LOADS)
+        qk_scale=sm_scale * LOG2_E, inv_rms=inv_rms, rope=rope)
     if normalize:  # the only chunk: l >= 1 (the new token), no merge step
         plgpu.store(o_ref, (acc / l[:, None]).astype(o_ref.dtype), mask=row_ok[:, None])
     else:

@@ -98,8 +98,7 @@ def default_block_sizes(m: int, n: int, k: int, itemsize: int = 2,
 
 def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int, block_n: int,
                         block_k: int, k_chunk: int, n_weights: int, has_norm: bool,
-                        has_residual: bool, epilogue: str, partial: bool, n_deltas: int,
-                        ss_every_tile: bool = False):
+                        has_residual: bool, epilogue: str, partial: bool, n_deltas: int):
     # refs, in order:
     #   x_ref [block_m, Kp]; n_deltas d_refs [block_m, Kp] (float32 partial sums added to x:
     #   the same [S, M, K] array once per chunk); nw_ref [Kp] if has_norm;
@@ -108,8 +107,7 @@ def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int,
     #            the first N tile);
     #            partial -> n_weights refs [block_m, block_n] float32 (this K chunk's sums)
     #            (+ [block_m] sums of squares if has_norm, stored by the programs of the first
-    #            N tile, or by every program with ss_every_tile); else one ref
-    #            [block_m, block_n]. (Output refs may be views, one indexer each.)
+    #            N tile); else one ref [block_m, block_n].
     # Kp = split_k * k_chunk >= K; positions >= K are masked, never used.
     it = iter(refs)
     x_ref = next(it)
@@ -231,13 +229,9 @@ def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int,
         for ref, acc in zip(o_refs, accs):
             store(ref, acc)
         if has_norm:
+            @pl.when(pl.program_id(1) == 0)
             def store_ss():
                 store(o_refs[n_weights], ss, None if row_ok is None else row_ok[:, 0])
-
-            if ss_every_tile:
-                store_ss()
-            else:
-                pl.when(pl.program_id(1) == 0)(store_ss)
         return
     if has_norm:
         inv_rms = lax.rsqrt(ss / k + eps)[:, None]  # [block_m, 1]

@@ -114,12 +114,6 @@ KERNEL_CASES = {
     "norm_matmul norm + deltas, partials": (
         lambda x, d, n, w: pk.norm_matmul(x, n, w, deltas=d, partials=True),
         (S((1, 4096), BF16), S((4, 1, 4096), F32), S((4096,), BF16), S((4096, 8, 6, 128), BF16))),
-    "decode_qkv_attention, deltas": (
-        lambda x, d, n, w, k, v, p, cnt, c, s: pk.decode_qkv_attention(
-            x, n, w, k, v, p, cnt, rope=(c, s), eps=1e-5, deltas=d),
-        (S((1, 4096), BF16), S((2, 1, 4096), F32), S((4096,), BF16), S((4096, 8, 6, 128), BF16),
-         S((1, 384, 8, 128), BF16), S((1, 384, 8, 128), BF16), S((1,), I32), S((8,), I32),
-         S((1, 128), F32), S((1, 128), F32))),
     "flash triton causal": (
         lambda q, k, v: pk.flash_attention(q, k, v, causal=True, backend="triton"),
         (S((4, 4096, 32, 128), BF16), S((4, 4096, 8, 128), BF16), S((4, 4096, 8, 128), BF16))),
@@ -228,19 +222,6 @@ def test_llama3_8b_batch1_decode_layer_boundaries_in_consumers(gpu_dispatch, mon
         "norm_matmul_none_k4096_n6144_split2": 1, "decode_attention_append": 1,
         "matmul_none_k4096_n4096_split2": 1, "add_norm_matmul_swiglu_k4096_n14336": 1,
         "matmul_none_k14336_n4096_split2": 1, "add_rms_norm": 1})
-
-
-def test_llama3_8b_batch1_decode_layer_qkv_attention(gpu_dispatch, monkeypatch):
-    """layers.QKV_ATTENTION: 4 kernels per decode layer at a short cache (the attention in the
-    q/k/v kernel's tail), the separate attention kernel back above MAX_SLOTS."""
-    monkeypatch.setattr(layers, "QKV_ATTENTION", True)
-    module = decode_step_module("llama3-8b", 1, 512)
-    assert kernel_names(module) == collections.Counter({
-        "norm_matmul_attention_k4096_n6144_split2": 1, "matmul_none_k4096_n4096_split2": 1,
-        "add_norm_matmul_swiglu_k4096_n14336": 1, "matmul_none_k14336_n4096_split2": 1,
-        "add_rms_norm": 1})
-    names = kernel_names(decode_step_module("llama3-8b", 1, 1024))
-    assert names["decode_attention_append"] == 1 and names["norm_matmul_none_k4096_n6144_split2"]
 
 
 def test_llama3_8b_batch64_long_context_decode_lowers(gpu_dispatch):

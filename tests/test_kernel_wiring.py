@@ -24,7 +24,7 @@ from jaxinfer.models import layers, llama
 from kernel_testing import rel_err, set_boundaries
 
 KERNELS = ("add_rms_norm", "flash_attention", "decode_attention", "decode_attention_append",
-           "decode_qkv_attention", "norm_matmul", "rms_norm", "swiglu")
+           "norm_matmul", "rms_norm", "swiglu")
 
 
 @pytest.fixture
@@ -65,16 +65,12 @@ def decode_steps(params, config, ids):
 BOUNDARIES = layers.BOUNDARY_MODES
 
 
-@pytest.mark.parametrize("qkv_attention", [True, False], ids=["qkv_attn", "qkv_then_attn"])
 @pytest.mark.parametrize("boundary", list(BOUNDARIES))
 @pytest.mark.parametrize("variant", [{}, {"layer_windows": (5, None)}, {"qkv_bias": True}],
                          ids=["llama3", "window", "qkv_bias"])
 def test_kernel_path_matches_reference_path(kernels_in_interpret_mode, variant, boundary,
-                                            qkv_attention, monkeypatch):
-    """qkv_attention: layers.QKV_ATTENTION (the attention in the q/k/v kernel's tail, on the
-    consumers path without a q/k/v bias)."""
+                                            monkeypatch):
     set_boundaries(monkeypatch, boundary)
-    monkeypatch.setattr(layers, "QKV_ATTENTION", qkv_attention)
     config = tiny_config(**variant)
     params = layers.init_params(llama.param_specs(config), jax.random.key(0), jnp.bfloat16)
     if config.qkv_bias:  # non-zero biases, so that a dropped bias shows
@@ -83,8 +79,7 @@ def test_kernel_path_matches_reference_path(kernels_in_interpret_mode, variant, 
                           ).astype(jnp.bfloat16)
     ids = jax.random.randint(jax.random.key(2), (2, 13), 0, config.vocab_size)
     calls = []
-    for name in ("add_rms_norm", "decode_attention_append", "decode_qkv_attention", "norm_matmul",
-                 "rms_norm", "swiglu"):
+    for name in ("add_rms_norm", "decode_attention_append", "norm_matmul", "rms_norm", "swiglu"):
         fn = getattr(pallas_kernels, name)
 
         def spy(*a, _fn=fn, _name=name, **k):
@@ -99,11 +94,7 @@ def test_kernel_path_matches_reference_path(kernels_in_interpret_mode, variant, 
     add_kernel, in_swiglu, in_qkv = BOUNDARIES[boundary]
     want |= {"add_rms_norm"} if add_kernel else set()
     want |= {"swiglu+deltas"} if in_swiglu else set()
-    if in_qkv and not config.qkv_bias and qkv_attention:  # one kernel in every decode layer
-        want = (want - {"decode_attention_append"}) | {"decode_qkv_attention",
-                                                       "decode_qkv_attention+deltas"}
-    elif in_qkv and not config.qkv_bias:
-        want |= {"norm_matmul+deltas"}
+    want |= {"norm_matmul+deltas"} if in_qkv and not config.qkv_bias else set()
     assert set(calls) == want
     monkeypatch.setattr(layers, "use_kernels", lambda dtype: False)
     ref, ref_cache = decode_steps(params, config, ids)
@@ -119,15 +110,13 @@ def test_kernel_path_matches_reference_path(kernels_in_interpret_mode, variant, 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
-@pytest.mark.parametrize("qkv_attention", [True, False], ids=["qkv_attn", "qkv_then_attn"])
 @pytest.mark.parametrize("boundary", list(BOUNDARIES))
 @pytest.mark.parametrize("variant", [{}, {"layer_windows": (5, None)}, {"qkv_bias": True}],
                          ids=["llama3", "window", "qkv_bias"])
-def test_kernel_path_matches_reference_path_gpu(variant, boundary, qkv_attention, monkeypatch):
+def test_kernel_path_matches_reference_path_gpu(variant, boundary, monkeypatch):
     """The same on the H200 with the compiled kernels (the HF fixtures' head dim 16 is below
     the fused attention kernel's 32, so test_gpu.py does not reach that kernel)."""
     set_boundaries(monkeypatch, boundary)
-    monkeypatch.setattr(layers, "QKV_ATTENTION", qkv_attention)
     config = tiny_config(**variant)
     params = layers.init_params(llama.param_specs(config), jax.random.key(0), jnp.bfloat16)
     ids = jax.random.randint(jax.random.key(2), (2, 13), 0, config.vocab_size)

@@ -410,51 +410,6 @@ def fused_decode_attention_ok(h: jax.Array, head_dim: int, rotary_dim: int) -> b
             and _kernel_head_dim(head_dim // 2) and rotary_dim == head_dim)
 
 
-# The MLP -> attention boundary, the q/k/v projection and, in its tail, the decode attention
-# in one kernel (pallas_kernels.decode_qkv_attention: each KV group's last program attends) on
-# the QKV_ADD_NORM path, for batches and caches that kernel takes (short caches). False (the
-# default): the projection, then decode_attention_append. Off because it has not paid yet:
-# with the tail's attention inside a branch, the B=1 Llama-3-8B step on the H200 ran 4.209
-# vs 3.961 ms of kernel time (the tail took 12.7 us; the separate kernel 6.2). The attention
-# is now predicated instead of branched; that form passes the interpret tests and the MLIR
-# verifier but is not yet compiled or measured on the GPU (`bash benchmarks/run_h200.sh
-# qkvattn`; benchmarks/NOTES.md, run G, has what else may slow the tail).
-QKV_ATTENTION = False
-
-
-def qkv_attention_ok(x: jax.Array, delta, b, k_cache: jax.Array) -> bool:
-    """Whether `decode_qkv_attention` runs this layer's attention input: x [B, 1, D], the
-    previous sublayer's delta, the q/k/v bias b, the layer's k_cache [B, S, Hkv, hd] (only
-    where `fused_decode_attention_ok`)."""
-    from pallas_kernels.decode_qkv_attention import MAX_BATCH, MAX_SLOTS
-
-    return (QKV_ATTENTION and QKV_ADD_NORM and b is None and decode_kernels(x)
-            and (delta is None or isinstance(delta, Partials)) and k_cache.dtype == x.dtype
-            and k_cache.shape[0] <= MAX_BATCH and k_cache.shape[1] <= MAX_SLOTS)
-
-
-def qkv_attention_counters(config) -> jax.Array:
-    """The arrival counters `decode_qkv_attention` threads through the layers: [Hkv] int32
-    zeros, made once per forward pass (each call leaves them at zero)."""
-    return jnp.zeros((config.num_kv_heads,), jnp.int32)
-
-
-def decode_qkv_attention(x, delta, norm_weight, w, k_cache, v_cache, positions, cos, sin,
-                         counters, *, eps: float, window=None):
-    """One new token per row (where `qkv_attention_ok`): x [B, 1, D] + delta (Partials or
-    None) -> rms_norm -> @ w [D, Hkv, G + 2, hd] -> RoPE (cos/sin [B, 1, hd]), K/V written to
-    slot positions [B, 1] of the layer's cache [B, S, Hkv, hd], attention: one kernel.
-    Returns (x + delta [B, 1, D], out [B, 1, Hq, hd], k_cache, v_cache, counters)."""
-    from pallas_kernels import decode_qkv_attention as kernel
-
-    d = x.shape[-1]
-    deltas = None if delta is None else delta.parts.reshape(delta.parts.shape[0], -1, d)
-    x_new, out, k_cache, v_cache, counters = kernel(
-        x.reshape(-1, d), norm_weight, w, k_cache, v_cache, positions[:, 0], counters,
-        rope=(cos[:, 0], sin[:, 0]), eps=eps, deltas=deltas, sliding_window=window)
-    return x_new.reshape(x.shape), out[:, None], k_cache, v_cache, counters
-
-
 def decode_attention_qkv(qkv, k_cache, v_cache, positions, cos, sin, *, window=None,
                          norm=None):
     """One new token per row, straight from the fused projection qkv [B, 1, Hkv, G + 2, D] (or

@@ -57,12 +57,10 @@ def param_specs(config: Config) -> dict:
 
 
 def _attention_block(lp: dict, x, delta, cos, sin, positions, config: Config, layer: int,
-                     cache_kv: tuple[jax.Array, jax.Array] | None, fresh: bool, counters):
+                     cache_kv: tuple[jax.Array, jax.Array] | None, fresh: bool):
     """Self-attention sublayer of the residual stream x [B, T, D] plus the previous sublayer's
     output delta (not yet added; None in the first layer): returns (x + delta, the
-    sublayer's output for the next boundary, the updated (k, v) cache or None, counters).
-    counters: the arrival counters of `layers.decode_qkv_attention` (zeros, threaded through
-    the layers; None until a layer needs them)."""
+    sublayer's output for the next boundary, the updated (k, v) cache or None)."""
     b, t, _ = x.shape
     hd, eps = config.head_dim, config.rms_norm_eps
     g = config.num_heads // config.num_kv_heads
@@ -70,18 +68,11 @@ def _attention_block(lp: dict, x, delta, cos, sin, positions, config: Config, la
     if (cache_kv is not None and not fresh and not config.qk_norm
             and layers.fused_decode_attention_ok(x, hd, config.rotary_dim)):
         # Decode on GPU: the boundary's add and norm, the q/k/v projection (its split-K
-        # chunks summed, the norm applied, RoPE), the cache write and attention in 1-3 kernels.
-        if layers.qkv_attention_ok(x, delta, lp.get("bqkv"), cache_kv[0]):
-            if counters is None:
-                counters = layers.qkv_attention_counters(config)
-            x, o, *cache_kv, counters = layers.decode_qkv_attention(
-                x, delta, lp["attn_norm"], lp["wqkv"], *cache_kv, positions, cos, sin,
-                counters, eps=eps, window=window)
-        else:
-            x, qkv, norm = layers.norm_qkv(x, delta, lp["attn_norm"], lp["wqkv"],
-                                           lp.get("bqkv"), eps)  # [S, B, T, Hkv, G + 2, hd]
-            o, *cache_kv = layers.decode_attention_qkv(qkv, *cache_kv, positions, cos, sin,
-                                                       window=window, norm=norm)
+        # chunks summed, the norm applied, RoPE), the cache write and attention in 2-3 kernels.
+        x, qkv, norm = layers.norm_qkv(x, delta, lp["attn_norm"], lp["wqkv"], lp.get("bqkv"),
+                                       eps)  # qkv: [S, B, T, Hkv, G + 2, hd] chunks
+        o, *cache_kv = layers.decode_attention_qkv(qkv, *cache_kv, positions, cos, sin,
+                                                   window=window, norm=norm)
     else:
         x, h = layers.add_norm(x, delta, lp["attn_norm"], eps)
         qkv = layers.project(h, lp["wqkv"], lp.get("bqkv"))  # [B, T, Hkv, G + 2, hd]
@@ -100,7 +91,7 @@ def _attention_block(lp: dict, x, delta, cos, sin, positions, config: Config, la
         else:
             o = layers.cached_attention(q, *cache_kv, positions, window=window)
     attn = layers.linear_delta(o.reshape(b, t, config.num_heads * hd), lp["wo"], lp.get("bo"))
-    return x, attn, cache_kv, counters
+    return x, attn, cache_kv
 
 
 def forward(params: dict, tokens: jax.Array, positions: jax.Array, config: Config,
@@ -127,12 +118,11 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, config: Confi
     # matmul does it, layers.SWIGLU_ADD_NORM / QKV_ADD_NORM).
     delta = None  # the last sublayer's output, not yet in x
     new_k, new_v = [], []
-    counters = None  # the decode attention's arrival counters, made by the first layer to use them
     for i, lp in enumerate(blocks):
         with jax.named_scope(f"layer{i}"):
             cache_kv = None if cache is None else (cache.k[i], cache.v[i])
-            x, attn, cache_kv, counters = _attention_block(lp, x, delta, cos, sin, positions,
-                                                           config, i, cache_kv, fresh, counters)
+            x, attn, cache_kv = _attention_block(lp, x, delta, cos, sin, positions, config, i,
+                                                 cache_kv, fresh)
             x, delta = layers.norm_mlp(x, attn, lp, lp["mlp_norm"], eps)
             if cache_kv is not None:
                 new_k.append(cache_kv[0])
