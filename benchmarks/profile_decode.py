@@ -136,7 +136,15 @@ def main(argv=None) -> int:
     p.add_argument("--no-cache-loop", action="store_true",
                    help="a timing bound, not a result: the decode attention kernels skip their "
                         "loop over the cache (only the new token is attended)")
+    p.add_argument("--gather-in-loop", choices=("on", "off"), default=None,
+                   help="the decode attention gathers its query in the cache loop's first "
+                        "iteration (decode_attention_append.GATHER_IN_LOOP)")
     args = p.parse_args(argv)
+    if args.gather_in_loop:
+        import importlib  # the package exports functions of the modules' names
+
+        importlib.import_module("pallas_kernels.decode_attention_append").GATHER_IN_LOOP = (
+            args.gather_in_loop == "on")
     if args.no_cache_loop:
         import importlib  # the package exports functions of the modules' names
 

@@ -42,6 +42,13 @@ from pallas_kernels.decode_attention import (
     decode_attention_reference)
 from pallas_kernels.norm_matmul import apply_norm_partials
 
+# Gather the query (and write the new slot) inside the cache loop's first iteration, after the
+# first tiles' loads are issued (append_attend(in_loop=)). At batch 1 and a short cache the
+# loop's first tile costs ~2.8 us of the kernel's ~6 (benchmarks/NOTES.md, run H): its HBM
+# round trip starts only after the query's gather. Off until measured on the H200
+# (`profile_decode.py --gather-in-loop on`); the interpret tests cover both forms.
+GATHER_IN_LOOP = False
+
 # ---------------------------------------------------------------------------------------------
 # Kernel
 # ---------------------------------------------------------------------------------------------
@@ -49,12 +56,13 @@ from pallas_kernels.norm_matmul import apply_norm_partials
 
 def append_attend(q_src, k_src, v_src, k_ref, v_ref, ko_ref, vo_ref, *, kv_index, gp: int,
                   d: int, pos, start, chunk: int, seq_len: int, window: int | None,
-                  block_k: int, groups: int, qk_scale: float, inv_rms=None, rope=None):
+                  block_k: int, groups: int, qk_scale: float, inv_rms=None, rope=None,
+                  in_loop: bool = False):
     """The body of the append kernels for one (sequence, KV group, chunk of `chunk` cache slots
     from `start`): gather q, k_new, v_new from the projection's parts (summed in float32, times
     the deferred norm's inv_rms if given, rounded once to the cache dtype), rotate q and k_new,
-    write slot `pos` if this chunk holds it, and run the online softmax over the cache slots < pos of the chunk, from the new token when the chunk
-    holds it.
+    write slot `pos` if this chunk holds it, and run the online softmax over the cache slots
+    < pos of the chunk, from the new token when the chunk holds it.
 
     Every ref is reached through one indexer (Pallas Triton stacks no views):
     q_src: per part (ref, prefix): ref[(*prefix, cols)] is the group's [Gp, cols] query rows
@@ -62,64 +70,84 @@ def append_attend(q_src, k_src, v_src, k_ref, v_ref, ko_ref, vo_ref, *, kv_index
       ref[(*prefix, cols)] is the new key / value [cols].
     kv_index(rows, cols): the index of k_ref / v_ref / ko_ref / vo_ref (the caches, read at
       slots < pos; ko/vo the same buffers, aliased) for cache slots `rows`, columns `cols`.
+    inv_rms: a value, or a function that loads and computes it (called where it is needed).
     rope: (cos_ref, sin_ref, prefix) with ref[(*prefix, cols)] this sequence's [cols] of the
       rotate-half tables (halves equal), or None.
+    in_loop: everything before the softmax (the gathers, RoPE, the new slot's write) runs in
+      the cache loop's first iteration (`attend_tiles(prelude=)`), after the first cache
+      tiles' loads are issued, instead of before the loop.
     Returns (acc [Gp, D], m [Gp], l [Gp]) float32 and the row mask [Gp] of the query heads."""
     # pos < seq_len keeps an out-of-range traced position from writing past the cache
     owns = (pos >= start) & (pos < start + chunk) & (pos < seq_len)
     dtype = k_ref.dtype
     row_ok = jnp.arange(gp) < groups  # [Gp]
     all_cols = pl.ds(0, d)
+    h = d // 2
 
-    def gather(src, cols=all_cols, mask=None):
-        """The parts' sum in float32 (times the deferred norm's inv_rms), rounded once to the
-        cache dtype (as the matmul would)."""
-        total = None
-        for ref, prefix in src:
-            idx = (*prefix, cols)
-            x = ref[idx] if mask is None else plgpu.load(ref.at[idx], mask=mask, other=0)
-            total = x.astype(jnp.float32) if total is None else total + x.astype(jnp.float32)
-        if inv_rms is not None:
-            total = total * inv_rms
-        return total.astype(dtype)
+    def prelude():
+        """(q pieces, (acc0, m0, l0)): the query gathered and rotated, the new slot written,
+        the running softmax started from the new token for the chunk that holds it."""
+        scale = inv_rms() if callable(inv_rms) else inv_rms
 
-    v_new = gather(v_src)  # [D]
+        def gather(src, cols=all_cols, mask=None):
+            """The parts' sum in float32 (times the deferred norm's inv_rms), rounded once to
+            the cache dtype (as the matmul would)."""
+            total = None
+            for ref, prefix in src:
+                idx = (*prefix, cols)
+                x = ref[idx] if mask is None else plgpu.load(ref.at[idx], mask=mask, other=0)
+                total = x.astype(jnp.float32) if total is None else total + x.astype(jnp.float32)
+            if scale is not None:
+                total = total * scale
+            return total.astype(dtype)
 
-    if rope is not None:
-        # Rotate-half RoPE in float32: lo' = lo*c - hi*s, hi' = hi*c + lo*s (c, s: one half).
-        cos_ref, sin_ref, prefix = rope
-        h = d // 2
-        lo, hi = pl.ds(0, h), pl.ds(h, h)
-        c = cos_ref[(*prefix, lo)].astype(jnp.float32)[None, :]  # [1, D/2]
-        s_ = sin_ref[(*prefix, lo)].astype(jnp.float32)[None, :]
-        q_lo = gather(q_src, lo, row_ok[:, None]).astype(jnp.float32)  # [Gp, D/2]
-        q_hi = gather(q_src, hi, row_ok[:, None]).astype(jnp.float32)
-        q_parts = (((q_lo * c - q_hi * s_).astype(dtype), 0),
-                   ((q_hi * c + q_lo * s_).astype(dtype), h))  # [Gp, D/2] each
-        k_lo = gather(k_src, lo).astype(jnp.float32)[None, :]  # [1, D/2]
-        k_hi = gather(k_src, hi).astype(jnp.float32)[None, :]
-        k_parts = ((k_lo * c - k_hi * s_).astype(dtype), (k_hi * c + k_lo * s_).astype(dtype))
+        v_new = gather(v_src)  # [D]
+
+        if rope is not None:
+            # Rotate-half RoPE in float32: lo' = lo*c - hi*s, hi' = hi*c + lo*s (c, s: a half).
+            cos_ref, sin_ref, prefix = rope
+            lo, hi = pl.ds(0, h), pl.ds(h, h)
+            c = cos_ref[(*prefix, lo)].astype(jnp.float32)[None, :]  # [1, D/2]
+            s_ = sin_ref[(*prefix, lo)].astype(jnp.float32)[None, :]
+            q_lo = gather(q_src, lo, row_ok[:, None]).astype(jnp.float32)  # [Gp, D/2]
+            q_hi = gather(q_src, hi, row_ok[:, None]).astype(jnp.float32)
+            qs = ((q_lo * c - q_hi * s_).astype(dtype),
+                  (q_hi * c + q_lo * s_).astype(dtype))  # [Gp, D/2] each
+            k_lo = gather(k_src, lo).astype(jnp.float32)[None, :]  # [1, D/2]
+            k_hi = gather(k_src, hi).astype(jnp.float32)[None, :]
+            k_parts = ((k_lo * c - k_hi * s_).astype(dtype),
+                       (k_hi * c + k_lo * s_).astype(dtype))
+        else:
+            qs = (gather(q_src, mask=row_ok[:, None]),)  # [Gp, D]
+            k_parts = (gather(k_src)[None, :],)  # [1, D]
+
+        @pl.when(owns)
+        def _write_new_slot():
+            col = 0
+            for kp in k_parts:
+                w = kp.shape[-1]
+                ko_ref[kv_index(pl.ds(pos, 1), pl.ds(col, w))] = kp
+                col += w
+            vo_ref[kv_index(pos, all_cols)] = v_new
+
+        # The owner's running softmax starts from the new token (its rotated key as stored,
+        # so the score matches a later read from the cache); the others start empty.
+        s_new = sum(jnp.sum(qp.astype(jnp.float32) * kp.astype(jnp.float32), axis=-1)
+                    for qp, kp in zip(qs, k_parts))  # [Gp]
+        w0 = owns.astype(jnp.float32)  # 1 for the owner, 0 for the others
+        m0 = jnp.where(owns, s_new * qk_scale, MASK_VALUE)  # [Gp]
+        l0 = jnp.broadcast_to(w0, (gp,))  # [Gp]
+        acc0 = jnp.broadcast_to(w0 * v_new.astype(jnp.float32)[None, :], (gp, d))  # [Gp, D]
+        return qs, (acc0, m0, l0)
+
+    q_cols = (0, h) if rope is not None else (0,)
+    if in_loop:  # shapes only; the loop's first iteration runs the prelude
+        w = h if rope is not None else d
+        qs = tuple(jnp.zeros((gp, w), dtype) for _ in q_cols)
+        carry = (jnp.zeros((gp, d), jnp.float32), jnp.zeros((gp,), jnp.float32),
+                 jnp.zeros((gp,), jnp.float32))
     else:
-        q_parts = ((gather(q_src, mask=row_ok[:, None]), 0),)  # [Gp, D]
-        k_parts = (gather(k_src)[None, :],)  # [1, D]
-
-    @pl.when(owns)
-    def _write_new_slot():
-        col = 0
-        for kp in k_parts:
-            w = kp.shape[-1]
-            ko_ref[kv_index(pl.ds(pos, 1), pl.ds(col, w))] = kp
-            col += w
-        vo_ref[kv_index(pos, all_cols)] = v_new
-
-    # The owner's running softmax starts from the new token (its rotated key as stored, so
-    # the score matches a later read from the cache); the others start empty.
-    s_new = sum(jnp.sum(qp.astype(jnp.float32) * kp.astype(jnp.float32), axis=-1)
-                for (qp, _), kp in zip(q_parts, k_parts))  # [Gp]
-    w0 = owns.astype(jnp.float32)  # 1 for the owner, 0 for the others
-    m0 = jnp.where(owns, s_new * qk_scale, MASK_VALUE)  # [Gp]
-    l0 = jnp.broadcast_to(w0, (gp,))  # [Gp]
-    acc0 = jnp.broadcast_to(w0 * v_new.astype(jnp.float32)[None, :], (gp, d))  # [Gp, D]
+        qs, carry = prelude()
 
     # Cache slots this program reads: [first, end), end excluding the new slot itself.
     end = jnp.minimum(jnp.minimum(start + chunk, pos), seq_len)
@@ -128,9 +156,9 @@ def append_attend(q_src, k_src, v_src, k_ref, v_ref, ko_ref, vo_ref, *, kv_index
         # The query at pos sees slots > pos - window; whole tiles below that are skipped.
         first = jnp.maximum(start, pos + 1 - window)
         start = jnp.maximum(start, (first // block_k) * block_k)
-    acc, m, l = attend_tiles(q_parts, k_ref, v_ref, start=start, first=first, end=end,
-                             block_k=block_k, qk_scale=qk_scale, carry=(acc0, m0, l0),
-                             kv_index=kv_index)
+    acc, m, l = attend_tiles(tuple(zip(qs, q_cols)), k_ref, v_ref, start=start, first=first,
+                             end=end, block_k=block_k, qk_scale=qk_scale, carry=carry,
+                             kv_index=kv_index, prelude=prelude if in_loop else None)
     return acc, m, l, row_ok
 
 
@@ -145,7 +173,7 @@ def deferred_inv_rms(sum_sq, norm: tuple[int, float] | None):
 def decode_attention_append_kernel(pos_ref, *refs, sm_scale: float, chunk: int, block_k: int,
                                    window: int | None, groups: int, seq_len: int,
                                    has_rope: bool, num_parts: int, normalize: bool,
-                                   norm: tuple[int, float] | None):
+                                   norm: tuple[int, float] | None, in_loop: bool = False):
     # pos_ref [B] int32 (whole array): slot of each sequence's new token
     # q_refs [Gp, D] x P: qkv rows of one KV group from row 0, from each of the P parts (one
     #   16-bit array, or a split-K matmul's float32 chunks, summed here); rows >= G (the key,
@@ -166,10 +194,15 @@ def decode_attention_append_kernel(pos_ref, *refs, sm_scale: float, chunk: int, 
     pos, start = pos_ref[b], pl.program_id(2) * chunk
     if norm is not None:
         ss_ref, *refs = refs
-        sum_sq = ss_ref[0, b]
-        for part in range(1, num_parts):
-            sum_sq += ss_ref[part, b]
-        inv_rms = deferred_inv_rms(sum_sq, norm)
+
+        def inv_rms():
+            sum_sq = ss_ref[0, b]
+            for part in range(1, num_parts):
+                sum_sq += ss_ref[part, b]
+            return deferred_inv_rms(sum_sq, norm)
+
+        if not in_loop:  # else the loop's first iteration loads them
+            inv_rms = inv_rms()
     rope = None
     if has_rope:
         cos_ref, sin_ref, *refs = refs
@@ -185,7 +218,7 @@ def decode_attention_append_kernel(pos_ref, *refs, sm_scale: float, chunk: int, 
         [(r, ()) for r in vn_refs], k_ref, v_ref, ko_ref, vo_ref,
         kv_index=lambda rows, cols: (rows, cols), gp=gp, d=d, pos=pos, start=start, chunk=chunk,
         seq_len=seq_len, window=window, block_k=block_k, groups=groups,
-        qk_scale=sm_scale * LOG2_E, inv_rms=inv_rms, rope=rope)
+        qk_scale=sm_scale * LOG2_E, inv_rms=inv_rms, rope=rope, in_loop=in_loop)
     if normalize:  # the only chunk: l >= 1 (the new token), no merge step
         plgpu.store(o_ref, (acc / l[:, None]).astype(o_ref.dtype), mask=row_ok[:, None])
     else:
@@ -309,13 +342,14 @@ def decode_attention_append(qkv, k_cache, v_cache, positions, *, rope=None,
         ss, norm_static = norm[0], (int(norm[1]), float(norm[2]))
     return _decode_attention_append_triton(
         qkv, k_cache, v_cache, positions, rope, ss, sm_scale=sm_scale, blocks=blocks,
-        num_splits=num_splits, window=window, norm=norm_static, interpret=interpret)
+        num_splits=num_splits, window=window, norm=norm_static, in_loop=GATHER_IN_LOOP,
+        interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "blocks", "num_splits", "window",
-                                             "norm", "interpret"))
+                                             "norm", "in_loop", "interpret"))
 def _decode_attention_append_triton(qkv, k_cache, v_cache, positions, rope, ss, *, sm_scale,
-                                    blocks, num_splits, window, norm, interpret):
+                                    blocks, num_splits, window, norm, in_loop, interpret):
     # qkv [P, B, Hkv, G + 2, D]: P parts summed in the kernel
     parts, b, hkv, rows, d = qkv.shape
     g = rows - 2
@@ -331,7 +365,7 @@ def _decode_attention_append_triton(qkv, k_cache, v_cache, positions, rope, ss, 
     kernel = functools.partial(decode_attention_append_kernel, sm_scale=sm_scale, chunk=chunk,
                                block_k=block_k, window=window, groups=g, seq_len=s,
                                has_rope=rope is not None, num_parts=parts, normalize=normalize,
-                               norm=norm)
+                               norm=norm, in_loop=in_loop)
     row = pl.BlockSpec((None, s_pad, None, d), lambda i, h, c: (i, 0, h, 0))
 
     def qkv_spec(p, first_row, n_rows):  # rows [first_row, +n_rows) of part p, KV group h

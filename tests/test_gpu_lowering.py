@@ -158,6 +158,18 @@ def test_kernel_lowers_for_h200(name):
     assert "custom_call" in module  # a kernel, not an XLA fallback
 
 
+@pytest.mark.parametrize("name", [n for n in KERNEL_CASES if n.startswith("append")])
+def test_append_gathering_in_the_loop_lowers_for_h200(name, monkeypatch):
+    """decode_attention_append.GATHER_IN_LOOP (off until measured): the query gather and the
+    new slot's write inside the cache loop's first iteration."""
+    import importlib  # the package exports functions of the modules' names
+
+    monkeypatch.setattr(importlib.import_module("pallas_kernels.decode_attention_append"),
+                        "GATHER_IN_LOOP", True)
+    fn, args = KERNEL_CASES[name]
+    assert "custom_call" in lower_for_h200(fn, *args)
+
+
 def test_lowering_rejects_what_interpret_mode_accepts():
     """The check can fail: a Triton block of 24 rows runs in interpret mode but not on a GPU."""
     from jax.experimental import pallas as pl
