@@ -5,8 +5,9 @@
     # 2. in an environment with `pip install triton` (no GPU needed): TTGIR, PTX, ptxas -v
     python3 benchmarks/triton_asm.py compile DIR
 
-Step 1 lowers, at Llama-3-8B batch-1 decode shapes, the q/k/v projection and the decode
-attention kernels, as `tests/test_gpu_lowering.py` does
+Step 1 lowers, at Llama-3-8B batch-1 decode shapes, the kernels of a decode layer (q/k/v
+projection, decode attention, o projection, SwiGLU, down projection), as
+`tests/test_gpu_lowering.py` does
 (jax.export for CUDA; no GPU), and writes each Pallas Triton module as DIR/NAME.ttir with its
 num_warps / num_stages. Step 2 compiles each with upstream Triton for sm_90a and prints what
 tells a pipelined, vectorized, spill-free loop from one that is not: registers and spill bytes
@@ -32,6 +33,7 @@ def dump(out: str, slots: int = 384) -> None:
 
     from pallas_kernels.decode_attention_append import decode_attention_append
     from pallas_kernels.norm_matmul import norm_matmul
+    from pallas_kernels.swiglu import swiglu
 
     os.makedirs(out, exist_ok=True)
     real = triton_lowering.lower_jaxpr_to_triton_module
@@ -57,11 +59,20 @@ def dump(out: str, slots: int = 384) -> None:
         x2, (parts, ss) = norm_matmul(x, nw, w, eps=1e-5, partials=True, deltas=deltas)
         return decode_attention_append(parts, kc, vc, pos, rope=(cos, sin), norm=(ss, k, 1e-5))
 
+    def o_mlp(attn, x, nw, wo, wg, wu, wd):
+        o_parts = norm_matmul(attn, None, wo, partials=True)  # [S, 1, D] float32
+        x2, h = swiglu(x, wg, wu, norm_weight=nw, eps=1e-5, deltas=o_parts)
+        return x2, norm_matmul(h, None, wd, partials=True)
+
+    f = 14336
+    mlp_args = (x, x, nw, S((k, k), bf), S((k, f), bf), S((k, f), bf), S((f, k), bf))
+
     from jax.sharding import AbstractDevice, AbstractMesh
 
     mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
         device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
-    for name, fn, args in (("decode", qkv_attention, (x, nw, w, kc, kc, pos, deltas, cs, cs)),):
+    for name, fn, args in (("decode", qkv_attention, (x, nw, w, kc, kc, pos, deltas, cs, cs)),
+                           ("mlp", o_mlp, mlp_args)):
         start = len(seen)
         with jax.sharding.use_abstract_mesh(mesh):
             exported = export.export(
