@@ -140,16 +140,14 @@ def main(argv=None) -> int:
                    help="the decode attention gathers its query in the cache loop's first "
                         "iteration (decode_attention_append.GATHER_IN_LOOP)")
     args = p.parse_args(argv)
+    import importlib  # the package exports functions of the modules' names
+
+    daa = importlib.import_module("pallas_kernels.decode_attention_append")
     if args.gather_in_loop:
-        import importlib  # the package exports functions of the modules' names
-
-        importlib.import_module("pallas_kernels.decode_attention_append").GATHER_IN_LOOP = (
-            args.gather_in_loop == "on")
-    if args.no_cache_loop:
-        import importlib  # the package exports functions of the modules' names
-
-        daa = importlib.import_module("pallas_kernels.decode_attention_append")
-        daa.attend_tiles = lambda q_parts, k_ref, v_ref, *, carry, **kw: carry
+        daa.GATHER_IN_LOOP = args.gather_in_loop == "on"
+    if args.no_cache_loop:  # the prelude (the query gather) still runs when given
+        daa.attend_tiles = lambda q_parts, k_ref, v_ref, *, carry, prelude=None, **kw: (
+            prelude()[1] if prelude else carry)
     if args.boundaries:
         from jaxinfer.models import layers
 

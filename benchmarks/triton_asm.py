@@ -132,5 +132,11 @@ def compile_all(out: str) -> None:
 
 
 if __name__ == "__main__":
-    mode, out = sys.argv[1], sys.argv[2]
-    dump(out) if mode == "dump" else compile_all(out)
+    if len(sys.argv) != 3 or sys.argv[1] not in ("dump", "compile"):
+        sys.exit("usage: triton_asm.py dump DIR | triton_asm.py compile DIR")
+    if sys.argv[1] == "dump":
+        dump(sys.argv[2])
+    elif not os.path.isdir(sys.argv[2]):
+        sys.exit(f"triton_asm.py compile: no directory {sys.argv[2]} (run `dump` first)")
+    else:
+        compile_all(sys.argv[2])

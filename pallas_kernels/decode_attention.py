@@ -65,20 +65,17 @@ def choose_num_splits(batch: int, kv_heads: int, seq_len: int, block_k: int,
 
 
 def attend_tiles(q_parts, k_ref, v_ref, *, start, first, end, block_k: int, qk_scale: float,
-                 carry, kv_index=None, prelude=None):
+                 carry, prelude=None):
     """Online softmax (base 2) of a query over cache rows [first, end) of k_ref/v_ref [S, D],
     read in tiles of block_k rows from `start` (tile-aligned, <= first; first=None: from start);
     rows outside the range are masked, never used. The query comes in column pieces
     q_parts = ((q_i [Gp, w_i], col_i), ...) covering D (one piece [Gp, D] at 0, or RoPE's two
     halves): scores = sum_i q_i @ k[:, col_i:col_i + w_i]^T. carry = (acc [Gp, D], m [Gp],
-    l [Gp]) float32; returns the same. kv_index(rows, cols): the index of k_ref / v_ref for
-    cache rows `rows` and columns `cols` (default (rows, cols): refs [S, D]; one indexer per
-    access, as Pallas Triton takes no stacked views).
+    l [Gp]) float32; returns the same.
     prelude: None, or a function that returns (the query pieces' arrays, carry), run in the
-    loop's first iteration; q_parts' arrays and carry then only give shapes and dtypes. The
-    loop runs at least once (rows out of range add nothing), and the first tiles' loads, which
+    loop's first iteration; q_parts' arrays and carry are then only placeholders of their
+    shapes and dtypes (replaced at the first iteration). The loop runs at least once (rows out of range add nothing), and the first tiles' loads, which
     Triton's pipeliner issues ahead of the loop, are in flight while the prelude works."""
-    kv_index = kv_index or (lambda rows, cols: (rows, cols))
     d = k_ref.shape[-1]
     cols = [col for _, col in q_parts]
 
@@ -92,11 +89,11 @@ def attend_tiles(q_parts, k_ref, v_ref, *, start, first, end, block_k: int, qk_s
         s = None
         for q, col in zip(qs, cols):
             w = q.shape[-1]
-            kk = plgpu.load(k_ref.at[kv_index(pl.ds(base, block_k), pl.ds(col, w))],
+            kk = plgpu.load(k_ref.at[pl.ds(base, block_k), pl.ds(col, w)],
                             mask=valid[:, None], other=0)  # [block_k, w]
             part = dot_f32(q, kk, trans_b=True)  # [Gp, block_k]
             s = part if s is None else s + part
-        v = plgpu.load(v_ref.at[kv_index(pl.ds(base, block_k), pl.ds(0, d))],
+        v = plgpu.load(v_ref.at[pl.ds(base, block_k), pl.ds(0, d)],
                        mask=valid[:, None], other=0)
         s = jnp.where(valid[None, :], s * qk_scale, MASK_VALUE)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
@@ -117,8 +114,7 @@ def attend_tiles(q_parts, k_ref, v_ref, *, start, first, end, block_k: int, qk_s
         qs, carry = lax.cond(j == 0, lambda: tuple(prelude()), lambda: state)
         return qs, tile(qs, j, carry, forced=True)
 
-    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), (qs, carry))
-    return lax.fori_loop(0, jnp.maximum(n_blocks, 1), step, zeros)[1]
+    return lax.fori_loop(0, jnp.maximum(n_blocks, 1), step, (qs, carry))[1]
 
 
 def decode_attention_kernel(len_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *,

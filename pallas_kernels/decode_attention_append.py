@@ -54,7 +54,7 @@ GATHER_IN_LOOP = False
 # ---------------------------------------------------------------------------------------------
 
 
-def append_attend(q_src, k_src, v_src, k_ref, v_ref, ko_ref, vo_ref, *, kv_index, gp: int,
+def append_attend(q_src, k_src, v_src, k_ref, v_ref, ko_ref, vo_ref, *, gp: int,
                   d: int, pos, start, chunk: int, seq_len: int, window: int | None,
                   block_k: int, groups: int, qk_scale: float, inv_rms=None, rope=None,
                   in_loop: bool = False):
@@ -68,8 +68,8 @@ def append_attend(q_src, k_src, v_src, k_ref, v_ref, ko_ref, vo_ref, *, kv_index
     q_src: per part (ref, prefix): ref[(*prefix, cols)] is the group's [Gp, cols] query rows
       (rows >= groups are masked, never read); k_src / v_src: per part (ref, prefix):
       ref[(*prefix, cols)] is the new key / value [cols].
-    kv_index(rows, cols): the index of k_ref / v_ref / ko_ref / vo_ref (the caches, read at
-      slots < pos; ko/vo the same buffers, aliased) for cache slots `rows`, columns `cols`.
+    k_ref, v_ref [S_pad, D]: the caches, read at slots < pos; ko_ref, vo_ref: the same buffers
+      (aliased), slot pos written.
     inv_rms: a value, or a function that loads and computes it (called where it is needed).
     rope: (cos_ref, sin_ref, prefix) with ref[(*prefix, cols)] this sequence's [cols] of the
       rotate-half tables (halves equal), or None.
@@ -126,9 +126,9 @@ def append_attend(q_src, k_src, v_src, k_ref, v_ref, ko_ref, vo_ref, *, kv_index
             col = 0
             for kp in k_parts:
                 w = kp.shape[-1]
-                ko_ref[kv_index(pl.ds(pos, 1), pl.ds(col, w))] = kp
+                ko_ref[pl.ds(pos, 1), pl.ds(col, w)] = kp
                 col += w
-            vo_ref[kv_index(pos, all_cols)] = v_new
+            vo_ref[pos, all_cols] = v_new
 
         # The owner's running softmax starts from the new token (its rotated key as stored,
         # so the score matches a later read from the cache); the others start empty.
@@ -158,7 +158,7 @@ def append_attend(q_src, k_src, v_src, k_ref, v_ref, ko_ref, vo_ref, *, kv_index
         start = jnp.maximum(start, (first // block_k) * block_k)
     acc, m, l = attend_tiles(tuple(zip(qs, q_cols)), k_ref, v_ref, start=start, first=first,
                              end=end, block_k=block_k, qk_scale=qk_scale, carry=carry,
-                             kv_index=kv_index, prelude=prelude if in_loop else None)
+                             prelude=prelude if in_loop else None)
     return acc, m, l, row_ok
 
 
@@ -216,7 +216,7 @@ def decode_attention_append_kernel(pos_ref, *refs, sm_scale: float, chunk: int, 
     acc, m, l, row_ok = append_attend(
         [(r, (slice(None),)) for r in q_refs], [(r, ()) for r in kn_refs],
         [(r, ()) for r in vn_refs], k_ref, v_ref, ko_ref, vo_ref,
-        kv_index=lambda rows, cols: (rows, cols), gp=gp, d=d, pos=pos, start=start, chunk=chunk,
+        gp=gp, d=d, pos=pos, start=start, chunk=chunk,
         seq_len=seq_len, window=window, block_k=block_k, groups=groups,
         qk_scale=sm_scale * LOG2_E, inv_rms=inv_rms, rope=rope, in_loop=in_loop)
     if normalize:  # the only chunk: l >= 1 (the new token), no merge step
