@@ -108,6 +108,23 @@ def _override_attention_blocks(cfg: list) -> None:
         pallas_kernels.decode_attention_append, block_sizes=DecodeBlockSizes(*cfg))
 
 
+def _stream_summary(hlo: str) -> str:
+    """Where the compiled step runs work on a second stream (async calls from `compute_on`):
+    their count and, for the first, the ops scheduled between its start and its done."""
+    lines = hlo.splitlines()
+    starts = [i for i, line in enumerate(lines) if " call-start(" in line]
+    if not starts:
+        return ""
+    first = lines[starts[0]].split("=")[0].strip()
+    out = [f"{len(starts)} async calls on a second stream; between the first start and its done:"]
+    for line in lines[starts[0] + 1:]:
+        if "call-done(" in line and first in line:
+            break
+        if "custom-call(" in line or " fusion(" in line or "call-start(" in line:
+            out.append("  " + line.strip()[:140])
+    return "\n".join(out[:12])
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="llama3-8b")
@@ -139,6 +156,9 @@ def main(argv=None) -> int:
     p.add_argument("--gather-in-loop", choices=("on", "off"), default=None,
                    help="the decode attention gathers its query in the cache loop's first "
                         "iteration (decode_attention_append.GATHER_IN_LOOP)")
+    p.add_argument("--prefetch-o", type=float, default=None,
+                   help="fraction of the o projection's weight read into L2 on a second stream "
+                        "during the decode attention (layers.PREFETCH_O)")
     args = p.parse_args(argv)
     import importlib  # the package exports functions of the modules' names
 
@@ -148,6 +168,10 @@ def main(argv=None) -> int:
     if args.no_cache_loop:  # the prelude (the query gather) still runs when given
         daa.attend_tiles = lambda q_parts, k_ref, v_ref, *, carry, prelude=None, **kw: (
             prelude()[1] if prelude else carry)
+    if args.prefetch_o is not None:
+        from jaxinfer.models import layers
+
+        layers.PREFETCH_O = args.prefetch_o
     if args.boundaries:
         from jaxinfer.models import layers
 
@@ -172,11 +196,16 @@ def main(argv=None) -> int:
 
     s = fresh()
     loop = decode_loop.lower(model.params, s, cfg).compile()
+    streams = _stream_summary(loop.as_text() or "")
+    if streams:
+        print(streams)
     jax.block_until_ready(loop(model.params, s))  # warm up
-    s = fresh()
-    t0 = time.perf_counter()
-    jax.block_until_ready(loop(model.params, s))
-    wall = (time.perf_counter() - t0) / args.steps
+    wall = float("inf")
+    for _ in range(3):  # the best of 3 runs: kernels on a second stream make traced time unfit
+        s = fresh()
+        t0 = time.perf_counter()
+        jax.block_until_ready(loop(model.params, s))
+        wall = min(wall, (time.perf_counter() - t0) / args.steps)
 
     log_dir = args.out or tempfile.mkdtemp(prefix="jaxinfer-trace-")
     s = fresh()

@@ -11,6 +11,8 @@
 #   bash benchmarks/run_h200.sh pdl     # does PDL overlap kernels under XLA? (session 4: no)
 #   bash benchmarks/run_h200.sh attnloop # the attention's query gather inside its cache loop
 #                                       # (GATHER_IN_LOOP): GPU tests, profiled on / off
+#   bash benchmarks/run_h200.sh prefetch # the o weight read into L2 on a second stream during
+#                                       # the attention (layers.PREFETCH_O), profiled per fraction
 #   bash benchmarks/run_h200.sh gridbar # is a grid barrier in a persistent kernel cheaper than
 #                                       # a kernel boundary? (grid_barrier_probe.py, ~1 min)
 # Results: JSON lines in ${OUT:-.}/bench-<part>.jsonl; a table on stdout.
@@ -83,6 +85,13 @@ attnloop() {  # decode_attention_append.GATHER_IN_LOOP: correct on the GPU, then
     timeout 80 python3 benchmarks/profile_decode.py --preset llama3-8b --batch 1 \
       --prompt-len 128 --steps 32 --top 8 --gather-in-loop $g 2>&1 \
       | grep "wall\|decode_attention_append"
+  done
+}
+prefetch() {  # layers.PREFETCH_O: the o weight read into L2 on a second stream (best-of-3 wall)
+  for f in ${PREFETCH_FRACTIONS:-0 0.5 0.75 1.0 0}; do
+    echo "== prefetch-o $f"
+    timeout 90 python3 benchmarks/profile_decode.py --preset llama3-8b --batch 1 \
+      --prompt-len 128 --steps 32 --top 10 --prefetch-o "$f" 2>&1 | grep -v "^bench" | tail -24
   done
 }
 for part in "${@:-ours}"; do "$part"; done

@@ -410,6 +410,37 @@ def fused_decode_attention_ok(h: jax.Array, head_dim: int, rotary_dim: int) -> b
             and _kernel_head_dim(head_dim // 2) and rotary_dim == head_dim)
 
 
+# L2 prefetch of the o projection's weight during the decode attention (experimental, off):
+# the attention kernel runs on B * Hkv programs (8 at batch 1) and leaves the HBM idle for its
+# ~6 us, so a reduction over the first PREFETCH_O of each of the o matmul's K chunks runs
+# beside it on a second CUDA stream (XLA's stream annotation, `compute_on("gpu_stream:1")`)
+# and leaves those rows in L2 for the matmul that follows. 0 turns it off.
+PREFETCH_O = 0.0
+
+
+def l2_prefetch(w: jax.Array, after: jax.Array, fraction: float) -> jax.Array:
+    """Read the first `fraction` of each K chunk of w [K, *N] (the chunks of the fused matmul's
+    split-K, `norm_matmul.default_block_sizes` at M = 1) on a second stream, once `after` is
+    computed. Returns a small float32 array [S, rows] that the weight's consumer must wait for
+    (`lax.optimization_barrier`), so the read finishes before the matmul starts."""
+    from jax.experimental.compute_on import compute_on
+
+    from pallas_kernels.norm_matmul import default_block_sizes
+
+    k, n = w.shape[0], math.prod(w.shape[1:])
+    split = default_block_sizes(1, n, k).split_k
+    rows = int(k // split * fraction) // 16 * 16
+
+    @compute_on(compute_type="gpu_stream:1", out_memory_spaces=jax.memory.Space.Device)
+    @jax.jit
+    def read(w, after):  # w [K, *N]; after: any array, only ordered after
+        chunks = w.reshape(split, k // split, n)[:, :rows]  # [S, rows, N]
+        # A row reduction: each row's N contiguous values, the fastest reduction XLA emits.
+        return jnp.max(chunks, axis=-1).astype(jnp.float32) + after.reshape(-1)[0]  # [S, rows]
+
+    return read(w, after)
+
+
 def decode_attention_qkv(qkv, k_cache, v_cache, positions, cos, sin, *, window=None,
                          norm=None):
     """One new token per row, straight from the fused projection qkv [B, 1, Hkv, G + 2, D] (or

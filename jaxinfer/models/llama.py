@@ -71,8 +71,14 @@ def _attention_block(lp: dict, x, delta, cos, sin, positions, config: Config, la
         # chunks summed, the norm applied, RoPE), the cache write and attention in 2-3 kernels.
         x, qkv, norm = layers.norm_qkv(x, delta, lp["attn_norm"], lp["wqkv"], lp.get("bqkv"),
                                        eps)  # qkv: [S, B, T, Hkv, G + 2, hd] chunks
+        # The o projection's weight read into L2 on a second stream while the attention runs
+        # (layers.PREFETCH_O, off by default); the matmul waits for it.
+        fetched = (layers.l2_prefetch(lp["wo"], qkv.parts, layers.PREFETCH_O)
+                   if layers.PREFETCH_O and isinstance(qkv, layers.Partials) else None)
         o, *cache_kv = layers.decode_attention_qkv(qkv, *cache_kv, positions, cos, sin,
                                                    window=window, norm=norm)
+        if fetched is not None:
+            o, _ = jax.lax.optimization_barrier((o, fetched))
     else:
         x, h = layers.add_norm(x, delta, lp["attn_norm"], eps)
         qkv = layers.project(h, lp["wqkv"], lp.get("bqkv"))  # [B, T, Hkv, G + 2, hd]
