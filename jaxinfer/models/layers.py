@@ -118,14 +118,16 @@ def project(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array
     return linear(x, w, b)
 
 
-def linear_delta(x: jax.Array, w: jax.Array, b: jax.Array | None = None):
+def linear_delta(x: jax.Array, w: jax.Array, b: jax.Array | None = None, after=None):
     """x @ w (+ b) for a consumer that sums split-K chunks itself (`add_norm`, the fused decode
     attention); x [..., K], w [K, *N]. On the decode path the fused matmul's unreduced float32
-    chunks (Partials [S, ..., *N]), else project()."""
+    chunks (Partials [S, ..., *N]), else project(). after: `l2_prefetch`'s result, which the
+    matmul waits for (decode path only)."""
     if b is None and decode_kernels(x):
         from pallas_kernels import norm_matmul
 
-        parts = norm_matmul(x.reshape(-1, x.shape[-1]), None, w, partials=True)  # [S, M, *N]
+        parts = norm_matmul(x.reshape(-1, x.shape[-1]), None, w, partials=True,
+                            after=after)  # [S, M, *N]
         return Partials(parts.reshape(parts.shape[0], *x.shape[:-1], *w.shape[1:]))
     return project(x, w, b)
 
@@ -421,8 +423,9 @@ PREFETCH_O = 0.0
 def l2_prefetch(w: jax.Array, after: jax.Array, fraction: float) -> jax.Array:
     """Read the first `fraction` of each K chunk of w [K, *N] (the chunks of the fused matmul's
     split-K, `norm_matmul.default_block_sizes` at M = 1) on a second stream, once `after` is
-    computed. Returns a small float32 array [S, rows] that the weight's consumer must wait for
-    (`lax.optimization_barrier`), so the read finishes before the matmul starts."""
+    computed. Returns a small float32 array [S, rows] for the weight's matmul to take as its
+    `after` operand, so the read finishes before the matmul starts (an optimization barrier
+    does not do it: XLA drops the barrier's unused output and with it the read)."""
     from jax.experimental.compute_on import compute_on
 
     from pallas_kernels.norm_matmul import default_block_sizes

@@ -77,9 +77,8 @@ def _attention_block(lp: dict, x, delta, cos, sin, positions, config: Config, la
                    if layers.PREFETCH_O and isinstance(qkv, layers.Partials) else None)
         o, *cache_kv = layers.decode_attention_qkv(qkv, *cache_kv, positions, cos, sin,
                                                    window=window, norm=norm)
-        if fetched is not None:
-            o, _ = jax.lax.optimization_barrier((o, fetched))
     else:
+        fetched = None
         x, h = layers.add_norm(x, delta, lp["attn_norm"], eps)
         qkv = layers.project(h, lp["wqkv"], lp.get("bqkv"))  # [B, T, Hkv, G + 2, hd]
         q = qkv[:, :, :, :g].reshape(b, t, config.num_heads, hd)  # head j*G + i, as HF orders them
@@ -96,7 +95,8 @@ def _attention_block(lp: dict, x, delta, cos, sin, positions, config: Config, la
             o = layers.causal_self_attention(q, k, v, positions, window=window)
         else:
             o = layers.cached_attention(q, *cache_kv, positions, window=window)
-    attn = layers.linear_delta(o.reshape(b, t, config.num_heads * hd), lp["wo"], lp.get("bo"))
+    attn = layers.linear_delta(o.reshape(b, t, config.num_heads * hd), lp["wo"], lp.get("bo"),
+                               after=fetched)
     return x, attn, cache_kv
 
 
