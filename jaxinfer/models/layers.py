@@ -434,8 +434,9 @@ def l2_prefetch(w: jax.Array, after: jax.Array, fraction: float) -> jax.Array:
     split = default_block_sizes(1, n, k).split_k
     rows = int(k // split * fraction) // 16 * 16
 
+    # No jax.jit inside: XLA (jax 0.11.2) finds no stream for an annotated call nested in
+    # another one ("No ExecutionStreamId found for call-start").
     @compute_on(compute_type="gpu_stream:1", out_memory_spaces=jax.memory.Space.Device)
-    @jax.jit
     def read(w, after):  # w [K, *N]; after: any array, only ordered after
         chunks = w.reshape(split, k // split, n)[:, :rows]  # [S, rows, N]
         # A row reduction: each row's N contiguous values, the fastest reduction XLA emits.
