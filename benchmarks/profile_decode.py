@@ -125,6 +125,23 @@ def _stream_summary(hlo: str) -> str:
     return "\n".join(out[:12])
 
 
+def _timeline(kernels: list[dict], n: int) -> str:
+    """n kernels in start order from just before the middle decode attention kernel: start
+    (us, from the first one's), duration, the trace's stream (thread) id, name."""
+    ordered = sorted(kernels, key=lambda e: e["ts"])
+    attn = [i for i, e in enumerate(ordered) if "decode_attention" in e["name"]]
+    if not attn:
+        return "no decode attention kernel in the trace"
+    i0 = max(0, attn[len(attn) // 2] - 2)
+    t0 = ordered[i0]["ts"]
+    rows = [f"{'start':>8s} {'dur':>7s} {'end':>8s} stream  kernel"]
+    for e in ordered[i0:i0 + n]:
+        start = float(e["ts"]) - t0
+        rows.append(f"{start:8.2f} {float(e['dur']):7.2f} {start + float(e['dur']):8.2f} "
+                    f"{e['tid']!s:>6s}  {e['name'][:60]}")
+    return "\n".join(rows)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="llama3-8b")
@@ -159,6 +176,9 @@ def main(argv=None) -> int:
     p.add_argument("--prefetch-o", type=float, default=None,
                    help="fraction of the o projection's weight read into L2 on a second stream "
                         "during the decode attention (layers.PREFETCH_O)")
+    p.add_argument("--timeline", type=int, default=0,
+                   help="print this many kernels (start, duration, stream) around a decode "
+                        "attention kernel in the middle of the run: what overlaps what")
     args = p.parse_args(argv)
     import importlib  # the package exports functions of the modules' names
 
@@ -215,6 +235,8 @@ def main(argv=None) -> int:
     if not kernels:
         print("no GPU kernel events in the trace", file=sys.stderr)
         return 1
+    if args.timeline:
+        print(_timeline(kernels, args.timeline))
     total = collections.Counter()
     count = collections.Counter()
     for e in kernels:

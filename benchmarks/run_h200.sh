@@ -91,7 +91,8 @@ prefetch() {  # layers.PREFETCH_O: the o weight read into L2 on a second stream 
   for f in ${PREFETCH_FRACTIONS:-0 0.5 0.75 1.0 0}; do
     echo "== prefetch-o $f"
     timeout 90 python3 benchmarks/profile_decode.py --preset llama3-8b --batch 1 \
-      --prompt-len 128 --steps 64 --top 8 --prefetch-o "$f" 2>&1 | grep -v "^bench" | tail -24
+      --prompt-len 128 --steps 64 --top 12 --timeline 12 --prefetch-o "$f" 2>&1 \
+      | grep -v "^bench" | tail -40
   done
 }
 for part in "${@:-ours}"; do "$part"; done

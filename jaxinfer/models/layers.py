@@ -439,8 +439,10 @@ def l2_prefetch(w: jax.Array, after: jax.Array, fraction: float) -> jax.Array:
     @compute_on(compute_type="gpu_stream:1", out_memory_spaces=jax.memory.Space.Device)
     def read(w, after):  # w [K, *N]; after: any array, only ordered after
         chunks = w.reshape(split, k // split, n)[:, :rows]  # [S, rows, N]
-        # A row reduction: each row's N contiguous values, the fastest reduction XLA emits.
-        return jnp.max(chunks, axis=-1).astype(jnp.float32) + after.reshape(-1)[0]  # [S, rows]
+        # A row reduction (each row's N contiguous values, the fastest reduction XLA emits);
+        # `after` enters on its input side, so the call is one kernel.
+        first = after.reshape(-1)[0].astype(w.dtype)
+        return jnp.max(chunks + first, axis=-1).astype(jnp.float32)  # [S, rows]
 
     return read(w, after)
 
