@@ -87,12 +87,17 @@ attnloop() {  # decode_attention_append.GATHER_IN_LOOP: correct on the GPU, then
       | grep "wall\|decode_attention_append"
   done
 }
-prefetch() {  # layers.PREFETCH_O: the o weight read into L2 on a second stream (best-of-3 wall)
-  for f in ${PREFETCH_FRACTIONS:-0 0.5 0.75 1.0 0}; do
-    echo "== prefetch-o $f"
-    timeout 90 python3 benchmarks/profile_decode.py --preset llama3-8b --batch 1 \
-      --prompt-len 128 --steps 64 --top 12 --timeline 12 --prefetch-o "$f" 2>&1 \
-      | grep -v "^bench" | tail -40
-  done
+prefetch() {  # layers.PREFETCH_O: the o weight read into L2 on a second stream (best-of-3
+  # wall), per fraction and per XLA flag set ($PREFETCH_FLAGS: one set per line, "-" = none)
+  local flags=${PREFETCH_FLAGS:-"-"}
+  while IFS= read -r xf; do
+    for f in ${PREFETCH_FRACTIONS:-0 0.5 0.75 1.0 0}; do
+      echo "== prefetch-o $f, XLA_FLAGS: $xf"
+      XLA_FLAGS="$([ "$xf" = "-" ] || echo "$xf")" timeout 90 python3 \
+        benchmarks/profile_decode.py --preset llama3-8b --batch 1 --prompt-len 128 --steps 64 \
+        --top "${PREFETCH_TOP:-12}" --timeline "${PREFETCH_TIMELINE:-12}" --prefetch-o "$f" 2>&1 \
+        | grep -v "^bench\|^  File\|^    [a-z^]" | tail -40
+    done
+  done <<< "$flags"
 }
 for part in "${@:-ours}"; do "$part"; done
