@@ -237,17 +237,18 @@ def test_llama3_8b_batch1_decode_layer_boundaries_in_consumers(gpu_dispatch, mon
 
 
 def test_llama3_8b_batch1_o_weight_prefetch_lowers(gpu_dispatch, monkeypatch):
-    """layers.PREFETCH_O (off until measured): the o weight's L2 read is a call annotated for
-    a second stream, and the o matmul takes its result as one more operand (what orders it
-    after the read; the kernels stay the same five)."""
+    """layers.PREFETCH_O (off until measured): the o weight's L2 read is an l2_prefetch kernel
+    in a call annotated for a second stream, taking the q/k/v chunks (what orders it after
+    them), and the o matmul takes its result as one more operand (what orders it before)."""
     monkeypatch.setattr(layers, "PREFETCH_O", 0.5)
     module = decode_step_module("llama3-8b", 1, 512)
     lines = module.splitlines()
     reads = [line for line in lines if "call @compute_on(" in line]
     assert len(reads) == 1 and '_xla_stream_annotation = "1"' in reads[0]
-    assert "-> tensor<2x1024xf32>" in reads[0]  # half of each of the 2 K chunks' 2048 rows
+    assert "tensor<2x1x1x8x6x128xf32>) -> tensor<2x256xf32>" in reads[0]  # chunks in; 2 x 256
+    assert kernel_names(module)["l2_prefetch"] == 1
     o_call = next(line for line in lines if TRITON in line and "matmul_none_k4096_n4096" in line)
-    assert ("(tensor<1x4096xbf16>, tensor<4096x4096xbf16>, tensor<2x1024xf32>) -> "
+    assert ("(tensor<1x4096xbf16>, tensor<4096x4096xbf16>, tensor<2x256xf32>) -> "
             "tensor<2x1x4096xf32>") in o_call  # x, w and the read's result in; the chunks out
 
 

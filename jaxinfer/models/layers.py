@@ -414,35 +414,42 @@ def fused_decode_attention_ok(h: jax.Array, head_dim: int, rotary_dim: int) -> b
 
 # L2 prefetch of the o projection's weight during the decode attention (experimental, off):
 # the attention kernel runs on B * Hkv programs (8 at batch 1) and leaves the HBM idle for its
-# ~6 us, so a reduction over the first PREFETCH_O of each of the o matmul's K chunks runs
-# beside it on a second CUDA stream (XLA's stream annotation, `compute_on("gpu_stream:1")`)
-# and leaves those rows in L2 for the matmul that follows. 0 turns it off.
+# ~6 us, so pallas_kernels.l2_prefetch reads the first PREFETCH_O of each of the o matmul's K
+# chunks beside it on a second CUDA stream (XLA's stream annotation,
+# `compute_on("gpu_stream:1")`), and the matmul that follows finds those rows in L2. The two
+# kernels overlap only under XLA_FLAGS=--xla_gpu_command_buffer_scheduling_mode=CONCURRENT
+# (the default command buffer mode runs them one after the other). 0 turns it off.
 PREFETCH_O = 0.0
+PREFETCH_PROGRAMS = 512  # ~4 per SM of the H200: each has one 16 KB load in flight
 
 
-def l2_prefetch(w: jax.Array, after: jax.Array, fraction: float) -> jax.Array:
+def l2_prefetch(w: jax.Array, after: jax.Array, fraction: float) -> jax.Array | None:
     """Read the first `fraction` of each K chunk of w [K, *N] (the chunks of the fused matmul's
     split-K, `norm_matmul.default_block_sizes` at M = 1) on a second stream, once `after` is
-    computed. Returns a small float32 array [S, rows] for the weight's matmul to take as its
+    computed. Returns a small float32 array [S, P] for the weight's matmul to take as its
     `after` operand, so the read finishes before the matmul starts (an optimization barrier
-    does not do it: XLA drops the barrier's unused output and with it the read)."""
+    does not do it: XLA drops the barrier's unused output and with it the read); None when
+    the fraction rounds to nothing."""
     from jax.experimental.compute_on import compute_on
 
+    import pallas_kernels
+    from pallas_kernels.l2_prefetch import BLOCK
     from pallas_kernels.norm_matmul import default_block_sizes
 
     k, n = w.shape[0], math.prod(w.shape[1:])
     split = default_block_sizes(1, n, k).split_k
-    rows = int(k // split * fraction) // 16 * 16
+    programs = max(1, PREFETCH_PROGRAMS // split)
+    step = programs * BLOCK  # the kernel reads whole spans of whole blocks
+    length = int(k // split * n * fraction) // step * step
+    if length == 0:
+        return None
 
     # No jax.jit inside: XLA (jax 0.11.2) finds no stream for an annotated call nested in
     # another one ("No ExecutionStreamId found for call-start").
     @compute_on(compute_type="gpu_stream:1", out_memory_spaces=jax.memory.Space.Device)
     def read(w, after):  # w [K, *N]; after: any array, only ordered after
-        chunks = w.reshape(split, k // split, n)[:, :rows]  # [S, rows, N]
-        # A row reduction (each row's N contiguous values, the fastest reduction XLA emits);
-        # `after` enters on its input side, so the call is one kernel.
-        first = after.reshape(-1)[0].astype(w.dtype)
-        return jnp.max(chunks + first, axis=-1).astype(jnp.float32)  # [S, rows]
+        return pallas_kernels.l2_prefetch(w.reshape(split, -1), length=length,
+                                          programs=programs, after=after)  # [S, P]
 
     return read(w, after)
 
