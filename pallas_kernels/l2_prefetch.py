@@ -61,8 +61,9 @@ def l2_prefetch(x, *, length: int, programs: int, block: int = BLOCK, after=None
                                interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("length", "programs", "block", "interpret"))
 def _l2_prefetch_triton(x, after, *, length, programs, block, interpret):
+    # Not jitted: the model calls it inside `compute_on("gpu_stream:1")`, where a nested jit
+    # becomes a nested stream-annotated call that XLA (jax 0.11.2) finds no stream for.
     s = x.shape[0]
     args = (x,) if after is None else (x, after)
     return pl.pallas_call(
