@@ -179,6 +179,9 @@ def main(argv=None) -> int:
     p.add_argument("--timeline", type=int, default=0,
                    help="print this many kernels (start, duration, stream) around a decode "
                         "attention kernel in the middle of the run: what overlaps what")
+    p.add_argument("--prefetch-kv", action="store_true",
+                   help="each layer's KV cache read into L2 on a second stream during its q/k/v "
+                        "matmul (layers.PREFETCH_KV)")
     args = p.parse_args(argv)
     import importlib  # the package exports functions of the modules' names
 
@@ -188,10 +191,11 @@ def main(argv=None) -> int:
     if args.no_cache_loop:  # the prelude (the query gather) still runs when given
         daa.attend_tiles = lambda q_parts, k_ref, v_ref, *, carry, prelude=None, **kw: (
             prelude()[1] if prelude else carry)
-    if args.prefetch_o is not None:
+    if args.prefetch_o is not None or args.prefetch_kv:
         from jaxinfer.models import layers
 
-        layers.PREFETCH_O = args.prefetch_o
+        layers.PREFETCH_O = args.prefetch_o or 0.0
+        layers.PREFETCH_KV = args.prefetch_kv
     if args.boundaries:
         from jaxinfer.models import layers
 

@@ -87,17 +87,24 @@ attnloop() {  # decode_attention_append.GATHER_IN_LOOP: correct on the GPU, then
       | grep "wall\|decode_attention_append"
   done
 }
-prefetch() {  # layers.PREFETCH_O: the o weight read into L2 on a second stream (best-of-3
-  # wall), per fraction and per XLA flag set ($PREFETCH_FLAGS: one set per line, "-" = none)
-  local flags=${PREFETCH_FLAGS:-"-"}
+prefetch() {  # layers.PREFETCH_O / PREFETCH_KV: weights or the KV cache read into L2 on a
+  # second stream (best-of-3 wall); one profile per variant ($PREFETCH_ARGS: profile_decode
+  # arguments, one set per line) and XLA flag set ($PREFETCH_FLAGS: one set per line, "-" =
+  # none). Streams overlap only under --xla_gpu_command_buffer_scheduling_mode=CONCURRENT.
+  local flags=${PREFETCH_FLAGS:-"--xla_gpu_command_buffer_scheduling_mode=CONCURRENT"}
+  local variants=${PREFETCH_ARGS:-"--prefetch-o 0.5
+--prefetch-kv
+--prefetch-kv --prefetch-o 0.5
+--prefetch-o 0"}
   while IFS= read -r xf; do
-    for f in ${PREFETCH_FRACTIONS:-0 0.5 0.75 1.0 0}; do
-      echo "== prefetch-o $f, XLA_FLAGS: $xf"
+    while IFS= read -r v; do
+      echo "== $v, XLA_FLAGS: $xf"
+      # shellcheck disable=SC2086
       XLA_FLAGS="$([ "$xf" = "-" ] || echo "$xf")" timeout 90 python3 \
         benchmarks/profile_decode.py --preset llama3-8b --batch 1 --prompt-len 128 --steps 64 \
-        --top "${PREFETCH_TOP:-12}" --timeline "${PREFETCH_TIMELINE:-12}" --prefetch-o "$f" 2>&1 \
+        --top "${PREFETCH_TOP:-12}" --timeline "${PREFETCH_TIMELINE:-12}" $v 2>&1 \
         | grep -v "^bench\|^  File\|^    [a-z^]" | tail -40
-    done
+    done <<< "$variants"
   done <<< "$flags"
 }
 for part in "${@:-ours}"; do "$part"; done

@@ -173,7 +173,8 @@ def deferred_inv_rms(sum_sq, norm: tuple[int, float] | None):
 def decode_attention_append_kernel(pos_ref, *refs, sm_scale: float, chunk: int, block_k: int,
                                    window: int | None, groups: int, seq_len: int,
                                    has_rope: bool, num_parts: int, normalize: bool,
-                                   norm: tuple[int, float] | None, in_loop: bool = False):
+                                   norm: tuple[int, float] | None, in_loop: bool = False,
+                                   n_after: int = 0):
     # pos_ref [B] int32 (whole array): slot of each sequence's new token
     # q_refs [Gp, D] x P: qkv rows of one KV group from row 0, from each of the P parts (one
     #   16-bit array, or a split-K matmul's float32 chunks, summed here); rows >= G (the key,
@@ -207,6 +208,7 @@ def decode_attention_append_kernel(pos_ref, *refs, sm_scale: float, chunk: int, 
     if has_rope:
         cos_ref, sin_ref, *refs = refs
         rope = (cos_ref, sin_ref, ())
+    refs = refs[n_after:]  # `after` operands: never read
     k_ref, v_ref, *refs = refs
     if normalize:
         o_ref, ko_ref, vo_ref = refs
@@ -302,7 +304,7 @@ def _validate(qkv, k_cache, v_cache, positions, rope, sliding_window,
 
 def decode_attention_append(qkv, k_cache, v_cache, positions, *, rope=None,
                             sm_scale: float | None = None, sliding_window: int | None = None,
-                            norm=None, interpret: bool = False,
+                            norm=None, after=(), interpret: bool = False,
                             block_sizes: DecodeBlockSizes | None = None):
     """One new token per sequence: rotate its q and k (RoPE, when `rope` is given), write its
     k and v at slot positions[b] of k/v_cache [B, S, Hkv, D], and attend its q to slots
@@ -319,7 +321,9 @@ def decode_attention_append(qkv, k_cache, v_cache, positions, *, rope=None,
     Returns (out [B, Hq, D] in the caches' dtype, k_cache, v_cache). With `sliding_window=w` only
     slots > positions[b] - w are seen (HF semantics). The caches are aliased to the outputs: to
     update them in place, call this inside a jit that donates them (the model's decode step);
-    an eager call or a jit without donation copies each cache once first.
+    an eager call or a jit without donation copies each cache once first. after: arrays the
+    kernel never reads, passed only so that XLA runs it after their producers (an L2 prefetch
+    of the cache on another stream, `jaxinfer.models.layers.l2_prefetch_kv`).
     """
     _validate(qkv, k_cache, v_cache, positions, rope, sliding_window, norm)
     if qkv.ndim == 4:
@@ -341,14 +345,16 @@ def decode_attention_append(qkv, k_cache, v_cache, positions, *, rope=None,
     if norm is not None:
         ss, norm_static = norm[0], (int(norm[1]), float(norm[2]))
     return _decode_attention_append_triton(
-        qkv, k_cache, v_cache, positions, rope, ss, sm_scale=sm_scale, blocks=blocks,
+        qkv, k_cache, v_cache, positions, rope, ss, tuple(after), sm_scale=sm_scale,
+        blocks=blocks,
         num_splits=num_splits, window=window, norm=norm_static, in_loop=GATHER_IN_LOOP,
         interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "blocks", "num_splits", "window",
                                              "norm", "in_loop", "interpret"))
-def _decode_attention_append_triton(qkv, k_cache, v_cache, positions, rope, ss, *, sm_scale,
+def _decode_attention_append_triton(qkv, k_cache, v_cache, positions, rope, ss, after, *,
+                                    sm_scale,
                                     blocks, num_splits, window, norm, in_loop, interpret):
     # qkv [P, B, Hkv, G + 2, D]: P parts summed in the kernel
     parts, b, hkv, rows, d = qkv.shape
@@ -365,7 +371,7 @@ def _decode_attention_append_triton(qkv, k_cache, v_cache, positions, rope, ss, 
     kernel = functools.partial(decode_attention_append_kernel, sm_scale=sm_scale, chunk=chunk,
                                block_k=block_k, window=window, groups=g, seq_len=s,
                                has_rope=rope is not None, num_parts=parts, normalize=normalize,
-                               norm=norm, in_loop=in_loop)
+                               norm=norm, in_loop=in_loop, n_after=len(after))
     row = pl.BlockSpec((None, s_pad, None, d), lambda i, h, c: (i, 0, h, 0))
 
     def qkv_spec(p, first_row, n_rows):  # rows [first_row, +n_rows) of part p, KV group h
@@ -384,6 +390,9 @@ def _decode_attention_append_triton(qkv, k_cache, v_cache, positions, rope, ss, 
     if rope is not None:
         in_specs += [pl.BlockSpec((None, d), lambda i, h, c: (i, 0))] * 2
         args += list(rope)
+    for a in after:  # whole, never read
+        in_specs.append(pl.BlockSpec(a.shape, lambda i, h, c, n=a.ndim: (0,) * n))
+        args.append(a)
     in_specs += [row, row]
     args += [k_cache, v_cache]
     if normalize:

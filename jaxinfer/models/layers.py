@@ -454,8 +454,41 @@ def l2_prefetch(w: jax.Array, after: jax.Array, fraction: float) -> jax.Array | 
     return read(w, after)
 
 
+# L2 prefetch of a layer's KV cache while its q/k/v matmul runs (experimental, off): the
+# attention kernel's first cache tiles then come from L2 (its first HBM round trip is ~2.8 of
+# its ~6 us at batch 1). Batch 1 with a cache of at most PREFETCH_KV_MAX_BYTES per layer only.
+PREFETCH_KV = False
+PREFETCH_KV_MAX_BYTES = 8 << 20
+
+
+def l2_prefetch_kv(k_cache: jax.Array, v_cache: jax.Array, after: jax.Array) -> tuple:
+    """Read one layer's caches k/v_cache [1, S, Hkv, D] on a second stream once `after` is
+    computed; returns the reads' small results (for the attention kernel's `after`), or ()
+    when the caches are not what this is for (batch > 1, or too large)."""
+    from jax.experimental.compute_on import compute_on
+
+    import pallas_kernels
+    from pallas_kernels.l2_prefetch import BLOCK
+
+    size = k_cache.size
+    if k_cache.shape[0] != 1 or 2 * size * k_cache.dtype.itemsize > PREFETCH_KV_MAX_BYTES:
+        return ()
+    programs = max(1, min(PREFETCH_PROGRAMS, size // BLOCK))
+    length = size // (programs * BLOCK) * programs * BLOCK
+    if length == 0:
+        return ()
+
+    @compute_on(compute_type="gpu_stream:1", out_memory_spaces=jax.memory.Space.Device)
+    def read(k, v, after):
+        return tuple(pallas_kernels.l2_prefetch(c.reshape(1, -1), length=length,
+                                                programs=programs, after=after)
+                     for c in (k, v))
+
+    return read(k_cache, v_cache, after)
+
+
 def decode_attention_qkv(qkv, k_cache, v_cache, positions, cos, sin, *, window=None,
-                         norm=None):
+                         norm=None, after=()):
     """One new token per row, straight from the fused projection qkv [B, 1, Hkv, G + 2, D] (or
     its split-K chunks, Partials [S, B, 1, Hkv, G + 2, D], summed by the kernel): RoPE on its
     q and k (cos/sin [B, 1, D]), k and v written to slot positions [B, 1] of one layer's cache
@@ -468,5 +501,5 @@ def decode_attention_qkv(qkv, k_cache, v_cache, positions, cos, sin, *, window=N
     qkv = qkv.parts[:, :, 0] if isinstance(qkv, Partials) else qkv[:, 0]  # drop T = 1
     out, k_cache, v_cache = decode_attention_append(
         qkv, k_cache, v_cache, positions[:, 0], rope=(cos[:, 0], sin[:, 0]),
-        sliding_window=window, norm=norm)
+        sliding_window=window, norm=norm, after=after)
     return out[:, None], k_cache, v_cache
