@@ -108,23 +108,6 @@ def _override_attention_blocks(cfg: list) -> None:
         pallas_kernels.decode_attention_append, block_sizes=DecodeBlockSizes(*cfg))
 
 
-def _stream_summary(hlo: str) -> str:
-    """Where the compiled step runs work on a second stream (async calls from `compute_on`):
-    their count and, for the first, the ops scheduled between its start and its done."""
-    lines = hlo.splitlines()
-    starts = [i for i, line in enumerate(lines) if " call-start(" in line]
-    if not starts:
-        return ""
-    first = lines[starts[0]].split("=")[0].strip()
-    out = [f"{len(starts)} async calls on a second stream; between the first start and its done:"]
-    for line in lines[starts[0] + 1:]:
-        if "call-done(" in line and first in line:
-            break
-        if "custom-call(" in line or " fusion(" in line or "call-start(" in line:
-            out.append("  " + line.strip()[:140])
-    return "\n".join(out[:12])
-
-
 def _timeline(kernels: list[dict], n: int) -> str:
     """n kernels in start order from just before the middle decode attention kernel: start
     (us, from the first one's), duration, the trace's stream (thread) id, name."""
@@ -170,32 +153,15 @@ def main(argv=None) -> int:
     p.add_argument("--no-cache-loop", action="store_true",
                    help="a timing bound, not a result: the decode attention kernels skip their "
                         "loop over the cache (only the new token is attended)")
-    p.add_argument("--gather-in-loop", choices=("on", "off"), default=None,
-                   help="the decode attention gathers its query in the cache loop's first "
-                        "iteration (decode_attention_append.GATHER_IN_LOOP)")
-    p.add_argument("--prefetch-o", type=float, default=None,
-                   help="fraction of the o projection's weight read into L2 on a second stream "
-                        "during the decode attention (layers.PREFETCH_O)")
     p.add_argument("--timeline", type=int, default=0,
                    help="print this many kernels (start, duration, stream) around a decode "
                         "attention kernel in the middle of the run: what overlaps what")
-    p.add_argument("--prefetch-kv", action="store_true",
-                   help="each layer's KV cache read into L2 on a second stream during its q/k/v "
-                        "matmul (layers.PREFETCH_KV)")
     args = p.parse_args(argv)
     import importlib  # the package exports functions of the modules' names
 
     daa = importlib.import_module("pallas_kernels.decode_attention_append")
-    if args.gather_in_loop:
-        daa.GATHER_IN_LOOP = args.gather_in_loop == "on"
-    if args.no_cache_loop:  # the prelude (the query gather) still runs when given
-        daa.attend_tiles = lambda q_parts, k_ref, v_ref, *, carry, prelude=None, **kw: (
-            prelude()[1] if prelude else carry)
-    if args.prefetch_o is not None or args.prefetch_kv:
-        from jaxinfer.models import layers
-
-        layers.PREFETCH_O = args.prefetch_o or 0.0
-        layers.PREFETCH_KV = args.prefetch_kv
+    if args.no_cache_loop:
+        daa.attend_tiles = lambda q_parts, k_ref, v_ref, *, carry, **kw: carry
     if args.boundaries:
         from jaxinfer.models import layers
 
@@ -220,12 +186,9 @@ def main(argv=None) -> int:
 
     s = fresh()
     loop = decode_loop.lower(model.params, s, cfg).compile()
-    streams = _stream_summary(loop.as_text() or "")
-    if streams:
-        print(streams)
     jax.block_until_ready(loop(model.params, s))  # warm up
     wall = float("inf")
-    for _ in range(3):  # the best of 3 runs: kernels on a second stream make traced time unfit
+    for _ in range(3):  # the best of 3 runs (host-side noise in one run reached ~1.5%)
         s = fresh()
         t0 = time.perf_counter()
         jax.block_until_ready(loop(model.params, s))

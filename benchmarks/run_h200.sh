@@ -9,10 +9,6 @@
 #                                       # shapes from $DECODE_SHAPES, e.g. 8x8192,1x32768)
 #   bash benchmarks/run_h200.sh sweep   # the B=1 step profiled under several matmul block sizes
 #   bash benchmarks/run_h200.sh pdl     # does PDL overlap kernels under XLA? (session 4: no)
-#   bash benchmarks/run_h200.sh attnloop # the attention's query gather inside its cache loop
-#                                       # (GATHER_IN_LOOP): GPU tests, profiled on / off
-#   bash benchmarks/run_h200.sh prefetch # the o weight read into L2 on a second stream during
-#                                       # the attention (layers.PREFETCH_O), profiled per fraction
 #   bash benchmarks/run_h200.sh gridbar # is a grid barrier in a persistent kernel cheaper than
 #                                       # a kernel boundary? (grid_barrier_probe.py, ~1 min)
 # Results: JSON lines in ${OUT:-.}/bench-<part>.jsonl; a table on stdout.
@@ -77,34 +73,5 @@ pdl() {  # chains of decode matmuls: Mosaic with and without PDL, our Triton ker
 gridbar() {
   timeout "${GRIDBAR_TIMEOUT:-240}" python3 benchmarks/grid_barrier_probe.py ${GRIDBAR_ARGS:-} \
     --json "$out/gridbar.json"
-}
-attnloop() {  # decode_attention_append.GATHER_IN_LOOP: correct on the GPU, then faster?
-  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider \
-    tests/test_decode_attention_append.py 2>&1 | tail -2
-  for g in on off on off; do
-    timeout 80 python3 benchmarks/profile_decode.py --preset llama3-8b --batch 1 \
-      --prompt-len 128 --steps 32 --top 8 --gather-in-loop $g 2>&1 \
-      | grep "wall\|decode_attention_append"
-  done
-}
-prefetch() {  # layers.PREFETCH_O / PREFETCH_KV: weights or the KV cache read into L2 on a
-  # second stream (best-of-3 wall); one profile per variant ($PREFETCH_ARGS: profile_decode
-  # arguments, one set per line) and XLA flag set ($PREFETCH_FLAGS: one set per line, "-" =
-  # none). Streams overlap only under --xla_gpu_command_buffer_scheduling_mode=CONCURRENT.
-  local flags=${PREFETCH_FLAGS:-"--xla_gpu_command_buffer_scheduling_mode=CONCURRENT"}
-  local variants=${PREFETCH_ARGS:-"--prefetch-o 0.5
---prefetch-kv
---prefetch-kv --prefetch-o 0.5
---prefetch-o 0"}
-  while IFS= read -r xf; do
-    while IFS= read -r v; do
-      echo "== $v, XLA_FLAGS: $xf"
-      # shellcheck disable=SC2086
-      XLA_FLAGS="$([ "$xf" = "-" ] || echo "$xf")" timeout 90 python3 \
-        benchmarks/profile_decode.py --preset llama3-8b --batch 1 --prompt-len 128 --steps 64 \
-        --top "${PREFETCH_TOP:-12}" --timeline "${PREFETCH_TIMELINE:-12}" $v 2>&1 \
-        | grep -v "^bench\|^  File\|^    [a-z^]" | tail -40
-    done <<< "$variants"
-  done <<< "$flags"
 }
 for part in "${@:-ours}"; do "$part"; done

@@ -10,7 +10,6 @@ from pallas_kernels.decode_attention_append import (
 from pallas_kernels.flash_attention import (
     FlashBlockSizes, flash_attention, flash_attention_reference)
 from pallas_kernels.flash_attention_mgpu import MosaicFlashConfig
-from pallas_kernels.l2_prefetch import l2_prefetch, l2_prefetch_reference
 from pallas_kernels.norm_matmul import (
     MatmulBlockSizes, norm_matmul, norm_matmul_reference)
 from pallas_kernels.rms_norm import (
@@ -24,7 +23,6 @@ __all__ = [
     "decode_attention", "decode_attention_reference",
     "decode_attention_append", "decode_attention_append_reference",
     "flash_attention", "flash_attention_reference",
-    "l2_prefetch", "l2_prefetch_reference",
     "norm_matmul", "norm_matmul_reference",
     "rms_norm", "rms_norm_reference",
     "rope", "rope_reference",

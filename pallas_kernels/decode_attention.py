@@ -65,21 +65,17 @@ def choose_num_splits(batch: int, kv_heads: int, seq_len: int, block_k: int,
 
 
 def attend_tiles(q_parts, k_ref, v_ref, *, start, first, end, block_k: int, qk_scale: float,
-                 carry, prelude=None):
+                 carry):
     """Online softmax (base 2) of a query over cache rows [first, end) of k_ref/v_ref [S, D],
     read in tiles of block_k rows from `start` (tile-aligned, <= first; first=None: from start);
     rows outside the range are masked, never used. The query comes in column pieces
     q_parts = ((q_i [Gp, w_i], col_i), ...) covering D (one piece [Gp, D] at 0, or RoPE's two
     halves): scores = sum_i q_i @ k[:, col_i:col_i + w_i]^T. carry = (acc [Gp, D], m [Gp],
-    l [Gp]) float32; returns the same.
-    prelude: None, or a function that returns (the query pieces' arrays, carry), run in the
-    loop's first iteration; q_parts' arrays and carry are then only placeholders of their
-    shapes and dtypes (replaced at the first iteration). The loop runs at least once (rows out of range add nothing), and the first tiles' loads, which
-    Triton's pipeliner issues ahead of the loop, are in flight while the prelude works."""
+    l [Gp]) float32; returns the same."""
     d = k_ref.shape[-1]
     cols = [col for _, col in q_parts]
 
-    def tile(qs, j, carry, forced: bool = False):
+    def tile(qs, j, carry):
         acc, m, l = carry
         base = multiple_of(start + j * block_k, block_k)
         rows = base + jnp.arange(block_k)  # [block_k] cache position
@@ -99,22 +95,13 @@ def attend_tiles(q_parts, k_ref, v_ref, *, start, first, end, block_k: int, qk_s
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         alpha = jnp.exp2(m - m_new)
         p = jnp.exp2(s - m_new[:, None])
-        if forced:  # the first iteration runs even over no rows: they add nothing
-            p = jnp.where(valid[None, :], p, 0.0)
         l = l * alpha + jnp.sum(p, axis=-1)
         acc = acc * alpha[:, None] + dot_f32(p.astype(v.dtype), v)
         return acc, m_new, l
 
     n_blocks = pl.cdiv(jnp.maximum(end - start, 0), block_k)
     qs = tuple(q for q, _ in q_parts)
-    if prelude is None:
-        return lax.fori_loop(0, n_blocks, lambda j, c: tile(qs, j, c), carry)
-
-    def step(j, state):  # state: (the query pieces, carry), both made by the prelude at j = 0
-        qs, carry = lax.cond(j == 0, lambda: tuple(prelude()), lambda: state)
-        return qs, tile(qs, j, carry, forced=True)
-
-    return lax.fori_loop(0, jnp.maximum(n_blocks, 1), step, (qs, carry))[1]
+    return lax.fori_loop(0, n_blocks, lambda j, c: tile(qs, j, c), carry)
 
 
 def decode_attention_kernel(len_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *,

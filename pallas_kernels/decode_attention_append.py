@@ -42,13 +42,6 @@ from pallas_kernels.decode_attention import (
     decode_attention_reference)
 from pallas_kernels.norm_matmul import apply_norm_partials
 
-# Gather the query (and write the new slot) inside the cache loop's first iteration, after the
-# first tiles' loads are issued (append_attend(in_loop=)). At batch 1 and a short cache the
-# loop's first tile costs ~2.8 us of the kernel's ~6 (benchmarks/NOTES.md, run H): its HBM
-# round trip starts only after the query's gather. Off until measured on the H200
-# (`profile_decode.py --gather-in-loop on`); the interpret tests cover both forms.
-GATHER_IN_LOOP = False
-
 # ---------------------------------------------------------------------------------------------
 # Kernel
 # ---------------------------------------------------------------------------------------------
@@ -56,8 +49,7 @@ GATHER_IN_LOOP = False
 
 def append_attend(q_src, k_src, v_src, k_ref, v_ref, ko_ref, vo_ref, *, gp: int,
                   d: int, pos, start, chunk: int, seq_len: int, window: int | None,
-                  block_k: int, groups: int, qk_scale: float, inv_rms=None, rope=None,
-                  in_loop: bool = False):
+                  block_k: int, groups: int, qk_scale: float, inv_rms=None, rope=None):
     """The body of the append kernels for one (sequence, KV group, chunk of `chunk` cache slots
     from `start`): gather q, k_new, v_new from the projection's parts (summed in float32, times
     the deferred norm's inv_rms if given, rounded once to the cache dtype), rotate q and k_new,
@@ -70,12 +62,9 @@ def append_attend(q_src, k_src, v_src, k_ref, v_ref, ko_ref, vo_ref, *, gp: int,
       ref[(*prefix, cols)] is the new key / value [cols].
     k_ref, v_ref [S_pad, D]: the caches, read at slots < pos; ko_ref, vo_ref: the same buffers
       (aliased), slot pos written.
-    inv_rms: a value, or a function that loads and computes it (called where it is needed).
+    inv_rms: the deferred norm's scale, or None.
     rope: (cos_ref, sin_ref, prefix) with ref[(*prefix, cols)] this sequence's [cols] of the
       rotate-half tables (halves equal), or None.
-    in_loop: everything before the softmax (the gathers, RoPE, the new slot's write) runs in
-      the cache loop's first iteration (`attend_tiles(prelude=)`), after the first cache
-      tiles' loads are issued, instead of before the loop.
     Returns (acc [Gp, D], m [Gp], l [Gp]) float32 and the row mask [Gp] of the query heads."""
     # pos < seq_len keeps an out-of-range traced position from writing past the cache
     owns = (pos >= start) & (pos < start + chunk) & (pos < seq_len)
@@ -84,10 +73,9 @@ def append_attend(q_src, k_src, v_src, k_ref, v_ref, ko_ref, vo_ref, *, gp: int,
     all_cols = pl.ds(0, d)
     h = d // 2
 
-    def prelude():
+    def new_token():
         """(q pieces, (acc0, m0, l0)): the query gathered and rotated, the new slot written,
         the running softmax started from the new token for the chunk that holds it."""
-        scale = inv_rms() if callable(inv_rms) else inv_rms
 
         def gather(src, cols=all_cols, mask=None):
             """The parts' sum in float32 (times the deferred norm's inv_rms), rounded once to
@@ -97,8 +85,8 @@ def append_attend(q_src, k_src, v_src, k_ref, v_ref, ko_ref, vo_ref, *, gp: int,
                 idx = (*prefix, cols)
                 x = ref[idx] if mask is None else plgpu.load(ref.at[idx], mask=mask, other=0)
                 total = x.astype(jnp.float32) if total is None else total + x.astype(jnp.float32)
-            if scale is not None:
-                total = total * scale
+            if inv_rms is not None:
+                total = total * inv_rms
             return total.astype(dtype)
 
         v_new = gather(v_src)  # [D]
@@ -141,13 +129,7 @@ def append_attend(q_src, k_src, v_src, k_ref, v_ref, ko_ref, vo_ref, *, gp: int,
         return qs, (acc0, m0, l0)
 
     q_cols = (0, h) if rope is not None else (0,)
-    if in_loop:  # shapes only; the loop's first iteration runs the prelude
-        w = h if rope is not None else d
-        qs = tuple(jnp.zeros((gp, w), dtype) for _ in q_cols)
-        carry = (jnp.zeros((gp, d), jnp.float32), jnp.zeros((gp,), jnp.float32),
-                 jnp.zeros((gp,), jnp.float32))
-    else:
-        qs, carry = prelude()
+    qs, carry = new_token()
 
     # Cache slots this program reads: [first, end), end excluding the new slot itself.
     end = jnp.minimum(jnp.minimum(start + chunk, pos), seq_len)
@@ -157,8 +139,7 @@ def append_attend(q_src, k_src, v_src, k_ref, v_ref, ko_ref, vo_ref, *, gp: int,
         first = jnp.maximum(start, pos + 1 - window)
         start = jnp.maximum(start, (first // block_k) * block_k)
     acc, m, l = attend_tiles(tuple(zip(qs, q_cols)), k_ref, v_ref, start=start, first=first,
-                             end=end, block_k=block_k, qk_scale=qk_scale, carry=carry,
-                             prelude=prelude if in_loop else None)
+                             end=end, block_k=block_k, qk_scale=qk_scale, carry=carry)
     return acc, m, l, row_ok
 
 
@@ -173,8 +154,7 @@ def deferred_inv_rms(sum_sq, norm: tuple[int, float] | None):
 def decode_attention_append_kernel(pos_ref, *refs, sm_scale: float, chunk: int, block_k: int,
                                    window: int | None, groups: int, seq_len: int,
                                    has_rope: bool, num_parts: int, normalize: bool,
-                                   norm: tuple[int, float] | None, in_loop: bool = False,
-                                   n_after: int = 0):
+                                   norm: tuple[int, float] | None):
     # pos_ref [B] int32 (whole array): slot of each sequence's new token
     # q_refs [Gp, D] x P: qkv rows of one KV group from row 0, from each of the P parts (one
     #   16-bit array, or a split-K matmul's float32 chunks, summed here); rows >= G (the key,
@@ -196,19 +176,14 @@ def decode_attention_append_kernel(pos_ref, *refs, sm_scale: float, chunk: int, 
     if norm is not None:
         ss_ref, *refs = refs
 
-        def inv_rms():
-            sum_sq = ss_ref[0, b]
-            for part in range(1, num_parts):
-                sum_sq += ss_ref[part, b]
-            return deferred_inv_rms(sum_sq, norm)
-
-        if not in_loop:  # else the loop's first iteration loads them
-            inv_rms = inv_rms()
+        sum_sq = ss_ref[0, b]
+        for part in range(1, num_parts):
+            sum_sq += ss_ref[part, b]
+        inv_rms = deferred_inv_rms(sum_sq, norm)
     rope = None
     if has_rope:
         cos_ref, sin_ref, *refs = refs
         rope = (cos_ref, sin_ref, ())
-    refs = refs[n_after:]  # `after` operands: never read
     k_ref, v_ref, *refs = refs
     if normalize:
         o_ref, ko_ref, vo_ref = refs
@@ -220,7 +195,7 @@ def decode_attention_append_kernel(pos_ref, *refs, sm_scale: float, chunk: int, 
         [(r, ()) for r in vn_refs], k_ref, v_ref, ko_ref, vo_ref,
         gp=gp, d=d, pos=pos, start=start, chunk=chunk,
         seq_len=seq_len, window=window, block_k=block_k, groups=groups,
-        qk_scale=sm_scale * LOG2_E, inv_rms=inv_rms, rope=rope, in_loop=in_loop)
+        qk_scale=sm_scale * LOG2_E, inv_rms=inv_rms, rope=rope)
     if normalize:  # the only chunk: l >= 1 (the new token), no merge step
         plgpu.store(o_ref, (acc / l[:, None]).astype(o_ref.dtype), mask=row_ok[:, None])
     else:
@@ -304,7 +279,7 @@ def _validate(qkv, k_cache, v_cache, positions, rope, sliding_window,
 
 def decode_attention_append(qkv, k_cache, v_cache, positions, *, rope=None,
                             sm_scale: float | None = None, sliding_window: int | None = None,
-                            norm=None, after=(), interpret: bool = False,
+                            norm=None, interpret: bool = False,
                             block_sizes: DecodeBlockSizes | None = None):
     """One new token per sequence: rotate its q and k (RoPE, when `rope` is given), write its
     k and v at slot positions[b] of k/v_cache [B, S, Hkv, D], and attend its q to slots
@@ -321,9 +296,7 @@ def decode_attention_append(qkv, k_cache, v_cache, positions, *, rope=None,
     Returns (out [B, Hq, D] in the caches' dtype, k_cache, v_cache). With `sliding_window=w` only
     slots > positions[b] - w are seen (HF semantics). The caches are aliased to the outputs: to
     update them in place, call this inside a jit that donates them (the model's decode step);
-    an eager call or a jit without donation copies each cache once first. after: arrays the
-    kernel never reads, passed only so that XLA runs it after their producers (an L2 prefetch
-    of the cache on another stream, `jaxinfer.models.layers.l2_prefetch_kv`).
+    an eager call or a jit without donation copies each cache once first.
     """
     _validate(qkv, k_cache, v_cache, positions, rope, sliding_window, norm)
     if qkv.ndim == 4:
@@ -345,17 +318,15 @@ def decode_attention_append(qkv, k_cache, v_cache, positions, *, rope=None,
     if norm is not None:
         ss, norm_static = norm[0], (int(norm[1]), float(norm[2]))
     return _decode_attention_append_triton(
-        qkv, k_cache, v_cache, positions, rope, ss, tuple(after), sm_scale=sm_scale,
-        blocks=blocks,
-        num_splits=num_splits, window=window, norm=norm_static, in_loop=GATHER_IN_LOOP,
+        qkv, k_cache, v_cache, positions, rope, ss, sm_scale=sm_scale, blocks=blocks,
+        num_splits=num_splits, window=window, norm=norm_static,
         interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "blocks", "num_splits", "window",
-                                             "norm", "in_loop", "interpret"))
-def _decode_attention_append_triton(qkv, k_cache, v_cache, positions, rope, ss, after, *,
-                                    sm_scale,
-                                    blocks, num_splits, window, norm, in_loop, interpret):
+                                             "norm", "interpret"))
+def _decode_attention_append_triton(qkv, k_cache, v_cache, positions, rope, ss, *, sm_scale,
+                                    blocks, num_splits, window, norm, interpret):
     # qkv [P, B, Hkv, G + 2, D]: P parts summed in the kernel
     parts, b, hkv, rows, d = qkv.shape
     g = rows - 2
@@ -371,7 +342,7 @@ def _decode_attention_append_triton(qkv, k_cache, v_cache, positions, rope, ss, 
     kernel = functools.partial(decode_attention_append_kernel, sm_scale=sm_scale, chunk=chunk,
                                block_k=block_k, window=window, groups=g, seq_len=s,
                                has_rope=rope is not None, num_parts=parts, normalize=normalize,
-                               norm=norm, in_loop=in_loop, n_after=len(after))
+                               norm=norm)
     row = pl.BlockSpec((None, s_pad, None, d), lambda i, h, c: (i, 0, h, 0))
 
     def qkv_spec(p, first_row, n_rows):  # rows [first_row, +n_rows) of part p, KV group h
@@ -390,9 +361,6 @@ def _decode_attention_append_triton(qkv, k_cache, v_cache, positions, rope, ss, 
     if rope is not None:
         in_specs += [pl.BlockSpec((None, d), lambda i, h, c: (i, 0))] * 2
         args += list(rope)
-    for a in after:  # whole, never read
-        in_specs.append(pl.BlockSpec(a.shape, lambda i, h, c, n=a.ndim: (0,) * n))
-        args.append(a)
     in_specs += [row, row]
     args += [k_cache, v_cache]
     if normalize:

@@ -98,13 +98,11 @@ def default_block_sizes(m: int, n: int, k: int, itemsize: int = 2,
 
 def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int, block_n: int,
                         block_k: int, k_chunk: int, n_weights: int, has_norm: bool,
-                        has_residual: bool, epilogue: str, partial: bool, n_deltas: int,
-                        has_after: bool = False):
+                        has_residual: bool, epilogue: str, partial: bool, n_deltas: int):
     # refs, in order:
     #   x_ref [block_m, Kp]; n_deltas d_refs [block_m, Kp] (float32 partial sums added to x:
     #   the same [S, M, K] array once per chunk); nw_ref [Kp] if has_norm;
     #   n_weights w_refs [Kp, block_n]; r_ref [block_m, block_n] if has_residual;
-    #   an `after` ref if has_after (never read: it only orders the kernel after its producer);
     #   outputs: xo_ref [block_m, Kp] if n_deltas (x + sum(deltas), written by the programs of
     #            the first N tile);
     #            partial -> n_weights refs [block_m, block_n] float32 (this K chunk's sums)
@@ -117,8 +115,6 @@ def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int,
     nw_ref = next(it) if has_norm else None
     w_refs = [next(it) for _ in range(n_weights)]
     r_ref = next(it) if has_residual else None
-    if has_after:
-        next(it)
     xo_ref = next(it) if n_deltas else None
     o_refs = list(it)
 
@@ -252,7 +248,7 @@ def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int,
 @functools.partial(jax.jit, static_argnames=("eps", "blocks", "epilogue", "interpret",
                                              "out_dtype", "partials"))
 def fused_matmul(x, norm_weight, weights, residual, *, eps, blocks, epilogue, interpret,
-                 out_dtype=None, partials=False, deltas=None, after=None):
+                 out_dtype=None, partials=False, deltas=None):
     """x [M, K]; norm_weight [K] or None; weights: tuple of [K, N] (1, or 2 for SwiGLU);
     residual [M, N] or None -> [M, N] in out_dtype (default x's dtype). partials=True (one
     weight, no residual or epilogue): the float32 K-chunk sums [S, M, N] unreduced, for a
@@ -261,8 +257,7 @@ def fused_matmul(x, norm_weight, weights, residual, *, eps, blocks, epilogue, in
     consumer scales the total by rsqrt(sum of squares / K + eps).
     deltas [S, M, K] float32 or None: the matmul's x is x + sum(deltas) (a residual add of a
     split-K producer's chunks, rounded once to x's dtype); the result is then (x + sum(deltas),
-    the output as above). after: a 2-D array the kernel never reads, passed only so that
-    XLA runs the kernel after its producer. Shapes are checked by the public wrappers."""
+    the output as above). Shapes are checked by the public wrappers."""
     if partials:
         assert residual is None and len(weights) == 1, "plain matmul only"
         out_dtype = jnp.float32
@@ -295,9 +290,6 @@ def fused_matmul(x, norm_weight, weights, residual, *, eps, blocks, epilogue, in
     if has_residual:
         in_specs.append(tile)
         args.append(residual)
-    if after is not None:
-        in_specs.append(pl.BlockSpec(after.shape, lambda i, j, s: (0, 0)))
-        args.append(after)
     if partial:
         out_specs = [pl.BlockSpec((None, bm, bn), lambda i, j, s: (s, i, j))] * len(weights)
         out_shape = [jax.ShapeDtypeStruct((split, m, n), jnp.float32)] * len(weights)
@@ -312,8 +304,7 @@ def fused_matmul(x, norm_weight, weights, residual, *, eps, blocks, epilogue, in
     kernel = functools.partial(
         fused_matmul_kernel, m=m, n=n, k=k, eps=eps, block_m=bm, block_n=bn, block_k=bk,
         k_chunk=k_chunk, n_weights=len(weights), has_norm=norm_weight is not None,
-        has_residual=has_residual, epilogue=epilogue, partial=partial, n_deltas=n_deltas,
-        has_after=after is not None)
+        has_residual=has_residual, epilogue=epilogue, partial=partial, n_deltas=n_deltas)
     out = pl.pallas_call(
         kernel,
         grid=(pl.cdiv(m, bm), pl.cdiv(n, bn), split),
@@ -389,7 +380,7 @@ def _validate(x, norm_weight, w, residual):
 
 
 def norm_matmul(x, norm_weight, w, *, eps: float = 1e-6, residual=None, out_dtype=None,
-                partials: bool = False, deltas=None, after=None, interpret: bool = False,
+                partials: bool = False, deltas=None, interpret: bool = False,
                 block_sizes: MatmulBlockSizes | None = None):
     """rms_norm(x, norm_weight) @ w (+ residual); x [M, K], norm_weight [K] (None: no norm,
     a plain matmul), w [K, *N], residual [M, *N] -> [M, *N] in out_dtype, default x's dtype
@@ -402,9 +393,7 @@ def norm_matmul(x, norm_weight, w, *, eps: float = 1e-6, residual=None, out_dtyp
     rsqrt(sum of squares / K + eps) (`apply_norm_partials`).
     deltas [S', M, K] float32: x is first replaced by x + sum(deltas) (a split-K producer's
     chunks added to the residual stream, rounded once to x's dtype, in the same pass); the
-    result is then (x + sum(deltas), the output as above).
-    after: an array the kernel never reads; it only makes XLA run the kernel after the array's
-    producer (`jaxinfer.models.layers.l2_prefetch` on another stream)."""
+    result is then (x + sum(deltas), the output as above)."""
     _validate(x, norm_weight, w, residual)
     if deltas is not None:
         check_deltas("norm_matmul", x, deltas, float32_only=True)
@@ -418,8 +407,7 @@ def norm_matmul(x, norm_weight, w, *, eps: float = 1e-6, residual=None, out_dtyp
                        None if residual is None else residual.reshape(m, n),
                        eps=float(eps), blocks=blocks, epilogue="none", interpret=interpret,
                        out_dtype=None if out_dtype is None else jnp.dtype(out_dtype).name,
-                       partials=partials, deltas=deltas,
-                       after=None if after is None else after.reshape(after.shape[0], -1))
+                       partials=partials, deltas=deltas)
     x_new = None
     if deltas is not None:
         x_new, out = out

@@ -43,17 +43,6 @@ TOL = {jnp.float32: 2e-5, jnp.bfloat16: 1.5e-2}
 needs_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
 
 
-@pytest.fixture(autouse=True, params=[False, True], ids=["gather_first", "gather_in_loop"])
-def gather_in_loop(request, monkeypatch):
-    """Every test runs with the query gathered before the cache loop and in its first
-    iteration (decode_attention_append.GATHER_IN_LOOP)."""
-    import importlib  # the package exports functions of the modules' names
-
-    monkeypatch.setattr(importlib.import_module("pallas_kernels.decode_attention_append"),
-                        "GATHER_IN_LOOP", request.param)
-    return request.param
-
-
 def inputs(seed, b, s, hq, hkv, d, dtype):
     return (normal(seed, (b, hq, d), dtype), normal(seed + 1, (b, hkv, d), dtype),
             normal(seed + 2, (b, hkv, d), dtype), normal(seed + 3, (b, s, hkv, d), dtype),

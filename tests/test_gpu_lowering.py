@@ -158,18 +158,6 @@ def test_kernel_lowers_for_h200(name):
     assert "custom_call" in module  # a kernel, not an XLA fallback
 
 
-@pytest.mark.parametrize("name", [n for n in KERNEL_CASES if n.startswith("append")])
-def test_append_gathering_in_the_loop_lowers_for_h200(name, monkeypatch):
-    """decode_attention_append.GATHER_IN_LOOP (off until measured): the query gather and the
-    new slot's write inside the cache loop's first iteration."""
-    import importlib  # the package exports functions of the modules' names
-
-    monkeypatch.setattr(importlib.import_module("pallas_kernels.decode_attention_append"),
-                        "GATHER_IN_LOOP", True)
-    fn, args = KERNEL_CASES[name]
-    assert "custom_call" in lower_for_h200(fn, *args)
-
-
 def test_lowering_rejects_what_interpret_mode_accepts():
     """The check can fail: a Triton block of 24 rows runs in interpret mode but not on a GPU."""
     from jax.experimental import pallas as pl
@@ -234,22 +222,6 @@ def test_llama3_8b_batch1_decode_layer_boundaries_in_consumers(gpu_dispatch, mon
         "norm_matmul_none_k4096_n6144_split2": 1, "decode_attention_append": 1,
         "matmul_none_k4096_n4096_split2": 1, "add_norm_matmul_swiglu_k4096_n14336": 1,
         "matmul_none_k14336_n4096_split2": 1, "add_rms_norm": 1})
-
-
-def test_llama3_8b_batch1_o_weight_prefetch_lowers(gpu_dispatch, monkeypatch):
-    """layers.PREFETCH_O (off until measured): the o weight's L2 read is an l2_prefetch kernel
-    in a call annotated for a second stream, taking the q/k/v chunks (what orders it after
-    them), and the o matmul takes its result as one more operand (what orders it before)."""
-    monkeypatch.setattr(layers, "PREFETCH_O", 0.5)
-    module = decode_step_module("llama3-8b", 1, 512)
-    lines = module.splitlines()
-    reads = [line for line in lines if "call @compute_on(" in line]
-    assert len(reads) == 1 and '_xla_stream_annotation = "1"' in reads[0]
-    assert "tensor<2x1x1x8x6x128xf32>) -> tensor<2x256xf32>" in reads[0]  # chunks in; 2 x 256
-    assert kernel_names(module)["l2_prefetch"] == 1
-    o_call = next(line for line in lines if TRITON in line and "matmul_none_k4096_n4096" in line)
-    assert ("(tensor<1x4096xbf16>, tensor<4096x4096xbf16>, tensor<2x256xf32>) -> "
-            "tensor<2x1x4096xf32>") in o_call  # x, w and the read's result in; the chunks out
 
 
 def test_llama3_8b_batch64_long_context_decode_lowers(gpu_dispatch):

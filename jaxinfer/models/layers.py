@@ -118,16 +118,14 @@ def project(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array
     return linear(x, w, b)
 
 
-def linear_delta(x: jax.Array, w: jax.Array, b: jax.Array | None = None, after=None):
+def linear_delta(x: jax.Array, w: jax.Array, b: jax.Array | None = None):
     """x @ w (+ b) for a consumer that sums split-K chunks itself (`add_norm`, the fused decode
     attention); x [..., K], w [K, *N]. On the decode path the fused matmul's unreduced float32
-    chunks (Partials [S, ..., *N]), else project(). after: `l2_prefetch`'s result, which the
-    matmul waits for (decode path only)."""
+    chunks (Partials [S, ..., *N]), else project()."""
     if b is None and decode_kernels(x):
         from pallas_kernels import norm_matmul
 
-        parts = norm_matmul(x.reshape(-1, x.shape[-1]), None, w, partials=True,
-                            after=after)  # [S, M, *N]
+        parts = norm_matmul(x.reshape(-1, x.shape[-1]), None, w, partials=True)  # [S, M, *N]
         return Partials(parts.reshape(parts.shape[0], *x.shape[:-1], *w.shape[1:]))
     return project(x, w, b)
 
@@ -412,83 +410,8 @@ def fused_decode_attention_ok(h: jax.Array, head_dim: int, rotary_dim: int) -> b
             and _kernel_head_dim(head_dim // 2) and rotary_dim == head_dim)
 
 
-# L2 prefetch of the o projection's weight during the decode attention (experimental, off):
-# the attention kernel runs on B * Hkv programs (8 at batch 1) and leaves the HBM idle for its
-# ~6 us, so pallas_kernels.l2_prefetch reads the first PREFETCH_O of each of the o matmul's K
-# chunks beside it on a second CUDA stream (XLA's stream annotation,
-# `compute_on("gpu_stream:1")`), and the matmul that follows finds those rows in L2. The two
-# kernels overlap only under XLA_FLAGS=--xla_gpu_command_buffer_scheduling_mode=CONCURRENT
-# (the default command buffer mode runs them one after the other). 0 turns it off.
-PREFETCH_O = 0.0
-PREFETCH_PROGRAMS = 512  # ~4 per SM of the H200: each has one 16 KB load in flight
-
-
-def l2_prefetch(w: jax.Array, after: jax.Array, fraction: float) -> jax.Array | None:
-    """Read the first `fraction` of each K chunk of w [K, *N] (the chunks of the fused matmul's
-    split-K, `norm_matmul.default_block_sizes` at M = 1) on a second stream, once `after` is
-    computed. Returns a small float32 array [S, P] for the weight's matmul to take as its
-    `after` operand, so the read finishes before the matmul starts (an optimization barrier
-    does not do it: XLA drops the barrier's unused output and with it the read); None when
-    the fraction rounds to nothing."""
-    from jax.experimental.compute_on import compute_on
-
-    import pallas_kernels
-    from pallas_kernels.l2_prefetch import BLOCK
-    from pallas_kernels.norm_matmul import default_block_sizes
-
-    k, n = w.shape[0], math.prod(w.shape[1:])
-    split = default_block_sizes(1, n, k).split_k
-    programs = max(1, PREFETCH_PROGRAMS // split)
-    step = programs * BLOCK  # the kernel reads whole spans of whole blocks
-    length = int(k // split * n * fraction) // step * step
-    if length == 0:
-        return None
-
-    # No jax.jit inside: XLA (jax 0.11.2) finds no stream for an annotated call nested in
-    # another one ("No ExecutionStreamId found for call-start").
-    @compute_on(compute_type="gpu_stream:1", out_memory_spaces=jax.memory.Space.Device)
-    def read(w, after):  # w [K, *N]; after: any array, only ordered after
-        return pallas_kernels.l2_prefetch(w.reshape(split, -1), length=length,
-                                          programs=programs, after=after)  # [S, P]
-
-    return read(w, after)
-
-
-# L2 prefetch of a layer's KV cache while its q/k/v matmul runs (experimental, off): the
-# attention kernel's first cache tiles then come from L2 (its first HBM round trip is ~2.8 of
-# its ~6 us at batch 1). Batch 1 with a cache of at most PREFETCH_KV_MAX_BYTES per layer only.
-PREFETCH_KV = False
-PREFETCH_KV_MAX_BYTES = 8 << 20
-
-
-def l2_prefetch_kv(k_cache: jax.Array, v_cache: jax.Array, after: jax.Array) -> tuple:
-    """Read one layer's caches k/v_cache [1, S, Hkv, D] on a second stream once `after` is
-    computed; returns the reads' small results (for the attention kernel's `after`), or ()
-    when the caches are not what this is for (batch > 1, or too large)."""
-    from jax.experimental.compute_on import compute_on
-
-    import pallas_kernels
-    from pallas_kernels.l2_prefetch import BLOCK
-
-    size = k_cache.size
-    if k_cache.shape[0] != 1 or 2 * size * k_cache.dtype.itemsize > PREFETCH_KV_MAX_BYTES:
-        return ()
-    programs = max(1, min(PREFETCH_PROGRAMS, size // BLOCK))
-    length = size // (programs * BLOCK) * programs * BLOCK
-    if length == 0:
-        return ()
-
-    @compute_on(compute_type="gpu_stream:1", out_memory_spaces=jax.memory.Space.Device)
-    def read(k, v, after):
-        return tuple(pallas_kernels.l2_prefetch(c.reshape(1, -1), length=length,
-                                                programs=programs, after=after)
-                     for c in (k, v))
-
-    return read(k_cache, v_cache, after)
-
-
 def decode_attention_qkv(qkv, k_cache, v_cache, positions, cos, sin, *, window=None,
-                         norm=None, after=()):
+                         norm=None):
     """One new token per row, straight from the fused projection qkv [B, 1, Hkv, G + 2, D] (or
     its split-K chunks, Partials [S, B, 1, Hkv, G + 2, D], summed by the kernel): RoPE on its
     q and k (cos/sin [B, 1, D]), k and v written to slot positions [B, 1] of one layer's cache
@@ -501,5 +424,5 @@ def decode_attention_qkv(qkv, k_cache, v_cache, positions, cos, sin, *, window=N
     qkv = qkv.parts[:, :, 0] if isinstance(qkv, Partials) else qkv[:, 0]  # drop T = 1
     out, k_cache, v_cache = decode_attention_append(
         qkv, k_cache, v_cache, positions[:, 0], rope=(cos[:, 0], sin[:, 0]),
-        sliding_window=window, norm=norm, after=after)
+        sliding_window=window, norm=norm)
     return out[:, None], k_cache, v_cache

@@ -69,21 +69,11 @@ def _attention_block(lp: dict, x, delta, cos, sin, positions, config: Config, la
             and layers.fused_decode_attention_ok(x, hd, config.rotary_dim)):
         # Decode on GPU: the boundary's add and norm, the q/k/v projection (its split-K
         # chunks summed, the norm applied, RoPE), the cache write and attention in 2-3 kernels.
-        # This layer's KV cache read into L2 on a second stream during the q/k/v matmul
-        # (layers.PREFETCH_KV, off by default); the attention kernel waits for it.
-        kv_fetched = (layers.l2_prefetch_kv(*cache_kv, delta.parts if isinstance(
-            delta, layers.Partials) else x) if layers.PREFETCH_KV else ())
         x, qkv, norm = layers.norm_qkv(x, delta, lp["attn_norm"], lp["wqkv"], lp.get("bqkv"),
                                        eps)  # qkv: [S, B, T, Hkv, G + 2, hd] chunks
-        # The o projection's weight read into L2 on a second stream while the attention runs
-        # (layers.PREFETCH_O, off by default); the matmul waits for it.
-        fetched = (layers.l2_prefetch(lp["wo"], qkv.parts, layers.PREFETCH_O)
-                   if layers.PREFETCH_O and isinstance(qkv, layers.Partials) else None)
         o, *cache_kv = layers.decode_attention_qkv(qkv, *cache_kv, positions, cos, sin,
-                                                   window=window, norm=norm,
-                                                   after=kv_fetched)
+                                                   window=window, norm=norm)
     else:
-        fetched = None
         x, h = layers.add_norm(x, delta, lp["attn_norm"], eps)
         qkv = layers.project(h, lp["wqkv"], lp.get("bqkv"))  # [B, T, Hkv, G + 2, hd]
         q = qkv[:, :, :, :g].reshape(b, t, config.num_heads, hd)  # head j*G + i, as HF orders them
@@ -100,8 +90,7 @@ def _attention_block(lp: dict, x, delta, cos, sin, positions, config: Config, la
             o = layers.causal_self_attention(q, k, v, positions, window=window)
         else:
             o = layers.cached_attention(q, *cache_kv, positions, window=window)
-    attn = layers.linear_delta(o.reshape(b, t, config.num_heads * hd), lp["wo"], lp.get("bo"),
-                               after=fetched)
+    attn = layers.linear_delta(o.reshape(b, t, config.num_heads * hd), lp["wo"], lp.get("bo"))
     return x, attn, cache_kv
 
 
