@@ -259,11 +259,7 @@ DECODE_VARIANTS = [pk.DecodeBlockSizes(64, None, 4, 3), pk.DecodeBlockSizes(128,
                    pk.DecodeBlockSizes(64, None, 4, 4), pk.DecodeBlockSizes(32, None, 4, 4),
                    pk.DecodeBlockSizes(128, None, 8, 2), pk.DecodeBlockSizes(64, 16, 4, 3),
                    pk.DecodeBlockSizes(64, 32, 4, 3), pk.DecodeBlockSizes(128, 16, 4, 3),
-                   pk.DecodeBlockSizes(64, 64, 4, 3),
-                   # one or two tiles per program, fewer stages (more programs per SM fit)
-                   pk.DecodeBlockSizes(128, 64, 4, 1), pk.DecodeBlockSizes(128, 64, 4, 2),
-                   pk.DecodeBlockSizes(128, 32, 4, 2), pk.DecodeBlockSizes(64, 128, 4, 1),
-                   pk.DecodeBlockSizes(128, 32, 4, 1)]
+                   pk.DecodeBlockSizes(64, 64, 4, 3)]
 
 
 def bench_decode(quick: bool, only_shapes: str | None = None):
