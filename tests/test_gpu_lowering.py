@@ -16,7 +16,6 @@ GPU compiler) and anything numeric (the GPU tests, `pytest -m gpu`, run those on
 from __future__ import annotations
 
 import collections
-import functools
 import re
 
 import jax
