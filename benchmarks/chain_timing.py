@@ -18,15 +18,24 @@ HBM_TBS = 4.27  # ../shared/docs/GPU.md, measured copy bandwidth of the H200
 
 
 def measure_chain(name: str, fn, x, weights, want, *, layers: int, repeats: int,
-                  layer_bytes: int, label: str = "", racy: bool = False):
+                  layer_bytes: int, label: str = "", racy: bool = False, unroll: bool = False):
     """Time fn(x, weights) per layer and check its first row against want's. Returns the
     result row (dict), or None when the variant fails (printed; the caller goes on).
-    racy: a variant wrong by design (a timing probe), not counted as failing the check."""
+    racy: a variant wrong by design (a timing probe), not counted as failing the check.
+    unroll: the repeats written out in one program instead of a loop (XLA's GPU while loop
+    returns to the host between iterations, a gap of ~1-3 us per layer of a 16-layer chain)."""
     try:
         got = jax.block_until_ready(jax.jit(fn)(x, weights))
         diff = (got[:1] - want[:1]).astype(jnp.float32)
         err = float(jnp.linalg.norm(diff) / jnp.linalg.norm(want[:1].astype(jnp.float32)))
-        run = jax.jit(lambda x, w: lax.fori_loop(0, repeats, lambda _, x: fn(x, w), x))
+        if unroll:
+            def repeated(x, w):
+                for _ in range(repeats):
+                    x = fn(x, w)
+                return x
+            run = jax.jit(repeated)
+        else:
+            run = jax.jit(lambda x, w: lax.fori_loop(0, repeats, lambda _, x: fn(x, w), x))
         jax.block_until_ready(run(x, weights))
         times = []
         for _ in range(5):
@@ -47,13 +56,13 @@ def measure_chain(name: str, fn, x, weights, want, *, layers: int, repeats: int,
 
 
 def measure_all(cases, weights, want, *, dim: int, layers: int, repeats: int,
-                label: str = "") -> tuple[list, int]:
+                label: str = "", unroll: bool = False) -> tuple[list, int]:
     """measure_chain for each (name, fn, x, racy) of `cases`: the rows (with `dim`) and the
     number of variants that failed to run."""
     rows, failures = [], 0
     for name, fn, x, racy in cases:
         row = measure_chain(name, fn, x, weights, want, layers=layers, repeats=repeats,
-                            layer_bytes=dim * dim * 2, label=label, racy=racy)
+                            layer_bytes=dim * dim * 2, label=label, racy=racy, unroll=unroll)
         if row is None:
             failures += 1
         else:

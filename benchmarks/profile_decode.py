@@ -153,6 +153,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-cache-loop", action="store_true",
                    help="a timing bound, not a result: the decode attention kernels skip their "
                         "loop over the cache (only the new token is attended)")
+    p.add_argument("--logprobs", action="store_true",
+                   help="ask for the tokens' logprobs (a logsumexp over the vocabulary and a "
+                        "column write per step; left out of the step otherwise)")
     p.add_argument("--timeline", type=int, default=0,
                    help="print this many kernels (start, duration, stream) around a decode "
                         "attention kernel in the middle of the run: what overlaps what")
@@ -178,7 +181,7 @@ def main(argv=None) -> int:
     cfg = model.config
     rng = np.random.default_rng(0)
     prompts = rng.integers(0, cfg.vocab_size, (args.batch, args.prompt_len)).tolist()
-    greedy = [SamplingParams(temperature=0.0)] * args.batch
+    greedy = [SamplingParams(temperature=0.0, logprobs=args.logprobs)] * args.batch
 
     def fresh():
         state, tokens, lengths = init_state(model, prompts, args.steps + 1, greedy, 0, stop_ids=[])

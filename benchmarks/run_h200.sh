@@ -9,6 +9,7 @@
 #                                       # shapes from $DECODE_SHAPES, e.g. 8x8192,1x32768)
 #   bash benchmarks/run_h200.sh sweep   # the B=1 step profiled under several matmul block sizes
 #   bash benchmarks/run_h200.sh pdl     # does PDL overlap kernels under XLA? (session 4: no)
+#   bash benchmarks/run_h200.sh pdlffi  # PDL through our own FFI launch (session 9: honoured)
 #   bash benchmarks/run_h200.sh gridbar # is a grid barrier in a persistent kernel cheaper than
 #                                       # a kernel boundary? (grid_barrier_probe.py, ~1 min)
 # Results: JSON lines in ${OUT:-.}/bench-<part>.jsonl; a table on stdout.
@@ -69,6 +70,11 @@ pdl() {  # chains of decode matmuls: Mosaic with and without PDL, our Triton ker
   echo "== XLA command buffers off"  # do CUDA graphs drop the PDL launch attribute?
   XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" timeout "${PDL_TIMEOUT:-300}" \
     python3 benchmarks/pdl_probe.py ${PDL_ARGS:-} --json "$out/pdl-nocmdbuf.json"
+}
+pdlffi() {  # our own PDL launch path (an XLA FFI call) vs XLA's, and Triton's launcher (torch)
+  timeout "${PDL_TIMEOUT:-300}" python3 benchmarks/pdl_ffi_probe.py --source-kernel \
+    ${PDLFFI_ARGS:-} --json "$out/pdlffi.json"
+  timeout "${PDL_TIMEOUT:-300}" python3 benchmarks/pdl_launch_probe.py --json "$out/pdltorch.json"
 }
 gridbar() {
   timeout "${GRIDBAR_TIMEOUT:-240}" python3 benchmarks/grid_barrier_probe.py ${GRIDBAR_ARGS:-} \

@@ -65,12 +65,16 @@ def _bucket(n: int, buckets: Sequence[int]) -> int:
     return -(-n // buckets[-1]) * buckets[-1]
 
 
-def _record(state: DecodeState, new_tokens: jax.Array, new_logprobs: jax.Array) -> DecodeState:
-    """Write one new token per row into the outputs and update the done mask."""
+def _record(state: DecodeState, new_tokens: jax.Array,
+            new_logprobs: jax.Array | None) -> DecodeState:
+    """Write one new token per row into the outputs and update the done mask (logprobs
+    None: no row asked for them, and state.logprobs stays zero)."""
     alive = ~state.done
     col = state.step
     output = state.output.at[:, col].set(jnp.where(alive, new_tokens, -1))
-    logprobs = state.logprobs.at[:, col].set(jnp.where(alive, new_logprobs, 0.0))
+    logprobs = state.logprobs
+    if new_logprobs is not None:
+        logprobs = logprobs.at[:, col].set(jnp.where(alive, new_logprobs, 0.0))
     hit_stop = jnp.any(new_tokens[:, None] == state.stop_ids[None, :], axis=-1)
     done = state.done | (alive & (hit_stop | (col + 1 >= state.budget)))
     return state.replace(tokens=jnp.where(alive, new_tokens, state.tokens), output=output,
@@ -79,12 +83,14 @@ def _record(state: DecodeState, new_tokens: jax.Array, new_logprobs: jax.Array) 
 
 
 def _sample(logits: jax.Array, state: DecodeState, positions: jax.Array):
-    """Sample one token per row; the key of row b depends only on (seed_b, request_b, position)."""
+    """Sample one token per row; the key of row b depends only on (seed_b, request_b, position).
+    -> (tokens [B], their logprobs [B], or None when no row asked for them: the logsumexp over
+    the vocabulary and the logprobs' column write are then left out of the step)."""
     keys = sampling.step_keys(state.sampler, positions)
     out = sampling.sample_with_logprobs(logits, keys, state.sampling,
                                         token_counts=state.sampler.token_counts,
                                         seen_mask=state.sampler.seen_mask)
-    return out.tokens, out.logprobs
+    return out.tokens, out.logprobs if state.sampling.flags.logprobs else None
 
 
 @functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("state",))

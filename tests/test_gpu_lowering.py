@@ -252,3 +252,38 @@ def test_decode_matmul_mgpu_lowers():
                 S((8, 4096), BF16), S((4096, 4096), BF16))
             assert module.count("custom_call @mosaic_gpu") == 1
             assert ("uses_pdl" in module) == pdl
+
+
+def _pdl_copy(x, interpret=False):
+    """A kernel that lets its successor launch, waits for its predecessor, then copies x."""
+    from jax.experimental import pallas as pl
+
+    from pallas_kernels.pdl import gdc_launch_dependents, gdc_wait, gdc_wait_token
+
+    def kernel(x_ref, o_ref):
+        gdc_launch_dependents()
+        gdc_wait()
+        o_ref[...] = x_ref[...] + gdc_wait_token().astype(x_ref.dtype)
+
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                          interpret=interpret)(x)
+
+
+def test_pdl_instructions_lower_to_the_grid_dependency_ops(monkeypatch):
+    """pallas_kernels.pdl: the Triton ops XLA's pipeline turns into griddepcontrol, in the
+    order written, and nothing at all in interpret mode (the copy is exact)."""
+    x = jnp.arange(16 * 32, dtype=F32).reshape(16, 32)
+    assert bool(jnp.all(_pdl_copy(x, interpret=True) == x))
+    seen = []
+    real = triton_lowering.lower_jaxpr_to_triton_module
+
+    def capture(*args, **kwargs):
+        result = real(*args, **kwargs)
+        seen.append(str(result.module))
+        return result
+
+    monkeypatch.setattr(triton_lowering, "lower_jaxpr_to_triton_module", capture)
+    lower_for_h200(_pdl_copy, S((16, 32), F32))
+    ops = re.findall(r"tt\.grid_dependency_\w+|griddepcontrol\.wait", seen[-1])
+    assert ops == ["tt.grid_dependency_launch_dependents", "tt.grid_dependency_wait",
+                   "griddepcontrol.wait"]
