@@ -29,10 +29,10 @@ import tempfile
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src.pallas.triton import lowering as triton_lowering
 
 from benchmarks.chain_timing import finish, measure_all
-from benchmarks.pdl_probe import triton_pdl_gemv
+from benchmarks.pdl_probe import chain, triton_pdl_gemv, variants
+from benchmarks.triton_asm import triton_modules
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TARGET = "jaxinfer_pdl_chain"
@@ -57,19 +57,8 @@ def build_launcher(out_dir: str) -> ctypes.CDLL:
 
 def triton_ir(fn, *args) -> str:
     """The Triton IR that Pallas hands XLA for the one pallas_call in fn(*args)."""
-    real = triton_lowering.lower_jaxpr_to_triton_module
-    seen = []
-
-    def capture(*a, **k):
-        result = real(*a, **k)
-        seen.append(str(result.module))
-        return result
-
-    triton_lowering.lower_jaxpr_to_triton_module = capture
-    try:
+    with triton_modules() as seen:
         jax.jit(fn).lower(*args)
-    finally:
-        triton_lowering.lower_jaxpr_to_triton_module = real
     assert len(seen) == 1, f"expected one Triton module, got {len(seen)}"
     return seen[0]
 
@@ -186,12 +175,7 @@ def main(argv=None) -> int:
     weights = [(jax.random.normal(k, (d, d), jnp.float32) / d ** 0.5).astype(jnp.bfloat16)
                for k in keys[1:]]
 
-    def chain(matmul, x, weights):
-        for w in weights:
-            x = matmul(x, w)
-        return x
-
-    xla_dot = lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+    xla_dot = variants([], ())["xla"]
     want = jax.jit(functools.partial(chain, xla_dot))(x, weights)
     cases = [("xla dot", functools.partial(chain, xla_dot), x, False)]
     for blocks in args.blocks.split(","):

@@ -18,6 +18,7 @@ own), so the figures guide a diagnosis; the H200 has the last word.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -25,17 +26,12 @@ import subprocess
 import sys
 
 
-def dump(out: str, slots: int = 384) -> None:
-    import jax
-    import jax.numpy as jnp
-    from jax import export
+@contextlib.contextmanager
+def triton_modules():
+    """Collects, as text, every Triton module Pallas lowers inside the `with` (the IR XLA
+    receives in its Triton custom calls)."""
     from jax._src.pallas.triton import lowering as triton_lowering
 
-    from pallas_kernels.decode_attention_append import decode_attention_append
-    from pallas_kernels.norm_matmul import norm_matmul
-    from pallas_kernels.swiglu import swiglu
-
-    os.makedirs(out, exist_ok=True)
     real = triton_lowering.lower_jaxpr_to_triton_module
     seen = []
 
@@ -45,6 +41,28 @@ def dump(out: str, slots: int = 384) -> None:
         return result
 
     triton_lowering.lower_jaxpr_to_triton_module = capture
+    try:
+        yield seen
+    finally:
+        triton_lowering.lower_jaxpr_to_triton_module = real
+
+
+def dump(out: str, slots: int = 384) -> None:
+    os.makedirs(out, exist_ok=True)
+    with triton_modules() as seen:
+        _lower_decode_kernels(out, slots, seen)
+
+
+def _lower_decode_kernels(out: str, slots: int, seen: list) -> None:
+    """dump's body: lowers the decode kernels; `seen` collects their Triton modules."""
+    import jax
+    import jax.numpy as jnp
+    from jax import export
+
+    from pallas_kernels.decode_attention_append import decode_attention_append
+    from pallas_kernels.norm_matmul import norm_matmul
+    from pallas_kernels.swiglu import swiglu
+
     b, s, k, hkv, g, d = 1, slots, 4096, 8, 4, 128
     S = jax.ShapeDtypeStruct
     bf, f32, i32 = jnp.bfloat16, jnp.float32, jnp.int32

@@ -4,7 +4,9 @@
     gdc_wait()                block until every kernel this one depends on has finished and its
                               writes are visible
     gdc_wait_token()          the same wait, returning an int32 0 that loads can take into
-                              their address, so that they cannot move above the wait
+                              their address, so that they cannot move above the wait (Triton
+                              then neither vectorizes nor pipelines them: 18.7 against 11.8 us
+                              per 33.5 MB GEMV, benchmarks/NOTES.md run J)
 
 On Hopper, a kernel launched with PDL may start while its predecessor is still running: its
 programs take the SMs the predecessor frees, do what needs none of the predecessor's results
@@ -12,6 +14,11 @@ programs take the SMs the predecessor frees, do what needs none of the predecess
 read of a result. Without PDL (an older GPU, a launch without the attribute) the wait returns at
 once. The decode step is a chain of such kernels, each losing ~2.5 us to its ramp and tail
 (benchmarks/NOTES.md); these primitives are how a kernel says where its independent prefix ends.
+
+XLA (jax 0.11.2) launches Pallas kernels without the PDL attribute, so under pallas_call these
+change nothing but a little time; benchmarks/pdl_ffi_probe.py launches kernels that hold them
+with PDL (NOTES.md run J). Triton's pipeliner hoists a loop's pipelined loads above a wait
+inside that loop: wait before the loop, or the loads race.
 
 Lowering: `tt.grid_dependency_wait` / `tt.grid_dependency_launch_dependents` (jaxlib's Triton
 dialect; the ops XLA's Triton pipeline lowers to `griddepcontrol`), and for the token a

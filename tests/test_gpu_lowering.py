@@ -42,15 +42,18 @@ TRITON = "__gpu$xla.gpu.triton"
 @pytest.fixture(autouse=True)
 def verify_triton_modules(monkeypatch):
     """Every Triton module Pallas lowers here goes through the MLIR verifier (raises on an
-    op that XLA's parser would reject)."""
+    op that XLA's parser would reject). Yields the modules' texts, in lowering order."""
     real = triton_lowering.lower_jaxpr_to_triton_module
+    seen = []
 
     def lower_and_verify(*args, **kwargs):
         result = real(*args, **kwargs)
         result.module.operation.verify()
+        seen.append(str(result.module))
         return result
 
     monkeypatch.setattr(triton_lowering, "lower_jaxpr_to_triton_module", lower_and_verify)
+    yield seen
 
 
 def lower_for_h200(fn, *args) -> str:
@@ -269,21 +272,13 @@ def _pdl_copy(x, interpret=False):
                           interpret=interpret)(x)
 
 
-def test_pdl_instructions_lower_to_the_grid_dependency_ops(monkeypatch):
+def test_pdl_instructions_lower_to_the_grid_dependency_ops(verify_triton_modules):
     """pallas_kernels.pdl: the Triton ops XLA's pipeline turns into griddepcontrol, in the
     order written, and nothing at all in interpret mode (the copy is exact)."""
     x = jnp.arange(16 * 32, dtype=F32).reshape(16, 32)
     assert bool(jnp.all(_pdl_copy(x, interpret=True) == x))
-    seen = []
-    real = triton_lowering.lower_jaxpr_to_triton_module
-
-    def capture(*args, **kwargs):
-        result = real(*args, **kwargs)
-        seen.append(str(result.module))
-        return result
-
-    monkeypatch.setattr(triton_lowering, "lower_jaxpr_to_triton_module", capture)
     lower_for_h200(_pdl_copy, S((16, 32), F32))
-    ops = re.findall(r"tt\.grid_dependency_\w+|griddepcontrol\.wait", seen[-1])
+    ops = re.findall(r"tt\.grid_dependency_\w+|griddepcontrol\.wait",
+                     verify_triton_modules[-1])
     assert ops == ["tt.grid_dependency_launch_dependents", "tt.grid_dependency_wait",
                    "griddepcontrol.wait"]
