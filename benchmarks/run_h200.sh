@@ -10,6 +10,8 @@
 #   bash benchmarks/run_h200.sh sweep   # the B=1 step profiled under several matmul block sizes
 #   bash benchmarks/run_h200.sh pdl     # does PDL overlap kernels under XLA? (session 4: no)
 #   bash benchmarks/run_h200.sh pdlffi  # PDL through our own FFI launch (session 9: honoured)
+#   bash benchmarks/run_h200.sh layout  # decode GEMVs with the weights stored [K, N] vs [N, K]
+#   bash benchmarks/run_h200.sh steps   # decode steps per host check of the device loop
 #   bash benchmarks/run_h200.sh gridbar # is a grid barrier in a persistent kernel cheaper than
 #                                       # a kernel boundary? (grid_barrier_probe.py, ~1 min)
 # Results: JSON lines in ${OUT:-.}/bench-<part>.jsonl; a table on stdout.
@@ -75,6 +77,14 @@ pdlffi() {  # our own PDL launch path (an XLA FFI call) vs XLA's, and Triton's l
   timeout "${PDL_TIMEOUT:-300}" python3 benchmarks/pdl_ffi_probe.py --source-kernel \
     ${PDLFFI_ARGS:-} --json "$out/pdlffi.json"
   timeout "${PDL_TIMEOUT:-300}" python3 benchmarks/pdl_launch_probe.py --json "$out/pdltorch.json"
+}
+layout() {  # benchmarks/layout_probe.py: weight layout x tile shape, per decode shape
+  timeout "${LAYOUT_TIMEOUT:-240}" python3 benchmarks/layout_probe.py ${LAYOUT_ARGS:-} \
+    --json "$out/layout.json" 2>&1 | grep -v "^WARNING"
+}
+steps() {  # benchmarks/sync_probe.py: generate.STEPS_PER_SYNC candidates, alternating
+  timeout "${SYNC_TIMEOUT:-300}" python3 benchmarks/sync_probe.py --preset llama3-8b \
+    ${SYNC_ARGS:---ks 1,3,5} | tee -a "$out/bench-sync.jsonl"
 }
 gridbar() {
   timeout "${GRIDBAR_TIMEOUT:-240}" python3 benchmarks/grid_barrier_probe.py ${GRIDBAR_ARGS:-} \

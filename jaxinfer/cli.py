@@ -129,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", action="store_true", help="a JSON line per run at the end")
     b.add_argument("--dump-hlo", default=None, metavar="PREFIX",
                    help="write the optimized decode step's HLO to PREFIX.b<batch>.hlo.txt")
+    b.add_argument("--steps-per-sync", type=int, default=None, metavar="K",
+                   help="decode steps per host check of the device loop (default: "
+                        "generate.STEPS_PER_SYNC)")
     b.set_defaults(func=cmd_bench)
     return parser
 

@@ -71,10 +71,11 @@ def _record(state: DecodeState, new_tokens: jax.Array,
     None: no row asked for them, and state.logprobs stays zero)."""
     alive = ~state.done
     col = state.step
-    output = state.output.at[:, col].set(jnp.where(alive, new_tokens, -1))
+    # col >= N only in the no-op steps after the end (decode_loop, STEPS_PER_SYNC): dropped
+    output = state.output.at[:, col].set(jnp.where(alive, new_tokens, -1), mode="drop")
     logprobs = state.logprobs
     if new_logprobs is not None:
-        logprobs = logprobs.at[:, col].set(jnp.where(alive, new_logprobs, 0.0))
+        logprobs = logprobs.at[:, col].set(jnp.where(alive, new_logprobs, 0.0), mode="drop")
     hit_stop = jnp.any(new_tokens[:, None] == state.stop_ids[None, :], axis=-1)
     done = state.done | (alive & (hit_stop | (col + 1 >= state.budget)))
     return state.replace(tokens=jnp.where(alive, new_tokens, state.tokens), output=output,
@@ -121,14 +122,30 @@ def _decode_step(params: dict, state: DecodeState, config: Config) -> DecodeStat
 decode_step = jax.jit(_decode_step, static_argnames=("config",), donate_argnames=("state",))
 
 
-@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("state",))
-def decode_loop(params: dict, state: DecodeState, config: Config) -> DecodeState:
-    """Decode until every row is done, inside one executable (no host round trip per token)."""
+# Decode steps per iteration of the device loop. XLA's GPU while loop copies its predicate to
+# the host and waits for it after every iteration, and the next iteration's launch waits for
+# the host; the steps inside an iteration run back to back (a loop of known trip count needs
+# no predicate). The price: up to STEPS_PER_SYNC - 1 steps run after every row has finished,
+# as no-ops (a finished row rewrites its last slot; output columns past the end are dropped).
+STEPS_PER_SYNC = 1
+
+
+@functools.partial(jax.jit, static_argnames=("config", "steps_per_sync"),
+                   donate_argnames=("state",))
+def decode_loop(params: dict, state: DecodeState, config: Config,
+                steps_per_sync: int | None = None) -> DecodeState:
+    """Decode until every row is done, inside one executable; the host checks for the end
+    once every `steps_per_sync` steps (default STEPS_PER_SYNC)."""
+    k = steps_per_sync or STEPS_PER_SYNC
+    step = functools.partial(_decode_step, params, config=config)
 
     def cond(s: DecodeState):
         return ~jnp.all(s.done) & (s.step < s.output.shape[1])
 
-    return jax.lax.while_loop(cond, functools.partial(_decode_step, params, config=config), state)
+    def body(s: DecodeState):
+        return step(s) if k == 1 else jax.lax.fori_loop(0, k, lambda _, s: step(s), s)
+
+    return jax.lax.while_loop(cond, body, state)
 
 
 # ---------------------------------------------------------------------------------------------
