@@ -41,78 +41,125 @@ BM = 16  # rows of the dot (tensor-core minimum); row 0 is the real one at batch
 
 # name: (K, N, weights)
 SHAPES = {"qkv": (4096, 6144, 1), "o": (4096, 4096, 1), "gateup": (4096, 14336, 2),
-          "down": (14336, 4096, 1)}
-# (block_n, block_k, warps, stages, split) per shape and layout; the first "kn" row is the
-# model's default (norm_matmul.default_block_sizes).
+          "down": (14336, 4096, 1),
+          # the lm_head's shape: long enough that ramp and tail vanish, the steady rate shows
+          "lmhead": (4096, 128256, 1)}
+# (block_n, block_k, warps, stages, split[, stride]) per shape and layout; the first "kn" row
+# is the model's default (norm_matmul.default_block_sizes). stride < block_n: each program owns
+# `stride` columns (its block_n-wide tiles masked past them), so that N / stride programs
+# cover the SMs when N / block_n does not (SwiGLU: 14336 / 128 = 112 programs on 132 SMs).
 CONFIGS = {
-    "qkv": {"kn": [(64, 256, 4, 3, 2), (64, 128, 4, 4, 2), (32, 256, 4, 3, 1)],
+    "qkv": {"kn": [(64, 256, 4, 3, 2), (64, 128, 4, 4, 2), (32, 256, 4, 3, 1),
+                   (128, 256, 4, 3, 2, 96), (128, 128, 4, 4, 2, 96), (64, 256, 4, 3, 1, 48),
+                   (64, 512, 4, 3, 1, 48)],
             "nk": [(64, 256, 4, 3, 2), (32, 256, 4, 3, 1), (32, 512, 4, 3, 1), (64, 128, 4, 4, 2),
                    (16, 512, 4, 3, 2), (32, 256, 4, 4, 2), (64, 512, 4, 2, 2)]},
     "o": {"kn": [(64, 256, 4, 3, 2), (32, 256, 4, 3, 1), (32, 128, 4, 4, 1)],
           "nk": [(64, 256, 4, 3, 2), (32, 256, 4, 3, 1), (32, 512, 4, 3, 1), (32, 128, 4, 4, 1),
                  (16, 512, 4, 3, 2), (16, 256, 4, 4, 2), (64, 256, 4, 4, 2)]},
-    "gateup": {"kn": [(128, 128, 4, 3, 1), (64, 256, 4, 3, 1)],
+    "gateup": {"kn": [(128, 128, 4, 3, 1), (64, 256, 4, 3, 1), (128, 128, 4, 3, 1, 112),
+                      (128, 128, 4, 4, 1, 112), (128, 256, 4, 2, 1, 112),
+                      (128, 128, 4, 3, 1, None, "ef")],
                "nk": [(128, 128, 4, 3, 1), (64, 256, 4, 3, 1), (128, 64, 4, 4, 1),
                       (64, 128, 4, 4, 1), (128, 256, 8, 2, 1)]},
-    "down": {"kn": [(64, 256, 4, 3, 2), (32, 256, 4, 3, 1)],
+    "down": {"kn": [(64, 256, 4, 3, 2), (32, 256, 4, 3, 1), (64, 256, 4, 3, 2, None, "ef")],
              "nk": [(64, 256, 4, 3, 2), (32, 256, 4, 3, 1), (32, 512, 4, 3, 1),
                     (32, 256, 4, 4, 1), (16, 512, 4, 3, 2), (64, 128, 4, 4, 2)]},
+    "lmhead": {"kn": [(64, 256, 4, 3, 1), (128, 128, 4, 3, 1), (128, 256, 4, 3, 1),
+                      (256, 64, 4, 4, 1), (256, 128, 8, 3, 1), (128, 128, 4, 3, 1, None, "ef"),
+                      (64, 256, 4, 3, 1, None, "ef")],
+               "nk": [(64, 256, 4, 3, 1), (128, 128, 4, 3, 1)]},
 }
 
 
 def gemv_kernel(x_ref, *refs, layout: str, n_weights: int, block_k: int, k_chunk: int,
-                m: int, partial: bool):
+                m: int, partial: bool, n: int, bn: int, stride: int | None,
+                evict_first: bool = False):
     # x_ref [BM, Kp] (rows >= m masked); w_refs: kn [Kp, block_n] / nk [block_n, Kp];
     # out: partial -> n_weights [BM, block_n] float32 refs (this K chunk), else one
     # [BM, block_n] ref (SiLU(gate) * up when two weights).
+    # stride: the refs are whole arrays (w [Kp, N], out [(S,) M, N]) and this program owns
+    # columns [j * stride, +stride), read and written as masked block_n-wide tiles.
     w_refs, o_refs = refs[:n_weights], refs[n_weights:]
-    row_ok = (jnp.arange(BM) < m)[:, None]  # [BM, 1]
+    row_ok = x_ok = (jnp.arange(BM) < m)[:, None]  # [BM, 1]
     chunk_start = pl.program_id(1) * k_chunk
+    if stride is not None:
+        col0 = pl.multiple_of(pl.program_id(0) * stride, 16)
+        cols = col0 + jnp.arange(bn)
+        col_ok = ((jnp.arange(bn) < stride) & (cols < n))[None, :]  # [1, bn]
+        row_ok = row_ok & col_ok
 
     def step(j, accs):
         start = pl.multiple_of(chunk_start + j * block_k, block_k)
-        x = plgpu.load(x_ref.at[:, pl.ds(start, block_k)], mask=row_ok, other=0)
+        x = plgpu.load(x_ref.at[:, pl.ds(start, block_k)], mask=x_ok, other=0)
+        if stride is not None:
+            return tuple(acc + dot_f32(x, plgpu.load(w_ref.at[pl.ds(start, block_k),
+                                                              pl.ds(col0, bn)],
+                                                     mask=col_ok, other=0))
+                         for acc, w_ref in zip(accs, w_refs))
+        if layout == "kn" and evict_first:  # streamed once: first out of L2
+            return tuple(acc + dot_f32(x, plgpu.load(w_ref.at[pl.ds(start, block_k), :],
+                                                     eviction_policy="evict_first"))
+                         for acc, w_ref in zip(accs, w_refs))
         if layout == "kn":
             return tuple(acc + dot_f32(x, w_ref[pl.ds(start, block_k), :])
                          for acc, w_ref in zip(accs, w_refs))
         return tuple(acc + dot_f32(x, w_ref[:, pl.ds(start, block_k)], trans_b=True)
                      for acc, w_ref in zip(accs, w_refs))
 
-    bn = o_refs[0].shape[-1]
     accs = lax.fori_loop(0, k_chunk // block_k, step,
                          (jnp.zeros((BM, bn), jnp.float32),) * n_weights)
+
+    def store(ref, val):
+        if stride is None:
+            plgpu.store(ref, val, mask=row_ok)
+        elif partial:
+            plgpu.store(ref.at[pl.program_id(1), pl.ds(0, BM), pl.ds(col0, bn)], val,
+                        mask=row_ok)
+        else:
+            plgpu.store(ref.at[pl.ds(0, BM), pl.ds(col0, bn)], val, mask=row_ok)
+
     if partial:
         for ref, acc in zip(o_refs, accs):
-            plgpu.store(ref, acc, mask=row_ok)
+            store(ref, acc)
         return
     out = accs[0]
     if n_weights == 2:
         out = accs[0] * jax.nn.sigmoid(accs[0]) * accs[1]
-    plgpu.store(o_refs[0], out.astype(o_refs[0].dtype), mask=row_ok)
+    store(o_refs[0], out.astype(o_refs[0].dtype))
 
 
 @functools.partial(jax.jit, static_argnames=("layout", "cfg", "name"))
 def gemv(x, weights, *, layout: str, cfg: tuple, name: str):
     """x [M, K] (M <= 16) @ each weight (kn: [K, N], nk: [N, K]) -> [M, N] (two weights:
     SiLU(x @ w0) * (x @ w1)); split chunks summed by XLA."""
-    bn, bk, warps, stages, split = cfg
+    bn, bk, warps, stages, split, *extra = cfg
+    stride = extra[0] if extra else None
+    evict_first = len(extra) > 1 and extra[1] == "ef"
     m, k = x.shape
     n = weights[0].shape[1 if layout == "kn" else 0]
-    assert k % (split * bk) == 0 and n % bn == 0, (k, n, cfg)
+    assert k % (split * bk) == 0 and (stride or n % bn == 0), (k, n, cfg)
+    assert stride is None or layout == "kn"
     k_chunk = k // split
     partial = split > 1
     w_spec = (pl.BlockSpec((k, bn), lambda j, s: (0, j)) if layout == "kn"
               else pl.BlockSpec((bn, k), lambda j, s: (j, 0)))
+    if stride:
+        w_spec = pl.BlockSpec((k, n), lambda j, s: (0, 0))
     if partial:
         out_specs = [pl.BlockSpec((None, BM, bn), lambda j, s: (s, 0, j))] * len(weights)
+        if stride:
+            out_specs = [pl.BlockSpec((split, BM, n), lambda j, s: (0, 0, 0))] * len(weights)
         out_shape = [jax.ShapeDtypeStruct((split, m, n), jnp.float32)] * len(weights)
     else:
-        out_specs = [pl.BlockSpec((BM, bn), lambda j, s: (0, j))]
+        out_specs = [pl.BlockSpec((BM, bn), lambda j, s: (0, j)) if not stride
+                     else pl.BlockSpec((BM, n), lambda j, s: (0, 0))]
         out_shape = [jax.ShapeDtypeStruct((m, n), x.dtype)]
     out = pl.pallas_call(
         functools.partial(gemv_kernel, layout=layout, n_weights=len(weights), block_k=bk,
-                          k_chunk=k_chunk, m=m, partial=partial),
-        grid=(n // bn, split),
+                          k_chunk=k_chunk, m=m, partial=partial, n=n, bn=bn, stride=stride,
+                          evict_first=evict_first),
+        grid=(-(-n // (stride or bn)), split),
         in_specs=[pl.BlockSpec((BM, k), lambda j, s: (0, 0))] + [w_spec] * len(weights),
         out_specs=out_specs, out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
@@ -159,15 +206,21 @@ def main(argv=None) -> int:
         want = reference(x, kn[0])
         for layout, wsets in (("kn", kn), ("nk", nk)):
             for ci, cfg in enumerate(CONFIGS[shape][layout]):
-                bn, bk, warps, stages, split = cfg
+                bn, bk, warps, stages, split, *extra = cfg
+                stride = extra[:1] if extra and extra[0] else []
                 while (k // split) % bk:  # --scale: a tile depth that divides the chunk
                     bk //= 2
-                cfg = (bn, bk, warps, stages, split)
+                if stride and args.scale > 1:
+                    stride = [max(16, stride[0] // args.scale // 16 * 16)]
+                cfg = (bn, bk, warps, stages, split, *(stride or [None]), *extra[1:])
                 tag = f"lp_{shape}_{layout}_{ci}"
-                label = f"{shape} {layout} pallas {bn}x{bk} w{warps} s{stages} split{split}"
+                label = (f"{shape} {layout} pallas {bn}x{bk} w{warps} s{stages} split{split}"
+                         + (f" stride{stride[0]}" if stride else "")
+                         + (" evict_first" if "ef" in extra else ""))
                 fn = jax.jit(lambda x, wsets, layout=layout, cfg=cfg, tag=tag: [
                     gemv(x, tuple(ws), layout=layout, cfg=cfg, name=tag) for ws in wsets])
-                calls[label] = (fn, x, wsets, tag, nw * k * n * 2, (n // bn) * split)
+                calls[label] = (fn, x, wsets, tag, nw * k * n * 2,
+                                -(-n // (stride[0] if stride else bn)) * split)
                 checks[label] = want
             label = f"{shape} {layout} xla"
             fn = jax.jit(lambda x, wsets, layout=layout: [
