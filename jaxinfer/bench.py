@@ -128,7 +128,7 @@ def run(model: Model, name: str, batch: int, prompt_len: int, gen_len: int,
         t0 = time.perf_counter()
         s = jax.block_until_ready(loop_exe(model.params, s))
         loop_times.append(time.perf_counter() - t0)
-        assert int(s.step) >= gen_len, "decode loop stopped early"
+        assert int(s.step) == gen_len, "decode loop stopped early"
     decode_s = statistics.median(loop_times) / (gen_len - 1)
     progress.update()
 

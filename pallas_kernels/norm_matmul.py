@@ -55,18 +55,11 @@ class MatmulBlockSizes:
     num_warps: int = 4
     num_stages: int = 4
     split_k: int = 1  # chunks of K, each its own program (float32 partials summed by XLA)
-    # L2 policy of the weight loads ("" = the default, "evict_first", "evict_last"): a decode
-    # weight is read once per step, so it need not displace what the next kernel reads
-    weight_eviction: str = ""
 
     def __post_init__(self):
         check_tiles(self, "block_m", "block_n", "block_k")
         if self.split_k < 1:
             raise ValueError(f"{type(self).__name__}.split_k={self.split_k}: must be >= 1")
-        if self.weight_eviction not in ("", "evict_first", "evict_last"):
-            raise ValueError(f"{type(self).__name__}.weight_eviction="
-                             f"{self.weight_eviction!r}: must be '', 'evict_first' or "
-                             "'evict_last'")
 
 
 def default_block_sizes(m: int, n: int, k: int, itemsize: int = 2,
@@ -105,8 +98,7 @@ def default_block_sizes(m: int, n: int, k: int, itemsize: int = 2,
 
 def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int, block_n: int,
                         block_k: int, k_chunk: int, n_weights: int, has_norm: bool,
-                        has_residual: bool, epilogue: str, partial: bool, n_deltas: int,
-                        weight_eviction: str = ""):
+                        has_residual: bool, epilogue: str, partial: bool, n_deltas: int):
     # refs, in order:
     #   x_ref [block_m, Kp]; n_deltas d_refs [block_m, Kp] (float32 partial sums added to x:
     #   the same [S, M, K] array once per chunk); nw_ref [Kp] if has_norm;
@@ -135,12 +127,6 @@ def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int,
 
     def load(ref, mask):
         return ref[...] if mask is None else plgpu.load(ref, mask=mask, other=0)
-
-    def load_w(ref, mask):
-        if not weight_eviction:
-            return load(ref, mask)
-        return plgpu.load(ref, mask=mask, other=None if mask is None else 0,
-                          eviction_policy=weight_eviction)
 
     def both(a, b):
         return b if a is None else (a if b is None else a & b)
@@ -219,7 +205,7 @@ def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int,
         else:
             k_ok, x = x_tile(start, mask_k)
         w_mask = both(None if k_ok is None else k_ok[:, None], col_ok)
-        accs = tuple(acc + dot_f32(x, load_w(w_ref.at[pl.ds(start, block_k), :], w_mask))
+        accs = tuple(acc + dot_f32(x, load(w_ref.at[pl.ds(start, block_k), :], w_mask))
                      for acc, w_ref in zip(accs, w_refs))  # [block_m, block_n] each
         return (accs, ss, *cur)
 
@@ -318,8 +304,7 @@ def fused_matmul(x, norm_weight, weights, residual, *, eps, blocks, epilogue, in
     kernel = functools.partial(
         fused_matmul_kernel, m=m, n=n, k=k, eps=eps, block_m=bm, block_n=bn, block_k=bk,
         k_chunk=k_chunk, n_weights=len(weights), has_norm=norm_weight is not None,
-        has_residual=has_residual, epilogue=epilogue, partial=partial, n_deltas=n_deltas,
-        weight_eviction=blocks.weight_eviction)
+        has_residual=has_residual, epilogue=epilogue, partial=partial, n_deltas=n_deltas)
     out = pl.pallas_call(
         kernel,
         grid=(pl.cdiv(m, bm), pl.cdiv(n, bn), split),

@@ -122,6 +122,36 @@ def test_stop_strings_and_token_ids(smollm):
     assert by_id.finish_reason == "stop"
 
 
+@pytest.mark.parametrize("k", [3, 5])
+def test_steps_per_sync_same_tokens(smollm, k):
+    """k decode steps per host check: the same tokens and finish reasons as one, for rows that
+    stop at EOS and rows that run their budget, in one batch (the n - 1 = 63 decode steps: 21
+    blocks of 3; 12 blocks of 5, then 3 single steps)."""
+    cases = REFERENCE["generations"][:4]
+    n = REFERENCE["settings"]["max_new_tokens"]
+    assert n == 64 and len({len(c["new_token_ids"]) < n for c in cases}) == 2
+    out = jaxinfer.generate(smollm, [c["prompt_ids"] for c in cases], max_new_tokens=n,
+                            steps_per_sync=k)
+    for case, got in zip(cases, out):
+        assert got.token_ids == case["new_token_ids"]
+        assert got.finish_reason == ("stop" if len(case["new_token_ids"]) < n else "length")
+    # no step past the budget: the loop ends with exactly n tokens' steps
+    from jaxinfer.generate import decode_loop, init_state, prefill
+
+    state, tokens, lengths = init_state(smollm, [cases[3]["prompt_ids"]], n,
+                                        [SamplingParams(temperature=0.0)], 0, stop_ids=[])
+    state = prefill(smollm.params, tokens, lengths, state, smollm.config)
+    state = decode_loop(smollm.params, state, smollm.config, k)
+    assert int(state.step) == n and np.asarray(state.output)[0].tolist() == \
+        cases[3]["new_token_ids"]
+    # a stop token mid-answer ends the row inside a block of k steps
+    stop_tok = cases[0]["new_token_ids"][k + 1]
+    (cut,) = jaxinfer.generate(smollm, [cases[0]["prompt_ids"]], max_new_tokens=n,
+                               stop=[stop_tok], steps_per_sync=k)
+    ids = cases[0]["new_token_ids"]
+    assert cut.token_ids == ids[: ids.index(stop_tok) + 1] and cut.finish_reason == "stop"
+
+
 def test_stream_equals_generate(smollm):
     (ref,) = jaxinfer.generate(smollm, "What is the capital of France?", max_new_tokens=20,
                                chat=True)
@@ -152,6 +182,7 @@ def test_logprobs(smollm):
     (dict(prompts="hi", max_new_tokens=100, max_seq_len=64), "exceeds max_seq_len 64"),
     (dict(prompts=[[1, 2, 999999]]), "outside the vocabulary"),
     (dict(prompts=["a", "b"], sampling=[SamplingParams()]), "2 prompts"),
+    (dict(prompts="hi", steps_per_sync=0), "steps_per_sync=0 must be >= 1"),
 ])
 def test_bad_generate_arguments(smollm, kwargs, match):
     kwargs.setdefault("max_new_tokens", 4)

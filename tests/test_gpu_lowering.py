@@ -113,12 +113,6 @@ KERNEL_CASES = {
         lambda x, d, n, g, u: pk.swiglu(x, g, u, norm_weight=n, deltas=d),
         (S((1, 4096), BF16), S((4, 1, 4096), F32), S((4096,), BF16), S((4096, 14336), BF16),
          S((4096, 14336), BF16))),
-    "swiglu norm + deltas, weights evict_first": (
-        lambda x, d, n, g, u: pk.swiglu(
-            x, g, u, norm_weight=n, deltas=d,
-            block_sizes=pk.MatmulBlockSizes(16, 128, 128, 4, 3, 1, "evict_first")),
-        (S((1, 4096), BF16), S((2, 1, 4096), F32), S((4096,), BF16), S((4096, 14336), BF16),
-         S((4096, 14336), BF16))),
     "norm_matmul norm + deltas, partials": (
         lambda x, d, n, w: pk.norm_matmul(x, n, w, deltas=d, partials=True),
         (S((1, 4096), BF16), S((4, 1, 4096), F32), S((4096,), BF16), S((4096, 8, 6, 128), BF16))),
