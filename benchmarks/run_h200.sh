@@ -2,7 +2,8 @@
 # The GPU checks and benchmarks of issues 4 and 5 on the lent H200, in parts that fit one device
 # call (< 10 min each):
 #   bash benchmarks/run_h200.sh ours    # jaxinfer bench: B=1 ctx 128+256, B=64 ctx 2k, B=1 ctx 32k
-#   bash benchmarks/run_h200.sh peer    # HF transformers (static cache), B=1 ctx 128+256
+#   bash benchmarks/run_h200.sh peer    # HF transformers (static cache), B=1 ctx 128+256, then
+#                                       # the table of ours / peer when ours ran first
 #   bash benchmarks/run_h200.sh tests   # GPU-marked tests (kernels vs references, greedy tokens)
 #   bash benchmarks/run_h200.sh profile # per-kernel time of the B=1 decode step (and unfused)
 #   bash benchmarks/run_h200.sh kernels # benchmarks/kernels.py, parts from $KERNELS (decode
@@ -31,6 +32,10 @@ ours() {
 peer() {
   timeout 240 python3 -P benchmarks/peer_hf.py --preset llama3-8b --batch 1 --prompt-len 128 \
     --gen-len 256 --repeats 2 | tee -a "$out/bench-peer.jsonl"
+  if [ -s "$out/bench-ours.jsonl" ]; then table; fi
+}
+table() {  # ours beside the peer (the issue-5 table), from this run's JSON lines
+  python3 benchmarks/compare_peer.py "$out/bench-ours.jsonl" "$out/bench-peer.jsonl"
 }
 tests() {
   timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q -m gpu -p no:cacheprovider \

@@ -33,3 +33,32 @@ def test_decode_bytes_count_weights_once_and_valid_kv():
 
 def test_preset_needs_random_weights():
     assert cli.main(["bench", "--preset", "llama3-8b"]) == 2
+
+
+def test_compare_peer_puts_ours_beside_the_peer(tmp_path, capsys):
+    from benchmarks import compare_peer
+
+    def run(batch, ms, **extra):
+        return dict(model="llama3-8b", batch=batch, prompt_len=128, gen_len=256,
+                    decode_ms_per_token=ms, decode_tokens_per_s=1e3 * batch / ms, **extra)
+
+    ours = tmp_path / "ours.jsonl"
+    ours.write_text("llama3-8b  B=1  a table row\n"
+                    + json.dumps(run(1, 4.0, floor_fraction=0.88)) + "\n"
+                    + json.dumps(run(64, 9.0, floor_fraction=0.82)) + "\n")
+    peer = tmp_path / "peer.jsonl"
+    peer.write_text(json.dumps(run(1, 9.0, peer="old")) + "\n"
+                    + json.dumps(run(1, 8.0, peer="transformers (static cache)")) + "\n")
+    assert compare_peer.main([str(ours), str(peer)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("| preset | batch | context | ms/token") and len(lines) == 4
+    b1, b64 = ([c.strip() for c in line.strip("|").split("|")] for line in lines[2:])
+    # the peer's last run of the same workload; ours / peer = the peer's time over ours
+    assert b1 == ["llama3-8b", "1", "128+256", "4.000", "250.0", "88.0%",
+                  "transformers (static cache)", "8.000", "125.0", "2.00x"]
+    assert b64[:6] == ["llama3-8b", "64", "128+256", "9.000", "7111.1", "82.0%"]
+    assert b64[6:] == ["", "", "", ""]
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("no json here\n")
+    assert compare_peer.main([str(empty), str(peer)]) == 1
+    assert compare_peer.main([str(ours)]) == 2
