@@ -46,10 +46,11 @@ SHAPES = {"qkv": (4096, 6144, 1), "o": (4096, 4096, 1), "gateup": (4096, 14336, 
           "down": (14336, 4096, 1),
           # the lm_head's shape: long enough that ramp and tail vanish, the steady rate shows
           "lmhead": (4096, 128256, 1)}
-# (block_n, block_k, warps, stages, split[, stride]) per shape and layout; the first "kn" row
-# is the model's default (norm_matmul.default_block_sizes). stride < block_n: each program owns
-# `stride` columns (its block_n-wide tiles masked past them), so that N / stride programs
-# cover the SMs when N / block_n does not (SwiGLU: 14336 / 128 = 112 programs on 132 SMs).
+# (block_n, block_k, warps, stages, split[, stride[, "ef"]]) per shape and layout; the first
+# "kn" row is the model's default (norm_matmul.default_block_sizes). stride < block_n: each
+# program owns `stride` columns (its block_n-wide tiles masked past them), so that N / stride
+# programs cover the SMs when N / block_n does not (SwiGLU: 14336 / 128 = 112 programs on 132
+# SMs); stride None: block_n columns. "ef": the weight loads marked evict_first (kn only).
 CONFIGS = {
     "qkv": {"kn": [(64, 256, 4, 3, 2), (64, 128, 4, 4, 2), (32, 256, 4, 3, 1),
                    (128, 256, 4, 3, 2, 96), (128, 128, 4, 4, 2, 96), (64, 256, 4, 3, 1, 48),
