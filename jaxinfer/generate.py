@@ -140,8 +140,8 @@ def decode_loop(params: dict, state: DecodeState, config: Config,
     output, then once per step: no step runs past the token budget; only an early stop of
     every row can leave up to k - 1 no-op steps (a finished row rewrites its last slot)."""
     k = STEPS_PER_SYNC if steps_per_sync is None else steps_per_sync
-    if k < 1:
-        raise ValueError(f"decode_loop: steps_per_sync={k} must be >= 1")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"decode_loop: steps_per_sync={k!r} must be an integer >= 1")
     step = functools.partial(_decode_step, params, config=config)
     n = state.output.shape[1]
 

@@ -10,6 +10,7 @@ import pytest
 import jaxinfer
 from jaxinfer import SamplingParams
 from jaxinfer.cache import KVCache
+from jaxinfer.generate import decode_loop, init_state, prefill
 from jaxinfer.models import llama
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "data"
@@ -136,8 +137,6 @@ def test_steps_per_sync_same_tokens(smollm, k):
         assert got.token_ids == case["new_token_ids"]
         assert got.finish_reason == ("stop" if len(case["new_token_ids"]) < n else "length")
     # no step past the budget: the loop ends with exactly n tokens' steps
-    from jaxinfer.generate import decode_loop, init_state, prefill
-
     state, tokens, lengths = init_state(smollm, [cases[3]["prompt_ids"]], n,
                                         [SamplingParams(temperature=0.0)], 0, stop_ids=[])
     state = prefill(smollm.params, tokens, lengths, state, smollm.config)
@@ -182,7 +181,8 @@ def test_logprobs(smollm):
     (dict(prompts="hi", max_new_tokens=100, max_seq_len=64), "exceeds max_seq_len 64"),
     (dict(prompts=[[1, 2, 999999]]), "outside the vocabulary"),
     (dict(prompts=["a", "b"], sampling=[SamplingParams()]), "2 prompts"),
-    (dict(prompts="hi", steps_per_sync=0), "steps_per_sync=0 must be >= 1"),
+    (dict(prompts="hi", steps_per_sync=0), "steps_per_sync=0 must be an integer >= 1"),
+    (dict(prompts="hi", steps_per_sync=2.5), "steps_per_sync=2.5 must be an integer >= 1"),
 ])
 def test_bad_generate_arguments(smollm, kwargs, match):
     kwargs.setdefault("max_new_tokens", 4)
