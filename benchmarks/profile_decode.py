@@ -156,6 +156,10 @@ def main(argv=None) -> int:
     p.add_argument("--logprobs", action="store_true",
                    help="ask for the tokens' logprobs (a logsumexp over the vocabulary and a "
                         "column write per step; left out of the step otherwise)")
+    p.add_argument("--prefetch", default=None,
+                   help='JSON {"o": [rows, "start"|"end"] or null, "mlp": ..., "down": ..., '
+                        '"qkv": ..., "insn": "line"|"bulk"}: the L2 prefetch of each decode '
+                        "matmul's next weight (layers.PREFETCH, l2_prefetch.INSTRUCTION)")
     p.add_argument("--timeline", type=int, default=0,
                    help="print this many kernels (start, duration, stream) around a decode "
                         "attention kernel in the middle of the run: what overlaps what")
@@ -169,6 +173,13 @@ def main(argv=None) -> int:
         from jaxinfer.models import layers
 
         layers.set_boundaries(args.boundaries)
+    if args.prefetch:
+        from jaxinfer.models import layers
+
+        spec = json.loads(args.prefetch)
+        l2p = importlib.import_module("pallas_kernels.l2_prefetch")
+        l2p.INSTRUCTION = spec.pop("insn", l2p.INSTRUCTION)
+        layers.PREFETCH.update({k: None if v is None else tuple(v) for k, v in spec.items()})
     if args.unfused:
         _use_unfused_decode_path()
     if args.blocks:

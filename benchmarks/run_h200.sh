@@ -41,7 +41,7 @@ tests() {
   timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q -m gpu -p no:cacheprovider \
     tests/test_gpu.py tests/test_kernels.py tests/test_norm_matmul.py \
     tests/test_decode_attention_append.py tests/test_kernel_wiring.py \
-    tests/test_decode_matmul_mgpu.py 2>&1 | tail -15
+    tests/test_decode_matmul_mgpu.py tests/test_l2_prefetch.py 2>&1 | tail -15
 }
 profile() {  # where the B=1 decode step's time goes, fused kernels vs the older path
   for v in "" "--unfused"; do

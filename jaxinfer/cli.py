@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write the optimized decode step's HLO to PREFIX.b<batch>.hlo.txt")
     b.add_argument("--steps-per-sync", type=int, default=None, metavar="K",
                    help="decode steps per host check of the device loop (default: "
-                        "generate.STEPS_PER_SYNC)")
+                        "generate.STEPS_PER_SYNC_NO_STOP, as the bench has no stop ids)")
     b.set_defaults(func=cmd_bench)
     return parser
 

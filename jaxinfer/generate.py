@@ -127,8 +127,11 @@ decode_step = jax.jit(_decode_step, static_argnames=("config",), donate_argnames
 # (Llama-3-8B bf16, B=1, benchmarks/sync_probe.py, 2026-11-30): 5 steps per check save ~12 us
 # of the 4.0 ms step (0.3%). The price: when every row stops early (EOS or a stop token),
 # up to k - 1 steps run after it as no-ops, ~4 ms each at that size, more than a 256-token
-# answer gains; so the default checks every step, and fixed-length runs may pass k.
+# answer gains; so runs with stop tokens check every step (STEPS_PER_SYNC). Runs without any
+# (stop_ids empty: fixed-length runs, `jaxinfer bench`) end exactly at their largest budget, so
+# their blocks stop there and nothing is wasted: they take STEPS_PER_SYNC_NO_STOP.
 STEPS_PER_SYNC = 1
+STEPS_PER_SYNC_NO_STOP = 8
 
 
 @functools.partial(jax.jit, static_argnames=("config", "steps_per_sync"),
@@ -136,17 +139,22 @@ STEPS_PER_SYNC = 1
 def decode_loop(params: dict, state: DecodeState, config: Config,
                 steps_per_sync: int | None = None) -> DecodeState:
     """Decode until every row is done, inside one executable. The host checks for the end
-    once every `steps_per_sync` (k, default STEPS_PER_SYNC) steps while k more fit in the
-    output, then once per step: no step runs past the token budget; only an early stop of
-    every row can leave up to k - 1 no-op steps (a finished row rewrites its last slot)."""
-    k = STEPS_PER_SYNC if steps_per_sync is None else steps_per_sync
+    once every `steps_per_sync` (k; default STEPS_PER_SYNC, or STEPS_PER_SYNC_NO_STOP when the
+    state has no stop ids) steps while k more fit in the output and in the largest row budget,
+    then once per step: no step runs past the token budget; only an early stop of every row
+    (a stop id) can leave up to k - 1 no-op steps (a finished row rewrites its last slot)."""
+    k = steps_per_sync
+    if k is None:
+        k = STEPS_PER_SYNC_NO_STOP if state.stop_ids.shape[0] == 0 else STEPS_PER_SYNC
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"decode_loop: steps_per_sync={k!r} must be an integer >= 1")
     step = functools.partial(_decode_step, params, config=config)
     n = state.output.shape[1]
 
     def running(s: DecodeState, room: int):
-        return ~jnp.all(s.done) & (s.step + room <= n)
+        # Without stop ids a row is done exactly at its budget: the largest one ends the run.
+        end = jnp.minimum(n, jnp.max(s.budget))
+        return ~jnp.all(s.done) & (s.step + room <= end)
 
     if k > 1:
         state = jax.lax.while_loop(lambda s: running(s, k),
@@ -237,7 +245,7 @@ def init_state(model, prompt_ids: list[list[int]], max_new_tokens: int,
         output=jnp.full((b, max_new_tokens), -1, jnp.int32),
         logprobs=jnp.zeros((b, max_new_tokens), jnp.float32),
         step=jnp.zeros((), jnp.int32),
-        stop_ids=jnp.asarray(stop_ids or [-1], jnp.int32),
+        stop_ids=jnp.asarray(stop_ids, jnp.int32).reshape(-1),  # [K]; K = 0: none
     )
     return state, jnp.asarray(tokens), jnp.asarray(lengths)
 
@@ -292,8 +300,9 @@ def generate(model, prompts, max_new_tokens: int = 128, sampling: SamplingParams
     Request i's random stream is derived from (seed, i, position), or from (its own
     SamplingParams.seed, position) when that is set, so it does not depend on the batch.
     steps_per_sync: decode steps between the host's checks for the end (default
-    STEPS_PER_SYNC = 1); more saves a little per token on long fixed-length runs and costs up
-    to k - 1 wasted steps when every row stops early. The tokens do not depend on it.
+    STEPS_PER_SYNC = 1: EOS always stops, so rows may end early); more saves a little per token
+    on long runs and costs up to k - 1 wasted steps when every row stops early. The tokens do
+    not depend on it.
     """
     state, tokens, lengths, stop_ids, stop_strings, params_list = _prepare(
         model, prompts, max_new_tokens, sampling, seed, chat, stop, max_seq_len)

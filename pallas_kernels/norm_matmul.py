@@ -44,6 +44,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (NUM_SMS_H200, check_array, check_same_dtype, check_tiles,
                                      dot_f32, multiple_of, ref_precision)
+from pallas_kernels.l2_prefetch import PrefetchPlan, l2_prefetch, program_offsets
 from pallas_kernels.rms_norm import add_deltas_reference, check_deltas, rms_norm_reference
 
 
@@ -91,6 +92,37 @@ def default_block_sizes(m: int, n: int, k: int, itemsize: int = 2,
     return MatmulBlockSizes(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
 
 
+def _chunking(k: int, blocks: MatmulBlockSizes) -> tuple[int, int]:
+    """(split, k_chunk): the K chunks fused_matmul gives blocks' programs."""
+    split = max(1, min(blocks.split_k, pl.cdiv(k, blocks.block_k)))
+    k_chunk = pl.cdiv(pl.cdiv(k, split), blocks.block_k) * blocks.block_k
+    return pl.cdiv(k, k_chunk), k_chunk
+
+
+def first_rows_plan(m: int, k: int, n: int, *, itemsize: int = 2, n_weights: int = 1,
+                    rows: int | None = None, at: str = "end",
+                    block_sizes: MatmulBlockSizes | None = None) -> PrefetchPlan:
+    """What a consumer fused matmul of x [m, k] @ w [k, n] (default blocks) reads first: the
+    first `rows` rows (default one block_k tile) of each of its K chunks, all n columns
+    (contiguous in the row-major weight). A producer kernel prefetches them for it (norm_matmul
+    / swiglu `prefetch=`) at the start or the end (`at`) of its own stream."""
+    blocks = block_sizes or default_block_sizes(m, n, k, itemsize, n_weights=n_weights)
+    split, k_chunk = _chunking(k, blocks)
+    rows = min(rows or blocks.block_k, k_chunk, k - (split - 1) * k_chunk)
+    return PrefetchPlan(starts=tuple(s * k_chunk * n for s in range(split)), length=rows * n,
+                        at=at)
+
+
+def _check_prefetch(op: str, prefetch) -> None:
+    for pair in prefetch:
+        if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[1], PrefetchPlan)):
+            raise ValueError(f"{op}: prefetch takes (array, PrefetchPlan) pairs, got {pair!r}")
+        a, plan = pair
+        size = math.prod(a.shape)
+        if plan.starts and max(plan.starts) + plan.length > size:
+            raise ValueError(f"{op}: prefetch plan reads past the end of its {a.shape} array")
+
+
 # ---------------------------------------------------------------------------------------------
 # Kernel
 # ---------------------------------------------------------------------------------------------
@@ -98,11 +130,13 @@ def default_block_sizes(m: int, n: int, k: int, itemsize: int = 2,
 
 def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int, block_n: int,
                         block_k: int, k_chunk: int, n_weights: int, has_norm: bool,
-                        has_residual: bool, epilogue: str, partial: bool, n_deltas: int):
+                        has_residual: bool, epilogue: str, partial: bool, n_deltas: int,
+                        prefetch_plans: tuple = (), programs: int = 1, threads: int = 128):
     # refs, in order:
     #   x_ref [block_m, Kp]; n_deltas d_refs [block_m, Kp] (float32 partial sums added to x:
     #   the same [S, M, K] array once per chunk); nw_ref [Kp] if has_norm;
     #   n_weights w_refs [Kp, block_n]; r_ref [block_m, block_n] if has_residual;
+    #   one whole-array ref per prefetch plan (the next kernel's weights, never loaded here);
     #   outputs: xo_ref [block_m, Kp] if n_deltas (x + sum(deltas), written by the programs of
     #            the first N tile);
     #            partial -> n_weights refs [block_m, block_n] float32 (this K chunk's sums)
@@ -115,6 +149,7 @@ def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int,
     nw_ref = next(it) if has_norm else None
     w_refs = [next(it) for _ in range(n_weights)]
     r_ref = next(it) if has_residual else None
+    pf_refs = [next(it) for _ in prefetch_plans]
     xo_ref = next(it) if n_deltas else None
     o_refs = list(it)
 
@@ -215,7 +250,19 @@ def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int,
             jnp.zeros((op_rows, block_k), jnp.float32) if has_norm else None)
     if prefetched:
         init = (*init, *operands(multiple_of(chunk_start, block_k)))
+    def issue_prefetch(at: str):
+        # This program's share of the next kernel's first weight rows, into the L2.
+        program = (pl.program_id(0) * pl.num_programs(1) + pl.program_id(1)) \
+            * pl.num_programs(2) + pl.program_id(2)
+        for ref, plan in zip(pf_refs, prefetch_plans):
+            if plan.at == at:
+                offsets, nbytes = program_offsets(plan, program, programs, threads,
+                                                  ref.dtype.itemsize)
+                l2_prefetch(ref, offsets, nbytes=nbytes)
+
+    issue_prefetch("start")
     accs, ss, *_ = lax.fori_loop(0, k_chunk // block_k, step, init)
+    issue_prefetch("end")
     if has_norm:
         ss = jnp.sum(ss, axis=1)  # [op_rows]: this chunk's sum of squares of each x row
         ss = jnp.broadcast_to(ss, (block_m,)) if op_rows < block_m else ss  # [block_m]
@@ -246,9 +293,9 @@ def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int,
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "blocks", "epilogue", "interpret",
-                                             "out_dtype", "partials"))
+                                             "out_dtype", "partials", "prefetch_plans"))
 def fused_matmul(x, norm_weight, weights, residual, *, eps, blocks, epilogue, interpret,
-                 out_dtype=None, partials=False, deltas=None):
+                 out_dtype=None, partials=False, deltas=None, prefetch=(), prefetch_plans=()):
     """x [M, K]; norm_weight [K] or None; weights: tuple of [K, N] (1, or 2 for SwiGLU);
     residual [M, N] or None -> [M, N] in out_dtype (default x's dtype). partials=True (one
     weight, no residual or epilogue): the float32 K-chunk sums [S, M, N] unreduced, for a
@@ -257,7 +304,9 @@ def fused_matmul(x, norm_weight, weights, residual, *, eps, blocks, epilogue, in
     consumer scales the total by rsqrt(sum of squares / K + eps).
     deltas [S, M, K] float32 or None: the matmul's x is x + sum(deltas) (a residual add of a
     split-K producer's chunks, rounded once to x's dtype); the result is then (x + sum(deltas),
-    the output as above). Shapes are checked by the public wrappers."""
+    the output as above). Shapes are checked by the public wrappers.
+    prefetch: arrays (the next kernel's weights) and prefetch_plans, one PrefetchPlan each:
+    the programs, once their own stream is done, prefetch those elements into the L2."""
     if partials:
         assert residual is None and len(weights) == 1, "plain matmul only"
         out_dtype = jnp.float32
@@ -265,9 +314,7 @@ def fused_matmul(x, norm_weight, weights, residual, *, eps, blocks, epilogue, in
     m, k = x.shape
     n = weights[0].shape[1]
     bm, bn, bk = blocks.block_m, blocks.block_n, blocks.block_k
-    split = max(1, min(blocks.split_k, pl.cdiv(k, bk)))
-    k_chunk = pl.cdiv(pl.cdiv(k, split), bk) * bk
-    split = pl.cdiv(k, k_chunk)
+    split, k_chunk = _chunking(k, blocks)
     # The blocks span whole chunks: the masked tail tiles then index inside the block
     # (interpret mode pads the arrays to the block shape).
     kp = split * k_chunk
@@ -290,6 +337,9 @@ def fused_matmul(x, norm_weight, weights, residual, *, eps, blocks, epilogue, in
     if has_residual:
         in_specs.append(tile)
         args.append(residual)
+    for a in prefetch:  # whole arrays: the kernel only takes their addresses
+        in_specs.append(pl.BlockSpec(a.shape, lambda i, j, s, nd=a.ndim: (0,) * nd))
+        args.append(a)
     if partial:
         out_specs = [pl.BlockSpec((None, bm, bn), lambda i, j, s: (s, i, j))] * len(weights)
         out_shape = [jax.ShapeDtypeStruct((split, m, n), jnp.float32)] * len(weights)
@@ -304,7 +354,9 @@ def fused_matmul(x, norm_weight, weights, residual, *, eps, blocks, epilogue, in
     kernel = functools.partial(
         fused_matmul_kernel, m=m, n=n, k=k, eps=eps, block_m=bm, block_n=bn, block_k=bk,
         k_chunk=k_chunk, n_weights=len(weights), has_norm=norm_weight is not None,
-        has_residual=has_residual, epilogue=epilogue, partial=partial, n_deltas=n_deltas)
+        has_residual=has_residual, epilogue=epilogue, partial=partial, n_deltas=n_deltas,
+        prefetch_plans=tuple(prefetch_plans),
+        programs=pl.cdiv(m, bm) * pl.cdiv(n, bn) * split, threads=32 * blocks.num_warps)
     out = pl.pallas_call(
         kernel,
         grid=(pl.cdiv(m, bm), pl.cdiv(n, bn), split),
@@ -380,8 +432,8 @@ def _validate(x, norm_weight, w, residual):
 
 
 def norm_matmul(x, norm_weight, w, *, eps: float = 1e-6, residual=None, out_dtype=None,
-                partials: bool = False, deltas=None, interpret: bool = False,
-                block_sizes: MatmulBlockSizes | None = None):
+                partials: bool = False, deltas=None, prefetch: tuple = (),
+                interpret: bool = False, block_sizes: MatmulBlockSizes | None = None):
     """rms_norm(x, norm_weight) @ w (+ residual); x [M, K], norm_weight [K] (None: no norm,
     a plain matmul), w [K, *N], residual [M, *N] -> [M, *N] in out_dtype, default x's dtype
     (float32 statistics and accumulation, the residual added in float32 before the one
@@ -393,8 +445,12 @@ def norm_matmul(x, norm_weight, w, *, eps: float = 1e-6, residual=None, out_dtyp
     rsqrt(sum of squares / K + eps) (`apply_norm_partials`).
     deltas [S', M, K] float32: x is first replaced by x + sum(deltas) (a split-K producer's
     chunks added to the residual stream, rounded once to x's dtype, in the same pass); the
-    result is then (x + sum(deltas), the output as above)."""
+    result is then (x + sum(deltas), the output as above).
+    prefetch: (array, PrefetchPlan) pairs, the next kernel's weights and what it reads first
+    (`first_rows_plan`): each program, its own stream done, asks the L2 for its share of them
+    (pallas_kernels/l2_prefetch.py). A cache hint only: results are unchanged."""
     _validate(x, norm_weight, w, residual)
+    _check_prefetch("norm_matmul", prefetch)
     if deltas is not None:
         check_deltas("norm_matmul", x, deltas, float32_only=True)
     if partials and (residual is not None or out_dtype is not None):
@@ -407,7 +463,9 @@ def norm_matmul(x, norm_weight, w, *, eps: float = 1e-6, residual=None, out_dtyp
                        None if residual is None else residual.reshape(m, n),
                        eps=float(eps), blocks=blocks, epilogue="none", interpret=interpret,
                        out_dtype=None if out_dtype is None else jnp.dtype(out_dtype).name,
-                       partials=partials, deltas=deltas)
+                       partials=partials, deltas=deltas,
+                       prefetch=tuple(a for a, _ in prefetch),
+                       prefetch_plans=tuple(p for _, p in prefetch))
     x_new = None
     if deltas is not None:
         x_new, out = out

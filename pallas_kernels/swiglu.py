@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels._common import check_array, check_same_dtype, ref_precision
-from pallas_kernels.norm_matmul import MatmulBlockSizes, default_block_sizes, fused_matmul
+from pallas_kernels.norm_matmul import (MatmulBlockSizes, _check_prefetch, default_block_sizes,
+                                        fused_matmul)
 from pallas_kernels.rms_norm import add_deltas_reference, check_deltas, rms_norm_reference
 
 
@@ -43,18 +44,23 @@ def _validate(x, w_gate, w_up, norm_weight=None, deltas=None):
 
 
 def swiglu(x, w_gate, w_up, *, norm_weight=None, eps: float = 1e-6, deltas=None,
-           interpret: bool = False, block_sizes: MatmulBlockSizes | None = None):
+           prefetch: tuple = (), interpret: bool = False,
+           block_sizes: MatmulBlockSizes | None = None):
     """silu(h @ w_gate) * (h @ w_up); x [M, K], w_* [K, N] -> [M, N] in x's dtype, where h is x,
     or rms_norm(x, norm_weight, eps) (HF semantics) fused into the main loop when norm_weight
     [K] is given.
     deltas [S, M, K] float32 (a split-K producer's chunks): x is first replaced by
     x + sum(deltas) (rounded once to x's dtype), the decoder's residual add done in the same
-    pass; returns (x + sum(deltas), the SwiGLU output) then."""
+    pass; returns (x + sum(deltas), the SwiGLU output) then.
+    prefetch: (array, PrefetchPlan) pairs for the next kernel, as in norm_matmul."""
     _validate(x, w_gate, w_up, norm_weight, deltas)
+    _check_prefetch("swiglu", prefetch)
     blocks = block_sizes or default_block_sizes(x.shape[0], w_gate.shape[1], x.shape[1],
                                                 x.dtype.itemsize, n_weights=2)
     return fused_matmul(x, norm_weight, (w_gate, w_up), None, eps=float(eps), blocks=blocks,
-                        epilogue="swiglu", interpret=interpret, deltas=deltas)
+                        epilogue="swiglu", interpret=interpret, deltas=deltas,
+                        prefetch=tuple(a for a, _ in prefetch),
+                        prefetch_plans=tuple(p for _, p in prefetch))
 
 
 def swiglu_reference(x, w_gate, w_up, *, norm_weight=None, eps: float = 1e-6, deltas=None,

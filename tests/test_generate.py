@@ -1,8 +1,11 @@
 """Generation: greedy equality with transformers, cache vs full forward, batching, seeds, errors."""
 
+import importlib
 import json
+import re
 import pathlib
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -12,6 +15,8 @@ from jaxinfer import SamplingParams
 from jaxinfer.cache import KVCache
 from jaxinfer.generate import decode_loop, init_state, prefill
 from jaxinfer.models import llama
+
+generate_mod = importlib.import_module("jaxinfer.generate")  # the package exports the function
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "data"
 HF_VARIANTS = sorted(p for p in (FIXTURES / "hf").iterdir() if (p / "ref.npz").exists())
@@ -149,6 +154,32 @@ def test_steps_per_sync_same_tokens(smollm, k):
                                stop=[stop_tok], steps_per_sync=k)
     ids = cases[0]["new_token_ids"]
     assert cut.token_ids == ids[: ids.index(stop_tok) + 1] and cut.finish_reason == "stop"
+
+
+def test_runs_without_stop_ids_check_the_host_every_8_steps(smollm):
+    """No stop ids (a fixed-length run, as `jaxinfer bench`): decode_loop defaults to blocks of
+    STEPS_PER_SYNC_NO_STOP steps (a while loop holding an 8-step loop, then the single-step
+    loop), ends exactly at the budget and gives the tokens of the one-step loop; with a stop
+    id it keeps one host check per step (one while loop)."""
+    case = REFERENCE["generations"][3]
+    n = REFERENCE["settings"]["max_new_tokens"]
+    greedy = [SamplingParams(temperature=0.0)]
+
+    def start(stop_ids):
+        state, tokens, lengths = init_state(smollm, [case["prompt_ids"]], n, greedy, 0,
+                                            stop_ids=stop_ids)
+        return prefill(smollm.params, tokens, lengths, state, smollm.config)
+
+    def loops(state):
+        text = str(jax.make_jaxpr(lambda s: decode_loop(smollm.params, s, smollm.config))(state))
+        # a fori loop of known trip count traces to a scan
+        return text.count("while["), len(re.findall(r"scan\[[^\]]*?length=8\b", text, re.S))
+
+    assert generate_mod.STEPS_PER_SYNC_NO_STOP == 8 and generate_mod.STEPS_PER_SYNC == 1
+    assert loops(start([])) == (2, 1) and loops(start([2])) == (1, 0)
+    state = decode_loop(smollm.params, start([]), smollm.config)
+    assert int(state.step) == n
+    assert np.asarray(state.output)[0].tolist() == case["new_token_ids"]
 
 
 def test_stream_equals_generate(smollm):

@@ -180,8 +180,9 @@ def test_lowering_rejects_what_interpret_mode_accepts():
 
 
 def decode_step_module(preset: str, batch: int, cache_len: int, **overrides) -> str:
-    """One decode step (T = 1) of `preset` with one layer, the model's GPU dispatch on."""
-    config = PRESETS[preset].replace(dtype="bfloat16", num_layers=1, **overrides)
+    """One decode step (T = 1) of `preset` with one layer (unless overridden), the model's GPU
+    dispatch on."""
+    config = PRESETS[preset].replace(**{"dtype": "bfloat16", "num_layers": 1, **overrides})
     params = jax.tree.map(lambda s: S(s.shape, BF16), llama.param_specs(config),
                           is_leaf=lambda s: isinstance(s, layers.ParamSpec))
     cache = jax.eval_shape(lambda: KVCache.init(config, batch, cache_len))
@@ -282,3 +283,28 @@ def test_pdl_instructions_lower_to_the_grid_dependency_ops(verify_triton_modules
                      verify_triton_modules[-1])
     assert ops == ["tt.grid_dependency_launch_dependents", "tt.grid_dependency_wait",
                    "griddepcontrol.wait"]
+
+
+def test_l2_prefetch_lowers_to_one_bulk_prefetch_per_thread(gpu_dispatch, monkeypatch,
+                                                             verify_triton_modules):
+    """layers.PREFETCH all on, two decode layers: q/k/v prefetches o, o prefetches SwiGLU's
+    two weights, SwiGLU down, down the next layer's q/k/v (the last layer's down nothing), each
+    as a non-pure inline asm over one pointer per thread that nothing may remove."""
+    for consumer in ("o", "mlp", "down", "qkv"):
+        monkeypatch.setitem(layers.PREFETCH, consumer, (128, "start"))
+    decode_step_module("llama3-8b", 1, 512, num_layers=2)
+    counts = collections.Counter()  # (kernel, prefetches in it), per distinct lowering
+    for text in verify_triton_modules:
+        name = re.search(r"tt\.func (?:public )?@(\w+)", text).group(1)
+        asm = re.findall(r'"prefetch\.global\.L2::evict_last \[\$1\+0\];[^"]*"'
+                         r"[^\n]*pure = false[^\n]*tensor<128x!tt\.ptr<bf16>>", text)
+        counts[name, len(asm)] += 1
+    assert counts == collections.Counter([
+        ("norm_matmul_none_k4096_n6144_split2", 1),  # layer 0's q/k/v: o's weight
+        ("add_norm_matmul_none_k4096_n6144_split2", 1),  # layer 1's (adds down's chunks)
+        ("decode_attention_append", 0),
+        ("matmul_none_k4096_n4096_split2", 2),  # o: gate and up (one lowering, both layers)
+        ("add_norm_matmul_swiglu_k4096_n14336", 1),  # SwiGLU: down
+        ("matmul_none_k14336_n4096_split2", 1),  # layer 0's down: layer 1's q/k/v
+        ("matmul_none_k14336_n4096_split2", 0),  # the last layer's down: nothing
+        ("add_rms_norm", 0)]), counts

@@ -118,14 +118,51 @@ def project(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array
     return linear(x, w, b)
 
 
-def linear_delta(x: jax.Array, w: jax.Array, b: jax.Array | None = None):
+# The decode matmuls' L2 prefetch of the next kernel's weight (pallas_kernels/l2_prefetch.py):
+# for each consumer ("o", "mlp" = SwiGLU, "down", "qkv" = the next layer's q/k/v; "self_*": a
+# kernel's own first rows), None (off) or (rows, at): its producer's programs prefetch the
+# first `rows` rows of each of its K chunks at the "start" or the "end" of their own stream.
+# Trace-time switch (jit again after a change). Measured in the B=1 Llama-3-8B step on the
+# H200 (profile_decode.py --prefetch, 2026-11-30, four calls on three machines, kernel time
+# against the default run in the same call): SwiGLU prefetching down's first 128 rows at its
+# start and down the next q/k/v's first 64 at its end: -22 to -27 us per step (3.962 ->
+# 3.936-3.942 ms; 4.005 -> 3.978-3.983); SwiGLU runs 0.45 us and down 0.3 us faster per layer,
+# q/k/v 0.3. Every other placement lost: o's and q/k/v's prefetches slow the producer more
+# than they speed the consumer (o -> SwiGLU +1.1 us on o), a kernel's own rows at its start
+# slow it, more rows for down (256, 512) or bulk prefetches give less (benchmarks/NOTES.md run L).
+PREFETCH = {"o": None, "mlp": None, "down": (128, "start"), "qkv": (64, "end"),
+            "self_qkv": None, "self_o": None, "self_mlp": None, "self_down": None}
+
+
+def next_prefetch(consumer: str, x: jax.Array, *weights: jax.Array) -> tuple:
+    """The `prefetch=` pairs for a decode matmul on x [..., D] whose next kernel, `consumer`
+    (a PREFETCH key), multiplies by weights (1, or SwiGLU's 2, each [K, *N]); () when that
+    consumer's prefetch is off or there is no next weight."""
+    if PREFETCH.get(consumer) is None or not weights or weights[0] is None:
+        return ()
+    rows, at = PREFETCH[consumer]
+    from pallas_kernels.norm_matmul import first_rows_plan
+
+    k, n = weights[0].shape[0], math.prod(weights[0].shape[1:])
+    m = math.prod(x.shape[:-1])
+    itemsize = weights[0].dtype.itemsize
+    plan = first_rows_plan(m, k, n, itemsize=itemsize, n_weights=len(weights), rows=rows, at=at)
+    if (plan.length * itemsize) % 16 or any(s * itemsize % 16 for s in plan.starts):
+        return ()  # rows the prefetch instruction cannot address (16-byte granules): none
+    return tuple((w, plan) for w in weights)
+
+
+def linear_delta(x: jax.Array, w: jax.Array, b: jax.Array | None = None, *,
+                 prefetch: tuple = ()):
     """x @ w (+ b) for a consumer that sums split-K chunks itself (`add_norm`, the fused decode
     attention); x [..., K], w [K, *N]. On the decode path the fused matmul's unreduced float32
-    chunks (Partials [S, ..., *N]), else project()."""
+    chunks (Partials [S, ..., *N]), else project(). prefetch: `next_prefetch` pairs (decode
+    path only)."""
     if b is None and decode_kernels(x):
         from pallas_kernels import norm_matmul
 
-        parts = norm_matmul(x.reshape(-1, x.shape[-1]), None, w, partials=True)  # [S, M, *N]
+        parts = norm_matmul(x.reshape(-1, x.shape[-1]), None, w, partials=True,
+                            prefetch=prefetch)  # [S, M, *N]
         return Partials(parts.reshape(parts.shape[0], *x.shape[:-1], *w.shape[1:]))
     return project(x, w, b)
 
@@ -183,19 +220,22 @@ QKV_ADD_NORM = True
 
 
 def norm_qkv(x: jax.Array, delta, weight: jax.Array, w: jax.Array, b: jax.Array | None,
-             eps: float):
+             eps: float, *, next_w: jax.Array | None = None):
     """The attention input of a pre-norm layer on the fused decode path: x + delta -> (that
     residual stream, the q/k/v projection of its RMSNorm (`linear_delta`), the deferred norm
     or None). x [..., D]; delta as in `add_norm`; w [D, *N], b [*N] or None. With
     QKV_ADD_NORM (no bias) the projection is Partials [S, ..., *N] of (x * weight) @ w and
-    the norm is (sums of squares [S, M], D, eps), for `decode_attention_qkv` to finish."""
+    the norm is (sums of squares [S, M], D, eps), for `decode_attention_qkv` to finish.
+    next_w: the o projection's weight [H * hd, D], for the L2 prefetch (PREFETCH["o"])."""
     if (QKV_ADD_NORM and b is None and decode_kernels(x)
             and (delta is None or isinstance(delta, Partials))):
         from pallas_kernels import norm_matmul
 
         d = x.shape[-1]
         deltas = None if delta is None else delta.parts.reshape(delta.parts.shape[0], -1, d)
-        out = norm_matmul(x.reshape(-1, d), weight, w, eps=eps, partials=True, deltas=deltas)
+        out = norm_matmul(x.reshape(-1, d), weight, w, eps=eps, partials=True, deltas=deltas,
+                          prefetch=next_prefetch("o", x, next_w)
+                          + next_prefetch("self_qkv", x, w))
         x_new, (parts, ss) = out if deltas is not None else (x.reshape(-1, d), out)
         parts = parts.reshape(parts.shape[0], *x.shape[:-1], *w.shape[1:])
         return x_new.reshape(x.shape), Partials(parts), (ss, d, eps)
@@ -210,9 +250,10 @@ SWIGLU_ADD_NORM = True
 
 
 def norm_mlp(x: jax.Array, delta, p: dict, norm_weight: jax.Array,
-             eps: float) -> tuple[jax.Array, jax.Array]:
+             eps: float, *, next_w: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """The MLP half of a pre-norm layer: x + delta -> (that residual stream, the MLP's output
-    on its RMSNorm, for the next `add_norm`). x [..., D]; delta as in `add_norm`."""
+    on its RMSNorm, for the next `add_norm`). x [..., D]; delta as in `add_norm`. next_w: the
+    next layer's q/k/v weight [D, *N] or None, for the L2 prefetch (PREFETCH["qkv"])."""
     if (SWIGLU_ADD_NORM and isinstance(delta, Partials) and "b_gate" not in p
             and use_kernels(x.dtype)):
         from pallas_kernels import swiglu
@@ -220,9 +261,13 @@ def norm_mlp(x: jax.Array, delta, p: dict, norm_weight: jax.Array,
         d = x.shape[-1]
         parts = delta.parts.reshape(delta.parts.shape[0], -1, d)  # [S, M, D]
         x_new, act = swiglu(x.reshape(-1, d), p["w_gate"], p["w_up"], norm_weight=norm_weight,
-                            eps=eps, deltas=parts)  # [M, D], [M, F]
+                            eps=eps, deltas=parts,
+                            prefetch=next_prefetch("down", x, p["w_down"])
+                            + next_prefetch("self_mlp", x, p["w_gate"], p["w_up"]))
         act = act.reshape(*x.shape[:-1], act.shape[-1])
-        return x_new.reshape(x.shape), linear_delta(act, p["w_down"], p.get("b_down"))
+        return x_new.reshape(x.shape), linear_delta(
+            act, p["w_down"], p.get("b_down"), prefetch=next_prefetch("qkv", x, next_w)
+            + next_prefetch("self_down", act, p["w_down"]))
     x, h = add_norm(x, delta, norm_weight, eps)
     return x, mlp_delta(h, p)
 

@@ -70,7 +70,7 @@ def _attention_block(lp: dict, x, delta, cos, sin, positions, config: Config, la
         # Decode on GPU: the boundary's add and norm, the q/k/v projection (its split-K
         # chunks summed, the norm applied, RoPE), the cache write and attention in 2-3 kernels.
         x, qkv, norm = layers.norm_qkv(x, delta, lp["attn_norm"], lp["wqkv"], lp.get("bqkv"),
-                                       eps)  # qkv: [S, B, T, Hkv, G + 2, hd] chunks
+                                       eps, next_w=lp["wo"])  # qkv: [S, B, T, Hkv, G + 2, hd]
         o, *cache_kv = layers.decode_attention_qkv(qkv, *cache_kv, positions, cos, sin,
                                                    window=window, norm=norm)
     else:
@@ -90,7 +90,10 @@ def _attention_block(lp: dict, x, delta, cos, sin, positions, config: Config, la
             o = layers.causal_self_attention(q, k, v, positions, window=window)
         else:
             o = layers.cached_attention(q, *cache_kv, positions, window=window)
-    attn = layers.linear_delta(o.reshape(b, t, config.num_heads * hd), lp["wo"], lp.get("bo"))
+    attn = layers.linear_delta(o.reshape(b, t, config.num_heads * hd), lp["wo"], lp.get("bo"),
+                               prefetch=(layers.next_prefetch("mlp", x, lp["w_gate"], lp["w_up"])
+                                         if "w_gate" in lp else ())
+                               + layers.next_prefetch("self_o", x, lp["wo"]))
     return x, attn, cache_kv
 
 
@@ -123,7 +126,8 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, config: Confi
             cache_kv = None if cache is None else (cache.k[i], cache.v[i])
             x, attn, cache_kv = _attention_block(lp, x, delta, cos, sin, positions, config, i,
                                                  cache_kv, fresh)
-            x, delta = layers.norm_mlp(x, attn, lp, lp["mlp_norm"], eps)
+            nxt = blocks[i + 1]["wqkv"] if i + 1 < len(blocks) else None  # L2 prefetch target
+            x, delta = layers.norm_mlp(x, attn, lp, lp["mlp_norm"], eps, next_w=nxt)
             if cache_kv is not None:
                 new_k.append(cache_kv[0])
                 new_v.append(cache_kv[1])
