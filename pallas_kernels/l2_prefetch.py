@@ -4,8 +4,9 @@
                                          every element offset o in offsets (int32 [n]); returns
                                          nothing, waits for nothing
     PrefetchPlan(starts, length)         which elements of a weight the consumer reads first
-    program_offsets(plan, program, ...)  this program's share of the plan: one bulk prefetch
-                                         per thread
+    program_offsets(plan, program, ...)  this program's share of the plan: one prefetch per
+                                         thread
+    issue_prefetches(refs, plans, ...)   a kernel's call: its programs' shares of each plan
 
 Why: at batch 1 each decode kernel streams one weight and the HBM idles between two of them,
 through the producer's tail (its programs finish unevenly), the launch gap, and the consumer's
@@ -144,3 +145,13 @@ def program_offsets(plan: PrefetchPlan, program, programs: int, threads: int, it
     for i, s in enumerate(plan.starts):  # few ranges (the consumer's K chunks)
         start = jnp.where(r == i, jnp.int32(s), start)
     return start + (c % per_range) * chunk, chunk * itemsize
+
+
+def issue_prefetches(refs, plans, program, programs: int, threads: int, at: str) -> None:
+    """Inside a kernel of `programs` programs of `threads` threads: this program's share of
+    each plan whose `at` is `at` (refs: the planned arrays' whole refs, one per plan)."""
+    for ref, plan in zip(refs, plans):
+        if plan.at == at:
+            offsets, nbytes = program_offsets(plan, program, programs, threads,
+                                              ref.dtype.itemsize)
+            l2_prefetch(ref, offsets, nbytes=nbytes)

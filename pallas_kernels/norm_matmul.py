@@ -44,7 +44,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (NUM_SMS_H200, check_array, check_same_dtype, check_tiles,
                                      dot_f32, multiple_of, ref_precision)
-from pallas_kernels.l2_prefetch import PrefetchPlan, l2_prefetch, program_offsets
+from pallas_kernels.l2_prefetch import PrefetchPlan, issue_prefetches
 from pallas_kernels.rms_norm import add_deltas_reference, check_deltas, rms_norm_reference
 
 
@@ -250,19 +250,12 @@ def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int,
             jnp.zeros((op_rows, block_k), jnp.float32) if has_norm else None)
     if prefetched:
         init = (*init, *operands(multiple_of(chunk_start, block_k)))
-    def issue_prefetch(at: str):
-        # This program's share of the next kernel's first weight rows, into the L2.
-        program = (pl.program_id(0) * pl.num_programs(1) + pl.program_id(1)) \
-            * pl.num_programs(2) + pl.program_id(2)
-        for ref, plan in zip(pf_refs, prefetch_plans):
-            if plan.at == at:
-                offsets, nbytes = program_offsets(plan, program, programs, threads,
-                                                  ref.dtype.itemsize)
-                l2_prefetch(ref, offsets, nbytes=nbytes)
-
-    issue_prefetch("start")
+    # This program's share of the next kernel's first weight rows, into the L2.
+    program = (pl.program_id(0) * pl.num_programs(1) + pl.program_id(1)) \
+        * pl.num_programs(2) + pl.program_id(2)
+    issue_prefetches(pf_refs, prefetch_plans, program, programs, threads, "start")
     accs, ss, *_ = lax.fori_loop(0, k_chunk // block_k, step, init)
-    issue_prefetch("end")
+    issue_prefetches(pf_refs, prefetch_plans, program, programs, threads, "end")
     if has_norm:
         ss = jnp.sum(ss, axis=1)  # [op_rows]: this chunk's sum of squares of each x row
         ss = jnp.broadcast_to(ss, (block_m,)) if op_rows < block_m else ss  # [block_m]
