@@ -40,8 +40,7 @@ from pallas_kernels._common import (LOG2_E, MASK_VALUE, check_array, check_head_
 from pallas_kernels.decode_attention import (
     DecodeBlockSizes, _merge_splits, attend_tiles, check_cache_pair, choose_num_splits,
     decode_attention_reference)
-from pallas_kernels.l2_prefetch import issue_prefetches
-from pallas_kernels.norm_matmul import _check_prefetch, apply_norm_partials
+from pallas_kernels.norm_matmul import apply_norm_partials
 
 # ---------------------------------------------------------------------------------------------
 # Kernel
@@ -155,8 +154,7 @@ def deferred_inv_rms(sum_sq, norm: tuple[int, float] | None):
 def decode_attention_append_kernel(pos_ref, *refs, sm_scale: float, chunk: int, block_k: int,
                                    window: int | None, groups: int, seq_len: int,
                                    has_rope: bool, num_parts: int, normalize: bool,
-                                   norm: tuple[int, float] | None, prefetch_plans: tuple = (),
-                                   programs: int = 1, threads: int = 128):
+                                   norm: tuple[int, float] | None):
     # pos_ref [B] int32 (whole array): slot of each sequence's new token
     # q_refs [Gp, D] x P: qkv rows of one KV group from row 0, from each of the P parts (one
     #   16-bit array, or a split-K matmul's float32 chunks, summed here); rows >= G (the key,
@@ -166,7 +164,6 @@ def decode_attention_append_kernel(pos_ref, *refs, sm_scale: float, chunk: int, 
     # ss_ref [P, B] (norm = (K, eps)): the parts' sums of squares of the projection's input
     #   row; the parts' sum is scaled by rsqrt(sum / K + eps) (its RMSNorm, deferred here)
     # cos_ref, sin_ref [D] (has_rope): this sequence's rotation, halves equal
-    # one whole-array ref per prefetch plan: the next kernel's weight (the o projection's)
     # k_ref, v_ref [S_pad, D]: one KV head's cache row, read at slots < pos only
     # normalize=False: acc_ref [Gp, D], m_ref [Gp], l_ref [Gp] (float32): this chunk's
     #   partials, G rows stored; normalize=True (one chunk): o_ref [Gp, D], the attention output
@@ -187,11 +184,6 @@ def decode_attention_append_kernel(pos_ref, *refs, sm_scale: float, chunk: int, 
     if has_rope:
         cos_ref, sin_ref, *refs = refs
         rope = (cos_ref, sin_ref, ())
-    pf_refs, refs = refs[:len(prefetch_plans)], refs[len(prefetch_plans):]
-    # The HBM idles while this latency-bound kernel runs: its programs ask the L2 for their
-    # share of the next matmul's first weight rows.
-    program = (b * pl.num_programs(1) + pl.program_id(1)) * pl.num_programs(2) + pl.program_id(2)
-    issue_prefetches(pf_refs, prefetch_plans, program, programs, threads, "start")
     k_ref, v_ref, *refs = refs
     if normalize:
         o_ref, ko_ref, vo_ref = refs
@@ -210,7 +202,6 @@ def decode_attention_append_kernel(pos_ref, *refs, sm_scale: float, chunk: int, 
         plgpu.store(acc_ref, acc, mask=row_ok[:, None])
         plgpu.store(m_ref, m, mask=row_ok)
         plgpu.store(l_ref, l, mask=row_ok)
-    issue_prefetches(pf_refs, prefetch_plans, program, programs, threads, "end")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -288,7 +279,7 @@ def _validate(qkv, k_cache, v_cache, positions, rope, sliding_window,
 
 def decode_attention_append(qkv, k_cache, v_cache, positions, *, rope=None,
                             sm_scale: float | None = None, sliding_window: int | None = None,
-                            norm=None, prefetch: tuple = (), interpret: bool = False,
+                            norm=None, interpret: bool = False,
                             block_sizes: DecodeBlockSizes | None = None):
     """One new token per sequence: rotate its q and k (RoPE, when `rope` is given), write its
     k and v at slot positions[b] of k/v_cache [B, S, Hkv, D], and attend its q to slots
@@ -306,12 +297,8 @@ def decode_attention_append(qkv, k_cache, v_cache, positions, *, rope=None,
     slots > positions[b] - w are seen (HF semantics). The caches are aliased to the outputs: to
     update them in place, call this inside a jit that donates them (the model's decode step);
     an eager call or a jit without donation copies each cache once first.
-    prefetch: (array, PrefetchPlan) pairs, the next kernel's weight and what it reads first
-    (norm_matmul.first_rows_plan): the programs ask the L2 for their share of it (a cache
-    hint: results are unchanged; pallas_kernels/l2_prefetch.py).
     """
     _validate(qkv, k_cache, v_cache, positions, rope, sliding_window, norm)
-    _check_prefetch("decode_attention_append", prefetch)
     if qkv.ndim == 4:
         qkv = qkv[None]  # [1, B, Hkv, G + 2, D]: one part
     d = qkv.shape[-1]
@@ -333,15 +320,13 @@ def decode_attention_append(qkv, k_cache, v_cache, positions, *, rope=None,
     return _decode_attention_append_triton(
         qkv, k_cache, v_cache, positions, rope, ss, sm_scale=sm_scale, blocks=blocks,
         num_splits=num_splits, window=window, norm=norm_static,
-        prefetch=tuple(a for a, _ in prefetch), prefetch_plans=tuple(p for _, p in prefetch),
         interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "blocks", "num_splits", "window",
-                                             "norm", "interpret", "prefetch_plans"))
+                                             "norm", "interpret"))
 def _decode_attention_append_triton(qkv, k_cache, v_cache, positions, rope, ss, *, sm_scale,
-                                    blocks, num_splits, window, norm, interpret, prefetch=(),
-                                    prefetch_plans=()):
+                                    blocks, num_splits, window, norm, interpret):
     # qkv [P, B, Hkv, G + 2, D]: P parts summed in the kernel
     parts, b, hkv, rows, d = qkv.shape
     g = rows - 2
@@ -357,8 +342,7 @@ def _decode_attention_append_triton(qkv, k_cache, v_cache, positions, rope, ss, 
     kernel = functools.partial(decode_attention_append_kernel, sm_scale=sm_scale, chunk=chunk,
                                block_k=block_k, window=window, groups=g, seq_len=s,
                                has_rope=rope is not None, num_parts=parts, normalize=normalize,
-                               norm=norm, prefetch_plans=tuple(prefetch_plans),
-                               programs=b * hkv * num_splits, threads=32 * blocks.num_warps)
+                               norm=norm)
     row = pl.BlockSpec((None, s_pad, None, d), lambda i, h, c: (i, 0, h, 0))
 
     def qkv_spec(p, first_row, n_rows):  # rows [first_row, +n_rows) of part p, KV group h
@@ -377,9 +361,6 @@ def _decode_attention_append_triton(qkv, k_cache, v_cache, positions, rope, ss, 
     if rope is not None:
         in_specs += [pl.BlockSpec((None, d), lambda i, h, c: (i, 0))] * 2
         args += list(rope)
-    for a in prefetch:  # whole arrays: the kernel only takes their addresses
-        in_specs.append(pl.BlockSpec(a.shape, lambda i, h, c, nd=a.ndim: (0,) * nd))
-        args.append(a)
     in_specs += [row, row]
     args += [k_cache, v_cache]
     if normalize:

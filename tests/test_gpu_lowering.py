@@ -287,10 +287,10 @@ def test_pdl_instructions_lower_to_the_grid_dependency_ops(verify_triton_modules
 
 def test_l2_prefetch_lowers_to_one_bulk_prefetch_per_thread(gpu_dispatch, monkeypatch,
                                                              verify_triton_modules):
-    """layers.PREFETCH all on, two decode layers: q/k/v and attention prefetch o, o SwiGLU's
+    """layers.PREFETCH all on, two decode layers: q/k/v prefetches o, o prefetches SwiGLU's
     two weights, SwiGLU down, down the next layer's q/k/v (the last layer's down nothing), each
     as a non-pure inline asm over one pointer per thread that nothing may remove."""
-    for consumer in ("o", "o_attn", "mlp", "down", "qkv"):
+    for consumer in ("o", "mlp", "down", "qkv"):
         monkeypatch.setitem(layers.PREFETCH, consumer, (128, "start"))
     decode_step_module("llama3-8b", 1, 512, num_layers=2)
     counts = collections.Counter()  # (kernel, prefetches in it), per distinct lowering
@@ -302,7 +302,7 @@ def test_l2_prefetch_lowers_to_one_bulk_prefetch_per_thread(gpu_dispatch, monkey
     assert counts == collections.Counter([
         ("norm_matmul_none_k4096_n6144_split2", 1),  # layer 0's q/k/v: o's weight
         ("add_norm_matmul_none_k4096_n6144_split2", 1),  # layer 1's (adds down's chunks)
-        ("decode_attention_append", 1),  # o's weight too ("o_attn")
+        ("decode_attention_append", 0),
         ("matmul_none_k4096_n4096_split2", 2),  # o: gate and up (one lowering, both layers)
         ("add_norm_matmul_swiglu_k4096_n14336", 1),  # SwiGLU: down
         ("matmul_none_k14336_n4096_split2", 1),  # layer 0's down: layer 1's q/k/v

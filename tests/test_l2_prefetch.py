@@ -14,8 +14,6 @@ import numpy as np
 import pytest
 
 from jaxinfer.models import layers
-from pallas_kernels.decode_attention import DecodeBlockSizes
-from pallas_kernels.decode_attention_append import decode_attention_append
 from pallas_kernels.l2_prefetch import (PrefetchPlan, l2_prefetch, plan_programs,
                                         program_offsets)
 from pallas_kernels.norm_matmul import (MatmulBlockSizes, _chunking, default_block_sizes,
@@ -77,26 +75,6 @@ def test_kernels_give_the_same_results_with_prefetch(dtype):
         plain, hinted = fn(), fn(prefetch=pf)
         for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(hinted)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
-@pytest.mark.parametrize("splits", [1, 2])
-def test_decode_attention_gives_the_same_results_with_prefetch(splits):
-    keys = jax.random.split(jax.random.PRNGKey(1), 4)
-    b, s, hkv, g, d = 2, 40, 2, 2, 16
-    qkv = jax.random.normal(keys[0], (b, hkv, g + 2, d), jnp.float32)
-    kc, vc = (jax.random.normal(k, (b, s, hkv, d), jnp.float32) for k in keys[1:3])
-    wo = jax.random.normal(keys[3], (hkv * g * d, 64), jnp.float32)
-    pos = jnp.asarray([5, 33], jnp.int32)
-    pf = tuple((wo, first_rows_plan(b, wo.shape[0], 64, itemsize=4, rows=16, at=at))
-               for at in ("start", "end"))
-    blocks = DecodeBlockSizes(block_k=16, num_splits=splits, num_stages=1)
-    plain = decode_attention_append(qkv, kc, vc, pos, interpret=True, block_sizes=blocks)
-    hinted = decode_attention_append(qkv, kc, vc, pos, interpret=True, block_sizes=blocks,
-                                     prefetch=pf)
-    for a, h in zip(plain, hinted):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(h))
-    with pytest.raises(ValueError, match="decode_attention_append: prefetch takes"):
-        decode_attention_append(qkv, kc, vc, pos, interpret=True, prefetch=(wo,))
 
 
 def test_next_prefetch_follows_prefetch_rows(monkeypatch):

@@ -119,9 +119,8 @@ def project(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array
 
 
 # The decode matmuls' L2 prefetch of the next kernel's weight (pallas_kernels/l2_prefetch.py):
-# for each consumer ("o", "mlp" = SwiGLU, "down", "qkv" = the next layer's q/k/v; "o_attn": o's
-# weight prefetched by the decode attention kernel instead of q/k/v; "self_*": a kernel's own
-# first rows), None (off) or (rows, at): its producer's programs prefetch the
+# for each consumer ("o", "mlp" = SwiGLU, "down", "qkv" = the next layer's q/k/v; "self_*": a
+# kernel's own first rows), None (off) or (rows, at): its producer's programs prefetch the
 # first `rows` rows of each of its K chunks at the "start" or the "end" of their own stream.
 # Trace-time switch (jit again after a change). Measured in the B=1 Llama-3-8B step on the
 # H200 (profile_decode.py --prefetch, 2026-11-30, four calls on three machines, kernel time
@@ -130,8 +129,10 @@ def project(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array
 # 3.936-3.942 ms; 4.005 -> 3.978-3.983); SwiGLU runs 0.45 us and down 0.3 us faster per layer,
 # q/k/v 0.3. Every other placement lost: o's and q/k/v's prefetches slow the producer more
 # than they speed the consumer (o -> SwiGLU +1.1 us on o), a kernel's own rows at its start
-# slow it, more rows for down (256, 512) or bulk prefetches give less (benchmarks/NOTES.md run L).
-PREFETCH = {"o": None, "o_attn": None, "mlp": None, "down": (128, "start"), "qkv": (64, "end"),
+# slow it, more rows for down (256, 512) or bulk prefetches give less; the decode attention
+# kernel prefetching o's rows (commit 2d67d29) slows the attention more than o gains
+# (benchmarks/NOTES.md run L).
+PREFETCH = {"o": None, "mlp": None, "down": (128, "start"), "qkv": (64, "end"),
             "self_qkv": None, "self_o": None, "self_mlp": None, "self_down": None}
 
 
@@ -457,19 +458,18 @@ def fused_decode_attention_ok(h: jax.Array, head_dim: int, rotary_dim: int) -> b
 
 
 def decode_attention_qkv(qkv, k_cache, v_cache, positions, cos, sin, *, window=None,
-                         norm=None, prefetch: tuple = ()):
+                         norm=None):
     """One new token per row, straight from the fused projection qkv [B, 1, Hkv, G + 2, D] (or
     its split-K chunks, Partials [S, B, 1, Hkv, G + 2, D], summed by the kernel): RoPE on its
     q and k (cos/sin [B, 1, D]), k and v written to slot positions [B, 1] of one layer's cache
     [B, S, Hkv, D], q attending to slots <= its position. norm: the deferred RMSNorm of
     `norm_qkv` (the chunks' sum is scaled by it) or None. One kernel
     (pallas_kernels/decode_attention_append.py), updating the donated cache in place; only
-    where `fused_decode_attention_ok`. prefetch: `next_prefetch` pairs (the o projection's
-    weight). Returns (out [B, 1, Hq, D], k_cache, v_cache)."""
+    where `fused_decode_attention_ok`. Returns (out [B, 1, Hq, D], k_cache, v_cache)."""
     from pallas_kernels import decode_attention_append
 
     qkv = qkv.parts[:, :, 0] if isinstance(qkv, Partials) else qkv[:, 0]  # drop T = 1
     out, k_cache, v_cache = decode_attention_append(
         qkv, k_cache, v_cache, positions[:, 0], rope=(cos[:, 0], sin[:, 0]),
-        sliding_window=window, norm=norm, prefetch=prefetch)
+        sliding_window=window, norm=norm)
     return out[:, None], k_cache, v_cache

@@ -71,9 +71,8 @@ def _attention_block(lp: dict, x, delta, cos, sin, positions, config: Config, la
         # chunks summed, the norm applied, RoPE), the cache write and attention in 2-3 kernels.
         x, qkv, norm = layers.norm_qkv(x, delta, lp["attn_norm"], lp["wqkv"], lp.get("bqkv"),
                                        eps, next_w=lp["wo"])  # qkv: [S, B, T, Hkv, G + 2, hd]
-        o, *cache_kv = layers.decode_attention_qkv(
-            qkv, *cache_kv, positions, cos, sin, window=window, norm=norm,
-            prefetch=layers.next_prefetch("o_attn", x, lp["wo"]))
+        o, *cache_kv = layers.decode_attention_qkv(qkv, *cache_kv, positions, cos, sin,
+                                                   window=window, norm=norm)
     else:
         x, h = layers.add_norm(x, delta, lp["attn_norm"], eps)
         qkv = layers.project(h, lp["wqkv"], lp.get("bqkv"))  # [B, T, Hkv, G + 2, hd]
