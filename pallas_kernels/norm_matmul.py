@@ -7,6 +7,9 @@
                                                        that sum returned too
     norm_matmul(..., partials=True)                    unreduced float32 K chunks (+ the norm's
                                                        sums of squares) for a consumer kernel
+    ... prefetch=((w_next, first_rows_plan(...)),)     the programs also ask the L2 for the next
+                                                       kernel's first weight rows
+                                                       (pallas_kernels/l2_prefetch.py)
 
 Built for decode (M = batch, 1..64), where the op streams the weight and every separate small
 kernel (the norm's reduce and scale, the residual add, a split-K reduction) costs more time than
