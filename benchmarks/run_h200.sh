@@ -9,6 +9,7 @@
 #   bash benchmarks/run_h200.sh kernels # benchmarks/kernels.py, parts from $KERNELS (decode
 #                                       # shapes from $DECODE_SHAPES, e.g. 8x8192,1x32768)
 #   bash benchmarks/run_h200.sh sweep   # the B=1 step profiled under several matmul block sizes
+#   bash benchmarks/run_h200.sh prefetch # the L2 prefetch: default, off, instructions left out
 #   bash benchmarks/run_h200.sh pdl     # does PDL overlap kernels under XLA? (session 4: no)
 #   bash benchmarks/run_h200.sh pdlffi  # PDL through our own FFI launch (session 9: honoured)
 #   bash benchmarks/run_h200.sh layout  # decode GEMVs with the weights stored [K, N] vs [N, K]
@@ -65,6 +66,14 @@ sweep() {  # the B=1 step profiled under several configurations ($SWEEP: one per
     timeout 100 python3 benchmarks/profile_decode.py --preset llama3-8b --batch 1 --prompt-len 128 \
       --steps 32 --top 12 $cfg 2>&1 | grep -v "^bench" | tail -15
   done <<< "$configs"
+}
+prefetch() {  # the L2 prefetch default vs off vs its instructions left out (NOTES run L)
+  SWEEP='--top 6
+--top 6 --prefetch {"down":null,"qkv":null}
+--top 6 --prefetch {"insn":"none"}
+--top 6
+--top 6 --prefetch {"down":null,"qkv":null}
+--top 6 --prefetch {"insn":"none"}' sweep
 }
 kernels() {  # KERNELS="gemv,decode" picks parts of benchmarks/kernels.py
   timeout "${KERNELS_TIMEOUT:-300}" python3 benchmarks/kernels.py --only "${KERNELS:-gemv}" \

@@ -44,8 +44,10 @@ l2_prefetch_effect = L2PrefetchEffect()
 effects.control_flow_allowed_effects.add_type(L2PrefetchEffect)
 pallas_core.kernel_local_effects.add_type(L2PrefetchEffect)
 
-# "bulk": one cp.async.bulk.prefetch.L2 per element; "line": prefetch.global.L2::evict_last
-# for each 128-byte line of the element's bytes.
+# "line": prefetch.global.L2::evict_last for each 128-byte line of the element's bytes (the
+# default: measured best, benchmarks/NOTES.md run L); "bulk": one cp.async.bulk.prefetch.L2 per
+# element; "none" (a probe): the same addresses and asm, no prefetch instruction, to tell the
+# prefetch's effect on the cache from its mere presence in the kernel.
 INSTRUCTION = "line"
 
 l2_prefetch_p = jax_core.Primitive("l2_prefetch")
@@ -78,9 +80,14 @@ def _l2_prefetch_lowering(ctx, ptr, offsets, *, nbytes):
     # The dummy result only gives the op a type; pure=False keeps it alive.
     if INSTRUCTION == "bulk":
         asm = f"cp.async.bulk.prefetch.L2.global [$1], {nbytes};"
-    else:
+    elif INSTRUCTION == "line":
         asm = " ".join(f"prefetch.global.L2::evict_last [$1+{o}];"
                        for o in range(0, nbytes, 128))
+    elif INSTRUCTION == "none":
+        asm = ""
+    else:
+        raise ValueError(f"l2_prefetch.INSTRUCTION={INSTRUCTION!r}: one of 'line', 'bulk', "
+                         f"'none'")
     tt_dialect.elementwise_inline_asm(
         [i32], asm + " mov.u32 $0, 0;",
         constraints="=r,l", pure=False, packed_element=1, args=[ptrs])

@@ -308,3 +308,30 @@ def test_l2_prefetch_lowers_to_one_bulk_prefetch_per_thread(gpu_dispatch, monkey
         ("matmul_none_k14336_n4096_split2", 1),  # layer 0's down: layer 1's q/k/v
         ("matmul_none_k14336_n4096_split2", 0),  # the last layer's down: nothing
         ("add_rms_norm", 0)]), counts
+
+
+@pytest.mark.parametrize("insn,want", [("line", "prefetch.global.L2::evict_last [$1+0];"),
+                                       ("bulk", "cp.async.bulk.prefetch.L2.global [$1],"),
+                                       ("none", '" mov.u32 $0, 0;"')])
+def test_l2_prefetch_instruction_choices(insn, want, monkeypatch, verify_triton_modules):
+    """l2_prefetch.INSTRUCTION picks what the asm holds; "none" keeps the addresses and the asm
+    but prefetches nothing (a probe); anything else is refused by name."""
+    import importlib
+
+    l2p = importlib.import_module("pallas_kernels.l2_prefetch")
+    from pallas_kernels.norm_matmul import first_rows_plan
+
+    def fn(x, w, nxt):
+        return pk.norm_matmul(x, None, w, partials=True,
+                              prefetch=((nxt, first_rows_plan(1, 4096, 4096)),))
+
+    args = (S((1, 4096), BF16), S((4096, 4096), BF16), S((4096, 4096), BF16))
+    monkeypatch.setattr(l2p, "INSTRUCTION", insn)
+    jax.clear_caches()  # the setting is read at lowering; a cached lowering would hide it
+    lower_for_h200(fn, *args)
+    assert want in verify_triton_modules[-1]
+    monkeypatch.setattr(l2p, "INSTRUCTION", "l1")
+    jax.clear_caches()
+    with pytest.raises(ValueError, match="INSTRUCTION='l1'"):
+        lower_for_h200(fn, *args)
+    jax.clear_caches()  # no lowering made with this test's setting outlives it
