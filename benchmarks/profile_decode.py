@@ -158,8 +158,9 @@ def main(argv=None) -> int:
                         "column write per step; left out of the step otherwise)")
     p.add_argument("--prefetch", default=None,
                    help='JSON {"o": [rows, "start"|"end"] or null, "mlp": ..., "down": ..., '
-                        '"qkv": ..., "insn": "line"|"bulk"}: the L2 prefetch of each decode '
-                        "matmul's next weight (layers.PREFETCH, l2_prefetch.INSTRUCTION)")
+                        '"qkv": ..., "insn": "line"|"bulk"|"none", "pages": {"down": "start", '
+                        '...}}: the L2 prefetch of each decode matmul\'s next weight '
+                        "(layers.PREFETCH, l2_prefetch.INSTRUCTION, layers.PAGE_TOUCH)")
     p.add_argument("--timeline", type=int, default=0,
                    help="print this many kernels (start, duration, stream) around a decode "
                         "attention kernel in the middle of the run: what overlaps what")
@@ -179,6 +180,7 @@ def main(argv=None) -> int:
         spec = json.loads(args.prefetch)
         l2p = importlib.import_module("pallas_kernels.l2_prefetch")
         l2p.INSTRUCTION = spec.pop("insn", l2p.INSTRUCTION)
+        layers.PAGE_TOUCH.update(spec.pop("pages", {}))
         layers.PREFETCH.update({k: None if v is None else tuple(v) for k, v in spec.items()})
     if args.unfused:
         _use_unfused_decode_path()

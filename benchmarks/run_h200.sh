@@ -67,13 +67,15 @@ sweep() {  # the B=1 step profiled under several configurations ($SWEEP: one per
       --steps 32 --top 12 $cfg 2>&1 | grep -v "^bench" | tail -15
   done <<< "$configs"
 }
-prefetch() {  # the L2 prefetch default vs off vs its instructions left out (NOTES run L)
+prefetch() {  # the L2 prefetch: default, off, instructions left out, page touches (NOTES run L)
   SWEEP='--top 6
 --top 6 --prefetch {"down":null,"qkv":null}
 --top 6 --prefetch {"insn":"none"}
 --top 6
 --top 6 --prefetch {"down":null,"qkv":null}
---top 6 --prefetch {"insn":"none"}' sweep
+--top 6 --prefetch {"insn":"none"}
+--top 6 --prefetch {"pages":{"o":"end","mlp":"start","down":"start","qkv":"start"}}
+--top 6 --prefetch {"pages":{"o":"end","mlp":"end","down":"end","qkv":"end"}}' sweep
 }
 kernels() {  # KERNELS="gemv,decode" picks parts of benchmarks/kernels.py
   timeout "${KERNELS_TIMEOUT:-300}" python3 benchmarks/kernels.py --only "${KERNELS:-gemv}" \

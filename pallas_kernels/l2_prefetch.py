@@ -4,6 +4,7 @@
                                          every element offset o in offsets (int32 [n]); returns
                                          nothing, waits for nothing
     PrefetchPlan(starts, length)         which elements of a weight the consumer reads first
+    page_plan(size, itemsize)            one line in every 2 MiB page of a weight
     program_offsets(plan, program, ...)  this program's share of the plan: one prefetch per
                                          thread
     issue_prefetches(refs, plans, ...)   a kernel's call: its programs' shares of each plan
@@ -148,10 +149,23 @@ def program_offsets(plan: PrefetchPlan, program, programs: int, threads: int, it
     c = jnp.minimum(program * per + jnp.arange(per, dtype=jnp.int32), total - 1)  # [per]
     per_range = plan.length // chunk
     r = c // per_range
-    start = jnp.zeros_like(c)
-    for i, s in enumerate(plan.starts):  # few ranges (the consumer's K chunks)
-        start = jnp.where(r == i, jnp.int32(s), start)
+    steps = {b - a for a, b in zip(plan.starts, plan.starts[1:])}
+    if len(steps) <= 1:  # evenly spaced ranges (K chunks, pages): one multiply-add
+        start = plan.starts[0] + r * (steps.pop() if steps else 0)
+    else:
+        start = jnp.zeros_like(c)
+        for i, s in enumerate(plan.starts):
+            start = jnp.where(r == i, jnp.int32(s), start)
     return start + (c % per_range) * chunk, chunk * itemsize
+
+
+def page_plan(size: int, itemsize: int, *, page_bytes: int = 2 << 20,
+              at: str = "start") -> PrefetchPlan:
+    """One 128-byte line in every `page_bytes` of an array of `size` elements: touches each
+    (2 MiB, the GPU's large page) page of a weight early, so that its address translation is
+    cached before the consumer's stream reaches it; ~1/16384 of the bytes."""
+    line, page = 128 // itemsize, page_bytes // itemsize
+    return PrefetchPlan(starts=tuple(range(0, size - line + 1, page)), length=line, at=at)
 
 
 def issue_prefetches(refs, plans, program, programs: int, threads: int, at: str) -> None:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from jaxinfer.models import layers
-from pallas_kernels.l2_prefetch import (PrefetchPlan, l2_prefetch, plan_programs,
+from pallas_kernels.l2_prefetch import (PrefetchPlan, l2_prefetch, page_plan, plan_programs,
                                         program_offsets)
 from pallas_kernels.norm_matmul import (MatmulBlockSizes, _chunking, default_block_sizes,
                                         first_rows_plan, norm_matmul)
@@ -48,9 +48,11 @@ def test_first_rows_plan_is_the_consumers_first_tiles(m, k, n, n_weights):
     assert first_rows_plan(m, k, n, n_weights=n_weights, rows=10 ** 9).length == k_chunk * n
 
 
+@pytest.mark.parametrize("starts", [(0, 3 * 4096 * 64), (0, 2 * 4096 * 64, 3 * 4096 * 64)],
+                         ids=["even", "uneven"])
 @pytest.mark.parametrize("programs,threads", [(128, 128), (112, 128), (7, 32)])
-def test_every_planned_element_is_prefetched_by_some_program(programs, threads):
-    plan = PrefetchPlan(starts=(0, 3 * 4096 * 64), length=64 * 4096)
+def test_every_planned_element_is_prefetched_by_some_program(programs, threads, starts):
+    plan = PrefetchPlan(starts=starts, length=64 * 4096)
     hits = covered(plan, programs, threads, 2)
     want = np.zeros_like(hits)
     for s in plan.starts:
@@ -92,6 +94,26 @@ def test_next_prefetch_follows_prefetch_rows(monkeypatch):
     assert layers.next_prefetch("down", jnp.zeros((1, 1, 70), jnp.bfloat16), odd) == ()
     monkeypatch.setitem(layers.PREFETCH, "qkv", (256, "end"))
     assert layers.next_prefetch("qkv", x, None) == ()  # the last layer has no next q/k/v
+
+
+def test_page_plan_touches_every_page_once():
+    size = 14336 * 4096  # down's weight, bf16: 117 MB, 56 pages of 2 MiB
+    plan = page_plan(size, 2)
+    assert plan.starts == tuple(range(0, size, 1 << 20)) and plan.length == 64
+    assert plan.at == "start"
+    hits = covered(plan, 128, 128, 2)
+    touched = np.flatnonzero(hits)
+    assert set(touched // (1 << 20)) == set(range(56)) and len(touched) == 56 * 64
+
+
+def test_page_touch_adds_page_plans(monkeypatch):
+    x = jnp.zeros((1, 1, 14336), jnp.bfloat16)
+    wd = jax.ShapeDtypeStruct((14336, 4096), jnp.bfloat16)
+    monkeypatch.setitem(layers.PREFETCH, "down", None)
+    monkeypatch.setitem(layers.PAGE_TOUCH, "down", "end")
+    assert layers.next_prefetch("down", x, wd) == ((wd, page_plan(14336 * 4096, 2, at="end")),)
+    monkeypatch.setitem(layers.PREFETCH, "down", (128, "start"))
+    assert [p.length for _, p in layers.next_prefetch("down", x, wd)] == [128 * 4096, 64]
 
 
 def test_bad_prefetch_arguments_raise_clear_errors():

@@ -134,24 +134,37 @@ def project(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array
 # (benchmarks/NOTES.md run L).
 PREFETCH = {"o": None, "mlp": None, "down": (128, "start"), "qkv": (64, "end"),
             "self_qkv": None, "self_o": None, "self_mlp": None, "self_down": None}
+# A probe, not measured yet (benchmarks/run_h200.sh prefetch): the same producers touching one
+# line in every 2 MiB page of the consumer's weights, "start" or "end" (l2_prefetch.page_plan):
+# if the consumers' ramps include address-translation misses, this warms them for ~1/16384 of
+# the bytes.
+PAGE_TOUCH = {"o": None, "mlp": None, "down": None, "qkv": None}
 
 
 def next_prefetch(consumer: str, x: jax.Array, *weights: jax.Array) -> tuple:
     """The `prefetch=` pairs for a decode matmul on x [..., D] whose next kernel, `consumer`
     (a PREFETCH key), multiplies by weights (1, or SwiGLU's 2, each [K, *N]); () when that
     consumer's prefetch is off or there is no next weight."""
-    if PREFETCH.get(consumer) is None or not weights or weights[0] is None:
+    if not weights or weights[0] is None:
         return ()
-    rows, at = PREFETCH[consumer]
+    from pallas_kernels.l2_prefetch import page_plan
     from pallas_kernels.norm_matmul import first_rows_plan
 
     k, n = weights[0].shape[0], math.prod(weights[0].shape[1:])
-    m = math.prod(x.shape[:-1])
     itemsize = weights[0].dtype.itemsize
-    plan = first_rows_plan(m, k, n, itemsize=itemsize, n_weights=len(weights), rows=rows, at=at)
-    if (plan.length * itemsize) % 16 or any(s * itemsize % 16 for s in plan.starts):
-        return ()  # rows the prefetch instruction cannot address (16-byte granules): none
-    return tuple((w, plan) for w in weights)
+    pairs = ()
+    if PREFETCH.get(consumer) is not None:
+        rows, at = PREFETCH[consumer]
+        plan = first_rows_plan(math.prod(x.shape[:-1]), k, n, itemsize=itemsize,
+                               n_weights=len(weights), rows=rows, at=at)
+        if not (plan.length * itemsize) % 16 and not any(s * itemsize % 16
+                                                          for s in plan.starts):
+            pairs += tuple((w, plan) for w in weights)  # else rows the instruction cannot
+            # address (16-byte granules): none
+    if PAGE_TOUCH.get(consumer) is not None and k * n * itemsize >= 128:
+        plan = page_plan(k * n, itemsize, at=PAGE_TOUCH[consumer])
+        pairs += tuple((w, plan) for w in weights)
+    return pairs
 
 
 def linear_delta(x: jax.Array, w: jax.Array, b: jax.Array | None = None, *,
