@@ -116,7 +116,7 @@ def first_rows_plan(m: int, k: int, n: int, *, itemsize: int = 2, n_weights: int
                         at=at)
 
 
-def _check_prefetch(op: str, prefetch) -> None:
+def check_prefetch(op: str, prefetch) -> None:
     for pair in prefetch:
         if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[1], PrefetchPlan)):
             raise ValueError(f"{op}: prefetch takes (array, PrefetchPlan) pairs, got {pair!r}")
@@ -446,7 +446,7 @@ def norm_matmul(x, norm_weight, w, *, eps: float = 1e-6, residual=None, out_dtyp
     (`first_rows_plan`): each program, its own stream done, asks the L2 for its share of them
     (pallas_kernels/l2_prefetch.py). A cache hint only: results are unchanged."""
     _validate(x, norm_weight, w, residual)
-    _check_prefetch("norm_matmul", prefetch)
+    check_prefetch("norm_matmul", prefetch)
     if deltas is not None:
         check_deltas("norm_matmul", x, deltas, float32_only=True)
     if partials and (residual is not None or out_dtype is not None):

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels._common import check_array, check_same_dtype, ref_precision
-from pallas_kernels.norm_matmul import (MatmulBlockSizes, _check_prefetch, default_block_sizes,
+from pallas_kernels.norm_matmul import (MatmulBlockSizes, check_prefetch, default_block_sizes,
                                         fused_matmul)
 from pallas_kernels.rms_norm import add_deltas_reference, check_deltas, rms_norm_reference
 
@@ -54,7 +54,7 @@ def swiglu(x, w_gate, w_up, *, norm_weight=None, eps: float = 1e-6, deltas=None,
     pass; returns (x + sum(deltas), the SwiGLU output) then.
     prefetch: (array, PrefetchPlan) pairs for the next kernel, as in norm_matmul."""
     _validate(x, w_gate, w_up, norm_weight, deltas)
-    _check_prefetch("swiglu", prefetch)
+    check_prefetch("swiglu", prefetch)
     blocks = block_sizes or default_block_sizes(x.shape[0], w_gate.shape[1], x.shape[1],
                                                 x.dtype.itemsize, n_weights=2)
     return fused_matmul(x, norm_weight, (w_gate, w_up), None, eps=float(eps), blocks=blocks,
