@@ -12,9 +12,11 @@
 Why: at batch 1 each decode kernel streams one weight and the HBM idles between two of them,
 through the producer's tail (its programs finish unevenly), the launch gap, and the consumer's
 ramp (its first loads' HBM latency). A producer program that has finished its own stream can
-instead start the consumer's: it issues `cp.async.bulk.prefetch.L2` (Hopper's bulk prefetch,
-fire and forget: no registers, no shared memory, nothing to wait for) for a slice of the rows
-the consumer's programs load first, so those loads hit the L2. Weights are never written, so
+instead start the consumer's: it issues `prefetch.global.L2::evict_last` per 128-byte line
+(fire and forget: no registers, no shared memory, nothing to wait for; `INSTRUCTION` also
+offers Hopper's bulk prefetch) for a slice of the rows the consumer's programs load first, so
+those loads hit the L2. Measured on the H200 (benchmarks/NOTES.md run L), it pays only at some
+boundaries: jaxinfer/models/layers.py PREFETCH says which. Weights are never written, so
 reading the next kernel's weight early is always correct; the prefetch only moves data into
 the cache.
 
@@ -125,8 +127,8 @@ class PrefetchPlan:
 
 def plan_programs(plan: PrefetchPlan, programs: int, threads: int,
                   itemsize: int) -> tuple[int, int, int]:
-    """How `programs` producer programs of `threads` threads share the plan, one bulk
-    prefetch per thread: (chunks per program = threads; elements per chunk, the smallest power
+    """How `programs` producer programs of `threads` threads share the plan, one prefetch
+    instruction (a chunk) per thread: (chunks per program = threads; elements per chunk, the smallest power
     of two that covers the plan in programs * threads chunks and divides the range length;
     chunks in all). Program p takes chunks [p * per, (p + 1) * per); chunk c covers elements
     [starts[c // per_range] + (c % per_range) * chunk, ... + chunk)."""

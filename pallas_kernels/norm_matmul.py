@@ -117,6 +117,7 @@ def first_rows_plan(m: int, k: int, n: int, *, itemsize: int = 2, n_weights: int
 
 
 def check_prefetch(op: str, prefetch) -> None:
+    """`prefetch=` of a kernel wrapper: (array, PrefetchPlan) pairs, each plan inside its array."""
     for pair in prefetch:
         if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[1], PrefetchPlan)):
             raise ValueError(f"{op}: prefetch takes (array, PrefetchPlan) pairs, got {pair!r}")
@@ -253,9 +254,10 @@ def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int,
             jnp.zeros((op_rows, block_k), jnp.float32) if has_norm else None)
     if prefetched:
         init = (*init, *operands(multiple_of(chunk_start, block_k)))
-    # This program's share of the next kernel's first weight rows, into the L2.
+    # This program's share of the next kernel's first weight rows, into the L2, at the start
+    # or the end of its own stream (each plan's `at`).
     program = (pl.program_id(0) * pl.num_programs(1) + pl.program_id(1)) \
-        * pl.num_programs(2) + pl.program_id(2)
+        * pl.num_programs(2) + pl.program_id(2) if prefetch_plans else None
     issue_prefetches(pf_refs, prefetch_plans, program, programs, threads, "start")
     accs, ss, *_ = lax.fori_loop(0, k_chunk // block_k, step, init)
     issue_prefetches(pf_refs, prefetch_plans, program, programs, threads, "end")
@@ -302,7 +304,8 @@ def fused_matmul(x, norm_weight, weights, residual, *, eps, blocks, epilogue, in
     split-K producer's chunks, rounded once to x's dtype); the result is then (x + sum(deltas),
     the output as above). Shapes are checked by the public wrappers.
     prefetch: arrays (the next kernel's weights) and prefetch_plans, one PrefetchPlan each:
-    the programs, once their own stream is done, prefetch those elements into the L2."""
+    the programs prefetch their share of those elements into the L2 at the start or the end
+    of their own stream (the plan's `at`)."""
     if partials:
         assert residual is None and len(weights) == 1, "plain matmul only"
         out_dtype = jnp.float32

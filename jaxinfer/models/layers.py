@@ -119,8 +119,7 @@ def project(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array
 
 
 # The decode matmuls' L2 prefetch of the next kernel's weight (pallas_kernels/l2_prefetch.py):
-# for each consumer ("o", "mlp" = SwiGLU, "down", "qkv" = the next layer's q/k/v; "self_*": a
-# kernel's own first rows), None (off) or (rows, at): its producer's programs prefetch the
+# for each consumer ("o", "mlp" = SwiGLU, "down", "qkv" = the next layer's q/k/v), None (off) or (rows, at): its producer's programs prefetch the
 # first `rows` rows of each of its K chunks at the "start" or the "end" of their own stream.
 # Trace-time switch (jit again after a change). Measured in the B=1 Llama-3-8B step on the
 # H200 (profile_decode.py --prefetch, 2026-11-30, four calls on three machines, kernel time
@@ -132,8 +131,7 @@ def project(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array
 # slow it, more rows for down (256, 512) or bulk prefetches give less; the decode attention
 # kernel prefetching o's rows (commit 2d67d29) slows the attention more than o gains
 # (benchmarks/NOTES.md run L).
-PREFETCH = {"o": None, "mlp": None, "down": (128, "start"), "qkv": (64, "end"),
-            "self_qkv": None, "self_o": None, "self_mlp": None, "self_down": None}
+PREFETCH = {"o": None, "mlp": None, "down": (128, "start"), "qkv": (64, "end")}
 # A probe, not measured yet (benchmarks/run_h200.sh prefetch): the same producers touching one
 # line in every 2 MiB page of the consumer's weights, "start" or "end" (l2_prefetch.page_plan):
 # if the consumers' ramps include address-translation misses, this warms them for ~1/16384 of
@@ -157,10 +155,9 @@ def next_prefetch(consumer: str, x: jax.Array, *weights: jax.Array) -> tuple:
         rows, at = PREFETCH[consumer]
         plan = first_rows_plan(math.prod(x.shape[:-1]), k, n, itemsize=itemsize,
                                n_weights=len(weights), rows=rows, at=at)
-        if not (plan.length * itemsize) % 16 and not any(s * itemsize % 16
-                                                          for s in plan.starts):
-            pairs += tuple((w, plan) for w in weights)  # else rows the instruction cannot
-            # address (16-byte granules): none
+        # Rows the instruction cannot address (not in 16-byte granules) get no prefetch.
+        if all((s * itemsize) % 16 == 0 for s in (plan.length, *plan.starts)):
+            pairs += tuple((w, plan) for w in weights)
     if PAGE_TOUCH.get(consumer) is not None and k * n * itemsize >= 128:
         plan = page_plan(k * n, itemsize, at=PAGE_TOUCH[consumer])
         pairs += tuple((w, plan) for w in weights)
@@ -249,8 +246,7 @@ def norm_qkv(x: jax.Array, delta, weight: jax.Array, w: jax.Array, b: jax.Array 
         d = x.shape[-1]
         deltas = None if delta is None else delta.parts.reshape(delta.parts.shape[0], -1, d)
         out = norm_matmul(x.reshape(-1, d), weight, w, eps=eps, partials=True, deltas=deltas,
-                          prefetch=next_prefetch("o", x, next_w)
-                          + next_prefetch("self_qkv", x, w))
+                          prefetch=next_prefetch("o", x, next_w))
         x_new, (parts, ss) = out if deltas is not None else (x.reshape(-1, d), out)
         parts = parts.reshape(parts.shape[0], *x.shape[:-1], *w.shape[1:])
         return x_new.reshape(x.shape), Partials(parts), (ss, d, eps)
@@ -277,12 +273,10 @@ def norm_mlp(x: jax.Array, delta, p: dict, norm_weight: jax.Array,
         parts = delta.parts.reshape(delta.parts.shape[0], -1, d)  # [S, M, D]
         x_new, act = swiglu(x.reshape(-1, d), p["w_gate"], p["w_up"], norm_weight=norm_weight,
                             eps=eps, deltas=parts,
-                            prefetch=next_prefetch("down", x, p["w_down"])
-                            + next_prefetch("self_mlp", x, p["w_gate"], p["w_up"]))
+                            prefetch=next_prefetch("down", x, p["w_down"]))
         act = act.reshape(*x.shape[:-1], act.shape[-1])
         return x_new.reshape(x.shape), linear_delta(
-            act, p["w_down"], p.get("b_down"), prefetch=next_prefetch("qkv", x, next_w)
-            + next_prefetch("self_down", act, p["w_down"]))
+            act, p["w_down"], p.get("b_down"), prefetch=next_prefetch("qkv", x, next_w))
     x, h = add_norm(x, delta, norm_weight, eps)
     return x, mlp_delta(h, p)
 

@@ -91,9 +91,8 @@ def _attention_block(lp: dict, x, delta, cos, sin, positions, config: Config, la
         else:
             o = layers.cached_attention(q, *cache_kv, positions, window=window)
     attn = layers.linear_delta(o.reshape(b, t, config.num_heads * hd), lp["wo"], lp.get("bo"),
-                               prefetch=(layers.next_prefetch("mlp", x, lp["w_gate"], lp["w_up"])
-                                         if "w_gate" in lp else ())
-                               + layers.next_prefetch("self_o", x, lp["wo"]))
+                               prefetch=layers.next_prefetch("mlp", x, lp["w_gate"], lp["w_up"])
+                               if "w_gate" in lp else ())
     return x, attn, cache_kv
 
 
