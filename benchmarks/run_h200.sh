@@ -16,6 +16,8 @@
 #   bash benchmarks/run_h200.sh steps   # decode steps per host check of the device loop
 #   bash benchmarks/run_h200.sh gridbar # is a grid barrier in a persistent kernel cheaper than
 #                                       # a kernel boundary? (grid_barrier_probe.py, ~1 min)
+#   bash benchmarks/run_h200.sh persist # the same in Mosaic GPU, the weight ring running through
+#                                       # the barrier (persistent_mgpu_probe.py, ~2 min)
 # Results: JSON lines in ${OUT:-.}/bench-<part>.jsonl; a table on stdout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -105,5 +107,9 @@ steps() {  # benchmarks/sync_probe.py: generate.STEPS_PER_SYNC candidates, alter
 gridbar() {
   timeout "${GRIDBAR_TIMEOUT:-240}" python3 benchmarks/grid_barrier_probe.py ${GRIDBAR_ARGS:-} \
     --json "$out/gridbar.json"
+}
+persist() {
+  timeout "${PERSIST_TIMEOUT:-300}" python3 benchmarks/persistent_mgpu_probe.py ${PERSIST_ARGS:-} \
+    --json "$out/persist.json"
 }
 for part in "${@:-ours}"; do "$part"; done

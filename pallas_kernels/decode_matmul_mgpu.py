@@ -138,8 +138,9 @@ def _decode_matmul_mgpu(x, w, *, cfg: DecodeMatmulConfig, pdl, interpret: bool):
         functools.partial(_kernel, cfg=cfg, pdl=pdl and not interpret),
         out_type=jax.ShapeDtypeStruct((mp, n), dtype),
         scratch_types=[
+            # wgmma takes both operands under one swizzle: the narrower tile's
             plgpu.SMEM((cfg.stages, WGMMA_M, cfg.block_k), dtype,
-                       transforms=_transforms(cfg.block_k, dtype)),
+                       transforms=_transforms(min(cfg.block_k, cfg.block_n), dtype)),
             plgpu.SMEM((cfg.stages, cfg.block_k, cfg.block_n), dtype,
                        transforms=_transforms(cfg.block_n, dtype)),
             plgpu.SMEM((WGMMA_M, cfg.block_n), dtype, transforms=_transforms(cfg.block_n, dtype)),

@@ -15,6 +15,7 @@ CASES = [  # (Mp, K, N, config): one and several ring laps, a ring deeper than K
     (8, 256, 128, DecodeMatmulConfig(block_n=64, stages=2)),
     (16, 192, 64, DecodeMatmulConfig(block_n=64, stages=4)),
     (8, 512, 128, DecodeMatmulConfig(block_n=128, stages=3)),
+    (8, 256, 64, DecodeMatmulConfig(block_n=32, block_k=128, stages=2)),  # 64-byte swizzle
 ]
 
 

@@ -250,7 +250,9 @@ def test_decode_matmul_mgpu_lowers():
     without the PDL instructions, and only the PDL one is marked for XLA's launch (interpret
     mode has no rule for those instructions)."""
     for pdl in (False, True):
-        for cfg in (DecodeMatmulConfig(64, 64, 4), DecodeMatmulConfig(128, 64, 6)):
+        # 32 columns: the activation tile takes the weight tile's narrower swizzle (wgmma)
+        for cfg in (DecodeMatmulConfig(64, 64, 4), DecodeMatmulConfig(128, 64, 6),
+                    DecodeMatmulConfig(32, 128, 6)):
             module = lower_for_h200(
                 lambda x, w: decode_matmul_mgpu(x, w, config=cfg, pdl=pdl),
                 S((8, 4096), BF16), S((4096, 4096), BF16))

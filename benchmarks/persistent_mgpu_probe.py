@@ -1,0 +1,232 @@
+"""A persistent Mosaic GPU kernel for a chain of batch-1 products: is a grid barrier with the
+weight stream running *through* it cheaper than a kernel boundary?
+
+    PYTHONPATH=. python3 benchmarks/persistent_mgpu_probe.py [--dim 4096] [--layers 16] [--json F]
+
+Why: the batch-1 decode step is a chain of weight-streaming kernels, and each loses ~2.5 us of
+ramp and tail (benchmarks/NOTES.md, runs D-L). Two ways to hide that were measured and lost:
+- PDL: XLA (jax 0.11.2) launches Pallas kernels without it (run J);
+- a persistent Pallas *Triton* kernel with a counter barrier (grid_barrier_probe.py, session 5):
+  the barrier cost more than a launch, and weight tiles loaded before it sat in registers,
+  outside Triton's pipeline, and made it worse.
+Mosaic GPU differs on the second point: the weight tiles come in with TMA into a ring of
+shared-memory slots that the kernel manages itself, so the ring can simply run on across the
+phase boundary. While a program waits at the barrier for the other programs' outputs, its
+next weight tiles are already landing. Only the activation tiles (the previous phase's output,
+8 KB) wait for the barrier.
+
+The workload: `--layers` products y = x @ w_l, x [8, D] (row 0 real, as decode_matmul_mgpu's
+padded rows), w_l [D, D] bf16, one buffer per layer (as the model's), y the x of the next;
+timed in one executable repeated `--repeats` times:
+  - xla: jnp.dot per product;
+  - norm_matmul: the model's decode matmul per product (Pallas Triton, x [1, D]);
+  - mosaic kernels BODY: decode_matmul_mgpu per product (one Mosaic kernel each);
+  - persistent BODY: one Mosaic kernel for the chain, a grid barrier between phases, the ring
+    drained at each phase's end (each phase starts its weight stream after the barrier);
+  - persistent BODY +ring: the same, the ring running across the barriers;
+  - persistent BODY +ring nobarrier: no barrier at all (wrong by design: the barrier's cost).
+BODY = block_n x block_k x stages. Every variant is checked against jnp (row 0).
+
+The barrier: one global semaphore (zeroed before each call by Pallas). After its output's TMA
+store has completed, a program fences the async proxy and adds 1 (release, gpu scope); before
+phase l it waits (acquire) for the count to reach programs * l, then fences the async proxy so
+that its TMA loads see the other programs' outputs. All programs must be resident at once:
+D / block_n <= the SM count, one program per SM (the ring's shared memory sees to that).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+import pallas_kernels as pk
+from benchmarks.chain_timing import finish, measure_all
+from pallas_kernels.decode_matmul_mgpu import (WGMMA_M, DecodeMatmulConfig, _transforms,
+                                               decode_matmul_mgpu)
+
+MP = 8  # activation rows (row 0 real), the smallest TMA-friendly multiple of 8
+
+
+@plgpu.inline_mgpu()
+def _fence_proxy_async(ctx):
+    """Orders this thread's generic-proxy accesses with its async-proxy (TMA) ones."""
+    del ctx
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    mgpu_utils.inline_ptx("fence.proxy.async.global;", has_side_effects=True)
+
+
+def _persistent_kernel(x_ref, *refs, cfg: DecodeMatmulConfig, layers: int, ring: bool,
+                       barrier: bool):
+    # x_ref [MP, D]; refs: L weights [D, D], y_ref [L, MP, D] (phase l's output, the x of
+    # phase l + 1), then the scratch: x_smem [stages, 64, block_k] (rows >= MP unused),
+    # w_smem [stages, block_k, block_n], o_smem [64, block_n], x_ready / w_ready [stages]
+    w_refs = refs[:layers]
+    y_ref, x_smem, w_smem, o_smem, x_ready, w_ready = refs[layers:]
+    mp, d = x_ref.shape
+    bn, bk, stages = cfg.block_n, cfg.block_k, cfg.stages
+    nk = d // bk
+    programs = d // bn
+    n0 = pl.multiple_of(lax.axis_index("n") * bn, bn)
+    sem = pl.get_global(plgpu.SemaphoreType.REGULAR)
+
+    def issue_w(layer, j, slot):
+        plgpu.copy_gmem_to_smem(w_refs[layer].at[pl.ds(j * bk, bk), pl.ds(n0, bn)],
+                                w_smem.at[slot], w_ready.at[slot])
+
+    def issue_x(layer, j, slot):
+        src = x_ref.at[:, pl.ds(j * bk, bk)] if layer == 0 else \
+            y_ref.at[layer - 1, :, pl.ds(j * bk, bk)]
+        plgpu.copy_gmem_to_smem(src, x_smem.at[slot, pl.ds(0, mp)], x_ready.at[slot])
+
+    first = min(stages, nk)
+    for layer in range(layers):
+        base = layer * nk  # global step of this phase's step 0; slot = global step % stages
+        if layer > 0 and barrier:
+            plgpu.semaphore_wait(sem, programs * layer, decrement=False, memory_scope="gpu")
+            _fence_proxy_async()
+        if layer == 0 or not ring:
+            for j in range(first):
+                issue_w(layer, j, (base + j) % stages)
+        for j in range(first):
+            issue_x(layer, j, (base + j) % stages)
+
+        def body(acc_ref, layer=layer, base=base):
+            def step(j, carry):
+                slot = lax.rem(base + j, stages)
+                plgpu.barrier_wait(w_ready.at[slot])
+                plgpu.barrier_wait(x_ready.at[slot])
+                plgpu.wgmma(acc_ref, x_smem.at[slot], w_smem.at[slot])
+                plgpu.wgmma_wait(1)  # step j - 1's product is done: its slot is free
+
+                @pl.when(j >= 1)
+                def _refill():
+                    jn = j - 1 + stages  # the step whose tiles go into the freed slot
+                    free = lax.rem(base + j - 1, stages)
+
+                    @pl.when(jn < nk)
+                    def _this_phase():
+                        issue_w(layer, jn, free)
+                        issue_x(layer, jn, free)
+
+                    if ring and layer + 1 < layers:
+                        @pl.when(jn >= nk)
+                        def _next_phase():  # its weights do not depend on this phase
+                            issue_w(layer + 1, jn - nk, free)
+                return carry
+
+            lax.fori_loop(0, nk, step, None)
+            plgpu.wgmma_wait(0)
+            if ring and layer + 1 < layers:  # the last step's slot takes the next phase's tile
+                issue_w(layer + 1, stages - 1, (base + nk - 1) % stages)
+            o_smem[...] = acc_ref[...].astype(o_smem.dtype)
+
+        pl.run_scoped(body, plgpu.ACC((WGMMA_M, bn), jnp.float32))
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, mp)], y_ref.at[layer, :, pl.ds(n0, bn)])
+        plgpu.wait_smem_to_gmem(0)
+        if layer + 1 < layers and barrier:
+            _fence_proxy_async()  # the TMA store's writes before the release below
+            plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
+
+
+def chain_persistent(x, weights, *, cfg: DecodeMatmulConfig, ring: bool, barrier: bool = True):
+    """x [MP, D], weights: L arrays [D, D] -> the last phase's output [MP, D]."""
+    layers, (mp, d) = len(weights), x.shape
+    dtype = x.dtype
+    y = plgpu.kernel(
+        functools.partial(_persistent_kernel, cfg=cfg, layers=layers, ring=ring,
+                          barrier=barrier),
+        out_type=jax.ShapeDtypeStruct((layers, mp, d), dtype),
+        scratch_types=[
+            # wgmma wants both operands under one swizzle: the weight tile's (block_n wide)
+            plgpu.SMEM((cfg.stages, WGMMA_M, cfg.block_k), dtype,
+                       transforms=_transforms(min(cfg.block_k, cfg.block_n), dtype)),
+            plgpu.SMEM((cfg.stages, cfg.block_k, cfg.block_n), dtype,
+                       transforms=_transforms(cfg.block_n, dtype)),
+            plgpu.SMEM((WGMMA_M, cfg.block_n), dtype, transforms=_transforms(cfg.block_n, dtype)),
+            plgpu.Barrier(num_barriers=cfg.stages),  # x_ready
+            plgpu.Barrier(num_barriers=cfg.stages),  # w_ready
+        ],
+        grid=(d // cfg.block_n,),
+        grid_names=("n",),
+    )(x, *weights)
+    return y[-1]
+
+
+def chain_mosaic_kernels(x, weights, *, cfg: DecodeMatmulConfig):
+    for w in weights:
+        x = decode_matmul_mgpu(x, w, config=cfg)
+    return x
+
+
+def chain_norm_matmul(x, weights):
+    """The model's decode matmul per layer on row 0 (its default blocks), rows padded back."""
+    row = x[:1]
+    for w in weights:
+        row = pk.norm_matmul(row, None, w)
+    return jnp.pad(row, ((0, x.shape[0] - 1), (0, 0)))
+
+
+def chain_reference(x, weights):
+    for w in weights:
+        x = jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+    return x
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dim", type=int, default=4096)
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--bodies", default="32x128x6,32x64x8,64x128x4",
+                   help="block_n x block_k x stages, each as kernels and persistent")
+    p.add_argument("--variants", default="kernels,persistent,ring,nobarrier")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    if jax.devices()[0].platform != "gpu":
+        print("persistent_mgpu_probe: needs an NVIDIA GPU", file=sys.stderr)
+        return 1
+    d = args.dim
+    sms = jax.devices()[0].core_count
+    keys = jax.random.split(jax.random.key(0), 2)
+    x = jnp.zeros((MP, d), jnp.bfloat16).at[0].set(
+        jax.random.normal(keys[0], (d,), jnp.float32).astype(jnp.bfloat16))
+    weights = [(jax.random.normal(k, (d, d), jnp.float32) / d ** 0.5).astype(jnp.bfloat16)
+               for k in jax.random.split(keys[1], args.layers)]
+    want = jax.jit(chain_reference)(x, weights)
+    wanted = set(args.variants.split(","))
+    cases = [("xla", chain_reference, x, False), ("norm_matmul (production)", chain_norm_matmul,
+                                                  x, False)]
+    for body in args.bodies.split(","):
+        bn, bk, st = (int(v) for v in body.split("x"))
+        cfg = DecodeMatmulConfig(block_n=bn, block_k=bk, stages=st)
+        if "kernels" in wanted:
+            cases.append((f"mosaic kernels {body}",
+                          functools.partial(chain_mosaic_kernels, cfg=cfg), x, False))
+        if d // bn > sms:
+            print(f"persistent {body}: {d // bn} programs > {sms} SMs, skipped", flush=True)
+            continue
+        if "persistent" in wanted:
+            cases.append((f"persistent {body}",
+                          functools.partial(chain_persistent, cfg=cfg, ring=False), x, False))
+        if "ring" in wanted:
+            cases.append((f"persistent {body} +ring",
+                          functools.partial(chain_persistent, cfg=cfg, ring=True), x, False))
+        if "nobarrier" in wanted:
+            cases.append((f"persistent {body} +ring nobarrier",
+                          functools.partial(chain_persistent, cfg=cfg, ring=True, barrier=False),
+                          x, True))
+    rows, failures = measure_all(cases, weights, want, dim=d, layers=args.layers,
+                                 repeats=args.repeats, label=f"D={d} ")
+    return finish(rows, failures, args.json)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
