@@ -136,6 +136,131 @@ def _persistent_kernel(x_ref, *refs, cfg: DecodeMatmulConfig, layers: int, ring:
             plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
 
 
+R = 8  # activation rows in the transposed form ("wa"): the wgmma's N (row 0 real)
+
+
+def _tile_transforms(rows_bytes: int):
+    """Tiling + swizzle for an SMEM tile whose minor dimension is `rows_bytes` bytes (bf16)."""
+    swizzle = plgpu.find_swizzle(rows_bytes * 8)
+    return (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
+
+
+def _persistent_wa_kernel(x_ref, *refs, cfg: DecodeMatmulConfig, layers: int, split: int,
+                          barrier: bool):
+    # The transposed form: y^T = W^T x^T. The weight tile is wgmma's A operand (read
+    # transposed from SMEM, M = block_n output columns) and the activation tile is B (read
+    # transposed, N = R rows), both under a 128-byte swizzle; so no activation tile is padded
+    # to 64 rows: a stage is block_k x block_n of weight + R x block_k of x per part.
+    # Activations come in `split` parts that sum to them: act [split, R, D]. Program (n, h)
+    # owns columns [n * block_n, +block_n) over K range h of `split` and writes its partial
+    # sum as part h of the next activation; the next phase multiplies every part by its
+    # weight tile (one wgmma each), which sums them.
+    # x_ref [split, R, D] (part 0 = x, the others 0); refs: L weights [D, D],
+    # y_ref [L, split, R, D], x_smem [split, stages, R, block_k], w_smem [stages, block_k,
+    # block_n], o_smem [R, block_n] (the y^T tile stored transposed), x_ready
+    # [split * stages], w_ready [stages]
+    w_refs = refs[:layers]
+    y_ref, x_smem, w_smem, o_smem, x_ready, w_ready = refs[layers:]
+    d = x_ref.shape[2]
+    bn, bk, stages = cfg.block_n, cfg.block_k, cfg.stages
+    kh = d // split  # K rows per program
+    nk = kh // bk
+    programs = (d // bn) * split
+    n0 = pl.multiple_of(lax.axis_index("n") * bn, bn)
+    k_base = pl.multiple_of(lax.axis_index("h") * kh, bk)
+    sem = pl.get_global(plgpu.SemaphoreType.REGULAR)
+
+    def issue_w(layer, j, slot):
+        plgpu.copy_gmem_to_smem(w_refs[layer].at[pl.ds(k_base + j * bk, bk), pl.ds(n0, bn)],
+                                w_smem.at[slot], w_ready.at[slot])
+
+    def issue_x(layer, j, slot):
+        for part in range(split):
+            rows = pl.ds(k_base + j * bk, bk)
+            src = x_ref.at[part, :, rows] if layer == 0 else y_ref.at[layer - 1, part, :, rows]
+            plgpu.copy_gmem_to_smem(src, x_smem.at[part, slot],
+                                    x_ready.at[part * stages + slot])
+
+    first = min(stages, nk)
+    for layer in range(layers):
+        base = layer * nk
+        if layer > 0 and barrier:
+            plgpu.semaphore_wait(sem, programs * layer, decrement=False, memory_scope="gpu")
+            _fence_proxy_async()
+        if layer == 0:
+            for j in range(first):
+                issue_w(layer, j, (base + j) % stages)
+        for j in range(first):
+            issue_x(layer, j, (base + j) % stages)
+
+        def body(acc_ref, layer=layer, base=base):
+            def step(j, carry):
+                slot = lax.rem(base + j, stages)
+                plgpu.barrier_wait(w_ready.at[slot])
+                w_t = w_smem.at[slot].transpose((1, 0))  # [block_n, block_k]
+                for part in range(split):
+                    plgpu.barrier_wait(x_ready.at[part * stages + slot])
+                    plgpu.wgmma(acc_ref, w_t, x_smem.at[part, slot].transpose((1, 0)))
+                plgpu.wgmma_wait(1)
+
+                @pl.when(j >= 1)
+                def _refill():
+                    jn = j - 1 + stages
+                    free = lax.rem(base + j - 1, stages)
+
+                    @pl.when(jn < nk)
+                    def _this_phase():
+                        issue_w(layer, jn, free)
+                        issue_x(layer, jn, free)
+
+                    if layer + 1 < layers:
+                        @pl.when(jn >= nk)
+                        def _next_phase():
+                            issue_w(layer + 1, jn - nk, free)
+                return carry
+
+            lax.fori_loop(0, nk, step, None)
+            plgpu.wgmma_wait(0)
+            if layer + 1 < layers:
+                issue_w(layer + 1, stages - 1, (base + nk - 1) % stages)
+            o_smem.transpose((1, 0))[...] = acc_ref[...].astype(o_smem.dtype)  # y^T tile
+
+        pl.run_scoped(body, plgpu.ACC((bn, R), jnp.float32))
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, y_ref.at[layer, lax.axis_index("h"), :, pl.ds(n0, bn)])
+        plgpu.wait_smem_to_gmem(0)
+        if layer + 1 < layers and barrier:
+            _fence_proxy_async()
+            plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
+
+
+def chain_persistent_wa(x, weights, *, cfg: DecodeMatmulConfig, split: int, barrier: bool = True):
+    """x [MP, D], weights: L arrays [D, D] -> [MP, D]: the transposed form (see
+    _persistent_wa_kernel)."""
+    layers, d = len(weights), x.shape[1]
+    dtype = x.dtype
+    xt = jnp.zeros((split, R, d), dtype).at[0, :MP].set(x)
+    y = plgpu.kernel(
+        functools.partial(_persistent_wa_kernel, cfg=cfg, layers=layers, split=split,
+                          barrier=barrier),
+        out_type=jax.ShapeDtypeStruct((layers, split, R, d), dtype),
+        scratch_types=[
+            plgpu.SMEM((split, cfg.stages, R, cfg.block_k), dtype,
+                       transforms=_tile_transforms(cfg.block_k * 2)),
+            plgpu.SMEM((cfg.stages, cfg.block_k, cfg.block_n), dtype,
+                       transforms=_tile_transforms(cfg.block_n * 2)),
+            plgpu.SMEM((R, cfg.block_n), dtype, transforms=_tile_transforms(cfg.block_n * 2)),
+            plgpu.Barrier(num_barriers=split * cfg.stages),  # x_ready
+            plgpu.Barrier(num_barriers=cfg.stages),  # w_ready
+        ],
+        grid=(d // cfg.block_n, split),
+        grid_names=("n", "h"),
+    )(xt, *weights)
+    # the last activation's parts summed in float32, rounded once (the next phase would
+    # multiply them one by one); back to rows
+    return y[-1].astype(jnp.float32).sum(0).astype(dtype)[:MP]  # [MP, D]
+
+
 def chain_persistent(x, weights, *, cfg: DecodeMatmulConfig, ring: bool, barrier: bool = True):
     """x [MP, D], weights: L arrays [D, D] -> the last phase's output [MP, D]."""
     layers, (mp, d) = len(weights), x.shape
@@ -185,8 +310,10 @@ def main(argv=None) -> int:
     p.add_argument("--dim", type=int, default=4096)
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--bodies", default="32x128x6,32x64x8,64x128x4",
+    p.add_argument("--bodies", default="32x128x6",
                    help="block_n x block_k x stages, each as kernels and persistent")
+    p.add_argument("--wa-bodies", default="64x128x8x1,64x128x12x1,64x128x8x2,64x128x10x2,64x256x5x2",
+                   help="the transposed form: block_n x block_k x stages x K split")
     p.add_argument("--variants", default="kernels,persistent,ring,nobarrier")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -204,7 +331,7 @@ def main(argv=None) -> int:
     wanted = set(args.variants.split(","))
     cases = [("xla", chain_reference, x, False), ("norm_matmul (production)", chain_norm_matmul,
                                                   x, False)]
-    for body in args.bodies.split(","):
+    for body in (b for b in args.bodies.split(",") if b):
         bn, bk, st = (int(v) for v in body.split("x"))
         cfg = DecodeMatmulConfig(block_n=bn, block_k=bk, stages=st)
         if "kernels" in wanted:
@@ -223,6 +350,17 @@ def main(argv=None) -> int:
             cases.append((f"persistent {body} +ring nobarrier",
                           functools.partial(chain_persistent, cfg=cfg, ring=True, barrier=False),
                           x, True))
+    for body in (b for b in args.wa_bodies.split(",") if b):
+        bn, bk, st, split = (int(v) for v in body.split("x"))
+        cfg = DecodeMatmulConfig(block_n=bn, block_k=bk, stages=st)
+        if d // bn * split > sms:
+            print(f"wa {body}: {d // bn * split} programs > {sms} SMs, skipped", flush=True)
+            continue
+        cases.append((f"wa {body}", functools.partial(chain_persistent_wa, cfg=cfg, split=split),
+                      x, False))
+        if "nobarrier" in wanted:
+            cases.append((f"wa {body} nobarrier", functools.partial(
+                chain_persistent_wa, cfg=cfg, split=split, barrier=False), x, True))
     rows, failures = measure_all(cases, weights, want, dim=d, layers=args.layers,
                                  repeats=args.repeats, label=f"D={d} ")
     return finish(rows, failures, args.json)
