@@ -15,17 +15,31 @@ phase boundary. While a program waits at the barrier for the other programs' out
 next weight tiles are already landing. Only the activation tiles (the previous phase's output,
 8 KB) wait for the barrier.
 
-The workload: `--layers` products y = x @ w_l, x [8, D] (row 0 real, as decode_matmul_mgpu's
-padded rows), w_l [D, D] bf16, one buffer per layer (as the model's), y the x of the next;
-timed in one executable repeated `--repeats` times:
+The workload: `--layers` products y = x @ w_l, x [8, D] (row 0 real), w_l [D, D] bf16, one
+buffer per layer (as the model's), y the x of the next; timed in one executable repeated
+`--repeats` times:
   - xla: jnp.dot per product;
-  - norm_matmul: the model's decode matmul per product (Pallas Triton, x [1, D]);
+  - norm_matmul: the model's decode matmul per product (Pallas Triton, x [1, D]; split-K, so
+    an XLA sum per product, which the model's consumers absorb instead);
   - mosaic kernels BODY: decode_matmul_mgpu per product (one Mosaic kernel each);
-  - persistent BODY: one Mosaic kernel for the chain, a grid barrier between phases, the ring
-    drained at each phase's end (each phase starts its weight stream after the barrier);
+  - persistent BODY: one Mosaic kernel for the chain, x as wgmma's A operand (padded to 64
+    rows in SMEM), a grid barrier between phases, the ring drained at each phase's end;
   - persistent BODY +ring: the same, the ring running across the barriers;
-  - persistent BODY +ring nobarrier: no barrier at all (wrong by design: the barrier's cost).
+  - wa BODYxSPLIT[w]: the transposed form (y^T = W^T x^T: the weight tile is A, the 8
+    activation rows are B, no padding), the ring running across the barriers; SPLIT K parts
+    per column tile (the next phase multiplies every part); "w": each phase's x loaded whole;
+  - ... nobarrier: no barrier at all (wrong by design: the barrier's cost, the streaming bound).
 BODY = block_n x block_k x stages. Every variant is checked against jnp (row 0).
+`--stream 'KxN:BODYxSPLITxPROGRAMS+...;...'` times single products instead (kernel time from a
+profiler trace): XLA, norm_matmul and `stream_wa`, the transposed form with work units dealt
+to a fixed number of programs, for the steady streaming rate at the model's shapes.
+
+Results (H200, jax 0.11.2; benchmarks/NOTES.md, run M): the barrier works, and with the ring
+running through it costs 0.3-0.6 us; the transposed form streams as fast as XLA and the
+production kernels (4.1 TB/s at 117 MB); but the best persistent chain, 10.8-11.2 us per
+4096 x 4096 product, is no faster than the production kernels inside the model's step (o:
+10.2 us of kernel time), because what a phase waits for after the barrier (its activation
+from L2) costs about what a kernel boundary costs.
 
 The barrier: one global semaphore (zeroed before each call by Pallas). After its output's TMA
 store has completed, a program fences the async proxy and adds 1 (release, gpu scope); before
@@ -146,7 +160,7 @@ def _tile_transforms(rows_bytes: int):
 
 
 def _persistent_wa_kernel(x_ref, *refs, cfg: DecodeMatmulConfig, layers: int, split: int,
-                          barrier: bool):
+                          barrier: bool, whole_x: bool):
     # The transposed form: y^T = W^T x^T. The weight tile is wgmma's A operand (read
     # transposed from SMEM, M = block_n output columns) and the activation tile is B (read
     # transposed, N = R rows), both under a 128-byte swizzle; so no activation tile is padded
@@ -158,7 +172,9 @@ def _persistent_wa_kernel(x_ref, *refs, cfg: DecodeMatmulConfig, layers: int, sp
     # x_ref [split, R, D] (part 0 = x, the others 0); refs: L weights [D, D],
     # y_ref [L, split, R, D], x_smem [split, stages, R, block_k], w_smem [stages, block_k,
     # block_n], o_smem [R, block_n] (the y^T tile stored transposed), x_ready
-    # [split * stages], w_ready [stages]
+    # [split * stages], w_ready [stages]. whole_x: x_smem [split, R, K / split] instead, this
+    # program's K range of every part loaded once per phase (one barrier per part), so a step
+    # waits for its weight tile only.
     w_refs = refs[:layers]
     y_ref, x_smem, w_smem, o_smem, x_ready, w_ready = refs[layers:]
     d = x_ref.shape[2]
@@ -175,6 +191,8 @@ def _persistent_wa_kernel(x_ref, *refs, cfg: DecodeMatmulConfig, layers: int, sp
                                 w_smem.at[slot], w_ready.at[slot])
 
     def issue_x(layer, j, slot):
+        if whole_x:
+            return
         for part in range(split):
             rows = pl.ds(k_base + j * bk, bk)
             src = x_ref.at[part, :, rows] if layer == 0 else y_ref.at[layer - 1, part, :, rows]
@@ -192,6 +210,13 @@ def _persistent_wa_kernel(x_ref, *refs, cfg: DecodeMatmulConfig, layers: int, sp
                 issue_w(layer, j, (base + j) % stages)
         for j in range(first):
             issue_x(layer, j, (base + j) % stages)
+        if whole_x:
+            for part in range(split):
+                rows = pl.ds(k_base, kh)
+                src = x_ref.at[part, :, rows] if layer == 0 else y_ref.at[layer - 1, part, :, rows]
+                plgpu.copy_gmem_to_smem(src, x_smem.at[part], x_ready.at[part])
+            for part in range(split):
+                plgpu.barrier_wait(x_ready.at[part])
 
         def body(acc_ref, layer=layer, base=base):
             def step(j, carry):
@@ -199,8 +224,12 @@ def _persistent_wa_kernel(x_ref, *refs, cfg: DecodeMatmulConfig, layers: int, sp
                 plgpu.barrier_wait(w_ready.at[slot])
                 w_t = w_smem.at[slot].transpose((1, 0))  # [block_n, block_k]
                 for part in range(split):
-                    plgpu.barrier_wait(x_ready.at[part * stages + slot])
-                    plgpu.wgmma(acc_ref, w_t, x_smem.at[part, slot].transpose((1, 0)))
+                    if whole_x:
+                        xt = x_smem.at[part, :, pl.ds(pl.multiple_of(j * bk, bk), bk)]
+                    else:
+                        plgpu.barrier_wait(x_ready.at[part * stages + slot])
+                        xt = x_smem.at[part, slot]
+                    plgpu.wgmma(acc_ref, w_t, xt.transpose((1, 0)))
                 plgpu.wgmma_wait(1)
 
                 @pl.when(j >= 1)
@@ -234,7 +263,8 @@ def _persistent_wa_kernel(x_ref, *refs, cfg: DecodeMatmulConfig, layers: int, sp
             plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
 
 
-def chain_persistent_wa(x, weights, *, cfg: DecodeMatmulConfig, split: int, barrier: bool = True):
+def chain_persistent_wa(x, weights, *, cfg: DecodeMatmulConfig, split: int, barrier: bool = True,
+                        whole_x: bool = False):
     """x [MP, D], weights: L arrays [D, D] -> [MP, D]: the transposed form (see
     _persistent_wa_kernel)."""
     layers, d = len(weights), x.shape[1]
@@ -242,11 +272,11 @@ def chain_persistent_wa(x, weights, *, cfg: DecodeMatmulConfig, split: int, barr
     xt = jnp.zeros((split, R, d), dtype).at[0, :MP].set(x)
     y = plgpu.kernel(
         functools.partial(_persistent_wa_kernel, cfg=cfg, layers=layers, split=split,
-                          barrier=barrier),
+                          barrier=barrier, whole_x=whole_x),
         out_type=jax.ShapeDtypeStruct((layers, split, R, d), dtype),
         scratch_types=[
-            plgpu.SMEM((split, cfg.stages, R, cfg.block_k), dtype,
-                       transforms=_tile_transforms(cfg.block_k * 2)),
+            plgpu.SMEM((split, R, d // split) if whole_x else (split, cfg.stages, R, cfg.block_k),
+                       dtype, transforms=_tile_transforms(cfg.block_k * 2)),
             plgpu.SMEM((cfg.stages, cfg.block_k, cfg.block_n), dtype,
                        transforms=_tile_transforms(cfg.block_n * 2)),
             plgpu.SMEM((R, cfg.block_n), dtype, transforms=_tile_transforms(cfg.block_n * 2)),
@@ -259,6 +289,107 @@ def chain_persistent_wa(x, weights, *, cfg: DecodeMatmulConfig, split: int, barr
     # the last activation's parts summed in float32, rounded once (the next phase would
     # multiply them one by one); back to rows
     return y[-1].astype(jnp.float32).sum(0).astype(dtype)[:MP]  # [MP, D]
+
+
+def _stream_wa_kernel(x_ref, w_ref, y_ref, x_smem, w_smem, o_smem, x_ready, w_ready, *,
+                      cfg: DecodeMatmulConfig, split: int, units: int):
+    # One product in the transposed form, for the steady streaming rate: the work units
+    # (column tile n, K part h) are dealt round-robin to the programs, `units` each, and the
+    # weight ring runs on from one unit into the next (no barrier: x is the same for all).
+    # x_ref [R, K]; w_ref [K, N]; y_ref [split, R, N] (part h = K part h's partial sums);
+    # x_smem [stages, R, block_k], w_smem [stages, block_k, block_n], o_smem [R, block_n]
+    k, n = w_ref.shape
+    bn, bk, stages = cfg.block_n, cfg.block_k, cfg.stages
+    kh = k // split
+    nk = kh // bk
+    programs = lax.axis_size("p")
+    me = lax.axis_index("p")
+
+    def unit_at(u):  # -> (first column, first K row) of this program's u-th unit
+        flat = me + u * programs
+        return (pl.multiple_of((flat // split) * bn, bn),
+                pl.multiple_of(lax.rem(flat, split) * kh, bk))
+
+    def issue_w(u, j, slot):
+        n0, k0 = unit_at(u)
+        plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(k0 + j * bk, bk), pl.ds(n0, bn)],
+                                w_smem.at[slot], w_ready.at[slot])
+
+    def issue_x(u, j, slot):
+        _, k0 = unit_at(u)
+        plgpu.copy_gmem_to_smem(x_ref.at[:, pl.ds(k0 + j * bk, bk)], x_smem.at[slot],
+                                x_ready.at[slot])
+
+    first = min(stages, nk)
+    for j in range(first):
+        issue_w(0, j, j)
+    for u in range(units):
+        base = u * nk
+        for j in range(first):
+            issue_x(u, j, (base + j) % stages)
+
+        def body(acc_ref, u=u, base=base):
+            def step(j, carry):
+                slot = lax.rem(base + j, stages)
+                plgpu.barrier_wait(w_ready.at[slot])
+                plgpu.barrier_wait(x_ready.at[slot])
+                plgpu.wgmma(acc_ref, w_smem.at[slot].transpose((1, 0)),
+                            x_smem.at[slot].transpose((1, 0)))
+                plgpu.wgmma_wait(1)
+
+                @pl.when(j >= 1)
+                def _refill():
+                    jn = j - 1 + stages
+                    free = lax.rem(base + j - 1, stages)
+
+                    @pl.when(jn < nk)
+                    def _this_unit():
+                        issue_w(u, jn, free)
+                        issue_x(u, jn, free)
+
+                    if u + 1 < units:
+                        @pl.when(jn >= nk)
+                        def _next_unit():
+                            issue_w(u + 1, jn - nk, free)
+                return carry
+
+            lax.fori_loop(0, nk, step, None)
+            plgpu.wgmma_wait(0)
+            if u + 1 < units:
+                issue_w(u + 1, stages - 1, (base + nk - 1) % stages)
+            o_smem.transpose((1, 0))[...] = acc_ref[...].astype(o_smem.dtype)
+
+        pl.run_scoped(body, plgpu.ACC((bn, R), jnp.float32))
+        plgpu.commit_smem()
+        n0, k0 = unit_at(u)
+        plgpu.copy_smem_to_gmem(o_smem, y_ref.at[lax.div(k0, kh), :, pl.ds(n0, bn)])
+        plgpu.wait_smem_to_gmem(0)
+
+
+def stream_wa(x, w, *, cfg: DecodeMatmulConfig, split: int, programs: int,
+              interpret: bool = False):
+    """x [MP, K] @ w [K, N] -> [MP, N] by _stream_wa_kernel on `programs` programs (the K
+    parts' partial sums added by XLA, as the production split-K path does for its chunks)."""
+    (k, n), dtype = w.shape, x.dtype
+    units = (n // cfg.block_n) * split // programs
+    xr = jnp.zeros((R, k), dtype).at[:MP].set(x)
+    y = plgpu.kernel(
+        functools.partial(_stream_wa_kernel, cfg=cfg, split=split, units=units),
+        out_type=jax.ShapeDtypeStruct((split, R, n), dtype),
+        scratch_types=[
+            plgpu.SMEM((cfg.stages, R, cfg.block_k), dtype,
+                       transforms=_tile_transforms(cfg.block_k * 2)),
+            plgpu.SMEM((cfg.stages, cfg.block_k, cfg.block_n), dtype,
+                       transforms=_tile_transforms(cfg.block_n * 2)),
+            plgpu.SMEM((R, cfg.block_n), dtype, transforms=_tile_transforms(cfg.block_n * 2)),
+            plgpu.Barrier(num_barriers=cfg.stages),  # x_ready
+            plgpu.Barrier(num_barriers=cfg.stages),  # w_ready
+        ],
+        grid=(programs,),
+        grid_names=("p",),
+        interpret=plgpu.InterpretGPUParams() if interpret else False,
+    )(xr, w)
+    return y.astype(jnp.float32).sum(0).astype(dtype)[:MP]
 
 
 def chain_persistent(x, weights, *, cfg: DecodeMatmulConfig, ring: bool, barrier: bool = True):
@@ -305,6 +436,62 @@ def chain_reference(x, weights):
     return x
 
 
+def time_products(shape: str, bodies: list[str], calls: int = 10) -> tuple[list, int]:
+    """One product x [MP, K] @ w [K, N] (shape "KxN") by XLA, the production norm_matmul and
+    stream_wa per body ("block_n x block_k x stages x split x programs"), each traced on its
+    own: kernel time per call (all kernels: "total"; the largest one: "main", the weight
+    stream without the sums of split parts or x's padding), TB/s of the weight on "main",
+    error against jnp."""
+    import collections
+    import tempfile
+
+    from benchmarks.profile_decode import device_kernels, load_trace
+
+    k, n = (int(v) for v in shape.split("x"))
+    keys = jax.random.split(jax.random.key(1), 2)
+    x = jnp.zeros((MP, k), jnp.bfloat16).at[0].set(
+        jax.random.normal(keys[0], (k,), jnp.float32).astype(jnp.bfloat16))
+    w = (jax.random.normal(keys[1], (k, n), jnp.float32) / k ** 0.5).astype(jnp.bfloat16)
+    want = jnp.dot(x, w, preferred_element_type=jnp.float32)[:1]
+    # copies of w in turn, so that no call finds its weight in L2 from the call before
+    copies = [w] + [jnp.copy(w) for _ in range(3)]
+    variants = {
+        "xla": lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype),
+        "norm_matmul (production)": lambda x, w: pk.norm_matmul(x[:1], None, w),
+    }
+    for body in bodies:
+        bn, bk, st, split, programs = (int(v) for v in body.split("x"))
+        variants[f"stream {body}"] = functools.partial(
+            stream_wa, cfg=DecodeMatmulConfig(block_n=bn, block_k=bk, stages=st), split=split,
+            programs=programs)
+    rows, failures = [], 0
+    for name, fn in variants.items():
+        try:
+            run = jax.jit(fn)
+            got = run(x, w)[:1].astype(jnp.float32)
+            err = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+            jax.block_until_ready(run(x, w))
+            log_dir = tempfile.mkdtemp(prefix="stream_trace_")
+            with jax.profiler.trace(log_dir):
+                for i in range(calls):
+                    jax.block_until_ready(run(x, copies[i % len(copies)]))
+            by_name = collections.Counter()
+            for e in device_kernels(load_trace(log_dir)):
+                by_name[e["name"]] += float(e["dur"])
+        except Exception as e:  # one failing variant does not hide the others
+            print(f"{shape} {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+            failures += 1
+            continue
+        total = sum(by_name.values()) / calls
+        main_us = max(by_name.values()) / calls
+        row = dict(shape=shape, variant=name, us_total=total, us_main=main_us,
+                   tbs_main=k * n * 2 / main_us / 1e6, rel_err=err, ok=err < 2e-2)
+        rows.append(row)
+        print(f"{shape} {name:32s} main {main_us:7.2f} us ({row['tbs_main']:.2f} TB/s)  "
+              f"total {total:7.2f} us  rel err {err:.1e}", flush=True)
+    return rows, failures
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dim", type=int, default=4096)
@@ -313,13 +500,25 @@ def main(argv=None) -> int:
     p.add_argument("--bodies", default="32x128x6",
                    help="block_n x block_k x stages, each as kernels and persistent")
     p.add_argument("--wa-bodies", default="64x128x8x1,64x128x12x1,64x128x8x2,64x128x10x2,64x256x5x2",
-                   help="the transposed form: block_n x block_k x stages x K split")
+                   help="the transposed form: block_n x block_k x stages x K split, \"w\" at the end: "
+                        "the phase's x loaded whole")
     p.add_argument("--variants", default="kernels,persistent,ring,nobarrier")
+    p.add_argument("--stream", default="",
+                   help="single products instead of the chain: 'KxN:body+body;KxN:...', "
+                        "body = block_n x block_k x stages x split x programs")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     if jax.devices()[0].platform != "gpu":
         print("persistent_mgpu_probe: needs an NVIDIA GPU", file=sys.stderr)
         return 1
+    if args.stream:
+        rows, failures = [], 0
+        for spec in args.stream.split(";"):
+            shape, bodies = spec.split(":")
+            r, f = time_products(shape, [b for b in bodies.split("+") if b])
+            rows += r
+            failures += f
+        return finish(rows, failures, args.json)
     d = args.dim
     sms = jax.devices()[0].core_count
     keys = jax.random.split(jax.random.key(0), 2)
@@ -351,16 +550,17 @@ def main(argv=None) -> int:
                           functools.partial(chain_persistent, cfg=cfg, ring=True, barrier=False),
                           x, True))
     for body in (b for b in args.wa_bodies.split(",") if b):
-        bn, bk, st, split = (int(v) for v in body.split("x"))
+        whole_x = body.endswith("w")  # "...w": the phase's x loaded whole
+        bn, bk, st, split = (int(v) for v in body.rstrip("w").split("x"))
         cfg = DecodeMatmulConfig(block_n=bn, block_k=bk, stages=st)
         if d // bn * split > sms:
             print(f"wa {body}: {d // bn * split} programs > {sms} SMs, skipped", flush=True)
             continue
-        cases.append((f"wa {body}", functools.partial(chain_persistent_wa, cfg=cfg, split=split),
-                      x, False))
+        kw = dict(cfg=cfg, split=split, whole_x=whole_x)
+        cases.append((f"wa {body}", functools.partial(chain_persistent_wa, **kw), x, False))
         if "nobarrier" in wanted:
             cases.append((f"wa {body} nobarrier", functools.partial(
-                chain_persistent_wa, cfg=cfg, split=split, barrier=False), x, True))
+                chain_persistent_wa, barrier=False, **kw), x, True))
     rows, failures = measure_all(cases, weights, want, dim=d, layers=args.layers,
                                  repeats=args.repeats, label=f"D={d} ")
     return finish(rows, failures, args.json)
