@@ -62,8 +62,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import pallas_kernels as pk
 from benchmarks.chain_timing import finish, measure_all
-from pallas_kernels.decode_matmul_mgpu import (WGMMA_M, DecodeMatmulConfig, _transforms,
-                                               decode_matmul_mgpu)
+from pallas_kernels.decode_matmul_mgpu import (WGMMA_M, DecodeMatmulConfig, decode_matmul_mgpu,
+                                               scratch_types)
 
 MP = 8  # activation rows (row 0 real), the smallest TMA-friendly multiple of 8
 
@@ -74,6 +74,38 @@ def _fence_proxy_async(ctx):
     del ctx
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
     mgpu_utils.inline_ptx("fence.proxy.async.global;", has_side_effects=True)
+
+
+def _walk_ring(*, nk: int, base: int, stages: int, mma, refill_this, refill_next=None):
+    """The nk steps of one phase (or unit) over a ring of `stages` SMEM slots: step j is global
+    step base + j and sits in slot (base + j) % stages. mma(j, slot) waits for step j's tiles
+    and issues its wgmma(s); one stays in flight, so when step j's is issued, step j - 1's slot
+    is free and takes this phase's step j - 1 + stages (refill_this(step, slot)) or, past the
+    phase's end, the next phase's weight tile (refill_next(step of the next phase, slot): the
+    ring running on; None: drained). The last step's slot is refilled after the loop."""
+    def step(j, carry):
+        mma(j, lax.rem(base + j, stages))
+        plgpu.wgmma_wait(1)  # step j - 1's product is done: its slot is free
+
+        @pl.when(j >= 1)
+        def _refill():
+            jn = j - 1 + stages  # the step whose tiles go into the freed slot
+            free = lax.rem(base + j - 1, stages)
+
+            @pl.when(jn < nk)
+            def _this_phase():
+                refill_this(jn, free)
+
+            if refill_next is not None:
+                @pl.when(jn >= nk)
+                def _next_phase():  # its weights do not depend on this phase
+                    refill_next(jn - nk, free)
+        return carry
+
+    lax.fori_loop(0, nk, step, None)
+    plgpu.wgmma_wait(0)
+    if refill_next is not None:
+        refill_next(stages - 1, (base + nk - 1) % stages)
 
 
 def _persistent_kernel(x_ref, *refs, cfg: DecodeMatmulConfig, layers: int, ring: bool,
@@ -112,33 +144,18 @@ def _persistent_kernel(x_ref, *refs, cfg: DecodeMatmulConfig, layers: int, ring:
             issue_x(layer, j, (base + j) % stages)
 
         def body(acc_ref, layer=layer, base=base):
-            def step(j, carry):
-                slot = lax.rem(base + j, stages)
+            def mma(j, slot):
                 plgpu.barrier_wait(w_ready.at[slot])
                 plgpu.barrier_wait(x_ready.at[slot])
                 plgpu.wgmma(acc_ref, x_smem.at[slot], w_smem.at[slot])
-                plgpu.wgmma_wait(1)  # step j - 1's product is done: its slot is free
 
-                @pl.when(j >= 1)
-                def _refill():
-                    jn = j - 1 + stages  # the step whose tiles go into the freed slot
-                    free = lax.rem(base + j - 1, stages)
+            def refill_this(j, slot, layer=layer):
+                issue_w(layer, j, slot)
+                issue_x(layer, j, slot)
 
-                    @pl.when(jn < nk)
-                    def _this_phase():
-                        issue_w(layer, jn, free)
-                        issue_x(layer, jn, free)
-
-                    if ring and layer + 1 < layers:
-                        @pl.when(jn >= nk)
-                        def _next_phase():  # its weights do not depend on this phase
-                            issue_w(layer + 1, jn - nk, free)
-                return carry
-
-            lax.fori_loop(0, nk, step, None)
-            plgpu.wgmma_wait(0)
-            if ring and layer + 1 < layers:  # the last step's slot takes the next phase's tile
-                issue_w(layer + 1, stages - 1, (base + nk - 1) % stages)
+            _walk_ring(nk=nk, base=base, stages=stages, mma=mma, refill_this=refill_this,
+                       refill_next=functools.partial(issue_w, layer + 1)
+                       if ring and layer + 1 < layers else None)
             o_smem[...] = acc_ref[...].astype(o_smem.dtype)
 
         pl.run_scoped(body, plgpu.ACC((WGMMA_M, bn), jnp.float32))
@@ -157,6 +174,19 @@ def _tile_transforms(rows_bytes: int):
     """Tiling + swizzle for an SMEM tile whose minor dimension is `rows_bytes` bytes (bf16)."""
     swizzle = plgpu.find_swizzle(rows_bytes * 8)
     return (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
+
+
+def _wa_scratch(cfg: DecodeMatmulConfig, dtype, x_shape: tuple[int, ...], x_barriers: int):
+    """SMEM of the transposed form: activation tiles (x_shape, R x block_k tiles), the weight
+    ring [stages, block_k, block_n], the output tile [R, block_n], the ready barriers."""
+    return [
+        plgpu.SMEM(x_shape, dtype, transforms=_tile_transforms(cfg.block_k * 2)),
+        plgpu.SMEM((cfg.stages, cfg.block_k, cfg.block_n), dtype,
+                   transforms=_tile_transforms(cfg.block_n * 2)),
+        plgpu.SMEM((R, cfg.block_n), dtype, transforms=_tile_transforms(cfg.block_n * 2)),
+        plgpu.Barrier(num_barriers=x_barriers),  # x_ready
+        plgpu.Barrier(num_barriers=cfg.stages),  # w_ready
+    ]
 
 
 def _persistent_wa_kernel(x_ref, *refs, cfg: DecodeMatmulConfig, layers: int, split: int,
@@ -219,8 +249,7 @@ def _persistent_wa_kernel(x_ref, *refs, cfg: DecodeMatmulConfig, layers: int, sp
                 plgpu.barrier_wait(x_ready.at[part])
 
         def body(acc_ref, layer=layer, base=base):
-            def step(j, carry):
-                slot = lax.rem(base + j, stages)
+            def mma(j, slot):
                 plgpu.barrier_wait(w_ready.at[slot])
                 w_t = w_smem.at[slot].transpose((1, 0))  # [block_n, block_k]
                 for part in range(split):
@@ -230,28 +259,14 @@ def _persistent_wa_kernel(x_ref, *refs, cfg: DecodeMatmulConfig, layers: int, sp
                         plgpu.barrier_wait(x_ready.at[part * stages + slot])
                         xt = x_smem.at[part, slot]
                     plgpu.wgmma(acc_ref, w_t, xt.transpose((1, 0)))
-                plgpu.wgmma_wait(1)
 
-                @pl.when(j >= 1)
-                def _refill():
-                    jn = j - 1 + stages
-                    free = lax.rem(base + j - 1, stages)
+            def refill_this(j, slot, layer=layer):
+                issue_w(layer, j, slot)
+                issue_x(layer, j, slot)
 
-                    @pl.when(jn < nk)
-                    def _this_phase():
-                        issue_w(layer, jn, free)
-                        issue_x(layer, jn, free)
-
-                    if layer + 1 < layers:
-                        @pl.when(jn >= nk)
-                        def _next_phase():
-                            issue_w(layer + 1, jn - nk, free)
-                return carry
-
-            lax.fori_loop(0, nk, step, None)
-            plgpu.wgmma_wait(0)
-            if layer + 1 < layers:
-                issue_w(layer + 1, stages - 1, (base + nk - 1) % stages)
+            _walk_ring(nk=nk, base=base, stages=stages, mma=mma, refill_this=refill_this,
+                       refill_next=functools.partial(issue_w, layer + 1)
+                       if layer + 1 < layers else None)
             o_smem.transpose((1, 0))[...] = acc_ref[...].astype(o_smem.dtype)  # y^T tile
 
         pl.run_scoped(body, plgpu.ACC((bn, R), jnp.float32))
@@ -274,15 +289,10 @@ def chain_persistent_wa(x, weights, *, cfg: DecodeMatmulConfig, split: int, barr
         functools.partial(_persistent_wa_kernel, cfg=cfg, layers=layers, split=split,
                           barrier=barrier, whole_x=whole_x),
         out_type=jax.ShapeDtypeStruct((layers, split, R, d), dtype),
-        scratch_types=[
-            plgpu.SMEM((split, R, d // split) if whole_x else (split, cfg.stages, R, cfg.block_k),
-                       dtype, transforms=_tile_transforms(cfg.block_k * 2)),
-            plgpu.SMEM((cfg.stages, cfg.block_k, cfg.block_n), dtype,
-                       transforms=_tile_transforms(cfg.block_n * 2)),
-            plgpu.SMEM((R, cfg.block_n), dtype, transforms=_tile_transforms(cfg.block_n * 2)),
-            plgpu.Barrier(num_barriers=split * cfg.stages),  # x_ready
-            plgpu.Barrier(num_barriers=cfg.stages),  # w_ready
-        ],
+        scratch_types=_wa_scratch(
+            cfg, dtype,
+            (split, R, d // split) if whole_x else (split, cfg.stages, R, cfg.block_k),
+            split * cfg.stages),
         grid=(d // cfg.block_n, split),
         grid_names=("n", "h"),
     )(xt, *weights)
@@ -329,34 +339,18 @@ def _stream_wa_kernel(x_ref, w_ref, y_ref, x_smem, w_smem, o_smem, x_ready, w_re
             issue_x(u, j, (base + j) % stages)
 
         def body(acc_ref, u=u, base=base):
-            def step(j, carry):
-                slot = lax.rem(base + j, stages)
+            def mma(j, slot):
                 plgpu.barrier_wait(w_ready.at[slot])
                 plgpu.barrier_wait(x_ready.at[slot])
                 plgpu.wgmma(acc_ref, w_smem.at[slot].transpose((1, 0)),
                             x_smem.at[slot].transpose((1, 0)))
-                plgpu.wgmma_wait(1)
 
-                @pl.when(j >= 1)
-                def _refill():
-                    jn = j - 1 + stages
-                    free = lax.rem(base + j - 1, stages)
+            def refill_this(j, slot, u=u):
+                issue_w(u, j, slot)
+                issue_x(u, j, slot)
 
-                    @pl.when(jn < nk)
-                    def _this_unit():
-                        issue_w(u, jn, free)
-                        issue_x(u, jn, free)
-
-                    if u + 1 < units:
-                        @pl.when(jn >= nk)
-                        def _next_unit():
-                            issue_w(u + 1, jn - nk, free)
-                return carry
-
-            lax.fori_loop(0, nk, step, None)
-            plgpu.wgmma_wait(0)
-            if u + 1 < units:
-                issue_w(u + 1, stages - 1, (base + nk - 1) % stages)
+            _walk_ring(nk=nk, base=base, stages=stages, mma=mma, refill_this=refill_this,
+                       refill_next=functools.partial(issue_w, u + 1) if u + 1 < units else None)
             o_smem.transpose((1, 0))[...] = acc_ref[...].astype(o_smem.dtype)
 
         pl.run_scoped(body, plgpu.ACC((bn, R), jnp.float32))
@@ -376,15 +370,7 @@ def stream_wa(x, w, *, cfg: DecodeMatmulConfig, split: int, programs: int,
     y = plgpu.kernel(
         functools.partial(_stream_wa_kernel, cfg=cfg, split=split, units=units),
         out_type=jax.ShapeDtypeStruct((split, R, n), dtype),
-        scratch_types=[
-            plgpu.SMEM((cfg.stages, R, cfg.block_k), dtype,
-                       transforms=_tile_transforms(cfg.block_k * 2)),
-            plgpu.SMEM((cfg.stages, cfg.block_k, cfg.block_n), dtype,
-                       transforms=_tile_transforms(cfg.block_n * 2)),
-            plgpu.SMEM((R, cfg.block_n), dtype, transforms=_tile_transforms(cfg.block_n * 2)),
-            plgpu.Barrier(num_barriers=cfg.stages),  # x_ready
-            plgpu.Barrier(num_barriers=cfg.stages),  # w_ready
-        ],
+        scratch_types=_wa_scratch(cfg, dtype, (cfg.stages, R, cfg.block_k), cfg.stages),
         grid=(programs,),
         grid_names=("p",),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
@@ -400,16 +386,7 @@ def chain_persistent(x, weights, *, cfg: DecodeMatmulConfig, ring: bool, barrier
         functools.partial(_persistent_kernel, cfg=cfg, layers=layers, ring=ring,
                           barrier=barrier),
         out_type=jax.ShapeDtypeStruct((layers, mp, d), dtype),
-        scratch_types=[
-            # wgmma wants both operands under one swizzle: the weight tile's (block_n wide)
-            plgpu.SMEM((cfg.stages, WGMMA_M, cfg.block_k), dtype,
-                       transforms=_transforms(min(cfg.block_k, cfg.block_n), dtype)),
-            plgpu.SMEM((cfg.stages, cfg.block_k, cfg.block_n), dtype,
-                       transforms=_transforms(cfg.block_n, dtype)),
-            plgpu.SMEM((WGMMA_M, cfg.block_n), dtype, transforms=_transforms(cfg.block_n, dtype)),
-            plgpu.Barrier(num_barriers=cfg.stages),  # x_ready
-            plgpu.Barrier(num_barriers=cfg.stages),  # w_ready
-        ],
+        scratch_types=scratch_types(cfg, dtype),  # decode_matmul_mgpu's
         grid=(d // cfg.block_n,),
         grid_names=("n",),
     )(x, *weights)

@@ -70,6 +70,21 @@ def _transforms(cols: int, dtype):
             plgpu.SwizzleTransform(swizzle))
 
 
+def scratch_types(cfg: DecodeMatmulConfig, dtype) -> list:
+    """The kernel's SMEM: x_smem [stages, 64, block_k], w_smem [stages, block_k, block_n],
+    o_smem [64, block_n], x_ready / w_ready [stages] (also benchmarks/persistent_mgpu_probe's)."""
+    return [
+        # wgmma takes both operands under one swizzle: the narrower tile's
+        plgpu.SMEM((cfg.stages, WGMMA_M, cfg.block_k), dtype,
+                   transforms=_transforms(min(cfg.block_k, cfg.block_n), dtype)),
+        plgpu.SMEM((cfg.stages, cfg.block_k, cfg.block_n), dtype,
+                   transforms=_transforms(cfg.block_n, dtype)),
+        plgpu.SMEM((WGMMA_M, cfg.block_n), dtype, transforms=_transforms(cfg.block_n, dtype)),
+        plgpu.Barrier(num_barriers=cfg.stages),  # x_ready
+        plgpu.Barrier(num_barriers=cfg.stages),  # w_ready
+    ]
+
+
 def _kernel(x_ref, w_ref, y_ref, x_smem, w_smem, o_smem, x_ready, w_ready, *,
             cfg: DecodeMatmulConfig, pdl: bool):
     # x_ref [Mp, K], w_ref [K, N], y_ref [Mp, N] (GMEM)
@@ -137,16 +152,7 @@ def _decode_matmul_mgpu(x, w, *, cfg: DecodeMatmulConfig, pdl, interpret: bool):
         # The interpreter has no grid dependency control (and needs none: it runs in order).
         functools.partial(_kernel, cfg=cfg, pdl=pdl and not interpret),
         out_type=jax.ShapeDtypeStruct((mp, n), dtype),
-        scratch_types=[
-            # wgmma takes both operands under one swizzle: the narrower tile's
-            plgpu.SMEM((cfg.stages, WGMMA_M, cfg.block_k), dtype,
-                       transforms=_transforms(min(cfg.block_k, cfg.block_n), dtype)),
-            plgpu.SMEM((cfg.stages, cfg.block_k, cfg.block_n), dtype,
-                       transforms=_transforms(cfg.block_n, dtype)),
-            plgpu.SMEM((WGMMA_M, cfg.block_n), dtype, transforms=_transforms(cfg.block_n, dtype)),
-            plgpu.Barrier(num_barriers=cfg.stages),  # x_ready
-            plgpu.Barrier(num_barriers=cfg.stages),  # w_ready
-        ],
+        scratch_types=scratch_types(cfg, dtype),
         grid=(n // cfg.block_n,),
         grid_names=("n",),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
