@@ -35,7 +35,7 @@ profiler trace): XLA, norm_matmul and `stream_wa`, the transposed form with work
 to a fixed number of programs, for the steady streaming rate at the model's shapes.
 
 Results (H200, jax 0.11.2; benchmarks/NOTES.md, run M): the barrier works, and with the ring
-running through it costs 0.3-0.6 us; the transposed form streams as fast as XLA and the
+running through it costs 0.3-1.2 us; the transposed form streams as fast as XLA and the
 production kernels (4.1 TB/s at 117 MB); but the best persistent chain, 10.8-11.2 us per
 4096 x 4096 product, is no faster than the production kernels inside the model's step (o:
 10.2 us of kernel time), because what a phase waits for after the barrier (its activation
