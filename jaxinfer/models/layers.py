@@ -119,8 +119,9 @@ def project(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array
 
 
 # The decode matmuls' L2 prefetch of the next kernel's weight (pallas_kernels/l2_prefetch.py):
-# for each consumer ("o", "mlp" = SwiGLU, "down", "qkv" = the next layer's q/k/v), None (off) or (rows, at): its producer's programs prefetch the
-# first `rows` rows of each of its K chunks at the "start" or the "end" of their own stream.
+# for each consumer ("o", "mlp" = SwiGLU, "down", "qkv" = the next layer's q/k/v), None (off)
+# or (rows, at): its producer's programs prefetch the first `rows` rows of each of its K
+# chunks at the "start" or the "end" of their own stream.
 # Trace-time switch (jit again after a change). Measured in the B=1 Llama-3-8B step on the
 # H200 (profile_decode.py --prefetch, 2026-11-30, four calls on three machines, kernel time
 # against the default run in the same call): SwiGLU prefetching down's first 128 rows at its
@@ -132,10 +133,10 @@ def project(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array
 # kernel prefetching o's rows (commit 2d67d29) slows the attention more than o gains
 # (benchmarks/NOTES.md run L).
 PREFETCH = {"o": None, "mlp": None, "down": (128, "start"), "qkv": (64, "end")}
-# A probe, not measured yet (benchmarks/run_h200.sh prefetch): the same producers touching one
-# line in every 2 MiB page of the consumer's weights, "start" or "end" (l2_prefetch.page_plan):
-# if the consumers' ramps include address-translation misses, this warms them for ~1/16384 of
-# the bytes.
+# A probe, off: the same producers touching one line in every 2 MiB page of the consumer's
+# weights, "start" or "end" (l2_prefetch.page_plan), to warm address translations for
+# ~1/16384 of the bytes. Measured (benchmarks/run_h200.sh prefetch, NOTES run M): no
+# consistent gain (3.975-3.990 ms against the default's 3.979-3.987 on one machine).
 PAGE_TOUCH = {"o": None, "mlp": None, "down": None, "qkv": None}
 
 
