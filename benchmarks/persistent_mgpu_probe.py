@@ -365,7 +365,12 @@ def stream_wa(x, w, *, cfg: DecodeMatmulConfig, split: int, programs: int,
     """x [MP, K] @ w [K, N] -> [MP, N] by _stream_wa_kernel on `programs` programs (the K
     parts' partial sums added by XLA, as the production split-K path does for its chunks)."""
     (k, n), dtype = w.shape, x.dtype
-    units = (n // cfg.block_n) * split // programs
+    tiles = (n // cfg.block_n) * split
+    if n % cfg.block_n or k % (split * cfg.block_k) or tiles % programs:
+        raise ValueError(f"stream_wa: w {w.shape}: N must be a multiple of block_n="
+                         f"{cfg.block_n}, K of split * block_k={split * cfg.block_k}, and the "
+                         f"{tiles} work units a multiple of programs={programs}")
+    units = tiles // programs
     xr = jnp.zeros((R, k), dtype).at[:MP].set(x)
     y = plgpu.kernel(
         functools.partial(_stream_wa_kernel, cfg=cfg, split=split, units=units),

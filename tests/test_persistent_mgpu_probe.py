@@ -58,3 +58,12 @@ def test_stream_wa_lowers():
                            programs=112)
     module = lower_for_h200(fn, S((probe.MP, 4096), BF16), S((4096, 14336), BF16))
     assert module.count("custom_call @mosaic_gpu") == 1
+
+
+def test_stream_wa_rejects_uneven_units():
+    """7 programs cannot share 4 column tiles x 2 K parts evenly: an error, not a short result."""
+    x = jnp.zeros((probe.MP, 512), BF16)
+    w = jnp.zeros((512, 256), BF16)
+    with pytest.raises(ValueError, match="multiple of programs"):
+        probe.stream_wa(x, w, cfg=DecodeMatmulConfig(block_n=64, block_k=64, stages=3), split=2,
+                        programs=7, interpret=True)
