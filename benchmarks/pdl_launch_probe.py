@@ -125,6 +125,31 @@ def gemv_kernel(x_ptr, w_ptr, o_ptr, K: tl.constexpr, N: tl.constexpr, BLOCK_N: 
     tl.store(o_ptr + cols, out.to(o_ptr.dtype.element_ty))
 
 
+
+@triton.jit
+def split_gemv_kernel(x_ptr, w_ptr, o_ptr, K: tl.constexpr, N: tl.constexpr, KC: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MASKED: tl.constexpr):
+    """norm_matmul's plain split-K decode matmul written in Triton (ttir_inject_probe.py swaps
+    its IR into norm_matmul's pallas_call): program (0, N tile, K chunk of KC rows) writes the
+    float32 partial out[chunk, 0, tile] of x [1, K] @ w [K, N]. MASKED: x read as a [16,
+    BLOCK_K] block with rows >= 1 masked (norm_matmul's form); else as [BLOCK_K], broadcast."""
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    part = tl.program_id(2)
+    acc = tl.zeros((16, BLOCK_N), tl.float32)
+    rows = tl.arange(0, 16)
+    for kk in range(0, KC, BLOCK_K):
+        ks = part * KC + kk + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + ks[:, None] * N + cols[None, :])
+        if MASKED:
+            x = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=rows[:, None] < 1,
+                        other=0.0)
+        else:
+            x = tl.broadcast_to(tl.load(x_ptr + ks)[None, :], (16, BLOCK_K))
+        acc = tl.dot(x, w, acc)
+    out = tl.sum(tl.where(rows[:, None] == 0, acc, 0.0), axis=0)
+    tl.store(o_ptr + part * N + cols, out)
+
+
 def chain(x, weights, outs, trigger: int, wait: int, pdl: bool, block_n: int, block_k: int,
           stages: int):
     d = x.shape[1]

@@ -43,7 +43,8 @@ TRITON_PDL_MODES = ("plain", "start", "wait-only", "loop", "nowait")
 
 
 def triton_pdl_gemv(x, w, *, mode: str, block_n: int = 32, block_k: int = 256,
-                    stages: int = 3, layout: str = "rows", interpret: bool = False):
+                    stages: int = 3, layout: str = "rows", interpret: bool = False,
+                    name: str | None = None):
     """x [1, K] @ w [K, N] -> [1, N], one program per block_n columns (unsplit: no XLA kernel
     between two products), with the PDL instructions placed by `mode`:
       plain      none;
@@ -106,7 +107,7 @@ def triton_pdl_gemv(x, w, *, mode: str, block_n: int = 32, block_k: int = 256,
     out = pl.pallas_call(
         kernel, grid=(n // block_n,), **specs,
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=stages),
-        interpret=interpret, name=f"pdl_gemv_{mode.replace('-', '_')}")(x, w)
+        interpret=interpret, name=name or f"pdl_gemv_{mode.replace('-', '_')}")(x, w)
     return out.reshape(1, n)
 
 

@@ -161,6 +161,10 @@ def main(argv=None) -> int:
                         '"qkv": ..., "insn": "line"|"bulk"|"none", "pages": {"down": "start", '
                         '...}}: the L2 prefetch of each decode matmul\'s next weight '
                         "(layers.PREFETCH, l2_prefetch.INSTRUCTION, layers.PAGE_TOUCH)")
+    p.add_argument("--ttir-rewrite", default=None,
+                   help="NAME[:SUBSTR,...]: rewrite every Pallas Triton module (or those whose "
+                        "kernel name holds a SUBSTR) with ttir_inject_probe.REWRITES[NAME] "
+                        "before XLA compiles it")
     p.add_argument("--timeline", type=int, default=0,
                    help="print this many kernels (start, duration, stream) around a decode "
                         "attention kernel in the middle of the run: what overlaps what")
@@ -182,6 +186,11 @@ def main(argv=None) -> int:
         l2p.INSTRUCTION = spec.pop("insn", l2p.INSTRUCTION)
         layers.PAGE_TOUCH.update(spec.pop("pages", {}))
         layers.PREFETCH.update({k: None if v is None else tuple(v) for k, v in spec.items()})
+    if args.ttir_rewrite:
+        from benchmarks import ttir_inject_probe as tip
+
+        name, _, only = args.ttir_rewrite.partition(":")
+        tip.install_rewrite(tip.REWRITES[name], only=only.split(",") if only else None)
     if args.unfused:
         _use_unfused_decode_path()
     if args.blocks:

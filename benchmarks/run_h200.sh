@@ -18,6 +18,8 @@
 #                                       # a kernel boundary? (grid_barrier_probe.py, ~1 min)
 #   bash benchmarks/run_h200.sh persist # the same in Mosaic GPU, the weight ring running through
 #                                       # the barrier (persistent_mgpu_probe.py, ~2 min)
+#   bash benchmarks/run_h200.sh inject  # a Triton-source GEMV vs the same in Pallas, both
+#                                       # compiled and launched by XLA (ttir_inject_probe.py)
 # Results: JSON lines in ${OUT:-.}/bench-<part>.jsonl; a table on stdout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -111,5 +113,9 @@ gridbar() {
 persist() {
   timeout "${PERSIST_TIMEOUT:-300}" python3 benchmarks/persistent_mgpu_probe.py ${PERSIST_ARGS:-} \
     --json "$out/persist.json"
+}
+inject() {
+  timeout "${INJECT_TIMEOUT:-300}" python3 benchmarks/ttir_inject_probe.py ${INJECT_ARGS:-} \
+    --dump "$out/src" --json "$out/inject.json" 2>&1 | grep -v "^WARNING"
 }
 for part in "${@:-ours}"; do "$part"; done
