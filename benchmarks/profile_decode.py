@@ -161,8 +161,6 @@ def main(argv=None) -> int:
                         '"qkv": ..., "insn": "line"|"bulk"|"none", "pages": {"down": "start", '
                         '...}}: the L2 prefetch of each decode matmul\'s next weight '
                         "(layers.PREFETCH, l2_prefetch.INSTRUCTION, layers.PAGE_TOUCH)")
-    p.add_argument("--decode-attention", default=None, choices=("triton", "mosaic"),
-                   help="layers.DECODE_ATTENTION: the fused decode attention kernel")
     p.add_argument("--ttir-rewrite", default=None,
                    help="NAME[:SUBSTR,...]: rewrite every Pallas Triton module (or those whose "
                         "kernel name holds a SUBSTR) with ttir_inject_probe.REWRITES[NAME] "
@@ -188,10 +186,6 @@ def main(argv=None) -> int:
         l2p.INSTRUCTION = spec.pop("insn", l2p.INSTRUCTION)
         layers.PAGE_TOUCH.update(spec.pop("pages", {}))
         layers.PREFETCH.update({k: None if v is None else tuple(v) for k, v in spec.items()})
-    if args.decode_attention:
-        from jaxinfer.models import layers
-
-        layers.DECODE_ATTENTION = args.decode_attention
     if args.ttir_rewrite:
         from benchmarks import ttir_inject_probe as tip
 

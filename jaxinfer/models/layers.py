@@ -6,8 +6,6 @@ a Pallas kernel (on GPU) or the pure-jnp reference (on CPU).
 
 from __future__ import annotations
 
-import importlib
-
 import dataclasses
 import math
 from typing import NamedTuple
@@ -467,12 +465,6 @@ def fused_decode_attention_ok(h: jax.Array, head_dim: int, rotary_dim: int) -> b
             and _kernel_head_dim(head_dim // 2) and rotary_dim == head_dim)
 
 
-# Which kernel runs the fused decode attention (`decode_attention_qkv`): "triton"
-# (pallas_kernels/decode_attention_append.py) or "mosaic" (decode_attention_mgpu.py, Hopper,
-# where it `supports` the call; else the Triton one).
-DECODE_ATTENTION = "triton"
-
-
 def decode_attention_qkv(qkv, k_cache, v_cache, positions, cos, sin, *, window=None,
                          norm=None):
     """One new token per row, straight from the fused projection qkv [B, 1, Hkv, G + 2, D] (or
@@ -485,14 +477,7 @@ def decode_attention_qkv(qkv, k_cache, v_cache, positions, cos, sin, *, window=N
     from pallas_kernels import decode_attention_append
 
     qkv = qkv.parts[:, :, 0] if isinstance(qkv, Partials) else qkv[:, 0]  # drop T = 1
-    rope = (cos[:, 0], sin[:, 0])
-    if DECODE_ATTENTION == "mosaic":
-        mgpu = importlib.import_module("pallas_kernels.decode_attention_mgpu")
-        cfg = mgpu.DecodeMosaicConfig()
-        if mgpu.supports(qkv.shape, k_cache, cfg, window) is None:
-            out, k_cache, v_cache = mgpu.decode_attention_append_mgpu(
-                qkv, k_cache, v_cache, positions[:, 0], rope=rope, norm=norm, config=cfg)
-            return out[:, None], k_cache, v_cache
     out, k_cache, v_cache = decode_attention_append(
-        qkv, k_cache, v_cache, positions[:, 0], rope=rope, sliding_window=window, norm=norm)
+        qkv, k_cache, v_cache, positions[:, 0], rope=(cos[:, 0], sin[:, 0]),
+        sliding_window=window, norm=norm)
     return out[:, None], k_cache, v_cache
