@@ -190,6 +190,8 @@ def main(argv=None) -> int:
         from benchmarks import ttir_inject_probe as tip
 
         name, _, only = args.ttir_rewrite.partition(":")
+        if name not in tip.REWRITES:
+            p.error(f"--ttir-rewrite {name!r}: not one of {sorted(tip.REWRITES)}")
         tip.install_rewrite(tip.REWRITES[name], only=only.split(",") if only else None)
     if args.unfused:
         _use_unfused_decode_path()

@@ -21,7 +21,11 @@ hand-written kernel exactly as it does ours. The chain (16 products x [1, D] @ w
   - xla: jnp.dot per product;
   - pallas BODY: pdl_probe.triton_pdl_gemv (layout "flat", no PDL instructions);
   - source BODY: the same pallas_call carrying the Triton-source IR;
+  - FORM BODY: either IR with one of its differences moved to the other side (the dot
+    accumulating or started from zeros, the loop stepping k or an index: the rewrites below);
   - norm_matmul: the model's decode matmul (split-K, with an XLA sum per product).
+`--production FORM` times only the norm_matmul chain, with its own Triton IR or a Triton-source
+kernel of the same signature swapped in.
 BODY = block_n x block_k x stages. Needs an NVIDIA GPU and Triton (torch's); nothing here is
 used by the engine.
 """
@@ -42,22 +46,28 @@ from benchmarks.triton_asm import triton_modules
 
 
 def source_ttir(block_n: int, block_k: int, stages: int, dim: int) -> str:
-    """The Triton IR of pdl_launch_probe.gemv_kernel (no PDL instructions), from the machine's
-    Triton, with its location info stripped."""
+    """The Triton IR of pdl_launch_probe.gemv_kernel (no PDL instructions)."""
+    from benchmarks.pdl_launch_probe import gemv_kernel
+
+    return compiled_ttir(gemv_kernel, dict(K=dim, N=dim, BLOCK_N=block_n, BLOCK_K=block_k,
+                                           TRIGGER=0, WAIT=0), "*bf16", stages)
+
+
+def compiled_ttir(kernel, consts: dict, out_type: str, stages: int) -> str:
+    """The Triton IR of a Triton-source kernel (x_ptr bf16, w_ptr bf16, o_ptr `out_type`, then
+    the constexprs `consts`), from the machine's Triton for sm_90 (4 warps), its location info
+    stripped. The pointers are marked 16-byte aligned, as Triton's launcher would."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from benchmarks.pdl_launch_probe import gemv_kernel
-
-    consts = dict(K=dim, N=dim, BLOCK_N=block_n, BLOCK_K=block_k, TRIGGER=0, WAIT=0)
-    sig = dict(x_ptr="*bf16", w_ptr="*bf16", o_ptr="*bf16", **{c: "constexpr" for c in consts})
+    sig = dict(x_ptr="*bf16", w_ptr="*bf16", o_ptr=out_type, **{c: "constexpr" for c in consts})
     aligned = {(i,): [["tt.divisibility", 16]] for i in range(3)}
-    kernel = triton.compile(ASTSource(fn=gemv_kernel, signature=sig, constexprs=consts,
-                                      attrs=aligned),
-                            target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=4, num_stages=stages))
-    return strip_locations(kernel.asm["ttir"])
+    compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts,
+                                        attrs=aligned),
+                              target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=4, num_stages=stages))
+    return strip_locations(compiled.asm["ttir"])
 
 
 def strip_locations(ttir: str) -> str:
@@ -212,21 +222,21 @@ def production_source_ttir(form: str, k: int, n: int, block_n: int, block_k: int
     split-K partials; program (0, N tile, K chunk)). form "bcast": x loaded as [block_k] and
     broadcast to the dot's 16 rows (a hand-written GEMV); "masked": x loaded as a [16, block_k]
     block of which rows >= 1 are masked (how norm_matmul reads it)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from benchmarks.pdl_launch_probe import split_gemv_kernel
 
-    from benchmarks.pdl_launch_probe import split_gemv_kernel as kernel
+    return compiled_ttir(split_gemv_kernel,
+                         dict(K=k, N=n, KC=k // split, BLOCK_N=block_n, BLOCK_K=block_k,
+                              MASKED=form == "masked"), "*fp32", stages)
 
-    consts = dict(K=k, N=n, KC=k // split, BLOCK_N=block_n, BLOCK_K=block_k,
-                  MASKED=form == "masked")
-    sig = dict(x_ptr="*bf16", w_ptr="*bf16", o_ptr="*fp32", **{c: "constexpr" for c in consts})
-    aligned = {(i,): [["tt.divisibility", 16]] for i in range(3)}
-    compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts,
-                                        attrs=aligned),
-                              target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=4, num_stages=stages))
-    return strip_locations(compiled.asm["ttir"])
+
+def chain_inputs(d: int, layers: int):
+    """x [1, D] bf16, `layers` weights [D, D] (scaled so that activations keep their size) and
+    the chain's result by XLA's dot (what every variant is checked against)."""
+    keys = jax.random.split(jax.random.key(d), layers + 1)
+    x = jax.random.normal(keys[0], (1, d), jnp.float32).astype(jnp.bfloat16)
+    weights = [(jax.random.normal(k, (d, d), jnp.float32) / d ** 0.5).astype(jnp.bfloat16)
+               for k in keys[1:]]
+    return x, weights, jax.jit(functools.partial(chain, variants([], ())["xla"]))(x, weights)
 
 
 def production_case(form: str, d: int, layers: int, repeats: int, json_path: str | None) -> int:
@@ -234,12 +244,7 @@ def production_case(form: str, d: int, layers: int, repeats: int, json_path: str
     its Pallas IR kept ("pallas") or swapped for production_source_ttir(form)."""
     import pallas_kernels as pk
 
-    keys = jax.random.split(jax.random.key(d), layers + 1)
-    x = jax.random.normal(keys[0], (1, d), jnp.float32).astype(jnp.bfloat16)
-    weights = [(jax.random.normal(k, (d, d), jnp.float32) / d ** 0.5).astype(jnp.bfloat16)
-               for k in keys[1:]]
-    impls = variants([], ())
-    want = jax.jit(functools.partial(chain, impls["xla"]))(x, weights)
+    x, weights, want = chain_inputs(d, layers)
     if form != "pallas":
         install_swaps({f"matmul_none_k{d}_n{d}_split2":
                        production_source_ttir(form, d, d, 64, 256, 2, 3)})
@@ -270,15 +275,10 @@ def main(argv=None) -> int:
     d, layers = args.dim, args.layers
     if args.production:
         return production_case(args.production, d, layers, args.repeats, args.json)
-    keys = jax.random.split(jax.random.key(d), layers + 1)
-    x = jax.random.normal(keys[0], (1, d), jnp.float32).astype(jnp.bfloat16)
-    weights = [(jax.random.normal(k, (d, d), jnp.float32) / d ** 0.5).astype(jnp.bfloat16)
-               for k in keys[1:]]
+    x, weights, want = chain_inputs(d, layers)
     impls = variants([], ())
-    want = jax.jit(functools.partial(chain, impls["xla"]))(x, weights)
-    cases = [("xla dot", functools.partial(chain, impls["xla"]), x, False)]
-    if "triton" in impls:
-        cases.append(("norm_matmul", functools.partial(chain, impls["triton"]), x, False))
+    cases = [("xla dot", functools.partial(chain, impls["xla"]), x, False),
+             ("norm_matmul", functools.partial(chain, impls["triton"]), x, False)]
     swaps = {}
     for blocks in args.blocks.split(","):
         bn, bk, st = (int(v) for v in blocks.split("x"))

@@ -116,20 +116,12 @@ def test_index_loop(gemv_ir):
 
 def test_swaps_replace_only_the_named_kernel(gemv_ir):
     """install_swaps hands XLA the given IR for the kernel of that name, and leaves the others."""
-    calls = []
     real = probe.install_swaps({"swapped_gemv": probe.offset_loops(gemv_ir)})
     assert real is not triton_lowering.lower_jaxpr_to_triton_module  # the one it replaced
-    hooked = triton_lowering.lower_jaxpr_to_triton_module
-
-    def spy(*args, **kwargs):
-        result = hooked(*args, **kwargs)
-        calls.append(str(result.module))
-        return result
-
-    triton_lowering.lower_jaxpr_to_triton_module = spy
     args = (S((1, 512), BF16), S((512, 512), BF16))
-    lower_for_h200(functools.partial(GEMV, name="swapped_gemv"), *args)
-    lower_for_h200(functools.partial(GEMV, name="kept_gemv"), *args)
+    with triton_modules() as calls:  # what the hooked lowering returns, as text
+        lower_for_h200(functools.partial(GEMV, name="swapped_gemv"), *args)
+        lower_for_h200(functools.partial(GEMV, name="kept_gemv"), *args)
     assert "@swapped_gemv" in calls[0] and "@kept_gemv" in calls[1]
     assert steps_by_tile(calls[0]) and not steps_by_tile(calls[1])
 
@@ -137,16 +129,8 @@ def test_swaps_replace_only_the_named_kernel(gemv_ir):
 def test_rewrite_filter(gemv_ir):
     """install_rewrite(only=...) rewrites the kernels whose name holds one of the strings."""
     probe.install_rewrite(probe.offset_loops, only=["rewritten"])
-    hooked = triton_lowering.lower_jaxpr_to_triton_module
-    seen = []
-
-    def spy(*args, **kwargs):
-        result = hooked(*args, **kwargs)
-        seen.append(str(result.module))
-        return result
-
-    triton_lowering.lower_jaxpr_to_triton_module = spy
     args = (S((1, 512), BF16), S((512, 512), BF16))
-    lower_for_h200(functools.partial(GEMV, name="gemv_rewritten"), *args)
-    lower_for_h200(functools.partial(GEMV, name="gemv_plain"), *args)
+    with triton_modules() as seen:
+        lower_for_h200(functools.partial(GEMV, name="gemv_rewritten"), *args)
+        lower_for_h200(functools.partial(GEMV, name="gemv_plain"), *args)
     assert steps_by_tile(seen[0]) and not steps_by_tile(seen[1])
