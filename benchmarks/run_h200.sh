@@ -20,6 +20,8 @@
 #                                       # the barrier (persistent_mgpu_probe.py, ~2 min)
 #   bash benchmarks/run_h200.sh inject  # a Triton-source GEMV vs the same in Pallas, both
 #                                       # compiled and launched by XLA (ttir_inject_probe.py)
+#   bash benchmarks/run_h200.sh ffistep # the B=1 step with its Pallas kernels launched by our FFI
+#                                       # call, with and without PDL (ffi_step_probe.py)
 # Results: JSON lines in ${OUT:-.}/bench-<part>.jsonl; a table on stdout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -117,5 +119,9 @@ persist() {
 inject() {
   timeout "${INJECT_TIMEOUT:-300}" python3 benchmarks/ttir_inject_probe.py ${INJECT_ARGS:-} \
     --dump "$out/src" --json "$out/inject.json" 2>&1 | grep -v "^WARNING"
+}
+ffistep() {
+  timeout "${FFISTEP_TIMEOUT:-560}" python3 benchmarks/ffi_step_probe.py ${FFISTEP_ARGS:-} \
+    --json "$out/ffistep.json" 2>&1 | grep -v -E "^WARNING|DeprecationWarning|deprecations.warn"
 }
 for part in "${@:-ours}"; do "$part"; done

@@ -1,0 +1,291 @@
+"""Does the whole B=1 decode step gain when its Pallas kernels are launched by a call of our own,
+with programmatic dependent launch (PDL)?
+
+    PYTHONPATH=. python3 benchmarks/ffi_step_probe.py [--variants xla,off,wait,start,start1]
+        [--preset llama3-8b] [--prompt-len 128] [--steps 32] [--json FILE]
+
+Why: XLA (jax 0.11.2) launches Pallas Triton kernels without the PDL attribute (run J,
+benchmarks/NOTES.md), and each of the step's ~160 Pallas kernels loses ~2.5 us to its ramp and
+tail. Run J measured PDL only on synthetic GEMV chains: honoured through our FFI call
+(pdl_ffi_launch.cc), worth 0.5-0.9 us per product against the same call without it, but only
+for kernels that fit one CTA per SM. This probe measures the real step.
+
+How: while the decode loop is lowered, every Pallas Triton custom call is replaced. Its Triton
+module (as XLA would receive it) is compiled by the machine's Triton (3.6, torch's) for sm_90a,
+the cubin is loaded into our launcher, and the call becomes an XLA FFI custom call to
+`jaxinfer_pdl_chain` with the same operands, results and aliases: one launch, same grid.
+Variants (`--variants`):
+  xla      the default: XLA compiles and launches the Pallas kernels;
+  off      our launch path, no PDL instructions, no attribute (the cost of the path itself);
+  wait     griddepcontrol.wait at each kernel's start, launched with the PDL attribute: the
+           launch overlaps the predecessor's tail (the implicit trigger is each program's exit);
+  start    griddepcontrol.launch_dependents + wait at the start: the next kernel's programs
+           may take SMs as soon as they are free;
+  start1   `start`, and kernels of at most one wave get >= 116 KB of dynamic shared memory,
+           so that one CTA fits per SM (run J: PDL paid only for such kernels).
+Each variant's generated tokens and final KV cache are compared with `xla`'s; the wall time per
+step is the best of `--repeats` runs, the variants timed in turn, `--rounds` times. Needs an
+NVIDIA Hopper GPU, g++, CUDA's headers and Triton; nothing here is used by the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+
+import jax
+import numpy as np
+
+TARGET = "jaxinfer_pdl_chain"  # the FFI handler of pdl_ffi_launch.cc
+PALLAS_TARGET = "__gpu$xla.gpu.triton"
+ONE_CTA_SMEM = 116 * 1024  # > half of an H100/H200 SM's 228 KB: one CTA per SM
+NUM_SMS = 132
+MODES = ("off", "wait", "start", "start1")
+
+_ASM = ('%{name} = tt.elementwise_inline_asm "{instr}; // dummy $0" '
+        '{{constraints = "=r", packed_element = 1 : i32, pure = false}} -> i32')
+
+
+def with_pdl(ttir: str, mode: str) -> str:
+    """The Triton IR with PDL instructions at the start of its function (mode "wait": the wait;
+    "start"/"start1": launch_dependents, then the wait; "off": none), as volatile inline asm,
+    the form upstream Triton's `gdc_*` helpers emit. Any of jaxlib's `tt.grid_dependency_*` ops
+    become the same asm (upstream Triton may not know them)."""
+    n = [0]
+
+    def asm(instr):
+        n[0] += 1
+        return _ASM.format(name=f"jaxinfer_gdc{n[0]}", instr=instr)
+
+    ttir = re.sub(r"tt\.grid_dependency_wait\b", lambda _: asm("griddepcontrol.wait"), ttir)
+    ttir = re.sub(r"tt\.grid_dependency_launch_dependents\b",
+                  lambda _: asm("griddepcontrol.launch_dependents"), ttir)
+    if mode == "off":
+        return ttir
+    if mode not in MODES:
+        raise ValueError(f"PDL mode {mode!r}: not one of {MODES}")
+    instrs = ["griddepcontrol.wait"]
+    if mode in ("start", "start1"):
+        instrs.insert(0, "griddepcontrol.launch_dependents")
+    head = re.search(r"^[ \t]*tt\.func [^\n]*\{[ \t]*\n", ttir, re.M)
+    if head is None:
+        raise ValueError("no tt.func in the Triton module")
+    body = "".join(f"    {asm(i)}\n" for i in instrs)
+    return ttir[:head.end()] + body + ttir[head.end():]
+
+
+def compile_ttir(ttir: str, num_warps: int, num_stages: int, workdir: str) -> dict:
+    """Compiles Triton IR with the installed Triton for sm_90a: cubin, entry name, number of PTX
+    parameters, shared memory, registers, scratch sizes."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    name = re.search(r"tt\.func (?:public )?@(\w+)", ttir).group(1)
+    digest = hashlib.sha1(ttir.encode()).hexdigest()[:12]
+    path = os.path.join(workdir, f"{name}_{digest}.ttir")
+    with open(path, "w") as f:
+        f.write(ttir)
+    kernel = triton.compile(path, target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=num_warps, num_stages=num_stages))
+    entry = re.search(r"\.entry\s+(\w+)\s*\(([^)]*)\)", kernel.asm["ptx"], re.S)
+    md = kernel.metadata
+    n_args = re.search(r"tt\.func[^(]*\(([^)]*)\)", ttir).group(1).count("%arg")
+    return dict(cubin=kernel.asm["cubin"], entry=entry.group(1), n_args=n_args,
+                n_ptx_params=entry.group(2).count(".param"), shared=int(md.shared),
+                n_regs=int(getattr(kernel, "n_regs", 0) or 0),
+                global_scratch=int(getattr(md, "global_scratch_size", 0) or 0),
+                profile_scratch=int(getattr(md, "profile_scratch_size", 0) or 0),
+                num_warps=num_warps)
+
+
+class Launcher:
+    """Turns each Pallas Triton custom call lowered inside `install()` into an FFI call to our
+    launcher. `load(info, shared) -> kernel id` loads a compiled kernel (ctypes on the GPU; any
+    counter in a CPU test). Compiled kernels are cached by their IR and options, so the step's
+    ~160 calls compile ~6 distinct kernels."""
+
+    def __init__(self, mode: str, load, workdir: str | None = None):
+        if mode not in MODES:
+            raise ValueError(f"mode {mode!r}: not one of {MODES}")
+        self.mode = mode
+        self.load = load
+        self.workdir = workdir or tempfile.mkdtemp(prefix="ffi_step_")
+        self.compiled: dict = {}
+        self.kernels: list[dict] = []  # one row per distinct kernel: name, grid, smem, regs
+
+    def kernel_id(self, ttir: str, num_warps: int, num_stages: int, grid) -> tuple[int, int]:
+        """(the launcher's id of the kernel compiled from `ttir`, its number of pointers)."""
+        text = with_pdl(ttir, self.mode)
+        n_programs = grid[0] * grid[1] * grid[2]
+        key = (text, num_warps, num_stages)
+        if key not in self.compiled:
+            self.compiled[key] = compile_ttir(text, num_warps, num_stages, self.workdir)
+        info = self.compiled[key]
+        if info["global_scratch"] or info["profile_scratch"]:
+            raise NotImplementedError(f"{info['entry']}: needs Triton scratch memory "
+                                      f"({info['global_scratch']} B), which the launcher "
+                                      "passes as null")
+        shared = info["shared"]
+        if self.mode == "start1" and n_programs <= NUM_SMS:
+            shared = max(shared, ONE_CTA_SMEM)
+        lkey = (key, shared)
+        if lkey not in self.compiled:
+            self.compiled[lkey] = (self.load(info, shared), info["n_args"])
+            self.kernels.append(dict(name=info["entry"], grid=list(grid), warps=num_warps,
+                                     stages=num_stages, shared=info["shared"],
+                                     launch_shared=shared, regs=info["n_regs"]))
+        return self.compiled[lkey]
+
+    @contextlib.contextmanager
+    def install(self):
+        from jax._src.interpreters import mlir
+        from jax._src.lib.mlir import ir
+        from jax._src.pallas.triton import pallas_call_registration as reg
+
+        from benchmarks.triton_asm import triton_modules
+
+        launcher = self
+
+        class MlirProxy:  # pallas_call_registration's `mlir`, with custom_call replaced
+            def __getattr__(self, attr):
+                return getattr(mlir, attr)
+
+            @staticmethod
+            def custom_call(call_target_name, *, result_types, operands, backend_config,
+                            operand_output_aliases=None, **kw):
+                assert call_target_name == PALLAS_TARGET, call_target_name
+                cfg = {k: ir.IntegerAttr(backend_config[k]).value
+                       for k in ("num_warps", "num_stages", "grid_x", "grid_y", "grid_z")}
+                grid = (cfg["grid_x"], cfg["grid_y"], cfg["grid_z"])
+                kid, n_args = launcher.kernel_id(seen[-1], cfg["num_warps"], cfg["num_stages"],
+                                                 grid)
+                n = len(operands) + len(result_types)  # Pallas: inputs, then outputs
+                if n_args != n:
+                    raise ValueError(f"the kernel takes {n_args} pointers, the call has {n}")
+                attrs = dict(kernels=np.array([kid], np.int64),
+                             grids=np.array(grid, np.int64),
+                             nparams=np.array([n], np.int64),
+                             params=np.arange(n, dtype=np.int64),
+                             pdl=np.int64(0 if launcher.mode == "off" else 2))
+                return mlir.custom_call(
+                    TARGET, result_types=result_types, operands=operands,
+                    backend_config={k: mlir.ir_attribute(v) for k, v in attrs.items()},
+                    operand_output_aliases=operand_output_aliases, **kw)
+
+        with triton_modules() as seen:
+            reg.mlir = MlirProxy()
+            try:
+                yield self
+            finally:
+                reg.mlir = mlir
+
+
+def gpu_loader(lib):
+    """load(info, shared) for Launcher, through pdl_ffi_launch.cc's jaxinfer_pdl_load_kernel."""
+    import ctypes
+
+    def load(info, shared):
+        err = ctypes.create_string_buffer(512)
+        # the PTX parameters past the IR's arguments: Triton's scratch pointers (passed null)
+        kid = lib.jaxinfer_pdl_load_kernel(info["cubin"], info["entry"].encode(), 0,
+                                           32 * info["num_warps"], shared,
+                                           info["n_ptx_params"] - info["n_args"], err, len(err))
+        if kid < 0:
+            raise RuntimeError(f"{info['entry']}: {err.value.decode()}")
+        return kid
+    return load
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", default="llama3-8b")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--variants", default="xla,off,wait,start,start1")
+    p.add_argument("--repeats", type=int, default=3, help="runs per timing (the best counts)")
+    p.add_argument("--rounds", type=int, default=2, help="times each variant is timed, in turn")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    if jax.devices()[0].platform != "gpu":
+        print("ffi_step_probe: needs an NVIDIA GPU (Hopper or newer)", file=sys.stderr)
+        return 1
+    from benchmarks.pdl_ffi_probe import build_launcher
+    from jaxinfer.bench import random_model
+    from jaxinfer.generate import decode_loop, init_state, prefill
+    from jaxinfer.sampling import SamplingParams
+
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if v != "xla" and v not in MODES]
+    if unknown:
+        p.error(f"--variants: unknown {unknown}; choose from xla, {', '.join(MODES)}")
+    workdir = tempfile.mkdtemp(prefix="ffi_step_")
+    lib = build_launcher(workdir)
+    model = random_model(args.preset, "bfloat16")
+    cfg = model.config
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(0, cfg.vocab_size, (args.batch, args.prompt_len)).tolist()
+    greedy = [SamplingParams(temperature=0.0)] * args.batch
+
+    def fresh():
+        state, tokens, lengths = init_state(model, prompts, args.steps + 1, greedy, 0, stop_ids=[])
+        return jax.block_until_ready(prefill(model.params, tokens, lengths, state, cfg))
+
+    loops, checks, kernels = {}, {}, {}
+    ref = None
+    for v in variants:
+        jax.clear_caches()  # the decode loop is lowered again, through the hook or not
+        t0 = time.perf_counter()
+        s = fresh()
+        if v == "xla":
+            loops[v] = decode_loop.lower(model.params, s, cfg).compile()
+        else:
+            launcher = Launcher(v, gpu_loader(lib), workdir)
+            with launcher.install():
+                loops[v] = decode_loop.lower(model.params, s, cfg).compile()
+            kernels[v] = launcher.kernels
+        out = jax.block_until_ready(loops[v](model.params, s))
+        got = (np.asarray(out.output), np.asarray(out.cache.k, np.float32))
+        if ref is None:
+            ref = got
+        agree = float(np.mean(got[0] == ref[0]))
+        kerr = float(np.linalg.norm(got[1] - ref[1]) / max(np.linalg.norm(ref[1]), 1e-30))
+        checks[v] = dict(token_agreement=agree, k_cache_rel_err=kerr,
+                         compile_s=time.perf_counter() - t0)
+        print(f"{v}: compiled in {checks[v]['compile_s']:.1f} s; tokens agree "
+              f"{agree:.1%}, K cache rel err {kerr:.2e}", flush=True)
+        for k in kernels.get(v, []):
+            print(f"   {k}", flush=True)
+    times = {v: [] for v in variants}
+    for _ in range(args.rounds):
+        for v in variants:
+            best = float("inf")
+            for _ in range(args.repeats):
+                s = fresh()
+                t0 = time.perf_counter()
+                jax.block_until_ready(loops[v](model.params, s))
+                best = min(best, (time.perf_counter() - t0) / args.steps)
+            times[v].append(best * 1e3)
+    print(f"\n{args.preset} B={args.batch} ctx={args.prompt_len}, {args.steps} steps, "
+          "wall ms/step (best of each round)")
+    rows = []
+    for v in variants:
+        row = dict(variant=v, ms_per_step=times[v], **checks[v])
+        rows.append(row)
+        print(f"  {v:7s} {' '.join(f'{t:.3f}' for t in times[v])}   tokens "
+              f"{checks[v]['token_agreement']:.0%}  K err {checks[v]['k_cache_rel_err']:.1e}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(rows=rows, kernels=kernels), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
