@@ -22,7 +22,11 @@ Variants (`--variants`):
   start    griddepcontrol.launch_dependents + wait at the start: the next kernel's programs
            may take SMs as soon as they are free;
   start1   `start`, and kernels of at most one wave get >= 116 KB of dynamic shared memory,
-           so that one CTA fits per SM (run J: PDL paid only for such kernels).
+           so that one CTA fits per SM (run J: PDL paid only for such kernels);
+  race     launch_dependents at the start and no wait: wrong by design, a bound on what
+           overlapping the kernels could give (and a check that PDL is honoured at all).
+`--trace` also profiles one run of each variant: kernel time, traced span, and the mean gap
+from one Pallas kernel's end to the next one's start (negative: they overlapped).
 Each variant's generated tokens and final KV cache are compared with `xla`'s; the wall time per
 step is the best of `--repeats` runs, the variants timed in turn, `--rounds` times. Needs an
 NVIDIA Hopper GPU, g++, CUDA's headers and Triton; nothing here is used by the engine.
@@ -47,7 +51,7 @@ TARGET = "jaxinfer_pdl_chain"  # the FFI handler of pdl_ffi_launch.cc
 PALLAS_TARGET = "__gpu$xla.gpu.triton"
 ONE_CTA_SMEM = 116 * 1024  # > half of an H100/H200 SM's 228 KB: one CTA per SM
 NUM_SMS = 132
-MODES = ("off", "wait", "start", "start1")
+MODES = ("off", "wait", "start", "start1", "race")
 
 _ASM = ('%{name} = tt.elementwise_inline_asm "{instr}; // dummy $0" '
         '{{constraints = "=r", packed_element = 1 : i32, pure = false}} -> i32')
@@ -71,8 +75,8 @@ def with_pdl(ttir: str, mode: str) -> str:
         return ttir
     if mode not in MODES:
         raise ValueError(f"PDL mode {mode!r}: not one of {MODES}")
-    instrs = ["griddepcontrol.wait"]
-    if mode in ("start", "start1"):
+    instrs = [] if mode == "race" else ["griddepcontrol.wait"]
+    if mode in ("start", "start1", "race"):
         instrs.insert(0, "griddepcontrol.launch_dependents")
     head = re.search(r"^[ \t]*tt\.func [^\n]*\{[ \t]*\n", ttir, re.M)
     if head is None:
@@ -203,6 +207,31 @@ def gpu_loader(lib):
     return load
 
 
+def trace_stats(loop, params, state, steps: int, timeline: int = 0) -> dict:
+    """One profiled run: kernel time and traced span per step (ms), kernels per step, and the
+    mean end-to-start gap (us) between consecutive kernels of our Pallas chain (the kernels
+    whose names hold "matmul", "attention" or "norm")."""
+    from benchmarks.profile_decode import device_kernels, load_trace
+
+    log_dir = tempfile.mkdtemp(prefix="ffi_trace_")
+    with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+        jax.block_until_ready(loop(params, state))
+    ks = sorted(device_kernels(load_trace(log_dir)), key=lambda e: float(e["ts"]))
+    if timeline:
+        from benchmarks.profile_decode import _timeline
+
+        print(_timeline(ks, timeline), flush=True)
+    busy = sum(float(e["dur"]) for e in ks) / steps
+    span = (max(float(e["ts"]) + float(e["dur"]) for e in ks) - float(ks[0]["ts"])) / steps
+    ours = re.compile(r"matmul|attention|norm")
+    gaps = [float(b["ts"]) - (float(a["ts"]) + float(a["dur"])) for a, b in zip(ks, ks[1:])
+            if ours.search(a["name"]) and ours.search(b["name"])]
+    return dict(kernel_ms=round(busy / 1e3, 4), span_ms=round(span / 1e3, 4),
+                kernels_per_step=round(len(ks) / steps, 1),
+                gap_us=round(float(np.mean(gaps)), 3) if gaps else None,
+                min_gap_us=round(float(np.min(gaps)), 3) if gaps else None)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="llama3-8b")
@@ -212,6 +241,10 @@ def main(argv=None) -> int:
     p.add_argument("--variants", default="xla,off,wait,start,start1")
     p.add_argument("--repeats", type=int, default=3, help="runs per timing (the best counts)")
     p.add_argument("--rounds", type=int, default=2, help="times each variant is timed, in turn")
+    p.add_argument("--trace", action="store_true",
+                   help="profile one run per variant: kernel time, span, gaps between kernels")
+    p.add_argument("--timeline", type=int, default=0,
+                   help="with --trace: print this many kernels around a middle attention kernel")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     if jax.devices()[0].platform != "gpu":
@@ -263,6 +296,11 @@ def main(argv=None) -> int:
               f"{agree:.1%}, K cache rel err {kerr:.2e}", flush=True)
         for k in kernels.get(v, []):
             print(f"   {k}", flush=True)
+    traces = {}
+    if args.trace:
+        for v in variants:
+            traces[v] = trace_stats(loops[v], model.params, fresh(), args.steps, args.timeline)
+            print(f"{v}: {traces[v]}", flush=True)
     times = {v: [] for v in variants}
     for _ in range(args.rounds):
         for v in variants:
@@ -277,7 +315,7 @@ def main(argv=None) -> int:
           "wall ms/step (best of each round)")
     rows = []
     for v in variants:
-        row = dict(variant=v, ms_per_step=times[v], **checks[v])
+        row = dict(variant=v, ms_per_step=times[v], **checks[v], **traces.get(v, {}))
         rows.append(row)
         print(f"  {v:7s} {' '.join(f'{t:.3f}' for t in times[v])}   tokens "
               f"{checks[v]['token_agreement']:.0%}  K err {checks[v]['k_cache_rel_err']:.1e}")
