@@ -24,7 +24,15 @@ Variants (`--variants`):
   start1   `start`, and kernels of at most one wave get >= 116 KB of dynamic shared memory,
            so that one CTA fits per SM (run J: PDL paid only for such kernels);
   race     launch_dependents at the start and no wait: wrong by design, a bound on what
-           overlapping the kernels could give (and a check that PDL is honoured at all).
+           overlapping the kernels could give (and a check that PDL is honoured at all);
+  chain    the wait, then launch_dependents: the next kernel's programs take free SMs and wait
+           there while this one runs, but no further kernel launches before this one's wait
+           returns (`start` lets a whole chain of waiting kernels pile onto the SMs);
+  late     the wait at the start, launch_dependents after the main loop;
+  chain1, late1: with one CTA per SM, as start1.
+XLA's command buffers (CUDA graphs) capture our calls and lose PDL across them (session 14:
+the race variant ran no faster and gave no overlap); run with
+XLA_FLAGS=--xla_gpu_enable_command_buffer= to launch in stream order, where PDL is honoured.
 `--trace` also profiles one run of each variant: kernel time, traced span, and the mean gap
 from one Pallas kernel's end to the next one's start (negative: they overlapped).
 Each variant's generated tokens and final KV cache are compared with `xla`'s; the wall time per
@@ -51,38 +59,58 @@ TARGET = "jaxinfer_pdl_chain"  # the FFI handler of pdl_ffi_launch.cc
 PALLAS_TARGET = "__gpu$xla.gpu.triton"
 ONE_CTA_SMEM = 116 * 1024  # > half of an H100/H200 SM's 228 KB: one CTA per SM
 NUM_SMS = 132
-MODES = ("off", "wait", "start", "start1", "race")
+GDC = {"wait": "griddepcontrol.wait", "trigger": "griddepcontrol.launch_dependents"}
+# mode: (instructions at the kernel's start, launch_dependents after the main loop, one CTA per
+# SM for kernels of at most one wave)
+PDL_MODES = {
+    "off": ((), False, False),
+    "wait": (("wait",), False, False),
+    "start": (("trigger", "wait"), False, False),
+    "start1": (("trigger", "wait"), False, True),
+    "race": (("trigger",), False, False),
+    "chain": (("wait", "trigger"), False, False),
+    "chain1": (("wait", "trigger"), False, True),
+    "late": (("wait",), True, False),
+    "late1": (("wait",), True, True),
+}
+MODES = tuple(PDL_MODES)
 
 _ASM = ('%{name} = tt.elementwise_inline_asm "{instr}; // dummy $0" '
         '{{constraints = "=r", packed_element = 1 : i32, pure = false}} -> i32')
 
 
 def with_pdl(ttir: str, mode: str) -> str:
-    """The Triton IR with PDL instructions at the start of its function (mode "wait": the wait;
-    "start"/"start1": launch_dependents, then the wait; "off": none), as volatile inline asm,
-    the form upstream Triton's `gdc_*` helpers emit. Any of jaxlib's `tt.grid_dependency_*` ops
-    become the same asm (upstream Triton may not know them)."""
+    """The Triton IR with the PDL instructions of `mode` (PDL_MODES) as volatile inline asm, the
+    form upstream Triton's `gdc_*` helpers emit: those of the function's start in order, and for
+    the "late" modes launch_dependents after the function's first top-level loop (its main loop;
+    before the return when it has none). Any of jaxlib's `tt.grid_dependency_*` ops become the
+    same asm (upstream Triton may not know them)."""
+    if mode not in PDL_MODES:
+        raise ValueError(f"PDL mode {mode!r}: not one of {sorted(PDL_MODES)}")
     n = [0]
 
     def asm(instr):
         n[0] += 1
-        return _ASM.format(name=f"jaxinfer_gdc{n[0]}", instr=instr)
+        return f"    {_ASM.format(name=f'jaxinfer_gdc{n[0]}', instr=GDC[instr])}\n"
 
-    ttir = re.sub(r"tt\.grid_dependency_wait\b", lambda _: asm("griddepcontrol.wait"), ttir)
+    ttir = re.sub(r"tt\.grid_dependency_wait\b", lambda _: asm("wait").strip(), ttir)
     ttir = re.sub(r"tt\.grid_dependency_launch_dependents\b",
-                  lambda _: asm("griddepcontrol.launch_dependents"), ttir)
-    if mode == "off":
-        return ttir
-    if mode not in MODES:
-        raise ValueError(f"PDL mode {mode!r}: not one of {MODES}")
-    instrs = [] if mode == "race" else ["griddepcontrol.wait"]
-    if mode in ("start", "start1", "race"):
-        instrs.insert(0, "griddepcontrol.launch_dependents")
-    head = re.search(r"^[ \t]*tt\.func [^\n]*\{[ \t]*\n", ttir, re.M)
+                  lambda _: asm("trigger").strip(), ttir)
+    at_start, late, _ = PDL_MODES[mode]
+    lines = ttir.splitlines(keepends=True)
+    head = next((i for i, ln in enumerate(lines) if re.match(r"\s*tt\.func .*\{\s*$", ln)), None)
     if head is None:
         raise ValueError("no tt.func in the Triton module")
-    body = "".join(f"    {asm(i)}\n" for i in instrs)
-    return ttir[:head.end()] + body + ttir[head.end():]
+    if late:
+        loop = next((i for i, ln in enumerate(lines) if re.match(r"    %\S+ = scf\.for ", ln)),
+                    None)
+        if loop is None:
+            end = max(i for i, ln in enumerate(lines) if ln.strip().startswith("tt.return"))
+        else:  # the loop's closing brace, at the function body's indentation
+            end = next(i for i in range(loop + 1, len(lines)) if lines[i].rstrip() == "    }") + 1
+        lines.insert(end, asm("trigger"))
+    lines[head + 1:head + 1] = [asm(i) for i in at_start]
+    return "".join(lines)
 
 
 def compile_ttir(ttir: str, num_warps: int, num_stages: int, workdir: str) -> dict:
@@ -137,7 +165,7 @@ class Launcher:
                                       f"({info['global_scratch']} B), which the launcher "
                                       "passes as null")
         shared = info["shared"]
-        if self.mode == "start1" and n_programs <= NUM_SMS:
+        if PDL_MODES[self.mode][2] and n_programs <= NUM_SMS:
             shared = max(shared, ONE_CTA_SMEM)
         lkey = (key, shared)
         if lkey not in self.compiled:
@@ -245,6 +273,8 @@ def main(argv=None) -> int:
                    help="profile one run per variant: kernel time, span, gaps between kernels")
     p.add_argument("--timeline", type=int, default=0,
                    help="with --trace: print this many kernels around a middle attention kernel")
+    p.add_argument("--blocks", default=None,
+                   help="JSON block sizes of the decode matmuls, as profile_decode.py --blocks")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     if jax.devices()[0].platform != "gpu":
@@ -259,6 +289,10 @@ def main(argv=None) -> int:
     unknown = [v for v in variants if v != "xla" and v not in MODES]
     if unknown:
         p.error(f"--variants: unknown {unknown}; choose from xla, {', '.join(MODES)}")
+    if args.blocks:
+        from benchmarks.profile_decode import _override_blocks
+
+        _override_blocks(json.loads(args.blocks))
     workdir = tempfile.mkdtemp(prefix="ffi_step_")
     lib = build_launcher(workdir)
     model = random_model(args.preset, "bfloat16")
