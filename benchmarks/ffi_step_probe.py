@@ -29,7 +29,12 @@ Variants (`--variants`):
            there while this one runs, but no further kernel launches before this one's wait
            returns (`start` lets a whole chain of waiting kernels pile onto the SMs);
   late     the wait at the start, launch_dependents after the main loop;
-  chain1, late1: with one CTA per SM, as start1.
+  chain1, late1: with one CTA per SM, as start1;
+  free     no wait, launch_dependents after the main loop (for overrides: one kernel racing).
+A variant may end in per-kernel overrides, "+MODE@SUBSTR": e.g.
+"late+start@decode_attention+free@k4096_n4096" races only the o projection against the
+attention kernel (the attention lets it launch at its start; the rest as `late`), a bound on
+what that one boundary could give.
 XLA's command buffers (CUDA graphs) capture our calls and lose PDL across them (session 14:
 the race variant ran no faster and gave no overlap); run with
 XLA_FLAGS=--xla_gpu_enable_command_buffer= to launch in stream order, where PDL is honoured.
@@ -72,6 +77,7 @@ PDL_MODES = {
     "chain1": (("wait", "trigger"), False, True),
     "late": (("wait",), True, False),
     "late1": (("wait",), True, True),
+    "free": ((), True, False),  # no wait (races its predecessor), launch_dependents late
 }
 MODES = tuple(PDL_MODES)
 
@@ -144,9 +150,15 @@ class Launcher:
     ~160 calls compile ~6 distinct kernels."""
 
     def __init__(self, mode: str, load, workdir: str | None = None):
-        if mode not in MODES:
-            raise ValueError(f"mode {mode!r}: not one of {MODES}")
-        self.mode = mode
+        """mode: a PDL_MODES key, optionally followed by per-kernel overrides
+        "+MODE@SUBSTR" (kernels whose name holds SUBSTR use MODE; the first match counts)."""
+        base, *overrides = mode.split("+")
+        self.overrides = [tuple(o.split("@", 1)) for o in overrides]
+        bad = [o for o in self.overrides if len(o) != 2 or o[0] not in MODES or not o[1]]
+        if base not in MODES or bad:
+            raise ValueError(f"mode {mode!r}: not one of {MODES}, optionally followed by "
+                             "+MODE@SUBSTR overrides")
+        self.mode = base
         self.load = load
         self.workdir = workdir or tempfile.mkdtemp(prefix="ffi_step_")
         self.compiled: dict = {}
@@ -154,7 +166,9 @@ class Launcher:
 
     def kernel_id(self, ttir: str, num_warps: int, num_stages: int, grid) -> tuple[int, int]:
         """(the launcher's id of the kernel compiled from `ttir`, its number of pointers)."""
-        text = with_pdl(ttir, self.mode)
+        name = re.search(r"tt\.func (?:public )?@(\w+)", ttir).group(1)
+        mode = next((m for m, sub in self.overrides if sub in name), self.mode)
+        text = with_pdl(ttir, mode)
         n_programs = grid[0] * grid[1] * grid[2]
         key = (text, num_warps, num_stages)
         if key not in self.compiled:
@@ -165,12 +179,13 @@ class Launcher:
                                       f"({info['global_scratch']} B), which the launcher "
                                       "passes as null")
         shared = info["shared"]
-        if PDL_MODES[self.mode][2] and n_programs <= NUM_SMS:
+        if PDL_MODES[mode][2] and n_programs <= NUM_SMS:
             shared = max(shared, ONE_CTA_SMEM)
         lkey = (key, shared)
         if lkey not in self.compiled:
             self.compiled[lkey] = (self.load(info, shared), info["n_args"])
-            self.kernels.append(dict(name=info["entry"], grid=list(grid), warps=num_warps,
+            self.kernels.append(dict(name=info["entry"], mode=mode, grid=list(grid),
+                                     warps=num_warps,
                                      stages=num_stages, shared=info["shared"],
                                      launch_shared=shared, regs=info["n_regs"]))
         return self.compiled[lkey]
@@ -286,9 +301,12 @@ def main(argv=None) -> int:
     from jaxinfer.sampling import SamplingParams
 
     variants = args.variants.split(",")
-    unknown = [v for v in variants if v != "xla" and v not in MODES]
-    if unknown:
-        p.error(f"--variants: unknown {unknown}; choose from xla, {', '.join(MODES)}")
+    for v in variants:
+        if v != "xla":
+            try:
+                Launcher(v, load=None)
+            except ValueError as e:
+                p.error(f"--variants: {e}")
     if args.blocks:
         from benchmarks.profile_decode import _override_blocks
 

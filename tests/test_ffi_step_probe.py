@@ -124,3 +124,18 @@ def test_install_replaces_the_pallas_calls(fake_compile, mode, pdl):
     # outside the context, Pallas lowers as before
     jax.clear_caches()
     assert probe.TARGET not in lowered(two_products, *args)
+
+
+def test_per_kernel_overrides(fake_compile):
+    """"late+free@SUBSTR": the named kernels race (no wait), the rest wait at their start."""
+    launcher = probe.Launcher("late+free@k512_n512", lambda info, shared: 0)
+    jax.clear_caches()
+    with launcher.install():
+        lowered(matmul, S((1, 512), BF16), S((512, 512), BF16))
+    [k] = launcher.kernels
+    assert k["mode"] == "free"
+    assert "griddepcontrol.wait" not in fake_compile[0]
+    assert "griddepcontrol.launch_dependents" in fake_compile[0]
+    for bad in ("late+free", "late+early@x", "late+free@"):
+        with pytest.raises(ValueError, match="overrides"):
+            probe.Launcher(bad, load=None)
