@@ -139,3 +139,22 @@ def test_per_kernel_overrides(fake_compile):
     for bad in ("late+free", "late+early@x", "late+free@"):
         with pytest.raises(ValueError, match="overrides"):
             probe.Launcher(bad, load=None)
+
+
+def test_cuda_override_replaces_the_o_projection(fake_compile):
+    """"cudaR@SUBSTR" swaps pdl_stream_gemv.cu in for the 4096 x 4096 split-2 partials matmul
+    (its own grid, three pointers); any other kernel is refused."""
+    loads = []
+    launcher = probe.Launcher("late+cuda1536@k4096_n4096",
+                              lambda info, shared: loads.append((info, shared)) or 7)
+    jax.clear_caches()
+    with launcher.install():
+        text = lowered(lambda a, w: pk.norm_matmul(a, None, w, partials=True),
+                       S((1, 4096), BF16), S((4096, 4096), BF16))
+    assert fake_compile == []  # no Triton compile for the replaced kernel
+    assert loads == [({"cuda_pre_rows": 1536}, 1536 * 128)]
+    assert "kernels = dense<7>" in text and "grids = dense<[64, 2, 1]>" in text
+    launcher = probe.Launcher("late+cuda1536@k512", lambda info, shared: 0)
+    jax.clear_caches()
+    with pytest.raises(ValueError, match="replaces only"), launcher.install():
+        lowered(matmul, S((1, 512), BF16), S((512, 512), BF16))

@@ -1,0 +1,82 @@
+// A decode GEMV that streams most of its weight into shared memory *before* waiting for its
+// predecessor (griddepcontrol.wait), then reads the activations and finishes: the kernel form
+// Pallas Triton cannot express (its pipeliner issues the activation loads with the weights').
+// Probe code for benchmarks/ffi_step_probe.py (issue 5, session 14); not used by the engine.
+//
+// Same signature and output as the model's o projection (pallas_kernels.norm_matmul with
+// partials=True, split 2): x [1, K] bf16, w [K, N] bf16 row-major, out [2, 1, N] float32, out[s]
+// the sum over rows s*K/2 .. (s+1)*K/2 - 1. Grid (N / 64, 2), 256 threads: each block owns 64
+// columns of one K chunk. PRE_ROWS (a -D define) rows of the block's tile are requested with
+// cp.async before the wait (PRE_ROWS * 128 bytes of dynamic shared memory); the rest are read
+// from global memory after it.
+
+#include <cuda_bf16.h>
+
+#ifndef PRE_ROWS
+#define PRE_ROWS 1536
+#endif
+#ifndef KDIM
+#define KDIM 4096
+#endif
+#ifndef NDIM
+#define NDIM 4096
+#endif
+
+constexpr int kCols = 64;             // columns per block: 8 vectors of 8 bf16 (16 bytes)
+constexpr int kChunk = KDIM / 2;      // rows per block (split 2)
+constexpr int kThreads = 256;
+constexpr int kGroups = kThreads / 8;  // row groups: thread t takes rows r = t / 8 (mod 32)
+
+__device__ __forceinline__ void fma8(float* acc, uint4 w, float xr) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&w);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    float2 f = __bfloat1622float2(h[j]);
+    acc[2 * j] += xr * f.x;
+    acc[2 * j + 1] += xr * f.y;
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(kThreads)
+pdl_stream_gemv(const __nv_bfloat16* x, const __nv_bfloat16* __restrict__ w,
+                float* __restrict__ out) {
+  extern __shared__ uint4 tile[];  // [PRE_ROWS][8] vectors; reused for the reduction
+  const int col0 = blockIdx.x * kCols, row0 = blockIdx.y * kChunk;
+  const uint4* wv = reinterpret_cast<const uint4*>(w);
+  // 1. The weights: independent of every earlier kernel, requested before the wait.
+  for (int i = threadIdx.x; i < PRE_ROWS * 8; i += kThreads) {
+    const uint4* src = wv + ((size_t)(row0 + (i >> 3)) * NDIM + col0) / 8 + (i & 7);
+    unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(tile + i));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+  }
+  asm volatile("cp.async.commit_group;" ::: "memory");
+  // 2. Wait for the predecessor (the attention kernel writes x); a no-op without PDL. x is
+  // then read around the L1 (ld.global.cg): the buffer may have held an earlier kernel's data.
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  const int c = threadIdx.x & 7, g = threadIdx.x >> 3;
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  // 3. The rows not staged, straight from global memory, while the staged ones land.
+#pragma unroll 4
+  for (int r = PRE_ROWS + g; r < kChunk; r += kGroups) {
+    uint4 wr = __ldg(wv + ((size_t)(row0 + r) * NDIM + col0) / 8 + c);
+    fma8(acc, wr, __bfloat162float(__ldcg(x + row0 + r)));
+  }
+  asm volatile("cp.async.wait_all;" ::: "memory");
+  __syncthreads();
+#pragma unroll 8
+  for (int r = g; r < PRE_ROWS; r += kGroups) fma8(acc, tile[r * 8 + c], __bfloat162float(__ldcg(x + row0 + r)));
+  // 4. Sum the 32 row groups: [32][64] floats in the (now free) shared tile.
+  __syncthreads();
+  float* red = reinterpret_cast<float*>(tile);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) red[g * kCols + c * 8 + j] = acc[j];
+  __syncthreads();
+  if (threadIdx.x < kCols) {
+    float s = 0.f;
+#pragma unroll 8
+    for (int k = 0; k < kGroups; ++k) s += red[k * kCols + threadIdx.x];
+    out[blockIdx.y * NDIM + col0 + threadIdx.x] = s;
+  }
+  // 5. Let the next kernel launch (it waits for this one's completion before reading out).
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
