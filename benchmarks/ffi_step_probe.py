@@ -255,8 +255,9 @@ STREAM_GEMV_GRID = (64, 2, 1)  # pdl_stream_gemv.cu: 64-column blocks x 2 K chun
 
 
 def stream_gemv_shared(pre_rows: int) -> int:
-    """Dynamic shared memory of pdl_stream_gemv: the staged rows, at least the reduction's."""
-    return max(pre_rows * 128, 32 * 64 * 4)
+    """Dynamic shared memory of pdl_stream_gemv: the staged rows (at least the reduction's
+    8 KB), then x's 2048-element chunk."""
+    return max(pre_rows * 128, 32 * 64 * 4) + 2048 * 2
 
 
 def compile_stream_gemv(pre_rows: int, workdir: str) -> bytes:

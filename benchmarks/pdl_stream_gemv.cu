@@ -7,8 +7,8 @@
 // partials=True, split 2): x [1, K] bf16, w [K, N] bf16 row-major, out [2, 1, N] float32, out[s]
 // the sum over rows s*K/2 .. (s+1)*K/2 - 1. Grid (N / 64, 2), 256 threads: each block owns 64
 // columns of one K chunk. PRE_ROWS (a -D define) rows of the block's tile are requested with
-// cp.async before the wait (PRE_ROWS * 128 bytes of dynamic shared memory); the rest are read
-// from global memory after it.
+// cp.async before the wait (PRE_ROWS * 128 bytes of dynamic shared memory, at least 8 KB, plus
+// 4 KB for x's chunk); the rest are read from global memory after it, 16 rows per thread at once.
 
 #include <cuda_bf16.h>
 
@@ -37,10 +37,17 @@ __device__ __forceinline__ void fma8(float* acc, uint4 w, float xr) {
   }
 }
 
+constexpr int kTileVecs = (PRE_ROWS * 8 > 512 ? PRE_ROWS * 8 : 512);  // >= the reduction's 8 KB
+constexpr int kBatch = 16;  // tail rows per thread loaded at once (16 x 16 B in flight)
+
 extern "C" __global__ void __launch_bounds__(kThreads)
 pdl_stream_gemv(const __nv_bfloat16* x, const __nv_bfloat16* __restrict__ w,
                 float* __restrict__ out) {
-  extern __shared__ uint4 tile[];  // [PRE_ROWS][8] vectors; reused for the reduction
+  // dynamic shared memory: the staged tile [PRE_ROWS][8] vectors (reused for the reduction),
+  // then x's chunk [kChunk] bf16
+  extern __shared__ uint4 smem[];
+  uint4* tile = smem;
+  __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem + kTileVecs);
   const int col0 = blockIdx.x * kCols, row0 = blockIdx.y * kChunk;
   const uint4* wv = reinterpret_cast<const uint4*>(w);
   // 1. The weights: independent of every earlier kernel, requested before the wait.
@@ -53,18 +60,30 @@ pdl_stream_gemv(const __nv_bfloat16* x, const __nv_bfloat16* __restrict__ w,
   // 2. Wait for the predecessor (the attention kernel writes x); a no-op without PDL. x is
   // then read around the L1 (ld.global.cg): the buffer may have held an earlier kernel's data.
   asm volatile("griddepcontrol.wait;" ::: "memory");
+  const uint4* xv = reinterpret_cast<const uint4*>(x + row0);
+  for (int i = threadIdx.x; i < kChunk / 8; i += kThreads)
+    reinterpret_cast<uint4*>(xs)[i] = __ldcg(xv + i);
   const int c = threadIdx.x & 7, g = threadIdx.x >> 3;
   float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  // 3. The rows not staged, straight from global memory, while the staged ones land.
-#pragma unroll 4
-  for (int r = PRE_ROWS + g; r < kChunk; r += kGroups) {
-    uint4 wr = __ldg(wv + ((size_t)(row0 + r) * NDIM + col0) / 8 + c);
-    fma8(acc, wr, __bfloat162float(__ldcg(x + row0 + r)));
+  __syncthreads();  // xs written
+  // 3. The rows not staged, straight from global memory, kBatch rows per thread in flight.
+  for (int r0 = PRE_ROWS + g; r0 < kChunk; r0 += kGroups * kBatch) {
+    uint4 wr[kBatch];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      int r = r0 + b * kGroups;
+      if (r < kChunk) wr[b] = __ldg(wv + ((size_t)(row0 + r) * NDIM + col0) / 8 + c);
+    }
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      int r = r0 + b * kGroups;
+      if (r < kChunk) fma8(acc, wr[b], __bfloat162float(xs[r]));
+    }
   }
   asm volatile("cp.async.wait_all;" ::: "memory");
-  __syncthreads();
+  __syncthreads();  // the staged tile landed
 #pragma unroll 8
-  for (int r = g; r < PRE_ROWS; r += kGroups) fma8(acc, tile[r * 8 + c], __bfloat162float(__ldcg(x + row0 + r)));
+  for (int r = g; r < PRE_ROWS; r += kGroups) fma8(acc, tile[r * 8 + c], __bfloat162float(xs[r]));
   // 4. Sum the 32 row groups: [32][64] floats in the (now free) shared tile.
   __syncthreads();
   float* red = reinterpret_cast<float*>(tile);

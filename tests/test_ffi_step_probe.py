@@ -152,7 +152,7 @@ def test_cuda_override_replaces_the_o_projection(fake_compile):
         text = lowered(lambda a, w: pk.norm_matmul(a, None, w, partials=True),
                        S((1, 4096), BF16), S((4096, 4096), BF16))
     assert fake_compile == []  # no Triton compile for the replaced kernel
-    assert loads == [({"cuda_pre_rows": 1536}, 1536 * 128)]
+    assert loads == [({"cuda_pre_rows": 1536}, 1536 * 128 + 4096)]
     assert "kernels = dense<7>" in text and "grids = dense<[64, 2, 1]>" in text
     launcher = probe.Launcher("late+cuda1536@k512", lambda info, shared: 0)
     jax.clear_caches()
