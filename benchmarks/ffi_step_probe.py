@@ -43,9 +43,12 @@ the race variant ran no faster and gave no overlap); run with
 XLA_FLAGS=--xla_gpu_enable_command_buffer= to launch in stream order, where PDL is honoured.
 `--trace` also profiles one run of each variant: kernel time, traced span, and the mean gap
 from one Pallas kernel's end to the next one's start (negative: they overlapped).
-Each variant's generated tokens and final KV cache are compared with `xla`'s; the wall time per
-step is the best of `--repeats` runs, the variants timed in turn, `--rounds` times. Needs an
-NVIDIA Hopper GPU, g++, CUDA's headers and Triton; nothing here is used by the engine.
+Each variant's generated tokens and K cache (first and last layer) are compared with the first
+variant's and with the first FFI variant's (the same Triton 3.6 numerics: our path rounds
+differently from XLA's Triton, so only the second comparison shows what PDL changed); the wall
+time per step is the best of `--repeats` runs, the variants timed in turn, `--rounds` times.
+Results: benchmarks/NOTES.md run O. Needs an NVIDIA Hopper GPU, g++, CUDA's headers and Triton
+(nvcc or NVRTC for `cudaR`); nothing here is used by the engine.
 """
 
 from __future__ import annotations
