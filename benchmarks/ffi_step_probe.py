@@ -33,7 +33,8 @@ Variants (`--variants`):
   free     no wait, launch_dependents after the main loop (for overrides: one kernel racing);
   cudaR    (an override of the o projection only) benchmarks/pdl_stream_gemv.cu instead of the
            Pallas kernel: R rows of each block's weight tile staged in shared memory before the
-           wait, the rest read after it; correct, unlike `free`.
+           wait, the rest read after it; correct, unlike `free`. cudaRxB: B column blocks per
+           K chunk instead of 64 (62: 124 blocks, which fit beside the attention's 8).
 A variant may end in per-kernel overrides, "+MODE@SUBSTR": e.g.
 "late+start@decode_attention+free@k4096_n4096" races only the o projection against the
 attention kernel (the attention lets it launch at its start; the rest as `late`), a bound on
@@ -161,7 +162,7 @@ class Launcher:
         base, *overrides = mode.split("+")
         self.overrides = [tuple(o.split("@", 1)) for o in overrides]
         bad = [o for o in self.overrides if len(o) != 2 or not o[1]
-               or (o[0] not in MODES and not re.fullmatch(r"cuda\d+", o[0]))]
+               or (o[0] not in MODES and not re.fullmatch(r"cuda\d+(x\d+)?", o[0]))]
         if base not in MODES or bad:
             raise ValueError(f"mode {mode!r}: not one of {MODES}, optionally followed by "
                              "+MODE@SUBSTR overrides")
@@ -181,12 +182,10 @@ class Launcher:
                 if not re.fullmatch(r"\w*_k4096_n4096_split2", name):
                     raise ValueError(f"{mode}: pdl_stream_gemv replaces only the 4096 x 4096 "
                                      f"split-2 partials matmul, not {name}")
-                pre = int(mode[4:])
-                kid = self.load(dict(cuda_pre_rows=pre), stream_gemv_shared(pre))
-                self.compiled[mode] = (kid, 3, STREAM_GEMV_GRID)
-                self.kernels.append(dict(name=f"pdl_stream_gemv PRE_ROWS={pre}", mode=mode,
-                                         grid=list(STREAM_GEMV_GRID),
-                                         launch_shared=stream_gemv_shared(pre)))
+                spec = stream_gemv_spec(mode)
+                kid = self.load(spec, spec["shared"])
+                self.compiled[mode] = (kid, 3, spec["grid"])
+                self.kernels.append(dict(name="pdl_stream_gemv", mode=mode, **spec))
             return self.compiled[mode]
         text = with_pdl(ttir, mode)
         n_programs = grid[0] * grid[1] * grid[2]
@@ -254,16 +253,26 @@ class Launcher:
                 reg.mlir = mlir
 
 
-STREAM_GEMV_GRID = (64, 2, 1)  # pdl_stream_gemv.cu: 64-column blocks x 2 K chunks
+def stream_gemv_spec(mode: str) -> dict:
+    """pdl_stream_gemv's build and launch for an override "cudaR" or "cudaRxB" (R staged rows,
+    B column blocks per K chunk, default 64): defines, grid, threads, dynamic shared memory
+    (the staged rows or the reduction's floats, then x's 2048-element chunk)."""
+    m = re.fullmatch(r"cuda(\d+)(?:x(\d+))?", mode)
+    if m is None:
+        raise ValueError(f"{mode!r}: not cudaR or cudaRxB")
+    pre, nblk = int(m.group(1)), int(m.group(2) or 64)
+    max_vec = -(-512 // nblk)  # 16-byte vectors per block, at most (N = 4096)
+    if not 0 <= pre <= 2048 or max_vec > 16:
+        raise ValueError(f"{mode!r}: R must be 0..2048 rows and B >= 32 blocks")
+    shared = max(pre * max_vec * 16, 32 * max_vec * 8 * 4) + 2048 * 2
+    if shared > 227 * 1024:
+        raise ValueError(f"{mode!r}: {shared} B of shared memory, more than the 227 KB a block "
+                         "may take")
+    return dict(defines=[f"-DPRE_ROWS={pre}", f"-DNBLK={nblk}"], grid=(nblk, 2, 1),
+                threads=32 * max_vec, shared=shared)
 
 
-def stream_gemv_shared(pre_rows: int) -> int:
-    """Dynamic shared memory of pdl_stream_gemv: the staged rows (at least the reduction's
-    8 KB), then x's 2048-element chunk."""
-    return max(pre_rows * 128, 32 * 64 * 4) + 2048 * 2
-
-
-def compile_stream_gemv(pre_rows: int, workdir: str) -> bytes:
+def compile_stream_gemv(defines: list[str], workdir: str) -> bytes:
     """pdl_stream_gemv.cu for sm_90a with nvcc (a cubin), else NVRTC (PTX, which the driver
     compiles when the module loads)."""
     import glob
@@ -273,12 +282,13 @@ def compile_stream_gemv(pre_rows: int, workdir: str) -> bytes:
     src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pdl_stream_gemv.cu")
     nvcc = shutil.which("nvcc") or next(iter(glob.glob("/usr/local/cuda*/bin/nvcc")), None)
     if nvcc:
-        out = os.path.join(workdir, f"pdl_stream_gemv_{pre_rows}.cubin")
-        subprocess.run([nvcc, "-cubin", "-arch=sm_90a", "-O3", f"-DPRE_ROWS={pre_rows}", src,
-                        "-o", out], check=True)
+        out = os.path.join(workdir, "pdl_stream_gemv" + "".join(defines).replace("-D", "_")
+                           + ".cubin")
+        subprocess.run([nvcc, "-cubin", "-arch=sm_90a", "-O3", *defines, src, "-o", out],
+                       check=True)
         with open(out, "rb") as f:
             return f.read()
-    return _nvrtc_ptx(open(src).read(), [f"-DPRE_ROWS={pre_rows}"])
+    return _nvrtc_ptx(open(src).read(), defines)
 
 
 def _nvrtc_ptx(source: str, options: list[str]) -> bytes:
@@ -313,18 +323,19 @@ def _nvrtc_ptx(source: str, options: list[str]) -> bytes:
     return ptx.raw
 
 
-def check_stream_gemv(lib, pre_rows: int, workdir: str) -> float:
+def check_stream_gemv(lib, mode: str, workdir: str) -> float:
     """pdl_stream_gemv on random x [1, 4096], w [4096, 4096] against jnp's per-chunk sums:
     the relative error (launched without PDL through the same FFI call)."""
     import jax.numpy as jnp
 
-    kid = gpu_loader(lib, workdir)(dict(cuda_pre_rows=pre_rows), stream_gemv_shared(pre_rows))
+    spec = stream_gemv_spec(mode)
+    kid = gpu_loader(lib, workdir)(spec, spec["shared"])
     kx, kw = jax.random.split(jax.random.key(1))
     x = jax.random.normal(kx, (1, 4096), jnp.float32).astype(jnp.bfloat16)
     w = (jax.random.normal(kw, (4096, 4096), jnp.float32) / 64).astype(jnp.bfloat16)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((2, 1, 4096), jnp.float32))
     got = jax.jit(lambda x, w: call(
-        x, w, kernels=np.array([kid], np.int64), grids=np.array(STREAM_GEMV_GRID, np.int64),
+        x, w, kernels=np.array([kid], np.int64), grids=np.array(spec["grid"], np.int64),
         nparams=np.array([3], np.int64), params=np.arange(3, dtype=np.int64),
         pdl=np.int64(0)))(x, w)
     xf, wf = x.astype(jnp.float32), w.astype(jnp.float32)
@@ -338,9 +349,10 @@ def gpu_loader(lib, workdir: str = "/tmp"):
 
     def load(info, shared):
         err = ctypes.create_string_buffer(512)
-        if "cuda_pre_rows" in info:
-            image = compile_stream_gemv(info["cuda_pre_rows"], workdir)
-            kid = lib.jaxinfer_pdl_load_kernel(image, b"pdl_stream_gemv", 0, 256, shared, 0,
+        if "defines" in info:  # stream_gemv_spec
+            image = compile_stream_gemv(info["defines"], workdir)
+            kid = lib.jaxinfer_pdl_load_kernel(image, b"pdl_stream_gemv", 0, info["threads"],
+                                               shared, 0,
                                                err, len(err))
             if kid < 0:
                 raise RuntimeError(f"pdl_stream_gemv: {err.value.decode()}")
@@ -428,9 +440,9 @@ def main(argv=None) -> int:
         state, tokens, lengths = init_state(model, prompts, args.steps + 1, greedy, 0, stop_ids=[])
         return jax.block_until_ready(prefill(model.params, tokens, lengths, state, cfg))
 
-    for pre in sorted({int(m) for m in re.findall(r"cuda(\d+)@", args.variants)}):
-        print(f"pdl_stream_gemv PRE_ROWS={pre}: rel err against jnp "
-              f"{check_stream_gemv(lib, pre, workdir):.2e}", flush=True)
+    for m in sorted(set(re.findall(r"(cuda\d+(?:x\d+)?)@", args.variants))):
+        print(f"pdl_stream_gemv {m}: rel err against jnp "
+              f"{check_stream_gemv(lib, m, workdir):.2e}", flush=True)
     loops, checks, kernels = {}, {}, {}
     ref = ref_ffi = None
     for v in variants:

@@ -152,9 +152,20 @@ def test_cuda_override_replaces_the_o_projection(fake_compile):
         text = lowered(lambda a, w: pk.norm_matmul(a, None, w, partials=True),
                        S((1, 4096), BF16), S((4096, 4096), BF16))
     assert fake_compile == []  # no Triton compile for the replaced kernel
-    assert loads == [({"cuda_pre_rows": 1536}, 1536 * 128 + 4096)]
+    assert loads == [(probe.stream_gemv_spec("cuda1536"), 1536 * 128 + 4096)]
+    assert probe.stream_gemv_spec("cuda1536")["threads"] == 256
     assert "kernels = dense<7>" in text and "grids = dense<[64, 2, 1]>" in text
     launcher = probe.Launcher("late+cuda1536@k512", lambda info, shared: 0)
     jax.clear_caches()
     with pytest.raises(ValueError, match="replaces only"), launcher.install():
         lowered(matmul, S((1, 512), BF16), S((512, 512), BF16))
+
+
+def test_stream_gemv_spec():
+    spec = probe.stream_gemv_spec("cuda1536x62")  # 124 blocks of 8-9 vectors: 288 threads
+    assert spec["grid"] == (62, 2, 1) and spec["threads"] == 288
+    assert spec["shared"] == 1536 * 9 * 16 + 4096 and "-DNBLK=62" in spec["defines"]
+    assert probe.stream_gemv_spec("cuda0")["shared"] == 32 * 8 * 8 * 4 + 4096
+    for bad in ("cuda", "cuda2049", "cuda1536x16", "cuda2048"):
+        with pytest.raises(ValueError):
+            probe.stream_gemv_spec(bad)
