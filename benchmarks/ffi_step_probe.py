@@ -308,8 +308,10 @@ def _nvrtc_ptx(source: str, options: list[str]) -> bytes:
     opts = [o.encode() for o in ["--gpu-architecture=compute_90a", "-std=c++17",
                                  "--use_fast_math", *includes, *options]]
     prog = ctypes.c_void_p()
-    assert nvrtc.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"gemv.cu", 0, None,
-                                    None) == 0
+    rc = nvrtc.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"gemv.cu", 0, None,
+                                  None)
+    if rc != 0:
+        raise RuntimeError(f"NVRTC could not create the program ({rc})")
     rc = nvrtc.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
     size = ctypes.c_size_t()
     nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
@@ -343,7 +345,7 @@ def check_stream_gemv(lib, mode: str, workdir: str) -> float:
     return float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
 
 
-def gpu_loader(lib, workdir: str = "/tmp"):
+def gpu_loader(lib, workdir: str):
     """load(info, shared) for Launcher, through pdl_ffi_launch.cc's jaxinfer_pdl_load_kernel."""
     import ctypes
 
@@ -413,9 +415,8 @@ def main(argv=None) -> int:
         print("ffi_step_probe: needs an NVIDIA GPU (Hopper or newer)", file=sys.stderr)
         return 1
     from benchmarks.pdl_ffi_probe import build_launcher
-    from jaxinfer.bench import random_model
-    from jaxinfer.generate import decode_loop, init_state, prefill
-    from jaxinfer.sampling import SamplingParams
+    from benchmarks.profile_decode import decode_setup
+    from jaxinfer.generate import decode_loop
 
     variants = args.variants.split(",")
     for v in variants:
@@ -430,16 +431,8 @@ def main(argv=None) -> int:
         _override_blocks(json.loads(args.blocks))
     workdir = tempfile.mkdtemp(prefix="ffi_step_")
     lib = build_launcher(workdir)
-    model = random_model(args.preset, "bfloat16")
+    model, fresh = decode_setup(args.preset, "bfloat16", args.batch, args.prompt_len, args.steps)
     cfg = model.config
-    rng = np.random.default_rng(0)
-    prompts = rng.integers(0, cfg.vocab_size, (args.batch, args.prompt_len)).tolist()
-    greedy = [SamplingParams(temperature=0.0)] * args.batch
-
-    def fresh():
-        state, tokens, lengths = init_state(model, prompts, args.steps + 1, greedy, 0, stop_ids=[])
-        return jax.block_until_ready(prefill(model.params, tokens, lengths, state, cfg))
-
     for m in sorted(set(re.findall(r"(cuda\d+(?:x\d+)?)@", args.variants))):
         print(f"pdl_stream_gemv {m}: rel err against jnp "
               f"{check_stream_gemv(lib, m, workdir):.2e}", flush=True)

@@ -125,6 +125,24 @@ def _timeline(kernels: list[dict], n: int) -> str:
     return "\n".join(rows)
 
 
+def decode_setup(preset: str, dtype: str, batch: int, prompt_len: int, steps: int, *,
+                 logprobs: bool = False):
+    """(a random-weight model, fresh()): fresh() returns a prefilled DecodeState of `batch` fixed
+    random prompts with room for `steps` greedy decode steps, no stop ids (as `jaxinfer bench`
+    times the loop); a new one each call, since the loop donates it."""
+    model = random_model(preset, dtype)
+    cfg = model.config
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(0, cfg.vocab_size, (batch, prompt_len)).tolist()
+    greedy = [SamplingParams(temperature=0.0, logprobs=logprobs)] * batch
+
+    def fresh():
+        state, tokens, lengths = init_state(model, prompts, steps + 1, greedy, 0, stop_ids=[])
+        return jax.block_until_ready(prefill(model.params, tokens, lengths, state, cfg))
+
+    return model, fresh
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="llama3-8b")
@@ -201,16 +219,9 @@ def main(argv=None) -> int:
         _override_attention_blocks(json.loads(args.attn_blocks))
 
     dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
-    model = random_model(args.preset, dtype)
+    model, fresh = decode_setup(args.preset, dtype, args.batch, args.prompt_len, args.steps,
+                                logprobs=args.logprobs)
     cfg = model.config
-    rng = np.random.default_rng(0)
-    prompts = rng.integers(0, cfg.vocab_size, (args.batch, args.prompt_len)).tolist()
-    greedy = [SamplingParams(temperature=0.0, logprobs=args.logprobs)] * args.batch
-
-    def fresh():
-        state, tokens, lengths = init_state(model, prompts, args.steps + 1, greedy, 0, stop_ids=[])
-        return jax.block_until_ready(prefill(model.params, tokens, lengths, state, cfg))
-
     s = fresh()
     loop = decode_loop.lower(model.params, s, cfg).compile()
     jax.block_until_ready(loop(model.params, s))  # warm up
