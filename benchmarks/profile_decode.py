@@ -179,6 +179,11 @@ def main(argv=None) -> int:
                         '"qkv": ..., "insn": "line"|"bulk"|"none", "pages": {"down": "start", '
                         '...}}: the L2 prefetch of each decode matmul\'s next weight '
                         "(layers.PREFETCH, l2_prefetch.INSTRUCTION, layers.PAGE_TOUCH)")
+    p.add_argument("--mlp", default=None,
+                   help='JSON {"rows": N, "block_d": 256, "down_prefetch": true}: decode '
+                        "batches of at most N rows run the MLP as one kernel (swiglu_down; "
+                        "0: SwiGLU and down apart), with these options "
+                        "(layers.ONE_KERNEL_MLP_ROWS, ONE_KERNEL_MLP_OPTS)")
     p.add_argument("--ttir-rewrite", default=None,
                    help="NAME[:SUBSTR,...]: rewrite every Pallas Triton module (or those whose "
                         "kernel name holds a SUBSTR) with ttir_inject_probe.REWRITES[NAME] "
@@ -204,6 +209,12 @@ def main(argv=None) -> int:
         l2p.INSTRUCTION = spec.pop("insn", l2p.INSTRUCTION)
         layers.PAGE_TOUCH.update(spec.pop("pages", {}))
         layers.PREFETCH.update({k: None if v is None else tuple(v) for k, v in spec.items()})
+    if args.mlp:
+        from jaxinfer.models import layers
+
+        spec = json.loads(args.mlp)
+        layers.ONE_KERNEL_MLP_ROWS = spec.pop("rows", layers.ONE_KERNEL_MLP_ROWS)
+        layers.ONE_KERNEL_MLP_OPTS.update(spec)
     if args.ttir_rewrite:
         from benchmarks import ttir_inject_probe as tip
 

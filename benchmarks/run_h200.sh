@@ -22,6 +22,7 @@
 #                                       # compiled and launched by XLA (ttir_inject_probe.py)
 #   bash benchmarks/run_h200.sh ffistep # the B=1 step with its Pallas kernels launched by our FFI
 #                                       # call, with and without PDL (ffi_step_probe.py)
+#   bash benchmarks/run_h200.sh mlp     # the one-kernel MLP (swiglu_down) vs SwiGLU + down
 # Results: JSON lines in ${OUT:-.}/bench-<part>.jsonl; a table on stdout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -123,5 +124,22 @@ inject() {
 ffistep() {
   timeout "${FFISTEP_TIMEOUT:-560}" python3 benchmarks/ffi_step_probe.py ${FFISTEP_ARGS:-} \
     --json "$out/ffistep.json" 2>&1 | grep -v -E "^WARNING|DeprecationWarning|deprecations.warn"
+}
+mlp() {  # the one-kernel MLP (swiglu_down) against SwiGLU + down, profiled B=1 steps ($MLP:
+  # one --mlp JSON per line, see profile_decode.py), after its GPU tests
+  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_norm_matmul.py \
+    -k swiglu_down 2>&1 | tail -3
+  local configs=${MLP:-'{"rows": 1}
+{"rows": 0}
+{"rows": 1}
+{"rows": 0}
+{"rows": 1, "block_d": 128}
+{"rows": 1, "block_d": 512}
+{"rows": 1, "down_prefetch": false}'}
+  while IFS= read -r cfg; do
+    echo "== $cfg"
+    timeout 100 python3 benchmarks/profile_decode.py --preset llama3-8b --batch "${MLP_BATCH:-1}" \
+      --prompt-len 128 --steps 32 --top "${MLP_TOP:-8}" --mlp "$cfg" 2>&1 | grep -v "^bench" | tail -11
+  done <<< "$configs"
 }
 for part in "${@:-ours}"; do "$part"; done

@@ -6,7 +6,8 @@
     python3 benchmarks/triton_asm.py compile DIR
 
 Step 1 lowers, at Llama-3-8B batch-1 decode shapes, the kernels of a decode layer (q/k/v
-projection, decode attention, o projection, SwiGLU, down projection), as
+projection, decode attention, o projection, SwiGLU, down projection, and the one-kernel MLP
+swiglu_down), as
 `tests/test_gpu_lowering.py` does
 (jax.export for CUDA; no GPU), and writes each Pallas Triton module as DIR/NAME.ttir with its
 num_warps / num_stages. Step 2 compiles each with upstream Triton for sm_90a and prints what
@@ -61,7 +62,7 @@ def _lower_decode_kernels(out: str, slots: int, seen: list) -> None:
 
     from pallas_kernels.decode_attention_append import decode_attention_append
     from pallas_kernels.norm_matmul import norm_matmul
-    from pallas_kernels.swiglu import swiglu
+    from pallas_kernels.swiglu import swiglu, swiglu_down
 
     b, s, k, hkv, g, d = 1, slots, 4096, 8, 4, 128
     S = jax.ShapeDtypeStruct
@@ -82,15 +83,20 @@ def _lower_decode_kernels(out: str, slots: int, seen: list) -> None:
         x2, h = swiglu(x, wg, wu, norm_weight=nw, eps=1e-5, deltas=o_parts)
         return x2, norm_matmul(h, None, wd, partials=True)
 
+    def o_mlp1(attn, x, nw, wo, wg, wu, wd, acc, clear):  # the one-kernel MLP
+        o_parts = norm_matmul(attn, None, wo, partials=True)
+        return swiglu_down(x, wg, wu, wd, acc, clear, norm_weight=nw, eps=1e-5, deltas=o_parts)
+
     f = 14336
     mlp_args = (x, x, nw, S((k, k), bf), S((k, f), bf), S((k, f), bf), S((f, k), bf))
+    acc = S((b, k), f32)
 
     from jax.sharding import AbstractDevice, AbstractMesh
 
     mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
         device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
     for name, fn, args in (("decode", qkv_attention, (x, nw, w, kc, kc, pos, deltas, cs, cs)),
-                           ("mlp", o_mlp, mlp_args)):
+                           ("mlp", o_mlp, mlp_args), ("mlp1", o_mlp1, (*mlp_args, acc, acc))):
         start = len(seen)
         with jax.sharding.use_abstract_mesh(mesh):
             exported = export.export(

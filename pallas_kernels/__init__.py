@@ -15,7 +15,8 @@ from pallas_kernels.norm_matmul import (
 from pallas_kernels.rms_norm import (
     add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference)
 from pallas_kernels.rope import rope, rope_reference
-from pallas_kernels.swiglu import swiglu, swiglu_reference
+from pallas_kernels.swiglu import (
+    swiglu, swiglu_down, swiglu_down_reference, swiglu_reference)
 
 __all__ = [
     "add_rms_norm", "add_rms_norm_reference",
@@ -26,5 +27,5 @@ __all__ = [
     "norm_matmul", "norm_matmul_reference",
     "rms_norm", "rms_norm_reference",
     "rope", "rope_reference",
-    "swiglu", "swiglu_reference",
+    "swiglu", "swiglu_down", "swiglu_down_reference", "swiglu_reference",
 ]

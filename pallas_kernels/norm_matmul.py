@@ -47,7 +47,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (NUM_SMS_H200, check_array, check_same_dtype, check_tiles,
                                      dot_f32, multiple_of, ref_precision)
-from pallas_kernels.l2_prefetch import PrefetchPlan, issue_prefetches
+from pallas_kernels.l2_prefetch import PrefetchPlan, issue_prefetches, l2_prefetch
 from pallas_kernels.rms_norm import add_deltas_reference, check_deltas, rms_norm_reference
 
 
@@ -135,23 +135,32 @@ def check_prefetch(op: str, prefetch) -> None:
 def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int, block_n: int,
                         block_k: int, k_chunk: int, n_weights: int, has_norm: bool,
                         has_residual: bool, epilogue: str, partial: bool, n_deltas: int,
-                        prefetch_plans: tuple = (), programs: int = 1, threads: int = 128):
+                        prefetch_plans: tuple = (), programs: int = 1, threads: int = 128,
+                        block_d: int = 256, down_prefetch: bool = False,
+                        interpret: bool = False):
     # refs, in order:
     #   x_ref [block_m, Kp]; n_deltas d_refs [block_m, Kp] (float32 partial sums added to x:
     #   the same [S, M, K] array once per chunk); nw_ref [Kp] if has_norm;
     #   n_weights w_refs [Kp, block_n]; r_ref [block_m, block_n] if has_residual;
+    #   epilogue "swiglu_down": wd_ref [block_n, D] (w_down's rows of this program's N tile),
+    #   then acc_in, clear_in [block_m, D] float32 (aliased to the outputs acc, clear);
     #   one whole-array ref per prefetch plan (the next kernel's weights, never loaded here);
     #   outputs: xo_ref [block_m, Kp] if n_deltas (x + sum(deltas), written by the programs of
     #            the first N tile);
     #            partial -> n_weights refs [block_m, block_n] float32 (this K chunk's sums)
     #            (+ [block_m] sums of squares if has_norm, stored by the programs of the first
-    #            N tile); else one ref [block_m, block_n].
+    #            N tile); "swiglu_down" -> acc (+= this tile's act @ w_down rows, atomically),
+    #            clear (zeroed: the next layer's acc); else one ref [block_m, block_n].
     # Kp = split_k * k_chunk >= K; positions >= K are masked, never used.
     it = iter(refs)
     x_ref = next(it)
     d_refs = [next(it) for _ in range(n_deltas)]
     nw_ref = next(it) if has_norm else None
     w_refs = [next(it) for _ in range(n_weights)]
+    down = epilogue == "swiglu_down"
+    wd_ref = next(it) if down else None
+    if down:
+        next(it), next(it)  # acc and clear in: the same buffers as their outputs
     r_ref = next(it) if has_residual else None
     pf_refs = [next(it) for _ in prefetch_plans]
     xo_ref = next(it) if n_deltas else None
@@ -259,8 +268,16 @@ def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int,
     program = (pl.program_id(0) * pl.num_programs(1) + pl.program_id(1)) \
         * pl.num_programs(2) + pl.program_id(2) if prefetch_plans else None
     issue_prefetches(pf_refs, prefetch_plans, program, programs, threads, "start")
+    if down_prefetch:
+        # This program's first w_down tile ([block_n rows, block_d]), read after the main
+        # loop: into the L2 now, so the second loop's first loads do not wait on the HBM.
+        f_rows = pl.program_id(1) * block_n + jnp.arange(block_n, dtype=jnp.int32)
+        d_all = wd_ref.shape[1]
+        l2_prefetch(wd_ref, jnp.minimum(f_rows, n - 1) * d_all,
+                    nbytes=min(block_d, d_all) * wd_ref.dtype.itemsize)
     accs, ss, *_ = lax.fori_loop(0, k_chunk // block_k, step, init)
-    issue_prefetches(pf_refs, prefetch_plans, program, programs, threads, "end")
+    if not down:
+        issue_prefetches(pf_refs, prefetch_plans, program, programs, threads, "end")
     if has_norm:
         ss = jnp.sum(ss, axis=1)  # [op_rows]: this chunk's sum of squares of each x row
         ss = jnp.broadcast_to(ss, (block_m,)) if op_rows < block_m else ss  # [block_m]
@@ -282,18 +299,65 @@ def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int,
         inv_rms = lax.rsqrt(ss / k + eps)[:, None]  # [block_m, 1]
         accs = tuple(acc * inv_rms for acc in accs)
     out = accs[0]
-    if epilogue == "swiglu":
+    if epilogue in ("swiglu", "swiglu_down"):
         gate, up = accs
         out = gate * jax.nn.sigmoid(gate) * up
+    if down:
+        down_epilogue(out.astype(x_ref.dtype), wd_ref, *o_refs, m=m, n=n, block_m=block_m,
+                      block_n=block_n, block_d=block_d, row_ok=row_ok, interpret=interpret)
+        issue_prefetches(pf_refs, prefetch_plans, program, programs, threads, "end")
+        return
     if has_residual:
         out = out + load(r_ref, mask).astype(jnp.float32)
     store(o_refs[0], out.astype(o_refs[0].dtype))
 
 
+def down_epilogue(act, wd_ref, acc_ref, clear_ref, *, m: int, n: int, block_m: int,
+                  block_n: int, block_d: int, row_ok, interpret: bool):
+    """The "swiglu_down" epilogue: this program's SwiGLU tile act [block_m, block_n] (x's
+    dtype; rows >= m are zero) times its rows of w_down (wd_ref [block_n, D]), added into
+    acc_ref [block_m, D] (float32, every program's share summed by atomics: the down
+    projection's reduction over N needs no kernel of its own); and this program's slice of
+    clear_ref zeroed (the next layer's accumulator, dead here). block_d divides D (the
+    wrapper's choice), so only rows need a mask; interpret mode's atomics take no mask, and
+    there the rows past m (zeros, in the padded block) need none."""
+    d = wd_ref.shape[1]
+    assert d % block_d == 0, (d, block_d)
+    # clear: program j (of -(-n // block_n)) zeroes columns [j * bz, (j + 1) * bz) of its rows.
+    bz = max(16, 1 << (-(-d // -(-n // block_n)) - 1).bit_length())
+    zc = pl.program_id(1) * bz + jnp.arange(bz)
+    z_mask = (zc < d)[None, :]
+    if row_ok is not None:
+        z_mask = z_mask & row_ok
+    plgpu.store(clear_ref.at[:, pl.ds(pl.program_id(1) * bz, bz)],
+                jnp.zeros((block_m, bz), jnp.float32), mask=z_mask)
+    f_ok = (pl.program_id(1) * block_n + jnp.arange(block_n) < n)[:, None] \
+        if n % block_n else None  # [block_n, 1]: w_down rows past N are masked
+
+    def step(t, carry):
+        start = multiple_of(t * block_d, block_d)
+        w = wd_ref[:, pl.ds(start, block_d)] if f_ok is None else plgpu.load(
+            wd_ref.at[:, pl.ds(start, block_d)], mask=f_ok, other=0)  # [block_n, block_d]
+        y = dot_f32(act, w)  # [block_m, block_d] float32
+        if m == 1:
+            # One real row (the others are zero): one atomic per column, not block_m.
+            plgpu.atomic_add(acc_ref, (pl.ds(0, 1), pl.ds(start, block_d)),
+                             jnp.sum(y, axis=0, keepdims=True))
+        else:
+            plgpu.atomic_add(acc_ref, (slice(None), pl.ds(start, block_d)), y,
+                             mask=None if interpret or row_ok is None
+                             else jnp.broadcast_to(row_ok, y.shape))
+        return carry
+
+    lax.fori_loop(0, d // block_d, step, 0)
+
+
 @functools.partial(jax.jit, static_argnames=("eps", "blocks", "epilogue", "interpret",
-                                             "out_dtype", "partials", "prefetch_plans"))
+                                             "out_dtype", "partials", "prefetch_plans",
+                                             "block_d", "down_prefetch"))
 def fused_matmul(x, norm_weight, weights, residual, *, eps, blocks, epilogue, interpret,
-                 out_dtype=None, partials=False, deltas=None, prefetch=(), prefetch_plans=()):
+                 out_dtype=None, partials=False, deltas=None, prefetch=(), prefetch_plans=(),
+                 down=None, block_d=256, down_prefetch=False):
     """x [M, K]; norm_weight [K] or None; weights: tuple of [K, N] (1, or 2 for SwiGLU);
     residual [M, N] or None -> [M, N] in out_dtype (default x's dtype). partials=True (one
     weight, no residual or epilogue): the float32 K-chunk sums [S, M, N] unreduced, for a
@@ -305,7 +369,11 @@ def fused_matmul(x, norm_weight, weights, residual, *, eps, blocks, epilogue, in
     the output as above). Shapes are checked by the public wrappers.
     prefetch: arrays (the next kernel's weights) and prefetch_plans, one PrefetchPlan each:
     the programs prefetch their share of those elements into the L2 at the start or the end
-    of their own stream (the plan's `at`)."""
+    of their own stream (the plan's `at`).
+    epilogue "swiglu_down" (two weights, one K chunk): down = (w_down [N, D], acc [M, D]
+    float32, clear [M, D] float32) -> (acc + silu(gate) * up @ w_down, clear zeroed), after
+    x + sum(deltas) when deltas are given; block_d: w_down's columns per step of its loop;
+    down_prefetch: each program asks the L2 for its first w_down tile at its start."""
     if partials:
         assert residual is None and len(weights) == 1, "plain matmul only"
         out_dtype = jnp.float32
@@ -319,6 +387,8 @@ def fused_matmul(x, norm_weight, weights, residual, *, eps, blocks, epilogue, in
     kp = split * k_chunk
     # Partial sums out of the kernel: a split K, or a consumer that applies the norm itself.
     partial = split > 1 or (partials and norm_weight is not None)
+    if epilogue == "swiglu_down":
+        assert split == 1 and not partials and residual is None, "one K chunk, no residual"
     tile = pl.BlockSpec((bm, bn), lambda i, j, s: (i, j))
     x_band = pl.BlockSpec((bm, kp), lambda i, j, s: (i, 0))  # rows of x, all of K
     in_specs = [x_band]
@@ -332,6 +402,15 @@ def fused_matmul(x, norm_weight, weights, residual, *, eps, blocks, epilogue, in
         args.append(norm_weight)
     in_specs += [pl.BlockSpec((kp, bn), lambda i, j, s: (0, j))] * len(weights)
     args += list(weights)
+    aliases = {}
+    if down is not None:
+        w_down, acc, clear = down
+        d = w_down.shape[1]
+        band = pl.BlockSpec((bm, d), lambda i, j, s: (i, 0))  # rows of acc / clear, all of D
+        in_specs += [pl.BlockSpec((bn, d), lambda i, j, s: (j, 0)), band, band]
+        args += [w_down, acc, clear]
+        first_out = 1 if deltas is not None else 0
+        aliases = {len(args) - 2: first_out, len(args) - 1: first_out + 1}
     has_residual = residual is not None and not partial
     if has_residual:
         in_specs.append(tile)
@@ -345,6 +424,9 @@ def fused_matmul(x, norm_weight, weights, residual, *, eps, blocks, epilogue, in
         if norm_weight is not None:  # each chunk's sum of squares of x
             out_specs.append(pl.BlockSpec((None, bm), lambda i, j, s: (s, i)))
             out_shape.append(jax.ShapeDtypeStruct((split, m), jnp.float32))
+    elif down is not None:
+        out_specs = [band, band]
+        out_shape = [jax.ShapeDtypeStruct((m, d), jnp.float32)] * 2
     else:
         out_specs, out_shape = [tile], [jax.ShapeDtypeStruct((m, n), out_dtype)]
     if n_deltas:  # x + sum(deltas), the next residual stream
@@ -355,13 +437,15 @@ def fused_matmul(x, norm_weight, weights, residual, *, eps, blocks, epilogue, in
         k_chunk=k_chunk, n_weights=len(weights), has_norm=norm_weight is not None,
         has_residual=has_residual, epilogue=epilogue, partial=partial, n_deltas=n_deltas,
         prefetch_plans=tuple(prefetch_plans),
-        programs=pl.cdiv(m, bm) * pl.cdiv(n, bn) * split, threads=32 * blocks.num_warps)
+        programs=pl.cdiv(m, bm) * pl.cdiv(n, bn) * split, threads=32 * blocks.num_warps,
+        block_d=block_d, down_prefetch=down_prefetch, interpret=interpret)
     out = pl.pallas_call(
         kernel,
         grid=(pl.cdiv(m, bm), pl.cdiv(n, bn), split),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps,
                                              num_stages=blocks.num_stages),
         interpret=interpret,
@@ -369,6 +453,8 @@ def fused_matmul(x, norm_weight, weights, residual, *, eps, blocks, epilogue, in
         name=f"{'add_' if n_deltas else ''}{'norm_' if norm_weight is not None else ''}"
              f"matmul_{epilogue}_k{k}_n{n}" + (f"_split{split}" if partial else ""),
     )(*args)
+    if down is not None:
+        return tuple(out) if n_deltas else (None, *out)
     if n_deltas:
         x_new, *out = out
         return x_new, _finish(out, x, norm_weight, residual, eps=eps, epilogue=epilogue,

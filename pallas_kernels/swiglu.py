@@ -78,3 +78,78 @@ def swiglu_reference(x, w_gate, w_up, *, norm_weight=None, eps: float = 1e-6, de
     gate = jnp.dot(x, w_gate, preferred_element_type=jnp.float32, precision=hp)
     up = jnp.dot(x, w_up, preferred_element_type=jnp.float32, precision=hp)
     return (jax.nn.silu(gate) * up).astype(x.dtype)
+
+
+def _validate_down(x, w_gate, w_down, acc, clear):
+    op = "swiglu_down"
+    check_array(op, "w_down", w_down, 2)
+    check_same_dtype(op, x=x, w_down=w_down)
+    if w_down.shape[0] != w_gate.shape[1]:
+        raise ValueError(f"{op}: w_down {tuple(w_down.shape)} must have {w_gate.shape[1]} rows "
+                         f"(the SwiGLU's width; weights are [in, out])")
+    want = (x.shape[0], w_down.shape[1])
+    for name, a in (("acc", acc), ("clear", clear)):
+        check_array(op, name, a, 2, dtypes=(jnp.dtype(jnp.float32),))
+        if tuple(a.shape) != want:
+            raise ValueError(f"{op}: {name} has shape {tuple(a.shape)}, expected {want} "
+                             f"([M, D] float32)")
+
+
+def swiglu_down(x, w_gate, w_up, w_down, acc, clear, *, norm_weight=None, eps: float = 1e-6,
+                deltas=None, prefetch: tuple = (), interpret: bool = False,
+                block_sizes: MatmulBlockSizes | None = None, block_d: int = 256,
+                down_prefetch: bool = True):
+    """The whole SwiGLU MLP in one kernel: acc + (silu(h @ w_gate) * (h @ w_up)) @ w_down.
+    x [M, K]; w_gate, w_up [K, F]; w_down [F, D]; acc, clear [M, D] float32 (donated: their
+    buffers are the outputs'). Each program owns F columns of the SwiGLU: it streams its gate
+    and up slabs, rounds silu(gate) * up to x's dtype (as the two-kernel path does), then
+    streams the same rows of w_down and adds act @ rows into acc with float32 atomics, so
+    the down projection's reduction over F needs no kernel (and no boundary) of its own.
+    The order of those additions varies from run to run: the result can differ in the last
+    bits between two runs (not between interpret runs). `clear` comes back zeroed: a buffer
+    the caller is done with, to be the next call's `acc` (jaxinfer's decoder ping-pongs two).
+    norm_weight, eps, deltas: as in swiglu (deltas: returns (x + sum(deltas), acc, clear)).
+    prefetch: (array, PrefetchPlan) pairs for the next kernel, issued after w_down's stream.
+    block_d: w_down's columns per step; down_prefetch: each program asks the L2 for its
+    first w_down tile while it streams gate and up. One K chunk (block_sizes.split_k = 1)."""
+    _validate(x, w_gate, w_up, norm_weight, deltas)
+    _validate_down(x, w_gate, w_down, acc, clear)
+    check_prefetch("swiglu_down", prefetch)
+    blocks = block_sizes or default_block_sizes(x.shape[0], w_gate.shape[1], x.shape[1],
+                                                x.dtype.itemsize, n_weights=2)
+    if blocks.split_k != 1:
+        raise ValueError(f"swiglu_down: block_sizes.split_k={blocks.split_k}: the SwiGLU "
+                         f"needs all of K in one program (split_k=1)")
+    if block_d < 16 or block_d & (block_d - 1):
+        raise ValueError(f"swiglu_down: block_d={block_d} must be a power of two >= 16")
+    d = w_down.shape[1]
+    if d % 16:
+        raise ValueError(f"swiglu_down: w_down has D={d} columns; the kernel needs a multiple "
+                         f"of 16 (use swiglu, then a matmul)")
+    while d % block_d:  # a power of two that divides D: no column masks in the down loop
+        block_d //= 2
+    x_new, acc, clear = fused_matmul(
+        x, norm_weight, (w_gate, w_up), None, eps=float(eps), blocks=blocks,
+        epilogue="swiglu_down", interpret=interpret, deltas=deltas,
+        prefetch=tuple(a for a, _ in prefetch), prefetch_plans=tuple(p for _, p in prefetch),
+        down=(w_down, acc, clear), block_d=block_d, down_prefetch=down_prefetch)
+    return (acc, clear) if x_new is None else (x_new, acc, clear)
+
+
+def swiglu_down_reference(x, w_gate, w_up, w_down, acc, clear, *, norm_weight=None,
+                          eps: float = 1e-6, deltas=None, interpret: bool = False):
+    """swiglu_down in plain jnp: the SwiGLU (rounded to x's dtype), its float32 product with
+    w_down added to acc; clear zeroed."""
+    del interpret
+    _validate(x, w_gate, w_up, norm_weight, deltas)
+    _validate_down(x, w_gate, w_down, acc, clear)
+    x_new = None
+    if deltas is not None:
+        x_new, act = swiglu_reference(x, w_gate, w_up, norm_weight=norm_weight, eps=eps,
+                                      deltas=deltas)
+    else:
+        act = swiglu_reference(x, w_gate, w_up, norm_weight=norm_weight, eps=eps)
+    y = jnp.dot(act, w_down, preferred_element_type=jnp.float32,
+                precision=ref_precision(x.dtype))
+    out = (acc + y, jnp.zeros_like(clear))
+    return out if x_new is None else (x_new, *out)

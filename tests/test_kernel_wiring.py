@@ -24,7 +24,7 @@ from jaxinfer.models import layers, llama
 from kernel_testing import rel_err, set_boundaries
 
 KERNELS = ("add_rms_norm", "flash_attention", "decode_attention", "decode_attention_append",
-           "norm_matmul", "rms_norm", "swiglu")
+           "norm_matmul", "rms_norm", "swiglu", "swiglu_down")
 
 
 @pytest.fixture
@@ -106,6 +106,35 @@ def test_kernel_path_matches_reference_path(kernels_in_interpret_mode, variant, 
         assert rel_err(k[:, :ids.shape[1]], k_ref[:, :ids.shape[1]]) < 1e-2
     for v, v_ref in zip(cache.v, ref_cache.v):
         assert rel_err(v[:, :ids.shape[1]], v_ref[:, :ids.shape[1]]) < 1e-2
+
+
+@pytest.mark.parametrize("boundary", ["swiglu", "consumers"])
+def test_one_kernel_mlp_matches_reference_path(kernels_in_interpret_mode, boundary,
+                                               monkeypatch):
+    # Decode rows within layers.ONE_KERNEL_MLP_ROWS: each layer's MLP is one swiglu_down
+    # call (its accumulator the zeroed buffer of the layer before, its output read by the
+    # next q/k/v matmul or add_rms_norm as one float32 chunk); prefill keeps two kernels.
+    set_boundaries(monkeypatch, boundary)
+    monkeypatch.setattr(layers, "ONE_KERNEL_MLP_ROWS", 2)
+    config = tiny_config(num_layers=3)
+    params = layers.init_params(llama.param_specs(config), jax.random.key(0), jnp.bfloat16)
+    ids = jax.random.randint(jax.random.key(2), (2, 13), 0, config.vocab_size)
+    calls = []
+    for name in ("swiglu", "swiglu_down"):
+        fn = getattr(pallas_kernels, name)
+
+        def spy(*a, _fn=fn, _name=name, **k):
+            calls.append(_name)
+            return _fn(*a, **k)
+        monkeypatch.setattr(pallas_kernels, name, spy)
+    fused, _ = decode_steps(params, config, ids)
+    steps = ids.shape[1] - ids.shape[1] // 3
+    assert calls.count("swiglu_down") == steps * config.num_layers
+    monkeypatch.setattr(layers, "use_kernels", lambda dtype: False)
+    ref, _ = decode_steps(params, config, ids)
+    for i in range(ids.shape[1]):
+        assert rel_err(fused[:, i], ref[:, i]) < 3e-2, f"position {i}"
+    assert np.mean(fused.argmax(-1) == ref.argmax(-1)) >= 0.9
 
 
 @pytest.mark.gpu

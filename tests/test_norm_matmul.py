@@ -16,7 +16,8 @@ from jaxinfer.models import layers
 from pallas_kernels.norm_matmul import (MatmulBlockSizes, apply_norm_partials, norm_matmul,
                                         norm_matmul_reference)
 from pallas_kernels.rms_norm import add_rms_norm_reference
-from pallas_kernels.swiglu import swiglu, swiglu_reference
+from pallas_kernels.swiglu import (swiglu, swiglu_down, swiglu_down_reference,
+                                   swiglu_reference)
 from kernel_testing import rel_err
 
 EPS = 1e-5
@@ -184,6 +185,65 @@ def test_bad_deltas_raise_clear_errors():
             swiglu(x, w, w, deltas=bad, interpret=True)
 
 
+def mlp_weights(seed, k, f, d, dtype):
+    keys = jax.random.split(jax.random.PRNGKey(seed), 3)
+    wg, wu = ((jax.random.normal(kk, (k, f)) / np.sqrt(k)).astype(dtype) for kk in keys[:2])
+    wd = (jax.random.normal(keys[2], (f, d)) / np.sqrt(f)).astype(dtype)
+    return wg, wu, wd
+
+
+@pytest.mark.parametrize("m", [1, 3])  # one row: one atomic per column (the rows summed)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("deltas", [False, True], ids=["x", "x+deltas"])
+def test_swiglu_down_is_the_two_kernel_mlp(dtype, m, deltas):
+    # The one-kernel MLP: acc + swiglu(...) @ w_down, F (72) not a multiple of block_n (16:
+    # 5 programs, the last one's w_down rows masked), D (96) several block_d steps; clear
+    # comes back zeroed. Against the reference, the model's two kernels (swiglu, then the
+    # split-K matmul's chunks summed) and without the accumulator's start value.
+    x, nw, _, _ = inputs(20 + m, m, 200, (1,), dtype)
+    wg, wu, wd = mlp_weights(21, 200, 72, 96, dtype)
+    acc = jax.random.normal(jax.random.PRNGKey(22), (m, 96), jnp.float32)
+    clear = jax.random.normal(jax.random.PRNGKey(23), (m, 96), jnp.float32)
+    dl = deltas_for(24, x, chunks=2) if deltas else None
+    out = swiglu_down(x, wg, wu, wd, acc, clear, norm_weight=nw, eps=EPS, deltas=dl,
+                      interpret=True, block_sizes=SMALL, block_d=32)
+    ref = swiglu_down_reference(x, wg, wu, wd, acc, clear, norm_weight=nw, eps=EPS, deltas=dl)
+    assert len(out) == (3 if deltas else 2)
+    if deltas:
+        np.testing.assert_array_equal(np.asarray(out[0]), np.asarray(ref[0]))
+    got_acc, got_clear = out[-2:]
+    assert got_acc.shape == (m, 96) and got_acc.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(got_clear), np.zeros((m, 96), np.float32))
+    assert rel_err(got_acc, ref[-2]) < TOL[dtype] / 5
+    if deltas:
+        _, act = swiglu(x, wg, wu, norm_weight=nw, eps=EPS, deltas=dl, interpret=True,
+                        block_sizes=SMALL)
+    else:
+        act = swiglu(x, wg, wu, norm_weight=nw, eps=EPS, interpret=True, block_sizes=SMALL)
+    parts = norm_matmul(act, None, wd, partials=True, interpret=True, block_sizes=SPLIT)
+    assert rel_err(got_acc - acc, parts.sum(0)) < TOL[dtype] / 5
+    assert rel_err(got_acc, parts.sum(0)) > 0.1  # the accumulator's start value counts
+
+
+def test_swiglu_down_bad_inputs_raise_clear_errors():
+    x, nw, _, _ = inputs(0, 2, 64, (1,), jnp.float32)
+    wg, wu, wd = mlp_weights(1, 64, 32, 48, jnp.float32)
+    acc = jnp.zeros((2, 48), jnp.float32)
+    cases = [
+        ((x, wg, wu, wd[:16], acc, acc), {}, "w_down (16, 48) must have 32 rows"),
+        ((x, wg, wu, wd.astype(jnp.bfloat16), acc, acc), {}, "share one dtype"),
+        ((x, wg, wu, wd, acc[:1], acc), {}, "acc has shape (1, 48), expected (2, 48)"),
+        ((x, wg, wu, wd, acc, acc.astype(jnp.bfloat16)), {}, "clear has dtype bfloat16"),
+        ((x, wg, wu, wd[:, :40], acc[:, :40], acc[:, :40]), {}, "D=40 columns"),
+        ((x, wg, wu, wd, acc, acc), {"block_d": 24}, "block_d=24"),
+        ((x, wg, wu, wd, acc, acc), {"block_sizes": SPLIT}, "split_k=3"),
+    ]
+    for args, kwargs, needle in cases:
+        with pytest.raises(ValueError, match="swiglu_down") as err:
+            swiglu_down(*args, eps=EPS, interpret=True, **kwargs)
+        assert needle in str(err.value), (needle, str(err.value))
+
+
 @pytest.mark.parametrize("fn", [norm_matmul, norm_matmul_reference], ids=["kernel", "reference"])
 def test_bad_inputs_raise_clear_errors(fn):
     x, nw, w, res = inputs(0, 3, 64, (2, 8), jnp.float32)
@@ -233,3 +293,26 @@ def test_boundaries_in_the_consumers_gpu_decode_shapes():
     x_ref, ref = norm_matmul_reference(x, nw, w, eps=EPS, deltas=d8)
     np.testing.assert_array_equal(np.asarray(x_new), np.asarray(x_ref))
     assert rel_err(apply_norm_partials(parts, ss, 4096, EPS), ref) < TOL[jnp.bfloat16]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("m", [1, 4])
+def test_swiglu_down_gpu_decode_shapes(m):
+    # Llama-3-8B's MLP at decode batch m, default blocks, o's 2 chunks added first: the
+    # atomics' sum against the reference and against the two-kernel path.
+    x, nw, _, _ = inputs(6, m, 4096, (1,), jnp.bfloat16)
+    wg, wu, wd = mlp_weights(7, 4096, 14336, 4096, jnp.bfloat16)
+    d2 = deltas_for(8, x, 2)
+    acc = jnp.zeros((m, 4096), jnp.float32)
+    clear = jnp.ones((m, 4096), jnp.float32)
+    x_new, got, cleared = swiglu_down(x, wg, wu, wd, acc, clear, norm_weight=nw, eps=EPS,
+                                      deltas=d2)
+    x_ref, ref, _ = swiglu_down_reference(x, wg, wu, wd, acc, clear, norm_weight=nw, eps=EPS,
+                                          deltas=d2)
+    np.testing.assert_array_equal(np.asarray(x_new), np.asarray(x_ref))
+    np.testing.assert_array_equal(np.asarray(cleared), np.zeros((m, 4096), np.float32))
+    assert rel_err(got, ref) < 3e-3
+    _, act = swiglu(x, wg, wu, norm_weight=nw, eps=EPS, deltas=d2)
+    two = norm_matmul(act, None, wd, partials=True).sum(0)
+    assert rel_err(got, two) < 1e-5  # the same products, summed in another order

@@ -261,25 +261,55 @@ def norm_qkv(x: jax.Array, delta, weight: jax.Array, w: jax.Array, b: jax.Array 
 SWIGLU_ADD_NORM = True
 
 
+# The decode MLP as one kernel (pallas_kernels.swiglu_down: SwiGLU, then each program's rows
+# of w_down, summed into a float32 accumulator by atomics) for decode batches of at most this
+# many rows; 0: two kernels (SwiGLU, then the split-K down projection). Trace-time switch.
+ONE_KERNEL_MLP_ROWS = 1
+ONE_KERNEL_MLP_OPTS: dict = {}  # swiglu_down keyword options (block_d, down_prefetch), probes
+
+
+def one_kernel_mlp(x: jax.Array, p: dict) -> bool:
+    """Whether norm_mlp runs the MLP of x [..., D] as one kernel (ONE_KERNEL_MLP_ROWS)."""
+    return (decode_kernels(x) and math.prod(x.shape[:-1]) <= ONE_KERNEL_MLP_ROWS
+            and "b_gate" not in p and "b_down" not in p and x.shape[-1] % 16 == 0)
+
+
 def norm_mlp(x: jax.Array, delta, p: dict, norm_weight: jax.Array,
-             eps: float, *, next_w: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+             eps: float, *, next_w: jax.Array | None = None, zeroed=None, dead=None):
     """The MLP half of a pre-norm layer: x + delta -> (that residual stream, the MLP's output
-    on its RMSNorm, for the next `add_norm`). x [..., D]; delta as in `add_norm`. next_w: the
-    next layer's q/k/v weight [D, *N] or None, for the L2 prefetch (PREFETCH["qkv"])."""
+    on its RMSNorm, for the next `add_norm`, a zeroed buffer or None). x [..., D]; delta as
+    in `add_norm`. next_w: the next layer's q/k/v weight [D, *N] or None, for the L2 prefetch
+    (PREFETCH["qkv"]).
+    The one-kernel MLP (`one_kernel_mlp`) adds into a zeroed float32 [M, D] accumulator and
+    zeroes a buffer its caller is done with, for the next layer's accumulator: `zeroed` is
+    the previous call's third result (None: a fresh zeros), `dead` the previous call's MLP
+    output (Partials) once its consumer (this layer's q/k/v) has read it (None: a fresh
+    buffer). The third result is None on the other paths."""
     if (SWIGLU_ADD_NORM and isinstance(delta, Partials) and "b_gate" not in p
             and use_kernels(x.dtype)):
-        from pallas_kernels import swiglu
+        from pallas_kernels import swiglu, swiglu_down
 
         d = x.shape[-1]
         parts = delta.parts.reshape(delta.parts.shape[0], -1, d)  # [S, M, D]
+        if one_kernel_mlp(x, p):
+            m = parts.shape[1]
+            acc = zeroed if zeroed is not None else jnp.zeros((m, d), jnp.float32)
+            spare = (dead.parts.reshape(m, d) if isinstance(dead, Partials)
+                     and dead.parts.shape[0] == 1 and dead.parts.dtype == jnp.float32
+                     else jnp.zeros((m, d), jnp.float32))
+            x_new, acc, spare = swiglu_down(
+                x.reshape(-1, d), p["w_gate"], p["w_up"], p["w_down"], acc, spare,
+                norm_weight=norm_weight, eps=eps, deltas=parts,
+                prefetch=next_prefetch("qkv", x, next_w), **ONE_KERNEL_MLP_OPTS)
+            return x_new.reshape(x.shape), Partials(acc.reshape(1, *x.shape)), spare
         x_new, act = swiglu(x.reshape(-1, d), p["w_gate"], p["w_up"], norm_weight=norm_weight,
                             eps=eps, deltas=parts,
                             prefetch=next_prefetch("down", x, p["w_down"]))
         act = act.reshape(*x.shape[:-1], act.shape[-1])
         return x_new.reshape(x.shape), linear_delta(
-            act, p["w_down"], p.get("b_down"), prefetch=next_prefetch("qkv", x, next_w))
+            act, p["w_down"], p.get("b_down"), prefetch=next_prefetch("qkv", x, next_w)), None
     x, h = add_norm(x, delta, norm_weight, eps)
-    return x, mlp_delta(h, p)
+    return x, mlp_delta(h, p), None
 
 
 def swiglu_act(x: jax.Array, p: dict) -> jax.Array:

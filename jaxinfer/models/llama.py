@@ -119,14 +119,17 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, config: Confi
     # residual stream x and norms (one kernel on the decode path, or none: the consumer's
     # matmul does it, layers.SWIGLU_ADD_NORM / QKV_ADD_NORM).
     delta = None  # the last sublayer's output, not yet in x
+    zeroed = None  # the one-kernel MLP's next accumulator (layers.norm_mlp)
     new_k, new_v = [], []
     for i, lp in enumerate(blocks):
         with jax.named_scope(f"layer{i}"):
             cache_kv = None if cache is None else (cache.k[i], cache.v[i])
+            dead = delta  # the last MLP's output: read by this layer's q/k/v, then reusable
             x, attn, cache_kv = _attention_block(lp, x, delta, cos, sin, positions, config, i,
                                                  cache_kv, fresh)
             nxt = blocks[i + 1]["wqkv"] if i + 1 < len(blocks) else None  # L2 prefetch target
-            x, delta = layers.norm_mlp(x, attn, lp, lp["mlp_norm"], eps, next_w=nxt)
+            x, delta, zeroed = layers.norm_mlp(x, attn, lp, lp["mlp_norm"], eps, next_w=nxt,
+                                               zeroed=zeroed, dead=dead)
             if cache_kv is not None:
                 new_k.append(cache_kv[0])
                 new_v.append(cache_kv[1])
