@@ -47,6 +47,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (NUM_SMS_H200, check_array, check_same_dtype, check_tiles,
                                      dot_f32, multiple_of, ref_precision)
+from pallas_kernels.atomics import atomic_add_relaxed
 from pallas_kernels.l2_prefetch import PrefetchPlan, issue_prefetches, l2_prefetch
 from pallas_kernels.rms_norm import add_deltas_reference, check_deltas, rms_norm_reference
 
@@ -341,10 +342,10 @@ def down_epilogue(act, wd_ref, acc_ref, clear_ref, *, m: int, n: int, block_m: i
         y = dot_f32(act, w)  # [block_m, block_d] float32
         if m == 1:
             # One real row (the others are zero): one atomic per column, not block_m.
-            plgpu.atomic_add(acc_ref, (pl.ds(0, 1), pl.ds(start, block_d)),
+            atomic_add_relaxed(acc_ref, (pl.ds(0, 1), pl.ds(start, block_d)),
                              jnp.sum(y, axis=0, keepdims=True))
         else:
-            plgpu.atomic_add(acc_ref, (slice(None), pl.ds(start, block_d)), y,
+            atomic_add_relaxed(acc_ref, (slice(None), pl.ds(start, block_d)), y,
                              mask=None if interpret or row_ok is None
                              else jnp.broadcast_to(row_ok, y.shape))
         return carry
