@@ -131,10 +131,10 @@ mlp() {  # the one-kernel MLP (swiglu_down) against SwiGLU + down, profiled B=1 
     -k swiglu_down 2>&1 | grep -E "^E |passed|failed" | head -20
   local configs=${MLP:-'{"rows": 1}
 {"rows": 0}
+{"rows": 1, "stagger": false}
 {"rows": 1}
 {"rows": 0}
-{"rows": 1, "block_d": 128}
-{"rows": 1, "down_prefetch": false}'}
+{"rows": 1, "block_d": 128}'}
   while IFS= read -r cfg; do
     echo "== $cfg"
     timeout 100 python3 benchmarks/profile_decode.py --preset llama3-8b --batch "${MLP_BATCH:-1}" \

@@ -138,7 +138,7 @@ def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int,
                         has_residual: bool, epilogue: str, partial: bool, n_deltas: int,
                         prefetch_plans: tuple = (), programs: int = 1, threads: int = 128,
                         block_d: int = 256, down_prefetch: bool = False,
-                        interpret: bool = False):
+                        interpret: bool = False, stagger: bool = True):
     # refs, in order:
     #   x_ref [block_m, Kp]; n_deltas d_refs [block_m, Kp] (float32 partial sums added to x:
     #   the same [S, M, K] array once per chunk); nw_ref [Kp] if has_norm;
@@ -274,8 +274,9 @@ def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int,
         # loop: into the L2 now, so the second loop's first loads do not wait on the HBM.
         f_rows = pl.program_id(1) * block_n + jnp.arange(block_n, dtype=jnp.int32)
         d_all = wd_ref.shape[1]
-        l2_prefetch(wd_ref, jnp.minimum(f_rows, n - 1) * d_all,
-                    nbytes=min(block_d, d_all) * wd_ref.dtype.itemsize)
+        first = lax.rem(pl.program_id(1), d_all // block_d) * block_d if stagger else 0
+        l2_prefetch(wd_ref, jnp.minimum(f_rows, n - 1) * d_all + first,
+                    nbytes=block_d * wd_ref.dtype.itemsize)
     accs, ss, *_ = lax.fori_loop(0, k_chunk // block_k, step, init)
     if not down:
         issue_prefetches(pf_refs, prefetch_plans, program, programs, threads, "end")
@@ -305,7 +306,8 @@ def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int,
         out = gate * jax.nn.sigmoid(gate) * up
     if down:
         down_epilogue(out.astype(x_ref.dtype), wd_ref, *o_refs, m=m, n=n, block_m=block_m,
-                      block_n=block_n, block_d=block_d, row_ok=row_ok, interpret=interpret)
+                      block_n=block_n, block_d=block_d, row_ok=row_ok, interpret=interpret,
+                      stagger=stagger)
         issue_prefetches(pf_refs, prefetch_plans, program, programs, threads, "end")
         return
     if has_residual:
@@ -314,7 +316,7 @@ def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int,
 
 
 def down_epilogue(act, wd_ref, acc_ref, clear_ref, *, m: int, n: int, block_m: int,
-                  block_n: int, block_d: int, row_ok, interpret: bool):
+                  block_n: int, block_d: int, row_ok, interpret: bool, stagger: bool):
     """The "swiglu_down" epilogue: this program's SwiGLU tile act [block_m, block_n] (x's
     dtype; rows >= m are zero) times its rows of w_down (wd_ref [block_n, D]), added into
     acc_ref [block_m, D] (float32, every program's share summed by atomics: the down
@@ -335,7 +337,13 @@ def down_epilogue(act, wd_ref, acc_ref, clear_ref, *, m: int, n: int, block_m: i
     f_ok = (pl.program_id(1) * block_n + jnp.arange(block_n) < n)[:, None] \
         if n % block_n else None  # [block_n, 1]: w_down rows past N are masked
 
+    steps = d // block_d
+
     def step(t, carry):
+        if stagger:
+            # Program j starts at its own column tile: at any moment the programs' atomics
+            # go to different columns, not all 112 to the same block_d (one L2 line queue).
+            t = lax.rem(t + pl.program_id(1), steps)
         start = multiple_of(t * block_d, block_d)
         w = wd_ref[:, pl.ds(start, block_d)] if f_ok is None else plgpu.load(
             wd_ref.at[:, pl.ds(start, block_d)], mask=f_ok, other=0)  # [block_n, block_d]
@@ -350,15 +358,15 @@ def down_epilogue(act, wd_ref, acc_ref, clear_ref, *, m: int, n: int, block_m: i
                              else jnp.broadcast_to(row_ok, y.shape))
         return carry
 
-    lax.fori_loop(0, d // block_d, step, 0)
+    lax.fori_loop(0, steps, step, 0)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "blocks", "epilogue", "interpret",
                                              "out_dtype", "partials", "prefetch_plans",
-                                             "block_d", "down_prefetch"))
+                                             "block_d", "down_prefetch", "stagger"))
 def fused_matmul(x, norm_weight, weights, residual, *, eps, blocks, epilogue, interpret,
                  out_dtype=None, partials=False, deltas=None, prefetch=(), prefetch_plans=(),
-                 down=None, block_d=256, down_prefetch=False):
+                 down=None, block_d=256, down_prefetch=False, stagger=True):
     """x [M, K]; norm_weight [K] or None; weights: tuple of [K, N] (1, or 2 for SwiGLU);
     residual [M, N] or None -> [M, N] in out_dtype (default x's dtype). partials=True (one
     weight, no residual or epilogue): the float32 K-chunk sums [S, M, N] unreduced, for a
@@ -439,7 +447,7 @@ def fused_matmul(x, norm_weight, weights, residual, *, eps, blocks, epilogue, in
         has_residual=has_residual, epilogue=epilogue, partial=partial, n_deltas=n_deltas,
         prefetch_plans=tuple(prefetch_plans),
         programs=pl.cdiv(m, bm) * pl.cdiv(n, bn) * split, threads=32 * blocks.num_warps,
-        block_d=block_d, down_prefetch=down_prefetch, interpret=interpret)
+        block_d=block_d, down_prefetch=down_prefetch, interpret=interpret, stagger=stagger)
     out = pl.pallas_call(
         kernel,
         grid=(pl.cdiv(m, bm), pl.cdiv(n, bn), split),

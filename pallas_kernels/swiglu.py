@@ -98,7 +98,7 @@ def _validate_down(x, w_gate, w_down, acc, clear):
 def swiglu_down(x, w_gate, w_up, w_down, acc, clear, *, norm_weight=None, eps: float = 1e-6,
                 deltas=None, prefetch: tuple = (), interpret: bool = False,
                 block_sizes: MatmulBlockSizes | None = None, block_d: int = 256,
-                down_prefetch: bool = True):
+                down_prefetch: bool = True, stagger: bool = True):
     """The whole SwiGLU MLP in one kernel: acc + (silu(h @ w_gate) * (h @ w_up)) @ w_down.
     x [M, K]; w_gate, w_up [K, F]; w_down [F, D]; acc, clear [M, D] float32 (donated: their
     buffers are the outputs'). Each program owns F columns of the SwiGLU: it streams its gate
@@ -111,7 +111,9 @@ def swiglu_down(x, w_gate, w_up, w_down, acc, clear, *, norm_weight=None, eps: f
     norm_weight, eps, deltas: as in swiglu (deltas: returns (x + sum(deltas), acc, clear)).
     prefetch: (array, PrefetchPlan) pairs for the next kernel, issued after w_down's stream.
     block_d: w_down's columns per step; down_prefetch: each program asks the L2 for its
-    first w_down tile while it streams gate and up. One K chunk (block_sizes.split_k = 1)."""
+    first w_down tile while it streams gate and up; stagger: program j starts w_down's loop
+    at column tile j (mod the tiles), so the programs' atomics spread over the columns. One K
+    chunk (block_sizes.split_k = 1)."""
     _validate(x, w_gate, w_up, norm_weight, deltas)
     _validate_down(x, w_gate, w_down, acc, clear)
     check_prefetch("swiglu_down", prefetch)
@@ -132,7 +134,8 @@ def swiglu_down(x, w_gate, w_up, w_down, acc, clear, *, norm_weight=None, eps: f
         x, norm_weight, (w_gate, w_up), None, eps=float(eps), blocks=blocks,
         epilogue="swiglu_down", interpret=interpret, deltas=deltas,
         prefetch=tuple(a for a, _ in prefetch), prefetch_plans=tuple(p for _, p in prefetch),
-        down=(w_down, acc, clear), block_d=block_d, down_prefetch=down_prefetch)
+        down=(w_down, acc, clear), block_d=block_d, down_prefetch=down_prefetch,
+        stagger=stagger)
     return (acc, clear) if x_new is None else (x_new, acc, clear)
 
 

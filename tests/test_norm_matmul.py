@@ -312,7 +312,7 @@ def test_swiglu_down_gpu_decode_shapes(m):
                                           deltas=d2)
     np.testing.assert_array_equal(np.asarray(x_new), np.asarray(x_ref))
     np.testing.assert_array_equal(np.asarray(cleared), np.zeros((m, 4096), np.float32))
-    assert rel_err(got, ref) < 3e-3
+    assert rel_err(got, ref) < TOL[jnp.bfloat16]  # the SwiGLU's bf16 rounding, summed apart
     _, act = swiglu(x, wg, wu, norm_weight=nw, eps=EPS, deltas=d2)
     two = norm_matmul(act, None, wd, partials=True).sum(0)
     assert rel_err(got, two) < 1e-5  # the same products, summed in another order
