@@ -338,12 +338,13 @@ def down_epilogue(act, wd_ref, acc_ref, clear_ref, *, m: int, n: int, block_m: i
         if n % block_n else None  # [block_n, 1]: w_down rows past N are masked
 
     steps = d // block_d
+    j = pl.program_id(1)  # (read outside the loop: interpret mode needs that)
 
     def step(t, carry):
         if stagger:
             # Program j starts at its own column tile: at any moment the programs' atomics
             # go to different columns, not all 112 to the same block_d (one L2 line queue).
-            t = lax.rem(t + pl.program_id(1), steps)
+            t = lax.rem(t + j, steps)
         start = multiple_of(t * block_d, block_d)
         w = wd_ref[:, pl.ds(start, block_d)] if f_ok is None else plgpu.load(
             wd_ref.at[:, pl.ds(start, block_d)], mask=f_ok, other=0)  # [block_n, block_d]
