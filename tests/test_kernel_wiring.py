@@ -155,3 +155,24 @@ def test_kernel_path_matches_reference_path_gpu(variant, boundary, monkeypatch):
     for i in range(ids.shape[1]):
         assert rel_err(fused[:, i], ref[:, i]) < 3e-2, f"position {i}"
     assert np.mean(fused.argmax(-1) == ref.argmax(-1)) >= 0.9
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("rows", [1, 4])
+def test_one_kernel_mlp_matches_reference_path_gpu(rows, monkeypatch):
+    """The one-kernel MLP (float32 atomics) on the H200 at decode batch 1 (the default) and 4,
+    against the references; and at batch 1 against the two-kernel MLP."""
+    monkeypatch.setattr(layers, "ONE_KERNEL_MLP_ROWS", rows)
+    config = tiny_config(num_layers=3)
+    params = layers.init_params(llama.param_specs(config), jax.random.key(0), jnp.bfloat16)
+    ids = jax.random.randint(jax.random.key(2), (rows, 13), 0, config.vocab_size)
+    fused, _ = decode_steps(params, config, ids)
+    monkeypatch.setattr(layers, "ONE_KERNEL_MLP_ROWS", 0)
+    two, _ = decode_steps(params, config, ids)
+    assert rel_err(fused, two) < 1e-2
+    monkeypatch.setattr(layers, "use_kernels", lambda dtype: False)
+    ref, _ = decode_steps(params, config, ids)
+    for i in range(ids.shape[1]):
+        assert rel_err(fused[:, i], ref[:, i]) < 3e-2, f"position {i}"
+    assert np.mean(fused.argmax(-1) == ref.argmax(-1)) >= 0.9

@@ -262,8 +262,14 @@ SWIGLU_ADD_NORM = True
 
 
 # The decode MLP as one kernel (pallas_kernels.swiglu_down: SwiGLU, then each program's rows
-# of w_down, summed into a float32 accumulator by atomics) for decode batches of at most this
-# many rows; 0: two kernels (SwiGLU, then the split-K down projection). Trace-time switch.
+# of w_down, summed into a float32 accumulator by relaxed atomics, the programs' column tiles
+# staggered) for decode batches of at most this many rows; 0: two kernels (SwiGLU, then the
+# split-K down projection). Trace-time switch. Measured in the B=1 Llama-3-8B step on the H200
+# (benchmarks/run_h200.sh mlp, 2026-11-30, NOTES run P): 82.4 us per layer against
+# 55.9 + 28.7 for SwiGLU and down, kernel time 3.889 / 3.897 against 3.941 / 3.943 ms per
+# step, wall 3.912 against 3.946 / 3.969. The atomics' order varies between runs, so the
+# step's logits can differ in their last bits from run to run; set 0 for bitwise-repeatable
+# decoding.
 ONE_KERNEL_MLP_ROWS = 1
 ONE_KERNEL_MLP_OPTS: dict = {}  # swiglu_down keyword options (block_d, down_prefetch), probes
 
