@@ -85,8 +85,7 @@ def _lower_decode_kernels(out: str, slots: int, seen: list) -> None:
 
     def o_mlp1(attn, x, nw, wo, wg, wu, wd, acc, clear):  # the one-kernel MLP
         o_parts = norm_matmul(attn, None, wo, partials=True)
-        return swiglu_down(x, wg, wu, wd, acc, clear, norm_weight=nw, eps=1e-5, deltas=o_parts,
-                           groups=(64, 32, 16))
+        return swiglu_down(x, wg, wu, wd, acc, clear, norm_weight=nw, eps=1e-5, deltas=o_parts)
 
     f = 14336
     mlp_args = (x, x, nw, S((k, k), bf), S((k, f), bf), S((k, f), bf), S((f, k), bf))

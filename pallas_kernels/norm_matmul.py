@@ -138,10 +138,7 @@ def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int,
                         has_residual: bool, epilogue: str, partial: bool, n_deltas: int,
                         prefetch_plans: tuple = (), programs: int = 1, threads: int = 128,
                         block_d: int = 256, down_prefetch: bool = False,
-                        interpret: bool = False, stagger: bool = True, groups: tuple = ()):
-    # groups ("swiglu_down" only): the widths of this program's column tiles when it owns
-    # several (see fused_matmul); () = one tile of block_n. Each weight then comes as one ref
-    # per group, in group order, and so does wd_ref.
+                        interpret: bool = False, stagger: bool = True):
     # refs, in order:
     #   x_ref [block_m, Kp]; n_deltas d_refs [block_m, Kp] (float32 partial sums added to x:
     #   the same [S, M, K] array once per chunk); nw_ref [Kp] if has_norm;
@@ -160,11 +157,9 @@ def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int,
     x_ref = next(it)
     d_refs = [next(it) for _ in range(n_deltas)]
     nw_ref = next(it) if has_norm else None
-    widths = groups or (block_n,)
-    w_refs = [next(it) for _ in range(n_weights * len(widths))]
+    w_refs = [next(it) for _ in range(n_weights)]
     down = epilogue == "swiglu_down"
-    wd_refs = [next(it) for _ in widths] if down else []
-    wd_ref = wd_refs[0] if down else None
+    wd_ref = next(it) if down else None
     if down:
         next(it), next(it)  # acc and clear in: the same buffers as their outputs
     r_ref = next(it) if has_residual else None
@@ -175,7 +170,7 @@ def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int,
     rows = pl.program_id(0) * block_m + jnp.arange(block_m)
     cols = pl.program_id(1) * block_n + jnp.arange(block_n)
     row_ok = (rows < m)[:, None] if m % block_m else None  # [block_m, 1]
-    col_ok = (cols < n)[None, :] if n % block_n and not groups else None  # [1, block_n]
+    col_ok = (cols < n)[None, :] if n % block_n else None  # [1, block_n]
     # K positions need a mask when K is ragged against the tiles or the chunks.
     mask_k = (k % block_k != 0) or (pl.cdiv(k, k_chunk) * k_chunk != k)
 
@@ -263,8 +258,9 @@ def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int,
                      for acc, w_ref in zip(accs, w_refs))  # [block_m, block_n] each
         return (accs, ss, *cur)
 
+    zeros = jnp.zeros((block_m, block_n), jnp.float32)
     # (accumulators, squares of x when has_norm, the prefetched operand tiles)
-    init = (tuple(jnp.zeros((block_m, w), jnp.float32) for w in widths) * n_weights,
+    init = ((zeros,) * n_weights,
             jnp.zeros((op_rows, block_k), jnp.float32) if has_norm else None)
     if prefetched:
         init = (*init, *operands(multiple_of(chunk_start, block_k)))
@@ -273,7 +269,7 @@ def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int,
     program = (pl.program_id(0) * pl.num_programs(1) + pl.program_id(1)) \
         * pl.num_programs(2) + pl.program_id(2) if prefetch_plans else None
     issue_prefetches(pf_refs, prefetch_plans, program, programs, threads, "start")
-    if down_prefetch and not groups:
+    if down_prefetch:
         # This program's first w_down tile ([block_n rows, block_d]), read after the main
         # loop: into the L2 now, so the second loop's first loads do not wait on the HBM.
         f_rows = pl.program_id(1) * block_n + jnp.arange(block_n, dtype=jnp.int32)
@@ -306,12 +302,10 @@ def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int,
         accs = tuple(acc * inv_rms for acc in accs)
     out = accs[0]
     if epilogue in ("swiglu", "swiglu_down"):
-        g = len(widths)  # gate's tiles, then up's
-        outs = [gate * jax.nn.sigmoid(gate) * up for gate, up in zip(accs[:g], accs[g:])]
-        out = outs[0]
+        gate, up = accs
+        out = gate * jax.nn.sigmoid(gate) * up
     if down:
-        down_epilogue([o.astype(x_ref.dtype) for o in outs], wd_refs, *o_refs, m=m,
-                      n=n if not groups else n // sum(widths) * block_n, block_m=block_m,
+        down_epilogue(out.astype(x_ref.dtype), wd_ref, *o_refs, m=m, n=n, block_m=block_m,
                       block_n=block_n, block_d=block_d, row_ok=row_ok, interpret=interpret,
                       stagger=stagger)
         issue_prefetches(pf_refs, prefetch_plans, program, programs, threads, "end")
@@ -321,18 +315,16 @@ def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int,
     store(o_refs[0], out.astype(o_refs[0].dtype))
 
 
-def down_epilogue(acts, wd_refs, acc_ref, clear_ref, *, m: int, n: int, block_m: int,
+def down_epilogue(act, wd_ref, acc_ref, clear_ref, *, m: int, n: int, block_m: int,
                   block_n: int, block_d: int, row_ok, interpret: bool, stagger: bool):
-    """The "swiglu_down" epilogue: this program's SwiGLU tiles acts, each [block_m, w] (x's
-    dtype; rows >= m are zero), times their rows of w_down (wd_refs, each [w, D]; one tile
-    of block_n unless the program owns column groups, whose n here counts block_n per
-    program), added into
+    """The "swiglu_down" epilogue: this program's SwiGLU tile act [block_m, block_n] (x's
+    dtype; rows >= m are zero) times its rows of w_down (wd_ref [block_n, D]), added into
     acc_ref [block_m, D] (float32, every program's share summed by atomics: the down
     projection's reduction over N needs no kernel of its own); and this program's slice of
     clear_ref zeroed (the next layer's accumulator, dead here). block_d divides D (the
     wrapper's choice), so only rows need a mask; interpret mode's atomics take no mask, and
     there the rows past m (zeros, in the padded block) need none."""
-    d = wd_refs[0].shape[1]
+    d = wd_ref.shape[1]
     assert d % block_d == 0, (d, block_d)
     # clear: program j (of -(-n // block_n)) zeroes columns [j * bz, (j + 1) * bz) of its rows.
     bz = max(16, 1 << (-(-d // -(-n // block_n)) - 1).bit_length())
@@ -343,7 +335,7 @@ def down_epilogue(acts, wd_refs, acc_ref, clear_ref, *, m: int, n: int, block_m:
     plgpu.store(clear_ref.at[:, pl.ds(pl.program_id(1) * bz, bz)],
                 jnp.zeros((block_m, bz), jnp.float32), mask=z_mask)
     f_ok = (pl.program_id(1) * block_n + jnp.arange(block_n) < n)[:, None] \
-        if n % block_n and len(acts) == 1 else None  # [block_n, 1]: rows past N masked
+        if n % block_n else None  # [block_n, 1]: w_down rows past N are masked
 
     steps = d // block_d
     j = pl.program_id(1)  # (read outside the loop: interpret mode needs that)
@@ -354,12 +346,9 @@ def down_epilogue(acts, wd_refs, acc_ref, clear_ref, *, m: int, n: int, block_m:
             # go to different columns, not all 112 to the same block_d (one L2 line queue).
             t = lax.rem(t + j, steps)
         start = multiple_of(t * block_d, block_d)
-        y = None
-        for act, wd_ref in zip(acts, wd_refs):
-            w = wd_ref[:, pl.ds(start, block_d)] if f_ok is None else plgpu.load(
-                wd_ref.at[:, pl.ds(start, block_d)], mask=f_ok, other=0)  # [w, block_d]
-            part = dot_f32(act, w)  # [block_m, block_d] float32
-            y = part if y is None else y + part
+        w = wd_ref[:, pl.ds(start, block_d)] if f_ok is None else plgpu.load(
+            wd_ref.at[:, pl.ds(start, block_d)], mask=f_ok, other=0)  # [block_n, block_d]
+        y = dot_f32(act, w)  # [block_m, block_d] float32
         if m == 1:
             # One real row (the others are zero): one atomic per column, not block_m.
             atomic_add_relaxed(acc_ref, (pl.ds(0, 1), pl.ds(start, block_d)),
@@ -375,10 +364,10 @@ def down_epilogue(acts, wd_refs, acc_ref, clear_ref, *, m: int, n: int, block_m:
 
 @functools.partial(jax.jit, static_argnames=("eps", "blocks", "epilogue", "interpret",
                                              "out_dtype", "partials", "prefetch_plans",
-                                             "block_d", "down_prefetch", "stagger", "groups"))
+                                             "block_d", "down_prefetch", "stagger"))
 def fused_matmul(x, norm_weight, weights, residual, *, eps, blocks, epilogue, interpret,
                  out_dtype=None, partials=False, deltas=None, prefetch=(), prefetch_plans=(),
-                 down=None, block_d=256, down_prefetch=False, stagger=True, groups=None):
+                 down=None, block_d=256, down_prefetch=False, stagger=True):
     """x [M, K]; norm_weight [K] or None; weights: tuple of [K, N] (1, or 2 for SwiGLU);
     residual [M, N] or None -> [M, N] in out_dtype (default x's dtype). partials=True (one
     weight, no residual or epilogue): the float32 K-chunk sums [S, M, N] unreduced, for a
@@ -394,13 +383,7 @@ def fused_matmul(x, norm_weight, weights, residual, *, eps, blocks, epilogue, in
     epilogue "swiglu_down" (two weights, one K chunk): down = (w_down [N, D], acc [M, D]
     float32, clear [M, D] float32) -> (acc + silu(gate) * up @ w_down, clear zeroed), after
     x + sum(deltas) when deltas are given; block_d: w_down's columns per step of its loop;
-    down_prefetch: each program asks the L2 for its first w_down tile at its start.
-    groups ("swiglu_down"): widths (powers of two) of the column tiles each program owns,
-    so that a program's share need not be a power of two (Llama-3-8B's F = 14336 = 128
-    programs x 112 = 64 + 32 + 16 columns, against 112 programs x 128): group g is a run of
-    `programs * width_g` columns, program j owns the j-th tile of each. The MLP's columns
-    are independent (w_down's rows follow them), so any partition gives the same sums.
-    N must be a multiple of sum(groups)."""
+    down_prefetch: each program asks the L2 for its first w_down tile at its start."""
     if partials:
         assert residual is None and len(weights) == 1, "plain matmul only"
         out_dtype = jnp.float32
@@ -427,24 +410,15 @@ def fused_matmul(x, norm_weight, weights, residual, *, eps, blocks, epilogue, in
     if norm_weight is not None:
         in_specs.append(pl.BlockSpec((kp,), lambda i, j, s: (0,)))
         args.append(norm_weight)
-    groups = tuple(groups or ())
-    if groups:
-        assert epilogue == "swiglu_down" and n % sum(groups) == 0, (epilogue, n, groups)
-    grid_n = n // sum(groups) if groups else pl.cdiv(n, bn)
-    # Group g's tiles start at column base_g = grid_n * (widths before g): block base_g / w_g.
-    tiles = [(w, grid_n * sum(groups[:g]) // w) for g, w in enumerate(groups)] or [(bn, 0)]
-    for wt in weights:
-        for w, b in tiles:
-            in_specs.append(pl.BlockSpec((kp, w), lambda i, j, s, b=b: (0, b + j)))
-            args.append(wt)
+    in_specs += [pl.BlockSpec((kp, bn), lambda i, j, s: (0, j))] * len(weights)
+    args += list(weights)
     aliases = {}
     if down is not None:
         w_down, acc, clear = down
         d = w_down.shape[1]
         band = pl.BlockSpec((bm, d), lambda i, j, s: (i, 0))  # rows of acc / clear, all of D
-        in_specs += [pl.BlockSpec((w, d), lambda i, j, s, b=b: (b + j, 0)) for w, b in tiles]
-        in_specs += [band, band]
-        args += [w_down] * len(tiles) + [acc, clear]
+        in_specs += [pl.BlockSpec((bn, d), lambda i, j, s: (j, 0)), band, band]
+        args += [w_down, acc, clear]
         first_out = 1 if deltas is not None else 0
         aliases = {len(args) - 2: first_out, len(args) - 1: first_out + 1}
     has_residual = residual is not None and not partial
@@ -473,12 +447,11 @@ def fused_matmul(x, norm_weight, weights, residual, *, eps, blocks, epilogue, in
         k_chunk=k_chunk, n_weights=len(weights), has_norm=norm_weight is not None,
         has_residual=has_residual, epilogue=epilogue, partial=partial, n_deltas=n_deltas,
         prefetch_plans=tuple(prefetch_plans),
-        programs=pl.cdiv(m, bm) * grid_n * split, threads=32 * blocks.num_warps,
-        block_d=block_d, down_prefetch=down_prefetch, interpret=interpret, stagger=stagger,
-        groups=groups)
+        programs=pl.cdiv(m, bm) * pl.cdiv(n, bn) * split, threads=32 * blocks.num_warps,
+        block_d=block_d, down_prefetch=down_prefetch, interpret=interpret, stagger=stagger)
     out = pl.pallas_call(
         kernel,
-        grid=(pl.cdiv(m, bm), grid_n, split),
+        grid=(pl.cdiv(m, bm), pl.cdiv(n, bn), split),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,

@@ -98,7 +98,7 @@ def _validate_down(x, w_gate, w_down, acc, clear):
 def swiglu_down(x, w_gate, w_up, w_down, acc, clear, *, norm_weight=None, eps: float = 1e-6,
                 deltas=None, prefetch: tuple = (), interpret: bool = False,
                 block_sizes: MatmulBlockSizes | None = None, block_d: int = 256,
-                down_prefetch: bool = True, stagger: bool = True, groups=None):
+                down_prefetch: bool = True, stagger: bool = True):
     """The whole SwiGLU MLP in one kernel: acc + (silu(h @ w_gate) * (h @ w_up)) @ w_down.
     x [M, K]; w_gate, w_up [K, F]; w_down [F, D]; acc, clear [M, D] float32 (donated: their
     buffers are the outputs'). Each program owns F columns of the SwiGLU: it streams its gate
@@ -112,10 +112,8 @@ def swiglu_down(x, w_gate, w_up, w_down, acc, clear, *, norm_weight=None, eps: f
     prefetch: (array, PrefetchPlan) pairs for the next kernel, issued after w_down's stream.
     block_d: w_down's columns per step; down_prefetch: each program asks the L2 for its
     first w_down tile while it streams gate and up; stagger: program j starts w_down's loop
-    at column tile j (mod the tiles), so the programs' atomics spread over the columns;
-    groups: None (each program owns block_n columns) or the widths of several column tiles
-    per program (norm_matmul.fused_matmul), e.g. (64, 32, 16) at F = 14336: 128 programs
-    instead of 112; F must be a multiple of their sum. One K chunk (block_sizes.split_k = 1)."""
+    at column tile j (mod the tiles), so the programs' atomics spread over the columns. One K
+    chunk (block_sizes.split_k = 1)."""
     _validate(x, w_gate, w_up, norm_weight, deltas)
     _validate_down(x, w_gate, w_down, acc, clear)
     check_prefetch("swiglu_down", prefetch)
@@ -132,19 +130,12 @@ def swiglu_down(x, w_gate, w_up, w_down, acc, clear, *, norm_weight=None, eps: f
                          f"of 16 (use swiglu, then a matmul)")
     while d % block_d:  # a power of two that divides D: no column masks in the down loop
         block_d //= 2
-    if groups is not None:
-        groups = tuple(int(g) for g in groups)
-        f = w_gate.shape[1]
-        if (not groups or any(g < 16 or g & (g - 1) for g in groups)
-                or f % sum(groups)):
-            raise ValueError(f"swiglu_down: groups={groups} must be powers of two >= 16 whose "
-                             f"sum divides F={f}")
     x_new, acc, clear = fused_matmul(
         x, norm_weight, (w_gate, w_up), None, eps=float(eps), blocks=blocks,
         epilogue="swiglu_down", interpret=interpret, deltas=deltas,
         prefetch=tuple(a for a, _ in prefetch), prefetch_plans=tuple(p for _, p in prefetch),
         down=(w_down, acc, clear), block_d=block_d, down_prefetch=down_prefetch,
-        stagger=stagger, groups=groups)
+        stagger=stagger)
     return (acc, clear) if x_new is None else (x_new, acc, clear)
 
 

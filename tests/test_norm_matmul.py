@@ -225,24 +225,6 @@ def test_swiglu_down_is_the_two_kernel_mlp(dtype, m, deltas):
     assert rel_err(got_acc, parts.sum(0)) > 0.1  # the accumulator's start value counts
 
 
-@pytest.mark.parametrize("m", [1, 3])
-def test_swiglu_down_column_groups(m):
-    # Programs owning several column tiles (32 + 16 = 48 columns each: F 144 = 3 programs):
-    # the same sums as one tile per program.
-    x, nw, _, _ = inputs(30 + m, m, 200, (1,), jnp.bfloat16)
-    wg, wu, wd = mlp_weights(31, 200, 144, 64, jnp.bfloat16)
-    acc = jnp.zeros((m, 64), jnp.float32)
-    kw = dict(norm_weight=nw, eps=EPS, interpret=True, block_sizes=SMALL, block_d=32)
-    got, cleared = swiglu_down(x, wg, wu, wd, acc, acc + 1, groups=(32, 16), **kw)
-    one, _ = swiglu_down(x, wg, wu, wd, acc, acc + 1, **kw)
-    ref, _ = swiglu_down_reference(x, wg, wu, wd, acc, acc, norm_weight=nw, eps=EPS)
-    assert rel_err(got, one) < 1e-6
-    assert rel_err(got, ref) < TOL[jnp.bfloat16]
-    np.testing.assert_array_equal(np.asarray(cleared), np.zeros((m, 64), np.float32))
-    with pytest.raises(ValueError, match="groups=.32, 32.*divides F=144"):
-        swiglu_down(x, wg, wu, wd, acc, acc, groups=(32, 32), **kw)
-
-
 def test_swiglu_down_bad_inputs_raise_clear_errors():
     x, nw, _, _ = inputs(0, 2, 64, (1,), jnp.float32)
     wg, wu, wd = mlp_weights(1, 64, 32, 48, jnp.float32)
