@@ -215,16 +215,23 @@ def test_llama3_8b_batch1_decode_layer_kernels(gpu_dispatch, monkeypatch):
     assert module.count(TRITON) == 8  # the 7 of the layer + the first norm, one call each
 
 
-def test_llama3_8b_batch1_decode_layer_boundaries_in_consumers(gpu_dispatch, monkeypatch):
-    """The default, layers.BOUNDARY_MODES["consumers"]: 5 kernels per decode layer (the
-    boundaries ride in the q/k/v and SwiGLU matmuls), the last add + norm before the logits."""
+@pytest.mark.parametrize("one_kernel_mlp", [True, False], ids=["mlp_1_kernel", "mlp_2_kernels"])
+def test_llama3_8b_batch1_decode_layer_boundaries_in_consumers(gpu_dispatch, monkeypatch,
+                                                               one_kernel_mlp):
+    """The default, layers.BOUNDARY_MODES["consumers"]: 4 kernels per decode layer at batch 1
+    (the boundaries ride in the q/k/v and SwiGLU matmuls, the MLP is one swiglu_down), 5 with
+    ONE_KERNEL_MLP_ROWS = 0 (SwiGLU, then down); the last add + norm before the logits."""
     assert (layers.FUSED_ADD_NORM, layers.SWIGLU_ADD_NORM,
             layers.QKV_ADD_NORM) == layers.BOUNDARY_MODES["consumers"]
+    assert layers.ONE_KERNEL_MLP_ROWS == 1
+    if not one_kernel_mlp:
+        monkeypatch.setattr(layers, "ONE_KERNEL_MLP_ROWS", 0)
     module = decode_step_module("llama3-8b", 1, 512)
+    mlp = ({"add_norm_matmul_swiglu_down_k4096_n14336": 1} if one_kernel_mlp else
+           {"add_norm_matmul_swiglu_k4096_n14336": 1, "matmul_none_k14336_n4096_split2": 1})
     assert kernel_names(module) == collections.Counter({
         "norm_matmul_none_k4096_n6144_split2": 1, "decode_attention_append": 1,
-        "matmul_none_k4096_n4096_split2": 1, "add_norm_matmul_swiglu_k4096_n14336": 1,
-        "matmul_none_k14336_n4096_split2": 1, "add_rms_norm": 1})
+        "matmul_none_k4096_n4096_split2": 1, **mlp, "add_rms_norm": 1})
 
 
 def test_llama3_8b_batch64_long_context_decode_lowers(gpu_dispatch):
@@ -289,11 +296,13 @@ def test_pdl_instructions_lower_to_the_grid_dependency_ops(verify_triton_modules
 
 def test_l2_prefetch_lowers_to_one_bulk_prefetch_per_thread(gpu_dispatch, monkeypatch,
                                                              verify_triton_modules):
-    """layers.PREFETCH all on, two decode layers: q/k/v prefetches o, o prefetches SwiGLU's
-    two weights, SwiGLU down, down the next layer's q/k/v (the last layer's down nothing), each
-    as a non-pure inline asm over one pointer per thread that nothing may remove."""
+    """layers.PREFETCH all on, two decode layers, the MLP as two kernels: q/k/v prefetches o,
+    o prefetches SwiGLU's two weights, SwiGLU down, down the next layer's q/k/v (the last
+    layer's down nothing), each as a non-pure inline asm over one pointer per thread that
+    nothing may remove."""
     for consumer in ("o", "mlp", "down", "qkv"):
         monkeypatch.setitem(layers.PREFETCH, consumer, (128, "start"))
+    monkeypatch.setattr(layers, "ONE_KERNEL_MLP_ROWS", 0)
     decode_step_module("llama3-8b", 1, 512, num_layers=2)
     counts = collections.Counter()  # (kernel, prefetches in it), per distinct lowering
     for text in verify_triton_modules:
@@ -310,6 +319,23 @@ def test_l2_prefetch_lowers_to_one_bulk_prefetch_per_thread(gpu_dispatch, monkey
         ("matmul_none_k14336_n4096_split2", 1),  # layer 0's down: layer 1's q/k/v
         ("matmul_none_k14336_n4096_split2", 0),  # the last layer's down: nothing
         ("add_rms_norm", 0)]), counts
+
+
+def test_one_kernel_mlp_prefetches(gpu_dispatch, verify_triton_modules):
+    """The default batch-1 MLP (swiglu_down), two layers: each program prefetches its first
+    w_down tile (down_prefetch), and layer 0's also the next q/k/v's first rows
+    (PREFETCH["qkv"]); the MLP adds o's chunks and runs the norm, q/k/v adds its float32
+    accumulator."""
+    decode_step_module("llama3-8b", 1, 512, num_layers=2)
+    counts = collections.Counter()
+    for text in verify_triton_modules:
+        name = re.search(r"tt\.func (?:public )?@(\w+)", text).group(1)
+        asm = re.findall(r'"prefetch\.global\.L2::evict_last \[\$1\+0\];[^"]*"'
+                         r"[^\n]*pure = false[^\n]*tensor<128x!tt\.ptr<bf16>>", text)
+        counts[name, len(asm)] += 1
+    assert counts[("add_norm_matmul_swiglu_down_k4096_n14336", 2)] == 1, counts  # layer 0
+    assert counts[("add_norm_matmul_swiglu_down_k4096_n14336", 1)] == 1, counts  # layer 1
+    assert counts[("add_norm_matmul_none_k4096_n6144_split2", 0)] == 1, counts
 
 
 @pytest.mark.parametrize("insn,want", [("line", "prefetch.global.L2::evict_last [$1+0];"),
