@@ -3,9 +3,6 @@
     norm_matmul(x, norm_weight, w, eps=, residual=)   rms_norm(x) @ w (+ residual)
     swiglu(x, w_gate, w_up, norm_weight=, eps=)        silu(h @ w_gate) * (h @ w_up), h = [norm](x)
                                                        (pallas_kernels/swiglu.py, same kernel)
-    swiglu_down(x, w_gate, w_up, w_down, acc, clear)   acc + swiglu(...) @ w_down: the whole MLP,
-                                                       each program's w_down rows added into acc
-                                                       by atomics (swiglu.py, same kernel)
     ... deltas=d                                       x + sum(d) first (the residual add), and
                                                        that sum returned too
     norm_matmul(..., partials=True)                    unreduced float32 K chunks (+ the norm's
@@ -318,10 +315,6 @@ def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int,
     store(o_refs[0], out.astype(o_refs[0].dtype))
 
 
-# "swiglu_down" at batches up to this many rows adds each real row with its own atomics.
-FEW_ROWS = 8
-
-
 def down_epilogue(act, wd_ref, acc_ref, clear_ref, *, m: int, n: int, block_m: int,
                   block_n: int, block_d: int, row_ok, interpret: bool, stagger: bool):
     """The "swiglu_down" epilogue: this program's SwiGLU tile act [block_m, block_n] (x's
@@ -346,7 +339,6 @@ def down_epilogue(act, wd_ref, acc_ref, clear_ref, *, m: int, n: int, block_m: i
 
     steps = d // block_d
     j = pl.program_id(1)  # (read outside the loop: interpret mode needs that)
-    row_ids = jnp.arange(block_m)
 
     def step(t, carry):
         if stagger:
@@ -357,14 +349,10 @@ def down_epilogue(act, wd_ref, acc_ref, clear_ref, *, m: int, n: int, block_m: i
         w = wd_ref[:, pl.ds(start, block_d)] if f_ok is None else plgpu.load(
             wd_ref.at[:, pl.ds(start, block_d)], mask=f_ok, other=0)  # [block_n, block_d]
         y = dot_f32(act, w)  # [block_m, block_d] float32
-        if m <= FEW_ROWS and pl.cdiv(m, block_m) == 1:
-            # A few real rows (the others are zero): each row picked out of the dot's block_m
-            # (a reduction across the tile's rows) and added with one atomic per column, not
-            # block_m predicated ones (batch 4: 96.6 us per layer that way, run P).
-            for r in range(m):
-                y_r = y if m == 1 else jnp.where(row_ids[:, None] == r, y, 0.0)
-                atomic_add_relaxed(acc_ref, (pl.ds(r, 1), pl.ds(start, block_d)),
-                                   jnp.sum(y_r, axis=0, keepdims=True))
+        if m == 1:
+            # One real row (the others are zero): one atomic per column, not block_m.
+            atomic_add_relaxed(acc_ref, (pl.ds(0, 1), pl.ds(start, block_d)),
+                             jnp.sum(y, axis=0, keepdims=True))
         else:
             atomic_add_relaxed(acc_ref, (slice(None), pl.ds(start, block_d)), y,
                              mask=None if interpret or row_ok is None
