@@ -3,6 +3,9 @@
     norm_matmul(x, norm_weight, w, eps=, residual=)   rms_norm(x) @ w (+ residual)
     swiglu(x, w_gate, w_up, norm_weight=, eps=)        silu(h @ w_gate) * (h @ w_up), h = [norm](x)
                                                        (pallas_kernels/swiglu.py, same kernel)
+    swiglu_down(x, w_gate, w_up, w_down, acc, clear)   acc + swiglu(...) @ w_down: the whole MLP,
+                                                       each program's w_down rows added into acc
+                                                       by atomics (swiglu.py, same kernel)
     ... deltas=d                                       x + sum(d) first (the residual add), and
                                                        that sum returned too
     norm_matmul(..., partials=True)                    unreduced float32 K chunks (+ the norm's
