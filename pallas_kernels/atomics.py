@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from jax._src import core as jax_core
 from jax._src import tree_util
 from jax._src.lib.triton import dialect as tt_dialect
 from jax._src.pallas import primitives as pallas_primitives
@@ -23,7 +24,6 @@ from jax._src.state import discharge as state_discharge
 from jax._src.state import indexing
 from jax._src.state import primitives as state_primitives
 from jax._src.state import types as state
-from jax._src import core as jax_core
 
 relaxed_add_p = jax_core.Primitive("atomic_add_relaxed")
 
