@@ -1,26 +1,15 @@
-"""Decode/prefill benchmark: the same as `jaxinfer bench` (see jaxinfer/bench.py).
+"""Decode/prefill benchmark: `jaxinfer bench` (jaxinfer/bench.py) run from a checkout.
 
     PYTHONPATH=. python benchmarks/decode.py --preset llama3-8b --random-weights --batch 1 --json
-        [--boundaries xla|kernel|swiglu|consumers]
+        [--policy default|deterministic|reference]
 
---boundaries (this script only) picks where the decode path's sublayer boundaries run
-(jaxinfer/models/layers.py, BOUNDARY_MODES), to compare them in the whole benchmark.
+Runs from any checkout without an install, so an older commit checked out beside (an ignored
+folder on PYTHONPATH) runs the same benchmark in the same device call.
 """
 
 import sys
 
 from jaxinfer.cli import main
 
-
-def _pop_boundaries(argv: list[str]) -> list[str]:
-    from jaxinfer.models import layers
-
-    if "--boundaries" in argv:
-        i = argv.index("--boundaries")
-        layers.set_boundaries(argv[i + 1])
-        argv = argv[:i] + argv[i + 2:]
-    return argv
-
-
 if __name__ == "__main__":
-    sys.exit(main(["bench", *_pop_boundaries(sys.argv[1:])]))
+    sys.exit(main(["bench", *sys.argv[1:]]))

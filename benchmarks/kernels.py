@@ -5,8 +5,8 @@
 For each op and shape: the relative error of our kernel against the pure-jnp reference on the
 GPU, then the median time of ours and of each peer (cuDNN through
 `jax.nn.dot_product_attention(implementation="cudnn")`, the XLA reference), reported as TFLOP/s
-or TB/s, the fraction of the measured ceiling (808 TFLOP/s bf16 matmul, 4.27 TB/s copy; see
-../shared/docs/GPU.md) and the ratio ours / peer. Block-size variants of our kernels are timed
+or TB/s, the fraction of the measured ceiling (808 TFLOP/s bf16 matmul, 4.27 TB/s copy,
+both measured on the H200) and the ratio ours / peer. Block-size variants of our kernels are timed
 side by side, so one call sweeps them. A short table comes last; full numbers go to --json.
 
 Timing: compile and warm up outside the timed region, then `repeats` runs of `iters` calls each
@@ -30,8 +30,8 @@ import numpy as np
 
 import pallas_kernels as pk
 
-PEAK_TFLOPS = 808.0  # bf16 matmul 8192^3 through XLA on the H200 (GPU.md)
-PEAK_TBS = 4.27  # device-to-device copy, read + write (GPU.md)
+PEAK_TFLOPS = 808.0  # bf16 matmul 8192^3 through XLA on the H200
+PEAK_TBS = 4.27  # device-to-device copy on the H200, read + write
 L2_BYTES = 60 * 2 ** 20
 
 RESULTS: list[dict] = []

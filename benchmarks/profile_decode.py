@@ -30,7 +30,9 @@ import numpy as np
 
 from jaxinfer.bench import random_model
 from jaxinfer.generate import decode_loop, init_state, prefill
+from jaxinfer.plan import At, Boundary, Impl, KernelPolicy, Prefetch
 from jaxinfer.sampling import SamplingParams
+from pallas_kernels import DecodeBlockSizes, MatmulBlockSizes
 
 
 def load_trace(log_dir: str) -> dict:
@@ -67,47 +69,6 @@ def group_name(name: str) -> str:
     return name[:90]
 
 
-def _use_unfused_decode_path() -> None:
-    """For before/after comparisons only: route the model's dispatch to the older path."""
-    from jaxinfer.models import layers
-
-    layers.decode_kernels = lambda x: False
-    layers.fused_decode_attention_ok = lambda *args: False
-
-
-def _override_blocks(table: dict) -> None:
-    """For configuration sweeps only: the listed (K, N, weights) shapes get the given blocks."""
-    import importlib  # the package exports functions of the modules' names
-
-    nm = importlib.import_module("pallas_kernels.norm_matmul")
-    sw = importlib.import_module("pallas_kernels.swiglu")
-
-    def pick(fallback, k, n, w):
-        cfg = table.get(f"{k},{n},{w}")
-        return nm.MatmulBlockSizes(*cfg) if cfg else fallback
-
-    real_fused = nm.fused_matmul
-
-    def fused(x, norm_weight, weights, residual, *, blocks, **kw):
-        k, n = weights[0].shape
-        return real_fused(x, norm_weight, weights, residual,
-                          blocks=pick(blocks, k, n, len(weights)), **kw)
-
-    nm.fused_matmul = fused
-    sw.fused_matmul = fused
-
-
-def _override_attention_blocks(cfg: list) -> None:
-    """For configuration sweeps only: the fused decode attention kernel's DecodeBlockSizes."""
-    import functools
-
-    import pallas_kernels
-    from pallas_kernels.decode_attention import DecodeBlockSizes
-
-    pallas_kernels.decode_attention_append = functools.partial(
-        pallas_kernels.decode_attention_append, block_sizes=DecodeBlockSizes(*cfg))
-
-
 def _timeline(kernels: list[dict], n: int) -> str:
     """n kernels in start order from just before the middle decode attention kernel: start
     (us, from the first one's), duration, the trace's stream (thread) id, name."""
@@ -126,11 +87,11 @@ def _timeline(kernels: list[dict], n: int) -> str:
 
 
 def decode_setup(preset: str, dtype: str, batch: int, prompt_len: int, steps: int, *,
-                 logprobs: bool = False):
+                 policy: KernelPolicy, logprobs: bool = False):
     """(a random-weight model, fresh()): fresh() returns a prefilled DecodeState of `batch` fixed
     random prompts with room for `steps` greedy decode steps, no stop ids (as `jaxinfer bench`
     times the loop); a new one each call, since the loop donates it."""
-    model = random_model(preset, dtype)
+    model = random_model(preset, dtype, policy=policy)
     cfg = model.config
     rng = np.random.default_rng(0)
     prompts = rng.integers(0, cfg.vocab_size, (batch, prompt_len)).tolist()
@@ -138,9 +99,31 @@ def decode_setup(preset: str, dtype: str, batch: int, prompt_len: int, steps: in
 
     def fresh():
         state, tokens, lengths = init_state(model, prompts, steps + 1, greedy, 0, stop_ids=[])
-        return jax.block_until_ready(prefill(model.params, tokens, lengths, state, cfg))
+        return jax.block_until_ready(prefill(model.params, tokens, lengths, state, model.plan))
 
     return model, fresh
+
+
+def policy_from_args(args) -> KernelPolicy:
+    """The policy the options describe (each option one field; benchmarks/README.md)."""
+    policy = KernelPolicy.deterministic() if args.policy == "deterministic" else KernelPolicy()
+    changes = {}
+    if args.boundaries:
+        nl, mlp, head = (Boundary[b.upper()] for b in args.boundaries.split(","))
+        changes.update(norm_linear_boundary=nl, gated_mlp_boundary=mlp, lm_head_boundary=head)
+    for name, spec in json.loads(args.prefetch or "{}").items():
+        changes[f"prefetch_{name}"] = None if spec is None else Prefetch(spec[0], At(spec[1]))
+    if args.mlp_rows is not None:
+        changes["one_kernel_mlp_rows"] = args.mlp_rows
+    if args.lm_head:
+        changes["lm_head"] = Impl(args.lm_head)
+    if args.blocks:
+        changes["matmul_tiles"] = tuple(
+            (tuple(int(v) for v in key.split(",")), MatmulBlockSizes(*cfg))
+            for key, cfg in json.loads(args.blocks).items())
+    if args.attn_blocks:
+        changes["attention_blocks"] = DecodeBlockSizes(*json.loads(args.attn_blocks))
+    return policy.replace(**changes)
 
 
 def main(argv=None) -> int:
@@ -153,88 +136,39 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="keep the trace directory here")
     p.add_argument("--json", default=None, help="write the per-kernel table here")
     p.add_argument("--top", type=int, default=40)
-    p.add_argument("--unfused", action="store_true",
-                   help="profile the step as it was before the fused decode kernels: XLA "
-                        "norms/GEMVs/residual adds, XLA RoPE and K/V scatters, decode_attention "
-                        "(the Pallas SwiGLU stays)")
+    p.add_argument("--policy", choices=("default", "deterministic"), default="default")
+    p.add_argument("--boundaries", default=None, metavar="NL,MLP,HEAD",
+                   help="where the norm_linear, gated_mlp and lm_head boundaries run: xla, "
+                        "kernel or consumer each (KernelPolicy.*_boundary)")
+    p.add_argument("--prefetch", default=None,
+                   help='JSON {"norm_linear": [rows, "start"|"end"] or null, "down": ..., '
+                        '"gated_mlp": ...}: the L2 prefetch of each consumer\'s first weight rows '
+                        "by its producer (KernelPolicy.prefetch_*)")
+    p.add_argument("--mlp-rows", type=int, default=None,
+                   help="decode batches of at most this many rows run the MLP as one kernel "
+                        "(KernelPolicy.one_kernel_mlp_rows; 0: SwiGLU and down apart)")
+    p.add_argument("--lm-head", choices=("xla", "pallas"), default=None,
+                   help="the LM head through XLA's dot or the fused matmul (KernelPolicy.lm_head)")
     p.add_argument("--blocks", default=None,
                    help='JSON {"K,N,W": [block_m, block_n, block_k, warps, stages, split_k]}: '
-                        "block sizes of the fused decode matmuls (W = 1, or 2 for SwiGLU), "
-                        "to compare configurations in the model")
+                        "block sizes of the fused decode matmuls (W = 1, or 2 for SwiGLU) "
+                        "(KernelPolicy.matmul_tiles)")
     p.add_argument("--attn-blocks", default=None,
-                   help="JSON [block_k, num_splits or null, warps, stages]: the fused decode "
-                        "attention kernel's block sizes")
-    p.add_argument("--boundaries", default=None,
-                   help="where the sublayer boundaries' residual add + RMSNorm run: xla, "
-                        "kernel, swiglu, consumers (layers.BOUNDARY_MODES; default: the "
-                        "model's)")
-    p.add_argument("--no-cache-loop", action="store_true",
-                   help="a timing bound, not a result: the decode attention kernels skip their "
-                        "loop over the cache (only the new token is attended)")
+                   help="JSON [block_k, num_splits or null, warps, stages]: the decode "
+                        "attention kernels' block sizes (KernelPolicy.attention_blocks)")
     p.add_argument("--logprobs", action="store_true",
                    help="ask for the tokens' logprobs (a logsumexp over the vocabulary and a "
                         "column write per step; left out of the step otherwise)")
-    p.add_argument("--prefetch", default=None,
-                   help='JSON {"o": [rows, "start"|"end"] or null, "mlp": ..., "down": ..., '
-                        '"qkv": ..., "insn": "line"|"bulk"|"none", "pages": {"down": "start", '
-                        '...}}: the L2 prefetch of each decode matmul\'s next weight '
-                        "(layers.PREFETCH, l2_prefetch.INSTRUCTION, layers.PAGE_TOUCH)")
-    p.add_argument("--mlp", default=None,
-                   help='JSON {"rows": N, "block_d": 256, "down_prefetch": true}: decode '
-                        "batches of at most N rows run the MLP as one kernel (swiglu_down; "
-                        "0: SwiGLU and down apart), with these options "
-                        "(layers.ONE_KERNEL_MLP_ROWS, ONE_KERNEL_MLP_OPTS)")
-    p.add_argument("--ttir-rewrite", default=None,
-                   help="NAME[:SUBSTR,...]: rewrite every Pallas Triton module (or those whose "
-                        "kernel name holds a SUBSTR) with ttir_inject_probe.REWRITES[NAME] "
-                        "before XLA compiles it")
     p.add_argument("--timeline", type=int, default=0,
                    help="print this many kernels (start, duration, stream) around a decode "
                         "attention kernel in the middle of the run: what overlaps what")
     args = p.parse_args(argv)
-    import importlib  # the package exports functions of the modules' names
-
-    daa = importlib.import_module("pallas_kernels.decode_attention_append")
-    if args.no_cache_loop:
-        daa.attend_tiles = lambda q_parts, k_ref, v_ref, *, carry, **kw: carry
-    if args.boundaries:
-        from jaxinfer.models import layers
-
-        layers.set_boundaries(args.boundaries)
-    if args.prefetch:
-        from jaxinfer.models import layers
-
-        spec = json.loads(args.prefetch)
-        l2p = importlib.import_module("pallas_kernels.l2_prefetch")
-        l2p.INSTRUCTION = spec.pop("insn", l2p.INSTRUCTION)
-        layers.PAGE_TOUCH.update(spec.pop("pages", {}))
-        layers.PREFETCH.update({k: None if v is None else tuple(v) for k, v in spec.items()})
-    if args.mlp:
-        from jaxinfer.models import layers
-
-        spec = json.loads(args.mlp)
-        layers.ONE_KERNEL_MLP_ROWS = spec.pop("rows", layers.ONE_KERNEL_MLP_ROWS)
-        layers.ONE_KERNEL_MLP_OPTS.update(spec)
-    if args.ttir_rewrite:
-        from benchmarks import ttir_inject_probe as tip
-
-        name, _, only = args.ttir_rewrite.partition(":")
-        if name not in tip.REWRITES:
-            p.error(f"--ttir-rewrite {name!r}: not one of {sorted(tip.REWRITES)}")
-        tip.install_rewrite(tip.REWRITES[name], only=only.split(",") if only else None)
-    if args.unfused:
-        _use_unfused_decode_path()
-    if args.blocks:
-        _override_blocks(json.loads(args.blocks))
-    if args.attn_blocks:
-        _override_attention_blocks(json.loads(args.attn_blocks))
-
+    policy = policy_from_args(args)
     dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
     model, fresh = decode_setup(args.preset, dtype, args.batch, args.prompt_len, args.steps,
-                                logprobs=args.logprobs)
-    cfg = model.config
+                                policy=policy, logprobs=args.logprobs)
     s = fresh()
-    loop = decode_loop.lower(model.params, s, cfg).compile()
+    loop = decode_loop.lower(model.params, s, model.plan).compile()
     jax.block_until_ready(loop(model.params, s))  # warm up
     wall = float("inf")
     for _ in range(3):  # the best of 3 runs (host-side noise in one run reached ~1.5%)

@@ -31,7 +31,7 @@ import sys
 def triton_modules():
     """Collects, as text, every Triton module Pallas lowers inside the `with` (the IR XLA
     receives in its Triton custom calls)."""
-    from jax._src.pallas.triton import lowering as triton_lowering
+    from pallas_kernels._jax_private import triton_lowering
 
     real = triton_lowering.lower_jaxpr_to_triton_module
     seen = []

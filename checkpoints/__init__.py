@@ -1,7 +1,8 @@
 """Checkpoint formats: HF safetensors directories, GGUF files, and the registry of named models.
 
-This package knows file formats and tensor names; it returns a `Config` and a params pytree in
-the model's own layout, and imports nothing from the model code but the `Config` type.
+This package knows file formats; it returns a `Config` and a params pytree in the model's own
+layout, and takes from the engine only `Config` and the model families' tensor tables
+(jaxinfer/models/registry.py).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """GGUF checkpoints (llama.cpp's single-file format): metadata, tensors, tokenizer.
 
 `load_gguf(path)` returns (Config, params, Tokenizer) with params as numpy float32 arrays in the
-model's own layout (see `jaxinfer.models.llama.param_specs`): matmul weights [in, out], one dict
-per layer. Quantized tensors are dequantized on load by the `gguf` package (`gguf.quants`), the
+model's own layout (its family's `param_specs`): matmul weights [in, out], one dict per layer,
+tensor names from the family's table (jaxinfer/models/registry.py). Quantized tensors are dequantized on load by the `gguf` package (`gguf.quants`), the
 same code transformers' GGUF loader uses, so our float32 weights equal its weights bit for bit.
 
 Two layout facts the loader undoes:
@@ -26,34 +26,13 @@ from typing import Any
 
 import numpy as np
 
-from checkpoints.layout import fuse_qkv
 from jaxinfer.configs import Config, RopeScaling
+from jaxinfer.models import registry
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("llama",)
-
 # Tensor types we dequantize (all through gguf.quants.dequantize).
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
-
-# Our per-layer param name -> GGUF tensor name under blk.{i}.
-LAYER_TENSORS = {
-    "attn_norm": "attn_norm.weight",
-    "wq": "attn_q.weight",
-    "wk": "attn_k.weight",
-    "wv": "attn_v.weight",
-    "wo": "attn_output.weight",
-    "mlp_norm": "ffn_norm.weight",
-    "w_gate": "ffn_gate.weight",
-    "w_up": "ffn_up.weight",
-    "w_down": "ffn_down.weight",
-}
-TOP_TENSORS = {
-    "embed": "token_embd.weight",
-    "final_norm": "output_norm.weight",
-    "lm_head": "output.weight",
-}
-
 
 # ---------------------------------------------------------------------------------------------
 # Reading the file
@@ -233,9 +212,10 @@ def config_from_metadata(meta: dict, path="<gguf>", token_embd_shape=None,
     arch = meta.get("general.architecture")
     if arch is None:
         raise ValueError(f"{path}: GGUF metadata key 'general.architecture' is missing")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"{path}: unsupported GGUF architecture {arch!r} "
-                         f"(general.architecture); supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    family = registry.for_gguf_architecture(arch)
+    if family is None:
+        raise ValueError(f"{path}: unsupported GGUF architecture {arch!r} (general.architecture);"
+                         f" supported: {', '.join(registry.gguf_architectures())}")
 
     def req(key, kind=int):
         return _get(meta, f"{arch}.{key}", path, kind, required=True)
@@ -288,6 +268,7 @@ def config_from_metadata(meta: dict, path="<gguf>", token_embd_shape=None,
         rope_scaling=_rope_scaling(meta, arch, path, context),
         max_position_embeddings=context,
         tie_word_embeddings=not has_output,
+        family=family.name,
         architecture="LlamaForCausalLM",
         bos_token_id=_get(meta, "tokenizer.ggml.bos_token_id", path, int),
         eos_token_ids=tuple(eos_ids),
@@ -313,21 +294,19 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def _expected_shapes(config: Config) -> dict[str, tuple[int, ...]]:
     """GGUF tensor name -> numpy shape as the reader gives it ([out, in] for matmuls)."""
-    d, f, hd, v = config.hidden_size, config.intermediate_size, config.head_dim, config.vocab_size
-    q, kv = config.num_heads * hd, config.num_kv_heads * hd
-    per_layer = {
-        "attn_norm.weight": (d,), "ffn_norm.weight": (d,),
-        "attn_q.weight": (q, d), "attn_k.weight": (kv, d), "attn_v.weight": (kv, d),
-        "attn_output.weight": (d, q),
-        "ffn_gate.weight": (f, d), "ffn_up.weight": (f, d), "ffn_down.weight": (d, f),
-    }
-    shapes = {"token_embd.weight": (v, d), "output_norm.weight": (d,)}
-    if not config.tie_word_embeddings:
-        shapes["output.weight"] = (v, d)
+    family = registry.family(config)
+    names, shapes = family.gguf_tensors, family.checkpoint_shapes(config)
+
+    def as_stored(ours, table):  # our [in, out] -> the file's [out, in]
+        _, transpose = table[ours]
+        shape = shapes["layer" if table is names.layer else "top"][ours]
+        return tuple(reversed(shape)) if transpose else shape
+
+    out = {names.top[n][0]: as_stored(n, names.top) for n in shapes["top"]}
     for i in range(config.num_layers):
-        for name, shape in per_layer.items():
-            shapes[f"blk.{i}.{name}"] = shape
-    return shapes
+        for n in shapes["layer"]:
+            out[f"blk.{i}.{names.layer[n][0]}"] = as_stored(n, names.layer)
+    return out
 
 
 def _logical_shape(tensor) -> tuple[int, ...]:
@@ -366,7 +345,7 @@ def params_from_reader(reader, config: Config, path) -> dict:
                             f"but the metadata implies {list(shape)}")
     unknown = sorted(set(tensors) - set(expected))
     if unknown:
-        problems.append(f"unexpected tensors the llama loader does not know: "
+        problems.append(f"unexpected tensors the {config.family} loader does not know: "
                         f"{', '.join(unknown[:8])}{' ...' if len(unknown) > 8 else ''}")
     if problems:
         more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
@@ -375,22 +354,25 @@ def params_from_reader(reader, config: Config, path) -> dict:
     def get(name: str) -> np.ndarray:
         return _dequantize(tensors[name], path)
 
-    params: dict = {"embed": get(TOP_TENSORS["embed"])}  # [V, D]: already our layout
+    family = registry.family(config)
+    names = family.gguf_tensors
+
+    def ours(name: str, gguf_name: str, transpose: bool) -> np.ndarray:
+        w = get(gguf_name)
+        # llama.cpp's converter interleaves q/k rows per head for its RoPE; undo it.
+        if name == "wq":
+            w = unpermute_rope_rows(w, config.num_heads)
+        elif name == "wk":
+            w = unpermute_rope_rows(w, config.num_kv_heads)
+        # [out, in] -> [in, out]; contiguous so the arrays go to the device in one copy.
+        return np.ascontiguousarray(w.T) if transpose else w
+
+    params: dict = {n: ours(n, g, tr) for n, (g, tr) in names.top.items()
+                    if g in tensors and not (n == "lm_head" and config.tie_word_embeddings)}
     params["layers"] = []
     for i in range(config.num_layers):
-        lp = {}
-        for ours, gname in LAYER_TENSORS.items():
-            w = get(f"blk.{i}.{gname}")
-            if ours == "wq":
-                w = unpermute_rope_rows(w, config.num_heads)
-            elif ours == "wk":
-                w = unpermute_rope_rows(w, config.num_kv_heads)
-            # [out, in] -> [in, out]; copy so the arrays are contiguous for jnp.asarray.
-            lp[ours] = np.ascontiguousarray(w.T) if w.ndim == 2 else w
-        params["layers"].append(fuse_qkv(lp, config, f"{path}: blk.{i}"))
-    params["final_norm"] = get(TOP_TENSORS["final_norm"])
-    if not config.tie_word_embeddings:
-        params["lm_head"] = np.ascontiguousarray(get(TOP_TENSORS["lm_head"]).T)  # [D, V]
+        lp = {n: ours(n, f"blk.{i}.{g}", tr) for n, (g, tr) in names.layer.items()}
+        params["layers"].append(family.assemble_layer(lp, config, f"{path}: blk.{i}"))
     return params
 
 

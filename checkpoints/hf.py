@@ -1,8 +1,8 @@
 """HF-layout checkpoint directories: config.json + *.safetensors (+ index) + tokenizer files.
 
 `load_hf_dir(path)` returns (Config, params, Tokenizer | None) with params in the model's own
-layout (see `jaxinfer.models.llama.param_specs`): matmul weights transposed to [in, out],
-one dict per layer. The tensor-name mapping is one table for the whole Llama family.
+layout (its family's `param_specs`): matmul weights transposed to [in, out], one dict per
+layer. Tensor names come from the family's table (jaxinfer/models/registry.py).
 """
 
 from __future__ import annotations
@@ -13,44 +13,17 @@ import pathlib
 
 import jax.numpy as jnp
 
-from checkpoints.layout import fuse_qkv
 from jaxinfer.configs import Config, RopeScaling
+from jaxinfer.models import registry
 
 log = logging.getLogger(__name__)
 
-# HF architecture name -> the switches our Llama-family forward needs for it.
-SUPPORTED_ARCHITECTURES = {
+# HF architecture name -> the Llama-family variant whose config.json switches it reads.
+LLAMA_VARIANTS = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
-}
-
-# Our per-layer param name -> (HF tensor name under model.layers.{i}., transpose to [in, out]).
-LAYER_TENSORS = {
-    "attn_norm": ("input_layernorm.weight", False),
-    "wq": ("self_attn.q_proj.weight", True),
-    "wk": ("self_attn.k_proj.weight", True),
-    "wv": ("self_attn.v_proj.weight", True),
-    "wo": ("self_attn.o_proj.weight", True),
-    "bq": ("self_attn.q_proj.bias", False),
-    "bk": ("self_attn.k_proj.bias", False),
-    "bv": ("self_attn.v_proj.bias", False),
-    "bo": ("self_attn.o_proj.bias", False),
-    "q_norm": ("self_attn.q_norm.weight", False),
-    "k_norm": ("self_attn.k_norm.weight", False),
-    "mlp_norm": ("post_attention_layernorm.weight", False),
-    "w_gate": ("mlp.gate_proj.weight", True),
-    "w_up": ("mlp.up_proj.weight", True),
-    "w_down": ("mlp.down_proj.weight", True),
-    "b_gate": ("mlp.gate_proj.bias", False),
-    "b_up": ("mlp.up_proj.bias", False),
-    "b_down": ("mlp.down_proj.bias", False),
-}
-TOP_TENSORS = {
-    "embed": ("model.embed_tokens.weight", False),
-    "final_norm": ("model.norm.weight", False),
-    "lm_head": ("lm_head.weight", True),
 }
 # Buffers some exporters write that carry no weights.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -114,11 +87,11 @@ def _layer_windows(cfg: dict, family: str, num_layers: int) -> tuple[int | None,
 def config_from_hf(cfg: dict, path: pathlib.Path = pathlib.Path("config.json")) -> Config:
     """HF config.json (as a dict) -> Config. Raises ValueError on unknown architectures."""
     archs = cfg.get("architectures") or []
-    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    arch = next((a for a in archs if registry.for_hf_architecture(a) is not None), None)
     if arch is None:
         raise ValueError(f"{path}: unsupported architecture {archs or cfg.get('model_type')!r}; "
-                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    family = SUPPORTED_ARCHITECTURES[arch]
+                         f"supported: {', '.join(registry.hf_architectures())}")
+    family = LLAMA_VARIANTS[arch]
     heads = int(_require(cfg, "num_attention_heads", path))
     hidden = int(_require(cfg, "hidden_size", path))
     layers = int(_require(cfg, "num_hidden_layers", path))
@@ -144,6 +117,7 @@ def config_from_hf(cfg: dict, path: pathlib.Path = pathlib.Path("config.json")) 
         mlp_bias=bool(cfg.get("mlp_bias", False)) if family == "llama" else False,
         qk_norm=family == "qwen3",
         layer_windows=_layer_windows(cfg, family, layers),
+        family=registry.for_hf_architecture(arch).name,
         architecture=arch,
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos,
@@ -185,6 +159,8 @@ def read_safetensors(files: list[pathlib.Path]) -> dict[str, jnp.ndarray]:
 
 def params_from_hf_tensors(tensors: dict, config: Config, source: str) -> dict:
     """HF tensor dict -> our params layout (shape checks are the caller's, against param_specs)."""
+    family = registry.family(config)
+    names = family.hf_tensors
     used = set()
 
     def take(name: str, transpose: bool):
@@ -196,17 +172,18 @@ def params_from_hf_tensors(tensors: dict, config: Config, source: str) -> dict:
         return name in tensors
 
     params = {}
-    for ours, (hf, tr) in TOP_TENSORS.items():
+    for ours, (hf, tr) in names.top.items():
         if present(hf) and not (ours == "lm_head" and config.tie_word_embeddings):
             params[ours] = take(hf, tr)
     params["layers"] = []
     for i in range(config.num_layers):
         layer = {}
-        for ours, (hf, tr) in LAYER_TENSORS.items():
+        for ours, (hf, tr) in names.layer.items():
             name = f"model.layers.{i}.{hf}"
             if present(name):
                 layer[ours] = take(name, tr)
-        params["layers"].append(fuse_qkv(layer, config, f"{source}: model.layers.{i}"))
+        params["layers"].append(family.assemble_layer(layer, config,
+                                                      f"{source}: model.layers.{i}"))
     unused = sorted(n for n in tensors if n not in used and not n.endswith(IGNORED_SUFFIXES)
                     and not (n == "lm_head.weight" and config.tie_word_embeddings))
     if unused:

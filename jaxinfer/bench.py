@@ -2,8 +2,8 @@
 
 Bytes a decode step must move: every weight once (the embedding table only for the B rows
 looked up; a tied head reads it whole), the valid K/V positions of every layer, and the new K/V
-written. Floor = bytes / HBM bandwidth (GPU.md: 4.27 TB/s measured on the H200); the fraction of
-the floor is floor time / measured time.
+written. Floor = bytes / HBM bandwidth (4.27 TB/s: a device-to-device copy measured on the
+H200); the fraction of the floor is floor time / measured time.
 """
 
 from __future__ import annotations
@@ -13,27 +13,31 @@ import json
 import logging
 import statistics
 import time
+import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxinfer.generate import decode_loop, decode_step, init_state, prefill
 from jaxinfer.configs import PRESETS, Config
+from jaxinfer.generate import decode_loop, decode_step, init_state, prefill
 from jaxinfer.model import Model, default_dtype, load
-from jaxinfer.models import layers, llama
+from jaxinfer.models import registry
+from jaxinfer.plan import KernelPolicy
 from jaxinfer.sampling import SamplingParams
+from jaxinfer.weights import init_params
 
 log = logging.getLogger(__name__)
 
-# Measured ceilings (GPU.md); on CPU there is no meaningful floor, so none is reported.
-HBM_BYTES_PER_S = {"gpu": 4.27e12}
+# Measured ceilings; on CPU there is no meaningful floor, so none is reported.
+HBM_BYTES_PER_S = types.MappingProxyType({"gpu": 4.27e12})
 
 
 @dataclasses.dataclass
 class BenchResult:
     model: str
+    policy: str
     backend: str
     dtype: str
     batch: int
@@ -51,7 +55,8 @@ class BenchResult:
 
     def table_row(self) -> str:
         frac = f"{self.floor_fraction:.1%}" if self.floor_fraction is not None else "n/a"
-        return (f"{self.model:22s} B={self.batch:<4d} ctx={self.prompt_len + self.gen_len:<6d} "
+        return (f"{self.model:22s} {self.policy[:5]:5s} B={self.batch:<4d} "
+                f"ctx={self.prompt_len + self.gen_len:<6d} "
                 f"{self.decode_ms_per_token:8.3f} ms/tok {self.decode_tokens_per_s:9.1f} tok/s "
                 f"{self.achieved_gb_per_s:8.1f} GB/s floor {frac}")
 
@@ -68,14 +73,20 @@ def decode_bytes_per_step(config: Config, batch: int, context: int) -> float:
     return weights + batch * (context + 1) * kv_row
 
 
-def random_model(preset: str, dtype: str, seed: int = 0) -> Model:
+POLICIES = types.MappingProxyType({"default": KernelPolicy,
+                                   "deterministic": KernelPolicy.deterministic,
+                                   "reference": KernelPolicy.reference})
+
+
+def random_model(preset: str, dtype: str, seed: int = 0,
+                 policy: KernelPolicy | None = None) -> Model:
     """Real shapes, random values, initialized on the device (no download)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
     config = PRESETS[preset].replace(dtype=dtype)
-    specs = llama.param_specs(config)
-    params = layers.init_params(specs, jax.random.key(seed), dtype)
-    return Model(config=config, params=params, tokenizer=None)
+    specs = registry.family(config).param_specs(config)
+    params = init_params(specs, jax.random.key(seed), dtype)
+    return Model(config=config, params=params, tokenizer=None, policy=policy or KernelPolicy())
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -89,8 +100,8 @@ def _median_time(fn, repeats: int) -> float:
 
 def run(model: Model, name: str, batch: int, prompt_len: int, gen_len: int,
         repeats: int = 3, seed: int = 0, dump_hlo: str | None = None,
-        steps_per_sync: int | None = None) -> BenchResult:
-    config = model.config
+        policy_name: str = "default") -> BenchResult:
+    config, plan = model.config, model.plan
     if prompt_len + gen_len > config.max_position_embeddings:
         raise ValueError(f"prompt_len + gen_len = {prompt_len + gen_len} exceeds the model's "
                          f"context of {config.max_position_embeddings}")
@@ -105,10 +116,10 @@ def run(model: Model, name: str, batch: int, prompt_len: int, gen_len: int,
     progress = tqdm(total=4, desc=f"bench {name}", leave=False)
     state, tokens, lengths = fresh_state()
     t0 = time.perf_counter()
-    prefill_exe = prefill.lower(model.params, tokens, lengths, state, config).compile()
+    prefill_exe = prefill.lower(model.params, tokens, lengths, state, plan).compile()
     state = jax.block_until_ready(prefill_exe(model.params, tokens, lengths, state))
-    loop_exe = decode_loop.lower(model.params, state, config, steps_per_sync).compile()
-    step_exe = decode_step.lower(model.params, state, config).compile()
+    loop_exe = decode_loop.lower(model.params, state, plan).compile()
+    step_exe = decode_step.lower(model.params, state, plan).compile()
     compile_s = time.perf_counter() - t0
     if dump_hlo:  # the optimized decode step, to count its kernels and spot copies
         with open(f"{dump_hlo}.b{batch}.hlo.txt", "w") as f:
@@ -152,7 +163,7 @@ def run(model: Model, name: str, batch: int, prompt_len: int, gen_len: int,
     if "peak_bytes_in_use" in stats:
         peak = stats["peak_bytes_in_use"] / 1e9
     return BenchResult(
-        model=name, backend=backend, dtype=config.dtype, batch=batch, prompt_len=prompt_len,
+        model=name, policy=policy_name, backend=backend, dtype=config.dtype, batch=batch, prompt_len=prompt_len,
         gen_len=gen_len, compile_s=compile_s,
         prefill_tokens_per_s=batch * prompt_len / prefill_s,
         decode_ms_per_token=decode_s * 1e3, decode_tokens_per_s=batch / decode_s,
@@ -163,16 +174,19 @@ def run(model: Model, name: str, batch: int, prompt_len: int, gen_len: int,
 
 def main(args) -> int:
     dtype = args.dtype or default_dtype()
+    policy = POLICIES[args.policy]()
+    if args.steps_per_sync is not None:
+        policy = policy.replace(steps_per_sync_no_stop=args.steps_per_sync)
     if args.preset:
         if not args.random_weights:
             raise ValueError("--preset needs --random-weights (presets carry shapes, not weights)")
-        model, name = random_model(args.preset, dtype), args.preset
+        model, name = random_model(args.preset, dtype, policy=policy), args.preset
     else:
-        model, name = load(args.model, dtype=dtype), args.model
+        model, name = load(args.model, dtype=dtype, policy=policy), args.model
     results = []
     for b in args.batch:
         r = run(model, name, b, args.prompt_len, args.gen_len, repeats=args.repeats,
-                dump_hlo=args.dump_hlo, steps_per_sync=args.steps_per_sync)
+                dump_hlo=args.dump_hlo, policy_name=args.policy)
         results.append(r)
         print(r.table_row(), flush=True)
     for r in results:

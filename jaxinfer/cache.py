@@ -1,19 +1,38 @@
-"""The KV cache as an explicit pytree.
+"""KV caches as explicit pytrees that own their append.
 
 Slot i of a sequence's cache row holds the key/value of that sequence's token at position i, so
 a query at position p sees exactly the slots <= p (and, with a sliding window, > p - window):
 stale slots past a sequence's length are masked by causality and never need clearing.
 Per-layer arrays (a tuple, not one stacked [L, ...] array) keep the decode step free of the
-per-layer slice copies that indexing a stacked array makes XLA emit (see GPU.md).
+per-layer slice copies that indexing a stacked array makes XLA emit (benchmarks/DECISIONS.md).
+`attend` dispatches on the layer cache's type (`KVLayer` here; the paged and quantized caches
+of later issues are other types).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
 from jaxinfer.configs import Config
+
+
+@struct.dataclass
+class KVLayer:
+    """One layer's contiguous cache."""
+
+    k: jax.Array  # [B, S, Hkv, D]
+    v: jax.Array  # [B, S, Hkv, D]
+
+    def append(self, k: jax.Array, v: jax.Array, positions: jax.Array) -> KVLayer:
+        """New keys/values k, v [B, T, Hkv, D] written to slots `positions` [B, T]. Positions
+        past the end of the cache are dropped (callers check lengths on the host first)."""
+        rows = jnp.arange(k.shape[0])[:, None]  # [B, 1]
+        return KVLayer(self.k.at[rows, positions].set(k.astype(self.k.dtype), mode="drop"),
+                       self.v.at[rows, positions].set(v.astype(self.v.dtype), mode="drop"))
 
 
 @struct.dataclass
@@ -34,18 +53,12 @@ class KVCache:
         v = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
         return cls(k=k, v=v, lengths=jnp.zeros((batch_size,), jnp.int32))
 
+    def layer(self, i: int) -> KVLayer:
+        return KVLayer(self.k[i], self.v[i])
+
+    def with_layers(self, layers: Sequence[KVLayer]) -> KVCache:
+        return self.replace(k=tuple(c.k for c in layers), v=tuple(c.v for c in layers))
+
     def nbytes(self) -> int:
         """Bytes the K and V arrays hold (allocated, not only the valid slots)."""
         return sum(a.size * a.dtype.itemsize for a in (*self.k, *self.v))
-
-
-def write_kv(cache_k: jax.Array, cache_v: jax.Array, k: jax.Array, v: jax.Array,
-             positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Scatter new keys/values k, v [B, T, Hkv, D] into slots `positions` [B, T] of one layer.
-
-    Positions past the end of the cache are dropped (callers check lengths on the host first).
-    """
-    rows = jnp.arange(k.shape[0])[:, None]  # [B, 1]
-    cache_k = cache_k.at[rows, positions].set(k.astype(cache_k.dtype), mode="drop")
-    cache_v = cache_v.at[rows, positions].set(v.astype(cache_v.dtype), mode="drop")
-    return cache_k, cache_v

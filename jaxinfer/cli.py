@@ -130,8 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--dump-hlo", default=None, metavar="PREFIX",
                    help="write the optimized decode step's HLO to PREFIX.b<batch>.hlo.txt")
     b.add_argument("--steps-per-sync", type=int, default=None, metavar="K",
-                   help="decode steps per host check of the device loop (default: "
-                        "generate.STEPS_PER_SYNC_NO_STOP, as the bench has no stop ids)")
+                   help="decode steps per host check of the device loop (default: the "
+                        "policy's steps_per_sync_no_stop, as the bench has no stop ids)")
+    b.add_argument("--policy", choices=("default", "deterministic", "reference"),
+                   default="default",
+                   help="kernel policy: today's fastest, bitwise-repeatable and "
+                        "batch-invariant, or the pure-jnp references")
     b.set_defaults(func=cmd_bench)
     return parser
 

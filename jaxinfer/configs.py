@@ -7,6 +7,8 @@ at trace time. Converters from HF `config.json` and GGUF metadata live in `check
 from __future__ import annotations
 
 import dataclasses
+import types
+from collections.abc import Mapping
 from typing import Literal
 
 RopeKind = Literal["default", "linear", "dynamic", "llama3", "yarn"]
@@ -34,7 +36,7 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """Shapes and switches of a decoder-only transformer (Llama/Mistral/Qwen2/Qwen3 family)."""
+    """Shapes and switches of a decoder-only transformer."""
 
     vocab_size: int
     hidden_size: int
@@ -57,6 +59,7 @@ class Config:
     # positions p - window < k <= p, as HF's sliding-window mask does.
     layer_windows: tuple[int | None, ...] = ()
     dtype: str = "float32"  # params and activations; logits and softmax statistics stay float32
+    family: str = "llama"  # the model family (jaxinfer/models/registry.py)
     architecture: str = "LlamaForCausalLM"  # the HF architecture name, for messages
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -100,7 +103,7 @@ class Config:
 
 
 # Real shapes for benchmarks with random weights (`jaxinfer bench --preset NAME --random-weights`).
-PRESETS: dict[str, Config] = {
+PRESETS: Mapping[str, Config] = types.MappingProxyType({
     "llama3-8b": Config(
         vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
         num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
@@ -123,4 +126,4 @@ PRESETS: dict[str, Config] = {
         num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
         max_position_embeddings=8192, tie_word_embeddings=True, dtype="bfloat16",
         bos_token_id=1, eos_token_ids=(2,)),
-}
+})

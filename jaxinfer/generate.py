@@ -1,6 +1,6 @@
 """Prefill, the jitted decode step, and `generate` (batched, reproducible, streaming or not).
 
-Data flow (ARCHITECTURE.md):
+Data flow:
     prompts --tokenizer--> ids --prefill--> (first token, cache) --decode_step*--> tokens
 The whole decode loop runs inside one jit (`lax.while_loop`) unless streaming, where a Python
 loop calls the same jitted `decode_step` and yields tokens as they come.
@@ -23,8 +23,8 @@ from flax import struct
 
 from jaxinfer import sampling
 from jaxinfer.cache import KVCache
-from jaxinfer.configs import Config
-from jaxinfer.models import llama
+from jaxinfer.models import registry
+from jaxinfer.plan import KernelPolicy, Plan
 from jaxinfer.sampling import SamplingParams
 
 # Prompt lengths are padded up to one of these buckets (then to multiples of the largest), so a
@@ -93,62 +93,48 @@ def _sample(logits: jax.Array, state: DecodeState, positions: jax.Array):
     return out.tokens, out.logprobs if state.sampling.flags.logprobs else None
 
 
-@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("plan",), donate_argnames=("state",))
 def prefill(params: dict, tokens: jax.Array, lengths: jax.Array, state: DecodeState,
-            config: Config) -> DecodeState:
+            plan: Plan) -> DecodeState:
     """Run the prompts (right-padded tokens [B, T], lengths [B]) and sample the first new token."""
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    logits, cache = llama.forward(params, tokens, positions, config, state.cache,
-                                  logits_at=lengths - 1, fresh=True)  # [B, 1, V]
+    forward = registry.family(plan.config).forward
+    logits, cache = forward(params, tokens, positions, plan, state.cache,
+                            logits_at=lengths - 1, fresh=True)  # [B, 1, V]
     state = state.replace(cache=cache.replace(lengths=lengths), positions=lengths)
     new_tokens, new_logprobs = _sample(logits[:, 0], state, lengths)
     return _record(state, new_tokens, new_logprobs)
 
 
-def _decode_step(params: dict, state: DecodeState, config: Config) -> DecodeState:
+def _decode_step(params: dict, state: DecodeState, plan: Plan) -> DecodeState:
     """One token for every row: (params, state) -> state. Finished rows stay where they are
     (they recompute their last slot), so no row ever reads or writes past its budget."""
     positions = state.positions  # [B]
-    logits, cache = llama.forward(params, state.tokens[:, None], positions[:, None], config,
-                                  state.cache)  # [B, 1, V]
+    forward = registry.family(plan.config).forward
+    logits, cache = forward(params, state.tokens[:, None], positions[:, None], plan,
+                            state.cache)  # [B, 1, V]
     nxt = jnp.where(state.done, positions, positions + 1)
     state = state.replace(cache=cache.replace(lengths=nxt), positions=nxt)
     new_tokens, new_logprobs = _sample(logits[:, 0], state, nxt)
     return _record(state, new_tokens, new_logprobs)
 
 
-decode_step = jax.jit(_decode_step, static_argnames=("config",), donate_argnames=("state",))
+decode_step = jax.jit(_decode_step, static_argnames=("plan",), donate_argnames=("state",))
 
 
-# Decode steps per host check of the device loop. XLA's GPU while loop copies its predicate to
-# the host after every iteration, and the next iteration's launch waits for the host; the steps
-# inside an iteration (a loop of known trip count) need no predicate. Measured on the H200
-# (Llama-3-8B bf16, B=1, benchmarks/sync_probe.py, 2026-11-30): 5 steps per check save ~12 us
-# of the 4.0 ms step (0.3%). The price: when every row stops early (EOS or a stop token),
-# up to k - 1 steps run after it as no-ops, ~4 ms each at that size, more than a 256-token
-# answer gains; so runs with stop tokens check every step (STEPS_PER_SYNC). Runs without any
-# (stop_ids empty: fixed-length runs, `jaxinfer bench`) end exactly at their largest budget, so
-# their blocks stop there and nothing is wasted: they take STEPS_PER_SYNC_NO_STOP.
-STEPS_PER_SYNC = 1
-STEPS_PER_SYNC_NO_STOP = 8
-
-
-@functools.partial(jax.jit, static_argnames=("config", "steps_per_sync"),
-                   donate_argnames=("state",))
-def decode_loop(params: dict, state: DecodeState, config: Config,
-                steps_per_sync: int | None = None) -> DecodeState:
-    """Decode until every row is done, inside one executable. The host checks for the end
-    once every `steps_per_sync` (k; default STEPS_PER_SYNC, or STEPS_PER_SYNC_NO_STOP when the
-    state has no stop ids) steps while k more fit in the output and in the largest row budget,
-    then once per step: no step runs past the token budget; only an early stop of every row
-    (a stop id) can leave up to k - 1 no-op steps (a finished row rewrites its last slot)."""
-    k = steps_per_sync
-    if k is None:
-        k = STEPS_PER_SYNC_NO_STOP if state.stop_ids.shape[0] == 0 else STEPS_PER_SYNC
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"decode_loop: steps_per_sync={k!r} must be an integer >= 1")
-    step = functools.partial(_decode_step, params, config=config)
+@functools.partial(jax.jit, static_argnames=("plan",), donate_argnames=("state",))
+def decode_loop(params: dict, state: DecodeState, plan: Plan) -> DecodeState:
+    """Decode until every row is done, inside one executable. XLA's GPU while loop copies its
+    predicate to the host after every iteration, so the host checks for the end once every k
+    steps (the plan's steps_per_sync, or steps_per_sync_no_stop when the state has no stop ids:
+    such runs end exactly at their largest budget, so no block overshoots) while k more fit in
+    the output and the largest row budget, then once per step: no step runs past the token
+    budget; only an early stop of every row (a stop id) can leave up to k - 1 no-op steps (a
+    finished row rewrites its last slot)."""
+    policy = plan.policy
+    k = policy.steps_per_sync_no_stop if state.stop_ids.shape[0] == 0 else policy.steps_per_sync
+    step = functools.partial(_decode_step, params, plan=plan)
     n = state.output.shape[1]
 
     def running(s: DecodeState, room: int):
@@ -289,9 +275,17 @@ def _prepare(model, prompts, max_new_tokens, sampling_params, seed, chat, stop, 
     return state, tokens, lengths, stop_ids, stop_strings, sampling_params
 
 
+def _plan(model, policy) -> Plan:
+    if policy is None:
+        return model.plan
+    if not isinstance(policy, KernelPolicy):
+        raise ValueError(f"policy must be a jaxinfer.plan.KernelPolicy, got {type(policy).__name__}")
+    return Plan(model.config, policy)
+
+
 def generate(model, prompts, max_new_tokens: int = 128, sampling: SamplingParams | None = None,
              seed: int = 0, chat: bool = False, stop=None, max_seq_len: int | None = None,
-             steps_per_sync: int | None = None) -> list[Completion]:
+             policy: KernelPolicy | None = None) -> list[Completion]:
     """Generate for a prompt or a batch of prompts; returns one `Completion` per prompt.
 
     prompts: a string, a list of strings, or token-id lists. chat=True wraps each string as a
@@ -299,15 +293,14 @@ def generate(model, prompts, max_new_tokens: int = 128, sampling: SamplingParams
     a list with one per prompt. stop: stop strings and/or stop token ids (EOS always stops).
     Request i's random stream is derived from (seed, i, position), or from (its own
     SamplingParams.seed, position) when that is set, so it does not depend on the batch.
-    steps_per_sync: decode steps between the host's checks for the end (default
-    STEPS_PER_SYNC = 1: EOS always stops, so rows may end early); more saves a little per token
-    on long runs and costs up to k - 1 wasted steps when every row stops early. The tokens do
-    not depend on it.
+    policy: the kernel choices (default: the model's); `KernelPolicy.deterministic()` gives
+    bitwise-repeatable tokens that do not depend on the rest of the batch either.
     """
+    plan = _plan(model, policy)
     state, tokens, lengths, stop_ids, stop_strings, params_list = _prepare(
         model, prompts, max_new_tokens, sampling, seed, chat, stop, max_seq_len)
-    state = prefill(model.params, tokens, lengths, state, model.config)
-    state = decode_loop(model.params, state, model.config, steps_per_sync)
+    state = prefill(model.params, tokens, lengths, state, plan)
+    state = decode_loop(model.params, state, plan)
     out = np.asarray(state.output)
     lps = np.asarray(state.logprobs)
     results = []
@@ -319,12 +312,14 @@ def generate(model, prompts, max_new_tokens: int = 128, sampling: SamplingParams
 
 
 def stream(model, prompt, max_new_tokens: int = 128, sampling: SamplingParams | None = None,
-           seed: int = 0, chat: bool = False, stop=None) -> Iterator[str]:
+           seed: int = 0, chat: bool = False, stop=None,
+           policy: KernelPolicy | None = None) -> Iterator[str]:
     """Yield the text of one prompt's completion piece by piece as tokens are decoded.
 
     Runs the same jitted `decode_step` once per token (one host sync per token, which is what
     streaming needs); stops at EOS, a stop token, a stop string, or max_new_tokens.
     """
+    plan = _plan(model, policy)
     state, tokens, lengths, stop_ids, stop_strings, _ = _prepare(
         model, [prompt], max_new_tokens, sampling, seed, chat, stop, None)
     if model.tokenizer is None:
@@ -332,7 +327,7 @@ def stream(model, prompt, max_new_tokens: int = 128, sampling: SamplingParams | 
     decoder = model.tokenizer.incremental_decoder()
     # Text that could still be the start of a stop string is held back until it is not.
     hold = max((len(s) - 1 for s in stop_strings), default=0)
-    state = prefill(model.params, tokens, lengths, state, model.config)
+    state = prefill(model.params, tokens, lengths, state, plan)
     text, emitted = "", 0
     while True:
         new = int(state.output[0, int(state.step) - 1])
@@ -352,4 +347,4 @@ def stream(model, prompt, max_new_tokens: int = 128, sampling: SamplingParams | 
             emitted = safe
         if finished:
             return
-        state = decode_step(model.params, state, model.config)
+        state = decode_step(model.params, state, plan)

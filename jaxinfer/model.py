@@ -1,4 +1,4 @@
-"""`jaxinfer.load` and the `Model` it returns: config, params pytree, tokenizer, full forward."""
+"""`jaxinfer.load` and the `Model` it returns: config, typed params, tokenizer, kernel policy."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.configs import DTYPES, Config
-from jaxinfer.models import layers, llama
+from jaxinfer.models import registry
+from jaxinfer.plan import KernelPolicy, Plan
+from jaxinfer.weights import cast_floating, check_params, typed
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -20,10 +22,10 @@ def default_dtype() -> str:
     return "float32" if jax.default_backend() == "cpu" else "bfloat16"
 
 
-@functools.partial(jax.jit, static_argnames=("config",))
-def _full_forward(params, tokens, config: Config):
+@functools.partial(jax.jit, static_argnames=("plan",))
+def _full_forward(params, tokens, plan: Plan):
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    logits, _ = llama.forward(params, tokens, positions, config)
+    logits, _ = registry.family(plan.config).forward(params, tokens, positions, plan)
     return logits
 
 
@@ -34,10 +36,18 @@ class Model:
     config: Config
     params: dict
     tokenizer: object | None = None
+    policy: KernelPolicy = KernelPolicy()
+
+    @property
+    def plan(self) -> Plan:
+        return Plan(self.config, self.policy)
+
+    def with_policy(self, policy: KernelPolicy) -> Model:
+        return dataclasses.replace(self, policy=policy)
 
     def __call__(self, token_ids) -> jax.Array:
         tokens = self.check_tokens(token_ids)
-        return _full_forward(self.params, jnp.asarray(tokens), self.config)
+        return _full_forward(self.params, jnp.asarray(tokens), self.plan)
 
     def check_tokens(self, token_ids) -> np.ndarray:
         """Validate token ids on the host: integer [B, T] within the vocabulary."""
@@ -53,26 +63,40 @@ class Model:
         return tokens.astype(np.int32)
 
 
-def from_params(config: Config, params, tokenizer=None, dtype: str | None = None) -> Model:
-    """Check params against the model's declaration and cast them to `dtype` (default: config's)."""
+def _check_policy(policy) -> KernelPolicy:
+    if policy is None:
+        return KernelPolicy()
+    if not isinstance(policy, KernelPolicy):
+        raise ValueError(f"policy must be a jaxinfer.plan.KernelPolicy, got {type(policy).__name__}")
+    return policy
+
+
+def from_params(config: Config, params, tokenizer=None, dtype: str | None = None,
+                policy: KernelPolicy | None = None) -> Model:
+    """Check params against the family's declaration, hold matmul weights as their declared
+    types, and cast the floating leaves to `dtype` (default: config's)."""
     dtype = dtype or config.dtype
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     config = config.replace(dtype=dtype)
-    layers.check_params(params, llama.param_specs(config))
-    params = jax.tree.map(lambda a: jnp.asarray(a, dtype=dtype), params)
-    return Model(config=config, params=params, tokenizer=tokenizer)
+    specs = registry.family(config).param_specs(config)
+    check_params(params, specs)
+    params = cast_floating(typed(params, specs), dtype)
+    return Model(config=config, params=params, tokenizer=tokenizer, policy=_check_policy(policy))
 
 
-def load(source: str = DEFAULT_MODEL, dtype: str | None = None) -> Model:
+def load(source: str = DEFAULT_MODEL, dtype: str | None = None,
+         policy: KernelPolicy | None = None) -> Model:
     """Load a model from a registered name, an HF-layout directory or a .gguf file.
 
     dtype: "float32" | "bfloat16" | "float16" for params and activations (logits stay float32);
-    None picks bfloat16 on GPU and float32 on CPU.
+    None picks bfloat16 on GPU and float32 on CPU. policy: the kernel choices (default
+    `KernelPolicy()`, today's fastest; `KernelPolicy.deterministic()`, `.reference()`).
     """
     from checkpoints import load_checkpoint
 
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    policy = _check_policy(policy)
     config, params, tokenizer = load_checkpoint(source)
-    return from_params(config, params, tokenizer, dtype or default_dtype())
+    return from_params(config, params, tokenizer, dtype or default_dtype(), policy)

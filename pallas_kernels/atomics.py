@@ -5,7 +5,7 @@
 Why: Pallas' `atomic_add` lowers to Triton atomics with acquire-release semantics at GPU
 scope (jax 0.11.2), an ordering point per instruction. In a loop that streams weights and adds
 each step's result into a shared accumulator (swiglu_down), that ordering cost ~0.6 us per
-step on the H200 (benchmarks/NOTES.md run P): the adds need atomicity, not ordering, since
+step on the H200 (benchmarks/DECISIONS.md): the adds need atomicity, not ordering, since
 the kernel's end orders them for every reader. This primitive is the same Triton atomic with
 relaxed semantics. Interpret mode (CPU) uses Pallas' own discharge rule: a plain add.
 """
@@ -14,16 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from jax._src import core as jax_core
-from jax._src import tree_util
-from jax._src.lib.triton import dialect as tt_dialect
-from jax._src.pallas import primitives as pallas_primitives
-from jax._src.pallas.triton import lowering
-from jax._src.pallas.triton import primitives as triton_primitives
-from jax._src.state import discharge as state_discharge
-from jax._src.state import indexing
-from jax._src.state import primitives as state_primitives
-from jax._src.state import types as state
+from pallas_kernels._jax_private import (indexing, jax_core, pallas_primitives,
+                                         state_discharge, state_primitives, state_types,
+                                         tree_util, triton_lowering, triton_primitives, tt_dialect)
 
 relaxed_add_p = jax_core.Primitive("atomic_add_relaxed")
 
@@ -39,7 +32,7 @@ def _discharge(ctx, *args_flat, args_tree):
         ctx, *args_flat, args_tree=args_tree, atomic_type=triton_primitives.AtomicOpType.ADD)
 
 
-@lowering.register_lowering(relaxed_add_p)
+@triton_lowering.register_lowering(relaxed_add_p)
 def _lowering(ctx, *args_flat, args_tree):
     block_info, *_ = ctx.block_infos
     assert block_info is not None
@@ -47,16 +40,16 @@ def _lowering(ctx, *args_flat, args_tree):
     *_, value_aval, mask_aval = args_tree.unflatten(ctx.avals_in)
     indexers = list(indexers)
     if not indexers or not isinstance(indexers[-1], indexing.NDIndexer):
-        ref_aval = state.transform_type(indexers, ctx.avals_in[0])
+        ref_aval = state_types.transform_type(indexers, ctx.avals_in[0])
         indexers.append(indexing.NDIndexer.make_trivial_indexer(ref_aval.shape))
     if len(indexers) != 1:
         raise NotImplementedError("atomic_add_relaxed: one indexer only")
-    ptr = lowering._compute_pointers_from_indices(ptr, block_info, indexers[0])
-    val = lowering._ensure_ir_value(val, value_aval)
+    ptr = triton_lowering._compute_pointers_from_indices(ptr, block_info, indexers[0])
+    val = triton_lowering._ensure_ir_value(val, value_aval)
     if mask is not None:
-        mask = lowering._ensure_ir_value(mask, mask_aval)
-    return lowering._atomic_rmw(tt_dialect.RMWOp.FADD, ptr, val, mask=mask,
-                                semantic=tt_dialect.MemSemantic.RELAXED)
+        mask = triton_lowering._ensure_ir_value(mask, mask_aval)
+    return triton_lowering._atomic_rmw(tt_dialect.RMWOp.FADD, ptr, val, mask=mask,
+                                       semantic=tt_dialect.MemSemantic.RELAXED)
 
 
 def atomic_add_relaxed(x_ref_or_view, idx, val, *, mask: Any | None = None):

@@ -21,35 +21,50 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
     LOG2_E, MASK_VALUE, NUM_SMS_H200, check_array, check_head_dim, check_same_dtype, check_tiles,
-    dot_f32,
-    multiple_of, next_pow2, ref_precision)
+    dot_f32, multiple_of, next_pow2, ref_precision)
+from pallas_kernels._jax_private import is_tracer
+
 
 @dataclasses.dataclass(frozen=True)
 class DecodeBlockSizes:
     """block_k: keys per tile (power of two >= 16); num_splits: chunks of the sequence axis
-    (None: `choose_num_splits`). Default stages: 4 measured over 3 on the H200 (2026-11-30,
-    benchmarks/kernels.py, TB/s): B1 S32k 3.37 vs 2.75, B8 S8k 3.80 vs 3.48, B32 S8k 4.30 vs
-    4.36, B1 S8k 2.13 vs 2.14."""
+    (None: `choose_num_splits`); split_keys: chunks of exactly this many keys instead (a
+    multiple of block_k), whatever the batch and the cache length, always merged in chunk
+    order: a row's result then depends on its own keys only (batch-invariant). Default
+    stages: benchmarks/DECISIONS.md."""
     block_k: int = 64
     num_splits: int | None = None
     num_warps: int = 4
     num_stages: int = 4
+    split_keys: int | None = None
 
     def __post_init__(self):
         check_tiles(self, "block_k")
         if self.num_splits is not None and self.num_splits < 1:
             raise ValueError(f"DecodeBlockSizes.num_splits={self.num_splits}: must be >= 1")
+        if self.split_keys is not None:
+            if self.num_splits is not None:
+                raise ValueError("DecodeBlockSizes: give num_splits or split_keys, not both")
+            if self.split_keys < self.block_k or self.split_keys % self.block_k:
+                raise ValueError(f"DecodeBlockSizes.split_keys={self.split_keys}: must be a "
+                                 f"multiple of block_k={self.block_k}")
+
+    def chunking(self, batch: int, kv_heads: int, seq_len: int) -> tuple[int, int]:
+        """(keys per chunk, chunks) for a cache of seq_len slots: split_keys, or
+        num_splits (default `choose_num_splits`) chunks of whole tiles."""
+        if self.split_keys is not None:
+            return self.split_keys, pl.cdiv(seq_len, self.split_keys)
+        splits = self.num_splits or choose_num_splits(batch, kv_heads, seq_len, self.block_k)
+        chunk = pl.cdiv(pl.cdiv(seq_len, splits), self.block_k) * self.block_k
+        return chunk, pl.cdiv(seq_len, chunk)
 
 
 def choose_num_splits(batch: int, kv_heads: int, seq_len: int, block_k: int,
                       chunk: int = 1024, min_chunk: int = 256, unsplit_max: int = 512) -> int:
     """Chunks of about `chunk` keys, but at least one program per SM and at most ~4 per SM,
-    each chunk >= min_chunk keys. Measured on the H200 (benchmarks/kernels.py, 2026-11-30):
-    B1 S32k 64 splits 1.7 TB/s, 16-32 splits 3.25; B1 S8k 16 splits best; B8 S8k 8 splits
-    (3.40) over 16 (3.33) and 32 (3.13); B64 2 splits 4.27. A cache of <= unsplit_max slots is
-    not split: a program reads at most that many keys (~0.5 MB at D=128) and no merge runs
-    (the append kernel then writes the output itself; a B=1 decode step at short context
-    spent 1.3 us per layer in the merge)."""
+    each chunk >= min_chunk keys. A cache of <= unsplit_max slots is not split: a program
+    reads at most that many keys and no merge runs (the append kernel then writes the output
+    itself). Measurements: benchmarks/DECISIONS.md ("Decode attention")."""
     if seq_len <= unsplit_max:
         return 1
     rows = batch * kv_heads
@@ -181,7 +196,7 @@ def _validate(q, k_cache, v_cache, lengths, sliding_window=None):
     op = "decode_attention"
     _, s, _, _ = check_decode_inputs(op, q, k_cache, v_cache, "lengths", lengths, sliding_window)
     # Concrete lengths (not traced) can be checked here; under jit the caller owns this check.
-    if not isinstance(lengths, jax.core.Tracer):
+    if not is_tracer(lengths):
         lens = jax.device_get(lengths)
         if lens.size and (lens.max() > s or lens.min() < 0):
             raise ValueError(f"{op}: lengths must lie in [0, {s}] (the cache holds {s} "
@@ -203,24 +218,22 @@ def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale: float | None = N
     sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d)
     blocks = block_sizes or DecodeBlockSizes()
     b, s, hkv, _ = k_cache.shape
-    num_splits = blocks.num_splits or choose_num_splits(b, hkv, s, blocks.block_k)
+    chunk, num_splits = blocks.chunking(b, hkv, s)
     window = int(sliding_window) if sliding_window is not None else None
     return _decode_attention_triton(q, k_cache, v_cache, lengths, sm_scale=sm_scale,
-                                    blocks=blocks, num_splits=num_splits, window=window,
-                                    interpret=interpret)
+                                    blocks=blocks, chunk=chunk, num_splits=num_splits,
+                                    window=window, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "blocks", "num_splits", "window",
-                                             "interpret"))
-def _decode_attention_triton(q, k_cache, v_cache, lengths, *, sm_scale, blocks, num_splits,
-                             window, interpret):
+@functools.partial(jax.jit, static_argnames=("sm_scale", "blocks", "chunk", "num_splits",
+                                             "window", "interpret"))
+def _decode_attention_triton(q, k_cache, v_cache, lengths, *, sm_scale, blocks, chunk,
+                             num_splits, window, interpret):
     b, hq, d = q.shape
     _, s, hkv, _ = k_cache.shape
     g = hq // hkv
     gp = max(16, next_pow2(g))  # tl.dot needs >= 16 rows; the block covers them, loads mask
     block_k = blocks.block_k
-    chunk = pl.cdiv(pl.cdiv(s, num_splits), block_k) * block_k
-    num_splits = pl.cdiv(s, chunk)
     s_pad = num_splits * chunk  # cache blocks rounded up to whole chunks (rows >= s are masked)
     qg = q.reshape(b, hkv, g, d)  # [B, Hkv, G, D]; a bitcast, no copy
 
@@ -244,15 +257,31 @@ def _decode_attention_triton(q, k_cache, v_cache, lengths, *, sm_scale, blocks, 
         interpret=interpret,
         name="decode_attention",
     )(lengths, qg, k_cache, v_cache)
-    return _merge_splits(acc, m, l).reshape(b, hq, d).astype(q.dtype)
+    merged = _merge_splits(acc, m, l, ordered=blocks.split_keys is not None)
+    return merged.reshape(b, hq, d).astype(q.dtype)
 
 
-def _merge_splits(acc, m, l):
-    """Second step: merge the chunks' partial softmaxes (log2 domain) -> [B, Hkv, G, D] f32."""
-    m_all = jnp.max(m, axis=2, keepdims=True)  # [B, Hkv, 1, Gp]
-    w = jnp.exp2(m - m_all)  # [B, Hkv, splits, Gp]; empty chunks have m = MASK_VALUE -> 0
-    l_all = jnp.sum(w * l, axis=2)  # [B, Hkv, Gp]
-    o = jnp.sum(w[..., None] * acc, axis=2)  # [B, Hkv, Gp, D]
+def _merge_splits(acc, m, l, *, ordered: bool = False):
+    """Second step: merge the chunks' partial softmaxes (log2 domain) -> [B, Hkv, G, D] f32.
+    acc [B, Hkv, splits, G, D], m, l [B, Hkv, splits, G]. ordered: the sums run chunk by
+    chunk in order (XLA's reductions may tile them by shape), so chunks past a row's keys
+    (weight 0) change none of its bits."""
+    if not ordered:
+        m_all = jnp.max(m, axis=2, keepdims=True)  # [B, Hkv, 1, G]
+        w = jnp.exp2(m - m_all)  # [B, Hkv, splits, G]; empty chunks have m = MASK_VALUE -> 0
+        l_all = jnp.sum(w * l, axis=2)  # [B, Hkv, G]
+        o = jnp.sum(w[..., None] * acc, axis=2)  # [B, Hkv, G, D]
+    else:
+        splits = m.shape[2]
+        m_all = m[:, :, 0]
+        for c in range(1, splits):
+            m_all = jnp.maximum(m_all, m[:, :, c])
+        l_all, o = None, None
+        for c in range(splits):
+            w = jnp.exp2(m[:, :, c] - m_all)  # [B, Hkv, G]
+            lc, oc = w * l[:, :, c], w[..., None] * acc[:, :, c]
+            l_all = lc if l_all is None else l_all + lc
+            o = oc if o is None else o + oc
     return o / jnp.where(l_all > 0, l_all, 1.0)[..., None]  # length 0 -> zeros
 
 

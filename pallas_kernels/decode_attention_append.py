@@ -37,9 +37,9 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (LOG2_E, MASK_VALUE, check_array, check_head_dim,
                                      check_same_dtype, next_pow2)
+from pallas_kernels._jax_private import is_tracer
 from pallas_kernels.decode_attention import (
-    DecodeBlockSizes, _merge_splits, attend_tiles, check_cache_pair, choose_num_splits,
-    decode_attention_reference)
+    DecodeBlockSizes, _merge_splits, attend_tiles, check_cache_pair, decode_attention_reference)
 from pallas_kernels.norm_matmul import apply_norm_partials
 
 # ---------------------------------------------------------------------------------------------
@@ -225,7 +225,7 @@ def check_rope(op: str, rope, b: int, d: int) -> None:
 def check_positions(op: str, positions, s: int) -> None:
     """Concrete new-token slots must lie in [0, s); under jit the caller owns this check (an
     out-of-range traced position writes nothing and its output is unspecified)."""
-    if not isinstance(positions, jax.core.Tracer):
+    if not is_tracer(positions):
         pos = jax.device_get(positions)
         if pos.size and (pos.max() >= s or pos.min() < 0):
             raise ValueError(f"{op}: positions must lie in [0, {s}) (the cache holds {s} "
@@ -308,25 +308,26 @@ def decode_attention_append(qkv, k_cache, v_cache, positions, *, rope=None,
     sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d)
     b, s, hkv, _ = k_cache.shape
     blocks = block_sizes or DecodeBlockSizes()
-    num_splits = blocks.num_splits or choose_num_splits(b, hkv, s, blocks.block_k)
+    chunk, num_splits = blocks.chunking(b, hkv, s)
     if block_sizes is None and num_splits == 1:
-        # One program per (sequence, KV head) walks the whole short cache: tiles of 128 keys
-        # (fewer serial steps) measured 5.6 us vs 6.0 per call in the B=1 Llama-3-8B step.
+        # One program per (sequence, KV head) walks the whole short cache in tiles of 128
+        # keys (benchmarks/DECISIONS.md).
         blocks = DecodeBlockSizes(block_k=128, num_splits=1, num_stages=3)
+        chunk, num_splits = blocks.chunking(b, hkv, s)
     window = int(sliding_window) if sliding_window is not None else None
     ss, norm_static = None, None
     if norm is not None:
         ss, norm_static = norm[0], (int(norm[1]), float(norm[2]))
     return _decode_attention_append_triton(
         qkv, k_cache, v_cache, positions, rope, ss, sm_scale=sm_scale, blocks=blocks,
-        num_splits=num_splits, window=window, norm=norm_static,
+        chunk=chunk, num_splits=num_splits, window=window, norm=norm_static,
         interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "blocks", "num_splits", "window",
-                                             "norm", "interpret"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "blocks", "chunk", "num_splits",
+                                             "window", "norm", "interpret"))
 def _decode_attention_append_triton(qkv, k_cache, v_cache, positions, rope, ss, *, sm_scale,
-                                    blocks, num_splits, window, norm, interpret):
+                                    blocks, chunk, num_splits, window, norm, interpret):
     # qkv [P, B, Hkv, G + 2, D]: P parts summed in the kernel
     parts, b, hkv, rows, d = qkv.shape
     g = rows - 2
@@ -334,10 +335,10 @@ def _decode_attention_append_triton(qkv, k_cache, v_cache, positions, rope, ss, 
     dtype = k_cache.dtype
     gp = max(16, next_pow2(g))  # tl.dot needs >= 16 rows; the block covers them, loads mask
     block_k = blocks.block_k
-    chunk = pl.cdiv(pl.cdiv(s, num_splits), block_k) * block_k
-    num_splits = pl.cdiv(s, chunk)
     s_pad = num_splits * chunk  # cache blocks rounded up to whole chunks (rows >= s unread)
-    normalize = num_splits == 1  # one chunk per row: the kernel writes the output itself
+    # One chunk per row: the kernel writes the output itself; fixed-size chunks always go
+    # through the (ordered) merge, so a row's result is the same for any count of chunks.
+    normalize = num_splits == 1 and blocks.split_keys is None
 
     kernel = functools.partial(decode_attention_append_kernel, sm_scale=sm_scale, chunk=chunk,
                                block_k=block_k, window=window, groups=g, seq_len=s,
@@ -390,7 +391,8 @@ def _decode_attention_append_triton(qkv, k_cache, v_cache, positions, rope, ss, 
         interpret=interpret,
         name="decode_attention_append",
     )(*args)
-    out = outs[0] if normalize else _merge_splits(*outs).astype(dtype)  # [B, Hkv, G, D]
+    out = outs[0] if normalize else _merge_splits(
+        *outs, ordered=blocks.split_keys is not None).astype(dtype)  # [B, Hkv, G, D]
     out = out.reshape(b, hkv * g, d)  # [B, Hq, D]
     return out, k_cache, v_cache
 

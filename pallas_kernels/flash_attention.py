@@ -42,12 +42,10 @@ class FlashBlockSizes:
 
 
 def default_block_sizes(head_dim: int, itemsize: int = 2) -> FlashBlockSizes:
-    """Per-head-dim defaults for the Triton path, the fastest of benchmarks/kernels.py's sweep on
-    the H200 (B4 T4096 H32 bf16 causal: D64 320, D128 404, D256 342 TFLOP/s).
-
-    float32 tiles take twice the shared memory: the 16-bit D128 tiles (q 128 rows + 3 stages of
-    128-row K and V) would need ~450 KB of the 227 KB a block may use, and float32 D128 failed to
-    compile on the H200. Halved tiles and 2 stages fit (~96 KB at D128); not yet run on a GPU."""
+    """Per-head-dim defaults for the Triton path, the fastest of benchmarks/kernels.py's sweep
+    on the H200 (benchmarks/DECISIONS.md, "Prefill"). float32 tiles take twice the shared
+    memory (the 16-bit D128 tiles would need ~450 KB of the 227 KB a block may use): halved
+    tiles and 2 stages fit."""
     if itemsize >= 4:
         return FlashBlockSizes(block_q=64, block_k=32 if head_dim > 64 else 64, num_warps=4,
                                num_stages=2)

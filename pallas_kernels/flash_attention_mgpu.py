@@ -99,16 +99,11 @@ class MosaicFlashConfig:
 
 
 def default_config(head_dim: int) -> MosaicFlashConfig:
-    """The fastest of benchmarks/kernels.py's sweep on the H200 (B4 T4096 H32 bf16 causal:
-    D64 358, D128 500, D256 531 TFLOP/s; cuDNN 394, 501, 562 in the same run; session 3, after
-    the scale folding and causal block order: D64 378 (st2 and st3 within 2%), D128 506,
-    D128 non-causal 568, D128 GQA 32/8 526, D256 537; cuDNN 396, 504, 584, 511, 563; session 4,
-    D128 with overlap="qk_pv" and no pingpong: causal 521, full 590, GQA 534 against cuDNN's
-    505, 578, 511 in the same run; pingpong with qk_pv 1-2% behind, the old default 507/569/523
-    in that run)."""
-    if head_dim <= 64:  # st2 over st3 in two sessions: 378.0 vs 372.5, 380.5 vs 374.3
+    """The fastest of benchmarks/kernels.py's sweep on the H200 per head dim
+    (benchmarks/DECISIONS.md, "Prefill")."""
+    if head_dim <= 64:
         return MosaicFlashConfig(block_q=64, block_kv=128, stages=2)
-    if head_dim > 128:  # session 4: qk_pv 566.5 vs 533.0 without, cuDNN 560.5
+    if head_dim > 128:
         return MosaicFlashConfig(block_q=64, block_kv=64, stages=2, pingpong=False,
                                  overlap="qk_pv")
     return MosaicFlashConfig(block_q=64, block_kv=128, stages=2, pingpong=False, overlap="qk_pv")

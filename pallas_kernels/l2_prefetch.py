@@ -4,7 +4,6 @@
                                          every element offset o in offsets (int32 [n]); returns
                                          nothing, waits for nothing
     PrefetchPlan(starts, length)         which elements of a weight the consumer reads first
-    page_plan(size, itemsize)            one line in every 2 MiB page of a weight
     program_offsets(plan, program, ...)  this program's share of the plan: one prefetch per
                                          thread
     issue_prefetches(refs, plans, ...)   a kernel's call: its programs' shares of each plan
@@ -13,12 +12,11 @@ Why: at batch 1 each decode kernel streams one weight and the HBM idles between 
 through the producer's tail (its programs finish unevenly), the launch gap, and the consumer's
 ramp (its first loads' HBM latency). A producer program that has finished its own stream can
 instead start the consumer's: it issues `prefetch.global.L2::evict_last` per 128-byte line
-(fire and forget: no registers, no shared memory, nothing to wait for; `INSTRUCTION` also
-offers Hopper's bulk prefetch) for a slice of the rows the consumer's programs load first, so
-those loads hit the L2. Measured on the H200 (benchmarks/NOTES.md run L), it pays only at some
-boundaries: jaxinfer/models/layers.py PREFETCH says which. Weights are never written, so
-reading the next kernel's weight early is always correct; the prefetch only moves data into
-the cache.
+(fire and forget: no registers, no shared memory, nothing to wait for) for a slice of the rows
+the consumer's programs load first, so those loads hit the L2. It pays only at some
+boundaries: the KernelPolicy's prefetch fields say which (benchmarks/DECISIONS.md). Weights
+are never written, so reading the next kernel's weight early is always correct; the prefetch
+only moves data into the cache.
 
 Lowering: one non-pure inline asm per element (so Triton keeps it), whose pointer operand is
 ref's base plus the offset. In interpret mode (CPU) it does nothing.
@@ -30,13 +28,9 @@ import dataclasses
 import math
 
 import jax.numpy as jnp
-from jax._src import core as jax_core
-from jax._src import effects
-from jax._src.interpreters import mlir
-from jax._src.lib.triton import dialect as tt_dialect
-from jax._src.pallas import core as pallas_core
-from jax._src.pallas.triton import lowering as triton_lowering
-from jax._src.state import discharge as state_discharge
+
+from pallas_kernels._jax_private import (effects, jax_core, mlir, pallas_core, state_discharge,
+                                         triton_lowering, tt_dialect)
 
 
 class L2PrefetchEffect(effects.Effect):
@@ -46,12 +40,6 @@ class L2PrefetchEffect(effects.Effect):
 l2_prefetch_effect = L2PrefetchEffect()
 effects.control_flow_allowed_effects.add_type(L2PrefetchEffect)
 pallas_core.kernel_local_effects.add_type(L2PrefetchEffect)
-
-# "line": prefetch.global.L2::evict_last for each 128-byte line of the element's bytes (the
-# default: measured best, benchmarks/NOTES.md run L); "bulk": one cp.async.bulk.prefetch.L2 per
-# element; "none" (a probe): the same addresses and asm, no prefetch instruction, to tell the
-# prefetch's effect on the cache from its mere presence in the kernel.
-INSTRUCTION = "line"
 
 l2_prefetch_p = jax_core.Primitive("l2_prefetch")
 l2_prefetch_p.multiple_results = True
@@ -80,17 +68,10 @@ def _l2_prefetch_lowering(ctx, ptr, offsets, *, nbytes):
     ptrs = triton_lowering._add(triton_lowering._bcast_to(ptr, (n,)), offsets)  # [n] pointers
     i32 = triton_lowering.ir.RankedTensorType.get(
         [n], triton_lowering.ir.IntegerType.get_signless(32))
-    # The dummy result only gives the op a type; pure=False keeps it alive.
-    if INSTRUCTION == "bulk":
-        asm = f"cp.async.bulk.prefetch.L2.global [$1], {nbytes};"
-    elif INSTRUCTION == "line":
-        asm = " ".join(f"prefetch.global.L2::evict_last [$1+{o}];"
-                       for o in range(0, nbytes, 128))
-    elif INSTRUCTION == "none":
-        asm = ""
-    else:
-        raise ValueError(f"l2_prefetch.INSTRUCTION={INSTRUCTION!r}: one of 'line', 'bulk', "
-                         f"'none'")
+    # One line prefetch per 128 bytes (measured over Hopper's bulk prefetch:
+    # benchmarks/DECISIONS.md). The dummy result only gives the op a type; pure=False keeps
+    # it alive.
+    asm = " ".join(f"prefetch.global.L2::evict_last [$1+{o}];" for o in range(0, nbytes, 128))
     tt_dialect.elementwise_inline_asm(
         [i32], asm + " mov.u32 $0, 0;",
         constraints="=r,l", pure=False, packed_element=1, args=[ptrs])
@@ -152,22 +133,13 @@ def program_offsets(plan: PrefetchPlan, program, programs: int, threads: int, it
     per_range = plan.length // chunk
     r = c // per_range
     steps = {b - a for a, b in zip(plan.starts, plan.starts[1:])}
-    if len(steps) <= 1:  # evenly spaced ranges (K chunks, pages): one multiply-add
+    if len(steps) <= 1:  # evenly spaced ranges (K chunks): one multiply-add
         start = plan.starts[0] + r * (steps.pop() if steps else 0)
     else:
         start = jnp.zeros_like(c)
         for i, s in enumerate(plan.starts):
             start = jnp.where(r == i, jnp.int32(s), start)
     return start + (c % per_range) * chunk, chunk * itemsize
-
-
-def page_plan(size: int, itemsize: int, *, page_bytes: int = 2 << 20,
-              at: str = "start") -> PrefetchPlan:
-    """One 128-byte line in every `page_bytes` of an array of `size` elements: touches each
-    (2 MiB, the GPU's large page) page of a weight early, so that its address translation is
-    cached before the consumer's stream reaches it; ~1/16384 of the bytes."""
-    line, page = 128 // itemsize, page_bytes // itemsize
-    return PrefetchPlan(starts=tuple(range(0, size - line + 1, page)), length=line, at=at)
 
 
 def issue_prefetches(refs, plans, program, programs: int, threads: int, at: str) -> None:

@@ -72,16 +72,11 @@ class MatmulBlockSizes:
 
 def default_block_sizes(m: int, n: int, k: int, itemsize: int = 2,
                         n_weights: int = 1) -> MatmulBlockSizes:
-    """Small M streams the weights. Measured in the whole Llama-3-8B decode step on the H200
-    (benchmarks/run_h200.sh sweep, 2026-11-30): 64-wide N tiles 256 deep, 3 stages, and the
-    fewest K chunks that give about one program per SM (tiles * split >= NUM_SMS - 8): q/k/v
-    N=6144 split 2 (20 -> 10 us against unsplit); o N=4096 and down K=14336 split 2, not 4
-    (session 6, B=1 step profiled: down 28.7 vs 29.1 us, and the consumers that add their
-    float32 chunks get faster: q/k/v 14.7 vs 16.2 us with 2 chunks of down instead of 4,
-    SwiGLU 56.3 vs 56.8 with 2 of o; 3.961 vs 4.042 ms of kernel time per step; split 3 was
-    slower than 2); SwiGLU (two weights per program) 128x128 tiles unsplit (55.5 us = 4.2 TB/s).
-    Large M is matmul-bound: square tiles. float32 gets half-depth tiles and 2 stages to fit
-    shared memory."""
+    """Small M streams the weights: 64-wide N tiles 256 deep, 3 stages, and the fewest K
+    chunks that give about one program per SM (tiles * split >= NUM_SMS - 8); SwiGLU (two
+    weights per program) 128x128 tiles unsplit. Large M is matmul-bound: square tiles.
+    float32 gets half-depth tiles and 2 stages to fit shared memory. Measurements:
+    benchmarks/DECISIONS.md ("Decode matmuls")."""
     if itemsize >= 4:
         return MatmulBlockSizes(block_m=16 if m <= 16 else 64, block_n=32 if m <= 64 else 64,
                                 block_k=64, num_warps=4, num_stages=2)
@@ -141,11 +136,13 @@ def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int,
                         has_residual: bool, epilogue: str, partial: bool, n_deltas: int,
                         prefetch_plans: tuple = (), programs: int = 1, threads: int = 128,
                         block_d: int = 256, down_prefetch: bool = False,
-                        interpret: bool = False, stagger: bool = True):
+                        interpret: bool = False, stagger: bool = True,
+                        transposed: bool = False, single_row: bool = True):
     # refs, in order:
     #   x_ref [block_m, Kp]; n_deltas d_refs [block_m, Kp] (float32 partial sums added to x:
     #   the same [S, M, K] array once per chunk); nw_ref [Kp] if has_norm;
-    #   n_weights w_refs [Kp, block_n]; r_ref [block_m, block_n] if has_residual;
+    #   n_weights w_refs [Kp, block_n] ([block_n, Kp] if transposed: w stored [N, K]);
+    #   r_ref [block_m, block_n] if has_residual;
     #   epilogue "swiglu_down": wd_ref [block_n, D] (w_down's rows of this program's N tile),
     #   then acc_in, clear_in [block_m, D] float32 (aliased to the outputs acc, clear);
     #   one whole-array ref per prefetch plan (the next kernel's weights, never loaded here);
@@ -194,12 +191,11 @@ def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int,
         return k_ok, x
 
     # The elementwise operand math (deltas, norm) runs on op_rows rows. One weight at M = 1:
-    # on the one real row, broadcast to the dot's block_m rows at the end (the other output
-    # rows are never stored), not on block_m rows of which block_m - 1 are masked (with four
-    # float32 deltas, ~150 registers per thread of prefetched tiles). Measured on the H200
-    # (benchmarks/sm_probe.py, 2026-11-30): the q/k/v matmul with norm + 4 deltas 17.0 ->
-    # 16.5 us; SwiGLU (two weights) went the other way, 57.9 -> 59.8 us, so it keeps the rows.
-    op_rows = 1 if m == 1 and n_weights == 1 else block_m
+    # on the one real row, broadcast to the dot's block_m rows at the end, not on block_m
+    # rows of which block_m - 1 are masked (fewer registers; SwiGLU measured the other way:
+    # benchmarks/DECISIONS.md). single_row=False keeps block_m rows at M = 1 too: the same
+    # arithmetic as at M > 1 (batch-invariant; the squares' reduction follows the layout).
+    op_rows = 1 if m == 1 and n_weights == 1 and single_row else block_m
 
     def op_tile(ref, start):
         # ref's op_rows x block_k tile at `start` (a prefetch past the chunk's end reads
@@ -256,9 +252,15 @@ def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int,
                 x = jnp.broadcast_to(x, (block_m, block_k))  # the dot's rows (row 0 real)
         else:
             k_ok, x = x_tile(start, mask_k)
-        w_mask = both(None if k_ok is None else k_ok[:, None], col_ok)
-        accs = tuple(acc + dot_f32(x, load(w_ref.at[pl.ds(start, block_k), :], w_mask))
-                     for acc, w_ref in zip(accs, w_refs))  # [block_m, block_n] each
+        if transposed:  # w tiles [block_n, block_k] of the [N, K] weight, rows = columns here
+            w_mask = both(None if col_ok is None else col_ok.T,
+                          None if k_ok is None else k_ok[None, :])
+            accs = tuple(acc + dot_f32(x, load(w_ref.at[:, pl.ds(start, block_k)], w_mask),
+                                       trans_b=True) for acc, w_ref in zip(accs, w_refs))
+        else:
+            w_mask = both(None if k_ok is None else k_ok[:, None], col_ok)
+            accs = tuple(acc + dot_f32(x, load(w_ref.at[pl.ds(start, block_k), :], w_mask))
+                         for acc, w_ref in zip(accs, w_refs))  # [block_m, block_n] each
         return (accs, ss, *cur)
 
     zeros = jnp.zeros((block_m, block_n), jnp.float32)
@@ -367,11 +369,14 @@ def down_epilogue(act, wd_ref, acc_ref, clear_ref, *, m: int, n: int, block_m: i
 
 @functools.partial(jax.jit, static_argnames=("eps", "blocks", "epilogue", "interpret",
                                              "out_dtype", "partials", "prefetch_plans",
-                                             "block_d", "down_prefetch", "stagger"))
+                                             "block_d", "down_prefetch", "stagger",
+                                             "transposed", "single_row"))
 def fused_matmul(x, norm_weight, weights, residual, *, eps, blocks, epilogue, interpret,
                  out_dtype=None, partials=False, deltas=None, prefetch=(), prefetch_plans=(),
-                 down=None, block_d=256, down_prefetch=False, stagger=True):
-    """x [M, K]; norm_weight [K] or None; weights: tuple of [K, N] (1, or 2 for SwiGLU);
+                 down=None, block_d=256, down_prefetch=False, stagger=True,
+                 transposed=False, single_row=True):
+    """x [M, K]; norm_weight [K] or None; weights: tuple of [K, N] (1, or 2 for SwiGLU; one
+    [N, K] with transposed, no epilogue);
     residual [M, N] or None -> [M, N] in out_dtype (default x's dtype). partials=True (one
     weight, no residual or epilogue): the float32 K-chunk sums [S, M, N] unreduced, for a
     consumer that adds them itself (add_rms_norm, the decode attention kernel); with a norm,
@@ -386,13 +391,15 @@ def fused_matmul(x, norm_weight, weights, residual, *, eps, blocks, epilogue, in
     epilogue "swiglu_down" (two weights, one K chunk): down = (w_down [N, D], acc [M, D]
     float32, clear [M, D] float32) -> (acc + silu(gate) * up @ w_down, clear zeroed), after
     x + sum(deltas) when deltas are given; block_d: w_down's columns per step of its loop;
-    down_prefetch: each program asks the L2 for its first w_down tile at its start."""
+    down_prefetch: each program asks the L2 for its first w_down tile at its start.
+    single_row=False: the operand math of an M = 1 call on block_m rows, as at M > 1."""
     if partials:
         assert residual is None and len(weights) == 1, "plain matmul only"
         out_dtype = jnp.float32
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     m, k = x.shape
-    n = weights[0].shape[1]
+    n = weights[0].shape[0 if transposed else 1]
+    assert not transposed or (len(weights) == 1 and epilogue == "none"), "plain matmul only"
     bm, bn, bk = blocks.block_m, blocks.block_n, blocks.block_k
     split, k_chunk = _chunking(k, blocks)
     # The blocks span whole chunks: the masked tail tiles then index inside the block
@@ -413,7 +420,10 @@ def fused_matmul(x, norm_weight, weights, residual, *, eps, blocks, epilogue, in
     if norm_weight is not None:
         in_specs.append(pl.BlockSpec((kp,), lambda i, j, s: (0,)))
         args.append(norm_weight)
-    in_specs += [pl.BlockSpec((kp, bn), lambda i, j, s: (0, j))] * len(weights)
+    if transposed:
+        in_specs.append(pl.BlockSpec((bn, kp), lambda i, j, s: (j, 0)))
+    else:
+        in_specs += [pl.BlockSpec((kp, bn), lambda i, j, s: (0, j))] * len(weights)
     args += list(weights)
     aliases = {}
     if down is not None:
@@ -451,7 +461,8 @@ def fused_matmul(x, norm_weight, weights, residual, *, eps, blocks, epilogue, in
         has_residual=has_residual, epilogue=epilogue, partial=partial, n_deltas=n_deltas,
         prefetch_plans=tuple(prefetch_plans),
         programs=pl.cdiv(m, bm) * pl.cdiv(n, bn) * split, threads=32 * blocks.num_warps,
-        block_d=block_d, down_prefetch=down_prefetch, interpret=interpret, stagger=stagger)
+        block_d=block_d, down_prefetch=down_prefetch, interpret=interpret, stagger=stagger,
+        transposed=transposed, single_row=single_row)
     out = pl.pallas_call(
         kernel,
         grid=(pl.cdiv(m, bm), pl.cdiv(n, bn), split),
@@ -501,7 +512,7 @@ def _finish(out, x, norm_weight, residual, *, eps, epilogue, out_dtype, partial,
 # ---------------------------------------------------------------------------------------------
 
 
-def _validate(x, norm_weight, w, residual):
+def _validate(x, norm_weight, w, residual, transposed=False):
     op = "norm_matmul"
     check_array(op, "x", x, 2)
     if norm_weight is not None:
@@ -520,10 +531,14 @@ def _validate(x, norm_weight, w, residual):
     k = x.shape[1]
     if norm_weight is not None and norm_weight.shape[0] != k:
         raise ValueError(f"{op}: norm_weight has {norm_weight.shape[0]} entries, x has K={k} features")
-    if w.shape[0] != k:
+    if transposed:
+        if w.ndim != 2 or w.shape[1] != k:
+            raise ValueError(f"{op}: x has K={k} features but the transposed w {tuple(w.shape)} "
+                             f"is not [N, K] (transposed=True: w is [out, in])")
+    elif w.shape[0] != k:
         raise ValueError(f"{op}: x has K={k} features but w {tuple(w.shape)} has {w.shape[0]} rows "
                          f"(w is [K, *N], [in, out])")
-    want = (x.shape[0], *w.shape[1:])
+    want = (x.shape[0], *(w.shape[:1] if transposed else w.shape[1:]))
     if residual is not None and tuple(residual.shape) != want:
         raise ValueError(f"{op}: residual has shape {tuple(residual.shape)}, expected {want} "
                          f"([M, *N] of the output)")
@@ -531,6 +546,7 @@ def _validate(x, norm_weight, w, residual):
 
 def norm_matmul(x, norm_weight, w, *, eps: float = 1e-6, residual=None, out_dtype=None,
                 partials: bool = False, deltas=None, prefetch: tuple = (),
+                transposed: bool = False, single_row: bool = True,
                 interpret: bool = False, block_sizes: MatmulBlockSizes | None = None):
     """rms_norm(x, norm_weight) @ w (+ residual); x [M, K], norm_weight [K] (None: no norm,
     a plain matmul), w [K, *N], residual [M, *N] -> [M, *N] in out_dtype, default x's dtype
@@ -546,31 +562,38 @@ def norm_matmul(x, norm_weight, w, *, eps: float = 1e-6, residual=None, out_dtyp
     result is then (x + sum(deltas), the output as above).
     prefetch: (array, PrefetchPlan) pairs, the next kernel's weights and what it reads first
     (`first_rows_plan`): each program, its own stream done, asks the L2 for its share of them
-    (pallas_kernels/l2_prefetch.py). A cache hint only: results are unchanged."""
-    _validate(x, norm_weight, w, residual)
+    (pallas_kernels/l2_prefetch.py). A cache hint only: results are unchanged.
+    transposed=True: w is [N, K] ([out, in]: an embedding table as a tied LM head), read in
+    [block_n, block_k] tiles; no partials. single_row=False: an M = 1 call does its operand
+    math (deltas, norm) on whole row tiles, bit for bit as M > 1 does (batch-invariant)."""
+    _validate(x, norm_weight, w, residual, transposed)
     check_prefetch("norm_matmul", prefetch)
     if deltas is not None:
         check_deltas("norm_matmul", x, deltas, float32_only=True)
     if partials and (residual is not None or out_dtype is not None):
         raise ValueError("norm_matmul: partials=True is for a plain or normed matmul (no "
                          "residual or out_dtype)")
-    n = math.prod(w.shape[1:])
+    if transposed and partials:
+        raise ValueError("norm_matmul: transposed=True gives the finished product (no partials)")
+    out_dims = w.shape[:1] if transposed else w.shape[1:]
+    n = math.prod(out_dims)
     m, k = x.shape
     blocks = block_sizes or default_block_sizes(m, n, k, x.dtype.itemsize, n_weights=1)
-    out = fused_matmul(x, norm_weight, (w.reshape(k, n),),  # [K, N]: trailing dims contiguous
+    out = fused_matmul(x, norm_weight, (w if transposed else w.reshape(k, n),),  # [K, N]
                        None if residual is None else residual.reshape(m, n),
                        eps=float(eps), blocks=blocks, epilogue="none", interpret=interpret,
                        out_dtype=None if out_dtype is None else jnp.dtype(out_dtype).name,
                        partials=partials, deltas=deltas,
                        prefetch=tuple(a for a, _ in prefetch),
-                       prefetch_plans=tuple(p for _, p in prefetch))
+                       prefetch_plans=tuple(p for _, p in prefetch),
+                       transposed=transposed, single_row=single_row)
     x_new = None
     if deltas is not None:
         x_new, out = out
     ss = None
     if partials and norm_weight is not None:
         out, ss = out
-    out = out.reshape(*out.shape[:-2], m, *w.shape[1:])
+    out = out.reshape(*out.shape[:-2], m, *out_dims)
     if ss is not None:
         out = (out, ss)
     return out if x_new is None else (x_new, out)
@@ -585,19 +608,21 @@ def apply_norm_partials(parts, ss, k: int, eps: float):
 
 
 def norm_matmul_reference(x, norm_weight, w, *, eps: float = 1e-6, residual=None,
-                          out_dtype=None, deltas=None, interpret: bool = False):
+                          out_dtype=None, deltas=None, transposed: bool = False,
+                          interpret: bool = False):
     """rms_norm(x) @ w (+ residual) in plain jnp: HF RMSNorm, float32 accumulation, the residual
-    added in float32 before the cast to x's dtype (interpret is ignored). deltas as in
-    norm_matmul (returns (x + sum(deltas), the output)); no partials here."""
+    added in float32 before the cast to x's dtype (interpret is ignored). deltas and
+    transposed as in norm_matmul (deltas: returns (x + sum(deltas), the output)); no partials."""
     del interpret
-    _validate(x, norm_weight, w, residual)
+    _validate(x, norm_weight, w, residual, transposed)
     if deltas is not None:
         check_deltas("norm_matmul", x, deltas, float32_only=True)
         x = add_deltas_reference(x, deltas)
         return x, norm_matmul_reference(x, norm_weight, w, eps=eps, residual=residual,
-                                        out_dtype=out_dtype)
+                                        out_dtype=out_dtype, transposed=transposed)
     h = x if norm_weight is None else rms_norm_reference(x, norm_weight, eps=eps)  # [M, K]
-    y = lax.dot_general(h, w, (((1,), (0,)), ((), ())), precision=ref_precision(x.dtype),
+    y = lax.dot_general(h, w, (((1,), (1 if transposed else 0,)), ((), ())),
+                        precision=ref_precision(x.dtype),
                         preferred_element_type=jnp.float32)  # [M, *N]
     if residual is not None:
         y = y + residual.astype(jnp.float32)

@@ -1,4 +1,7 @@
-"""Helpers shared by the kernel tests: random inputs and the relative-error measure."""
+"""Helpers shared by the kernel tests: random inputs, the relative-error measure, and the
+Pallas kernels a function runs (read from its jaxpr)."""
+
+import collections
 
 import jax
 import jax.numpy as jnp
@@ -19,11 +22,27 @@ def rel_err(out, ref) -> float:
     return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
-def set_boundaries(monkeypatch, mode: str) -> None:
-    """The decode path's sublayer-boundary flags of jaxinfer/models/layers.py set to
-    BOUNDARY_MODES[mode] for one test (monkeypatch undoes it)."""
-    from jaxinfer.models import layers
+def _jaxprs(value):
+    if isinstance(value, jax.extend.core.ClosedJaxpr):
+        yield value.jaxpr
+    elif isinstance(value, jax.extend.core.Jaxpr):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _jaxprs(v)
 
-    for flag, on in zip(("FUSED_ADD_NORM", "SWIGLU_ADD_NORM", "QKV_ADD_NORM"),
-                        layers.BOUNDARY_MODES[mode]):
-        monkeypatch.setattr(layers, flag, on)
+
+def _count(jaxpr, counts: collections.Counter) -> collections.Counter:
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            counts[eqn.params["name"]] += 1
+            continue
+        for v in eqn.params.values():
+            for sub in _jaxprs(v):
+                _count(sub, counts)
+    return counts
+
+
+def pallas_kernels_in(fn, *args) -> collections.Counter:
+    """Names of the Pallas kernels fn(*args) calls, one count per call (traced, not run)."""
+    return _count(jax.make_jaxpr(fn)(*args).jaxpr, collections.Counter())

@@ -24,7 +24,7 @@ def test_bench_embedded_model_on_cpu(capsys):
 def test_decode_bytes_count_weights_once_and_valid_kv():
     cfg = PRESETS["llama3-8b"]
     one = bench.decode_bytes_per_step(cfg, batch=1, context=0)
-    # Llama-3-8B bf16: 15.01 GB read per step (GPU.md), all weights but the embedding table.
+    # Llama-3-8B bf16: 15.01 GB read per step, all weights but the embedding table.
     assert one == pytest.approx(15.01e9, rel=2e-3)
     kv_per_token = 2 * 32 * 8 * 128 * 2  # K and V, 32 layers, 8 KV heads, head 128, bf16
     assert bench.decode_bytes_per_step(cfg, 1, 1000) - one == 1000 * kv_per_token

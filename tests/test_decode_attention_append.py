@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.models import layers
+from jaxinfer.ops import reference
 from pallas_kernels.decode_attention import DecodeBlockSizes, decode_attention_reference
 from pallas_kernels.decode_attention_append import (
     decode_attention_append as _append_qkv, decode_attention_append_reference as _append_ref)
@@ -159,7 +159,7 @@ def rope_tables(positions, d, theta=10000.0):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_rope_matches_the_model_path(dtype):
-    """RoPE inside the kernel vs the model's unfused path: layers.apply_rope on q and k, an XLA
+    """RoPE inside the kernel vs the model's unfused path: reference.apply_rope on q and k, an XLA
     scatter of k/v, then decode attention over the written cache."""
     b, s, hq, hkv, d = 3, 70, 8, 2, 32
     q, k_new, v_new, k_cache, v_cache = inputs(21, b, s, hq, hkv, d, dtype)
@@ -176,8 +176,8 @@ def test_rope_matches_the_model_path(dtype):
     assert rel_err(k_out, k_ref) < {jnp.float32: 1e-6, jnp.bfloat16: 2e-3}[dtype]
     np.testing.assert_array_equal(np.asarray(v_out), np.asarray(v_ref))
     # The model's unfused path (rounding in x's dtype, as HF does).
-    q_r = layers.apply_rope(q[:, None], cos[:, None], sin[:, None])[:, 0]
-    k_r = layers.apply_rope(k_new[:, None], cos[:, None], sin[:, None])[:, 0]
+    q_r = reference.apply_rope(q[:, None], cos[:, None], sin[:, None])[:, 0]
+    k_r = reference.apply_rope(k_new[:, None], cos[:, None], sin[:, None])[:, 0]
     rows = jnp.arange(b)
     k_model = k_cache.at[rows, positions].set(k_r)
     v_model = v_cache.at[rows, positions].set(v_new)
@@ -186,6 +186,36 @@ def test_rope_matches_the_model_path(dtype):
     assert rel_err(k_out, k_model) < TOL[dtype] / 10
     plain, _, _ = decode_attention_append_reference(q, k_new, v_new, k_cache, v_cache, positions)
     assert rel_err(plain, ref) > 0.05  # RoPE changed the result: the check can fail
+
+
+@pytest.mark.parametrize("kernel", ["append", "plain"])
+def test_fixed_size_chunks_make_a_row_independent_of_the_batch(kernel):
+    """split_keys: chunks of a fixed number of keys merged in order, so a row's output is the
+    same bits alone with a short cache (2 chunks) and beside another row with a longer one (4
+    chunks, the last empty for it); and it is still the right attention."""
+    from pallas_kernels import decode_attention
+
+    blocks = DecodeBlockSizes(block_k=16, num_stages=1, split_keys=32)
+    b, s, hq, hkv, d, dtype = 2, 128, 4, 2, 32, jnp.bfloat16
+    q, k_new, v_new, k_cache, v_cache = inputs(31, b, s, hq, hkv, d, dtype)
+    positions = jnp.asarray([120, 50], jnp.int32)
+
+    def run(rows, length):
+        if kernel == "append":
+            return decode_attention_append(q[rows], k_new[rows], v_new[rows],
+                                           k_cache[rows, :length], v_cache[rows, :length],
+                                           positions[rows], interpret=True,
+                                           block_sizes=blocks)[0]
+        return decode_attention(q[rows], k_cache[rows, :length], v_cache[rows, :length],
+                                positions[rows] + 1, interpret=True, block_sizes=blocks)
+
+    both, alone = run(slice(0, 2), s), run(slice(1, 2), 64)
+    np.testing.assert_array_equal(np.asarray(both[1]), np.asarray(alone[0]))
+    if kernel == "append":
+        ref = decode_attention_append_reference(q, k_new, v_new, k_cache, v_cache, positions)[0]
+    else:
+        ref = decode_attention_reference(q, k_cache, v_cache, positions + 1)
+    assert rel_err(both, ref) < TOL[dtype]
 
 
 def split_chunks(qkv, seed):
@@ -347,7 +377,7 @@ def test_decode_attention_append_partials_gpu(s):
 @needs_gpu
 @pytest.mark.parametrize("s", [512, 2048])
 def test_deferred_norm_gpu(s):
-    """The model's B=1 call with the boundaries in the consumers (layers.BOUNDARY_MODES): the
+    """The model's B=1 call with the boundaries in the consumers (the default policy): the
     chunks' sum scaled by the deferred norm, unsplit (S=512) and split (S=2048)."""
     b, hq, hkv, d, dtype = 1, 32, 8, 128, jnp.bfloat16
     q, k_new, v_new, k_cache, v_cache = inputs(15, b, s, hq, hkv, d, dtype)

@@ -1,6 +1,5 @@
 """Generation: greedy equality with transformers, cache vs full forward, batching, seeds, errors."""
 
-import importlib
 import json
 import re
 import pathlib
@@ -15,8 +14,7 @@ from jaxinfer import SamplingParams
 from jaxinfer.cache import KVCache
 from jaxinfer.generate import decode_loop, init_state, prefill
 from jaxinfer.models import llama
-
-generate_mod = importlib.import_module("jaxinfer.generate")  # the package exports the function
+from jaxinfer.plan import KernelPolicy
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "data"
 HF_VARIANTS = sorted(p for p in (FIXTURES / "hf").iterdir() if (p / "ref.npz").exists())
@@ -73,14 +71,14 @@ def test_incremental_decoding_matches_full_forward(variant):
     ids = jnp.asarray(np.load(variant / "ref.npz")["input_ids"])  # [B, T]
     b, t = ids.shape
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    full, _ = llama.forward(model.params, ids, pos, model.config)
+    full, _ = llama.forward(model.params, ids, pos, model.plan)
     split = t // 3
     cache = KVCache.init(model.config, b, t + 5)
-    logits, cache = llama.forward(model.params, ids[:, :split], pos[:, :split], model.config, cache)
+    logits, cache = llama.forward(model.params, ids[:, :split], pos[:, :split], model.plan, cache)
     steps = [logits]
     for i in range(split, t):
         logits, cache = llama.forward(model.params, ids[:, i:i + 1], pos[:, i:i + 1],
-                                      model.config, cache)
+                                      model.plan, cache)
         steps.append(logits)
     inc = np.asarray(jnp.concatenate(steps, axis=1))
     full = np.asarray(full)
@@ -128,58 +126,38 @@ def test_stop_strings_and_token_ids(smollm):
     assert by_id.finish_reason == "stop"
 
 
-@pytest.mark.parametrize("k", [3, 5])
-def test_steps_per_sync_same_tokens(smollm, k):
-    """k decode steps per host check: the same tokens and finish reasons as one, for rows that
-    stop at EOS and rows that run their budget, in one batch (the n - 1 = 63 decode steps: 21
-    blocks of 3; 12 blocks of 5, then 3 single steps)."""
+def test_steps_per_sync_same_tokens(smollm):
+    """k = 5 decode steps per host check: the same tokens and finish reasons as one, for rows
+    that stop at EOS and rows that run their budget, in one batch (the n - 1 = 63 decode
+    steps: 12 blocks of 5, then 3 single steps); with no stop ids (a fixed-length run, as
+    `jaxinfer bench`) the default blocks of 8 (a while loop holding an 8-step loop, then the
+    single-step loop) end exactly at the budget."""
     cases = REFERENCE["generations"][:4]
     n = REFERENCE["settings"]["max_new_tokens"]
     assert n == 64 and len({len(c["new_token_ids"]) < n for c in cases}) == 2
+    policy = KernelPolicy(steps_per_sync=5)
     out = jaxinfer.generate(smollm, [c["prompt_ids"] for c in cases], max_new_tokens=n,
-                            steps_per_sync=k)
+                            policy=policy)
     for case, got in zip(cases, out):
         assert got.token_ids == case["new_token_ids"]
         assert got.finish_reason == ("stop" if len(case["new_token_ids"]) < n else "length")
-    # no step past the budget: the loop ends with exactly n tokens' steps
-    state, tokens, lengths = init_state(smollm, [cases[3]["prompt_ids"]], n,
-                                        [SamplingParams(temperature=0.0)], 0, stop_ids=[])
-    state = prefill(smollm.params, tokens, lengths, state, smollm.config)
-    state = decode_loop(smollm.params, state, smollm.config, k)
-    assert int(state.step) == n and np.asarray(state.output)[0].tolist() == \
-        cases[3]["new_token_ids"]
     # a stop token mid-answer ends the row inside a block of k steps
-    stop_tok = cases[0]["new_token_ids"][k + 1]
+    stop_tok = cases[0]["new_token_ids"][6]
     (cut,) = jaxinfer.generate(smollm, [cases[0]["prompt_ids"]], max_new_tokens=n,
-                               stop=[stop_tok], steps_per_sync=k)
+                               stop=[stop_tok], policy=policy)
     ids = cases[0]["new_token_ids"]
     assert cut.token_ids == ids[: ids.index(stop_tok) + 1] and cut.finish_reason == "stop"
-
-
-def test_runs_without_stop_ids_check_the_host_every_8_steps(smollm):
-    """No stop ids (a fixed-length run, as `jaxinfer bench`): decode_loop defaults to blocks of
-    STEPS_PER_SYNC_NO_STOP steps (a while loop holding an 8-step loop, then the single-step
-    loop), ends exactly at the budget and gives the tokens of the one-step loop; with a stop
-    id it keeps one host check per step (one while loop)."""
-    case = REFERENCE["generations"][3]
-    n = REFERENCE["settings"]["max_new_tokens"]
-    greedy = [SamplingParams(temperature=0.0)]
-
-    def start(stop_ids):
-        state, tokens, lengths = init_state(smollm, [case["prompt_ids"]], n, greedy, 0,
-                                            stop_ids=stop_ids)
-        return prefill(smollm.params, tokens, lengths, state, smollm.config)
-
-    def loops(state):
-        text = str(jax.make_jaxpr(lambda s: decode_loop(smollm.params, s, smollm.config))(state))
-        # a fori loop of known trip count traces to a scan
-        return text.count("while["), len(re.findall(r"scan\[[^\]]*?length=8\b", text, re.S))
-
-    assert generate_mod.STEPS_PER_SYNC_NO_STOP == 8 and generate_mod.STEPS_PER_SYNC == 1
-    assert loops(start([])) == (2, 1) and loops(start([2])) == (1, 0)
-    state = decode_loop(smollm.params, start([]), smollm.config)
-    assert int(state.step) == n
-    assert np.asarray(state.output)[0].tolist() == case["new_token_ids"]
+    # no stop ids: blocks of 8, no step past the budget
+    case = cases[3]
+    state, tokens, lengths = init_state(smollm, [case["prompt_ids"]], n,
+                                        [SamplingParams(temperature=0.0)], 0, stop_ids=[])
+    state = prefill(smollm.params, tokens, lengths, state, smollm.plan)
+    text = str(jax.make_jaxpr(lambda s: decode_loop(smollm.params, s, smollm.plan))(state))
+    # a fori loop of known trip count traces to a scan
+    assert text.count("while[") == 2
+    assert len(re.findall(r"scan\[[^\]]*?length=8\b", text, re.S)) == 1
+    state = decode_loop(smollm.params, state, smollm.plan)
+    assert int(state.step) == n and np.asarray(state.output)[0].tolist() == case["new_token_ids"]
 
 
 def test_stream_equals_generate(smollm):
@@ -212,8 +190,7 @@ def test_logprobs(smollm):
     (dict(prompts="hi", max_new_tokens=100, max_seq_len=64), "exceeds max_seq_len 64"),
     (dict(prompts=[[1, 2, 999999]]), "outside the vocabulary"),
     (dict(prompts=["a", "b"], sampling=[SamplingParams()]), "2 prompts"),
-    (dict(prompts="hi", steps_per_sync=0), "steps_per_sync=0 must be an integer >= 1"),
-    (dict(prompts="hi", steps_per_sync=2.5), "steps_per_sync=2.5 must be an integer >= 1"),
+    (dict(prompts="hi", policy="deterministic"), "policy must be a jaxinfer.plan.KernelPolicy"),
 ])
 def test_bad_generate_arguments(smollm, kwargs, match):
     kwargs.setdefault("max_new_tokens", 4)

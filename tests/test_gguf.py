@@ -9,14 +9,13 @@ import time
 
 import gguf
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from checkpoints import gguf as G
 from checkpoints import registry
 from jaxinfer.configs import RopeScaling
-from jaxinfer.models import llama
+from jaxinfer.model import from_params
 
 DATA = pathlib.Path(__file__).parent / "fixtures" / "data" / "gguf"
 TINY_REFS = np.load(DATA / "tiny_logits.npz")
@@ -29,11 +28,8 @@ def rel_err(a, b) -> float:
 
 
 def run_forward(config, params, tokens) -> np.ndarray:
-    tokens = jnp.asarray(tokens, jnp.int32)  # [B, T]
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1])[None], tokens.shape)  # [B, T]
-    params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
-    logits, _ = llama.forward(params, tokens, positions, config)
-    return np.asarray(logits)  # [B, T, V]
+    model = from_params(config, params, dtype="float32")  # checks and types the params
+    return np.asarray(model(np.asarray(tokens)))  # [B, T, V]
 
 
 # ---------------------------------------------------------------------------------------------

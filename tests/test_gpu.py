@@ -74,7 +74,7 @@ def test_kernels_give_the_reference_greedy_tokens():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", KERNEL_VARIANTS)
-def test_decode_kernels_match_references_step_by_step(name, monkeypatch):
+def test_decode_kernels_match_references_step_by_step(name):
     """Prefill, then one token per step through the decode kernels (fused matmuls, RoPE +
     cache append + attention), bf16 on the GPU; the same steps through the pure-jnp
     references on the GPU: logits agree to bf16 rounding at every step."""
@@ -82,29 +82,29 @@ def test_decode_kernels_match_references_step_by_step(name, monkeypatch):
     import jax.numpy as jnp
 
     from jaxinfer.cache import KVCache
-    from jaxinfer.models import layers, llama
+    from jaxinfer.models import llama
+    from jaxinfer.plan import KernelPolicy
 
     model = jaxinfer.load(str(HF / name), dtype="bfloat16")
     ids = jnp.asarray(np.load(HF / name / "ref.npz")["input_ids"])  # [B, T]
     b, t = ids.shape
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
 
-    def steps():
+    def steps(plan):
         split = t // 3
         cache = KVCache.init(model.config, b, t + 5)
-        logits, cache = llama.forward(model.params, ids[:, :split], pos[:, :split],
-                                      model.config, cache, fresh=True)
+        logits, cache = llama.forward(model.params, ids[:, :split], pos[:, :split], plan,
+                                      cache, fresh=True)
         out = [logits]
         for i in range(split, t):
             logits, cache = llama.forward(model.params, ids[:, i:i + 1], pos[:, i:i + 1],
-                                          model.config, cache)
+                                          plan, cache)
             out.append(logits)
         return np.asarray(jnp.concatenate(out, axis=1))
 
     assert jax.default_backend() == "gpu"
-    fused = steps()
-    monkeypatch.setattr(layers, "use_kernels", lambda dtype: False)
-    ref = steps()
+    fused = steps(model.plan)
+    ref = steps(model.with_policy(KernelPolicy.reference()).plan)
     for i in range(t):
         rel = np.linalg.norm(fused[:, i] - ref[:, i]) / np.linalg.norm(ref[:, i])
         assert rel < 3e-2, f"{name} position {i}: relative error {rel}"

@@ -22,15 +22,15 @@ import jax
 import jax.numpy as jnp
 import pytest
 from jax import export
-from jax._src.pallas.triton import lowering as triton_lowering  # to verify its modules
 from jax.sharding import AbstractDevice, AbstractMesh
 
 import pallas_kernels as pk
-from pallas_kernels.decode_matmul_mgpu import DecodeMatmulConfig, decode_matmul_mgpu
 from jaxinfer.cache import KVCache
 from jaxinfer.configs import PRESETS
-from jaxinfer.models import layers, llama
-from kernel_testing import set_boundaries
+from jaxinfer.models import llama
+from jaxinfer.plan import At, Boundary, KernelPolicy, Kernels, Plan, Prefetch
+from jaxinfer.weights import abstract_params
+from pallas_kernels._jax_private import triton_lowering  # to verify its modules
 
 S = jax.ShapeDtypeStruct
 BF16, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
@@ -116,6 +116,16 @@ KERNEL_CASES = {
     "norm_matmul norm + deltas, partials": (
         lambda x, d, n, w: pk.norm_matmul(x, n, w, deltas=d, partials=True),
         (S((1, 4096), BF16), S((4, 1, 4096), F32), S((4096,), BF16), S((4096, 8, 6, 128), BF16))),
+    "norm_matmul tied head (transposed), deltas, one-row math off": (
+        lambda x, d, n, w: pk.norm_matmul(x, n, w, deltas=d, transposed=True,
+                                          out_dtype=jnp.float32, single_row=False),
+        (S((1, 576), BF16), S((1, 1, 576), F32), S((576,), BF16), S((49152, 576), BF16))),
+    "append fixed-size chunks (batch-invariant)": (
+        lambda qkv, k, v, p: pk.decode_attention_append(
+            qkv, k, v, p, block_sizes=pk.DecodeBlockSizes(block_k=128, num_stages=3,
+                                                          split_keys=512)),
+        (S((4, 8, 6, 128), BF16), S((4, 8192, 8, 128), BF16), S((4, 8192, 8, 128), BF16),
+         S((4,), I32))),
     "flash triton causal": (
         lambda q, k, v: pk.flash_attention(q, k, v, causal=True, backend="triton"),
         (S((4, 4096, 32, 128), BF16), S((4, 4096, 8, 128), BF16), S((4, 4096, 8, 128), BF16))),
@@ -179,35 +189,51 @@ def test_lowering_rejects_what_interpret_mode_accepts():
         lower_for_h200(call, S((48,), F32))
 
 
-def decode_step_module(preset: str, batch: int, cache_len: int, **overrides) -> str:
-    """One decode step (T = 1) of `preset` with one layer (unless overridden), the model's GPU
-    dispatch on."""
+# The model's ops take the Pallas kernels as on a GPU (the default backend here is the CPU).
+ON_GPU = KernelPolicy(kernels=Kernels.PALLAS)
+
+
+def decode_step_module(preset: str, batch: int, cache_len: int, policy=ON_GPU,
+                       **overrides) -> str:
+    """One decode step (T = 1) of `preset` with one layer (unless overridden) under policy."""
     config = PRESETS[preset].replace(**{"dtype": "bfloat16", "num_layers": 1, **overrides})
-    params = jax.tree.map(lambda s: S(s.shape, BF16), llama.param_specs(config),
-                          is_leaf=lambda s: isinstance(s, layers.ParamSpec))
+    params = abstract_params(llama.param_specs(config), BF16)
     cache = jax.eval_shape(lambda: KVCache.init(config, batch, cache_len))
     tokens = S((batch, 1), I32)
+    plan = Plan(config, policy)
 
     def step(params, tokens, positions, cache):
-        return llama.forward(params, tokens, positions, config, cache)
+        return llama.forward(params, tokens, positions, plan, cache)
 
     return lower_for_h200(step, params, tokens, tokens, cache)
 
 
-@pytest.fixture
-def gpu_dispatch(monkeypatch):
-    """The model's layers take the kernels as on a GPU (the default backend here is the CPU)."""
-    monkeypatch.setattr(layers, "use_kernels",
-                        lambda dtype: jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16))
+def test_llama3_8b_batch1_decode_layer_kernels_default_and_deterministic():
+    """Batch 1, one layer, in one process: the default policy's 4 kernels per decode layer
+    (the boundaries ride in the q/k/v matmul and SwiGLU, the MLP is one swiglu_down, the
+    attention sums q/k/v's chunks) plus the final add + norm, the LM head in XLA; the
+    deterministic policy's 5 (SwiGLU, then down: no float atomics; the attention's fixed-size
+    chunks merged by XLA) plus the final add + norm and the LM head as a fused matmul."""
+    default = decode_step_module("llama3-8b", 1, 512)
+    assert kernel_names(default) == collections.Counter({
+        "norm_matmul_none_k4096_n6144_split2": 1, "decode_attention_append": 1,
+        "matmul_none_k4096_n4096_split2": 1, "add_norm_matmul_swiglu_down_k4096_n14336": 1,
+        "add_rms_norm": 1})
+    deterministic = decode_step_module(
+        "llama3-8b", 1, 512, KernelPolicy.deterministic(kernels=Kernels.PALLAS))
+    assert kernel_names(deterministic) == collections.Counter({
+        "norm_matmul_none_k4096_n6144_split2": 1, "decode_attention_append": 1,
+        "matmul_none_k4096_n4096_split2": 1, "add_norm_matmul_swiglu_k4096_n14336": 1,
+        "matmul_none_k14336_n4096_split2": 1, "add_rms_norm": 1,
+        "matmul_none_k4096_n128256": 1})
 
 
-def test_llama3_8b_batch1_decode_layer_kernels(gpu_dispatch, monkeypatch):
-    """B=1 at short context with the boundaries as kernels (layers.BOUNDARY_MODES["kernel"]):
-    the seven kernels of a decode layer (the first norm, q/k/v chunks, attention summing them,
-    o chunks, add + norm, SwiGLU, down chunks, add + norm) and no merge, q/k/v sum or residual
-    kernel from XLA around them."""
-    set_boundaries(monkeypatch, "kernel")
-    module = decode_step_module("llama3-8b", 1, 512)
+def test_llama3_8b_batch1_decode_layer_boundaries_as_kernels():
+    """The boundaries as add_rms_norm kernels: the seven kernels of a decode layer (the first
+    norm, q/k/v chunks, attention summing them, o chunks, add + norm, SwiGLU, down chunks,
+    add + norm) and no merge, q/k/v sum or residual kernel from XLA around them."""
+    module = decode_step_module("llama3-8b", 1, 512, ON_GPU.replace(
+        norm_linear_boundary=Boundary.KERNEL, gated_mlp_boundary=Boundary.KERNEL))
     assert kernel_names(module) == collections.Counter({
         "rms_norm": 1, "matmul_none_k4096_n6144_split2": 1, "decode_attention_append": 1,
         "matmul_none_k4096_n4096_split2": 1, "add_rms_norm": 2,
@@ -215,26 +241,7 @@ def test_llama3_8b_batch1_decode_layer_kernels(gpu_dispatch, monkeypatch):
     assert module.count(TRITON) == 8  # the 7 of the layer + the first norm, one call each
 
 
-@pytest.mark.parametrize("one_kernel_mlp", [True, False], ids=["mlp_1_kernel", "mlp_2_kernels"])
-def test_llama3_8b_batch1_decode_layer_boundaries_in_consumers(gpu_dispatch, monkeypatch,
-                                                               one_kernel_mlp):
-    """The default, layers.BOUNDARY_MODES["consumers"]: 4 kernels per decode layer at batch 1
-    (the boundaries ride in the q/k/v and SwiGLU matmuls, the MLP is one swiglu_down), 5 with
-    ONE_KERNEL_MLP_ROWS = 0 (SwiGLU, then down); the last add + norm before the logits."""
-    assert (layers.FUSED_ADD_NORM, layers.SWIGLU_ADD_NORM,
-            layers.QKV_ADD_NORM) == layers.BOUNDARY_MODES["consumers"]
-    assert layers.ONE_KERNEL_MLP_ROWS == 1
-    if not one_kernel_mlp:
-        monkeypatch.setattr(layers, "ONE_KERNEL_MLP_ROWS", 0)
-    module = decode_step_module("llama3-8b", 1, 512)
-    mlp = ({"add_norm_matmul_swiglu_down_k4096_n14336": 1} if one_kernel_mlp else
-           {"add_norm_matmul_swiglu_k4096_n14336": 1, "matmul_none_k14336_n4096_split2": 1})
-    assert kernel_names(module) == collections.Counter({
-        "norm_matmul_none_k4096_n6144_split2": 1, "decode_attention_append": 1,
-        "matmul_none_k4096_n4096_split2": 1, **mlp, "add_rms_norm": 1})
-
-
-def test_llama3_8b_batch64_long_context_decode_lowers(gpu_dispatch):
+def test_llama3_8b_batch64_long_context_decode_lowers():
     """B=64 takes XLA's GEMMs for the projections (M > 16), the SwiGLU and attention kernels."""
     names = kernel_names(decode_step_module("llama3-8b", 64, 2304))
     assert names["decode_attention_append"] == 1 and names["matmul_swiglu_k4096_n14336"] == 1
@@ -242,124 +249,59 @@ def test_llama3_8b_batch64_long_context_decode_lowers(gpu_dispatch):
 
 
 @pytest.mark.parametrize("preset", ["qwen3-8b", "smollm2-135m"])
-def test_other_presets_decode_lowers(gpu_dispatch, preset):
-    """Qwen3 (q/k norm: the unfused attention path, whose boundary stays a norm kernel) and
-    SmolLM2 (head dim 64, tied embeddings: the q/k/v matmul takes the norm); the MLP boundary
-    rides in SwiGLU, add_rms_norm is the final norm's."""
-    names = kernel_names(decode_step_module(preset, 1, 512))
-    assert names["add_rms_norm"] == 1
+def test_other_presets_decode_lowers(preset):
+    """Qwen3 (q/k norm: the unfused attention path, which takes the q/k/v product finished)
+    and SmolLM2 (head dim 64, tied embeddings): both boundaries ride in the consumer matmuls,
+    add_rms_norm is the final norm's; the deterministic policy's tied LM head reads the
+    embedding table [V, D] transposed."""
+    names = kernel_names(decode_step_module(preset, 1, 512, num_layers=2))
+    assert names["add_rms_norm"] == 1 and names["rms_norm"] == 0
     assert any(n.startswith("add_norm_matmul_swiglu") for n in names)
-    assert names["rms_norm"] == (1 if preset == "qwen3-8b" else 0)
+    assert any(n.startswith("add_norm_matmul_none") for n in names)  # layer 1's q/k/v
+    assert names["decode_attention_append"] == (0 if preset == "qwen3-8b" else 1)
+    det = kernel_names(decode_step_module(preset, 1, 512,
+                                          KernelPolicy.deterministic(kernels=Kernels.PALLAS)))
+    vocab = PRESETS[preset].vocab_size
+    assert det[f"matmul_none_k{PRESETS[preset].hidden_size}_n{vocab}"] == 1, det
 
 
-def test_decode_matmul_mgpu_lowers():
-    """The Mosaic decode matmul (benchmarks/pdl_probe.py times it on the H200) lowers with and
-    without the PDL instructions, and only the PDL one is marked for XLA's launch (interpret
-    mode has no rule for those instructions)."""
-    for pdl in (False, True):
-        # 32 columns: the activation tile takes the weight tile's narrower swizzle (wgmma)
-        for cfg in (DecodeMatmulConfig(64, 64, 4), DecodeMatmulConfig(128, 64, 6),
-                    DecodeMatmulConfig(32, 128, 6)):
-            module = lower_for_h200(
-                lambda x, w: decode_matmul_mgpu(x, w, config=cfg, pdl=pdl),
-                S((8, 4096), BF16), S((4096, 4096), BF16))
-            assert module.count("custom_call @mosaic_gpu") == 1
-            assert ("uses_pdl" in module) == pdl
-
-
-def _pdl_copy(x, interpret=False):
-    """A kernel that lets its successor launch, waits for its predecessor, then copies x."""
-    from jax.experimental import pallas as pl
-
-    from pallas_kernels.pdl import gdc_launch_dependents, gdc_wait, gdc_wait_token
-
-    def kernel(x_ref, o_ref):
-        gdc_launch_dependents()
-        gdc_wait()
-        o_ref[...] = x_ref[...] + gdc_wait_token().astype(x_ref.dtype)
-
-    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
-                          interpret=interpret)(x)
-
-
-def test_pdl_instructions_lower_to_the_grid_dependency_ops(verify_triton_modules):
-    """pallas_kernels.pdl: the Triton ops XLA's pipeline turns into griddepcontrol, in the
-    order written, and nothing at all in interpret mode (the copy is exact)."""
-    x = jnp.arange(16 * 32, dtype=F32).reshape(16, 32)
-    assert bool(jnp.all(_pdl_copy(x, interpret=True) == x))
-    lower_for_h200(_pdl_copy, S((16, 32), F32))
-    ops = re.findall(r"tt\.grid_dependency_\w+|griddepcontrol\.wait",
-                     verify_triton_modules[-1])
-    assert ops == ["tt.grid_dependency_launch_dependents", "tt.grid_dependency_wait",
-                   "griddepcontrol.wait"]
-
-
-def test_l2_prefetch_lowers_to_one_bulk_prefetch_per_thread(gpu_dispatch, monkeypatch,
-                                                             verify_triton_modules):
-    """layers.PREFETCH all on, two decode layers, the MLP as two kernels: q/k/v prefetches o,
-    o prefetches SwiGLU's two weights, SwiGLU down, down the next layer's q/k/v (the last
-    layer's down nothing), each as a non-pure inline asm over one pointer per thread that
-    nothing may remove."""
-    for consumer in ("o", "mlp", "down", "qkv"):
-        monkeypatch.setitem(layers.PREFETCH, consumer, (128, "start"))
-    monkeypatch.setattr(layers, "ONE_KERNEL_MLP_ROWS", 0)
-    decode_step_module("llama3-8b", 1, 512, num_layers=2)
+def _prefetches(modules) -> collections.Counter:
     counts = collections.Counter()  # (kernel, prefetches in it), per distinct lowering
-    for text in verify_triton_modules:
+    for text in modules:
         name = re.search(r"tt\.func (?:public )?@(\w+)", text).group(1)
         asm = re.findall(r'"prefetch\.global\.L2::evict_last \[\$1\+0\];[^"]*"'
                          r"[^\n]*pure = false[^\n]*tensor<128x!tt\.ptr<bf16>>", text)
         counts[name, len(asm)] += 1
-    assert counts == collections.Counter([
-        ("norm_matmul_none_k4096_n6144_split2", 1),  # layer 0's q/k/v: o's weight
-        ("add_norm_matmul_none_k4096_n6144_split2", 1),  # layer 1's (adds down's chunks)
+    return counts
+
+
+def test_l2_prefetch_lowers_to_one_prefetch_per_thread(verify_triton_modules):
+    """Every prefetch on (rows 128 at the start), two decode layers, the MLP as two kernels:
+    o prefetches SwiGLU's two weights, SwiGLU down, down the next layer's q/k/v (the last
+    layer's down nothing), each as a non-pure inline asm over one pointer per thread that
+    nothing may remove."""
+    every = Prefetch(128, At.START)
+    decode_step_module("llama3-8b", 1, 512, ON_GPU.replace(
+        one_kernel_mlp_rows=0, prefetch_norm_linear=every, prefetch_down=every,
+        prefetch_gated_mlp=every), num_layers=2)
+    assert _prefetches(verify_triton_modules) == collections.Counter([
+        ("norm_matmul_none_k4096_n6144_split2", 0),  # layer 0's q/k/v
+        ("add_norm_matmul_none_k4096_n6144_split2", 0),  # layer 1's (adds down's chunks)
         ("decode_attention_append", 0),
         ("matmul_none_k4096_n4096_split2", 2),  # o: gate and up (one lowering, both layers)
         ("add_norm_matmul_swiglu_k4096_n14336", 1),  # SwiGLU: down
         ("matmul_none_k14336_n4096_split2", 1),  # layer 0's down: layer 1's q/k/v
         ("matmul_none_k14336_n4096_split2", 0),  # the last layer's down: nothing
-        ("add_rms_norm", 0)]), counts
+        ("add_rms_norm", 0)]), _prefetches(verify_triton_modules)
 
 
-def test_one_kernel_mlp_prefetches(gpu_dispatch, verify_triton_modules):
+def test_one_kernel_mlp_prefetches(verify_triton_modules):
     """The default batch-1 MLP (swiglu_down), two layers: each program prefetches its first
     w_down tile (down_prefetch), and layer 0's also the next q/k/v's first rows
-    (PREFETCH["qkv"]); the MLP adds o's chunks and runs the norm, q/k/v adds its float32
+    (prefetch_norm_linear); the MLP adds o's chunks and runs the norm, q/k/v adds its float32
     accumulator."""
     decode_step_module("llama3-8b", 1, 512, num_layers=2)
-    counts = collections.Counter()
-    for text in verify_triton_modules:
-        name = re.search(r"tt\.func (?:public )?@(\w+)", text).group(1)
-        asm = re.findall(r'"prefetch\.global\.L2::evict_last \[\$1\+0\];[^"]*"'
-                         r"[^\n]*pure = false[^\n]*tensor<128x!tt\.ptr<bf16>>", text)
-        counts[name, len(asm)] += 1
+    counts = _prefetches(verify_triton_modules)
     assert counts[("add_norm_matmul_swiglu_down_k4096_n14336", 2)] == 1, counts  # layer 0
     assert counts[("add_norm_matmul_swiglu_down_k4096_n14336", 1)] == 1, counts  # layer 1
     assert counts[("add_norm_matmul_none_k4096_n6144_split2", 0)] == 1, counts
-
-
-@pytest.mark.parametrize("insn,want", [("line", "prefetch.global.L2::evict_last [$1+0];"),
-                                       ("bulk", "cp.async.bulk.prefetch.L2.global [$1],"),
-                                       ("none", '" mov.u32 $0, 0;"')])
-def test_l2_prefetch_instruction_choices(insn, want, monkeypatch, verify_triton_modules):
-    """l2_prefetch.INSTRUCTION picks what the asm holds; "none" keeps the addresses and the asm
-    but prefetches nothing (a probe); anything else is refused by name."""
-    import importlib
-
-    l2p = importlib.import_module("pallas_kernels.l2_prefetch")
-    from pallas_kernels.norm_matmul import first_rows_plan
-
-    def fn(x, w, nxt):
-        return pk.norm_matmul(x, None, w, partials=True,
-                              prefetch=((nxt, first_rows_plan(1, 4096, 4096)),))
-
-    args = (S((1, 4096), BF16), S((4096, 4096), BF16), S((4096, 4096), BF16))
-    monkeypatch.setattr(l2p, "INSTRUCTION", insn)
-    jax.clear_caches()  # the setting is read at lowering; a cached lowering would hide it
-    lower_for_h200(fn, *args)
-    assert want in verify_triton_modules[-1]
-    monkeypatch.setattr(l2p, "INSTRUCTION", "l1")
-    jax.clear_caches()
-    with pytest.raises(ValueError, match="INSTRUCTION='l1'"):
-        lower_for_h200(fn, *args)
-    jax.clear_caches()  # no lowering made with this test's setting outlives it

@@ -1,39 +1,40 @@
 """The model's GPU path (every Pallas kernel wired in) run on the CPU in interpret mode.
 
-On the GPU the model dispatches to the kernels (layers.py); on the CPU it takes the pure-jnp
-references, so without this test CI would never run the wiring: the fused decode matmuls, the
-RoPE + cache-append attention kernel reading the fused qkv, flash prefill. Here the dispatch
-is forced on (`layers.use_kernels`) and every kernel runs with interpret=True, on a tiny
-random bfloat16 model whose head dim (32) takes the fused attention path; prefill and decode
-steps are compared with the reference path, step by step.
+On the GPU the ops dispatch to the kernels; on the CPU to the pure-jnp references, so without
+this test CI would never run the wiring: the fused decode matmuls and their boundaries, the
+RoPE + cache-append attention kernel reading the fused qkv, the one-kernel MLP, flash prefill.
+`KernelPolicy(interpret=True)` runs every kernel in interpret mode on a tiny random bfloat16
+model whose head dim (32) takes the fused attention path; prefill and decode steps are compared
+with `KernelPolicy.reference()`, step by step, and the kernels each step runs are read from
+its jaxpr.
 """
 
 from __future__ import annotations
 
-import functools
+import collections
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import pallas_kernels
 from jaxinfer.cache import KVCache
 from jaxinfer.configs import Config, RopeScaling
-from jaxinfer.models import layers, llama
-from kernel_testing import rel_err, set_boundaries
+from jaxinfer.models import llama
+from jaxinfer.plan import Boundary, KernelPolicy, Plan
+from jaxinfer.weights import init_params
+from kernel_testing import pallas_kernels_in, rel_err
 
-KERNELS = ("add_rms_norm", "flash_attention", "decode_attention", "decode_attention_append",
-           "norm_matmul", "rms_norm", "swiglu", "swiglu_down")
+C, K, X = Boundary.CONSUMER, Boundary.KERNEL, Boundary.XLA
+# (norm_linear, gated_mlp, lm_head) boundaries: all in XLA, all add_rms_norm kernels, the
+# attention -> MLP one in SwiGLU, both layer boundaries in the consumers (the default).
+BOUNDARIES = {"xla": (X, X, X), "kernel": (K, K, K), "swiglu": (K, C, K), "consumers": (C, C, K)}
+INTERPRET = KernelPolicy(interpret=True)
 
 
-@pytest.fixture
-def kernels_in_interpret_mode(monkeypatch):
-    for name in KERNELS:
-        monkeypatch.setattr(pallas_kernels, name,
-                            functools.partial(getattr(pallas_kernels, name), interpret=True))
-    monkeypatch.setattr(layers, "use_kernels",
-                        lambda dtype: jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16))
+def boundaries(name: str) -> dict:
+    nl, mlp, head = BOUNDARIES[name]
+    return dict(norm_linear_boundary=nl, gated_mlp_boundary=mlp, lm_head_boundary=head)
 
 
 def tiny_config(**kw) -> Config:
@@ -47,132 +48,143 @@ def tiny_config(**kw) -> Config:
     return Config(**base)
 
 
-def decode_steps(params, config, ids):
+def random_params(config: Config, seed: int = 0):
+    return init_params(llama.param_specs(config), jax.random.key(seed), jnp.bfloat16)
+
+
+def decode_steps(params, plan: Plan, ids, cache_len=None):
     """Prefill a third of ids [B, T] (fresh), then one token per step -> logits [B, T, V]."""
     b, t = ids.shape
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     split = t // 3
-    cache = KVCache.init(config, b, t + 3)
-    logits, cache = llama.forward(params, ids[:, :split], pos[:, :split], config, cache,
+    cache = KVCache.init(plan.config, b, cache_len or t + 3)
+    logits, cache = llama.forward(params, ids[:, :split], pos[:, :split], plan, cache,
                                   fresh=True)
     out = [logits]
     for i in range(split, t):
-        logits, cache = llama.forward(params, ids[:, i:i + 1], pos[:, i:i + 1], config, cache)
+        logits, cache = llama.forward(params, ids[:, i:i + 1], pos[:, i:i + 1], plan, cache)
         out.append(logits)
     return np.asarray(jnp.concatenate(out, axis=1)), cache
 
 
-BOUNDARIES = layers.BOUNDARY_MODES
+def step_kernels(params, plan: Plan, batch: int) -> collections.Counter:
+    """The Pallas kernels of one decode step (one token per row against a cache of 16)."""
+    cache = KVCache.init(plan.config, batch, 16)
+    tokens = jnp.ones((batch, 1), jnp.int32)
+    return pallas_kernels_in(lambda p, c: llama.forward(p, tokens, tokens, plan, c), params,
+                             cache)
+
+
+def assert_close_to_reference(params, config, ids, fused):
+    ref, _ = decode_steps(params, Plan(config, KernelPolicy.reference()), ids)
+    for i in range(ids.shape[1]):
+        assert rel_err(fused[:, i], ref[:, i]) < 3e-2, f"position {i}"
+    assert np.mean(fused.argmax(-1) == ref.argmax(-1)) >= 0.9
 
 
 @pytest.mark.parametrize("boundary", list(BOUNDARIES))
 @pytest.mark.parametrize("variant", [{}, {"layer_windows": (5, None)}, {"qkv_bias": True}],
                          ids=["llama3", "window", "qkv_bias"])
-def test_kernel_path_matches_reference_path(kernels_in_interpret_mode, variant, boundary,
-                                            monkeypatch):
-    set_boundaries(monkeypatch, boundary)
+def test_kernel_path_matches_reference_path(variant, boundary):
     config = tiny_config(**variant)
-    params = layers.init_params(llama.param_specs(config), jax.random.key(0), jnp.bfloat16)
+    params = random_params(config)
     if config.qkv_bias:  # non-zero biases, so that a dropped bias shows
         for lp in params["layers"]:
             lp["bqkv"] = (0.5 * jax.random.normal(jax.random.key(1), lp["bqkv"].shape)
                           ).astype(jnp.bfloat16)
+    plan = Plan(config, INTERPRET.replace(one_kernel_mlp_rows=0, **boundaries(boundary)))
     ids = jax.random.randint(jax.random.key(2), (2, 13), 0, config.vocab_size)
-    calls = []
-    for name in ("add_rms_norm", "decode_attention_append", "norm_matmul", "rms_norm", "swiglu"):
-        fn = getattr(pallas_kernels, name)
-
-        def spy(*a, _fn=fn, _name=name, **k):
-            calls.append(_name)
-            if k.get("deltas") is not None:
-                calls.append(f"{_name}+deltas")
-            return _fn(*a, **k)
-        monkeypatch.setattr(pallas_kernels, name, spy)
-    fused, cache = decode_steps(params, config, ids)
-    want = {"decode_attention_append", "norm_matmul", "rms_norm", "swiglu"}
-    # (with the boundaries in the consumers' matmuls add_rms_norm is still the final norm's)
-    add_kernel, in_swiglu, in_qkv = BOUNDARIES[boundary]
-    want |= {"add_rms_norm"} if add_kernel else set()
-    want |= {"swiglu+deltas"} if in_swiglu else set()
-    want |= {"norm_matmul+deltas"} if in_qkv and not config.qkv_bias else set()
-    assert set(calls) == want
-    monkeypatch.setattr(layers, "use_kernels", lambda dtype: False)
-    ref, ref_cache = decode_steps(params, config, ids)
-    for i in range(ids.shape[1]):
-        assert rel_err(fused[:, i], ref[:, i]) < 3e-2, f"position {i}"
-    assert np.mean(fused.argmax(-1) == ref.argmax(-1)) >= 0.9
+    fused, cache = decode_steps(params, plan, ids)
+    nl, mlp, _ = BOUNDARIES[boundary]
+    names = step_kernels(params, plan, 2)
+    matmuls = [n for n in names if "matmul" in n]
+    # The layer's q/k/v (with the MLP's chunks added and the norm in its loop when the
+    # boundary is in the consumer and there is no bias), o, SwiGLU (with o's chunks and the
+    # norm in its loop), down; the attention kernel; the boundaries' kernels.
+    qkv = "matmul_none_k64_n256"
+    want_qkv = ("add_norm_" + qkv if nl is C and not config.qkv_bias else qkv)
+    assert any(n.startswith(want_qkv) for n in matmuls), names
+    assert any(n.startswith("add_norm_matmul_swiglu" if mlp is C else "matmul_swiglu")
+               for n in matmuls), names
+    assert names["decode_attention_append"] == config.num_layers
+    # Two layers: (rms_norm, add_rms_norm) kernels. A q/k/v bias keeps the MLP -> attention
+    # boundary out of the q/k/v matmul: it falls back to a kernel of its own.
+    want = {"xla": (5, 0), "kernel": (1, 4), "swiglu": (1, 2),
+            "consumers": (1, 2) if config.qkv_bias else (0, 1)}[boundary]
+    assert (names["rms_norm"], names["add_rms_norm"]) == want, names
+    assert_close_to_reference(params, config, ids, fused)
     # The kernel wrote the same (rotated) keys and values to the cache.
-    for k, k_ref in zip(cache.k, ref_cache.k):
+    _, ref_cache = decode_steps(params, Plan(config, KernelPolicy.reference()), ids)
+    for k, k_ref in zip(cache.k + cache.v, ref_cache.k + ref_cache.v):
         assert rel_err(k[:, :ids.shape[1]], k_ref[:, :ids.shape[1]]) < 1e-2
-    for v, v_ref in zip(cache.v, ref_cache.v):
-        assert rel_err(v[:, :ids.shape[1]], v_ref[:, :ids.shape[1]]) < 1e-2
 
 
-@pytest.mark.parametrize("boundary", ["swiglu", "consumers"])
-def test_one_kernel_mlp_matches_reference_path(kernels_in_interpret_mode, boundary,
-                                               monkeypatch):
-    # Decode rows within layers.ONE_KERNEL_MLP_ROWS: each layer's MLP is one swiglu_down
-    # call (its accumulator the zeroed buffer of the layer before, its output read by the
-    # next q/k/v matmul or add_rms_norm as one float32 chunk); prefill keeps two kernels.
-    set_boundaries(monkeypatch, boundary)
-    monkeypatch.setattr(layers, "ONE_KERNEL_MLP_ROWS", 2)
+def test_one_kernel_mlp_matches_reference_path():
+    # Decode rows within one_kernel_mlp_rows: each layer's MLP is one swiglu_down call (its
+    # accumulator the zeroed buffer of the layer before, its output read by the next q/k/v
+    # matmul or add_rms_norm as one float32 chunk); prefill keeps two kernels.
     config = tiny_config(num_layers=3)
-    params = layers.init_params(llama.param_specs(config), jax.random.key(0), jnp.bfloat16)
+    params = random_params(config)
+    plan = Plan(config, INTERPRET.replace(one_kernel_mlp_rows=2))
     ids = jax.random.randint(jax.random.key(2), (2, 13), 0, config.vocab_size)
-    calls = []
-    for name in ("swiglu", "swiglu_down"):
-        fn = getattr(pallas_kernels, name)
+    names = step_kernels(params, plan, 2)
+    assert names["add_norm_matmul_swiglu_down_k64_n96"] == config.num_layers, names
+    assert not any("matmul_none_k96" in n for n in names)  # no separate down projection
+    fused, _ = decode_steps(params, plan, ids)
+    assert_close_to_reference(params, config, ids, fused)
 
-        def spy(*a, _fn=fn, _name=name, **k):
-            calls.append(_name)
-            return _fn(*a, **k)
-        monkeypatch.setattr(pallas_kernels, name, spy)
-    fused, _ = decode_steps(params, config, ids)
-    steps = ids.shape[1] - ids.shape[1] // 3
-    assert calls.count("swiglu_down") == steps * config.num_layers
-    monkeypatch.setattr(layers, "use_kernels", lambda dtype: False)
-    ref, _ = decode_steps(params, config, ids)
-    for i in range(ids.shape[1]):
-        assert rel_err(fused[:, i], ref[:, i]) < 3e-2, f"position {i}"
-    assert np.mean(fused.argmax(-1) == ref.argmax(-1)) >= 0.9
+
+def test_deterministic_policy_is_batch_invariant_in_interpret_mode():
+    """KernelPolicy.deterministic(): a request's logits, bit for bit, alone and at rows 0 and 3
+    of a batch of 4 whose other rows hold other tokens and whose cache is longer (more key
+    chunks: attention_chunk 16 here), prefill and decode; and close to the references."""
+    config = tiny_config()
+    params = random_params(config)
+    plan = Plan(config, KernelPolicy.deterministic(interpret=True, attention_chunk=16))
+    ids = jax.random.randint(jax.random.key(3), (4, 10), 0, config.vocab_size)
+    alone, _ = decode_steps(params, plan, ids[1:2], cache_len=24)
+    for row in (0, 3):
+        batch = ids.at[row].set(ids[1])
+        together, _ = decode_steps(params, plan, batch, cache_len=48)
+        np.testing.assert_array_equal(together[row], alone[0])
+    assert_close_to_reference(params, config, ids[1:2], alone)
+    names = step_kernels(params, plan, 1)
+    assert "add_norm_matmul_swiglu_down_k64_n96" not in names  # no float atomics
+    assert any(n.startswith("matmul_none_k64_n96") for n in names), names  # the LM head
+
+
+def test_reference_policy_runs_no_kernel():
+    config = tiny_config()
+    params = random_params(config)
+    assert not step_kernels(params, Plan(config, KernelPolicy.reference()), 2)
+    assert not step_kernels(params, Plan(config, KernelPolicy()), 2)  # the CPU: references
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
-@pytest.mark.parametrize("boundary", list(BOUNDARIES))
+@pytest.mark.parametrize("boundary", ["kernel", "consumers"])
 @pytest.mark.parametrize("variant", [{}, {"layer_windows": (5, None)}, {"qkv_bias": True}],
                          ids=["llama3", "window", "qkv_bias"])
-def test_kernel_path_matches_reference_path_gpu(variant, boundary, monkeypatch):
+def test_kernel_path_matches_reference_path_gpu(variant, boundary):
     """The same on the H200 with the compiled kernels (the HF fixtures' head dim 16 is below
     the fused attention kernel's 32, so test_gpu.py does not reach that kernel)."""
-    set_boundaries(monkeypatch, boundary)
     config = tiny_config(**variant)
-    params = layers.init_params(llama.param_specs(config), jax.random.key(0), jnp.bfloat16)
+    params = random_params(config)
     ids = jax.random.randint(jax.random.key(2), (2, 13), 0, config.vocab_size)
-    fused, _ = decode_steps(params, config, ids)
-    monkeypatch.setattr(layers, "use_kernels", lambda dtype: False)
-    ref, _ = decode_steps(params, config, ids)
-    for i in range(ids.shape[1]):
-        assert rel_err(fused[:, i], ref[:, i]) < 3e-2, f"position {i}"
-    assert np.mean(fused.argmax(-1) == ref.argmax(-1)) >= 0.9
+    fused, _ = decode_steps(params, Plan(config, KernelPolicy(**boundaries(boundary))), ids)
+    assert_close_to_reference(params, config, ids, fused)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize("rows", [1, 4])
-def test_one_kernel_mlp_matches_reference_path_gpu(rows, monkeypatch):
+def test_one_kernel_mlp_matches_reference_path_gpu(rows):
     """The one-kernel MLP (float32 atomics) on the H200 at decode batch 1 (the default) and 4,
-    against the references; and at batch 1 against the two-kernel MLP."""
-    monkeypatch.setattr(layers, "ONE_KERNEL_MLP_ROWS", rows)
+    against the references; and against the two-kernel MLP."""
     config = tiny_config(num_layers=3)
-    params = layers.init_params(llama.param_specs(config), jax.random.key(0), jnp.bfloat16)
+    params = random_params(config)
     ids = jax.random.randint(jax.random.key(2), (rows, 13), 0, config.vocab_size)
-    fused, _ = decode_steps(params, config, ids)
-    monkeypatch.setattr(layers, "ONE_KERNEL_MLP_ROWS", 0)
-    two, _ = decode_steps(params, config, ids)
+    fused, _ = decode_steps(params, Plan(config, KernelPolicy(one_kernel_mlp_rows=rows)), ids)
+    two, _ = decode_steps(params, Plan(config, KernelPolicy(one_kernel_mlp_rows=0)), ids)
     assert rel_err(fused, two) < 1e-2
-    monkeypatch.setattr(layers, "use_kernels", lambda dtype: False)
-    ref, _ = decode_steps(params, config, ids)
-    for i in range(ids.shape[1]):
-        assert rel_err(fused[:, i], ref[:, i]) < 3e-2, f"position {i}"
-    assert np.mean(fused.argmax(-1) == ref.argmax(-1)) >= 0.9
+    assert_close_to_reference(params, config, ids, fused)

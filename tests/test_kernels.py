@@ -146,7 +146,7 @@ def test_flash_attention_sm_scale_and_window_matter():
 
 def test_flash_reference_matches_model_attention():
     """Cross-check our reference against the model's HF-semantics attention (independent code)."""
-    from jaxinfer.models.layers import attention_reference
+    from jaxinfer.ops.reference import attention_reference
     q, k, v = qkv(5, 2, 9, 23, 4, 2, 16, jnp.float32)
     q_pos = jnp.broadcast_to(jnp.arange(14, 23), (2, 9))
     kv_pos = jnp.broadcast_to(jnp.arange(23), (2, 23))
@@ -241,7 +241,7 @@ def test_rope_interpret(dtype):
 
 
 def test_rope_reference_matches_model_rope():
-    from jaxinfer.models.layers import apply_rope
+    from jaxinfer.ops.reference import apply_rope
     x = normal(4, (1, 6, 2, 16), jnp.float32)
     positions = jnp.arange(6, dtype=jnp.int32)[None] + 100
     angle = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq(16))

@@ -13,9 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.models import layers
-from pallas_kernels.l2_prefetch import (PrefetchPlan, l2_prefetch, page_plan, plan_programs,
-                                        program_offsets)
+from jaxinfer.configs import PRESETS
+from jaxinfer.ops.linear import prefetch_pairs
+from jaxinfer.plan import At, KernelPolicy, Plan, Prefetch
+from jaxinfer.weights import Dense
+from pallas_kernels.l2_prefetch import PrefetchPlan, l2_prefetch, plan_programs, program_offsets
 from pallas_kernels.norm_matmul import (MatmulBlockSizes, _chunking, default_block_sizes,
                                         first_rows_plan, norm_matmul)
 from pallas_kernels.swiglu import swiglu
@@ -79,41 +81,18 @@ def test_kernels_give_the_same_results_with_prefetch(dtype):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_next_prefetch_follows_prefetch_rows(monkeypatch):
-    x = jnp.zeros((1, 1, 4096), jnp.bfloat16)
-    wg = jax.ShapeDtypeStruct((4096, 14336), jnp.bfloat16)
-    monkeypatch.setitem(layers.PREFETCH, "mlp", None)
-    assert layers.next_prefetch("mlp", x, wg, wg) == ()
-    monkeypatch.setitem(layers.PREFETCH, "mlp", (64, "start"))
-    pairs = layers.next_prefetch("mlp", x, wg, wg)
-    assert [p[0] for p in pairs] == [wg, wg]
+def test_prefetch_pairs_follow_the_policy():
+    plan = Plan(PRESETS["llama3-8b"], KernelPolicy())
+    wg = Dense(jax.ShapeDtypeStruct((4096, 14336), jnp.bfloat16))
+    assert prefetch_pairs(None, (wg, wg), 1, plan) == ()
+    pairs = prefetch_pairs(Prefetch(64, At.START), (wg, wg), 1, plan)
+    assert [p[0] for p in pairs] == [wg.w, wg.w]
     assert pairs[0][1] == first_rows_plan(1, 4096, 14336, n_weights=2, rows=64, at="start")
     assert pairs[0][1].length == 64 * 14336 and pairs[0][1].at == "start"
-    monkeypatch.setitem(layers.PREFETCH, "down", (128, "start"))
-    odd = jax.ShapeDtypeStruct((70, 3), jnp.bfloat16)  # 3 columns x 70 rows: not 16-byte rows
-    assert layers.next_prefetch("down", jnp.zeros((1, 1, 70), jnp.bfloat16), odd) == ()
-    monkeypatch.setitem(layers.PREFETCH, "qkv", (256, "end"))
-    assert layers.next_prefetch("qkv", x, None) == ()  # the last layer has no next q/k/v
-
-
-def test_page_plan_touches_every_page_once():
-    size = 14336 * 4096  # down's weight, bf16: 117 MB, 56 pages of 2 MiB
-    plan = page_plan(size, 2)
-    assert plan.starts == tuple(range(0, size, 1 << 20)) and plan.length == 64
-    assert plan.at == "start"
-    hits = covered(plan, 128, 128, 2)
-    touched = np.flatnonzero(hits)
-    assert set(touched // (1 << 20)) == set(range(56)) and len(touched) == 56 * 64
-
-
-def test_page_touch_adds_page_plans(monkeypatch):
-    x = jnp.zeros((1, 1, 14336), jnp.bfloat16)
-    wd = jax.ShapeDtypeStruct((14336, 4096), jnp.bfloat16)
-    monkeypatch.setitem(layers.PREFETCH, "down", None)
-    monkeypatch.setitem(layers.PAGE_TOUCH, "down", "end")
-    assert layers.next_prefetch("down", x, wd) == ((wd, page_plan(14336 * 4096, 2, at="end")),)
-    monkeypatch.setitem(layers.PREFETCH, "down", (128, "start"))
-    assert [p.length for _, p in layers.next_prefetch("down", x, wd)] == [128 * 4096, 64]
+    odd = Dense(jax.ShapeDtypeStruct((70, 3), jnp.bfloat16))  # 3 columns: not 16-byte rows
+    assert prefetch_pairs(Prefetch(128), (odd,), 1, plan) == ()
+    table = Dense(jax.ShapeDtypeStruct((96, 64), jnp.bfloat16), transposed=True)
+    assert prefetch_pairs(Prefetch(128), (table,), 1, plan) == ()  # the kernels read [K, N]
 
 
 def test_bad_prefetch_arguments_raise_clear_errors():

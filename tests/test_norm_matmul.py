@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.models import layers
+from jaxinfer.ops import reference
 from pallas_kernels.norm_matmul import (MatmulBlockSizes, apply_norm_partials, norm_matmul,
                                         norm_matmul_reference)
 from pallas_kernels.rms_norm import add_rms_norm_reference
@@ -53,8 +53,8 @@ def test_norm_matmul_interpret(m, k, n_dims, dtype, with_residual):
     ref = norm_matmul_reference(x, nw, w, eps=EPS, residual=residual)
     assert out.shape == (m, *n_dims) and out.dtype == x.dtype
     assert rel_err(out, ref) < TOL[dtype]
-    # The model's unfused path: layers.rms_norm then layers.linear (+ the residual).
-    unfused = layers.linear(layers.rms_norm(x, nw, EPS), w)
+    # The model's unfused path: reference.rms_norm then reference.linear (+ the residual).
+    unfused = reference.linear(reference.rms_norm(x, nw, EPS), w)
     if with_residual:
         unfused = (unfused.astype(jnp.float32) + res.astype(jnp.float32)).astype(dtype)
     assert rel_err(out, unfused) < TOL[dtype]
@@ -75,8 +75,8 @@ def test_norm_matmul_split_k_and_plain(blocks, dtype, norm):
     ref = norm_matmul_reference(x, nw, w, eps=EPS, residual=res)
     assert out.shape == (3, 2, 24) and out.dtype == x.dtype
     assert rel_err(out, ref) < TOL[dtype]
-    h = layers.rms_norm(x, nw, EPS) if norm else x
-    unfused = (layers.linear(h, w).astype(jnp.float32) + res.astype(jnp.float32)).astype(dtype)
+    h = reference.rms_norm(x, nw, EPS) if norm else x
+    unfused = (reference.linear(h, w).astype(jnp.float32) + res.astype(jnp.float32)).astype(dtype)
     assert rel_err(out, unfused) < TOL[dtype]
 
 
@@ -102,8 +102,8 @@ def test_swiglu_with_norm_prologue(blocks, dtype):
     ref = swiglu_reference(x, wg, wu, norm_weight=nw, eps=EPS)
     assert out.shape == (5, 40) and out.dtype == x.dtype
     assert rel_err(out, ref) < TOL[dtype]
-    h = layers.rms_norm(x, nw, EPS)
-    unfused = layers.swiglu_act(h, {"w_gate": wg, "w_up": wu})
+    h = reference.rms_norm(x, nw, EPS)
+    unfused = reference.swiglu(h, wg, wu)
     assert rel_err(out, unfused) < TOL[dtype]
     assert rel_err(out, swiglu_reference(x, wg, wu)) > 0.1  # the norm matters here
 
@@ -114,7 +114,7 @@ def test_default_blocks_and_norm_matters():
     x, nw, w, _ = inputs(7, 2, 200, (40,), jnp.float32)
     out = norm_matmul(x, nw, w, eps=EPS, interpret=True)
     assert rel_err(out, norm_matmul_reference(x, nw, w, eps=EPS)) < TOL[jnp.float32]
-    assert rel_err(out, layers.linear(x, w)) > 0.1
+    assert rel_err(out, reference.linear(x, w)) > 0.1
 
 
 def deltas_for(seed, x, chunks=2):
@@ -141,7 +141,7 @@ def test_swiglu_adds_deltas_to_the_residual_in_its_main_loop(blocks, dtype, m):
     assert rel_err(out, ref) < TOL[dtype]
     x_model, h = add_rms_norm_reference(x, deltas, nw, eps=EPS)  # the model's boundary
     np.testing.assert_array_equal(np.asarray(x_new), np.asarray(x_model))
-    assert rel_err(out, layers.swiglu_act(h, {"w_gate": wg, "w_up": wu})) < TOL[dtype]
+    assert rel_err(out, reference.swiglu(h, wg, wu)) < TOL[dtype]
     assert rel_err(out, swiglu_reference(x, wg, wu, norm_weight=nw, eps=EPS)) > 0.1
 
 
@@ -160,7 +160,7 @@ def test_normed_partials_with_deltas(blocks, dtype, m):
     x_model, h = add_rms_norm_reference(x, deltas, nw, eps=EPS)  # the model's boundary
     np.testing.assert_array_equal(np.asarray(x_new), np.asarray(x_model))
     y = apply_norm_partials(parts, ss, 200, EPS)
-    assert rel_err(y, layers.linear(h, w)) < TOL[dtype]
+    assert rel_err(y, reference.linear(h, w)) < TOL[dtype]
     x_ref, ref = norm_matmul_reference(x, nw, w, eps=EPS, deltas=deltas)
     np.testing.assert_array_equal(np.asarray(x_new), np.asarray(x_ref))
     assert rel_err(y, ref) < TOL[dtype]
@@ -242,6 +242,34 @@ def test_swiglu_down_bad_inputs_raise_clear_errors():
         with pytest.raises(ValueError, match="swiglu_down") as err:
             swiglu_down(*args, eps=EPS, interpret=True, **kwargs)
         assert needle in str(err.value), (needle, str(err.value))
+
+
+@pytest.mark.parametrize("blocks", [SMALL, SPLIT], ids=["one_chunk", "split_k"])
+def test_transposed_weight_with_norm_and_deltas(blocks):
+    """w stored [N, K] (an embedding table as a tied LM head): the residual add and the norm
+    in the loop, float32 logits out, ragged N and K; and with single_row=False a row's output
+    is the same bits alone and in a batch of 3 (the batch-invariant form)."""
+    m, k, n = 3, 200, 75
+    x, nw, w, _ = inputs(7, m, k, (n,), jnp.bfloat16)
+    w_t = w.T  # [N, K]
+    deltas = jax.random.normal(jax.random.PRNGKey(8), (2, m, k), jnp.float32)
+    kw = dict(eps=EPS, deltas=deltas, transposed=True, out_dtype=jnp.float32)
+    x_new, out = norm_matmul(x, nw, w_t, interpret=True, block_sizes=blocks, **kw)
+    x_ref, ref = norm_matmul_reference(x, nw, w_t, **kw)
+    assert out.dtype == jnp.float32 and out.shape == (m, n)
+    np.testing.assert_array_equal(np.asarray(x_new), np.asarray(x_ref))
+    assert rel_err(out, ref) < TOL[jnp.bfloat16]
+    plain = norm_matmul(x, nw, w, eps=EPS, deltas=deltas, out_dtype=jnp.float32,
+                        interpret=True, block_sizes=blocks)[1]
+    assert rel_err(out, plain) < 1e-3  # the same product as the [K, N] weight's
+    one = norm_matmul(x[:1], nw, w_t, interpret=True, block_sizes=blocks, single_row=False,
+                      **dict(kw, deltas=deltas[:, :1]))[1]
+    many = norm_matmul(x, nw, w_t, interpret=True, block_sizes=blocks, single_row=False, **kw)[1]
+    np.testing.assert_array_equal(np.asarray(one[0]), np.asarray(many[0]))
+    with pytest.raises(ValueError, match="transposed=True gives the finished product"):
+        norm_matmul(x, nw, w_t, transposed=True, partials=True)
+    with pytest.raises(ValueError, match=r"is not \[N, K\]"):
+        norm_matmul(x, nw, w, transposed=True)
 
 
 @pytest.mark.parametrize("fn", [norm_matmul, norm_matmul_reference], ids=["kernel", "reference"])

@@ -1,39 +1,44 @@
-"""Llama-family decoder: Llama 2/3/3.1/3.2, Mistral, Qwen2, Qwen3, SmolLM.
+"""The Llama family: Llama 2/3/3.1/3.2, Mistral, Qwen2, Qwen3, SmolLM.
 
 The family differences are switches on `Config` (qkv bias, q/k norm, sliding windows, RoPE
-scaling, tied embeddings), so one forward function covers them all.
+scaling, tied embeddings), so one forward covers them all. The forward is a wiring diagram of
+ops (jaxinfer/ops): which kernels run, and how the residual stream's sublayer boundaries fuse
+into them, is the ops' business and the plan's.
 
-Layer loop: a Python loop over per-layer weight dicts, unrolled at trace time. Measured on an
-H200 (GPU.md) this is 2.3x faster for decode than `lax.scan` over stacked [L, ...] weights,
-which made XLA copy each layer's weights every step; the cost is compile time linear in the
-number of layers (reported in the foundation issue's closing note).
+Layer loop: a Python loop over per-layer weights, unrolled at trace time: `lax.scan` over
+stacked [L, ...] weights made XLA copy each layer's weights every decode step
+(benchmarks/DECISIONS.md); the cost is compile time linear in the number of layers.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jaxinfer.cache import KVCache, write_kv
+from jaxinfer import ops
+from jaxinfer.cache import KVCache
 from jaxinfer.configs import Config
-from jaxinfer.models import layers
-from jaxinfer.models.layers import ParamSpec
+from jaxinfer.models.family import Family, TensorMap
+from jaxinfer.plan import Plan
+from jaxinfer.weights import Kind, ParamSpec
 
 
 def param_specs(config: Config) -> dict:
-    """Every weight declared once: shape [in, out] for matmuls, logical axes, initializer."""
+    """Every weight declared once: shape ([in, out] for matmuls), logical axes, initializer."""
     d, f, hd = config.hidden_size, config.intermediate_size, config.head_dim
     hkv, g = config.num_kv_heads, config.num_heads // config.num_kv_heads
-    q_out = config.num_heads * hd
+    dense = Kind.DENSE
     layer = {
         "attn_norm": ParamSpec((d,), ("embed",), "ones"),
-        # q, k, v in one weight (see checkpoints/layout.py): per KV head, G query heads, k, v.
-        "wqkv": ParamSpec((d, hkv, g + 2, hd), ("embed", "kv_heads", None, None)),
-        "wo": ParamSpec((q_out, d), ("q_heads", "embed")),
+        # q, k and v in one weight: per KV head its G query heads, its key, its value (one
+        # matmul instead of three; sharding the Hkv axis keeps a head's q, k, v together).
+        "wqkv": ParamSpec((d, hkv, g + 2, hd), ("embed", "kv_heads", None, None), kind=dense),
+        "wo": ParamSpec((config.num_heads * hd, d), ("q_heads", "embed"), kind=dense),
         "mlp_norm": ParamSpec((d,), ("embed",), "ones"),
-        "w_gate": ParamSpec((d, f), ("embed", "mlp")),
-        "w_up": ParamSpec((d, f), ("embed", "mlp")),
-        "w_down": ParamSpec((f, d), ("mlp", "embed")),
+        "w_gate": ParamSpec((d, f), ("embed", "mlp"), kind=dense),
+        "w_up": ParamSpec((d, f), ("embed", "mlp"), kind=dense),
+        "w_down": ParamSpec((f, d), ("mlp", "embed"), kind=dense),
     }
     if config.qkv_bias:
         layer["bqkv"] = ParamSpec((hkv, g + 2, hd), ("kv_heads", None, None), "zeros")
@@ -47,99 +52,146 @@ def param_specs(config: Config) -> dict:
         layer["q_norm"] = ParamSpec((hd,), (None,), "ones")
         layer["k_norm"] = ParamSpec((hd,), (None,), "ones")
     specs = {
-        "embed": ParamSpec((config.vocab_size, d), ("vocab", "embed")),
+        "embed": ParamSpec((config.vocab_size, d), ("vocab", "embed"), kind=Kind.DENSE_T),
         "layers": [dict(layer) for _ in range(config.num_layers)],
         "final_norm": ParamSpec((d,), ("embed",), "ones"),
     }
     if not config.tie_word_embeddings:
-        specs["lm_head"] = ParamSpec((d, config.vocab_size), ("embed", "vocab"))
+        specs["lm_head"] = ParamSpec((d, config.vocab_size), ("embed", "vocab"), kind=dense)
     return specs
 
 
-def _attention_block(lp: dict, x, delta, cos, sin, positions, config: Config, layer: int,
-                     cache_kv: tuple[jax.Array, jax.Array] | None, fresh: bool):
-    """Self-attention sublayer of the residual stream x [B, T, D] plus the previous sublayer's
-    output delta (not yet added; None in the first layer): returns (x + delta, the
-    sublayer's output for the next boundary, the updated (k, v) cache or None)."""
-    b, t, _ = x.shape
-    hd, eps = config.head_dim, config.rms_norm_eps
-    g = config.num_heads // config.num_kv_heads
-    window = config.window(layer)
-    if (cache_kv is not None and not fresh and not config.qk_norm
-            and layers.fused_decode_attention_ok(x, hd, config.rotary_dim)):
-        # Decode on GPU: the boundary's add and norm, the q/k/v projection (its split-K
-        # chunks summed, the norm applied, RoPE), the cache write and attention in 2-3 kernels.
-        x, qkv, norm = layers.norm_qkv(x, delta, lp["attn_norm"], lp["wqkv"], lp.get("bqkv"),
-                                       eps, next_w=lp["wo"])  # qkv: [S, B, T, Hkv, G + 2, hd]
-        o, *cache_kv = layers.decode_attention_qkv(qkv, *cache_kv, positions, cos, sin,
-                                                   window=window, norm=norm)
-    else:
-        x, h = layers.add_norm(x, delta, lp["attn_norm"], eps)
-        qkv = layers.project(h, lp["wqkv"], lp.get("bqkv"))  # [B, T, Hkv, G + 2, hd]
-        q = qkv[:, :, :, :g].reshape(b, t, config.num_heads, hd)  # head j*G + i, as HF orders them
-        k = qkv[:, :, :, g]  # [B, T, Hkv, hd]
-        v = qkv[:, :, :, g + 1]
-        if config.qk_norm:
-            q = layers.rms_norm(q, lp["q_norm"], eps)
-            k = layers.rms_norm(k, lp["k_norm"], eps)
-        q = layers.apply_rope(q, cos, sin)  # [B, T, Hq, D]
-        k = layers.apply_rope(k, cos, sin)  # [B, T, Hkv, D]
-        if cache_kv is not None:
-            cache_kv = write_kv(*cache_kv, k, v, positions)  # [B, S, Hkv, D] each
-        if cache_kv is None or fresh:
-            o = layers.causal_self_attention(q, k, v, positions, window=window)
-        else:
-            o = layers.cached_attention(q, *cache_kv, positions, window=window)
-    attn = layers.linear_delta(o.reshape(b, t, config.num_heads * hd), lp["wo"], lp.get("bo"),
-                               prefetch=layers.next_prefetch("mlp", x, lp["w_gate"], lp["w_up"])
-                               if "w_gate" in lp else ())
-    return x, attn, cache_kv
-
-
-def forward(params: dict, tokens: jax.Array, positions: jax.Array, config: Config,
+def forward(params: dict, tokens: jax.Array, positions: jax.Array, plan: Plan,
             cache: KVCache | None = None, logits_at: jax.Array | None = None,
             fresh: bool = False) -> tuple[jax.Array, KVCache | None]:
     """Causal forward pass.
 
     tokens, positions: [B, T] int32. Without a cache, the T tokens attend among themselves
-    (positions 0..T-1: the GPU path assumes it). With a cache, their K/V are written to slots
-    `positions` and they attend to every cache slot at or before their position; `fresh=True`
-    says the cache held nothing before them (a prefill from position 0), so they attend among
-    themselves, which the fused self-attention kernel does faster. `cache.lengths` is left for
-    the caller to advance.
+    (positions 0..T-1). With a cache, their K/V are written to slots `positions` and they
+    attend to every cache slot at or before their position; `fresh=True` says the cache held
+    nothing before them (a prefill from position 0). `cache.lengths` is left for the caller.
     logits_at: optional [B] index into T; then only those rows get logits ([B, 1, V]).
     Returns (logits [B, T or 1, V] float32, cache).
     """
-    x = params["embed"][tokens]  # [B, T, D]
-    cos, sin = layers.rope_tables(config, positions)  # [B, T, R]
-    eps = config.rms_norm_eps
-    blocks = params["layers"]
-    # Pre-norm decoder, written with the residual add fused into the norm that follows it:
-    # each sublayer returns its output (delta) and the next sublayer boundary adds it to the
-    # residual stream x and norms (one kernel on the decode path, or none: the consumer's
-    # matmul does it, layers.SWIGLU_ADD_NORM / QKV_ADD_NORM).
-    delta = None  # the last sublayer's output, not yet in x
-    zeroed = None  # the one-kernel MLP's next accumulator (layers.norm_mlp)
-    new_k, new_v = [], []
-    for i, lp in enumerate(blocks):
+    config = plan.config
+    b, t = tokens.shape
+    rope = ops.rope_tables(config, positions)  # cos, sin [B, T, R]
+    stream = ops.Residual.start(ops.embed(params["embed"], tokens, plan))  # [B, T, D]
+    new_cache = []
+    for i, lp in enumerate(params["layers"]):
         with jax.named_scope(f"layer{i}"):
-            cache_kv = None if cache is None else (cache.k[i], cache.v[i])
-            dead = delta  # the last MLP's output: read by this layer's q/k/v, then reusable
-            x, attn, cache_kv = _attention_block(lp, x, delta, cos, sin, positions, config, i,
-                                                 cache_kv, fresh)
-            nxt = blocks[i + 1]["wqkv"] if i + 1 < len(blocks) else None  # L2 prefetch target
-            x, delta, zeroed = layers.norm_mlp(x, attn, lp, lp["mlp_norm"], eps, next_w=nxt,
-                                               zeroed=zeroed, dead=dead)
-            if cache_kv is not None:
-                new_k.append(cache_kv[0])
-                new_v.append(cache_kv[1])
-    x, h = layers.add_norm(x, delta, params["final_norm"], eps)
-    if logits_at is not None:
-        h = jnp.take_along_axis(h, logits_at[:, None, None], axis=1)  # [B, 1, D]
-    if config.tie_word_embeddings:
-        logits = jnp.einsum("btd,vd->btv", h, params["embed"], preferred_element_type=jnp.float32)
-    else:
-        logits = jnp.einsum("btd,dv->btv", h, params["lm_head"], preferred_element_type=jnp.float32)
-    if cache is not None:
-        cache = cache.replace(k=tuple(new_k), v=tuple(new_v))
-    return logits, cache
+            stream, qkv = ops.norm_linear(stream, lp["attn_norm"], lp["wqkv"], plan,
+                                          bias=lp.get("bqkv"))  # qkv [B, T, Hkv, G + 2, hd]
+            o, layer_cache = ops.attend(
+                qkv, None if cache is None else cache.layer(i), plan, positions=positions,
+                rope=rope, window=config.window(i), q_norm=lp.get("q_norm"),
+                k_norm=lp.get("k_norm"), fresh=fresh)  # o [B, T, Hq, hd]
+            stream = ops.linear(o.reshape(b, t, -1), lp["wo"], plan, bias=lp.get("bo"),
+                                into=stream)
+            biases = (lp["b_gate"], lp["b_up"], lp["b_down"]) if config.mlp_bias else None
+            stream = ops.gated_mlp(stream, lp["mlp_norm"], lp["w_gate"], lp["w_up"],
+                                   lp["w_down"], plan, biases=biases)
+            new_cache.append(layer_cache)
+    head = params["embed"] if config.tie_word_embeddings else params["lm_head"]
+    logits = ops.lm_head(stream, params["final_norm"], head, plan, rows_at=logits_at)
+    return logits, None if cache is None else cache.with_layers(new_cache)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints: tensor names, and the one place per-projection tensors become the fused layout
+# ---------------------------------------------------------------------------------------------
+
+HF_TENSORS = TensorMap(
+    layer={
+        "attn_norm": ("input_layernorm.weight", False),
+        "wq": ("self_attn.q_proj.weight", True),
+        "wk": ("self_attn.k_proj.weight", True),
+        "wv": ("self_attn.v_proj.weight", True),
+        "wo": ("self_attn.o_proj.weight", True),
+        "bq": ("self_attn.q_proj.bias", False),
+        "bk": ("self_attn.k_proj.bias", False),
+        "bv": ("self_attn.v_proj.bias", False),
+        "bo": ("self_attn.o_proj.bias", False),
+        "q_norm": ("self_attn.q_norm.weight", False),
+        "k_norm": ("self_attn.k_norm.weight", False),
+        "mlp_norm": ("post_attention_layernorm.weight", False),
+        "w_gate": ("mlp.gate_proj.weight", True),
+        "w_up": ("mlp.up_proj.weight", True),
+        "w_down": ("mlp.down_proj.weight", True),
+        "b_gate": ("mlp.gate_proj.bias", False),
+        "b_up": ("mlp.up_proj.bias", False),
+        "b_down": ("mlp.down_proj.bias", False),
+    },
+    top={
+        "embed": ("model.embed_tokens.weight", False),
+        "final_norm": ("model.norm.weight", False),
+        "lm_head": ("lm_head.weight", True),
+    })
+
+GGUF_TENSORS = TensorMap(
+    layer={
+        "attn_norm": ("attn_norm.weight", False),
+        "wq": ("attn_q.weight", True),
+        "wk": ("attn_k.weight", True),
+        "wv": ("attn_v.weight", True),
+        "wo": ("attn_output.weight", True),
+        "mlp_norm": ("ffn_norm.weight", False),
+        "w_gate": ("ffn_gate.weight", True),
+        "w_up": ("ffn_up.weight", True),
+        "w_down": ("ffn_down.weight", True),
+    },
+    top={
+        "embed": ("token_embd.weight", False),
+        "final_norm": ("output_norm.weight", False),
+        "lm_head": ("output.weight", True),
+    })
+
+
+def checkpoint_shapes(config: Config) -> dict:
+    """The per-projection checkpoint tensors' shapes in our layout ([in, out] matmuls)."""
+    d, f, hd, v = config.hidden_size, config.intermediate_size, config.head_dim, config.vocab_size
+    q, kv = config.num_heads * hd, config.num_kv_heads * hd
+    layer = {"attn_norm": (d,), "mlp_norm": (d,), "wq": (d, q), "wk": (d, kv), "wv": (d, kv),
+             "wo": (q, d), "w_gate": (d, f), "w_up": (d, f), "w_down": (f, d)}
+    top = {"embed": (v, d), "final_norm": (d,)}
+    if not config.tie_word_embeddings:
+        top["lm_head"] = (d, v)
+    return {"layer": layer, "top": top}
+
+
+def fuse_qkv(layer: dict, config: Config, where: str) -> dict:
+    """Replace wq/wk/wv ([D, H*hd], [in, out]) and bq/bk/bv by wqkv/bqkv; other keys pass
+    through (numpy stays numpy, so a checkpoint is not copied to the device twice)."""
+    d, hd = config.hidden_size, config.head_dim
+    hq, hkv = config.num_heads, config.num_kv_heads
+    g = hq // hkv
+    want = {"wq": (d, hq * hd), "wk": (d, hkv * hd), "wv": (d, hkv * hd),
+            "bq": (hq * hd,), "bk": (hkv * hd,), "bv": (hkv * hd,)}
+    for name, shape in want.items():
+        if name in layer and tuple(layer[name].shape) != shape:
+            raise ValueError(f"{where}: {name} has shape {tuple(layer[name].shape)}, expected "
+                             f"{shape} from the config (hidden {d}, heads {hq}/{hkv}, head_dim {hd})")
+    missing = [n for n in ("wq", "wk", "wv") if n not in layer]
+    if missing:
+        raise ValueError(f"{where}: missing {', '.join(missing)}")
+    out = {k: v for k, v in layer.items() if k not in want}
+    xp = np if all(isinstance(layer[n], np.ndarray) for n in ("wq", "wk", "wv")) else jnp
+    out["wqkv"] = xp.concatenate([layer["wq"].reshape(d, hkv, g, hd),
+                                  layer["wk"].reshape(d, hkv, 1, hd),
+                                  layer["wv"].reshape(d, hkv, 1, hd)], axis=2)
+    biases = [n for n in ("bq", "bk", "bv") if n in layer]
+    if biases:
+        if len(biases) != 3:
+            raise ValueError(f"{where}: has {', '.join(biases)} but not all of bq, bk, bv")
+        out["bqkv"] = xp.concatenate([layer["bq"].reshape(hkv, g, hd),
+                                      layer["bk"].reshape(hkv, 1, hd),
+                                      layer["bv"].reshape(hkv, 1, hd)], axis=1)
+    return out
+
+
+FAMILY = Family(
+    name="llama", param_specs=param_specs, forward=forward,
+    hf_architectures=("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                      "Qwen3ForCausalLM"),
+    hf_tensors=HF_TENSORS, gguf_architectures=("llama",), gguf_tensors=GGUF_TENSORS,
+    assemble_layer=fuse_qkv, checkpoint_shapes=checkpoint_shapes)

@@ -1,0 +1,21 @@
+"""The model ops: one entry point per operation, each dispatching to a Pallas kernel or the
+pure-jnp reference (see dispatch.py); families are wired from these and nothing else.
+
+    embed(table, tokens, plan)                       [B, T] -> [B, T, D]
+    norm_linear(stream, norm_w, w, plan, bias=)      the boundary + a projection (for attend)
+    attend(qkv, cache, plan, positions=, rope=, ...) RoPE, the cache append, attention
+    linear(x, w, plan, bias=, into=stream)           x @ w, or a sublayer output for the stream
+    gated_mlp(stream, norm_w, w_gate, w_up, w_down, plan)
+    lm_head(stream, norm_w, head, plan, rows_at=)    the final boundary and float32 logits
+    norm(x, w, eps, plan); rope_tables(config, positions)
+"""
+
+from jaxinfer.ops.attention import ATTEND, ATTENTION_CORE, attend
+from jaxinfer.ops.linear import EMBED, MATMUL, embed, linear, lm_head, norm, norm_linear
+from jaxinfer.ops.mlp import SWIGLU, gated_mlp
+from jaxinfer.ops.reference import rope_tables
+from jaxinfer.ops.stream import Partials, Projection, Residual
+
+__all__ = ["ATTEND", "ATTENTION_CORE", "EMBED", "MATMUL", "SWIGLU", "Partials", "Projection",
+           "Residual", "attend", "embed", "gated_mlp", "linear", "lm_head", "norm",
+           "norm_linear", "rope_tables"]

@@ -1,0 +1,281 @@
+"""The matmul ops: `embed`, `linear`, `norm_linear`, `lm_head` (and `norm`), over typed weights.
+
+Every product goes through `matmul`, whose registry picks the fused small-M Pallas kernel on
+the decode path (norm in its prologue, split-K chunks left for the consumer), the Pallas
+kernel at fixed tiles for batch-invariant prefill, or XLA's dot. The ops around it own the
+sublayer boundary (pallas_kernels/norm_matmul.py describes the fused boundary; the plan says
+where it runs).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+import pallas_kernels as pk
+from jaxinfer.ops import reference
+from jaxinfer.ops.dispatch import Registry, decode_path, kernels_on, rows
+from jaxinfer.ops.stream import (ANY_SUM, ARRAY_ONLY, Deferred, Form, Partials, Projection,
+                                 Residual)
+from jaxinfer.plan import Boundary, Impl, Plan
+from jaxinfer.weights import Dense
+from pallas_kernels.norm_matmul import default_block_sizes, first_rows_plan
+
+# ---------------------------------------------------------------------------------------------
+# Tiles and prefetch plans (both follow the consumer kernel's tiling)
+# ---------------------------------------------------------------------------------------------
+
+
+def tiles(plan: Plan, m: int, k: int, n: int, weights: int, dtype, decode: bool):
+    """The fused matmul tiles for x [m, k] @ `weights` weights [k, n]: the policy's override,
+    or with batch_invariant the tiles of the phase (decode or prefill), not of m; None: the
+    kernel's own choice by shape."""
+    policy = plan.policy
+    override = policy.tiles(k, n, weights)
+    if override is not None:
+        return override
+    if policy.batch_invariant:
+        return default_block_sizes(16 if decode else 1 << 20, n, k, jnp.dtype(dtype).itemsize,
+                                   n_weights=weights)
+    return None
+
+
+def prefetch_pairs(prefetch, weights: tuple, m: int, plan: Plan) -> tuple:
+    """(weight array, PrefetchPlan) pairs asking a producer kernel to prefetch the first rows of
+    a decode consumer's weights (1, or SwiGLU's 2, [K, *N]) as the policy's `prefetch` says."""
+    w = weights[0]
+    if prefetch is None or not isinstance(w, Dense) or w.transposed:
+        return ()
+    k, n, itemsize = w.in_features, math.prod(w.out_shape), jnp.dtype(w.dtype).itemsize
+    blocks = tiles(plan, m, k, n, len(weights), w.dtype, decode=True)
+    fp = first_rows_plan(m, k, n, itemsize=itemsize, n_weights=len(weights), rows=prefetch.rows,
+                         at=prefetch.at.value, block_sizes=blocks)
+    # Rows the instruction cannot address (not in 16-byte granules) get no prefetch.
+    if any((s * itemsize) % 16 for s in (fp.length, *fp.starts)):
+        return ()
+    return tuple((wt.w, fp) for wt in weights)
+
+
+# ---------------------------------------------------------------------------------------------
+# The matmul core: (x [B, T, K], w) -> (x + sum(deltas), y [B, T, *N] in an accepted form)
+# ---------------------------------------------------------------------------------------------
+
+MATMUL = Registry("matmul")
+
+
+def _dense(w, x) -> str | None:
+    if not isinstance(w, Dense):
+        return f"weight type {type(w).__name__}"
+    if jnp.dtype(w.dtype) != jnp.dtype(x.dtype):
+        return f"weight dtype {w.dtype} differs from the activations' {x.dtype}"
+    return None
+
+
+def _fused_supports(x, w, plan, *, deltas=None, **_) -> str | None:
+    if (why := _dense(w, x)) is not None:
+        return why
+    if not decode_path(x, plan):
+        return "not the decode path (rows, query length, dtype or the plan)"
+    if deltas is not None and not isinstance(deltas, Partials):
+        return "deltas are not float32 chunks"
+    return None
+
+
+@MATMUL.register("fused_small_m", _fused_supports)
+def _fused_small_m(x, w, plan, *, accept=ARRAY_ONLY, norm_w=None, eps=0.0, deltas=None,
+                   bias=None, out_dtype=None, prefetch=()):
+    """The decode matmul: one pass over the weight, the residual add and the norm in its
+    main loop, split-K chunks left unreduced when the consumer sums them."""
+    policy = plan.policy
+    m, k = rows(x), x.shape[-1]
+    n = math.prod(w.out_shape)
+    want = Form.NORMED if norm_w is not None else Form.PARTIALS
+    partials = (want in accept and bias is None and out_dtype is None and not w.transposed)
+    dl = None if deltas is None else deltas.parts.reshape(deltas.parts.shape[0], m, k)
+    out = pk.norm_matmul(
+        x.reshape(m, k), norm_w, w.w, eps=eps, partials=partials, deltas=dl, prefetch=prefetch,
+        transposed=w.transposed, out_dtype=out_dtype, single_row=not policy.batch_invariant,
+        interpret=policy.interpret,
+        block_sizes=tiles(plan, m, k, n, 1, x.dtype, decode=True))
+    x_new = x
+    if dl is not None:
+        x_new, out = out
+        x_new = x_new.reshape(x.shape)
+    lead = x.shape[:-1]
+    if partials:
+        parts, ss = out if norm_w is not None else (out, None)
+        parts = parts.reshape(parts.shape[0], *lead, *w.out_shape)  # [S, B, T, *N]
+        return x_new, Partials(parts, None if ss is None else (ss, k, eps))
+    y = out.reshape(*lead, *w.out_shape)
+    if bias is not None:
+        y = (y.astype(jnp.float32) + bias.astype(jnp.float32)).astype(y.dtype)
+    return x_new, y
+
+
+def _fixed_supports(x, w, plan, *, deltas=None, **_) -> str | None:
+    if (why := _dense(w, x)) is not None:
+        return why
+    if not (plan.policy.batch_invariant and kernels_on(plan, x.dtype)):
+        return "only for batch-invariant plans"
+    if deltas is not None:
+        return "takes no deltas"
+    return None
+
+
+@MATMUL.register("pallas_fixed_tiles", _fixed_supports)
+def _pallas_fixed_tiles(x, w, plan, *, accept=ARRAY_ONLY, norm_w=None, eps=0.0, deltas=None,
+                        bias=None, out_dtype=None, prefetch=()):
+    """Batch-invariant prefill: the fused kernel at the prefill tiles whatever the rows, so a
+    row's arithmetic does not depend on the batch (XLA picks its GEMMs by shape)."""
+    m, k = rows(x), x.shape[-1]
+    n = math.prod(w.out_shape)
+    out = pk.norm_matmul(x.reshape(m, k), norm_w, w.w, eps=eps, transposed=w.transposed,
+                         out_dtype=out_dtype, single_row=False,
+                         interpret=plan.policy.interpret,
+                         block_sizes=tiles(plan, m, k, n, 1, x.dtype, decode=False))
+    y = out.reshape(*x.shape[:-1], *w.out_shape)
+    if bias is not None:
+        y = (y.astype(jnp.float32) + bias.astype(jnp.float32)).astype(y.dtype)
+    return x, y
+
+
+@MATMUL.register("xla", lambda x, w, plan, **_: _dense(w, x))
+def _xla(x, w, plan, *, accept=ARRAY_ONLY, norm_w=None, eps=0.0, deltas=None, bias=None,
+         out_dtype=None, prefetch=()):
+    x = add_deltas(x, deltas)
+    h = x if norm_w is None else reference.rms_norm(x, norm_w, eps)
+    return x, reference.linear(h, w.w, bias, transposed=w.transposed, out_dtype=out_dtype)
+
+
+def matmul(x, w, plan: Plan, **kwargs):
+    """(x + sum(deltas), [rms_norm](x + sum(deltas)) @ w (+ bias)) through the first
+    implementation that takes them. x [B, T, K]; keywords: accept (the output forms the
+    caller takes; ARRAY always), norm_w [K] and eps, deltas (Partials of [B, T, K]), bias,
+    out_dtype, prefetch (the consumer's weights, for the kernel's L2 prefetch)."""
+    return MATMUL(x, w, plan, **kwargs)
+
+
+def add_deltas(x, delta):
+    """x + delta (an array, Partials summed in float32 with x and rounded once, or None)."""
+    if delta is None:
+        return x
+    if isinstance(delta, Partials):
+        return (jnp.sum(delta.parts, axis=0) + x.astype(jnp.float32)).astype(x.dtype)
+    return x + delta
+
+
+# ---------------------------------------------------------------------------------------------
+# Norms and the sublayer boundary
+# ---------------------------------------------------------------------------------------------
+
+
+def norm(x, weight, eps: float, plan: Plan):
+    """HF RMSNorm over x's last axis: the Pallas kernel on the decode path (one launch, not
+    XLA's two) and for batch-invariant plans (fixed per-row arithmetic), else the reference."""
+    if kernels_on(plan, x.dtype) and (decode_path(x, plan) or plan.policy.batch_invariant):
+        return pk.rms_norm(x, weight, eps=eps, interpret=plan.policy.interpret)
+    return reference.rms_norm(x, weight, eps)
+
+
+def boundary(x, delta, weight, eps: float, plan: Plan, where: Boundary):
+    """The pre-norm boundary on its own: (x + delta, rms_norm(x + delta)). Partials go to
+    the add_rms_norm kernel unless the plan puts the boundary in XLA."""
+    if isinstance(delta, Partials) and where is not Boundary.XLA and kernels_on(plan, x.dtype):
+        return pk.add_rms_norm(x, delta.parts, weight, eps=eps, interpret=plan.policy.interpret)
+    x = add_deltas(x, delta)
+    return x, norm(x, weight, eps, plan)
+
+
+def _dead_buffer(delta, m: int, d: int):
+    """A consumed one-chunk float32 output [1, B, T, D] as a reusable [M, D] buffer."""
+    if isinstance(delta, Partials) and delta.parts.shape[0] == 1 and delta.norm is None \
+            and delta.parts.dtype == jnp.float32 and delta.parts.size == m * d:
+        return delta.parts.reshape(m, d)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The ops
+# ---------------------------------------------------------------------------------------------
+
+
+def _embed_supports(table, tokens, plan) -> str | None:
+    return None if isinstance(table, Dense) and table.transposed else "not a [V, D] Dense table"
+
+
+EMBED = Registry("embed")
+EMBED.register("gather", _embed_supports)(lambda table, tokens, plan: table.w[tokens])
+
+
+def embed(table: Dense, tokens: jax.Array, plan: Plan) -> jax.Array:
+    """Rows of the embedding table [V, D] for tokens [B, T] -> [B, T, D]."""
+    return EMBED(table, tokens, plan)
+
+
+def linear(x, w, plan: Plan, *, bias=None, into: Residual | None = None):
+    """x [B, T, K] @ w (+ bias) -> [B, T, *N]. With `into`, the product is a sublayer's output
+    for the residual stream instead: it returns `into` with the product pending, emitted when
+    the next op (its consumer) takes it, in the form that op adds fastest."""
+    if into is None:
+        return matmul(x, w, plan, bias=bias)[1]
+
+    def emit(accept, prefetch):
+        return (matmul(x, w, plan, accept=accept, bias=bias, prefetch=prefetch)[1],)
+    return into.with_pending(Deferred(emit).part(0))
+
+
+def norm_linear(stream: Residual, norm_weight, w, plan: Plan, *, bias=None):
+    """The pre-norm boundary and the matmul after it: x + pending -> (that stream,
+    rms_norm(x + pending) @ w (+ bias) as a Projection [B, T, *N]). On the fused decode path,
+    with the boundary in the consumer, one kernel adds the pending chunks, gathers the norm's
+    statistics and streams w, and the norm's scale is left to the consumer (attend)."""
+    policy, eps = plan.policy, plan.config.rms_norm_eps
+    aval = stream.aval
+    fused = MATMUL.pick(aval, w, plan).name == "fused_small_m"
+    hints = prefetch_pairs(policy.prefetch_norm_linear, (w,), rows(aval), plan) if fused else ()
+    m, d = rows(aval), aval.shape[-1]
+
+    def emit(accept, prefetch):
+        x, delta = stream.take(ANY_SUM, hints)
+        in_kernel = (fused and policy.norm_linear_boundary is Boundary.CONSUMER and bias is None
+                     and (delta is None or isinstance(delta, Partials)))
+        if in_kernel:
+            x_new, y = matmul(x, w, plan, accept=accept, norm_w=norm_weight, eps=eps,
+                              deltas=delta, prefetch=prefetch)
+        else:
+            x_new, h = boundary(x, delta, norm_weight, eps, plan, policy.norm_linear_boundary)
+            _, y = matmul(h, w, plan, accept=accept, bias=bias, prefetch=prefetch)
+        return x_new, y, _dead_buffer(delta, m, d)
+
+    call = Deferred(emit)
+    out = Residual(call.part(0), aval, spare=stream.spare, dead=call.part(2))
+    return out, Projection(call.part(1), (*aval.shape[:-1], *w.out_shape), aval.dtype)
+
+
+def lm_head(stream: Residual, norm_weight, head, plan: Plan, *, rows_at=None) -> jax.Array:
+    """The final boundary and the logits: rms_norm(x + pending) @ head -> float32
+    [B, T, V], or [B, 1, V] at rows_at [B] (one position per row, e.g. a prompt's last).
+    head: the LM head [D, V], or the tied embedding table [V, D]."""
+    policy, eps = plan.policy, plan.config.rms_norm_eps
+    b, t, d = stream.aval.shape
+    sel = jax.ShapeDtypeStruct((b, 1 if rows_at is not None else t, d), stream.aval.dtype)
+    pallas = (policy.lm_head is Impl.PALLAS
+              and MATMUL.pick(sel, head, plan).name == "fused_small_m")
+    x, delta = stream.take(ANY_SUM)
+    if rows_at is not None:
+        x = jnp.take_along_axis(x, rows_at[:, None, None], axis=1)  # [B, 1, D]
+        if isinstance(delta, Partials):
+            delta = Partials(jnp.take_along_axis(delta.parts, rows_at[None, :, None, None],
+                                                 axis=2))
+        elif delta is not None:
+            delta = jnp.take_along_axis(delta, rows_at[:, None, None], axis=1)
+    if pallas and policy.lm_head_boundary is Boundary.CONSUMER and (
+            delta is None or isinstance(delta, Partials)):
+        return matmul(x, head, plan, norm_w=norm_weight, eps=eps, deltas=delta,
+                      out_dtype=jnp.float32)[1]
+    _, h = boundary(x, delta, norm_weight, eps, plan, policy.lm_head_boundary)
+    if pallas:
+        return matmul(h, head, plan, out_dtype=jnp.float32)[1]
+    return MATMUL.get("xla").run(h, head, plan, out_dtype=jnp.float32)[1]

@@ -1,0 +1,112 @@
+"""`gated_mlp`: the SwiGLU MLP sublayer, silu(h @ w_gate) * (h @ w_up) @ w_down, h = norm(x).
+
+On the fused decode path the attention -> MLP boundary runs in the SwiGLU kernel's main loop,
+and at batch 1 the whole MLP is one kernel (swiglu_down: the down projection's rows summed by
+float32 atomics into an accumulator; the buffers ping-pong through the residual stream's
+spare/dead slots, so no memset runs per layer). The plan says which (benchmarks/DECISIONS.md).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+import pallas_kernels as pk
+from jaxinfer.ops import reference
+from jaxinfer.ops.dispatch import Registry, always, decode_path, kernels_on, rows
+from jaxinfer.ops.linear import (MATMUL, add_deltas, boundary, linear, prefetch_pairs,
+                                 tiles)
+from jaxinfer.ops.stream import ANY_SUM, Deferred, Partials, Residual, resolve
+from jaxinfer.plan import Boundary, Plan
+from jaxinfer.weights import Dense
+
+# (x [B, T, D], w_gate, w_up) -> (x + sum(deltas), silu(h @ w_gate + b) * (h @ w_up + b))
+SWIGLU = Registry("swiglu")
+
+
+def _pallas_supports(x, w_gate, w_up, plan, *, biases=(None, None), deltas=None, **_):
+    if not all(isinstance(w, Dense) and not w.transposed for w in (w_gate, w_up)):
+        return "not [D, F] Dense weights"
+    if not kernels_on(plan, x.dtype) or jnp.dtype(w_gate.dtype) != jnp.dtype(x.dtype):
+        return "kernels off for these dtypes"
+    if any(b is not None for b in biases):
+        return "biases"
+    if deltas is not None and not isinstance(deltas, Partials):
+        return "deltas are not float32 chunks"
+    return None
+
+
+@SWIGLU.register("pallas", _pallas_supports)
+def _pallas_swiglu(x, w_gate, w_up, plan, *, biases=(None, None), norm_w=None, eps=0.0,
+                   deltas=None, prefetch=()):
+    m, k = rows(x), x.shape[-1]
+    f = w_gate.w.shape[1]
+    out = pk.swiglu(x.reshape(m, k), w_gate.w, w_up.w, norm_weight=norm_w, eps=eps,
+                    deltas=None if deltas is None else deltas.parts.reshape(-1, m, k),
+                    prefetch=prefetch, interpret=plan.policy.interpret,
+                    block_sizes=tiles(plan, m, k, f, 2, x.dtype, decode_path(x, plan)))
+    x_new, act = out if deltas is not None else (x.reshape(m, k), out)
+    return x_new.reshape(x.shape), act.reshape(*x.shape[:-1], f)
+
+
+@SWIGLU.register("reference", always)
+def _reference_swiglu(x, w_gate, w_up, plan, *, biases=(None, None), norm_w=None, eps=0.0,
+                      deltas=None, prefetch=()):
+    x = add_deltas(x, deltas)
+    h = x if norm_w is None else reference.rms_norm(x, norm_w, eps)
+    return x, reference.swiglu(h, w_gate.w, w_up.w, *biases)
+
+
+def _one_kernel(x, w_gate, w_up, w_down, plan, biases) -> bool:
+    """Whether the decode MLP of x runs as one kernel (swiglu_down) under the plan."""
+    policy = plan.policy
+    return (SWIGLU.pick(x, w_gate, w_up, plan, biases=biases[:2]).name == "pallas"
+            and decode_path(x, plan) and rows(x) <= policy.one_kernel_mlp_rows
+            and biases[2] is None and isinstance(w_down, Dense) and not w_down.transposed
+            and x.shape[-1] % 16 == 0 and policy.gated_mlp_boundary is Boundary.CONSUMER)
+
+
+def _buffer(value, m: int, d: int):
+    """A [M, D] float32 buffer from the stream's spare/dead slot, or a fresh zeroed one."""
+    value = resolve(value)
+    if value is not None and value.shape == (m, d) and value.dtype == jnp.float32:
+        return value
+    return jnp.zeros((m, d), jnp.float32)
+
+
+def gated_mlp(stream: Residual, norm_weight, w_gate, w_up, w_down, plan: Plan, *,
+              biases=None) -> Residual:
+    """The MLP sublayer: x + pending -> that stream, with the MLP's output on its RMSNorm
+    pending. w_gate, w_up [D, F], w_down [F, D]; biases: (b_gate, b_up, b_down) or None."""
+    policy, eps = plan.policy, plan.config.rms_norm_eps
+    biases = tuple(biases) if biases is not None else (None, None, None)
+    aval = stream.aval
+    m, d = rows(aval), aval.shape[-1]
+    kernel = SWIGLU.pick(aval, w_gate, w_up, plan, biases=biases[:2]).name == "pallas"
+    hints = prefetch_pairs(policy.prefetch_gated_mlp, (w_gate, w_up), m, plan) \
+        if kernel and decode_path(aval, plan) else ()
+    x, delta = stream.take(ANY_SUM, hints)
+    in_kernel = (kernel and policy.gated_mlp_boundary is Boundary.CONSUMER
+                 and isinstance(delta, Partials))
+    if in_kernel and _one_kernel(aval, w_gate, w_up, w_down, plan, biases):
+        def emit(accept, prefetch):
+            x_new, acc, clear = pk.swiglu_down(
+                x.reshape(m, d), w_gate.w, w_up.w, w_down.w, _buffer(stream.spare, m, d),
+                _buffer(stream.dead, m, d), norm_weight=norm_weight, eps=eps,
+                deltas=delta.parts.reshape(-1, m, d), prefetch=prefetch,
+                interpret=policy.interpret)
+            return x_new.reshape(aval.shape), Partials(acc.reshape(1, *aval.shape)), clear
+        call = Deferred(emit)
+        return Residual(call.part(0), aval, pending=call.part(1), spare=call.part(2))
+    act_aval = jax.ShapeDtypeStruct((*aval.shape[:-1], w_gate.out_shape[0]), aval.dtype)
+    down_fused = MATMUL.pick(act_aval, w_down, plan).name == "fused_small_m"
+    down_hints = prefetch_pairs(policy.prefetch_down, (w_down,), m, plan) \
+        if kernel and down_fused else ()
+    if in_kernel:
+        x, act = SWIGLU(x, w_gate, w_up, plan, norm_w=norm_weight, eps=eps, deltas=delta,
+                        prefetch=down_hints)
+    else:
+        x, h = boundary(x, delta, norm_weight, eps, plan, policy.gated_mlp_boundary)
+        _, act = SWIGLU(h, w_gate, w_up, plan, biases=biases[:2], prefetch=down_hints)
+    return linear(act, w_down, plan, bias=biases[2],
+                  into=Residual(x, aval, spare=stream.spare, dead=stream.dead))

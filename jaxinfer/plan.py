@@ -1,0 +1,189 @@
+"""The static plan: every kernel choice is a field of a frozen, hashable `KernelPolicy`.
+
+`Plan(config, policy)` is the one static argument of the model's jitted functions (`forward`,
+`prefill`, `decode_step`, `decode_loop`): it is part of their compile key, so two plans that
+differ in any field compile to two executables, and nothing else read at trace time changes
+what is compiled. Each default is today's measured best (benchmarks/DECISIONS.md says how it
+was measured); `KernelPolicy.reference()` is pure jnp everywhere, `KernelPolicy(interpret=True)`
+runs the Pallas kernels in interpret mode (CPU tests), `KernelPolicy.deterministic()` decodes
+bitwise repeatably and batch-invariantly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from jaxinfer.configs import Config
+from pallas_kernels import DecodeBlockSizes, MatmulBlockSizes
+
+
+class Kernels(enum.Enum):
+    """Which implementation the ops take."""
+    AUTO = "auto"  # Pallas on an NVIDIA GPU (or under interpret=True) for 16-bit activations
+    PALLAS = "pallas"  # Pallas wherever a kernel takes the inputs (lowering for a GPU on a CPU)
+    REFERENCE = "reference"  # the pure-jnp references everywhere
+
+
+class Boundary(enum.Enum):
+    """Where a pre-norm sublayer boundary (residual add + RMSNorm) runs on the fused decode path."""
+    XLA = "xla"  # XLA sums the split-K chunks into the residual, then the RMSNorm kernel
+    KERNEL = "kernel"  # add_rms_norm: the chunks' sum, the add and the norm in one kernel
+    CONSUMER = "consumer"  # inside the main loop of the matmul that reads the normed stream
+
+
+class At(enum.Enum):
+    """When a producer kernel's programs prefetch their consumer's first weight rows."""
+    START = "start"
+    END = "end"
+
+
+class Impl(enum.Enum):
+    """A matmul that has both: XLA's dot or our fused Pallas kernel."""
+    XLA = "xla"
+    PALLAS = "pallas"
+
+
+class Flash(enum.Enum):
+    """The prefill flash-attention backend."""
+    AUTO = "auto"  # Mosaic GPU on Hopper where the shapes need no padding, else Triton
+    TRITON = "triton"
+    MOSAIC = "mosaic"
+
+
+@dataclasses.dataclass(frozen=True)
+class Prefetch:
+    """A producer kernel asks the L2 for the first `rows` rows of each of its consumer's K
+    chunks, at the start or the end of its own weight stream."""
+    rows: int
+    at: At = At.END
+
+    def __post_init__(self):
+        if not isinstance(self.rows, int) or isinstance(self.rows, bool) or self.rows < 1:
+            raise ValueError(f"Prefetch.rows={self.rows!r}: must be an integer >= 1")
+        if not isinstance(self.at, At):
+            raise ValueError(f"Prefetch.at={self.at!r}: must be an At (At.START or At.END)")
+
+
+def _check_int(name: str, value, low: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"KernelPolicy.{name}={value!r}: must be an integer >= {low}")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelPolicy:
+    """Every kernel choice of the model's ops (see the module docstring)."""
+
+    kernels: Kernels = Kernels.AUTO
+    interpret: bool = False  # run the Pallas kernels in interpret mode (CPU)
+    # Decode batches of at most this many rows (B * T) run the fused small-M matmuls
+    # (norm in the prologue, split-K partials); larger ones XLA's GEMMs.
+    fused_rows: int = 16
+    # The three sublayer boundaries of the fused decode path: before a norm_linear (the
+    # MLP -> next attention one), before a gated_mlp (attention -> MLP) and before the LM head.
+    norm_linear_boundary: Boundary = Boundary.CONSUMER
+    gated_mlp_boundary: Boundary = Boundary.CONSUMER
+    lm_head_boundary: Boundary = Boundary.KERNEL
+    # Decode batches of at most this many rows run the MLP as one kernel (swiglu_down: the
+    # down projection summed by float32 atomics, whose order varies run to run); 0: never.
+    one_kernel_mlp_rows: int = 1
+    # L2 prefetch of a consumer's first weight rows by the kernel before it (None: off).
+    prefetch_norm_linear: Prefetch | None = Prefetch(64, At.END)  # the down projection: q/k/v's
+    prefetch_down: Prefetch | None = Prefetch(128, At.START)  # SwiGLU: the down projection's
+    prefetch_gated_mlp: Prefetch | None = None  # the o projection: SwiGLU's
+    lm_head: Impl = Impl.XLA
+    flash: Flash = Flash.AUTO
+    # Kernels and tiles picked from the query length, never from the batch: prefill matmuls
+    # and norms through the Pallas kernels at fixed tiles, decode attention split into
+    # `attention_chunk`-key chunks merged in a fixed order, no one-row fast path. A request's
+    # logits then do not depend on the other rows of its batch (batches up to fused_rows).
+    batch_invariant: bool = False
+    attention_chunk: int = 512
+    # Tile overrides for sweeps: ((K, N, weights), MatmulBlockSizes) pairs for the fused
+    # matmuls, and the decode attention kernels' block sizes.
+    matmul_tiles: tuple = ()
+    attention_blocks: DecodeBlockSizes | None = None
+    # Decode steps per host check of the device loop, with stop tokens and without.
+    steps_per_sync: int = 1
+    steps_per_sync_no_stop: int = 8
+
+    def __post_init__(self):
+        for name, kind in (("kernels", Kernels), ("norm_linear_boundary", Boundary),
+                           ("gated_mlp_boundary", Boundary), ("lm_head_boundary", Boundary),
+                           ("lm_head", Impl), ("flash", Flash)):
+            if not isinstance(getattr(self, name), kind):
+                raise ValueError(f"KernelPolicy.{name}={getattr(self, name)!r}: must be a "
+                                 f"{kind.__name__} ({', '.join(k.name for k in kind)})")
+        for name in ("interpret", "batch_invariant"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"KernelPolicy.{name}={getattr(self, name)!r}: must be a bool")
+        for name in ("prefetch_norm_linear", "prefetch_down", "prefetch_gated_mlp"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, Prefetch):
+                raise ValueError(f"KernelPolicy.{name}={value!r}: must be a Prefetch or None")
+        _check_int("fused_rows", self.fused_rows, 0)
+        _check_int("one_kernel_mlp_rows", self.one_kernel_mlp_rows, 0)
+        _check_int("attention_chunk", self.attention_chunk, 16)
+        _check_int("steps_per_sync", self.steps_per_sync, 1)
+        _check_int("steps_per_sync_no_stop", self.steps_per_sync_no_stop, 1)
+        if self.attention_chunk & (self.attention_chunk - 1):
+            raise ValueError(f"KernelPolicy.attention_chunk={self.attention_chunk}: must be a "
+                             f"power of two (whole key tiles)")
+        if self.attention_blocks is not None and not isinstance(self.attention_blocks,
+                                                                DecodeBlockSizes):
+            raise ValueError("KernelPolicy.attention_blocks must be a DecodeBlockSizes or None")
+        for pair in self.matmul_tiles:
+            if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[1],
+                                                                            MatmulBlockSizes)
+                    and isinstance(pair[0], tuple) and len(pair[0]) == 3):
+                raise ValueError(f"KernelPolicy.matmul_tiles takes ((K, N, weights), "
+                                 f"MatmulBlockSizes) pairs, got {pair!r}")
+        if self.batch_invariant:
+            wrong = []
+            if self.one_kernel_mlp_rows:
+                wrong.append("one_kernel_mlp_rows=0 (the one-kernel MLP runs at some batches, "
+                             "not others, and adds in a varying order)")
+            if self.lm_head is not Impl.PALLAS:
+                wrong.append("lm_head=Impl.PALLAS (XLA picks its GEMM by the batch)")
+            if self.flash is Flash.AUTO:
+                wrong.append("flash=Flash.TRITON or MOSAIC (AUTO picks by the prompt length)")
+            if wrong:
+                raise ValueError("KernelPolicy(batch_invariant=True) needs " + "; ".join(wrong)
+                                 + "; KernelPolicy.deterministic() sets them")
+
+    def replace(self, **changes) -> KernelPolicy:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def reference(cls) -> KernelPolicy:
+        """Pure jnp everywhere (the references the kernels are tested against)."""
+        return cls(kernels=Kernels.REFERENCE)
+
+    @classmethod
+    def deterministic(cls, **changes) -> KernelPolicy:
+        """Bitwise repeatable run to run (no float atomics) and batch-invariant: a request's
+        tokens do not depend on the other rows of its batch, for batches up to fused_rows."""
+        return cls(one_kernel_mlp_rows=0, lm_head=Impl.PALLAS, flash=Flash.TRITON,
+                   batch_invariant=True, **changes)
+
+    def tiles(self, k: int, n: int, weights: int) -> MatmulBlockSizes | None:
+        """The override for a fused matmul of K x N (1 or 2 weights), or None."""
+        for key, blocks in self.matmul_tiles:
+            if key == (k, n, weights):
+                return blocks
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What a compiled model function is specialised on: the model's shapes and the kernels."""
+
+    config: Config
+    policy: KernelPolicy = KernelPolicy()
+
+    def __post_init__(self):
+        if not isinstance(self.config, Config):
+            raise ValueError(f"Plan.config must be a Config, got {type(self.config).__name__}")
+        if not isinstance(self.policy, KernelPolicy):
+            raise ValueError(f"Plan.policy must be a KernelPolicy, got "
+                             f"{type(self.policy).__name__}")
