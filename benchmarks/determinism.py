@@ -78,11 +78,15 @@ def check(model, policy: KernelPolicy, new: int = 64, seed: int = 1) -> dict:
     alone = tokens([request], 0)
     invariant = {}
     for batch in (4, 16):
+        # Other prompts of other lengths (one compile per batch size: the longest sets the
+        # padded prompt and cache lengths, which differ from the request's alone).
+        others = [rng.integers(0, vocab, int(rng.integers(8, 300))).tolist()
+                  for _ in range(batch)]
+        others[1] = rng.integers(0, vocab, 300).tolist()
         for row in (0, 3):
-            others = [rng.integers(0, vocab, int(rng.integers(8, 300))).tolist()
-                      for _ in range(batch)]
-            others[row] = request
-            invariant[f"b{batch}r{row}"] = tokens(others, row) == alone
+            prompts = list(others)
+            prompts[row] = request
+            invariant[f"b{batch}r{row}"] = tokens(prompts, row) == alone
     return dict(bitwise_repeatable=repeat, max_logit_diff=diff, batch_invariant=invariant)
 
 

@@ -4,7 +4,8 @@
 #   bash benchmarks/run_h200.sh peer     # HF transformers (static cache), B=1 ctx 128+256, then
 #                                        # the table of ours / peer when ours ran first
 #   bash benchmarks/run_h200.sh old      # the previous main (a checkout in .old/) beside this one:
-#                                        # B=1 and B=64, alternating old / new, twice
+#                                        # B=1 and B=64 ($CONFIGS), alternating old / new,
+#                                        # $ROUNDS (2) times
 #   bash benchmarks/run_h200.sh det      # KernelPolicy.deterministic(): its B=1 cost beside the
 #                                        # default, then determinism.py (3 runs bitwise, batch 4/16)
 #   bash benchmarks/run_h200.sh tests    # every GPU-marked test, in three parts of < 6 min each
@@ -42,25 +43,26 @@ peer() {
 }
 old() {  # the previous main, checked out in .old/ (an ignored folder carried to the machine)
   [ -d .old ] || { echo "no .old/ checkout" >&2; return 1; }
-  for round in 1 2; do
-    for args in "$B1" "$B64"; do
+  for _ in $(seq "${ROUNDS:-2}"); do
+    for cfg in ${CONFIGS:-B1 B64}; do
       # shellcheck disable=SC2086
-      bench .old old $args
+      bench .old old ${!cfg}
       # shellcheck disable=SC2086
-      bench . new $args
+      bench . new ${!cfg}
     done
   done
   python3 benchmarks/compare_peer.py "$out/bench-new.jsonl" "$out/bench-old.jsonl"
 }
 det() {
-  for round in 1 2; do
+  for _ in $(seq "${ROUNDS:-2}"); do
     # shellcheck disable=SC2086
     bench . default $B1 --policy default
     # shellcheck disable=SC2086
     bench . deterministic $B1 --policy deterministic
   done
   python3 benchmarks/compare_peer.py "$out/bench-deterministic.jsonl" "$out/bench-default.jsonl"
-  timeout 300 python3 benchmarks/determinism.py --preset llama3-8b --json "$out/determinism.json"
+  timeout 300 python3 benchmarks/determinism.py --preset llama3-8b \
+    --policies "${DET_POLICIES:-default,deterministic}" --json "$out/determinism.json"
 }
 gpu_tests() {
   timeout "${TESTS_TIMEOUT:-350}" python3 -m pytest -q -m gpu -p no:cacheprovider "$@" 2>&1 \

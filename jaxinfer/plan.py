@@ -163,8 +163,8 @@ class KernelPolicy:
     def deterministic(cls, **changes) -> KernelPolicy:
         """Bitwise repeatable run to run (no float atomics) and batch-invariant: a request's
         tokens do not depend on the other rows of its batch, for batches up to fused_rows."""
-        return cls(one_kernel_mlp_rows=0, lm_head=Impl.PALLAS, flash=Flash.TRITON,
-                   batch_invariant=True, **changes)
+        return cls(**{"one_kernel_mlp_rows": 0, "lm_head": Impl.PALLAS,
+                      "flash": Flash.TRITON, "batch_invariant": True, **changes})
 
     def tiles(self, k: int, n: int, weights: int) -> MatmulBlockSizes | None:
         """The override for a fused matmul of K x N (1 or 2 weights), or None."""

@@ -143,26 +143,29 @@ def append_attend(q_src, k_src, v_src, k_ref, v_ref, ko_ref, vo_ref, *, gp: int,
     return acc, m, l, row_ok
 
 
-def deferred_inv_rms(sum_sq, norm: tuple[int, float] | None):
-    """rsqrt(sum_sq / K + eps) for norm = (K, eps) (the deferred RMSNorm's scale), or None."""
+def deferred_inv_rms(sum_sq, norm: tuple | None):
+    """rsqrt(sum_sq / K + eps) for norm = (kind, K, eps) (the deferred RMSNorm's scale), or
+    None."""
     if norm is None:
         return None
-    norm_dim, eps = norm
+    _, norm_dim, eps = norm
     return jax.lax.rsqrt(sum_sq / norm_dim + eps)
 
 
 def decode_attention_append_kernel(pos_ref, *refs, sm_scale: float, chunk: int, block_k: int,
                                    window: int | None, groups: int, seq_len: int,
                                    has_rope: bool, num_parts: int, normalize: bool,
-                                   norm: tuple[int, float] | None):
+                                   norm: tuple | None):
     # pos_ref [B] int32 (whole array): slot of each sequence's new token
     # q_refs [Gp, D] x P: qkv rows of one KV group from row 0, from each of the P parts (one
     #   16-bit array, or a split-K matmul's float32 chunks, summed here); rows >= G (the key,
     #   the value, past the array) are masked to zero on load
     # kn_refs, vn_refs [D] x P: qkv rows G and G + 1 of this KV group: the new key (before
     #   RoPE), the new value
-    # ss_ref [P, B] (norm = (K, eps)): the parts' sums of squares of the projection's input
-    #   row; the parts' sum is scaled by rsqrt(sum / K + eps) (its RMSNorm, deferred here)
+    # ss_ref (norm = (kind, K, eps)): "sums": [P, B], the parts' sums of squares of the
+    #   projection's input row; "rows": [Kp], that input row itself (entries >= K masked),
+    #   whose squares are summed here; the parts' sum is scaled by rsqrt(sum / K + eps) (its
+    #   RMSNorm, deferred here)
     # cos_ref, sin_ref [D] (has_rope): this sequence's rotation, halves equal
     # k_ref, v_ref [S_pad, D]: one KV head's cache row, read at slots < pos only
     # normalize=False: acc_ref [Gp, D], m_ref [Gp], l_ref [Gp] (float32): this chunk's
@@ -175,10 +178,14 @@ def decode_attention_append_kernel(pos_ref, *refs, sm_scale: float, chunk: int, 
     pos, start = pos_ref[b], pl.program_id(2) * chunk
     if norm is not None:
         ss_ref, *refs = refs
-
-        sum_sq = ss_ref[0, b]
-        for part in range(1, num_parts):
-            sum_sq += ss_ref[part, b]
+        if norm[0] == "rows":  # one row of the same shape in every program: batch-invariant
+            kp = ss_ref.shape[0]
+            x = plgpu.load(ss_ref, mask=jnp.arange(kp) < norm[1], other=0).astype(jnp.float32)
+            sum_sq = jnp.sum(x * x)
+        else:
+            sum_sq = ss_ref[0, b]
+            for part in range(1, num_parts):
+                sum_sq += ss_ref[part, b]
         inv_rms = deferred_inv_rms(sum_sq, norm)
     rope = None
     if has_rope:
@@ -239,13 +246,22 @@ def _validate(qkv, k_cache, v_cache, positions, rope, sliding_window,
         if getattr(qkv, "ndim", None) != 5:
             raise ValueError(f"{op}: norm= goes with the projection's float32 partial sums "
                              f"qkv [S, B, Hkv, G + 2, D]")
-        if not isinstance(norm, (tuple, list)) or len(norm) != 3:
-            raise ValueError(f"{op}: norm must be (sums of squares [S, B], K, eps)")
-        ss, k_dim, eps = norm
-        check_array(op, "norm sums of squares", ss, 2, (jnp.float32,))
-        if tuple(ss.shape) != tuple(qkv.shape[:2]):
-            raise ValueError(f"{op}: the norm's sums of squares must be [S, B] = "
-                             f"{tuple(qkv.shape[:2])}, got {tuple(ss.shape)}")
+        if not isinstance(norm, (tuple, list)) or len(norm) not in (2, 3):
+            raise ValueError(f"{op}: norm must be (sums of squares [S, B], K, eps) or "
+                             f"(the projection's input rows [B, K], eps)")
+        if len(norm) == 2:
+            rows_in, eps = norm
+            check_array(op, "norm input rows", rows_in, 2)
+            k_dim = rows_in.shape[1]
+            if rows_in.shape[0] != qkv.shape[1]:
+                raise ValueError(f"{op}: the norm's input rows must be [B, K] with B = "
+                                 f"{qkv.shape[1]}, got {tuple(rows_in.shape)}")
+        else:
+            ss, k_dim, eps = norm
+            check_array(op, "norm sums of squares", ss, 2, (jnp.float32,))
+            if tuple(ss.shape) != tuple(qkv.shape[:2]):
+                raise ValueError(f"{op}: the norm's sums of squares must be [S, B] = "
+                                 f"{tuple(qkv.shape[:2])}, got {tuple(ss.shape)}")
         if int(k_dim) < 1 or float(eps) < 0:
             raise ValueError(f"{op}: norm K must be >= 1 and eps >= 0, got {k_dim}, {eps}")
     if sliding_window is not None and int(sliding_window) < 1:
@@ -291,7 +307,10 @@ def decode_attention_append(qkv, k_cache, v_cache, positions, *, rope=None,
     them and rounds once to the cache dtype, which saves the sum's own kernel. norm: with the
     chunks of a normed projection (`norm_matmul(x, norm_weight, w, partials=True)`), its
     (sums of squares [S, B], K, eps): the chunks' sum is scaled by rsqrt(sum / K + eps), the
-    RMSNorm deferred to here. rope: (cos, sin), each [B, D]
+    RMSNorm deferred to here; or (the projection's input rows x [B, K], eps): the kernel sums
+    their squares itself, one row per program whatever the batch (batch-invariant, where the
+    matmul's own sums are reduced in a layout that depends on the rows). rope: (cos, sin),
+    each [B, D]
     (HF rotate-half tables, e.g. `cos(positions * inv_freq)` twice over; halves equal).
     Returns (out [B, Hq, D] in the caches' dtype, k_cache, v_cache). With `sliding_window=w` only
     slots > positions[b] - w are seen (HF semantics). The caches are aliased to the outputs: to
@@ -316,8 +335,10 @@ def decode_attention_append(qkv, k_cache, v_cache, positions, *, rope=None,
         chunk, num_splits = blocks.chunking(b, hkv, s)
     window = int(sliding_window) if sliding_window is not None else None
     ss, norm_static = None, None
-    if norm is not None:
-        ss, norm_static = norm[0], (int(norm[1]), float(norm[2]))
+    if norm is not None and len(norm) == 2:
+        ss, norm_static = norm[0], ("rows", int(norm[0].shape[1]), float(norm[1]))
+    elif norm is not None:
+        ss, norm_static = norm[0], ("sums", int(norm[1]), float(norm[2]))
     return _decode_attention_append_triton(
         qkv, k_cache, v_cache, positions, rope, ss, sm_scale=sm_scale, blocks=blocks,
         chunk=chunk, num_splits=num_splits, window=window, norm=norm_static,
@@ -356,7 +377,10 @@ def _decode_attention_append_triton(qkv, k_cache, v_cache, positions, rope, ss, 
     in_specs += [qkv_spec(p, g, None) for p in range(parts)]  # keys
     in_specs += [qkv_spec(p, g + 1, None) for p in range(parts)]  # values
     args = [positions] + [qkv] * (3 * parts)
-    if norm is not None:  # the parts' sums of squares [P, B], whole
+    if norm is not None and norm[0] == "rows":  # this sequence's input row, padded to 2^n
+        in_specs.append(pl.BlockSpec((None, next_pow2(norm[1])), lambda i, h, c: (i, 0)))
+        args.append(ss)
+    elif norm is not None:  # the parts' sums of squares [P, B], whole
         in_specs.append(pl.BlockSpec(ss.shape, lambda i, h, c: (0, 0)))
         args.append(ss)
     if rope is not None:
@@ -421,7 +445,11 @@ def decode_attention_append_reference(qkv, k_cache, v_cache, positions, *, rope=
     del interpret, block_sizes
     b, s, hkv, d = _validate(qkv, k_cache, v_cache, positions, rope, sliding_window, norm)
     if qkv.ndim == 5:  # split-K chunks: summed in float32 (normed), rounded once
-        if norm is not None:
+        if norm is not None and len(norm) == 2:
+            xf = norm[0].astype(jnp.float32)
+            qkv = apply_norm_partials(qkv, jnp.sum(xf * xf, axis=-1)[None], xf.shape[1],
+                                      float(norm[1]))
+        elif norm is not None:
             qkv = apply_norm_partials(qkv, norm[0], int(norm[1]), float(norm[2]))
         else:
             qkv = jnp.sum(qkv, axis=0)

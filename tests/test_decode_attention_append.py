@@ -286,6 +286,14 @@ def test_deferred_norm_scales_the_summed_parts():
             call(parts, k_cache, v_cache, positions, norm=bad)
     with pytest.raises(ValueError, match="float32 partial sums"):
         call(want, k_cache, v_cache, positions, norm=norm)
+    # norm=(the input rows, eps): the kernel sums their squares itself (hidden 96: padded to
+    # a 128-wide row, the tail masked); the same result as from the matmul's sums.
+    rows_out, rows_k, _ = call(parts, k_cache, v_cache, positions, norm=(x, 1e-5))
+    assert rel_err(rows_out, out) < 1e-2 and rel_err(rows_k, k_out) < 1e-2
+    rows_ref = _append_ref(parts, k_cache, v_cache, positions, rope=rope, norm=(x, 1e-5))[0]
+    assert rel_err(rows_out, rows_ref) < TOL[dtype]
+    with pytest.raises(ValueError, match=r"input rows must be \[B, K\]"):
+        call(parts, k_cache, v_cache, positions, norm=(x[:1], 1e-5))
 
 
 def test_bad_inputs_raise():

@@ -94,9 +94,13 @@ def _fused_small_m(x, w, plan, *, accept=ARRAY_ONLY, norm_w=None, eps=0.0, delta
     want = Form.NORMED if norm_w is not None else Form.PARTIALS
     partials = (want in accept and bias is None and out_dtype is None and not w.transposed)
     dl = None if deltas is None else deltas.parts.reshape(deltas.parts.shape[0], m, k)
+    # Batch-invariant: the one-row operand math at M = 1 reduces the norm's sums of squares
+    # in another layout than at M > 1, so a norm finished here takes the row tiles; a
+    # deferred one leaves the sums to the consumer (one input row per program).
+    single_row = not (policy.batch_invariant and norm_w is not None and not partials)
     out = pk.norm_matmul(
         x.reshape(m, k), norm_w, w.w, eps=eps, partials=partials, deltas=dl, prefetch=prefetch,
-        transposed=w.transposed, out_dtype=out_dtype, single_row=not policy.batch_invariant,
+        transposed=w.transposed, out_dtype=out_dtype, single_row=single_row,
         interpret=policy.interpret,
         block_sizes=tiles(plan, m, k, n, 1, x.dtype, decode=True))
     x_new = x
@@ -107,7 +111,11 @@ def _fused_small_m(x, w, plan, *, accept=ARRAY_ONLY, norm_w=None, eps=0.0, delta
     if partials:
         parts, ss = out if norm_w is not None else (out, None)
         parts = parts.reshape(parts.shape[0], *lead, *w.out_shape)  # [S, B, T, *N]
-        return x_new, Partials(parts, None if ss is None else (ss, k, eps))
+        if ss is None:
+            return x_new, Partials(parts)
+        if policy.batch_invariant:
+            return x_new, Partials(parts, (x_new.reshape(m, k), eps))
+        return x_new, Partials(parts, (ss, k, eps))
     y = out.reshape(*lead, *w.out_shape)
     if bias is not None:
         y = (y.astype(jnp.float32) + bias.astype(jnp.float32)).astype(y.dtype)

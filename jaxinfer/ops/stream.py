@@ -34,8 +34,9 @@ ANY_SUM = frozenset({Form.ARRAY, Form.PARTIALS})  # what a residual-add boundary
 
 class Partials(NamedTuple):
     """A matmul's output left as float32 chunks [S, B, T, *N] for a consumer kernel to sum;
-    norm: (sums of squares [S, B * T] float32, K, eps) when the sum still has to be scaled by
-    its input's rsqrt(mean square + eps) (a normed projection whose norm was deferred)."""
+    norm: when the sum still has to be scaled by its input's rsqrt(mean square + eps) (a
+    normed projection whose norm was deferred), (sums of squares [S, B * T] float32, K, eps),
+    or (the input rows [B * T, K], eps) for the consumer to sum their squares itself."""
     parts: jax.Array
     norm: tuple | None = None
 
@@ -47,7 +48,12 @@ class Partials(NamedTuple):
         """The finished product [B, T, *N] in dtype."""
         total = jnp.sum(self.parts, axis=0)
         if self.norm is not None:
-            ss, k, eps = self.norm
+            if len(self.norm) == 2:
+                x, eps = self.norm
+                xf = x.astype(jnp.float32)
+                ss, k = jnp.sum(xf * xf, axis=-1)[None], x.shape[-1]
+            else:
+                ss, k, eps = self.norm
             inv_rms = jax.lax.rsqrt(jnp.sum(ss, axis=0) / k + eps)  # [B * T]
             total = total * inv_rms.reshape(*total.shape[:2], *(1,) * (total.ndim - 2))
         return total.astype(dtype)
