@@ -4,7 +4,8 @@ from jaxinfer.cache import KVCache
 from jaxinfer.configs import PRESETS, Config, RopeScaling
 from jaxinfer.generate import Completion, generate, stream
 from jaxinfer.model import Model, load
+from jaxinfer.plan import KernelPolicy, Plan
 from jaxinfer.sampling import SamplingParams, sample
 
-__all__ = ["Completion", "Config", "KVCache", "Model", "PRESETS", "RopeScaling", "SamplingParams",
-           "generate", "load", "sample", "stream"]
+__all__ = ["Completion", "Config", "KVCache", "KernelPolicy", "Model", "PRESETS", "Plan",
+           "RopeScaling", "SamplingParams", "generate", "load", "sample", "stream"]

@@ -87,11 +87,16 @@ MOSAIC_VARIANTS = [
     ("none", False), ("qk_pv", False), ("qk_pv_intra", False),
     ("none", True), ("qk_pv", True), ("qk_pv_intra", True),
 ]
+# Every case under the default variant (qk_pv, the tiles' union), every variant on the two
+# cases whose tile ranges differ most (ragged keys past the queries, the window).
+MOSAIC_MATRIX = ([(c, "qk_pv", False) for c in MOSAIC_CASES]
+                 + [(c, o, w) for c in (MOSAIC_CASES[1], MOSAIC_CASES[3])
+                    for o, w in MOSAIC_VARIANTS if (o, w) != ("qk_pv", False)])
 
 
-@pytest.mark.parametrize("overlap,wg_ranges", MOSAIC_VARIANTS,
-                         ids=lambda v: v if isinstance(v, str) else ("wgr" if v else "union"))
-@pytest.mark.parametrize("case", MOSAIC_CASES, ids=lambda c: "b{}_q{}_k{}_h{}/{}_d{}_c{}_w{}_pp{}".format(*c))
+@pytest.mark.parametrize("case,overlap,wg_ranges", MOSAIC_MATRIX, ids=lambda v: (
+    "b{}_q{}_k{}_h{}/{}_d{}_c{}_w{}_pp{}".format(*v) if isinstance(v, tuple)
+    else v if isinstance(v, str) else ("wgr" if v else "union")))
 def test_flash_attention_mosaic_interpret(case, overlap, wg_ranges):
     """The Hopper kernel under the Mosaic GPU interpreter (simulated warpgroups, TMA, barriers).
 
