@@ -35,7 +35,7 @@ run: $(VENV)/.installed
 	$(VENV)/bin/jaxinfer generate "$(PROMPT)"
 
 test: $(VENV)/.installed-test
-	$(PY) -m pytest -n 2 -q
+	$(PY) -m pytest -n 2 --dist worksteal -q
 
 clean:
 	rm -rf $(VENV)

@@ -192,9 +192,10 @@ def mlp_weights(seed, k, f, d, dtype):
     return wg, wu, wd
 
 
-@pytest.mark.parametrize("m", [1, 3])  # one row: one atomic per column (the rows summed)
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("deltas", [False, True], ids=["x", "x+deltas"])
+# one row: one atomic per column (the rows summed); the decode case (bf16, one row, deltas)
+@pytest.mark.parametrize("dtype, m, deltas", [
+    (jnp.bfloat16, 1, True), (jnp.float32, 3, True), (jnp.float32, 1, False),
+    (jnp.bfloat16, 3, False)], ids=["bf16-1-x+deltas", "f32-3-x+deltas", "f32-1-x", "bf16-3-x"])
 def test_swiglu_down_is_the_two_kernel_mlp(dtype, m, deltas):
     # The one-kernel MLP: acc + swiglu(...) @ w_down, F (72) not a multiple of block_n (16:
     # 5 programs, the last one's w_down rows masked), D (96) several block_d steps; clear
