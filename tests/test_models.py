@@ -4,6 +4,7 @@ import json
 import pathlib
 import shutil
 
+import jax
 import numpy as np
 import pytest
 
@@ -125,3 +126,24 @@ def test_token_ids_outside_vocab(llama_dir):
 def test_bad_dtype(llama_dir):
     with pytest.raises(ValueError, match="dtype must be one of"):
         jaxinfer.load(str(llama_dir), dtype="int8")
+
+
+def test_from_params_casts_only_floating_leaves():
+    """Integer leaves (quantized codes, to come) keep their dtype; floating ones take the
+    model's; matmul weights come back as their declared type."""
+    import jax.numpy as jnp
+
+    from jaxinfer.model import from_params
+    from jaxinfer.weights import Dense, cast_floating
+
+    tree = {"codes": np.arange(6, dtype=np.int8), "scale": np.ones(3, np.float32),
+            "w": Dense(np.ones((2, 2), np.float32))}
+    cast = cast_floating(tree, "bfloat16")
+    assert cast["codes"].dtype == jnp.int8 and cast["scale"].dtype == jnp.bfloat16
+    assert isinstance(cast["w"], Dense) and cast["w"].w.dtype == jnp.bfloat16
+    model = jaxinfer.load(str(HF / "llama_mha_untied"), dtype="float32")
+    plain = jax.tree.map(lambda x: np.asarray(x.w if isinstance(x, Dense) else x),
+                         model.params, is_leaf=lambda x: isinstance(x, Dense))  # as loaders give
+    again = from_params(model.config, plain, dtype="bfloat16")
+    assert isinstance(again.params["layers"][0]["wqkv"], Dense)
+    assert again.params["layers"][0]["wqkv"].w.dtype == jnp.bfloat16

@@ -122,9 +122,11 @@ def deltas_for(seed, x, chunks=2):
     return 0.5 * jax.random.normal(jax.random.PRNGKey(seed), (chunks, *x.shape), jnp.float32)
 
 
-@pytest.mark.parametrize("m", [1, 5])  # one row: the operand math runs on that row alone
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("blocks", [SMALL, SPLIT], ids=["one_chunk", "split_k"])
+# Each of the blocks, the dtype and m (one row: the operand math runs on that row alone) takes
+# both its values, in four combinations.
+@pytest.mark.parametrize("blocks, dtype, m", [(SMALL, jnp.float32, 1), (SPLIT, jnp.float32, 5), (SMALL, jnp.bfloat16, 5),
+    (SPLIT, jnp.bfloat16, 1)], ids=["one_chunk-f32-m1", "split_k-f32-m5", "one_chunk-bf16-m5",
+                                      "split_k-bf16-m1"])
 def test_swiglu_adds_deltas_to_the_residual_in_its_main_loop(blocks, dtype, m):
     # The decoder's attention -> MLP boundary in the SwiGLU kernel: x + sum(deltas) written
     # out (by the first N tile's programs, whole), its RMSNorm and SwiGLU, against the model's
@@ -145,9 +147,9 @@ def test_swiglu_adds_deltas_to_the_residual_in_its_main_loop(blocks, dtype, m):
     assert rel_err(out, swiglu_reference(x, wg, wu, norm_weight=nw, eps=EPS)) > 0.1
 
 
-@pytest.mark.parametrize("m", [1, 3])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("blocks", [SMALL, SPLIT], ids=["one_chunk", "split_k"])
+@pytest.mark.parametrize("blocks, dtype, m", [(SMALL, jnp.float32, 1), (SPLIT, jnp.float32, 3), (SMALL, jnp.bfloat16, 3),
+    (SPLIT, jnp.bfloat16, 1)], ids=["one_chunk-f32-m1", "split_k-f32-m3", "one_chunk-bf16-m3",
+                                      "split_k-bf16-m1"])
 def test_normed_partials_with_deltas(blocks, dtype, m):
     # The MLP -> attention boundary in the q/k/v matmul: x + sum(deltas), and the chunks of
     # (x_new * norm_weight) @ w with their sums of squares, finished by apply_norm_partials
