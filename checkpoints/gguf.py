@@ -297,15 +297,14 @@ def _expected_shapes(config: Config) -> dict[str, tuple[int, ...]]:
     family = registry.family(config)
     names, shapes = family.gguf_tensors, family.checkpoint_shapes(config)
 
-    def as_stored(ours, table):  # our [in, out] -> the file's [out, in]
-        _, transpose = table[ours]
-        shape = shapes["layer" if table is names.layer else "top"][ours]
-        return tuple(reversed(shape)) if transpose else shape
+    def stored(table: dict, shape_of: dict) -> dict:  # file name -> its [out, in] shape
+        return {table[n][0]: tuple(reversed(s)) if table[n][1] else s
+                for n, s in shape_of.items()}
 
-    out = {names.top[n][0]: as_stored(n, names.top) for n in shapes["top"]}
+    out = stored(names.top, shapes["top"])
+    layer = stored(names.layer, shapes["layer"])
     for i in range(config.num_layers):
-        for n in shapes["layer"]:
-            out[f"blk.{i}.{names.layer[n][0]}"] = as_stored(n, names.layer)
+        out.update({f"blk.{i}.{name}": shape for name, shape in layer.items()})
     return out
 
 

@@ -87,9 +87,10 @@ def _prologue_then_core(qkv: Projection, cache, plan, *, positions, rope, window
     k, v = value[:, :, :, g], value[:, :, :, g + 1]  # [B, T, Hkv, D]
     if q_norm is not None:
         eps = plan.config.rms_norm_eps
-        qk_norm = norm if plan.policy.batch_invariant else (
-            lambda x, w, e, p: reference.rms_norm(x, w, e))
-        q, k = qk_norm(q, q_norm, eps, plan), qk_norm(k, k_norm, eps, plan)
+        if plan.policy.batch_invariant:  # the Pallas kernel: per-row arithmetic fixed
+            q, k = norm(q, q_norm, eps, plan), norm(k, k_norm, eps, plan)
+        else:
+            q, k = reference.rms_norm(q, q_norm, eps), reference.rms_norm(k, k_norm, eps)
     q = reference.apply_rope(q, *rope)  # [B, T, Hq, D]
     k = reference.apply_rope(k, *rope)  # [B, T, Hkv, D]
     if cache is not None:

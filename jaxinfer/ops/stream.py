@@ -130,8 +130,8 @@ class Projection:
         self.shape = tuple(shape)  # [B, T, *N] of the finished product
         self.dtype = jnp.dtype(dtype)
 
-    def get(self, accept: frozenset = ARRAY_ONLY, prefetch: tuple = ()):
-        value = resolve(self._part, accept, prefetch)
+    def get(self, accept: frozenset = ARRAY_ONLY):
+        value = resolve(self._part, accept)
         if isinstance(value, Partials) and value.form not in accept:
             value = value.materialize(self.dtype)
         return value
