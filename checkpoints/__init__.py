@@ -10,18 +10,22 @@ from __future__ import annotations
 import pathlib
 
 
-def load_checkpoint(source: str | pathlib.Path):
-    """(Config, params, Tokenizer | None) from a registered name, an HF directory or a .gguf file."""
+def load_checkpoint(source: str | pathlib.Path, before_tensors=None):
+    """(Config, params, Tokenizer | None) from a registered name, an HF directory or a .gguf file.
+
+    before_tensors(config, float32_staging), when given, runs once the config is known and
+    before any tensor is read: float32_staging says the loader builds float32 host copies
+    first (GGUF dequantization), so a memory check can refuse a load that cannot fit."""
     from checkpoints import registry
 
     path = registry.resolve(str(source))
     if path.is_dir():
         from checkpoints.hf import load_hf_dir
 
-        return load_hf_dir(path)
+        return load_hf_dir(path, before_tensors and (lambda c: before_tensors(c, False)))
     if path.suffix == ".gguf":
         from checkpoints.gguf import load_gguf
 
-        return load_gguf(path)
+        return load_gguf(path, before_tensors and (lambda c: before_tensors(c, True)))
     raise ValueError(f"{path}: not a checkpoint this loader knows; give an HF-layout directory "
                      "(config.json + *.safetensors), a .gguf file, or a registered model name")

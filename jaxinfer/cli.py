@@ -1,135 +1,132 @@
-"""The `jaxinfer` command: `generate` (streams a completion), `chat` (interactive, multi-turn)."""
+"""The `jaxinfer` command: `generate` (one completion, streamed), `chat` (interactive), `models`,
+`bench`.
+
+Every argument is checked before the model loads, and jax is imported only by the commands
+that need it (`--help`, `--version`, `models` and argument errors answer at once). Errors print
+one line, `jaxinfer: error: ...`, and exit 2; Ctrl-C exits 130 and a closed pipe (`| head`)
+141, quietly, as shell tools do.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
+import signal
 import sys
 import time
 
-from jaxinfer.model import DEFAULT_MODEL
+from checkpoints.registry import DEFAULT_MODEL
+
+log = logging.getLogger("jaxinfer")
+EXIT_USAGE, EXIT_SIGINT, EXIT_SIGPIPE = 2, 128 + signal.SIGINT, 128 + signal.SIGPIPE
+CHAT_HELP = ("/exit, /quit or Ctrl-D ends the chat, /reset forgets the conversation, "
+             "/system TEXT sets the system message, Ctrl-C stops a reply")
+
+
+class UsageError(ValueError):
+    """A bad argument, found before anything is loaded."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Arguments
+# ---------------------------------------------------------------------------------------------
+
+
+def _positive(name):
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {value}")
+        return value
+    return parse
+
+
+def _seed(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--seed must be an integer, got {text!r}") from None
+    if not 0 <= value < 2**32:
+        raise argparse.ArgumentTypeError(f"--seed must be in [0, 2**32), got {value}")
+    return value
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"registered name, HF directory or .gguf file (default {DEFAULT_MODEL})")
+                   help=f"registered name (see `jaxinfer models`), HF directory or .gguf file "
+                        f"(default {DEFAULT_MODEL})")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="params/activations dtype (default: bfloat16 on GPU, float32 on CPU)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("-n", "--max-tokens", "--max-new-tokens", dest="max_new_tokens",
+                   type=_positive("--max-tokens"), default=256, metavar="N",
+                   help="most new tokens (default 256)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-
-
-def _sampling(args):
-    from jaxinfer.sampling import SamplingParams
-
-    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                          min_p=args.min_p, repetition_penalty=args.repetition_penalty)
-
-
-def _load(args):
-    import jaxinfer
-
-    t0 = time.perf_counter()
-    model = jaxinfer.load(args.model, dtype=args.dtype)
-    logging.getLogger("jaxinfer").info("loaded %s in %.1fs", args.model, time.perf_counter() - t0)
-    return model
-
-
-def cmd_generate(args) -> int:
-    from jaxinfer.generate import generate, stream
-
-    sampling = _sampling(args)  # validate before loading anything
-    model = _load(args)
-    chat = not args.no_chat
-    if args.json:
-        (c,) = generate(model, [args.prompt], max_new_tokens=args.max_new_tokens,
-                        sampling=sampling, seed=args.seed, chat=chat)
-        print(json.dumps({"text": c.text, "token_ids": c.token_ids,
-                          "finish_reason": c.finish_reason}))
-        return 0
-    for piece in stream(model, args.prompt, max_new_tokens=args.max_new_tokens,
-                        sampling=sampling, seed=args.seed, chat=chat):
-        sys.stdout.write(piece)
-        sys.stdout.flush()
-    sys.stdout.write("\n")
-    return 0
-
-
-def cmd_chat(args) -> int:
-    from jaxinfer.generate import stream
-
-    sampling = _sampling(args)
-    model = _load(args)
-    tok = model.tokenizer
-    messages = [{"role": "system", "content": args.system}] if args.system else []
-    print("jaxinfer chat: empty line or Ctrl-D to quit", file=sys.stderr)
-    while True:
-        try:
-            line = input("> ")
-        except EOFError:
-            break
-        if not line.strip():
-            break
-        messages.append({"role": "user", "content": line})
-        ids = tok.apply_chat_template(messages, add_generation_prompt=True)
-        reply = []
-        for piece in stream(model, ids, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                            seed=args.seed):
-            reply.append(piece)
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-        sys.stdout.write("\n")
-        messages.append({"role": "assistant", "content": "".join(reply)})
-    return 0
-
-
-def cmd_bench(args) -> int:
-    from jaxinfer import bench
-
-    return bench.main(args)
+    p.add_argument("--seed", type=_seed, default=0)
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="stop when the reply contains TEXT (repeatable); EOS always stops")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jaxinfer", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
-    sub = parser.add_subparsers(dest="command", required=True)
+    from jaxinfer import __version__
+
+    parser = argparse.ArgumentParser(prog="jaxinfer", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"jaxinfer {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="log progress and timings (load, first token, tokens/s) to stderr")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     g = sub.add_parser("generate", help="complete one prompt, streaming the text to stdout")
-    g.add_argument("prompt")
+    g.add_argument("prompt", nargs="?", default=None,
+                   help="the prompt; '-' reads it from stdin (as does no prompt with -f)")
+    g.add_argument("-f", "--file", default=None, help="read the prompt from this file")
     _add_model_args(g)
     _add_sampling_args(g)
+    g.add_argument("--system", default=None, help="system message (chat template)")
     g.add_argument("--no-chat", action="store_true",
-                   help="feed the prompt as plain text instead of a chat-templated user message")
-    g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+                   help="feed the prompt as plain text; by default a model whose tokenizer has "
+                        "a chat template gets the prompt as a user message (as the API does)")
+    g.add_argument("--logprobs", action="store_true",
+                   help="report each new token's log-probability (in --json, else on stderr)")
+    g.add_argument("--json", action="store_true",
+                   help="print one JSON object: text, token ids, finish reason, usage, timings")
     g.set_defaults(func=cmd_generate)
 
-    c = sub.add_parser("chat", help="interactive multi-turn chat")
+    c = sub.add_parser("chat", help="interactive multi-turn chat (" + CHAT_HELP + ")")
     _add_model_args(c)
     _add_sampling_args(c)
     c.add_argument("--system", default=None, help="system message")
     c.set_defaults(func=cmd_chat)
 
+    m = sub.add_parser("models", help="list the registered models and what is cached")
+    m.add_argument("--json", action="store_true", help="one JSON object per model")
+    m.set_defaults(func=cmd_models)
+
     b = sub.add_parser("bench", help="prefill/decode speed against the memory-bandwidth floor")
     _add_model_args(b)
     b.add_argument("--preset", default=None, help="real shapes of a known model (with --random-weights)")
     b.add_argument("--random-weights", action="store_true", help="random values, no download")
-    b.add_argument("--batch", type=int, nargs="+", default=[1])
-    b.add_argument("--prompt-len", type=int, default=128)
-    b.add_argument("--gen-len", type=int, default=256)
-    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--batch", type=_positive("--batch"), nargs="+", default=[1])
+    b.add_argument("--prompt-len", type=_positive("--prompt-len"), default=128)
+    b.add_argument("--gen-len", type=_positive("--gen-len"), default=256,
+                   help="new tokens per run (>= 2: the first comes from the prefill)")
+    b.add_argument("--repeats", type=_positive("--repeats"), default=3)
     b.add_argument("--json", action="store_true", help="a JSON line per run at the end")
     b.add_argument("--dump-hlo", default=None, metavar="PREFIX",
                    help="write the optimized decode step's HLO to PREFIX.b<batch>.hlo.txt")
-    b.add_argument("--steps-per-sync", type=int, default=None, metavar="K",
+    b.add_argument("--steps-per-sync", type=_positive("--steps-per-sync"), default=None,
+                   metavar="K",
                    help="decode steps per host check of the device loop (default: the "
                         "policy's steps_per_sync_no_stop, as the bench has no stop ids)")
     b.add_argument("--policy", choices=("default", "deterministic", "reference"),
@@ -140,15 +137,284 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_model_arg(source: str) -> None:
+    from checkpoints.registry import MODELS, list_models
+
+    if source in MODELS or os.path.exists(os.path.expanduser(source)):
+        return
+    raise UsageError(f"--model {source!r} is neither a registered name ({', '.join(list_models())})"
+                     " nor an existing file or directory")
+
+
+def _check_sampling_args(args):
+    """SamplingParams' own checks, on the parsed values, before anything loads."""
+    from jaxinfer.prompts import check_text
+    from jaxinfer.sampling import SamplingParams
+
+    try:
+        params = SamplingParams(temperature=args.temperature, top_k=args.top_k,
+                                top_p=args.top_p, min_p=args.min_p,
+                                repetition_penalty=args.repetition_penalty,
+                                logprobs=getattr(args, "logprobs", False))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    for s in args.stop or []:
+        if not s:
+            raise UsageError("--stop needs a non-empty string")
+        check_text(s, "--stop")
+    return params
+
+
+def _read_prompt(args) -> str:
+    from jaxinfer.prompts import check_text
+
+    if args.file is not None and args.prompt not in (None, "-"):
+        raise UsageError("give the prompt as an argument or with -f/--file, not both")
+    if args.file is not None:
+        try:
+            with open(args.file, encoding="utf-8", errors="surrogateescape") as f:
+                text = f.read()
+        except OSError as e:
+            raise UsageError(f"cannot read the prompt file: {e}") from None
+        where = f"the prompt file {args.file}"
+    elif args.prompt in (None, "-"):
+        if args.prompt is None and sys.stdin.isatty():
+            raise UsageError("no prompt: give one as an argument, '-' to read stdin, or -f FILE")
+        text = sys.stdin.buffer.read().decode("utf-8", errors="surrogateescape")
+        where = "the prompt from stdin"
+    else:
+        text, where = args.prompt, "the prompt"
+    if not text.strip():
+        raise UsageError(f"{where} is empty")
+    return check_text(text, where)
+
+
+# ---------------------------------------------------------------------------------------------
+# Commands
+# ---------------------------------------------------------------------------------------------
+
+
+def _load(args):
+    import jaxinfer
+
+    t0 = time.perf_counter()
+    model = jaxinfer.load(args.model, dtype=args.dtype)
+    args.load_s = time.perf_counter() - t0
+    log.info("loaded %s in %.2f s", args.model, args.load_s)
+    return model
+
+
+def _messages(system: str | None, prompt: str) -> list[dict]:
+    return ([{"role": "system", "content": system}] if system else []) \
+        + [{"role": "user", "content": prompt}]
+
+
+def cmd_generate(args) -> int:
+    sampling = _check_sampling_args(args)
+    prompt = _read_prompt(args)
+    if args.system is not None:
+        if args.no_chat:
+            raise UsageError("--system needs the chat template; drop --no-chat")
+        from jaxinfer.prompts import check_text
+
+        check_text(args.system, "--system")
+    _check_model_arg(args.model)
+    model = _load(args)
+    if args.system is not None or not args.no_chat and model.tokenizer is not None \
+            and model.tokenizer.chat_template:
+        request = _messages(args.system, prompt)
+    else:
+        request = prompt
+    from jaxinfer.generate import stream
+
+    t0 = time.perf_counter()
+    pieces = stream(model, request, max_new_tokens=args.max_new_tokens, sampling=sampling,
+                    seed=args.seed, chat=False if args.no_chat else None, stop=args.stop,
+                    progress=sys.stderr.isatty())
+    for piece in pieces:
+        if not args.json:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    total = time.perf_counter() - t0
+    c = pieces.completion
+    n = len(c.token_ids)
+    decode_s = total - pieces.time_to_first_token
+    timings = {"load_s": round(args.load_s, 4),
+               "time_to_first_token_s": round(pieces.time_to_first_token, 4),
+               "generate_s": round(total, 4),
+               "decode_tokens_per_s": round((n - 1) / decode_s, 2) if n > 1 and decode_s > 0
+               else None}
+    if args.json:
+        out = {"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+               "usage": {"prompt_tokens": c.prompt_tokens, "completion_tokens": n,
+                         "total_tokens": c.prompt_tokens + n},
+               "timings": timings}
+        if args.logprobs:
+            out["logprobs"] = c.logprobs
+        print(json.dumps(out, ensure_ascii=False))
+    else:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        if args.logprobs:
+            tok = model.tokenizer
+            for t, lp in zip(c.token_ids, c.logprobs):
+                print(f"{t}\t{lp:.4f}\t{tok.decode([t], skip_special_tokens=False)!r}",
+                      file=sys.stderr)
+    log.info("%d prompt + %d new tokens; first token %.2f s after the load, %s tok/s decode",
+             c.prompt_tokens, n, timings["time_to_first_token_s"],
+             timings["decode_tokens_per_s"])
+    return 0
+
+
+def _readline():
+    """Line editing and a history file for `chat` where the platform has readline."""
+    try:
+        import readline
+    except ImportError:
+        return None
+    from checkpoints.registry import cache_dir
+
+    path = cache_dir() / "chat_history"
+    try:
+        readline.read_history_file(path)
+    except OSError:
+        pass
+    readline.set_history_length(1000)
+    return readline, path
+
+
+def cmd_chat(args) -> int:
+    sampling = _check_sampling_args(args)
+    if args.system is not None:
+        from jaxinfer.prompts import check_text
+
+        check_text(args.system, "--system")
+    _check_model_arg(args.model)
+    model = _load(args)
+    if model.tokenizer is None or not model.tokenizer.chat_template:
+        raise UsageError(f"{args.model} has no chat template; use `jaxinfer generate --no-chat`")
+    from jaxinfer.generate import stream
+    from jaxinfer.prompts import check_text
+
+    history = _readline()
+    system = args.system
+    messages: list[dict] = []
+    print(f"jaxinfer chat with {args.model}: {CHAT_HELP}", file=sys.stderr)
+    try:
+        while True:
+            try:
+                line = input("> ")
+            except EOFError:
+                print(file=sys.stderr)
+                return 0
+            except KeyboardInterrupt:  # at the prompt: a fresh line, as a shell does
+                print("\n(Ctrl-D or /exit to quit)", file=sys.stderr)
+                continue
+            text = line.strip()
+            if not text:
+                continue
+            if text in ("/exit", "/quit", "exit", "quit"):
+                return 0
+            if text == "/reset":
+                messages = []
+                print("(conversation cleared)", file=sys.stderr)
+                continue
+            if text == "/system" or text.startswith("/system "):
+                system = text[len("/system"):].strip() or None
+                messages = []
+                print(f"(system message {'set' if system else 'cleared'}; conversation "
+                      "cleared)", file=sys.stderr)
+                continue
+            if text.startswith("/") and text.split()[0] in ("/help", "/?"):
+                print(CHAT_HELP, file=sys.stderr)
+                continue
+            try:
+                check_text(line, "the message")
+            except ValueError as e:
+                print(f"jaxinfer: {e}", file=sys.stderr)
+                continue
+            turn = ([{"role": "system", "content": system}] if system else []) + messages \
+                + [{"role": "user", "content": line}]
+            reply = []
+            try:
+                for piece in stream(model, turn, max_new_tokens=args.max_new_tokens,
+                                    sampling=sampling, seed=args.seed, stop=args.stop):
+                    reply.append(piece)
+                    sys.stdout.write(piece)
+                    sys.stdout.flush()
+            except KeyboardInterrupt:  # stops this reply; the session goes on
+                sys.stdout.write(" [stopped]")
+            except ValueError as e:  # e.g. the conversation outgrew the context
+                print(f"\njaxinfer: {e}; /reset starts over", file=sys.stderr)
+                continue
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            messages += [{"role": "user", "content": line},
+                         {"role": "assistant", "content": "".join(reply)}]
+    finally:
+        if history is not None:
+            try:
+                history[0].write_history_file(history[1])
+            except OSError:
+                pass
+
+
+def cmd_models(args) -> int:
+    from checkpoints.registry import cache_dir, cached_models
+
+    models = cached_models()
+    if args.json:
+        for m in models:
+            print(json.dumps({"name": m.name, "description": m.description,
+                              "path": str(m.path), "size": m.size, "cached": m.cached,
+                              "verified": m.verified}))
+        return 0
+    print(f"registered models (cache: {cache_dir()}):")
+    for m in models:
+        state = ("cached, verified" if m.verified else "cached") if m.cached else "not cached"
+        default = " (default)" if m.name == DEFAULT_MODEL else ""
+        print(f"  {m.name}{default}: {m.size / 1e6:.1f} MB, {state}\n"
+              f"      {m.description}\n      {m.path}")
+    print("Any HF directory (config.json + *.safetensors) or .gguf file can be given to --model.")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    if args.gen_len < 2:
+        raise UsageError("--gen-len must be >= 2 (the first new token comes from the prefill; "
+                         "decode speed needs at least one more)")
+    if not args.preset:
+        _check_model_arg(args.model)
+    from jaxinfer import bench
+
+    return bench.main(args)
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point
+# ---------------------------------------------------------------------------------------------
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if not args.verbose:  # absl's "Unable to initialize backend 'tpu'" and the like
+        logging.getLogger("jax").setLevel(logging.WARNING)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, NotImplementedError) as e:
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return EXIT_SIGINT
+    except BrokenPipeError:
+        # The reader went away (`| head`): point stdout at /dev/null so the interpreter's final
+        # flush does not raise again, and exit as a process killed by SIGPIPE would.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_SIGPIPE
+    except (ValueError, FileNotFoundError, NotImplementedError, RuntimeError) as e:
         print(f"jaxinfer: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

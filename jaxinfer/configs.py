@@ -7,6 +7,7 @@ at trace time. Converters from HF `config.json` and GGUF metadata live in `check
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 from collections.abc import Mapping
 from typing import Literal
@@ -48,6 +49,9 @@ class Config:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling = RopeScaling()
+    # Per-frequency divisors of the RoPE inverse frequencies ([rotary_dim / 2], () for none):
+    # llama.cpp's `rope_freqs.weight`, through which GGUF files carry Llama 3.x scaling.
+    rope_freq_factors: tuple[float, ...] = ()
     partial_rotary_factor: float = 1.0
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
@@ -80,8 +84,25 @@ class Config:
         if self.layer_windows and len(self.layer_windows) != self.num_layers:
             problems.append(f"layer_windows has {len(self.layer_windows)} entries for "
                             f"{self.num_layers} layers")
+        if self.rope_freq_factors:
+            problems += self._rope_freq_factor_problems()
         if problems:
             raise ValueError("invalid model config: " + "; ".join(problems))
+
+    def _rope_freq_factor_problems(self) -> list[str]:
+        factors, half = self.rope_freq_factors, self.rotary_dim // 2
+        problems = []
+        if len(factors) != half:
+            problems.append(f"rope_freq_factors has {len(factors)} entries, expected "
+                            f"rotary_dim / 2 = {half}")
+        if not all(math.isfinite(f) and f > 0 for f in factors):
+            problems.append("rope_freq_factors must be finite and positive")
+        # The factors are how GGUF spells llama3 scaling, and dynamic NTK recomputes the
+        # frequencies per call: no checkpoint combines them, and the result would be neither.
+        if self.rope_scaling.kind in ("llama3", "dynamic"):
+            problems.append(f"rope_freq_factors cannot be combined with "
+                            f"{self.rope_scaling.kind!r} rope scaling")
+        return problems
 
     @property
     def rotary_dim(self) -> int:

@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from collections.abc import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
-from jaxinfer import sampling
+from jaxinfer import memory, pytree, sampling
+from jaxinfer import prompts as prompts_lib
 from jaxinfer.cache import KVCache
 from jaxinfer.models import registry
 from jaxinfer.plan import KernelPolicy, Plan
@@ -31,9 +32,12 @@ from jaxinfer.sampling import SamplingParams
 # new prompt length rarely means a new compilation.
 PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 CACHE_ROUND = 256  # cache lengths are multiples of this, for the same reason
+# The output columns ([B, N] tokens and logprobs) round up to these, then multiples of the
+# largest: max_new_tokens is a traced budget, so -n 8 and -n 50 share one executable.
+NEW_TOKEN_BUCKETS = (64, 256, 1024)
 
 
-@struct.dataclass
+@pytree.dataclass
 class DecodeState:
     """Everything the decode step reads and writes; donated to each step."""
 
@@ -56,6 +60,7 @@ class Completion:
     text: str
     finish_reason: str  # "stop" (EOS, stop token or stop string) or "length"
     logprobs: list[float] | None = None
+    prompt_tokens: int = 0  # the prompt's length in tokens (after the chat template)
 
 
 def _bucket(n: int, buckets: Sequence[int]) -> int:
@@ -124,14 +129,16 @@ decode_step = jax.jit(_decode_step, static_argnames=("plan",), donate_argnames=(
 
 
 @functools.partial(jax.jit, static_argnames=("plan",), donate_argnames=("state",))
-def decode_loop(params: dict, state: DecodeState, plan: Plan) -> DecodeState:
-    """Decode until every row is done, inside one executable. XLA's GPU while loop copies its
-    predicate to the host after every iteration, so the host checks for the end once every k
-    steps (the plan's steps_per_sync, or steps_per_sync_no_stop when the state has no stop ids:
-    such runs end exactly at their largest budget, so no block overshoots) while k more fit in
-    the output and the largest row budget, then once per step: no step runs past the token
-    budget; only an early stop of every row (a stop id) can leave up to k - 1 no-op steps (a
-    finished row rewrites its last slot)."""
+def decode_loop(params: dict, state: DecodeState, plan: Plan,
+                until: jax.Array | None = None) -> DecodeState:
+    """Decode until every row is done (or, with `until` [] int32, until that many tokens are
+    out: a caller showing progress runs the loop in segments), inside one executable. XLA's GPU
+    while loop copies its predicate to the host after every iteration, so the host checks for
+    the end once every k steps (the plan's steps_per_sync, or steps_per_sync_no_stop when the
+    state has no stop ids: such runs end exactly at their largest budget, so no block
+    overshoots) while k more fit in the output and the largest row budget, then once per step:
+    no step runs past the token budget; only an early stop of every row (a stop id) can leave
+    up to k - 1 no-op steps (a finished row rewrites its last slot)."""
     policy = plan.policy
     k = policy.steps_per_sync_no_stop if state.stop_ids.shape[0] == 0 else policy.steps_per_sync
     step = functools.partial(_decode_step, params, plan=plan)
@@ -140,6 +147,8 @@ def decode_loop(params: dict, state: DecodeState, plan: Plan) -> DecodeState:
     def running(s: DecodeState, room: int):
         # Without stop ids a row is done exactly at its budget: the largest one ends the run.
         end = jnp.minimum(n, jnp.max(s.budget))
+        if until is not None:
+            end = jnp.minimum(end, until)
         return ~jnp.all(s.done) & (s.step + room <= end)
 
     if k > 1:
@@ -149,35 +158,41 @@ def decode_loop(params: dict, state: DecodeState, plan: Plan) -> DecodeState:
     return jax.lax.while_loop(lambda s: running(s, 1), step, state)
 
 
+@functools.partial(jax.jit, static_argnames=("plan",), donate_argnames=("state", "last"))
+def prefill_chunk(params: dict, tokens: jax.Array, start: jax.Array, lengths: jax.Array,
+                  state: DecodeState, last: jax.Array, plan: Plan):
+    """One chunk of a long prefill: tokens [B, C] at positions start.. start + C - 1 go into the
+    cache, attending to everything before them. last [B, V] float32 takes each row's logits
+    of its last prompt token when that token is in this chunk. -> (state, last)."""
+    b, c = tokens.shape
+    positions = start + jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (b, c))
+    forward = registry.family(plan.config).forward
+    logits, cache = forward(params, tokens, positions, plan, state.cache,
+                            logits_at=jnp.clip(lengths - 1 - start, 0, c - 1))  # [B, 1, V]
+    here = (lengths - 1 >= start) & (lengths - 1 < start + c)
+    return state.replace(cache=cache), jnp.where(here[:, None], logits[:, 0], last)
+
+
+@functools.partial(jax.jit, static_argnames=("plan",), donate_argnames=("state",))
+def sample_first(last: jax.Array, lengths: jax.Array, state: DecodeState,
+                 plan: Plan) -> DecodeState:
+    """After the chunks: the first new token of every row from its last prompt logits."""
+    state = state.replace(cache=state.cache.replace(lengths=lengths), positions=lengths)
+    new_tokens, new_logprobs = _sample(last, state, lengths)
+    return _record(state, new_tokens, new_logprobs)
+
+
+def prefill_chunk_size(plan: Plan) -> int:
+    """The plan's prefill chunk in tokens, 0 for one shot (KernelPolicy.prefill_chunk)."""
+    chunk = plan.policy.prefill_chunk
+    if chunk is None:
+        return 1024 if jax.default_backend() == "cpu" else 0
+    return chunk
+
+
 # ---------------------------------------------------------------------------------------------
 # Host side: prompts -> ids, checks, the state, and ids -> Completion
 # ---------------------------------------------------------------------------------------------
-
-
-def _encode_prompts(model, prompts, chat: bool) -> list[list[int]]:
-    if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
-                                    and isinstance(prompts[0], int)):
-        prompts = [prompts]
-    if not isinstance(prompts, Sequence) or len(prompts) == 0:
-        raise ValueError("prompts must be a string, a list of strings or a list of token-id "
-                         "lists, and not empty")
-    ids = []
-    for i, p in enumerate(prompts):
-        if isinstance(p, str):
-            if model.tokenizer is None:
-                raise ValueError("this model was loaded without a tokenizer; pass token ids, "
-                                 "or load a checkpoint with tokenizer files")
-            if chat:
-                p = model.tokenizer.apply_chat_template([{"role": "user", "content": p}],
-                                                        add_generation_prompt=True)
-            else:
-                p = model.tokenizer.encode(p)
-        p = [int(t) for t in p]
-        if not p:
-            raise ValueError(f"prompt {i} is empty (no tokens); give it some text or token ids")
-        ids.append(p)
-    model.check_tokens(np.array([t for p in ids for t in p])[None])
-    return ids
 
 
 def _stop_ids(model, stop) -> tuple[list[int], list[str]]:
@@ -185,20 +200,34 @@ def _stop_ids(model, stop) -> tuple[list[int], list[str]]:
     if model.tokenizer is not None:
         ids |= set(model.tokenizer.eos_token_ids)
     strings = []
-    for s in ([] if stop is None else [stop] if isinstance(stop, (str, int)) else stop):
+    stops = [] if stop is None else [stop] if isinstance(stop, (str, int)) else stop
+    if not isinstance(stops, (list, tuple)):
+        raise ValueError(f"stop must be a string, a token id or a list of them, got "
+                         f"{type(stop).__name__}")
+    for s in stops:
         if isinstance(s, str):
             if not s:
                 raise ValueError("stop strings must not be empty")
-            strings.append(s)
-        else:
+            strings.append(prompts_lib.check_text(s, "a stop string"))
+        elif isinstance(s, (int, np.integer)) and not isinstance(s, bool):
+            if not 0 <= s < model.config.vocab_size:
+                raise ValueError(f"stop token id {s} is outside the vocabulary "
+                                 f"[0, {model.config.vocab_size})")
             ids.add(int(s))
+        else:
+            raise ValueError(f"stop entries must be strings or token ids, got "
+                             f"{type(s).__name__} {s!r}")
     return sorted(ids), strings
 
 
 def init_state(model, prompt_ids: list[list[int]], max_new_tokens: int,
                sampling_params: list[SamplingParams], seed: int, stop_ids: list[int],
-               max_seq_len: int | None = None) -> tuple[DecodeState, jax.Array, jax.Array]:
-    """Check lengths, allocate the cache, and build (state, padded prompt tokens, lengths)."""
+               max_seq_len: int | None = None, prompt_multiple: int = 1,
+               ) -> tuple[DecodeState, jax.Array, jax.Array]:
+    """Check lengths and memory, allocate the cache, and build (state, padded prompt tokens
+    [B, T], lengths [B]). The prompt pads to a bucket (a multiple of `prompt_multiple`), the
+    cache to a multiple of CACHE_ROUND, the output to NEW_TOKEN_BUCKETS: a new prompt length or
+    max_new_tokens then mostly reuses the compiled executables (the budget is a traced value)."""
     config = model.config
     longest = max(len(p) for p in prompt_ids)
     need = longest + max_new_tokens
@@ -211,9 +240,12 @@ def init_state(model, prompt_ids: list[list[int]], max_new_tokens: int,
         raise ValueError(f"prompt of {longest} tokens + max_new_tokens {max_new_tokens} = {need} "
                          f"exceeds max_seq_len {max_seq_len}")
     t = min(_bucket(longest, PROMPT_BUCKETS), context)
+    t = -(-t // prompt_multiple) * prompt_multiple
     s = max_seq_len or min(_bucket(need, (CACHE_ROUND,)), context)
     s = max(s, t)
+    n = _bucket(max_new_tokens, NEW_TOKEN_BUCKETS)
     b = len(prompt_ids)
+    memory.check_request(config, b, t, s, prompt_multiple if prompt_multiple > 1 else t)
     tokens = np.zeros((b, t), np.int32)
     for i, p in enumerate(prompt_ids):
         tokens[i, :len(p)] = p
@@ -228,8 +260,8 @@ def init_state(model, prompt_ids: list[list[int]], max_new_tokens: int,
         sampling=tensors,
         done=jnp.zeros((b,), bool),
         budget=jnp.full((b,), max_new_tokens, jnp.int32),
-        output=jnp.full((b, max_new_tokens), -1, jnp.int32),
-        logprobs=jnp.zeros((b, max_new_tokens), jnp.float32),
+        output=jnp.full((b, n), -1, jnp.int32),
+        logprobs=jnp.zeros((b, n), jnp.float32),
         step=jnp.zeros((), jnp.int32),
         stop_ids=jnp.asarray(stop_ids, jnp.int32).reshape(-1),  # [K]; K = 0: none
     )
@@ -237,7 +269,7 @@ def init_state(model, prompt_ids: list[list[int]], max_new_tokens: int,
 
 
 def _finish(model, ids: list[int], logprobs: list[float], stop_ids, stop_strings,
-            want_logprobs: bool) -> Completion:
+            want_logprobs: bool, prompt_tokens: int) -> Completion:
     """Cut a row at its first stop token or stop string and decode it."""
     reason = "length"
     for i, t in enumerate(ids):
@@ -256,23 +288,50 @@ def _finish(model, ids: list[int], logprobs: list[float], stop_ids, stop_strings
                     break
             text, reason = text[:cut], "stop"
     return Completion(token_ids=ids, text=text, finish_reason=reason,
-                      logprobs=logprobs if want_logprobs else None)
+                      logprobs=logprobs if want_logprobs else None, prompt_tokens=prompt_tokens)
 
 
-def _prepare(model, prompts, max_new_tokens, sampling_params, seed, chat, stop, max_seq_len):
-    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+@dataclasses.dataclass
+class _Request:
+    ids: list[list[int]]
+    state: DecodeState
+    tokens: jax.Array  # [B, T]
+    lengths: jax.Array  # [B]
+    stop_ids: list[int]
+    stop_strings: list[str]
+    sampling: list[SamplingParams]
+    plan: Plan
+
+
+def _prepare(model, prompts, max_new_tokens, sampling_params, seed, chat, stop, max_seq_len,
+             policy) -> _Request:
+    """Every check on the host, before anything is allocated or compiled."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
+            or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    ids = _encode_prompts(model, prompts, chat)
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise ValueError(f"seed must be an integer, got {type(seed).__name__} {seed!r}")
+    if chat is not None and not isinstance(chat, bool):
+        raise ValueError(f"chat must be True, False or None (automatic), got {chat!r}")
+    plan = _plan(model, policy)
+    ids = prompts_lib.encode(model.tokenizer, prompts, chat, model.config.vocab_size)
     if sampling_params is None:
         sampling_params = SamplingParams(temperature=0.0)  # greedy, as HF generate defaults to
     if isinstance(sampling_params, SamplingParams):
         sampling_params = [sampling_params] * len(ids)
+    sampling_params = list(sampling_params)
     if len(sampling_params) != len(ids):
         raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(ids)} prompts")
+    for i, sp in enumerate(sampling_params):
+        if not isinstance(sp, SamplingParams):
+            raise ValueError(f"sampling[{i}] must be a SamplingParams, got {type(sp).__name__}")
     stop_ids, stop_strings = _stop_ids(model, stop)
-    state, tokens, lengths = init_state(model, ids, int(max_new_tokens), list(sampling_params),
-                                        seed, stop_ids, max_seq_len)
-    return state, tokens, lengths, stop_ids, stop_strings, sampling_params
+    longest = max(len(p) for p in ids)
+    chunk = prefill_chunk_size(plan)
+    multiple = chunk if chunk and longest > chunk else 1
+    state, tokens, lengths = init_state(model, ids, int(max_new_tokens), sampling_params,
+                                        int(seed), stop_ids, max_seq_len, multiple)
+    return _Request(ids, state, tokens, lengths, stop_ids, stop_strings, sampling_params, plan)
 
 
 def _plan(model, policy) -> Plan:
@@ -283,61 +342,149 @@ def _plan(model, policy) -> Plan:
     return Plan(model.config, policy)
 
 
+def _bar(progress: bool, total: int, desc: str):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, disable=not progress, leave=False, unit="tok")
+
+
+def _run_prefill(model, req: _Request, progress: bool) -> DecodeState:
+    """The prompts into the cache and the first new token: one shot, or in chunks (a long
+    prompt on CPU, or KernelPolicy.prefill_chunk) with a progress tick per chunk."""
+    chunk = prefill_chunk_size(req.plan)
+    b, t = req.tokens.shape
+    if not chunk or t <= chunk:
+        return prefill(model.params, req.tokens, req.lengths, req.state, req.plan)
+    state = req.state
+    last = jnp.zeros((b, model.config.vocab_size), jnp.float32)
+    with _bar(progress, int(max(len(p) for p in req.ids)), "prefill") as bar:
+        for start in range(0, t, chunk):
+            state, last = prefill_chunk(model.params, req.tokens[:, start:start + chunk],
+                                        jnp.int32(start), req.lengths, state, last, req.plan)
+            if bar.total:
+                jax.block_until_ready(last)
+                bar.update(min(chunk, bar.total - bar.n))
+    return sample_first(last, req.lengths, state, req.plan)
+
+
+# Decode steps per host check when a progress bar is shown (one sync each: negligible).
+PROGRESS_STEPS = 32
+
+
 def generate(model, prompts, max_new_tokens: int = 128, sampling: SamplingParams | None = None,
-             seed: int = 0, chat: bool = False, stop=None, max_seq_len: int | None = None,
-             policy: KernelPolicy | None = None) -> list[Completion]:
+             seed: int = 0, chat: bool | None = None, stop=None, max_seq_len: int | None = None,
+             policy: KernelPolicy | None = None, progress: bool = False) -> list[Completion]:
     """Generate for a prompt or a batch of prompts; returns one `Completion` per prompt.
 
-    prompts: a string, a list of strings, or token-id lists. chat=True wraps each string as a
-    user message in the model's chat template. sampling: one SamplingParams for all prompts or
-    a list with one per prompt. stop: stop strings and/or stop token ids (EOS always stops).
-    Request i's random stream is derived from (seed, i, position), or from (its own
+    prompts: a string, token ids, or chat messages ([{"role": ..., "content": ...}], system
+    turns included), or a list of those (jaxinfer/prompts.py). chat: strings go through the
+    chat template as a user message; None (default) does so when the tokenizer has a template,
+    as the CLI does; False feeds them as plain text. sampling: one SamplingParams for all
+    prompts or a list with one per prompt. stop: stop strings and/or stop token ids (EOS always
+    stops). Request i's random stream is derived from (seed, i, position), or from (its own
     SamplingParams.seed, position) when that is set, so it does not depend on the batch.
     policy: the kernel choices (default: the model's); `KernelPolicy.deterministic()` gives
     bitwise-repeatable tokens that do not depend on the rest of the batch either.
+    progress: show progress bars (stderr, tqdm) for a chunked prefill and the decode.
     """
-    plan = _plan(model, policy)
-    state, tokens, lengths, stop_ids, stop_strings, params_list = _prepare(
-        model, prompts, max_new_tokens, sampling, seed, chat, stop, max_seq_len)
-    state = prefill(model.params, tokens, lengths, state, plan)
-    state = decode_loop(model.params, state, plan)
-    out = np.asarray(state.output)
-    lps = np.asarray(state.logprobs)
+    req = _prepare(model, prompts, max_new_tokens, sampling, seed, chat, stop, max_seq_len,
+                   policy)
+    with memory.reporting_oom(f"generating for {len(req.ids)} prompts"):
+        state = _run_prefill(model, req, progress)
+        if progress:
+            with _bar(True, int(max_new_tokens), f"decode x{len(req.ids)}") as bar:
+                bar.update(1)
+                while not bool(jnp.all(state.done)):
+                    state = decode_loop(model.params, state, req.plan,
+                                        until=jnp.int32(int(state.step) + PROGRESS_STEPS))
+                    bar.update(int(state.step) - bar.n)
+        else:
+            state = decode_loop(model.params, state, req.plan)
+        out = np.asarray(state.output)
+        lps = np.asarray(state.logprobs)
     results = []
-    for row, sp in enumerate(params_list):
+    for row, sp in enumerate(req.sampling):
         n = int((out[row] >= 0).sum())
         results.append(_finish(model, out[row, :n].tolist(), lps[row, :n].tolist(),
-                               stop_ids, stop_strings, sp.logprobs))
+                               req.stop_ids, req.stop_strings, sp.logprobs, len(req.ids[row])))
     return results
 
 
-def stream(model, prompt, max_new_tokens: int = 128, sampling: SamplingParams | None = None,
-           seed: int = 0, chat: bool = False, stop=None,
-           policy: KernelPolicy | None = None) -> Iterator[str]:
-    """Yield the text of one prompt's completion piece by piece as tokens are decoded.
+class TextStream:
+    """The text of one completion, piece by piece (iterate it). Once it is exhausted,
+    `completion` holds the whole `Completion` (token ids, finish reason, logprobs, prompt
+    tokens) and `time_to_first_token` the seconds from the call to the first piece's token."""
 
-    Runs the same jitted `decode_step` once per token (one host sync per token, which is what
-    streaming needs); stops at EOS, a stop token, a stop string, or max_new_tokens.
+    def __init__(self, pieces: Iterator[str]):
+        self._pieces = pieces
+        self.completion: Completion | None = None
+        self.time_to_first_token: float | None = None
+
+    def __iter__(self) -> TextStream:
+        return self
+
+    def __next__(self) -> str:
+        return next(self._pieces)
+
+    def close(self) -> None:
+        self._pieces.close()
+
+
+def stream(model, prompt, max_new_tokens: int = 128, sampling: SamplingParams | None = None,
+           seed: int = 0, chat: bool | None = None, stop=None,
+           policy: KernelPolicy | None = None, progress: bool = False) -> TextStream:
+    """The text of one prompt's completion, yielded piece by piece as tokens are decoded.
+
+    Takes one prompt of any form `generate` takes (and the same arguments). Runs the same jitted
+    `decode_step` once per token (one host sync per token, which is what streaming needs);
+    stops at EOS, a stop token, a stop string, or max_new_tokens. Checks every argument before
+    returning, so errors are raised here, not at the first `next()`.
     """
-    plan = _plan(model, policy)
-    state, tokens, lengths, stop_ids, stop_strings, _ = _prepare(
-        model, [prompt], max_new_tokens, sampling, seed, chat, stop, None)
+    batch = prompts_lib.as_batch(prompt)
+    if len(batch) != 1:
+        raise ValueError(f"stream() takes one prompt, got a batch of {len(batch)}; use "
+                         "generate() for batches")
     if model.tokenizer is None:
         raise ValueError("stream() needs a tokenizer to turn tokens into text; use generate()")
+    t0 = time.perf_counter()
+    req = _prepare(model, prompt, max_new_tokens, sampling, seed, chat, stop, None, policy)
+    out = TextStream(iter(()))
+    out._pieces = _pieces(model, req, progress, out, t0)
+    return out
+
+
+def _pieces(model, req: _Request, progress: bool, out: TextStream, t0: float) -> Iterator[str]:
     decoder = model.tokenizer.incremental_decoder()
     # Text that could still be the start of a stop string is held back until it is not.
-    hold = max((len(s) - 1 for s in stop_strings), default=0)
-    state = prefill(model.params, tokens, lengths, state, plan)
-    text, emitted = "", 0
+    hold = max((len(s) - 1 for s in req.stop_strings), default=0)
+    want_logprobs = req.sampling[0].logprobs
+    with memory.reporting_oom("the prefill"):
+        state = _run_prefill(model, req, progress)
+    text, emitted, ids, lps = "", 0, [], []
+
+    def finish():
+        out.completion = _finish(model, ids, lps, req.stop_ids, req.stop_strings,
+                                 want_logprobs, len(req.ids[0]))
+
     while True:
-        new = int(state.output[0, int(state.step) - 1])
-        finished = new in stop_ids or bool(state.done[0])
-        if new not in stop_ids:
+        # One transfer per token (each indexing op would be a dispatch of its own).
+        step, output, done, logprobs = jax.device_get(
+            (state.step, state.output, state.done, state.logprobs if want_logprobs else None))
+        col = int(step) - 1
+        new = int(output[0, col])
+        if out.time_to_first_token is None:
+            out.time_to_first_token = time.perf_counter() - t0
+        ids.append(new)
+        if want_logprobs:
+            lps.append(float(logprobs[0, col]))
+        finished = new in req.stop_ids or bool(done[0])
+        if new not in req.stop_ids:
             text += decoder.step(new)
         if finished:
             text += decoder.flush()
-        cut = min((text.find(s) for s in stop_strings if s in text), default=-1)
+        cut = min((text.find(s) for s in req.stop_strings if s in text), default=-1)
         if cut >= 0:
+            finish()
             if cut > emitted:
                 yield text[emitted:cut]
             return
@@ -346,5 +493,6 @@ def stream(model, prompt, max_new_tokens: int = 128, sampling: SamplingParams | 
             yield text[emitted:safe]
             emitted = safe
         if finished:
+            finish()
             return
-        state = decode_step(model.params, state, plan)
+        state = decode_step(model.params, state, req.plan)

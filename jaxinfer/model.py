@@ -94,9 +94,17 @@ def load(source: str = DEFAULT_MODEL, dtype: str | None = None,
     `KernelPolicy()`, today's fastest; `KernelPolicy.deterministic()`, `.reference()`).
     """
     from checkpoints import load_checkpoint
+    from jaxinfer import compilation_cache, memory
 
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     policy = _check_policy(policy)
-    config, params, tokenizer = load_checkpoint(source)
-    return from_params(config, params, tokenizer, dtype or default_dtype(), policy)
+    compilation_cache.enable()
+    dtype = dtype or default_dtype()
+
+    def fits(config, float32_staging):
+        memory.check_load(config, dtype, host_float32_copy=float32_staging)
+
+    config, params, tokenizer = load_checkpoint(source, before_tensors=fits)
+    with memory.reporting_oom(f"loading {source}"):
+        return from_params(config, params, tokenizer, dtype, policy)

@@ -106,6 +106,11 @@ class KernelPolicy:
     # Decode steps per host check of the device loop, with stop tokens and without.
     steps_per_sync: int = 1
     steps_per_sync_no_stop: int = 8
+    # Prompts longer than this prefill in chunks of this many tokens, each attending to the
+    # cache (one executable for every chunk, a progress tick per chunk). None: 1024 on CPU,
+    # where the reference attention's [T, S] scores of a one-shot 8k prefill take GBs;
+    # one shot elsewhere (flash attention). 0: always one shot.
+    prefill_chunk: int | None = None
 
     def __post_init__(self):
         for name, kind in (("kernels", Kernels), ("norm_linear_boundary", Boundary),
@@ -126,6 +131,8 @@ class KernelPolicy:
         _check_int("attention_chunk", self.attention_chunk, 16)
         _check_int("steps_per_sync", self.steps_per_sync, 1)
         _check_int("steps_per_sync_no_stop", self.steps_per_sync_no_stop, 1)
+        if self.prefill_chunk is not None:
+            _check_int("prefill_chunk", self.prefill_chunk, 0)
         if self.attention_chunk & (self.attention_chunk - 1):
             raise ValueError(f"KernelPolicy.attention_chunk={self.attention_chunk}: must be a "
                              f"power of two (whole key tiles)")

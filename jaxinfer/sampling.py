@@ -59,7 +59,8 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
+
+from jaxinfer import pytree
 
 # Temperatures below this are treated as greedy, as vLLM does: dividing by them overflows float32.
 GREEDY_TEMPERATURE = 1e-5
@@ -160,7 +161,7 @@ class SamplingFlags:
         return self.repetition_penalty or self.presence_frequency_penalty
 
 
-@struct.dataclass
+@pytree.dataclass
 class SamplingTensors:
     """Sampling parameters of every row of a batch. Build with `from_params`.
 
@@ -176,7 +177,7 @@ class SamplingTensors:
     repetition_penalty: jax.Array  # [B] float32, 1.0 = off
     presence_penalty: jax.Array  # [B] float32
     frequency_penalty: jax.Array  # [B] float32
-    flags: SamplingFlags = struct.field(pytree_node=False, default=SamplingFlags())
+    flags: SamplingFlags = pytree.static_field(SamplingFlags())
 
     @property
     def batch_size(self) -> int:
@@ -233,7 +234,7 @@ class SamplingTensors:
         )
 
 
-@struct.dataclass
+@pytree.dataclass
 class SampleOutput:
     tokens: jax.Array  # [B] int32
     logprobs: jax.Array  # [B] float32: chosen token under the processed, untruncated distribution
@@ -276,7 +277,7 @@ def update_penalty_state(token_counts: jax.Array | None, seen_mask: jax.Array | 
     return token_counts, seen_mask
 
 
-@struct.dataclass
+@pytree.dataclass
 class SamplerState:
     """The sampler's part of the decode state: per-request base keys and penalty statistics."""
 

@@ -14,16 +14,17 @@ import math
 
 import jax
 import jax.numpy as jnp
-from flax import struct
+
+from jaxinfer import pytree
 
 
-@struct.dataclass
+@pytree.dataclass
 class Dense:
     """A matmul weight kept as stored: w [K, *N] ([in, out]), or with `transposed` w [N, K]
     (rows are the output features: an embedding table, which a tied LM head reuses)."""
 
     w: jax.Array
-    transposed: bool = struct.field(pytree_node=False, default=False)
+    transposed: bool = pytree.static_field(False)
 
     @property
     def dtype(self):

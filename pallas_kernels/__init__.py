@@ -1,31 +1,49 @@
 """Pallas GPU kernels, each beside its pure-jnp reference (same signature).
 
 On CPU, pass interpret=True (tests) or call the *_reference functions (the model's CPU path).
+Names are imported from their modules on first use (PEP 562): a CPU run that never calls a
+kernel does not import Pallas' GPU backends.
 """
 
-from pallas_kernels.decode_attention import (
-    DecodeBlockSizes, decode_attention, decode_attention_reference)
-from pallas_kernels.decode_attention_append import (
-    decode_attention_append, decode_attention_append_reference)
-from pallas_kernels.flash_attention import (
-    FlashBlockSizes, flash_attention, flash_attention_reference)
-from pallas_kernels.flash_attention_mgpu import MosaicFlashConfig
-from pallas_kernels.norm_matmul import (
-    MatmulBlockSizes, norm_matmul, norm_matmul_reference)
-from pallas_kernels.rms_norm import (
-    add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference)
-from pallas_kernels.rope import rope, rope_reference
-from pallas_kernels.swiglu import (
-    swiglu, swiglu_down, swiglu_down_reference, swiglu_reference)
+from __future__ import annotations
 
-__all__ = [
-    "add_rms_norm", "add_rms_norm_reference",
-    "DecodeBlockSizes", "FlashBlockSizes", "MatmulBlockSizes", "MosaicFlashConfig",
-    "decode_attention", "decode_attention_reference",
-    "decode_attention_append", "decode_attention_append_reference",
-    "flash_attention", "flash_attention_reference",
-    "norm_matmul", "norm_matmul_reference",
-    "rms_norm", "rms_norm_reference",
-    "rope", "rope_reference",
-    "swiglu", "swiglu_down", "swiglu_down_reference", "swiglu_reference",
-]
+import importlib
+import sys
+import types
+
+_MODULES = {
+    "decode_attention": ("DecodeBlockSizes", "decode_attention", "decode_attention_reference"),
+    "decode_attention_append": ("decode_attention_append", "decode_attention_append_reference"),
+    "flash_attention": ("FlashBlockSizes", "flash_attention", "flash_attention_reference"),
+    "flash_attention_mgpu": ("MosaicFlashConfig",),
+    "norm_matmul": ("MatmulBlockSizes", "norm_matmul", "norm_matmul_reference"),
+    "rms_norm": ("add_rms_norm", "add_rms_norm_reference", "rms_norm", "rms_norm_reference"),
+    "rope": ("rope", "rope_reference"),
+    "swiglu": ("swiglu", "swiglu_down", "swiglu_down_reference", "swiglu_reference"),
+}
+_EXPORTS = {name: module for module, names in _MODULES.items() for name in names}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        module = importlib.import_module(f"pallas_kernels.{_EXPORTS[name]}")
+        return getattr(module, name)
+    raise AttributeError(f"module 'pallas_kernels' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+class _Package(types.ModuleType):
+    def __setattr__(self, name, value):
+        # Importing a submodule binds it here, over its function of the same name (the
+        # decode_attention module and function): keep the function.
+        if isinstance(value, types.ModuleType) and _EXPORTS.get(name) == name:
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -4,6 +4,9 @@ import os
 
 # Tests compare float32 logits at 1e-4; keep XLA's CPU matmuls at full precision and quiet.
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+# `jaxinfer.load` turns on JAX's persistent compilation cache; tests that want it say so
+# (tests/test_cli.py), the rest do not write to the user's cache.
+os.environ.setdefault("JAXINFER_COMPILATION_CACHE", "0")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -50,3 +53,48 @@ def tiny_chat():
     params = jax.tree.map(lambda a: 4 * a if a.ndim > 1 else a,
                           init_params(llama.param_specs(config), jax.random.key(7), jnp.float32))
     return from_params(config, params, tokenizer, dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_dir(tiny_chat, tmp_path_factory):
+    """`tiny_chat` written as an HF directory (config.json, model.safetensors, the tokenizer
+    files), for what takes a path: the CLI, `jaxinfer.load`, other processes. Loading it gives
+    tiny_chat's weights exactly."""
+    import json
+    import pathlib
+    import shutil
+
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    c, p = tiny_chat.config, tiny_chat.params
+    path = tmp_path_factory.mktemp("tiny_chat")
+    tok_dir = pathlib.Path(__file__).parent / "fixtures" / "data" / "tokenizer" / "tiny_hf"
+    for f in tok_dir.iterdir():
+        shutil.copy(f, path / f.name)
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads,
+        "head_dim": c.head_dim, "max_position_embeddings": c.max_position_embeddings,
+        "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
+        "tie_word_embeddings": True, "eos_token_id": list(c.eos_token_ids)}))
+    g = c.num_heads // c.num_kv_heads
+    tensors = {"model.embed_tokens.weight": p["embed"].w, "model.norm.weight": p["final_norm"]}
+    for i, lp in enumerate(p["layers"]):
+        w = np.asarray(lp["wqkv"].w)  # [D, Hkv, G + 2, hd]: per KV head its q heads, k, v
+        pre = f"model.layers.{i}."
+        tensors.update({
+            pre + "self_attn.q_proj.weight": w[:, :, :g].reshape(c.hidden_size, -1).T,
+            pre + "self_attn.k_proj.weight": w[:, :, g].reshape(c.hidden_size, -1).T,
+            pre + "self_attn.v_proj.weight": w[:, :, g + 1].reshape(c.hidden_size, -1).T,
+            pre + "self_attn.o_proj.weight": lp["wo"].w.T,
+            pre + "mlp.gate_proj.weight": lp["w_gate"].w.T,
+            pre + "mlp.up_proj.weight": lp["w_up"].w.T,
+            pre + "mlp.down_proj.weight": lp["w_down"].w.T,
+            pre + "input_layernorm.weight": lp["attn_norm"],
+            pre + "post_attention_layernorm.weight": lp["mlp_norm"]})
+    save_file({k: np.ascontiguousarray(np.asarray(v, np.float32)) for k, v in tensors.items()},
+              str(path / "model.safetensors"))
+    return path

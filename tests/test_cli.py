@@ -1,12 +1,22 @@
 """The `jaxinfer` command: generate (text and JSON), chat, and clear errors."""
 
+import contextlib
 import io
 import json
+import os
+import select
+import signal
+import subprocess
 import sys
+import time
+import types
 
+import numpy as np
 import pytest
 
+import jaxinfer
 from jaxinfer import cli
+from jaxinfer.sampling import SamplingParams
 
 
 def test_generate_json(capsys):
@@ -22,7 +32,7 @@ def test_generate_streams_text(capsys):
 
 
 def test_chat_two_turns(monkeypatch, capsys):
-    monkeypatch.setattr(sys, "stdin", io.StringIO("What is the capital of France?\nAnd of Italy?\n\n"))
+    monkeypatch.setattr(sys, "stdin", io.StringIO("What is the capital of France?\nAnd of Italy?\n"))
     assert cli.main(["chat", "--max-new-tokens", "24"]) == 0
     out = capsys.readouterr().out
     assert "Paris" in out and "Rome" in out
@@ -32,8 +42,221 @@ def test_chat_two_turns(monkeypatch, capsys):
     (["generate", "hi", "--temperature", "-1"], "temperature"),
     (["generate", "hi", "--top-p", "0"], "top_p"),
     (["generate", "hi", "--model", "no-such-model"], "no-such-model"),
-    (["generate", "hi", "--max-new-tokens", "0"], "max_new_tokens"),
 ])
 def test_errors_are_clear(argv, match, capsys):
     assert cli.main(argv) == 2
     assert match in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- the tiny model
+# Flags and errors on `tiny_chat_dir` (2 layers: compiles in a second); the tests above answer a
+# real question with the embedded model.
+
+
+def _run(capsys, *argv):
+    code = cli.main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_flags_agree_with_the_api(tiny_chat, tiny_chat_dir, capsys):
+    """-n, --system, --stop, --logprobs, --json usage: the same tokens as the API's call."""
+    messages = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"}]
+    (ref,) = jaxinfer.generate(tiny_chat, [messages], max_new_tokens=12,
+                               sampling=SamplingParams(temperature=0.0, logprobs=True))
+    code, out, _ = _run(capsys, "generate", "Hi", "--system", "Be terse.", "-n", "12",
+                        "--model", str(tiny_chat_dir), "--logprobs", "--json")
+    got = json.loads(out)
+    assert code == 0 and got["token_ids"] == ref.token_ids and got["text"] == ref.text
+    np.testing.assert_allclose(got["logprobs"], ref.logprobs, rtol=1e-5)
+    assert got["usage"] == {"prompt_tokens": ref.prompt_tokens, "completion_tokens": 12,
+                            "total_tokens": ref.prompt_tokens + 12}
+    assert set(got["timings"]) == {"load_s", "time_to_first_token_s", "generate_s",
+                                   "decode_tokens_per_s"}
+    stop = ref.text[3:5]
+    code, out, _ = _run(capsys, "generate", "Hi", "--system", "Be terse.", "--max-tokens",
+                        "12", "--model", str(tiny_chat_dir), "--stop", "zzz", "--stop", stop)
+    assert code == 0 and out == ref.text[:ref.text.index(stop)] + "\n"
+
+
+def test_prompt_from_stdin_and_file(tiny_chat, tiny_chat_dir, capsys, monkeypatch, tmp_path):
+    (ref,) = jaxinfer.generate(tiny_chat, "Tell me a story.", max_new_tokens=6)
+    monkeypatch.setattr(sys, "stdin", types.SimpleNamespace(
+        buffer=io.BytesIO("Tell me a story.".encode()), isatty=lambda: False))
+    assert _run(capsys, "generate", "-", "-n", "6", "--model", str(tiny_chat_dir))[1] \
+        == ref.text + "\n"
+    (tmp_path / "p.txt").write_text("Tell me a story.")
+    assert _run(capsys, "generate", "-f", str(tmp_path / "p.txt"), "-n", "6", "--model",
+                str(tiny_chat_dir))[1] == ref.text + "\n"
+    (plain,) = jaxinfer.generate(tiny_chat, "Tell me a story.", max_new_tokens=6, chat=False)
+    assert _run(capsys, "generate", "Tell me a story.", "--no-chat", "-n", "6", "--model",
+                str(tiny_chat_dir))[1] == plain.text + "\n"
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["generate", "hi", "--seed", "-1"], "--seed must be in"),
+    (["generate", "hi", "--seed", "1.5"], "--seed must be an integer"),
+    (["generate", "hi", "-n", "0"], "--max-tokens must be >= 1"),
+    (["generate", "hi", "--stop", ""], "--stop needs a non-empty string"),
+    (["generate", "hi", "--min-p", "2"], "min_p"),
+    (["generate", "caf\udce9"], "not valid Unicode"),
+    (["generate", "   "], "the prompt is empty"),
+    (["generate", "-f", "/no/such/file"], "cannot read the prompt file"),
+    (["generate", "hi", "-f", "/etc/hostname"], "not both"),
+    (["generate", "hi", "--system", "x", "--no-chat"], "--system needs the chat template"),
+    (["generate", "hi", "--model", "/no/such/dir"], "neither a registered name"),
+    (["bench", "--gen-len", "1"], "--gen-len must be >= 2"),
+    (["bench", "--batch", "0"], "--batch must be >= 1"),
+    (["bench", "--batch", "1", "x"], "--batch must be an integer"),
+])
+def test_arguments_are_checked_before_loading(argv, match, capsys, monkeypatch):
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(jaxinfer, "load", no_load)
+    with contextlib.suppress(SystemExit):  # argparse's own errors exit 2 by SystemExit
+        assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert match in err and "Traceback" not in err
+
+
+def test_version_models_and_help_do_not_import_jax(tmp_path):
+    """`--help`, `--version` and `models` answer without importing jax (the start takes
+    ~0.1 s instead of ~1 s)."""
+    code = ("import sys, contextlib, io\n"
+            "from jaxinfer import cli\n"
+            "for argv in (['--version'], ['--help'], ['generate', '--help'], ['models']):\n"
+            "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+            "        cli.main(argv)\n"
+            "assert 'jax' not in sys.modules, 'jax was imported'\n"
+            "print(cli.main(['models']))\n")
+    env = {**os.environ, "JAXINFER_CACHE": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "smollm2-135m-instruct (default)" in proc.stdout and "not cached" in proc.stdout
+
+
+def test_models_json(capsys):
+    code, out, _ = _run(capsys, "models", "--json")
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert code == 0 and rows[0]["name"] == "smollm2-135m-instruct"
+    assert {"path", "size", "cached", "verified"} <= set(rows[0])
+
+
+def test_memory_refusal_before_allocating(capsys, monkeypatch):
+    """The README's `bench --preset llama3-8b` in float32 needs ~32 GB of host memory: refused
+    with the numbers and a remedy before a byte is allocated (here under a 16 GB cap, so the
+    test does not depend on the machine)."""
+    monkeypatch.setenv("JAXINFER_MEMORY_LIMIT", "16GB")
+    monkeypatch.setattr("jaxinfer.bench.init_params", lambda *a: pytest.fail("allocated"))
+    code, _, err = _run(capsys, "bench", "--preset", "llama3-8b", "--random-weights",
+                        "--dtype", "float32")
+    assert code == 2 and "needs about" in err and "GiB" in err and "bfloat16" in err
+
+
+def _spawn(args, env_extra=None, **kw):
+    env = {**os.environ, "JAXINFER_COMPILATION_CACHE": "0", **(env_extra or {})}
+    return subprocess.Popen([sys.executable, "-m", "jaxinfer.cli", *args], env=env, **kw)
+
+
+def test_sigint_and_broken_pipe_exit_quietly(tiny_chat_dir):
+    """Ctrl-C mid-generation exits 130 and a reader that goes away (`| head`) 141, without a
+    traceback."""
+    args = ["generate", "Tell me a long story.", "-n", "400", "--no-chat",
+            "--model", str(tiny_chat_dir)]
+    p = _spawn(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.read(1)  # generation has started
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and b"Traceback" not in err, err.decode()
+    p = _spawn(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.read(1)
+    p.stdout.close()
+    err = p.stderr.read()
+    assert p.wait(timeout=60) == 141 and b"Traceback" not in err, err.decode()
+
+
+def test_chat_commands_through_a_terminal(tiny_chat_dir, tmp_path):
+    """`jaxinfer chat` on a pseudo-terminal (its controlling terminal, so Ctrl-C is a SIGINT
+    from the line discipline, as for a user): an empty line does not end it, Ctrl-C stops a
+    reply (or clears the line) and the session goes on, /reset and /system answer, Ctrl-D
+    quits with 0 and the history is saved."""
+    import pty
+
+    env = {**os.environ, "JAXINFER_COMPILATION_CACHE": "0", "JAXINFER_CACHE": str(tmp_path)}
+    # A new session whose controlling terminal is the pty (no fork of this threaded process).
+    takes_tty = ("import fcntl, os, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+                 "os.execv(sys.executable, [sys.executable, '-m', 'jaxinfer.cli', *sys.argv[1:]])")
+    leader, follower = pty.openpty()
+    p = subprocess.Popen([sys.executable, "-c", takes_tty, "chat", "-n", "200", "--model",
+                          str(tiny_chat_dir)], env=env, stdin=follower, stdout=follower,
+                         stderr=follower, start_new_session=True)
+    os.close(follower)
+    seen = b""
+
+    def expect(*markers: bytes, timeout=60.0) -> bytes:
+        """Read until one of `markers` shows; return it and drop what came before."""
+        nonlocal seen
+        end = time.monotonic() + timeout
+        while not any(m in seen for m in markers):
+            left = end - time.monotonic()
+            if left <= 0 or not select.select([leader], [], [], left)[0]:
+                pytest.fail(f"none of {markers} in the chat's output: "
+                            f"{seen.decode(errors='replace')}")
+            seen += os.read(leader, 4096)
+        found = min((m for m in markers if m in seen), key=seen.index)
+        seen = seen[seen.index(found) + len(found):]
+        return found
+
+    try:
+        expect(b"Ctrl-C stops a reply")
+        expect(b"> ")
+        os.write(leader, b"\n")  # an empty line: a new prompt, not the end
+        expect(b"> ")
+        os.write(leader, b"Hello there\n")
+        expect(b"\r\n> ")  # the reply ended and a new prompt is up
+        os.write(leader, b"Tell me everything\n")
+        time.sleep(0.5)
+        os.write(leader, b"\x03")  # Ctrl-C: stops the reply (or, if it ended, the line)
+        expect(b"[stopped]", b"(Ctrl-D or /exit to quit)")
+        os.write(leader, b"/reset\n")
+        expect(b"(conversation cleared)")
+        os.write(leader, b"/system You are terse.\n")
+        expect(b"(system message set")
+        os.write(leader, b"\x04")  # Ctrl-D
+        assert p.wait(timeout=60) == 0, seen.decode(errors="replace")
+    finally:
+        if p.poll() is None:
+            p.kill()
+        os.close(leader)
+    assert (tmp_path / "chat_history").exists()
+
+
+def test_chat_exit_words_and_empty_lines(tiny_chat_dir, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\nHi\n\n/quit\nnever sent\n"))
+    code, out, err = _run(capsys, "chat", "-n", "4", "--model", str(tiny_chat_dir))
+    # four prompts ("> "): the empty line, Hi (one reply line), the empty line, /quit
+    assert code == 0 and out.count("> ") == 4 and out.count("\n") == 1
+    for word in ("exit", "quit", "/exit"):
+        monkeypatch.setattr(sys, "stdin", io.StringIO(f"{word}\nnever sent\n"))
+        assert _run(capsys, "chat", "--model", str(tiny_chat_dir))[:2] == (0, "> ")
+
+
+def test_compilation_cache_is_reused_across_processes(tiny_chat_dir, tmp_path):
+    """A second process loads the executables from $JAXINFER_CACHE/xla instead of compiling:
+    a new -n adds no entry; another dtype (another program) does."""
+    xla = tmp_path / "xla"
+
+    def run(*extra):
+        env = {**os.environ, "JAXINFER_CACHE": str(tmp_path), "JAXINFER_COMPILATION_CACHE": "1"}
+        proc = subprocess.run([sys.executable, "-m", "jaxinfer.cli", "generate", "Say hi.",
+                               "--model", str(tiny_chat_dir), *extra], env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        return {p.name for p in xla.iterdir()}
+
+    first = run("-n", "8")
+    assert any(n.startswith("jit_prefill") for n in first)
+    assert any(n.startswith("jit__decode_step") for n in first)
+    assert run("-n", "12") == first
+    assert run("-n", "8", "--dtype", "bfloat16") > first

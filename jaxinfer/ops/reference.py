@@ -49,8 +49,17 @@ def rope_frequencies(config: Config) -> tuple[np.ndarray, float]:
     """Static inverse frequencies [rotary_dim / 2] (float32) and the cos/sin attention factor.
 
     Mirrors transformers' `ROPE_INIT_FUNCTIONS`; "dynamic" returns the unscaled base here and
-    is rescaled per call in `rope_tables` from the longest position it sees.
+    is rescaled per call in `rope_tables` from the longest position it sees. With
+    `config.rope_freq_factors` (GGUF `rope_freqs.weight`) each frequency is then divided by its
+    factor in float32, as llama.cpp's RoPE does.
     """
+    inv_freq, attention_factor = _scaled_frequencies(config)
+    if config.rope_freq_factors:
+        inv_freq = inv_freq / np.asarray(config.rope_freq_factors, dtype=np.float32)
+    return inv_freq, attention_factor
+
+
+def _scaled_frequencies(config: Config) -> tuple[np.ndarray, float]:
     rs = config.rope_scaling
     dim = config.rotary_dim
     base = config.rope_theta

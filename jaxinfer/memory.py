@@ -1,0 +1,138 @@
+"""Will it fit? Estimates of what a load or a request allocates, checked before allocating.
+
+The budget is the device's free memory (a GPU's bytes_limit - bytes_in_use; on CPU the host's
+MemAvailable), capped by JAXINFER_MEMORY_LIMIT (bytes, or "8GB", "512MiB"). A request that
+cannot fit is refused with the numbers and a remedy instead of failing halfway with
+RESOURCE_EXHAUSTED; an allocation failure that still happens is reported the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+
+REMEDY = ("use a smaller batch, a shorter prompt or max_new_tokens, dtype='bfloat16' "
+          "(--dtype bfloat16), or a smaller or quantized model")
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
+          "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}
+
+
+class OutOfMemory(ValueError):
+    """A load or request that does not fit the memory budget (raised before allocating)."""
+
+
+def parse_bytes(text: str) -> int:
+    m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"JAXINFER_MEMORY_LIMIT={text!r}: give bytes or a size like 8GB, "
+                         "512MiB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def budget() -> tuple[int | None, str]:
+    """(free bytes or None when unknown, what they are) for the default device."""
+    import jax
+
+    device = jax.devices()[0]
+    free, what = None, f"{device.platform} device {device.device_kind}"
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if stats and "bytes_limit" in stats:
+        free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    elif device.platform == "cpu":
+        free, what = _mem_available(), "host memory (MemAvailable)"
+    cap = os.environ.get("JAXINFER_MEMORY_LIMIT")
+    if cap:
+        limit = parse_bytes(cap)
+        if free is None or limit < free:
+            free, what = limit, f"the JAXINFER_MEMORY_LIMIT cap ({cap})"
+    return free, what
+
+
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _check(parts: dict[str, int], doing: str) -> None:
+    free, what = budget()
+    need = sum(parts.values())
+    if free is not None and need > free:
+        detail = ", ".join(f"{k} {gib(v)}" for k, v in parts.items())
+        raise OutOfMemory(f"{doing} needs about {gib(need)} ({detail}) but {what} has "
+                          f"{gib(free)} free; {REMEDY}")
+
+
+def itemsize(dtype: str) -> int:
+    return 4 if dtype == "float32" else 2
+
+
+def params_bytes(config, dtype: str) -> int:
+    """The params' bytes in `dtype` (from the family's declaration: no weights needed)."""
+    import jax
+
+    from jaxinfer.models import registry
+    from jaxinfer.weights import abstract_params
+
+    specs = registry.family(config).param_specs(config)
+    leaves = jax.tree.leaves(abstract_params(specs, "float32"))
+    return sum(math.prod(a.shape) for a in leaves) * itemsize(dtype)
+
+
+def check_load(config, dtype: str, host_float32_copy: bool = True) -> None:
+    """Before reading a checkpoint's tensors: the params in `dtype`, plus (on CPU, where the
+    device is the host) the float32 numpy copy the loaders build first."""
+    import jax
+
+    parts = {"params": params_bytes(config, dtype)}
+    if host_float32_copy and jax.devices()[0].platform == "cpu":
+        parts["float32 staging copy"] = params_bytes(config, "float32")
+    _check(parts, f"loading this model ({config.num_layers} layers, hidden "
+                  f"{config.hidden_size}) in {dtype}")
+
+
+def check_request(config, batch: int, prompt_len: int, cache_len: int, chunk: int) -> None:
+    """Before allocating a request's cache: K/V for batch x cache_len slots, and the largest
+    prefill step's activations (chunk tokens per row; on CPU the reference attention's
+    float32 scores against the cache)."""
+    import jax
+
+    size = itemsize(config.dtype)
+    kv = 2 * config.num_layers * batch * cache_len * config.num_kv_heads * config.head_dim * size
+    tokens = batch * min(chunk, prompt_len)
+    width = (4 * config.hidden_size + (config.num_heads + 2 * config.num_kv_heads)
+             * config.head_dim + 3 * config.intermediate_size)
+    work = tokens * width * 4 + batch * config.vocab_size * 4 * 2
+    if jax.devices()[0].platform == "cpu":
+        keys = prompt_len if chunk >= prompt_len else cache_len
+        work += 2 * tokens * config.num_heads * keys * 4
+    _check({"KV cache": kv, "workspace": work},
+           f"this request (batch {batch}, {prompt_len} prompt tokens padded, cache of "
+           f"{cache_len} slots)")
+
+
+@contextlib.contextmanager
+def reporting_oom(doing: str):
+    """Turn an allocation failure (RESOURCE_EXHAUSTED) into OutOfMemory with the remedy."""
+    import jax
+
+    try:
+        yield
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
+            raise
+        free, what = budget()
+        first = str(e).strip().splitlines()[0][:300]
+        raise OutOfMemory(f"{doing} ran out of memory ({first}); {what} has "
+                          f"{'?' if free is None else gib(free)} free; {REMEDY}") from e
