@@ -12,6 +12,8 @@ FIND_PYTHON := for p in python3.12 python3.13 python3.14 python3 python; do \
 	  if [ -x $$root/versions/$$v/bin/python ]; then echo $$root/versions/$$v/bin/python; exit 0; fi; \
 	done; exit 1
 PROMPT ?= What is the capital of France?
+# `make run V=1`: also the load time, time to first token and decode speed (jaxinfer -v).
+V ?=
 
 .PHONY: run test venv clean
 
@@ -32,7 +34,7 @@ $(VENV)/.installed-test: $(VENV)/.installed
 venv: $(VENV)/.installed
 
 run: $(VENV)/.installed
-	$(VENV)/bin/jaxinfer generate "$(PROMPT)"
+	$(VENV)/bin/jaxinfer $(if $(V),-v) generate "$(PROMPT)"
 
 test: $(VENV)/.installed-test
 	$(PY) -m pytest -n 2 --dist worksteal -q

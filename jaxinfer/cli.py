@@ -10,6 +10,7 @@ one line, `jaxinfer: error: ...`, and exit 2; Ctrl-C exits 130 and a closed pipe
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import logging
 import os
@@ -56,7 +57,14 @@ def _seed(text):
     return value
 
 
+def _add_verbose(p: argparse.ArgumentParser) -> None:
+    # Also after the command (`jaxinfer generate "Hi" -v`); SUPPRESS keeps the top-level value.
+    p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                   help="log progress and timings (load, first token, tokens/s) to stderr")
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
+    _add_verbose(p)
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"registered name (see `jaxinfer models`), HF directory or .gguf file "
                         f"(default {DEFAULT_MODEL})")
@@ -110,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_chat)
 
     m = sub.add_parser("models", help="list the registered models and what is cached")
+    _add_verbose(m)
     m.add_argument("--json", action="store_true", help="one JSON object per model")
     m.set_defaults(func=cmd_models)
 
@@ -399,8 +408,8 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    if not args.verbose:  # absl's "Unable to initialize backend 'tpu'" and the like
-        logging.getLogger("jax").setLevel(logging.WARNING)
+    # -v is for our progress and timings, not jax's ("Unable to initialize backend 'tpu'").
+    logging.getLogger("jax").setLevel(logging.WARNING)
     try:
         return args.func(args)
     except KeyboardInterrupt:
@@ -409,13 +418,29 @@ def main(argv=None) -> int:
     except BrokenPipeError:
         # The reader went away (`| head`): point stdout at /dev/null so the interpreter's final
         # flush does not raise again, and exit as a process killed by SIGPIPE would.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError, io.UnsupportedOperation):  # stdout is not a file
+            pass
         return EXIT_SIGPIPE
     except (ValueError, FileNotFoundError, NotImplementedError, RuntimeError) as e:
         print(f"jaxinfer: error: {e}", file=sys.stderr)
         return EXIT_USAGE
 
 
+def entry() -> None:
+    """The console script: `main()`, then exit without the interpreter's teardown, which
+    (jax's backends and thread pools winding down) took ~0.5 s after the answer was out."""
+    code = main()
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except BrokenPipeError:
+        code = code or EXIT_SIGPIPE
+    except (OSError, ValueError):
+        pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

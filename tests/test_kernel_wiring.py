@@ -137,18 +137,18 @@ def test_one_kernel_mlp_matches_reference_path():
 
 
 def test_deterministic_policy_is_batch_invariant_in_interpret_mode():
-    """KernelPolicy.deterministic(): a request's logits, bit for bit, alone and at rows 0 and 3
-    of a batch of 4 whose other rows hold other tokens and whose cache is longer (more key
-    chunks: attention_chunk 16 here), prefill and decode; and close to the references."""
+    """KernelPolicy.deterministic(): a request's logits, bit for bit, alone and at row 3 of a
+    batch of 4 whose other rows hold other tokens and whose cache is longer (more key chunks:
+    attention_chunk 16 here), prefill and decode; and close to the references. (Batches of 4
+    and 16 on the H200's compiled kernels: tests/test_determinism.py.)"""
     config = tiny_config()
     params = random_params(config)
     plan = Plan(config, KernelPolicy.deterministic(interpret=True, attention_chunk=16))
     ids = jax.random.randint(jax.random.key(3), (4, 7), 0, config.vocab_size)
     alone, _ = decode_steps(params, plan, ids[1:2], cache_len=24)
-    for row in (0, 3):
-        batch = ids.at[row].set(ids[1])
-        together, _ = decode_steps(params, plan, batch, cache_len=48)
-        np.testing.assert_array_equal(together[row], alone[0])
+    batch = ids.at[3].set(ids[1])
+    together, _ = decode_steps(params, plan, batch, cache_len=48)
+    np.testing.assert_array_equal(together[3], alone[0])
     assert_close_to_reference(params, config, ids[1:2], alone)
     names = step_kernels(params, plan, 1)
     assert "add_norm_matmul_swiglu_down_k64_n96" not in names  # no float atomics
