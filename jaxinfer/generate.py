@@ -301,6 +301,7 @@ class _Request:
     stop_strings: list[str]
     sampling: list[SamplingParams]
     plan: Plan
+    max_new_tokens: int
 
 
 def _prepare(model, prompts, max_new_tokens, sampling_params, seed, chat, stop, max_seq_len,
@@ -331,7 +332,8 @@ def _prepare(model, prompts, max_new_tokens, sampling_params, seed, chat, stop, 
     multiple = chunk if chunk and longest > chunk else 1
     state, tokens, lengths = init_state(model, ids, int(max_new_tokens), sampling_params,
                                         int(seed), stop_ids, max_seq_len, multiple)
-    return _Request(ids, state, tokens, lengths, stop_ids, stop_strings, sampling_params, plan)
+    return _Request(ids, state, tokens, lengths, stop_ids, stop_strings, sampling_params, plan,
+                    int(max_new_tokens))
 
 
 def _plan(model, policy) -> Plan:
@@ -410,6 +412,13 @@ def generate(model, prompts, max_new_tokens: int = 128, sampling: SamplingParams
     return results
 
 
+@jax.jit
+def _newest(state: DecodeState):
+    """Row 0's newest token: (its column, the token, done, its logprob), as new arrays."""
+    col = state.step - 1
+    return col, state.output[0, col], state.done[0], state.logprobs[0, col]
+
+
 class TextStream:
     """The text of one completion, piece by piece (iterate it). Once it is exhausted,
     `completion` holds the whole `Completion` (token ids, finish reason, logprobs, prompt
@@ -466,18 +475,22 @@ def _pieces(model, req: _Request, progress: bool, out: TextStream, t0: float) ->
         out.completion = _finish(model, ids, lps, req.stop_ids, req.stop_strings,
                                  want_logprobs, len(req.ids[0]))
 
+    # From the second token on, the next step is dispatched before this token is read, so the
+    # host's work per token (the read, detokenizing, the next dispatch) overlaps the device's.
+    # Costs one unused step when a stop token ends the stream; none at the token budget.
+    nxt = None
     while True:
-        # One transfer per token (each indexing op would be a dispatch of its own).
-        step, output, done, logprobs = jax.device_get(
-            (state.step, state.output, state.done, state.logprobs if want_logprobs else None))
-        col = int(step) - 1
-        new = int(output[0, col])
+        peek = _newest(state)  # fresh arrays: `state` may be donated to the next step
+        if ids and len(ids) + 2 <= req.max_new_tokens:
+            nxt = decode_step(model.params, state, req.plan)
+        col, new, done, lp = jax.device_get(peek)
+        new = int(new)
         if out.time_to_first_token is None:
             out.time_to_first_token = time.perf_counter() - t0
         ids.append(new)
         if want_logprobs:
-            lps.append(float(logprobs[0, col]))
-        finished = new in req.stop_ids or bool(done[0])
+            lps.append(float(lp))
+        finished = new in req.stop_ids or bool(done)
         if new not in req.stop_ids:
             text += decoder.step(new)
         if finished:
@@ -495,4 +508,5 @@ def _pieces(model, req: _Request, progress: bool, out: TextStream, t0: float) ->
         if finished:
             finish()
             return
-        state = decode_step(model.params, state, req.plan)
+        state = nxt if nxt is not None else decode_step(model.params, state, req.plan)
+        nxt = None

@@ -120,3 +120,17 @@ def test_bf16_logits_on_gpu_match_transformers():
         logits = np.asarray(model(ref["input_ids"]))
         rel = np.linalg.norm(logits - ref["logits"]) / np.linalg.norm(ref["logits"])
         assert rel < 3e-2, (name, rel)
+
+
+@pytest.mark.gpu
+def test_stream_equals_generate_on_gpu(tiny_chat):
+    """The stream dispatches the next step (donating the state) before reading the token of
+    the last one: on the GPU's asynchronous streams too, the same tokens as generate."""
+    from jaxinfer.model import from_params
+
+    model = from_params(tiny_chat.config, tiny_chat.params, tiny_chat.tokenizer,
+                        dtype="bfloat16")
+    for prompt in ("Tell me a story.", "Hi"):
+        (ref,) = jaxinfer.generate(model, prompt, max_new_tokens=40)
+        pieces = jaxinfer.stream(model, prompt, max_new_tokens=40)
+        assert "".join(pieces) == ref.text and pieces.completion.token_ids == ref.token_ids
