@@ -13,8 +13,8 @@ import math
 import os
 import re
 
-REMEDY = ("use a smaller batch, a shorter prompt or max_new_tokens, dtype='bfloat16' "
-          "(--dtype bfloat16), or a smaller or quantized model")
+LOAD_REMEDY = "use dtype='bfloat16' (--dtype bfloat16), or a smaller or quantized model"
+REMEDY = "use a smaller batch, a shorter prompt or max_new_tokens, or " + LOAD_REMEDY[4:]
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
           "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}
 
@@ -65,13 +65,13 @@ def _mem_available() -> int | None:
     return None
 
 
-def _check(parts: dict[str, int], doing: str) -> None:
+def _check(parts: dict[str, int], doing: str, remedy: str = REMEDY) -> None:
     free, what = budget()
     need = sum(parts.values())
     if free is not None and need > free:
         detail = ", ".join(f"{k} {gib(v)}" for k, v in parts.items())
         raise OutOfMemory(f"{doing} needs about {gib(need)} ({detail}) but {what} has "
-                          f"{gib(free)} free; {REMEDY}")
+                          f"{gib(free)} free; {remedy}")
 
 
 def itemsize(dtype: str) -> int:
@@ -99,7 +99,7 @@ def check_load(config, dtype: str, host_float32_copy: bool = True) -> None:
     if host_float32_copy and jax.devices()[0].platform == "cpu":
         parts["float32 staging copy"] = params_bytes(config, "float32")
     _check(parts, f"loading this model ({config.num_layers} layers, hidden "
-                  f"{config.hidden_size}) in {dtype}")
+                  f"{config.hidden_size}) in {dtype}", LOAD_REMEDY)
 
 
 def check_request(config, batch: int, prompt_len: int, cache_len: int, chunk: int) -> None:
