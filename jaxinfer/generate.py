@@ -360,10 +360,11 @@ def _run_prefill(model, req: _Request, progress: bool) -> DecodeState:
     state = req.state
     last = jnp.zeros((b, model.config.vocab_size), jnp.float32)
     with _bar(progress, int(max(len(p) for p in req.ids)), "prefill") as bar:
+        tokens = np.asarray(req.tokens)  # sliced on the host: no slicing op compiled per chunk
         for start in range(0, t, chunk):
-            state, last = prefill_chunk(model.params, req.tokens[:, start:start + chunk],
+            state, last = prefill_chunk(model.params, tokens[:, start:start + chunk],
                                         jnp.int32(start), req.lengths, state, last, req.plan)
-            if bar.total:
+            if progress:  # a tick when the chunk is done (no wait without a bar)
                 jax.block_until_ready(last)
                 bar.update(min(chunk, bar.total - bar.n))
     return sample_first(last, req.lengths, state, req.plan)
