@@ -39,8 +39,11 @@ from jaxinfer.models import registry
 
 log = logging.getLogger(__name__)
 
-# Tensor types we dequantize (all through gguf.quants.dequantize).
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+# Tensor types we dequantize (all through gguf.quants.dequantize): what llama.cpp's common
+# presets (Q4_K_M, Q5_K_M, Q6_K, Q8_0, Q4_0 ...) are made of. gguf.quants can also dequantize
+# the IQ*, TQ* and FP4 types; those stay refused until a model of ours is checked against them.
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+                   "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's per-frequency RoPE divisors (see GGUFArchitecture)
 
 
@@ -180,6 +183,11 @@ def _checked_reader_class():
                     raise ValueError(f"tensor {name!r} has unknown type id {int(raw_type[0])}; "
                                      f"supported types: {', '.join(SUPPORTED_TYPES)}") from None
                 block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+                # ggml packs each row into whole blocks; _dequantize's row joining relies on it.
+                if len(dims) and int(dims[0]) % block:
+                    raise ValueError(f"tensor {name!r} ({qtype.name}) has rows of {int(dims[0])} "
+                                     f"elements, not a whole number of its {block}-element "
+                                     "blocks; the file is corrupt")
                 n_elems = int(np.prod(dims.astype(np.int64)))
                 end = int(start_offs) + int(offset[0]) + n_elems * type_size // block
                 if end > size:
@@ -442,7 +450,8 @@ def _logical_shape(tensor) -> tuple[int, ...]:
 
 # gguf.quants dequantizes 16 rows per numpy call, so for short rows (576 elements in SmolLM2)
 # Python overhead dominates. Blocks are independent, so handing it rows of about this many
-# elements (whole rows joined) gives the same values with far fewer calls.
+# elements (whole rows joined) gives the same values with far fewer calls. This holds for any
+# block size (32, or 256 for K-quants) because every row is whole blocks (the reader checks).
 _DEQUANT_ROW_ELEMENTS = 16384
 
 
@@ -470,7 +479,8 @@ def _dequantize(tensor, path) -> np.ndarray:
     kind = tensor.tensor_type
     plain = kind in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)
     data = tensor.data if plain else _regrouped_rows(tensor)
-    out = np.asarray(dequantize(data, kind), dtype=np.float32).reshape(_logical_shape(tensor))
+    with np.errstate(over="ignore", invalid="ignore"):  # reported below, naming the tensor
+        out = np.asarray(dequantize(data, kind), dtype=np.float32).reshape(_logical_shape(tensor))
     if not np.all(np.isfinite(out)):
         raise ValueError(f"{path}: tensor {tensor.name!r} ({kind.name}) contains "
                          "non-finite values after dequantization; the file is corrupt")

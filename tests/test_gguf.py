@@ -43,8 +43,11 @@ def run_forward(config, params, tokens) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------
 
 
-def test_all_supported_types_have_a_fixture():
-    assert {n.removeprefix("tiny-").removesuffix("-tied") for n in TINY_NAMES} == \
+def test_all_supported_types_are_tested():
+    """Fixture files (checked against transformers) for the types they hold; Q5_0 / Q5_1 and the
+    K-quants are generated as random blocks below (NEW_TYPES)."""
+    fixtures = {n.removeprefix("tiny-").removesuffix("-tied") for n in TINY_NAMES}
+    assert fixtures | {t.name.lower() for t in NEW_TYPES} == \
         {t.lower() for t in G.SUPPORTED_TYPES}
 
 
@@ -232,6 +235,15 @@ def test_dequantize_is_gguf_quants_bit_for_bit():
             assert G._regrouped_rows(tensor).shape[0] == groups
             np.testing.assert_array_equal(G._dequantize(tensor, "<test>"),
                                           gguf.quants.dequantize(q, qtype))
+        # 256-element super-blocks and 32-element Q5 blocks: rows of 512 join 32 to a group.
+        for qtype in NEW_TYPES:
+            q = random_blocks(qtype, rows, 512, rng)
+            tensor = type("T", (), {"data": q, "tensor_type": qtype, "name": "w",
+                                    "shape": np.array([512, rows], np.uint64)})
+            assert G._regrouped_rows(tensor).shape[0] == groups
+            ours, plain = G._dequantize(tensor, "<test>"), gguf.quants.dequantize(q, qtype)
+            assert ours.shape == (rows, 512)
+            np.testing.assert_array_equal(ours.view(np.uint32), plain.view(np.uint32))
 
 
 def test_before_tensors_sees_the_config_first(monkeypatch):
@@ -251,6 +263,201 @@ def test_before_tensors_sees_the_config_first(monkeypatch):
 
     with pytest.raises(MemoryError, match="too big"):
         G.load_gguf_params(TINY_Q4_1, before_tensors=refuse)
+
+
+# ---------------------------------------------------------------------------------------------
+# Q5_0 / Q5_1 and the K-quants: tiny llama files of random valid blocks, against the same
+# weights dequantized by gguf.quants and written F32 (the path the fixtures above verify)
+# ---------------------------------------------------------------------------------------------
+
+QT = gguf.GGMLQuantizationType
+# Byte offsets of the fp16 fields (d, and dmin / m) in each block, as gguf.quants splits them
+# (ggml's block_q5_0 ... block_q6_K); every other byte is quant bits or packed sub-block scales,
+# any value of which is valid.
+FP16_FIELDS = {QT.Q5_0: (0,), QT.Q5_1: (0, 2), QT.Q2_K: (80, 82), QT.Q3_K: (108,),
+               QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208,)}
+NEW_TYPES = list(FP16_FIELDS)
+# hidden 256, 4 heads (2 kv) of 64, intermediate 512: every matmul row is whole 256-blocks.
+K_DIMS = {"hidden": 256, "heads": 4, "kv_heads": 2, "head_dim": 64, "inter": 512, "layers": 2,
+          "vocab": 256}
+
+
+def test_block_layouts():
+    assert {q: gguf.GGML_QUANT_SIZES[q] for q in NEW_TYPES} == {
+        QT.Q5_0: (32, 22), QT.Q5_1: (32, 24), QT.Q2_K: (256, 84), QT.Q3_K: (256, 110),
+        QT.Q4_K: (256, 144), QT.Q5_K: (256, 176), QT.Q6_K: (256, 210)}
+
+
+def random_blocks(qtype, rows: int, cols: int, rng) -> np.ndarray:
+    """uint8 [rows, row bytes] of `qtype` blocks: random bits, with the fp16 scales set so the
+    values have standard deviation about 1 / sqrt(cols), like an initialised weight."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
+    scales = rng.uniform(0.5, 1.0, (raw.shape[0], len(FP16_FIELDS[qtype])))
+
+    def put(values):
+        for j, off in enumerate(FP16_FIELDS[qtype]):
+            raw[:, off:off + 2] = values[:, j].astype(np.float16).view(np.uint8).reshape(-1, 2)
+
+    put(scales)  # values are linear in the fp16 fields: rescale them all by one factor
+    put(scales * (cols ** -0.5 / gguf.quants.dequantize(raw, qtype).std()))
+    return raw.reshape(rows, -1)
+
+
+def k_tensors(type_of, seed: int = 0) -> dict:
+    """GGUF name -> (data, raw type or None) of a tiny llama: norms F32, each matmul weight
+    (and token_embd) of type type_of(name) (None: F32)."""
+    rng = np.random.default_rng(seed)
+    d = K_DIMS
+    hidden, q, kv = d["hidden"], d["heads"] * d["head_dim"], d["kv_heads"] * d["head_dim"]
+    shapes = {"token_embd.weight": (d["vocab"], hidden)}
+    for i in range(d["layers"]):
+        shapes.update({f"blk.{i}.attn_norm.weight": (hidden,), f"blk.{i}.ffn_norm.weight":
+                       (hidden,), f"blk.{i}.attn_q.weight": (q, hidden),
+                       f"blk.{i}.attn_k.weight": (kv, hidden),
+                       f"blk.{i}.attn_v.weight": (kv, hidden),
+                       f"blk.{i}.attn_output.weight": (hidden, q),
+                       f"blk.{i}.ffn_gate.weight": (d["inter"], hidden),
+                       f"blk.{i}.ffn_up.weight": (d["inter"], hidden),
+                       f"blk.{i}.ffn_down.weight": (hidden, d["inter"])})
+    shapes.update({"output_norm.weight": (hidden,), "output.weight": (d["vocab"], hidden)})
+    out = {}
+    for name, shape in shapes.items():
+        qtype = None if len(shape) == 1 else type_of(name)
+        if qtype is not None:
+            out[name] = (random_blocks(qtype, *shape, rng), qtype)
+        elif len(shape) == 1:
+            out[name] = ((1 + 0.1 * rng.standard_normal(shape)).astype(np.float32), None)
+        else:
+            out[name] = ((rng.standard_normal(shape) / math.sqrt(shape[1])).astype(np.float32),
+                         None)
+    return out
+
+
+def write_k_llama(dst: pathlib.Path, tensors: dict, as_f32: bool = False,
+                  raw_shapes: dict | None = None) -> pathlib.Path:
+    """The tiny llama of `tensors`; as_f32: every tensor dequantized by gguf.quants, F32.
+    raw_shapes: name -> numpy-order shape to declare for that tensor's data as it is."""
+    d = K_DIMS
+    w = gguf.GGUFWriter(str(dst), "llama")
+    w.add_block_count(d["layers"])
+    w.add_context_length(128)
+    w.add_embedding_length(d["hidden"])
+    w.add_feed_forward_length(d["inter"])
+    w.add_head_count(d["heads"])
+    w.add_head_count_kv(d["kv_heads"])
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(d["vocab"])
+    w.add_rope_dimension_count(d["head_dim"])
+    for name, (data, qtype) in tensors.items():
+        if qtype is not None and as_f32:
+            data, qtype = gguf.quants.dequantize(data, qtype), None
+        w.add_tensor(name, data, raw_shape=(raw_shapes or {}).get(name), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def assert_same_params(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        assert x.dtype == y.dtype == np.float32 and x.shape == y.shape
+        np.testing.assert_array_equal(x.view(np.uint32), y.view(np.uint32))
+
+
+@pytest.mark.parametrize("qtype", NEW_TYPES, ids=[t.name for t in NEW_TYPES])
+def test_new_types_load_as_gguf_quants_dequantizes(tmp_path, qtype):
+    """All matmul weights (and the head) of one type: bit for bit the F32 file's params, and
+    each tensor what gguf.quants gives for its bytes."""
+    tensors = k_tensors(lambda name: None if name == "token_embd.weight" else qtype)
+    path = write_k_llama(tmp_path / "q.gguf", tensors)
+    config, params, _ = G.load_gguf_params(path)
+    assert (config.hidden_size, config.intermediate_size, config.head_dim) == (256, 512, 64)
+    ref_config, ref_params, _ = G.load_gguf_params(
+        write_k_llama(tmp_path / "f32.gguf", tensors, as_f32=True))
+    assert config == ref_config
+    assert_same_params(params, ref_params)
+    for t in G._open(path).tensors:
+        if t.tensor_type == qtype:
+            plain = gguf.quants.dequantize(tensors[t.name][0], qtype)
+            np.testing.assert_array_equal(G._dequantize(t, path).view(np.uint32),
+                                          plain.view(np.uint32))
+
+
+def q4_k_m(name: str):
+    """Types as llama.cpp's Q4_K_M mixes them: Q6_K for the head and some attn_v / ffn_down,
+    Q4_K elsewhere (and here a Q5_0 attn_v, as it uses for rows not whole 256-blocks)."""
+    if name == "output.weight" or name.startswith("blk.0.") and \
+            name.endswith(("attn_v.weight", "ffn_down.weight")):
+        return QT.Q6_K
+    return QT.Q5_0 if name == "blk.1.attn_v.weight" else QT.Q4_K
+
+
+def test_q4_k_m_mix_logits_match_f32_file(tmp_path):
+    tensors = k_tensors(q4_k_m, seed=1)
+    path = write_k_llama(tmp_path / "q4_k_m.gguf", tensors)
+    config, params, _ = G.load_gguf_params(path)
+    ref_config, ref_params, _ = G.load_gguf_params(
+        write_k_llama(tmp_path / "f32.gguf", tensors, as_f32=True))
+    assert_same_params(params, ref_params)
+    tokens = np.random.default_rng(2).integers(0, K_DIMS["vocab"], (2, 12))
+    ours, ref = run_forward(config, params, tokens), run_forward(ref_config, ref_params, tokens)
+    assert np.all(np.isfinite(ref)) and 0.1 < ref.std() < 100  # a sane, non-degenerate model
+    assert rel_err(ours, ref) <= 1e-5
+    np.testing.assert_array_equal(ours.argmax(-1), ref.argmax(-1))
+
+    data = path.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:-100])
+    with pytest.raises(ValueError, match=r"cut\.gguf: truncated.*tensor 'output\.weight' "
+                                         r"\(Q6_K\)"):
+        G.load_gguf_params(cut)
+
+
+def test_k_quant_non_finite_scale_is_refused(tmp_path):
+    tensors = k_tensors(lambda name: QT.Q4_K)
+    blocks = tensors["blk.1.ffn_down.weight"][0]  # [256, 2 blocks of 144 bytes]
+    blocks[3, 144 + 0:144 + 2] = np.array([np.inf], np.float16).view(np.uint8)  # row 3, block 1
+    path = write_k_llama(tmp_path / "inf.gguf", tensors)
+    with pytest.raises(ValueError, match=r"inf\.gguf: tensor 'blk\.1\.ffn_down\.weight' \(Q4_K\) "
+                                         r"contains non-finite values"):
+        G.load_gguf_params(path)
+
+
+def test_other_dequantizable_types_are_refused(tmp_path):
+    """gguf.quants reads TQ1_0 and MXFP4 too, but they are not ours to load yet."""
+    rng = np.random.default_rng(3)
+    tensors = k_tensors(lambda name: QT.Q4_K)
+    for name, qtype in (("blk.0.attn_q.weight", QT.TQ1_0), ("blk.1.ffn_gate.weight", QT.MXFP4)):
+        shape = tensors[name][0].shape[0], K_DIMS["hidden"]
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        tensors[name] = (rng.integers(0, 256, (shape[0], shape[1] // block * size),
+                                      dtype=np.uint8), qtype)
+    path = write_k_llama(tmp_path / "tq.gguf", tensors)
+    supported = r"\(supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, " \
+        r"Q4_K, Q5_K, Q6_K\)"
+    with pytest.raises(ValueError, match=r"tq\.gguf: tensor 'blk\.0\.attn_q\.weight' has type "
+                                         r"TQ1_0, which is not supported " + supported +
+                                         r"; tensor 'blk\.1\.ffn_gate\.weight' has type MXFP4"):
+        G.load_gguf_params(path)
+
+
+def test_k_quant_rows_not_whole_blocks_are_refused(tmp_path):
+    """Q4_K bytes of a [256, 256] weight declared as [512, 128]: the byte count fits, the rows
+    are half super-blocks. (GGUFWriter derives shapes from whole blocks, so the shape is given
+    explicitly, for the bytes as int8.)"""
+    tensors = k_tensors(lambda name: QT.Q4_K)
+    name = "blk.0.attn_q.weight"
+    tensors[name] = (tensors[name][0].view(np.int8), QT.Q4_K)  # int8: shape taken as given
+    dst = write_k_llama(tmp_path / "half-rows.gguf", tensors, raw_shapes={name: (512, 128)})
+    with pytest.raises(ValueError, match=r"half-rows\.gguf: cannot read GGUF file: tensor "
+                                         r"'blk\.0\.attn_q\.weight' \(Q4_K\) has rows of 128 "
+                                         r"elements, not a whole number of its 256-element "
+                                         r"blocks"):
+        G.load_gguf_params(dst)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -622,12 +829,12 @@ def test_missing_tensor(tmp_path):
 
 
 def test_unsupported_quantization_type(tmp_path):
-    w = np.asarray(gguf.GGUFReader(DATA / "tiny-f32.gguf").tensors[0].data)  # token_embd [V, D]
-    q5 = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q5_0)
-    path = rewrite(DATA / "tiny-f32.gguf", tmp_path / "q5.gguf",
-                   tensors={"token_embd.weight": (q5, gguf.GGMLQuantizationType.Q5_0)})
-    with pytest.raises(ValueError, match=r"q5\.gguf.*'token_embd\.weight' has type Q5_0.*"
-                                         r"supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1"):
+    # IQ4_NL blocks (32 elements, 18 bytes) for token_embd [V = 320, D = 64]: any bits decode.
+    iq = np.random.default_rng(0).integers(0, 256, (320, 2 * 18), dtype=np.uint8)
+    path = rewrite(DATA / "tiny-f32.gguf", tmp_path / "iq4.gguf",
+                   tensors={"token_embd.weight": (iq, gguf.GGMLQuantizationType.IQ4_NL)})
+    with pytest.raises(ValueError, match=r"iq4\.gguf.*'token_embd\.weight' has type IQ4_NL.*"
+                                         r"supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0"):
         G.load_gguf_params(path)
 
 
