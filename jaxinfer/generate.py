@@ -245,7 +245,8 @@ def init_state(model, prompt_ids: list[list[int]], max_new_tokens: int,
     s = max(s, t)
     n = _bucket(max_new_tokens, NEW_TOKEN_BUCKETS)
     b = len(prompt_ids)
-    memory.check_request(config, b, t, s, prompt_multiple if prompt_multiple > 1 else t)
+    chunk = prompt_multiple if prompt_multiple > 1 else t  # the largest prefill step's tokens
+    memory.check_request(config, b, t, s, chunk)
     tokens = np.zeros((b, t), np.int32)
     for i, p in enumerate(prompt_ids):
         tokens[i, :len(p)] = p
@@ -355,11 +356,12 @@ def _run_prefill(model, req: _Request, progress: bool) -> DecodeState:
     prompt on CPU, or KernelPolicy.prefill_chunk) with a progress tick per chunk."""
     chunk = prefill_chunk_size(req.plan)
     b, t = req.tokens.shape
-    if not chunk or t <= chunk:
+    longest = max(len(p) for p in req.ids)
+    if not chunk or longest <= chunk:  # as _prepare decided (it padded T to whole chunks)
         return prefill(model.params, req.tokens, req.lengths, req.state, req.plan)
     state = req.state
     last = jnp.zeros((b, model.config.vocab_size), jnp.float32)
-    with _bar(progress, int(max(len(p) for p in req.ids)), "prefill") as bar:
+    with _bar(progress, longest, "prefill") as bar:
         tokens = np.asarray(req.tokens)  # sliced on the host: no slicing op compiled per chunk
         for start in range(0, t, chunk):
             state, last = prefill_chunk(model.params, tokens[:, start:start + chunk],
