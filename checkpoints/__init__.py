@@ -10,12 +10,14 @@ from __future__ import annotations
 import pathlib
 
 
-def load_checkpoint(source: str | pathlib.Path, before_tensors=None):
+def load_checkpoint(source: str | pathlib.Path, before_tensors=None, keep_quantized: bool = True):
     """(Config, params, Tokenizer | None) from a registered name, an HF directory or a .gguf file.
 
     before_tensors(config, float32_staging), when given, runs once the config is known and
     before any tensor is read: float32_staging says the loader builds float32 host copies
-    first (GGUF dequantization), so a memory check can refuse a load that cannot fit."""
+    first (GGUF dequantization), so a memory check can refuse a load that cannot fit.
+    keep_quantized: quantized tensors (GGUF blocks) come back as QuantizedWeights in their
+    codes and scales; False dequantizes them to float32."""
     from checkpoints import registry
 
     path = registry.resolve(str(source))
@@ -26,6 +28,7 @@ def load_checkpoint(source: str | pathlib.Path, before_tensors=None):
     if path.suffix == ".gguf":
         from checkpoints.gguf import load_gguf
 
-        return load_gguf(path, before_tensors and (lambda c: before_tensors(c, True)))
+        return load_gguf(path, before_tensors and (lambda c: before_tensors(c, not keep_quantized)),
+                         keep_quantized=keep_quantized)
     raise ValueError(f"{path}: not a checkpoint this loader knows; give an HF-layout directory "
                      "(config.json + *.safetensors), a .gguf file, or a registered model name")

@@ -1,10 +1,13 @@
 """GGUF checkpoints (llama.cpp's single-file format): metadata, tensors, tokenizer.
 
-`load_gguf(path)` returns (Config, params, Tokenizer) with params as numpy float32 arrays in the
-model's own layout (its family's `param_specs`): matmul weights [in, out], one dict per layer,
-tensor names from the family's table (jaxinfer/models/registry.py). Quantized tensors are
-dequantized on load by the `gguf` package (`gguf.quants`), the same code transformers' GGUF
-loader uses, so our float32 weights equal its weights bit for bit.
+`load_gguf(path)` returns (Config, params, Tokenizer) with params as numpy arrays in the model's
+own layout (its family's `param_specs`): matmul weights [in, out], one dict per layer, tensor
+names from the family's table (jaxinfer/models/registry.py). Matmul weights and the token
+embedding of the block types in `checkpoints.gguf_blocks` (Q4_0 ... Q8_0, Q4_K, Q5_K, Q6_K) stay
+quantized: repacked into `QuantizedWeight`s whose values are bit for bit what the `gguf` package
+(`gguf.quants`, the code transformers' GGUF loader uses) dequantizes; the embedding comes back
+in the LM-head orientation [D, V]. Everything else, and every tensor with keep_quantized=False,
+is dequantized on load by gguf.quants to float32.
 
 Architectures: "llama", "qwen2", "qwen3" (`ARCHITECTURES`). Two layout facts the loader undoes:
 - GGUF lists dimensions fastest-first (ne0 = the input features), so `GGUFReader` gives a
@@ -34,17 +37,23 @@ from typing import Any
 
 import numpy as np
 
+from checkpoints import gguf_blocks
 from jaxinfer.configs import Config, RopeScaling
 from jaxinfer.models import registry
+from jaxinfer.weights import QuantizedWeight
 
 log = logging.getLogger(__name__)
 
-# Tensor types we dequantize (all through gguf.quants.dequantize): what llama.cpp's common
-# presets (Q4_K_M, Q5_K_M, Q6_K, Q8_0, Q4_0 ...) are made of. gguf.quants can also dequantize
-# the IQ*, TQ* and FP4 types; those stay refused until a model of ours is checked against them.
+# Tensor types we read: what llama.cpp's common presets (Q4_K_M, Q5_K_M, Q6_K, Q8_0, Q4_0 ...)
+# are made of. All but Q2_K / Q3_K can stay quantized (gguf_blocks.BLOCK_TYPES); gguf.quants can
+# also dequantize the IQ*, TQ* and FP4 types; those stay refused until a model of ours is
+# checked against them.
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+_FLOAT_TYPES = ("F32", "F16", "BF16")
 ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's per-frequency RoPE divisors (see GGUFArchitecture)
+TOKEN_EMBD = "token_embd.weight"  # kept quantized like the matmul weights (the engine gathers
+                                  # its columns, or uses it as the tied LM head)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -425,6 +434,14 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, hd // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _unpermute_rope_columns(a: np.ndarray, n_heads: int) -> np.ndarray:
+    """unpermute_rope_rows on the columns of a [R, n_heads * hd] (a quantized weight's codes
+    or scales, whose columns are the GGUF rows); a new C-ordered array."""
+    r, cols = a.shape
+    hd = cols // n_heads
+    return a.reshape(r, n_heads, hd // 2, 2).swapaxes(2, 3).reshape(r, cols)
+
+
 def _expected_shapes(config: Config) -> dict[str, tuple[int, ...]]:
     """GGUF tensor name -> numpy shape as the reader gives it ([out, in] for matmuls)."""
     family = registry.family(config)
@@ -487,6 +504,25 @@ def _dequantize(tensor, path) -> np.ndarray:
     return out
 
 
+def _repack(tensor, path) -> QuantizedWeight:
+    """A reader tensor of a gguf_blocks type -> QuantizedWeight [ne0, rows] (our [in, out])."""
+    kind, shape = tensor.tensor_type.name, _logical_shape(tensor)
+    k = shape[-1]
+    try:
+        qw = gguf_blocks.repack(tensor.data, kind, k, int(np.prod(shape[:-1])))
+    except ValueError as e:
+        raise ValueError(f"{path}: tensor {tensor.name!r} ({kind}, shape {list(shape)}): "
+                         f"{e}") from None
+    # Its values are finite exactly when its fp16 scales and mins are (codes and 6-bit / int8
+    # sub-scales are bounded): the same refusal as _dequantize's.
+    floats = [a for a in (qw.scale, qw.offset, qw.super_scale, qw.super_offset)
+              if a is not None and a.dtype.kind == "f"]
+    if not all(np.isfinite(a).all() for a in floats):
+        raise ValueError(f"{path}: tensor {tensor.name!r} ({kind}) contains non-finite values "
+                         "(its fp16 scales); the file is corrupt")
+    return qw
+
+
 def _check_tensors(tensors: dict, config: Config, path) -> None:
     """Every expected tensor present with a supported type and its shape; none unknown."""
     expected = _expected_shapes(config)
@@ -510,8 +546,11 @@ def _check_tensors(tensors: dict, config: Config, path) -> None:
         raise ValueError(f"{path}: " + "; ".join(problems[:10]) + more)
 
 
-def _owned(a: np.ndarray) -> np.ndarray:
-    """C-contiguous and writable (not a view of the file): one copy to the device later."""
+def _owned(a):
+    """C-contiguous and writable (not a view of the file): one copy to the device later.
+    QuantizedWeights are repacked into new arrays already."""
+    if isinstance(a, QuantizedWeight):
+        return a
     return a if a.flags.c_contiguous and a.flags.writeable else np.array(a, order="C")
 
 
@@ -520,8 +559,10 @@ def _owned(a: np.ndarray) -> np.ndarray:
 _MAX_WORKERS = 4
 
 
-def params_from_reader(reader, config: Config, path) -> dict:
-    """Check every tensor's presence, type and shape, then dequantize into our params layout."""
+def params_from_reader(reader, config: Config, path, keep_quantized: bool = True) -> dict:
+    """Check every tensor's presence, type and shape, then read them into our params layout:
+    with keep_quantized, matmul weights and the token embedding of gguf_blocks' types as
+    QuantizedWeights, the rest (and all without it) dequantized to float32."""
     tensors = {t.name: t for t in reader.tensors}
     _check_tensors(tensors, config, path)
     field = reader.fields.get("general.architecture")
@@ -533,15 +574,38 @@ def params_from_reader(reader, config: Config, path) -> dict:
     heads = {"wq": config.num_heads, "bq": config.num_heads,
              "wk": config.num_kv_heads, "bk": config.num_kv_heads} if arch.permuted_qk else {}
 
-    def ours(name: str, gguf_name: str, transpose: bool) -> np.ndarray:
-        w = _dequantize(tensors[gguf_name], path)
+    def kept(gguf_name: str, transpose: bool) -> bool:  # read as a QuantizedWeight?
+        return keep_quantized and (transpose or gguf_name == TOKEN_EMBD) \
+            and tensors[gguf_name].tensor_type.name in gguf_blocks.BLOCK_TYPES
+
+    if keep_quantized:
+        slots = [names.top[n] for n in shapes["top"]] + [
+            (f"blk.{i}.{names.layer[n][0]}", names.layer[n][1])
+            for i in range(config.num_layers) for n in shapes["layer"]]
+        dequantized = sorted({tensors[g].tensor_type.name for g, transpose in slots
+                              if (transpose or g == TOKEN_EMBD) and not kept(g, transpose)
+                              and tensors[g].tensor_type.name not in _FLOAT_TYPES})
+        if dequantized:
+            log.warning("%s: %s weights are dequantized to float32 on load (about 10x their "
+                        "file size): they have no kept-quantized layout yet (types that do: "
+                        "%s)", path, ", ".join(dequantized), ", ".join(gguf_blocks.BLOCK_TYPES))
+
+    def ours(name: str, gguf_name: str, transpose: bool):
+        tensor = tensors[gguf_name]
+        if kept(gguf_name, transpose):
+            qw = _repack(tensor, path)  # already [in, out]: GGUF rows are its columns
+            if name in heads:
+                qw = qw.map_columns(functools.partial(_unpermute_rope_columns,
+                                                      n_heads=heads[name]))
+            return qw
+        w = _dequantize(tensor, path)
         if name in heads:
             w = unpermute_rope_rows(w, heads[name])
         # [out, in] -> [in, out] as a view: the copy that makes it contiguous is either the
         # family's own (q, k, v fused into one weight) or _owned's below, never both.
         return w.T if transpose else w
 
-    def top(name: str) -> np.ndarray:
+    def top(name: str):
         return _owned(ours(name, *names.top[name]))
 
     def layer(i: int) -> dict:
@@ -576,12 +640,13 @@ def params_from_reader(reader, config: Config, path) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
-def load_gguf_params(path: str | os.PathLike, before_tensors=None
+def load_gguf_params(path: str | os.PathLike, before_tensors=None, keep_quantized: bool = True
                      ) -> tuple[Config, dict, dict[str, object]]:
-    """(Config, params as numpy float32, metadata) of a GGUF file; no tokenizer.
+    """(Config, params as numpy float32 arrays and QuantizedWeights, metadata) of a GGUF file;
+    no tokenizer. keep_quantized=False: every tensor dequantized to float32.
 
     before_tensors(config), when given, runs once the config is known and before any tensor is
-    dequantized (a memory check that may refuse the load)."""
+    read (a memory check that may refuse the load)."""
     reader = _open(path)
     meta = _metadata(reader)
     names = {t.name: t for t in reader.tensors}
@@ -598,19 +663,21 @@ def load_gguf_params(path: str | os.PathLike, before_tensors=None
         has_output="output.weight" in names, tensor_names=names, rope_freqs=freqs)
     if before_tensors is not None:
         before_tensors(config)
-    params = params_from_reader(reader, config, path)
+    params = params_from_reader(reader, config, path, keep_quantized)
     return config, params, meta
 
 
-def load_gguf(path: str | os.PathLike, before_tensors=None):
-    """(Config, params, Tokenizer) from a GGUF file (before_tensors: as for load_gguf_params).
+def load_gguf(path: str | os.PathLike, before_tensors=None, keep_quantized: bool = True):
+    """(Config, params, Tokenizer) from a GGUF file (before_tensors, keep_quantized: as for
+    load_gguf_params).
 
-    params are numpy float32 arrays in our layout ([in, out] matmul weights, one dict per layer);
-    the caller converts/casts them (e.g. `jax.tree.map(jnp.asarray, params)`).
+    params are numpy arrays in our layout ([in, out] matmul weights, one dict per layer), float32
+    or QuantizedWeights of numpy arrays; the caller converts/casts them (e.g.
+    `jax.tree.map(jnp.asarray, params)`).
     """
     from checkpoints.tokenizer import Tokenizer  # lazily: another module, heavier imports
 
-    config, params, meta = load_gguf_params(path, before_tensors)
+    config, params, meta = load_gguf_params(path, before_tensors, keep_quantized)
     try:
         tokenizer = Tokenizer.from_gguf_metadata(meta)
     except (KeyError, ValueError) as e:

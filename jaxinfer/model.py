@@ -12,7 +12,8 @@ import numpy as np
 from jaxinfer.configs import DTYPES, Config
 from jaxinfer.models import registry
 from jaxinfer.plan import KernelPolicy, Plan
-from jaxinfer.weights import cast_floating, check_params, typed
+from jaxinfer.weights import (QUANTIZATIONS, cast_floating, check_params, dequantize_params,
+                              quantize_params, typed)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -71,33 +72,53 @@ def _check_policy(policy) -> KernelPolicy:
     return policy
 
 
+def _check_quantization(quantization) -> None:
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization={quantization!r}: one of None (as the checkpoint "
+                         f"stores it), {', '.join(repr(q) for q in QUANTIZATIONS)}")
+
+
 def from_params(config: Config, params, tokenizer=None, dtype: str | None = None,
-                policy: KernelPolicy | None = None) -> Model:
+                policy: KernelPolicy | None = None, quantization: str | None = None,
+                group_size: int | None = None) -> Model:
     """Check params against the family's declaration, hold matmul weights as their declared
-    types, and cast the floating leaves to `dtype` (default: config's)."""
+    types, quantize them if asked (int8 | int4 | fp8; "none" dequantizes quantized ones), and
+    cast the floating leaves to `dtype` (default: config's)."""
     dtype = dtype or config.dtype
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    _check_quantization(quantization)
     config = config.replace(dtype=dtype)
     specs = registry.family(config).param_specs(config)
     check_params(params, specs)
-    params = cast_floating(typed(params, specs), dtype)
+    params = typed(params, specs)
+    if quantization == "none":
+        params = dequantize_params(params, specs)
+    elif quantization is not None:
+        params = quantize_params(params, quantization, group_size)
+    params = cast_floating(params, dtype)
     return Model(config=config, params=params, tokenizer=tokenizer, policy=_check_policy(policy))
 
 
 def load(source: str = DEFAULT_MODEL, dtype: str | None = None,
-         policy: KernelPolicy | None = None) -> Model:
+         quantization: str | None = None, policy: KernelPolicy | None = None, *,
+         group_size: int | None = None) -> Model:
     """Load a model from a registered name, an HF-layout directory or a .gguf file.
 
     dtype: "float32" | "bfloat16" | "float16" for params and activations (logits stay float32);
-    None picks bfloat16 on GPU and float32 on CPU. policy: the kernel choices (default
-    `KernelPolicy()`, today's fastest; `KernelPolicy.deterministic()`, `.reference()`).
+    None picks bfloat16 on GPU and float32 on CPU. quantization: None keeps what the
+    checkpoint stores (a GGUF's blocks stay quantized on the device); "none" dequantizes to
+    dtype; "int8" | "int4" | "fp8" quantize a 16/32-bit checkpoint's matmul weights on load
+    (group-wise along K, group_size rows per scale: default 128, or one scale per column
+    where 128 does not divide K; fp8 defaults to one scale per column). policy: the kernel
+    choices (default `KernelPolicy()`, today's fastest; `.deterministic()`, `.reference()`).
     """
     from checkpoints import load_checkpoint
     from jaxinfer import compilation_cache, memory
 
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    _check_quantization(quantization)
     policy = _check_policy(policy)
     compilation_cache.enable()
     dtype = dtype or default_dtype()
@@ -105,6 +126,7 @@ def load(source: str = DEFAULT_MODEL, dtype: str | None = None,
     def fits(config, float32_staging):
         memory.check_load(config, dtype, host_float32_copy=float32_staging)
 
-    config, params, tokenizer = load_checkpoint(source, before_tensors=fits)
+    config, params, tokenizer = load_checkpoint(source, before_tensors=fits,
+                                                keep_quantized=quantization is None)
     with memory.reporting_oom(f"loading {source}"):
-        return from_params(config, params, tokenizer, dtype, policy)
+        return from_params(config, params, tokenizer, dtype, policy, quantization, group_size)

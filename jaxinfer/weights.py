@@ -16,6 +16,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer import pytree
+from pallas_kernels.quantized import QuantizedWeight, dequantize
+
+__all__ = ["Dense", "Kind", "ParamSpec", "QuantizedWeight", "as_array", "dequantize",
+           "kernel_operand"]
 
 
 @pytree.dataclass
@@ -38,6 +42,23 @@ class Dense:
     def out_shape(self) -> tuple[int, ...]:
         """The output feature dims [*N] of x @ w."""
         return tuple(self.w.shape[:1]) if self.transposed else tuple(self.w.shape[1:])
+
+
+def kernel_operand(w):
+    """What a kernel takes for a matmul weight: a Dense's array, a QuantizedWeight itself."""
+    return w.w if isinstance(w, Dense) else w
+
+
+def as_array(w, dtype):
+    """A matmul weight as a plain array [K, *N] (a Dense [N, K] as stored) in dtype: the
+    references' view (a QuantizedWeight dequantized; the kernels never do this)."""
+    if isinstance(w, Dense):
+        return w.w
+    return dequantize(w, dtype)
+
+
+def is_transposed(w) -> bool:
+    return isinstance(w, Dense) and w.transposed
 
 
 class Kind(enum.Enum):
@@ -64,9 +85,13 @@ class ParamSpec:
         return self.wrap(value)
 
     def wrap(self, value):
-        """A loaded array as this parameter's type (a Dense is returned as is)."""
+        """A loaded array as this parameter's type (a Dense is returned as is; a
+        QuantizedWeight [K, N] takes the declared output dims)."""
         if self.kind is Kind.ARRAY or isinstance(value, Dense):
             return value
+        if isinstance(value, QuantizedWeight):
+            out = self.shape[1:] if self.kind is Kind.DENSE else self.shape[:1]
+            return value if value.out_shape == out else value.with_out_shape(out)
         return Dense(value, transposed=self.kind is Kind.DENSE_T)
 
     def abstract(self, dtype):
@@ -79,7 +104,13 @@ def _is_spec(x) -> bool:
 
 
 def _is_weight(x) -> bool:
-    return isinstance(x, Dense)
+    return isinstance(x, Dense | QuantizedWeight)
+
+
+def quantized_shape(spec: ParamSpec) -> tuple[int, ...]:
+    """The [K, *N] a QuantizedWeight of this matmul spec has (a [V, D] table: [D, V], the
+    LM head's orientation, whose columns the embedding gathers)."""
+    return spec.shape if spec.kind is Kind.DENSE else (spec.shape[1], spec.shape[0])
 
 
 def init_params(specs, key: jax.Array, dtype):
@@ -106,6 +137,13 @@ def check_params(params, specs) -> None:
         if k not in have:
             continue
         a = have[k]
+        if isinstance(a, QuantizedWeight):
+            if s.kind is Kind.ARRAY:
+                problems.append(f"{k} is quantized ({a.name}), expected a plain array")
+            elif (a.k, a.n) != (quantized_shape(s)[0], math.prod(quantized_shape(s)[1:])):
+                problems.append(f"{k} is a quantized {list(a.shape)} ({a.name}), expected "
+                                f"{list(quantized_shape(s))} ([in, out])")
+            continue
         if isinstance(a, Dense):
             if s.kind is Kind.ARRAY or a.transposed != (s.kind is Kind.DENSE_T):
                 problems.append(f"{k} is a Dense(transposed={a.transposed}), expected {s.kind}")
@@ -123,9 +161,75 @@ def typed(params, specs):
 
 
 def cast_floating(params, dtype):
-    """Floating leaves cast to dtype; integer leaves (quantized codes, indices) kept as they are."""
+    """Floating leaves cast to dtype, on the device; a QuantizedWeight's arrays (codes and
+    scales) and integer leaves are moved as they are."""
     def cast(a):
+        if isinstance(a, QuantizedWeight):
+            return jax.tree.map(jnp.asarray, a)
         floating = jnp.issubdtype(jnp.asarray(a).dtype if not hasattr(a, "dtype") else a.dtype,
                                   jnp.floating)
         return jnp.asarray(a, dtype=dtype) if floating else jnp.asarray(a)
-    return jax.tree.map(cast, params)
+    return jax.tree.map(cast, params, is_leaf=lambda a: isinstance(a, QuantizedWeight))
+
+
+def param_bytes(params) -> int:
+    """Bytes the params hold (codes and scales for quantized weights)."""
+    return sum(int(a.size) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(params))
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantize on load
+# ---------------------------------------------------------------------------------------------
+
+QUANTIZATIONS = ("none", "int8", "int4", "fp8")  # and None: as the checkpoint stores it
+DEFAULT_GROUP = 128
+
+
+def _quantize_one(w, how: str, group_size: int | None, where: str) -> QuantizedWeight:
+    """One Dense matmul weight -> a QuantizedWeight [K, *N] (a [V, D] table: [D, V])."""
+    from pallas_kernels.quantized import quantize_weight
+
+    a = w.w.T if w.transposed else w.w  # [K, *N]
+    k = a.shape[0]
+    group = group_size or DEFAULT_GROUP
+    if how == "fp8":
+        group = group_size  # None: one scale per column
+    elif k % group:
+        if group_size is not None:
+            raise ValueError(f"{where}: group size {group_size} does not divide its K={k} "
+                             f"(weight {list(a.shape)}); give a group size that divides K")
+        group = None  # the default group does not fit: one scale per column
+    try:
+        return quantize_weight(a, bits=4 if how == "int4" else 8, group_size=group,
+                               float8=how == "fp8")
+    except ValueError as e:
+        raise ValueError(f"{where} {list(a.shape)}: {e}") from None
+
+
+def quantize_params(params, how: str, group_size: int | None = None):
+    """Every Dense matmul weight of typed params quantized (`how`: int8 | int4 | fp8), one
+    tensor at a time on its device (each float weight is released as its codes are made);
+    weights already quantized and plain arrays are kept."""
+    import jax.numpy as jnp
+
+    if group_size is not None and (not isinstance(group_size, int) or group_size < 16
+                                   or group_size % 16):
+        raise ValueError(f"group_size={group_size!r}: a multiple of 16 (32, 64, 128 ...)")
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_weight)
+    out = []
+    for path, leaf in flat:
+        if isinstance(leaf, Dense):
+            leaf = Dense(jnp.asarray(leaf.w), leaf.transposed)
+            leaf = _quantize_one(leaf, how, group_size, jax.tree_util.keystr(path))
+        out.append(leaf)
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def dequantize_params(params, specs):
+    """Every QuantizedWeight of typed params back to a float32 Dense of its declared kind."""
+    def one(spec, p):
+        if not isinstance(p, QuantizedWeight):
+            return p
+        a = dequantize(p, jnp.float32).reshape(quantized_shape(spec))
+        return spec.wrap(a.T if spec.kind is Kind.DENSE_T else a)
+    return jax.tree.map(one, specs, params, is_leaf=_is_spec)

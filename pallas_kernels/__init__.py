@@ -17,6 +17,8 @@ _MODULES = {
     "flash_attention": ("FlashBlockSizes", "flash_attention", "flash_attention_reference"),
     "flash_attention_mgpu": ("MosaicFlashConfig",),
     "norm_matmul": ("MatmulBlockSizes", "norm_matmul", "norm_matmul_reference"),
+    "quantized": ("QuantizedWeight", "dequantize", "quantize_weight"),
+    "quantized_matmul": ("quantized_matmul", "quantized_matmul_reference"),
     "rms_norm": ("add_rms_norm", "add_rms_norm_reference", "rms_norm", "rms_norm_reference"),
     "rope": ("rope", "rope_reference"),
     "swiglu": ("swiglu", "swiglu_down", "swiglu_down_reference", "swiglu_reference"),

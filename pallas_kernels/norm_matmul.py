@@ -52,6 +52,8 @@ from pallas_kernels._common import (NUM_SMS_H200, check_array, check_same_dtype,
                                      dot_f32, multiple_of, ref_precision)
 from pallas_kernels.atomics import atomic_add_relaxed
 from pallas_kernels.l2_prefetch import PrefetchPlan, issue_prefetches, l2_prefetch
+from pallas_kernels.quantized import (QuantizedWeight, check_quantized, dequantize, tile_dot,
+                                      weight_arrays, weight_format)
 from pallas_kernels.rms_norm import add_deltas_reference, check_deltas, rms_norm_reference
 
 
@@ -137,11 +139,14 @@ def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int,
                         prefetch_plans: tuple = (), programs: int = 1, threads: int = 128,
                         block_d: int = 256, down_prefetch: bool = False,
                         interpret: bool = False, stagger: bool = True,
-                        transposed: bool = False, single_row: bool = True):
+                        transposed: bool = False, single_row: bool = True,
+                        formats: tuple = ()):
     # refs, in order:
     #   x_ref [block_m, Kp]; n_deltas d_refs [block_m, Kp] (float32 partial sums added to x:
     #   the same [S, M, K] array once per chunk); nw_ref [Kp] if has_norm;
-    #   n_weights w_refs [Kp, block_n] ([block_n, Kp] if transposed: w stored [N, K]);
+    #   n_weights w_refs [Kp, block_n] ([block_n, Kp] if transposed: w stored [N, K]), or
+    #   for a quantized weight (formats[i] a WeightFormat) its arrays' [rows, block_n] bands
+    #   (pallas_kernels/quantized.py: codes and scales, dequantized per tile by tile_dot);
     #   r_ref [block_m, block_n] if has_residual;
     #   epilogue "swiglu_down": wd_ref [block_n, D] (w_down's rows of this program's N tile),
     #   then acc_in, clear_in [block_m, D] float32 (aliased to the outputs acc, clear);
@@ -157,7 +162,8 @@ def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int,
     x_ref = next(it)
     d_refs = [next(it) for _ in range(n_deltas)]
     nw_ref = next(it) if has_norm else None
-    w_refs = [next(it) for _ in range(n_weights)]
+    formats = formats or (None,) * n_weights
+    w_refs = [[next(it) for _ in range(1 if f is None else f.n_arrays)] for f in formats]
     down = epilogue == "swiglu_down"
     wd_ref = next(it) if down else None
     if down:
@@ -256,11 +262,12 @@ def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int,
             w_mask = both(None if col_ok is None else col_ok.T,
                           None if k_ok is None else k_ok[None, :])
             accs = tuple(acc + dot_f32(x, load(w_ref.at[:, pl.ds(start, block_k)], w_mask),
-                                       trans_b=True) for acc, w_ref in zip(accs, w_refs))
+                                       trans_b=True) for acc, (w_ref,) in zip(accs, w_refs))
         else:
             w_mask = both(None if k_ok is None else k_ok[:, None], col_ok)
-            accs = tuple(acc + dot_f32(x, load(w_ref.at[pl.ds(start, block_k), :], w_mask))
-                         for acc, w_ref in zip(accs, w_refs))  # [block_m, block_n] each
+            accs = tuple(acc + (dot_f32(x, load(refs[0].at[pl.ds(start, block_k), :], w_mask))
+                                if f is None else tile_dot(x, refs, f, start, k_ok, col_ok, load))
+                         for acc, refs, f in zip(accs, w_refs, formats))  # [block_m, block_n]
         return (accs, ss, *cur)
 
     zeros = jnp.zeros((block_m, block_n), jnp.float32)
@@ -398,8 +405,14 @@ def fused_matmul(x, norm_weight, weights, residual, *, eps, blocks, epilogue, in
         out_dtype = jnp.float32
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     m, k = x.shape
-    n = weights[0].shape[0 if transposed else 1]
+    formats = tuple(weight_format(w) if isinstance(w, QuantizedWeight) else None
+                    for w in weights)
+    quantized = formats[0] is not None
+    n = weights[0].n if quantized else weights[0].shape[0 if transposed else 1]
     assert not transposed or (len(weights) == 1 and epilogue == "none"), "plain matmul only"
+    if quantized:  # one scale row per K step: the steps are the weights' tile
+        assert not transposed and len({f and f.tile for f in formats}) == 1, "one tile"
+        blocks = dataclasses.replace(blocks, block_k=formats[0].tile)
     bm, bn, bk = blocks.block_m, blocks.block_n, blocks.block_k
     split, k_chunk = _chunking(k, blocks)
     # The blocks span whole chunks: the masked tail tiles then index inside the block
@@ -423,8 +436,14 @@ def fused_matmul(x, norm_weight, weights, residual, *, eps, blocks, epilogue, in
     if transposed:
         in_specs.append(pl.BlockSpec((bn, kp), lambda i, j, s: (j, 0)))
     else:
-        in_specs += [pl.BlockSpec((kp, bn), lambda i, j, s: (0, j))] * len(weights)
-    args += list(weights)
+        for w in weights:
+            arrays = weight_arrays(w) if isinstance(w, QuantizedWeight) else (w,)
+            # Dense: all Kp rows of a column band; quantized: all rows of each array's band.
+            in_specs += [pl.BlockSpec((kp if a is w else a.shape[0], bn),
+                                      lambda i, j, s: (0, j)) for a in arrays]
+            args += list(arrays)
+    if transposed:
+        args += list(weights)
     aliases = {}
     if down is not None:
         w_down, acc, clear = down
@@ -462,7 +481,7 @@ def fused_matmul(x, norm_weight, weights, residual, *, eps, blocks, epilogue, in
         prefetch_plans=tuple(prefetch_plans),
         programs=pl.cdiv(m, bm) * pl.cdiv(n, bn) * split, threads=32 * blocks.num_warps,
         block_d=block_d, down_prefetch=down_prefetch, interpret=interpret, stagger=stagger,
-        transposed=transposed, single_row=single_row)
+        transposed=transposed, single_row=single_row, formats=formats if quantized else ())
     out = pl.pallas_call(
         kernel,
         grid=(pl.cdiv(m, bm), pl.cdiv(n, bn), split),
@@ -475,7 +494,8 @@ def fused_matmul(x, norm_weight, weights, residual, *, eps, blocks, epilogue, in
         interpret=interpret,
         # The shape in the name tells the projections apart in a profile.
         name=f"{'add_' if n_deltas else ''}{'norm_' if norm_weight is not None else ''}"
-             f"matmul_{epilogue}_k{k}_n{n}" + (f"_split{split}" if partial else ""),
+             f"matmul_{epilogue}_k{k}_n{n}" + (f"_split{split}" if partial else "")
+             + (f"_{weights[0].name}" if quantized else ""),
     )(*args)
     if down is not None:
         return tuple(out) if n_deltas else (None, *out)
@@ -517,6 +537,12 @@ def _validate(x, norm_weight, w, residual, transposed=False):
     check_array(op, "x", x, 2)
     if norm_weight is not None:
         check_array(op, "norm_weight", norm_weight, 1)
+    if isinstance(w, QuantizedWeight):
+        if transposed:
+            raise ValueError(f"{op}: a quantized weight is [K, *N]; transposed=True is for "
+                             f"[N, K] arrays")
+        check_quantized(op, w, x.shape[1])
+        w = jax.ShapeDtypeStruct(w.shape, x.dtype)  # the shape checks below, on its shape
     if not hasattr(w, "ndim") or w.ndim < 2:
         raise ValueError(f"{op}: w must be an array of rank >= 2 ([K, *N], [in, out]), got "
                          f"{getattr(w, 'shape', type(w).__name__)}")
@@ -579,7 +605,8 @@ def norm_matmul(x, norm_weight, w, *, eps: float = 1e-6, residual=None, out_dtyp
     n = math.prod(out_dims)
     m, k = x.shape
     blocks = block_sizes or default_block_sizes(m, n, k, x.dtype.itemsize, n_weights=1)
-    out = fused_matmul(x, norm_weight, (w if transposed else w.reshape(k, n),),  # [K, N]
+    quantized = isinstance(w, QuantizedWeight)
+    out = fused_matmul(x, norm_weight, (w if transposed or quantized else w.reshape(k, n),),
                        None if residual is None else residual.reshape(m, n),
                        eps=float(eps), blocks=blocks, epilogue="none", interpret=interpret,
                        out_dtype=None if out_dtype is None else jnp.dtype(out_dtype).name,
@@ -615,6 +642,8 @@ def norm_matmul_reference(x, norm_weight, w, *, eps: float = 1e-6, residual=None
     transposed as in norm_matmul (deltas: returns (x + sum(deltas), the output)); no partials."""
     del interpret
     _validate(x, norm_weight, w, residual, transposed)
+    if isinstance(w, QuantizedWeight):
+        w = dequantize(w, x.dtype)  # [K, *N]: as the kernel's float32 math, rounded once
     if deltas is not None:
         check_deltas("norm_matmul", x, deltas, float32_only=True)
         x = add_deltas_reference(x, deltas)

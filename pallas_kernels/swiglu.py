@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from pallas_kernels._common import check_array, check_same_dtype, ref_precision
 from pallas_kernels.norm_matmul import (MatmulBlockSizes, check_prefetch, default_block_sizes,
                                         fused_matmul)
+from pallas_kernels.quantized import QuantizedWeight, check_quantized, dequantize
 from pallas_kernels.rms_norm import add_deltas_reference, check_deltas, rms_norm_reference
 
 
@@ -25,6 +26,13 @@ def _validate(x, w_gate, w_up, norm_weight=None, deltas=None):
     check_array(op, "x", x, 2)
     if deltas is not None:
         check_deltas(op, x, deltas, float32_only=True)
+    if isinstance(w_gate, QuantizedWeight) or isinstance(w_up, QuantizedWeight):
+        for name, w in (("w_gate", w_gate), ("w_up", w_up)):
+            check_quantized(op, w, x.shape[1])
+        if w_gate.tile != w_up.tile or w_gate.shape != w_up.shape:
+            raise ValueError(f"{op}: quantized w_gate {w_gate.shape} ({w_gate.name}) and w_up "
+                             f"{w_up.shape} ({w_up.name}) need one shape and one K tile")
+        w_gate = w_up = jax.ShapeDtypeStruct(w_gate.shape, x.dtype)
     check_array(op, "w_gate", w_gate, 2)
     check_array(op, "w_up", w_up, 2)
     arrays = dict(x=x, w_gate=w_gate, w_up=w_up)
@@ -74,6 +82,8 @@ def swiglu_reference(x, w_gate, w_up, *, norm_weight=None, eps: float = 1e-6, de
         return x, swiglu_reference(x, w_gate, w_up, norm_weight=norm_weight, eps=eps)
     if norm_weight is not None:
         x = rms_norm_reference(x, norm_weight, eps=eps)
+    if isinstance(w_gate, QuantizedWeight):
+        w_gate, w_up = dequantize(w_gate, x.dtype), dequantize(w_up, x.dtype)
     hp = ref_precision(x.dtype)
     gate = jnp.dot(x, w_gate, preferred_element_type=jnp.float32, precision=hp)
     up = jnp.dot(x, w_up, preferred_element_type=jnp.float32, precision=hp)

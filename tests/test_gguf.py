@@ -53,7 +53,7 @@ def test_all_supported_types_are_tested():
 
 @pytest.mark.parametrize("name", TINY_NAMES)
 def test_tiny_logits_match_transformers(name):
-    config, params, meta = G.load_gguf_params(DATA / f"{name}.gguf")
+    config, params, meta = G.load_gguf_params(DATA / f"{name}.gguf", keep_quantized=False)
     assert config.num_layers == 2 and config.hidden_size == 64 and config.num_heads == 4
     assert config.num_kv_heads == 2 and config.head_dim == 16 and config.intermediate_size == 128
     assert config.vocab_size == 320 and config.rope_theta == 50000.0
@@ -68,6 +68,9 @@ def test_tiny_logits_match_transformers(name):
     ours = run_forward(config, params, TINY_REFS["tokens"])
     assert ours.shape == ref.shape
     assert rel_err(ours, ref) <= 1e-4
+    # Kept in its blocks (the default): the same logits.
+    _, kept, _ = G.load_gguf_params(DATA / f"{name}.gguf")
+    assert rel_err(run_forward(config, kept, TINY_REFS["tokens"]), ours) <= 1e-5
     np.testing.assert_array_equal(ours.argmax(-1), ref.argmax(-1))
 
 
@@ -255,7 +258,8 @@ def test_before_tensors_sees_the_config_first(monkeypatch):
         return dequantize(tensor, path)
 
     monkeypatch.setattr(G, "_dequantize", logged)
-    config, _, _ = G.load_gguf_params(TINY_Q4_1, before_tensors=seen.append)
+    config, _, _ = G.load_gguf_params(TINY_Q4_1, before_tensors=seen.append,
+                                      keep_quantized=False)
     assert seen[0] == config and len(seen) == 1 + 2 + 2 * 9 + 1  # then every tensor
 
     def refuse(config):
@@ -374,7 +378,7 @@ def test_new_types_load_as_gguf_quants_dequantizes(tmp_path, qtype):
     each tensor what gguf.quants gives for its bytes."""
     tensors = k_tensors(lambda name: None if name == "token_embd.weight" else qtype)
     path = write_k_llama(tmp_path / "q.gguf", tensors)
-    config, params, _ = G.load_gguf_params(path)
+    config, params, _ = G.load_gguf_params(path, keep_quantized=False)
     assert (config.hidden_size, config.intermediate_size, config.head_dim) == (256, 512, 64)
     ref_config, ref_params, _ = G.load_gguf_params(
         write_k_llama(tmp_path / "f32.gguf", tensors, as_f32=True))
@@ -399,7 +403,7 @@ def q4_k_m(name: str):
 def test_q4_k_m_mix_logits_match_f32_file(tmp_path):
     tensors = k_tensors(q4_k_m, seed=1)
     path = write_k_llama(tmp_path / "q4_k_m.gguf", tensors)
-    config, params, _ = G.load_gguf_params(path)
+    config, params, _ = G.load_gguf_params(path, keep_quantized=False)
     ref_config, ref_params, _ = G.load_gguf_params(
         write_k_llama(tmp_path / "f32.gguf", tensors, as_f32=True))
     assert_same_params(params, ref_params)
@@ -408,6 +412,8 @@ def test_q4_k_m_mix_logits_match_f32_file(tmp_path):
     assert np.all(np.isfinite(ref)) and 0.1 < ref.std() < 100  # a sane, non-degenerate model
     assert rel_err(ours, ref) <= 1e-5
     np.testing.assert_array_equal(ours.argmax(-1), ref.argmax(-1))
+    _, kept, _ = G.load_gguf_params(path)  # kept in its blocks (q/k/v of mixed types fused
+    assert rel_err(run_forward(config, kept, tokens), ref) <= 1e-5  # as float32)
 
     data = path.read_bytes()
     cut = tmp_path / "cut.gguf"

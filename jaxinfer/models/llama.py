@@ -12,6 +12,8 @@ stacked [L, ...] weights made XLA copy each layer's weights every decode step
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,7 +23,9 @@ from jaxinfer.cache import KVCache
 from jaxinfer.configs import Config
 from jaxinfer.models.family import Family, TensorMap
 from jaxinfer.plan import Plan
-from jaxinfer.weights import Kind, ParamSpec
+from jaxinfer.weights import Kind, ParamSpec, QuantizedWeight, dequantize
+
+log = logging.getLogger(__name__)
 
 
 def param_specs(config: Config) -> dict:
@@ -181,7 +185,12 @@ def checkpoint_shapes(config: Config) -> dict:
 
 def fuse_qkv(layer: dict, config: Config, where: str) -> dict:
     """Replace wq/wk/wv ([D, H*hd], [in, out]) and bq/bk/bv by wqkv/bqkv; other keys pass
-    through (numpy stays numpy, so a checkpoint is not copied to the device twice)."""
+    through (numpy stays numpy, so a checkpoint is not copied to the device twice).
+
+    QuantizedWeights of one layout fuse into one QuantizedWeight (the same interleave on every
+    code plane's and scale's columns); of different layouts (a GGUF Q4_K_M stores attn_v as
+    Q6_K beside Q4_K q / k), or beside float weights, they are dequantized and fused as floats:
+    one matmul reads one layout."""
     d, hd = config.hidden_size, config.head_dim
     hq, hkv = config.num_heads, config.num_kv_heads
     g = hq // hkv
@@ -195,17 +204,36 @@ def fuse_qkv(layer: dict, config: Config, where: str) -> dict:
     if missing:
         raise ValueError(f"{where}: missing {', '.join(missing)}")
     out = {k: v for k, v in layer.items() if k not in want}
-    xp = np if all(isinstance(layer[n], np.ndarray) for n in ("wq", "wk", "wv")) else jnp
-    out["wqkv"] = xp.concatenate([layer["wq"].reshape(d, hkv, g, hd),
-                                  layer["wk"].reshape(d, hkv, 1, hd),
-                                  layer["wv"].reshape(d, hkv, 1, hd)], axis=2)
+
+    def heads(q, k, v, lead: tuple):  # [*lead, Hq*hd], 2x [*lead, Hkv*hd] -> [*lead, Hkv, G+2, hd]
+        xp = np if all(isinstance(a, np.ndarray) for a in (q, k, v)) else jnp
+        return xp.concatenate([q.reshape(*lead, hkv, g, hd), k.reshape(*lead, hkv, 1, hd),
+                               v.reshape(*lead, hkv, 1, hd)], axis=len(lead) + 1)
+
+    ws = [layer[n] for n in ("wq", "wk", "wv")]
+    quantized = [isinstance(w, QuantizedWeight) for w in ws]
+    if all(quantized) and len({w.layout() for w in ws}) == 1:
+        def columns(q, k, v):  # each component [R, N]: the same interleave of its columns
+            return None if q is None else heads(q, k, v, q.shape[:1]).reshape(q.shape[0], -1)
+
+        wq, wk, wv = ws
+        out["wqkv"] = wq.replace(
+            planes=tuple(map(columns, wq.planes, wk.planes, wv.planes)),
+            **{f: columns(getattr(wq, f), getattr(wk, f), getattr(wv, f))
+               for f in ("scale", "offset", "super_scale", "super_offset")},
+            out_shape=(hkv, g + 2, hd))
+    else:
+        if any(quantized):
+            log.debug("%s: q/k/v are %s, not one quantized layout: fused dequantized to float32",
+                      where, ", ".join(w.name if q else str(w.dtype)
+                                       for w, q in zip(ws, quantized)))
+            ws = [dequantize(w, np.float32) if q else w for w, q in zip(ws, quantized)]
+        out["wqkv"] = heads(*ws, (d,))
     biases = [n for n in ("bq", "bk", "bv") if n in layer]
     if biases:
         if len(biases) != 3:
             raise ValueError(f"{where}: has {', '.join(biases)} but not all of bq, bk, bv")
-        out["bqkv"] = xp.concatenate([layer["bq"].reshape(hkv, g, hd),
-                                      layer["bk"].reshape(hkv, 1, hd),
-                                      layer["bv"].reshape(hkv, 1, hd)], axis=1)
+        out["bqkv"] = heads(layer["bq"], layer["bk"], layer["bv"], ())
     return out
 
 

@@ -20,7 +20,7 @@ from jaxinfer.ops.dispatch import Registry, decode_path, kernels_on, rows
 from jaxinfer.ops.stream import (ANY_SUM, ARRAY_ONLY, Deferred, Form, Partials, Projection,
                                  Residual)
 from jaxinfer.plan import Boundary, Impl, Plan
-from jaxinfer.weights import Dense
+from jaxinfer.weights import Dense, QuantizedWeight, as_array, is_transposed, kernel_operand
 from pallas_kernels.norm_matmul import default_block_sizes, first_rows_plan
 
 # ---------------------------------------------------------------------------------------------
@@ -65,7 +65,10 @@ def prefetch_pairs(prefetch, weights: tuple, m: int, plan: Plan) -> tuple:
 MATMUL = Registry("matmul")
 
 
-def _dense(w, x) -> str | None:
+def _weight_ok(w, x) -> str | None:
+    """A Dense of the activations' dtype, or a QuantizedWeight (dequantized to x's dtype)."""
+    if isinstance(w, QuantizedWeight):
+        return None
     if not isinstance(w, Dense):
         return f"weight type {type(w).__name__}"
     if jnp.dtype(w.dtype) != jnp.dtype(x.dtype):
@@ -74,7 +77,7 @@ def _dense(w, x) -> str | None:
 
 
 def _fused_supports(x, w, plan, *, deltas=None, **_) -> str | None:
-    if (why := _dense(w, x)) is not None:
+    if (why := _weight_ok(w, x)) is not None:
         return why
     if not decode_path(x, plan):
         return "not the decode path (rows, query length, dtype or the plan)"
@@ -92,15 +95,17 @@ def _fused_small_m(x, w, plan, *, accept=ARRAY_ONLY, norm_w=None, eps=0.0, delta
     m, k = rows(x), x.shape[-1]
     n = math.prod(w.out_shape)
     want = Form.NORMED if norm_w is not None else Form.PARTIALS
-    partials = (want in accept and bias is None and out_dtype is None and not w.transposed)
+    partials = (want in accept and bias is None and out_dtype is None
+                and not is_transposed(w))
     dl = None if deltas is None else deltas.parts.reshape(deltas.parts.shape[0], m, k)
     # Batch-invariant: the one-row operand math at M = 1 reduces the norm's sums of squares
     # in another layout than at M > 1, so a norm finished here takes the row tiles; a
     # deferred one leaves the sums to the consumer (one input row per program).
     single_row = not (policy.batch_invariant and norm_w is not None and not partials)
     out = pk.norm_matmul(
-        x.reshape(m, k), norm_w, w.w, eps=eps, partials=partials, deltas=dl, prefetch=prefetch,
-        transposed=w.transposed, out_dtype=out_dtype, single_row=single_row,
+        x.reshape(m, k), norm_w, kernel_operand(w), eps=eps, partials=partials, deltas=dl,
+        prefetch=prefetch, transposed=is_transposed(w), out_dtype=out_dtype,
+        single_row=single_row,
         interpret=policy.interpret,
         block_sizes=tiles(plan, m, k, n, 1, x.dtype, decode=True))
     x_new = x
@@ -123,7 +128,7 @@ def _fused_small_m(x, w, plan, *, accept=ARRAY_ONLY, norm_w=None, eps=0.0, delta
 
 
 def _fixed_supports(x, w, plan, *, deltas=None, **_) -> str | None:
-    if (why := _dense(w, x)) is not None:
+    if (why := _weight_ok(w, x)) is not None:
         return why
     if not (plan.policy.batch_invariant and kernels_on(plan, x.dtype)):
         return "only for batch-invariant plans"
@@ -139,7 +144,8 @@ def _pallas_fixed_tiles(x, w, plan, *, accept=ARRAY_ONLY, norm_w=None, eps=0.0, 
     row's arithmetic does not depend on the batch (XLA picks its GEMMs by shape)."""
     m, k = rows(x), x.shape[-1]
     n = math.prod(w.out_shape)
-    out = pk.norm_matmul(x.reshape(m, k), norm_w, w.w, eps=eps, transposed=w.transposed,
+    out = pk.norm_matmul(x.reshape(m, k), norm_w, kernel_operand(w), eps=eps,
+                         transposed=is_transposed(w),
                          out_dtype=out_dtype, single_row=False,
                          interpret=plan.policy.interpret,
                          block_sizes=tiles(plan, m, k, n, 1, x.dtype, decode=False))
@@ -149,12 +155,13 @@ def _pallas_fixed_tiles(x, w, plan, *, accept=ARRAY_ONLY, norm_w=None, eps=0.0, 
     return x, y
 
 
-@MATMUL.register("xla", lambda x, w, plan, **_: _dense(w, x))
+@MATMUL.register("xla", lambda x, w, plan, **_: _weight_ok(w, x))
 def _xla(x, w, plan, *, accept=ARRAY_ONLY, norm_w=None, eps=0.0, deltas=None, bias=None,
          out_dtype=None, prefetch=()):
     x = add_deltas(x, deltas)
     h = x if norm_w is None else reference.rms_norm(x, norm_w, eps)
-    return x, reference.linear(h, w.w, bias, transposed=w.transposed, out_dtype=out_dtype)
+    return x, reference.linear(h, as_array(w, h.dtype), bias, transposed=is_transposed(w),
+                               out_dtype=out_dtype)
 
 
 def matmul(x, w, plan: Plan, **kwargs):
@@ -217,7 +224,19 @@ EMBED = Registry("embed")
 EMBED.register("gather", _embed_supports)(lambda table, tokens, plan: table.w[tokens])
 
 
-def embed(table: Dense, tokens: jax.Array, plan: Plan) -> jax.Array:
+@EMBED.register("quantized_columns",
+                lambda table, tokens, plan: None if isinstance(table, QuantizedWeight)
+                else "not quantized")
+def _quantized_embed(table, tokens, plan):
+    """A quantized table is [D, V] (the LM head's orientation): the tokens' columns of its
+    codes and scales, dequantized -> [B, T, D] in the model's dtype."""
+    flat = tokens.reshape(-1)
+    cols = table.map_columns(lambda a: jnp.take(a, flat, axis=1)).replace(
+        out_shape=(flat.shape[0],))
+    return as_array(cols, plan.config.dtype).T.reshape(*tokens.shape, table.k)
+
+
+def embed(table, tokens: jax.Array, plan: Plan) -> jax.Array:
     """Rows of the embedding table [V, D] for tokens [B, T] -> [B, T, D]."""
     return EMBED(table, tokens, plan)
 
@@ -269,7 +288,9 @@ def lm_head(stream: Residual, norm_weight, head, plan: Plan, *, rows_at=None) ->
     policy, eps = plan.policy, plan.config.rms_norm_eps
     b, t, d = stream.aval.shape
     sel = jax.ShapeDtypeStruct((b, 1 if rows_at is not None else t, d), stream.aval.dtype)
-    pallas = (policy.lm_head is Impl.PALLAS
+    # A quantized head always takes the kernel on the decode path: XLA would dequantize the
+    # whole [D, V] table every step.
+    pallas = ((policy.lm_head is Impl.PALLAS or isinstance(head, QuantizedWeight))
               and MATMUL.pick(sel, head, plan).name == "fused_small_m")
     x, delta = stream.take(ANY_SUM)
     if rows_at is not None:

@@ -18,16 +18,21 @@ from jaxinfer.ops.linear import (MATMUL, add_deltas, boundary, linear, prefetch_
                                  tiles)
 from jaxinfer.ops.stream import ANY_SUM, Deferred, Partials, Residual, resolve
 from jaxinfer.plan import Boundary, Plan
-from jaxinfer.weights import Dense
+from jaxinfer.weights import Dense, QuantizedWeight, as_array, kernel_operand
 
 # (x [B, T, D], w_gate, w_up) -> (x + sum(deltas), silu(h @ w_gate + b) * (h @ w_up + b))
 SWIGLU = Registry("swiglu")
 
 
 def _pallas_supports(x, w_gate, w_up, plan, *, biases=(None, None), deltas=None, **_):
-    if not all(isinstance(w, Dense) and not w.transposed for w in (w_gate, w_up)):
-        return "not [D, F] Dense weights"
-    if not kernels_on(plan, x.dtype) or jnp.dtype(w_gate.dtype) != jnp.dtype(x.dtype):
+    quantized = all(isinstance(w, QuantizedWeight) for w in (w_gate, w_up))
+    if quantized:
+        if w_gate.tile != w_up.tile:
+            return "quantized gate and up with different K tiles"
+    elif not all(isinstance(w, Dense) and not w.transposed for w in (w_gate, w_up)):
+        return "not [D, F] Dense weights (or two QuantizedWeights)"
+    if not kernels_on(plan, x.dtype) or (
+            not quantized and jnp.dtype(w_gate.dtype) != jnp.dtype(x.dtype)):
         return "kernels off for these dtypes"
     if any(b is not None for b in biases):
         return "biases"
@@ -40,8 +45,9 @@ def _pallas_supports(x, w_gate, w_up, plan, *, biases=(None, None), deltas=None,
 def _pallas_swiglu(x, w_gate, w_up, plan, *, biases=(None, None), norm_w=None, eps=0.0,
                    deltas=None, prefetch=()):
     m, k = rows(x), x.shape[-1]
-    f = w_gate.w.shape[1]
-    out = pk.swiglu(x.reshape(m, k), w_gate.w, w_up.w, norm_weight=norm_w, eps=eps,
+    f = w_gate.out_shape[0]
+    out = pk.swiglu(x.reshape(m, k), kernel_operand(w_gate), kernel_operand(w_up),
+                    norm_weight=norm_w, eps=eps,
                     deltas=None if deltas is None else deltas.parts.reshape(-1, m, k),
                     prefetch=prefetch, interpret=plan.policy.interpret,
                     block_sizes=tiles(plan, m, k, f, 2, x.dtype, decode_path(x, plan)))
@@ -54,7 +60,7 @@ def _reference_swiglu(x, w_gate, w_up, plan, *, biases=(None, None), norm_w=None
                       deltas=None, prefetch=()):
     x = add_deltas(x, deltas)
     h = x if norm_w is None else reference.rms_norm(x, norm_w, eps)
-    return x, reference.swiglu(h, w_gate.w, w_up.w, *biases)
+    return x, reference.swiglu(h, as_array(w_gate, h.dtype), as_array(w_up, h.dtype), *biases)
 
 
 def _one_kernel(x, w_gate, w_up, w_down, plan, biases) -> bool:
@@ -62,7 +68,9 @@ def _one_kernel(x, w_gate, w_up, w_down, plan, biases) -> bool:
     policy = plan.policy
     return (SWIGLU.pick(x, w_gate, w_up, plan, biases=biases[:2]).name == "pallas"
             and decode_path(x, plan) and rows(x) <= policy.one_kernel_mlp_rows
-            and biases[2] is None and isinstance(w_down, Dense) and not w_down.transposed
+            and biases[2] is None
+            and all(isinstance(w, Dense) for w in (w_gate, w_up, w_down))
+            and not w_down.transposed
             and x.shape[-1] % 16 == 0 and policy.gated_mlp_boundary is Boundary.CONSUMER)
 
 
