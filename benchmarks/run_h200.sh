@@ -8,12 +8,16 @@
 #                                        # $ROUNDS (2) times
 #   bash benchmarks/run_h200.sh det      # KernelPolicy.deterministic(): its B=1 cost beside the
 #                                        # default, then determinism.py (3 runs bitwise, batch 4/16)
-#   bash benchmarks/run_h200.sh tests    # every GPU-marked test, in three parts of < 6 min each
+#   bash benchmarks/run_h200.sh tests    # every GPU-marked test, in four parts of < 6 min each
 #   bash benchmarks/run_h200.sh tests1   # (or one part: tests1 flash, tests2 decode kernels,
-#                                        #  tests3 the model)
+#                                        #  tests3 the model, tests4 quantized weights and cache)
 #   bash benchmarks/run_h200.sh profile  # per-kernel time of the B=1 decode step
 #   bash benchmarks/run_h200.sh sweep    # the B=1 step profiled under several policies ($SWEEP)
 #   bash benchmarks/run_h200.sh kernels  # benchmarks/kernels.py, parts from $KERNELS
+#   bash benchmarks/run_h200.sh kv       # benchmarks/kv_cache.py: bf16 / int8 / fp8 KV cache at
+#                                        # B=1 ctx 32k, and the embedded model's int8 tokens
+#   bash benchmarks/run_h200.sh quant    # jaxinfer bench, bf16 vs int8 vs int4 weights
+#   bash benchmarks/run_h200.sh qkernels # benchmarks/quantized.py (quantized decode matmuls)
 # Results: JSON lines in ${OUT:-.}/bench-<part>.jsonl; a table on stdout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -76,7 +80,8 @@ tests2() {
 tests3() {
   gpu_tests tests/test_gpu.py tests/test_kernel_wiring.py tests/test_determinism.py
 }
-tests() { tests1; tests2; tests3; }
+tests4() { gpu_tests tests/test_quantized.py tests/test_kv_cache_quant.py; }
+tests() { tests1; tests2; tests3; tests4; }
 profile() {  # where the B=1 decode step's time goes
   timeout 150 python3 benchmarks/profile_decode.py --preset llama3-8b --batch 1 \
     --prompt-len 128 --steps 32 --json "$out/profile.json" 2>&1 | tail -45
@@ -94,10 +99,26 @@ sweep() {  # the B=1 step profiled under several configurations ($SWEEP: one per
       --steps 32 --top 12 $cfg 2>&1 | grep -v "^bench" | tail -15
   done <<< "$configs"
 }
+quant() {  # jaxinfer bench with bf16 and quantized weights in one call ($QUANT: formats)
+  for q in ${QUANT:-none int8 int4}; do
+    for cfg in ${CONFIGS:-B1 B64}; do
+      # shellcheck disable=SC2086
+      bench . "w-$q" ${!cfg} --quantization "$q"
+    done
+  done
+}
+qkernels() {  # benchmarks/quantized.py: the quantized decode matmuls vs the bf16 kernel
+  timeout "${KERNELS_TIMEOUT:-400}" python3 benchmarks/quantized.py ${QUICK:+--quick} \
+    --json "$out/quantized.json" 2>&1 | grep -v '^{' | tail -"${KERNELS_TAIL:-70}"
+}
 kernels() {  # KERNELS="gemv,decode" picks parts of benchmarks/kernels.py
   timeout "${KERNELS_TIMEOUT:-300}" python3 benchmarks/kernels.py --only "${KERNELS:-gemv}" \
     ${DECODE_SHAPES:+--decode-shapes "$DECODE_SHAPES"} \
     ${FLASH_HEAD_DIMS:+--flash-head-dims "$FLASH_HEAD_DIMS"} --json "$out/kernels.json" 2>&1 \
     | tail -"${KERNELS_TAIL:-60}"
+}
+kv() {  # the quantized KV caches: speed and bytes at 32k, then fidelity on the embedded model
+  timeout "${KV_TIMEOUT:-540}" python3 benchmarks/kv_cache.py --json "$out/kv_cache.jsonl" 2>&1 \
+    | grep -v '^bench' | tail -20
 }
 for part in "${@:-ours}"; do "$part"; done

@@ -40,7 +40,7 @@ import numpy as np
 from checkpoints import gguf_blocks
 from jaxinfer.configs import Config, RopeScaling
 from jaxinfer.models import registry
-from jaxinfer.weights import QuantizedWeight
+from jaxinfer.weights import Parts, QuantizedWeight
 
 log = logging.getLogger(__name__)
 
@@ -549,7 +549,7 @@ def _check_tensors(tensors: dict, config: Config, path) -> None:
 def _owned(a):
     """C-contiguous and writable (not a view of the file): one copy to the device later.
     QuantizedWeights are repacked into new arrays already."""
-    if isinstance(a, QuantizedWeight):
+    if isinstance(a, QuantizedWeight | Parts):
         return a
     return a if a.flags.c_contiguous and a.flags.writeable else np.array(a, order="C")
 

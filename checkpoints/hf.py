@@ -214,8 +214,16 @@ def load_hf_dir(path: str | pathlib.Path, before_tensors=None):
     files = _safetensors_files(path)
     if before_tensors is not None:
         before_tensors(config)
-    tensors = read_safetensors(files)
-    params = params_from_hf_tensors(tensors, config, str(path))
+    from checkpoints import quantized
+
+    if (quantized.saved_format(files) or "").startswith("jaxinfer"):  # `jaxinfer quantize`
+        params = quantized.load_quantized(path, config)
+    else:
+        tensors = read_safetensors(files)
+        if quantized.looks_quantized(tensors):
+            raise ValueError(f"{path}: holds a jaxinfer quantized checkpoint's tensors but "
+                             f"not its metadata; write it again with `jaxinfer quantize`")
+        params = params_from_hf_tensors(tensors, config, str(path))
     tokenizer = None
     if (path / "tokenizer.json").exists():
         from checkpoints.tokenizer import Tokenizer

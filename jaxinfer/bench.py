@@ -27,7 +27,7 @@ from jaxinfer.model import Model, default_dtype, load
 from jaxinfer.models import registry
 from jaxinfer.plan import KernelPolicy
 from jaxinfer.sampling import SamplingParams
-from jaxinfer.weights import init_params
+from jaxinfer.weights import QuantizedWeight, init_params, param_bytes, quantize_params
 
 log = logging.getLogger(__name__)
 
@@ -53,24 +53,37 @@ class BenchResult:
     achieved_gb_per_s: float
     floor_fraction: float | None
     peak_memory_gb: float | None
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype), "int8" or "fp8"
+    kv_cache_bytes: int = 0  # the whole cache as allocated
+    weights: str = "dense"  # the matmul weights' formats ("int4", "q4_k+q6_k", ...)
+    param_bytes: int = 0
 
     def table_row(self) -> str:
         frac = f"{self.floor_fraction:.1%}" if self.floor_fraction is not None else "n/a"
+        kv = "" if self.kv_cache_dtype == "auto" else f" kv={self.kv_cache_dtype}"
+        kv += "" if self.weights == "dense" else f" w={self.weights}"
         return (f"{self.model:22s} {self.policy[:5]:5s} B={self.batch:<4d} "
                 f"ctx={self.prompt_len + self.gen_len:<6d} "
                 f"{self.decode_ms_per_token:8.3f} ms/tok {self.decode_tokens_per_s:9.1f} tok/s "
-                f"{self.achieved_gb_per_s:8.1f} GB/s floor {frac}")
+                f"{self.achieved_gb_per_s:8.1f} GB/s floor {frac}{kv}")
 
 
-def decode_bytes_per_step(config: Config, batch: int, context: int) -> float:
-    """Bytes one decode step must move at an average context of `context` tokens per row."""
+def decode_bytes_per_step(config: Config, batch: int, context: int,
+                          kv_dtype: str | None = None, params=None) -> float:
+    """Bytes one decode step must move at an average context of `context` tokens per row
+    (kv_dtype "int8" / "fp8": 1-byte codes and a float32 scale per token and KV head).
+    params, when given: their real bytes (quantized weights' codes and scales)."""
     itemsize = jnp.dtype(config.dtype).itemsize
-    embed = config.vocab_size * config.hidden_size
-    weights = (config.num_params() - embed) * itemsize  # everything but the embedding table...
+    embed = config.vocab_size * config.hidden_size * itemsize
+    total = config.num_params() * itemsize
+    if params is not None:
+        embed, total = param_bytes(params["embed"]), param_bytes(params)
+    weights = total - embed  # everything but the embedding table...
     weights += batch * config.hidden_size * itemsize  # ...of which B rows are read
     if config.tie_word_embeddings:
-        weights += embed * itemsize  # the tied head reads the whole table
-    kv_row = 2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize
+        weights += embed  # the tied head reads the whole table
+    per_head = config.head_dim + 4 if kv_dtype else config.head_dim * itemsize
+    kv_row = 2 * config.num_layers * config.num_kv_heads * per_head
     return weights + batch * (context + 1) * kv_row
 
 
@@ -80,14 +93,18 @@ POLICIES = types.MappingProxyType({"default": KernelPolicy,
 
 
 def random_model(preset: str, dtype: str, seed: int = 0,
-                 policy: KernelPolicy | None = None) -> Model:
-    """Real shapes, random values, initialized on the device (no download)."""
+                 policy: KernelPolicy | None = None, quantization: str | None = None,
+                 group_size: int | None = None) -> Model:
+    """Real shapes, random values, initialized on the device (no download); quantization
+    int8 / int4 / fp8 quantizes them there, one weight at a time."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
     config = PRESETS[preset].replace(dtype=dtype)
     memory.check_load(config, dtype, host_float32_copy=False)
     specs = registry.family(config).param_specs(config)
     params = init_params(specs, jax.random.key(seed), dtype)
+    if quantization not in (None, "none"):
+        params = quantize_params(params, quantization, group_size)
     return Model(config=config, params=params, tokenizer=None, policy=policy or KernelPolicy())
 
 
@@ -102,7 +119,7 @@ def _median_time(fn, repeats: int) -> float:
 
 def run(model: Model, name: str, batch: int, prompt_len: int, gen_len: int,
         repeats: int = 3, seed: int = 0, dump_hlo: str | None = None,
-        policy_name: str = "default") -> BenchResult:
+        policy_name: str = "default", kv_cache_dtype: str | None = None) -> BenchResult:
     config, plan = model.config, model.plan
     if prompt_len + gen_len > config.max_position_embeddings:
         raise ValueError(f"prompt_len + gen_len = {prompt_len + gen_len} exceeds the model's "
@@ -113,7 +130,8 @@ def run(model: Model, name: str, batch: int, prompt_len: int, gen_len: int,
 
     def fresh_state():
         # No stop ids: every row runs its whole budget, so the step count is known.
-        return init_state(model, prompts, gen_len, greedy, seed, stop_ids=[])
+        return init_state(model, prompts, gen_len, greedy, seed, stop_ids=[],
+                          kv_cache_dtype=kv_cache_dtype)
 
     progress = tqdm(total=4, desc=f"bench {name}", leave=False, disable=None)  # terminals only
     state, tokens, lengths = fresh_state()
@@ -158,12 +176,16 @@ def run(model: Model, name: str, batch: int, prompt_len: int, gen_len: int,
 
     backend = jax.default_backend()
     context = prompt_len + gen_len // 2
-    nbytes = decode_bytes_per_step(config, batch, context)
+    nbytes = decode_bytes_per_step(config, batch, context, kv_cache_dtype, model.params)
     bw = HBM_BYTES_PER_S.get(backend)
     peak = None
     stats = jax.devices()[0].memory_stats() or {}
     if "peak_bytes_in_use" in stats:
         peak = stats["peak_bytes_in_use"] / 1e9
+    elif backend == "cpu":  # the process's peak resident memory (Linux: KiB)
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
     return BenchResult(
         model=name, policy=policy_name, backend=backend, dtype=config.dtype, batch=batch, prompt_len=prompt_len,
         gen_len=gen_len, compile_s=compile_s,
@@ -171,24 +193,37 @@ def run(model: Model, name: str, batch: int, prompt_len: int, gen_len: int,
         decode_ms_per_token=decode_s * 1e3, decode_tokens_per_s=batch / decode_s,
         host_overhead_ms_per_step=max(python_step_s - decode_s, 0.0) * 1e3,
         bytes_per_step=nbytes, achieved_gb_per_s=nbytes / decode_s / 1e9,
-        floor_fraction=(nbytes / bw) / decode_s if bw else None, peak_memory_gb=peak)
+        floor_fraction=(nbytes / bw) / decode_s if bw else None, peak_memory_gb=peak,
+        kv_cache_dtype=kv_cache_dtype or "auto", kv_cache_bytes=s.cache.nbytes(),
+        weights=weight_formats(model.params), param_bytes=param_bytes(model.params))
+
+
+def weight_formats(params) -> str:
+    """The quantized formats among params' matmul weights ("dense" when none is)."""
+    names = sorted({w.name for w in jax.tree.leaves(
+        params, is_leaf=lambda a: isinstance(a, QuantizedWeight)) if isinstance(w, QuantizedWeight)})
+    return "+".join(names) or "dense"
 
 
 def main(args) -> int:
     dtype = args.dtype or default_dtype()
+    kv_cache_dtype = None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
     policy = POLICIES[args.policy]()
     if args.steps_per_sync is not None:
         policy = policy.replace(steps_per_sync_no_stop=args.steps_per_sync)
     if args.preset:
         if not args.random_weights:
             raise ValueError("--preset needs --random-weights (presets carry shapes, not weights)")
-        model, name = random_model(args.preset, dtype, policy=policy), args.preset
+        model, name = random_model(args.preset, dtype, policy=policy,
+                                   quantization=args.quantization,
+                                   group_size=args.group_size), args.preset
     else:
-        model, name = load(args.model, dtype=dtype, policy=policy), args.model
+        model, name = load(args.model, dtype=dtype, quantization=args.quantization,
+                           policy=policy, group_size=args.group_size), args.model
     results = []
     for b in args.batch:
         r = run(model, name, b, args.prompt_len, args.gen_len, repeats=args.repeats,
-                dump_hlo=args.dump_hlo, policy_name=args.policy)
+                dump_hlo=args.dump_hlo, policy_name=args.policy, kv_cache_dtype=kv_cache_dtype)
         results.append(r)
         print(r.table_row(), flush=True)
     for r in results:

@@ -5,12 +5,15 @@ a query at position p sees exactly the slots <= p (and, with a sliding window, >
 stale slots past a sequence's length are masked by causality and never need clearing.
 Per-layer arrays (a tuple, not one stacked [L, ...] array) keep the decode step free of the
 per-layer slice copies that indexing a stacked array makes XLA emit (benchmarks/DECISIONS.md).
-`attend` dispatches on the layer cache's type (`KVLayer` here; the paged and quantized caches
-of later issues are other types).
+`attend` dispatches on the layer cache's type: `KVLayer` (16-bit or float32 values) or
+`QuantizedKVLayer` (int8 / fp8 codes with a scale per token and head, about half the bytes of
+a 16-bit cache: the decode kernels read the codes and dequantize in registers).
 """
 
 from __future__ import annotations
 
+import math
+import types
 from collections.abc import Sequence
 
 import jax
@@ -18,6 +21,24 @@ import jax.numpy as jnp
 
 from jaxinfer import pytree
 from jaxinfer.configs import Config
+from pallas_kernels.kv_quant import SCALE_DTYPES, quantize_kv
+
+# kv_dtype names -> code dtypes (None: the activations' dtype, unquantized)
+KV_DTYPES = types.MappingProxyType({"int8": jnp.dtype(jnp.int8),
+                                    "fp8": jnp.dtype(jnp.float8_e4m3fn)})
+
+
+def check_kv_dtype(kv_dtype, name: str = "kv_dtype") -> str | None:
+    """kv_dtype as given if it is one of None, "int8", "fp8"; else ValueError naming them."""
+    if kv_dtype is not None and (not isinstance(kv_dtype, str) or kv_dtype not in KV_DTYPES):
+        raise ValueError(f"{name} must be None (the model's dtype), 'int8' or 'fp8', "
+                         f"got {kv_dtype!r}")
+    return kv_dtype
+
+
+def _scatter(cache: jax.Array, rows: jax.Array, positions: jax.Array, x: jax.Array):
+    """cache [B, S, ...] with x [B, T, ...] at slots positions [B, T]; past the end: dropped."""
+    return cache.at[rows, positions].set(x.astype(cache.dtype), mode="drop")
 
 
 @pytree.dataclass
@@ -31,34 +52,81 @@ class KVLayer:
         """New keys/values k, v [B, T, Hkv, D] written to slots `positions` [B, T]. Positions
         past the end of the cache are dropped (callers check lengths on the host first)."""
         rows = jnp.arange(k.shape[0])[:, None]  # [B, 1]
-        return KVLayer(self.k.at[rows, positions].set(k.astype(self.k.dtype), mode="drop"),
-                       self.v.at[rows, positions].set(v.astype(self.v.dtype), mode="drop"))
+        return KVLayer(_scatter(self.k, rows, positions, k), _scatter(self.v, rows, positions, v))
+
+
+@pytree.dataclass
+class QuantizedKVLayer:
+    """One layer's contiguous cache of codes: value = code * scale per (token, head), the
+    scale absmax / qmax of that token's head vector (pallas_kernels/kv_quant.py)."""
+
+    k: jax.Array  # [B, S, Hkv, D] int8 or float8_e4m3fn
+    v: jax.Array  # [B, S, Hkv, D]
+    k_scale: jax.Array  # [B, S, Hkv] float32 or float16
+    v_scale: jax.Array  # [B, S, Hkv]
+
+    def append(self, k: jax.Array, v: jax.Array, positions: jax.Array) -> QuantizedKVLayer:
+        """New keys/values k, v [B, T, Hkv, D] quantized and written to slots `positions`
+        [B, T] (past the end: dropped, as KVLayer.append)."""
+        rows = jnp.arange(k.shape[0])[:, None]  # [B, 1]
+        (kc, ks), (vc, vs) = (quantize_kv(x, self.k.dtype, self.k_scale.dtype) for x in (k, v))
+        return QuantizedKVLayer(_scatter(self.k, rows, positions, kc),
+                                _scatter(self.v, rows, positions, vc),
+                                _scatter(self.k_scale, rows, positions, ks),
+                                _scatter(self.v_scale, rows, positions, vs))
 
 
 @pytree.dataclass
 class KVCache:
-    k: tuple[jax.Array, ...]  # per layer [B, S, Hkv, D]
+    k: tuple[jax.Array, ...]  # per layer [B, S, Hkv, D]: values, or codes when quantized
     v: tuple[jax.Array, ...]  # per layer [B, S, Hkv, D]
     lengths: jax.Array  # [B] int32: valid slots per sequence (= next write position)
+    k_scale: tuple[jax.Array, ...] = ()  # per layer [B, S, Hkv] when quantized, else empty
+    v_scale: tuple[jax.Array, ...] = ()
 
     @classmethod
-    def init(cls, config: Config, batch_size: int, max_seq_len: int, dtype=None) -> KVCache:
-        """Zeroed cache for `batch_size` sequences of up to `max_seq_len` tokens."""
+    def init(cls, config: Config, batch_size: int, max_seq_len: int, dtype=None,
+             kv_dtype: str | None = None, scale_dtype=jnp.float32) -> KVCache:
+        """Zeroed cache for `batch_size` sequences of up to `max_seq_len` tokens: values in
+        `dtype` (default the model's), or with kv_dtype "int8" / "fp8" codes with
+        `scale_dtype` (float32 or float16) scales per token and KV head."""
         if batch_size < 1 or max_seq_len < 1:
             raise ValueError(f"KVCache needs batch_size >= 1 and max_seq_len >= 1, "
                              f"got {batch_size} and {max_seq_len}")
-        dtype = jnp.dtype(dtype or config.dtype)
+        check_kv_dtype(kv_dtype)
         shape = (batch_size, max_seq_len, config.num_kv_heads, config.head_dim)
+        dtype = KV_DTYPES[kv_dtype] if kv_dtype else jnp.dtype(dtype or config.dtype)
         k = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
         v = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
-        return cls(k=k, v=v, lengths=jnp.zeros((batch_size,), jnp.int32))
+        scales = {}
+        if kv_dtype:
+            scale_dtype = jnp.dtype(scale_dtype)
+            if scale_dtype not in SCALE_DTYPES:
+                raise ValueError(f"KVCache scale_dtype must be float32 or float16, got "
+                                 f"{scale_dtype}")
+            scales = {name: tuple(jnp.zeros(shape[:3], scale_dtype)
+                                  for _ in range(config.num_layers))
+                      for name in ("k_scale", "v_scale")}
+        return cls(k=k, v=v, lengths=jnp.zeros((batch_size,), jnp.int32), **scales)
 
-    def layer(self, i: int) -> KVLayer:
+    @property
+    def quantized(self) -> bool:
+        return bool(self.k_scale)
+
+    def layer(self, i: int) -> KVLayer | QuantizedKVLayer:
+        if self.quantized:
+            return QuantizedKVLayer(self.k[i], self.v[i], self.k_scale[i], self.v_scale[i])
         return KVLayer(self.k[i], self.v[i])
 
-    def with_layers(self, layers: Sequence[KVLayer]) -> KVCache:
-        return self.replace(k=tuple(c.k for c in layers), v=tuple(c.v for c in layers))
+    def with_layers(self, layers: Sequence[KVLayer | QuantizedKVLayer]) -> KVCache:
+        new = self.replace(k=tuple(c.k for c in layers), v=tuple(c.v for c in layers))
+        if self.quantized:
+            new = new.replace(k_scale=tuple(c.k_scale for c in layers),
+                              v_scale=tuple(c.v_scale for c in layers))
+        return new
 
     def nbytes(self) -> int:
-        """Bytes the K and V arrays hold (allocated, not only the valid slots)."""
-        return sum(a.size * a.dtype.itemsize for a in (*self.k, *self.v))
+        """Bytes the K and V arrays (and a quantized cache's scales) hold (allocated, not only
+        the valid slots); also for a cache of jax.ShapeDtypeStructs (jax.eval_shape)."""
+        return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize
+                   for a in (*self.k, *self.v, *self.k_scale, *self.v_scale))

@@ -70,6 +70,15 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         f"(default {DEFAULT_MODEL})")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="params/activations dtype (default: bfloat16 on GPU, float32 on CPU)")
+    p.add_argument("--quantization", choices=("none", "int8", "int4", "fp8"), default=None,
+                   help="matmul weights: as the checkpoint stores them (default: a GGUF stays "
+                        "in its blocks), none (dequantized), or quantized on load to int8 / "
+                        "int4 (group-wise) / fp8 (e4m3)")
+    p.add_argument("--group-size", type=_positive("--group-size"), default=None, metavar="G",
+                   help="rows of K per scale for --quantization int8/int4 (default 128)")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "int8", "fp8"), default="auto",
+                   help="KV cache storage: the model's dtype (auto, default), or int8 / fp8 "
+                        "(e4m3) codes with a scale per token and head: about half the bytes")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -116,6 +125,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(c)
     c.add_argument("--system", default=None, help="system message")
     c.set_defaults(func=cmd_chat)
+
+    q = sub.add_parser("quantize", help="write a checkpoint's weights quantized (int8 / int4 / "
+                                        "fp8), to load without re-quantizing")
+    _add_verbose(q)
+    q.add_argument("src", help="registered name or HF directory (16/32-bit weights)")
+    q.add_argument("dst", help="new directory to write (config, tokenizer, model.safetensors)")
+    q.add_argument("--to", choices=("int8", "int4", "fp8"), required=True)
+    q.add_argument("--group-size", type=_positive("--group-size"), default=None, metavar="G",
+                   help="rows of K per scale (int8/int4 default 128; fp8 default per column)")
+    q.set_defaults(func=cmd_quantize)
 
     m = sub.add_parser("models", help="list the registered models and what is cached")
     _add_verbose(m)
@@ -207,10 +226,16 @@ def _load(args):
     import jaxinfer
 
     t0 = time.perf_counter()
-    model = jaxinfer.load(args.model, dtype=args.dtype)
+    model = jaxinfer.load(args.model, dtype=args.dtype, quantization=args.quantization,
+                          group_size=args.group_size)
     args.load_s = time.perf_counter() - t0
     log.info("loaded %s in %.2f s", args.model, args.load_s)
     return model
+
+
+def _kv_cache_dtype(args) -> str | None:
+    """--kv-cache-dtype as the API takes it (auto: None)."""
+    return None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
 
 
 def _messages(system: str | None, prompt: str) -> list[dict]:
@@ -239,7 +264,7 @@ def cmd_generate(args) -> int:
     t0 = time.perf_counter()
     pieces = stream(model, request, max_new_tokens=args.max_new_tokens, sampling=sampling,
                     seed=args.seed, chat=False if args.no_chat else None, stop=args.stop,
-                    progress=sys.stderr.isatty())
+                    progress=sys.stderr.isatty(), kv_cache_dtype=_kv_cache_dtype(args))
     for piece in pieces:
         if not args.json:
             sys.stdout.write(piece)
@@ -347,7 +372,8 @@ def cmd_chat(args) -> int:
             reply = []
             try:
                 for piece in stream(model, turn, max_new_tokens=args.max_new_tokens,
-                                    sampling=sampling, seed=args.seed, stop=args.stop):
+                                    sampling=sampling, seed=args.seed, stop=args.stop,
+                                    kv_cache_dtype=_kv_cache_dtype(args)):
                     reply.append(piece)
                     sys.stdout.write(piece)
                     sys.stdout.flush()
@@ -385,6 +411,22 @@ def cmd_models(args) -> int:
         print(f"  {m.name}{default}: {m.size / 1e6:.1f} MB, {state}\n"
               f"      {m.description}\n      {m.path}")
     print("Any HF directory (config.json + *.safetensors) or .gguf file can be given to --model.")
+    return 0
+
+
+def cmd_quantize(args) -> int:
+    import jaxinfer
+    from checkpoints import registry
+    from checkpoints.quantized import save_quantized
+
+    src = registry.resolve(args.src)
+    if not src.is_dir():
+        raise ValueError(f"{args.src}: quantize takes an HF directory (or a registered name); a "
+                         f"GGUF file is already quantized and loads as it is")
+    model = jaxinfer.load(str(src), dtype="float32", quantization=args.to,
+                          group_size=args.group_size)
+    dst = save_quantized(args.dst, model.params, src)
+    print(f"wrote {dst} ({args.to}; load it with jaxinfer.load({str(dst)!r}))")
     return 0
 
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from jaxinfer import memory, pytree, sampling
 from jaxinfer import prompts as prompts_lib
-from jaxinfer.cache import KVCache
+from jaxinfer.cache import KVCache, check_kv_dtype
 from jaxinfer.models import registry
 from jaxinfer.plan import KernelPolicy, Plan
 from jaxinfer.sampling import SamplingParams
@@ -223,11 +223,14 @@ def _stop_ids(model, stop) -> tuple[list[int], list[str]]:
 def init_state(model, prompt_ids: list[list[int]], max_new_tokens: int,
                sampling_params: list[SamplingParams], seed: int, stop_ids: list[int],
                max_seq_len: int | None = None, prompt_multiple: int = 1,
+               kv_cache_dtype: str | None = None,
                ) -> tuple[DecodeState, jax.Array, jax.Array]:
     """Check lengths and memory, allocate the cache, and build (state, padded prompt tokens
     [B, T], lengths [B]). The prompt pads to a bucket (a multiple of `prompt_multiple`), the
     cache to a multiple of CACHE_ROUND, the output to NEW_TOKEN_BUCKETS: a new prompt length or
-    max_new_tokens then mostly reuses the compiled executables (the budget is a traced value)."""
+    max_new_tokens then mostly reuses the compiled executables (the budget is a traced value).
+    kv_cache_dtype: None (the model's dtype), "int8" or "fp8" (cache.py)."""
+    check_kv_dtype(kv_cache_dtype, "kv_cache_dtype")
     config = model.config
     longest = max(len(p) for p in prompt_ids)
     need = longest + max_new_tokens
@@ -246,7 +249,7 @@ def init_state(model, prompt_ids: list[list[int]], max_new_tokens: int,
     n = _bucket(max_new_tokens, NEW_TOKEN_BUCKETS)
     b = len(prompt_ids)
     chunk = prompt_multiple if prompt_multiple > 1 else t  # the largest prefill step's tokens
-    memory.check_request(config, b, t, s, chunk)
+    memory.check_request(config, b, t, s, chunk, kv_cache_dtype)
     tokens = np.zeros((b, t), np.int32)
     for i, p in enumerate(prompt_ids):
         tokens[i, :len(p)] = p
@@ -255,7 +258,7 @@ def init_state(model, prompt_ids: list[list[int]], max_new_tokens: int,
     state = DecodeState(
         tokens=jnp.zeros((b,), jnp.int32),
         positions=jnp.asarray(lengths),
-        cache=KVCache.init(config, b, s),
+        cache=KVCache.init(config, b, s, kv_dtype=kv_cache_dtype),
         sampler=sampling.SamplerState.init(seed, sampling_params, prompt_ids,
                                            config.vocab_size, tensors),
         sampling=tensors,
@@ -306,8 +309,9 @@ class _Request:
 
 
 def _prepare(model, prompts, max_new_tokens, sampling_params, seed, chat, stop, max_seq_len,
-             policy) -> _Request:
+             policy, kv_cache_dtype=None) -> _Request:
     """Every check on the host, before anything is allocated or compiled."""
+    check_kv_dtype(kv_cache_dtype, "kv_cache_dtype")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
             or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
@@ -332,7 +336,8 @@ def _prepare(model, prompts, max_new_tokens, sampling_params, seed, chat, stop, 
     chunk = prefill_chunk_size(plan)
     multiple = chunk if chunk and longest > chunk else 1
     state, tokens, lengths = init_state(model, ids, int(max_new_tokens), sampling_params,
-                                        int(seed), stop_ids, max_seq_len, multiple)
+                                        int(seed), stop_ids, max_seq_len, multiple,
+                                        kv_cache_dtype)
     return _Request(ids, state, tokens, lengths, stop_ids, stop_strings, sampling_params, plan,
                     int(max_new_tokens))
 
@@ -378,7 +383,8 @@ PROGRESS_STEPS = 32
 
 def generate(model, prompts, max_new_tokens: int = 128, sampling: SamplingParams | None = None,
              seed: int = 0, chat: bool | None = None, stop=None, max_seq_len: int | None = None,
-             policy: KernelPolicy | None = None, progress: bool = False) -> list[Completion]:
+             policy: KernelPolicy | None = None, progress: bool = False,
+             kv_cache_dtype: str | None = None) -> list[Completion]:
     """Generate for a prompt or a batch of prompts; returns one `Completion` per prompt.
 
     prompts: a string, token ids, or chat messages ([{"role": ..., "content": ...}], system
@@ -391,9 +397,11 @@ def generate(model, prompts, max_new_tokens: int = 128, sampling: SamplingParams
     policy: the kernel choices (default: the model's); `KernelPolicy.deterministic()` gives
     bitwise-repeatable tokens that do not depend on the rest of the batch either.
     progress: show progress bars (stderr, tqdm) for a chunked prefill and the decode.
+    kv_cache_dtype: None (the model's dtype), "int8" or "fp8": a quantized KV cache, about
+    half the bytes of a 16-bit one (codes with a scale per token and KV head; jaxinfer/cache.py).
     """
     req = _prepare(model, prompts, max_new_tokens, sampling, seed, chat, stop, max_seq_len,
-                   policy)
+                   policy, kv_cache_dtype)
     with memory.reporting_oom(f"generating for {len(req.ids)} prompts"):
         state = _run_prefill(model, req, progress)
         if progress:
@@ -444,7 +452,8 @@ class TextStream:
 
 def stream(model, prompt, max_new_tokens: int = 128, sampling: SamplingParams | None = None,
            seed: int = 0, chat: bool | None = None, stop=None,
-           policy: KernelPolicy | None = None, progress: bool = False) -> TextStream:
+           policy: KernelPolicy | None = None, progress: bool = False,
+           kv_cache_dtype: str | None = None) -> TextStream:
     """The text of one prompt's completion, yielded piece by piece as tokens are decoded.
 
     Takes one prompt of any form `generate` takes (and the same arguments). Runs the same jitted
@@ -459,7 +468,8 @@ def stream(model, prompt, max_new_tokens: int = 128, sampling: SamplingParams | 
     if model.tokenizer is None:
         raise ValueError("stream() needs a tokenizer to turn tokens into text; use generate()")
     t0 = time.perf_counter()
-    req = _prepare(model, prompt, max_new_tokens, sampling, seed, chat, stop, None, policy)
+    req = _prepare(model, prompt, max_new_tokens, sampling, seed, chat, stop, None, policy,
+                   kv_cache_dtype)
     out = TextStream(iter(()))
     out._pieces = _pieces(model, req, progress, out, t0)
     return out

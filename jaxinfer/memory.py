@@ -102,14 +102,22 @@ def check_load(config, dtype: str, host_float32_copy: bool = True) -> None:
                   f"{config.hidden_size}) in {dtype}", LOAD_REMEDY)
 
 
-def check_request(config, batch: int, prompt_len: int, cache_len: int, chunk: int) -> None:
-    """Before allocating a request's cache: K/V for batch x cache_len slots, and the largest
-    prefill step's activations (chunk tokens per row; on CPU the reference attention's
-    float32 scores against the cache)."""
+def kv_cache_bytes(config, batch: int, cache_len: int, kv_dtype: str | None = None) -> int:
+    """Bytes of a KVCache.init(config, batch, cache_len, kv_dtype=...): K and V in the model's
+    dtype, or 1-byte codes plus a float32 scale per token and KV head (int8 / fp8)."""
+    per_head = (config.head_dim + 4) if kv_dtype else config.head_dim * itemsize(config.dtype)
+    return 2 * config.num_layers * batch * cache_len * config.num_kv_heads * per_head
+
+
+def check_request(config, batch: int, prompt_len: int, cache_len: int, chunk: int,
+                  kv_dtype: str | None = None) -> None:
+    """Before allocating a request's cache: K/V for batch x cache_len slots (kv_dtype "int8" /
+    "fp8": the quantized cache), and the largest prefill step's activations (chunk tokens per
+    row; on CPU the reference attention's float32 scores against the cache, and a quantized
+    layer's K/V dequantized to float32)."""
     import jax
 
-    size = itemsize(config.dtype)
-    kv = 2 * config.num_layers * batch * cache_len * config.num_kv_heads * config.head_dim * size
+    kv = kv_cache_bytes(config, batch, cache_len, kv_dtype)
     tokens = batch * min(chunk, prompt_len)
     width = (4 * config.hidden_size + (config.num_heads + 2 * config.num_kv_heads)
              * config.head_dim + 3 * config.intermediate_size)
@@ -117,6 +125,8 @@ def check_request(config, batch: int, prompt_len: int, cache_len: int, chunk: in
     if jax.devices()[0].platform == "cpu":
         keys = prompt_len if chunk >= prompt_len else cache_len
         work += 2 * tokens * config.num_heads * keys * 4
+        if kv_dtype:
+            work += 2 * batch * cache_len * config.num_kv_heads * config.head_dim * 4
     _check({"KV cache": kv, "workspace": work},
            f"this request (batch {batch}, {prompt_len} prompt tokens padded, cache of "
            f"{cache_len} slots)")

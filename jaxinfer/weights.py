@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jaxinfer import pytree
 from pallas_kernels.quantized import QuantizedWeight, dequantize
 
-__all__ = ["Dense", "Kind", "ParamSpec", "QuantizedWeight", "as_array", "dequantize",
+__all__ = ["Dense", "Kind", "ParamSpec", "Parts", "QuantizedWeight", "as_array", "dequantize",
            "kernel_operand"]
 
 
@@ -44,6 +44,43 @@ class Dense:
         return tuple(self.w.shape[:1]) if self.transposed else tuple(self.w.shape[1:])
 
 
+@pytree.dataclass
+class Parts:
+    """One matmul weight held as parts of different types along its output columns (a GGUF
+    Q4_K_M layer's q and k in Q4_K beside v in Q6_K: one fused kernel reads one layout, so
+    each part runs its own). Part i's columns are [groups, widths[i], inner]; the product is
+    the parts' products concatenated along the widths axis: [..., groups, sum(widths), inner],
+    seen as out_shape (for q/k/v: groups = KV heads, widths = (G, 1, 1), inner = head_dim)."""
+
+    parts: tuple  # QuantizedWeight / Dense [K, groups * widths[i] * inner] each
+    groups: int = pytree.static_field(1)
+    widths: tuple = pytree.static_field(())
+    inner: int = pytree.static_field(1)
+    out_shape: tuple = pytree.static_field(())
+
+    @property
+    def in_features(self) -> int:
+        return self.parts[0].in_features
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.in_features, *self.out_shape)
+
+    @property
+    def transposed(self) -> bool:
+        return False
+
+    def combine(self, ys):
+        """The parts' outputs [..., N_i] -> [..., *out_shape] (numpy stays numpy)."""
+        import numpy as np
+
+        xp = np if all(isinstance(y, np.ndarray) for y in ys) else jnp
+        lead = ys[0].shape[:-1]
+        cat = xp.concatenate([y.reshape(*lead, self.groups, w, self.inner)
+                              for y, w in zip(ys, self.widths)], axis=-2)
+        return cat.reshape(*lead, *self.out_shape)
+
+
 def kernel_operand(w):
     """What a kernel takes for a matmul weight: a Dense's array, a QuantizedWeight itself."""
     return w.w if isinstance(w, Dense) else w
@@ -54,6 +91,8 @@ def as_array(w, dtype):
     references' view (a QuantizedWeight dequantized; the kernels never do this)."""
     if isinstance(w, Dense):
         return w.w
+    if isinstance(w, Parts):  # [K, *out_shape]: the parts' columns interleaved
+        return w.combine([as_array(p, dtype).reshape(p.in_features, -1) for p in w.parts])
     return dequantize(w, dtype)
 
 
@@ -89,8 +128,10 @@ class ParamSpec:
         QuantizedWeight [K, N] takes the declared output dims)."""
         if self.kind is Kind.ARRAY or isinstance(value, Dense):
             return value
-        if isinstance(value, QuantizedWeight):
+        if isinstance(value, QuantizedWeight | Parts):
             out = self.shape[1:] if self.kind is Kind.DENSE else self.shape[:1]
+            if isinstance(value, Parts):
+                return value.replace(out_shape=out)
             return value if value.out_shape == out else value.with_out_shape(out)
         return Dense(value, transposed=self.kind is Kind.DENSE_T)
 
@@ -104,7 +145,7 @@ def _is_spec(x) -> bool:
 
 
 def _is_weight(x) -> bool:
-    return isinstance(x, Dense | QuantizedWeight)
+    return isinstance(x, Dense | QuantizedWeight | Parts)
 
 
 def quantized_shape(spec: ParamSpec) -> tuple[int, ...]:
@@ -137,6 +178,13 @@ def check_params(params, specs) -> None:
         if k not in have:
             continue
         a = have[k]
+        if isinstance(a, Parts):
+            want_n = math.prod(s.shape[1:])
+            n = a.groups * sum(a.widths) * a.inner
+            if s.kind is not Kind.DENSE or a.in_features != s.shape[0] or n != want_n:
+                problems.append(f"{k} is parts of [{a.in_features}, {n}], expected "
+                                f"{list(s.shape)} ([in, out])")
+            continue
         if isinstance(a, QuantizedWeight):
             if s.kind is Kind.ARRAY:
                 problems.append(f"{k} is quantized ({a.name}), expected a plain array")
@@ -166,10 +214,12 @@ def cast_floating(params, dtype):
     def cast(a):
         if isinstance(a, QuantizedWeight):
             return jax.tree.map(jnp.asarray, a)
+        if isinstance(a, Dense):
+            return Dense(cast(a.w), a.transposed)
         floating = jnp.issubdtype(jnp.asarray(a).dtype if not hasattr(a, "dtype") else a.dtype,
                                   jnp.floating)
         return jnp.asarray(a, dtype=dtype) if floating else jnp.asarray(a)
-    return jax.tree.map(cast, params, is_leaf=lambda a: isinstance(a, QuantizedWeight))
+    return jax.tree.map(cast, params, is_leaf=lambda a: isinstance(a, QuantizedWeight | Dense))
 
 
 def param_bytes(params) -> int:
@@ -228,8 +278,8 @@ def quantize_params(params, how: str, group_size: int | None = None):
 def dequantize_params(params, specs):
     """Every QuantizedWeight of typed params back to a float32 Dense of its declared kind."""
     def one(spec, p):
-        if not isinstance(p, QuantizedWeight):
+        if not isinstance(p, QuantizedWeight | Parts):
             return p
-        a = dequantize(p, jnp.float32).reshape(quantized_shape(spec))
+        a = as_array(p, jnp.float32).reshape(quantized_shape(spec))
         return spec.wrap(a.T if spec.kind is Kind.DENSE_T else a)
     return jax.tree.map(one, specs, params, is_leaf=_is_spec)

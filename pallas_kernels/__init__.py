@@ -12,10 +12,12 @@ import sys
 import types
 
 _MODULES = {
+    "chunk_attention": ("chunk_attention", "chunk_attention_reference"),
     "decode_attention": ("DecodeBlockSizes", "decode_attention", "decode_attention_reference"),
     "decode_attention_append": ("decode_attention_append", "decode_attention_append_reference"),
     "flash_attention": ("FlashBlockSizes", "flash_attention", "flash_attention_reference"),
     "flash_attention_mgpu": ("MosaicFlashConfig",),
+    "kv_quant": ("dequantize_kv", "quantize_kv"),
     "norm_matmul": ("MatmulBlockSizes", "norm_matmul", "norm_matmul_reference"),
     "quantized": ("QuantizedWeight", "dequantize", "quantize_weight"),
     "quantized_matmul": ("quantized_matmul", "quantized_matmul_reference"),

@@ -5,6 +5,11 @@ handles one (sequence, KV head, chunk) and all the query heads of that KV group 
 the group's K/V tile is read once for G query heads). Each program walks only the valid
 positions of its chunk (< lengths[b]) and writes an unnormalised partial output with its
 running max and sum; a second step merges the chunks (a few KB per sequence, fused by XLA).
+
+A quantized cache (int8 / fp8 codes with per-(token, head) scales, kv_quant.py) is read as
+codes: each K/V tile is converted to the query's dtype in registers (exactly), the scores are
+scaled per key by k_scale (q . (s_k k) = s_k (q . k)) and the probabilities per key by v_scale
+before the PV product, so no dequantized copy of the cache is ever made.
 """
 
 from __future__ import annotations
@@ -20,9 +25,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
-    LOG2_E, MASK_VALUE, NUM_SMS_H200, check_array, check_head_dim, check_same_dtype, check_tiles,
-    dot_f32, multiple_of, next_pow2, ref_precision)
+    FLOAT_DTYPES, LOG2_E, MASK_VALUE, NUM_SMS_H200, check_array, check_head_dim,
+    check_same_dtype, check_tiles, dot_f32, multiple_of, next_pow2, ref_precision)
 from pallas_kernels._jax_private import is_tracer
+from pallas_kernels.kv_quant import CODE_DTYPES, check_quantized_cache, codes_as, dequantize_kv
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,15 +86,18 @@ def choose_num_splits(batch: int, kv_heads: int, seq_len: int, block_k: int,
 
 
 def attend_tiles(q_parts, k_ref, v_ref, *, start, first, end, block_k: int, qk_scale: float,
-                 carry):
+                 carry, scales=None):
     """Online softmax (base 2) of a query over cache rows [first, end) of k_ref/v_ref [S, D],
     read in tiles of block_k rows from `start` (tile-aligned, <= first; first=None: from start);
     rows outside the range are masked, never used. The query comes in column pieces
     q_parts = ((q_i [Gp, w_i], col_i), ...) covering D (one piece [Gp, D] at 0, or RoPE's two
     halves): scores = sum_i q_i @ k[:, col_i:col_i + w_i]^T. carry = (acc [Gp, D], m [Gp],
-    l [Gp]) float32; returns the same."""
+    l [Gp]) float32; returns the same. scales: (ks_ref, vs_ref) [S] of a quantized cache whose
+    codes k_ref/v_ref hold (see the module docstring), or None."""
     d = k_ref.shape[-1]
     cols = [col for _, col in q_parts]
+    # A masked load's fill is cast to the ref's dtype: Triton casts no integer to fp8.
+    fill = 0 if scales is None else 0.0
 
     def tile(qs, j, carry):
         acc, m, l = carry
@@ -101,17 +110,29 @@ def attend_tiles(q_parts, k_ref, v_ref, *, start, first, end, block_k: int, qk_s
         for q, col in zip(qs, cols):
             w = q.shape[-1]
             kk = plgpu.load(k_ref.at[pl.ds(base, block_k), pl.ds(col, w)],
-                            mask=valid[:, None], other=0)  # [block_k, w]
+                            mask=valid[:, None], other=fill)  # [block_k, w]
+            if scales is not None:
+                kk = codes_as(kk, q.dtype)
             part = dot_f32(q, kk, trans_b=True)  # [Gp, block_k]
             s = part if s is None else s + part
         v = plgpu.load(v_ref.at[pl.ds(base, block_k), pl.ds(0, d)],
-                       mask=valid[:, None], other=0)
+                       mask=valid[:, None], other=fill)
+        if scales is not None:
+            ks_ref, vs_ref = scales
+            k_s, v_s = (plgpu.load(r.at[pl.ds(base, block_k)], mask=valid, other=0
+                                   ).astype(jnp.float32) for r in (ks_ref, vs_ref))  # [block_k]
+            s = s * k_s[None, :]
         s = jnp.where(valid[None, :], s * qk_scale, MASK_VALUE)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         alpha = jnp.exp2(m - m_new)
         p = jnp.exp2(s - m_new[:, None])
         l = l * alpha + jnp.sum(p, axis=-1)
-        acc = acc * alpha[:, None] + dot_f32(p.astype(v.dtype), v)
+        if scales is not None:
+            dtype = qs[0].dtype
+            acc = acc * alpha[:, None] + dot_f32((p * v_s[None, :]).astype(dtype),
+                                                 codes_as(v, dtype))
+        else:
+            acc = acc * alpha[:, None] + dot_f32(p.astype(v.dtype), v)
         return acc, m_new, l
 
     n_blocks = pl.cdiv(jnp.maximum(end - start, 0), block_k)
@@ -119,16 +140,21 @@ def attend_tiles(q_parts, k_ref, v_ref, *, start, first, end, block_k: int, qk_s
     return lax.fori_loop(0, n_blocks, lambda j, c: tile(qs, j, c), carry)
 
 
-def decode_attention_kernel(len_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *,
-                            sm_scale: float, chunk: int, block_k: int, window: int | None,
-                            groups: int):
+def decode_attention_kernel(len_ref, q_ref, k_ref, v_ref, *refs, sm_scale: float, chunk: int,
+                            block_k: int, window: int | None, groups: int, quantized: bool):
     # len_ref [B] int32 (whole array; this program reads lengths[b])
     # q_ref [Gp, D]: a block over the G query heads of one KV group (Gp >= 16 for the tensor
     #   cores); rows >= G lie past the array and are masked to zero on load, so no padded
     #   copy of q is made
     # k_ref, v_ref [S_pad, D]: one KV head's cache row (rows >= lengths[b], and with a window
-    # rows < lengths[b] - window, are never read)
+    # rows < lengths[b] - window, are never read); codes when quantized
+    # ks_ref, vs_ref [S_pad] (quantized): that row's scales, read where the codes are
     # acc_ref [Gp, D], m_ref [Gp], l_ref [Gp] (float32): this chunk's partials, G rows stored
+    scales = None
+    if quantized:
+        ks_ref, vs_ref, *refs = refs
+        scales = (ks_ref, vs_ref)
+    acc_ref, m_ref, l_ref = refs
     b = pl.program_id(0)
     split = pl.program_id(2)
     length = len_ref[b]
@@ -145,7 +171,7 @@ def decode_attention_kernel(len_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref,
     q = plgpu.load(q_ref, mask=row_ok[:, None], other=0)  # [Gp, D]
     acc, m, l = attend_tiles(
         ((q, 0),), k_ref, v_ref, start=start, first=first, end=end, block_k=block_k,
-        qk_scale=sm_scale * LOG2_E,
+        qk_scale=sm_scale * LOG2_E, scales=scales,
         carry=(jnp.zeros((gp, d), jnp.float32), jnp.full((gp,), MASK_VALUE, jnp.float32),
                jnp.zeros((gp,), jnp.float32)))
     plgpu.store(acc_ref, acc, mask=row_ok[:, None])
@@ -159,12 +185,14 @@ def decode_attention_kernel(len_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref,
 
 
 def check_cache_pair(op: str, k_cache, v_cache, batch: int, batch_of: str, rows_name: str,
-                     rows) -> tuple[int, int, int, int]:
-    """Checks shared by the decode kernels: k/v caches [B, S, Hkv, D] of one shape, and the
-    [B] int32 `rows` (lengths or positions), whose B agrees with `batch` (of the input named
-    `batch_of`). Returns the caches' (B, S, Hkv, D). Dtypes are the caller's to compare."""
-    check_array(op, "k_cache", k_cache, 4)
-    check_array(op, "v_cache", v_cache, 4)
+                     rows, quantized: bool = False) -> tuple[int, int, int, int]:
+    """Checks shared by the decode kernels: k/v caches [B, S, Hkv, D] of one shape (float, or
+    int8 / fp8 codes when `quantized`), and the [B] int32 `rows` (lengths or positions), whose
+    B agrees with `batch` (of the input named `batch_of`). Returns the caches' (B, S, Hkv, D).
+    Dtypes are the caller's to compare."""
+    dtypes = CODE_DTYPES if quantized else FLOAT_DTYPES
+    check_array(op, "k_cache", k_cache, 4, dtypes)
+    check_array(op, "v_cache", v_cache, 4, dtypes)
     check_array(op, rows_name, rows, 1, dtypes=(jnp.dtype(jnp.int32),))
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"{op}: k_cache {tuple(k_cache.shape)} and v_cache "
@@ -175,16 +203,20 @@ def check_cache_pair(op: str, k_cache, v_cache, batch: int, batch_of: str, rows_
     return tuple(k_cache.shape)
 
 
-def check_decode_inputs(op: str, q, k_cache, v_cache, rows_name: str, rows, sliding_window
-                        ) -> tuple[int, int, int, int]:
-    """decode_attention's checks: ranks, one dtype, cache/batch/head-dim/GQA agreement, the
-    window. Returns (B, S, Hkv, D)."""
+def check_decode_inputs(op: str, q, k_cache, v_cache, rows_name: str, rows, sliding_window,
+                        k_scale=None, v_scale=None) -> tuple[int, int, int, int]:
+    """decode_attention's checks: ranks, one dtype (or codes with their scales), cache/batch/
+    head-dim/GQA agreement, the window. Returns (B, S, Hkv, D)."""
     if sliding_window is not None and int(sliding_window) < 1:
         raise ValueError(f"{op}: sliding_window must be >= 1, got {sliding_window}")
     check_array(op, "q", q, 3)
     b, hq, d = q.shape
-    _, s, hkv, dk = check_cache_pair(op, k_cache, v_cache, b, "q", rows_name, rows)
-    check_same_dtype(op, q=q, k_cache=k_cache, v_cache=v_cache)
+    quantized = k_scale is not None or v_scale is not None
+    _, s, hkv, dk = check_cache_pair(op, k_cache, v_cache, b, "q", rows_name, rows, quantized)
+    if quantized:
+        check_quantized_cache(op, k_cache, v_cache, k_scale, v_scale)
+    else:
+        check_same_dtype(op, q=q, k_cache=k_cache, v_cache=v_cache)
     if dk != d:
         raise ValueError(f"{op}: head dim of q ({d}) and the caches ({dk}) differ")
     if hkv == 0 or hq % hkv:
@@ -192,9 +224,10 @@ def check_decode_inputs(op: str, q, k_cache, v_cache, rows_name: str, rows, slid
     return b, s, hkv, d
 
 
-def _validate(q, k_cache, v_cache, lengths, sliding_window=None):
+def _validate(q, k_cache, v_cache, lengths, sliding_window=None, k_scale=None, v_scale=None):
     op = "decode_attention"
-    _, s, _, _ = check_decode_inputs(op, q, k_cache, v_cache, "lengths", lengths, sliding_window)
+    _, s, _, _ = check_decode_inputs(op, q, k_cache, v_cache, "lengths", lengths, sliding_window,
+                                     k_scale, v_scale)
     # Concrete lengths (not traced) can be checked here; under jit the caller owns this check.
     if not is_tracer(lengths):
         lens = jax.device_get(lengths)
@@ -203,16 +236,19 @@ def _validate(q, k_cache, v_cache, lengths, sliding_window=None):
                              f"positions), got min {lens.min()} max {lens.max()}")
 
 
-def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale: float | None = None,
-                     interpret: bool = False, block_sizes: DecodeBlockSizes | None = None,
+def decode_attention(q, k_cache, v_cache, lengths, *, k_scale=None, v_scale=None,
+                     sm_scale: float | None = None, interpret: bool = False,
+                     block_sizes: DecodeBlockSizes | None = None,
                      sliding_window: int | None = None):
     """q [B, Hq, D] attends to cache positions [0, lengths[b]) of k/v_cache [B, S, Hkv, D].
 
     The query is the token at position lengths[b] - 1 (its own K/V already written). With
     `sliding_window=w` it sees positions > lengths[b] - 1 - w only (HF semantics), and only those
-    are read. Returns [B, Hq, D] in q's dtype; a sequence of length 0 gets zeros.
+    are read. k_scale, v_scale [B, S, Hkv] (float32 / float16): the caches hold int8 or fp8
+    codes of a quantized cache (kv_quant.py), dequantized in registers. Returns [B, Hq, D] in
+    q's dtype; a sequence of length 0 gets zeros.
     """
-    _validate(q, k_cache, v_cache, lengths, sliding_window)
+    _validate(q, k_cache, v_cache, lengths, sliding_window, k_scale, v_scale)
     d = q.shape[-1]
     check_head_dim("decode_attention", d)
     sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d)
@@ -220,15 +256,15 @@ def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale: float | None = N
     b, s, hkv, _ = k_cache.shape
     chunk, num_splits = blocks.chunking(b, hkv, s)
     window = int(sliding_window) if sliding_window is not None else None
-    return _decode_attention_triton(q, k_cache, v_cache, lengths, sm_scale=sm_scale,
-                                    blocks=blocks, chunk=chunk, num_splits=num_splits,
-                                    window=window, interpret=interpret)
+    return _decode_attention_triton(q, k_cache, v_cache, lengths, k_scale, v_scale,
+                                    sm_scale=sm_scale, blocks=blocks, chunk=chunk,
+                                    num_splits=num_splits, window=window, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "blocks", "chunk", "num_splits",
                                              "window", "interpret"))
-def _decode_attention_triton(q, k_cache, v_cache, lengths, *, sm_scale, blocks, chunk,
-                             num_splits, window, interpret):
+def _decode_attention_triton(q, k_cache, v_cache, lengths, k_scale, v_scale, *, sm_scale,
+                             blocks, chunk, num_splits, window, interpret):
     b, hq, d = q.shape
     _, s, hkv, _ = k_cache.shape
     g = hq // hkv
@@ -237,15 +273,21 @@ def _decode_attention_triton(q, k_cache, v_cache, lengths, *, sm_scale, blocks, 
     s_pad = num_splits * chunk  # cache blocks rounded up to whole chunks (rows >= s are masked)
     qg = q.reshape(b, hkv, g, d)  # [B, Hkv, G, D]; a bitcast, no copy
 
+    quantized = k_scale is not None
     kernel = functools.partial(decode_attention_kernel, sm_scale=sm_scale, chunk=chunk,
-                               block_k=block_k, window=window, groups=g)
+                               block_k=block_k, window=window, groups=g, quantized=quantized)
+    in_specs = [pl.BlockSpec((b,), lambda i, h, c: (0,)),
+                pl.BlockSpec((None, None, gp, d), lambda i, h, c: (i, h, 0, 0)),
+                pl.BlockSpec((None, s_pad, None, d), lambda i, h, c: (i, 0, h, 0)),
+                pl.BlockSpec((None, s_pad, None, d), lambda i, h, c: (i, 0, h, 0))]
+    args = [lengths, qg, k_cache, v_cache]
+    if quantized:  # one KV head's scales [S_pad], strided by Hkv
+        in_specs += [pl.BlockSpec((None, s_pad, None), lambda i, h, c: (i, 0, h))] * 2
+        args += [k_scale, v_scale]
     acc, m, l = pl.pallas_call(
         kernel,
         grid=(b, hkv, num_splits),
-        in_specs=[pl.BlockSpec((b,), lambda i, h, c: (0,)),
-                  pl.BlockSpec((None, None, gp, d), lambda i, h, c: (i, h, 0, 0)),
-                  pl.BlockSpec((None, s_pad, None, d), lambda i, h, c: (i, 0, h, 0)),
-                  pl.BlockSpec((None, s_pad, None, d), lambda i, h, c: (i, 0, h, 0))],
+        in_specs=in_specs,
         out_specs=[pl.BlockSpec((None, None, None, gp, d), lambda i, h, c: (i, h, c, 0, 0)),
                    pl.BlockSpec((None, None, None, gp), lambda i, h, c: (i, h, c, 0)),
                    pl.BlockSpec((None, None, None, gp), lambda i, h, c: (i, h, c, 0))],
@@ -255,8 +297,8 @@ def _decode_attention_triton(q, k_cache, v_cache, lengths, *, sm_scale, blocks, 
         compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps,
                                              num_stages=blocks.num_stages),
         interpret=interpret,
-        name="decode_attention",
-    )(lengths, qg, k_cache, v_cache)
+        name="decode_attention_quantized" if quantized else "decode_attention",
+    )(*args)
     merged = _merge_splits(acc, m, l, ordered=blocks.split_keys is not None)
     return merged.reshape(b, hq, d).astype(q.dtype)
 
@@ -290,17 +332,23 @@ def _merge_splits(acc, m, l, *, ordered: bool = False):
 # ---------------------------------------------------------------------------------------------
 
 
-def decode_attention_reference(q, k_cache, v_cache, lengths, *, sm_scale: float | None = None,
-                               interpret: bool = False, sliding_window: int | None = None):
-    """Plain-jnp decode attention with the same signature (interpret is ignored)."""
+def decode_attention_reference(q, k_cache, v_cache, lengths, *, k_scale=None, v_scale=None,
+                               sm_scale: float | None = None, interpret: bool = False,
+                               sliding_window: int | None = None):
+    """Plain-jnp decode attention with the same signature (interpret is ignored); a quantized
+    cache is dequantized to float32 first."""
     del interpret
-    _validate(q, k_cache, v_cache, lengths, sliding_window)
+    _validate(q, k_cache, v_cache, lengths, sliding_window, k_scale, v_scale)
     b, hq, d = q.shape
     _, s, hkv, _ = k_cache.shape
+    precision = ref_precision(q.dtype)
+    if k_scale is not None:
+        k_cache, v_cache = dequantize_kv(k_cache, k_scale), dequantize_kv(v_cache, v_scale)
+        precision = ref_precision(jnp.float32)
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
     qg = q.reshape(b, hkv, hq // hkv, d)  # [B, Hkv, G, D]
     scores = jnp.einsum("bkgd,bskd->bkgs", qg, k_cache, preferred_element_type=jnp.float32,
-                        precision=ref_precision(q.dtype)) * scale  # [B, Hkv, G, S]
+                        precision=precision) * scale  # [B, Hkv, G, S]
     valid = jnp.arange(s)[None, :] < lengths[:, None]  # [B, S]
     if sliding_window is not None:
         valid &= jnp.arange(s)[None, :] >= lengths[:, None] - sliding_window
@@ -309,5 +357,5 @@ def decode_attention_reference(q, k_cache, v_cache, lengths, *, sm_scale: float 
     p = jnp.exp(scores - jnp.where(jnp.isfinite(m), m, 0.0))
     p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
     o = jnp.einsum("bkgs,bskd->bkgd", p.astype(v_cache.dtype), v_cache,
-                   preferred_element_type=jnp.float32, precision=ref_precision(q.dtype))
+                   preferred_element_type=jnp.float32, precision=precision)
     return o.reshape(b, hq, d).astype(q.dtype)

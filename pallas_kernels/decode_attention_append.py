@@ -23,6 +23,11 @@ each a few microseconds at batch 1. Here one kernel does all of it:
 - qkv may also come as the projection's float32 split-K chunks [S, B, Hkv, G + 2, D]: each
   BlockSpec above is then passed once per chunk and the kernel sums them (one rounding to the
   cache dtype), so the matmul's partial sums need no kernel of their own.
+- A quantized cache (int8 / fp8 codes, per-(token, head) scales: kv_quant.py) also passes its
+  scales, aliased the same way: the owner quantizes the new key and value in registers and
+  writes their codes and scales (the same bits as the XLA append), the new token enters the
+  softmax dequantized (as a later read sees it), and the cache tiles are read as codes
+  (decode_attention.py). q, k and v are then rounded to the activations' dtype (`dtype`).
 """
 
 from __future__ import annotations
@@ -35,11 +40,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import (LOG2_E, MASK_VALUE, check_array, check_head_dim,
-                                     check_same_dtype, next_pow2)
+from pallas_kernels._common import (FLOAT_DTYPES, LOG2_E, MASK_VALUE, check_array,
+                                     check_head_dim, check_same_dtype, next_pow2)
 from pallas_kernels._jax_private import is_tracer
 from pallas_kernels.decode_attention import (
     DecodeBlockSizes, _merge_splits, attend_tiles, check_cache_pair, decode_attention_reference)
+from pallas_kernels.kv_quant import check_quantized_cache, kv_codes, kv_scale, quantize_kv
 from pallas_kernels.norm_matmul import apply_norm_partials
 
 # ---------------------------------------------------------------------------------------------
@@ -49,12 +55,14 @@ from pallas_kernels.norm_matmul import apply_norm_partials
 
 def append_attend(q_src, k_src, v_src, k_ref, v_ref, ko_ref, vo_ref, *, gp: int,
                   d: int, pos, start, chunk: int, seq_len: int, window: int | None,
-                  block_k: int, groups: int, qk_scale: float, inv_rms=None, rope=None):
+                  block_k: int, groups: int, qk_scale: float, dtype, inv_rms=None, rope=None,
+                  scales=None):
     """The body of the append kernels for one (sequence, KV group, chunk of `chunk` cache slots
     from `start`): gather q, k_new, v_new from the projection's parts (summed in float32, times
-    the deferred norm's inv_rms if given, rounded once to the cache dtype), rotate q and k_new,
-    write slot `pos` if this chunk holds it, and run the online softmax over the cache slots
-    < pos of the chunk, from the new token when the chunk holds it.
+    the deferred norm's inv_rms if given, rounded once to `dtype`, the activations'), rotate q
+    and k_new, write slot `pos` if this chunk holds it (quantized when `scales` are given), and
+    run the online softmax over the cache slots < pos of the chunk, from the new token when the
+    chunk holds it.
 
     Every ref is reached through one indexer (Pallas Triton stacks no views):
     q_src: per part (ref, prefix): ref[(*prefix, cols)] is the group's [Gp, cols] query rows
@@ -65,10 +73,11 @@ def append_attend(q_src, k_src, v_src, k_ref, v_ref, ko_ref, vo_ref, *, gp: int,
     inv_rms: the deferred norm's scale, or None.
     rope: (cos_ref, sin_ref, prefix) with ref[(*prefix, cols)] this sequence's [cols] of the
       rotate-half tables (halves equal), or None.
+    scales: a quantized cache's (ks_ref, vs_ref, kso_ref, vso_ref) [S_pad]: the scales read
+      at slots < pos, and the same buffers (aliased) where slot pos's are written; or None.
     Returns (acc [Gp, D], m [Gp], l [Gp]) float32 and the row mask [Gp] of the query heads."""
     # pos < seq_len keeps an out-of-range traced position from writing past the cache
     owns = (pos >= start) & (pos < start + chunk) & (pos < seq_len)
-    dtype = k_ref.dtype
     row_ok = jnp.arange(gp) < groups  # [Gp]
     all_cols = pl.ds(0, d)
     h = d // 2
@@ -109,23 +118,43 @@ def append_attend(q_src, k_src, v_src, k_ref, v_ref, ko_ref, vo_ref, *, gp: int,
             qs = (gather(q_src, mask=row_ok[:, None]),)  # [Gp, D]
             k_parts = (gather(k_src)[None, :],)  # [1, D]
 
+        # What slot pos stores, and the key/value the new token attends with (as a later read
+        # of the slot sees them): the rounded values, or their codes and the dequantized codes.
+        k_store, v_store, k_att, v_att = k_parts, v_new, k_parts, v_new
+        if scales is not None:
+            f32 = jnp.float32
+            code, scale_dtype = k_ref.dtype, scales[0].dtype
+            # One axis per reduction: Triton's lowering reduces a [1, w] tile to [1], not to [].
+            k_abs = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(kp.astype(f32)), axis=-1)
+                                                   for kp in k_parts])  # [1]
+            k_s = kv_scale(k_abs, code, scale_dtype)  # [1]
+            v_s = kv_scale(jnp.max(jnp.abs(v_new.astype(f32)), axis=-1), code, scale_dtype)
+            k_store = tuple(kv_codes(kp, k_s[:, None], code) for kp in k_parts)  # [1, w] each
+            v_store = kv_codes(v_new, v_s, code)  # [D]
+            k_att = tuple(c.astype(f32) * k_s.astype(f32)[:, None] for c in k_store)
+            v_att = v_store.astype(f32) * v_s.astype(f32)
+
         @pl.when(owns)
         def _write_new_slot():
             col = 0
-            for kp in k_parts:
+            for kp in k_store:
                 w = kp.shape[-1]
                 ko_ref[pl.ds(pos, 1), pl.ds(col, w)] = kp
                 col += w
-            vo_ref[pos, all_cols] = v_new
+            vo_ref[pos, all_cols] = v_store
+            if scales is not None:
+                _, _, kso_ref, vso_ref = scales
+                kso_ref[pl.ds(pos, 1)] = k_s
+                vso_ref[pl.ds(pos, 1)] = jnp.broadcast_to(v_s, (1,))
 
         # The owner's running softmax starts from the new token (its rotated key as stored,
         # so the score matches a later read from the cache); the others start empty.
         s_new = sum(jnp.sum(qp.astype(jnp.float32) * kp.astype(jnp.float32), axis=-1)
-                    for qp, kp in zip(qs, k_parts))  # [Gp]
+                    for qp, kp in zip(qs, k_att))  # [Gp]
         w0 = owns.astype(jnp.float32)  # 1 for the owner, 0 for the others
         m0 = jnp.where(owns, s_new * qk_scale, MASK_VALUE)  # [Gp]
         l0 = jnp.broadcast_to(w0, (gp,))  # [Gp]
-        acc0 = jnp.broadcast_to(w0 * v_new.astype(jnp.float32)[None, :], (gp, d))  # [Gp, D]
+        acc0 = jnp.broadcast_to(w0 * v_att.astype(jnp.float32)[None, :], (gp, d))  # [Gp, D]
         return qs, (acc0, m0, l0)
 
     q_cols = (0, h) if rope is not None else (0,)
@@ -139,7 +168,8 @@ def append_attend(q_src, k_src, v_src, k_ref, v_ref, ko_ref, vo_ref, *, gp: int,
         first = jnp.maximum(start, pos + 1 - window)
         start = jnp.maximum(start, (first // block_k) * block_k)
     acc, m, l = attend_tiles(tuple(zip(qs, q_cols)), k_ref, v_ref, start=start, first=first,
-                             end=end, block_k=block_k, qk_scale=qk_scale, carry=carry)
+                             end=end, block_k=block_k, qk_scale=qk_scale, carry=carry,
+                             scales=None if scales is None else scales[:2])
     return acc, m, l, row_ok
 
 
@@ -155,7 +185,7 @@ def deferred_inv_rms(sum_sq, norm: tuple | None):
 def decode_attention_append_kernel(pos_ref, *refs, sm_scale: float, chunk: int, block_k: int,
                                    window: int | None, groups: int, seq_len: int,
                                    has_rope: bool, num_parts: int, normalize: bool,
-                                   norm: tuple | None):
+                                   norm: tuple | None, quantized: bool, dtype):
     # pos_ref [B] int32 (whole array): slot of each sequence's new token
     # q_refs [Gp, D] x P: qkv rows of one KV group from row 0, from each of the P parts (one
     #   16-bit array, or a split-K matmul's float32 chunks, summed here); rows >= G (the key,
@@ -167,10 +197,13 @@ def decode_attention_append_kernel(pos_ref, *refs, sm_scale: float, chunk: int, 
     #   whose squares are summed here; the parts' sum is scaled by rsqrt(sum / K + eps) (its
     #   RMSNorm, deferred here)
     # cos_ref, sin_ref [D] (has_rope): this sequence's rotation, halves equal
-    # k_ref, v_ref [S_pad, D]: one KV head's cache row, read at slots < pos only
+    # k_ref, v_ref [S_pad, D]: one KV head's cache row, read at slots < pos only (codes when
+    #   quantized)
+    # ks_ref, vs_ref [S_pad] (quantized): that row's scales
     # normalize=False: acc_ref [Gp, D], m_ref [Gp], l_ref [Gp] (float32): this chunk's
     #   partials, G rows stored; normalize=True (one chunk): o_ref [Gp, D], the attention output
     # ko_ref, vo_ref [S_pad, D]: the same buffers as k_ref / v_ref (aliased); slot pos written
+    # kso_ref, vso_ref [S_pad] (quantized): the same buffers as ks_ref / vs_ref (aliased)
     q_refs, kn_refs, vn_refs = (refs[i * num_parts:(i + 1) * num_parts] for i in range(3))
     refs = refs[3 * num_parts:]
     inv_rms = None
@@ -192,6 +225,10 @@ def decode_attention_append_kernel(pos_ref, *refs, sm_scale: float, chunk: int, 
         cos_ref, sin_ref, *refs = refs
         rope = (cos_ref, sin_ref, ())
     k_ref, v_ref, *refs = refs
+    scales = None
+    if quantized:
+        ks_ref, vs_ref, *refs, kso_ref, vso_ref = refs
+        scales = (ks_ref, vs_ref, kso_ref, vso_ref)
     if normalize:
         o_ref, ko_ref, vo_ref = refs
     else:
@@ -202,7 +239,7 @@ def decode_attention_append_kernel(pos_ref, *refs, sm_scale: float, chunk: int, 
         [(r, ()) for r in vn_refs], k_ref, v_ref, ko_ref, vo_ref,
         gp=gp, d=d, pos=pos, start=start, chunk=chunk,
         seq_len=seq_len, window=window, block_k=block_k, groups=groups,
-        qk_scale=sm_scale * LOG2_E, inv_rms=inv_rms, rope=rope)
+        qk_scale=sm_scale * LOG2_E, dtype=dtype, inv_rms=inv_rms, rope=rope, scales=scales)
     if normalize:  # the only chunk: l >= 1 (the new token), no merge step
         plgpu.store(o_ref, (acc / l[:, None]).astype(o_ref.dtype), mask=row_ok[:, None])
     else:
@@ -239,9 +276,11 @@ def check_positions(op: str, positions, s: int) -> None:
                              f"slots), got min {pos.min()} max {pos.max()}")
 
 
-def _validate(qkv, k_cache, v_cache, positions, rope, sliding_window,
-              norm=None) -> tuple[int, int, int, int]:
+def _validate(qkv, k_cache, v_cache, positions, rope, sliding_window, norm=None, k_scale=None,
+              v_scale=None, dtype=None) -> tuple[int, int, int, int, jnp.dtype]:
+    """The checks; returns (B, S, Hkv, D, the activations' dtype)."""
     op = "decode_attention_append"
+    quantized = k_scale is not None or v_scale is not None
     if norm is not None:
         if getattr(qkv, "ndim", None) != 5:
             raise ValueError(f"{op}: norm= goes with the projection's float32 partial sums "
@@ -273,14 +312,30 @@ def _validate(qkv, k_cache, v_cache, positions, rope, sliding_window,
                              f"[S, B, Hkv, G + 2, D]; got dtype {qkv.dtype}")
         b, hkv, rows, d = qkv.shape[1:]
         _, s, hkv_c, dc = check_cache_pair(op, k_cache, v_cache, b, "qkv", "positions",
-                                           positions)
-        check_same_dtype(op, k_cache=k_cache, v_cache=v_cache)
+                                           positions, quantized)
+        if quantized:
+            check_quantized_cache(op, k_cache, v_cache, k_scale, v_scale)
+            if dtype is None:
+                raise ValueError(f"{op}: float32 partial sums into a quantized cache need "
+                                 f"dtype= (the activations' dtype, that q/k/v round to)")
+        else:
+            check_same_dtype(op, k_cache=k_cache, v_cache=v_cache)
+        act = jnp.dtype(dtype) if quantized else jnp.dtype(k_cache.dtype)
     else:
         check_array(op, "qkv", qkv, 4)
         b, hkv, rows, d = qkv.shape
         _, s, hkv_c, dc = check_cache_pair(op, k_cache, v_cache, b, "qkv", "positions",
-                                           positions)
-        check_same_dtype(op, qkv=qkv, k_cache=k_cache, v_cache=v_cache)
+                                           positions, quantized)
+        if quantized:
+            check_quantized_cache(op, k_cache, v_cache, k_scale, v_scale)
+        else:
+            check_same_dtype(op, qkv=qkv, k_cache=k_cache, v_cache=v_cache)
+        act = jnp.dtype(qkv.dtype)
+    if dtype is not None and jnp.dtype(dtype) != act:
+        raise ValueError(f"{op}: dtype={jnp.dtype(dtype)} differs from the activations' "
+                         f"{act} (give it only with a quantized cache's float32 partial sums)")
+    if act not in FLOAT_DTYPES:
+        raise ValueError(f"{op}: dtype {act} is not a float dtype")
     if hkv_c != hkv or dc != d:
         raise ValueError(f"{op}: qkv {tuple(qkv.shape)} ([B, Hkv, G + 2, D]) does not match the "
                          f"caches' KV heads and head dim {(hkv_c, dc)}")
@@ -290,12 +345,13 @@ def _validate(qkv, k_cache, v_cache, positions, rope, sliding_window,
     if rope is not None:
         check_rope(op, rope, b, d)
     check_positions(op, positions, s)
-    return b, s, hkv, d
+    return b, s, hkv, d, act
 
 
-def decode_attention_append(qkv, k_cache, v_cache, positions, *, rope=None,
-                            sm_scale: float | None = None, sliding_window: int | None = None,
-                            norm=None, interpret: bool = False,
+def decode_attention_append(qkv, k_cache, v_cache, positions, *, k_scale=None, v_scale=None,
+                            dtype=None, rope=None, sm_scale: float | None = None,
+                            sliding_window: int | None = None, norm=None,
+                            interpret: bool = False,
                             block_sizes: DecodeBlockSizes | None = None):
     """One new token per sequence: rotate its q and k (RoPE, when `rope` is given), write its
     k and v at slot positions[b] of k/v_cache [B, S, Hkv, D], and attend its q to slots
@@ -316,8 +372,15 @@ def decode_attention_append(qkv, k_cache, v_cache, positions, *, rope=None,
     slots > positions[b] - w are seen (HF semantics). The caches are aliased to the outputs: to
     update them in place, call this inside a jit that donates them (the model's decode step);
     an eager call or a jit without donation copies each cache once first.
+
+    A quantized cache: k/v_cache hold int8 or fp8 codes and k_scale, v_scale [B, S, Hkv]
+    (float32 / float16) their scales (kv_quant.py); the new key and value are quantized as they
+    are written. dtype: the activations' dtype, that q/k/v round to and `out` has (qkv's; with
+    float32 partial sums it must be given). Returns (out, k_cache, v_cache, k_scale, v_scale),
+    all four caches aliased.
     """
-    _validate(qkv, k_cache, v_cache, positions, rope, sliding_window, norm)
+    _, _, _, _, act = _validate(qkv, k_cache, v_cache, positions, rope, sliding_window, norm,
+                                k_scale, v_scale, dtype)
     if qkv.ndim == 4:
         qkv = qkv[None]  # [1, B, Hkv, G + 2, D]: one part
     d = qkv.shape[-1]
@@ -339,21 +402,23 @@ def decode_attention_append(qkv, k_cache, v_cache, positions, *, rope=None,
         ss, norm_static = norm[0], ("rows", int(norm[0].shape[1]), float(norm[1]))
     elif norm is not None:
         ss, norm_static = norm[0], ("sums", int(norm[1]), float(norm[2]))
-    return _decode_attention_append_triton(
-        qkv, k_cache, v_cache, positions, rope, ss, sm_scale=sm_scale, blocks=blocks,
-        chunk=chunk, num_splits=num_splits, window=window, norm=norm_static,
-        interpret=interpret)
+    out = _decode_attention_append_triton(
+        qkv, k_cache, v_cache, positions, rope, ss, k_scale, v_scale, sm_scale=sm_scale,
+        blocks=blocks, chunk=chunk, num_splits=num_splits, window=window, norm=norm_static,
+        dtype=act, interpret=interpret)
+    return out if k_scale is not None else out[:3]
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "blocks", "chunk", "num_splits",
-                                             "window", "norm", "interpret"))
-def _decode_attention_append_triton(qkv, k_cache, v_cache, positions, rope, ss, *, sm_scale,
-                                    blocks, chunk, num_splits, window, norm, interpret):
-    # qkv [P, B, Hkv, G + 2, D]: P parts summed in the kernel
+                                             "window", "norm", "dtype", "interpret"))
+def _decode_attention_append_triton(qkv, k_cache, v_cache, positions, rope, ss, k_scale,
+                                    v_scale, *, sm_scale, blocks, chunk, num_splits, window,
+                                    norm, dtype, interpret):
+    # qkv [P, B, Hkv, G + 2, D]: P parts summed in the kernel; dtype: the activations'
     parts, b, hkv, rows, d = qkv.shape
     g = rows - 2
     _, s, _, _ = k_cache.shape
-    dtype = k_cache.dtype
+    quantized = k_scale is not None
     gp = max(16, next_pow2(g))  # tl.dot needs >= 16 rows; the block covers them, loads mask
     block_k = blocks.block_k
     s_pad = num_splits * chunk  # cache blocks rounded up to whole chunks (rows >= s unread)
@@ -364,7 +429,7 @@ def _decode_attention_append_triton(qkv, k_cache, v_cache, positions, rope, ss, 
     kernel = functools.partial(decode_attention_append_kernel, sm_scale=sm_scale, chunk=chunk,
                                block_k=block_k, window=window, groups=g, seq_len=s,
                                has_rope=rope is not None, num_parts=parts, normalize=normalize,
-                               norm=norm)
+                               norm=norm, quantized=quantized, dtype=dtype)
     row = pl.BlockSpec((None, s_pad, None, d), lambda i, h, c: (i, 0, h, 0))
 
     def qkv_spec(p, first_row, n_rows):  # rows [first_row, +n_rows) of part p, KV group h
@@ -388,6 +453,10 @@ def _decode_attention_append_triton(qkv, k_cache, v_cache, positions, rope, ss, 
         args += list(rope)
     in_specs += [row, row]
     args += [k_cache, v_cache]
+    scale_row = pl.BlockSpec((None, s_pad, None), lambda i, h, c: (i, 0, h))  # strided by Hkv
+    if quantized:
+        in_specs += [scale_row, scale_row]
+        args += [k_scale, v_scale]
     if normalize:
         out_specs = [pl.BlockSpec((None, None, gp, d), lambda i, h, c: (i, h, 0, 0))]
         out_shape = [jax.ShapeDtypeStruct((b, hkv, g, d), dtype)]
@@ -400,10 +469,16 @@ def _decode_attention_append_triton(qkv, k_cache, v_cache, positions, rope, ss, 
                      jax.ShapeDtypeStruct((b, hkv, num_splits, g), jnp.float32)]
     n_out = len(out_shape)
     out_specs += [row, row]
-    out_shape += [jax.ShapeDtypeStruct(k_cache.shape, dtype),
-                  jax.ShapeDtypeStruct(v_cache.shape, dtype)]
-    aliases = {len(args) - 2: n_out, len(args) - 1: n_out + 1}  # the caches, in place
-    *outs, k_cache, v_cache = pl.pallas_call(
+    out_shape += [jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+                  jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)]
+    caches = [len(args) - 2, len(args) - 1]  # the caches' argument indices, in place
+    if quantized:
+        out_specs += [scale_row, scale_row]
+        out_shape += [jax.ShapeDtypeStruct(k_scale.shape, k_scale.dtype),
+                      jax.ShapeDtypeStruct(v_scale.shape, v_scale.dtype)]
+        caches = [len(args) - 4, len(args) - 3, len(args) - 2, len(args) - 1]
+    aliases = {arg: n_out + i for i, arg in enumerate(caches)}
+    results = pl.pallas_call(
         kernel,
         grid=(b, hkv, num_splits),
         in_specs=in_specs,
@@ -413,12 +488,16 @@ def _decode_attention_append_triton(qkv, k_cache, v_cache, positions, rope, ss, 
         compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps,
                                              num_stages=blocks.num_stages),
         interpret=interpret,
-        name="decode_attention_append",
+        name="decode_attention_append_quantized" if quantized else "decode_attention_append",
     )(*args)
+    if quantized:
+        *outs, k_cache, v_cache, k_scale, v_scale = results
+    else:
+        *outs, k_cache, v_cache = results
     out = outs[0] if normalize else _merge_splits(
         *outs, ordered=blocks.split_keys is not None).astype(dtype)  # [B, Hkv, G, D]
     out = out.reshape(b, hkv * g, d)  # [B, Hq, D]
-    return out, k_cache, v_cache
+    return out, k_cache, v_cache, k_scale, v_scale
 
 
 # ---------------------------------------------------------------------------------------------
@@ -434,16 +513,18 @@ def rotate_half_f32(x, cos, sin):
     return (xf * cos[:, None, :] + rotated * sin[:, None, :]).astype(x.dtype)
 
 
-def decode_attention_append_reference(qkv, k_cache, v_cache, positions, *, rope=None,
+def decode_attention_append_reference(qkv, k_cache, v_cache, positions, *, k_scale=None,
+                                      v_scale=None, dtype=None, rope=None,
                                       sm_scale: float | None = None,
                                       sliding_window: int | None = None, norm=None,
                                       interpret: bool = False,
                                       block_sizes: DecodeBlockSizes | None = None):
-    """Plain jnp: split qkv, rotate q and k, scatter the new K/V, then
-    `decode_attention_reference` (interpret and block_sizes are ignored). Returns
-    (out, k_cache, v_cache) like the kernel."""
+    """Plain jnp: split qkv, rotate q and k, scatter the new K/V (quantized, for a quantized
+    cache), then `decode_attention_reference` (interpret and block_sizes are ignored).
+    Returns what the kernel does."""
     del interpret, block_sizes
-    b, s, hkv, d = _validate(qkv, k_cache, v_cache, positions, rope, sliding_window, norm)
+    b, s, hkv, d, act = _validate(qkv, k_cache, v_cache, positions, rope, sliding_window, norm,
+                                  k_scale, v_scale, dtype)
     if qkv.ndim == 5:  # split-K chunks: summed in float32 (normed), rounded once
         if norm is not None and len(norm) == 2:
             xf = norm[0].astype(jnp.float32)
@@ -453,7 +534,7 @@ def decode_attention_append_reference(qkv, k_cache, v_cache, positions, *, rope=
             qkv = apply_norm_partials(qkv, norm[0], int(norm[1]), float(norm[2]))
         else:
             qkv = jnp.sum(qkv, axis=0)
-        qkv = qkv.astype(k_cache.dtype)
+        qkv = qkv.astype(act)
     g = qkv.shape[2] - 2
     q = qkv[:, :, :g].reshape(b, hkv * g, d)  # [B, Hq, D]
     k_new, v_new = qkv[:, :, g], qkv[:, :, g + 1]  # [B, Hkv, D]
@@ -461,8 +542,16 @@ def decode_attention_append_reference(qkv, k_cache, v_cache, positions, *, rope=
         cos, sin = (t.astype(jnp.float32) for t in rope)
         q, k_new = rotate_half_f32(q, cos, sin), rotate_half_f32(k_new, cos, sin)
     rows = jnp.arange(b)  # [B]
+    if k_scale is not None:
+        (k_new, k_s), (v_new, v_s) = (quantize_kv(x, k_cache.dtype, k_scale.dtype)
+                                      for x in (k_new, v_new))  # [B, Hkv, D], [B, Hkv]
+        k_scale = k_scale.at[rows, positions].set(k_s, mode="drop")  # [B, S, Hkv]
+        v_scale = v_scale.at[rows, positions].set(v_s, mode="drop")
     k_cache = k_cache.at[rows, positions].set(k_new, mode="drop")  # [B, S, Hkv, D]
     v_cache = v_cache.at[rows, positions].set(v_new, mode="drop")
-    out = decode_attention_reference(q, k_cache, v_cache, positions + 1, sm_scale=sm_scale,
+    out = decode_attention_reference(q, k_cache, v_cache, positions + 1, k_scale=k_scale,
+                                     v_scale=v_scale, sm_scale=sm_scale,
                                      sliding_window=sliding_window)
-    return out, k_cache, v_cache
+    if k_scale is None:
+        return out, k_cache, v_cache
+    return out, k_cache, v_cache, k_scale, v_scale

@@ -52,8 +52,8 @@ from pallas_kernels._common import (NUM_SMS_H200, check_array, check_same_dtype,
                                      dot_f32, multiple_of, ref_precision)
 from pallas_kernels.atomics import atomic_add_relaxed
 from pallas_kernels.l2_prefetch import PrefetchPlan, issue_prefetches, l2_prefetch
-from pallas_kernels.quantized import (QuantizedWeight, check_quantized, dequantize, tile_dot,
-                                      weight_arrays, weight_format)
+from pallas_kernels.quantized import (QuantizedWeight, check_quantized, dequantize,
+                                      kernel_arrays, tile_dot, tile_load, weight_format)
 from pallas_kernels.rms_norm import add_deltas_reference, check_deltas, rms_norm_reference
 
 
@@ -73,7 +73,7 @@ class MatmulBlockSizes:
 
 
 def default_block_sizes(m: int, n: int, k: int, itemsize: int = 2,
-                        n_weights: int = 1) -> MatmulBlockSizes:
+                        n_weights: int = 1, quantized: bool = False) -> MatmulBlockSizes:
     """Small M streams the weights: 64-wide N tiles 256 deep, 3 stages, and the fewest K
     chunks that give about one program per SM (tiles * split >= NUM_SMS - 8); SwiGLU (two
     weights per program) 128x128 tiles unsplit. Large M is matmul-bound: square tiles.
@@ -82,6 +82,10 @@ def default_block_sizes(m: int, n: int, k: int, itemsize: int = 2,
     if itemsize >= 4:
         return MatmulBlockSizes(block_m=16 if m <= 16 else 64, block_n=32 if m <= 64 else 64,
                                 block_k=64, num_warps=4, num_stages=2)
+    if m <= 16 and quantized and n_weights == 2:
+        # SwiGLU on quantized weights: both weights' code tiles sit in registers (dequantized
+        # in the loop, the next pair loaded ahead), so the tiles are half as wide as bf16's.
+        return MatmulBlockSizes(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
     if m <= 16:
         if n_weights == 2:
             return MatmulBlockSizes(block_m=16, block_n=128, block_k=128, num_warps=4,
@@ -224,9 +228,19 @@ def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int,
     # The programs of the first N tile write x + sum(deltas) (each its own K chunk).
     writes_x = pl.program_id(1) == 0
 
+    def weight_tiles(start):
+        # Each quantized weight's raw tiles at `start` (loaded a step ahead, in the carry).
+        k_ok = (start + jnp.arange(block_k)) < chunk_end
+        return tuple(() if f is None else tile_load(refs, f, start, k_ok, col_ok, load)
+                     for refs, f in zip(w_refs, formats))
+
+    quantized = any(f is not None for f in formats)
+
     def step(j, carry):
-        accs, ss, *cur = carry
+        accs, ss, wt, *cur = carry
         start = multiple_of(chunk_start + j * block_k, block_k)
+        if quantized:
+            wt, wt_next = wt, weight_tiles(start + block_k)
         if prefetched:
             # The x tile is built by elementwise math (the deltas' sum, the norm weight), not
             # fed to the dot as loaded, so Triton's pipeliner leaves these loads in place;
@@ -266,14 +280,17 @@ def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int,
         else:
             w_mask = both(None if k_ok is None else k_ok[:, None], col_ok)
             accs = tuple(acc + (dot_f32(x, load(refs[0].at[pl.ds(start, block_k), :], w_mask))
-                                if f is None else tile_dot(x, refs, f, start, k_ok, col_ok, load))
-                         for acc, refs, f in zip(accs, w_refs, formats))  # [block_m, block_n]
-        return (accs, ss, *cur)
+                                if f is None else
+                                tile_dot(x, raw, f, start))
+                         for acc, refs, f, raw in zip(accs, w_refs, formats, wt))
+        return (accs, ss, wt_next if quantized else wt, *cur)
 
     zeros = jnp.zeros((block_m, block_n), jnp.float32)
     # (accumulators, squares of x when has_norm, the prefetched operand tiles)
     init = ((zeros,) * n_weights,
-            jnp.zeros((op_rows, block_k), jnp.float32) if has_norm else None)
+            jnp.zeros((op_rows, block_k), jnp.float32) if has_norm else None,
+            weight_tiles(multiple_of(chunk_start, block_k)) if quantized
+            else ((),) * n_weights)
     if prefetched:
         init = (*init, *operands(multiple_of(chunk_start, block_k)))
     # This program's share of the next kernel's first weight rows, into the L2, at the start
@@ -437,7 +454,7 @@ def fused_matmul(x, norm_weight, weights, residual, *, eps, blocks, epilogue, in
         in_specs.append(pl.BlockSpec((bn, kp), lambda i, j, s: (j, 0)))
     else:
         for w in weights:
-            arrays = weight_arrays(w) if isinstance(w, QuantizedWeight) else (w,)
+            arrays = kernel_arrays(w) if isinstance(w, QuantizedWeight) else (w,)
             # Dense: all Kp rows of a column band; quantized: all rows of each array's band.
             in_specs += [pl.BlockSpec((kp if a is w else a.shape[0], bn),
                                       lambda i, j, s: (0, j)) for a in arrays]
@@ -604,8 +621,9 @@ def norm_matmul(x, norm_weight, w, *, eps: float = 1e-6, residual=None, out_dtyp
     out_dims = w.shape[:1] if transposed else w.shape[1:]
     n = math.prod(out_dims)
     m, k = x.shape
-    blocks = block_sizes or default_block_sizes(m, n, k, x.dtype.itemsize, n_weights=1)
     quantized = isinstance(w, QuantizedWeight)
+    blocks = block_sizes or default_block_sizes(m, n, k, x.dtype.itemsize, n_weights=1,
+                                                quantized=quantized)
     out = fused_matmul(x, norm_weight, (w if transposed or quantized else w.reshape(k, n),),
                        None if residual is None else residual.reshape(m, n),
                        eps=float(eps), blocks=blocks, epilogue="none", interpret=interpret,

@@ -349,6 +349,14 @@ def weight_arrays(qw: QuantizedWeight) -> tuple:
     return (*qw.planes, qw.scale, *extra)
 
 
+def kernel_arrays(qw: QuantizedWeight) -> tuple:
+    """weight_arrays as the kernels take them: an fp8 plane as its uint8 bits."""
+    arrays = weight_arrays(qw)
+    if qw.float8:
+        arrays = (jax.lax.bitcast_convert_type(arrays[0], jnp.uint8), *arrays[1:])
+    return arrays
+
+
 def check_quantized(op: str, qw, k: int) -> None:
     """Raise ValueError unless qw is a QuantizedWeight with K = k whose arrays have the shapes
     its static layout implies."""
@@ -370,54 +378,67 @@ def check_quantized(op: str, qw, k: int) -> None:
                              f"array of shape {tuple(a.shape)} where its layout needs {shape}")
 
 
-def tile_dot(x, refs, fmt: WeightFormat, start, k_ok, col_ok, load):
-    """In a kernel: x [block_m, tile] @ the weight's rows start .. start + tile - 1, dequantized
-    in registers, as float32 [block_m, block_n]. refs: weight_arrays' refs ([rows, block_n]
-    column bands); k_ok [tile] / col_ok [1, block_n] masks or None; load(ref, mask) loads a
-    tile (zeros where masked). The scale (one row per tile) multiplies the float32 dot, the
-    offset the rows' sums of x: s * (x @ c) + o * sum(x) = x @ (s * c + o), with the codes
-    exact in x's dtype (integers below 256)."""
+def tile_load(refs, fmt: WeightFormat, start, k_ok, col_ok, load) -> tuple:
+    """In a kernel: the raw tiles of the weight's rows start .. start + tile - 1 (each plane's
+    byte tile [tile, block_n], then the scale / offset rows [1, block_n]), as loaded. Kept
+    apart from tile_dot so that the kernel loads tile j + 1 while it computes tile j:
+    Triton's pipeliner leaves loads whose values feed elementwise math in place."""
     from jax.experimental import pallas as pl
 
     tile = fmt.tile
     t = start // tile
-    mask = col_ok if k_ok is None else (k_ok[:, None] if col_ok is None else k_ok[:, None] & col_ok)
+    mask = k_ok[:, None] if col_ok is None else k_ok[:, None] & col_ok
+    raw = []
+    for ref, b in zip(refs, fmt.bits):
+        row0 = start if b == 8 else (t // (8 // b)) * tile
+        raw.append(load(ref.at[pl.ds(row0, tile), :], mask))  # [tile, block_n]
+    g = jnp.minimum(start // fmt.group, -(-fmt.k // fmt.group) - 1)
+    sup = jnp.minimum(start // fmt.super_group, -(-fmt.k // fmt.super_group) - 1) \
+        if fmt.super_group else None
+    rows = [g] + [g] * fmt.has_offset + [sup] * (fmt.has_super_scale + fmt.has_super_offset)
+    for ref, i in zip(refs[len(fmt.bits):], rows):
+        raw.append(load(ref.at[pl.ds(i, 1), :], col_ok))  # [1, block_n]
+    return tuple(raw)
+
+
+def tile_dot(x, raw: tuple, fmt: WeightFormat, start):
+    """In a kernel: x [block_m, tile] @ the weight tile at `start` (tile_load's raw tiles),
+    dequantized in registers, as float32 [block_m, block_n]. The scale (one row per tile)
+    multiplies the float32 dot, the offset the rows' sums of x: s * (x @ c) + o * sum(x) =
+    x @ (s * c + o), the codes exact in x's dtype (integers below 256)."""
+    t = start // fmt.tile
     c = None
     shift = 0
-    for ref, b in zip(refs, fmt.bits):
+    for v, b in zip(raw, fmt.bits):
         if b == 8:
-            v = load(ref.at[pl.ds(start, tile), :], mask)  # [tile, block_n]
-            c = v if fmt.float8 else v.astype(jnp.int32)
+            # fp8 comes as its uint8 bits (kernel_arrays): a masked load's zero fill cannot
+            # be cast to float8 by the Triton lowering.
+            c = jax.lax.bitcast_convert_type(v, jnp.float8_e4m3fn) if fmt.float8 \
+                else v.astype(jnp.int32)
         else:
             r = 8 // b
-            v = load(ref.at[pl.ds((t // r) * tile, tile), :], mask).astype(jnp.int32)
+            v = v.astype(jnp.int32)
             if r > 1:
                 v = (v >> (b * (t % r))) & ((1 << b) - 1)
             c = v if c is None else c | (v << shift)
         shift += b
+
     if fmt.code_offset:
         c = c - fmt.code_offset
     acc = jax.lax.dot_general(x, c.astype(x.dtype), (((1,), (0,)), ((), ())),
-                              precision=jax.lax.Precision.HIGHEST if x.dtype == jnp.float32
-                              else None, preferred_element_type=jnp.float32)
-    rest = iter(refs[len(fmt.bits):])
-    groups = -(-fmt.k // fmt.group)
-    g = jnp.minimum(start // fmt.group, groups - 1)
-
-    def row(ref, i):  # [1, block_n] float32
-        return load(ref.at[pl.ds(i, 1), :], col_ok).astype(jnp.float32)
-
-    scale_ref = next(rest)
-    offset_ref = next(rest) if fmt.has_offset else None
-    sup = jnp.minimum(start // fmt.super_group, -(-fmt.k // fmt.super_group) - 1) \
-        if fmt.super_group else None
-    s = row(scale_ref, g)
+                              precision=jax.lax.Precision.HIGHEST
+                              if x.dtype == jnp.float32 else None,
+                              preferred_element_type=jnp.float32)
+    rest = iter(raw[len(fmt.bits):])
+    s = next(rest).astype(jnp.float32)  # [1, block_n]
+    o = next(rest).astype(jnp.float32) if fmt.has_offset else None
     if fmt.has_super_scale:
-        s = row(next(rest), sup) * s
+        s = next(rest).astype(jnp.float32) * s
     acc = acc * s
-    if offset_ref is not None:
-        o = row(offset_ref, g)
+    if o is not None:
         if fmt.has_super_offset:
-            o = -(row(next(rest), sup) * o)
+            o = -(next(rest).astype(jnp.float32) * o)
         acc = acc + jnp.sum(x.astype(jnp.float32), axis=1, keepdims=True) * o
     return acc
+
+

@@ -64,7 +64,8 @@ def swiglu(x, w_gate, w_up, *, norm_weight=None, eps: float = 1e-6, deltas=None,
     _validate(x, w_gate, w_up, norm_weight, deltas)
     check_prefetch("swiglu", prefetch)
     blocks = block_sizes or default_block_sizes(x.shape[0], w_gate.shape[1], x.shape[1],
-                                                x.dtype.itemsize, n_weights=2)
+                                                x.dtype.itemsize, n_weights=2,
+                                                quantized=isinstance(w_gate, QuantizedWeight))
     return fused_matmul(x, norm_weight, (w_gate, w_up), None, eps=float(eps), blocks=blocks,
                         epilogue="swiglu", interpret=interpret, deltas=deltas,
                         prefetch=tuple(a for a, _ in prefetch),

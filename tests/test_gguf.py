@@ -412,8 +412,9 @@ def test_q4_k_m_mix_logits_match_f32_file(tmp_path):
     assert np.all(np.isfinite(ref)) and 0.1 < ref.std() < 100  # a sane, non-degenerate model
     assert rel_err(ours, ref) <= 1e-5
     np.testing.assert_array_equal(ours.argmax(-1), ref.argmax(-1))
-    _, kept, _ = G.load_gguf_params(path)  # kept in its blocks (q/k/v of mixed types fused
-    assert rel_err(run_forward(config, kept, tokens), ref) <= 1e-5  # as float32)
+    # Kept in its blocks (q/k/v of mixed types as parts, three matmuls: other sum orders).
+    _, kept, _ = G.load_gguf_params(path)
+    assert rel_err(run_forward(config, kept, tokens), ref) <= 1e-4
 
     data = path.read_bytes()
     cut = tmp_path / "cut.gguf"

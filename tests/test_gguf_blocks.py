@@ -8,12 +8,14 @@ import logging
 import pathlib
 
 import gguf
+import jax
 import numpy as np
 import pytest
 
 from checkpoints import gguf as G
 from checkpoints import gguf_blocks
 from pallas_kernels import quantized as Q
+from jaxinfer.weights import Parts, as_array
 from pallas_kernels.quantized import QuantizedWeight, dequantize
 
 QT = gguf.GGMLQuantizationType
@@ -175,9 +177,7 @@ def mixed(name: str) -> str:
 
 
 def nbytes(params) -> int:
-    leaves = [*params.values(), *(v for lp in params["layers"] for v in lp.values())]
-    return sum(a.nbytes() if isinstance(a, QuantizedWeight) else a.nbytes
-               for a in leaves if not isinstance(a, list))
+    return sum(a.nbytes for a in jax.tree.leaves(params))
 
 
 def assert_dequantizes_to(quantized: dict, plain: dict) -> None:
@@ -189,9 +189,9 @@ def assert_dequantizes_to(quantized: dict, plain: dict) -> None:
             assert len(a) == len(plain[name])
             for lq, lp in zip(a, plain[name]):
                 assert_dequantizes_to(lq, lp)
-        elif isinstance(a, QuantizedWeight):
-            assert all(isinstance(x, np.ndarray) for x in (*a.planes, a.scale))
-            w = dequantize(a, np.float32)
+        elif isinstance(a, QuantizedWeight | Parts):
+            assert all(isinstance(x, np.ndarray) for x in jax.tree.leaves(a))
+            w = as_array(a, np.float32)
             assert_bits_equal(w.T if name == "embed" else w, plain[name])
         else:
             assert_bits_equal(a, plain[name])
@@ -199,10 +199,9 @@ def assert_dequantizes_to(quantized: dict, plain: dict) -> None:
 
 @pytest.mark.parametrize("type_of", [*(lambda name, t=t: t for t in TYPES), mixed],
                          ids=[*TYPES, "Q4_K+Q6_K_attn_v"])
-def test_kept_quantized_load_dequantizes_as_the_float_load(tmp_path, type_of, caplog):
+def test_kept_quantized_load_dequantizes_as_the_float_load(tmp_path, type_of):
     path = tiny_llama(tmp_path / "tiny.gguf", type_of)
-    with caplog.at_level(logging.DEBUG, logger="jaxinfer.models.llama"):
-        config, params, tokenizer = G.load_gguf(path, keep_quantized=True)
+    config, params, tokenizer = G.load_gguf(path, keep_quantized=True)
     ref_config, ref_params, _ = G.load_gguf(path, keep_quantized=False)
     assert config == ref_config and config.qkv_bias and tokenizer.vocab_size == 320
     assert_dequantizes_to(params, ref_params)
@@ -211,22 +210,20 @@ def test_kept_quantized_load_dequantizes_as_the_float_load(tmp_path, type_of, ca
     g = DIMS["heads"] // hkv
     embed, head = params["embed"], params["lm_head"]
     assert embed.shape == head.shape == (d, config.vocab_size) and embed.out_shape == (320,)
-    fused_falls_back = type_of("attn_v.weight") != type_of("attn_q.weight")
+    mixed = type_of("attn_v.weight") != type_of("attn_q.weight")
     for lp in params["layers"]:
         for name in ("wo", "w_gate", "w_up", "w_down"):
             assert isinstance(lp[name], QuantizedWeight) and lp[name].out_shape == \
                 ref_params["layers"][0][name].shape[1:]
         assert lp["bqkv"].dtype == np.float32 and lp["attn_norm"].dtype == np.float32
-        if fused_falls_back:
-            assert isinstance(lp["wqkv"], np.ndarray)
+        assert lp["wqkv"].out_shape == (hkv, g + 2, hd)
+        if mixed:  # q, k and v each in their own layout
+            assert isinstance(lp["wqkv"], Parts)
+            assert [p.name for p in lp["wqkv"].parts] == ["q4_k", "q4_k", "q6_k"]
         else:
-            assert lp["wqkv"].out_shape == (hkv, g + 2, hd) and lp["wqkv"].name == \
-                type_of("").lower()
-    if fused_falls_back:
-        assert "q/k/v are q4_k, q4_k, q6_k, not one quantized layout" in caplog.text
-    else:
-        file_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
-        assert nbytes(params) <= 1.1 * file_bytes
+            assert lp["wqkv"].name == type_of("").lower()
+    file_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
+    assert nbytes(params) <= 1.1 * file_bytes
 
 
 def test_q2_k_q3_k_are_dequantized_with_one_warning(tmp_path, caplog):

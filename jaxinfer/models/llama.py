@@ -12,8 +12,6 @@ stacked [L, ...] weights made XLA copy each layer's weights every decode step
 
 from __future__ import annotations
 
-import logging
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,9 +21,7 @@ from jaxinfer.cache import KVCache
 from jaxinfer.configs import Config
 from jaxinfer.models.family import Family, TensorMap
 from jaxinfer.plan import Plan
-from jaxinfer.weights import Kind, ParamSpec, QuantizedWeight, dequantize
-
-log = logging.getLogger(__name__)
+from jaxinfer.weights import Dense, Kind, ParamSpec, Parts, QuantizedWeight
 
 
 def param_specs(config: Config) -> dict:
@@ -189,8 +185,8 @@ def fuse_qkv(layer: dict, config: Config, where: str) -> dict:
 
     QuantizedWeights of one layout fuse into one QuantizedWeight (the same interleave on every
     code plane's and scale's columns); of different layouts (a GGUF Q4_K_M stores attn_v as
-    Q6_K beside Q4_K q / k), or beside float weights, they are dequantized and fused as floats:
-    one matmul reads one layout."""
+    Q6_K beside Q4_K q / k), or beside float weights, they stay Parts: one matmul reads one
+    layout."""
     d, hd = config.hidden_size, config.head_dim
     hq, hkv = config.num_heads, config.num_kv_heads
     g = hq // hkv
@@ -222,12 +218,12 @@ def fuse_qkv(layer: dict, config: Config, where: str) -> dict:
             **{f: columns(getattr(wq, f), getattr(wk, f), getattr(wv, f))
                for f in ("scale", "offset", "super_scale", "super_offset")},
             out_shape=(hkv, g + 2, hd))
+    elif any(quantized):
+        # Layouts differ (a GGUF Q4_K_M's q / k in Q4_K, v in Q6_K): kept as parts, each
+        # its own matmul, their columns interleaved per KV head as wqkv's.
+        out["wqkv"] = Parts(tuple(w if q else Dense(w) for w, q in zip(ws, quantized)),
+                            groups=hkv, widths=(g, 1, 1), inner=hd, out_shape=(hkv, g + 2, hd))
     else:
-        if any(quantized):
-            log.debug("%s: q/k/v are %s, not one quantized layout: fused dequantized to float32",
-                      where, ", ".join(w.name if q else str(w.dtype)
-                                       for w, q in zip(ws, quantized)))
-            ws = [dequantize(w, np.float32) if q else w for w, q in zip(ws, quantized)]
         out["wqkv"] = heads(*ws, (d,))
     biases = [n for n in ("bq", "bk", "bv") if n in layer]
     if biases:

@@ -7,21 +7,29 @@ otherwise the prologue runs in XLA and the attention core is picked by `ATTENTIO
 flash attention for a fresh prefill, the split-K decode kernel for one token against the
 cache, the masked reference for the rest (T > 1 against a cache: speculative verification
 and chunked prefill, whose kernels plug in here).
+
+A quantized cache (`QuantizedKVLayer`: int8 / fp8 codes and scales) takes the same kernels'
+quantized forms, which read the codes and dequantize in registers, and for T > 1 against it
+the chunk-attention kernel; the new K/V are quantized as they are written (by the fused
+kernel, or by the layer's append). A fresh prefill attends with its unquantized K/V and only
+writes the codes; the reference dequantizes the cache to float32.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 
 import pallas_kernels as pk
-from jaxinfer.cache import KVLayer
+from jaxinfer.cache import KVLayer, QuantizedKVLayer
 from jaxinfer.ops import reference
 from jaxinfer.ops.dispatch import Registry, always, kernels_on
 from jaxinfer.ops.linear import norm
 from jaxinfer.ops.stream import Form, Partials, Projection
 from jaxinfer.plan import Plan
-from pallas_kernels import DecodeBlockSizes
+from pallas_kernels import DecodeBlockSizes, dequantize_kv
 
 ATTEND = Registry("attend")
 ATTENTION_CORE = Registry("attention_core")
@@ -44,10 +52,10 @@ def decode_blocks(plan: Plan) -> DecodeBlockSizes | None:
 
 
 def _fused_supports(qkv: Projection, cache, plan, *, positions, rope, q_norm=None,
-                    fresh=False, **_) -> str | None:
+                    fresh=False, layer_type=KVLayer, **_) -> str | None:
     b, t, hkv, rows, d = qkv.shape
-    if not isinstance(cache, KVLayer) or fresh:
-        return "needs a contiguous cache holding the earlier tokens"
+    if not isinstance(cache, layer_type) or fresh:
+        return f"needs a {layer_type.__name__} holding the earlier tokens"
     if t != 1:
         return "one new token per row only"
     if not kernels_on(plan, qkv.dtype):
@@ -59,7 +67,6 @@ def _fused_supports(qkv: Projection, cache, plan, *, positions, rope, q_norm=Non
     return None
 
 
-@ATTEND.register("decode_append", _fused_supports)
 def _decode_append(qkv: Projection, cache, plan, *, positions, rope, window=None, q_norm=None,
                    k_norm=None, fresh=False):
     value = qkv.get(frozenset({Form.ARRAY, Form.PARTIALS, Form.NORMED}))
@@ -69,11 +76,19 @@ def _decode_append(qkv: Projection, cache, plan, *, positions, rope, window=None
     else:
         value = value[:, 0]  # [B, Hkv, G + 2, D]
     cos, sin = rope
-    out, k, v = pk.decode_attention_append(
+    quantized = {}
+    if isinstance(cache, QuantizedKVLayer):  # codes and scales, quantized as written
+        quantized = {"k_scale": cache.k_scale, "v_scale": cache.v_scale, "dtype": qkv.dtype}
+    out, *layer = pk.decode_attention_append(
         value, cache.k, cache.v, positions[:, 0], rope=(cos[:, 0], sin[:, 0]),
         sliding_window=window, norm=norm_stats, interpret=plan.policy.interpret,
-        block_sizes=decode_blocks(plan))
-    return out[:, None], KVLayer(k, v)  # [B, 1, Hq, D]
+        block_sizes=decode_blocks(plan), **quantized)
+    return out[:, None], type(cache)(*layer)  # [B, 1, Hq, D]
+
+
+ATTEND.register("decode_append", _fused_supports)(_decode_append)
+ATTEND.register("decode_append_quantized", functools.partial(
+    _fused_supports, layer_type=QuantizedKVLayer))(_decode_append)
 
 
 @ATTEND.register("prologue_then_core", always)
@@ -115,21 +130,48 @@ def _flash(q, k, v, cache, plan, *, positions, window=None, fresh=False):
                               backend=plan.policy.flash.value, interpret=plan.policy.interpret)
 
 
-def _decode_supports(q, k, v, cache, plan, *, fresh=False, **_) -> str | None:
-    if not isinstance(cache, KVLayer) or fresh or q.shape[1] != 1:
-        return "one token per row against a contiguous cache only"
+def _decode_supports(q, k, v, cache, plan, *, fresh=False, layer_type=KVLayer,
+                     **_) -> str | None:
+    if not isinstance(cache, layer_type) or fresh or q.shape[1] != 1:
+        return f"one token per row against a {layer_type.__name__} only"
     if not kernels_on(plan, q.dtype) or not _kernel_head_dim(q.shape[-1]):
         return "kernels off, or a head dim the kernel lacks"
     return None
 
 
-@ATTENTION_CORE.register("decode", _decode_supports)
+def _scales(cache) -> dict:
+    """A quantized layer's scales as the kernels take them; none for a KVLayer."""
+    if isinstance(cache, QuantizedKVLayer):
+        return {"k_scale": cache.k_scale, "v_scale": cache.v_scale}
+    return {}
+
+
 def _decode(q, k, v, cache, plan, *, positions, window=None, fresh=False):
     """The split-K decode kernel over the valid cache slots."""
     out = pk.decode_attention(q[:, 0], cache.k, cache.v, positions[:, 0] + 1,
                               sliding_window=window, interpret=plan.policy.interpret,
-                              block_sizes=decode_blocks(plan))
+                              block_sizes=decode_blocks(plan), **_scales(cache))
     return out[:, None]  # [B, 1, Hq, D]
+
+
+ATTENTION_CORE.register("decode", _decode_supports)(_decode)
+ATTENTION_CORE.register("decode_quantized", functools.partial(
+    _decode_supports, layer_type=QuantizedKVLayer))(_decode)
+
+
+def _chunk_supports(q, k, v, cache, plan, *, fresh=False, **_) -> str | None:
+    if not isinstance(cache, QuantizedKVLayer) or fresh:
+        return "T queries against the earlier tokens of a quantized cache only"
+    if not kernels_on(plan, q.dtype) or not _kernel_head_dim(q.shape[-1]):
+        return "kernels off, or a head dim the kernel lacks"
+    return None
+
+
+@ATTENTION_CORE.register("chunk_quantized", _chunk_supports)
+def _chunk(q, k, v, cache, plan, *, positions, window=None, fresh=False):
+    """T queries at their positions against the cache's codes (a chunked prefill)."""
+    return pk.chunk_attention(q, cache.k, cache.v, positions, sliding_window=window,
+                              interpret=plan.policy.interpret, **_scales(cache))
 
 
 @ATTENTION_CORE.register("reference", always)
@@ -138,7 +180,10 @@ def _reference(q, k, v, cache, plan, *, positions, window=None, fresh=False):
         return reference.attention_reference(q, k, v, positions, positions, window=window)
     s = cache.k.shape[1]
     kv_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), cache.k.shape[:2])  # slot i = position i
-    return reference.attention_reference(q, cache.k, cache.v, positions, kv_pos, window=window)
+    k_all, v_all = cache.k, cache.v
+    if isinstance(cache, QuantizedKVLayer):  # float32, for any activation dtype
+        k_all, v_all = dequantize_kv(k_all, cache.k_scale), dequantize_kv(v_all, cache.v_scale)
+    return reference.attention_reference(q, k_all, v_all, positions, kv_pos, window=window)
 
 
 def attend(qkv: Projection, cache, plan: Plan, *, positions: jax.Array, rope, window=None,

@@ -20,7 +20,8 @@ from jaxinfer.ops.dispatch import Registry, decode_path, kernels_on, rows
 from jaxinfer.ops.stream import (ANY_SUM, ARRAY_ONLY, Deferred, Form, Partials, Projection,
                                  Residual)
 from jaxinfer.plan import Boundary, Impl, Plan
-from jaxinfer.weights import Dense, QuantizedWeight, as_array, is_transposed, kernel_operand
+from jaxinfer.weights import (Dense, Parts, QuantizedWeight, as_array, is_transposed,
+                              kernel_operand)
 from pallas_kernels.norm_matmul import default_block_sizes, first_rows_plan
 
 # ---------------------------------------------------------------------------------------------
@@ -162,6 +163,21 @@ def _xla(x, w, plan, *, accept=ARRAY_ONLY, norm_w=None, eps=0.0, deltas=None, bi
     h = x if norm_w is None else reference.rms_norm(x, norm_w, eps)
     return x, reference.linear(h, as_array(w, h.dtype), bias, transposed=is_transposed(w),
                                out_dtype=out_dtype)
+
+
+@MATMUL.register("parts", lambda x, w, plan, **_: None if isinstance(w, Parts)
+                 else "not a Parts weight", before="fused_small_m")
+def _parts(x, w, plan, *, accept=ARRAY_ONLY, norm_w=None, eps=0.0, deltas=None, bias=None,
+           out_dtype=None, prefetch=()):
+    """A weight of parts of different layouts: the boundary once, then one matmul per part
+    (each through its own best implementation), their outputs interleaved as w.combine says."""
+    x = add_deltas(x, deltas)
+    h = x if norm_w is None else norm(x, norm_w, eps, plan)
+    ys = [matmul(h, p, plan, out_dtype=jnp.float32)[1] for p in w.parts]
+    y = w.combine(ys)
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    return x, y.astype(out_dtype or x.dtype)
 
 
 def matmul(x, w, plan: Plan, **kwargs):

@@ -1,0 +1,167 @@
+"""Quantized decode matmuls vs our bf16 decode matmul, in one run: correctness, then speed.
+
+    PYTHONPATH=. python3 benchmarks/quantized.py --json out.json [--quick]
+
+For each shape K x N (Llama-3-8B's MLP 4096 x 14336, Llama-3-70B's 8192 x 28672) and rows M
+(1, 16): the relative error of each weight format's compiled kernel against its jnp reference,
+then the median time of the bf16 kernel (norm_matmul, the decode path's matmul), XLA's bf16
+dot, and the quantized kernel for int8 g128, int4 g128 (symmetric and with offsets), fp8
+(one scale per column), and the GGUF Q4_K and Q6_K layouts, each as TB/s of its bytes, the
+fraction of the 4.27 TB/s floor and the speed-up over the bf16 kernel. Tile variants of the
+int4 kernel are timed beside the defaults. At M = 2048 (prefill) the kernel is timed against
+dequantize-then-GEMM through XLA and the bf16 GEMM (TFLOP/s). Timing as benchmarks/kernels.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_kernels as pk
+from benchmarks.kernels import PEAK_TBS, PEAK_TFLOPS, rel_err, time_fn
+from pallas_kernels.norm_matmul import MatmulBlockSizes, default_block_sizes
+from pallas_kernels.quantized import QuantizedWeight, dequantize, plane_rows, quantize_weight
+
+RESULTS: list[dict] = []
+
+
+def gguf_like(kind: str, k: int, n: int, rng) -> QuantizedWeight:
+    """A random weight in the Q4_K or Q6_K repacked layout (checkpoints/gguf_blocks.py)."""
+    u8 = lambda shape, hi=256: jnp.asarray(rng.integers(0, hi, shape, dtype=np.uint8))  # noqa
+    f16 = lambda shape: jnp.asarray((rng.random(shape) * 1e-3).astype(np.float16))  # noqa
+    if kind == "q4_k":
+        return QuantizedWeight((u8((plane_rows(k, 32, 4), n)),), u8((k // 32, n), 64),
+                               u8((k // 32, n), 64), f16((k // 256, n)), f16((k // 256, n)),
+                               k=k, out_shape=(n,), bits=(4,), group=32, super_group=256,
+                               tile=32, name="q4_k")
+    return QuantizedWeight((u8((plane_rows(k, 16, 4), n)), u8((plane_rows(k, 16, 2), n))),
+                           jnp.asarray(rng.integers(-64, 64, (k // 16, n), dtype=np.int8)),
+                           None, f16((k // 256, n)), k=k, out_shape=(n,), bits=(4, 2),
+                           group=16, super_group=256, tile=16, code_offset=32, name="q6_k")
+
+
+def formats(w, k: int, n: int, rng) -> dict:
+    return {"int8_g128": quantize_weight(w, bits=8, group_size=128),
+            "int4_g128": quantize_weight(w, bits=4, group_size=128),
+            "int4_g128_asym": quantize_weight(w, bits=4, group_size=128, symmetric=False),
+            "fp8": quantize_weight(w, bits=8, float8=True, group_size=None),
+            "q4_k": gguf_like("q4_k", k, n, rng), "q6_k": gguf_like("q6_k", k, n, rng)}
+
+
+def record(**row) -> None:
+    RESULTS.append(row)
+    print(json.dumps(row), flush=True)
+
+
+def bench_decode(k: int, n: int, m: int, iters: int, sets: int, rng, variants: bool) -> None:
+    ws = [jax.random.normal(jax.random.key(i), (k, n), jnp.bfloat16) * 0.02 for i in range(sets)]
+    xs = [jax.random.normal(jax.random.key(100 + i), (m, k), jnp.bfloat16) for i in range(sets)]
+    bf16_bytes = k * n * 2 + m * k * 2
+    dense = jax.jit(lambda x, w: pk.norm_matmul(x, None, w))
+    t_dense = time_fn(dense, list(zip(xs, ws)), iters=iters)
+    t_xla = time_fn(jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32
+                                                 ).astype(x.dtype)), list(zip(xs, ws)),
+                    iters=iters)
+    for name, t, nbytes in (("bf16 kernel", t_dense, bf16_bytes), ("bf16 xla", t_xla, bf16_bytes)):
+        record(op="decode", k=k, n=n, m=m, weights=name, ms=t * 1e3, tbs=nbytes / t / 1e12,
+               floor=nbytes / t / 1e12 / PEAK_TBS, vs_bf16_kernel=t_dense / t)
+    qsets = [formats(w, k, n, rng) for w in ws]
+    for name in qsets[0]:
+        qs = [q[name] for q in qsets]
+        err = rel_err(pk.quantized_matmul(xs[0], qs[0]), pk.quantized_matmul_reference(xs[0], qs[0]))
+        nbytes = qs[0].nbytes() + m * k * 2
+        tiles = {"default": None}
+        if variants and name in ("int4_g128", "int8_g128", "q4_k"):
+            base = default_block_sizes(m, n, k, 2)
+            tiles.update({f"bn{bn}_s{s}_w{w_}_st{st}": MatmulBlockSizes(
+                block_m=16, block_n=bn, block_k=128, num_warps=w_, num_stages=st, split_k=s)
+                for bn, s, w_, st in ((128, base.split_k, 4, 3), (64, 2 * base.split_k, 4, 3),
+                                      (64, 4 * base.split_k, 4, 3), (128, 2 * base.split_k, 4, 3),
+                                      (64, 2 * base.split_k, 4, 5), (32, base.split_k, 4, 3))})
+        for tname, blocks in tiles.items():
+            fn = jax.jit(lambda x, q, b=blocks: pk.quantized_matmul(x, q, block_sizes=b))
+            t = time_fn(fn, list(zip(xs, qs)), iters=iters)
+            record(op="decode", k=k, n=n, m=m, weights=name, tiles=tname, err=err, ms=t * 1e3,
+                   tbs=nbytes / t / 1e12, floor=nbytes / t / 1e12 / PEAK_TBS,
+                   vs_bf16_kernel=t_dense / t, bytes_ratio=bf16_bytes / nbytes)
+        if name == "int4_g128":  # the peer a plain JAX user writes: dequantize, then dot
+            fn = jax.jit(lambda x, q: jnp.dot(x, dequantize(q, x.dtype),
+                                              preferred_element_type=jnp.float32).astype(x.dtype))
+            t = time_fn(fn, list(zip(xs, qs)), iters=iters)
+            record(op="decode", k=k, n=n, m=m, weights="int4_g128 xla dequant+dot", ms=t * 1e3,
+                   tbs=nbytes / t / 1e12, vs_bf16_kernel=t_dense / t)
+
+
+def bench_prefill(k: int, n: int, m: int, iters: int, rng) -> None:
+    w = jax.random.normal(jax.random.key(0), (k, n), jnp.bfloat16) * 0.02
+    x = jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16)
+    flops = 2 * m * k * n
+    t = time_fn(jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32
+                                             ).astype(x.dtype)), [(x, w)], iters=iters)
+    record(op="prefill", k=k, n=n, m=m, weights="bf16 xla", ms=t * 1e3,
+           tflops=flops / t / 1e12, frac=flops / t / 1e12 / PEAK_TFLOPS)
+    for name, q in formats(w, k, n, rng).items():
+        if name not in ("int8_g128", "int4_g128", "q4_k"):
+            continue
+        err = rel_err(pk.quantized_matmul(x, q), pk.quantized_matmul_reference(x, q))
+        for how, fn in (("kernel", jax.jit(lambda x, q: pk.quantized_matmul(x, q))),
+                        ("xla dequant+gemm", jax.jit(lambda x, q: jnp.dot(
+                            x, dequantize(q, x.dtype),
+                            preferred_element_type=jnp.float32).astype(x.dtype)))):
+            t = time_fn(fn, [(x, q)], iters=iters)
+            record(op="prefill", k=k, n=n, m=m, weights=f"{name} {how}", err=err, ms=t * 1e3,
+                   tflops=flops / t / 1e12, frac=flops / t / 1e12 / PEAK_TFLOPS)
+
+
+def check_odd_shapes(rng) -> None:
+    """Every format at shapes that are not tile multiples, compiled, against the reference."""
+    for m, k, n in ((1, 768, 200), (7, 512, 1000), (16, 1280, 96)):
+        w = jax.random.normal(jax.random.key(m), (k, n), jnp.float32) * 0.02
+        x = jax.random.normal(jax.random.key(k), (m, k), jnp.bfloat16)
+        nw = jax.random.normal(jax.random.key(n), (k,), jnp.bfloat16)
+        for name, q in formats(w, k, n, rng).items():
+            if k % 256 and name.startswith("q"):
+                continue
+            e1 = rel_err(pk.quantized_matmul(x, q), pk.quantized_matmul_reference(x, q))
+            e2 = rel_err(pk.swiglu(x, q, q, norm_weight=nw),
+                         pk.swiglu_reference(x, q, q, norm_weight=nw))
+            record(op="check", m=m, k=k, n=n, weights=name, matmul_err=e1, swiglu_err=e2,
+                   ok=bool(e1 < 1e-2 and e2 < 2e-2))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    rng = np.random.default_rng(0)
+    check_odd_shapes(rng)
+    shapes = [(4096, 14336)] if args.quick else [(4096, 14336), (8192, 28672)]
+    for k, n in shapes:
+        for m in (1, 16):
+            bench_decode(k, n, m, iters=50, sets=2 if k * n > 10 ** 8 else 4, rng=rng,
+                         variants=(k, n, m) == (4096, 14336, 1))
+    bench_prefill(4096, 14336, 2048, iters=10, rng=rng)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(RESULTS, f, indent=1)
+    print("\nop       K     N      M  weights                        ms     TB/s  x bf16")
+    for r in RESULTS:
+        if r["op"] == "decode":
+            print(f"decode {r['k']:5d} {r['n']:6d} {r['m']:3d}  {r['weights'] + ' ' + r.get('tiles', ''):30s}"
+                  f" {r['ms']:7.4f} {r['tbs']:6.2f}  {r['vs_bf16_kernel']:5.2f}")
+        elif r["op"] == "prefill":
+            print(f"prefill {r['k']:4d} {r['n']:6d} {r['m']:5d} {r['weights']:30s} {r['ms']:7.3f} "
+                  f"{r['tflops']:6.1f} TFLOP/s")
+    bad = [r for r in RESULTS if r["op"] == "check" and not r["ok"]]
+    print(f"\nchecks: {sum(r['op'] == 'check' for r in RESULTS) - len(bad)} ok, {len(bad)} bad")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
