@@ -13,9 +13,10 @@ import pathlib
 def load_checkpoint(source: str | pathlib.Path, before_tensors=None, keep_quantized: bool = True):
     """(Config, params, Tokenizer | None) from a registered name, an HF directory or a .gguf file.
 
-    before_tensors(config, float32_staging), when given, runs once the config is known and
-    before any tensor is read: float32_staging says the loader builds float32 host copies
-    first (GGUF dequantization), so a memory check can refuse a load that cannot fit.
+    before_tensors(config, float32_staging[, stored_bytes]), when given, runs once the config
+    is known and before any tensor is read: float32_staging says the loader builds float32
+    host copies first (GGUF dequantization); stored_bytes, the file's bytes of a GGUF kept in
+    its blocks. A memory check can then refuse a load that cannot fit.
     keep_quantized: quantized tensors (GGUF blocks) come back as QuantizedWeights in their
     codes and scales; False dequantizes them to float32."""
     from checkpoints import registry
@@ -28,7 +29,9 @@ def load_checkpoint(source: str | pathlib.Path, before_tensors=None, keep_quanti
     if path.suffix == ".gguf":
         from checkpoints.gguf import load_gguf
 
-        return load_gguf(path, before_tensors and (lambda c: before_tensors(c, not keep_quantized)),
-                         keep_quantized=keep_quantized)
+        stored = path.stat().st_size if keep_quantized else None  # the blocks, kept
+        return load_gguf(path, before_tensors and (
+            lambda c: before_tensors(c, not keep_quantized, stored)),
+            keep_quantized=keep_quantized)
     raise ValueError(f"{path}: not a checkpoint this loader knows; give an HF-layout directory "
                      "(config.json + *.safetensors), a .gguf file, or a registered model name")

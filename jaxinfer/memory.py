@@ -90,13 +90,20 @@ def params_bytes(config, dtype: str) -> int:
     return sum(math.prod(a.shape) for a in leaves) * itemsize(dtype)
 
 
-def check_load(config, dtype: str, host_float32_copy: bool = True) -> None:
+def check_load(config, dtype: str, host_float32_copy: bool = True,
+               stored_bytes: int | None = None) -> None:
     """Before reading a checkpoint's tensors: the params in `dtype`, plus (on CPU, where the
-    device is the host) the float32 numpy copy the loaders build first."""
+    device is the host) the float32 numpy copy the loaders build first. stored_bytes: a
+    checkpoint kept quantized (a GGUF's blocks) takes about its file's bytes on a GPU; on
+    the CPU the decode loop holds its weights dequantized (XLA hoists the dequantization out
+    of the loop), so the estimate stays `dtype`'s."""
     import jax
 
+    on_cpu = jax.devices()[0].platform == "cpu"
     parts = {"params": params_bytes(config, dtype)}
-    if host_float32_copy and jax.devices()[0].platform == "cpu":
+    if stored_bytes is not None and not on_cpu:
+        parts = {"params (kept quantized)": int(1.05 * stored_bytes)}
+    if host_float32_copy and on_cpu:
         parts["float32 staging copy"] = params_bytes(config, "float32")
     _check(parts, f"loading this model ({config.num_layers} layers, hidden "
                   f"{config.hidden_size}) in {dtype}", LOAD_REMEDY)

@@ -123,8 +123,9 @@ def load(source: str = DEFAULT_MODEL, dtype: str | None = None,
     compilation_cache.enable()
     dtype = dtype or default_dtype()
 
-    def fits(config, float32_staging):
-        memory.check_load(config, dtype, host_float32_copy=float32_staging)
+    def fits(config, float32_staging, stored_bytes=None):
+        memory.check_load(config, dtype, host_float32_copy=float32_staging,
+                          stored_bytes=stored_bytes)
 
     config, params, tokenizer = load_checkpoint(source, before_tensors=fits,
                                                 keep_quantized=quantization is None)

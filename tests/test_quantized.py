@@ -217,3 +217,24 @@ def test_parts_weight_equals_its_combined_weight():
         p = typed(dict(params, layers=[dict(params["layers"][0], wqkv=w)]), specs)
         out[name] = from_params(config, p, dtype="float32")(tokens)
     assert rel_err(out["parts"], out["combined"]) < 1e-5
+
+
+def test_a_gguf_kept_quantized_is_budgeted_at_its_file_size_on_a_gpu(monkeypatch):
+    """On a GPU the kernels read the blocks: the load needs about the file's bytes, not the
+    float params'; on the CPU the decode loop holds float weights, so the float estimate."""
+    from jaxinfer import memory
+    from jaxinfer.configs import PRESETS
+
+    config = PRESETS["llama3-8b"]  # 16 GB in bf16; a Q4_K_M file is about 4.9 GB
+    monkeypatch.setenv("JAXINFER_MEMORY_LIMIT", "8GB")
+
+    class Gpu:
+        platform, device_kind = "gpu", "NVIDIA H200"
+
+        def memory_stats(self):
+            return None
+
+    monkeypatch.setattr(jax, "devices", lambda *a: [Gpu()])
+    memory.check_load(config, "bfloat16", host_float32_copy=False, stored_bytes=4_900_000_000)
+    with pytest.raises(memory.OutOfMemory, match="loading this model"):
+        memory.check_load(config, "bfloat16", host_float32_copy=False)
