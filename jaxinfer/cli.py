@@ -75,7 +75,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "in its blocks), none (dequantized), or quantized on load to int8 / "
                         "int4 (group-wise) / fp8 (e4m3)")
     p.add_argument("--group-size", type=_positive("--group-size"), default=None, metavar="G",
-                   help="rows of K per scale for --quantization int8/int4 (default 128)")
+                   help="rows of K per scale for --quantization int8/int4 (default 128, "
+                        "or 64 / 32 where 128 does not divide K)")
     p.add_argument("--kv-cache-dtype", choices=("auto", "int8", "fp8"), default="auto",
                    help="KV cache storage: the model's dtype (auto, default), or int8 / fp8 "
                         "(e4m3) codes with a scale per token and head: about half the bytes")

@@ -109,8 +109,8 @@ def load(source: str = DEFAULT_MODEL, dtype: str | None = None,
     None picks bfloat16 on GPU and float32 on CPU. quantization: None keeps what the
     checkpoint stores (a GGUF's blocks stay quantized on the device); "none" dequantizes to
     dtype; "int8" | "int4" | "fp8" quantize a 16/32-bit checkpoint's matmul weights on load
-    (group-wise along K, group_size rows per scale: default 128, or one scale per column
-    where 128 does not divide K; fp8 defaults to one scale per column). policy: the kernel
+    (group-wise along K, group_size rows per scale: default the largest of 128, 64, 32 that
+    divides K, else one scale per column; fp8 defaults to one scale per column). policy: the kernel
     choices (default `KernelPolicy()`, today's fastest; `.deterministic()`, `.reference()`).
     """
     from checkpoints import load_checkpoint

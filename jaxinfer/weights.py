@@ -241,14 +241,13 @@ def _quantize_one(w, how: str, group_size: int | None, where: str) -> QuantizedW
 
     a = w.w.T if w.transposed else w.w  # [K, *N]
     k = a.shape[0]
-    group = group_size or DEFAULT_GROUP
-    if how == "fp8":
-        group = group_size  # None: one scale per column
-    elif k % group:
-        if group_size is not None:
+    if how == "fp8" or group_size is not None:
+        group = group_size  # fp8 default None: one scale per column
+        if group is not None and k % group:
             raise ValueError(f"{where}: group size {group_size} does not divide its K={k} "
                              f"(weight {list(a.shape)}); give a group size that divides K")
-        group = None  # the default group does not fit: one scale per column
+    else:  # the default: the largest of 128, 64, 32 that divides K, else one per column
+        group = next((g for g in (DEFAULT_GROUP, 64, 32) if k % g == 0), None)
     try:
         return quantize_weight(a, bits=4 if how == "int4" else 8, group_size=group,
                                float8=how == "fp8")
