@@ -23,10 +23,11 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
     FLOAT_DTYPES, LOG2_E, MASK_VALUE, check_array, check_head_dim, check_same_dtype, dot_f32,
-    multiple_of, ref_precision)
+    multiple_of)
 from pallas_kernels._jax_private import is_tracer
 from pallas_kernels.flash_attention import FlashBlockSizes, default_block_sizes
-from pallas_kernels.kv_quant import CODE_DTYPES, check_quantized_cache, codes_as, dequantize_kv
+from pallas_kernels.kv_quant import (CODE_DTYPES, check_quantized_cache, codes_as,
+                                     reference_operands)
 
 # ---------------------------------------------------------------------------------------------
 # Kernel
@@ -198,10 +199,8 @@ def chunk_attention_reference(q, k_cache, v_cache, positions, *, k_scale=None, v
     _validate(q, k_cache, v_cache, positions, sliding_window, k_scale, v_scale)
     b, t, hq, d = q.shape
     _, s, hkv, _ = k_cache.shape
-    precision = ref_precision(q.dtype)
-    if k_scale is not None:
-        k_cache, v_cache = dequantize_kv(k_cache, k_scale), dequantize_kv(v_cache, v_scale)
-        precision = ref_precision(jnp.float32)
+    k_cache, v_cache, precision = reference_operands(k_cache, v_cache, k_scale, v_scale,
+                                                     q.dtype)
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
     qg = q.reshape(b, t, hkv, hq // hkv, d)  # [B, T, Hkv, G, D]
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k_cache, preferred_element_type=jnp.float32,

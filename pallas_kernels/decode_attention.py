@@ -26,9 +26,10 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
     FLOAT_DTYPES, LOG2_E, MASK_VALUE, NUM_SMS_H200, check_array, check_head_dim,
-    check_same_dtype, check_tiles, dot_f32, multiple_of, next_pow2, ref_precision)
+    check_same_dtype, check_tiles, dot_f32, multiple_of, next_pow2)
 from pallas_kernels._jax_private import is_tracer
-from pallas_kernels.kv_quant import CODE_DTYPES, check_quantized_cache, codes_as, dequantize_kv
+from pallas_kernels.kv_quant import (CODE_DTYPES, check_quantized_cache, codes_as,
+                                     reference_operands)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -341,10 +342,8 @@ def decode_attention_reference(q, k_cache, v_cache, lengths, *, k_scale=None, v_
     _validate(q, k_cache, v_cache, lengths, sliding_window, k_scale, v_scale)
     b, hq, d = q.shape
     _, s, hkv, _ = k_cache.shape
-    precision = ref_precision(q.dtype)
-    if k_scale is not None:
-        k_cache, v_cache = dequantize_kv(k_cache, k_scale), dequantize_kv(v_cache, v_scale)
-        precision = ref_precision(jnp.float32)
+    k_cache, v_cache, precision = reference_operands(k_cache, v_cache, k_scale, v_scale,
+                                                     q.dtype)
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
     qg = q.reshape(b, hkv, hq // hkv, d)  # [B, Hkv, G, D]
     scores = jnp.einsum("bkgd,bskd->bkgs", qg, k_cache, preferred_element_type=jnp.float32,

@@ -58,6 +58,17 @@ def dequantize_kv(codes: jax.Array, scale: jax.Array) -> jax.Array:
     return codes.astype(jnp.float32) * scale.astype(jnp.float32)[..., None]
 
 
+def reference_operands(k_cache, v_cache, k_scale, v_scale, q_dtype):
+    """(k, v, precision) for a reference attention: a quantized cache dequantized to float32
+    (IEEE float32 dots then), else as stored at the query dtype's precision."""
+    from pallas_kernels._common import ref_precision
+
+    if k_scale is None:
+        return k_cache, v_cache, ref_precision(q_dtype)
+    return (dequantize_kv(k_cache, k_scale), dequantize_kv(v_cache, v_scale),
+            ref_precision(jnp.float32))
+
+
 def codes_as(x: jax.Array, dtype) -> jax.Array:
     """A tile of codes as `dtype` (the query's), exactly: |int8| <= 127 and e4m3's 3 mantissa
     bits fit bf16/fp16. int8 goes through float32 (Triton's int -> bf16 cast is not portable)."""

@@ -338,11 +338,9 @@ def k_tensors(type_of, seed: int = 0) -> dict:
     return out
 
 
-def write_k_llama(dst: pathlib.Path, tensors: dict, as_f32: bool = False,
-                  raw_shapes: dict | None = None) -> pathlib.Path:
-    """The tiny llama of `tensors`; as_f32: every tensor dequantized by gguf.quants, F32.
-    raw_shapes: name -> numpy-order shape to declare for that tensor's data as it is."""
-    d = K_DIMS
+def llama_writer(dst: pathlib.Path, d: dict):
+    """A GGUFWriter for a tiny llama of dims d (layers, hidden, inter, heads, kv_heads,
+    head_dim), its architecture keys written."""
     w = gguf.GGUFWriter(str(dst), "llama")
     w.add_block_count(d["layers"])
     w.add_context_length(128)
@@ -352,8 +350,16 @@ def write_k_llama(dst: pathlib.Path, tensors: dict, as_f32: bool = False,
     w.add_head_count_kv(d["kv_heads"])
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_vocab_size(d["vocab"])
     w.add_rope_dimension_count(d["head_dim"])
+    return w
+
+
+def write_k_llama(dst: pathlib.Path, tensors: dict, as_f32: bool = False,
+                  raw_shapes: dict | None = None) -> pathlib.Path:
+    """The tiny llama of `tensors`; as_f32: every tensor dequantized by gguf.quants, F32.
+    raw_shapes: name -> numpy-order shape to declare for that tensor's data as it is."""
+    w = llama_writer(dst, K_DIMS)
+    w.add_vocab_size(K_DIMS["vocab"])
     for name, (data, qtype) in tensors.items():
         if qtype is not None and as_f32:
             data, qtype = gguf.quants.dequantize(data, qtype), None

@@ -14,6 +14,7 @@ import pytest
 
 from checkpoints import gguf as G
 from checkpoints import gguf_blocks
+from test_gguf import llama_writer
 from pallas_kernels import quantized as Q
 from jaxinfer.weights import Parts, as_array
 from pallas_kernels.quantized import QuantizedWeight, dequantize
@@ -132,16 +133,7 @@ def tiny_llama(dst: pathlib.Path, type_of, seed: int = 0) -> pathlib.Path:
     hidden, q, kv = d["hidden"], d["heads"] * d["head_dim"], d["kv_heads"] * d["head_dim"]
     reader = gguf.GGUFReader(TINY_F32)
     vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
-    w = gguf.GGUFWriter(str(dst), "llama")
-    w.add_block_count(d["layers"])
-    w.add_context_length(128)
-    w.add_embedding_length(hidden)
-    w.add_feed_forward_length(d["inter"])
-    w.add_head_count(d["heads"])
-    w.add_head_count_kv(d["kv_heads"])
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_dimension_count(d["head_dim"])
+    w = llama_writer(dst, d)
     for name, field in reader.fields.items():
         if name.startswith("tokenizer."):
             vtype = field.types[0]
