@@ -10,7 +10,8 @@ from __future__ import annotations
 import pathlib
 
 
-def load_checkpoint(source: str | pathlib.Path, before_tensors=None, keep_quantized: bool = True):
+def load_checkpoint(source: str | pathlib.Path, before_tensors=None, keep_quantized: bool = True,
+                    transform=None):
     """(Config, params, Tokenizer | None) from a registered name, an HF directory or a .gguf file.
 
     before_tensors(config, float32_staging[, stored_bytes]), when given, runs once the config
@@ -18,14 +19,17 @@ def load_checkpoint(source: str | pathlib.Path, before_tensors=None, keep_quanti
     host copies first (GGUF dequantization); stored_bytes, the file's bytes of a GGUF kept in
     its blocks. A memory check can then refuse a load that cannot fit.
     keep_quantized: quantized tensors (GGUF blocks) come back as QuantizedWeights in their
-    codes and scales; False dequantizes them to float32."""
+    codes and scales; False dequantizes them to float32. transform(name, value): applied to
+    each param of an HF directory as it is read (quantize on load without holding the whole
+    float checkpoint)."""
     from checkpoints import registry
 
     path = registry.resolve(str(source))
     if path.is_dir():
         from checkpoints.hf import load_hf_dir
 
-        return load_hf_dir(path, before_tensors and (lambda c: before_tensors(c, False)))
+        return load_hf_dir(path, before_tensors and (lambda c: before_tensors(c, False)),
+                           transform)
     if path.suffix == ".gguf":
         from checkpoints.gguf import load_gguf
 

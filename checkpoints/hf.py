@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import pathlib
+from collections.abc import Mapping
 
 import jax.numpy as jnp
 
@@ -162,11 +163,46 @@ def read_safetensors(files: list[pathlib.Path]) -> dict[str, jnp.ndarray]:
     return tensors
 
 
-def params_from_hf_tensors(tensors: dict, config: Config, source: str) -> dict:
-    """HF tensor dict -> our params layout (shape checks are the caller's, against param_specs)."""
+class LazyTensors(Mapping):
+    """The tensors of safetensors files by name, each read when first asked for and not kept
+    (a load that transforms layer by layer never holds the whole checkpoint)."""
+
+    def __init__(self, files: list[pathlib.Path]):
+        from safetensors import safe_open
+
+        self._open, self._where = {}, {}
+        for f in files:
+            try:
+                st = safe_open(f, framework="flax")  # bfloat16 kept as is
+            except Exception as e:
+                raise ValueError(f"{f}: cannot read safetensors weights ({e}); the file is "
+                                 "truncated or corrupt, download it again") from e
+            self._open[f] = st
+            self._where.update(dict.fromkeys(st.keys(), f))
+
+    def __getitem__(self, name: str):
+        f = self._where[name]
+        try:
+            return self._open[f].get_tensor(name)
+        except Exception as e:
+            raise ValueError(f"{f}: cannot read tensor {name!r} ({e}); the file is truncated "
+                             "or corrupt, download it again") from e
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+def params_from_hf_tensors(tensors, config: Config, source: str, transform=None) -> dict:
+    """HF tensors (a mapping) -> our params layout (shape checks are the caller's, against
+    param_specs). transform(name, value), when given, maps each of our params as it is made
+    ("layers.3.wqkv", "embed"): quantize on load, one tensor at a time."""
     family = registry.family(config)
     names = family.hf_tensors
     used = set()
+    transform = transform or (lambda name, value: value)
 
     def take(name: str, transpose: bool):
         used.add(name)
@@ -179,7 +215,7 @@ def params_from_hf_tensors(tensors: dict, config: Config, source: str) -> dict:
     params = {}
     for ours, (hf, tr) in names.top.items():
         if present(hf) and not (ours == "lm_head" and config.tie_word_embeddings):
-            params[ours] = take(hf, tr)
+            params[ours] = transform(ours, take(hf, tr))
     params["layers"] = []
     for i in range(config.num_layers):
         layer = {}
@@ -187,8 +223,8 @@ def params_from_hf_tensors(tensors: dict, config: Config, source: str) -> dict:
             name = f"model.layers.{i}.{hf}"
             if present(name):
                 layer[ours] = take(name, tr)
-        params["layers"].append(family.assemble_layer(layer, config,
-                                                      f"{source}: model.layers.{i}"))
+        layer = family.assemble_layer(layer, config, f"{source}: model.layers.{i}")
+        params["layers"].append({k: transform(f"layers.{i}.{k}", v) for k, v in layer.items()})
     unused = sorted(n for n in tensors if n not in used and not n.endswith(IGNORED_SUFFIXES)
                     and not (n == "lm_head.weight" and config.tie_word_embeddings))
     if unused:
@@ -198,9 +234,11 @@ def params_from_hf_tensors(tensors: dict, config: Config, source: str) -> dict:
     return params
 
 
-def load_hf_dir(path: str | pathlib.Path, before_tensors=None):
+def load_hf_dir(path: str | pathlib.Path, before_tensors=None, transform=None):
     """(Config, params, Tokenizer | None) from an HF-layout directory. before_tensors(config),
-    when given, runs before any tensor is read (a memory check that may refuse the load)."""
+    when given, runs before any tensor is read (a memory check that may refuse the load);
+    transform(name, value), when given, maps each param as it is read (the tensors are then
+    read one at a time, not all first)."""
     path = pathlib.Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.exists():
@@ -219,11 +257,11 @@ def load_hf_dir(path: str | pathlib.Path, before_tensors=None):
     if (quantized.saved_format(files) or "").startswith("jaxinfer"):  # `jaxinfer quantize`
         params = quantized.load_quantized(path, config)
     else:
-        tensors = read_safetensors(files)
+        tensors = read_safetensors(files) if transform is None else LazyTensors(files)
         if quantized.looks_quantized(tensors):
             raise ValueError(f"{path}: holds a jaxinfer quantized checkpoint's tensors but "
                              f"not its metadata; write it again with `jaxinfer quantize`")
-        params = params_from_hf_tensors(tensors, config, str(path))
+        params = params_from_hf_tensors(tensors, config, str(path), transform)
     tokenizer = None
     if (path / "tokenizer.json").exists():
         from checkpoints.tokenizer import Tokenizer

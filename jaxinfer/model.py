@@ -12,8 +12,8 @@ import numpy as np
 from jaxinfer.configs import DTYPES, Config
 from jaxinfer.models import registry
 from jaxinfer.plan import KernelPolicy, Plan
-from jaxinfer.weights import (QUANTIZATIONS, cast_floating, check_params, dequantize_params,
-                              quantize_params, typed)
+from jaxinfer.weights import (BYTES_PER_PARAM, QUANTIZATIONS, cast_floating, check_params,
+                              dequantize_params, quantize_on_read, quantize_params, typed)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -123,11 +123,22 @@ def load(source: str = DEFAULT_MODEL, dtype: str | None = None,
     compilation_cache.enable()
     dtype = dtype or default_dtype()
 
+    quantizing = quantization not in (None, "none")
+    read = {}  # the config, once the loader knows it (for quantize-on-read's specs)
+
     def fits(config, float32_staging, stored_bytes=None):
+        read["specs"] = registry.family(config).param_specs(config)
+        if quantizing:  # each weight quantized as it is read
+            stored_bytes = int(memory.params_bytes(config, "float32") / 4
+                               * BYTES_PER_PARAM[quantization])
         memory.check_load(config, dtype, host_float32_copy=float32_staging,
                           stored_bytes=stored_bytes)
 
+    def transform(name, value):
+        return quantize_on_read(read["specs"], quantization, group_size)(name, value)
+
     config, params, tokenizer = load_checkpoint(source, before_tensors=fits,
-                                                keep_quantized=quantization is None)
+                                                keep_quantized=quantization is None,
+                                                transform=transform if quantizing else None)
     with memory.reporting_oom(f"loading {source}"):
         return from_params(config, params, tokenizer, dtype, policy, quantization, group_size)

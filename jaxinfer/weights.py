@@ -282,3 +282,30 @@ def dequantize_params(params, specs):
         a = as_array(p, jnp.float32).reshape(quantized_shape(spec))
         return spec.wrap(a.T if spec.kind is Kind.DENSE_T else a)
     return jax.tree.map(one, specs, params, is_leaf=_is_spec)
+
+
+# Bytes per parameter of our formats at group 128 with float16 scales (fp8: one float32 per
+# column): what a quantize-on-load will hold, for the memory check before reading.
+BYTES_PER_PARAM = {"int8": 1.02, "int4": 0.52, "fp8": 1.0}
+
+
+def quantize_on_read(specs, how: str, group_size: int | None = None):
+    """A loader's transform(name, value) ("layers.3.wqkv", "embed"): each matmul weight
+    quantized as it is read, so the float checkpoint is never held whole."""
+    def spec_at(name: str) -> ParamSpec:
+        node = specs
+        for part in name.split("."):
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        return node
+
+    def transform(name: str, value):
+        try:
+            spec = spec_at(name)
+        except (KeyError, IndexError):
+            return value  # not declared: check_params names it
+        # Plain arrays, weights already quantized, and shapes check_params will refuse by
+        # name, pass as they are.
+        if spec.kind is Kind.ARRAY or tuple(getattr(value, "shape", ())) != spec.shape:
+            return value
+        return _quantize_one(spec.wrap(jnp.asarray(value)), how, group_size, f"['{name}']")
+    return transform

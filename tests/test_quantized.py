@@ -238,3 +238,17 @@ def test_a_gguf_kept_quantized_is_budgeted_at_its_file_size_on_a_gpu(monkeypatch
     memory.check_load(config, "bfloat16", host_float32_copy=False, stored_bytes=4_900_000_000)
     with pytest.raises(memory.OutOfMemory, match="loading this model"):
         memory.check_load(config, "bfloat16", host_float32_copy=False)
+
+
+def test_quantize_on_load_reads_one_tensor_at_a_time(monkeypatch):
+    """An HF checkpoint (here sharded in 5 files) quantized on load is read tensor by tensor
+    (never all first), to the same weights as quantizing the float load."""
+    import checkpoints.hf
+
+    tokens = np.arange(10).reshape(2, 5)
+    float_load = jaxinfer.load(str(HF / "llama_sharded"), dtype="float32")
+    after = from_params(float_load.config, float_load.params, dtype="float32",
+                        quantization="int8")
+    monkeypatch.setattr(checkpoints.hf, "read_safetensors", lambda *a: pytest.fail("read all"))
+    model = jaxinfer.load(str(HF / "llama_sharded"), dtype="float32", quantization="int8")
+    np.testing.assert_array_equal(np.asarray(model(tokens)), np.asarray(after(tokens)))
