@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from jaxinfer import memory
 from jaxinfer.configs import PRESETS, Config
-from jaxinfer.generate import decode_loop, decode_step, init_state, prefill
+from jaxinfer.generate import decode_loop, decode_step, init_state, prefill, run_params
 from jaxinfer.model import Model, default_dtype, load
 from jaxinfer.models import registry
 from jaxinfer.plan import KernelPolicy
@@ -134,12 +134,13 @@ def run(model: Model, name: str, batch: int, prompt_len: int, gen_len: int,
                           kv_cache_dtype=kv_cache_dtype)
 
     progress = tqdm(total=4, desc=f"bench {name}", leave=False, disable=None)  # terminals only
+    params = run_params(model, plan)  # what generate runs (on CPU: dequantized per request)
     state, tokens, lengths = fresh_state()
     t0 = time.perf_counter()
-    prefill_exe = prefill.lower(model.params, tokens, lengths, state, plan).compile()
-    state = jax.block_until_ready(prefill_exe(model.params, tokens, lengths, state))
-    loop_exe = decode_loop.lower(model.params, state, plan).compile()
-    step_exe = decode_step.lower(model.params, state, plan).compile()
+    prefill_exe = prefill.lower(params, tokens, lengths, state, plan).compile()
+    state = jax.block_until_ready(prefill_exe(params, tokens, lengths, state))
+    loop_exe = decode_loop.lower(params, state, plan).compile()
+    step_exe = decode_step.lower(params, state, plan).compile()
     compile_s = time.perf_counter() - t0
     if dump_hlo:  # the optimized decode step, to count its kernels and spot copies
         with open(f"{dump_hlo}.b{batch}.hlo.txt", "w") as f:
@@ -148,7 +149,7 @@ def run(model: Model, name: str, batch: int, prompt_len: int, gen_len: int,
 
     def prefill_once():
         s, t, ln = fresh_state()
-        return jax.block_until_ready(prefill_exe(model.params, t, ln, s))
+        return jax.block_until_ready(prefill_exe(params, t, ln, s))
 
     prefill_s = _median_time(prefill_once, repeats)
     progress.update()
@@ -157,7 +158,7 @@ def run(model: Model, name: str, batch: int, prompt_len: int, gen_len: int,
     for _ in range(repeats):
         s = prefill_once()
         t0 = time.perf_counter()
-        s = jax.block_until_ready(loop_exe(model.params, s))
+        s = jax.block_until_ready(loop_exe(params, s))
         loop_times.append(time.perf_counter() - t0)
         assert int(s.step) == gen_len, "decode loop stopped early"
     decode_s = statistics.median(loop_times) / (gen_len - 1)
@@ -168,7 +169,7 @@ def run(model: Model, name: str, batch: int, prompt_len: int, gen_len: int,
     steps = min(gen_len - 1, 32)
     t0 = time.perf_counter()
     for _ in range(steps):
-        s = step_exe(model.params, s)
+        s = step_exe(params, s)
     jax.block_until_ready(s)
     python_step_s = (time.perf_counter() - t0) / steps
     progress.update()
@@ -176,7 +177,7 @@ def run(model: Model, name: str, batch: int, prompt_len: int, gen_len: int,
 
     backend = jax.default_backend()
     context = prompt_len + gen_len // 2
-    nbytes = decode_bytes_per_step(config, batch, context, kv_cache_dtype, model.params)
+    nbytes = decode_bytes_per_step(config, batch, context, kv_cache_dtype, params)
     bw = HBM_BYTES_PER_S.get(backend)
     peak = None
     stats = jax.devices()[0].memory_stats() or {}

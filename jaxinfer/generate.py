@@ -25,8 +25,10 @@ from jaxinfer import memory, pytree, sampling
 from jaxinfer import prompts as prompts_lib
 from jaxinfer.cache import KVCache, check_kv_dtype
 from jaxinfer.models import registry
+from jaxinfer.ops.dispatch import kernels_on
 from jaxinfer.plan import KernelPolicy, Plan
 from jaxinfer.sampling import SamplingParams
+from jaxinfer.weights import Parts, QuantizedWeight, cast_floating, dequantize_params
 
 # Prompt lengths are padded up to one of these buckets (then to multiples of the largest), so a
 # new prompt length rarely means a new compilation.
@@ -306,6 +308,26 @@ class _Request:
     sampling: list[SamplingParams]
     plan: Plan
     max_new_tokens: int
+    params: dict  # what the compiled functions take (run_params)
+
+
+@functools.partial(jax.jit, static_argnames=("plan",))
+def _dequantized(params, plan: Plan):
+    config = plan.config
+    dense = dequantize_params(params, registry.family(config).param_specs(config))
+    return cast_floating(dense, config.dtype)
+
+
+def run_params(model, plan: Plan):
+    """The params a request's compiled functions take. Where the ops take the references
+    (the CPU; KernelPolicy.reference()) quantized weights are dequantized once per request,
+    in one jitted call, rather than in every prefill and decode step: the model keeps its
+    codes between requests, and a step-by-step stream does not dequantize per token."""
+    quantized = any(isinstance(w, QuantizedWeight | Parts) for w in jax.tree.leaves(
+        model.params, is_leaf=lambda a: isinstance(a, QuantizedWeight | Parts)))
+    if not quantized or kernels_on(plan, plan.config.dtype):
+        return model.params
+    return _dequantized(model.params, plan)
 
 
 def _prepare(model, prompts, max_new_tokens, sampling_params, seed, chat, stop, max_seq_len,
@@ -339,7 +361,7 @@ def _prepare(model, prompts, max_new_tokens, sampling_params, seed, chat, stop, 
                                         int(seed), stop_ids, max_seq_len, multiple,
                                         kv_cache_dtype)
     return _Request(ids, state, tokens, lengths, stop_ids, stop_strings, sampling_params, plan,
-                    int(max_new_tokens))
+                    int(max_new_tokens), run_params(model, plan))
 
 
 def _plan(model, policy) -> Plan:
@@ -363,13 +385,13 @@ def _run_prefill(model, req: _Request, progress: bool) -> DecodeState:
     b, t = req.tokens.shape
     longest = max(len(p) for p in req.ids)
     if not chunk or longest <= chunk:  # as _prepare decided (it padded T to whole chunks)
-        return prefill(model.params, req.tokens, req.lengths, req.state, req.plan)
+        return prefill(req.params, req.tokens, req.lengths, req.state, req.plan)
     state = req.state
     last = jnp.zeros((b, model.config.vocab_size), jnp.float32)
     with _bar(progress, longest, "prefill") as bar:
         tokens = np.asarray(req.tokens)  # sliced on the host: no slicing op compiled per chunk
         for start in range(0, t, chunk):
-            state, last = prefill_chunk(model.params, tokens[:, start:start + chunk],
+            state, last = prefill_chunk(req.params, tokens[:, start:start + chunk],
                                         jnp.int32(start), req.lengths, state, last, req.plan)
             if progress:  # a tick when the chunk is done (no wait without a bar)
                 jax.block_until_ready(last)
@@ -408,11 +430,11 @@ def generate(model, prompts, max_new_tokens: int = 128, sampling: SamplingParams
             with _bar(True, int(max_new_tokens), f"decode x{len(req.ids)}") as bar:
                 bar.update(1)
                 while not bool(jnp.all(state.done)):
-                    state = decode_loop(model.params, state, req.plan,
+                    state = decode_loop(req.params, state, req.plan,
                                         until=jnp.int32(int(state.step) + PROGRESS_STEPS))
                     bar.update(int(state.step) - bar.n)
         else:
-            state = decode_loop(model.params, state, req.plan)
+            state = decode_loop(req.params, state, req.plan)
         out = np.asarray(state.output)
         lps = np.asarray(state.logprobs)
     results = []
@@ -495,7 +517,7 @@ def _pieces(model, req: _Request, progress: bool, out: TextStream, t0: float) ->
     while True:
         peek = _newest(state)  # fresh arrays: `state` may be donated to the next step
         if ids and len(ids) + 2 <= req.max_new_tokens:
-            nxt = decode_step(model.params, state, req.plan)
+            nxt = decode_step(req.params, state, req.plan)
         col, new, done, lp = jax.device_get(peek)
         new = int(new)
         if out.time_to_first_token is None:
@@ -521,5 +543,5 @@ def _pieces(model, req: _Request, progress: bool, out: TextStream, t0: float) ->
         if finished:
             finish()
             return
-        state = nxt if nxt is not None else decode_step(model.params, state, req.plan)
+        state = nxt if nxt is not None else decode_step(req.params, state, req.plan)
         nxt = None
