@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import types
 
 import jax
 import jax.numpy as jnp
@@ -286,7 +287,7 @@ def dequantize_params(params, specs):
 
 # Bytes per parameter of our formats at group 128 with float16 scales (fp8: one float32 per
 # column): what a quantize-on-load will hold, for the memory check before reading.
-BYTES_PER_PARAM = {"int8": 1.02, "int4": 0.52, "fp8": 1.0}
+BYTES_PER_PARAM = types.MappingProxyType({"int8": 1.02, "int4": 0.52, "fp8": 1.0})
 
 
 def quantize_on_read(specs, how: str, group_size: int | None = None):
