@@ -62,11 +62,9 @@ def save_quantized(dst: str | pathlib.Path, params, src_dir: str | pathlib.Path)
                 if getattr(leaf, f) is not None:
                     tensors[f"{name}.{f}"] = np.asarray(getattr(leaf, f))
         else:
+            # A Dense left unquantized is stored as its array: the spec says its orientation.
             a = np.asarray(leaf.w if hasattr(leaf, "w") else leaf)
-            tensors[name] = a.astype(np.float32) if a.dtype.kind == "V" or \
-                str(a.dtype) == "bfloat16" else a
-            if hasattr(leaf, "w"):
-                weights[name] = {"dense": True, "transposed": bool(leaf.transposed)}
+            tensors[name] = a.astype(np.float32) if str(a.dtype) == "bfloat16" else a
     dst.mkdir(parents=True, exist_ok=True)
     for f in src_dir.iterdir():
         if f.is_file() and not f.name.endswith((".safetensors", ".safetensors.index.json",
@@ -114,8 +112,6 @@ def load_quantized(path: pathlib.Path, config: Config) -> dict:
     weights = json.loads(meta["weights"])
     leaves = {}
     for name, info in weights.items():
-        if info.get("dense"):
-            continue
         planes = []
         while f"{name}.planes.{len(planes)}" in tensors:
             p = tensors.pop(f"{name}.planes.{len(planes)}")

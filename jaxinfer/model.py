@@ -124,18 +124,19 @@ def load(source: str = DEFAULT_MODEL, dtype: str | None = None,
     dtype = dtype or default_dtype()
 
     quantizing = quantization not in (None, "none")
-    read = {}  # the config, once the loader knows it (for quantize-on-read's specs)
+    read = {}  # quantize-on-read's transform, once the loader knows the config
 
     def fits(config, float32_staging, stored_bytes=None):
-        read["specs"] = registry.family(config).param_specs(config)
         if quantizing:  # each weight quantized as it is read
+            read["transform"] = quantize_on_read(registry.family(config).param_specs(config),
+                                                 quantization, group_size)
             stored_bytes = int(memory.params_bytes(config, "float32") / 4
                                * BYTES_PER_PARAM[quantization])
         memory.check_load(config, dtype, host_float32_copy=float32_staging,
                           stored_bytes=stored_bytes)
 
     def transform(name, value):
-        return quantize_on_read(read["specs"], quantization, group_size)(name, value)
+        return read["transform"](name, value)
 
     config, params, tokenizer = load_checkpoint(source, before_tensors=fits,
                                                 keep_quantized=quantization is None,

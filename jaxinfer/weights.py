@@ -17,10 +17,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer import pytree
-from pallas_kernels.quantized import QuantizedWeight, dequantize
+from pallas_kernels.quantized import QuantizedWeight, dequantize, weight_format
 
 __all__ = ["Dense", "Kind", "ParamSpec", "Parts", "QuantizedWeight", "as_array", "dequantize",
-           "kernel_operand"]
+           "kernel_operand", "weight_format"]
 
 
 @pytree.dataclass

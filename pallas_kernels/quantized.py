@@ -102,13 +102,6 @@ class QuantizedWeight:
                             offset=f(self.offset), super_scale=f(self.super_scale),
                             super_offset=f(self.super_offset))
 
-    def layout(self) -> tuple:
-        """Everything static about the codes and scales: two weights one kernel step can read
-        together have the same layout."""
-        return (self.k, self.bits, self.group, self.super_group, self.tile, self.code_offset,
-                self.float8, self.offset is not None, self.super_scale is not None,
-                self.super_offset is not None)
-
     def __post_init__(self):
         planes = self.planes
         if isinstance(planes, list):

@@ -21,7 +21,7 @@ from jaxinfer.cache import KVCache
 from jaxinfer.configs import Config
 from jaxinfer.models.family import Family, TensorMap
 from jaxinfer.plan import Plan
-from jaxinfer.weights import Dense, Kind, ParamSpec, Parts, QuantizedWeight
+from jaxinfer.weights import Dense, Kind, ParamSpec, Parts, QuantizedWeight, weight_format
 
 
 def param_specs(config: Config) -> dict:
@@ -208,7 +208,7 @@ def fuse_qkv(layer: dict, config: Config, where: str) -> dict:
 
     ws = [layer[n] for n in ("wq", "wk", "wv")]
     quantized = [isinstance(w, QuantizedWeight) for w in ws]
-    if all(quantized) and len({w.layout() for w in ws}) == 1:
+    if all(quantized) and len({weight_format(w) for w in ws}) == 1:
         def columns(q, k, v):  # each component [R, N]: the same interleave of its columns
             return None if q is None else heads(q, k, v, q.shape[:1]).reshape(q.shape[0], -1)
 
