@@ -87,11 +87,11 @@ def _timeline(kernels: list[dict], n: int) -> str:
 
 
 def decode_setup(preset: str, dtype: str, batch: int, prompt_len: int, steps: int, *,
-                 policy: KernelPolicy, logprobs: bool = False):
+                 policy: KernelPolicy, logprobs: bool = False, quantization: str | None = None):
     """(a random-weight model, fresh()): fresh() returns a prefilled DecodeState of `batch` fixed
     random prompts with room for `steps` greedy decode steps, no stop ids (as `jaxinfer bench`
     times the loop); a new one each call, since the loop donates it."""
-    model = random_model(preset, dtype, policy=policy)
+    model = random_model(preset, dtype, policy=policy, quantization=quantization)
     cfg = model.config
     rng = np.random.default_rng(0)
     prompts = rng.integers(0, cfg.vocab_size, (batch, prompt_len)).tolist()
@@ -159,6 +159,8 @@ def main(argv=None) -> int:
     p.add_argument("--logprobs", action="store_true",
                    help="ask for the tokens' logprobs (a logsumexp over the vocabulary and a "
                         "column write per step; left out of the step otherwise)")
+    p.add_argument("--quantization", choices=("none", "int8", "int4", "fp8"), default=None,
+                   help="quantize the random weights (as `jaxinfer bench --quantization`)")
     p.add_argument("--timeline", type=int, default=0,
                    help="print this many kernels (start, duration, stream) around a decode "
                         "attention kernel in the middle of the run: what overlaps what")
@@ -166,7 +168,8 @@ def main(argv=None) -> int:
     policy = policy_from_args(args)
     dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
     model, fresh = decode_setup(args.preset, dtype, args.batch, args.prompt_len, args.steps,
-                                policy=policy, logprobs=args.logprobs)
+                                policy=policy, logprobs=args.logprobs,
+                                quantization=args.quantization)
     s = fresh()
     loop = decode_loop.lower(model.params, s, model.plan).compile()
     jax.block_until_ready(loop(model.params, s))  # warm up
