@@ -17,6 +17,7 @@
 #   bash benchmarks/run_h200.sh kernels  # benchmarks/kernels.py, parts from $KERNELS
 #   bash benchmarks/run_h200.sh kv       # benchmarks/kv_cache.py: bf16 / int8 / fp8 KV cache at
 #                                        # B=1 ctx 32k, and the embedded model's int8 tokens
+#                                        # ($KV_ARGS: e.g. --skip greedy where it is absent)
 #   bash benchmarks/run_h200.sh quant    # jaxinfer bench, bf16 vs int8 vs int4 weights
 #   bash benchmarks/run_h200.sh qkernels # benchmarks/quantized.py (quantized decode matmuls)
 # Results: JSON lines in ${OUT:-.}/bench-<part>.jsonl; a table on stdout.
@@ -119,7 +120,7 @@ kernels() {  # KERNELS="gemv,decode" picks parts of benchmarks/kernels.py
     | tail -"${KERNELS_TAIL:-60}"
 }
 kv() {  # the quantized KV caches: speed and bytes at 32k, then fidelity on the embedded model
-  timeout "${KV_TIMEOUT:-540}" python3 benchmarks/kv_cache.py --json "$out/kv_cache.jsonl" 2>&1 \
+  timeout "${KV_TIMEOUT:-540}" python3 benchmarks/kv_cache.py ${KV_ARGS:-} --json "$out/kv_cache.jsonl" 2>&1 \
     | grep -v '^bench' | tail -20
 }
 for part in "${@:-ours}"; do "$part"; done
