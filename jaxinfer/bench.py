@@ -104,7 +104,7 @@ def random_model(preset: str, dtype: str, seed: int = 0,
     specs = registry.family(config).param_specs(config)
     params = init_params(specs, jax.random.key(seed), dtype)
     if quantization not in (None, "none"):
-        params = quantize_params(params, quantization, group_size)
+        params = quantize_params(params, quantization, group_size, specs)
     return Model(config=config, params=params, tokenizer=None, policy=policy or KernelPolicy())
 
 
