@@ -19,6 +19,8 @@
 #                                        # B=1 ctx 32k, and the embedded model's int8 tokens
 #   bash benchmarks/run_h200.sh quant    # jaxinfer bench, bf16 vs int8 vs int4 weights
 #   bash benchmarks/run_h200.sh qkernels # benchmarks/quantized.py (quantized decode matmuls)
+#   bash benchmarks/run_h200.sh moe      # benchmarks/moe.py: MoE experts, ragged_dot vs a dense
+#                                        # per-expert loop vs gather (Mixtral, Qwen3-30B-A3B)
 # Results: JSON lines in ${OUT:-.}/bench-<part>.jsonl; a table on stdout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -121,5 +123,9 @@ kernels() {  # KERNELS="gemv,decode" picks parts of benchmarks/kernels.py
 kv() {  # the quantized KV caches: speed and bytes at 32k, then fidelity on the embedded model
   timeout "${KV_TIMEOUT:-540}" python3 benchmarks/kv_cache.py --json "$out/kv_cache.jsonl" 2>&1 \
     | grep -v '^bench' | tail -20
+}
+moe() {  # benchmarks/moe.py: the MoE experts' implementations at prefill and decode shapes
+  timeout "${MOE_TIMEOUT:-300}" python3 benchmarks/moe.py ${QUICK:+--quick} \
+    ${MOE_MODELS:+--models "$MOE_MODELS"} --json "$out/moe.jsonl" 2>&1 | grep -v '^{' | tail -40
 }
 for part in "${@:-ours}"; do "$part"; done
