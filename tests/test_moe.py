@@ -423,3 +423,26 @@ def test_router_jitter_noise_is_ignored(tmp_path):
     model = jaxinfer.load(str(_hf_dir(tmp_path, "mixtral", router_jitter_noise=0.1,
                                       output_router_logits=True)), dtype="float32")
     assert rel_err(np.asarray(model(ref["input_ids"])), ref["logits"]) <= 1e-4
+
+
+def test_gguf_experts_are_refused():
+    from checkpoints.gguf import config_from_metadata
+
+    meta = {"general.architecture": "llama", "llama.expert_count": 8,
+            "llama.expert_used_count": 2}
+    with pytest.raises(ValueError, match=r"llama.expert_count = 8.*not supported yet"):
+        config_from_metadata(meta, "mixtral.gguf")
+
+
+def test_bench_floor_counts_the_experts_a_step_reads():
+    """At batch 1 a Mixtral decode step reads 2 of 8 experts per layer; at a large batch
+    nearly all of them."""
+    from jaxinfer.bench import decode_bytes_per_step
+
+    config = PRESETS["mixtral-8x7b"]
+    one, many = (decode_bytes_per_step(config, b, 0) for b in (1, 512))
+    expert = 3 * 4096 * 14336 * 2  # one expert's bf16 bytes
+    assert round((many - one) / expert / 32, 1) == 6.0  # 6 more experts in each of 32 layers
+    dense = config.replace(moe=None)  # one MLP of the expert's size per layer
+    assert round((one - decode_bytes_per_step(dense, 1, 0)) / expert / 32, 2) == 1.0
+
