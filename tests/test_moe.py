@@ -159,6 +159,25 @@ def test_incremental_decoding_matches_full_forward():
     np.testing.assert_array_equal(inc.argmax(-1), full.argmax(-1))
 
 
+@pytest.mark.gpu
+def test_bfloat16_decode_through_the_kernels():
+    """The default plan on the GPU (Pallas boundaries and matmuls around the MoE sublayer)
+    against the pure-jnp references, prefill then one decode step, bf16."""
+    variant = DATA / "hf" / "mixtral"
+    model = jaxinfer.load(str(variant), dtype="bfloat16")
+    ids = jnp.asarray(np.load(variant / "ref.npz")["input_ids"])[:, :9]
+    b, t = ids.shape
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    outs = []
+    for policy in (KernelPolicy(), KernelPolicy.reference()):
+        plan = model.with_policy(policy).plan
+        cache = KVCache.init(model.config, b, 16)
+        _, cache = llama.forward(model.params, ids[:, :-1], pos[:, :-1], plan, cache)
+        logits, _ = llama.forward(model.params, ids[:, -1:], pos[:, -1:], plan, cache)
+        outs.append(np.asarray(logits))
+    assert rel_err(outs[0], outs[1]) < 3e-2
+
+
 def test_greedy_generation_matches_transformers(variant):
     ref = np.load(variant / "ref.npz")
     model = jaxinfer.load(str(variant), dtype="float32")
