@@ -109,7 +109,8 @@ def test_route_rejects_wrong_shapes():
 # ------------------------------------------------------------------- models vs transformers
 
 
-@pytest.mark.parametrize("impl", [MoEImpl.RAGGED_DOT, MoEImpl.GATHER, MoEImpl.DENSE])
+# The default plan (ragged_dot at these 48 rows) is tests/test_models.py's, on every fixture.
+@pytest.mark.parametrize("impl", [MoEImpl.GATHER, MoEImpl.DENSE])
 def test_logits_match_transformers_each_implementation(variant, impl):
     ref = np.load(variant / "ref.npz")
     model = jaxinfer.load(str(variant), dtype="float32").with_policy(KernelPolicy(moe=impl))
