@@ -20,6 +20,8 @@
 #                                        # ($KV_ARGS: e.g. --skip greedy where it is absent)
 #   bash benchmarks/run_h200.sh quant    # jaxinfer bench, bf16 vs int8 vs int4 weights
 #   bash benchmarks/run_h200.sh qkernels # benchmarks/quantized.py (quantized decode matmuls)
+#   bash benchmarks/run_h200.sh moe      # benchmarks/moe.py: MoE experts, ragged_dot vs a dense
+#                                        # per-expert loop vs gather (Mixtral, Qwen3-30B-A3B)
 # Results: JSON lines in ${OUT:-.}/bench-<part>.jsonl; a table on stdout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -122,5 +124,9 @@ kernels() {  # KERNELS="gemv,decode" picks parts of benchmarks/kernels.py
 kv() {  # the quantized KV caches: speed and bytes at 32k, then fidelity on the embedded model
   timeout "${KV_TIMEOUT:-540}" python3 benchmarks/kv_cache.py ${KV_ARGS:-} --json "$out/kv_cache.jsonl" 2>&1 \
     | grep -v '^bench' | tail -20
+}
+moe() {  # benchmarks/moe.py: the MoE experts' implementations at prefill and decode shapes
+  timeout "${MOE_TIMEOUT:-300}" python3 benchmarks/moe.py ${QUICK:+--quick} \
+    ${MOE_MODELS:+--models "$MOE_MODELS"} --json "$out/moe.jsonl" 2>&1 | grep -v '^{' | tail -40
 }
 for part in "${@:-ours}"; do "$part"; done

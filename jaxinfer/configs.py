@@ -36,6 +36,98 @@ class RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """A Mixture-of-Experts MLP: how tokens are routed and which layers have experts.
+
+    Routers (ops/moe.py `route`): "softmax" over all experts (Mixtral, Qwen3-MoE, DeepSeek-V2)
+    or "sigmoid" per expert (DeepSeek-V3, whose `score_bias` shifts the scores for choosing
+    experts only). With n_group > 1 a token first keeps the topk_group best groups of
+    num_experts / n_group experts, a group scored by its best expert ("max": DeepSeek-V2's
+    group_limited_greedy) or the sum of its best two ("top2_sum": DeepSeek-V3's noaux_tc).
+    """
+
+    num_experts: int
+    experts_per_token: int  # top-k
+    expert_intermediate_size: int
+    router: str = "softmax"  # "softmax" | "sigmoid"
+    norm_topk_prob: bool = False  # renormalise the k chosen weights to sum to 1
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    group_scoring: str = "max"  # "max" | "top2_sum"
+    score_bias: bool = False  # a float32 [E] bias added to the scores for the choice only
+    num_shared_experts: int = 0
+    shared_intermediate_size: int | None = None  # None: num_shared_experts * expert size
+    first_dense_layers: int = 0  # DeepSeek first_k_dense_replace
+    sparse_step: int = 1  # Qwen3-MoE decoder_sparse_step: layer i has experts iff (i+1) % step == 0
+    dense_layers: tuple[int, ...] = ()  # Qwen3-MoE mlp_only_layers
+
+    def __post_init__(self):
+        problems = []
+        for name in ("num_experts", "experts_per_token", "expert_intermediate_size", "n_group",
+                     "topk_group", "sparse_step"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                problems.append(f"{name} must be an integer >= 1, got {value!r}")
+        for name in ("num_shared_experts", "first_dense_layers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                problems.append(f"{name} must be an integer >= 0, got {value!r}")
+        if problems:  # the checks below need these to be integers
+            raise ValueError("invalid MoE config: " + "; ".join(problems))
+        e, k, g = self.num_experts, self.experts_per_token, self.n_group
+        if self.router not in ("softmax", "sigmoid"):
+            problems.append(f"router must be 'softmax' or 'sigmoid', got {self.router!r}")
+        if self.group_scoring not in ("max", "top2_sum"):
+            problems.append(f"group_scoring must be 'max' or 'top2_sum', got "
+                            f"{self.group_scoring!r}")
+        if k > e:
+            problems.append(f"experts_per_token ({k}) must be at most num_experts ({e})")
+        if e % g:
+            problems.append(f"n_group ({g}) must divide num_experts ({e})")
+        elif self.topk_group > g:
+            problems.append(f"topk_group ({self.topk_group}) must be at most n_group ({g})")
+        elif k > self.topk_group * (e // g):
+            problems.append(f"experts_per_token ({k}) does not fit in the topk_group "
+                            f"({self.topk_group}) groups of {e // g} experts kept")
+        elif g > 1 and self.group_scoring == "top2_sum" and e // g < 2:
+            problems.append(f"group_scoring 'top2_sum' needs at least 2 experts per group, "
+                            f"got {e // g} ({e} experts in {g} groups)")
+        if not (math.isfinite(self.routed_scaling_factor) and self.routed_scaling_factor > 0):
+            problems.append(f"routed_scaling_factor must be finite and positive, got "
+                            f"{self.routed_scaling_factor!r}")
+        if self.shared_intermediate_size is not None and (
+                not isinstance(self.shared_intermediate_size, int)
+                or self.shared_intermediate_size < 1):
+            problems.append(f"shared_intermediate_size must be an integer >= 1 or None, got "
+                            f"{self.shared_intermediate_size!r}")
+        if not isinstance(self.dense_layers, tuple) or not all(
+                isinstance(i, int) and i >= 0 for i in self.dense_layers):
+            problems.append(f"dense_layers must be a tuple of layer indices >= 0, got "
+                            f"{self.dense_layers!r}")
+        for name in ("norm_topk_prob", "score_bias"):
+            if not isinstance(getattr(self, name), bool):
+                problems.append(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if problems:
+            raise ValueError("invalid MoE config: " + "; ".join(problems))
+
+    @property
+    def shared_size(self) -> int:
+        """The shared experts' intermediate size (0 without shared experts)."""
+        if not self.num_shared_experts:
+            return 0
+        return (self.shared_intermediate_size
+                or self.num_shared_experts * self.expert_intermediate_size)
+
+    def is_moe_layer(self, i: int) -> bool:
+        return (i >= self.first_dense_layers and i not in self.dense_layers
+                and (i + 1) % self.sparse_step == 0)
+
+    def replace(self, **changes) -> MoEConfig:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     """Shapes and switches of a decoder-only transformer."""
 
@@ -67,6 +159,7 @@ class Config:
     architecture: str = "LlamaForCausalLM"  # the HF architecture name, for messages
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    moe: MoEConfig | None = None  # experts in the layers moe.is_moe_layer(i) says
 
     def __post_init__(self):
         problems = []
@@ -86,6 +179,8 @@ class Config:
                             f"{self.num_layers} layers")
         if self.rope_freq_factors:
             problems += self._rope_freq_factor_problems()
+        if self.moe is not None:
+            problems += self._moe_problems()
         if problems:
             raise ValueError("invalid model config: " + "; ".join(problems))
 
@@ -104,6 +199,22 @@ class Config:
                             f"{self.rope_scaling.kind!r} rope scaling")
         return problems
 
+    def _moe_problems(self) -> list[str]:
+        if not isinstance(self.moe, MoEConfig):
+            return [f"moe must be a MoEConfig or None, got {type(self.moe).__name__}"]
+        outside = [i for i in self.moe.dense_layers if i >= self.num_layers]
+        problems = []
+        if outside:
+            problems.append(f"moe.dense_layers {outside} outside the {self.num_layers} layers")
+        if not any(self.moe.is_moe_layer(i) for i in range(self.num_layers)):
+            problems.append(f"moe is set but none of the {self.num_layers} layers has experts "
+                            f"(first_dense_layers {self.moe.first_dense_layers}, sparse_step "
+                            f"{self.moe.sparse_step}, dense_layers {self.moe.dense_layers})")
+        return problems
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.moe is not None and self.moe.is_moe_layer(i)
+
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
@@ -114,13 +225,23 @@ class Config:
     def replace(self, **changes) -> Config:
         return dataclasses.replace(self, **changes)
 
-    def num_params(self) -> int:
-        """Parameter count (embedding and head counted once when tied)."""
+    def num_params(self, active: bool = False) -> int:
+        """Parameter count (embedding and head counted once when tied); active: with only
+        the experts one token uses (experts_per_token of each MoE layer's routed experts)."""
         d, f, hd = self.hidden_size, self.intermediate_size, self.head_dim
         attn = d * hd * (self.num_heads * 2 + self.num_kv_heads * 2)
-        per_layer = attn + 3 * d * f + 2 * d
+        total = 0
+        for i in range(self.num_layers):
+            total += attn + 2 * d
+            if self.is_moe_layer(i):
+                m = self.moe
+                experts = m.experts_per_token if active else m.num_experts
+                total += (d * m.num_experts + (m.num_experts if m.score_bias else 0)
+                          + experts * 3 * d * m.expert_intermediate_size + 3 * d * m.shared_size)
+            else:
+                total += 3 * d * f
         head = 0 if self.tie_word_embeddings else self.vocab_size * d
-        return self.num_layers * per_layer + self.vocab_size * d + head + d
+        return total + self.vocab_size * d + head + d
 
 
 # Real shapes for benchmarks with random weights (`jaxinfer bench --preset NAME --random-weights`).
@@ -142,6 +263,22 @@ PRESETS: Mapping[str, Config] = types.MappingProxyType({
         num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
         max_position_embeddings=40960, qk_norm=True, dtype="bfloat16",
         architecture="Qwen3ForCausalLM", eos_token_ids=(151645,)),
+    # mistralai/Mixtral-8x7B-v0.1 config.json
+    "mixtral-8x7b": Config(
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32,
+        num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=1000000.0,
+        max_position_embeddings=32768, dtype="bfloat16", architecture="MixtralForCausalLM",
+        bos_token_id=1, eos_token_ids=(2,),
+        moe=MoEConfig(num_experts=8, experts_per_token=2, expert_intermediate_size=14336,
+                      norm_topk_prob=True)),
+    # Qwen/Qwen3-30B-A3B config.json
+    "qwen3-30b-a3b": Config(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=48,
+        num_heads=32, num_kv_heads=4, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        max_position_embeddings=40960, qk_norm=True, dtype="bfloat16",
+        architecture="Qwen3MoeForCausalLM", bos_token_id=151643, eos_token_ids=(151645,),
+        moe=MoEConfig(num_experts=128, experts_per_token=8, expert_intermediate_size=768,
+                      norm_topk_prob=True)),
     "smollm2-135m": Config(
         vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
         num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,

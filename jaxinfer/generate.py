@@ -314,8 +314,8 @@ class _Request:
 @functools.partial(jax.jit, static_argnames=("plan",))
 def _dequantized(params, plan: Plan):
     config = plan.config
-    dense = dequantize_params(params, registry.family(config).param_specs(config))
-    return cast_floating(dense, config.dtype)
+    specs = registry.family(config).param_specs(config)
+    return cast_floating(dequantize_params(params, specs), config.dtype, specs)
 
 
 def run_params(model, plan: Plan):

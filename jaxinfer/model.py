@@ -95,8 +95,8 @@ def from_params(config: Config, params, tokenizer=None, dtype: str | None = None
     if quantization == "none":
         params = dequantize_params(params, specs)
     elif quantization is not None:
-        params = quantize_params(params, quantization, group_size)
-    params = cast_floating(params, dtype)
+        params = quantize_params(params, quantization, group_size, specs)
+    params = cast_floating(params, dtype, specs)
     return Model(config=config, params=params, tokenizer=tokenizer, policy=_check_policy(policy))
 
 

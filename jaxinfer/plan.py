@@ -51,6 +51,14 @@ class Flash(enum.Enum):
     MOSAIC = "mosaic"
 
 
+class MoEImpl(enum.Enum):
+    """How a MoE layer runs its routed experts (jaxinfer/ops/moe.py)."""
+    AUTO = "auto"  # GATHER at most moe_gather_rows token rows, else RAGGED_DOT
+    RAGGED_DOT = "ragged_dot"  # tokens sorted by expert, one grouped matmul (jax.lax.ragged_dot)
+    GATHER = "gather"  # each token's k chosen experts' weights taken and applied (decode)
+    DENSE = "dense"  # every expert on every token, unchosen weights zero (the reference)
+
+
 @dataclasses.dataclass(frozen=True)
 class Prefetch:
     """A producer kernel asks the L2 for the first `rows` rows of each of its consumer's K
@@ -111,11 +119,16 @@ class KernelPolicy:
     # where the reference attention's [T, S] scores of a one-shot 8k prefill take GBs;
     # one shot elsewhere (flash attention). 0: always one shot.
     prefill_chunk: int | None = None
+    # MoE experts: the implementation, and with AUTO the most token rows (B * T) that take
+    # the gather path, which reads only the chosen experts' weights (a first guess;
+    # benchmarks/moe.py measures both paths).
+    moe: MoEImpl = MoEImpl.AUTO
+    moe_gather_rows: int = 4
 
     def __post_init__(self):
         for name, kind in (("kernels", Kernels), ("norm_linear_boundary", Boundary),
                            ("gated_mlp_boundary", Boundary), ("lm_head_boundary", Boundary),
-                           ("lm_head", Impl), ("flash", Flash)):
+                           ("lm_head", Impl), ("flash", Flash), ("moe", MoEImpl)):
             if not isinstance(getattr(self, name), kind):
                 raise ValueError(f"KernelPolicy.{name}={getattr(self, name)!r}: must be a "
                                  f"{kind.__name__} ({', '.join(k.name for k in kind)})")
@@ -131,6 +144,7 @@ class KernelPolicy:
         _check_int("attention_chunk", self.attention_chunk, 16)
         _check_int("steps_per_sync", self.steps_per_sync, 1)
         _check_int("steps_per_sync_no_stop", self.steps_per_sync_no_stop, 1)
+        _check_int("moe_gather_rows", self.moe_gather_rows, 0)
         if self.prefill_chunk is not None:
             _check_int("prefill_chunk", self.prefill_chunk, 0)
         if self.attention_chunk & (self.attention_chunk - 1):

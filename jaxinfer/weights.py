@@ -105,6 +105,9 @@ class Kind(enum.Enum):
     ARRAY = "array"  # a plain array: norm weights, biases
     DENSE = "dense"  # a matmul weight [in, *out], held as Dense
     DENSE_T = "dense_t"  # a matmul weight [out, in] (an embedding table), held as Dense
+    # stacked per-expert matmul weights [E, in, out] (MoE), held as a plain array: the experts
+    # op indexes the expert axis itself (a grouped matmul, or the chosen experts' slices)
+    EXPERTS = "experts"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,21 +116,30 @@ class ParamSpec:
     axes: tuple[str | None, ...]  # logical axis names
     init: str = "normal"  # "normal" (fan-in scaled), "ones", "zeros"
     kind: Kind = Kind.ARRAY
+    # A dtype the parameter keeps whatever the model's (a MoE router in float32, so the
+    # choice of experts does not move with the activations' precision); None: the model's.
+    dtype: str | None = None
 
     def initialize(self, key: jax.Array, dtype):
+        dtype = self.dtype or dtype
         if self.init == "ones":
             value = jnp.ones(self.shape, dtype)
         elif self.init == "zeros":
             value = jnp.zeros(self.shape, dtype)
         else:
-            std = 1.0 / math.sqrt(self.shape[0]) if len(self.shape) >= 2 else 0.02  # fan-in first
+            # fan-in: the first axis, or the second of stacked experts [E, in, out]
+            fan_in = self.shape[1] if self.kind is Kind.EXPERTS else self.shape[0]
+            std = 1.0 / math.sqrt(fan_in) if len(self.shape) >= 2 else 0.02
             value = (std * jax.random.normal(key, self.shape, jnp.float32)).astype(dtype)
         return self.wrap(value)
 
     def wrap(self, value):
         """A loaded array as this parameter's type (a Dense is returned as is; a
         QuantizedWeight [K, N] takes the declared output dims)."""
-        if self.kind is Kind.ARRAY or isinstance(value, Dense):
+        if self.kind is Kind.EXPERTS and isinstance(value, QuantizedWeight | Parts | Dense):
+            raise ValueError(f"expert weights {list(self.shape)} arrived as a "
+                             f"{type(value).__name__}: quantized experts are not supported yet")
+        if self.kind in (Kind.ARRAY, Kind.EXPERTS) or isinstance(value, Dense):
             return value
         if isinstance(value, QuantizedWeight | Parts):
             out = self.shape[1:] if self.kind is Kind.DENSE else self.shape[:1]
@@ -138,7 +150,7 @@ class ParamSpec:
 
     def abstract(self, dtype):
         """The parameter as a shape/dtype struct of its type (for lowering without weights)."""
-        return self.wrap(jax.ShapeDtypeStruct(self.shape, dtype))
+        return self.wrap(jax.ShapeDtypeStruct(self.shape, self.dtype or dtype))
 
 
 def _is_spec(x) -> bool:
@@ -187,7 +199,10 @@ def check_params(params, specs) -> None:
                                 f"{list(s.shape)} ([in, out])")
             continue
         if isinstance(a, QuantizedWeight):
-            if s.kind is Kind.ARRAY:
+            if s.kind is Kind.EXPERTS:
+                problems.append(f"{k} is quantized ({a.name}): quantized experts are not "
+                                f"supported yet")
+            elif s.kind is Kind.ARRAY:
                 problems.append(f"{k} is quantized ({a.name}), expected a plain array")
             elif (a.k, a.n) != (quantized_shape(s)[0], math.prod(quantized_shape(s)[1:])):
                 problems.append(f"{k} is a quantized {list(a.shape)} ({a.name}), expected "
@@ -209,9 +224,14 @@ def typed(params, specs):
     return jax.tree.map(lambda s, p: s.wrap(p), specs, params, is_leaf=_is_spec)
 
 
-def cast_floating(params, dtype):
+def cast_floating(params, dtype, specs=None):
     """Floating leaves cast to dtype, on the device; a QuantizedWeight's arrays (codes and
-    scales) and integer leaves are moved as they are."""
+    scales) and integer leaves are moved as they are. specs, when given (the params' own
+    declaration): a parameter declared with a dtype keeps that one."""
+    if specs is not None:
+        return jax.tree.map(lambda s, p: cast_floating(p, s.dtype or dtype), specs, params,
+                            is_leaf=_is_spec)
+
     def cast(a):
         if isinstance(a, QuantizedWeight):
             return jax.tree.map(jnp.asarray, a)
@@ -256,12 +276,25 @@ def _quantize_one(w, how: str, group_size: int | None, where: str) -> QuantizedW
         raise ValueError(f"{where} {list(a.shape)}: {e}") from None
 
 
-def quantize_params(params, how: str, group_size: int | None = None):
+def refuse_quantized_experts(specs, how: str) -> None:
+    """ValueError naming the first expert weight of specs, if any: a quantization `how` of
+    a MoE model would leave its experts, nearly all its bytes, in float."""
+    for path, spec in jax.tree_util.tree_leaves_with_path(specs, is_leaf=_is_spec):
+        if spec.kind is Kind.EXPERTS:
+            raise ValueError(f"quantization={how!r}: {jax.tree_util.keystr(path)} "
+                             f"{list(spec.shape)} holds experts, and quantized experts are not "
+                             f"supported yet; load this model without quantization")
+
+
+def quantize_params(params, how: str, group_size: int | None = None, specs=None):
     """Every Dense matmul weight of typed params quantized (`how`: int8 | int4 | fp8), one
     tensor at a time on its device (each float weight is released as its codes are made);
-    weights already quantized and plain arrays are kept."""
+    weights already quantized and plain arrays are kept. specs, when given: the params'
+    declaration, refused if it has experts (refuse_quantized_experts)."""
     import jax.numpy as jnp
 
+    if specs is not None:
+        refuse_quantized_experts(specs, how)
     if group_size is not None and (not isinstance(group_size, int) or group_size < 16
                                    or group_size % 16):
         raise ValueError(f"group_size={group_size!r}: a multiple of 16 (32, 64, 128 ...)")
@@ -298,6 +331,8 @@ def quantize_on_read(specs, how: str, group_size: int | None = None):
         for part in name.split("."):
             node = node[int(part)] if isinstance(node, list) else node[part]
         return node
+
+    refuse_quantized_experts(specs, how)
 
     def transform(name: str, value):
         try:

@@ -7,12 +7,29 @@ from collections.abc import Callable
 
 
 @dataclasses.dataclass(frozen=True)
+class ExpertLayout:
+    """One checkpoint layout of a MoE layer's router and experts (names under the layer's
+    prefix; every matrix [out, in] as torch stores it): router [E, D] (-> our "router"
+    [D, E]), router_bias [E] if the family has one; per_expert: our stacked name -> a name
+    with {j} for expert j, stacked to [E, in, out] as read; fused: our stacked name -> one
+    [E, out, in] tensor, "experts_gate_up" being gate and up concatenated along out (the
+    layout transformers 5 holds in memory)."""
+    router: str
+    per_expert: dict = dataclasses.field(default_factory=dict)
+    fused: dict = dataclasses.field(default_factory=dict)
+    router_bias: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class TensorMap:
     """Checkpoint tensor names of a family's parameters in one format: our per-layer param
     name -> (the tensor's name under the layer's prefix, whether to transpose it to our
-    [in, out] layout), and the same for the top-level params."""
+    [in, out] layout), and the same for the top-level params; experts: the layouts a MoE
+    layer's router and experts may come in, tried in order (the first whose tensors are
+    there is read)."""
     layer: dict
     top: dict
+    experts: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)

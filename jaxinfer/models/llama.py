@@ -1,7 +1,8 @@
-"""The Llama family: Llama 2/3/3.1/3.2, Mistral, Qwen2, Qwen3, SmolLM.
+"""The Llama family: Llama 2/3/3.1/3.2, Mistral, Qwen2, Qwen3, SmolLM; Mixtral, Qwen3-MoE.
 
 The family differences are switches on `Config` (qkv bias, q/k norm, sliding windows, RoPE
-scaling, tied embeddings), so one forward covers them all. The forward is a wiring diagram of
+scaling, tied embeddings, experts in the layers `config.is_moe_layer(i)` names), so one
+forward covers them all. The forward is a wiring diagram of
 ops (jaxinfer/ops): which kernels run, and how the residual stream's sublayer boundaries fuse
 into them, is the ops' business and the plan's.
 
@@ -19,7 +20,7 @@ import numpy as np
 from jaxinfer import ops
 from jaxinfer.cache import KVCache
 from jaxinfer.configs import Config
-from jaxinfer.models.family import Family, TensorMap
+from jaxinfer.models.family import ExpertLayout, Family, TensorMap
 from jaxinfer.plan import Plan
 from jaxinfer.weights import Dense, Kind, ParamSpec, Parts, QuantizedWeight, weight_format
 
@@ -51,9 +52,13 @@ def param_specs(config: Config) -> dict:
     if config.qk_norm:
         layer["q_norm"] = ParamSpec((hd,), (None,), "ones")
         layer["k_norm"] = ParamSpec((hd,), (None,), "ones")
+    mlp = ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
+    moe_layer = {**{k: v for k, v in layer.items() if k not in mlp},
+                 **ops.moe_param_specs(config)} if config.moe is not None else None
     specs = {
         "embed": ParamSpec((config.vocab_size, d), ("vocab", "embed"), kind=Kind.DENSE_T),
-        "layers": [dict(layer) for _ in range(config.num_layers)],
+        "layers": [dict(moe_layer if config.is_moe_layer(i) else layer)
+                   for i in range(config.num_layers)],
         "final_norm": ParamSpec((d,), ("embed",), "ones"),
     }
     if not config.tie_word_embeddings:
@@ -88,9 +93,12 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, plan: Plan,
                 k_norm=lp.get("k_norm"), fresh=fresh)  # o [B, T, Hq, hd]
             stream = ops.linear(o.reshape(b, t, -1), lp["wo"], plan, bias=lp.get("bo"),
                                 into=stream)
-            biases = (lp["b_gate"], lp["b_up"], lp["b_down"]) if config.mlp_bias else None
-            stream = ops.gated_mlp(stream, lp["mlp_norm"], lp["w_gate"], lp["w_up"],
-                                   lp["w_down"], plan, biases=biases)
+            if config.is_moe_layer(i):
+                stream = ops.moe_mlp(stream, lp["mlp_norm"], lp, plan)
+            else:
+                biases = (lp["b_gate"], lp["b_up"], lp["b_down"]) if config.mlp_bias else None
+                stream = ops.gated_mlp(stream, lp["mlp_norm"], lp["w_gate"], lp["w_up"],
+                                       lp["w_down"], plan, biases=biases)
             new_cache.append(layer_cache)
     head = params["embed"] if config.tie_word_embeddings else params["lm_head"]
     logits = ops.lm_head(stream, params["final_norm"], head, plan, rows_at=logits_at)
@@ -126,7 +134,22 @@ HF_TENSORS = TensorMap(
         "embed": ("model.embed_tokens.weight", False),
         "final_norm": ("model.norm.weight", False),
         "lm_head": ("lm_head.weight", True),
-    })
+    },
+    # MoE layers: the per-expert layouts transformers 5 writes (and Hub checkpoints have),
+    # then the fused one it holds in memory.
+    experts=(
+        ExpertLayout(router="block_sparse_moe.gate.weight", per_expert={  # Mixtral
+            "experts_gate": "block_sparse_moe.experts.{j}.w1.weight",
+            "experts_up": "block_sparse_moe.experts.{j}.w3.weight",
+            "experts_down": "block_sparse_moe.experts.{j}.w2.weight"}),
+        ExpertLayout(router="mlp.gate.weight", per_expert={  # Qwen3-MoE
+            "experts_gate": "mlp.experts.{j}.gate_proj.weight",
+            "experts_up": "mlp.experts.{j}.up_proj.weight",
+            "experts_down": "mlp.experts.{j}.down_proj.weight"}),
+        ExpertLayout(router="mlp.gate.weight", fused={
+            "experts_gate_up": "mlp.experts.gate_up_proj",
+            "experts_down": "mlp.experts.down_proj"}),
+    ))
 
 # gguf's TENSOR_NAMES (MODEL_ARCH.LLAMA / QWEN2 / QWEN3), ".weight" / ".bias" as the converter
 # appends them.
@@ -236,7 +259,7 @@ def fuse_qkv(layer: dict, config: Config, where: str) -> dict:
 FAMILY = Family(
     name="llama", param_specs=param_specs, forward=forward,
     hf_architectures=("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                      "Qwen3ForCausalLM"),
+                      "Qwen3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM"),
     hf_tensors=HF_TENSORS, gguf_architectures=("llama", "qwen2", "qwen3"),
     gguf_tensors=GGUF_TENSORS,
     assemble_layer=fuse_qkv, checkpoint_shapes=checkpoint_shapes)

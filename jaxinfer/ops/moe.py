@@ -1,0 +1,239 @@
+"""`moe_mlp`: the Mixture-of-Experts MLP sublayer, with `route` and `expert_counts` beside it.
+
+    route(router_logits [N, E] f32, moe, bias=None) -> (weights [N, k] f32, experts [N, k] i32)
+    expert_counts(experts [N, k], E) -> [E] int32     tokens routed to each expert
+    moe_mlp(stream, norm_weight, layer_params, plan)  the sublayer, on the residual stream
+
+A MoE layer's params: "router" [D, E] (a float32 Dense), "router_bias" [E] float32 (with
+moe.score_bias), "experts_gate" / "experts_up" [E, D, F] and "experts_down" [E, F, D]
+(stacked, plain arrays), and with shared experts "shared_gate" / "shared_up" [D, Fs] and
+"shared_down" [Fs, D] (Dense, a gated MLP every token runs).
+
+The routed experts go through EXPERTS, picked by the plan (KernelPolicy.moe): "ragged_dot"
+sorts the token-expert assignments by expert and runs each projection as one grouped matmul
+(no token dropping, no capacity); "gather" takes each token's k chosen experts' weights, so a
+decode step reads only those; "dense" runs every expert on every token with the unchosen
+weights zero (the reference, E / k times the work).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.configs import MoEConfig
+from jaxinfer.ops.dispatch import Registry, always, rows
+from jaxinfer.ops.linear import boundary, matmul
+from jaxinfer.ops.mlp import SWIGLU
+from jaxinfer.ops.stream import ANY_SUM, Residual
+from jaxinfer.plan import MoEImpl, Plan
+from jaxinfer.weights import Kind, ParamSpec
+
+# ---------------------------------------------------------------------------------------------
+# The parameters of a MoE layer's MLP (every family with experts declares these)
+# ---------------------------------------------------------------------------------------------
+
+
+def moe_param_specs(config) -> dict:
+    """The MoE MLP's params of one layer (beside the layer's "mlp_norm"), by the names
+    moe_mlp reads; the expert axis first, as the logical axis "experts"."""
+    moe, d = config.moe, config.hidden_size
+    e, f = moe.num_experts, moe.expert_intermediate_size
+    specs = {
+        "router": ParamSpec((d, e), ("embed", None), kind=Kind.DENSE, dtype="float32"),
+        "experts_gate": ParamSpec((e, d, f), ("experts", "embed", "mlp"), kind=Kind.EXPERTS),
+        "experts_up": ParamSpec((e, d, f), ("experts", "embed", "mlp"), kind=Kind.EXPERTS),
+        "experts_down": ParamSpec((e, f, d), ("experts", "mlp", "embed"), kind=Kind.EXPERTS),
+    }
+    if moe.score_bias:
+        specs["router_bias"] = ParamSpec((e,), (None,), "zeros", dtype="float32")
+    if moe.num_shared_experts:
+        fs = moe.shared_size
+        specs["shared_gate"] = ParamSpec((d, fs), ("embed", "mlp"), kind=Kind.DENSE)
+        specs["shared_up"] = ParamSpec((d, fs), ("embed", "mlp"), kind=Kind.DENSE)
+        specs["shared_down"] = ParamSpec((fs, d), ("mlp", "embed"), kind=Kind.DENSE)
+    return specs
+
+
+# ---------------------------------------------------------------------------------------------
+# Routing
+# ---------------------------------------------------------------------------------------------
+
+
+def route(router_logits: jax.Array, moe: MoEConfig, bias: jax.Array | None = None):
+    """Each token's k experts and their weights, as transformers' routers choose them.
+
+    softmax (Mixtral, Qwen3-MoE, DeepSeek-V2) or sigmoid (DeepSeek-V3) scores; `bias` [E]
+    (DeepSeek-V3's e_score_correction_bias) shifts the scores for the choice only; with
+    n_group > 1 only the topk_group best groups compete (a group's score: its best expert,
+    or the sum of its best two). The weights are the chosen unbiased scores, renormalised to
+    sum to 1 with norm_topk_prob, times routed_scaling_factor. Experts come best first.
+    router_logits [N, E] float32 -> (weights [N, k] float32, experts [N, k] int32).
+    """
+    e, k = moe.num_experts, moe.experts_per_token
+    if router_logits.ndim != 2 or router_logits.shape[-1] != e:
+        raise ValueError(f"route: router_logits {tuple(router_logits.shape)} must be "
+                         f"[tokens, num_experts={e}]")
+    if bias is not None and tuple(bias.shape) != (e,):
+        raise ValueError(f"route: bias {tuple(bias.shape)} must be [num_experts={e}]")
+    logits = router_logits.astype(jnp.float32)
+    if moe.router == "softmax":
+        scores = jax.nn.softmax(logits, axis=-1)
+    else:
+        scores = jax.nn.sigmoid(logits)
+    choice = scores if bias is None else scores + bias.astype(jnp.float32)  # [N, E]
+    if moe.n_group > 1 and moe.topk_group < moe.n_group:
+        n, g = choice.shape[0], moe.n_group
+        grouped = choice.reshape(n, g, e // g)
+        if moe.group_scoring == "max":
+            group_scores = grouped.max(axis=-1)  # [N, G]
+        else:
+            group_scores = jax.lax.top_k(grouped, 2)[0].sum(axis=-1)
+        kept = jax.lax.top_k(group_scores, moe.topk_group)[1]  # [N, topk_group]
+        keep = jnp.zeros((n, g), bool).at[jnp.arange(n)[:, None], kept].set(True)
+        choice = jnp.where(jnp.repeat(keep, e // g, axis=-1), choice, -jnp.inf)
+    experts = jax.lax.top_k(choice, k)[1].astype(jnp.int32)  # [N, k]
+    weights = jnp.take_along_axis(scores, experts, axis=-1)  # [N, k]
+    if moe.norm_topk_prob:
+        # DeepSeek-V3's sigmoid weights may all be tiny; transformers guards that sum alone.
+        total = weights.sum(axis=-1, keepdims=True)
+        weights = weights / (total + 1e-20 if moe.router == "sigmoid" else total)
+    return weights * moe.routed_scaling_factor, experts
+
+
+def expert_counts(experts: jax.Array, num_experts: int) -> jax.Array:
+    """How many token-expert assignments each expert got: experts [N, k] -> [E] int32."""
+    return jnp.bincount(experts.reshape(-1), length=num_experts).astype(jnp.int32)
+
+
+# ---------------------------------------------------------------------------------------------
+# The routed experts: (x [B, T, D], weights [N, k], experts [N, k], w_gate, w_up, w_down, plan)
+#   -> sum_j weights[:, j] * expert_{experts[:, j]}(x) [B, T, D] float32, N = B * T
+# ---------------------------------------------------------------------------------------------
+
+EXPERTS = Registry("experts")
+
+
+def _swiglu_act(g, u, dtype):
+    """silu(g) * u from float32 projections, in the activations' dtype (as HF rounds it)."""
+    return (jax.nn.silu(g.astype(dtype)) * u.astype(dtype)).astype(dtype)
+
+
+def _gather_supports(x, weights, experts, w_gate, w_up, w_down, plan) -> str | None:
+    policy = plan.policy
+    if policy.moe is MoEImpl.GATHER:
+        return None
+    if policy.moe is not MoEImpl.AUTO:
+        return f"the plan asks for {policy.moe.value}"
+    if rows(x) > policy.moe_gather_rows:
+        return f"{rows(x)} token rows > moe_gather_rows={policy.moe_gather_rows}"
+    if policy.batch_invariant and x.shape[1] != 1:
+        return "batch-invariant plans gather at decode (one token per row) only"
+    return None
+
+
+@EXPERTS.register("gather", _gather_supports)
+def _gather(x, weights, experts, w_gate, w_up, w_down, plan):
+    """Each token's k experts' weights taken [N, k, D, F] and applied: only the chosen
+    experts are read (the decode path, where N * k is below E or near it)."""
+    lead, d = x.shape[:-1], x.shape[-1]
+    h = x.reshape(-1, d)  # [N, D]
+    g = jnp.einsum("nd,nkdf->nkf", h, jnp.take(w_gate, experts, axis=0),
+                   preferred_element_type=jnp.float32)
+    u = jnp.einsum("nd,nkdf->nkf", h, jnp.take(w_up, experts, axis=0),
+                   preferred_element_type=jnp.float32)
+    y = jnp.einsum("nkf,nkfd->nkd", _swiglu_act(g, u, x.dtype),
+                   jnp.take(w_down, experts, axis=0), preferred_element_type=jnp.float32)
+    return jnp.einsum("nkd,nk->nd", y, weights).reshape(*lead, d)
+
+
+def _ragged_supports(x, weights, experts, w_gate, w_up, w_down, plan) -> str | None:
+    if plan.policy.moe in (MoEImpl.AUTO, MoEImpl.RAGGED_DOT):
+        return None
+    return f"the plan asks for {plan.policy.moe.value}"
+
+
+@EXPERTS.register("ragged_dot", _ragged_supports)
+def _ragged(x, weights, experts, w_gate, w_up, w_down, plan):
+    """Token-expert assignments sorted by expert, each projection one grouped matmul over
+    the groups (jax.lax.ragged_dot), the outputs weighted and scatter-added back."""
+    lead, d = x.shape[:-1], x.shape[-1]
+    n, k = experts.shape
+    order = jnp.argsort(experts.reshape(-1), stable=True)  # [N * k] assignments by expert
+    token = order // k  # each sorted assignment's token
+    sizes = expert_counts(experts, w_gate.shape[0])  # [E] group sizes
+    xs = x.reshape(n, d)[token]  # [N * k, D]
+    g = jax.lax.ragged_dot(xs, w_gate, sizes, preferred_element_type=jnp.float32)  # [N*k, F]
+    u = jax.lax.ragged_dot(xs, w_up, sizes, preferred_element_type=jnp.float32)
+    y = jax.lax.ragged_dot(_swiglu_act(g, u, x.dtype), w_down, sizes,
+                           preferred_element_type=jnp.float32)  # [N * k, D]
+    y = y * weights.reshape(-1)[order][:, None]
+    return jnp.zeros((n, d), jnp.float32).at[token].add(y).reshape(*lead, d)
+
+
+@EXPERTS.register("dense", always)
+def _dense(x, weights, experts, w_gate, w_up, w_down, plan):
+    """The reference: every expert on every token, combined by an [N, E] matrix holding the
+    routing weights of the chosen experts and zeros elsewhere."""
+    lead, d = x.shape[:-1], x.shape[-1]
+    n, e = experts.shape[0], w_gate.shape[0]
+    f32 = jnp.float32  # operands upcast: exact for 16-bit ones, and XLA:CPU has no bf16 x
+    # bf16 -> f32 batched dot
+    h = x.reshape(n, d).astype(f32)
+    combine = jnp.zeros((n, e), f32).at[jnp.arange(n)[:, None], experts].add(weights)
+    g = jnp.einsum("nd,edf->nef", h, w_gate.astype(f32))
+    u = jnp.einsum("nd,edf->nef", h, w_up.astype(f32))
+    act = _swiglu_act(g, u, x.dtype).astype(f32)
+    y = jnp.einsum("nef,efd->ned", act, w_down.astype(f32))
+    return jnp.einsum("ned,ne->nd", y, combine).reshape(*lead, d)
+
+
+# ---------------------------------------------------------------------------------------------
+# The sublayer
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_layer(lp: dict, moe: MoEConfig, d: int) -> None:
+    e = moe.num_experts
+    want = {"router": (d, e), "experts_gate": (e, d, moe.expert_intermediate_size),
+            "experts_up": (e, d, moe.expert_intermediate_size),
+            "experts_down": (e, moe.expert_intermediate_size, d)}
+    for name, shape in want.items():
+        w = lp.get(name)
+        got = None if w is None else tuple(getattr(w, "w", w).shape)
+        if got != shape:
+            raise ValueError(f"moe_mlp: {name} has shape {got}, expected {shape} (hidden {d}, "
+                             f"{e} experts of {moe.expert_intermediate_size})")
+
+
+def router_logits(h: jax.Array, router) -> jax.Array:
+    """h [..., D] @ router [D, E] in float32 at full precision (no TF32: a near tie between
+    two experts must not flip with the matmul's precision) -> [..., E] float32."""
+    w = getattr(router, "w", router).astype(jnp.float32)
+    return jnp.dot(h.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST)
+
+
+def moe_mlp(stream: Residual, norm_weight, layer_params: dict, plan: Plan) -> Residual:
+    """The MoE sublayer: x + pending -> that stream, with the experts' output (the routed
+    experts weighted, plus the shared experts) pending. layer_params: the layer's MoE params
+    (names in the module docstring)."""
+    config, policy = plan.config, plan.policy
+    moe, lp = config.moe, layer_params
+    aval = stream.aval
+    b, t, d = aval.shape
+    _check_layer(lp, moe, d)
+    x, delta = stream.take(ANY_SUM)
+    x, h = boundary(x, delta, norm_weight, config.rms_norm_eps, plan,
+                    policy.gated_mlp_boundary)  # h [B, T, D]
+    with jax.named_scope("router"):
+        weights, experts = route(router_logits(h, lp["router"]).reshape(b * t, -1), moe,
+                                 lp.get("router_bias"))  # [N, k] each
+    with jax.named_scope("experts"):
+        out = EXPERTS(h, weights, experts, lp["experts_gate"], lp["experts_up"],
+                      lp["experts_down"], plan)  # [B, T, D] float32
+    if moe.num_shared_experts:
+        with jax.named_scope("shared_experts"):
+            _, act = SWIGLU(h, lp["shared_gate"], lp["shared_up"], plan)  # [B, T, Fs]
+            out = out + matmul(act, lp["shared_down"], plan, out_dtype=jnp.float32)[1]
+    rest = Residual(x, aval, spare=stream.spare, dead=stream.dead)
+    return rest.with_pending(out.astype(aval.dtype))
