@@ -340,6 +340,10 @@ def config_from_metadata(meta: dict, path="<gguf>", token_embd_shape=None,
     def opt(key, kind, default):
         return _get(meta, f"{arch}.{key}", path, kind, default=default)
 
+    if opt("expert_count", int, 0):
+        raise ValueError(f"{path}: a mixture-of-experts GGUF ({arch}.expert_count = "
+                         f"{opt('expert_count', int, 0)}); GGUF experts are not supported yet: "
+                         f"load the HF checkpoint instead")
     hidden = req("embedding_length")
     heads = req("attention.head_count")
     context = req("context_length")

@@ -13,8 +13,9 @@ import pathlib
 from collections.abc import Mapping
 
 import jax.numpy as jnp
+import numpy as np
 
-from jaxinfer.configs import Config, RopeScaling
+from jaxinfer.configs import Config, MoEConfig, RopeScaling
 from jaxinfer.models import registry
 
 log = logging.getLogger(__name__)
@@ -25,6 +26,8 @@ LLAMA_VARIANTS = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 # Buffers some exporters write that carry no weights.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -73,8 +76,10 @@ def _rope_from_hf(cfg: dict) -> tuple[float, RopeScaling]:
 
 def _layer_windows(cfg: dict, family: str, num_layers: int) -> tuple[int | None, ...]:
     window = cfg.get("sliding_window")
-    if family == "mistral":
+    if family in ("mistral", "mixtral"):
         return (window,) * num_layers if window else ()
+    if family == "qwen3_moe":  # one window for every layer, when switched on
+        return (window,) * num_layers if cfg.get("use_sliding_window") and window else ()
     if family in ("qwen2", "qwen3"):
         if not cfg.get("use_sliding_window") or not window:
             return ()
@@ -83,6 +88,49 @@ def _layer_windows(cfg: dict, family: str, num_layers: int) -> tuple[int | None,
             for i in range(num_layers)]
         return tuple(window if t == "sliding_attention" else None for t in types)
     return ()
+
+
+# Router settings of other MoE architectures: present with another value in a Mixtral or
+# Qwen3-MoE config.json, they ask for routing these architectures do not have.
+FOREIGN_ROUTER_KEYS = (
+    ("n_shared_experts", (None, 0)), ("shared_expert_intermediate_size", (None, 0)),
+    ("scoring_func", (None, "softmax")), ("topk_method", (None, "greedy")),
+    ("n_group", (None, 1)), ("topk_group", (None, 1)), ("routed_scaling_factor", (None, 1, 1.0)))
+
+
+def _moe_from_hf(cfg: dict, family: str, arch: str, path: pathlib.Path) -> MoEConfig | None:
+    """The MoE config of a Mixtral / Qwen3-MoE config.json (router_jitter_noise and
+    output_router_logits are training switches: ignored)."""
+    if family not in ("mixtral", "qwen3_moe"):
+        return None
+    for key, defaults in FOREIGN_ROUTER_KEYS:
+        if cfg.get(key) not in defaults:
+            raise ValueError(f"{path}: {key}={cfg[key]!r} is a router setting {arch} does not "
+                             f"implement; not supported")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{path}: hidden_act={cfg['hidden_act']!r}: the experts are SwiGLU "
+                         f"(silu) only")
+    if family == "mixtral":
+        fields = {"num_local_experts": _require(cfg, "num_local_experts", path),
+                  "num_experts_per_tok": _require(cfg, "num_experts_per_tok", path),
+                  "intermediate_size": _require(cfg, "intermediate_size", path)}
+        extra = {"norm_topk_prob": True}  # Mixtral always renormalises its top-k
+    else:
+        # transformers 5 writes num_experts as num_local_experts (its attribute_map)
+        key = "num_experts" if "num_experts" in cfg else "num_local_experts"
+        if not cfg.get(key):
+            return None  # transformers: every layer a dense MLP
+        fields = {key: cfg[key],
+                  "num_experts_per_tok": _require(cfg, "num_experts_per_tok", path),
+                  "moe_intermediate_size": _require(cfg, "moe_intermediate_size", path)}
+        extra = {"norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+                 "sparse_step": cfg.get("decoder_sparse_step") or 1,
+                 "dense_layers": tuple(sorted(set(cfg.get("mlp_only_layers") or ())))}
+    try:
+        return MoEConfig(*fields.values(), **extra)
+    except ValueError as e:
+        given = ", ".join(f"{k}={v!r}" for k, v in {**fields, **extra}.items())
+        raise ValueError(f"{path}: {e} (from config.json {given})") from None
 
 
 def config_from_hf(cfg: dict, path: pathlib.Path = pathlib.Path("config.json")) -> Config:
@@ -113,15 +161,16 @@ def config_from_hf(cfg: dict, path: pathlib.Path = pathlib.Path("config.json")) 
         rope_scaling=rope_scaling,
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias={"qwen2": True, "mistral": False}.get(family, attention_bias),
-        o_bias=attention_bias if family in ("llama", "qwen3") else False,
+        qkv_bias={"qwen2": True, "mistral": False, "mixtral": False}.get(family, attention_bias),
+        o_bias=attention_bias if family in ("llama", "qwen3", "qwen3_moe") else False,
         mlp_bias=bool(cfg.get("mlp_bias", False)) if family == "llama" else False,
-        qk_norm=family == "qwen3",
+        qk_norm=family in ("qwen3", "qwen3_moe"),
         layer_windows=_layer_windows(cfg, family, layers),
         family=registry.for_hf_architecture(arch).name,
         architecture=arch,
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos,
+        moe=_moe_from_hf(cfg, family, arch, path),
     )
 
 
@@ -223,6 +272,9 @@ def params_from_hf_tensors(tensors, config: Config, source: str, transform=None)
             name = f"model.layers.{i}.{hf}"
             if present(name):
                 layer[ours] = take(name, tr)
+        if config.is_moe_layer(i):
+            layer.update(_read_experts(tensors, f"model.layers.{i}.", names.experts, config,
+                                       take, f"{source}: model.layers.{i}"))
         layer = family.assemble_layer(layer, config, f"{source}: model.layers.{i}")
         params["layers"].append({k: transform(f"layers.{i}.{k}", v) for k, v in layer.items()})
     unused = sorted(n for n in tensors if n not in used and not n.endswith(IGNORED_SUFFIXES)
@@ -232,6 +284,52 @@ def params_from_hf_tensors(tensors, config: Config, source: str, transform=None)
                          f"{', '.join(unused[:8])}{' ...' if len(unused) > 8 else ''}; "
                          "does config.json (num_hidden_layers, biases) match the weights?")
     return params
+
+
+def _read_experts(tensors, prefix: str, layouts, config: Config, take, where: str) -> dict:
+    """A MoE layer's router and stacked experts in our layout (router [D, E], experts_gate /
+    experts_up [E, D, F], experts_down [E, F, D]) from the first of the family's layouts
+    whose tensors the checkpoint has; per-expert tensors are stacked as they are read."""
+    moe, d = config.moe, config.hidden_size
+    e, f = moe.num_experts, moe.expert_intermediate_size
+    torch_shape = {"experts_gate": (f, d), "experts_up": (f, d), "experts_down": (d, f),
+                   "experts_gate_up": (2 * f, d)}  # [out, in] per expert
+
+    def read(name: str, shape: tuple) -> np.ndarray:
+        t = np.asarray(take(prefix + name, False))
+        if t.shape != shape:
+            raise ValueError(f"{where}: {prefix + name} has shape {t.shape}, expected {shape} "
+                             f"from the config (hidden {d}, {e} experts of {f})")
+        return t
+
+    for lay in layouts:
+        first = [n.format(j=0) for n in lay.per_expert.values()] + list(lay.fused.values())
+        if prefix + lay.router not in tensors or not all(prefix + n in tensors for n in first):
+            continue
+        out = {"router": read(lay.router, (e, d)).T}
+        if moe.score_bias:
+            if lay.router_bias is None or prefix + lay.router_bias not in tensors:
+                raise ValueError(f"{where}: the config routes with a score bias, but there is "
+                                 f"no {prefix}{lay.router_bias or 'router bias'}")
+            out["router_bias"] = read(lay.router_bias, (e,))
+        for ours, pattern in lay.per_expert.items():
+            stacked = None
+            for j in range(e):
+                t = read(pattern.format(j=j), torch_shape[ours])
+                if stacked is None:
+                    stacked = np.empty((e, *t.shape[::-1]), t.dtype)  # [E, in, out]
+                stacked[j] = t.T
+            out[ours] = stacked
+        for ours, name in lay.fused.items():
+            t = read(name, (e, *torch_shape[ours])).transpose(0, 2, 1)  # [E, in, out]
+            if ours == "experts_gate_up":  # gate then up along out, as torch chunks them
+                out["experts_gate"], out["experts_up"] = t[..., :f], t[..., f:]
+            else:
+                out[ours] = t
+        return out
+    raise ValueError(f"{where}: the config puts experts in this layer, but the checkpoint has "
+                     f"none of the known MoE layouts (routers: "
+                     f"{', '.join(sorted({prefix + lay.router for lay in layouts}))})")
 
 
 def load_hf_dir(path: str | pathlib.Path, before_tensors=None, transform=None):

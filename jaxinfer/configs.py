@@ -116,7 +116,8 @@ class MoEConfig:
         """The shared experts' intermediate size (0 without shared experts)."""
         if not self.num_shared_experts:
             return 0
-        return self.shared_intermediate_size or self.num_shared_experts * self.expert_intermediate_size
+        return (self.shared_intermediate_size
+                or self.num_shared_experts * self.expert_intermediate_size)
 
     def is_moe_layer(self, i: int) -> bool:
         return (i >= self.first_dense_layers and i not in self.dense_layers
