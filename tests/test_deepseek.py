@@ -55,41 +55,44 @@ def test_logits_match_transformers(variant):
     np.testing.assert_array_equal(logits.argmax(-1), ref["logits"].argmax(-1))
 
 
-@pytest.mark.parametrize("policy", [None, KernelPolicy(prefill_chunk=4)],
-                         ids=["one_shot", "chunked_prefill"])
-def test_greedy_generation_matches_transformers(variant, policy):
+def test_greedy_generation_matches_transformers(variant):
     d, model, ref = variant
     prompts = [list(map(int, p)) for p in ref["greedy_prompt"]]
-    out = jaxinfer.generate(model, prompts, max_new_tokens=ref["greedy_new"].shape[1],
-                            policy=policy)
+    out = jaxinfer.generate(model, prompts, max_new_tokens=ref["greedy_new"].shape[1])
     assert [c.token_ids for c in out] == ref["greedy_new"].tolist()
+    if d.name == "deepseek_v3":  # a chunked prefill: chunks of 3 absorbed against the cache
+        out = jaxinfer.generate(model, prompts, max_new_tokens=ref["greedy_new"].shape[1],
+                                policy=KernelPolicy(prefill_chunk=3))
+        assert [c.token_ids for c in out] == ref["greedy_new"].tolist()
 
 
 def test_incremental_decoding_matches_full_forward(variant):
-    """Prefill, then one token at a time and a chunk of 3 (absorbed, Tq > 1), against the
-    full forward's logits at every position."""
+    """A prefill of 8 tokens, then one token at a time and a chunk of 3 (absorbed, Tq > 1)
+    against the latent cache: every position's logits are the full forward's (transformers'),
+    over the first 16 positions."""
     d, model, ref = variant
-    tokens = jnp.asarray(ref["input_ids"])  # [B, T]
-    b, t = tokens.shape
-    plan, forward = model.plan, registry.family(model.config).forward
+    t = 16
+    tokens = jnp.asarray(ref["input_ids"][:, :t])  # [B, T]
+    b = tokens.shape[0]
+    plan = model.plan
+    forward = jax.jit(registry.family(model.config).forward, static_argnames=("plan", "fresh"))
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    full = np.asarray(forward(model.params, tokens, positions, plan)[0])
     cache = KVCache.init(model.config, b, t)
     assert isinstance(cache, LatentCache)
     p = 8
-    logits, cache = forward(model.params, tokens[:, :p], positions[:, :p], plan, cache,
+    logits, cache = forward(model.params, tokens[:, :p], positions[:, :p], plan, cache=cache,
                             fresh=True)
     steps = [np.asarray(logits)]
     while p < t:
         n = 3 if p == 12 else 1
         logits, cache = forward(model.params, tokens[:, p:p + n], positions[:, p:p + n], plan,
-                                cache)
+                                cache=cache)
         steps.append(np.asarray(logits))
         p += n
-    inc = np.concatenate(steps, axis=1)
+    inc = np.concatenate(steps, axis=1)  # [B, T, V]
     for i in range(t):
-        assert rel_err(inc[:, i], full[:, i]) <= 1e-5, f"position {i}"
-    assert rel_err(inc, ref["logits"]) <= 1e-4
+        assert rel_err(inc[:, i], ref["logits"][:, i]) <= 1e-4, f"position {i}"
+    np.testing.assert_array_equal(inc.argmax(-1), ref["logits"][:, :t].argmax(-1))
 
 
 # ----------------------------------------------------------------------------- MLA itself
@@ -127,13 +130,15 @@ def test_absorbed_equals_expanded(t):
     cache = cache.append(latent, positions)
     kw = dict(positions=positions, w_kv_b=w)
     assert mla.MLA_ATTEND.pick(q, latent, cache, plan, **kw).name == "absorbed"
-    absorbed = mla.MLA_ATTEND.get("absorbed").run(q, latent, cache, plan, **kw)
-    expanded = mla.MLA_ATTEND.get("expanded").run(q, latent, cache, plan, **kw)
+    absorbed_fn = jax.jit(lambda *a, **k: mla.MLA_ATTEND.get("absorbed").run(*a, plan, **k))
+    absorbed = absorbed_fn(q, latent, cache, **kw)
+    expanded = jax.jit(lambda *a, **k: mla.MLA_ATTEND.get("expanded").run(*a, plan, **k))(
+        q, latent, cache, **kw)
     assert absorbed.shape == (b, t, config.num_heads, config.mla.v_head_dim)
     np.testing.assert_allclose(absorbed, expanded, rtol=1e-5, atol=1e-5)
     # Slots past the last new token are not read: changing them changes nothing.
     poked = LatentLayer(cache.latent.at[:, 10:].set(100.0))
-    again = mla.MLA_ATTEND.get("absorbed").run(q, latent, poked, plan, **kw)
+    again = absorbed_fn(q, latent, poked, **kw)
     np.testing.assert_array_equal(again, absorbed)
 
 
@@ -144,15 +149,15 @@ def test_mla_decode_attention_causal_among_new_tokens():
     q = jax.random.normal(k[0], (b, 3, h, c))
     latent = jax.random.normal(k[1], (b, s, c))
     lengths = jnp.array([6, 9], jnp.int32)
-    out = mla.mla_decode_attention(q, latent, lengths, sm_scale=0.3, kv_lora_rank=r)
+    attend = jax.jit(lambda q, lengths: mla.mla_decode_attention(
+        q, latent, lengths, sm_scale=0.3, kv_lora_rank=r))
+    out = attend(q, lengths)
     assert out.shape == (b, 3, h, r)
     for t in range(3):
-        one = mla.mla_decode_attention(q[:, t:t + 1], latent, lengths - (2 - t), sm_scale=0.3,
-                                       kv_lora_rank=r)
+        one = attend(q[:, t:t + 1], lengths - (2 - t))
         np.testing.assert_allclose(out[:, t:t + 1], one, rtol=1e-6, atol=1e-6)
     # Length 1: the one visible slot's latent comes back.
-    first = mla.mla_decode_attention(q[:, :1], latent, jnp.ones((b,), jnp.int32), sm_scale=0.3,
-                                     kv_lora_rank=r)
+    first = attend(q[:, :1], jnp.ones((b,), jnp.int32))
     np.testing.assert_allclose(first[:, 0, 0], latent[:, 0, :r], rtol=1e-6)
 
 
