@@ -18,7 +18,7 @@ from jaxinfer.cache import KVCache, LatentCache, LatentLayer
 from jaxinfer.configs import PRESETS, Config, MLAConfig
 from jaxinfer.models import registry
 from jaxinfer.ops import mla
-from jaxinfer.plan import KernelPolicy, Plan
+from jaxinfer.plan import KernelPolicy, MoEImpl, Plan
 from jaxinfer.weights import QuantizedWeight
 
 HF = pathlib.Path(__file__).parent / "fixtures" / "data" / "hf"
@@ -367,3 +367,39 @@ def test_mtp_layers_are_ignored(tmp_path):
     ref = np.load(d / "ref.npz")
     logits = np.asarray(jaxinfer.load(str(d), dtype="float32")(ref["input_ids"]))
     assert rel_err(logits, ref["logits"]) <= 1e-4
+
+
+# ----------------------------------------------------------------------------- GPU lowering
+
+
+@pytest.mark.parametrize("preset", ["deepseek-v2-lite", "deepseek-v3"])
+def test_real_shapes_lower_for_h200(preset):
+    """A two-layer (one dense, one MoE) model at the preset's real shapes, bf16, with the ops
+    forced onto the kernels, lowered for an H200 on the CPU: a fresh prefill of 128 tokens
+    (flash attention on q/k/v padded 192 / 128 -> 256) and a decode step (the fused decode
+    matmuls; the absorbed attention in XLA until the MLA kernel plugs in)."""
+    from test_gpu_lowering import ON_GPU, kernel_names, lower_for_h200
+
+    from jaxinfer.models import deepseek
+    from jaxinfer.weights import abstract_params
+
+    base = PRESETS[preset]
+    config = base.replace(num_layers=2, moe=base.moe.replace(first_dense_layers=1))
+    params = abstract_params(deepseek.param_specs(config), jnp.bfloat16)
+    # The experts gather: ragged_dot does not lower under the abstract mesh (explicit sharding
+    # inference for ragged_dot_general is not implemented in jax 0.11).
+    plan = Plan(config, ON_GPU.replace(moe=MoEImpl.GATHER))
+
+    def run(params, tokens, positions, cache, fresh):
+        return deepseek.forward(params, tokens, positions, plan, cache, fresh=fresh)
+
+    for batch, t, fresh in ((1, 128, True), (4, 1, False)):
+        cache = jax.eval_shape(lambda: KVCache.init(config, batch, 256))
+        tokens = jax.ShapeDtypeStruct((batch, t), jnp.int32)
+        module = lower_for_h200(lambda p, x, c: run(p, x, x, c, fresh), params, tokens, cache)
+        names = kernel_names(module)
+        if fresh:
+            assert any("flash" in n for n in names), names
+        else:
+            assert any(n.startswith("norm_matmul") or n.startswith("add_norm_matmul")
+                       for n in names), names
