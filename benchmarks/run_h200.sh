@@ -19,6 +19,8 @@
 #                                        # B=1 ctx 32k, and the embedded model's int8 tokens
 #   bash benchmarks/run_h200.sh quant    # jaxinfer bench, bf16 vs int8 vs int4 weights
 #   bash benchmarks/run_h200.sh qkernels # benchmarks/quantized.py (quantized decode matmuls)
+#   bash benchmarks/run_h200.sh moe      # benchmarks/moe.py: MoE experts, ragged_dot vs a dense
+#                                        # per-expert loop vs gather (Mixtral, Qwen3-30B-A3B)
 #   bash benchmarks/run_h200.sh deepseek # jaxinfer bench at DeepSeek-V2-Lite shapes (MLA + MoE,
 #                                        # random weights): B=1 and B=32 decode
 # Results: JSON lines in ${OUT:-.}/bench-<part>.jsonl; a table on stdout.
@@ -123,6 +125,10 @@ kernels() {  # KERNELS="gemv,decode" picks parts of benchmarks/kernels.py
 kv() {  # the quantized KV caches: speed and bytes at 32k, then fidelity on the embedded model
   timeout "${KV_TIMEOUT:-540}" python3 benchmarks/kv_cache.py --json "$out/kv_cache.jsonl" 2>&1 \
     | grep -v '^bench' | tail -20
+}
+moe() {  # benchmarks/moe.py: the MoE experts' implementations at prefill and decode shapes
+  timeout "${MOE_TIMEOUT:-300}" python3 benchmarks/moe.py ${QUICK:+--quick} \
+    ${MOE_MODELS:+--models "$MOE_MODELS"} --json "$out/moe.jsonl" 2>&1 | grep -v '^{' | tail -40
 }
 deepseek() {  # DeepSeek-V2-Lite shapes: the latent cache and the absorbed decode (jnp for now)
   bench . deepseek --preset deepseek-v2-lite --batch 1 --prompt-len 128 --gen-len 128

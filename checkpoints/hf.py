@@ -303,6 +303,8 @@ def _read_experts(tensors, prefix: str, layouts, config: Config, take, where: st
                    "experts_gate_up": (2 * f, d)}  # [out, in] per expert
 
     def read(name: str, shape: tuple) -> np.ndarray:
+        if prefix + name not in tensors:
+            raise ValueError(f"{where}: missing {prefix + name} (the config has {e} experts)")
         t = np.asarray(take(prefix + name, False))
         if t.shape != shape:
             raise ValueError(f"{where}: {prefix + name} has shape {t.shape}, expected {shape} "

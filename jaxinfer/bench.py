@@ -79,6 +79,11 @@ def decode_bytes_per_step(config: Config, batch: int, context: int,
     if params is not None:
         embed, total = param_bytes(params["embed"]), param_bytes(params)
     weights = total - embed  # everything but the embedding table...
+    if config.moe is not None:  # ...less the experts no row routes to (uniform routing)
+        m = config.moe
+        unused = m.num_experts * (1 - m.experts_per_token / m.num_experts) ** batch
+        expert = 3 * config.hidden_size * m.expert_intermediate_size * itemsize
+        weights -= sum(map(config.is_moe_layer, range(config.num_layers))) * unused * expert
     weights += batch * config.hidden_size * itemsize  # ...of which B rows are read
     if config.tie_word_embeddings:
         weights += embed  # the tied head reads the whole table

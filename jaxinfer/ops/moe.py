@@ -177,12 +177,14 @@ def _dense(x, weights, experts, w_gate, w_up, w_down, plan):
     routing weights of the chosen experts and zeros elsewhere."""
     lead, d = x.shape[:-1], x.shape[-1]
     n, e = experts.shape[0], w_gate.shape[0]
-    h = x.reshape(n, d)
-    combine = jnp.zeros((n, e), jnp.float32).at[jnp.arange(n)[:, None], experts].add(weights)
-    g = jnp.einsum("nd,edf->nef", h, w_gate, preferred_element_type=jnp.float32)
-    u = jnp.einsum("nd,edf->nef", h, w_up, preferred_element_type=jnp.float32)
-    y = jnp.einsum("nef,efd->ned", _swiglu_act(g, u, x.dtype), w_down,
-                   preferred_element_type=jnp.float32)
+    f32 = jnp.float32  # operands upcast: exact for 16-bit ones, and XLA:CPU has no bf16 x
+    # bf16 -> f32 batched dot
+    h = x.reshape(n, d).astype(f32)
+    combine = jnp.zeros((n, e), f32).at[jnp.arange(n)[:, None], experts].add(weights)
+    g = jnp.einsum("nd,edf->nef", h, w_gate.astype(f32))
+    u = jnp.einsum("nd,edf->nef", h, w_up.astype(f32))
+    act = _swiglu_act(g, u, x.dtype).astype(f32)
+    y = jnp.einsum("nef,efd->ned", act, w_down.astype(f32))
     return jnp.einsum("ned,ne->nd", y, combine).reshape(*lead, d)
 
 

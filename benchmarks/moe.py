@@ -1,0 +1,221 @@
+"""The MoE experts on the GPU, in one run: correctness, then speed, per implementation.
+
+    PYTHONPATH=. python3 benchmarks/moe.py --json out.jsonl [--quick]
+
+For Mixtral-8x7B's experts (D 4096, F 14336, E 8, top-2) and Qwen3-30B-A3B's (D 2048,
+F 768, E 128, top-8), bf16, at prefill (B4 T2k = 8192 tokens) and decode (1 and 32 tokens),
+with real routing (softmax top-k of random router logits):
+
+    ours_ragged      jaxinfer.ops.moe's ragged_dot path: sort by expert, gather the rows, three
+                     jax.lax.ragged_dot, weighted scatter-add back (what the model runs)
+    ragged_dot_only  the three jax.lax.ragged_dot calls alone, on rows already sorted
+    dense_loop       a Python loop over the experts: each a dense matmul of its sorted rows
+                     (group sizes fixed at trace time)
+    gather           jaxinfer.ops.moe's gather path (decode shapes: the chosen experts' weights
+                     taken per token)
+    dense_all        jaxinfer.ops.moe's reference: every expert on every token in float32
+                     (E / k times the work; decode shapes only)
+
+Each is checked against a float32 reference at full precision (relative L2 error); its time
+is the median of repeated calls (benchmarks/kernels.py time_fn) rotating over two copies of
+the weights, so a decode step cannot hit the L2. Reported: ms, TFLOP/s of the routed work
+(N * k * 3 * 2 * D * F), TB/s of the expert bytes actually needed (the distinct chosen
+experts' weights: all of them at prefill, only the chosen ones at decode), and the fraction of
+the floor max(flops / 790 TFLOP/s, bytes / 4.8 TB/s) that the time reaches. JSON lines, then
+a table. --quick: tiny shapes on the CPU (checks that the script runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.kernels import time_fn
+from jaxinfer.configs import Config, MoEConfig
+from jaxinfer.ops import moe as moe_ops
+from jaxinfer.plan import Plan
+
+FLOOR_TFLOPS = 790.0  # H200 bf16 dense
+FLOOR_TBS = 4.8  # H200 HBM3e
+MODELS = {"mixtral-8x7b": (4096, 14336, 8, 2), "qwen3-30b-a3b": (2048, 768, 128, 8)}
+QUICK_MODELS = {"tiny-e8k2": (64, 32, 8, 2), "tiny-e16k4": (64, 16, 16, 4)}
+TOKENS = {"prefill_b4_t2k": 8192, "decode_1": 1, "decode_32": 32}
+QUICK_TOKENS = {"prefill_64": 64, "decode_1": 1, "decode_4": 4}
+
+
+def plan_for(d: int, f: int, e: int, k: int) -> Plan:
+    config = Config(vocab_size=16, hidden_size=d, intermediate_size=f, num_layers=1,
+                    num_heads=1, num_kv_heads=1, head_dim=2, dtype="bfloat16",
+                    moe=MoEConfig(num_experts=e, experts_per_token=k, expert_intermediate_size=f,
+                                  norm_topk_prob=True))
+    return Plan(config)
+
+
+def _swiglu_down(xs, wg, wu, wd, matmul):
+    g, u = matmul(xs, wg), matmul(xs, wu)
+    act = (jax.nn.silu(g.astype(xs.dtype)) * u.astype(xs.dtype)).astype(xs.dtype)
+    return matmul(act, wd)
+
+
+def ragged_only(xs, sizes, wg, wu, wd):
+    """xs [M, D] sorted by expert, sizes [E] -> [M, D] float32."""
+    def mm(a, w):
+        return jax.lax.ragged_dot(a, w, sizes, preferred_element_type=jnp.float32)
+    return _swiglu_down(xs, wg, wu, wd, mm)
+
+
+def dense_loop(xs, wg, wu, wd, *, sizes: tuple):
+    """The same product as one dense matmul per expert over its rows (sizes static)."""
+    outs, start = [], 0
+    for j, n in enumerate(sizes):
+        if n:
+            def mm(a, w, j=j):
+                return jnp.dot(a, w[j], preferred_element_type=jnp.float32)
+            outs.append(_swiglu_down(xs[start:start + n], wg, wu, wd, mm))
+        start += n
+    return jnp.concatenate(outs)
+
+
+@jax.jit
+def reference(x, weights, experts, wg, wu, wd):
+    """float32 at full precision, independent of the sort: every expert on every token (a
+    scan over the experts), weighted by the token's routing weight for it (0 if unchosen)."""
+    x32 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    n, e = x32.shape[0], wg.shape[0]
+    combine = jnp.zeros((n, e), jnp.float32).at[jnp.arange(n)[:, None], experts].add(weights)
+
+    def one(out, expert):
+        g, u, dn, c = expert
+        with jax.default_matmul_precision("highest"):
+            g = x32 @ g.astype(jnp.float32)
+            u = x32 @ u.astype(jnp.float32)
+            y = (jax.nn.silu(g) * u) @ dn.astype(jnp.float32)
+        return out + c[:, None] * y, None
+
+    out, _ = jax.lax.scan(one, jnp.zeros_like(x32), (wg, wu, wd, combine.T))
+    return out
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float32).reshape(-1), np.asarray(b, np.float32).reshape(-1)
+    if not np.all(np.isfinite(a)):
+        return float("nan")
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def run_case(model: str, dims, tokens_name: str, n: int, quick: bool, rows: list):
+    d, f, e, k = dims
+    plan = plan_for(d, f, e, k)
+    rng = np.random.default_rng(0)
+    keys = jax.random.split(jax.random.key(0), 8)
+    dtype = jnp.bfloat16
+    weights_sets = []
+    for c in range(2):  # two copies, so repeated decode calls do not read from the L2
+        kg, ku, kd = jax.random.split(keys[c], 3)
+        weights_sets.append((
+            (jax.random.normal(kg, (e, d, f), jnp.float32) / np.sqrt(d)).astype(dtype),
+            (jax.random.normal(ku, (e, d, f), jnp.float32) / np.sqrt(d)).astype(dtype),
+            (jax.random.normal(kd, (e, f, d), jnp.float32) / np.sqrt(f)).astype(dtype)))
+    xs_in = [jax.random.normal(keys[2 + c], (1, n, d), jnp.float32).astype(dtype)
+             for c in range(2)]
+    logits = jnp.asarray(rng.standard_normal((n, e)).astype(np.float32))
+    weights, experts = moe_ops.route(logits, plan.config.moe)
+    counts = np.asarray(moe_ops.expert_counts(experts, e))
+    used = int((counts > 0).sum())
+    flops = n * k * 3 * 2 * d * f
+    nbytes = used * 3 * d * f * 2 + 2 * n * d * 2  # chosen experts' weights, x in, y out
+    floor_s = max(flops / (FLOOR_TFLOPS * 1e12), nbytes / (FLOOR_TBS * 1e12))
+    shape = f"{model} {tokens_name} N={n} D={d} F={f} E={e} k={k}"
+    ref = reference(xs_in[0], weights, experts, *weights_sets[0])
+
+    order = jnp.argsort(experts.reshape(-1), stable=True)
+    token = order // k
+    sorted_x = [x.reshape(n, d)[token] for x in xs_in]
+    sizes = jnp.asarray(counts, jnp.int32)
+
+    def unsort(y):  # [N * k, D] sorted rows -> [N, D], weighted
+        y = y * weights.reshape(-1)[order][:, None]
+        return jnp.zeros((n, d), jnp.float32).at[token].add(y)
+
+    impls = {
+        "ours_ragged": (jax.jit(functools.partial(
+            moe_ops.EXPERTS.get("ragged_dot").run, plan=plan)),
+            [(x, weights, experts, *w) for x, w in zip(xs_in, weights_sets)], None),
+        "ragged_dot_only": (jax.jit(ragged_only),
+                            [(sx, sizes, *w) for sx, w in zip(sorted_x, weights_sets)], unsort),
+        "dense_loop": (jax.jit(functools.partial(dense_loop, sizes=tuple(int(c) for c in counts))),
+                       [(sx, *w) for sx, w in zip(sorted_x, weights_sets)], unsort),
+    }
+    if n <= 64:
+        impls["gather"] = (jax.jit(functools.partial(moe_ops.EXPERTS.get("gather").run,
+                                                     plan=plan)),
+                           [(x, weights, experts, *w) for x, w in zip(xs_in, weights_sets)],
+                           None)
+    if n <= 64:
+        impls["dense_all"] = (jax.jit(functools.partial(moe_ops.EXPERTS.get("dense").run,
+                                                        plan=plan)),
+                              [(x, weights, experts, *w) for x, w in zip(xs_in, weights_sets)],
+                              None)
+    for name, (fn, arg_sets, post) in impls.items():
+        try:
+            out = fn(*arg_sets[0])
+            err = rel(post(out) if post is not None else out, ref)
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*arg_sets[1]))
+            guess = time.perf_counter() - t0  # ~0.25 s of calls per repeat
+            seconds = time_fn(fn, arg_sets, iters=int(min(50, max(3, 0.25 / guess))),
+                              repeats=3 if quick else 5)
+        except Exception as exc:  # report and go on: one failing path must not hide the rest
+            row = dict(shape=shape, impl=name, error=f"{type(exc).__name__}: {str(exc)[:300]}")
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            continue
+        row = dict(model=model, tokens=tokens_name, n=n, d=d, f=f, e=e, k=k, impl=name,
+                   experts_read=used, ms=seconds * 1e3, tflops=flops / seconds / 1e12,
+                   tbs=nbytes / seconds / 1e12, floor_fraction=floor_s / seconds, rel_err=err)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write the JSON lines here too")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU)")
+    parser.add_argument("--models", default=None, help="comma-separated subset of the models")
+    args = parser.parse_args(argv)
+    models = QUICK_MODELS if args.quick else MODELS
+    tokens = QUICK_TOKENS if args.quick else TOKENS
+    if args.models:
+        models = {m: models[m] for m in args.models.split(",")}
+    print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
+    rows: list[dict] = []
+    for model, dims in models.items():
+        for tokens_name, n in tokens.items():
+            run_case(model, dims, tokens_name, n, args.quick, rows)
+    if args.json:
+        with open(args.json, "w") as fh:
+            fh.writelines(json.dumps(r) + "\n" for r in rows)
+    print(f"\n{'shape':44s} {'impl':16s} {'ms':>9s} {'TFLOP/s':>8s} {'TB/s':>7s} "
+          f"{'floor':>6s} {'experts':>7s} {'rel err':>8s}")
+    bad = 0
+    for r in rows:
+        if "error" in r:
+            print(f"{r['shape']:44s} {r['impl']:16s} FAILED {r['error'][:80]}")
+            bad += 1
+            continue
+        shape = f"{r['model']} {r['tokens']}"
+        print(f"{shape:44s} {r['impl']:16s} {r['ms']:9.3f} {r['tflops']:8.1f} {r['tbs']:7.3f} "
+              f"{r['floor_fraction']:6.1%} {r['experts_read']:7d} {r['rel_err']:8.1e}")
+        bad += not r["rel_err"] <= 2e-2
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,467 @@
+"""Mixture of experts: routing against transformers' routers, Mixtral and Qwen3-MoE against
+transformers' logits and greedy tokens, the checkpoint layouts, the expert implementations,
+and bad configs."""
+
+import functools
+import json
+import pathlib
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxinfer
+from jaxinfer import ops
+from jaxinfer.cache import KVCache
+from jaxinfer.configs import PRESETS, Config, MoEConfig
+from jaxinfer.models import llama
+from jaxinfer.ops import reference
+from jaxinfer.ops.moe import EXPERTS
+from jaxinfer.plan import KernelPolicy, MoEImpl, Plan
+from jaxinfer.weights import init_params
+
+DATA = pathlib.Path(__file__).parent / "fixtures" / "data"
+MOE_VARIANTS = ("mixtral", "qwen3_moe")
+ROUTERS = np.load(DATA / "moe_routers.npz")
+ROUTER_CASES = sorted({k.split("/")[0] for k in ROUTERS})
+
+
+def rel_err(a, b):
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def by_expert(experts, weights):
+    """Both [N, k] reordered by expert id per row (routers may return any order)."""
+    order = np.argsort(experts, axis=-1)
+    return (np.take_along_axis(experts, order, -1), np.take_along_axis(weights, order, -1))
+
+
+@pytest.fixture(scope="module", params=MOE_VARIANTS)
+def variant(request):
+    return DATA / "hf" / request.param
+
+
+# ------------------------------------------------------------------------------ routing
+
+
+def _router_case(name):
+    moe = MoEConfig(expert_intermediate_size=1, **json.loads(str(ROUTERS[f"{name}/moe"])))
+    bias = ROUTERS[f"{name}/bias"] if f"{name}/bias" in ROUTERS else None
+    return moe, jnp.asarray(ROUTERS[f"{name}/logits"]), bias
+
+
+@pytest.mark.parametrize("name", ROUTER_CASES)
+def test_route_matches_transformers_routers(name):
+    moe, logits, bias = _router_case(name)
+    weights, experts = jax.jit(ops.route, static_argnums=1)(logits, moe, bias)
+    assert weights.dtype == jnp.float32 and experts.dtype == jnp.int32
+    assert experts.shape == (logits.shape[0], moe.experts_per_token)
+    got_e, got_w = by_expert(np.asarray(experts), np.asarray(weights))
+    want_e, want_w = by_expert(ROUTERS[f"{name}/experts"], ROUTERS[f"{name}/weights"])
+    np.testing.assert_array_equal(got_e, want_e)
+    np.testing.assert_allclose(got_w, want_w, rtol=1e-5, atol=1e-6)
+
+
+def test_router_cases_exercise_their_features():
+    """Each HF case would fail a route() that ignored its feature: group limits, the score
+    bias, renormalisation and the scaling factor all change the result."""
+    names = set(ROUTER_CASES)
+    assert {"mixtral", "qwen3_moe_norm_true", "qwen3_moe_norm_false", "deepseek_v2_greedy",
+            "deepseek_v2_group_limited", "deepseek_v3_g4_norm_true"} <= names
+    for name in names:
+        moe, logits, bias = _router_case(name)
+        want_e, want_w = by_expert(ROUTERS[f"{name}/experts"], ROUTERS[f"{name}/weights"])
+        ablations = []
+        if moe.n_group > 1:
+            ablations.append(moe.replace(n_group=1, topk_group=1))
+        if moe.norm_topk_prob or moe.router == "softmax" and moe.experts_per_token > 1:
+            ablations.append(moe.replace(norm_topk_prob=not moe.norm_topk_prob))
+        if moe.routed_scaling_factor != 1.0:
+            ablations.append(moe.replace(routed_scaling_factor=1.0))
+        for ablated in ablations:
+            w, e = ops.route(logits, ablated, bias)
+            e, w = by_expert(np.asarray(e), np.asarray(w))
+            assert not (np.array_equal(e, want_e) and np.allclose(w, want_w, atol=1e-4)), \
+                (name, ablated)
+        if bias is not None:
+            w, e = ops.route(logits, moe, None)
+            assert not np.array_equal(by_expert(np.asarray(e), np.asarray(w))[0], want_e), name
+
+
+def test_expert_counts():
+    experts = jnp.asarray(np.random.default_rng(0).integers(0, 6, (20, 3)), jnp.int32)
+    counts = ops.expert_counts(experts, 8)
+    assert counts.dtype == jnp.int32 and counts.shape == (8,)
+    np.testing.assert_array_equal(counts, np.bincount(np.asarray(experts).ravel(), minlength=8))
+    assert int(counts.sum()) == 60 and int(counts[6]) == int(counts[7]) == 0
+
+
+def test_route_rejects_wrong_shapes():
+    moe = MoEConfig(num_experts=4, experts_per_token=2, expert_intermediate_size=8)
+    with pytest.raises(ValueError, match=r"router_logits \(3, 5\).*num_experts=4"):
+        ops.route(jnp.zeros((3, 5)), moe)
+    with pytest.raises(ValueError, match=r"bias \(3,\)"):
+        ops.route(jnp.zeros((3, 4)), moe, jnp.zeros(3))
+
+
+# ------------------------------------------------------------------- models vs transformers
+
+
+@pytest.mark.parametrize("impl", [MoEImpl.RAGGED_DOT, MoEImpl.GATHER, MoEImpl.DENSE])
+def test_logits_match_transformers_each_implementation(variant, impl):
+    ref = np.load(variant / "ref.npz")
+    model = jaxinfer.load(str(variant), dtype="float32").with_policy(KernelPolicy(moe=impl))
+    config = model.config
+    assert config.moe is not None and any(config.is_moe_layer(i)
+                                          for i in range(config.num_layers))
+    logits = np.asarray(model(ref["input_ids"]))
+    assert rel_err(logits, ref["logits"]) <= 1e-4
+    np.testing.assert_array_equal(logits.argmax(-1), ref["logits"].argmax(-1))
+
+
+def test_configs_read_from_config_json():
+    mixtral = jaxinfer.load(str(DATA / "hf" / "mixtral"), dtype="float32").config
+    assert (mixtral.moe.num_experts, mixtral.moe.experts_per_token) == (4, 2)
+    assert mixtral.moe.norm_topk_prob and mixtral.layer_windows == (8, 8)
+    qwen = jaxinfer.load(str(DATA / "hf" / "qwen3_moe"), dtype="float32").config
+    assert (qwen.moe.num_experts, qwen.moe.experts_per_token, qwen.moe.dense_layers) == (8, 3, (1,))
+    assert qwen.qk_norm and [qwen.is_moe_layer(i) for i in range(3)] == [True, False, True]
+
+
+def test_incremental_decoding_matches_full_forward():
+    """Prefill (ragged_dot), then one token at a time (gather under the default plan: 2 rows),
+    through MoE and dense layers (tests/test_generate.py runs the same check on every HF
+    fixture, Mixtral's included)."""
+    variant = DATA / "hf" / "qwen3_moe"
+    model = jaxinfer.load(str(variant), dtype="float32")
+    ids = jnp.asarray(np.load(variant / "ref.npz")["input_ids"])  # [B, T]
+    b, t = ids.shape
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    step = jax.ShapeDtypeStruct((b, 1, model.config.hidden_size), jnp.float32)
+    prompt = jax.ShapeDtypeStruct((b, 8, model.config.hidden_size), jnp.float32)
+    assert EXPERTS.pick(step, None, None, None, None, None, model.plan).name == "gather"
+    assert EXPERTS.pick(prompt, None, None, None, None, None, model.plan).name == "ragged_dot"
+    forward = jax.jit(llama.forward, static_argnums=(3,))
+    full, _ = forward(model.params, ids, pos, model.plan)
+    split = t - 8
+    cache = KVCache.init(model.config, b, t + 2)
+    logits, cache = forward(model.params, ids[:, :split], pos[:, :split], model.plan, cache)
+    steps = [logits]
+    for i in range(split, t):
+        logits, cache = forward(model.params, ids[:, i:i + 1], pos[:, i:i + 1], model.plan,
+                                cache)
+        steps.append(logits)
+    inc, full = np.asarray(jnp.concatenate(steps, axis=1)), np.asarray(full)
+    for i in range(t):
+        assert rel_err(inc[:, i], full[:, i]) <= 1e-4, f"position {i}"
+    np.testing.assert_array_equal(inc.argmax(-1), full.argmax(-1))
+
+
+@pytest.mark.gpu
+def test_bfloat16_decode_through_the_kernels():
+    """The default plan on the GPU (Pallas boundaries and matmuls around the MoE sublayer)
+    against the pure-jnp references, prefill then one decode step, bf16."""
+    variant = DATA / "hf" / "mixtral"
+    model = jaxinfer.load(str(variant), dtype="bfloat16")
+    ids = jnp.asarray(np.load(variant / "ref.npz")["input_ids"])[:, :9]
+    b, t = ids.shape
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    outs = []
+    for policy in (KernelPolicy(), KernelPolicy.reference()):
+        plan = model.with_policy(policy).plan
+        cache = KVCache.init(model.config, b, 16)
+        _, cache = llama.forward(model.params, ids[:, :-1], pos[:, :-1], plan, cache)
+        logits, _ = llama.forward(model.params, ids[:, -1:], pos[:, -1:], plan, cache)
+        outs.append(np.asarray(logits))
+    assert rel_err(outs[0], outs[1]) < 3e-2
+
+
+def test_greedy_generation_matches_transformers(variant):
+    ref = np.load(variant / "ref.npz")
+    model = jaxinfer.load(str(variant), dtype="float32")
+    n = ref["greedy_new"].shape[1]
+    out = jaxinfer.generate(model, [list(map(int, p)) for p in ref["greedy_prompt"]],
+                            max_new_tokens=n)
+    for got, want in zip(out, ref["greedy_new"]):
+        assert got.token_ids == want.tolist()
+
+
+# ----------------------------------------------------------------------- checkpoint layouts
+
+
+def _fused_copy(src: pathlib.Path, dst: pathlib.Path, spell_num_experts: bool = False):
+    """The checkpoint rewritten in the layout transformers 5 holds in memory:
+    mlp.gate.weight, mlp.experts.gate_up_proj [E, 2F, D], mlp.experts.down_proj [E, D, F]."""
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    out = {}
+    layers = {}
+    for name, t in tensors.items():
+        parts = name.split(".")
+        if "experts" in parts:  # model.layers.{i}.(block_sparse_moe|mlp).experts.{j}.{proj}
+            i, j, proj = int(parts[2]), int(parts[5]), parts[6]
+            layers.setdefault(i, {}).setdefault(proj, {})[j] = t
+        elif name.endswith(("block_sparse_moe.gate.weight", "mlp.gate.weight")):
+            out[f"model.layers.{parts[2]}.mlp.gate.weight"] = t
+        else:
+            out[name] = t
+    for i, projs in layers.items():
+        gate = projs.get("w1") or projs.get("gate_proj")
+        up = projs.get("w3") or projs.get("up_proj")
+        down = projs.get("w2") or projs.get("down_proj")
+        e = len(gate)
+        out[f"model.layers.{i}.mlp.experts.gate_up_proj"] = np.stack(
+            [np.concatenate([gate[j], up[j]], axis=0) for j in range(e)])
+        out[f"model.layers.{i}.mlp.experts.down_proj"] = np.stack([down[j] for j in range(e)])
+    (dst / "model.safetensors").unlink()
+    save_file(out, dst / "model.safetensors")
+    if spell_num_experts:  # the Hub's Qwen3-MoE config.json says num_experts
+        cfg = json.loads((dst / "config.json").read_text())
+        cfg["num_experts"] = cfg.pop("num_local_experts")
+        (dst / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+def test_fused_expert_layout_gives_the_same_logits(variant, tmp_path):
+    ref = np.load(variant / "ref.npz")
+    written = _fused_copy(variant, tmp_path / "fused", spell_num_experts="qwen3" in variant.name)
+    assert any(n.endswith("experts.gate_up_proj") for n in written)
+    assert not any(".experts.0." in n for n in written)
+    per_expert = np.asarray(jaxinfer.load(str(variant), dtype="float32")(ref["input_ids"]))
+    fused = np.asarray(jaxinfer.load(str(tmp_path / "fused"), dtype="float32")(ref["input_ids"]))
+    np.testing.assert_array_equal(fused, per_expert)
+
+
+def test_missing_expert_tensor_is_named(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    dst = tmp_path / "m"
+    shutil.copytree(DATA / "hf" / "mixtral", dst)
+    tensors = load_file(dst / "model.safetensors")
+    del tensors["model.layers.1.block_sparse_moe.experts.3.w2.weight"]
+    save_file(tensors, dst / "model.safetensors")
+    with pytest.raises(ValueError, match=r"model.layers.1.block_sparse_moe.experts.3.w2"):
+        jaxinfer.load(str(dst), dtype="float32")
+
+
+def test_router_stays_float32_in_bfloat16():
+    model = jaxinfer.load(str(DATA / "hf" / "qwen3_moe"), dtype="bfloat16")
+    lp = model.params["layers"][0]
+    assert lp["router"].w.dtype == jnp.float32
+    assert lp["experts_gate"].dtype == jnp.bfloat16
+    ref = np.load(DATA / "hf" / "qwen3_moe" / "ref.npz")
+    logits = np.asarray(model(ref["input_ids"]))
+    assert rel_err(logits, ref["logits"]) < 5e-2
+
+
+def test_quantized_experts_are_refused_by_name():
+    with pytest.raises(ValueError, match=r"\[.layers.\]\[0\]\[.experts_\w+.\].*quantized experts are not supported"):
+        jaxinfer.load(str(DATA / "hf" / "mixtral"), dtype="float32", quantization="int8")
+
+
+# ---------------------------------------------------------------------- the op on its own
+
+
+def tiny_layer(config, seed):
+    """Layer 0's random params as declared, drawn with numpy (jax.random compiles per shape,
+    seconds on a busy CPU): fan-in scaled normals, norms 1 + noise, biases zero."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, spec in llama.param_specs(config)["layers"][0].items():
+        if spec.init == "normal":
+            fan_in = spec.shape[1] if len(spec.shape) == 3 else spec.shape[0]
+            value = rng.standard_normal(spec.shape) / np.sqrt(fan_in)
+        else:
+            value = np.full(spec.shape, 1.0 if spec.init == "ones" else 0.0)
+            value += 0.1 * rng.standard_normal(spec.shape) * (spec.init == "ones")
+        out[name] = spec.wrap(jnp.asarray(value, spec.dtype or jnp.float32))
+    return out
+
+
+def tiny_config(**moe):
+    fields = dict(num_experts=6, experts_per_token=2, expert_intermediate_size=24,
+                  norm_topk_prob=True, **moe)
+    return Config(vocab_size=64, hidden_size=32, intermediate_size=40, num_layers=1,
+                  num_heads=4, num_kv_heads=2, head_dim=8, moe=MoEConfig(**fields))
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _moe_sublayer(lp, x, plan):
+    return ops.moe_mlp(ops.Residual.start(x), lp["mlp_norm"], lp, plan).take()
+
+
+def _moe_out(config, lp, x, policy=KernelPolicy()):
+    """(the stream, the MoE sublayer's output pending on it)."""
+    xs, pending = _moe_sublayer(lp, x, Plan(config, policy))
+    return np.asarray(xs), np.asarray(pending)
+
+
+def test_shared_experts_and_score_bias():
+    """Shared experts add a dense gated MLP of the normed input; the score bias changes
+    which experts run; every implementation agrees."""
+    config = tiny_config(num_shared_experts=2, router="sigmoid", score_bias=True,
+                         n_group=3, topk_group=2, group_scoring="top2_sum")
+    lp = tiny_layer(config, 1)
+    assert lp["shared_gate"].w.shape == (32, 48) and lp["router_bias"].dtype == jnp.float32
+    lp["router_bias"] = jnp.linspace(-0.3, 0.3, 6, dtype=jnp.float32)
+    x = jax.random.normal(jax.random.key(2), (2, 5, 32), jnp.float32)
+    outs = {impl: _moe_out(config, lp, x, KernelPolicy(moe=impl))[1] for impl in MoEImpl}
+    for impl, out in outs.items():
+        np.testing.assert_allclose(out, outs[MoEImpl.DENSE], rtol=1e-5, atol=1e-5, err_msg=impl)
+    routed = tiny_config(router="sigmoid", score_bias=True, n_group=3, topk_group=2,
+                         group_scoring="top2_sum")
+    no_shared = {k: v for k, v in lp.items() if not k.startswith("shared_")}
+    h = reference.rms_norm(x, lp["mlp_norm"], config.rms_norm_eps)
+    shared = reference.linear(reference.swiglu(h, lp["shared_gate"].w, lp["shared_up"].w),
+                              lp["shared_down"].w)
+    np.testing.assert_allclose(outs[MoEImpl.DENSE] - _moe_out(routed, no_shared, x)[1],
+                               np.asarray(shared), rtol=1e-4, atol=1e-5)
+    unbiased = _moe_out(routed, {**no_shared, "router_bias": jnp.zeros(6)}, x)[1]
+    assert not np.allclose(unbiased, _moe_out(routed, no_shared, x)[1], atol=1e-4)
+
+
+def test_moe_matches_a_per_token_loop():
+    """ragged_dot's sort / grouped matmul / scatter-add equals each token's k experts run one
+    by one (numpy, float64), with tokens whose experts repeat across the batch."""
+    config = tiny_config()
+    lp = tiny_layer(config, 3)
+    x = jax.random.normal(jax.random.key(4), (3, 7, 32), jnp.float32)
+    _, out = _moe_out(config, lp, x, KernelPolicy(moe=MoEImpl.RAGGED_DOT))
+    h = np.asarray(reference.rms_norm(x, lp["mlp_norm"], config.rms_norm_eps),
+                   np.float64).reshape(-1, 32)
+    logits = h @ np.asarray(lp["router"].w, np.float64)
+    weights, experts = ops.route(jnp.asarray(logits, jnp.float32), config.moe)
+    g, u, d = (np.asarray(lp[k], np.float64) for k in ("experts_gate", "experts_up",
+                                                          "experts_down"))
+    want = np.zeros_like(h)
+    for n in range(h.shape[0]):
+        for w, e in zip(np.asarray(weights[n]), np.asarray(experts[n])):
+            a, b = h[n] @ g[e], h[n] @ u[e]
+            want[n] += w * ((a / (1 + np.exp(-a)) * b) @ d[e])
+    np.testing.assert_allclose(out.reshape(-1, 32), want, rtol=1e-4, atol=1e-5)
+    assert len(np.unique(np.asarray(experts))) == 6  # every expert took tokens
+
+
+def test_plan_picks_the_experts_implementation():
+    config = tiny_config()
+    x = lambda b, t: jax.ShapeDtypeStruct((b, t, 32), jnp.float32)  # noqa: E731
+    pick = lambda shape, policy: EXPERTS.pick(shape, None, None, None, None, None,  # noqa: E731
+                                              Plan(config, policy)).name
+    assert pick(x(1, 1), KernelPolicy()) == "gather"
+    assert pick(x(4, 1), KernelPolicy()) == "gather"
+    assert pick(x(8, 1), KernelPolicy()) == "ragged_dot"
+    assert pick(x(1, 64), KernelPolicy(moe_gather_rows=0)) == "ragged_dot"
+    assert pick(x(1, 1), KernelPolicy(moe=MoEImpl.RAGGED_DOT)) == "ragged_dot"
+    assert pick(x(64, 64), KernelPolicy(moe=MoEImpl.GATHER)) == "gather"
+    assert pick(x(1, 1), KernelPolicy(moe=MoEImpl.DENSE)) == "dense"
+    with pytest.raises(ValueError, match="moe_gather_rows"):
+        KernelPolicy(moe_gather_rows=-1)
+    with pytest.raises(ValueError, match="KernelPolicy.moe"):
+        KernelPolicy(moe="gather")
+
+
+# ----------------------------------------------------------------------- configs and counts
+
+
+def test_is_moe_layer_and_param_counts():
+    moe = MoEConfig(num_experts=4, experts_per_token=2, expert_intermediate_size=8,
+                    sparse_step=2, dense_layers=(3,), first_dense_layers=1)
+    assert [moe.is_moe_layer(i) for i in range(6)] == [False, True, False, False, False, True]
+    for config in (tiny_config(num_shared_experts=1, score_bias=True),
+                   tiny_config().replace(num_layers=3, moe=tiny_config().moe.replace(
+                       dense_layers=(1,)))):
+        params = jax.eval_shape(lambda c=config: init_params(llama.param_specs(c),
+                                                             jax.random.key(0), jnp.float32))
+        assert config.num_params() == sum(a.size for a in jax.tree.leaves(params))
+    mixtral, qwen = PRESETS["mixtral-8x7b"], PRESETS["qwen3-30b-a3b"]
+    assert round(mixtral.num_params() / 1e9, 1) == 46.7  # Mixtral-8x7B: 46.7B, 12.9B active
+    assert round(mixtral.num_params(active=True) / 1e9, 1) == 12.9
+    assert round(qwen.num_params() / 1e9, 1) == 30.5  # Qwen3-30B-A3B: 30.5B, 3.3B active
+    assert round(qwen.num_params(active=True) / 1e9, 2) == 3.35  # with embedding and head
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(experts_per_token=5), r"experts_per_token \(5\) must be at most num_experts \(4\)"),
+    (dict(n_group=3), r"n_group \(3\) must divide num_experts \(4\)"),
+    (dict(n_group=2, topk_group=3), r"topk_group \(3\) must be at most n_group \(2\)"),
+    (dict(n_group=2, topk_group=1, experts_per_token=3),
+     r"experts_per_token \(3\) does not fit in the topk_group \(1\) groups of 2"),
+    (dict(n_group=4, topk_group=2, experts_per_token=2, group_scoring="top2_sum"),
+     r"'top2_sum' needs at least 2 experts per group"),
+    (dict(router="relu"), r"router must be 'softmax' or 'sigmoid', got 'relu'"),
+    (dict(group_scoring="mean"), r"group_scoring must be"),
+    (dict(routed_scaling_factor=0.0), r"routed_scaling_factor must be finite and positive"),
+    (dict(experts_per_token=0), r"experts_per_token must be an integer >= 1, got 0"),
+    (dict(dense_layers=[1]), r"dense_layers must be a tuple"),
+])
+def test_bad_moe_configs(fields, match):
+    base = dict(num_experts=4, experts_per_token=2, expert_intermediate_size=8)
+    with pytest.raises(ValueError, match=match):
+        MoEConfig(**{**base, **fields})
+
+
+def test_bad_configs_with_experts():
+    moe = MoEConfig(num_experts=4, experts_per_token=2, expert_intermediate_size=8,
+                    dense_layers=(0, 5))
+    with pytest.raises(ValueError, match=r"moe.dense_layers \[5\] outside the 2 layers"):
+        tiny_config().replace(num_layers=2, moe=moe)
+    with pytest.raises(ValueError, match="none of the 1 layers has experts"):
+        tiny_config().replace(moe=moe.replace(dense_layers=(0,)))
+
+
+def _hf_dir(tmp_path, name, **changes):
+    dst = tmp_path / name
+    shutil.copytree(DATA / "hf" / name, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(changes)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize("name, changes, match", [
+    ("mixtral", dict(num_experts_per_tok=5),
+     r"experts_per_token \(5\) must be at most num_experts \(4\).*num_local_experts=4, "
+     r"num_experts_per_tok=5"),
+    ("mixtral", dict(topk_method="group_limited_greedy"),
+     r"topk_method='group_limited_greedy' is a router setting MixtralForCausalLM does not"),
+    ("qwen3_moe", dict(n_shared_experts=2), r"n_shared_experts=2 is a router setting"),
+    ("qwen3_moe", dict(hidden_act="gelu"), r"hidden_act='gelu'"),
+    ("qwen3_moe", dict(mlp_only_layers=[7]), r"moe.dense_layers \[7\] outside the 3 layers"),
+])
+def test_bad_hf_moe_configs_are_named(tmp_path, name, changes, match):
+    with pytest.raises(ValueError, match=match):
+        jaxinfer.load(str(_hf_dir(tmp_path, name, **changes)), dtype="float32")
+
+
+def test_router_jitter_noise_is_ignored(tmp_path):
+    ref = np.load(DATA / "hf" / "mixtral" / "ref.npz")
+    model = jaxinfer.load(str(_hf_dir(tmp_path, "mixtral", router_jitter_noise=0.1,
+                                      output_router_logits=True)), dtype="float32")
+    assert rel_err(np.asarray(model(ref["input_ids"])), ref["logits"]) <= 1e-4
+
+
+def test_gguf_experts_are_refused():
+    from checkpoints.gguf import config_from_metadata
+
+    meta = {"general.architecture": "llama", "llama.expert_count": 8,
+            "llama.expert_used_count": 2}
+    with pytest.raises(ValueError, match=r"llama.expert_count = 8.*not supported yet"):
+        config_from_metadata(meta, "mixtral.gguf")
+
+
+def test_bench_floor_counts_the_experts_a_step_reads():
+    """At batch 1 a Mixtral decode step reads 2 of 8 experts per layer; at a large batch
+    nearly all of them."""
+    from jaxinfer.bench import decode_bytes_per_step
+
+    config = PRESETS["mixtral-8x7b"]
+    one, many = (decode_bytes_per_step(config, b, 0) for b in (1, 512))
+    expert = 3 * 4096 * 14336 * 2  # one expert's bf16 bytes
+    assert round((many - one) / expert / 32, 1) == 6.0  # 6 more experts in each of 32 layers
+    dense = config.replace(moe=None)  # one MLP of the expert's size per layer
+    assert round((one - decode_bytes_per_step(dense, 1, 0)) / expert / 32, 2) == 1.0
+
