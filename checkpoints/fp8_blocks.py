@@ -7,6 +7,8 @@ come out of `Fp8BlockTensors` as `QuantizedWeight`s kept in fp8 (`from_fp8_block
 b rows of K and column), except routed experts, dequantized to float32 as read (the MoE op takes
 float experts only). safetensors' numpy / flax readers do not know fp8, so fp8 tensors are read
 from the file itself (the format is an 8-byte header length, a JSON header, raw data).
+Blocks at the edges may be partial (V3's kv_a_proj_with_mqa has 576 = 4.5 x 128 rows): the
+last scale row / column covers what is left.
 """
 
 from __future__ import annotations
