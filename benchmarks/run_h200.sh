@@ -22,6 +22,8 @@
 #   bash benchmarks/run_h200.sh qkernels # benchmarks/quantized.py (quantized decode matmuls)
 #   bash benchmarks/run_h200.sh moe      # benchmarks/moe.py: MoE experts, ragged_dot vs a dense
 #                                        # per-expert loop vs gather (Mixtral, Qwen3-30B-A3B)
+#   bash benchmarks/run_h200.sh deepseek # jaxinfer bench at DeepSeek-V2-Lite shapes (MLA + MoE,
+#                                        # random weights): B=1 and B=32 decode
 # Results: JSON lines in ${OUT:-.}/bench-<part>.jsonl; a table on stdout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -128,5 +130,9 @@ kv() {  # the quantized KV caches: speed and bytes at 32k, then fidelity on the 
 moe() {  # benchmarks/moe.py: the MoE experts' implementations at prefill and decode shapes
   timeout "${MOE_TIMEOUT:-300}" python3 benchmarks/moe.py ${QUICK:+--quick} \
     ${MOE_MODELS:+--models "$MOE_MODELS"} --json "$out/moe.jsonl" 2>&1 | grep -v '^{' | tail -40
+}
+deepseek() {  # DeepSeek-V2-Lite shapes: the latent cache and the absorbed decode (jnp for now)
+  bench . deepseek --preset deepseek-v2-lite --batch 1 --prompt-len 128 --gen-len 128
+  bench . deepseek --preset deepseek-v2-lite --batch 32 --prompt-len 1024 --gen-len 64 --repeats 2
 }
 for part in "${@:-ours}"; do "$part"; done

@@ -140,6 +140,10 @@ def config_from_hf(cfg: dict, path: pathlib.Path = pathlib.Path("config.json")) 
     if arch is None:
         raise ValueError(f"{path}: unsupported architecture {archs or cfg.get('model_type')!r}; "
                          f"supported: {', '.join(registry.hf_architectures())}")
+    if registry.for_hf_architecture(arch).name == "deepseek":  # MLA + MoE: its own fields
+        from checkpoints import deepseek
+
+        return deepseek.config_from_hf(cfg, arch, path)
     family = LLAMA_VARIANTS[arch]
     heads = int(_require(cfg, "num_attention_heads", path))
     hidden = int(_require(cfg, "hidden_size", path))
@@ -277,8 +281,11 @@ def params_from_hf_tensors(tensors, config: Config, source: str, transform=None)
                                        take, f"{source}: model.layers.{i}"))
         layer = family.assemble_layer(layer, config, f"{source}: model.layers.{i}")
         params["layers"].append({k: transform(f"layers.{i}.{k}", v) for k, v in layer.items()})
+    from checkpoints.deepseek import is_mtp_tensor
+
     unused = sorted(n for n in tensors if n not in used and not n.endswith(IGNORED_SUFFIXES)
-                    and not (n == "lm_head.weight" and config.tie_word_embeddings))
+                    and not (n == "lm_head.weight" and config.tie_word_embeddings)
+                    and not is_mtp_tensor(n, config))
     if unused:
         raise ValueError(f"{source}: tensors the model config does not account for: "
                          f"{', '.join(unused[:8])}{' ...' if len(unused) > 8 else ''}; "
@@ -357,7 +364,13 @@ def load_hf_dir(path: str | pathlib.Path, before_tensors=None, transform=None):
     if (quantized.saved_format(files) or "").startswith("jaxinfer"):  # `jaxinfer quantize`
         params = quantized.load_quantized(path, config)
     else:
-        tensors = read_safetensors(files) if transform is None else LazyTensors(files)
+        from checkpoints import fp8_blocks
+
+        block = fp8_blocks.block_size(cfg, cfg_file)  # DeepSeek-V3's fp8 release: kept in fp8
+        if block is not None:
+            tensors = fp8_blocks.Fp8BlockTensors(files, block)
+        else:
+            tensors = read_safetensors(files) if transform is None else LazyTensors(files)
         if quantized.looks_quantized(tensors):
             raise ValueError(f"{path}: holds a jaxinfer quantized checkpoint's tensors but "
                              f"not its metadata; write it again with `jaxinfer quantize`")

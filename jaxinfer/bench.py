@@ -87,8 +87,7 @@ def decode_bytes_per_step(config: Config, batch: int, context: int,
     weights += batch * config.hidden_size * itemsize  # ...of which B rows are read
     if config.tie_word_embeddings:
         weights += embed  # the tied head reads the whole table
-    per_head = config.head_dim + 4 if kv_dtype else config.head_dim * itemsize
-    kv_row = 2 * config.num_layers * config.num_kv_heads * per_head
+    kv_row = memory.kv_bytes_per_token(config, kv_dtype)
     return weights + batch * (context + 1) * kv_row
 
 

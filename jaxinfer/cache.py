@@ -7,7 +7,9 @@ Per-layer arrays (a tuple, not one stacked [L, ...] array) keep the decode step 
 per-layer slice copies that indexing a stacked array makes XLA emit (benchmarks/DECISIONS.md).
 `attend` dispatches on the layer cache's type: `KVLayer` (16-bit or float32 values) or
 `QuantizedKVLayer` (int8 / fp8 codes with a scale per token and head, about half the bytes of
-a 16-bit cache: the decode kernels read the codes and dequantize in registers).
+a 16-bit cache: the decode kernels read the codes and dequantize in registers), or for MLA
+models (config.mla) `LatentLayer`: one latent per token instead of per-head K/V (`LatentCache`,
+which `KVCache.init` builds for those configs).
 """
 
 from __future__ import annotations
@@ -94,6 +96,8 @@ class KVCache:
             raise ValueError(f"KVCache needs batch_size >= 1 and max_seq_len >= 1, "
                              f"got {batch_size} and {max_seq_len}")
         check_kv_dtype(kv_dtype)
+        if config.mla is not None:  # MLA caches its latent, not per-head K/V
+            return LatentCache.init(config, batch_size, max_seq_len, dtype, kv_dtype)
         shape = (batch_size, max_seq_len, config.num_kv_heads, config.head_dim)
         dtype = KV_DTYPES[kv_dtype] if kv_dtype else jnp.dtype(dtype or config.dtype)
         k = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
@@ -130,3 +134,61 @@ class KVCache:
         the valid slots); also for a cache of jax.ShapeDtypeStructs (jax.eval_shape)."""
         return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize
                    for a in (*self.k, *self.v, *self.k_scale, *self.v_scale))
+
+
+# ---------------------------------------------------------------------------------------------
+# The latent cache of multi-head latent attention (DeepSeek-V2 / V3)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytree.dataclass
+class LatentLayer:
+    """One MLA layer's cache: per token the RMS-normed c_kv [kv_lora_rank] and the roped
+    shared key k_pe [qk_rope_head_dim], concatenated (what the absorbed decode reads)."""
+
+    latent: jax.Array  # [B, S, R + Dr]
+
+    def append(self, latent: jax.Array, positions: jax.Array) -> LatentLayer:
+        """New latents [B, T, R + Dr] written to slots `positions` [B, T] (past the end:
+        dropped, as KVLayer.append)."""
+        rows = jnp.arange(latent.shape[0])[:, None]  # [B, 1]
+        return LatentLayer(_scatter(self.latent, rows, positions, latent))
+
+
+@pytree.dataclass
+class LatentCache:
+    """The latent cache of an MLA model: kv_lora_rank + qk_rope_head_dim values per token and
+    layer (DeepSeek-V2-Lite: 576, against 16 heads x (192 + 128) = 5120 for per-head K/V)."""
+
+    latent: tuple[jax.Array, ...]  # per layer [B, S, R + Dr]
+    lengths: jax.Array  # [B] int32: valid slots per sequence (= next write position)
+
+    @classmethod
+    def init(cls, config: Config, batch_size: int, max_seq_len: int, dtype=None,
+             kv_dtype: str | None = None) -> LatentCache:
+        if config.mla is None:
+            raise ValueError("LatentCache is the cache of MLA models (config.mla)")
+        if batch_size < 1 or max_seq_len < 1:
+            raise ValueError(f"LatentCache needs batch_size >= 1 and max_seq_len >= 1, "
+                             f"got {batch_size} and {max_seq_len}")
+        if check_kv_dtype(kv_dtype) is not None:
+            raise ValueError(f"kv_dtype={kv_dtype!r}: a quantized latent cache (MLA) is not "
+                             f"supported yet; use kv_dtype=None")
+        shape = (batch_size, max_seq_len, config.mla.latent_dim)
+        dtype = jnp.dtype(dtype or config.dtype)
+        return cls(latent=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
+                   lengths=jnp.zeros((batch_size,), jnp.int32))
+
+    @property
+    def quantized(self) -> bool:
+        return False
+
+    def layer(self, i: int) -> LatentLayer:
+        return LatentLayer(self.latent[i])
+
+    def with_layers(self, layers: Sequence[LatentLayer]) -> LatentCache:
+        return self.replace(latent=tuple(c.latent for c in layers))
+
+    def nbytes(self) -> int:
+        """Bytes the latent arrays hold (allocated, not only the valid slots)."""
+        return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in self.latent)

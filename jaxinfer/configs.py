@@ -128,6 +128,59 @@ class MoEConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head Latent Attention (DeepSeek-V2 / V3): keys and values come from one latent
+    per token, c_kv [kv_lora_rank] (RMS-normed) and a RoPE key k_pe [qk_rope_head_dim] shared by
+    every head; kv_b_proj expands c_kv to per-head k_nope [qk_nope_head_dim] and v [v_head_dim].
+    Queries: q_proj, or with q_lora_rank q_a_proj -> RMSNorm -> q_b_proj. The cache holds only
+    the latent (kv_lora_rank + qk_rope_head_dim values per token and layer).
+
+    rope_interleave: RoPE rotates the pairs (x0, x1), (x2, x3), ... of q_pe / k_pe (DeepSeek's
+    layout: V2 always, V3 unless its config says otherwise); False: the rotate-half pairs."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+    rope_interleave: bool = True
+
+    def __post_init__(self):
+        problems = []
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                problems.append(f"{name} must be an integer >= 1, got {value!r}")
+        q = self.q_lora_rank
+        if q is not None and (not isinstance(q, int) or isinstance(q, bool) or q < 1):
+            problems.append(f"q_lora_rank must be None or an integer >= 1, got {q!r}")
+        if not problems and self.qk_rope_head_dim % 2:
+            problems.append(f"qk_rope_head_dim must be even for RoPE, got {self.qk_rope_head_dim}")
+        if not isinstance(self.rope_interleave, bool):
+            problems.append(f"rope_interleave must be a bool, got {self.rope_interleave!r}")
+        if problems:
+            raise ValueError("invalid MLA config: " + "; ".join(problems))
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Values the cache holds per token and layer: c_kv and the shared RoPE key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def attention_params(self, hidden: int, heads: int) -> int:
+        """One layer's attention weights (norms included)."""
+        q = (hidden * heads * self.qk_head_dim if self.q_lora_rank is None else
+             hidden * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * heads
+             * self.qk_head_dim)
+        kv = (hidden * self.latent_dim + self.kv_lora_rank
+              + self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim))
+        return q + kv + heads * self.v_head_dim * hidden
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     """Shapes and switches of a decoder-only transformer."""
 
@@ -160,6 +213,9 @@ class Config:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     moe: MoEConfig | None = None  # experts in the layers moe.is_moe_layer(i) says
+    # Multi-head latent attention (DeepSeek): then num_kv_heads == num_heads and head_dim is
+    # the query/key head dim (qk_nope_head_dim + qk_rope_head_dim); None: GQA attention.
+    mla: MLAConfig | None = None
 
     def __post_init__(self):
         problems = []
@@ -181,6 +237,8 @@ class Config:
             problems += self._rope_freq_factor_problems()
         if self.moe is not None:
             problems += self._moe_problems()
+        if self.mla is not None:
+            problems += self._mla_problems()
         if problems:
             raise ValueError("invalid model config: " + "; ".join(problems))
 
@@ -212,11 +270,30 @@ class Config:
                             f"{self.moe.sparse_step}, dense_layers {self.moe.dense_layers})")
         return problems
 
+    def _mla_problems(self) -> list[str]:
+        mla = self.mla
+        if not isinstance(mla, MLAConfig):
+            return [f"mla must be an MLAConfig or None, got {type(mla).__name__}"]
+        problems = []
+        if self.num_kv_heads != self.num_heads:
+            problems.append(f"MLA expands its latent to every head: num_kv_heads "
+                            f"({self.num_kv_heads}) must equal num_heads ({self.num_heads})")
+        if self.head_dim != mla.qk_head_dim:
+            problems.append(f"with MLA head_dim ({self.head_dim}) must be qk_nope_head_dim + "
+                            f"qk_rope_head_dim ({mla.qk_nope_head_dim} + "
+                            f"{mla.qk_rope_head_dim} = {mla.qk_head_dim})")
+        if self.partial_rotary_factor != 1.0 or self.rope_freq_factors:
+            problems.append("MLA rotates qk_rope_head_dim dims: partial_rotary_factor and "
+                            "rope_freq_factors do not apply")
+        return problems
+
     def is_moe_layer(self, i: int) -> bool:
         return self.moe is not None and self.moe.is_moe_layer(i)
 
     @property
     def rotary_dim(self) -> int:
+        if self.mla is not None:  # only the decoupled RoPE part of q and k rotates
+            return self.mla.qk_rope_head_dim
         return int(self.head_dim * self.partial_rotary_factor)
 
     def window(self, layer: int) -> int | None:
@@ -230,6 +307,8 @@ class Config:
         the experts one token uses (experts_per_token of each MoE layer's routed experts)."""
         d, f, hd = self.hidden_size, self.intermediate_size, self.head_dim
         attn = d * hd * (self.num_heads * 2 + self.num_kv_heads * 2)
+        if self.mla is not None:
+            attn = self.mla.attention_params(d, self.num_heads)
         total = 0
         for i in range(self.num_layers):
             total += attn + 2 * d
@@ -279,6 +358,32 @@ PRESETS: Mapping[str, Config] = types.MappingProxyType({
         architecture="Qwen3MoeForCausalLM", bos_token_id=151643, eos_token_ids=(151645,),
         moe=MoEConfig(num_experts=128, experts_per_token=8, expert_intermediate_size=768,
                       norm_topk_prob=True)),
+    # deepseek-ai/DeepSeek-V2-Lite config.json (MLA without q_lora_rank, 64 experts top-6)
+    "deepseek-v2-lite": Config(
+        vocab_size=102400, hidden_size=2048, intermediate_size=10944, num_layers=27,
+        num_heads=16, num_kv_heads=16, head_dim=192, rms_norm_eps=1e-6, rope_theta=10000.0,
+        rope_scaling=RopeScaling("yarn", factor=40.0, original_max_position_embeddings=4096,
+                                 mscale=0.707, mscale_all_dim=0.707),
+        max_position_embeddings=163840, dtype="bfloat16", family="deepseek",
+        architecture="DeepseekV2ForCausalLM", bos_token_id=100000, eos_token_ids=(100001,),
+        mla=MLAConfig(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                      v_head_dim=128),
+        moe=MoEConfig(num_experts=64, experts_per_token=6, expert_intermediate_size=1408,
+                      num_shared_experts=2, first_dense_layers=1)),
+    # deepseek-ai/DeepSeek-V3 config.json (671B; the MTP layer is not part of the model)
+    "deepseek-v3": Config(
+        vocab_size=129280, hidden_size=7168, intermediate_size=18432, num_layers=61,
+        num_heads=128, num_kv_heads=128, head_dim=192, rms_norm_eps=1e-6, rope_theta=10000.0,
+        rope_scaling=RopeScaling("yarn", factor=40.0, original_max_position_embeddings=4096,
+                                 mscale=1.0, mscale_all_dim=1.0),
+        max_position_embeddings=163840, dtype="bfloat16", family="deepseek",
+        architecture="DeepseekV3ForCausalLM", bos_token_id=0, eos_token_ids=(1,),
+        mla=MLAConfig(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                      v_head_dim=128, q_lora_rank=1536),
+        moe=MoEConfig(num_experts=256, experts_per_token=8, expert_intermediate_size=2048,
+                      router="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.5,
+                      n_group=8, topk_group=4, group_scoring="top2_sum", score_bias=True,
+                      num_shared_experts=1, first_dense_layers=3)),
     "smollm2-135m": Config(
         vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
         num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,

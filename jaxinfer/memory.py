@@ -109,11 +109,19 @@ def check_load(config, dtype: str, host_float32_copy: bool = True,
                   f"{config.hidden_size}) in {dtype}", LOAD_REMEDY)
 
 
-def kv_cache_bytes(config, batch: int, cache_len: int, kv_dtype: str | None = None) -> int:
-    """Bytes of a KVCache.init(config, batch, cache_len, kv_dtype=...): K and V in the model's
-    dtype, or 1-byte codes plus a float32 scale per token and KV head (int8 / fp8)."""
+def kv_bytes_per_token(config, kv_dtype: str | None = None) -> int:
+    """Cache bytes one token takes over all layers: K and V in the model's dtype, or 1-byte
+    codes plus a float32 scale per KV head (int8 / fp8); an MLA model's latent (c_kv and the
+    shared RoPE key) in the model's dtype."""
+    if config.mla is not None:
+        return config.num_layers * config.mla.latent_dim * itemsize(config.dtype)
     per_head = (config.head_dim + 4) if kv_dtype else config.head_dim * itemsize(config.dtype)
-    return 2 * config.num_layers * batch * cache_len * config.num_kv_heads * per_head
+    return 2 * config.num_layers * config.num_kv_heads * per_head
+
+
+def kv_cache_bytes(config, batch: int, cache_len: int, kv_dtype: str | None = None) -> int:
+    """Bytes of a KVCache.init(config, batch, cache_len, kv_dtype=...)."""
+    return batch * cache_len * kv_bytes_per_token(config, kv_dtype)
 
 
 def check_request(config, batch: int, prompt_len: int, cache_len: int, chunk: int,

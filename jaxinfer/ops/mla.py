@@ -1,0 +1,238 @@
+"""`mla_attend`: multi-head latent attention (DeepSeek-V2 / V3) and its latent cache.
+
+    mla_attend(q, kv_a, cache, plan, *, positions, rope, kv_norm, w_kv_b)
+        -> (out [B, T, H, Dv], the layer's LatentLayer with the new tokens' latents)
+    mla_decode_attention(q, latent, lengths, *, sm_scale, kv_lora_rank)   the absorbed core
+    softmax_scale(config)                                qk_head_dim^-0.5, YaRN's mscale^2 in
+
+Per token, kv_a = [c_kv (R), k_pe (Dr)] (kv_a_proj_with_mqa's output): c_kv is RMS-normed, k_pe
+roped once (one RoPE key shared by all heads); the cache keeps their concatenation, the latent.
+kv_b_proj, w_kv_b [R, H, Dn + Dv], expands c_kv per head into W_UK (its first Dn columns: the
+non-rotary key) and W_UV (the value).
+
+Dispatch (MLA_ATTEND) is on the cache and whether it held earlier tokens:
+- "expanded" (no cache, or a fresh prefill): K/V rebuilt per head from the new tokens' latents
+  and ordinary causal attention (MLA_PREFILL: flash attention with q/k/v zero-padded to a
+  power-of-two head dim, 192 / 128 -> 256 for DeepSeek's shapes, when the kernels are on;
+  otherwise the masked reference, which takes Dqk != Dv as it is);
+- "absorbed" (T >= 1 new tokens against the cache): q_nope @ W_UK^T is the latent query,
+  concatenated with the roped q_pe; attention over the latent itself (MLA_CORE, whose reference
+  is `mla_decode_attention`: the Pallas kernel plugs in there), the latent output times W_UV.
+  K/V are never rebuilt, and the cache is read once for all heads.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.cache import LatentLayer
+from jaxinfer.configs import Config
+from jaxinfer.ops import reference
+from jaxinfer.ops.dispatch import Registry, always, kernels_on
+from jaxinfer.plan import Plan
+from jaxinfer.weights import as_array
+
+MLA_ATTEND = Registry("mla_attend")
+MLA_PREFILL = Registry("mla_prefill")
+MLA_CORE = Registry("mla_core")
+
+
+def softmax_scale(config: Config) -> float:
+    """transformers' DeepSeek softmax scale: qk_head_dim^-0.5, times mscale(factor,
+    mscale_all_dim)^2 when the rope scaling (any type but default) has mscale_all_dim: YaRN's
+    correction of the attention temperature, which the cos/sin factor alone does not carry."""
+    scale = config.mla.qk_head_dim ** -0.5
+    rs = config.rope_scaling
+    if rs.kind != "default" and rs.mscale_all_dim:
+        m = 1.0 if rs.factor <= 1 else 0.1 * rs.mscale_all_dim * math.log(rs.factor) + 1.0
+        scale *= m * m
+    return scale
+
+
+def apply_rope_pairs(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """RoPE on interleaved pairs: dims (2i, 2i + 1) of x [B, T, H, Dr] rotate by frequency i
+    (cos/sin [B, T, Dr] hold [freqs, freqs], as rope_tables makes them), in float32.
+
+    The result is de-interleaved ([even outputs, odd outputs], transformers' DeepSeek-V3
+    layout; its V2 writes the pairs back interleaved). q_pe and k_pe take the same layout, so
+    their dot products, the only thing attention reads of them, are the same either way."""
+    half = x.shape[-1] // 2
+    c, s = cos[:, :, None, :half], sin[:, :, None, :half]  # [B, T, 1, Dr / 2]
+    xf = x.astype(jnp.float32)
+    x1, x2 = xf[..., 0::2], xf[..., 1::2]
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+
+def _rope(x, rope, interleave: bool):
+    return apply_rope_pairs(x, *rope) if interleave else reference.apply_rope(x, *rope)
+
+
+# ---------------------------------------------------------------------------------------------
+# The absorbed core: attention of latent queries over the latent cache
+# ---------------------------------------------------------------------------------------------
+
+
+def mla_decode_attention(q: jax.Array, latent: jax.Array, lengths: jax.Array, *,
+                         sm_scale: float, interpret: bool = False,
+                         kv_lora_rank: int) -> jax.Array:
+    """Absorbed MLA attention in plain jnp (the reference of pallas_kernels/mla.py's kernel).
+
+    q [B, Tq, H, R + Dr] (the latent query q_nope @ W_UK^T, then the roped q_pe); latent
+    [B, S, R + Dr] (c_kv, k_pe per slot); lengths [B] int32: query t of row b sees the slots
+    s < lengths[b] - (Tq - 1 - t) (the Tq new tokens are the cache's last, causal among
+    themselves). Scores (q . latent) * sm_scale and softmax in float32; the output is
+    softmax @ latent[..., :R] [B, Tq, H, R] in q's dtype (the latent output, before W_UV).
+    interpret: unused here (the kernel's switch)."""
+    b, tq = q.shape[:2]
+    s = latent.shape[1]
+    scores = jnp.einsum("bthc,bsc->bhts", q, latent,
+                        preferred_element_type=jnp.float32) * sm_scale  # [B, H, Tq, S]
+    limit = lengths[:, None] - (tq - 1 - jnp.arange(tq))[None, :]  # [B, Tq]
+    visible = jnp.arange(s)[None, None, :] < limit[:, :, None]  # [B, Tq, S]
+    scores = jnp.where(visible[:, None], scores, -jnp.inf)
+    m = jnp.max(scores, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)  # a row that sees nothing gives zeros, not NaN
+    p = jnp.exp(scores - m)
+    p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
+    out = jnp.einsum("bhts,bsr->bthr", p.astype(latent.dtype), latent[..., :kv_lora_rank],
+                     preferred_element_type=jnp.float32)
+    return out.astype(q.dtype)  # [B, Tq, H, R]
+
+
+MLA_CORE.register("reference", always)(
+    lambda q, latent, lengths, plan, *, sm_scale, kv_lora_rank: mla_decode_attention(
+        q, latent, lengths, sm_scale=sm_scale, kv_lora_rank=kv_lora_rank,
+        interpret=plan.policy.interpret))
+
+
+# ---------------------------------------------------------------------------------------------
+# Expanded attention: K/V per head (prefill)
+# ---------------------------------------------------------------------------------------------
+
+
+def attention_reference(q, k, v, q_pos, kv_pos, *, sm_scale: float):
+    """Masked causal attention whose value head dim may differ from the query/key one: q
+    [B, T, H, Dqk], k [B, S, H, Dqk], v [B, S, H, Dv]; a key is visible when kv_pos <= q_pos.
+    Softmax in float32, probabilities cast to v's dtype (transformers' eager path).
+    -> [B, T, H, Dv] in q's dtype."""
+    s = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32) * sm_scale
+    visible = kv_pos[:, None, :] <= q_pos[:, :, None]  # [B, T, S]
+    s = jnp.where(visible[:, None], s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(s - m)
+    p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
+    o = jnp.einsum("bhts,bshd->bthd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return o.astype(q.dtype)
+
+
+def _padded_dim(q, v) -> int:
+    d = max(q.shape[-1], v.shape[-1])
+    return max(16, 1 << (d - 1).bit_length())
+
+
+def _flash_supports(q, k, v, plan, *, positions, sm_scale) -> str | None:
+    if not kernels_on(plan, q.dtype):
+        return "kernels off for these dtypes"
+    if _padded_dim(q, v) > 256:
+        return f"head dims {q.shape[-1]} / {v.shape[-1]} pad past the kernel's 256"
+    return None
+
+
+@MLA_PREFILL.register("flash_padded", _flash_supports)
+def _flash_padded(q, k, v, plan, *, positions, sm_scale):
+    """Flash attention among the T new tokens (positions 0..T-1) with q, k and v zero-padded
+    to one power-of-two head dim: zero q/k columns add nothing to the scores, and the padded
+    value columns are sliced off."""
+    import pallas_kernels as pk
+
+    d = _padded_dim(q, v)
+
+    def pad(x):
+        return jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, d - x.shape[-1])))
+    out = pk.flash_attention(pad(q), pad(k), pad(v), causal=True, sm_scale=sm_scale,
+                             backend=plan.policy.flash.value, interpret=plan.policy.interpret)
+    return out[..., :v.shape[-1]]
+
+
+MLA_PREFILL.register("reference", always)(
+    lambda q, k, v, plan, *, positions, sm_scale: attention_reference(
+        q, k, v, positions, positions, sm_scale=sm_scale))
+
+
+def _split_w_kv_b(w_kv_b, dn: int, dtype):
+    w = as_array(w_kv_b, dtype)  # [R, H, Dn + Dv]
+    return w[..., :dn], w[..., dn:]  # W_UK [R, H, Dn], W_UV [R, H, Dv]
+
+
+def _expanded_supports(q, latent, cache, plan, *, fresh=False, **_) -> str | None:
+    return None if cache is None or fresh else "the queries attend to earlier cache slots"
+
+
+@MLA_ATTEND.register("expanded", _expanded_supports)
+def _expanded(q, latent, cache, plan, *, positions, w_kv_b, fresh=False):
+    """K/V rebuilt per head from latents, then ordinary attention: the new tokens' own (no
+    cache, or a fresh prefill), or with a cache holding earlier tokens the whole cache's (the
+    non-absorbed form the absorbed one is tested against)."""
+    mla = plan.config.mla
+    r, dn = mla.kv_lora_rank, mla.qk_nope_head_dim
+    sm_scale = softmax_scale(plan.config)
+    w_uk, w_uv = _split_w_kv_b(w_kv_b, dn, q.dtype)
+    if cache is not None and not fresh:
+        s = cache.latent.shape[1]
+        kv_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), cache.latent.shape[:2])
+        latent, k_positions = cache.latent, kv_pos  # [B, S, R + Dr], slot i = position i
+    else:
+        k_positions = positions
+    c_kv, k_pe = latent[..., :r], latent[..., r:]
+    k_nope = jnp.einsum("bsr,rhn->bshn", c_kv, w_uk,
+                        preferred_element_type=jnp.float32).astype(q.dtype)
+    v = jnp.einsum("bsr,rhv->bshv", c_kv, w_uv, preferred_element_type=jnp.float32).astype(q.dtype)
+    k_pe = jnp.broadcast_to(k_pe[:, :, None, :], (*k_nope.shape[:3], k_pe.shape[-1]))
+    k = jnp.concatenate([k_nope, k_pe.astype(q.dtype)], axis=-1)  # [B, S, H, Dn + Dr]
+    if cache is not None and not fresh:
+        return attention_reference(q, k, v, positions, k_positions, sm_scale=sm_scale)
+    return MLA_PREFILL(q, k, v, plan, positions=positions, sm_scale=sm_scale)
+
+
+@MLA_ATTEND.register("absorbed", lambda q, latent, cache, plan, **_: None
+                     if isinstance(cache, LatentLayer) else "needs a LatentLayer")
+def _absorbed(q, latent, cache, plan, *, positions, w_kv_b, fresh=False):
+    """W_UK folded into the query, attention over the latent cache, W_UV after it. The T new
+    tokens' positions are consecutive per row (the decode step, a chunk of a prefill)."""
+    mla = plan.config.mla
+    r, dn = mla.kv_lora_rank, mla.qk_nope_head_dim
+    w_uk, w_uv = _split_w_kv_b(w_kv_b, dn, q.dtype)
+    q_lat = jnp.einsum("bthn,rhn->bthr", q[..., :dn], w_uk,
+                       preferred_element_type=jnp.float32).astype(q.dtype)  # [B, T, H, R]
+    q_abs = jnp.concatenate([q_lat, q[..., dn:]], axis=-1)  # [B, T, H, R + Dr]
+    lengths = positions[:, -1] + 1  # [B]: the last new token's slot, plus one
+    o_lat = MLA_CORE(q_abs, cache.latent, lengths, plan, sm_scale=softmax_scale(plan.config),
+                     kv_lora_rank=r)  # [B, T, H, R]
+    return jnp.einsum("bthr,rhv->bthv", o_lat, w_uv,
+                      preferred_element_type=jnp.float32).astype(q.dtype)  # [B, T, H, Dv]
+
+
+def mla_attend(q: jax.Array, kv_a: jax.Array, cache: LatentLayer | None, plan: Plan, *,
+               positions: jax.Array, rope, kv_norm, w_kv_b, fresh: bool = False):
+    """MLA of the new tokens -> (out [B, T, H, Dv], the layer's cache with their latents).
+
+    q [B, T, H, Dn + Dr] (q_proj / q_b_proj's output, RoPE not applied yet); kv_a [B, T, R + Dr]
+    (kv_a_proj_with_mqa's); positions [B, T] int32; rope (cos, sin) [B, T, Dr]; kv_norm [R]:
+    kv_a_layernorm's weight; w_kv_b: kv_b_proj [R, H, Dn + Dv]. cache: the layer's LatentLayer
+    or None (the T tokens attend among themselves at positions 0..T-1); fresh: the cache held
+    nothing before them."""
+    config = plan.config
+    mla = config.mla
+    r, dn = mla.kv_lora_rank, mla.qk_nope_head_dim
+    c_kv = reference.rms_norm(kv_a[..., :r], kv_norm, config.rms_norm_eps)  # [B, T, R]
+    k_pe = _rope(kv_a[:, :, None, r:], rope, mla.rope_interleave)[:, :, 0]  # [B, T, Dr]
+    q = jnp.concatenate([q[..., :dn], _rope(q[..., dn:], rope, mla.rope_interleave)], axis=-1)
+    latent = jnp.concatenate([c_kv, k_pe.astype(c_kv.dtype)], axis=-1)  # [B, T, R + Dr]
+    if cache is not None:
+        cache = cache.append(latent, positions)
+    out = MLA_ATTEND(q, latent, cache, plan, positions=positions, w_kv_b=w_kv_b, fresh=fresh)
+    return out, cache

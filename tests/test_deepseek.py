@@ -1,0 +1,405 @@
+"""DeepSeek-V2 / V3: MLA with the latent cache and MoE, against transformers' golden outputs
+(tests/fixtures/data/hf/deepseek_*), and the latent cache's own contracts."""
+
+import json
+import pathlib
+import shutil
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+import jaxinfer
+from jaxinfer import memory
+from jaxinfer.cache import KVCache, LatentCache, LatentLayer
+from jaxinfer.configs import PRESETS, Config, MLAConfig
+from jaxinfer.models import registry
+from jaxinfer.ops import mla
+from jaxinfer.plan import KernelPolicy, MoEImpl, Plan
+from jaxinfer.weights import QuantizedWeight
+
+HF = pathlib.Path(__file__).parent / "fixtures" / "data" / "hf"
+VARIANTS = ("deepseek_v2", "deepseek_v2_qlora", "deepseek_v3")
+
+
+def rel_err(a, b):
+    return float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(np.asarray(b)))
+
+
+@pytest.fixture(scope="module", params=VARIANTS)
+def variant(request):
+    d = HF / request.param
+    return d, jaxinfer.load(str(d), dtype="float32"), np.load(d / "ref.npz")
+
+
+def test_fixtures_exercise_the_features():
+    cfgs = {v: json.loads((HF / v / "config.json").read_text()) for v in VARIANTS}
+    assert cfgs["deepseek_v2"]["q_lora_rank"] is None
+    assert cfgs["deepseek_v2"]["topk_method"] == "group_limited_greedy"
+    assert cfgs["deepseek_v2_qlora"]["q_lora_rank"] and cfgs["deepseek_v2_qlora"]["tie_word_embeddings"]
+    v3 = cfgs["deepseek_v3"]
+    assert v3["n_group"] > 1 and v3["topk_group"] < v3["n_group"]
+    assert v3["routed_scaling_factor"] != 1 and v3["n_shared_experts"] >= 1
+    assert v3["rope_parameters"]["rope_type"] == "yarn" and v3["rope_parameters"]["mscale_all_dim"]
+    assert all(c["first_k_dense_replace"] == 1 for c in cfgs.values())
+
+
+def test_logits_match_transformers(variant):
+    d, model, ref = variant
+    logits = np.asarray(model(ref["input_ids"]))
+    assert logits.shape == ref["logits"].shape
+    assert rel_err(logits, ref["logits"]) <= 1e-4
+    np.testing.assert_array_equal(logits.argmax(-1), ref["logits"].argmax(-1))
+
+
+def test_greedy_generation_matches_transformers(variant):
+    d, model, ref = variant
+    prompts = [list(map(int, p)) for p in ref["greedy_prompt"]]
+    out = jaxinfer.generate(model, prompts, max_new_tokens=ref["greedy_new"].shape[1])
+    assert [c.token_ids for c in out] == ref["greedy_new"].tolist()
+    if d.name == "deepseek_v3":  # a chunked prefill: chunks of 3 absorbed against the cache
+        out = jaxinfer.generate(model, prompts, max_new_tokens=ref["greedy_new"].shape[1],
+                                policy=KernelPolicy(prefill_chunk=3))
+        assert [c.token_ids for c in out] == ref["greedy_new"].tolist()
+
+
+def test_incremental_decoding_matches_full_forward(variant):
+    """A prefill of 8 tokens, then one token at a time and a chunk of 3 (absorbed, Tq > 1)
+    against the latent cache: every position's logits are the full forward's (transformers'),
+    over the first 16 positions."""
+    d, model, ref = variant
+    t = 16
+    tokens = jnp.asarray(ref["input_ids"][:, :t])  # [B, T]
+    b = tokens.shape[0]
+    plan = model.plan
+    forward = jax.jit(registry.family(model.config).forward, static_argnames=("plan", "fresh"))
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    cache = KVCache.init(model.config, b, t)
+    assert isinstance(cache, LatentCache)
+    p = 8
+    logits, cache = forward(model.params, tokens[:, :p], positions[:, :p], plan, cache=cache,
+                            fresh=True)
+    steps = [np.asarray(logits)]
+    while p < t:
+        n = 3 if p == 12 else 1
+        logits, cache = forward(model.params, tokens[:, p:p + n], positions[:, p:p + n], plan,
+                                cache=cache)
+        steps.append(np.asarray(logits))
+        p += n
+    inc = np.concatenate(steps, axis=1)  # [B, T, V]
+    for i in range(t):
+        assert rel_err(inc[:, i], ref["logits"][:, i]) <= 1e-4, f"position {i}"
+    np.testing.assert_array_equal(inc.argmax(-1), ref["logits"][:, :t].argmax(-1))
+
+
+# ----------------------------------------------------------------------------- MLA itself
+
+
+def _tiny(q_lora=None, **mla_changes):
+    m = MLAConfig(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
+                  q_lora_rank=q_lora, **mla_changes)
+    return Config(vocab_size=64, hidden_size=32, intermediate_size=32, num_layers=1,
+                  num_heads=3, num_kv_heads=3, head_dim=16, family="deepseek", mla=m)
+
+
+def _mla_inputs(config, b, s, t, key=0):
+    m, h = config.mla, config.num_heads
+    k = jax.random.split(jax.random.key(key), 4)
+    w_kv_b = jax.random.normal(k[0], (m.kv_lora_rank, h, m.qk_nope_head_dim + m.v_head_dim)) / 4
+    from jaxinfer.weights import Dense
+
+    cache = LatentLayer(jax.random.normal(k[1], (b, s, m.latent_dim)))
+    q = jax.random.normal(k[2], (b, t, h, m.qk_head_dim))
+    latent = jax.random.normal(k[3], (b, t, m.latent_dim))
+    return q, latent, cache, Dense(w_kv_b)
+
+
+@pytest.mark.parametrize("t", [1, 3])
+def test_absorbed_equals_expanded(t):
+    """The absorbed decode (latent query, attention over the latent, W_UV after) against K/V
+    expanded per head from the same cache, rows at different positions."""
+    config = _tiny()
+    plan = Plan(config)
+    b, s = 2, 11
+    q, latent, cache, w = _mla_inputs(config, b, s, t)
+    start = jnp.array([[5], [7]])  # the rows' first new positions
+    positions = (start + jnp.arange(t)).astype(jnp.int32)  # [B, T]
+    cache = cache.append(latent, positions)
+    kw = dict(positions=positions, w_kv_b=w)
+    assert mla.MLA_ATTEND.pick(q, latent, cache, plan, **kw).name == "absorbed"
+    absorbed_fn = jax.jit(lambda *a, **k: mla.MLA_ATTEND.get("absorbed").run(*a, plan, **k))
+    absorbed = absorbed_fn(q, latent, cache, **kw)
+    expanded = jax.jit(lambda *a, **k: mla.MLA_ATTEND.get("expanded").run(*a, plan, **k))(
+        q, latent, cache, **kw)
+    assert absorbed.shape == (b, t, config.num_heads, config.mla.v_head_dim)
+    np.testing.assert_allclose(absorbed, expanded, rtol=1e-5, atol=1e-5)
+    # Slots past the last new token are not read: changing them changes nothing.
+    poked = LatentLayer(cache.latent.at[:, 10:].set(100.0))
+    again = absorbed_fn(q, latent, poked, **kw)
+    np.testing.assert_array_equal(again, absorbed)
+
+
+def test_mla_decode_attention_causal_among_new_tokens():
+    """Query t of Tq sees slots < lengths - (Tq - 1 - t): against one query at a time."""
+    b, s, h, c, r = 2, 9, 2, 12, 8
+    k = jax.random.split(jax.random.key(3), 2)
+    q = jax.random.normal(k[0], (b, 3, h, c))
+    latent = jax.random.normal(k[1], (b, s, c))
+    lengths = jnp.array([6, 9], jnp.int32)
+    attend = jax.jit(lambda q, lengths: mla.mla_decode_attention(
+        q, latent, lengths, sm_scale=0.3, kv_lora_rank=r))
+    out = attend(q, lengths)
+    assert out.shape == (b, 3, h, r)
+    for t in range(3):
+        one = attend(q[:, t:t + 1], lengths - (2 - t))
+        np.testing.assert_allclose(out[:, t:t + 1], one, rtol=1e-6, atol=1e-6)
+    # Length 1: the one visible slot's latent comes back.
+    first = attend(q[:, :1], jnp.ones((b,), jnp.int32))
+    np.testing.assert_allclose(first[:, 0, 0], latent[:, 0, :r], rtol=1e-6)
+
+
+def test_fresh_prefill_takes_expanded_and_flash_padded_matches_reference():
+    """A fresh prefill expands K/V; with the kernels on (interpret, bf16) the flash path, its
+    head dims zero-padded (16 / 12 -> 16), matches the masked reference."""
+    config = _tiny().replace(dtype="bfloat16")
+    plan = Plan(config, KernelPolicy(interpret=True))
+    b, t = 2, 5
+    q, latent, _, w = _mla_inputs(config, b, t, t, key=1)
+    q, latent = q.astype(jnp.bfloat16), latent.astype(jnp.bfloat16)
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    assert mla.MLA_ATTEND.pick(q, latent, None, plan, positions=positions,
+                               w_kv_b=w).name == "expanded"
+    k = jnp.ones((b, t, 3, 16), jnp.bfloat16)
+    v = jnp.ones((b, t, 3, 12), jnp.bfloat16)
+    assert mla.MLA_PREFILL.pick(q, k, v, plan, positions=positions,
+                                sm_scale=0.25).name == "flash_padded"
+    k = jax.random.normal(jax.random.key(5), (b, t, 3, 16)).astype(jnp.bfloat16)
+    v = jax.random.normal(jax.random.key(6), (b, t, 3, 12)).astype(jnp.bfloat16)
+    got = mla.MLA_PREFILL.get("flash_padded").run(q, k, v, plan, positions=positions,
+                                                  sm_scale=0.25)
+    want = mla.attention_reference(q.astype(jnp.float32), k.astype(jnp.float32),
+                                   v.astype(jnp.float32), positions, positions, sm_scale=0.25)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=3e-2, rtol=3e-2)
+
+
+def test_softmax_scale_has_yarn_mscale():
+    config = PRESETS["deepseek-v3"]
+    m = 0.1 * 1.0 * np.log(40.0) + 1.0
+    assert mla.softmax_scale(config) == pytest.approx(192 ** -0.5 * m * m)
+    assert mla.softmax_scale(config.replace(rope_scaling=type(config.rope_scaling)())) \
+        == pytest.approx(192 ** -0.5)
+
+
+def test_latent_cache_bytes_per_token():
+    """DeepSeek-V2-Lite: 576 latent values per token and layer, against 16 x (192 + 128) =
+    5120 for the same heads' K/V."""
+    config = PRESETS["deepseek-v2-lite"]
+    m = config.mla
+    assert m.latent_dim == 576
+    mha = config.num_heads * (m.qk_head_dim + m.v_head_dim)
+    assert mha == 5120
+    per_token = memory.kv_bytes_per_token(config)
+    assert per_token == config.num_layers * 576 * 2  # bf16
+    cache = jax.eval_shape(lambda: KVCache.init(config, 2, 256))
+    assert isinstance(cache, LatentCache)
+    assert cache.nbytes() == 2 * 256 * per_token == memory.kv_cache_bytes(config, 2, 256)
+    print(f"latent {576 * 2} B/token/layer vs MHA-equivalent {mha * 2} B "
+          f"({mha / 576:.2f}x)")
+    assert mha / 576 == pytest.approx(8.89, abs=0.01)
+
+
+def test_presets_param_counts():
+    assert PRESETS["deepseek-v3"].num_params() == pytest.approx(671e9, rel=0.01)
+    assert PRESETS["deepseek-v3"].num_params(active=True) == pytest.approx(37.5e9, rel=0.02)
+    assert PRESETS["deepseek-v2-lite"].num_params() == pytest.approx(15.7e9, rel=0.01)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def _copy(tmp_path, name="deepseek_v3"):
+    dst = tmp_path / name
+    shutil.copytree(HF / name, dst)
+    return dst
+
+
+def test_fused_expert_layout_loads_the_same(tmp_path, variant):
+    """Experts stored fused (mlp.experts.gate_up_proj [E, 2F, D], down_proj [E, D, F], the
+    layout transformers 5 holds in memory) give the per-expert layout's logits."""
+    d, model, ref = variant
+    dst = tmp_path / "fused"
+    shutil.copytree(d, dst)
+    tensors = load_file(dst / "model.safetensors")
+    e = model.config.moe.num_experts
+    for i in range(model.config.num_layers):
+        p = f"model.layers.{i}.mlp.experts."
+        if p + "0.gate_proj.weight" not in tensors:
+            continue
+        pop = {n: [tensors.pop(f"{p}{j}.{n}.weight") for j in range(e)]
+               for n in ("gate_proj", "up_proj", "down_proj")}
+        tensors[p + "gate_up_proj"] = np.stack(
+            [np.concatenate([g, u]) for g, u in zip(pop["gate_proj"], pop["up_proj"])])
+        tensors[p + "down_proj"] = np.stack(pop["down_proj"])
+    save_file(tensors, dst / "model.safetensors")
+    logits = np.asarray(jaxinfer.load(str(dst), dtype="float32")(ref["input_ids"]))
+    np.testing.assert_allclose(logits, model(ref["input_ids"]), rtol=1e-6, atol=1e-6)
+
+
+def _fp8_blocks(w, block):
+    """w [out, in] float32 -> (fp8 codes, scale_inv [ceil(out/b), ceil(in/b)]) per block."""
+    o, k = w.shape
+    go, gk = -(-o // block), -(-k // block)
+    padded = np.zeros((go * block, gk * block), np.float32)
+    padded[:o, :k] = w
+    blocks = padded.reshape(go, block, gk, block)
+    scale = np.abs(blocks).max(axis=(1, 3)) / 448.0
+    scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+    codes = (blocks / scale[:, None, :, None]).reshape(go * block, gk * block)[:o, :k]
+    return codes.astype(ml_dtypes.float8_e4m3fn), scale
+
+
+def test_fp8_block_checkpoint_kept_in_fp8(tmp_path):
+    """A DeepSeek-V3 checkpoint block-quantized to fp8 (weights + weight_scale_inv, as the
+    release stores them, here with 16 x 16 blocks so that blocks are partial): loaded kept in
+    fp8, its logits equal a float32 load of the same dequantized values."""
+    src = HF / "deepseek_v3"
+    fp8, deq = tmp_path / "fp8", tmp_path / "dequantized"
+    shutil.copytree(src, fp8)
+    shutil.copytree(src, deq)
+    tensors = load_file(src / "model.safetensors")
+    block = 16
+    q_out, d_out = {}, {}
+    for name, w in tensors.items():
+        quantized = (w.ndim == 2 and name.endswith(".weight") and "layernorm" not in name
+                     and "embed_tokens" not in name and not name.startswith("lm_head")
+                     and not name.endswith("mlp.gate.weight"))
+        if not quantized:
+            q_out[name] = d_out[name] = w
+            continue
+        codes, scale = _fp8_blocks(w, block)
+        q_out[name], q_out[name + "_scale_inv"] = codes, scale
+        full = np.repeat(np.repeat(scale, block, 0), block, 1)[:w.shape[0], :w.shape[1]]
+        d_out[name] = codes.astype(np.float32) * full
+    save_file(q_out, fp8 / "model.safetensors")
+    save_file(d_out, deq / "model.safetensors")
+    cfg = json.loads((fp8 / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme":
+                                  "dynamic", "weight_block_size": [block, block]}
+    (fp8 / "config.json").write_text(json.dumps(cfg))
+
+    ref = np.load(src / "ref.npz")
+    kept = jaxinfer.load(str(fp8), dtype="float32")
+    layer = kept.params["layers"][1]
+    assert isinstance(layer["wq_kv_a"], QuantizedWeight) and layer["wq_kv_a"].float8
+    assert isinstance(layer["wkv_b"], QuantizedWeight) and isinstance(layer["wo"],
+                                                                      QuantizedWeight)
+    assert layer["experts_gate"].dtype == jnp.float32  # experts dequantized on load
+    logits = np.asarray(kept(ref["input_ids"]))
+    want = np.asarray(jaxinfer.load(str(deq), dtype="float32")(ref["input_ids"]))
+    assert rel_err(logits, want) <= 1e-4
+    np.testing.assert_array_equal(logits.argmax(-1), want.argmax(-1))
+    assert rel_err(logits, ref["logits"]) > 1e-3  # fp8 really moved the weights
+
+
+def _edit(path, **changes):
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(changes)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("name, changes, match", [
+    ("deepseek_v3", {"scoring_func": "softmax"}, "scoring_func='softmax'"),
+    ("deepseek_v3", {"topk_method": "greedy"}, "topk_method='greedy'"),
+    ("deepseek_v2", {"topk_method": "random"}, "topk_method='random'"),
+    ("deepseek_v2", {"scoring_func": "sigmoid"}, "scoring_func='sigmoid'"),
+    ("deepseek_v2", {"norm_topk_prob": True}, "norm_topk_prob=True"),
+    ("deepseek_v2", {"num_key_value_heads": 2}, "num_key_value_heads=2"),
+    ("deepseek_v2", {"attention_bias": True}, "attention_bias=True"),
+    ("deepseek_v2", {"qk_rope_head_dim": 7}, "qk_rope_head_dim must be even"),
+    ("deepseek_v3", {"n_group": 3}, r"n_group \(3\) must divide num_experts \(8\)"),
+    ("deepseek_v3", {"quantization_config": {"quant_method": "awq"}}, "quant_method='awq'"),
+    ("deepseek_v3", {"quantization_config": {"quant_method": "fp8", "weight_block_size":
+                                             [128, 64]}}, "weight_block_size"),
+])
+def test_bad_configs(tmp_path, name, changes, match):
+    d = _copy(tmp_path, name)
+    _edit(d, **changes)
+    with pytest.raises(ValueError, match=match):
+        jaxinfer.load(str(d), dtype="float32")
+
+
+def test_bad_config_objects():
+    with pytest.raises(ValueError, match="kv_lora_rank must be an integer >= 1"):
+        MLAConfig(kv_lora_rank=0, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
+    with pytest.raises(ValueError, match="q_lora_rank must be None or an integer"):
+        MLAConfig(kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+                  q_lora_rank=0)
+    with pytest.raises(ValueError, match=r"num_kv_heads \(1\) must equal num_heads \(3\)"):
+        _tiny().replace(num_kv_heads=1)
+    with pytest.raises(ValueError, match=r"head_dim \(24\) must be qk_nope_head_dim \+ "):
+        _tiny().replace(head_dim=24)
+    with pytest.raises(ValueError, match="quantized latent cache"):
+        KVCache.init(_tiny(), 1, 8, kv_dtype="int8")
+
+
+def test_wrong_tensor_shape_names_it(tmp_path):
+    d = _copy(tmp_path, "deepseek_v2")
+    tensors = load_file(d / "model.safetensors")
+    name = "model.layers.0.self_attn.kv_b_proj.weight"
+    tensors[name] = tensors[name][:-1]
+    save_file(tensors, d / "model.safetensors")
+    with pytest.raises(ValueError, match="model.layers.0: wkv_b has shape"):
+        jaxinfer.load(str(d), dtype="float32")
+
+
+def test_mtp_layers_are_ignored(tmp_path):
+    """DeepSeek-V3 checkpoints carry the multi-token-prediction module as a layer past
+    num_hidden_layers; it is not part of the model and not read."""
+    d = _copy(tmp_path, "deepseek_v3")
+    tensors = load_file(d / "model.safetensors")
+    extra = {k.replace("model.layers.2.", "model.layers.3."): v for k, v in tensors.items()
+             if k.startswith("model.layers.2.")}
+    save_file({**tensors, **extra}, d / "model.safetensors")
+    ref = np.load(d / "ref.npz")
+    logits = np.asarray(jaxinfer.load(str(d), dtype="float32")(ref["input_ids"]))
+    assert rel_err(logits, ref["logits"]) <= 1e-4
+
+
+# ----------------------------------------------------------------------------- GPU lowering
+
+
+@pytest.mark.parametrize("preset", ["deepseek-v2-lite", "deepseek-v3"])
+def test_real_shapes_lower_for_h200(preset):
+    """A two-layer (one dense, one MoE) model at the preset's real shapes, bf16, with the ops
+    forced onto the kernels, lowered for an H200 on the CPU: a fresh prefill of 128 tokens
+    (flash attention on q/k/v padded 192 / 128 -> 256) and a decode step (the fused decode
+    matmuls; the absorbed attention in XLA until the MLA kernel plugs in)."""
+    from test_gpu_lowering import ON_GPU, kernel_names, lower_for_h200
+
+    from jaxinfer.models import deepseek
+    from jaxinfer.weights import abstract_params
+
+    base = PRESETS[preset]
+    config = base.replace(num_layers=2, moe=base.moe.replace(first_dense_layers=1))
+    params = abstract_params(deepseek.param_specs(config), jnp.bfloat16)
+    # The experts gather: ragged_dot does not lower under the abstract mesh (explicit sharding
+    # inference for ragged_dot_general is not implemented in jax 0.11).
+    plan = Plan(config, ON_GPU.replace(moe=MoEImpl.GATHER))
+
+    def run(params, tokens, positions, cache, fresh):
+        return deepseek.forward(params, tokens, positions, plan, cache, fresh=fresh)
+
+    for batch, t, fresh in ((1, 128, True), (4, 1, False)):
+        cache = jax.eval_shape(lambda: KVCache.init(config, batch, 256))
+        tokens = jax.ShapeDtypeStruct((batch, t), jnp.int32)
+        module = lower_for_h200(lambda p, x, c: run(p, x, x, c, fresh), params, tokens, cache)
+        names = kernel_names(module)
+        if fresh:
+            assert any("flash" in n for n in names), names
+        else:
+            assert any(n.startswith("norm_matmul") or n.startswith("add_norm_matmul")
+                       for n in names), names
