@@ -14,6 +14,7 @@ from typing import Literal
 
 RopeKind = Literal["default", "linear", "dynamic", "llama3", "yarn"]
 DTYPES = ("float32", "bfloat16", "float16")
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +68,16 @@ class Config:
     architecture: str = "LlamaForCausalLM"  # the HF architecture name, for messages
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # --- Gemma 2 / 3 switches (jaxinfer/models/gemma.py); the defaults are Llama's ---------
+    mlp_activation: str = "silu"  # the gated MLP's gate: "silu" (SwiGLU) | "gelu_tanh" (GeGLU)
+    # RMSNorms scale by (norm_offset + weight), in float32 when nonzero (Gemma: 1 + w)
+    norm_offset: float = 0.0
+    attn_scale: float | None = None  # softmax scale (Gemma: query_pre_attn_scalar ** -0.5)
+    attn_softcap: float | None = None  # scores = c * tanh(scores / c) before the mask
+    final_softcap: float | None = None  # logits = c * tanh(logits / c)
+    embed_scale: float | None = None  # embeddings times this, rounded to the dtype first
+    # RoPE base of the sliding-window layers (unscaled); None: every layer uses rope_theta
+    rope_local_theta: float | None = None
 
     def __post_init__(self):
         problems = []
@@ -86,6 +97,7 @@ class Config:
                             f"{self.num_layers} layers")
         if self.rope_freq_factors:
             problems += self._rope_freq_factor_problems()
+        problems += self._gemma_problems()
         if problems:
             raise ValueError("invalid model config: " + "; ".join(problems))
 
@@ -102,6 +114,18 @@ class Config:
         if self.rope_scaling.kind in ("llama3", "dynamic"):
             problems.append(f"rope_freq_factors cannot be combined with "
                             f"{self.rope_scaling.kind!r} rope scaling")
+        return problems
+
+    def _gemma_problems(self) -> list[str]:
+        problems = []
+        if self.mlp_activation not in MLP_ACTIVATIONS:
+            problems.append(f"mlp_activation must be one of {MLP_ACTIVATIONS}, got "
+                            f"{self.mlp_activation!r}")
+        for name in ("attn_scale", "attn_softcap", "final_softcap", "embed_scale",
+                     "rope_local_theta"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                problems.append(f"{name} must be a positive number or None, got {value!r}")
         return problems
 
     @property

@@ -16,7 +16,7 @@ from jaxinfer.cache import KVCache
 from jaxinfer.generate import decode_loop, init_state, prefill
 
 generate_module = __import__("sys").modules["jaxinfer.generate"]  # the name is the function
-from jaxinfer.models import llama
+from jaxinfer.models import registry
 from jaxinfer.plan import KernelPolicy
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "data"
@@ -74,7 +74,8 @@ def test_incremental_decoding_matches_full_forward(variant):
     ids = jnp.asarray(np.load(variant / "ref.npz")["input_ids"])  # [B, T]
     b, t = ids.shape
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    forward = jax.jit(llama.forward, static_argnums=(3,))  # one compile per query length
+    # The family's forward (llama, gemma): one compile per query length.
+    forward = jax.jit(registry.family(model.config).forward, static_argnums=(3,))
     full, _ = forward(model.params, ids, pos, model.plan)
     split = t // 3
     cache = KVCache.init(model.config, b, t + 5)

@@ -1,0 +1,175 @@
+"""Gemma 2 and Gemma 3 against HF transformers' goldens (tests/fixtures/data/hf/gemma*): the
+full forward, incremental decoding past the sliding window, greedy generation, the multimodal
+checkpoint's text tower, the GGUF load, and bad configs."""
+
+import json
+import pathlib
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxinfer
+from jaxinfer.cache import KVCache
+from jaxinfer.models import gemma
+from jaxinfer.plan import KernelPolicy
+
+HF = pathlib.Path(__file__).parent / "fixtures" / "data" / "hf"
+GGUF = pathlib.Path(__file__).parent / "fixtures" / "data" / "gguf"
+NAMES = ("gemma2", "gemma3")
+
+
+def rel_err(a, b):
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def fixture(request):
+    path = HF / request.param
+    return path, jaxinfer.load(str(path), dtype="float32"), np.load(path / "ref.npz")
+
+
+def test_config_reads_every_gemma_switch():
+    g2 = jaxinfer.load(str(HF / "gemma2"), dtype="float32").config
+    assert (g2.family, g2.mlp_activation, g2.norm_offset) == ("gemma", "gelu_tanh", 1.0)
+    assert g2.attn_scale == pytest.approx(24 ** -0.5) and g2.attn_softcap == 1.5
+    assert g2.final_softcap == 3.0 and g2.embed_scale == pytest.approx(8.0)
+    assert g2.layer_windows == (8, None, 8, None) and g2.rope_local_theta is None
+    g3 = jaxinfer.load(str(HF / "gemma3"), dtype="float32").config
+    assert g3.qk_norm and g3.attn_softcap is None and g3.final_softcap is None
+    assert g3.layer_windows == (6,) * 5 + (None, 6)
+    assert (g3.rope_theta, g3.rope_local_theta) == (1e6, 1e4)
+    assert (g3.rope_scaling.kind, g3.rope_scaling.factor) == ("linear", 4.0)
+
+
+def test_logits_match_transformers(fixture):
+    _, model, ref = fixture
+    logits = np.asarray(model(ref["input_ids"]))
+    assert logits.shape == ref["logits"].shape
+    assert rel_err(logits, ref["logits"]) <= 1e-4
+    np.testing.assert_array_equal(logits.argmax(-1), ref["logits"].argmax(-1))
+
+
+def test_incremental_decoding_past_the_window(fixture):
+    """A short prefill, then one token at a time well past the sliding window: each step's
+    logits equal the full forward's."""
+    path, model, ref = fixture
+    ids = jnp.asarray(ref["input_ids"])  # [B, T]
+    b, t = ids.shape
+    assert t > 2 * min(w for w in model.config.layer_windows if w)
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    forward = jax.jit(gemma.forward, static_argnums=(3, 6))  # plan, fresh
+    full = np.asarray(forward(model.params, ids, pos, model.plan)[0])
+    cache = KVCache.init(model.config, b, t + 3)
+    logits, cache = forward(model.params, ids[:, :3], pos[:, :3], model.plan, cache, None, True)
+    steps = [logits]
+    for i in range(3, t):
+        logits, cache = forward(model.params, ids[:, i:i + 1], pos[:, i:i + 1], model.plan,
+                                cache, None, False)
+        steps.append(logits)
+    inc = np.asarray(jnp.concatenate(steps, axis=1))
+    for i in range(t):
+        assert rel_err(inc[:, i], full[:, i]) <= 1e-4, f"position {i}"
+    np.testing.assert_array_equal(inc.argmax(-1), full.argmax(-1))
+
+
+def test_greedy_generation_matches_transformers(fixture):
+    _, model, ref = fixture
+    (out,) = jaxinfer.generate(model, [ref["prompt"].tolist()], max_new_tokens=len(ref["greedy"]),
+                               chat=False, stop=None)
+    assert out.token_ids[:len(ref["greedy"])] == ref["greedy"].tolist()
+
+
+def test_kernels_in_interpret_mode_match_the_references():
+    """bfloat16 with the Pallas kernels in interpret mode (GeGLU, soft-capped flash attention
+    and decode attention, head_dim 16) and with the pure-jnp references, prefill and a decode
+    step, both against the float32 forward (one bf16 path may not beat the other)."""
+    path = HF / "gemma2"
+    ids = jnp.asarray(np.load(path / "ref.npz")["input_ids"][:1, :12])
+    pos = jnp.arange(12, dtype=jnp.int32)[None]
+    outs = {}
+    for name, dtype, policy in (("f32", "float32", None),
+                                ("ref", "bfloat16", KernelPolicy.reference()),
+                                ("pallas", "bfloat16", KernelPolicy(interpret=True))):
+        model = jaxinfer.load(str(path), dtype=dtype, policy=policy)
+        cache = KVCache.init(model.config, 1, 16, dtype=dtype)
+        logits, cache = gemma.forward(model.params, ids[:, :11], pos[:, :11], model.plan, cache,
+                                      None, True)
+        step, _ = gemma.forward(model.params, ids[:, 11:], pos[:, 11:], model.plan, cache)
+        outs[name] = (np.asarray(logits), np.asarray(step))
+    for name in ("ref", "pallas"):
+        for got, want in zip(outs[name], outs["f32"]):
+            assert rel_err(got, want) < 3e-2, name
+        assert (outs[name][0].argmax(-1) == outs["f32"][0].argmax(-1)).mean() >= 0.9
+
+
+# ----------------------------------------------------------------------- multimodal checkpoint
+
+
+def test_conditional_generation_text_tower(tmp_path):
+    """A Gemma3ForConditionalGeneration directory (transformers 5's names: the language model
+    under model.language_model., a vision tower beside it) loads as its text tower."""
+    from safetensors.numpy import load_file, save_file
+
+    src = HF / "gemma3"
+    tensors = load_file(src / "model.safetensors")
+    renamed = {k.replace("model.", "model.language_model.", 1): v for k, v in tensors.items()}
+    renamed["model.vision_tower.vision_model.post_layernorm.weight"] = np.ones(8, np.float32)
+    renamed["model.multi_modal_projector.mm_soft_emb_norm.weight"] = np.ones(8, np.float32)
+    save_file(renamed, tmp_path / "model.safetensors")
+    text = json.loads((src / "config.json").read_text())
+    cfg = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+           "text_config": {k: v for k, v in text.items() if k != "architectures"},
+           "vision_config": {"model_type": "siglip_vision_model"}}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    ref = np.load(src / "ref.npz")
+    model = jaxinfer.load(str(tmp_path), dtype="float32")
+    assert rel_err(np.asarray(model(ref["input_ids"])), ref["logits"]) <= 1e-4
+
+
+# ----------------------------------------------------------------------------------- bad input
+
+
+@pytest.fixture
+def gemma3_dir(tmp_path):
+    dst = tmp_path / "model"
+    shutil.copytree(HF / "gemma3", dst)
+    return dst
+
+
+def _edit(path, **changes):
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(changes)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(hidden_activation="silu"), "hidden_activation 'silu'"),
+    (dict(layer_types=["full_attention"] * 3), "layer_types must list 7 entries"),
+    (dict(layer_types=["local"] * 7), "layer_types must list 7 entries"),
+    (dict(sliding_window=None), "sliding_window is None"),
+    (dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
+    (dict(attention_bias=True), "attention_bias"),
+    (dict(query_pre_attn_scalar=-4), "query_pre_attn_scalar must be a positive number, got -4"),
+    (dict(rope_parameters={"sliding_attention": {"rope_type": "yarn", "factor": 2.0},
+                           "full_attention": {"rope_type": "default"}}),
+     "sliding_attention.rope_type 'yarn'"),
+])
+def test_bad_configs(gemma3_dir, changes, match):
+    _edit(gemma3_dir, **changes)
+    with pytest.raises(ValueError, match=match):
+        jaxinfer.load(str(gemma3_dir))
+
+
+def test_conditional_generation_without_text_weights(tmp_path):
+    from safetensors.numpy import save_file
+
+    save_file({"model.vision_tower.x.weight": np.ones(4, np.float32)},
+              tmp_path / "model.safetensors")
+    text = json.loads((HF / "gemma3" / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"architectures": ["Gemma3ForConditionalGeneration"], "text_config": text}))
+    with pytest.raises(ValueError, match="without language-model weights"):
+        jaxinfer.load(str(tmp_path))
