@@ -162,6 +162,35 @@ for _cfg in (pk.MosaicFlashConfig(overlap="qk_pv"),
             q, k, v, causal=True, sliding_window=1000, backend="mosaic", mosaic_config=cfg),
         (S((1, 1000, 16, 128), BF16), S((1, 3000, 4, 128), BF16), S((1, 3000, 4, 128), BF16)))
 
+# Gemma: head_dim 256 and soft-capping at the Gemma 3 27B / Gemma 2 shapes (32 / 16 query heads
+# per 16 / 8 KV heads), and the GeGLU gate, at the kernels' default blocks.
+KERNEL_CASES.update({
+    "gemma flash triton d256 softcap window": (
+        lambda q, k, v: pk.flash_attention(q, k, v, sliding_window=1024, softcap=50.0,
+                                           sm_scale=168 ** -0.5),
+        (S((1, 2048, 32, 256), BF16), S((1, 2048, 16, 256), BF16), S((1, 2048, 16, 256), BF16))),
+    "gemma decode d256 softcap S8k": (
+        lambda q, k, v, n: pk.decode_attention(q, k, v, n, softcap=50.0),
+        (S((1, 32, 256), BF16), S((1, 8192, 16, 256), BF16), S((1, 8192, 16, 256), BF16),
+         S((1,), I32))),
+    "gemma append d256 softcap unsplit": (
+        lambda qkv, k, v, p, c, s: pk.decode_attention_append(qkv, k, v, p, rope=(c, s),
+                                                              softcap=50.0),
+        (S((1, 8, 4, 256), BF16), S((1, 512, 8, 256), BF16), S((1, 512, 8, 256), BF16),
+         S((1,), I32), S((1, 256), F32), S((1, 256), F32))),
+    "gemma append d256 softcap split window": (
+        lambda qkv, k, v, p, c, s: pk.decode_attention_append(
+            qkv, k, v, p, rope=(c, s), softcap=50.0, sliding_window=4096),
+        (S((1, 16, 4, 256), BF16), S((1, 8192, 16, 256), BF16), S((1, 8192, 16, 256), BF16),
+         S((1,), I32), S((1, 256), F32), S((1, 256), F32))),
+    "gemma chunk d256 softcap": (
+        lambda q, k, v, p: pk.chunk_attention(q, k, v, p, softcap=50.0),
+        (S((1, 256, 16, 256), BF16), S((1, 4096, 8, 256), BF16), S((1, 4096, 8, 256), BF16),
+         S((1, 256), I32))),
+    "gemma geglu": (lambda x, g, u: pk.swiglu(x, g, u, activation="gelu_tanh"),
+                    (S((1, 5376), BF16), S((5376, 21504), BF16), S((5376, 21504), BF16))),
+})
+
 
 @pytest.mark.parametrize("name", list(KERNEL_CASES))
 def test_kernel_lowers_for_h200(name):
