@@ -173,3 +173,55 @@ def test_conditional_generation_without_text_weights(tmp_path):
         {"architectures": ["Gemma3ForConditionalGeneration"], "text_config": text}))
     with pytest.raises(ValueError, match="without language-model weights"):
         jaxinfer.load(str(tmp_path))
+
+
+# ----------------------------------------------------------------------------------------- GGUF
+
+GEMMA3_GGUF = GGUF / "tiny-gemma3-q8_0.gguf"
+
+
+def test_gguf_load_matches_transformers_gguf_load():
+    """The tiny Gemma 3 GGUF (Q8_0 weights kept quantized, norms stored as 1 + w) against
+    transformers' own GGUF load of the same file."""
+    from jaxinfer.weights import QuantizedWeight
+
+    ref = np.load(GGUF / "tiny_gemma3.npz")
+    model = jaxinfer.load(str(GEMMA3_GGUF), dtype="float32")
+    config = model.config
+    assert (config.family, config.architecture, config.qk_norm) == ("gemma", "Gemma3ForCausalLM",
+                                                                    True)
+    assert config.layer_windows == (5,) * 5 + (None,)
+    assert (config.rope_theta, config.rope_local_theta, config.attn_scale) == (1e6, 1e4, 1 / 16)
+    assert isinstance(model.params["layers"][0]["w_gate"], QuantizedWeight)
+    logits = np.asarray(model(ref["tokens"]))
+    assert rel_err(logits, ref["logits"]) <= 1e-4
+    np.testing.assert_array_equal(logits.argmax(-1), ref["logits"].argmax(-1))
+
+
+def test_gguf_norms_lose_the_stored_one_exactly_once():
+    import gguf as gguf_lib
+
+    reader = gguf_lib.GGUFReader(str(GEMMA3_GGUF))
+    stored = {t.name: np.asarray(t.data, np.float32) for t in reader.tensors
+              if t.name.endswith("norm.weight")}
+    model = jaxinfer.load(str(GEMMA3_GGUF), dtype="float32")
+    lp = model.params["layers"][2]
+    for ours, name in (("attn_norm", "attn_norm"), ("post_attn_norm", "post_attention_norm"),
+                       ("mlp_norm", "ffn_norm"), ("post_mlp_norm", "post_ffw_norm"),
+                       ("q_norm", "attn_q_norm")):
+        np.testing.assert_array_equal(np.asarray(lp[ours]), stored[f"blk.2.{name}.weight"] - 1)
+    np.testing.assert_array_equal(np.asarray(model.params["final_norm"]),
+                                  stored["output_norm.weight"] - 1)
+
+
+def test_gguf_gemma_tokenizer_and_chat_template_match_transformers():
+    ref = json.loads((GGUF / "tiny_gemma3_tokenizer.json").read_text())
+    model = jaxinfer.load(str(GEMMA3_GGUF), dtype="float32")
+    tok = model.tokenizer
+    for text, ids, decoded in zip(ref["texts"], ref["ids"], ref["decoded"]):
+        assert tok.encode(text) == ids
+        assert tok.decode(ids) == decoded
+    assert tok.apply_chat_template([{"role": "user", "content": "the cat"}],
+                                   add_generation_prompt=True) == ref["chat_ids"]
+    (out,) = jaxinfer.generate(model, ["the cat"], max_new_tokens=3)  # through the template
+    assert len(out.token_ids) == 3
