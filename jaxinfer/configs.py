@@ -172,3 +172,24 @@ PRESETS: Mapping[str, Config] = types.MappingProxyType({
         max_position_embeddings=8192, tie_word_embeddings=True, dtype="bfloat16",
         bos_token_id=1, eos_token_ids=(2,)),
 })
+
+
+# Gemma 3 (jaxinfer/models/gemma.py): google/gemma-3-1b-it's config.json and gemma-3-27b-it's
+# text_config, with transformers 5.24's Gemma3TextConfig defaults for what they leave out.
+_GEMMA3 = dict(rms_norm_eps=1e-6, rope_theta=1_000_000.0, rope_local_theta=10_000.0,
+               tie_word_embeddings=True, qk_norm=True, mlp_activation="gelu_tanh",
+               norm_offset=1.0, dtype="bfloat16", family="gemma",
+               architecture="Gemma3ForCausalLM", bos_token_id=2, eos_token_ids=(1, 106))
+PRESETS = types.MappingProxyType({**PRESETS, **{
+    "gemma3-1b": Config(
+        vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_layers=26,
+        num_heads=4, num_kv_heads=1, head_dim=256, max_position_embeddings=32768,
+        layer_windows=tuple(None if (i + 1) % 6 == 0 else 512 for i in range(26)),
+        attn_scale=256 ** -0.5, embed_scale=1152 ** 0.5, **_GEMMA3),
+    "gemma3-27b": Config(
+        vocab_size=262208, hidden_size=5376, intermediate_size=21504, num_layers=62,
+        num_heads=32, num_kv_heads=16, head_dim=128, max_position_embeddings=131072,
+        rope_scaling=RopeScaling("linear", factor=8.0),
+        layer_windows=tuple(None if (i + 1) % 6 == 0 else 1024 for i in range(62)),
+        attn_scale=168 ** -0.5, embed_scale=5376 ** 0.5, **_GEMMA3),
+}})

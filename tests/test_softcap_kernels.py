@@ -65,9 +65,8 @@ def test_flash_softcap_bfloat16_and_mosaic_refusal():
         flash_attention(q, k, v, softcap=-1.0, interpret=True)
 
 
-@pytest.mark.parametrize("d, dtype", [(256, jnp.float32), (256, jnp.bfloat16),
-                                      (64, jnp.float32)])
-@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("d, dtype, window", [(256, jnp.float32, None), (256, jnp.float32, 7),
+                                              (256, jnp.bfloat16, 7), (64, jnp.float32, None)])
 def test_decode_softcap_interpret(d, dtype, window):
     b, s, hq, hkv = 2, 45, 4, 2
     q = normal(1, (b, hq, d), dtype, scale=3.0)
