@@ -19,6 +19,9 @@
 #                                        # B=1 ctx 32k, and the embedded model's int8 tokens
 #   bash benchmarks/run_h200.sh quant    # jaxinfer bench, bf16 vs int8 vs int4 weights
 #   bash benchmarks/run_h200.sh qkernels # benchmarks/quantized.py (quantized decode matmuls)
+#   bash benchmarks/run_h200.sh gemma    # benchmarks/gemma_attention.py (soft-capped flash and
+#                                        # decode attention at D256 vs XLA / cuDNN), then
+#                                        # jaxinfer bench --preset gemma3-27b and gemma3-1b, B=1
 # Results: JSON lines in ${OUT:-.}/bench-<part>.jsonl; a table on stdout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -121,5 +124,15 @@ kernels() {  # KERNELS="gemv,decode" picks parts of benchmarks/kernels.py
 kv() {  # the quantized KV caches: speed and bytes at 32k, then fidelity on the embedded model
   timeout "${KV_TIMEOUT:-540}" python3 benchmarks/kv_cache.py --json "$out/kv_cache.jsonl" 2>&1 \
     | grep -v '^bench' | tail -20
+}
+gemma() {  # Gemma: the attention kernels, then the two presets' B=1 decode against the floor
+  timeout "${KERNELS_TIMEOUT:-300}" python3 benchmarks/gemma_attention.py \
+    --json "$out/gemma_attention.jsonl" 2>&1 | grep -v '^{' | tail -"${KERNELS_TAIL:-40}"
+  for preset in ${GEMMA_PRESETS:-gemma3-27b gemma3-1b}; do
+    # shellcheck disable=SC2086
+    timeout 300 python3 benchmarks/decode.py --preset "$preset" --random-weights --json $B1 \
+      2> >(grep -v '^bench' | tail -5 >&2) | sed "s/^{/{\"checkout\": \"gemma\", /" \
+      | tee -a "$out/bench-gemma.jsonl"
+  done
 }
 for part in "${@:-ours}"; do "$part"; done
