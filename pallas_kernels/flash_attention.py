@@ -100,7 +100,8 @@ def flash_attention_kernel(q_ref, k_ref, v_ref, o_ref, *, sm_scale: float, causa
         else:
             k = k_ref[pl.ds(start, block_k), :]  # [block_k, D]
             v = v_ref[pl.ds(start, block_k), :]  # [block_k, D]
-        s = softcap_log2(dot_f32(q, k, trans_b=True) * qk_scale, softcap)  # [block_q, block_k], log2
+        # [block_q, block_k] in log2 units, soft-capped before the mask
+        s = softcap_log2(dot_f32(q, k, trans_b=True) * qk_scale, softcap)
         if masked:
             visible = cols[None, :] < tk
             if causal:
