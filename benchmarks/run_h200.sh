@@ -24,6 +24,9 @@
 #                                        # per-expert loop vs gather (Mixtral, Qwen3-30B-A3B)
 #   bash benchmarks/run_h200.sh deepseek # jaxinfer bench at DeepSeek-V2-Lite shapes (MLA + MoE,
 #                                        # random weights): B=1 and B=32 decode
+#   bash benchmarks/run_h200.sh gemma    # benchmarks/gemma_attention.py (soft-capped flash and
+#                                        # decode attention at D256 vs XLA / cuDNN), then
+#                                        # jaxinfer bench --preset gemma3-27b and gemma3-1b, B=1
 # Results: JSON lines in ${OUT:-.}/bench-<part>.jsonl; a table on stdout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -134,5 +137,15 @@ moe() {  # benchmarks/moe.py: the MoE experts' implementations at prefill and de
 deepseek() {  # DeepSeek-V2-Lite shapes: the latent cache and the absorbed decode (jnp for now)
   bench . deepseek --preset deepseek-v2-lite --batch 1 --prompt-len 128 --gen-len 128
   bench . deepseek --preset deepseek-v2-lite --batch 32 --prompt-len 1024 --gen-len 64 --repeats 2
+}
+gemma() {  # Gemma: the attention kernels, then the two presets' B=1 decode against the floor
+  timeout "${KERNELS_TIMEOUT:-300}" python3 benchmarks/gemma_attention.py \
+    --json "$out/gemma_attention.jsonl" 2>&1 | grep -v '^{' | tail -"${KERNELS_TAIL:-40}"
+  for preset in ${GEMMA_PRESETS:-gemma3-27b gemma3-1b}; do
+    # shellcheck disable=SC2086
+    timeout 300 python3 benchmarks/decode.py --preset "$preset" --random-weights --json $B1 \
+      2> >(grep -v '^bench' | tail -5 >&2) | sed "s/^{/{\"checkout\": \"gemma\", /" \
+      | tee -a "$out/bench-gemma.jsonl"
+  done
 }
 for part in "${@:-ours}"; do "$part"; done

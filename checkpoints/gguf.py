@@ -9,7 +9,8 @@ quantized: repacked into `QuantizedWeight`s whose values are bit for bit what th
 in the LM-head orientation [D, V]. Everything else, and every tensor with keep_quantized=False,
 is dequantized on load by gguf.quants to float32.
 
-Architectures: "llama", "qwen2", "qwen3" (`ARCHITECTURES`). Two layout facts the loader undoes:
+Architectures: "llama", "qwen2", "qwen3", "gemma2", "gemma3" (`ARCHITECTURES`). Layout facts the
+loader undoes (Gemma's norm weights stored as 1 + w: see GGUFArchitecture.norm_plus_one):
 - GGUF lists dimensions fastest-first (ne0 = the input features), so `GGUFReader` gives a
   matmul weight as numpy [out, in], HF's layout; we transpose to [in, out].
 - For "llama" only, llama.cpp's converter permutes the rows of attn_q / attn_k (weights and
@@ -69,6 +70,10 @@ class GGUFArchitecture:
     # An optional `rope_freqs.weight` [rot / 2] divides each RoPE frequency (llama.cpp's LlamaModel
     # writes it for HF rope_type "llama3" instead of any rope scaling metadata).
     rope_freqs: bool = False
+    # llama.cpp's converter stores Gemma's norm weights with the 1 of (1 + weight) added
+    # (every tensor ending in "norm.weight"); the loader takes it off once, as transformers'
+    # GGUF loader does, and the model adds it back in float32.
+    norm_plus_one: bool = False
 
 
 # Biases are optional everywhere (llama.cpp loads whichever the file has), so the Config takes
@@ -78,6 +83,11 @@ ARCHITECTURES = {
                               rope_freqs=True),
     "qwen2": GGUFArchitecture("Qwen2ForCausalLM", permuted_qk=False, qk_norm=False),
     "qwen3": GGUFArchitecture("Qwen3ForCausalLM", permuted_qk=False, qk_norm=True),
+    # Gemma: rotate-half RoPE in llama.cpp too (no permutation).
+    "gemma2": GGUFArchitecture("Gemma2ForCausalLM", permuted_qk=False, qk_norm=False,
+                               norm_plus_one=True),
+    "gemma3": GGUFArchitecture("Gemma3ForCausalLM", permuted_qk=False, qk_norm=True,
+                               norm_plus_one=True),
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -378,7 +388,7 @@ def config_from_metadata(meta: dict, path="<gguf>", token_embd_shape=None,
         if v is not None and v not in eos_ids:
             eos_ids.append(v)
 
-    return Config(
+    config = Config(
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=req("feed_forward_length"),
@@ -392,15 +402,66 @@ def config_from_metadata(meta: dict, path="<gguf>", token_embd_shape=None,
         rope_freq_factors=freq_factors,
         max_position_embeddings=context,
         tie_word_embeddings=not has_output,
-        qkv_bias=has["bq"] or has["bk"] or has["bv"],
-        o_bias=has["bo"],
-        mlp_bias=has["b_gate"] or has["b_up"] or has["b_down"],
+        qkv_bias=any(has.get(n, False) for n in ("bq", "bk", "bv")),
+        o_bias=has.get("bo", False),
+        mlp_bias=any(has.get(n, False) for n in ("b_gate", "b_up", "b_down")),
         qk_norm=spec.qk_norm,
         family=family.name,
         architecture=spec.hf_architecture,
         bos_token_id=_get(meta, "tokenizer.ggml.bos_token_id", path, int),
         eos_token_ids=tuple(eos_ids),
     )
+    if arch in ("gemma2", "gemma3"):
+        config = config.replace(**_gemma_fields(meta, arch, config, path))
+    return config
+
+
+# ---------------------------------------------------------------------------------------------
+# Gemma 2 / Gemma 3: what llama.cpp reads for them beside the llama keys
+# ---------------------------------------------------------------------------------------------
+
+# llama.cpp scales the 27B models' queries by 1 / sqrt(hidden / heads) (their
+# query_pre_attn_scalar, 168, is not head_dim), the others by 1 / sqrt(head_dim); it tells
+# the 27B by its layer count.
+_GEMMA_27B_LAYERS = (("gemma2", 46), ("gemma3", 62))
+_GEMMA_SWA_EVERY = (("gemma2", 2), ("gemma3", 6))  # llama.cpp's default sliding-layer pattern
+
+
+def _gemma_fields(meta: dict, arch: str, config: Config, path) -> dict:
+    """The Gemma switches of a GGUF's Config (see jaxinfer/models/gemma.py)."""
+    layers = config.num_layers
+    window = _get(meta, f"{arch}.attention.sliding_window", path, int, required=True)
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern")
+    if isinstance(pattern, list):  # one bool per layer: True slides
+        if len(pattern) != layers:
+            raise ValueError(f"{path}: {arch}.attention.sliding_window_pattern has "
+                             f"{len(pattern)} entries for {layers} layers")
+        sliding = [bool(p) for p in pattern]
+    else:
+        every = int(pattern) if pattern is not None else dict(_GEMMA_SWA_EVERY)[arch]
+        sliding = [i % every < every - 1 for i in range(layers)]
+    if (arch, layers) in _GEMMA_27B_LAYERS:
+        scale = (config.hidden_size / config.num_heads) ** -0.5
+    else:
+        scale = config.head_dim ** -0.5
+
+    def cap(key):
+        value = _get(meta, f"{arch}.{key}", path, float)
+        return None if value is None or value == 0 else value
+
+    fields = dict(
+        mlp_activation="gelu_tanh", norm_offset=1.0, attn_scale=scale,
+        embed_scale=config.hidden_size ** 0.5,
+        layer_windows=tuple(window if s else None for s in sliding),
+        final_softcap=cap("final_logit_softcapping"))
+    if arch == "gemma2":
+        fields["attn_softcap"] = cap("attn_logit_softcapping")
+    else:  # llama.cpp's Gemma 3 runs its sliding layers on an unscaled base of 10000
+        fields["rope_local_theta"] = _get(meta, f"{arch}.rope.freq_base_swa", path, float,
+                                          default=10_000.0)
+        if f"{arch}.rope.freq_base" not in meta:
+            fields["rope_theta"] = 1_000_000.0
+    return fields
 
 
 def _rope_freq_factors(values: np.ndarray, arch: str, spec: GGUFArchitecture, rot: int,
@@ -603,6 +664,8 @@ def params_from_reader(reader, config: Config, path, keep_quantized: bool = True
                                                       n_heads=heads[name]))
             return qw
         w = _dequantize(tensor, path)
+        if arch.norm_plus_one and gguf_name.endswith("norm.weight"):
+            w = w - np.float32(1.0)  # Gemma: the file holds 1 + weight (see GGUFArchitecture)
         if name in heads:
             w = unpermute_rope_rows(w, heads[name])
         # [out, in] -> [in, out] as a view: the copy that makes it contiguous is either the

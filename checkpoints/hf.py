@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import pathlib
+import types
 from collections.abc import Mapping
 
 import jax.numpy as jnp
@@ -144,6 +145,8 @@ def config_from_hf(cfg: dict, path: pathlib.Path = pathlib.Path("config.json")) 
         from checkpoints import deepseek
 
         return deepseek.config_from_hf(cfg, arch, path)
+    if registry.for_hf_architecture(arch).name == "gemma":
+        return gemma_config_from_hf(cfg, arch, path)
     family = LLAMA_VARIANTS[arch]
     heads = int(_require(cfg, "num_attention_heads", path))
     hidden = int(_require(cfg, "hidden_size", path))
@@ -176,6 +179,157 @@ def config_from_hf(cfg: dict, path: pathlib.Path = pathlib.Path("config.json")) 
         eos_token_ids=eos,
         moe=_moe_from_hf(cfg, family, arch, path),
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Gemma 2 / Gemma 3 (jaxinfer/models/gemma.py)
+# ---------------------------------------------------------------------------------------------
+
+# transformers 5.24's Gemma2Config / Gemma3TextConfig defaults for the fields we read (hub
+# configs, Gemma 3's text_config above all, leave many of them out).
+GEMMA_DEFAULTS = types.MappingProxyType({
+    "gemma2": types.MappingProxyType({
+        "vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216,
+        "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "head_dim": 256, "max_position_embeddings": 8192, "rms_norm_eps": 1e-6,
+        "query_pre_attn_scalar": 256, "sliding_window": 4096, "final_logit_softcapping": 30.0,
+        "attn_logit_softcapping": 50.0, "eos_token_id": 1, "bos_token_id": 2,
+        "tie_word_embeddings": True, "rope_theta": 10000.0, "sliding_window_pattern": 2}),
+    "gemma3_text": types.MappingProxyType({
+        "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
+        "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "head_dim": 256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-6,
+        "query_pre_attn_scalar": 256, "sliding_window": 4096, "final_logit_softcapping": None,
+        "attn_logit_softcapping": None, "eos_token_id": 1, "bos_token_id": 2,
+        "tie_word_embeddings": True, "rope_theta": 1_000_000.0,
+        "rope_local_base_freq": 10_000.0, "sliding_window_pattern": 6}),
+})
+GEMMA_LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def gemma_config_from_hf(cfg: dict, arch: str, path: pathlib.Path) -> Config:
+    """Gemma2ForCausalLM / Gemma3ForCausalLM config.json, or the text_config of a
+    Gemma3ForConditionalGeneration one -> Config (transformers 5.24's defaults fill gaps)."""
+    top = cfg
+    if arch == "Gemma3ForConditionalGeneration":
+        if not isinstance(cfg.get("text_config"), dict):
+            raise ValueError(f"{path}: a Gemma3ForConditionalGeneration config needs a "
+                             f"text_config (the language model's)")
+        cfg = cfg["text_config"]
+    kind = "gemma2" if arch == "Gemma2ForCausalLM" else "gemma3_text"
+    merged = {**GEMMA_DEFAULTS[kind], **{k: v for k, v in cfg.items() if v is not None}}
+    for key in ("eos_token_id", "bos_token_id", "tie_word_embeddings"):
+        if cfg.get(key) is None and top.get(key) is not None:
+            merged[key] = top[key]  # a multimodal config keeps these at its top level
+    act = merged.get("hidden_activation") or merged.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise ValueError(f"{path}: hidden_activation {act!r} is not supported for {arch}; "
+                         f"Gemma's MLP gate is gelu_pytorch_tanh")
+    if merged.get("use_bidirectional_attention"):
+        raise ValueError(f"{path}: use_bidirectional_attention=true (an encoder) is not "
+                         f"supported; only causal {arch}")
+    if merged.get("attention_bias"):
+        raise ValueError(f"{path}: attention_bias=true is not supported for {arch}")
+    layers = int(merged["num_hidden_layers"])
+    layer_types = merged.get("layer_types")
+    if layer_types is None:
+        every = int(merged["sliding_window_pattern"])
+        layer_types = ["sliding_attention" if (i + 1) % every else "full_attention"
+                       for i in range(layers)]
+    if len(layer_types) != layers or any(t not in GEMMA_LAYER_TYPES for t in layer_types):
+        raise ValueError(f"{path}: layer_types must list {layers} entries (num_hidden_layers) "
+                         f"of {GEMMA_LAYER_TYPES}, got {layer_types!r}")
+    window = cfg["sliding_window"] if "sliding_window" in cfg else merged["sliding_window"]
+    if "sliding_attention" in layer_types and not window:
+        raise ValueError(f"{path}: layer_types has sliding_attention layers but "
+                         f"sliding_window is {window!r}")
+    scalar = merged["query_pre_attn_scalar"]
+    if not isinstance(scalar, (int, float)) or scalar <= 0:
+        raise ValueError(f"{path}: query_pre_attn_scalar must be a positive number, got "
+                         f"{scalar!r}")
+    theta, rope_scaling, local_theta = _gemma_rope(merged, kind, path)
+    eos = merged.get("eos_token_id")
+    eos = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+    heads, hidden = int(merged["num_attention_heads"]), int(merged["hidden_size"])
+    return Config(
+        vocab_size=int(merged["vocab_size"]), hidden_size=hidden,
+        intermediate_size=int(merged["intermediate_size"]), num_layers=layers,
+        num_heads=heads, num_kv_heads=int(merged.get("num_key_value_heads") or heads),
+        head_dim=int(merged.get("head_dim") or hidden // heads),
+        rms_norm_eps=float(merged["rms_norm_eps"]), rope_theta=theta,
+        rope_scaling=rope_scaling, rope_local_theta=local_theta,
+        max_position_embeddings=int(merged["max_position_embeddings"]),
+        tie_word_embeddings=bool(merged["tie_word_embeddings"]),
+        qk_norm=kind == "gemma3_text",
+        layer_windows=tuple(int(window) if t == "sliding_attention" else None
+                            for t in layer_types),
+        mlp_activation="gelu_tanh", norm_offset=1.0,
+        attn_scale=float(merged["query_pre_attn_scalar"]) ** -0.5,
+        # transformers' Gemma 3 attention never passes attn_logit_softcapping on: unused there.
+        attn_softcap=(None if kind == "gemma3_text" or merged["attn_logit_softcapping"] is None
+                      else float(merged["attn_logit_softcapping"])),
+        final_softcap=(None if merged["final_logit_softcapping"] is None
+                       else float(merged["final_logit_softcapping"])),
+        embed_scale=hidden ** 0.5,
+        family="gemma", architecture=arch,
+        bos_token_id=merged.get("bos_token_id"), eos_token_ids=eos)
+
+
+def _gemma_rope(cfg: dict, kind: str, path: pathlib.Path):
+    """(global theta, its RopeScaling, the sliding layers' theta or None) from either
+    config.json generation: rope_parameters per layer type (transformers 5), or rope_theta /
+    rope_scaling / rope_local_base_freq."""
+    params = cfg.get("rope_parameters") or {}
+    per_type = any(t in params for t in GEMMA_LAYER_TYPES)
+    if kind == "gemma2":
+        if per_type:
+            raise ValueError(f"{path}: Gemma 2 has one RoPE for every layer; rope_parameters "
+                             f"per layer type are not supported")
+        return (*_rope_from_hf(cfg), None)
+    full = dict(params.get("full_attention") or {}) if per_type else dict(params)
+    full.setdefault("rope_theta", cfg.get("rope_theta", 1_000_000.0))
+    theta, scaling = _rope_from_hf({"rope_parameters": full, "rope_scaling": cfg.get(
+        "rope_scaling"), "max_position_embeddings": cfg["max_position_embeddings"]})
+    local = dict(params.get("sliding_attention") or {}) if per_type else {}
+    if (local.get("rope_type") or "default") != "default":
+        raise ValueError(f"{path}: rope_parameters.sliding_attention.rope_type "
+                         f"{local['rope_type']!r} is not supported (only default)")
+    local_theta = float(local.get("rope_theta", cfg.get("rope_local_base_freq", 10_000.0)))
+    return theta, scaling, local_theta
+
+
+# A Gemma3ForConditionalGeneration checkpoint's language model: transformers 5 saves it
+# under "model.language_model.", older exports under "language_model.model."; the vision
+# tower and projector are not ours to load.
+_TEXT_TOWER_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                        ("language_model.lm_head.", "lm_head."))
+_VISION_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.",
+                    "multi_modal_projector.")
+
+
+class _TextTower(Mapping):
+    """The language-model tensors of a multimodal checkpoint under Gemma3ForCausalLM's names."""
+
+    def __init__(self, tensors, source: str):
+        self._tensors, self._names = tensors, {}
+        for name in tensors:
+            if name.startswith(_VISION_PREFIXES):
+                continue
+            ours = next((new + name[len(old):] for old, new in _TEXT_TOWER_PREFIXES
+                         if name.startswith(old)), name)
+            self._names[ours] = name
+        if not any(n.startswith("model.layers.") for n in self._names):
+            raise ValueError(f"{source}: a Gemma3ForConditionalGeneration checkpoint without "
+                             f"language-model weights (no model.language_model.layers.*)")
+
+    def __getitem__(self, name: str):
+        return self._tensors[self._names[name]]
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
 
 
 def _safetensors_files(path: pathlib.Path) -> list[pathlib.Path]:
@@ -254,6 +408,8 @@ def params_from_hf_tensors(tensors, config: Config, source: str, transform=None)
     ("layers.3.wqkv", "embed"): quantize on load, one tensor at a time."""
     family = registry.family(config)
     names = family.hf_tensors
+    if config.architecture == "Gemma3ForConditionalGeneration":
+        tensors = _TextTower(tensors, source)
     used = set()
     transform = transform or (lambda name, value: value)
 

@@ -35,7 +35,7 @@ import jinja2.ext
 import jinja2.nodes
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
 __all__ = ["Tokenizer", "IncrementalDecoder", "ChatTemplateError"]
 
@@ -112,7 +112,9 @@ _GGUF_PRE_SPLITS = {
     **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), _GPT4O_SPLIT),
 }
 # Architectures whose sentencepiece ("llama") GGUF vocabularies transformers rebuilds differently; not supported.
-_SPM_UNSUPPORTED_ARCHS = ("gemma", "gemma2", "gemma3", "gemma4", "phi3")
+_SPM_UNSUPPORTED_ARCHS = ("gemma", "gemma4", "phi3")
+# Gemma 2 / 3 sentencepiece vocabularies: built as transformers' GemmaTokenizer from the file.
+_GEMMA_SPM_ARCHS = ("gemma2", "gemma3")
 
 
 @functools.cache
@@ -248,6 +250,10 @@ class Tokenizer:
             add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
             # GPT2Tokenizer's default special token, marked special when the vocabulary has it.
             class_defaults = ["<|endoftext|>"]
+        elif kind == "llama" and arch in _GEMMA_SPM_ARCHS:
+            backend = _gguf_gemma_backend(tokens, source)
+            add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", True))
+            class_defaults = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"]  # GemmaTokenizer's
         elif kind == "llama" and arch not in _SPM_UNSUPPORTED_ARCHS:
             backend = _gguf_sentencepiece_backend(meta, tokens, source)
             # llama.cpp adds BOS to a sentencepiece vocabulary that does not say otherwise; transformers follows.
@@ -674,6 +680,25 @@ def _gguf_sentencepiece_backend(meta: Mapping[str, object], tokens: list[str], s
     backend.decoder = decoders.Sequence(
         [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
     )
+    return backend
+
+
+def _gguf_gemma_backend(tokens: list[str], source: str) -> tokenizers.Tokenizer:
+    """Gemma's sentencepiece BPE as transformers' GemmaTokenizer builds it from a GGUF: spaces
+    normalized to ▁ (no prefix space), byte fallback, unknown pieces fused into <unk>. Tokens
+    made of spaces only are stored as real spaces and looked up as ▁s; the file has no merges
+    and its scores do not follow the merge order, the token order does (earlier merges first)."""
+    tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {token: index for index, token in enumerate(tokens)}
+    merges = _merges_from_scores(vocab, {t: -float(i) for i, t in enumerate(tokens)})
+    unk = "<unk>" if "<unk>" in vocab else None
+    backend = tokenizers.Tokenizer(_bpe(source, vocab=vocab, merges=merges, fuse_unk=True,
+                                        unk_token=unk, byte_fallback=True))
+    backend.normalizer = normalizers.Replace(" ", "\u2581")
+    backend.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous",
+                                                 invert=False)
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
     return backend
 
 

@@ -14,6 +14,7 @@ from typing import Literal
 
 RopeKind = Literal["default", "linear", "dynamic", "llama3", "yarn"]
 DTYPES = ("float32", "bfloat16", "float16")
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,6 +217,16 @@ class Config:
     # Multi-head latent attention (DeepSeek): then num_kv_heads == num_heads and head_dim is
     # the query/key head dim (qk_nope_head_dim + qk_rope_head_dim); None: GQA attention.
     mla: MLAConfig | None = None
+    # --- Gemma 2 / 3 switches (jaxinfer/models/gemma.py); the defaults are Llama's ---------
+    mlp_activation: str = "silu"  # the gated MLP's gate: "silu" (SwiGLU) | "gelu_tanh" (GeGLU)
+    # RMSNorms scale by (norm_offset + weight), in float32 when nonzero (Gemma: 1 + w)
+    norm_offset: float = 0.0
+    attn_scale: float | None = None  # softmax scale (Gemma: query_pre_attn_scalar ** -0.5)
+    attn_softcap: float | None = None  # scores = c * tanh(scores / c) before the mask
+    final_softcap: float | None = None  # logits = c * tanh(logits / c)
+    embed_scale: float | None = None  # embeddings times this, rounded to the dtype first
+    # RoPE base of the sliding-window layers (unscaled); None: every layer uses rope_theta
+    rope_local_theta: float | None = None
 
     def __post_init__(self):
         problems = []
@@ -239,6 +250,7 @@ class Config:
             problems += self._moe_problems()
         if self.mla is not None:
             problems += self._mla_problems()
+        problems += self._gemma_problems()
         if problems:
             raise ValueError("invalid model config: " + "; ".join(problems))
 
@@ -289,6 +301,18 @@ class Config:
 
     def is_moe_layer(self, i: int) -> bool:
         return self.moe is not None and self.moe.is_moe_layer(i)
+
+    def _gemma_problems(self) -> list[str]:
+        problems = []
+        if self.mlp_activation not in MLP_ACTIVATIONS:
+            problems.append(f"mlp_activation must be one of {MLP_ACTIVATIONS}, got "
+                            f"{self.mlp_activation!r}")
+        for name in ("attn_scale", "attn_softcap", "final_softcap", "embed_scale",
+                     "rope_local_theta"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                problems.append(f"{name} must be a positive number or None, got {value!r}")
+        return problems
 
     @property
     def rotary_dim(self) -> int:
@@ -390,3 +414,24 @@ PRESETS: Mapping[str, Config] = types.MappingProxyType({
         max_position_embeddings=8192, tie_word_embeddings=True, dtype="bfloat16",
         bos_token_id=1, eos_token_ids=(2,)),
 })
+
+
+# Gemma 3 (jaxinfer/models/gemma.py): google/gemma-3-1b-it's config.json and gemma-3-27b-it's
+# text_config, with transformers 5.24's Gemma3TextConfig defaults for what they leave out.
+_GEMMA3 = dict(rms_norm_eps=1e-6, rope_theta=1_000_000.0, rope_local_theta=10_000.0,
+               tie_word_embeddings=True, qk_norm=True, mlp_activation="gelu_tanh",
+               norm_offset=1.0, dtype="bfloat16", family="gemma",
+               architecture="Gemma3ForCausalLM", bos_token_id=2, eos_token_ids=(1, 106))
+PRESETS = types.MappingProxyType({**PRESETS, **{
+    "gemma3-1b": Config(
+        vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_layers=26,
+        num_heads=4, num_kv_heads=1, head_dim=256, max_position_embeddings=32768,
+        layer_windows=tuple(None if (i + 1) % 6 == 0 else 512 for i in range(26)),
+        attn_scale=256 ** -0.5, embed_scale=1152 ** 0.5, **_GEMMA3),
+    "gemma3-27b": Config(
+        vocab_size=262208, hidden_size=5376, intermediate_size=21504, num_layers=62,
+        num_heads=32, num_kv_heads=16, head_dim=128, max_position_embeddings=131072,
+        rope_scaling=RopeScaling("linear", factor=8.0),
+        layer_windows=tuple(None if (i + 1) % 6 == 0 else 1024 for i in range(62)),
+        attn_scale=168 ** -0.5, embed_scale=5376 ** 0.5, **_GEMMA3),
+}})

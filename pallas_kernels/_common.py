@@ -25,6 +25,39 @@ NUM_SMS_H200 = 132  # streaming multiprocessors: the default grids aim at a few 
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
+GATE_ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+def gate_activation(gate, activation: str):
+    """The gated MLP's gate, in a kernel or a reference (float32 in, float32 out): silu for
+    SwiGLU, tanh-approximated GELU (HF's gelu_pytorch_tanh) for GeGLU."""
+    if activation == "silu":
+        return gate * jax.nn.sigmoid(gate)
+    if activation == "gelu_tanh":
+        inner = math.sqrt(2.0 / math.pi) * (gate + 0.044715 * gate * gate * gate)
+        return 0.5 * gate * (1.0 + jnp.tanh(inner))
+    raise ValueError(f"gate activation must be one of {GATE_ACTIVATIONS}, got {activation!r}")
+
+
+def check_softcap(op: str, softcap) -> float | None:
+    """A positive finite soft-cap as a float, or None."""
+    if softcap is None:
+        return None
+    cap = float(softcap)
+    if not (math.isfinite(cap) and cap > 0):
+        raise ValueError(f"{op}: softcap must be a positive number or None, got {softcap!r}")
+    return cap
+
+
+def softcap_log2(s, softcap: float | None):
+    """Scores already in log2 units (s = q.k * sm_scale * log2 e) soft-capped as HF's
+    softcap * tanh(scores / softcap) does in natural units, before any mask; s for None."""
+    if softcap is None:
+        return s
+    cap = softcap * LOG2_E
+    return jnp.tanh(s * (1.0 / cap)) * cap
+
+
 def is_pow2(n: int) -> bool:
     return n >= 1 and (n & (n - 1)) == 0
 

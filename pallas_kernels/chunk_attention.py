@@ -21,9 +21,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import (
-    FLOAT_DTYPES, LOG2_E, MASK_VALUE, check_array, check_head_dim, check_same_dtype, dot_f32,
-    multiple_of)
+from pallas_kernels._common import (FLOAT_DTYPES, LOG2_E, MASK_VALUE, check_array, check_head_dim,
+                                    check_same_dtype, check_softcap, dot_f32, multiple_of,
+                                    softcap_log2)
 from pallas_kernels._jax_private import is_tracer
 from pallas_kernels.flash_attention import FlashBlockSizes, default_block_sizes
 from pallas_kernels.kv_quant import (CODE_DTYPES, check_quantized_cache, codes_as,
@@ -35,7 +35,8 @@ from pallas_kernels.kv_quant import (CODE_DTYPES, check_quantized_cache, codes_a
 
 
 def chunk_attention_kernel(pos_ref, q_ref, k_ref, v_ref, *refs, sm_scale: float, t: int, s: int,
-                           block_k: int, window: int | None, quantized: bool):
+                           block_k: int, window: int | None, quantized: bool,
+                           softcap: float | None = None):
     # pos_ref [block_q] int32: the tile's query positions (rows >= t lie past the array and are
     #   masked on load, as are their queries)
     # q_ref, o_ref [block_q, D]: the tile's queries of one head, and their output
@@ -78,7 +79,7 @@ def chunk_attention_kernel(pos_ref, q_ref, k_ref, v_ref, *refs, sm_scale: float,
         visible = kv_ok[None, :] & (cols[None, :] <= pos[:, None])
         if window is not None:
             visible &= cols[None, :] > pos[:, None] - window
-        sc = jnp.where(visible, sc * qk_scale, MASK_VALUE)
+        sc = jnp.where(visible, softcap_log2(sc * qk_scale, softcap), MASK_VALUE)
         m_new = jnp.maximum(m, jnp.max(sc, axis=-1))
         alpha = jnp.exp2(m - m_new)
         p = jnp.exp2(sc - m_new[:, None])  # [block_q, block_k]
@@ -136,14 +137,17 @@ def _validate(q, k_cache, v_cache, positions, sliding_window, k_scale, v_scale):
 
 def chunk_attention(q, k_cache, v_cache, positions, *, k_scale=None, v_scale=None,
                     sm_scale: float | None = None, sliding_window: int | None = None,
-                    interpret: bool = False, block_sizes: FlashBlockSizes | None = None):
+                    interpret: bool = False, block_sizes: FlashBlockSizes | None = None,
+                    softcap: float | None = None):
     """q [B, T, Hq, D] at positions [B, T] (int32, in [0, S)) attends to the cache slots of
     k/v_cache [B, S, Hkv, D] at or before its position (HF's sliding window: > position - w).
 
     k_scale, v_scale [B, S, Hkv] (float32 / float16): the caches hold int8 or fp8 codes of a
-    quantized cache, dequantized in registers. Returns [B, T, Hq, D] in q's dtype.
+    quantized cache, dequantized in registers. Returns [B, T, Hq, D] in q's dtype. softcap:
+    scores = softcap * tanh(scores / softcap) before the mask (Gemma 2), or None.
     """
     _validate(q, k_cache, v_cache, positions, sliding_window, k_scale, v_scale)
+    softcap = check_softcap("chunk_attention", softcap)
     d = q.shape[-1]
     check_head_dim("chunk_attention", d)
     sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d)
@@ -151,12 +155,13 @@ def chunk_attention(q, k_cache, v_cache, positions, *, k_scale=None, v_scale=Non
     window = int(sliding_window) if sliding_window is not None else None
     return _chunk_attention_triton(q, k_cache, v_cache, positions, k_scale, v_scale,
                                    sm_scale=sm_scale, blocks=blocks, window=window,
-                                   interpret=interpret)
+                                   softcap=softcap, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "blocks", "window", "interpret"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "blocks", "window", "softcap",
+                                             "interpret"))
 def _chunk_attention_triton(q, k_cache, v_cache, positions, k_scale, v_scale, *, sm_scale,
-                            blocks, window, interpret):
+                            blocks, window, softcap, interpret):
     b, t, hq, d = q.shape
     _, s, hkv, _ = k_cache.shape
     g = hq // hkv
@@ -164,7 +169,8 @@ def _chunk_attention_triton(q, k_cache, v_cache, positions, k_scale, v_scale, *,
     s_pad = pl.cdiv(s, block_k) * block_k  # whole key tiles (rows >= s are masked)
     quantized = k_scale is not None
     kernel = functools.partial(chunk_attention_kernel, sm_scale=sm_scale, t=t, s=s,
-                               block_k=block_k, window=window, quantized=quantized)
+                               block_k=block_k, window=window, quantized=quantized,
+                               softcap=softcap)
     row = pl.BlockSpec((None, s_pad, None, d), lambda i, h, j: (i, 0, h // g, 0))
     in_specs = [pl.BlockSpec((None, block_q), lambda i, h, j: (i, j)),
                 pl.BlockSpec((None, block_q, None, d), lambda i, h, j: (i, j, h, 0)), row, row]
@@ -192,11 +198,13 @@ def _chunk_attention_triton(q, k_cache, v_cache, positions, k_scale, v_scale, *,
 
 def chunk_attention_reference(q, k_cache, v_cache, positions, *, k_scale=None, v_scale=None,
                               sm_scale: float | None = None, sliding_window: int | None = None,
-                              interpret: bool = False, block_sizes: FlashBlockSizes | None = None):
+                              interpret: bool = False, block_sizes: FlashBlockSizes | None = None,
+                              softcap: float | None = None):
     """Plain jnp with the same signature (interpret and block_sizes are ignored); a quantized
     cache is dequantized to float32 first."""
     del interpret, block_sizes
     _validate(q, k_cache, v_cache, positions, sliding_window, k_scale, v_scale)
+    softcap = check_softcap("chunk_attention", softcap)
     b, t, hq, d = q.shape
     _, s, hkv, _ = k_cache.shape
     k_cache, v_cache, precision = reference_operands(k_cache, v_cache, k_scale, v_scale,
@@ -205,6 +213,8 @@ def chunk_attention_reference(q, k_cache, v_cache, positions, *, k_scale=None, v
     qg = q.reshape(b, t, hkv, hq // hkv, d)  # [B, T, Hkv, G, D]
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k_cache, preferred_element_type=jnp.float32,
                         precision=precision) * scale  # [B, Hkv, G, T, S]
+    if softcap is not None:
+        scores = jnp.tanh(scores / softcap) * softcap
     slots = jnp.arange(s)[None, None, :]  # [1, 1, S]
     visible = slots <= positions[:, :, None]  # [B, T, S]
     if sliding_window is not None:

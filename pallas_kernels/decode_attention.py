@@ -26,7 +26,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
     FLOAT_DTYPES, LOG2_E, MASK_VALUE, NUM_SMS_H200, check_array, check_head_dim,
-    check_same_dtype, check_tiles, dot_f32, multiple_of, next_pow2)
+    check_same_dtype, check_softcap, check_tiles, dot_f32, multiple_of, next_pow2, softcap_log2)
 from pallas_kernels._jax_private import is_tracer
 from pallas_kernels.kv_quant import (CODE_DTYPES, check_quantized_cache, codes_as,
                                      reference_operands)
@@ -66,6 +66,15 @@ class DecodeBlockSizes:
         return chunk, pl.cdiv(seq_len, chunk)
 
 
+def default_block_sizes(head_dim: int) -> DecodeBlockSizes:
+    """The decode kernels' defaults by head dim: at D 256 a 64-key K and V tile is 64 KB in
+    16 bits, so 4 stages would need 256 KB of the 227 KB of shared memory a block may use; 2
+    fit (and 8 warps spread the [Gp, 256] accumulator's registers)."""
+    if head_dim > 128:
+        return DecodeBlockSizes(block_k=64, num_warps=8, num_stages=2)
+    return DecodeBlockSizes()
+
+
 def choose_num_splits(batch: int, kv_heads: int, seq_len: int, block_k: int,
                       chunk: int = 1024, min_chunk: int = 256, unsplit_max: int = 512) -> int:
     """Chunks of about `chunk` keys, but at least one program per SM and at most ~4 per SM,
@@ -87,14 +96,15 @@ def choose_num_splits(batch: int, kv_heads: int, seq_len: int, block_k: int,
 
 
 def attend_tiles(q_parts, k_ref, v_ref, *, start, first, end, block_k: int, qk_scale: float,
-                 carry, scales=None):
+                 carry, scales=None, softcap: float | None = None):
     """Online softmax (base 2) of a query over cache rows [first, end) of k_ref/v_ref [S, D],
     read in tiles of block_k rows from `start` (tile-aligned, <= first; first=None: from start);
     rows outside the range are masked, never used. The query comes in column pieces
     q_parts = ((q_i [Gp, w_i], col_i), ...) covering D (one piece [Gp, D] at 0, or RoPE's two
     halves): scores = sum_i q_i @ k[:, col_i:col_i + w_i]^T. carry = (acc [Gp, D], m [Gp],
     l [Gp]) float32; returns the same. scales: (ks_ref, vs_ref) [S] of a quantized cache whose
-    codes k_ref/v_ref hold (see the module docstring), or None."""
+    codes k_ref/v_ref hold (see the module docstring), or None. softcap: scores soft-capped
+    (softcap * tanh(. / softcap)) before the mask, or None."""
     d = k_ref.shape[-1]
     cols = [col for _, col in q_parts]
     # A masked load's fill is cast to the ref's dtype: Triton casts no integer to fp8.
@@ -123,7 +133,7 @@ def attend_tiles(q_parts, k_ref, v_ref, *, start, first, end, block_k: int, qk_s
             k_s, v_s = (plgpu.load(r.at[pl.ds(base, block_k)], mask=valid, other=0
                                    ).astype(jnp.float32) for r in (ks_ref, vs_ref))  # [block_k]
             s = s * k_s[None, :]
-        s = jnp.where(valid[None, :], s * qk_scale, MASK_VALUE)
+        s = jnp.where(valid[None, :], softcap_log2(s * qk_scale, softcap), MASK_VALUE)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         alpha = jnp.exp2(m - m_new)
         p = jnp.exp2(s - m_new[:, None])
@@ -142,7 +152,8 @@ def attend_tiles(q_parts, k_ref, v_ref, *, start, first, end, block_k: int, qk_s
 
 
 def decode_attention_kernel(len_ref, q_ref, k_ref, v_ref, *refs, sm_scale: float, chunk: int,
-                            block_k: int, window: int | None, groups: int, quantized: bool):
+                            block_k: int, window: int | None, groups: int, quantized: bool,
+                            softcap: float | None = None):
     # len_ref [B] int32 (whole array; this program reads lengths[b])
     # q_ref [Gp, D]: a block over the G query heads of one KV group (Gp >= 16 for the tensor
     #   cores); rows >= G lie past the array and are masked to zero on load, so no padded
@@ -172,7 +183,7 @@ def decode_attention_kernel(len_ref, q_ref, k_ref, v_ref, *refs, sm_scale: float
     q = plgpu.load(q_ref, mask=row_ok[:, None], other=0)  # [Gp, D]
     acc, m, l = attend_tiles(
         ((q, 0),), k_ref, v_ref, start=start, first=first, end=end, block_k=block_k,
-        qk_scale=sm_scale * LOG2_E, scales=scales,
+        qk_scale=sm_scale * LOG2_E, scales=scales, softcap=softcap,
         carry=(jnp.zeros((gp, d), jnp.float32), jnp.full((gp,), MASK_VALUE, jnp.float32),
                jnp.zeros((gp,), jnp.float32)))
     plgpu.store(acc_ref, acc, mask=row_ok[:, None])
@@ -240,32 +251,35 @@ def _validate(q, k_cache, v_cache, lengths, sliding_window=None, k_scale=None, v
 def decode_attention(q, k_cache, v_cache, lengths, *, k_scale=None, v_scale=None,
                      sm_scale: float | None = None, interpret: bool = False,
                      block_sizes: DecodeBlockSizes | None = None,
-                     sliding_window: int | None = None):
+                     sliding_window: int | None = None, softcap: float | None = None):
     """q [B, Hq, D] attends to cache positions [0, lengths[b]) of k/v_cache [B, S, Hkv, D].
 
     The query is the token at position lengths[b] - 1 (its own K/V already written). With
     `sliding_window=w` it sees positions > lengths[b] - 1 - w only (HF semantics), and only those
     are read. k_scale, v_scale [B, S, Hkv] (float32 / float16): the caches hold int8 or fp8
     codes of a quantized cache (kv_quant.py), dequantized in registers. Returns [B, Hq, D] in
-    q's dtype; a sequence of length 0 gets zeros.
+    q's dtype; a sequence of length 0 gets zeros. softcap: scores = softcap * tanh(scores /
+    softcap) before the mask (Gemma 2), or None.
     """
     _validate(q, k_cache, v_cache, lengths, sliding_window, k_scale, v_scale)
+    softcap = check_softcap("decode_attention", softcap)
     d = q.shape[-1]
     check_head_dim("decode_attention", d)
     sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d)
-    blocks = block_sizes or DecodeBlockSizes()
+    blocks = block_sizes or default_block_sizes(d)
     b, s, hkv, _ = k_cache.shape
     chunk, num_splits = blocks.chunking(b, hkv, s)
     window = int(sliding_window) if sliding_window is not None else None
     return _decode_attention_triton(q, k_cache, v_cache, lengths, k_scale, v_scale,
                                     sm_scale=sm_scale, blocks=blocks, chunk=chunk,
-                                    num_splits=num_splits, window=window, interpret=interpret)
+                                    num_splits=num_splits, window=window, softcap=softcap,
+                                    interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "blocks", "chunk", "num_splits",
-                                             "window", "interpret"))
+                                             "window", "softcap", "interpret"))
 def _decode_attention_triton(q, k_cache, v_cache, lengths, k_scale, v_scale, *, sm_scale,
-                             blocks, chunk, num_splits, window, interpret):
+                             blocks, chunk, num_splits, window, softcap, interpret):
     b, hq, d = q.shape
     _, s, hkv, _ = k_cache.shape
     g = hq // hkv
@@ -276,7 +290,8 @@ def _decode_attention_triton(q, k_cache, v_cache, lengths, k_scale, v_scale, *, 
 
     quantized = k_scale is not None
     kernel = functools.partial(decode_attention_kernel, sm_scale=sm_scale, chunk=chunk,
-                               block_k=block_k, window=window, groups=g, quantized=quantized)
+                               block_k=block_k, window=window, groups=g, quantized=quantized,
+                               softcap=softcap)
     in_specs = [pl.BlockSpec((b,), lambda i, h, c: (0,)),
                 pl.BlockSpec((None, None, gp, d), lambda i, h, c: (i, h, 0, 0)),
                 pl.BlockSpec((None, s_pad, None, d), lambda i, h, c: (i, 0, h, 0)),
@@ -335,11 +350,12 @@ def _merge_splits(acc, m, l, *, ordered: bool = False):
 
 def decode_attention_reference(q, k_cache, v_cache, lengths, *, k_scale=None, v_scale=None,
                                sm_scale: float | None = None, interpret: bool = False,
-                               sliding_window: int | None = None):
+                               sliding_window: int | None = None, softcap: float | None = None):
     """Plain-jnp decode attention with the same signature (interpret is ignored); a quantized
     cache is dequantized to float32 first."""
     del interpret
     _validate(q, k_cache, v_cache, lengths, sliding_window, k_scale, v_scale)
+    softcap = check_softcap("decode_attention", softcap)
     b, hq, d = q.shape
     _, s, hkv, _ = k_cache.shape
     k_cache, v_cache, precision = reference_operands(k_cache, v_cache, k_scale, v_scale,
@@ -348,6 +364,8 @@ def decode_attention_reference(q, k_cache, v_cache, lengths, *, k_scale=None, v_
     qg = q.reshape(b, hkv, hq // hkv, d)  # [B, Hkv, G, D]
     scores = jnp.einsum("bkgd,bskd->bkgs", qg, k_cache, preferred_element_type=jnp.float32,
                         precision=precision) * scale  # [B, Hkv, G, S]
+    if softcap is not None:
+        scores = jnp.tanh(scores / softcap) * softcap
     valid = jnp.arange(s)[None, :] < lengths[:, None]  # [B, S]
     if sliding_window is not None:
         valid &= jnp.arange(s)[None, :] >= lengths[:, None] - sliding_window

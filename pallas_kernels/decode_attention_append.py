@@ -41,10 +41,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (FLOAT_DTYPES, LOG2_E, MASK_VALUE, check_array,
-                                     check_head_dim, check_same_dtype, next_pow2)
+                                     check_head_dim, check_same_dtype, check_softcap, next_pow2,
+                                     softcap_log2)
 from pallas_kernels._jax_private import is_tracer
 from pallas_kernels.decode_attention import (
-    DecodeBlockSizes, _merge_splits, attend_tiles, check_cache_pair, decode_attention_reference)
+    DecodeBlockSizes, _merge_splits, attend_tiles, check_cache_pair, decode_attention_reference,
+    default_block_sizes)
 from pallas_kernels.kv_quant import check_quantized_cache, kv_codes, kv_scale, quantize_kv
 from pallas_kernels.norm_matmul import apply_norm_partials
 
@@ -56,7 +58,7 @@ from pallas_kernels.norm_matmul import apply_norm_partials
 def append_attend(q_src, k_src, v_src, k_ref, v_ref, ko_ref, vo_ref, *, gp: int,
                   d: int, pos, start, chunk: int, seq_len: int, window: int | None,
                   block_k: int, groups: int, qk_scale: float, dtype, inv_rms=None, rope=None,
-                  scales=None):
+                  scales=None, softcap: float | None = None):
     """The body of the append kernels for one (sequence, KV group, chunk of `chunk` cache slots
     from `start`): gather q, k_new, v_new from the projection's parts (summed in float32, times
     the deferred norm's inv_rms if given, rounded once to `dtype`, the activations'), rotate q
@@ -152,7 +154,7 @@ def append_attend(q_src, k_src, v_src, k_ref, v_ref, ko_ref, vo_ref, *, gp: int,
         s_new = sum(jnp.sum(qp.astype(jnp.float32) * kp.astype(jnp.float32), axis=-1)
                     for qp, kp in zip(qs, k_att))  # [Gp]
         w0 = owns.astype(jnp.float32)  # 1 for the owner, 0 for the others
-        m0 = jnp.where(owns, s_new * qk_scale, MASK_VALUE)  # [Gp]
+        m0 = jnp.where(owns, softcap_log2(s_new * qk_scale, softcap), MASK_VALUE)  # [Gp]
         l0 = jnp.broadcast_to(w0, (gp,))  # [Gp]
         acc0 = jnp.broadcast_to(w0 * v_att.astype(jnp.float32)[None, :], (gp, d))  # [Gp, D]
         return qs, (acc0, m0, l0)
@@ -169,6 +171,7 @@ def append_attend(q_src, k_src, v_src, k_ref, v_ref, ko_ref, vo_ref, *, gp: int,
         start = jnp.maximum(start, (first // block_k) * block_k)
     acc, m, l = attend_tiles(tuple(zip(qs, q_cols)), k_ref, v_ref, start=start, first=first,
                              end=end, block_k=block_k, qk_scale=qk_scale, carry=carry,
+                             softcap=softcap,
                              scales=None if scales is None else scales[:2])
     return acc, m, l, row_ok
 
@@ -185,7 +188,8 @@ def deferred_inv_rms(sum_sq, norm: tuple | None):
 def decode_attention_append_kernel(pos_ref, *refs, sm_scale: float, chunk: int, block_k: int,
                                    window: int | None, groups: int, seq_len: int,
                                    has_rope: bool, num_parts: int, normalize: bool,
-                                   norm: tuple | None, quantized: bool, dtype):
+                                   norm: tuple | None, quantized: bool, dtype,
+                                   softcap: float | None = None):
     # pos_ref [B] int32 (whole array): slot of each sequence's new token
     # q_refs [Gp, D] x P: qkv rows of one KV group from row 0, from each of the P parts (one
     #   16-bit array, or a split-K matmul's float32 chunks, summed here); rows >= G (the key,
@@ -239,7 +243,8 @@ def decode_attention_append_kernel(pos_ref, *refs, sm_scale: float, chunk: int, 
         [(r, ()) for r in vn_refs], k_ref, v_ref, ko_ref, vo_ref,
         gp=gp, d=d, pos=pos, start=start, chunk=chunk,
         seq_len=seq_len, window=window, block_k=block_k, groups=groups,
-        qk_scale=sm_scale * LOG2_E, dtype=dtype, inv_rms=inv_rms, rope=rope, scales=scales)
+        qk_scale=sm_scale * LOG2_E, dtype=dtype, inv_rms=inv_rms, rope=rope, scales=scales,
+        softcap=softcap)
     if normalize:  # the only chunk: l >= 1 (the new token), no merge step
         plgpu.store(o_ref, (acc / l[:, None]).astype(o_ref.dtype), mask=row_ok[:, None])
     else:
@@ -352,7 +357,8 @@ def decode_attention_append(qkv, k_cache, v_cache, positions, *, k_scale=None, v
                             dtype=None, rope=None, sm_scale: float | None = None,
                             sliding_window: int | None = None, norm=None,
                             interpret: bool = False,
-                            block_sizes: DecodeBlockSizes | None = None):
+                            block_sizes: DecodeBlockSizes | None = None,
+                            softcap: float | None = None):
     """One new token per sequence: rotate its q and k (RoPE, when `rope` is given), write its
     k and v at slot positions[b] of k/v_cache [B, S, Hkv, D], and attend its q to slots
     [0, positions[b]].
@@ -377,10 +383,12 @@ def decode_attention_append(qkv, k_cache, v_cache, positions, *, k_scale=None, v
     (float32 / float16) their scales (kv_quant.py); the new key and value are quantized as they
     are written. dtype: the activations' dtype, that q/k/v round to and `out` has (qkv's; with
     float32 partial sums it must be given). Returns (out, k_cache, v_cache, k_scale, v_scale),
-    all four caches aliased.
+    all four caches aliased. softcap: scores = softcap * tanh(scores / softcap) before the mask
+    (Gemma 2), or None.
     """
     _, _, _, _, act = _validate(qkv, k_cache, v_cache, positions, rope, sliding_window, norm,
                                 k_scale, v_scale, dtype)
+    softcap = check_softcap("decode_attention_append", softcap)
     if qkv.ndim == 4:
         qkv = qkv[None]  # [1, B, Hkv, G + 2, D]: one part
     d = qkv.shape[-1]
@@ -389,11 +397,11 @@ def decode_attention_append(qkv, k_cache, v_cache, positions, *, k_scale=None, v
         check_head_dim("decode_attention_append (RoPE halves)", d // 2)
     sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d)
     b, s, hkv, _ = k_cache.shape
-    blocks = block_sizes or DecodeBlockSizes()
+    blocks = block_sizes or default_block_sizes(d)
     chunk, num_splits = blocks.chunking(b, hkv, s)
-    if block_sizes is None and num_splits == 1:
+    if block_sizes is None and num_splits == 1 and d <= 128:
         # One program per (sequence, KV head) walks the whole short cache in tiles of 128
-        # keys (benchmarks/DECISIONS.md).
+        # keys (benchmarks/DECISIONS.md); at D 256 such tiles would not fit shared memory.
         blocks = DecodeBlockSizes(block_k=128, num_splits=1, num_stages=3)
         chunk, num_splits = blocks.chunking(b, hkv, s)
     window = int(sliding_window) if sliding_window is not None else None
@@ -405,15 +413,16 @@ def decode_attention_append(qkv, k_cache, v_cache, positions, *, k_scale=None, v
     out = _decode_attention_append_triton(
         qkv, k_cache, v_cache, positions, rope, ss, k_scale, v_scale, sm_scale=sm_scale,
         blocks=blocks, chunk=chunk, num_splits=num_splits, window=window, norm=norm_static,
-        dtype=act, interpret=interpret)
+        dtype=act, softcap=softcap, interpret=interpret)
     return out if k_scale is not None else out[:3]
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "blocks", "chunk", "num_splits",
-                                             "window", "norm", "dtype", "interpret"))
+                                             "window", "norm", "dtype", "softcap",
+                                             "interpret"))
 def _decode_attention_append_triton(qkv, k_cache, v_cache, positions, rope, ss, k_scale,
                                     v_scale, *, sm_scale, blocks, chunk, num_splits, window,
-                                    norm, dtype, interpret):
+                                    norm, dtype, softcap, interpret):
     # qkv [P, B, Hkv, G + 2, D]: P parts summed in the kernel; dtype: the activations'
     parts, b, hkv, rows, d = qkv.shape
     g = rows - 2
@@ -429,7 +438,7 @@ def _decode_attention_append_triton(qkv, k_cache, v_cache, positions, rope, ss, 
     kernel = functools.partial(decode_attention_append_kernel, sm_scale=sm_scale, chunk=chunk,
                                block_k=block_k, window=window, groups=g, seq_len=s,
                                has_rope=rope is not None, num_parts=parts, normalize=normalize,
-                               norm=norm, quantized=quantized, dtype=dtype)
+                               norm=norm, quantized=quantized, dtype=dtype, softcap=softcap)
     row = pl.BlockSpec((None, s_pad, None, d), lambda i, h, c: (i, 0, h, 0))
 
     def qkv_spec(p, first_row, n_rows):  # rows [first_row, +n_rows) of part p, KV group h
@@ -518,7 +527,8 @@ def decode_attention_append_reference(qkv, k_cache, v_cache, positions, *, k_sca
                                       sm_scale: float | None = None,
                                       sliding_window: int | None = None, norm=None,
                                       interpret: bool = False,
-                                      block_sizes: DecodeBlockSizes | None = None):
+                                      block_sizes: DecodeBlockSizes | None = None,
+                                      softcap: float | None = None):
     """Plain jnp: split qkv, rotate q and k, scatter the new K/V (quantized, for a quantized
     cache), then `decode_attention_reference` (interpret and block_sizes are ignored).
     Returns what the kernel does."""
@@ -551,7 +561,7 @@ def decode_attention_append_reference(qkv, k_cache, v_cache, positions, *, k_sca
     v_cache = v_cache.at[rows, positions].set(v_new, mode="drop")
     out = decode_attention_reference(q, k_cache, v_cache, positions + 1, k_scale=k_scale,
                                      v_scale=v_scale, sm_scale=sm_scale,
-                                     sliding_window=sliding_window)
+                                     sliding_window=sliding_window, softcap=softcap)
     if k_scale is None:
         return out, k_cache, v_cache
     return out, k_cache, v_cache, k_scale, v_scale

@@ -24,8 +24,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
-    LOG2_E, MASK_VALUE, check_array, check_head_dim, check_same_dtype, check_tiles, dot_f32,
-    multiple_of, ref_precision)
+    LOG2_E, MASK_VALUE, check_array, check_head_dim, check_same_dtype, check_softcap, check_tiles,
+    dot_f32, multiple_of, ref_precision, softcap_log2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +62,7 @@ def default_block_sizes(head_dim: int, itemsize: int = 2) -> FlashBlockSizes:
 
 def flash_attention_kernel(q_ref, k_ref, v_ref, o_ref, *, sm_scale: float, causal: bool,
                            window: int | None, tq: int, tk: int, block_q: int, block_k: int,
-                           num_q_blocks: int):
+                           num_q_blocks: int, softcap: float | None = None):
     # q_ref, o_ref [block_q, D]: one query tile of one head (rows past tq are padding)
     # k_ref, v_ref [tk_pad, D]: the whole key/value sequence of this head's KV group (rows >= tk
     # are out of range and only read under a mask)
@@ -100,7 +100,8 @@ def flash_attention_kernel(q_ref, k_ref, v_ref, o_ref, *, sm_scale: float, causa
         else:
             k = k_ref[pl.ds(start, block_k), :]  # [block_k, D]
             v = v_ref[pl.ds(start, block_k), :]  # [block_k, D]
-        s = dot_f32(q, k, trans_b=True) * qk_scale  # [block_q, block_k], log2 units
+        # [block_q, block_k] in log2 units, soft-capped before the mask
+        s = softcap_log2(dot_f32(q, k, trans_b=True) * qk_scale, softcap)
         if masked:
             visible = cols[None, :] < tk
             if causal:
@@ -174,7 +175,7 @@ BACKENDS = ("auto", "triton", "mosaic")
 def flash_attention(q, k, v, *, causal: bool = True, sm_scale: float | None = None,
                     sliding_window: int | None = None, interpret: bool = False,
                     block_sizes: FlashBlockSizes | None = None, backend: str = "auto",
-                    mosaic_config=None):
+                    mosaic_config=None, softcap: float | None = None):
     """Attention of q [B, Tq, Hq, D] over k, v [B, Tk, Hkv, D] -> [B, Tq, Hq, D] in q's dtype.
 
     Hq % Hkv == 0 (GQA: query head h reads KV head h // (Hq // Hkv)); Tq <= Tk, the queries being
@@ -185,15 +186,21 @@ def flash_attention(q, k, v, *, causal: bool = True, sm_scale: float | None = No
     mosaic on a Hopper GPU when the inputs allow it and need no padding (Tq a multiple of 128,
     Tk of the KV tile: the mosaic wrapper would otherwise copy q/k/v into padded arrays), else
     triton. With interpret=True, "auto" means triton; "mosaic" runs the Mosaic GPU interpreter.
+    softcap: scores = softcap * tanh(scores / softcap) before the mask (Gemma 2); the Triton
+    path only ("auto" takes it).
     """
     _validate(q, k, v, causal, sliding_window)
+    softcap = check_softcap("flash_attention", softcap)
     if backend not in BACKENDS:
         raise ValueError(f"flash_attention: backend must be one of {BACKENDS}, got {backend!r}")
+    if softcap is not None and backend == "mosaic":
+        raise ValueError("flash_attention: backend 'mosaic' has no softcap; use 'triton' or "
+                         "'auto'")
     # Imported here: Mosaic GPU's import is ~0.2 s that a CPU or Triton-only run need not pay.
     from pallas_kernels import flash_attention_mgpu
 
     if backend == "auto":
-        backend = "mosaic" if (not interpret and _on_hopper()
+        backend = "mosaic" if (not interpret and softcap is None and _on_hopper()
                                and flash_attention_mgpu.supports(q, k, v, mosaic_config) is None
                                and flash_attention_mgpu.is_aligned(q, k, mosaic_config)) \
             else "triton"
@@ -207,11 +214,12 @@ def flash_attention(q, k, v, *, causal: bool = True, sm_scale: float | None = No
     window = int(sliding_window) if sliding_window is not None else None
     blocks = block_sizes or default_block_sizes(d, q.dtype.itemsize)
     return _flash_attention_triton(q, k, v, causal=causal, sm_scale=sm_scale, window=window,
-                                   blocks=blocks, interpret=interpret)
+                                   blocks=blocks, softcap=softcap, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "window", "blocks", "interpret"))
-def _flash_attention_triton(q, k, v, *, causal, sm_scale, window, blocks, interpret):
+@functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "window", "blocks", "softcap",
+                                             "interpret"))
+def _flash_attention_triton(q, k, v, *, causal, sm_scale, window, blocks, softcap, interpret):
     b, tq, hq, d = q.shape
     _, tk, hkv, _ = k.shape
     group = hq // hkv
@@ -228,7 +236,7 @@ def _flash_attention_triton(q, k, v, *, causal, sm_scale, window, blocks, interp
 
     kernel = functools.partial(
         flash_attention_kernel, sm_scale=sm_scale, causal=causal, window=window, tq=tq, tk=tk,
-        block_q=blocks.block_q, block_k=blocks.block_k, num_q_blocks=nq)
+        block_q=blocks.block_q, block_k=blocks.block_k, num_q_blocks=nq, softcap=softcap)
     return pl.pallas_call(
         kernel,
         grid=(nq, hq, b),  # q tiles fastest: neighbouring programs share K/V in L2
@@ -250,16 +258,20 @@ def _flash_attention_triton(q, k, v, *, causal, sm_scale, window, blocks, interp
 
 
 def flash_attention_reference(q, k, v, *, causal: bool = True, sm_scale: float | None = None,
-                              sliding_window: int | None = None, interpret: bool = False):
+                              sliding_window: int | None = None, interpret: bool = False,
+                              softcap: float | None = None):
     """Plain-jnp attention with the same signature and semantics (interpret is ignored)."""
     del interpret
     _validate(q, k, v, causal, sliding_window)
+    softcap = check_softcap("flash_attention", softcap)
     b, tq, hq, d = q.shape
     _, tk, hkv, _ = k.shape
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
     qg = q.reshape(b, tq, hkv, hq // hkv, d)  # [B, Tq, Hkv, G, D]
     s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32,
                    precision=ref_precision(q.dtype)) * scale  # [B, Hkv, G, Tq, Tk]
+    if softcap is not None:
+        s = jnp.tanh(s / softcap) * softcap
     q_pos = jnp.arange(tq)[:, None] + (tk - tq)  # [Tq, 1]
     k_pos = jnp.arange(tk)[None, :]  # [1, Tk]
     visible = jnp.ones((tq, tk), bool)

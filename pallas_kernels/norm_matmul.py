@@ -49,7 +49,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (NUM_SMS_H200, check_array, check_same_dtype, check_tiles,
-                                     dot_f32, multiple_of, ref_precision)
+                                     dot_f32, gate_activation, multiple_of, ref_precision)
 from pallas_kernels.atomics import atomic_add_relaxed
 from pallas_kernels.l2_prefetch import PrefetchPlan, issue_prefetches, l2_prefetch
 from pallas_kernels.quantized import (QuantizedWeight, check_quantized, dequantize,
@@ -140,7 +140,8 @@ def check_prefetch(op: str, prefetch) -> None:
 def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int, block_n: int,
                         block_k: int, k_chunk: int, n_weights: int, has_norm: bool,
                         has_residual: bool, epilogue: str, partial: bool, n_deltas: int,
-                        prefetch_plans: tuple = (), programs: int = 1, threads: int = 128,
+                        activation: str = "silu", prefetch_plans: tuple = (),
+                        programs: int = 1, threads: int = 128,
                         block_d: int = 256, down_prefetch: bool = False,
                         interpret: bool = False, stagger: bool = True,
                         transposed: bool = False, single_row: bool = True,
@@ -332,7 +333,7 @@ def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int,
     out = accs[0]
     if epilogue in ("swiglu", "swiglu_down"):
         gate, up = accs
-        out = gate * jax.nn.sigmoid(gate) * up
+        out = gate_activation(gate, activation) * up
     if down:
         down_epilogue(out.astype(x_ref.dtype), wd_ref, *o_refs, m=m, n=n, block_m=block_m,
                       block_n=block_n, block_d=block_d, row_ok=row_ok, interpret=interpret,
@@ -391,13 +392,13 @@ def down_epilogue(act, wd_ref, acc_ref, clear_ref, *, m: int, n: int, block_m: i
     lax.fori_loop(0, steps, step, 0)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "blocks", "epilogue", "interpret",
+@functools.partial(jax.jit, static_argnames=("eps", "blocks", "epilogue", "activation", "interpret",
                                              "out_dtype", "partials", "prefetch_plans",
                                              "block_d", "down_prefetch", "stagger",
                                              "transposed", "single_row"))
 def fused_matmul(x, norm_weight, weights, residual, *, eps, blocks, epilogue, interpret,
                  out_dtype=None, partials=False, deltas=None, prefetch=(), prefetch_plans=(),
-                 down=None, block_d=256, down_prefetch=False, stagger=True,
+                 down=None, block_d=256, down_prefetch=False, stagger=True, activation="silu",
                  transposed=False, single_row=True):
     """x [M, K]; norm_weight [K] or None; weights: tuple of [K, N] (1, or 2 for SwiGLU; one
     [N, K] with transposed, no epilogue);
@@ -494,8 +495,8 @@ def fused_matmul(x, norm_weight, weights, residual, *, eps, blocks, epilogue, in
     kernel = functools.partial(
         fused_matmul_kernel, m=m, n=n, k=k, eps=eps, block_m=bm, block_n=bn, block_k=bk,
         k_chunk=k_chunk, n_weights=len(weights), has_norm=norm_weight is not None,
-        has_residual=has_residual, epilogue=epilogue, partial=partial, n_deltas=n_deltas,
-        prefetch_plans=tuple(prefetch_plans),
+        has_residual=has_residual, epilogue=epilogue, activation=activation, partial=partial,
+        n_deltas=n_deltas, prefetch_plans=tuple(prefetch_plans),
         programs=pl.cdiv(m, bm) * pl.cdiv(n, bn) * split, threads=32 * blocks.num_warps,
         block_d=block_d, down_prefetch=down_prefetch, interpret=interpret, stagger=stagger,
         transposed=transposed, single_row=single_row, formats=formats if quantized else ())
@@ -519,12 +520,15 @@ def fused_matmul(x, norm_weight, weights, residual, *, eps, blocks, epilogue, in
     if n_deltas:
         x_new, *out = out
         return x_new, _finish(out, x, norm_weight, residual, eps=eps, epilogue=epilogue,
-                              out_dtype=out_dtype, partial=partial, partials=partials)
+                              out_dtype=out_dtype, partial=partial, partials=partials,
+                              activation=activation)
     return _finish(out, x, norm_weight, residual, eps=eps, epilogue=epilogue,
-                   out_dtype=out_dtype, partial=partial, partials=partials)
+                   out_dtype=out_dtype, partial=partial, partials=partials,
+                   activation=activation)
 
 
-def _finish(out, x, norm_weight, residual, *, eps, epilogue, out_dtype, partial, partials):
+def _finish(out, x, norm_weight, residual, *, eps, epilogue, out_dtype, partial, partials,
+            activation="silu"):
     """The pallas_call's outputs (a list) -> the result fused_matmul documents."""
     k = x.shape[1]
     if not partial:
@@ -538,7 +542,7 @@ def _finish(out, x, norm_weight, residual, *, eps, epilogue, out_dtype, partial,
         sums = [acc * inv_rms for acc in sums]
     y = sums[0]
     if epilogue == "swiglu":
-        y = jax.nn.silu(sums[0]) * sums[1]
+        y = gate_activation(sums[0], activation) * sums[1]
     if residual is not None:
         y = y + residual.astype(jnp.float32)
     return y.astype(out_dtype)

@@ -14,15 +14,19 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._common import check_array, check_same_dtype, ref_precision
+from pallas_kernels._common import (GATE_ACTIVATIONS, check_array, check_same_dtype,
+                                     gate_activation, ref_precision)
 from pallas_kernels.norm_matmul import (MatmulBlockSizes, check_prefetch, default_block_sizes,
                                         fused_matmul)
 from pallas_kernels.quantized import QuantizedWeight, check_quantized, dequantize
 from pallas_kernels.rms_norm import add_deltas_reference, check_deltas, rms_norm_reference
 
 
-def _validate(x, w_gate, w_up, norm_weight=None, deltas=None):
+def _validate(x, w_gate, w_up, norm_weight=None, deltas=None, activation="silu"):
     op = "swiglu"
+    if activation not in GATE_ACTIVATIONS:
+        raise ValueError(f"{op}: activation must be one of {GATE_ACTIVATIONS}, got "
+                         f"{activation!r}")
     check_array(op, "x", x, 2)
     if deltas is not None:
         check_deltas(op, x, deltas, float32_only=True)
@@ -53,34 +57,37 @@ def _validate(x, w_gate, w_up, norm_weight=None, deltas=None):
 
 def swiglu(x, w_gate, w_up, *, norm_weight=None, eps: float = 1e-6, deltas=None,
            prefetch: tuple = (), interpret: bool = False,
-           block_sizes: MatmulBlockSizes | None = None):
+           block_sizes: MatmulBlockSizes | None = None, activation: str = "silu"):
     """silu(h @ w_gate) * (h @ w_up); x [M, K], w_* [K, N] -> [M, N] in x's dtype, where h is x,
     or rms_norm(x, norm_weight, eps) (HF semantics) fused into the main loop when norm_weight
     [K] is given.
     deltas [S, M, K] float32 (a split-K producer's chunks): x is first replaced by
     x + sum(deltas) (rounded once to x's dtype), the decoder's residual add done in the same
     pass; returns (x + sum(deltas), the SwiGLU output) then.
-    prefetch: (array, PrefetchPlan) pairs for the next kernel, as in norm_matmul."""
-    _validate(x, w_gate, w_up, norm_weight, deltas)
+    prefetch: (array, PrefetchPlan) pairs for the next kernel, as in norm_matmul.
+    activation: the gate's, "silu" (SwiGLU) or "gelu_tanh" (GeGLU: tanh-approximated GELU)."""
+    _validate(x, w_gate, w_up, norm_weight, deltas, activation)
     check_prefetch("swiglu", prefetch)
     blocks = block_sizes or default_block_sizes(x.shape[0], w_gate.shape[1], x.shape[1],
                                                 x.dtype.itemsize, n_weights=2,
                                                 quantized=isinstance(w_gate, QuantizedWeight))
     return fused_matmul(x, norm_weight, (w_gate, w_up), None, eps=float(eps), blocks=blocks,
-                        epilogue="swiglu", interpret=interpret, deltas=deltas,
+                        epilogue="swiglu", activation=activation, interpret=interpret,
+                        deltas=deltas,
                         prefetch=tuple(a for a, _ in prefetch),
                         prefetch_plans=tuple(p for _, p in prefetch))
 
 
 def swiglu_reference(x, w_gate, w_up, *, norm_weight=None, eps: float = 1e-6, deltas=None,
-                     interpret: bool = False):
+                     interpret: bool = False, activation: str = "silu"):
     """silu(h @ w_gate) * (h @ w_up) with float32 accumulation, in plain jnp (h and the
     deltas' residual add as in swiglu)."""
     del interpret
-    _validate(x, w_gate, w_up, norm_weight, deltas)
+    _validate(x, w_gate, w_up, norm_weight, deltas, activation)
     if deltas is not None:
         x = add_deltas_reference(x, deltas)
-        return x, swiglu_reference(x, w_gate, w_up, norm_weight=norm_weight, eps=eps)
+        return x, swiglu_reference(x, w_gate, w_up, norm_weight=norm_weight, eps=eps,
+                                   activation=activation)
     if norm_weight is not None:
         x = rms_norm_reference(x, norm_weight, eps=eps)
     if isinstance(w_gate, QuantizedWeight):
@@ -88,7 +95,7 @@ def swiglu_reference(x, w_gate, w_up, *, norm_weight=None, eps: float = 1e-6, de
     hp = ref_precision(x.dtype)
     gate = jnp.dot(x, w_gate, preferred_element_type=jnp.float32, precision=hp)
     up = jnp.dot(x, w_up, preferred_element_type=jnp.float32, precision=hp)
-    return (jax.nn.silu(gate) * up).astype(x.dtype)
+    return (gate_activation(gate, activation) * up).astype(x.dtype)
 
 
 def _validate_down(x, w_gate, w_down, acc, clear):
@@ -109,7 +116,7 @@ def _validate_down(x, w_gate, w_down, acc, clear):
 def swiglu_down(x, w_gate, w_up, w_down, acc, clear, *, norm_weight=None, eps: float = 1e-6,
                 deltas=None, prefetch: tuple = (), interpret: bool = False,
                 block_sizes: MatmulBlockSizes | None = None, block_d: int = 256,
-                down_prefetch: bool = True, stagger: bool = True):
+                down_prefetch: bool = True, stagger: bool = True, activation: str = "silu"):
     """The whole SwiGLU MLP in one kernel: acc + (silu(h @ w_gate) * (h @ w_up)) @ w_down.
     x [M, K]; w_gate, w_up [K, F]; w_down [F, D]; acc, clear [M, D] float32 (donated: their
     buffers are the outputs'). Each program owns F columns of the SwiGLU: it streams its gate
@@ -124,8 +131,8 @@ def swiglu_down(x, w_gate, w_up, w_down, acc, clear, *, norm_weight=None, eps: f
     block_d: w_down's columns per step; down_prefetch: each program asks the L2 for its
     first w_down tile while it streams gate and up; stagger: program j starts w_down's loop
     at column tile j (mod the tiles), so the programs' atomics spread over the columns. One K
-    chunk (block_sizes.split_k = 1)."""
-    _validate(x, w_gate, w_up, norm_weight, deltas)
+    chunk (block_sizes.split_k = 1). activation: as in swiglu."""
+    _validate(x, w_gate, w_up, norm_weight, deltas, activation)
     _validate_down(x, w_gate, w_down, acc, clear)
     check_prefetch("swiglu_down", prefetch)
     blocks = block_sizes or default_block_sizes(x.shape[0], w_gate.shape[1], x.shape[1],
@@ -143,7 +150,7 @@ def swiglu_down(x, w_gate, w_up, w_down, acc, clear, *, norm_weight=None, eps: f
         block_d //= 2
     x_new, acc, clear = fused_matmul(
         x, norm_weight, (w_gate, w_up), None, eps=float(eps), blocks=blocks,
-        epilogue="swiglu_down", interpret=interpret, deltas=deltas,
+        epilogue="swiglu_down", activation=activation, interpret=interpret, deltas=deltas,
         prefetch=tuple(a for a, _ in prefetch), prefetch_plans=tuple(p for _, p in prefetch),
         down=(w_down, acc, clear), block_d=block_d, down_prefetch=down_prefetch,
         stagger=stagger)
@@ -151,18 +158,20 @@ def swiglu_down(x, w_gate, w_up, w_down, acc, clear, *, norm_weight=None, eps: f
 
 
 def swiglu_down_reference(x, w_gate, w_up, w_down, acc, clear, *, norm_weight=None,
-                          eps: float = 1e-6, deltas=None, interpret: bool = False):
+                          eps: float = 1e-6, deltas=None, interpret: bool = False,
+                          activation: str = "silu"):
     """swiglu_down in plain jnp: the SwiGLU (rounded to x's dtype), its float32 product with
     w_down added to acc; clear zeroed."""
     del interpret
-    _validate(x, w_gate, w_up, norm_weight, deltas)
+    _validate(x, w_gate, w_up, norm_weight, deltas, activation)
     _validate_down(x, w_gate, w_down, acc, clear)
     x_new = None
     if deltas is not None:
         x_new, act = swiglu_reference(x, w_gate, w_up, norm_weight=norm_weight, eps=eps,
-                                      deltas=deltas)
+                                      deltas=deltas, activation=activation)
     else:
-        act = swiglu_reference(x, w_gate, w_up, norm_weight=norm_weight, eps=eps)
+        act = swiglu_reference(x, w_gate, w_up, norm_weight=norm_weight, eps=eps,
+                               activation=activation)
     y = jnp.dot(act, w_down, preferred_element_type=jnp.float32,
                 precision=ref_precision(x.dtype))
     out = (acc + y, jnp.zeros_like(clear))

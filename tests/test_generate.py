@@ -74,8 +74,8 @@ def test_incremental_decoding_matches_full_forward(variant):
     ids = jnp.asarray(np.load(variant / "ref.npz")["input_ids"])  # [B, T]
     b, t = ids.shape
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    forward = jax.jit(registry.family(model.config).forward,
-                      static_argnums=(3,))  # one compile per query length
+    # The family's forward (llama, gemma): one compile per query length.
+    forward = jax.jit(registry.family(model.config).forward, static_argnums=(3,))
     full, _ = forward(model.params, ids, pos, model.plan)
     split = t // 3
     cache = KVCache.init(model.config, b, t + 5)

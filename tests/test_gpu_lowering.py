@@ -162,6 +162,35 @@ for _cfg in (pk.MosaicFlashConfig(overlap="qk_pv"),
             q, k, v, causal=True, sliding_window=1000, backend="mosaic", mosaic_config=cfg),
         (S((1, 1000, 16, 128), BF16), S((1, 3000, 4, 128), BF16), S((1, 3000, 4, 128), BF16)))
 
+# Gemma: head_dim 256 (Gemma 2 2B / 9B, Gemma 3 1B-12B) with Gemma 2's soft-capping, at 16-32
+# query heads, and Gemma 3 27B's GeGLU (hidden 5376, 21504), at the kernels' default blocks.
+KERNEL_CASES.update({
+    "gemma flash triton d256 softcap window": (
+        lambda q, k, v: pk.flash_attention(q, k, v, sliding_window=1024, softcap=50.0,
+                                           sm_scale=168 ** -0.5),
+        (S((1, 2048, 32, 256), BF16), S((1, 2048, 16, 256), BF16), S((1, 2048, 16, 256), BF16))),
+    "gemma decode d256 softcap S8k": (
+        lambda q, k, v, n: pk.decode_attention(q, k, v, n, softcap=50.0),
+        (S((1, 32, 256), BF16), S((1, 8192, 16, 256), BF16), S((1, 8192, 16, 256), BF16),
+         S((1,), I32))),
+    "gemma append d256 softcap unsplit": (
+        lambda qkv, k, v, p, c, s: pk.decode_attention_append(qkv, k, v, p, rope=(c, s),
+                                                              softcap=50.0),
+        (S((1, 8, 4, 256), BF16), S((1, 512, 8, 256), BF16), S((1, 512, 8, 256), BF16),
+         S((1,), I32), S((1, 256), F32), S((1, 256), F32))),
+    "gemma append d256 softcap split window": (
+        lambda qkv, k, v, p, c, s: pk.decode_attention_append(
+            qkv, k, v, p, rope=(c, s), softcap=50.0, sliding_window=4096),
+        (S((1, 16, 4, 256), BF16), S((1, 8192, 16, 256), BF16), S((1, 8192, 16, 256), BF16),
+         S((1,), I32), S((1, 256), F32), S((1, 256), F32))),
+    "gemma chunk d256 softcap": (
+        lambda q, k, v, p: pk.chunk_attention(q, k, v, p, softcap=50.0),
+        (S((1, 256, 16, 256), BF16), S((1, 4096, 8, 256), BF16), S((1, 4096, 8, 256), BF16),
+         S((1, 256), I32))),
+    "gemma geglu": (lambda x, g, u: pk.swiglu(x, g, u, activation="gelu_tanh"),
+                    (S((1, 5376), BF16), S((5376, 21504), BF16), S((5376, 21504), BF16))),
+})
+
 
 @pytest.mark.parametrize("name", list(KERNEL_CASES))
 def test_kernel_lowers_for_h200(name):
@@ -352,3 +381,31 @@ def test_one_kernel_mlp_prefetches(verify_triton_modules):
     assert counts[("add_norm_matmul_swiglu_down_k4096_n14336", 2)] == 1, counts  # layer 0
     assert counts[("add_norm_matmul_swiglu_down_k4096_n14336", 1)] == 1, counts  # layer 1
     assert counts[("add_norm_matmul_none_k4096_n6144_split2", 0)] == 1, counts
+
+
+@pytest.mark.parametrize("preset", ["gemma3-1b", "gemma3-27b"])
+def test_gemma3_decode_lowers(preset):
+    """A Gemma 3 decode step (6 layers: 5 sliding, 1 full) at batch 1 on the GPU path: the
+    q/k/v, o and down projections on the fused small-M kernel, GeGLU in the SwiGLU kernel's
+    epilogue, the attention (q/k norm: finished q/k/v) in the split-K decode kernel; the
+    sandwich norms and the q/k norms stay in XLA (Gemma's (1 + w) in float32)."""
+    from jaxinfer.models import gemma
+
+    full = PRESETS[preset]
+    config = full.replace(num_layers=6, layer_windows=full.layer_windows[:6])
+    params = abstract_params(gemma.param_specs(config), BF16)
+    cache = jax.eval_shape(lambda: KVCache.init(config, 1, 2048))
+    tokens = S((1, 1), I32)
+    plan = Plan(config, ON_GPU)
+
+    def step(params, tokens, positions, cache):
+        return gemma.forward(params, tokens, positions, plan, cache)
+
+    names = kernel_names(lower_for_h200(step, params, tokens, tokens, cache))
+    d, f, hd = config.hidden_size, config.intermediate_size, config.head_dim
+    qkv = (config.num_heads + 2 * config.num_kv_heads) * hd
+    # (kernel_names counts the distinct kernels: the sliding and the full layers' attention)
+    assert names["decode_attention"] == 2, names
+    assert names[f"matmul_swiglu_k{d}_n{f}"] == 1, names
+    assert any(n.startswith(f"matmul_none_k{d}_n{qkv}") for n in names), names
+    assert any(n.startswith(f"matmul_none_k{f}_n{d}") for n in names), names

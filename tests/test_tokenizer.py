@@ -334,7 +334,7 @@ def test_gguf_without_tokenizer():
 
 
 @pytest.mark.parametrize(
-    ("model", "arch"), [("bert", "bert"), ("t5", "t5"), ("llama", "gemma2"), ("rwkv", "rwkv6")]
+    ("model", "arch"), [("bert", "bert"), ("t5", "t5"), ("llama", "phi3"), ("rwkv", "rwkv6")]
 )
 def test_gguf_unsupported_model(model, arch):
     meta = {"tokenizer.ggml.model": model, "tokenizer.ggml.tokens": ["a"], "general.architecture": arch}

@@ -11,11 +11,11 @@ import types
 from collections.abc import Mapping
 
 from jaxinfer.configs import Config
-from jaxinfer.models import deepseek, llama
+from jaxinfer.models import deepseek, gemma, llama
 from jaxinfer.models.family import Family
 
 FAMILIES: Mapping[str, Family] = types.MappingProxyType(
-    {f.name: f for f in (llama.FAMILY, deepseek.FAMILY)})
+    {f.name: f for f in (llama.FAMILY, deepseek.FAMILY, gemma.FAMILY)})
 
 
 def family(config: Config) -> Family:

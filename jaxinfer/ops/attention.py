@@ -68,7 +68,7 @@ def _fused_supports(qkv: Projection, cache, plan, *, positions, rope, q_norm=Non
 
 
 def _decode_append(qkv: Projection, cache, plan, *, positions, rope, window=None, q_norm=None,
-                   k_norm=None, fresh=False):
+                   k_norm=None, fresh=False, sm_scale=None, softcap=None):
     value = qkv.get(frozenset({Form.ARRAY, Form.PARTIALS, Form.NORMED}))
     norm_stats = None
     if isinstance(value, Partials):
@@ -82,7 +82,7 @@ def _decode_append(qkv: Projection, cache, plan, *, positions, rope, window=None
     out, *layer = pk.decode_attention_append(
         value, cache.k, cache.v, positions[:, 0], rope=(cos[:, 0], sin[:, 0]),
         sliding_window=window, norm=norm_stats, interpret=plan.policy.interpret,
-        block_sizes=decode_blocks(plan), **quantized)
+        block_sizes=decode_blocks(plan), sm_scale=sm_scale, softcap=softcap, **quantized)
     return out[:, None], type(cache)(*layer)  # [B, 1, Hq, D]
 
 
@@ -93,7 +93,7 @@ ATTEND.register("decode_append_quantized", functools.partial(
 
 @ATTEND.register("prologue_then_core", always)
 def _prologue_then_core(qkv: Projection, cache, plan, *, positions, rope, window=None,
-                        q_norm=None, k_norm=None, fresh=False):
+                        q_norm=None, k_norm=None, fresh=False, sm_scale=None, softcap=None):
     """Split q/k/v out of the projection, q/k norm, RoPE, append K/V, then the core."""
     b, t, hkv, rows, d = qkv.shape
     g = rows - 2
@@ -102,16 +102,18 @@ def _prologue_then_core(qkv: Projection, cache, plan, *, positions, rope, window
     k, v = value[:, :, :, g], value[:, :, :, g + 1]  # [B, T, Hkv, D]
     if q_norm is not None:
         eps = plan.config.rms_norm_eps
+        offset = plan.config.norm_offset  # Gemma 3's q/k norms scale by 1 + w
         if plan.policy.batch_invariant:  # the Pallas kernel: per-row arithmetic fixed
             q, k = norm(q, q_norm, eps, plan), norm(k, k_norm, eps, plan)
         else:
-            q, k = reference.rms_norm(q, q_norm, eps), reference.rms_norm(k, k_norm, eps)
+            q = reference.rms_norm(q, q_norm, eps, offset)
+            k = reference.rms_norm(k, k_norm, eps, offset)
     q = reference.apply_rope(q, *rope)  # [B, T, Hq, D]
     k = reference.apply_rope(k, *rope)  # [B, T, Hkv, D]
     if cache is not None:
         cache = cache.append(k, v, positions)
     return ATTENTION_CORE(q, k, v, cache, plan, positions=positions, window=window,
-                          fresh=fresh), cache
+                          fresh=fresh, sm_scale=sm_scale, softcap=softcap), cache
 
 
 def _flash_supports(q, k, v, cache, plan, *, fresh=False, **_) -> str | None:
@@ -123,11 +125,13 @@ def _flash_supports(q, k, v, cache, plan, *, fresh=False, **_) -> str | None:
 
 
 @ATTENTION_CORE.register("flash", _flash_supports)
-def _flash(q, k, v, cache, plan, *, positions, window=None, fresh=False):
+def _flash(q, k, v, cache, plan, *, positions, window=None, fresh=False, sm_scale=None,
+           softcap=None):
     """Causal attention among the T new tokens at positions 0..T-1 (never materializes the
     [T, T] scores)."""
-    return pk.flash_attention(q, k, v, causal=True, sliding_window=window,
-                              backend=plan.policy.flash.value, interpret=plan.policy.interpret)
+    return pk.flash_attention(q, k, v, causal=True, sliding_window=window, sm_scale=sm_scale,
+                              softcap=softcap, backend=plan.policy.flash.value,
+                              interpret=plan.policy.interpret)
 
 
 def _decode_supports(q, k, v, cache, plan, *, fresh=False, layer_type=KVLayer,
@@ -146,11 +150,13 @@ def _scales(cache) -> dict:
     return {}
 
 
-def _decode(q, k, v, cache, plan, *, positions, window=None, fresh=False):
+def _decode(q, k, v, cache, plan, *, positions, window=None, fresh=False, sm_scale=None,
+            softcap=None):
     """The split-K decode kernel over the valid cache slots."""
     out = pk.decode_attention(q[:, 0], cache.k, cache.v, positions[:, 0] + 1,
                               sliding_window=window, interpret=plan.policy.interpret,
-                              block_sizes=decode_blocks(plan), **_scales(cache))
+                              block_sizes=decode_blocks(plan), sm_scale=sm_scale,
+                              softcap=softcap, **_scales(cache))
     return out[:, None]  # [B, 1, Hq, D]
 
 
@@ -168,32 +174,40 @@ def _chunk_supports(q, k, v, cache, plan, *, fresh=False, **_) -> str | None:
 
 
 @ATTENTION_CORE.register("chunk_quantized", _chunk_supports)
-def _chunk(q, k, v, cache, plan, *, positions, window=None, fresh=False):
+def _chunk(q, k, v, cache, plan, *, positions, window=None, fresh=False, sm_scale=None,
+           softcap=None):
     """T queries at their positions against the cache's codes (a chunked prefill)."""
     return pk.chunk_attention(q, cache.k, cache.v, positions, sliding_window=window,
+                              sm_scale=sm_scale, softcap=softcap,
                               interpret=plan.policy.interpret, **_scales(cache))
 
 
 @ATTENTION_CORE.register("reference", always)
-def _reference(q, k, v, cache, plan, *, positions, window=None, fresh=False):
+def _reference(q, k, v, cache, plan, *, positions, window=None, fresh=False, sm_scale=None,
+               softcap=None):
     if cache is None or fresh:
-        return reference.attention_reference(q, k, v, positions, positions, window=window)
+        return reference.attention_reference(q, k, v, positions, positions, window=window,
+                                             sm_scale=sm_scale, softcap=softcap)
     s = cache.k.shape[1]
     kv_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), cache.k.shape[:2])  # slot i = position i
     k_all, v_all = cache.k, cache.v
     if isinstance(cache, QuantizedKVLayer):  # float32, for any activation dtype
         k_all, v_all = dequantize_kv(k_all, cache.k_scale), dequantize_kv(v_all, cache.v_scale)
-    return reference.attention_reference(q, k_all, v_all, positions, kv_pos, window=window)
+    return reference.attention_reference(q, k_all, v_all, positions, kv_pos, window=window,
+                                         sm_scale=sm_scale, softcap=softcap)
 
 
 def attend(qkv: Projection, cache, plan: Plan, *, positions: jax.Array, rope, window=None,
-           q_norm=None, k_norm=None, fresh: bool = False):
+           q_norm=None, k_norm=None, fresh: bool = False, sm_scale: float | None = None,
+           softcap: float | None = None):
     """Attention of the new tokens -> (out [B, T, Hq, hd], the layer's cache with their K/V).
 
     qkv: the projection [B, T, Hkv, G + 2, hd] (per KV head its G query heads, its key, its
     value); positions [B, T] int32; rope (cos, sin) [B, T, R]; window: a sliding window or
     None; q_norm, k_norm [hd]: q/k RMSNorm before RoPE (Qwen3). cache: the layer's cache or
     None (the T tokens attend among themselves at positions 0..T-1); fresh: the cache held
-    nothing before them (a prefill from position 0)."""
+    nothing before them (a prefill from position 0). sm_scale: the softmax scale (None:
+    hd ** -0.5); softcap: scores = softcap * tanh(scores / softcap) before the mask (Gemma 2)."""
     return ATTEND(qkv, cache, plan, positions=positions, rope=rope, window=window,
-                  q_norm=q_norm, k_norm=k_norm, fresh=fresh)
+                  q_norm=q_norm, k_norm=k_norm, fresh=fresh, sm_scale=sm_scale,
+                  softcap=softcap)

@@ -9,6 +9,7 @@ where it runs).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -204,7 +205,10 @@ def add_deltas(x, delta):
 
 def norm(x, weight, eps: float, plan: Plan):
     """HF RMSNorm over x's last axis: the Pallas kernel on the decode path (one launch, not
-    XLA's two) and for batch-invariant plans (fixed per-row arithmetic), else the reference."""
+    XLA's two) and for batch-invariant plans (fixed per-row arithmetic), else the reference.
+    A config with a norm_offset (Gemma's 1 + w, in float32) always takes the reference."""
+    if plan.config.norm_offset:
+        return reference.rms_norm(x, weight, eps, plan.config.norm_offset)
     if kernels_on(plan, x.dtype) and (decode_path(x, plan) or plan.policy.batch_invariant):
         return pk.rms_norm(x, weight, eps=eps, interpret=plan.policy.interpret)
     return reference.rms_norm(x, weight, eps)
@@ -213,7 +217,8 @@ def norm(x, weight, eps: float, plan: Plan):
 def boundary(x, delta, weight, eps: float, plan: Plan, where: Boundary):
     """The pre-norm boundary on its own: (x + delta, rms_norm(x + delta)). Partials go to
     the add_rms_norm kernel unless the plan puts the boundary in XLA."""
-    if isinstance(delta, Partials) and where is not Boundary.XLA and kernels_on(plan, x.dtype):
+    if isinstance(delta, Partials) and where is not Boundary.XLA and kernels_on(plan, x.dtype) \
+            and not plan.config.norm_offset:
         return pk.add_rms_norm(x, delta.parts, weight, eps=eps, interpret=plan.policy.interpret)
     x = add_deltas(x, delta)
     return x, norm(x, weight, eps, plan)
@@ -257,16 +262,26 @@ def embed(table, tokens: jax.Array, plan: Plan) -> jax.Array:
     return EMBED(table, tokens, plan)
 
 
-def linear(x, w, plan: Plan, *, bias=None, into: Residual | None = None):
+def _post_norm(delta, weight, *, plan: Plan):
+    return norm(delta, weight, plan.config.rms_norm_eps, plan)
+
+
+def post_norm_of(weight, plan: Plan) -> tuple | None:
+    """A Residual's post_norm for a sandwich-norm weight [D] (None: no post norm)."""
+    return None if weight is None else (functools.partial(_post_norm, plan=plan), weight)
+
+
+def linear(x, w, plan: Plan, *, bias=None, into: Residual | None = None, post_norm=None):
     """x [B, T, K] @ w (+ bias) -> [B, T, *N]. With `into`, the product is a sublayer's output
     for the residual stream instead: it returns `into` with the product pending, emitted when
-    the next op (its consumer) takes it, in the form that op adds fastest."""
+    the next op (its consumer) takes it, in the form that op adds fastest. post_norm [D]: a
+    sandwich RMSNorm the pending product goes through before it is added (Gemma)."""
     if into is None:
         return matmul(x, w, plan, bias=bias)[1]
 
     def emit(accept, prefetch):
         return (matmul(x, w, plan, accept=accept, bias=bias, prefetch=prefetch)[1],)
-    return into.with_pending(Deferred(emit).part(0))
+    return into.with_pending(Deferred(emit).part(0), post_norm_of(post_norm, plan))
 
 
 def norm_linear(stream: Residual, norm_weight, w, plan: Plan, *, bias=None):
@@ -283,6 +298,7 @@ def norm_linear(stream: Residual, norm_weight, w, plan: Plan, *, bias=None):
     def emit(accept, prefetch):
         x, delta = stream.take(ANY_SUM, hints)
         in_kernel = (fused and policy.norm_linear_boundary is Boundary.CONSUMER and bias is None
+                     and not plan.config.norm_offset
                      and (delta is None or isinstance(delta, Partials)))
         if in_kernel:
             x_new, y = matmul(x, w, plan, accept=accept, norm_w=norm_weight, eps=eps,
@@ -316,8 +332,8 @@ def lm_head(stream: Residual, norm_weight, head, plan: Plan, *, rows_at=None) ->
                                                  axis=2))
         elif delta is not None:
             delta = jnp.take_along_axis(delta, rows_at[:, None, None], axis=1)
-    if pallas and policy.lm_head_boundary is Boundary.CONSUMER and (
-            delta is None or isinstance(delta, Partials)):
+    if pallas and policy.lm_head_boundary is Boundary.CONSUMER and not plan.config.norm_offset \
+            and (delta is None or isinstance(delta, Partials)):
         return matmul(x, head, plan, norm_w=norm_weight, eps=eps, deltas=delta,
                       out_dtype=jnp.float32)[1]
     _, h = boundary(x, delta, norm_weight, eps, plan, policy.lm_head_boundary)

@@ -1,4 +1,5 @@
-"""`gated_mlp`: the SwiGLU MLP sublayer, silu(h @ w_gate) * (h @ w_up) @ w_down, h = norm(x).
+"""`gated_mlp`: the gated MLP sublayer, act(h @ w_gate) * (h @ w_up) @ w_down, h = norm(x); act
+is the config's `mlp_activation` (silu: SwiGLU; gelu_tanh: Gemma's GeGLU), passed to the kernels.
 
 On the fused decode path the attention -> MLP boundary runs in the SwiGLU kernel's main loop,
 and at batch 1 the whole MLP is one kernel (swiglu_down: the down projection's rows summed by
@@ -47,7 +48,7 @@ def _pallas_swiglu(x, w_gate, w_up, plan, *, biases=(None, None), norm_w=None, e
     m, k = rows(x), x.shape[-1]
     f = w_gate.out_shape[0]
     out = pk.swiglu(x.reshape(m, k), kernel_operand(w_gate), kernel_operand(w_up),
-                    norm_weight=norm_w, eps=eps,
+                    norm_weight=norm_w, eps=eps, activation=plan.config.mlp_activation,
                     deltas=None if deltas is None else deltas.parts.reshape(-1, m, k),
                     prefetch=prefetch, interpret=plan.policy.interpret,
                     block_sizes=tiles(plan, m, k, f, 2, x.dtype, decode_path(x, plan)))
@@ -60,7 +61,8 @@ def _reference_swiglu(x, w_gate, w_up, plan, *, biases=(None, None), norm_w=None
                       deltas=None, prefetch=()):
     x = add_deltas(x, deltas)
     h = x if norm_w is None else reference.rms_norm(x, norm_w, eps)
-    return x, reference.swiglu(h, as_array(w_gate, h.dtype), as_array(w_up, h.dtype), *biases)
+    return x, reference.swiglu(h, as_array(w_gate, h.dtype), as_array(w_up, h.dtype), *biases,
+                               activation=plan.config.mlp_activation)
 
 
 def _one_kernel(x, w_gate, w_up, w_down, plan, biases) -> bool:
@@ -83,9 +85,10 @@ def _buffer(value, m: int, d: int):
 
 
 def gated_mlp(stream: Residual, norm_weight, w_gate, w_up, w_down, plan: Plan, *,
-              biases=None) -> Residual:
+              biases=None, post_norm=None) -> Residual:
     """The MLP sublayer: x + pending -> that stream, with the MLP's output on its RMSNorm
-    pending. w_gate, w_up [D, F], w_down [F, D]; biases: (b_gate, b_up, b_down) or None."""
+    pending. w_gate, w_up [D, F], w_down [F, D]; biases: (b_gate, b_up, b_down) or None;
+    post_norm [D]: a sandwich RMSNorm of the MLP's output before it is added (Gemma)."""
     policy, eps = plan.policy, plan.config.rms_norm_eps
     biases = tuple(biases) if biases is not None else (None, None, None)
     aval = stream.aval
@@ -95,12 +98,14 @@ def gated_mlp(stream: Residual, norm_weight, w_gate, w_up, w_down, plan: Plan, *
         if kernel and decode_path(aval, plan) else ()
     x, delta = stream.take(ANY_SUM, hints)
     in_kernel = (kernel and policy.gated_mlp_boundary is Boundary.CONSUMER
-                 and isinstance(delta, Partials))
-    if in_kernel and _one_kernel(aval, w_gate, w_up, w_down, plan, biases):
+                 and not plan.config.norm_offset and isinstance(delta, Partials))
+    if in_kernel and post_norm is None and _one_kernel(aval, w_gate, w_up, w_down, plan,
+                                                       biases):
         def emit(accept, prefetch):
             x_new, acc, clear = pk.swiglu_down(
                 x.reshape(m, d), w_gate.w, w_up.w, w_down.w, _buffer(stream.spare, m, d),
                 _buffer(stream.dead, m, d), norm_weight=norm_weight, eps=eps,
+                activation=plan.config.mlp_activation,
                 deltas=delta.parts.reshape(-1, m, d), prefetch=prefetch,
                 interpret=policy.interpret)
             return x_new.reshape(aval.shape), Partials(acc.reshape(1, *aval.shape)), clear
@@ -116,5 +121,5 @@ def gated_mlp(stream: Residual, norm_weight, w_gate, w_up, w_down, plan: Plan, *
     else:
         x, h = boundary(x, delta, norm_weight, eps, plan, policy.gated_mlp_boundary)
         _, act = SWIGLU(h, w_gate, w_up, plan, biases=biases[:2], prefetch=down_hints)
-    return linear(act, w_down, plan, bias=biases[2],
+    return linear(act, w_down, plan, bias=biases[2], post_norm=post_norm,
                   into=Residual(x, aval, spare=stream.spare, dead=stream.dead))

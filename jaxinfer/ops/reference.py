@@ -16,11 +16,19 @@ import numpy as np
 from jaxinfer.configs import Config
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """HF LlamaRMSNorm: statistics in float32, the weight multiplies the result in x's dtype."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """HF LlamaRMSNorm: statistics in float32, the weight multiplies the result in x's dtype.
+    offset != 0: HF's Gemma RMSNorm, normed * (offset + weight) in float32, rounded once."""
     xf = x.astype(jnp.float32)
     normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if offset:
+        return (normed * (offset + weight.astype(jnp.float32))).astype(x.dtype)
     return weight * normed.astype(x.dtype)
+
+
+def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
+    """cap * tanh(x / cap) (Gemma's logit soft-capping); x itself for cap None."""
+    return x if cap is None else jnp.tanh(x / cap) * cap
 
 
 def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None, *, transposed: bool = False,
@@ -35,9 +43,21 @@ def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None, *, transposed
     return y.astype(out_dtype or x.dtype)
 
 
-def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, b_gate=None, b_up=None) -> jax.Array:
-    """silu(x @ w_gate + b) * (x @ w_up + b); x [..., D], w_* [D, F] -> [..., F]."""
-    return jax.nn.silu(linear(x, w_gate, b_gate)) * linear(x, w_up, b_up)
+def gate_activation(gate: jax.Array, activation: str = "silu") -> jax.Array:
+    """The gated MLP's gate: silu (SwiGLU) or tanh-approximated GELU (GeGLU, HF's
+    gelu_pytorch_tanh)."""
+    if activation == "silu":
+        return jax.nn.silu(gate)
+    if activation == "gelu_tanh":
+        return jax.nn.gelu(gate, approximate=True)
+    raise ValueError(f"unknown gate activation {activation!r}; known: silu, gelu_tanh")
+
+
+def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, b_gate=None, b_up=None, *,
+           activation: str = "silu") -> jax.Array:
+    """act(x @ w_gate + b) * (x @ w_up + b); x [..., D], w_* [D, F] -> [..., F] (act: silu, or
+    gelu_tanh for GeGLU)."""
+    return gate_activation(linear(x, w_gate, b_gate), activation) * linear(x, w_up, b_up)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -152,12 +172,13 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 # ---------------------------------------------------------------------------------------------
 
 
-def attention_reference(q, k, v, q_pos, kv_pos, *, window=None, sm_scale=None):
+def attention_reference(q, k, v, q_pos, kv_pos, *, window=None, sm_scale=None, softcap=None):
     """Masked GQA attention in plain jnp.
 
     q [B, T, Hq, D]; k, v [B, S, Hkv, D]; q_pos [B, T], kv_pos [B, S] int32 positions.
     A key is visible when kv_pos <= q_pos (and q_pos - kv_pos < window). Scores and softmax in
     float32; probabilities are cast to v's dtype before the second matmul, as HF's eager path does.
+    softcap: scores = softcap * tanh(scores / softcap) before the mask (Gemma 2).
     Returns [B, T, Hq, D] in q's dtype.
     """
     b, t, hq, d = q.shape
@@ -165,6 +186,8 @@ def attention_reference(q, k, v, q_pos, kv_pos, *, window=None, sm_scale=None):
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
     qg = q.reshape(b, t, hkv, hq // hkv, d)  # [B, T, Hkv, G, D]
     s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    if softcap is not None:
+        s = jnp.tanh(s / softcap) * softcap
     visible = kv_pos[:, None, :] <= q_pos[:, :, None]  # [B, T, S]
     if window is not None:
         visible &= (q_pos[:, :, None] - kv_pos[:, None, :]) < window

@@ -104,6 +104,7 @@ class Residual:
     pending: jax.Array | Partials | Part | None = None
     spare: jax.Array | Part | None = None
     dead: jax.Array | Part | None = None
+    post_norm: tuple | None = None
 
     @classmethod
     def start(cls, x: jax.Array) -> Residual:
@@ -111,15 +112,23 @@ class Residual:
         return cls(x, jax.ShapeDtypeStruct(x.shape, x.dtype))
 
     def take(self, accept: frozenset = ANY_SUM, prefetch: tuple = ()):
-        """(x, the pending output or None): the consumer's hints go to the pending producer."""
-        delta = resolve(self.pending, accept, prefetch)
-        return resolve(self.x), delta
+        """(x, the pending output or None): the consumer's hints go to the pending producer.
+        With a post_norm the pending output comes back finished and normed (an array): the
+        norm needs whole rows, so no consumer kernel can take its chunks."""
+        if self.post_norm is None:
+            return resolve(self.x), resolve(self.pending, accept, prefetch)
+        delta = resolve(self.pending, ARRAY_ONLY, prefetch)
+        if isinstance(delta, Partials):
+            delta = delta.materialize(self.aval.dtype)
+        fn, weight = self.post_norm
+        return resolve(self.x), fn(delta, weight)
 
-    def with_pending(self, pending) -> Residual:
+    def with_pending(self, pending, post_norm: tuple | None = None) -> Residual:
+        """The stream with a sublayer's output pending (post_norm: see the class)."""
         if self.pending is not None:
             raise ValueError("the residual stream already holds a sublayer output that no op "
                              "has added yet: a norm_linear, gated_mlp or lm_head takes it first")
-        return dataclasses.replace(self, pending=pending)
+        return dataclasses.replace(self, pending=pending, post_norm=post_norm)
 
 
 class Projection:
