@@ -115,8 +115,11 @@ class Residual:
         """(x, the pending output or None): the consumer's hints go to the pending producer.
         With a post_norm the pending output comes back finished and normed (an array): the
         norm needs whole rows, so no consumer kernel can take its chunks."""
+        # The pending output first: x may be a part of the same deferred call, which must
+        # run with the consumer's hints, not be emitted without them by resolving x.
         if self.post_norm is None:
-            return resolve(self.x), resolve(self.pending, accept, prefetch)
+            delta = resolve(self.pending, accept, prefetch)
+            return resolve(self.x), delta
         delta = resolve(self.pending, ARRAY_ONLY, prefetch)
         if isinstance(delta, Partials):
             delta = delta.materialize(self.aval.dtype)
