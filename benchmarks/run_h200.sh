@@ -19,6 +19,9 @@
 #                                        # B=1 ctx 32k, and the embedded model's int8 tokens
 #   bash benchmarks/run_h200.sh quant    # jaxinfer bench, bf16 vs int8 vs int4 weights
 #   bash benchmarks/run_h200.sh qkernels # benchmarks/quantized.py (quantized decode matmuls)
+#   bash benchmarks/run_h200.sh mla      # benchmarks/mla.py: MLA decode attention (DeepSeek-V2-Lite
+#                                        # shapes, $MLA_SHAPES) vs XLA absorbed / expanded, then
+#                                        # the GPU tests of tests/test_mla.py
 # Results: JSON lines in ${OUT:-.}/bench-<part>.jsonl; a table on stdout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -121,5 +124,10 @@ kernels() {  # KERNELS="gemv,decode" picks parts of benchmarks/kernels.py
 kv() {  # the quantized KV caches: speed and bytes at 32k, then fidelity on the embedded model
   timeout "${KV_TIMEOUT:-540}" python3 benchmarks/kv_cache.py --json "$out/kv_cache.jsonl" 2>&1 \
     | grep -v '^bench' | tail -20
+}
+mla() {  # the absorbed MLA decode kernel: speed and variants, then its GPU tests
+  timeout "${MLA_TIMEOUT:-240}" python3 benchmarks/mla.py ${MLA_SHAPES:+--shapes "$MLA_SHAPES"} \
+    --json "$out/mla.jsonl" 2>&1 | grep -v '^{' | tail -"${MLA_TAIL:-70}"
+  TESTS_TIMEOUT=120 gpu_tests tests/test_mla.py
 }
 for part in "${@:-ours}"; do "$part"; done
