@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -45,19 +46,34 @@ from pallas_kernels.kv_quant import CODE_DTYPES, SCALE_DTYPES, codes_as, dequant
 OP = "mla_decode_attention"
 
 
+class MLATiling(NamedTuple):
+    """MLABlockSizes resolved for one call's shapes (every field concrete)."""
+    block_s: int
+    block_m: int
+    block_r: int
+    chunk: int  # cache slots per split
+    num_splits: int
+    num_warps: int
+    num_stages: int
+
+
 @dataclasses.dataclass(frozen=True)
 class MLABlockSizes:
-    """block_s: latent rows per tile (power of two >= 16); block_m: query rows (of Tq x H) per
-    program (None: all of them, at most 64, rounded up to a power of two >= 16); block_r:
-    output columns of R per program (None: R unless block_m x R passes 64 x 256 float32
-    accumulators, then 256); a block_r < R recomputes the scores once per column block.
-    num_splits: chunks of the sequence axis (None: `choose_num_splits`, 1 for S <= 512)."""
+    """block_s: latent rows per tile (power of two >= 16). block_m: query rows (of Tq x H) per
+    program (None: all of them rounded up to a power of two >= 16, at most 64, 32 for float32
+    queries). block_r: output columns of R per program (None: R while block_m x R <= 64 x 256
+    float32 accumulators, else 256); a block_r < R recomputes the scores once per column
+    block. num_splits: chunks of the sequence axis (None: `choose_num_splits`, one for
+    S <= 512). num_warps (None: 4, 8 past 16 x 512 accumulators); num_stages (None: by the
+    latent's bytes per value, 4 for codes, 3 for 16-bit, 2 for float32: a stage holds a
+    [block_s, R + Dr] tile in shared memory). Unmeasured defaults: benchmarks/mla.py's variants
+    on the H200 are what should set them."""
     block_s: int = 32
     block_m: int | None = None
     block_r: int | None = None
     num_splits: int | None = None
-    num_warps: int = 4
-    num_stages: int = 3
+    num_warps: int | None = None
+    num_stages: int | None = None
 
     def __post_init__(self):
         for name in ("block_s", "block_m", "block_r"):
@@ -66,21 +82,27 @@ class MLABlockSizes:
                 raise ValueError(f"MLABlockSizes.{name}={val}: must be a power of two >= 16")
         if self.num_splits is not None and self.num_splits < 1:
             raise ValueError(f"MLABlockSizes.num_splits={self.num_splits}: must be >= 1")
-        if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
-            raise ValueError(f"MLABlockSizes: num_warps={self.num_warps} must be a power of "
-                             f"two <= 16 and num_stages={self.num_stages} >= 1")
+        if self.num_warps is not None and self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"MLABlockSizes.num_warps={self.num_warps}: must be a power of "
+                             f"two <= 16")
+        if self.num_stages is not None and self.num_stages < 1:
+            raise ValueError(f"MLABlockSizes.num_stages={self.num_stages}: must be >= 1")
 
-    def resolve(self, batch: int, rows: int, rank: int, seq_len: int):
-        """(block_m, block_r, keys per chunk, chunks) for `rows` = Tq x H query rows, latent
-        rank R and a cache of seq_len slots."""
-        block_m = self.block_m or min(64, max(16, next_pow2(rows)))
+    def resolve(self, batch: int, rows: int, rank: int, seq_len: int, q_bytes: int = 2,
+                latent_bytes: int = 2) -> MLATiling:
+        """The tiling for `rows` = Tq x H query rows of q_bytes per value, latent rank R and a
+        cache of seq_len slots of latent_bytes per value."""
+        block_m = self.block_m or min(64 if q_bytes <= 2 else 32, max(16, next_pow2(rows)))
         block_r = self.block_r or (rank if block_m * rank <= 64 * 256 else min(rank, 256))
         if block_r > rank:
             raise ValueError(f"MLABlockSizes.block_r={block_r} exceeds the latent rank {rank}")
         programs = pl.cdiv(rows, block_m) * (rank // block_r)
         splits = self.num_splits or choose_num_splits(batch, programs, seq_len, self.block_s)
         chunk = pl.cdiv(pl.cdiv(seq_len, splits), self.block_s) * self.block_s
-        return block_m, block_r, chunk, pl.cdiv(seq_len, chunk)
+        warps = self.num_warps or (4 if block_m * block_r <= 16 * 512 else 8)
+        stages = self.num_stages or {1: 4, 2: 3}.get(latent_bytes, 2)
+        return MLATiling(self.block_s, block_m, block_r, chunk, pl.cdiv(seq_len, chunk), warps,
+                         stages)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -227,25 +249,26 @@ def mla_decode_attention(q, latent, lengths, *, sm_scale: float, interpret: bool
                              f"(need a power of two in [16, 1024]); use "
                              f"mla_decode_attention_reference")
     b, tq, h, _ = q.shape
-    blocks = block_sizes or MLABlockSizes()
-    block_m, block_r, chunk, num_splits = blocks.resolve(b, tq * h, rank, latent.shape[1])
+    tiling = (block_sizes or MLABlockSizes()).resolve(
+        b, tq * h, rank, latent.shape[1], jnp.dtype(q.dtype).itemsize,
+        jnp.dtype(latent.dtype).itemsize)
     return _mla_triton(q, latent, lengths, latent_scale, qk_scale=float(sm_scale) * LOG2_E,
-                       rank=rank, blocks=blocks, block_m=block_m, block_r=block_r,
-                       chunk=chunk, num_splits=num_splits, interpret=interpret)
+                       rank=rank, tiling=tiling, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("qk_scale", "rank", "blocks", "block_m",
-                                             "block_r", "chunk", "num_splits", "interpret"))
-def _mla_triton(q, latent, lengths, latent_scale, *, qk_scale, rank, blocks, block_m, block_r,
-                chunk, num_splits, interpret):
+@functools.partial(jax.jit, static_argnames=("qk_scale", "rank", "tiling", "interpret"))
+def _mla_triton(q, latent, lengths, latent_scale, *, qk_scale, rank, tiling: MLATiling,
+                interpret):
     b, tq, h, d = q.shape
+    block_m, block_r, chunk, num_splits = (tiling.block_m, tiling.block_r, tiling.chunk,
+                                           tiling.num_splits)
     rows = tq * h
     s_pad = num_splits * chunk  # whole chunks (slots >= S are masked, never read)
     m_blocks, r_blocks = pl.cdiv(rows, block_m), rank // block_r
     quantized = latent_scale is not None
     split = num_splits > 1
     kernel = functools.partial(
-        mla_decode_kernel, qk_scale=qk_scale, chunk=chunk, block_s=blocks.block_s, rank=rank,
+        mla_decode_kernel, qk_scale=qk_scale, chunk=chunk, block_s=tiling.block_s, rank=rank,
         rope_dim=d - rank, block_r=block_r, r_blocks=r_blocks, rows=rows, heads=h, tq=tq,
         quantized=quantized, split=split)
     # Grid (row block x R block, sequence, chunk): the programs sharing a chunk's latent tiles
@@ -276,8 +299,8 @@ def _mla_triton(q, latent, lengths, latent_scale, *, qk_scale, rank, blocks, blo
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps,
-                                             num_stages=blocks.num_stages),
+        compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps,
+                                             num_stages=tiling.num_stages),
         interpret=interpret,
         name="mla_decode_attention_quantized" if quantized else "mla_decode_attention",
     )(*args)

@@ -48,8 +48,7 @@ quantize = jax.jit(quantize_kv, static_argnums=(1,))
 # (B, S, Tq, H, R, Dr, lengths, blocks): S never a multiple of block_s
 F32_, BF16_ = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
 CASES = {
-    "tq1 h4 unsplit bf16": (3, 100, 1, 4, 64, 16, [100, 1, 57], MLABlockSizes(block_s=32),
-                            BF16_),
+    "tq1 h4 unsplit bf16": (3, 100, 1, 4, 64, 16, [100, 1, 57], MLABlockSizes(), BF16_),
     "tq3 h4 split f32": (4, 300, 3, 4, 64, 16, [300, 3, 1, 0],
                          MLABlockSizes(block_s=32, num_splits=3), F32_),
     "tq3 h16 row and R blocks, split bf16": (
@@ -94,7 +93,8 @@ def test_split_and_unsplit_agree_and_stale_slots_are_never_read():
     assert rel_err(other[1, 0], ref[1, 0]) < TOL[jnp.float32]  # query 0 sees slots < 88
 
 
-@pytest.mark.parametrize("code, dtype", [(jnp.int8, jnp.float32), (jnp.float8_e4m3fn, jnp.bfloat16)],
+@pytest.mark.parametrize("code, dtype",
+                         [(jnp.int8, jnp.float32), (jnp.float8_e4m3fn, jnp.bfloat16)],
                          ids=["int8-f32", "fp8-bf16"])
 def test_quantized_latent_matches_reference_interpret(code, dtype):
     """The kernel on int8 / fp8 codes with per-token scales against the reference on the same
@@ -186,11 +186,16 @@ def test_default_blocks_fit_the_deepseek_shapes():
     """V2-Lite (16 heads): one row block, all of R, unsplit at 512 slots, split at 32k so that
     B = 1 fills the SMs; V3 (128 heads x Tq 2): row blocks of 64 and R in two halves."""
     blocks = MLABlockSizes()
-    assert blocks.resolve(8, 16, 512, 512)[:2] == (16, 512)
-    assert blocks.resolve(8, 16, 512, 512)[3] == 1
-    _, _, chunk, splits = blocks.resolve(1, 16, 512, 32768)
-    assert splits >= 64 and chunk * splits >= 32768 and chunk % blocks.block_s == 0
-    assert blocks.resolve(4, 256, 512, 8192)[:2] == (64, 256)
+    short = blocks.resolve(8, 16, 512, 512)
+    assert (short.block_m, short.block_r, short.num_splits, short.num_warps) == (16, 512, 1, 4)
+    long = blocks.resolve(1, 16, 512, 32768)
+    assert long.num_splits >= 64 and long.chunk * long.num_splits >= 32768
+    assert long.chunk % long.block_s == 0
+    v3 = blocks.resolve(4, 256, 512, 8192)
+    assert (v3.block_m, v3.block_r, v3.num_warps) == (64, 256, 8)
+    assert blocks.resolve(4, 256, 512, 8192, q_bytes=4, latent_bytes=4).block_m == 32
+    assert [blocks.resolve(4, 16, 512, 8192, latent_bytes=n).num_stages
+            for n in (1, 2, 4)] == [4, 3, 2]
 
 
 @pytest.mark.parametrize("fn", [mla_decode_attention, mla_decode_attention_reference],
@@ -229,6 +234,8 @@ def test_bad_input_is_refused_before_compiling(fn):
         MLABlockSizes(block_s=24)
     with pytest.raises(ValueError, match="num_splits=0"):
         MLABlockSizes(num_splits=0)
+    with pytest.raises(ValueError, match="num_warps=3"):
+        MLABlockSizes(num_warps=3)
 
 
 LOWERING_CASES = {
@@ -265,8 +272,10 @@ def test_kernel_lowers_for_h200(name):
 
 
 @gpu
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("tq, h", [(1, 16), (3, 16), (2, 128)], ids=["v2-tq1", "v2-tq3", "v3-tq2"])
+@pytest.mark.parametrize("dtype, tq, h", [
+    (jnp.float32, 1, 16), (jnp.bfloat16, 1, 16), (jnp.float32, 3, 16), (jnp.bfloat16, 3, 16),
+    (jnp.bfloat16, 2, 128),  # DeepSeek-V3: row blocks of 64, R in two halves
+], ids=["v2-tq1-f32", "v2-tq1-bf16", "v2-tq3-f32", "v2-tq3-bf16", "v3-tq2-bf16"])
 def test_kernel_matches_reference_gpu(dtype, tq, h):
     b, s = 5, 3000
     q, latent = inputs(b, s, tq, h, 512, 64, dtype, seed=21)
