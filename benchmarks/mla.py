@@ -52,23 +52,28 @@ def variants(quick: bool) -> list[tuple[str, pk.MLABlockSizes | None]]:
     shape (`split_variants`)."""
     if quick:
         return [("default", None), ("bs16 R256", pk.MLABlockSizes(block_s=16, block_r=256)),
-                ("splits3", pk.MLABlockSizes(num_splits=3))]
+                ("splits3", pk.MLABlockSizes(num_splits=3)),
+                ("splits3 bf16 partials", pk.MLABlockSizes(num_splits=3, q_dtype_partials=True))]
     mb = pk.MLABlockSizes
     return [("default", None),
             ("bs32 st4", mb(block_s=32, num_stages=4)),
             ("bs64 st2", mb(block_s=64, num_stages=2)),
-            ("bs64 w8 st2", mb(block_s=64, num_warps=8, num_stages=2)),
             ("bs16 st4", mb(block_s=16, num_stages=4)),
-            ("R256", mb(block_r=256))]
+            ("R256", mb(block_r=256)),
+            ("bf16 partials", mb(q_dtype_partials=True))]
 
 
 def split_variants(b: int, s: int) -> list[tuple[str, pk.MLABlockSizes]]:
-    """The default tiles with half and twice the default number of chunks."""
+    """The default tiles with half and twice the default number of chunks (twice also with
+    bf16 partials)."""
     default = pk.MLABlockSizes()
     splits = default.resolve(b, HEADS, RANK, s).num_splits
     out = []
     for n in sorted({max(1, splits // 2), min(s // default.block_s, 2 * splits)} - {splits}):
         out.append((f"default splits{n}", pk.MLABlockSizes(num_splits=n)))
+        if n > splits:
+            out.append((f"bf16 partials splits{n}",
+                        pk.MLABlockSizes(num_splits=n, q_dtype_partials=True)))
     return out
 
 
@@ -147,7 +152,7 @@ def bench_shape(b: int, s: int, quick: bool, interpret: bool) -> None:
         t = (blocks or pk.MLABlockSizes()).resolve(b, HEADS, RANK, s)
         guarded(f"ours {name} {shape}", measure,
                 f"ours {name} (bs{t.block_s} m{t.block_m} r{t.block_r} w{t.num_warps} "
-                f"st{t.num_stages} splits{t.num_splits})", fn, absorbed_args, check_absorbed)
+                f"st{t.num_stages} splits{t.num_splits}{' bf16p' if t.q_dtype_partials else ''})", fn, absorbed_args, check_absorbed)
     del sets, absorbed_args
 
 

@@ -55,6 +55,7 @@ class MLATiling(NamedTuple):
     num_splits: int
     num_warps: int
     num_stages: int
+    q_dtype_partials: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +67,10 @@ class MLABlockSizes:
     block. num_splits: chunks of the sequence axis (None: `choose_num_splits`, one for
     S <= 512). num_warps (None: 4, 8 past 16 x 512 accumulators); num_stages (None: by the
     latent's bytes per value, 4 for codes, 3 for 16-bit, 2 for float32: a stage holds a
-    [block_s, R + Dr] tile in shared memory). Unmeasured defaults: benchmarks/mla.py's variants
+    [block_s, R + Dr] tile in shared memory). q_dtype_partials: each split writes its output
+    normalized and rounded to q's dtype instead of unnormalized float32 (the max and sum stay
+    float32): half the bytes of a [block_m, R] partial, which at 16 rows x 512 is ~1/9 of the
+    latent bytes a 256-slot chunk reads. Unmeasured defaults: benchmarks/mla.py's variants
     on the H200 are what should set them."""
     block_s: int = 32
     block_m: int | None = None
@@ -74,6 +78,7 @@ class MLABlockSizes:
     num_splits: int | None = None
     num_warps: int | None = None
     num_stages: int | None = None
+    q_dtype_partials: bool = False
 
     def __post_init__(self):
         for name in ("block_s", "block_m", "block_r"):
@@ -102,7 +107,7 @@ class MLABlockSizes:
         warps = self.num_warps or (4 if block_m * block_r <= 16 * 512 else 8)
         stages = self.num_stages or {1: 4, 2: 3}.get(latent_bytes, 2)
         return MLATiling(self.block_s, block_m, block_r, chunk, pl.cdiv(seq_len, chunk), warps,
-                         stages)
+                         stages, self.q_dtype_partials)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -119,8 +124,8 @@ def mla_decode_kernel(len_ref, q_ref, lat_ref, *refs, qk_scale: float, chunk: in
     # lat_ref [S_pad, R + Dr]: the sequence's latent rows (codes when quantized); rows >=
     #   lengths[b] are never read
     # sc_ref [S_pad] (quantized): the rows' scales
-    # split: acc_ref [block_m, block_r], m_ref, l_ref [block_m] (float32): this chunk's
-    #   partials; else o_ref [block_m, block_r] in q's dtype
+    # split: acc_ref [block_m, block_r] (float32, or q's dtype normalized), m_ref, l_ref
+    #   [block_m] (float32): this chunk's partials; else o_ref [block_m, block_r] in q's dtype
     if quantized:
         sc_ref, *refs = refs
     prog, b, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -179,6 +184,8 @@ def mla_decode_kernel(len_ref, q_ref, lat_ref, *refs, qk_scale: float, chunk: in
     acc, m, l = lax.fori_loop(0, pl.cdiv(jnp.maximum(end - start, 0), block_s), tile, carry)
     if split:
         acc_ref, m_ref, l_ref = refs
+        if acc_ref.dtype != jnp.float32:  # q_dtype_partials: this chunk's normalized output
+            acc = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(acc_ref.dtype)
         plgpu.store(acc_ref, acc, mask=row_ok[:, None])
         plgpu.store(m_ref, m, mask=row_ok)
         plgpu.store(l_ref, l, mask=row_ok)
@@ -286,7 +293,8 @@ def _mla_triton(q, latent, lengths, latent_scale, *, qk_scale, rank, tiling: MLA
                                   lambda p, i, c: (i, c, p // r_blocks, p % r_blocks)),
                      pl.BlockSpec((None, None, block_m), row_block),
                      pl.BlockSpec((None, None, block_m), row_block)]
-        out_shape = [jax.ShapeDtypeStruct((b, num_splits, rows, rank), jnp.float32),
+        acc_dtype = q.dtype if tiling.q_dtype_partials else jnp.float32
+        out_shape = [jax.ShapeDtypeStruct((b, num_splits, rows, rank), acc_dtype),
                      jax.ShapeDtypeStruct((b, num_splits, rows), jnp.float32),
                      jax.ShapeDtypeStruct((b, num_splits, rows), jnp.float32)]
     else:
@@ -306,6 +314,8 @@ def _mla_triton(q, latent, lengths, latent_scale, *, qk_scale, rank, tiling: MLA
     )(*args)
     if split:  # the R blocks of a row wrote the same m and l (one computation of the scores)
         acc, m, l = out
+        if tiling.q_dtype_partials:  # back to unnormalized float32 (fused into the merge)
+            acc = acc.astype(jnp.float32) * l[..., None]
         out = _merge_splits(acc[:, None], m[:, None], l[:, None])[:, 0]  # [B, rows, R] f32
     return out.reshape(b, tq, h, rank).astype(q.dtype)
 

@@ -56,6 +56,9 @@ CASES = {
         MLABlockSizes(block_s=16, block_m=16, block_r=32, num_splits=4), BF16_),
     "tq1 h16 R512 Dr64 default blocks f32": (2, 40, 1, 16, 512, 64, [40, 17], None, F32_),
     "tq1 h16 R512 Dr64 default blocks bf16": (2, 40, 1, 16, 512, 64, [40, 17], None, BF16_),
+    "tq3 h4 split, bf16 partials": (3, 250, 3, 4, 64, 16, [250, 2, 100],
+                                    MLABlockSizes(block_s=16, num_splits=4,
+                                                  q_dtype_partials=True), BF16_),
 }
 
 
@@ -251,6 +254,8 @@ LOWERING_CASES = {
                                      S((8,), I32), S((8, 300), F32)), None),
     "bs64 w8 st2": ((S((8, 1, 16, 576), BF16), S((8, 4096, 576), BF16), S((8,), I32)),
                     MLABlockSizes(block_s=64, num_warps=8, num_stages=2)),
+    "bf16 partials, R split": ((S((8, 1, 16, 576), BF16), S((8, 4096, 576), BF16),
+                                S((8,), I32)), MLABlockSizes(block_r=256, q_dtype_partials=True)),
 }
 
 
@@ -281,9 +286,10 @@ def test_kernel_matches_reference_gpu(dtype, tq, h):
     q, latent = inputs(b, s, tq, h, 512, 64, dtype, seed=21)
     lengths = jnp.asarray([3000, 1, 1234, 0, 2049], jnp.int32)
     kw = dict(sm_scale=0.07)
-    out = mla_decode_attention(q, latent, lengths, **kw)
     ref = mla_decode_attention_reference(q, latent, lengths, **kw)
-    assert rel_err(out, ref) < GPU_TOL[dtype]
+    for blocks in (None, MLABlockSizes(block_r=256, q_dtype_partials=True)):
+        out = mla_decode_attention(q, latent, lengths, block_sizes=blocks, **kw)
+        assert rel_err(out, ref) < GPU_TOL[dtype], blocks
 
 
 @gpu
