@@ -150,9 +150,10 @@ def bench_shape(b: int, s: int, quick: bool, interpret: bool) -> None:
         fn = jax.jit(lambda q, lat, n, blocks=blocks: pk.mla_decode_attention(
             q, lat, n, sm_scale=sm_scale, block_sizes=blocks, interpret=interpret))
         t = (blocks or pk.MLABlockSizes()).resolve(b, HEADS, RANK, s)
-        guarded(f"ours {name} {shape}", measure,
-                f"ours {name} (bs{t.block_s} m{t.block_m} r{t.block_r} w{t.num_warps} "
-                f"st{t.num_stages} splits{t.num_splits}{' bf16p' if t.q_dtype_partials else ''})", fn, absorbed_args, check_absorbed)
+        tiles = (f"bs{t.block_s} m{t.block_m} r{t.block_r} w{t.num_warps} st{t.num_stages} "
+                 f"splits{t.num_splits}{' bf16p' if t.q_dtype_partials else ''}")
+        guarded(f"ours {name} {shape}", measure, f"ours {name} ({tiles})", fn, absorbed_args,
+                check_absorbed)
     del sets, absorbed_args
 
 
