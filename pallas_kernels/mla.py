@@ -69,8 +69,8 @@ class MLABlockSizes:
     latent's bytes per value, 4 for codes, 3 for 16-bit, 2 for float32: a stage holds a
     [block_s, R + Dr] tile in shared memory). q_dtype_partials: each split writes its output
     normalized and rounded to q's dtype instead of unnormalized float32 (the max and sum stay
-    float32): half the bytes of a [block_m, R] partial, which at 16 rows x 512 is ~1/9 of the
-    latent bytes a 256-slot chunk reads. Unmeasured defaults: benchmarks/mla.py's variants
+    float32): half the bytes of a partial (a float32 one, 16 rows x 512, is ~1/9 of the latent
+    bytes a 256-slot chunk reads, written once and read back by the merge). Unmeasured defaults: benchmarks/mla.py's variants
     on the H200 are what should set them."""
     block_s: int = 32
     block_m: int | None = None
