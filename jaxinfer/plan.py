@@ -15,7 +15,7 @@ import dataclasses
 import enum
 
 from jaxinfer.configs import Config
-from pallas_kernels import DecodeBlockSizes, MatmulBlockSizes
+from pallas_kernels import DecodeBlockSizes, MatmulBlockSizes, MLABlockSizes
 
 
 class Kernels(enum.Enum):
@@ -111,6 +111,7 @@ class KernelPolicy:
     # matmuls, and the decode attention kernels' block sizes.
     matmul_tiles: tuple = ()
     attention_blocks: DecodeBlockSizes | None = None
+    mla_blocks: MLABlockSizes | None = None  # the absorbed MLA decode kernel's (None: its own)
     # Decode steps per host check of the device loop, with stop tokens and without.
     steps_per_sync: int = 1
     steps_per_sync_no_stop: int = 8
@@ -153,6 +154,8 @@ class KernelPolicy:
         if self.attention_blocks is not None and not isinstance(self.attention_blocks,
                                                                 DecodeBlockSizes):
             raise ValueError("KernelPolicy.attention_blocks must be a DecodeBlockSizes or None")
+        if self.mla_blocks is not None and not isinstance(self.mla_blocks, MLABlockSizes):
+            raise ValueError("KernelPolicy.mla_blocks must be an MLABlockSizes or None")
         for pair in self.matmul_tiles:
             if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[1],
                                                                             MatmulBlockSizes)

@@ -18,6 +18,7 @@ _MODULES = {
     "flash_attention": ("FlashBlockSizes", "flash_attention", "flash_attention_reference"),
     "flash_attention_mgpu": ("MosaicFlashConfig",),
     "kv_quant": ("dequantize_kv", "quantize_kv"),
+    "mla": ("MLABlockSizes", "mla_decode_attention", "mla_decode_attention_reference"),
     "norm_matmul": ("MatmulBlockSizes", "norm_matmul", "norm_matmul_reference"),
     "quantized": ("QuantizedWeight", "dequantize", "quantize_weight"),
     "quantized_matmul": ("quantized_matmul", "quantized_matmul_reference"),

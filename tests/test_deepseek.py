@@ -13,6 +13,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import jaxinfer
+import pallas_kernels as pk
 from jaxinfer import memory
 from jaxinfer.cache import KVCache, LatentCache, LatentLayer
 from jaxinfer.configs import PRESETS, Config, MLAConfig
@@ -149,8 +150,8 @@ def test_mla_decode_attention_causal_among_new_tokens():
     q = jax.random.normal(k[0], (b, 3, h, c))
     latent = jax.random.normal(k[1], (b, s, c))
     lengths = jnp.array([6, 9], jnp.int32)
-    attend = jax.jit(lambda q, lengths: mla.mla_decode_attention(
-        q, latent, lengths, sm_scale=0.3, kv_lora_rank=r))
+    attend = jax.jit(lambda q, lengths: pk.mla_decode_attention_reference(
+        q, latent, lengths, sm_scale=0.3, rope_dim=c - r))
     out = attend(q, lengths)
     assert out.shape == (b, 3, h, r)
     for t in range(3):
@@ -403,3 +404,25 @@ def test_real_shapes_lower_for_h200(preset):
         else:
             assert any(n.startswith("norm_matmul") or n.startswith("add_norm_matmul")
                        for n in names), names
+
+
+def test_absorbed_core_takes_the_kernel_where_its_tiles_fit():
+    """MLA_CORE: the Pallas kernel (interpret, bf16) where R and Dr are powers of two >= 16,
+    matching its reference; the fixtures' Dr = 8 falls back to the reference."""
+    from jaxinfer.configs import PRESETS
+    from jaxinfer.plan import KernelPolicy, Plan
+
+    plan = Plan(PRESETS["deepseek-v2-lite"], KernelPolicy(interpret=True))
+    b, s, h, r, dr = 2, 40, 4, 32, 16
+    k = jax.random.split(jax.random.key(5), 2)
+    q = jax.random.normal(k[0], (b, 1, h, r + dr), jnp.bfloat16)
+    latent = jax.random.normal(k[1], (b, s, r + dr), jnp.bfloat16)
+    lengths = jnp.array([17, 40], jnp.int32)
+    kw = dict(sm_scale=0.2, kv_lora_rank=r)
+    assert mla.MLA_CORE.pick(q, latent, lengths, plan, **kw).name == "pallas"
+    got = mla.MLA_CORE(q, latent, lengths, plan, **kw).astype(jnp.float32)
+    want = pk.mla_decode_attention_reference(q, latent, lengths, sm_scale=0.2, rope_dim=dr)
+    np.testing.assert_allclose(got, want.astype(jnp.float32), rtol=2e-2, atol=2e-2)
+    small = latent[..., : 16 + 8]
+    assert mla.MLA_CORE.pick(q[..., :24], small, lengths, plan, sm_scale=0.2,
+                             kv_lora_rank=16).name == "reference"

@@ -2,7 +2,8 @@
 
     mla_attend(q, kv_a, cache, plan, *, positions, rope, kv_norm, w_kv_b)
         -> (out [B, T, H, Dv], the layer's LatentLayer with the new tokens' latents)
-    mla_decode_attention(q, latent, lengths, *, sm_scale, kv_lora_rank)   the absorbed core
+    MLA_CORE(q, latent, lengths, plan, *, sm_scale, kv_lora_rank)    the absorbed core:
+        pallas_kernels.mla_decode_attention (the kernel) or its reference
     softmax_scale(config)                                qk_head_dim^-0.5, YaRN's mscale^2 in
 
 Per token, kv_a = [c_kv (R), k_pe (Dr)] (kv_a_proj_with_mqa's output): c_kv is RMS-normed, k_pe
@@ -16,8 +17,9 @@ Dispatch (MLA_ATTEND) is on the cache and whether it held earlier tokens:
   power-of-two head dim, 192 / 128 -> 256 for DeepSeek's shapes, when the kernels are on;
   otherwise the masked reference, which takes Dqk != Dv as it is);
 - "absorbed" (T >= 1 new tokens against the cache): q_nope @ W_UK^T is the latent query,
-  concatenated with the roped q_pe; attention over the latent itself (MLA_CORE, whose reference
-  is `mla_decode_attention`: the Pallas kernel plugs in there), the latent output times W_UV.
+  concatenated with the roped q_pe; attention over the latent itself (MLA_CORE: the Pallas
+  kernel where the kernels are on and its tiles fit, else its reference), the latent output
+  times W_UV.
   K/V are never rebuilt, and the cache is read once for all heads.
 """
 
@@ -75,37 +77,31 @@ def _rope(x, rope, interleave: bool):
 # ---------------------------------------------------------------------------------------------
 
 
-def mla_decode_attention(q: jax.Array, latent: jax.Array, lengths: jax.Array, *,
-                         sm_scale: float, interpret: bool = False,
-                         kv_lora_rank: int) -> jax.Array:
-    """Absorbed MLA attention in plain jnp (the reference of pallas_kernels/mla.py's kernel).
-
-    q [B, Tq, H, R + Dr] (the latent query q_nope @ W_UK^T, then the roped q_pe); latent
-    [B, S, R + Dr] (c_kv, k_pe per slot); lengths [B] int32: query t of row b sees the slots
-    s < lengths[b] - (Tq - 1 - t) (the Tq new tokens are the cache's last, causal among
-    themselves). Scores (q . latent) * sm_scale and softmax in float32; the output is
-    softmax @ latent[..., :R] [B, Tq, H, R] in q's dtype (the latent output, before W_UV).
-    interpret: unused here (the kernel's switch)."""
-    b, tq = q.shape[:2]
-    s = latent.shape[1]
-    scores = jnp.einsum("bthc,bsc->bhts", q, latent,
-                        preferred_element_type=jnp.float32) * sm_scale  # [B, H, Tq, S]
-    limit = lengths[:, None] - (tq - 1 - jnp.arange(tq))[None, :]  # [B, Tq]
-    visible = jnp.arange(s)[None, None, :] < limit[:, :, None]  # [B, Tq, S]
-    scores = jnp.where(visible[:, None], scores, -jnp.inf)
-    m = jnp.max(scores, axis=-1, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)  # a row that sees nothing gives zeros, not NaN
-    p = jnp.exp(scores - m)
-    p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
-    out = jnp.einsum("bhts,bsr->bthr", p.astype(latent.dtype), latent[..., :kv_lora_rank],
-                     preferred_element_type=jnp.float32)
-    return out.astype(q.dtype)  # [B, Tq, H, R]
+def _kernel_supports(q, latent, lengths, plan, *, sm_scale, kv_lora_rank) -> str | None:
+    if not kernels_on(plan, q.dtype):
+        return "kernels off for these dtypes"
+    dims = (kv_lora_rank, latent.shape[-1] - kv_lora_rank)
+    if not all(16 <= d <= 1024 and d & (d - 1) == 0 for d in dims):
+        return f"latent rank / RoPE dims {dims} are not powers of two in 16..1024 (kernel tiles)"
+    return None
 
 
-MLA_CORE.register("reference", always)(
-    lambda q, latent, lengths, plan, *, sm_scale, kv_lora_rank: mla_decode_attention(
-        q, latent, lengths, sm_scale=sm_scale, kv_lora_rank=kv_lora_rank,
-        interpret=plan.policy.interpret))
+@MLA_CORE.register("pallas", _kernel_supports)
+def _kernel_core(q, latent, lengths, plan, *, sm_scale, kv_lora_rank):
+    import pallas_kernels as pk
+
+    return pk.mla_decode_attention(q, latent, lengths, sm_scale=sm_scale,
+                                   rope_dim=latent.shape[-1] - kv_lora_rank,
+                                   block_sizes=plan.policy.mla_blocks,
+                                   interpret=plan.policy.interpret)
+
+
+@MLA_CORE.register("reference", always)
+def _reference_core(q, latent, lengths, plan, *, sm_scale, kv_lora_rank):
+    import pallas_kernels as pk
+
+    return pk.mla_decode_attention_reference(q, latent, lengths, sm_scale=sm_scale,
+                                             rope_dim=latent.shape[-1] - kv_lora_rank)
 
 
 # ---------------------------------------------------------------------------------------------

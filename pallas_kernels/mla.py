@@ -1,0 +1,350 @@
+"""Absorbed MLA decode attention (DeepSeek-V2/V3): the queries against the latent KV cache.
+
+With MLA a layer caches one latent row per token, latent = [c_KV (R) ; k_rope (Dr)]
+(DeepSeek: R = kv_lora_rank 512, Dr = qk_rope_head_dim 64). Absorbing W_UK into the query
+(q_lat = W_UK_h^T q_nope per head, the caller's matmul) makes every head's key the latent row
+itself and every head's value its first R columns, so decode never rebuilds K/V:
+
+    scores[t, h, s] = (q[t, h] . latent[s]) * sm_scale    for s < lengths[b] - (Tq - 1 - t)
+    out[t, h]       = softmax(scores[t, h]) @ latent[:, :R]            (before W_UV)
+
+The Tq new tokens are already in the cache (Tq > 1: speculative verification, chunked prefill).
+
+Kernel: all query rows of a sequence (Tq x H, flattened t-major) share one latent tile. A
+program loads a [block_s, R + Dr] tile once (as its R and Dr column pieces, Triton tiles being
+powers of two), computes all its rows' scores with one tensor-core dot per piece, runs the
+online softmax in float32 and accumulates P @ tile[:, :R] in float32. Split-K over S (as
+decode_attention.py): each program walks one chunk and writes its partial output, max and sum;
+XLA merges the chunks (a cache of <= 512 slots is one chunk, and the kernel writes the output
+itself). For many heads (DeepSeek-V3's 128) the rows are cut into blocks of block_m, and R into
+blocks of block_r, across programs, so the [block_m, block_r] float32 accumulator stays in
+registers; the programs of one chunk then read its tiles from L2.
+
+An int8 / fp8 latent cache (codes in `latent`, one scale per token [B, S], value = code *
+scale, kv_quant.py) is read as codes: the tile is converted to the query's dtype in registers
+(exactly), the scores are scaled per token and so are the probabilities before the PV product.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels._common import (FLOAT_DTYPES, LOG2_E, MASK_VALUE, check_array, dot_f32,
+                                     is_pow2, multiple_of, next_pow2, ref_precision)
+from pallas_kernels._jax_private import is_tracer
+from pallas_kernels.decode_attention import _merge_splits, choose_num_splits
+from pallas_kernels.kv_quant import CODE_DTYPES, SCALE_DTYPES, codes_as, dequantize_kv
+
+OP = "mla_decode_attention"
+
+
+class MLATiling(NamedTuple):
+    """MLABlockSizes resolved for one call's shapes (every field concrete)."""
+    block_s: int
+    block_m: int
+    block_r: int
+    chunk: int  # cache slots per split
+    num_splits: int
+    num_warps: int
+    num_stages: int
+    q_dtype_partials: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class MLABlockSizes:
+    """block_s: latent rows per tile (power of two >= 16). block_m: query rows (of Tq x H) per
+    program (None: all of them rounded up to a power of two >= 16, at most 64, 32 for float32
+    queries). block_r: output columns of R per program (None: R while block_m x R <= 64 x 256
+    float32 accumulators, else 256); a block_r < R recomputes the scores once per column
+    block. num_splits: chunks of the sequence axis (None: `choose_num_splits`, one for
+    S <= 512). num_warps (None: 4, 8 past 16 x 512 accumulators); num_stages (None: by the
+    latent's bytes per value, 4 for codes, 3 for 16-bit, 2 for float32: a stage holds a
+    [block_s, R + Dr] tile in shared memory). q_dtype_partials: each split writes its output
+    normalized and rounded to q's dtype instead of unnormalized float32 (the max and sum stay
+    float32): half the bytes of a partial (a float32 one, 16 rows x 512, is ~1/9 of the latent
+    bytes a 256-slot chunk reads, written once and read back by the merge). Unmeasured defaults: benchmarks/mla.py's variants
+    on the H200 are what should set them."""
+    block_s: int = 32
+    block_m: int | None = None
+    block_r: int | None = None
+    num_splits: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+    q_dtype_partials: bool = False
+
+    def __post_init__(self):
+        for name in ("block_s", "block_m", "block_r"):
+            val = getattr(self, name)
+            if val is not None and (not is_pow2(val) or val < 16):
+                raise ValueError(f"MLABlockSizes.{name}={val}: must be a power of two >= 16")
+        if self.num_splits is not None and self.num_splits < 1:
+            raise ValueError(f"MLABlockSizes.num_splits={self.num_splits}: must be >= 1")
+        if self.num_warps is not None and self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"MLABlockSizes.num_warps={self.num_warps}: must be a power of "
+                             f"two <= 16")
+        if self.num_stages is not None and self.num_stages < 1:
+            raise ValueError(f"MLABlockSizes.num_stages={self.num_stages}: must be >= 1")
+
+    def resolve(self, batch: int, rows: int, rank: int, seq_len: int, q_bytes: int = 2,
+                latent_bytes: int = 2) -> MLATiling:
+        """The tiling for `rows` = Tq x H query rows of q_bytes per value, latent rank R and a
+        cache of seq_len slots of latent_bytes per value."""
+        block_m = self.block_m or min(64 if q_bytes <= 2 else 32, max(16, next_pow2(rows)))
+        block_r = self.block_r or (rank if block_m * rank <= 64 * 256 else min(rank, 256))
+        if block_r > rank:
+            raise ValueError(f"MLABlockSizes.block_r={block_r} exceeds the latent rank {rank}")
+        programs = pl.cdiv(rows, block_m) * (rank // block_r)
+        splits = self.num_splits or choose_num_splits(batch, programs, seq_len, self.block_s)
+        chunk = pl.cdiv(pl.cdiv(seq_len, splits), self.block_s) * self.block_s
+        warps = self.num_warps or (4 if block_m * block_r <= 16 * 512 else 8)
+        stages = self.num_stages or {1: 4, 2: 3}.get(latent_bytes, 2)
+        return MLATiling(self.block_s, block_m, block_r, chunk, pl.cdiv(seq_len, chunk), warps,
+                         stages, self.q_dtype_partials)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel
+# ---------------------------------------------------------------------------------------------
+
+
+def mla_decode_kernel(len_ref, q_ref, lat_ref, *refs, qk_scale: float, chunk: int,
+                      block_s: int, rank: int, rope_dim: int, block_r: int, r_blocks: int,
+                      rows: int, heads: int, tq: int, quantized: bool, split: bool):
+    # len_ref [B] int32 (whole array; this program reads lengths[b])
+    # q_ref [block_m, R + Dr]: query rows (t-major over Tq x H) of one sequence; rows >= Tq x H
+    #   lie past the array and are masked to zero on load
+    # lat_ref [S_pad, R + Dr]: the sequence's latent rows (codes when quantized); rows >=
+    #   lengths[b] are never read
+    # sc_ref [S_pad] (quantized): the rows' scales
+    # split: acc_ref [block_m, block_r] (float32, or q's dtype normalized), m_ref, l_ref
+    #   [block_m] (float32): this chunk's partials; else o_ref [block_m, block_r] in q's dtype
+    if quantized:
+        sc_ref, *refs = refs
+    prog, b, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    i, j = prog // r_blocks, prog % r_blocks  # row block, R column block
+    length = len_ref[b]
+    start = c * chunk
+    end = jnp.minimum(start + chunk, length)
+    block_m = q_ref.shape[0]
+    row = i * block_m + jnp.arange(block_m)  # [block_m] index into Tq x H
+    row_ok = row < rows
+    # Query t sees slots < length - (Tq - 1 - t): the new tokens after it are in the cache too.
+    limit = length - (tq - 1 - row // heads)  # [block_m]
+    q_lat = plgpu.load(q_ref.at[:, pl.ds(0, rank)], mask=row_ok[:, None], other=0)  # [bm, R]
+    q_rope = plgpu.load(q_ref.at[:, pl.ds(rank, rope_dim)], mask=row_ok[:, None],
+                        other=0)  # [bm, Dr]
+    dtype = q_lat.dtype
+    col0 = multiple_of(j * block_r, block_r)
+    fill = 0.0 if quantized else 0  # a masked load's fill: Triton casts no integer to fp8
+
+    def tile(k, carry):
+        acc, m, l = carry  # [bm, block_r], [bm], [bm] float32
+        base = multiple_of(start + k * block_s, block_s)
+        pos = base + jnp.arange(block_s)  # [block_s] cache slot
+        in_chunk = pos < end
+        lat = plgpu.load(lat_ref.at[pl.ds(base, block_s), pl.ds(0, rank)],
+                         mask=in_chunk[:, None], other=fill)  # [block_s, R]
+        rope = plgpu.load(lat_ref.at[pl.ds(base, block_s), pl.ds(rank, rope_dim)],
+                          mask=in_chunk[:, None], other=fill)  # [block_s, Dr]
+        if block_r == rank:
+            val = lat
+        else:  # this program's R columns: a second read of the tile (from L1/L2)
+            val = plgpu.load(lat_ref.at[pl.ds(base, block_s), pl.ds(col0, block_r)],
+                             mask=in_chunk[:, None], other=fill)  # [block_s, block_r]
+        if quantized:
+            lat, rope, val = (codes_as(x, dtype) for x in (lat, rope, val))
+        s = dot_f32(q_lat, lat, trans_b=True) + dot_f32(q_rope, rope, trans_b=True)  # [bm, bs]
+        if quantized:
+            scale = plgpu.load(sc_ref.at[pl.ds(base, block_s)], mask=in_chunk,
+                               other=0).astype(jnp.float32)  # [block_s]
+            s = s * scale[None, :]
+        visible = in_chunk[None, :] & (pos[None, :] < limit[:, None])  # [bm, block_s]
+        s = jnp.where(visible, s * qk_scale, MASK_VALUE)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        alpha = jnp.exp2(m - m_new)
+        # Zeroed where hidden: a row that sees no slot of this chunk (query t < Tq - 1 of a
+        # chunk past its limit) keeps l = 0, acc = 0 instead of exp2(0) = 1 per hidden slot.
+        p = jnp.where(visible, jnp.exp2(s - m_new[:, None]), 0.0)  # [bm, block_s]
+        l = l * alpha + jnp.sum(p, axis=-1)
+        if quantized:
+            p = p * scale[None, :]
+        acc = acc * alpha[:, None] + dot_f32(p.astype(dtype), val)
+        return acc, m_new, l
+
+    carry = (jnp.zeros((block_m, block_r), jnp.float32),
+             jnp.full((block_m,), MASK_VALUE, jnp.float32), jnp.zeros((block_m,), jnp.float32))
+    acc, m, l = lax.fori_loop(0, pl.cdiv(jnp.maximum(end - start, 0), block_s), tile, carry)
+    if split:
+        acc_ref, m_ref, l_ref = refs
+        if acc_ref.dtype != jnp.float32:  # q_dtype_partials: this chunk's normalized output
+            acc = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(acc_ref.dtype)
+        plgpu.store(acc_ref, acc, mask=row_ok[:, None])
+        plgpu.store(m_ref, m, mask=row_ok)
+        plgpu.store(l_ref, l, mask=row_ok)
+    else:
+        (o_ref,) = refs
+        out = acc / jnp.where(l > 0, l, 1.0)[:, None]  # a row seeing no slot: zeros
+        plgpu.store(o_ref, out.astype(o_ref.dtype), mask=row_ok[:, None])
+
+
+# ---------------------------------------------------------------------------------------------
+# Wrapper
+# ---------------------------------------------------------------------------------------------
+
+
+def _validate(q, latent, lengths, sm_scale, latent_scale, rope_dim) -> tuple[int, int]:
+    """Shapes, dtypes and lengths (when concrete); returns (R, Dr)."""
+    check_array(OP, "q", q, 4)
+    b, tq, h, d = q.shape
+    dtypes = CODE_DTYPES if latent_scale is not None else FLOAT_DTYPES
+    check_array(OP, "latent", latent, 3, dtypes)
+    check_array(OP, "lengths", lengths, 1, dtypes=(jnp.dtype(jnp.int32),))
+    bl, s, dl = latent.shape
+    if bl != b or lengths.shape[0] != b:
+        raise ValueError(f"{OP}: batch sizes differ: q {b}, latent {bl}, lengths "
+                         f"{lengths.shape[0]}")
+    if dl != d:
+        raise ValueError(f"{OP}: q's last dim ({d}) and latent's ({dl}) must both be R + Dr")
+    rope_dim = int(rope_dim)
+    if not 0 <= rope_dim < d:
+        raise ValueError(f"{OP}: rope_dim={rope_dim} must lie in [0, {d}) (q's last dim "
+                         f"{d} = R + Dr)")
+    if tq < 1 or h < 1 or s < 1:
+        raise ValueError(f"{OP}: empty input: q {tuple(q.shape)}, latent {tuple(latent.shape)}")
+    if latent_scale is None:
+        if latent.dtype != q.dtype:
+            raise ValueError(f"{OP}: q {q.dtype} and latent {latent.dtype} must share one "
+                             f"dtype (or pass latent_scale with int8 / fp8 codes)")
+    else:
+        if not hasattr(latent_scale, "shape") or tuple(latent_scale.shape) != (b, s):
+            raise ValueError(f"{OP}: latent_scale must be [B, S] = {(b, s)}, got "
+                             f"{tuple(getattr(latent_scale, 'shape', ()))}")
+        if jnp.dtype(latent_scale.dtype) not in SCALE_DTYPES:
+            raise ValueError(f"{OP}: latent_scale has dtype {latent_scale.dtype}, expected "
+                             f"float32 or float16")
+    if sm_scale is None or not float(sm_scale) > 0:
+        raise ValueError(f"{OP}: sm_scale must be a positive number, got {sm_scale}")
+    if not is_tracer(lengths):  # under jit the caller owns this check
+        lens = jax.device_get(lengths)
+        if lens.size and (lens.max() > s or lens.min() < 0):
+            raise ValueError(f"{OP}: lengths must lie in [0, {s}] (the cache holds {s} "
+                             f"slots), got min {lens.min()} max {lens.max()}")
+    return d - rope_dim, rope_dim
+
+
+def mla_decode_attention(q, latent, lengths, *, sm_scale: float, interpret: bool = False,
+                         block_sizes: MLABlockSizes | None = None, latent_scale=None,
+                         rope_dim: int = 64):
+    """q [B, Tq, H, R + Dr] (the absorbed queries: W_UK-folded q_nope, then q_rope) against
+    latent [B, S, R + Dr] (c_KV, then k_rope) at slots < lengths[b] - (Tq - 1 - t) for query t
+    (lengths [B] int32 in [0, S]; a query that sees no slot gets zeros). rope_dim = Dr
+    (DeepSeek-V2/V3: 64). latent_scale [B, S] (float32 / float16): latent holds int8 / fp8
+    codes, value = code * scale. Returns softmax(q . latent * sm_scale) @ latent[..., :R]
+    [B, Tq, H, R] in q's dtype (float32 softmax statistics)."""
+    rank, rope_dim = _validate(q, latent, lengths, sm_scale, latent_scale, rope_dim)
+    for name, val in (("R (latent rank)", rank), ("Dr (rope_dim)", rope_dim)):
+        if not is_pow2(val) or not 16 <= val <= 1024:
+            raise ValueError(f"{OP}: {name} = {val} cannot be tiled by the Pallas kernel "
+                             f"(need a power of two in [16, 1024]); use "
+                             f"mla_decode_attention_reference")
+    b, tq, h, _ = q.shape
+    tiling = (block_sizes or MLABlockSizes()).resolve(
+        b, tq * h, rank, latent.shape[1], jnp.dtype(q.dtype).itemsize,
+        jnp.dtype(latent.dtype).itemsize)
+    return _mla_triton(q, latent, lengths, latent_scale, qk_scale=float(sm_scale) * LOG2_E,
+                       rank=rank, tiling=tiling, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("qk_scale", "rank", "tiling", "interpret"))
+def _mla_triton(q, latent, lengths, latent_scale, *, qk_scale, rank, tiling: MLATiling,
+                interpret):
+    b, tq, h, d = q.shape
+    block_m, block_r, chunk, num_splits = (tiling.block_m, tiling.block_r, tiling.chunk,
+                                           tiling.num_splits)
+    rows = tq * h
+    s_pad = num_splits * chunk  # whole chunks (slots >= S are masked, never read)
+    m_blocks, r_blocks = pl.cdiv(rows, block_m), rank // block_r
+    quantized = latent_scale is not None
+    split = num_splits > 1
+    kernel = functools.partial(
+        mla_decode_kernel, qk_scale=qk_scale, chunk=chunk, block_s=tiling.block_s, rank=rank,
+        rope_dim=d - rank, block_r=block_r, r_blocks=r_blocks, rows=rows, heads=h, tq=tq,
+        quantized=quantized, split=split)
+    # Grid (row block x R block, sequence, chunk): the programs sharing a chunk's latent tiles
+    # are adjacent in launch order (axis 0 varies fastest), so their reads meet in L2.
+    in_specs = [pl.BlockSpec((b,), lambda p, i, c: (0,)),
+                pl.BlockSpec((None, block_m, d), lambda p, i, c: (i, p // r_blocks, 0)),
+                pl.BlockSpec((None, s_pad, d), lambda p, i, c: (i, 0, 0))]
+    args = [lengths, q.reshape(b, rows, d), latent]  # q [B, Tq x H, R + Dr]: a bitcast
+    if quantized:
+        in_specs.append(pl.BlockSpec((None, s_pad), lambda p, i, c: (i, 0)))
+        args.append(latent_scale)
+    row_block = lambda p, i, c: (i, c, p // r_blocks)  # noqa: E731
+    if split:
+        out_specs = [pl.BlockSpec((None, None, block_m, block_r),
+                                  lambda p, i, c: (i, c, p // r_blocks, p % r_blocks)),
+                     pl.BlockSpec((None, None, block_m), row_block),
+                     pl.BlockSpec((None, None, block_m), row_block)]
+        acc_dtype = q.dtype if tiling.q_dtype_partials else jnp.float32
+        out_shape = [jax.ShapeDtypeStruct((b, num_splits, rows, rank), acc_dtype),
+                     jax.ShapeDtypeStruct((b, num_splits, rows), jnp.float32),
+                     jax.ShapeDtypeStruct((b, num_splits, rows), jnp.float32)]
+    else:
+        out_specs = pl.BlockSpec((None, block_m, block_r),
+                                 lambda p, i, c: (i, p // r_blocks, p % r_blocks))
+        out_shape = jax.ShapeDtypeStruct((b, rows, rank), q.dtype)
+    out = pl.pallas_call(
+        kernel,
+        grid=(m_blocks * r_blocks, b, num_splits),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps,
+                                             num_stages=tiling.num_stages),
+        interpret=interpret,
+        name="mla_decode_attention_quantized" if quantized else "mla_decode_attention",
+    )(*args)
+    if split:  # the R blocks of a row wrote the same m and l (one computation of the scores)
+        acc, m, l = out
+        if tiling.q_dtype_partials:  # back to unnormalized float32 (fused into the merge)
+            acc = acc.astype(jnp.float32) * l[..., None]
+        out = _merge_splits(acc[:, None], m[:, None], l[:, None])[:, 0]  # [B, rows, R] f32
+    return out.reshape(b, tq, h, rank).astype(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference
+# ---------------------------------------------------------------------------------------------
+
+
+def mla_decode_attention_reference(q, latent, lengths, *, sm_scale: float,
+                                   interpret: bool = False, block_sizes=None, latent_scale=None,
+                                   rope_dim: int = 64):
+    """Plain jnp with the same signature (interpret and block_sizes are ignored); a quantized
+    latent is dequantized to float32 first."""
+    del interpret, block_sizes
+    rank, _ = _validate(q, latent, lengths, sm_scale, latent_scale, rope_dim)
+    tq, s = q.shape[1], latent.shape[1]
+    if latent_scale is not None:
+        latent, precision = dequantize_kv(latent, latent_scale), ref_precision(jnp.float32)
+    else:
+        precision = ref_precision(q.dtype)
+    scores = jnp.einsum("bthd,bsd->bths", q, latent, preferred_element_type=jnp.float32,
+                        precision=precision) * sm_scale  # [B, Tq, H, S]
+    limit = lengths[:, None] - (tq - 1 - jnp.arange(tq))[None, :]  # [B, Tq]
+    visible = jnp.arange(s)[None, None, :] < limit[:, :, None]  # [B, Tq, S]
+    scores = jnp.where(visible[:, :, None, :], scores, -jnp.inf)
+    m = jnp.max(scores, axis=-1, keepdims=True)
+    p = jnp.exp(scores - jnp.where(jnp.isfinite(m), m, 0.0))
+    p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)  # no visible slot: zeros
+    o = jnp.einsum("bths,bsr->bthr", p.astype(latent.dtype), latent[..., :rank],
+                   preferred_element_type=jnp.float32, precision=precision)
+    return o.astype(q.dtype)

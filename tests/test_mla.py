@@ -1,0 +1,305 @@
+"""The absorbed MLA decode attention kernel (pallas_kernels/mla.py) and its reference.
+
+CPU: the kernel in interpret mode against the reference at shapes that are not block
+multiples (ragged lengths, 0, 1 and S; Tq 1 and 3; several row and R blocks; split-K on and
+off; float32 and bfloat16; int8 and fp8 latents); the reference against an independent
+formulation (non-absorbed MLA: K and V expanded from the latent per head with random W_UK /
+W_UV, in numpy float64); stale slots never read; bad input refused before compiling; the
+kernel lowered for an H200. GPU (marked `gpu`): the compiled kernel against the reference at
+DeepSeek-V2-Lite and V3 head counts.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernel_testing import rel_err
+from pallas_kernels import MLABlockSizes, mla_decode_attention, mla_decode_attention_reference
+from pallas_kernels.kv_quant import quantize_kv
+from test_gpu_lowering import BF16, F32, I32, S, lower_for_h200
+from test_gpu_lowering import verify_triton_modules  # noqa: F401 -- autouse: verify lowerings
+
+gpu = pytest.mark.gpu
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 1.5e-2}  # the other decode kernels' (test_kernels.py)
+GPU_TOL = {jnp.float32: 1e-4, jnp.bfloat16: 1.5e-2}
+
+
+def inputs(b, s, tq, h, rank, rope, dtype, seed=0):
+    """Random absorbed queries [B, Tq, H, R + Dr] and latent rows [B, S, R + Dr] (numpy draws:
+    eager jax ops would each compile)."""
+    rng = np.random.default_rng(seed)
+    return (jnp.asarray(rng.standard_normal((b, tq, h, rank + rope), np.float32), dtype),
+            jnp.asarray(rng.standard_normal((b, s, rank + rope), np.float32), dtype))
+
+
+# One compiled program each (their eager ops would each compile).
+reference = jax.jit(mla_decode_attention_reference,
+                    static_argnames=("sm_scale", "rope_dim", "interpret", "block_sizes"))
+quantize = jax.jit(quantize_kv, static_argnums=(1,))
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel (interpret mode) vs reference
+# ---------------------------------------------------------------------------------------------
+
+# (B, S, Tq, H, R, Dr, lengths, blocks): S never a multiple of block_s
+F32_, BF16_ = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
+CASES = {
+    "tq1 h4 unsplit bf16": (3, 100, 1, 4, 64, 16, [100, 1, 57], MLABlockSizes(), BF16_),
+    "tq3 h4 split f32": (4, 300, 3, 4, 64, 16, [300, 3, 1, 0],
+                         MLABlockSizes(block_s=32, num_splits=3), F32_),
+    "tq3 h16 row and R blocks, split bf16": (
+        2, 200, 3, 16, 64, 16, [200, 77],
+        MLABlockSizes(block_s=16, block_m=16, block_r=32, num_splits=4), BF16_),
+    "tq1 h16 R512 Dr64 default blocks f32": (2, 40, 1, 16, 512, 64, [40, 17], None, F32_),
+    "tq1 h16 R512 Dr64 default blocks bf16": (2, 40, 1, 16, 512, 64, [40, 17], None, BF16_),
+    "tq3 h4 split, bf16 partials": (3, 250, 3, 4, 64, 16, [250, 2, 100],
+                                    MLABlockSizes(block_s=16, num_splits=4,
+                                                  q_dtype_partials=True), BF16_),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_kernel_matches_reference_interpret(case):
+    b, s, tq, h, rank, rope, lengths, blocks, dtype = CASES[case]
+    q, latent = inputs(b, s, tq, h, rank, rope, dtype)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    kw = dict(sm_scale=0.125, rope_dim=rope)
+    out = mla_decode_attention(q, latent, lengths, interpret=True, block_sizes=blocks, **kw)
+    ref = reference(q, latent, lengths, **kw)
+    assert out.shape == (b, tq, h, rank) and out.dtype == dtype
+    assert rel_err(out, ref) < TOL[dtype.type]
+    # Queries that see no slot (length 0; query t < Tq - 1 at length 1) get zeros.
+    limits = np.asarray(lengths)[:, None] - (tq - 1 - np.arange(tq))[None, :]  # [B, Tq]
+    assert np.all(np.asarray(out, np.float32)[limits <= 0] == 0)
+    assert np.all(np.abs(np.asarray(ref, np.float32)[limits > 0]).sum(-1) > 0)
+
+
+def test_split_and_unsplit_agree_and_stale_slots_are_never_read():
+    """Split-K on and off give one answer; NaN in the slots past lengths changes nothing (they
+    are masked at load, not after); moving one valid slot's value does (the check can fail)."""
+    b, s, tq, h, rank, rope = 2, 150, 3, 4, 64, 16
+    q, latent = inputs(b, s, tq, h, rank, rope, jnp.float32, seed=3)
+    lengths = jnp.asarray([150, 90], jnp.int32)
+    stale = latent.at[1, 90:].set(jnp.nan)
+    kw = dict(sm_scale=0.2, rope_dim=rope, interpret=True)
+    one = mla_decode_attention(q, stale, lengths, block_sizes=MLABlockSizes(num_splits=1), **kw)
+    four = mla_decode_attention(q, stale, lengths, block_sizes=MLABlockSizes(num_splits=4), **kw)
+    ref = reference(q, latent, lengths, sm_scale=0.2, rope_dim=rope)
+    assert rel_err(one, ref) < TOL[jnp.float32] and rel_err(four, ref) < TOL[jnp.float32]
+    moved = latent.at[1, 89].multiply(3.0)  # the last slot the last query of row 1 sees
+    other = mla_decode_attention(q, moved, lengths, block_sizes=MLABlockSizes(num_splits=4), **kw)
+    assert rel_err(other[1, -1], ref[1, -1]) > 1e-3
+    assert rel_err(other[1, 0], ref[1, 0]) < TOL[jnp.float32]  # query 0 sees slots < 88
+
+
+@pytest.mark.parametrize("code, dtype",
+                         [(jnp.int8, jnp.float32), (jnp.float8_e4m3fn, jnp.bfloat16)],
+                         ids=["int8-f32", "fp8-bf16"])
+def test_quantized_latent_matches_reference_interpret(code, dtype):
+    """The kernel on int8 / fp8 codes with per-token scales against the reference on the same
+    codes (dequantized to float32), split and unsplit; and the quantized result near the
+    float latent's (within the format's error, far from a wrong answer)."""
+    b, s, tq, h, rank, rope = 3, 130, 3, 4, 64, 16
+    q, latent = inputs(b, s, tq, h, rank, rope, dtype, seed=5)
+    codes, scale = quantize(latent.astype(jnp.float32), code)  # [B, S, 80], [B, S]
+    lengths = jnp.asarray([130, 64, 3], jnp.int32)
+    kw = dict(sm_scale=0.125, rope_dim=rope, latent_scale=scale)
+    ref = reference(q, codes, lengths, **kw)
+    for splits in (1, 3):
+        out = mla_decode_attention(q, codes, lengths, interpret=True,
+                                   block_sizes=MLABlockSizes(block_s=16, num_splits=splits),
+                                   **kw)
+        assert rel_err(out, ref) < TOL[dtype], splits
+    exact = reference(q.astype(jnp.float32), latent.astype(jnp.float32), lengths,
+                      sm_scale=0.125, rope_dim=rope)
+    err = rel_err(ref, exact)
+    assert err < (0.03 if code == jnp.int8 else 0.15)
+    assert rel_err(exact[:, :, ::-1], exact) > 0.5  # a wrong answer is far away
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference against non-absorbed MLA
+# ---------------------------------------------------------------------------------------------
+
+
+def expanded_mla(q_nope, q_rope, latent, lengths, w_uk, w_uv, sm_scale):
+    """Non-absorbed MLA in numpy float64, per query and head: K_h = [c_KV @ W_UK_h ; k_rope],
+    V_h = c_KV @ W_UV_h, softmax over slots < lengths[b] - (Tq - 1 - t).
+    q_nope [B, Tq, H, Dn], q_rope [B, Tq, H, Dr], latent [B, S, R + Dr], w_uk [R, H, Dn],
+    w_uv [R, H, Dv] -> [B, Tq, H, Dv]."""
+    q_nope, q_rope, latent, w_uk, w_uv = (np.asarray(x, np.float64)
+                                          for x in (q_nope, q_rope, latent, w_uk, w_uv))
+    b, tq, h, _ = q_nope.shape
+    rank = w_uk.shape[0]
+    out = np.zeros((b, tq, h, w_uv.shape[-1]))
+    for i in range(b):
+        c_kv, k_rope = latent[i, :, :rank], latent[i, :, rank:]  # [S, R], [S, Dr]
+        for head in range(h):
+            k = np.concatenate([c_kv @ w_uk[:, head], k_rope], axis=-1)  # [S, Dn + Dr]
+            v = c_kv @ w_uv[:, head]  # [S, Dv]
+            for t in range(tq):
+                n = int(lengths[i]) - (tq - 1 - t)
+                if n <= 0:
+                    continue
+                qt = np.concatenate([q_nope[i, t, head], q_rope[i, t, head]])
+                sc = k[:n] @ qt * sm_scale
+                p = np.exp(sc - sc.max())
+                out[i, t, head] = (p / p.sum()) @ v[:n]
+    return out
+
+
+def test_reference_matches_non_absorbed_mla():
+    """Absorbed (q_nope folded through W_UK, the output through W_UV after attention) equals
+    attention over K/V expanded from the latent per head: the reference checked against a
+    formulation it shares no code with."""
+    b, s, tq, h, rank, rope, nope, vdim = 2, 37, 3, 3, 32, 16, 24, 20
+    rng = np.random.default_rng(11)
+    q_nope = rng.standard_normal((b, tq, h, nope)).astype(np.float32)
+    q_rope = rng.standard_normal((b, tq, h, rope)).astype(np.float32)
+    latent = rng.standard_normal((b, s, rank + rope)).astype(np.float32)
+    w_uk = (rng.standard_normal((rank, h, nope)) / np.sqrt(rank)).astype(np.float32)
+    w_uv = (rng.standard_normal((rank, h, vdim)) / np.sqrt(rank)).astype(np.float32)
+    lengths = jnp.asarray([37, 20], jnp.int32)
+    sm_scale = (nope + rope) ** -0.5
+    q_abs = np.einsum("bthd,rhd->bthr", q_nope, w_uk)  # W_UK absorbed into the query
+    q = jnp.asarray(np.concatenate([q_abs, q_rope], axis=-1))  # [B, Tq, H, R + Dr]
+    lat_out = reference(q, jnp.asarray(latent), lengths, sm_scale=sm_scale,
+                        rope_dim=rope)  # [B, Tq, H, R]
+    absorbed = np.einsum("bthr,rhd->bthd", np.asarray(lat_out, np.float64),
+                         np.asarray(w_uv, np.float64))  # W_UV after attention
+    want = expanded_mla(q_nope, q_rope, latent, lengths, w_uk, w_uv, sm_scale)
+    assert rel_err(absorbed, want) < 1e-5
+    # and the masks matter: the full cache for every query is a different answer
+    full = reference(q, jnp.asarray(latent), jnp.asarray([37, 37], jnp.int32),
+                     sm_scale=sm_scale, rope_dim=rope)
+    assert rel_err(np.einsum("bthr,rhd->bthd", np.asarray(full, np.float64),
+                             np.asarray(w_uv, np.float64)), want) > 1e-2
+
+
+# ---------------------------------------------------------------------------------------------
+# Block sizes, bad input, lowering
+# ---------------------------------------------------------------------------------------------
+
+
+def test_default_blocks_fit_the_deepseek_shapes():
+    """V2-Lite (16 heads): one row block, all of R, unsplit at 512 slots, split at 32k so that
+    B = 1 fills the SMs; V3 (128 heads x Tq 2): row blocks of 64 and R in two halves."""
+    blocks = MLABlockSizes()
+    short = blocks.resolve(8, 16, 512, 512)
+    assert (short.block_m, short.block_r, short.num_splits, short.num_warps) == (16, 512, 1, 4)
+    long = blocks.resolve(1, 16, 512, 32768)
+    assert long.num_splits >= 64 and long.chunk * long.num_splits >= 32768
+    assert long.chunk % long.block_s == 0
+    v3 = blocks.resolve(4, 256, 512, 8192)
+    assert (v3.block_m, v3.block_r, v3.num_warps) == (64, 256, 8)
+    assert blocks.resolve(4, 256, 512, 8192, q_bytes=4, latent_bytes=4).block_m == 32
+    assert [blocks.resolve(4, 16, 512, 8192, latent_bytes=n).num_stages
+            for n in (1, 2, 4)] == [4, 3, 2]
+
+
+@pytest.mark.parametrize("fn", [mla_decode_attention, mla_decode_attention_reference],
+                         ids=["kernel", "reference"])
+def test_bad_input_is_refused_before_compiling(fn):
+    q, latent = inputs(2, 64, 1, 4, 64, 16, jnp.float32)
+    lens = jnp.asarray([64, 3], jnp.int32)
+    kw = dict(sm_scale=0.1, rope_dim=16)
+    codes, scale = quantize(latent, jnp.int8)
+    cases = [
+        (lambda: fn(q[0], latent, lens, **kw), "q must have rank 4"),
+        (lambda: fn(q, latent[..., :72], lens, **kw), "q's last dim"),
+        (lambda: fn(q, latent[:1], lens, **kw), "batch sizes differ"),
+        (lambda: fn(q, latent, lens.astype(jnp.float32), **kw), "lengths has dtype"),
+        (lambda: fn(q, latent, jnp.asarray([65, 3], jnp.int32), **kw), r"lengths must lie in"),
+        (lambda: fn(q, latent.astype(jnp.bfloat16), lens, **kw), "share one dtype"),
+        (lambda: fn(q, latent, lens, sm_scale=0.0, rope_dim=16), "sm_scale"),
+        (lambda: fn(q, latent, lens, sm_scale=0.1, rope_dim=80), "rope_dim=80"),
+        (lambda: fn(q, codes, lens, **kw), "latent has dtype int8"),
+        (lambda: fn(q, codes, lens, latent_scale=scale[:, :10], **kw), r"latent_scale must"),
+        (lambda: fn(q, latent, lens, latent_scale=scale, **kw), "latent has dtype float32"),
+        (lambda: fn(q, codes, lens, latent_scale=scale.astype(jnp.bfloat16), **kw),
+         "latent_scale has dtype"),
+    ]
+    if fn is mla_decode_attention:  # what only the kernel cannot tile
+        q48, lat48 = inputs(2, 64, 1, 4, 48, 16, jnp.float32)
+        q8, lat8 = inputs(2, 64, 1, 4, 64, 8, jnp.float32)
+        cases += [(lambda: fn(q48, lat48, lens, **kw), r"R \(latent rank\) = 48"),
+                  (lambda: fn(q8, lat8, lens, sm_scale=0.1, rope_dim=8), r"Dr \(rope_dim\) = 8"),
+                  (lambda: fn(q, latent, lens, block_sizes=MLABlockSizes(block_r=128), **kw),
+                   "exceeds the latent rank 64")]
+    for call, match in cases:
+        with pytest.raises(ValueError, match=match):
+            call()
+    with pytest.raises(ValueError, match="block_s=24"):
+        MLABlockSizes(block_s=24)
+    with pytest.raises(ValueError, match="num_splits=0"):
+        MLABlockSizes(num_splits=0)
+    with pytest.raises(ValueError, match="num_warps=3"):
+        MLABlockSizes(num_warps=3)
+
+
+LOWERING_CASES = {
+    # name: (abstract args, block sizes): DeepSeek-V2-Lite and V3 shapes, bf16
+    "v2-lite B8 S4k": ((S((8, 1, 16, 576), BF16), S((8, 4096, 576), BF16), S((8,), I32)), None),
+    "v2-lite B1 S32k split": ((S((1, 1, 16, 576), BF16), S((1, 32768, 576), BF16),
+                               S((1,), I32)), None),
+    "v3 Tq2 H128 row and R blocks": ((S((4, 2, 128, 576), BF16), S((4, 8192, 576), BF16),
+                                      S((4,), I32)), None),
+    "v2-lite fp8 latent": ((S((8, 1, 16, 576), BF16), S((8, 4096, 576), jnp.float8_e4m3fn),
+                            S((8,), I32), S((8, 4096), F32)), None),
+    "v2-lite int8 latent unsplit": ((S((8, 1, 16, 576), BF16), S((8, 300, 576), jnp.int8),
+                                     S((8,), I32), S((8, 300), F32)), None),
+    "bs64 w8 st2": ((S((8, 1, 16, 576), BF16), S((8, 4096, 576), BF16), S((8,), I32)),
+                    MLABlockSizes(block_s=64, num_warps=8, num_stages=2)),
+    "bf16 partials, R split": ((S((8, 1, 16, 576), BF16), S((8, 4096, 576), BF16),
+                                S((8,), I32)), MLABlockSizes(block_r=256, q_dtype_partials=True)),
+}
+
+
+@pytest.mark.parametrize("name", list(LOWERING_CASES))
+def test_kernel_lowers_for_h200(name):
+    args, blocks = LOWERING_CASES[name]
+
+    def call(q, latent, lengths, scale=None):
+        return mla_decode_attention(q, latent, lengths, sm_scale=0.1, latent_scale=scale,
+                                    block_sizes=blocks)
+
+    module = lower_for_h200(call, *args)
+    assert "mla_decode_attention" in module  # the kernel, not an XLA fallback
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------------------------
+
+
+@gpu
+@pytest.mark.parametrize("dtype, tq, h", [
+    (jnp.float32, 1, 16), (jnp.bfloat16, 1, 16), (jnp.float32, 3, 16), (jnp.bfloat16, 3, 16),
+    (jnp.bfloat16, 2, 128),  # DeepSeek-V3: row blocks of 64, R in two halves
+], ids=["v2-tq1-f32", "v2-tq1-bf16", "v2-tq3-f32", "v2-tq3-bf16", "v3-tq2-bf16"])
+def test_kernel_matches_reference_gpu(dtype, tq, h):
+    b, s = 5, 3000
+    q, latent = inputs(b, s, tq, h, 512, 64, dtype, seed=21)
+    lengths = jnp.asarray([3000, 1, 1234, 0, 2049], jnp.int32)
+    kw = dict(sm_scale=0.07)
+    ref = mla_decode_attention_reference(q, latent, lengths, **kw)
+    for blocks in (None, MLABlockSizes(block_r=256, q_dtype_partials=True)):
+        out = mla_decode_attention(q, latent, lengths, block_sizes=blocks, **kw)
+        assert rel_err(out, ref) < GPU_TOL[dtype], blocks
+
+
+@gpu
+@pytest.mark.parametrize("code", [jnp.int8, jnp.float8_e4m3fn], ids=["int8", "fp8"])
+@pytest.mark.parametrize("s", [400, 5000], ids=["unsplit", "split"])
+def test_quantized_latent_matches_reference_gpu(code, s):
+    q, latent = inputs(4, s, 1, 16, 512, 64, jnp.bfloat16, seed=31)
+    codes, scale = quantize(latent.astype(jnp.float32), code)
+    lengths = jnp.asarray([s, 1, s // 3, s - 7], jnp.int32)
+    kw = dict(sm_scale=0.07, latent_scale=scale)
+    out = mla_decode_attention(q, codes, lengths, **kw)
+    ref = mla_decode_attention_reference(q, codes, lengths, **kw)
+    assert rel_err(out, ref) < GPU_TOL[jnp.bfloat16]
