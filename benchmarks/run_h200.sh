@@ -150,6 +150,7 @@ gemma() {  # Gemma: the attention kernels, then the two presets' B=1 decode agai
       2> >(grep -v '^bench' | tail -5 >&2) | sed "s/^{/{\"checkout\": \"gemma\", /" \
       | tee -a "$out/bench-gemma.jsonl"
   done
+}
 mla() {  # the absorbed MLA decode kernel: speed and variants, then its GPU tests
   timeout "${MLA_TIMEOUT:-240}" python3 benchmarks/mla.py ${MLA_SHAPES:+--shapes "$MLA_SHAPES"} \
     --json "$out/mla.jsonl" 2>&1 | grep -v '^{' | tail -"${MLA_TAIL:-70}"
