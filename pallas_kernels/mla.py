@@ -44,6 +44,7 @@ from pallas_kernels.decode_attention import _merge_splits, choose_num_splits
 from pallas_kernels.kv_quant import CODE_DTYPES, SCALE_DTYPES, codes_as, dequantize_kv
 
 OP = "mla_decode_attention"
+SMEM_BYTES = 232448  # shared memory one block may opt in to on Hopper (H100 / H200)
 
 
 class MLATiling(NamedTuple):
@@ -67,9 +68,10 @@ class MLABlockSizes:
     block. num_splits: chunks of the sequence axis (None: `choose_num_splits`, one for
     S <= 512). num_warps (None: 4, 8 past 16 x 512 accumulators); num_stages (None: by the
     latent's bytes per value, 4 for codes, 3 for 16-bit, 2 for float32: a stage holds a
-    [block_s, R + Dr] tile in shared memory). q_dtype_partials: each split writes its output
-    normalized and rounded to q's dtype instead of unnormalized float32 (the max and sum stay
-    float32): half the bytes of a partial (a float32 one, 16 rows x 512, is ~1/9 of the latent
+    [block_s, R + Dr] tile in shared memory; fewer where they would not fit beside the query
+    block). q_dtype_partials: each split writes its output normalized and rounded to q's
+    dtype instead of unnormalized float32 (the max and sum stay float32; a no-op for float32
+    queries): half the bytes of a partial (a float32 one, 16 rows x 512, is ~1/9 of the latent
     bytes a 256-slot chunk reads, written once and read back by the merge). Unmeasured defaults: benchmarks/mla.py's variants
     on the H200 are what should set them."""
     block_s: int = 32
@@ -94,9 +96,9 @@ class MLABlockSizes:
             raise ValueError(f"MLABlockSizes.num_stages={self.num_stages}: must be >= 1")
 
     def resolve(self, batch: int, rows: int, rank: int, seq_len: int, q_bytes: int = 2,
-                latent_bytes: int = 2) -> MLATiling:
+                latent_bytes: int = 2, rope_dim: int = 64) -> MLATiling:
         """The tiling for `rows` = Tq x H query rows of q_bytes per value, latent rank R and a
-        cache of seq_len slots of latent_bytes per value."""
+        cache of seq_len slots of latent_bytes per value (R + rope_dim columns)."""
         block_m = self.block_m or min(64 if q_bytes <= 2 else 32, max(16, next_pow2(rows)))
         block_r = self.block_r or (rank if block_m * rank <= 64 * 256 else min(rank, 256))
         if block_r > rank:
@@ -105,9 +107,19 @@ class MLABlockSizes:
         splits = self.num_splits or choose_num_splits(batch, programs, seq_len, self.block_s)
         chunk = pl.cdiv(pl.cdiv(seq_len, splits), self.block_s) * self.block_s
         warps = self.num_warps or (4 if block_m * block_r <= 16 * 512 else 8)
-        stages = self.num_stages or {1: 4, 2: 3}.get(latent_bytes, 2)
+        stages = self.num_stages
+        if stages is None:
+            # Shared memory holds `stages` latent tiles (and the R block's own tile when
+            # block_r < R) beside the query block: the default count drops until they fit
+            # (3 stages at 48 rows, bf16, R 512 asked 233472 bytes of 232448 on the H200).
+            tile = self.block_s * latent_bytes * (rank + rope_dim
+                                                  + (block_r if block_r < rank else 0))
+            q_tile = block_m * (rank + rope_dim) * q_bytes
+            stages = {1: 4, 2: 3}.get(latent_bytes, 2)
+            while stages > 1 and stages * tile + q_tile > SMEM_BYTES:
+                stages -= 1
         return MLATiling(self.block_s, block_m, block_r, chunk, pl.cdiv(seq_len, chunk), warps,
-                         stages, self.q_dtype_partials)
+                         stages, self.q_dtype_partials and q_bytes < 4)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -258,7 +270,7 @@ def mla_decode_attention(q, latent, lengths, *, sm_scale: float, interpret: bool
     b, tq, h, _ = q.shape
     tiling = (block_sizes or MLABlockSizes()).resolve(
         b, tq * h, rank, latent.shape[1], jnp.dtype(q.dtype).itemsize,
-        jnp.dtype(latent.dtype).itemsize)
+        jnp.dtype(latent.dtype).itemsize, rope_dim)
     return _mla_triton(q, latent, lengths, latent_scale, qk_scale=float(sm_scale) * LOG2_E,
                        rank=rank, tiling=tiling, interpret=interpret)
 

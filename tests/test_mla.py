@@ -88,12 +88,28 @@ def test_split_and_unsplit_agree_and_stale_slots_are_never_read():
     kw = dict(sm_scale=0.2, rope_dim=rope, interpret=True)
     one = mla_decode_attention(q, stale, lengths, block_sizes=MLABlockSizes(num_splits=1), **kw)
     four = mla_decode_attention(q, stale, lengths, block_sizes=MLABlockSizes(num_splits=4), **kw)
+    # q_dtype_partials is a no-op for float32 queries (their partials are float32 already)
+    four_p = mla_decode_attention(q, stale, lengths, block_sizes=MLABlockSizes(
+        num_splits=4, q_dtype_partials=True), **kw)
     ref = reference(q, latent, lengths, sm_scale=0.2, rope_dim=rope)
-    assert rel_err(one, ref) < TOL[jnp.float32] and rel_err(four, ref) < TOL[jnp.float32]
+    for out in (one, four, four_p):
+        assert rel_err(out, ref) < TOL[jnp.float32]
     moved = latent.at[1, 89].multiply(3.0)  # the last slot the last query of row 1 sees
     other = mla_decode_attention(q, moved, lengths, block_sizes=MLABlockSizes(num_splits=4), **kw)
     assert rel_err(other[1, -1], ref[1, -1]) > 1e-3
     assert rel_err(other[1, 0], ref[1, 0]) < TOL[jnp.float32]  # query 0 sees slots < 88
+
+
+def test_default_stages_fit_shared_memory():
+    """The default stage count drops where the latent tiles and the query block would not fit
+    in 227 KiB (48 bf16 query rows at R 512 asked 233472 bytes with 3 stages on the H200); it
+    stays 3 at DeepSeek-V2-Lite's 16 rows, and an explicit count is left alone."""
+    assert MLABlockSizes().resolve(5, 16, 512, 3000).num_stages == 3
+    wide = MLABlockSizes().resolve(5, 48, 512, 3000)  # block_m 64, block_r 256
+    assert (wide.block_m, wide.block_r, wide.num_stages) == (64, 256, 2)
+    assert MLABlockSizes(num_stages=3).resolve(5, 48, 512, 3000).num_stages == 3
+    assert not MLABlockSizes(q_dtype_partials=True).resolve(5, 16, 512, 3000,
+                                                           q_bytes=4).q_dtype_partials
 
 
 @pytest.mark.parametrize("code, dtype",
