@@ -44,8 +44,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import (NUM_SMS_H200, check_array, check_tiles, dot_f32,
-                                     multiple_of, ref_precision)
+from pallas_kernels._common import (
+    NUM_SMS_H200,
+    check_array,
+    check_tiles,
+    dot_f32,
+    multiple_of,
+    ref_precision,
+)
 
 INT32 = jnp.dtype(jnp.int32)
 FLOAT32 = jnp.dtype(jnp.float32)

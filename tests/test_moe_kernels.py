@@ -133,12 +133,10 @@ def test_grouped_kernels_match_their_references_and_skip_empty_tiles():
     (dict(w_gate=jnp.zeros((5, 40, 24), jnp.bfloat16)),
      r"w_gate has dtype bfloat16 but x has float32"),
     (dict(w_up=jnp.zeros((5, 40, 32))), r"w_up has shape \(5, 40, 32\), expected \(5, 40, 24\)"),
-    (dict(w_down=jnp.zeros((5, 40, 24))), r"w_down has shape \(5, 40, 24\), expected "
-                                          r"\(5, 24, 40\)"),
+    (dict(w_down=jnp.zeros((5, 40, 24))), r"w_down has shape \(5, 40, 24\), expected \(5, 24"),
     (dict(experts=jnp.zeros((3, 2), jnp.float32)), r"experts has dtype float32"),
     (dict(experts=jnp.zeros((3, 2, 1), jnp.int32)), r"experts must have rank 2"),
-    (dict(experts=jnp.zeros((4, 2), jnp.int32)), r"experts has shape \(4, 2\), expected "
-                                                 r"\[N=3, k\]"),
+    (dict(experts=jnp.zeros((4, 2), jnp.int32)), r"experts has shape \(4, 2\), expected \[N=3"),
     (dict(experts=jnp.zeros((3, 6), jnp.int32)), r"1 <= k <= E=5"),
     (dict(weights=jnp.zeros((3, 3))), r"weights has shape \(3, 3\), expected \(3, 2\)"),
     (dict(weights=jnp.zeros((3, 2), jnp.bfloat16)), r"weights has dtype bfloat16"),
@@ -186,7 +184,7 @@ def test_default_blocks_fill_the_h200(dims):
 # ---------------------------------------------------------------------- the model's fixtures
 
 
-@pytest.mark.parametrize("variant", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("variant", ["qwen3_moe"])
 def test_fixture_logits_through_the_kernels(variant):
     """The HF fixture (float32) under KernelPolicy(interpret=True): its prompt takes the
     grouped GEMM, one decode step of one row the decode kernel; the logits match
@@ -230,8 +228,9 @@ def test_benchmark_runs_quick_on_cpu(tmp_path):
     from benchmarks import moe as bench
 
     out = tmp_path / "moe.jsonl"
-    assert bench.main(["--quick", "--models", "tiny-e8k2", "--json", str(out)]) == 0
+    impls = ("pallas_decode", "grouped_only", "dense_loop")
+    assert bench.main(["--quick", "--models", "tiny-e16k4", "--tokens", "decode_4", "--impls",
+                       ",".join(impls), "--json", str(out)]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    impls = {r["impl"] for r in rows}
-    assert {"pallas_decode", "pallas_grouped", "dense_loop"} <= impls, impls
-    assert all("error" not in r for r in rows), rows
+    assert sorted(r["impl"] for r in rows) == sorted(impls), rows
+    assert all(r["rel_err"] < 2e-2 and r["vs_loop"] > 0 for r in rows), rows
