@@ -134,20 +134,19 @@ def _both(a, b):
 
 def _rows(ref, row, single: bool, block_m: int, start, block_k: int, k_ok):
     """The dot's left operand [block_m, block_k] at K offset `start`: block_m rows from `row`,
-    or (single) row `row` alone in row 0 and zeros below (its sum over rows is then exact)."""
+    or (single) row `row` alone in row 0 and zeros below (its sum over rows is then exact).
+    One masked load that feeds the dot as loaded, so Triton's pipeliner prefetches it with
+    the weight tiles (the ref's block has block_m rows of padding past the last row)."""
+    mask = None if k_ok is None else k_ok[None, :]
     if single:
-        one = _masked(ref.at[pl.ds(row, 1), pl.ds(start, block_k)],
-                      None if k_ok is None else k_ok[None, :])  # [1, block_k]
-        first = (jnp.arange(block_m) == 0)[:, None]
-        return jnp.where(first, jnp.broadcast_to(one, (block_m, block_k)), 0).astype(one.dtype)
-    return _masked(ref.at[pl.ds(row, block_m), pl.ds(start, block_k)],
-                   None if k_ok is None else k_ok[None, :])
+        mask = _both((jnp.arange(block_m) == 0)[:, None], mask)
+    return _masked(ref.at[pl.ds(row, block_m), pl.ds(start, block_k)], mask)
 
 
 def _swiglu_kernel(te_ref, x_ref, wg_ref, wu_ref, o_ref, *, d: int, f: int, top_k: int,
                    single: bool, n_tiles: int, n_cols: int, blocks: MoEBlockSizes):
-    # te_ref [T] int32: each tile's expert (-1: empty); x_ref: single [N, Dp] (tile t = the
-    # assignment t, its row x[t // top_k]), else [R, Dp] rows sorted by expert;
+    # te_ref [T] int32: each tile's expert (-1: empty); x_ref: single [N + bm, Dp] (tile t =
+    # the assignment t, its row x[t // top_k]), else [R, Dp] rows sorted by expert;
     # wg_ref, wu_ref [E, Dp, Fp]; o_ref [T or R, Fp] in x's dtype. Dp, Fp: D, F padded to
     # the tiles (positions past D, F masked: never read or written).
     bm, bn, bk = blocks.block_m, blocks.block_n, blocks.block_k
@@ -187,7 +186,7 @@ def _swiglu_kernel(te_ref, x_ref, wg_ref, wu_ref, o_ref, *, d: int, f: int, top_
 
 def _down_kernel(te_ref, a_ref, wd_ref, o_ref, *, f: int, d: int, single: bool, n_tiles: int,
                  n_cols: int, k_chunk: int, blocks: MoEBlockSizes):
-    # te_ref [T] int32; a_ref [T or R, Fp] the SwiGLU rows (single: row t is tile t);
+    # te_ref [T] int32; a_ref [T + bm or R, Fp] the SwiGLU rows (single: row t is tile t);
     # wd_ref [E, Fp, Dp]; o_ref [S, T or R, Dp] float32: this F chunk's sums.
     bm, bn, bk = blocks.block_m, blocks.block_n_down, blocks.block_k
     tile, col = _tile_and_col(n_tiles, n_cols, blocks.group_m)
@@ -246,8 +245,8 @@ def _swiglu_call(tile_experts, x, w_gate, w_up, *, top_k, single, blocks, interp
     return pl.pallas_call(
         kernel,
         grid=(n_tiles * n_cols,),
-        in_specs=[_whole((n_tiles,)), _whole((x.shape[0], dp)), _whole((e, dp, fp)),
-                  _whole((e, dp, fp))],
+        in_specs=[_whole((n_tiles,)), _whole((x.shape[0] + single * blocks.block_m, dp)),
+                  _whole((e, dp, fp)), _whole((e, dp, fp))],
         out_specs=_whole((rows, fp)),
         out_shape=jax.ShapeDtypeStruct((rows, f), x.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps,
@@ -276,7 +275,8 @@ def _down_call(tile_experts, act, w_down, *, single, blocks, interpret):
     return pl.pallas_call(
         kernel,
         grid=(n_tiles * n_cols, split),
-        in_specs=[_whole((n_tiles,)), _whole((rows, split * k_chunk)),
+        in_specs=[_whole((n_tiles,)),
+                  _whole((rows + single * blocks.block_m, split * k_chunk)),
                   _whole((e, split * k_chunk, dp))],
         out_specs=_whole((split, rows, dp)),
         out_shape=jax.ShapeDtypeStruct((split, rows, d), jnp.float32),
