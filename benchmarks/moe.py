@@ -13,8 +13,6 @@ with real routing (softmax top-k of random router logits):
                      (group sizes fixed at trace time)
     gather           jaxinfer.ops.moe's gather path (decode shapes: the chosen experts' weights
                      taken per token)
-    dense_all        jaxinfer.ops.moe's reference: every expert on every token in float32
-                     (E / k times the work; decode shapes only)
     pallas_decode    pallas_kernels.moe_decode: a kernel row per token-expert assignment, the
                      expert indexed inside the kernel (decode shapes)
     pallas_grouped   pallas_kernels.moe_grouped: sort and pad by expert (XLA), the grouped
@@ -209,11 +207,6 @@ def run_case(model: str, dims, tokens_name: str, n: int, quick: bool, rows: list
                                                      plan=plan)),
                            [(x, weights, experts, *w) for x, w in zip(xs_in, weights_sets)],
                            None)
-    if n <= 64:
-        impls["dense_all"] = (jax.jit(functools.partial(moe_ops.EXPERTS.get("dense").run,
-                                                        plan=plan)),
-                              [(x, weights, experts, *w) for x, w in zip(xs_in, weights_sets)],
-                              None)
     case_rows = []
     for name, (fn, arg_sets, post) in impls.items():
         if only and name not in only:

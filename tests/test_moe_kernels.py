@@ -234,3 +234,14 @@ def test_benchmark_runs_quick_on_cpu(tmp_path):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert sorted(r["impl"] for r in rows) == sorted(impls), rows
     assert all(r["rel_err"] < 2e-2 and r["vs_loop"] > 0 for r in rows), rows
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 4, 32, 1000])
+def test_kernels_on_the_gpu(n):
+    """bf16 on the GPU at Mixtral-like proportions (E 8, k 2, D 1024, F 3584): both kernels
+    (the decode one up to 32 tokens) at their default tiles against the reference."""
+    args = inputs(n, 2, 8, 1024, 3584, jnp.bfloat16, seed=n)
+    ref = pk.moe_experts_reference(*args)
+    for fn in (pk.moe_grouped, pk.moe_decode) if n <= 32 else (pk.moe_grouped,):
+        assert rel_err(jax.jit(fn)(*args), ref) < 2e-2, fn.__name__
