@@ -3,18 +3,20 @@
     PYTHONPATH=. python3 benchmarks/moe.py --json out.jsonl [--quick]
 
 For Mixtral-8x7B's experts (D 4096, F 14336, E 8, top-2) and Qwen3-30B-A3B's (D 2048,
-F 768, E 128, top-8), bf16, at prefill (B4 T2k = 8192 tokens) and decode (1 and 32 tokens),
-with real routing (softmax top-k of random router logits):
+F 768, E 128, top-8), bf16, at prefill (B4 T2k = 8192 tokens) and decode (1, 4 and 32
+tokens), with real routing (softmax top-k of random router logits):
 
     ours_ragged      jaxinfer.ops.moe's ragged_dot path: sort by expert, gather the rows, three
-                     jax.lax.ragged_dot, weighted scatter-add back (what the model runs)
-    ragged_dot_only  the three jax.lax.ragged_dot calls alone, on rows already sorted
+                     jax.lax.ragged_dot, weighted scatter-add back (the model's on a GPU
+                     before the Pallas kernels)
+    ragged_dot_only  the three jax.lax.ragged_dot calls alone, on rows already sorted (prefill)
     dense_loop       a Python loop over the experts: each a dense matmul of its sorted rows
                      (group sizes fixed at trace time)
-    gather           jaxinfer.ops.moe's gather path (decode shapes: the chosen experts' weights
-                     taken per token)
+    gather           jaxinfer.ops.moe's gather path (1 and 4 tokens: the chosen experts'
+                     weights taken per token)
     pallas_decode    pallas_kernels.moe_decode: a kernel row per token-expert assignment, the
-                     expert indexed inside the kernel (decode shapes)
+                     expert indexed inside the kernel (decode shapes; at one token also at
+                     other tiles, DECODE_TILES below)
     pallas_grouped   pallas_kernels.moe_grouped: sort and pad by expert (XLA), the grouped
                      SwiGLU and down kernels, the weighted combine (XLA); default tiles
     grouped_only     its two kernels alone, on rows already grouped (the sort's cost apart)
@@ -34,6 +36,7 @@ that the script runs and every variant meets the reference).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import sys
@@ -66,6 +69,9 @@ TILES = {
     "m128k32s4": pk.MoEBlockSizes(block_m=128, block_n=64, block_n_down=128, block_k=32,
                                   num_warps=8, num_stages=4),
 }
+# The decode kernel's tiles tried beside its defaults at one token (fields changed).
+DECODE_TILES = {"n128": {"block_n": 128}, "k256": {"block_k": 256},
+                "down128": {"block_n_down": 128}}
 QUICK_TILES = {"m16n16": pk.MoEBlockSizes(block_m=16, block_n=16, block_n_down=16, block_k=16,
                                           num_warps=4, num_stages=2)}
 
@@ -188,8 +194,14 @@ def run_case(model: str, dims, tokens_name: str, n: int, quick: bool, rows: list
         "grouped_only": (jax.jit(grouped_only),
                          [(gx, *w) for gx, w in zip(grouped_x, weights_sets)], ungroup),
     }
-    if tokens_name.startswith("decode"):
+    decode = tokens_name.startswith("decode")
+    if decode:
         impls["pallas_decode"] = (kernel(pk.moe_decode), routed, None)
+        if n == 1 and not quick:  # the decode kernel's tiles, one change each
+            own = default_block_sizes(n, d, f, e, k, decode=True)
+            for name, change in DECODE_TILES.items():
+                impls[f"pallas_decode_{name}"] = (
+                    kernel(pk.moe_decode, dataclasses.replace(own, **change)), routed, None)
     else:
         for name, tiles in (QUICK_TILES if quick else TILES).items():
             impls[f"pallas_grouped_{name}"] = (kernel(pk.moe_grouped, tiles), routed, None)
@@ -197,12 +209,14 @@ def run_case(model: str, dims, tokens_name: str, n: int, quick: bool, rows: list
         "ours_ragged": (jax.jit(functools.partial(
             moe_ops.EXPERTS.get("ragged_dot").run, plan=plan)),
             [(x, weights, experts, *w) for x, w in zip(xs_in, weights_sets)], None),
-        "ragged_dot_only": (jax.jit(ragged_only),
-                            [(sx, sizes, *w) for sx, w in zip(sorted_x, weights_sets)], unsort),
         "dense_loop": (jax.jit(functools.partial(dense_loop, sizes=tuple(int(c) for c in counts))),
                        [(sx, *w) for sx, w in zip(sorted_x, weights_sets)], unsort),
     })
-    if n <= 64:
+    if not decode:  # at decode it times as ours_ragged (benchmarks/DECISIONS.md)
+        impls["ragged_dot_only"] = (
+            jax.jit(ragged_only), [(sx, sizes, *w) for sx, w in zip(sorted_x, weights_sets)],
+            unsort)
+    if n <= 4:  # 32 tokens' gathered copies took 15.8 ms at Mixtral's shapes
         impls["gather"] = (jax.jit(functools.partial(moe_ops.EXPERTS.get("gather").run,
                                                      plan=plan)),
                            [(x, weights, experts, *w) for x, w in zip(xs_in, weights_sets)],
@@ -217,9 +231,13 @@ def run_case(model: str, dims, tokens_name: str, n: int, quick: bool, rows: list
             t0 = time.perf_counter()
             jax.block_until_ready(fn(*arg_sets[1]))
             guess = time.perf_counter() - t0  # ~0.25 s of calls per repeat
-            # --quick (interpret mode on a CPU): that one call is the time; no chained calls
-            seconds = guess if quick else time_fn(
-                fn, arg_sets, iters=int(min(50, max(3, 0.25 / guess))), repeats=5)
+            if quick:  # interpret mode on a CPU: one more call is the time (no chained calls)
+                t0 = time.perf_counter()
+                jax.block_until_ready(fn(*arg_sets[0]))
+                seconds = time.perf_counter() - t0
+            else:
+                seconds = time_fn(fn, arg_sets, iters=int(min(50, max(3, 0.25 / guess))),
+                                  repeats=5)
         except Exception as exc:  # report and go on: one failing path must not hide the rest
             row = dict(shape=shape, impl=name, error=f"{type(exc).__name__}: {str(exc)[:300]}")
             print(json.dumps(row), flush=True)
