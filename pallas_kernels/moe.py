@@ -84,20 +84,20 @@ class MoEBlockSizes:
 
 def default_block_sizes(rows: int, d: int, f: int, e: int, k: int, itemsize: int = 2, *,
                         decode: bool) -> MoEBlockSizes:
-    """Decode: 16-row dots, SwiGLU column tiles narrowed until the assignments x tiles give
-    two programs per SM (Qwen3's F 768 over 8 assignments), the down projection split along F
-    for the same. Grouped: 128-row tiles at prefill (16 when the experts average <= 16 rows,
+    """Decode (and grouped GEMMs of few rows per expert): 16-row dots, SwiGLU column tiles
+    narrowed (down to 32) until the row tiles x column tiles give two programs per SM (Qwen3's
+    F 768 over 8 assignments), the decode down projection split along F for the same. Grouped: 128-row tiles at prefill (16 when the experts average <= 16 rows,
     64 when <= 64), 64-wide SwiGLU tiles (two accumulators) and 128-wide down tiles.
     float32 (interpret mode, tests) gets half-depth tiles and 2 stages for shared memory."""
     a = rows * k
     target = 2 * NUM_SMS_H200
     small = 2 if itemsize >= 4 else 1  # float32: halve the depth
     if decode or a <= 16 * e:
+        tiles = a if decode else max_tiles(a, e, 16)
         block_n = 128
-        while block_n > 32 and a * -(-f // block_n) < target:
+        while block_n > 32 and tiles * -(-f // block_n) < target:
             block_n //= 2
         block_k = 128 // small
-        tiles = a if decode else (a + min(e, a) * 15) // 16
         cols = -(-d // 64)
         split = max(1, min(8, -(-target // (tiles * cols)), f // (4 * block_k)))
         return MoEBlockSizes(block_m=16, block_n=block_n, block_n_down=64, block_k=block_k,
