@@ -129,6 +129,20 @@ def reference(x, weights, experts, wg, wu, wd):
     return out
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def random_experts(key, d: int, f: int, e: int):
+    """Fan-in scaled normal gate, up [E, D, F] and down [E, F, D] weights in bf16."""
+    kg, ku, kd = jax.random.split(key, 3)
+    return ((jax.random.normal(kg, (e, d, f), jnp.float32) / np.sqrt(d)).astype(jnp.bfloat16),
+            (jax.random.normal(ku, (e, d, f), jnp.float32) / np.sqrt(d)).astype(jnp.bfloat16),
+            (jax.random.normal(kd, (e, f, d), jnp.float32) / np.sqrt(f)).astype(jnp.bfloat16))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def random_x(key, n: int, d: int):
+    return jax.random.normal(key, (1, n, d), jnp.float32).astype(jnp.bfloat16)
+
+
 def rel(a, b) -> float:
     a, b = np.asarray(a, np.float32).reshape(-1), np.asarray(b, np.float32).reshape(-1)
     if not np.all(np.isfinite(a)):
@@ -141,20 +155,12 @@ def run_case(model: str, dims, tokens_name: str, n: int, quick: bool, rows: list
     d, f, e, k = dims
     plan = plan_for(d, f, e, k)
     rng = np.random.default_rng(0)
-    keys = jax.random.split(jax.random.key(0), 8)
-    dtype = jnp.bfloat16
-    weights_sets = []
-    for c in range(2):  # two copies, so repeated decode calls do not read from the L2
-        kg, ku, kd = jax.random.split(keys[c], 3)
-        weights_sets.append((
-            (jax.random.normal(kg, (e, d, f), jnp.float32) / np.sqrt(d)).astype(dtype),
-            (jax.random.normal(ku, (e, d, f), jnp.float32) / np.sqrt(d)).astype(dtype),
-            (jax.random.normal(kd, (e, f, d), jnp.float32) / np.sqrt(f)).astype(dtype)))
-    xs_in = [jax.random.normal(keys[2 + c], (1, n, d), jnp.float32).astype(dtype)
-             for c in range(2)]
+    # two copies, so repeated decode calls do not read from the L2
+    weights_sets = [random_experts(jax.random.key(c), d, f, e) for c in range(2)]
+    xs_in = [random_x(jax.random.key(2 + c), n, d) for c in range(2)]
     logits = jnp.asarray(rng.standard_normal((n, e)).astype(np.float32))
-    weights, experts = moe_ops.route(logits, plan.config.moe)
-    counts = np.asarray(moe_ops.expert_counts(experts, e))
+    weights, experts = jax.jit(moe_ops.route, static_argnums=1)(logits, plan.config.moe)
+    counts = np.bincount(np.asarray(experts).reshape(-1), minlength=e)
     used = int((counts > 0).sum())
     flops = n * k * 3 * 2 * d * f
     nbytes = used * 3 * d * f * 2 + 2 * n * d * 2  # chosen experts' weights, x in, y out
@@ -162,11 +168,12 @@ def run_case(model: str, dims, tokens_name: str, n: int, quick: bool, rows: list
     shape = f"{model} {tokens_name} N={n} D={d} F={f} E={e} k={k}"
     ref = reference(xs_in[0], weights, experts, *weights_sets[0])
 
-    order = jnp.argsort(experts.reshape(-1), stable=True)
-    token = order // k
+    order = np.argsort(np.asarray(experts).reshape(-1), stable=True)
+    token = jnp.asarray(order // k, jnp.int32)
     sorted_x = [x.reshape(n, d)[token] for x in xs_in]
     sizes = jnp.asarray(counts, jnp.int32)
 
+    @jax.jit
     def unsort(y):  # [N * k, D] sorted rows -> [N, D], weighted
         y = y * weights.reshape(-1)[order][:, None]
         return jnp.zeros((n, d), jnp.float32).at[token].add(y)
@@ -182,6 +189,7 @@ def run_case(model: str, dims, tokens_name: str, n: int, quick: bool, rows: list
         return pk.grouped_down(act, groups.tile_experts, wd, interpret=interpret,
                                block_sizes=blocks)
 
+    @jax.jit
     def ungroup(y):  # [R, D] grouped rows -> [N, D], weighted
         return jnp.sum(y[groups.dest].reshape(n, k, d) * weights[:, :, None], axis=1)
 

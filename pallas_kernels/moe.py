@@ -397,6 +397,7 @@ def max_tiles(assignments: int, num_experts: int, block_m: int) -> int:
     return (assignments + used * (block_m - 1)) // block_m
 
 
+@functools.partial(jax.jit, static_argnames=("num_experts", "block_m"))
 def group_by_expert(experts, num_experts: int, block_m: int) -> Groups:
     """experts [N, k] int32 -> the grouped layout: the assignments sorted by expert (stable,
     so a group keeps token order), each group padded to a multiple of block_m rows."""

@@ -71,8 +71,8 @@ def routings(n: int) -> dict:
 
 
 @pytest.mark.parametrize("dtype, n, cases", [
-    (jnp.float32, 21, ("random", "two empty", "one takes all")), (jnp.bfloat16, 21, ("two empty",)),
-    (jnp.float32, 1, ("random",)), (jnp.float32, 40, ("random",))])
+    (jnp.float32, 21, ("random", "two empty", "one takes all")), (jnp.float32, 1, ("random",)),
+    (jnp.bfloat16, 40, ("two empty",))])
 def test_grouped_matches_reference(dtype, n, cases):
     grouped = jax.jit(pk.moe_grouped, static_argnames=("interpret", "block_sizes"))
     for case in cases:
@@ -228,7 +228,7 @@ def test_benchmark_runs_quick_on_cpu(tmp_path):
     from benchmarks import moe as bench
 
     out = tmp_path / "moe.jsonl"
-    impls = ("pallas_decode", "grouped_only", "dense_loop")
+    impls = ("pallas_decode", "dense_loop")
     assert bench.main(["--quick", "--models", "tiny-e16k4", "--tokens", "decode_4", "--impls",
                        ",".join(impls), "--json", str(out)]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
