@@ -21,8 +21,10 @@ chosen experts' weights are read, and no gathered copy of them is made.
   row n, broadcast into the dot's block_m rows with the others zero). Kernel 1 streams gate and
   up for F columns and applies the SwiGLU; kernel 2 streams the down projection for D columns,
   split along F (split_k) so that Mixtral's 2 x 64 column tiles still fill the SMs, and writes
-  float32 partials [S, N * k, D]. XLA sums them and weights the k experts in one fusion. Experts
-  that two tokens share are read twice: for more rows the grouped path reads each once.
+  each F chunk's product times the routing weight as float32 chunks [S * k, N, D]: their sum is
+  the output, taken by XLA or left to the consumer kernel (partials=True: the next layer's
+  fused matmul adds them to the residual stream). Experts that two tokens share are read
+  twice: for more rows the grouped path reads each once.
 - Grouped: the assignments sorted by expert (jnp, outside the kernels: `group_by_expert`), each
   expert's group padded to block_m rows, so a row tile belongs to one expert; a tile -> expert
   map (-1: an empty tile past the used ones, which does no work) over the static upper bound of
@@ -184,10 +186,14 @@ def _swiglu_kernel(te_ref, x_ref, wg_ref, wu_ref, o_ref, *, d: int, f: int, top_
             plgpu.store(out, act, mask=jnp.broadcast_to(col_ok, (rows, bn)))
 
 
-def _down_kernel(te_ref, a_ref, wd_ref, o_ref, *, f: int, d: int, single: bool, n_tiles: int,
-                 n_cols: int, k_chunk: int, blocks: MoEBlockSizes):
+def _down_kernel(te_ref, a_ref, wd_ref, *refs, f: int, d: int, single: bool, top_k: int,
+                 n_tiles: int, n_cols: int, k_chunk: int, blocks: MoEBlockSizes):
     # te_ref [T] int32; a_ref [T + bm or R, Fp] the SwiGLU rows (single: row t is tile t);
-    # wd_ref [E, Fp, Dp]; o_ref [S, T or R, Dp] float32: this F chunk's sums.
+    # wd_ref [E, Fp, Dp]; single: rw_ref [T] float32 the routing weights, then o_ref
+    # [S * top_k, T // top_k, Dp] float32: this F chunk's sums times the routing weight, the
+    # assignment t = n * top_k + j at chunk s * top_k + j, row n (the chunks' sum is the
+    # output); else o_ref [1, R, Dp] float32.
+    rw_ref, o_ref = refs if single else (None, *refs)
     bm, bn, bk = blocks.block_m, blocks.block_n_down, blocks.block_k
     tile, col = _tile_and_col(n_tiles, n_cols, blocks.group_m)
     chunk = pl.program_id(1)
@@ -211,9 +217,12 @@ def _down_kernel(te_ref, a_ref, wd_ref, o_ref, *, f: int, d: int, single: bool, 
 
         acc = lax.fori_loop(0, k_chunk // bk, step, jnp.zeros((bm, bn), jnp.float32))
         if single:
-            acc = jnp.sum(acc, axis=0, keepdims=True)  # [1, bn]
+            acc = jnp.sum(acc, axis=0, keepdims=True) * rw_ref[tile]  # [1, bn]
+            out = o_ref.at[chunk * top_k + lax.rem(tile, top_k), pl.ds(tile // top_k, 1),
+                           pl.ds(d0, bn)]
+        else:
+            out = o_ref.at[chunk, pl.ds(row, bm), pl.ds(d0, bn)]
         rows = 1 if single else bm
-        out = o_ref.at[chunk, pl.ds(row, rows), pl.ds(d0, bn)]
         if col_ok is None:
             out[...] = acc
         else:
@@ -256,9 +265,9 @@ def _swiglu_call(tile_experts, x, w_gate, w_up, *, top_k, single, blocks, interp
     )(tile_experts, x, w_gate, w_up)
 
 
-@functools.partial(jax.jit, static_argnames=("single", "blocks", "interpret"))
-def _down_call(tile_experts, act, w_down, *, single, blocks, interpret):
-    """[S, T or R, D] float32 (see _down_kernel)."""
+@functools.partial(jax.jit, static_argnames=("top_k", "single", "blocks", "interpret"))
+def _down_call(tile_experts, act, w_down, routing=None, *, top_k, single, blocks, interpret):
+    """single: [S * top_k, T // top_k, D], else [1, R, D], float32 (see _down_kernel)."""
     e, f, d = w_down.shape
     n_tiles = tile_experts.shape[0]
     rows = act.shape[0]
@@ -269,23 +278,29 @@ def _down_call(tile_experts, act, w_down, *, single, blocks, interpret):
     dp = _pad(d, blocks.block_n_down)
     n_cols = dp // blocks.block_n_down
     group_m = min(blocks.group_m, n_tiles)
-    kernel = functools.partial(_down_kernel, f=f, d=d, single=single, n_tiles=n_tiles,
-                               n_cols=n_cols, k_chunk=k_chunk,
+    kernel = functools.partial(_down_kernel, f=f, d=d, single=single, top_k=top_k,
+                               n_tiles=n_tiles, n_cols=n_cols, k_chunk=k_chunk,
                                blocks=dataclasses.replace(blocks, group_m=group_m))
+    in_specs = [_whole((n_tiles,)), _whole((rows + single * blocks.block_m, split * k_chunk)),
+                _whole((e, split * k_chunk, dp))]
+    args = [tile_experts, act, w_down]
+    out = (split, rows, d)
+    if single:
+        in_specs.append(_whole((n_tiles,)))
+        args.append(routing)
+        out = (split * top_k, n_tiles // top_k, d)
     return pl.pallas_call(
         kernel,
         grid=(n_tiles * n_cols, split),
-        in_specs=[_whole((n_tiles,)),
-                  _whole((rows + single * blocks.block_m, split * k_chunk)),
-                  _whole((e, split * k_chunk, dp))],
-        out_specs=_whole((split, rows, dp)),
-        out_shape=jax.ShapeDtypeStruct((split, rows, d), jnp.float32),
+        in_specs=in_specs,
+        out_specs=_whole((*out[:2], dp)),
+        out_shape=jax.ShapeDtypeStruct(out, jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps,
                                              num_stages=blocks.num_stages),
         interpret=interpret,
         name=f"moe_{'decode' if single else 'grouped'}_down_f{f}_d{d}"
              + (f"_split{split}" if split > 1 else ""),
-    )(tile_experts, act, w_down)
+    )(*args)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -341,26 +356,32 @@ def _combine(y, weights):
 # ---------------------------------------------------------------------------------------------
 
 
-def moe_decode(x, weights, experts, w_gate, w_up, w_down, *, interpret: bool = False,
-               block_sizes: MoEBlockSizes | None = None):
+def moe_decode(x, weights, experts, w_gate, w_up, w_down, *, partials: bool = False,
+               interpret: bool = False, block_sizes: MoEBlockSizes | None = None):
     """The routed experts for few tokens (see the module docstring): x [N, D] -> [N, D]
     float32. Each assignment streams its expert's gate, up and down once; meant for N * k up
-    to ~64 (beyond, or with many shared experts, moe_grouped reads less)."""
+    to ~64 (beyond, or with many shared experts, moe_grouped reads less).
+    partials=True: float32 [S * k, N, D] whose sum over the first axis is the output (each
+    F chunk's product of each of the k experts, weighted), for a consumer that sums them
+    itself (the next layer's fused matmul adds them to the residual stream)."""
     check_experts("moe_decode", x, weights, experts, w_gate, w_up, w_down)
     blocks = _blocks(block_sizes, x, experts, w_gate, decode=True)
     tile_experts = experts.reshape(-1)  # [N * k]: the assignments, token-major
-    act = _swiglu_call(tile_experts, x, w_gate, w_up, top_k=experts.shape[1], single=True,
-                       blocks=blocks, interpret=interpret)  # [N * k, F]
-    parts = _down_call(tile_experts, act, w_down, single=True, blocks=blocks,
-                       interpret=interpret)  # [S, N * k, D] float32
-    return _combine(jnp.sum(parts, axis=0), weights)
+    k = experts.shape[1]
+    act = _swiglu_call(tile_experts, x, w_gate, w_up, top_k=k, single=True, blocks=blocks,
+                       interpret=interpret)  # [N * k, F]
+    parts = _down_call(tile_experts, act, w_down, weights.reshape(-1), top_k=k, single=True,
+                       blocks=blocks, interpret=interpret)  # [S * k, N, D] float32
+    return parts if partials else jnp.sum(parts, axis=0)
 
 
 def moe_experts_reference(x, weights, experts, w_gate, w_up, w_down, *,
-                          interpret: bool = False, block_sizes: MoEBlockSizes | None = None):
+                          partials: bool = False, interpret: bool = False,
+                          block_sizes: MoEBlockSizes | None = None):
     """moe_decode / moe_grouped in plain jnp: each token's k experts' weights taken and
     applied, float32 accumulation (IEEE for float32 inputs), the SwiGLU rounded to x's dtype,
-    the k experts weighted in float32."""
+    the k experts weighted in float32. partials=True: the k weighted products [k, N, D]
+    (one chunk per expert: their sum is the output)."""
     del interpret, block_sizes
     check_experts("moe_experts_reference", x, weights, experts, w_gate, w_up, w_down)
     hp = ref_precision(x.dtype)
@@ -371,6 +392,8 @@ def moe_experts_reference(x, weights, experts, w_gate, w_up, w_down, *,
     act = (jax.nn.silu(g.astype(x.dtype)) * u.astype(x.dtype)).astype(x.dtype)
     y = jnp.einsum("nkf,nkfd->nkd", act, jnp.take(w_down, experts, axis=0), precision=hp,
                    preferred_element_type=jnp.float32)  # [N, k, D]
+    if partials:
+        return jnp.transpose(y * weights[:, :, None], (1, 0, 2))
     return _combine(y.reshape(-1, y.shape[-1]), weights)
 
 
@@ -448,7 +471,7 @@ def grouped_down(act, tile_experts, w_down, *, interpret: bool = False,
     """act [R, F] (tiles as in grouped_swiglu) -> act @ w_down[e] [R, D] float32."""
     check_grouped("grouped_down", act, tile_experts, w_down, block_sizes)
     blocks = dataclasses.replace(block_sizes, split_k=1)
-    return _down_call(tile_experts, act, w_down, single=False, blocks=blocks,
+    return _down_call(tile_experts, act, w_down, top_k=1, single=False, blocks=blocks,
                       interpret=interpret)[0]
 
 

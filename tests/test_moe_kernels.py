@@ -59,6 +59,13 @@ def test_decode_matches_reference(dtype, n, blocks):
     assert rel_err(out, ref) < TOL[dtype]
     if dtype == jnp.float32:
         assert rel_err(out, per_token_loop(*args)) < 1e-5
+    # The weighted chunks a consumer sums: S F chunks of each of the k experts.
+    parts = pk.moe_decode(*args, partials=True, interpret=True, block_sizes=blocks)
+    split = 2 if blocks is SPLIT else 1
+    assert parts.shape == (split * 2, n, 40)
+    np.testing.assert_allclose(parts.sum(0), out, rtol=1e-6, atol=1e-6)
+    want = pk.moe_decode_reference(*args, partials=True)  # [k, N, D]
+    assert rel_err(parts.reshape(split, 2, n, 40).sum(0), want) < TOL[dtype]
 
 
 def routings(n: int) -> dict:

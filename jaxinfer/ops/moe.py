@@ -24,11 +24,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+import pallas_kernels as pk
 from jaxinfer.configs import MoEConfig
 from jaxinfer.ops.dispatch import KERNEL_DTYPES, Registry, always, rows
 from jaxinfer.ops.linear import boundary, matmul
 from jaxinfer.ops.mlp import SWIGLU
-from jaxinfer.ops.stream import ANY_SUM, Residual
+from jaxinfer.ops.stream import ANY_SUM, Deferred, Form, Partials, Residual
 from jaxinfer.plan import Kernels, MoEImpl, Plan
 from jaxinfer.weights import Kind, ParamSpec
 
@@ -165,11 +166,9 @@ def _pallas_decode_supports(x, weights, experts, w_gate, w_up, w_down, plan) -> 
 @EXPERTS.register("pallas_decode", _pallas_decode_supports)
 def _pallas_decode(x, weights, experts, w_gate, w_up, w_down, plan):
     """pallas_kernels.moe_decode: each assignment's expert streamed by its own programs."""
-    from pallas_kernels import moe_decode
-
     lead, d = x.shape[:-1], x.shape[-1]
-    out = moe_decode(x.reshape(-1, d), weights, experts, w_gate, w_up, w_down,
-                     interpret=plan.policy.interpret)  # [N, D] float32
+    out = pk.moe_decode(x.reshape(-1, d), weights, experts, w_gate, w_up, w_down,
+                        interpret=plan.policy.interpret)  # [N, D] float32
     return out.reshape(*lead, d)
 
 
@@ -180,11 +179,9 @@ def _pallas_grouped_supports(x, weights, experts, w_gate, w_up, w_down, plan) ->
 @EXPERTS.register("pallas_grouped", _pallas_grouped_supports)
 def _pallas_grouped(x, weights, experts, w_gate, w_up, w_down, plan):
     """pallas_kernels.moe_grouped: the grouped GEMM over the rows sorted by expert."""
-    from pallas_kernels import moe_grouped
-
     lead, d = x.shape[:-1], x.shape[-1]
-    out = moe_grouped(x.reshape(-1, d), weights, experts, w_gate, w_up, w_down,
-                      interpret=plan.policy.interpret)  # [N, D] float32
+    out = pk.moe_grouped(x.reshape(-1, d), weights, experts, w_gate, w_up, w_down,
+                         interpret=plan.policy.interpret)  # [N, D] float32
     return out.reshape(*lead, d)
 
 
@@ -293,12 +290,25 @@ def moe_mlp(stream: Residual, norm_weight, layer_params: dict, plan: Plan) -> Re
     with jax.named_scope("router"):
         weights, experts = route(router_logits(h, lp["router"]).reshape(b * t, -1), moe,
                                  lp.get("router_bias"))  # [N, k] each
+    rest = Residual(x, aval, spare=stream.spare, dead=stream.dead)
+    experts_args = (h, weights, experts, lp["experts_gate"], lp["experts_up"],
+                    lp["experts_down"], plan)
+    if not moe.num_shared_experts and EXPERTS.pick(*experts_args).name == "pallas_decode":
+        # The decode kernel's weighted chunks go to the consumer, which adds them to the
+        # stream in its own kernel (no combine, add or norm kernel in between).
+        def emit(accept, prefetch):
+            with jax.named_scope("experts"):
+                if Form.PARTIALS in accept:
+                    parts = pk.moe_decode(h.reshape(b * t, d), *experts_args[1:-1],
+                                          partials=True, interpret=policy.interpret)
+                    return (Partials(parts.reshape(-1, b, t, d)),)  # [S * k, B, T, D]
+                return (EXPERTS(*experts_args).astype(aval.dtype),)
+
+        return rest.with_pending(Deferred(emit).part(0))
     with jax.named_scope("experts"):
-        out = EXPERTS(h, weights, experts, lp["experts_gate"], lp["experts_up"],
-                      lp["experts_down"], plan)  # [B, T, D] float32
+        out = EXPERTS(*experts_args)  # [B, T, D] float32
     if moe.num_shared_experts:
         with jax.named_scope("shared_experts"):
             _, act = SWIGLU(h, lp["shared_gate"], lp["shared_up"], plan)  # [B, T, Fs]
             out = out + matmul(act, lp["shared_down"], plan, out_dtype=jnp.float32)[1]
-    rest = Residual(x, aval, spare=stream.spare, dead=stream.dead)
     return rest.with_pending(out.astype(aval.dtype))
