@@ -3,31 +3,40 @@
     PYTHONPATH=. python3 benchmarks/moe.py --json out.jsonl [--quick]
 
 For Mixtral-8x7B's experts (D 4096, F 14336, E 8, top-2) and Qwen3-30B-A3B's (D 2048,
-F 768, E 128, top-8), bf16, at prefill (B4 T2k = 8192 tokens) and decode (1 and 32 tokens),
-with real routing (softmax top-k of random router logits):
+F 768, E 128, top-8), bf16, at prefill (B4 T2k = 8192 tokens) and decode (1, 4 and 32
+tokens), with real routing (softmax top-k of random router logits):
 
     ours_ragged      jaxinfer.ops.moe's ragged_dot path: sort by expert, gather the rows, three
-                     jax.lax.ragged_dot, weighted scatter-add back (what the model runs)
-    ragged_dot_only  the three jax.lax.ragged_dot calls alone, on rows already sorted
+                     jax.lax.ragged_dot, weighted scatter-add back (the model's on a GPU
+                     before the Pallas kernels)
+    ragged_dot_only  the three jax.lax.ragged_dot calls alone, on rows already sorted (prefill)
     dense_loop       a Python loop over the experts: each a dense matmul of its sorted rows
                      (group sizes fixed at trace time)
-    gather           jaxinfer.ops.moe's gather path (decode shapes: the chosen experts' weights
-                     taken per token)
-    dense_all        jaxinfer.ops.moe's reference: every expert on every token in float32
-                     (E / k times the work; decode shapes only)
+    gather           jaxinfer.ops.moe's gather path (1 and 4 tokens: the chosen experts'
+                     weights taken per token)
+    pallas_decode    pallas_kernels.moe_decode: a kernel row per token-expert assignment, the
+                     expert indexed inside the kernel (decode shapes; at one token also at
+                     other tiles, DECODE_TILES below)
+    pallas_grouped   pallas_kernels.moe_grouped: sort and pad by expert (XLA), the grouped
+                     SwiGLU and down kernels, the weighted combine (XLA); default tiles
+    grouped_only     its two kernels alone, on rows already grouped (the sort's cost apart)
+    pallas_grouped_<tiles>   the same at other tiles (prefill shapes; TILES below)
 
 Each is checked against a float32 reference at full precision (relative L2 error); its time
 is the median of repeated calls (benchmarks/kernels.py time_fn) rotating over two copies of
 the weights, so a decode step cannot hit the L2. Reported: ms, TFLOP/s of the routed work
 (N * k * 3 * 2 * D * F), TB/s of the expert bytes actually needed (the distinct chosen
-experts' weights: all of them at prefill, only the chosen ones at decode), and the fraction of
-the floor max(flops / 790 TFLOP/s, bytes / 4.8 TB/s) that the time reaches. JSON lines, then
-a table. --quick: tiny shapes on the CPU (checks that the script runs).
+experts' weights: all of them at prefill, only the chosen ones at decode), the fraction of
+the floor max(flops / 790 TFLOP/s, bytes / 4.8 TB/s) that the time reaches, and the dense
+loop's time over this one (vs_loop > 1: faster than the ceiling). JSON lines, then a table.
+--quick: tiny shapes on the CPU, the kernels in interpret mode, one timed call each (checks
+that the script runs and every variant meets the reference).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import sys
@@ -37,17 +46,34 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import pallas_kernels as pk
 from benchmarks.kernels import time_fn
 from jaxinfer.configs import Config, MoEConfig
 from jaxinfer.ops import moe as moe_ops
 from jaxinfer.plan import Plan
+from pallas_kernels.moe import default_block_sizes
 
 FLOOR_TFLOPS = 790.0  # H200 bf16 dense
 FLOOR_TBS = 4.8  # H200 HBM3e
 MODELS = {"mixtral-8x7b": (4096, 14336, 8, 2), "qwen3-30b-a3b": (2048, 768, 128, 8)}
 QUICK_MODELS = {"tiny-e8k2": (64, 32, 8, 2), "tiny-e16k4": (64, 16, 16, 4)}
-TOKENS = {"prefill_b4_t2k": 8192, "decode_1": 1, "decode_32": 32}
+TOKENS = {"prefill_b4_t2k": 8192, "decode_1": 1, "decode_4": 4, "decode_32": 32}
 QUICK_TOKENS = {"prefill_64": 64, "decode_1": 1, "decode_4": 4}
+# Grouped GEMM tiles tried beside the defaults at prefill (block_m, SwiGLU block_n, down
+# block_n, block_k, warps, stages).
+TILES = {
+    "m128n128": pk.MoEBlockSizes(block_m=128, block_n=128, block_n_down=128, block_k=64,
+                                 num_warps=8, num_stages=3),
+    "m64n128": pk.MoEBlockSizes(block_m=64, block_n=128, block_n_down=128, block_k=64,
+                                num_warps=4, num_stages=4),
+    "m128k32s4": pk.MoEBlockSizes(block_m=128, block_n=64, block_n_down=128, block_k=32,
+                                  num_warps=8, num_stages=4),
+}
+# The decode kernel's tiles tried beside its defaults at one token (fields changed).
+DECODE_TILES = {"n128": {"block_n": 128}, "k256": {"block_k": 256},
+                "down128": {"block_n_down": 128}}
+QUICK_TILES = {"m16n16": pk.MoEBlockSizes(block_m=16, block_n=16, block_n_down=16, block_k=16,
+                                          num_warps=4, num_stages=2)}
 
 
 def plan_for(d: int, f: int, e: int, k: int) -> Plan:
@@ -103,6 +129,20 @@ def reference(x, weights, experts, wg, wu, wd):
     return out
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def random_experts(key, d: int, f: int, e: int):
+    """Fan-in scaled normal gate, up [E, D, F] and down [E, F, D] weights in bf16."""
+    kg, ku, kd = jax.random.split(key, 3)
+    return ((jax.random.normal(kg, (e, d, f), jnp.float32) / np.sqrt(d)).astype(jnp.bfloat16),
+            (jax.random.normal(ku, (e, d, f), jnp.float32) / np.sqrt(d)).astype(jnp.bfloat16),
+            (jax.random.normal(kd, (e, f, d), jnp.float32) / np.sqrt(f)).astype(jnp.bfloat16))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def random_x(key, n: int, d: int):
+    return jax.random.normal(key, (1, n, d), jnp.float32).astype(jnp.bfloat16)
+
+
 def rel(a, b) -> float:
     a, b = np.asarray(a, np.float32).reshape(-1), np.asarray(b, np.float32).reshape(-1)
     if not np.all(np.isfinite(a)):
@@ -110,24 +150,17 @@ def rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def run_case(model: str, dims, tokens_name: str, n: int, quick: bool, rows: list):
+def run_case(model: str, dims, tokens_name: str, n: int, quick: bool, rows: list,
+             only: tuple = ()):
     d, f, e, k = dims
     plan = plan_for(d, f, e, k)
     rng = np.random.default_rng(0)
-    keys = jax.random.split(jax.random.key(0), 8)
-    dtype = jnp.bfloat16
-    weights_sets = []
-    for c in range(2):  # two copies, so repeated decode calls do not read from the L2
-        kg, ku, kd = jax.random.split(keys[c], 3)
-        weights_sets.append((
-            (jax.random.normal(kg, (e, d, f), jnp.float32) / np.sqrt(d)).astype(dtype),
-            (jax.random.normal(ku, (e, d, f), jnp.float32) / np.sqrt(d)).astype(dtype),
-            (jax.random.normal(kd, (e, f, d), jnp.float32) / np.sqrt(f)).astype(dtype)))
-    xs_in = [jax.random.normal(keys[2 + c], (1, n, d), jnp.float32).astype(dtype)
-             for c in range(2)]
+    # two copies, so repeated decode calls do not read from the L2
+    weights_sets = [random_experts(jax.random.key(c), d, f, e) for c in range(2)]
+    xs_in = [random_x(jax.random.key(2 + c), n, d) for c in range(2)]
     logits = jnp.asarray(rng.standard_normal((n, e)).astype(np.float32))
-    weights, experts = moe_ops.route(logits, plan.config.moe)
-    counts = np.asarray(moe_ops.expert_counts(experts, e))
+    weights, experts = jax.jit(moe_ops.route, static_argnums=1)(logits, plan.config.moe)
+    counts = np.bincount(np.asarray(experts).reshape(-1), minlength=e)
     used = int((counts > 0).sum())
     flops = n * k * 3 * 2 * d * f
     nbytes = used * 3 * d * f * 2 + 2 * n * d * 2  # chosen experts' weights, x in, y out
@@ -135,43 +168,84 @@ def run_case(model: str, dims, tokens_name: str, n: int, quick: bool, rows: list
     shape = f"{model} {tokens_name} N={n} D={d} F={f} E={e} k={k}"
     ref = reference(xs_in[0], weights, experts, *weights_sets[0])
 
-    order = jnp.argsort(experts.reshape(-1), stable=True)
-    token = order // k
+    order = np.argsort(np.asarray(experts).reshape(-1), stable=True)
+    token = jnp.asarray(order // k, jnp.int32)
     sorted_x = [x.reshape(n, d)[token] for x in xs_in]
     sizes = jnp.asarray(counts, jnp.int32)
 
+    @jax.jit
     def unsort(y):  # [N * k, D] sorted rows -> [N, D], weighted
         y = y * weights.reshape(-1)[order][:, None]
         return jnp.zeros((n, d), jnp.float32).at[token].add(y)
 
+    interpret = jax.default_backend() == "cpu"
+    blocks = default_block_sizes(n, d, f, e, k, decode=False)
+    groups = pk.group_by_expert(experts, e, blocks.block_m)
+    grouped_x = [x.reshape(n, d)[groups.row_token] for x in xs_in]
+
+    def grouped_only(xs, wg, wu, wd):
+        act = pk.grouped_swiglu(xs, groups.tile_experts, wg, wu, interpret=interpret,
+                                block_sizes=blocks)
+        return pk.grouped_down(act, groups.tile_experts, wd, interpret=interpret,
+                               block_sizes=blocks)
+
+    @jax.jit
+    def ungroup(y):  # [R, D] grouped rows -> [N, D], weighted
+        return jnp.sum(y[groups.dest].reshape(n, k, d) * weights[:, :, None], axis=1)
+
+    def kernel(fn, tiles=None):
+        return jax.jit(functools.partial(fn, interpret=interpret, block_sizes=tiles))
+
+    routed = [(x.reshape(n, d), weights, experts, *w) for x, w in zip(xs_in, weights_sets)]
     impls = {
+        "pallas_grouped": (kernel(pk.moe_grouped), routed, None),
+        "grouped_only": (jax.jit(grouped_only),
+                         [(gx, *w) for gx, w in zip(grouped_x, weights_sets)], ungroup),
+    }
+    decode = tokens_name.startswith("decode")
+    if decode:
+        impls["pallas_decode"] = (kernel(pk.moe_decode), routed, None)
+        if n == 1 and not quick:  # the decode kernel's tiles, one change each
+            own = default_block_sizes(n, d, f, e, k, decode=True)
+            for name, change in DECODE_TILES.items():
+                impls[f"pallas_decode_{name}"] = (
+                    kernel(pk.moe_decode, dataclasses.replace(own, **change)), routed, None)
+    else:
+        for name, tiles in (QUICK_TILES if quick else TILES).items():
+            impls[f"pallas_grouped_{name}"] = (kernel(pk.moe_grouped, tiles), routed, None)
+    impls.update({
         "ours_ragged": (jax.jit(functools.partial(
             moe_ops.EXPERTS.get("ragged_dot").run, plan=plan)),
             [(x, weights, experts, *w) for x, w in zip(xs_in, weights_sets)], None),
-        "ragged_dot_only": (jax.jit(ragged_only),
-                            [(sx, sizes, *w) for sx, w in zip(sorted_x, weights_sets)], unsort),
         "dense_loop": (jax.jit(functools.partial(dense_loop, sizes=tuple(int(c) for c in counts))),
                        [(sx, *w) for sx, w in zip(sorted_x, weights_sets)], unsort),
-    }
-    if n <= 64:
+    })
+    if not decode:  # at decode it times as ours_ragged (benchmarks/DECISIONS.md)
+        impls["ragged_dot_only"] = (
+            jax.jit(ragged_only), [(sx, sizes, *w) for sx, w in zip(sorted_x, weights_sets)],
+            unsort)
+    if n <= 4:  # 32 tokens' gathered copies took 15.8 ms at Mixtral's shapes
         impls["gather"] = (jax.jit(functools.partial(moe_ops.EXPERTS.get("gather").run,
                                                      plan=plan)),
                            [(x, weights, experts, *w) for x, w in zip(xs_in, weights_sets)],
                            None)
-    if n <= 64:
-        impls["dense_all"] = (jax.jit(functools.partial(moe_ops.EXPERTS.get("dense").run,
-                                                        plan=plan)),
-                              [(x, weights, experts, *w) for x, w in zip(xs_in, weights_sets)],
-                              None)
+    case_rows = []
     for name, (fn, arg_sets, post) in impls.items():
+        if only and name not in only:
+            continue
         try:
             out = fn(*arg_sets[0])
             err = rel(post(out) if post is not None else out, ref)
             t0 = time.perf_counter()
             jax.block_until_ready(fn(*arg_sets[1]))
             guess = time.perf_counter() - t0  # ~0.25 s of calls per repeat
-            seconds = time_fn(fn, arg_sets, iters=int(min(50, max(3, 0.25 / guess))),
-                              repeats=3 if quick else 5)
+            if quick:  # interpret mode on a CPU: one more call is the time (no chained calls)
+                t0 = time.perf_counter()
+                jax.block_until_ready(fn(*arg_sets[0]))
+                seconds = time.perf_counter() - t0
+            else:
+                seconds = time_fn(fn, arg_sets, iters=int(min(50, max(3, 0.25 / guess))),
+                                  repeats=5)
         except Exception as exc:  # report and go on: one failing path must not hide the rest
             row = dict(shape=shape, impl=name, error=f"{type(exc).__name__}: {str(exc)[:300]}")
             print(json.dumps(row), flush=True)
@@ -180,6 +254,10 @@ def run_case(model: str, dims, tokens_name: str, n: int, quick: bool, rows: list
         row = dict(model=model, tokens=tokens_name, n=n, d=d, f=f, e=e, k=k, impl=name,
                    experts_read=used, ms=seconds * 1e3, tflops=flops / seconds / 1e12,
                    tbs=nbytes / seconds / 1e12, floor_fraction=floor_s / seconds, rel_err=err)
+        case_rows.append(row)
+    loop = next((r["ms"] for r in case_rows if r["impl"] == "dense_loop"), None)
+    for row in case_rows:
+        row["vs_loop"] = loop / row["ms"] if loop else None
         print(json.dumps(row), flush=True)
         rows.append(row)
 
@@ -189,30 +267,38 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="write the JSON lines here too")
     parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU)")
     parser.add_argument("--models", default=None, help="comma-separated subset of the models")
+    parser.add_argument("--tokens", default=None, help="comma-separated subset of the token "
+                        "counts (their names: prefill_b4_t2k, decode_1, ...)")
+    parser.add_argument("--impls", default=None, help="comma-separated subset of the "
+                        "implementations (dense_loop is needed for vs_loop)")
     args = parser.parse_args(argv)
     models = QUICK_MODELS if args.quick else MODELS
     tokens = QUICK_TOKENS if args.quick else TOKENS
     if args.models:
         models = {m: models[m] for m in args.models.split(",")}
+    if args.tokens:
+        tokens = {t: tokens[t] for t in args.tokens.split(",")}
+    only = tuple(args.impls.split(",")) if args.impls else ()
     print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
     rows: list[dict] = []
     for model, dims in models.items():
         for tokens_name, n in tokens.items():
-            run_case(model, dims, tokens_name, n, args.quick, rows)
+            run_case(model, dims, tokens_name, n, args.quick, rows, only)
     if args.json:
         with open(args.json, "w") as fh:
             fh.writelines(json.dumps(r) + "\n" for r in rows)
-    print(f"\n{'shape':44s} {'impl':16s} {'ms':>9s} {'TFLOP/s':>8s} {'TB/s':>7s} "
-          f"{'floor':>6s} {'experts':>7s} {'rel err':>8s}")
+    print(f"\n{'shape':34s} {'impl':26s} {'ms':>9s} {'TFLOP/s':>8s} {'TB/s':>7s} "
+          f"{'floor':>6s} {'vs_loop':>7s} {'experts':>7s} {'rel err':>8s}")
     bad = 0
     for r in rows:
         if "error" in r:
-            print(f"{r['shape']:44s} {r['impl']:16s} FAILED {r['error'][:80]}")
+            print(f"{r['shape']:34s} {r['impl']:26s} FAILED {r['error'][:80]}")
             bad += 1
             continue
         shape = f"{r['model']} {r['tokens']}"
-        print(f"{shape:44s} {r['impl']:16s} {r['ms']:9.3f} {r['tflops']:8.1f} {r['tbs']:7.3f} "
-              f"{r['floor_fraction']:6.1%} {r['experts_read']:7d} {r['rel_err']:8.1e}")
+        vs = f"{r['vs_loop']:7.2f}" if r["vs_loop"] else f"{'':7s}"
+        print(f"{shape:34s} {r['impl']:26s} {r['ms']:9.3f} {r['tflops']:8.1f} {r['tbs']:7.3f} "
+              f"{r['floor_fraction']:6.1%} {vs} {r['experts_read']:7d} {r['rel_err']:8.1e}")
         bad += not r["rel_err"] <= 2e-2
     return 1 if bad else 0
 

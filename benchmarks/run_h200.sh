@@ -20,8 +20,9 @@
 #                                        # ($KV_ARGS: e.g. --skip greedy where it is absent)
 #   bash benchmarks/run_h200.sh quant    # jaxinfer bench, bf16 vs int8 vs int4 weights
 #   bash benchmarks/run_h200.sh qkernels # benchmarks/quantized.py (quantized decode matmuls)
-#   bash benchmarks/run_h200.sh moe      # benchmarks/moe.py: MoE experts, ragged_dot vs a dense
-#                                        # per-expert loop vs gather (Mixtral, Qwen3-30B-A3B)
+#   bash benchmarks/run_h200.sh moe      # benchmarks/moe.py: MoE experts, our Pallas kernels vs
+#                                        # ragged_dot vs a dense per-expert loop vs gather
+#                                        # (Mixtral, Qwen3-30B-A3B; $MOE_ARGS: e.g. --tokens ...)
 #   bash benchmarks/run_h200.sh deepseek # jaxinfer bench at DeepSeek-V2-Lite shapes (MLA + MoE,
 #                                        # random weights): B=1 and B=32 decode
 #   bash benchmarks/run_h200.sh gemma    # benchmarks/gemma_attention.py (soft-capped flash and
@@ -134,8 +135,8 @@ kv() {  # the quantized KV caches: speed and bytes at 32k, then fidelity on the 
     | grep -v '^bench' | tail -20
 }
 moe() {  # benchmarks/moe.py: the MoE experts' implementations at prefill and decode shapes
-  timeout "${MOE_TIMEOUT:-300}" python3 benchmarks/moe.py ${QUICK:+--quick} \
-    ${MOE_MODELS:+--models "$MOE_MODELS"} --json "$out/moe.jsonl" 2>&1 | grep -v '^{' | tail -40
+  timeout "${MOE_TIMEOUT:-300}" python3 benchmarks/moe.py ${QUICK:+--quick} ${MOE_ARGS:-} \
+    ${MOE_MODELS:+--models "$MOE_MODELS"} --json "$out/moe.jsonl" 2>&1 | grep -v '^{' | tail -80
 }
 deepseek() {  # DeepSeek-V2-Lite shapes: the latent cache and the absorbed decode (jnp for now)
   bench . deepseek --preset deepseek-v2-lite --batch 1 --prompt-len 128 --gen-len 128

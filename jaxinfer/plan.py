@@ -53,7 +53,12 @@ class Flash(enum.Enum):
 
 class MoEImpl(enum.Enum):
     """How a MoE layer runs its routed experts (jaxinfer/ops/moe.py)."""
-    AUTO = "auto"  # GATHER at most moe_gather_rows token rows, else RAGGED_DOT
+    # PALLAS where the kernels run (a GPU or interpret=True) for 16-bit activations, else
+    # GATHER at most moe_decode_rows token rows and RAGGED_DOT above
+    AUTO = "auto"
+    # pallas_kernels/moe.py: the decode kernel at most moe_decode_rows token rows, the grouped
+    # GEMM above (float32 activations too); without a GPU or interpret, as AUTO
+    PALLAS = "pallas"
     RAGGED_DOT = "ragged_dot"  # tokens sorted by expert, one grouped matmul (jax.lax.ragged_dot)
     GATHER = "gather"  # each token's k chosen experts' weights taken and applied (decode)
     DENSE = "dense"  # every expert on every token, unchosen weights zero (the reference)
@@ -120,11 +125,13 @@ class KernelPolicy:
     # where the reference attention's [T, S] scores of a one-shot 8k prefill take GBs;
     # one shot elsewhere (flash attention). 0: always one shot.
     prefill_chunk: int | None = None
-    # MoE experts: the implementation, and with AUTO the most token rows (B * T) that take
-    # the gather path, which reads only the chosen experts' weights (a first guess;
-    # benchmarks/moe.py measures both paths).
+    # MoE experts: the implementation, and the most token rows (B * T) that take the decode
+    # path (one kernel row per token-expert assignment: experts that tokens share are read
+    # once per token) rather than the grouped GEMM (rows sorted by expert: each expert read
+    # once, after a sort). None: E // (4 k), at least 1, where shared experts cost at most
+    # ~1/8 more bytes (Mixtral 1, Qwen3-30B-A3B 4; benchmarks/moe.py measures both).
     moe: MoEImpl = MoEImpl.AUTO
-    moe_gather_rows: int = 4
+    moe_decode_rows: int | None = None
 
     def __post_init__(self):
         for name, kind in (("kernels", Kernels), ("norm_linear_boundary", Boundary),
@@ -145,7 +152,8 @@ class KernelPolicy:
         _check_int("attention_chunk", self.attention_chunk, 16)
         _check_int("steps_per_sync", self.steps_per_sync, 1)
         _check_int("steps_per_sync_no_stop", self.steps_per_sync_no_stop, 1)
-        _check_int("moe_gather_rows", self.moe_gather_rows, 0)
+        if self.moe_decode_rows is not None:
+            _check_int("moe_decode_rows", self.moe_decode_rows, 0)
         if self.prefill_chunk is not None:
             _check_int("prefill_chunk", self.prefill_chunk, 0)
         if self.attention_chunk & (self.attention_chunk - 1):
@@ -189,6 +197,12 @@ class KernelPolicy:
         tokens do not depend on the other rows of its batch, for batches up to fused_rows."""
         return cls(**{"one_kernel_mlp_rows": 0, "lm_head": Impl.PALLAS,
                       "flash": Flash.TRITON, "batch_invariant": True, **changes})
+
+    def decode_rows(self, num_experts: int, experts_per_token: int) -> int:
+        """moe_decode_rows, or its default for this many experts."""
+        if self.moe_decode_rows is not None:
+            return self.moe_decode_rows
+        return max(1, num_experts // (4 * experts_per_token))
 
     def tiles(self, k: int, n: int, weights: int) -> MatmulBlockSizes | None:
         """The override for a fused matmul of K x N (1 or 2 weights), or None."""

@@ -191,6 +191,17 @@ KERNEL_CASES.update({
                     (S((1, 5376), BF16), S((5376, 21504), BF16), S((5376, 21504), BF16))),
 })
 
+# The MoE experts kernels at Mixtral's (E 8, k 2, D 4096, F 14336) and Qwen3-30B-A3B's (E 128,
+# k 8, D 2048, F 768) shapes: the expert read from an int32 map inside the kernel.
+for _name, _n, (_d, _f, _e, _k) in (("decode mixtral", 1, (4096, 14336, 8, 2)),
+                                    ("decode qwen3", 4, (2048, 768, 128, 8)),
+                                    ("grouped mixtral prefill", 8192, (4096, 14336, 8, 2)),
+                                    ("grouped qwen3 32 tokens", 32, (2048, 768, 128, 8))):
+    KERNEL_CASES[f"moe {_name}"] = (
+        pk.moe_decode if _name.startswith("decode") else pk.moe_grouped,
+        (S((_n, _d), BF16), S((_n, _k), F32), S((_n, _k), I32), S((_e, _d, _f), BF16),
+         S((_e, _d, _f), BF16), S((_e, _f, _d), BF16)))
+
 
 @pytest.mark.parametrize("name", list(KERNEL_CASES))
 def test_kernel_lowers_for_h200(name):
@@ -409,3 +420,18 @@ def test_gemma3_decode_lowers(preset):
     assert names[f"matmul_swiglu_k{d}_n{f}"] == 1, names
     assert any(n.startswith(f"matmul_none_k{d}_n{qkv}") for n in names), names
     assert any(n.startswith(f"matmul_none_k{f}_n{d}") for n in names), names
+
+
+@pytest.mark.parametrize("preset, batch", [("mixtral-8x7b", 1), ("qwen3-30b-a3b", 8)])
+def test_moe_decode_step_takes_the_experts_kernels(preset, batch):
+    """A MoE decode step on the GPU path (two layers): one row per token-expert assignment at
+    batch 1 (Mixtral's moe_decode_rows is 1), its weighted chunks added to the stream by the
+    next layer's q/k/v kernel; the grouped GEMM at 8 rows of Qwen3-30B-A3B's (above its 4)."""
+    names = kernel_names(decode_step_module(preset, batch, 512, num_layers=2))
+    kind = "decode" if batch == 1 else "grouped"
+    assert any(n.startswith(f"moe_{kind}_swiglu") for n in names), names
+    assert any(n.startswith(f"moe_{kind}_down") for n in names), names
+    config = PRESETS[preset]
+    qkv = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+    assert any(n.startswith(f"add_norm_matmul_none_k{config.hidden_size}_n{qkv}")
+               for n in names) == (batch == 1), names

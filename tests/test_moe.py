@@ -19,7 +19,7 @@ from jaxinfer.configs import PRESETS, Config, MoEConfig
 from jaxinfer.models import llama
 from jaxinfer.ops import reference
 from jaxinfer.ops.moe import EXPERTS
-from jaxinfer.plan import KernelPolicy, MoEImpl, Plan
+from jaxinfer.plan import KernelPolicy, Kernels, MoEImpl, Plan
 from jaxinfer.weights import init_params
 
 DATA = pathlib.Path(__file__).parent / "fixtures" / "data"
@@ -132,11 +132,12 @@ def test_configs_read_from_config_json():
 
 
 def test_prefill_takes_ragged_dot_and_decode_takes_gather():
-    """Under the default plan a prompt (16 rows) goes through ragged_dot and a decode step
-    (2 rows) through gather: tests/test_generate.py's incremental-decoding check on every HF
-    fixture (qwen3_moe and mixtral included) then compares both paths with the full forward."""
+    """Under the default plan on this CPU a prompt (16 rows) goes through ragged_dot and a
+    decode step of one row through gather: tests/test_generate.py's incremental-decoding check
+    on every HF fixture (qwen3_moe and mixtral included) then compares both paths with the
+    full forward (tests/test_moe_kernels.py does the same through the Pallas kernels)."""
     model = jaxinfer.load(str(DATA / "hf" / "qwen3_moe"), dtype="float32")
-    step = jax.ShapeDtypeStruct((2, 1, model.config.hidden_size), jnp.float32)
+    step = jax.ShapeDtypeStruct((1, 1, model.config.hidden_size), jnp.float32)
     prompt = jax.ShapeDtypeStruct((2, 8, model.config.hidden_size), jnp.float32)
     assert EXPERTS.pick(step, None, None, None, None, None, model.plan).name == "gather"
     assert EXPERTS.pick(prompt, None, None, None, None, None, model.plan).name == "ragged_dot"
@@ -330,21 +331,50 @@ def test_moe_matches_a_per_token_loop():
 
 
 def test_plan_picks_the_experts_implementation():
-    config = tiny_config()
-    x = lambda b, t: jax.ShapeDtypeStruct((b, t, 32), jnp.float32)  # noqa: E731
-    pick = lambda shape, policy: EXPERTS.pick(shape, None, None, None, None, None,  # noqa: E731
-                                              Plan(config, policy)).name
+    config = tiny_config()  # E 6, k 2: moe_decode_rows defaults to max(1, 6 // 8) = 1
+
+    def x(b, t, dtype=jnp.float32):
+        return jax.ShapeDtypeStruct((b, t, 32), dtype)
+
+    def pick(x, policy, w_dtype=None):
+        w = jax.ShapeDtypeStruct((6, 32, 24), w_dtype or x.dtype)
+        return EXPERTS.pick(x, None, None, w, w, w, Plan(config, policy)).name
+
+    # On this CPU without interpret: XLA's paths, gather at most moe_decode_rows rows.
     assert pick(x(1, 1), KernelPolicy()) == "gather"
-    assert pick(x(4, 1), KernelPolicy()) == "gather"
-    assert pick(x(8, 1), KernelPolicy()) == "ragged_dot"
-    assert pick(x(1, 64), KernelPolicy(moe_gather_rows=0)) == "ragged_dot"
+    assert pick(x(2, 1), KernelPolicy()) == "ragged_dot"
+    assert pick(x(4, 1), KernelPolicy(moe_decode_rows=4)) == "gather"
+    assert pick(x(1, 64), KernelPolicy(moe_decode_rows=0)) == "ragged_dot"
+    assert pick(x(2, 1), KernelPolicy(moe=MoEImpl.PALLAS)) == "ragged_dot"  # no kernels here
     assert pick(x(1, 1), KernelPolicy(moe=MoEImpl.RAGGED_DOT)) == "ragged_dot"
     assert pick(x(64, 64), KernelPolicy(moe=MoEImpl.GATHER)) == "gather"
     assert pick(x(1, 1), KernelPolicy(moe=MoEImpl.DENSE)) == "dense"
-    with pytest.raises(ValueError, match="moe_gather_rows"):
-        KernelPolicy(moe_gather_rows=-1)
+    # The kernels where they run: the decode kernel at most moe_decode_rows rows.
+    interpret = KernelPolicy(interpret=True)
+    for dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
+        assert pick(x(1, 1, dtype), interpret) == "pallas_decode"
+        assert pick(x(2, 1, dtype), interpret) == "pallas_grouped"
+    assert pick(x(3, 1, jnp.bfloat16), interpret.replace(moe_decode_rows=3)) == "pallas_decode"
+    assert pick(x(1, 1, jnp.bfloat16), interpret, jnp.float32) == "gather"  # mixed dtypes
+    assert pick(x(1, 1, jnp.bfloat16), interpret.replace(moe=MoEImpl.GATHER)) == "gather"
+    assert pick(x(1, 1, jnp.bfloat16), KernelPolicy.reference()) == "gather"
+    # Lowering for a GPU: float32 activations take XLA's paths unless the plan asks.
+    on_gpu = KernelPolicy(kernels=Kernels.PALLAS)
+    assert pick(x(1, 1, jnp.bfloat16), on_gpu) == "pallas_decode"
+    assert pick(x(1, 1), on_gpu) == "gather"
+    assert pick(x(1, 1), on_gpu.replace(moe=MoEImpl.PALLAS)) == "pallas_decode"
+    # Batch-invariant: the decode kernel at one token per row up to fused_rows rows.
+    det = KernelPolicy.deterministic(interpret=True)
+    assert pick(x(16, 1, jnp.bfloat16), det) == "pallas_decode"
+    assert pick(x(17, 1, jnp.bfloat16), det) == "pallas_grouped"
+    assert pick(x(1, 2, jnp.bfloat16), det) == "pallas_grouped"
+    with pytest.raises(ValueError, match="moe_decode_rows"):
+        KernelPolicy(moe_decode_rows=-1)
     with pytest.raises(ValueError, match="KernelPolicy.moe"):
         KernelPolicy(moe="gather")
+    # The default row threshold: E // (4 k), at least 1.
+    assert KernelPolicy().decode_rows(8, 2) == 1 and KernelPolicy().decode_rows(128, 8) == 4
+    assert KernelPolicy(moe_decode_rows=7).decode_rows(8, 2) == 7
 
 
 # ----------------------------------------------------------------------- configs and counts

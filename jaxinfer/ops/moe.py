@@ -9,11 +9,14 @@ moe.score_bias), "experts_gate" / "experts_up" [E, D, F] and "experts_down" [E, 
 (stacked, plain arrays), and with shared experts "shared_gate" / "shared_up" [D, Fs] and
 "shared_down" [Fs, D] (Dense, a gated MLP every token runs).
 
-The routed experts go through EXPERTS, picked by the plan (KernelPolicy.moe): "ragged_dot"
-sorts the token-expert assignments by expert and runs each projection as one grouped matmul
-(no token dropping, no capacity); "gather" takes each token's k chosen experts' weights, so a
-decode step reads only those; "dense" runs every expert on every token with the unchosen
-weights zero (the reference, E / k times the work).
+The routed experts go through EXPERTS, picked by the plan (KernelPolicy.moe and
+moe_decode_rows): "pallas_decode" and "pallas_grouped" are pallas_kernels/moe.py's kernels,
+which index the stacked weights by expert inside the kernel (at most moe_decode_rows token
+rows: one program row per token-expert assignment; above: a grouped GEMM over the rows sorted
+by expert); "ragged_dot" sorts the assignments by expert and runs each projection as one
+jax.lax.ragged_dot (no token dropping, no capacity); "gather" takes each token's k chosen
+experts' weights, so a decode step reads only those; "dense" runs every expert on every token
+with the unchosen weights zero (the reference, E / k times the work).
 """
 
 from __future__ import annotations
@@ -21,12 +24,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+import pallas_kernels as pk
 from jaxinfer.configs import MoEConfig
-from jaxinfer.ops.dispatch import Registry, always, rows
+from jaxinfer.ops.dispatch import KERNEL_DTYPES, Registry, always, rows
 from jaxinfer.ops.linear import boundary, matmul
 from jaxinfer.ops.mlp import SWIGLU
-from jaxinfer.ops.stream import ANY_SUM, Residual
-from jaxinfer.plan import MoEImpl, Plan
+from jaxinfer.ops.stream import ANY_SUM, Deferred, Form, Partials, Residual
+from jaxinfer.plan import Kernels, MoEImpl, Plan
 from jaxinfer.weights import Kind, ParamSpec
 
 # ---------------------------------------------------------------------------------------------
@@ -119,17 +123,75 @@ def _swiglu_act(g, u, dtype):
     return (jax.nn.silu(g.astype(dtype)) * u.astype(dtype)).astype(dtype)
 
 
+def _decode_rows_reason(x, w_gate, plan) -> str | None:
+    """Why x [B, T, D] does not take the decode path (one row per assignment), or None. With
+    batch_invariant the choice follows the query length: one token per row takes it up to
+    fused_rows rows, whatever moe_decode_rows says."""
+    policy = plan.policy
+    limit = policy.decode_rows(plan.config.moe.num_experts, plan.config.moe.experts_per_token)
+    if policy.batch_invariant:
+        if x.shape[1] != 1:
+            return "batch-invariant plans take the decode path at one token per row only"
+        limit = max(limit, policy.fused_rows)
+    if rows(x) > limit:
+        return f"{rows(x)} token rows > moe_decode_rows={limit}"
+    return None
+
+
+def _pallas_reason(x, w_gate, plan) -> str | None:
+    """Why the Pallas experts kernels do not take these inputs, or None."""
+    policy = plan.policy
+    if policy.moe not in (MoEImpl.AUTO, MoEImpl.PALLAS):
+        return f"the plan asks for {policy.moe.value}"
+    if policy.kernels is Kernels.REFERENCE:
+        return "the plan asks for the references"
+    if not (policy.interpret or policy.kernels is Kernels.PALLAS
+            or jax.default_backend() == "gpu"):
+        return "no GPU (KernelPolicy(interpret=True) runs the kernels on a CPU)"
+    dtype = jnp.dtype(x.dtype)
+    if dtype not in (*KERNEL_DTYPES, jnp.dtype(jnp.float32)):
+        return f"activations in {dtype}"
+    if dtype == jnp.float32 and policy.moe is MoEImpl.AUTO and not policy.interpret:
+        return "float32 activations take XLA's paths under AUTO (IEEE float32 dots)"
+    if getattr(w_gate, "dtype", None) != dtype:
+        return (f"expert weights {getattr(w_gate, 'dtype', type(w_gate).__name__)} differ "
+                f"from the activations' {dtype}")
+    return None
+
+
+def _pallas_decode_supports(x, weights, experts, w_gate, w_up, w_down, plan) -> str | None:
+    return _pallas_reason(x, w_gate, plan) or _decode_rows_reason(x, w_gate, plan)
+
+
+@EXPERTS.register("pallas_decode", _pallas_decode_supports)
+def _pallas_decode(x, weights, experts, w_gate, w_up, w_down, plan):
+    """pallas_kernels.moe_decode: each assignment's expert streamed by its own programs."""
+    lead, d = x.shape[:-1], x.shape[-1]
+    out = pk.moe_decode(x.reshape(-1, d), weights, experts, w_gate, w_up, w_down,
+                        interpret=plan.policy.interpret)  # [N, D] float32
+    return out.reshape(*lead, d)
+
+
+def _pallas_grouped_supports(x, weights, experts, w_gate, w_up, w_down, plan) -> str | None:
+    return _pallas_reason(x, w_gate, plan)
+
+
+@EXPERTS.register("pallas_grouped", _pallas_grouped_supports)
+def _pallas_grouped(x, weights, experts, w_gate, w_up, w_down, plan):
+    """pallas_kernels.moe_grouped: the grouped GEMM over the rows sorted by expert."""
+    lead, d = x.shape[:-1], x.shape[-1]
+    out = pk.moe_grouped(x.reshape(-1, d), weights, experts, w_gate, w_up, w_down,
+                         interpret=plan.policy.interpret)  # [N, D] float32
+    return out.reshape(*lead, d)
+
+
 def _gather_supports(x, weights, experts, w_gate, w_up, w_down, plan) -> str | None:
     policy = plan.policy
     if policy.moe is MoEImpl.GATHER:
         return None
-    if policy.moe is not MoEImpl.AUTO:
+    if policy.moe not in (MoEImpl.AUTO, MoEImpl.PALLAS):
         return f"the plan asks for {policy.moe.value}"
-    if rows(x) > policy.moe_gather_rows:
-        return f"{rows(x)} token rows > moe_gather_rows={policy.moe_gather_rows}"
-    if policy.batch_invariant and x.shape[1] != 1:
-        return "batch-invariant plans gather at decode (one token per row) only"
-    return None
+    return _decode_rows_reason(x, w_gate, plan)
 
 
 @EXPERTS.register("gather", _gather_supports)
@@ -148,7 +210,7 @@ def _gather(x, weights, experts, w_gate, w_up, w_down, plan):
 
 
 def _ragged_supports(x, weights, experts, w_gate, w_up, w_down, plan) -> str | None:
-    if plan.policy.moe in (MoEImpl.AUTO, MoEImpl.RAGGED_DOT):
+    if plan.policy.moe in (MoEImpl.AUTO, MoEImpl.PALLAS, MoEImpl.RAGGED_DOT):
         return None
     return f"the plan asks for {plan.policy.moe.value}"
 
@@ -228,12 +290,25 @@ def moe_mlp(stream: Residual, norm_weight, layer_params: dict, plan: Plan) -> Re
     with jax.named_scope("router"):
         weights, experts = route(router_logits(h, lp["router"]).reshape(b * t, -1), moe,
                                  lp.get("router_bias"))  # [N, k] each
+    rest = Residual(x, aval, spare=stream.spare, dead=stream.dead)
+    experts_args = (h, weights, experts, lp["experts_gate"], lp["experts_up"],
+                    lp["experts_down"], plan)
+    if not moe.num_shared_experts and EXPERTS.pick(*experts_args).name == "pallas_decode":
+        # The decode kernel's weighted chunks go to the consumer, which adds them to the
+        # stream in its own kernel (no combine, add or norm kernel in between).
+        def emit(accept, prefetch):
+            with jax.named_scope("experts"):
+                if Form.PARTIALS in accept:
+                    parts = pk.moe_decode(h.reshape(b * t, d), *experts_args[1:-1],
+                                          partials=True, interpret=policy.interpret)
+                    return (Partials(parts.reshape(-1, b, t, d)),)  # [S * k, B, T, D]
+                return (EXPERTS(*experts_args).astype(aval.dtype),)
+
+        return rest.with_pending(Deferred(emit).part(0))
     with jax.named_scope("experts"):
-        out = EXPERTS(h, weights, experts, lp["experts_gate"], lp["experts_up"],
-                      lp["experts_down"], plan)  # [B, T, D] float32
+        out = EXPERTS(*experts_args)  # [B, T, D] float32
     if moe.num_shared_experts:
         with jax.named_scope("shared_experts"):
             _, act = SWIGLU(h, lp["shared_gate"], lp["shared_up"], plan)  # [B, T, Fs]
             out = out + matmul(act, lp["shared_down"], plan, out_dtype=jnp.float32)[1]
-    rest = Residual(x, aval, spare=stream.spare, dead=stream.dead)
     return rest.with_pending(out.astype(aval.dtype))

@@ -1,0 +1,254 @@
+"""The MoE experts kernels (pallas_kernels/moe.py) in interpret mode against their pure-jnp
+references and an independent per-token loop, the grouped layout, bad inputs, the model's
+MoE fixtures through the kernels, and benchmarks/moe.py --quick."""
+
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from kernel_testing import pallas_kernels_in, rel_err
+
+import pallas_kernels as pk
+from pallas_kernels.moe import default_block_sizes, max_tiles
+
+DATA = pathlib.Path(__file__).parent / "fixtures" / "data"
+# Small tiles, so that the odd shapes below have ragged edges in D, F and the split chunks.
+SMALL = pk.MoEBlockSizes(block_m=16, block_n=16, block_n_down=16, block_k=16, group_m=2,
+                         num_warps=4, num_stages=2)
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+
+
+def inputs(n, k, e, d, f, dtype, experts=None, seed=0):
+    """Random x, routing weights, experts (k distinct per token unless given) and weights."""
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((n, d)), dtype)
+    if experts is None:
+        experts = np.stack([rng.permutation(e)[:k] for _ in range(n)])
+    weights = jnp.asarray(rng.random((n, k)), jnp.float32)
+    ws = [jnp.asarray(rng.standard_normal(s) / np.sqrt(s[1]), dtype)
+          for s in ((e, d, f), (e, d, f), (e, f, d))]
+    return x, weights, jnp.asarray(experts, jnp.int32), *ws
+
+
+def per_token_loop(x, weights, experts, wg, wu, wd):
+    """Each token's k experts one by one in float64 numpy (SwiGLU unrounded)."""
+    x, wg, wu, wd = (np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+                     for a in (x, wg, wu, wd))
+    out = np.zeros_like(x)
+    for n in range(x.shape[0]):
+        for w, e in zip(np.asarray(weights[n]), np.asarray(experts[n])):
+            g, u = x[n] @ wg[e], x[n] @ wu[e]
+            out[n] += w * ((g / (1 + np.exp(-g)) * u) @ wd[e])
+    return out
+
+
+SPLIT = pk.MoEBlockSizes(block_m=16, block_n=16, block_n_down=32, block_k=16, split_k=2)
+
+
+@pytest.mark.parametrize("dtype, n, blocks", [(jnp.float32, 1, None), (jnp.bfloat16, 3, SMALL),
+                                              (jnp.float32, 3, SPLIT)])
+def test_decode_matches_reference(dtype, n, blocks):
+    """D 40 and F 24 against 16-wide tiles (ragged K, F and D edges); with SPLIT, F in two
+    chunks of 16 (the second ragged) and 32-wide down tiles over D 40."""
+    args = inputs(n, 2, 5, 40, 24, dtype)
+    out = pk.moe_decode(*args, interpret=True, block_sizes=blocks)
+    ref = pk.moe_decode_reference(*args)
+    assert out.shape == (n, 40) and out.dtype == jnp.float32
+    assert rel_err(out, ref) < TOL[dtype]
+    if dtype == jnp.float32:
+        assert rel_err(out, per_token_loop(*args)) < 1e-5
+    # The weighted chunks a consumer sums: S F chunks of each of the k experts.
+    parts = pk.moe_decode(*args, partials=True, interpret=True, block_sizes=blocks)
+    split = 2 if blocks is SPLIT else 1
+    assert parts.shape == (split * 2, n, 40)
+    np.testing.assert_allclose(parts.sum(0), out, rtol=1e-6, atol=1e-6)
+    want = pk.moe_decode_reference(*args, partials=True)  # [k, N, D]
+    assert rel_err(parts.reshape(split, 2, n, 40).sum(0), want) < TOL[dtype]
+
+
+def routings(n: int) -> dict:
+    """Expert choices for n tokens (k 2 of E 6): random; only experts 0, 2, 3, 5 (1 and 4
+    empty); expert 4 in every token."""
+    rng = np.random.default_rng(n)
+    return {"random": np.stack([rng.permutation(6)[:2] for _ in range(n)]),
+            "two empty": np.stack([rng.permutation([0, 2, 3, 5])[:2] for _ in range(n)]),
+            "one takes all": np.stack([[4, 1 + i % 3] for i in range(n)])}
+
+
+@pytest.mark.parametrize("dtype, n, cases", [
+    (jnp.float32, 21, ("random", "two empty", "one takes all")), (jnp.float32, 1, ("random",)),
+    (jnp.bfloat16, 40, ("two empty",))])
+def test_grouped_matches_reference(dtype, n, cases):
+    grouped = jax.jit(pk.moe_grouped, static_argnames=("interpret", "block_sizes"))
+    for case in cases:
+        args = inputs(n, 2, 6, 40, 24, dtype, routings(n)[case], seed=n)
+        out = grouped(*args, interpret=True, block_sizes=SMALL)
+        assert out.shape == (n, 40) and out.dtype == jnp.float32
+        assert rel_err(out, pk.moe_grouped_reference(*args)) < TOL[dtype], case
+        if dtype == jnp.float32:
+            assert rel_err(out, per_token_loop(*args)) < 1e-5, case
+
+
+def test_group_by_expert_layout():
+    """Each assignment lands in a tile of its own expert, in token order within the group;
+    the used tiles come first, the rest are -1; padding rows copy token 0."""
+    experts = jnp.asarray([[4, 1], [1, 3], [4, 3], [0, 4], [4, 1]], jnp.int32)
+    groups = pk.group_by_expert(experts, 6, 2)
+    tiles, dest = np.asarray(groups.tile_experts), np.asarray(groups.dest)
+    assert tiles.shape == (max_tiles(10, 6, 2),) == (8,)
+    # experts 0: 1 row, 1: 3, 3: 2, 4: 4 -> 1 + 2 + 1 + 2 = 6 tiles of 2 rows
+    np.testing.assert_array_equal(tiles, [0, 1, 1, 3, 4, 4, -1, -1])
+    flat = np.asarray(experts).reshape(-1)
+    np.testing.assert_array_equal(tiles[dest // 2], flat)
+    np.testing.assert_array_equal(np.asarray(groups.row_token)[dest], np.arange(10) // 2)
+    assert len(set(dest.tolist())) == 10
+    assert dest[0] < dest[4] < dest[7] < dest[8]  # expert 4's tokens 0, 2, 3, 4 in order
+    # The bound holds with equality when every used expert has a ragged group.
+    worst = jnp.asarray(np.arange(6 * 3).reshape(9, 2) % 6, jnp.int32)  # 3 rows per expert
+    assert pk.group_by_expert(worst, 6, 2).tile_experts.shape == (max_tiles(18, 6, 2),)
+    assert (np.asarray(pk.group_by_expert(worst, 6, 2).tile_experts) >= 0).all()
+
+
+def test_grouped_kernels_match_their_references_and_skip_empty_tiles():
+    """The two grouped kernels on a hand-made tile map (tiles of experts 2, 2, 0, then two
+    empty ones): the used tiles' rows match, the empty ones are never written."""
+    rng = np.random.default_rng(3)
+    e, d, f, bm = 3, 40, 24, 16
+    tiles = jnp.asarray([2, 2, 0, -1, -1], jnp.int32)
+    xs = jnp.asarray(rng.standard_normal((5 * bm, d)), jnp.float32)
+    wg, wu = (jnp.asarray(rng.standard_normal((e, d, f)), jnp.float32) for _ in range(2))
+    wd = jnp.asarray(rng.standard_normal((e, f, d)), jnp.float32)
+    act = pk.grouped_swiglu(xs, tiles, wg, wu, interpret=True, block_sizes=SMALL)
+    want = pk.grouped_swiglu_reference(xs, tiles, wg, wu, block_sizes=SMALL)
+    used = slice(0, 3 * bm)
+    assert rel_err(act[used], want[used]) < 1e-5
+    y = pk.grouped_down(want, tiles, wd, interpret=True, block_sizes=SMALL)
+    want_y = pk.grouped_down_reference(want, tiles, wd, block_sizes=SMALL)
+    assert y.dtype == jnp.float32 and rel_err(y[used], want_y[used]) < 1e-5
+    # A tile's expert is read from the map: swapping the map changes the rows.
+    other = pk.grouped_down(want, jnp.asarray([0, 2, 2, -1, -1], jnp.int32), wd,
+                            interpret=True, block_sizes=SMALL)
+    assert rel_err(other[:bm], want_y[:bm]) > 0.1
+    np.testing.assert_allclose(other[bm:2 * bm], want_y[bm:2 * bm], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(x=jnp.zeros((3, 40), jnp.int32)), r"moe_decode: x has dtype int32"),
+    (dict(x=jnp.zeros((3, 1, 40))), r"moe_decode: x must have rank 2"),
+    (dict(w_gate=jnp.zeros((5, 40, 24), jnp.bfloat16)),
+     r"w_gate has dtype bfloat16 but x has float32"),
+    (dict(w_up=jnp.zeros((5, 40, 32))), r"w_up has shape \(5, 40, 32\), expected \(5, 40, 24\)"),
+    (dict(w_down=jnp.zeros((5, 40, 24))), r"w_down has shape \(5, 40, 24\), expected \(5, 24"),
+    (dict(experts=jnp.zeros((3, 2), jnp.float32)), r"experts has dtype float32"),
+    (dict(experts=jnp.zeros((3, 2, 1), jnp.int32)), r"experts must have rank 2"),
+    (dict(experts=jnp.zeros((4, 2), jnp.int32)), r"experts has shape \(4, 2\), expected \[N=3"),
+    (dict(experts=jnp.zeros((3, 6), jnp.int32)), r"1 <= k <= E=5"),
+    (dict(weights=jnp.zeros((3, 3))), r"weights has shape \(3, 3\), expected \(3, 2\)"),
+    (dict(weights=jnp.zeros((3, 2), jnp.bfloat16)), r"weights has dtype bfloat16"),
+    (dict(block_sizes=(16, 16)), r"block_sizes must be a MoEBlockSizes"),
+])
+@pytest.mark.parametrize("fn", [pk.moe_decode, pk.moe_grouped, pk.moe_experts_reference])
+def test_bad_inputs_are_named(fn, change, match):
+    names = ("x", "weights", "experts", "w_gate", "w_up", "w_down")
+    args = dict(zip(names, inputs(3, 2, 5, 40, 24, jnp.float32)))
+    kwargs = {"block_sizes": change["block_sizes"]} if "block_sizes" in change else {}
+    if kwargs and fn is pk.moe_experts_reference:
+        pytest.skip("the reference ignores block sizes")
+    args.update({k: v for k, v in change.items() if k != "block_sizes"})
+    with pytest.raises(ValueError, match=match.replace("moe_decode", fn.__name__)):
+        fn(*(args[n] for n in names), interpret=True, **kwargs)
+
+
+def test_bad_block_sizes_and_grouped_rows():
+    with pytest.raises(ValueError, match=r"MoEBlockSizes.block_n=24: must be a power of two"):
+        pk.MoEBlockSizes(block_n=24)
+    with pytest.raises(ValueError, match=r"MoEBlockSizes.split_k=0: must be an integer >= 1"):
+        pk.MoEBlockSizes(split_k=0)
+    tiles = jnp.zeros((2,), jnp.int32)
+    w = jnp.zeros((3, 40, 24))
+    with pytest.raises(ValueError, match=r"rows \(30, 40\) must be \[T \* block_m = 32, 40\]"):
+        pk.grouped_swiglu(jnp.zeros((30, 40)), tiles, w, w, block_sizes=SMALL)
+    with pytest.raises(ValueError, match=r"tile_experts has dtype float32"):
+        pk.grouped_down(jnp.zeros((32, 40)), tiles.astype(jnp.float32), w, block_sizes=SMALL)
+
+
+@pytest.mark.parametrize("dims", [(4096, 14336, 8, 2), (2048, 768, 128, 8)])
+def test_default_blocks_fill_the_h200(dims):
+    """At one token (Mixtral, Qwen3-30B-A3B) both decode kernels launch at least a program
+    per SM (the SwiGLU's column tiles stay >= 32 wide); at prefill the grouped tiles are 128
+    rows."""
+    d, f, e, k = dims
+    blocks = default_block_sizes(1, d, f, e, k, decode=True)
+    swiglu = k * -(-f // blocks.block_n)
+    split = max(1, min(blocks.split_k, f // blocks.block_k))
+    down = k * -(-d // blocks.block_n_down) * split
+    assert min(swiglu, down) >= 132, (blocks, swiglu, down)
+    assert default_block_sizes(8192, d, f, e, k, decode=False).block_m == 128
+
+
+# ---------------------------------------------------------------------- the model's fixtures
+
+
+@pytest.mark.parametrize("variant", ["qwen3_moe"])
+def test_fixture_logits_through_the_kernels(variant):
+    """The HF fixture (float32) under KernelPolicy(interpret=True): its prompt takes the
+    grouped GEMM, one decode step of one row the decode kernel; the logits match
+    transformers' and the incremental step matches the full forward's last position."""
+    import jaxinfer
+    from jaxinfer.cache import KVCache
+    from jaxinfer.models import llama
+    from jaxinfer.plan import KernelPolicy
+
+    ref = np.load(DATA / "hf" / variant / "ref.npz")
+    model = jaxinfer.load(str(DATA / "hf" / variant), dtype="float32")
+    plan = model.with_policy(KernelPolicy(interpret=True)).plan
+    ids = jnp.asarray(ref["input_ids"][:1])  # [1, T]
+    t = ids.shape[1]
+    pos = jnp.arange(t, dtype=jnp.int32)[None]
+    cache = KVCache.init(model.config, 1, t)
+
+    def forward(ids, pos, cache):
+        return llama.forward(model.params, ids, pos, plan, cache)
+
+    prefill = jax.jit(forward)
+    names = pallas_kernels_in(prefill, ids[:, :-1], pos[:, :-1], cache)
+    assert any(n.startswith("moe_grouped_swiglu") for n in names), names
+    names = pallas_kernels_in(prefill, ids[:, -1:], pos[:, -1:], cache)
+    assert any(n.startswith("moe_decode_swiglu") for n in names), names
+    logits, cache = prefill(ids[:, :-1], pos[:, :-1], cache)
+    last, _ = prefill(ids[:, -1:], pos[:, -1:], cache)
+    want = ref["logits"][:1]
+    assert rel_err(logits, want[:, :-1]) < 1e-4
+    assert rel_err(last, want[:, -1:]) < 1e-4
+    np.testing.assert_array_equal(np.asarray(logits).argmax(-1), want[:, :-1].argmax(-1))
+
+
+# ------------------------------------------------------------------------------ the benchmark
+
+
+def test_benchmark_runs_quick_on_cpu(tmp_path):
+    """benchmarks/moe.py --quick: every variant runs (interpret mode) and meets the reference."""
+    import json
+
+    from benchmarks import moe as bench
+
+    out = tmp_path / "moe.jsonl"
+    impls = ("pallas_decode", "dense_loop")
+    assert bench.main(["--quick", "--models", "tiny-e16k4", "--tokens", "decode_4", "--impls",
+                       ",".join(impls), "--json", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(r["impl"] for r in rows) == sorted(impls), rows
+    assert all(r["rel_err"] < 2e-2 and r["vs_loop"] > 0 for r in rows), rows
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 4, 32, 1000])
+def test_kernels_on_the_gpu(n):
+    """bf16 on the GPU at Mixtral-like proportions (E 8, k 2, D 1024, F 3584): both kernels
+    (the decode one up to 32 tokens) at their default tiles against the reference."""
+    args = inputs(n, 2, 8, 1024, 3584, jnp.bfloat16, seed=n)
+    ref = pk.moe_experts_reference(*args)
+    for fn in (pk.moe_grouped, pk.moe_decode) if n <= 32 else (pk.moe_grouped,):
+        assert rel_err(jax.jit(fn)(*args), ref) < 2e-2, fn.__name__
