@@ -59,7 +59,7 @@ def _validate(x, w_gate, w_up, norm_weight=None, deltas=None, activation="silu")
 def swiglu(x, w_gate, w_up, *, norm_weight=None, eps: float = 1e-6, deltas=None,
            prefetch: tuple = (), interpret: bool = False,
            block_sizes: MatmulBlockSizes | None = None, activation: str = "silu",
-           norm_offset: float = 0.0, post_norm: tuple | None = None):
+           norm_offset: float = 0.0, post_norm: tuple | None = None, single_row: bool = True):
     """silu(h @ w_gate) * (h @ w_up); x [M, K], w_* [K, N] -> [M, N] in x's dtype, where h is x,
     or rms_norm(x, norm_weight, eps) (HF semantics) fused into the main loop when norm_weight
     [K] is given.
@@ -68,7 +68,9 @@ def swiglu(x, w_gate, w_up, *, norm_weight=None, eps: float = 1e-6, deltas=None,
     pass; returns (x + sum(deltas), the SwiGLU output) then.
     prefetch: (array, PrefetchPlan) pairs for the next kernel, as in norm_matmul.
     activation: the gate's, "silu" (SwiGLU) or "gelu_tanh" (GeGLU: tanh-approximated GELU).
-    norm_offset, post_norm (weight [K], eps, offset) with deltas: as in norm_matmul."""
+    norm_offset, post_norm (weight [K], eps, offset) with deltas: as in norm_matmul;
+    single_row=False: an M = 1 call gathers the post-norm's statistics on whole row tiles,
+    bit for bit as M > 1 does (batch-invariant)."""
     _validate(x, w_gate, w_up, norm_weight, deltas, activation)
     check_prefetch("swiglu", prefetch)
     post_weight, post = check_post_norm("swiglu", x, deltas, post_norm)
@@ -78,7 +80,8 @@ def swiglu(x, w_gate, w_up, *, norm_weight=None, eps: float = 1e-6, deltas=None,
     return fused_matmul(x, norm_weight, (w_gate, w_up), None, eps=float(eps), blocks=blocks,
                         epilogue="swiglu", activation=activation, interpret=interpret,
                         deltas=deltas, norm_offset=float(norm_offset), post_weight=post_weight,
-                        post=post, prefetch=tuple(a for a, _ in prefetch),
+                        post=post, single_row=single_row,
+                        prefetch=tuple(a for a, _ in prefetch),
                         prefetch_plans=tuple(p for _, p in prefetch))
 
 

@@ -47,10 +47,12 @@ def _pallas_swiglu(x, w_gate, w_up, plan, *, biases=(None, None), norm_w=None, e
                    deltas=None, prefetch=()):
     m, k = rows(x), x.shape[-1]
     f = w_gate.out_shape[0]
+    post = None if deltas is None else deltas.post
     out = pk.swiglu(x.reshape(m, k), kernel_operand(w_gate), kernel_operand(w_up),
                     norm_weight=norm_w, eps=eps, activation=plan.config.mlp_activation,
-                    norm_offset=plan.config.norm_offset,
-                    post_norm=None if deltas is None else deltas.post,
+                    norm_offset=plan.config.norm_offset, post_norm=post,
+                    # batch-invariant: the post-norm's sums in the layout of M > 1 at M = 1 too
+                    single_row=not (plan.policy.batch_invariant and post is not None),
                     deltas=None if deltas is None else deltas.parts.reshape(-1, m, k),
                     prefetch=prefetch, interpret=plan.policy.interpret,
                     block_sizes=tiles(plan, m, k, f, 2, x.dtype, decode_path(x, plan)))
