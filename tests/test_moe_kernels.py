@@ -113,7 +113,8 @@ def test_group_by_expert_layout():
 
 def test_grouped_kernels_match_their_references_and_skip_empty_tiles():
     """The two grouped kernels on a hand-made tile map (tiles of experts 2, 2, 0, then two
-    empty ones): the used tiles' rows match, the empty ones are never written."""
+    empty ones): the used tiles' rows match, the empty ones are never written (interpret
+    mode fills unwritten outputs with NaN)."""
     rng = np.random.default_rng(3)
     e, d, f, bm = 3, 40, 24, 16
     tiles = jnp.asarray([2, 2, 0, -1, -1], jnp.int32)
@@ -124,9 +125,11 @@ def test_grouped_kernels_match_their_references_and_skip_empty_tiles():
     want = pk.grouped_swiglu_reference(xs, tiles, wg, wu, block_sizes=SMALL)
     used = slice(0, 3 * bm)
     assert rel_err(act[used], want[used]) < 1e-5
+    assert np.isnan(np.asarray(act[3 * bm:])).all()
     y = pk.grouped_down(want, tiles, wd, interpret=True, block_sizes=SMALL)
     want_y = pk.grouped_down_reference(want, tiles, wd, block_sizes=SMALL)
     assert y.dtype == jnp.float32 and rel_err(y[used], want_y[used]) < 1e-5
+    assert np.isnan(np.asarray(y[3 * bm:])).all()
     # A tile's expert is read from the map: swapping the map changes the rows.
     other = pk.grouped_down(want, jnp.asarray([0, 2, 2, -1, -1], jnp.int32), wd,
                             interpret=True, block_sizes=SMALL)
