@@ -435,3 +435,13 @@ def test_moe_decode_step_takes_the_experts_kernels(preset, batch):
     qkv = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
     assert any(n.startswith(f"add_norm_matmul_none_k{config.hidden_size}_n{qkv}")
                for n in names) == (batch == 1), names
+
+
+def test_moe_tiles_come_from_the_policy():
+    """KernelPolicy.moe_decode_blocks reaches the decode kernels (the down projection's split
+    in its name)."""
+    blocks = pk.MoEBlockSizes(block_m=16, block_n=128, block_n_down=64, block_k=128,
+                              split_k=4, num_warps=4)
+    names = kernel_names(decode_step_module("mixtral-8x7b", 1, 512,
+                                            ON_GPU.replace(moe_decode_blocks=blocks)))
+    assert names["moe_decode_down_f14336_d4096_split4"] == 1, names

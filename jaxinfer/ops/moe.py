@@ -168,7 +168,8 @@ def _pallas_decode(x, weights, experts, w_gate, w_up, w_down, plan):
     """pallas_kernels.moe_decode: each assignment's expert streamed by its own programs."""
     lead, d = x.shape[:-1], x.shape[-1]
     out = pk.moe_decode(x.reshape(-1, d), weights, experts, w_gate, w_up, w_down,
-                        interpret=plan.policy.interpret)  # [N, D] float32
+                        interpret=plan.policy.interpret,
+                        block_sizes=plan.policy.moe_decode_blocks)  # [N, D] float32
     return out.reshape(*lead, d)
 
 
@@ -181,7 +182,8 @@ def _pallas_grouped(x, weights, experts, w_gate, w_up, w_down, plan):
     """pallas_kernels.moe_grouped: the grouped GEMM over the rows sorted by expert."""
     lead, d = x.shape[:-1], x.shape[-1]
     out = pk.moe_grouped(x.reshape(-1, d), weights, experts, w_gate, w_up, w_down,
-                         interpret=plan.policy.interpret)  # [N, D] float32
+                         interpret=plan.policy.interpret,
+                         block_sizes=plan.policy.moe_grouped_blocks)  # [N, D] float32
     return out.reshape(*lead, d)
 
 
@@ -300,7 +302,8 @@ def moe_mlp(stream: Residual, norm_weight, layer_params: dict, plan: Plan) -> Re
             with jax.named_scope("experts"):
                 if Form.PARTIALS in accept:
                     parts = pk.moe_decode(h.reshape(b * t, d), *experts_args[1:-1],
-                                          partials=True, interpret=policy.interpret)
+                                          partials=True, interpret=policy.interpret,
+                                          block_sizes=policy.moe_decode_blocks)
                     return (Partials(parts.reshape(-1, b, t, d)),)  # [S * k, B, T, D]
                 return (EXPERTS(*experts_args).astype(aval.dtype),)
 
