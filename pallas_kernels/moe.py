@@ -18,7 +18,7 @@ stacked weight by the tile's expert, loaded from an int32 array inside the kerne
 chosen experts' weights are read, and no gathered copy of them is made.
 
 - Decode: the tiles are the N * k assignments themselves, token-major, one real row each (x's
-  row n, broadcast into the dot's block_m rows with the others zero). Kernel 1 streams gate and
+  row n as row 0 of the dot's block_m rows, the others masked to zero). Kernel 1 streams gate and
   up for F columns and applies the SwiGLU; kernel 2 streams the down projection for D columns,
   split along F (split_k) so that Mixtral's 2 x 64 column tiles still fill the SMs, and writes
   each F chunk's product times the routing weight as float32 chunks [S * k, N, D]: their sum is
