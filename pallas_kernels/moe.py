@@ -513,11 +513,12 @@ def grouped_down_reference(act, tile_experts, w_down, *, interpret: bool = False
     return _grouped_reference(act, tile_experts, block_sizes.block_m, product)
 
 
-def moe_grouped(x, weights, experts, w_gate, w_up, w_down, *, interpret: bool = False,
-                block_sizes: MoEBlockSizes | None = None):
+def moe_grouped(x, weights, experts, w_gate, w_up, w_down, *, partials: bool = False,
+                interpret: bool = False, block_sizes: MoEBlockSizes | None = None):
     """The routed experts for many tokens (see the module docstring): x [N, D] -> [N, D]
     float32, through the grouped GEMM: every chosen expert's weights read once per sweep of
-    its row tiles."""
+    its row tiles. partials=True: the k weighted products [k, N, D] float32 (their sum is the
+    output), for a consumer kernel that adds them to the stream itself (a few rows)."""
     check_experts("moe_grouped", x, weights, experts, w_gate, w_up, w_down)
     blocks = _blocks(block_sizes, x, experts, w_gate, decode=False)
     groups = group_by_expert(experts, w_gate.shape[0], blocks.block_m)
@@ -526,4 +527,7 @@ def moe_grouped(x, weights, experts, w_gate, w_up, w_down, *, interpret: bool = 
                          block_sizes=blocks)  # [R, F]
     y = grouped_down(act, groups.tile_experts, w_down, interpret=interpret,
                      block_sizes=blocks)  # [R, D] float32
+    if partials:
+        n, k = weights.shape
+        return jnp.transpose(y[groups.dest].reshape(n, k, -1) * weights[:, :, None], (1, 0, 2))
     return _combine(y[groups.dest], weights)

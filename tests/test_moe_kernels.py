@@ -89,6 +89,11 @@ def test_grouped_matches_reference(dtype, n, cases):
         assert rel_err(out, pk.moe_grouped_reference(*args)) < TOL[dtype], case
         if dtype == jnp.float32:
             assert rel_err(out, per_token_loop(*args)) < 1e-5, case
+    if n == 21:  # the k weighted products, for a consumer that sums them
+        parts = pk.moe_grouped(*args, partials=True, interpret=True, block_sizes=SMALL)
+        assert parts.shape == (2, n, 40)
+        np.testing.assert_allclose(parts.sum(0), out, rtol=1e-6, atol=1e-6)
+        assert rel_err(parts, pk.moe_grouped_reference(*args, partials=True)) < TOL[dtype]
 
 
 def test_group_by_expert_layout():
