@@ -88,8 +88,9 @@ def default_block_sizes(rows: int, d: int, f: int, e: int, k: int, itemsize: int
                         decode: bool) -> MoEBlockSizes:
     """Decode (and grouped GEMMs of few rows per expert): 16-row dots, SwiGLU column tiles
     narrowed (down to 32) until the row tiles x column tiles give two programs per SM (Qwen3's
-    F 768 over 8 assignments), the decode down projection split along F for the same. Grouped: 128-row tiles at prefill (16 when the experts average <= 16 rows,
-    64 when <= 64), 64-wide SwiGLU tiles (two accumulators) and 128-wide down tiles.
+    F 768 over 8 assignments), the decode down projection split along F for the same.
+    Grouped: 128-row tiles at prefill (16 when the experts average <= 16 rows, 64 when <= 64),
+    64-wide SwiGLU tiles (two accumulators) and 128-wide down tiles.
     float32 (interpret mode, tests) gets half-depth tiles and 2 stages for shared memory."""
     a = rows * k
     target = 2 * NUM_SMS_H200
