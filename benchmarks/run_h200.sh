@@ -136,7 +136,8 @@ kv() {  # the quantized KV caches: speed and bytes at 32k, then fidelity on the 
 }
 moe() {  # benchmarks/moe.py: the MoE experts' implementations at prefill and decode shapes
   timeout "${MOE_TIMEOUT:-300}" python3 benchmarks/moe.py ${QUICK:+--quick} ${MOE_ARGS:-} \
-    ${MOE_MODELS:+--models "$MOE_MODELS"} --json "$out/moe.jsonl" 2>&1 | grep -v '^{' | tail -80
+    ${MOE_MODELS:+--models "$MOE_MODELS"} --json "$out/moe${MOE_MODELS:+-$MOE_MODELS}.jsonl" \
+    2>&1 | grep -v '^{' | tail -80
 }
 deepseek() {  # DeepSeek-V2-Lite shapes: the latent cache and the absorbed decode (jnp for now)
   bench . deepseek --preset deepseek-v2-lite --batch 1 --prompt-len 128 --gen-len 128

@@ -15,7 +15,7 @@ import dataclasses
 import enum
 
 from jaxinfer.configs import Config
-from pallas_kernels import DecodeBlockSizes, MatmulBlockSizes, MLABlockSizes
+from pallas_kernels import DecodeBlockSizes, MatmulBlockSizes, MLABlockSizes, MoEBlockSizes
 
 
 class Kernels(enum.Enum):
@@ -132,6 +132,9 @@ class KernelPolicy:
     # ~1/8 more bytes (Mixtral 1, Qwen3-30B-A3B 4; benchmarks/moe.py measures both).
     moe: MoEImpl = MoEImpl.AUTO
     moe_decode_rows: int | None = None
+    # The MoE kernels' tiles (None: pallas_kernels.moe's defaults for the shapes).
+    moe_decode_blocks: MoEBlockSizes | None = None
+    moe_grouped_blocks: MoEBlockSizes | None = None
 
     def __post_init__(self):
         for name, kind in (("kernels", Kernels), ("norm_linear_boundary", Boundary),
@@ -164,6 +167,11 @@ class KernelPolicy:
             raise ValueError("KernelPolicy.attention_blocks must be a DecodeBlockSizes or None")
         if self.mla_blocks is not None and not isinstance(self.mla_blocks, MLABlockSizes):
             raise ValueError("KernelPolicy.mla_blocks must be an MLABlockSizes or None")
+        for name in ("moe_decode_blocks", "moe_grouped_blocks"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, MoEBlockSizes):
+                raise ValueError(f"KernelPolicy.{name} must be a MoEBlockSizes or None, got "
+                                 f"{value!r}")
         for pair in self.matmul_tiles:
             if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[1],
                                                                             MatmulBlockSizes)

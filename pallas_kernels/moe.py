@@ -18,7 +18,7 @@ stacked weight by the tile's expert, loaded from an int32 array inside the kerne
 chosen experts' weights are read, and no gathered copy of them is made.
 
 - Decode: the tiles are the N * k assignments themselves, token-major, one real row each (x's
-  row n, broadcast into the dot's block_m rows with the others zero). Kernel 1 streams gate and
+  row n as row 0 of the dot's block_m rows, the others masked to zero). Kernel 1 streams gate and
   up for F columns and applies the SwiGLU; kernel 2 streams the down projection for D columns,
   split along F (split_k) so that Mixtral's 2 x 64 column tiles still fill the SMs, and writes
   each F chunk's product times the routing weight as float32 chunks [S * k, N, D]: their sum is
@@ -88,8 +88,9 @@ def default_block_sizes(rows: int, d: int, f: int, e: int, k: int, itemsize: int
                         decode: bool) -> MoEBlockSizes:
     """Decode (and grouped GEMMs of few rows per expert): 16-row dots, SwiGLU column tiles
     narrowed (down to 32) until the row tiles x column tiles give two programs per SM (Qwen3's
-    F 768 over 8 assignments), the decode down projection split along F for the same. Grouped: 128-row tiles at prefill (16 when the experts average <= 16 rows,
-    64 when <= 64), 64-wide SwiGLU tiles (two accumulators) and 128-wide down tiles.
+    F 768 over 8 assignments), the decode down projection split along F for the same.
+    Grouped: 128-row tiles at prefill (16 when the experts average <= 16 rows, 64 when <= 64),
+    64-wide SwiGLU tiles (two accumulators) and 128-wide down tiles.
     float32 (interpret mode, tests) gets half-depth tiles and 2 stages for shared memory."""
     a = rows * k
     target = 2 * NUM_SMS_H200
@@ -513,11 +514,12 @@ def grouped_down_reference(act, tile_experts, w_down, *, interpret: bool = False
     return _grouped_reference(act, tile_experts, block_sizes.block_m, product)
 
 
-def moe_grouped(x, weights, experts, w_gate, w_up, w_down, *, interpret: bool = False,
-                block_sizes: MoEBlockSizes | None = None):
+def moe_grouped(x, weights, experts, w_gate, w_up, w_down, *, partials: bool = False,
+                interpret: bool = False, block_sizes: MoEBlockSizes | None = None):
     """The routed experts for many tokens (see the module docstring): x [N, D] -> [N, D]
     float32, through the grouped GEMM: every chosen expert's weights read once per sweep of
-    its row tiles."""
+    its row tiles. partials=True: the k weighted products [k, N, D] float32 (their sum is the
+    output), for a consumer kernel that adds them to the stream itself (a few rows)."""
     check_experts("moe_grouped", x, weights, experts, w_gate, w_up, w_down)
     blocks = _blocks(block_sizes, x, experts, w_gate, decode=False)
     groups = group_by_expert(experts, w_gate.shape[0], blocks.block_m)
@@ -526,4 +528,7 @@ def moe_grouped(x, weights, experts, w_gate, w_up, w_down, *, interpret: bool = 
                          block_sizes=blocks)  # [R, F]
     y = grouped_down(act, groups.tile_experts, w_down, interpret=interpret,
                      block_sizes=blocks)  # [R, D] float32
+    if partials:
+        n, k = weights.shape
+        return jnp.transpose(y[groups.dest].reshape(n, k, -1) * weights[:, :, None], (1, 0, 2))
     return _combine(y[groups.dest], weights)

@@ -447,8 +447,9 @@ def test_gemma3_decode_lowers(preset):
 @pytest.mark.parametrize("preset, batch", [("mixtral-8x7b", 1), ("qwen3-30b-a3b", 8)])
 def test_moe_decode_step_takes_the_experts_kernels(preset, batch):
     """A MoE decode step on the GPU path (two layers): one row per token-expert assignment at
-    batch 1 (Mixtral's moe_decode_rows is 1), its weighted chunks added to the stream by the
-    next layer's q/k/v kernel; the grouped GEMM at 8 rows of Qwen3-30B-A3B's (above its 4)."""
+    batch 1 (Mixtral's moe_decode_rows is 1), the grouped GEMM at 8 rows of Qwen3-30B-A3B's
+    (above its 4); either's weighted chunks added to the stream by the next layer's q/k/v
+    kernel."""
     names = kernel_names(decode_step_module(preset, batch, 512, num_layers=2))
     kind = "decode" if batch == 1 else "grouped"
     assert any(n.startswith(f"moe_{kind}_swiglu") for n in names), names
@@ -456,4 +457,14 @@ def test_moe_decode_step_takes_the_experts_kernels(preset, batch):
     config = PRESETS[preset]
     qkv = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
     assert any(n.startswith(f"add_norm_matmul_none_k{config.hidden_size}_n{qkv}")
-               for n in names) == (batch == 1), names
+               for n in names), names
+
+
+def test_moe_tiles_come_from_the_policy():
+    """KernelPolicy.moe_decode_blocks reaches the decode kernels (the down projection's split
+    in its name)."""
+    blocks = pk.MoEBlockSizes(block_m=16, block_n=128, block_n_down=64, block_k=128,
+                              split_k=4, num_warps=4)
+    names = kernel_names(decode_step_module("mixtral-8x7b", 1, 512,
+                                            ON_GPU.replace(moe_decode_blocks=blocks)))
+    assert names["moe_decode_down_f14336_d4096_split4"] == 1, names

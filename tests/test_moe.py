@@ -370,6 +370,8 @@ def test_plan_picks_the_experts_implementation():
     assert pick(x(1, 2, jnp.bfloat16), det) == "pallas_grouped"
     with pytest.raises(ValueError, match="moe_decode_rows"):
         KernelPolicy(moe_decode_rows=-1)
+    with pytest.raises(ValueError, match="moe_grouped_blocks must be a MoEBlockSizes"):
+        KernelPolicy(moe_grouped_blocks=(128, 64))
     with pytest.raises(ValueError, match="KernelPolicy.moe"):
         KernelPolicy(moe="gather")
     # The default row threshold: E // (4 k), at least 1.

@@ -89,6 +89,11 @@ def test_grouped_matches_reference(dtype, n, cases):
         assert rel_err(out, pk.moe_grouped_reference(*args)) < TOL[dtype], case
         if dtype == jnp.float32:
             assert rel_err(out, per_token_loop(*args)) < 1e-5, case
+    if n == 21:  # the k weighted products, for a consumer that sums them
+        parts = pk.moe_grouped(*args, partials=True, interpret=True, block_sizes=SMALL)
+        assert parts.shape == (2, n, 40)
+        np.testing.assert_allclose(parts.sum(0), out, rtol=1e-6, atol=1e-6)
+        assert rel_err(parts, pk.moe_grouped_reference(*args, partials=True)) < TOL[dtype]
 
 
 def test_group_by_expert_layout():
@@ -113,7 +118,8 @@ def test_group_by_expert_layout():
 
 def test_grouped_kernels_match_their_references_and_skip_empty_tiles():
     """The two grouped kernels on a hand-made tile map (tiles of experts 2, 2, 0, then two
-    empty ones): the used tiles' rows match, the empty ones are never written."""
+    empty ones): the used tiles' rows match, the empty ones are never written (interpret
+    mode fills unwritten outputs with NaN)."""
     rng = np.random.default_rng(3)
     e, d, f, bm = 3, 40, 24, 16
     tiles = jnp.asarray([2, 2, 0, -1, -1], jnp.int32)
@@ -124,9 +130,11 @@ def test_grouped_kernels_match_their_references_and_skip_empty_tiles():
     want = pk.grouped_swiglu_reference(xs, tiles, wg, wu, block_sizes=SMALL)
     used = slice(0, 3 * bm)
     assert rel_err(act[used], want[used]) < 1e-5
+    assert np.isnan(np.asarray(act[3 * bm:])).all()
     y = pk.grouped_down(want, tiles, wd, interpret=True, block_sizes=SMALL)
     want_y = pk.grouped_down_reference(want, tiles, wd, block_sizes=SMALL)
     assert y.dtype == jnp.float32 and rel_err(y[used], want_y[used]) < 1e-5
+    assert np.isnan(np.asarray(y[3 * bm:])).all()
     # A tile's expert is read from the map: swapping the map changes the rows.
     other = pk.grouped_down(want, jnp.asarray([0, 2, 2, -1, -1], jnp.int32), wd,
                             interpret=True, block_sizes=SMALL)

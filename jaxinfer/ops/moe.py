@@ -168,7 +168,8 @@ def _pallas_decode(x, weights, experts, w_gate, w_up, w_down, plan):
     """pallas_kernels.moe_decode: each assignment's expert streamed by its own programs."""
     lead, d = x.shape[:-1], x.shape[-1]
     out = pk.moe_decode(x.reshape(-1, d), weights, experts, w_gate, w_up, w_down,
-                        interpret=plan.policy.interpret)  # [N, D] float32
+                        interpret=plan.policy.interpret,
+                        block_sizes=plan.policy.moe_decode_blocks)  # [N, D] float32
     return out.reshape(*lead, d)
 
 
@@ -181,7 +182,8 @@ def _pallas_grouped(x, weights, experts, w_gate, w_up, w_down, plan):
     """pallas_kernels.moe_grouped: the grouped GEMM over the rows sorted by expert."""
     lead, d = x.shape[:-1], x.shape[-1]
     out = pk.moe_grouped(x.reshape(-1, d), weights, experts, w_gate, w_up, w_down,
-                         interpret=plan.policy.interpret)  # [N, D] float32
+                         interpret=plan.policy.interpret,
+                         block_sizes=plan.policy.moe_grouped_blocks)  # [N, D] float32
     return out.reshape(*lead, d)
 
 
@@ -293,15 +295,21 @@ def moe_mlp(stream: Residual, norm_weight, layer_params: dict, plan: Plan) -> Re
     rest = Residual(x, aval, spare=stream.spare, dead=stream.dead)
     experts_args = (h, weights, experts, lp["experts_gate"], lp["experts_up"],
                     lp["experts_down"], plan)
-    if not moe.num_shared_experts and EXPERTS.pick(*experts_args).name == "pallas_decode":
-        # The decode kernel's weighted chunks go to the consumer, which adds them to the
-        # stream in its own kernel (no combine, add or norm kernel in between).
+    kernel = EXPERTS.pick(*experts_args).name
+    if not moe.num_shared_experts and (kernel == "pallas_decode" or (
+            kernel == "pallas_grouped" and b * t <= policy.fused_rows)):
+        # The kernels' weighted chunks go to the consumer, which adds them to the stream in
+        # its own kernel at decode (no combine, add or norm kernel in between).
         def emit(accept, prefetch):
             with jax.named_scope("experts"):
                 if Form.PARTIALS in accept:
-                    parts = pk.moe_decode(h.reshape(b * t, d), *experts_args[1:-1],
-                                          partials=True, interpret=policy.interpret)
-                    return (Partials(parts.reshape(-1, b, t, d)),)  # [S * k, B, T, D]
+                    decode = kernel == "pallas_decode"
+                    parts = (pk.moe_decode if decode else pk.moe_grouped)(
+                        h.reshape(b * t, d), *experts_args[1:-1], partials=True,
+                        interpret=policy.interpret,
+                        block_sizes=policy.moe_decode_blocks if decode
+                        else policy.moe_grouped_blocks)  # [S * k, N, D] float32
+                    return (Partials(parts.reshape(-1, b, t, d)),)
                 return (EXPERTS(*experts_args).astype(aval.dtype),)
 
         return rest.with_pending(Deferred(emit).part(0))
