@@ -35,17 +35,28 @@ def gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
-def budget() -> tuple[int | None, str]:
-    """(free bytes or None when unknown, what they are) for the default device."""
+def budget(devices=None) -> tuple[int | None, str]:
+    """(free bytes or None when unknown, what they are) for the default device; with devices
+    (a mesh's), what each of them has: the least free of the accelerators, or on CPU the
+    host's memory divided among the CPU devices (which share it). JAXINFER_MEMORY_LIMIT caps
+    every device."""
     import jax
 
-    device = jax.devices()[0]
-    free, what = None, f"{device.platform} device {device.device_kind}"
-    stats = device.memory_stats() if device.platform != "cpu" else None
-    if stats and "bytes_limit" in stats:
-        free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
-    elif device.platform == "cpu":
+    devices = list(devices) if devices is not None else [jax.devices()[0]]
+    device, free = devices[0], None
+    what = f"{device.platform} device {device.device_kind}"
+    if device.platform == "cpu":
         free, what = _mem_available(), "host memory (MemAvailable)"
+        if free is not None and len(devices) > 1:
+            free //= len(devices)
+            what = f"each of the {len(devices)} CPU devices (sharing the host's MemAvailable)"
+    else:
+        for d in devices:
+            stats = d.memory_stats() or {}
+            if "bytes_limit" in stats:
+                left = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+                if free is None or left < free:
+                    free, what = left, f"{d.platform} device {d.id} ({d.device_kind})"
     cap = os.environ.get("JAXINFER_MEMORY_LIMIT")
     if cap:
         limit = parse_bytes(cap)
@@ -65,8 +76,8 @@ def _mem_available() -> int | None:
     return None
 
 
-def _check(parts: dict[str, int], doing: str, remedy: str = REMEDY) -> None:
-    free, what = budget()
+def _check(parts: dict[str, int], doing: str, remedy: str = REMEDY, devices=None) -> None:
+    free, what = budget(devices)
     need = sum(parts.values())
     if free is not None and need > free:
         detail = ", ".join(f"{k} {gib(v)}" for k, v in parts.items())
@@ -109,6 +120,37 @@ def check_load(config, dtype: str, host_float32_copy: bool = True,
                   f"{config.hidden_size}) in {dtype}", LOAD_REMEDY)
 
 
+def mesh_text(sharding) -> str:
+    """"8 devices (tp=8)", for messages."""
+    sizes = ", ".join(f"{a}={n}" for a, n in (("tp", sharding.tp), ("dp", sharding.dp),
+                                             ("ep", sharding.ep)) if n > 1)
+    return f"{sharding.devices} devices" + (f" ({sizes})" if sizes else "")
+
+
+def check_sharded_load(config, dtype: str, sharding, stored_bytes: int | None = None) -> None:
+    """Before reading a checkpoint's tensors for a load onto a mesh (`sharding`): each
+    device's shards of the params (weights.per_device_bytes; a checkpoint kept quantized
+    in the same proportion of stored_bytes) against each device's free memory. The host
+    holds one tensor at a time (no staging copy of the model)."""
+    import jax
+
+    from jaxinfer.models import registry
+    from jaxinfer.weights import per_device_bytes
+
+    specs = registry.family(config).param_specs(config)
+    per = per_device_bytes(specs, sharding, dtype)
+    total = params_bytes(config, dtype)
+    on_cpu = jax.devices()[0].platform == "cpu"
+    parts = {f"params per device ({gib(total)} in all)": per}
+    if stored_bytes is not None and not on_cpu:
+        parts = {f"params per device, kept quantized ({gib(stored_bytes)} in all)":
+                 int(1.05 * stored_bytes * per / total)}
+    local = [d for d in sharding.mesh.devices.flat if d.process_index == jax.process_index()]
+    _check(parts, f"loading this model ({config.num_layers} layers, hidden "
+                  f"{config.hidden_size}) in {dtype} on {mesh_text(sharding)}",
+           "use more devices (a larger tp), " + LOAD_REMEDY, devices=local)
+
+
 def kv_bytes_per_token(config, kv_dtype: str | None = None) -> int:
     """Cache bytes one token takes over all layers: K and V in the model's dtype, or 1-byte
     codes plus a float32 scale per KV head (int8 / fp8); an MLA model's latent (c_kv and the
@@ -124,15 +166,27 @@ def kv_cache_bytes(config, batch: int, cache_len: int, kv_dtype: str | None = No
     return batch * cache_len * kv_bytes_per_token(config, kv_dtype)
 
 
+def cache_split(config, batch: int, sharding) -> int:
+    """How many ways a KV cache of `batch` rows is split over a mesh: its rows over dp
+    where dp divides them, its KV heads over tp where they shard (an MLA latent: rows only)."""
+    if sharding is None:
+        return 1
+    rows = sharding.dp if batch % sharding.dp == 0 else 1
+    heads = sharding.tp if config.mla is None and sharding.axis("kv_heads") is not None else 1
+    return rows * heads
+
+
 def check_request(config, batch: int, prompt_len: int, cache_len: int, chunk: int,
-                  kv_dtype: str | None = None) -> None:
+                  kv_dtype: str | None = None, sharding=None) -> None:
     """Before allocating a request's cache: K/V for batch x cache_len slots (kv_dtype "int8" /
     "fp8": the quantized cache), and the largest prefill step's activations (chunk tokens per
     row; on CPU the reference attention's float32 scores against the cache, and a quantized
-    layer's K/V dequantized to float32)."""
+    layer's K/V dequantized to float32). sharding (a mesh's): per device, the cache's share
+    (cache_split) against each device's free memory."""
     import jax
 
-    kv = kv_cache_bytes(config, batch, cache_len, kv_dtype)
+    split = cache_split(config, batch, sharding)
+    kv = kv_cache_bytes(config, batch, cache_len, kv_dtype) // split
     tokens = batch * min(chunk, prompt_len)
     width = (4 * config.hidden_size + (config.num_heads + 2 * config.num_kv_heads)
              * config.head_dim + 3 * config.intermediate_size)
@@ -142,9 +196,15 @@ def check_request(config, batch: int, prompt_len: int, cache_len: int, chunk: in
         work += 2 * tokens * config.num_heads * keys * 4
         if kv_dtype:
             work += 2 * batch * cache_len * config.num_kv_heads * config.head_dim * 4
+    devices = None
+    if sharding is not None:
+        work //= sharding.dp if batch % sharding.dp == 0 else 1  # rows over dp
+        devices = [d for d in sharding.mesh.devices.flat
+                   if d.process_index == jax.process_index()]
+    where = "" if sharding is None else f" on {mesh_text(sharding)}, per device"
     _check({"KV cache": kv, "workspace": work},
            f"this request (batch {batch}, {prompt_len} prompt tokens padded, cache of "
-           f"{cache_len} slots)")
+           f"{cache_len} slots){where}", devices=devices)
 
 
 @contextlib.contextmanager
