@@ -9,6 +9,7 @@ RESOURCE_EXHAUSTED; an allocation failure that still happens is reported the sam
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 import os
 import re
@@ -21,6 +22,21 @@ _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6,
 
 class OutOfMemory(ValueError):
     """A load or request that does not fit the memory budget (raised before allocating)."""
+
+
+_SHAPES_ONLY = contextvars.ContextVar("jaxinfer_memory_shapes_only", default=False)
+
+
+@contextlib.contextmanager
+def shapes_only():
+    """Inside, the checks pass: a request traced for its shapes (jax.eval_shape, lowering a
+    model too large for this machine) allocates nothing. The estimates are still reported by
+    whoever computes them."""
+    token = _SHAPES_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _SHAPES_ONLY.reset(token)
 
 
 def parse_bytes(text: str) -> int:
@@ -77,6 +93,8 @@ def _mem_available() -> int | None:
 
 
 def _check(parts: dict[str, int], doing: str, remedy: str = REMEDY, devices=None) -> None:
+    if _SHAPES_ONLY.get():
+        return
     free, what = budget(devices)
     need = sum(parts.values())
     if free is not None and need > free:
