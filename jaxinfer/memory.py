@@ -159,14 +159,15 @@ def check_sharded_load(config, dtype: str, sharding, stored_bytes: int | None = 
     per = per_device_bytes(specs, sharding, dtype)
     total = params_bytes(config, dtype)
     on_cpu = jax.devices()[0].platform == "cpu"
-    parts = {f"params per device ({gib(total)} in all)": per}
+    whole = f"{gib(total)} in {dtype}"
+    parts = {"params, per device": per}
     if stored_bytes is not None and not on_cpu:
-        parts = {f"params per device, kept quantized ({gib(stored_bytes)} in all)":
-                 int(1.05 * stored_bytes * per / total)}
+        whole = f"{gib(stored_bytes)} kept quantized"
+        parts = {"params kept quantized, per device": int(1.05 * stored_bytes * per / total)}
     local = [d for d in sharding.mesh.devices.flat if d.process_index == jax.process_index()]
     _check(parts, f"loading this model ({config.num_layers} layers, hidden "
-                  f"{config.hidden_size}) in {dtype} on {mesh_text(sharding)}",
-           "use more devices (a larger tp), " + LOAD_REMEDY, devices=local)
+                  f"{config.hidden_size}: {whole}) on {mesh_text(sharding)}",
+           "use more devices (a larger tp), " + LOAD_REMEDY[4:], devices=local)
 
 
 def kv_bytes_per_token(config, kv_dtype: str | None = None) -> int:
