@@ -81,7 +81,8 @@ def mesh_sizes(mesh: Mesh) -> dict[str, int]:
 def check_mesh(config: Config, mesh: Mesh) -> None:
     """ValueError naming the numbers when the mesh cannot serve the model: a mesh without
     our axes, tp that neither divides the attention heads nor is a multiple of them, ep that
-    does not divide the experts (or ep > 1 for a model without experts)."""
+    does not divide the experts. (A model without experts takes any ep: its ep devices hold
+    replicas, as the other layers of a MoE model do.)"""
     if not isinstance(mesh, Mesh):
         raise ValueError(f"mesh must be a jax.sharding.Mesh (jaxinfer.make_mesh), got "
                          f"{type(mesh).__name__}")
@@ -98,13 +99,10 @@ def check_mesh(config: Config, mesh: Mesh) -> None:
     if tp > 1 and kv % tp and tp % kv:
         raise ValueError(f"tp={tp} neither divides the model's {kv} KV heads nor is a multiple "
                          f"of them (to replicate them); use a tp that divides {kv}")
-    if ep > 1:
-        if config.moe is None:
-            raise ValueError(f"ep={ep}: the model has no experts; use ep=1 (tp or dp instead)")
+    if ep > 1 and config.moe is not None and config.moe.num_experts % ep:
         e = config.moe.num_experts
-        if e % ep:
-            raise ValueError(f"ep={ep} does not divide the model's {e} experts; use an ep "
-                             f"that divides {e}")
+        raise ValueError(f"ep={ep} does not divide the model's {e} experts; use an ep that "
+                         f"divides {e}")
 
 
 def _dims(config: Config) -> dict[str, tuple[int, ...]]:
@@ -135,12 +133,9 @@ class Sharding:
         dims = _dims(config)
         rules = {}
         for logical, axis in RULES.items():
-            if axis is None or sizes[axis] == 1:
-                rules[logical] = None
-            elif any(d % sizes[axis] for d in dims.get(logical, ())):
-                rules[logical] = None
-            else:
-                rules[logical] = axis
+            divides = axis is not None and not any(d % sizes[axis]
+                                                   for d in dims.get(logical, ()))
+            rules[logical] = axis if divides and sizes[axis] > 1 else None
         if rules["kv_heads"] is None:  # whole GQA groups per device, or none
             rules["q_heads"] = None
         return cls(mesh, tuple(rules.items()))
@@ -207,40 +202,56 @@ def spec_for(param_spec, sharding: Sharding) -> PartitionSpec:
     return sharding.spec(param_spec.axes, param_spec.shape)
 
 
-def _quantized_sharding(param_spec, weight, sharding: Sharding):
-    """A QuantizedWeight [K, *N] (every array [rows, N], rows following K): rows over K's mesh
-    axis and columns over the first output dim's, where they divide; N's later dims and a
-    sharded one after the first stay replicated (the columns are N flattened)."""
-    from jaxinfer.weights import Kind
+def weight_specs(weight, axes, sharding: Sharding):
+    """PartitionSpecs of a typed matmul weight's arrays, in its pytree structure. axes: its
+    logical axes as [K, *N] (the product's orientation, also for a transposed Dense [N, K]).
 
-    axes = param_spec.axes
-    if param_spec.kind is Kind.DENSE_T:  # stored [D, V]: the LM head's orientation
-        axes = (axes[1], axes[0])
-    k_axis, n_axis = sharding.axis(axes[0]), sharding.axis(axes[1])
-    if n_axis == k_axis:
-        n_axis = None
+    A Dense's .w takes them as stored, each dim replicated where its mesh axis does not
+    divide it. A QuantizedWeight's arrays are [rows, N flattened] (rows following K): rows
+    over K's mesh axis and columns over the first output dim's, where they divide (later output
+    dims stay replicated). Parts (layouts side by side) stay replicated (first version)."""
+    from jaxinfer.weights import Dense, Parts, QuantizedWeight
 
-    def one(a):
-        if a is None:
-            return None
-        rows = k_axis if k_axis is not None and a.shape[0] % sharding.size(k_axis) == 0 else None
-        cols = n_axis if n_axis is not None and a.shape[1] % sharding.size(n_axis) == 0 else None
-        return sharding.named(PartitionSpec(rows, cols))
-    return jax.tree.map(one, weight)
+    if isinstance(weight, Dense):
+        stored = (axes[-1], axes[0]) if weight.transposed else tuple(axes)
+        return Dense(sharding.spec(stored, weight.w.shape), weight.transposed)
+    if isinstance(weight, Parts):
+        return jax.tree.map(lambda a: PartitionSpec(), weight)
+    if isinstance(weight, QuantizedWeight):
+        k_axis, n_axis = sharding.axis(axes[0]), sharding.axis(axes[1])
+        n_axis = None if n_axis == k_axis else n_axis
+
+        def one(a):
+            rows = k_axis if a.shape[0] % sharding.size(k_axis) == 0 else None
+            cols = n_axis if a.shape[1] % sharding.size(n_axis) == 0 else None
+            return PartitionSpec(rows, cols)
+        return jax.tree.map(one, weight)
+    return sharding.spec(axes, weight.shape)  # a plain array (stacked experts)
+
+
+def local_weight(weight, specs, sharding: Sharding):
+    """One device's shard of a QuantizedWeight (inside shard_map) with its static K and
+    output dims cut as its arrays are (others come back as they are)."""
+    from jaxinfer.weights import QuantizedWeight
+
+    if not isinstance(weight, QuantizedWeight):
+        return weight
+    rows, cols = specs.scale
+    k = weight.k // sharding.size(rows)
+    out = (weight.out_shape[0] // sharding.size(cols), *weight.out_shape[1:])
+    return weight.replace(k=k, out_shape=out)
 
 
 def _leaf_sharding(param_spec, leaf, sharding: Sharding):
-    from jaxinfer.weights import Dense, Parts, QuantizedWeight
+    from jaxinfer.weights import Kind
 
-    if isinstance(leaf, QuantizedWeight):
-        return _quantized_sharding(param_spec, leaf, sharding)
-    replicated = sharding.named(PartitionSpec())
-    if isinstance(leaf, Parts):  # parts of different layouts: replicated (first version)
-        return jax.tree.map(lambda a: replicated, leaf)
-    spec = sharding.named(spec_for(param_spec, sharding))
-    if isinstance(leaf, Dense):
-        return Dense(spec, leaf.transposed)
-    return spec
+    axes = param_spec.axes
+    if param_spec.kind is Kind.DENSE_T:  # declared as stored, [V, D]: the product's [K, N] is
+        axes = (axes[1], axes[0])  # [D, V]
+    elif param_spec.kind in (Kind.ARRAY, Kind.EXPERTS) or not hasattr(leaf, "in_features"):
+        return sharding.named(sharding.spec(axes, param_spec.shape))
+    return jax.tree.map(sharding.named, weight_specs(leaf, axes, sharding),
+                        is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
 def param_shardings(specs, sharding: Sharding, params=None):
@@ -300,7 +311,13 @@ def latent_spec(shape, sharding: Sharding) -> PartitionSpec:
 
 def cache_shardings(cache, sharding: Sharding):
     """NamedShardings of a KVCache / LatentCache (or one of its layers), the same pytree."""
-    from jaxinfer.cache import KVCache, KVLayer, LatentCache, LatentLayer, QuantizedKVLayer
+    from jaxinfer.cache import (
+        KVCache,
+        KVLayer,
+        LatentCache,
+        LatentLayer,
+        QuantizedKVLayer,
+    )
 
     def kv(a):
         return sharding.named(kv_spec(a.shape, sharding))
@@ -321,3 +338,16 @@ def cache_shardings(cache, sharding: Sharding):
     if isinstance(cache, LatentLayer):
         return jax.tree.map(latent, cache)
     raise ValueError(f"cache_shardings: not a cache: {type(cache).__name__}")
+
+
+def constrain_cache(cache, sharding: Sharding | None):
+    """The cache pinned to its shardings inside a jitted function (so a donated cache comes
+    back laid out as it went in); unchanged without a sharding."""
+    if sharding is None:
+        return cache
+    return jax.lax.with_sharding_constraint(cache, cache_shardings(cache, sharding))
+
+
+def replicated(tree, sharding: Sharding):
+    """Every array of tree placed whole on every device of the mesh."""
+    return jax.device_put(tree, sharding.named(PartitionSpec()))

@@ -18,11 +18,24 @@ import jax.numpy as jnp
 import pallas_kernels as pk
 from jaxinfer.ops import reference
 from jaxinfer.ops.dispatch import Registry, decode_path, kernels_on, rows
-from jaxinfer.ops.stream import (ANY_SUM, ARRAY_ONLY, Deferred, Form, Partials, Projection,
-                                 Residual)
+from jaxinfer.ops.stream import (
+    ANY_SUM,
+    ARRAY_ONLY,
+    Deferred,
+    Form,
+    Partials,
+    Projection,
+    Residual,
+)
 from jaxinfer.plan import Boundary, Impl, Plan
-from jaxinfer.weights import (Dense, Parts, QuantizedWeight, as_array, is_transposed,
-                              kernel_operand)
+from jaxinfer.weights import (
+    Dense,
+    Parts,
+    QuantizedWeight,
+    as_array,
+    is_transposed,
+    kernel_operand,
+)
 from pallas_kernels.norm_matmul import default_block_sizes, first_rows_plan
 
 # ---------------------------------------------------------------------------------------------
@@ -88,7 +101,7 @@ def _fused_supports(x, w, plan, *, deltas=None, **_) -> str | None:
     return None
 
 
-@MATMUL.register("fused_small_m", _fused_supports)
+@MATMUL.register("fused_small_m", _fused_supports, kernel=True)
 def _fused_small_m(x, w, plan, *, accept=ARRAY_ONLY, norm_w=None, eps=0.0, deltas=None,
                    bias=None, out_dtype=None, prefetch=()):
     """The decode matmul: one pass over the weight, the residual add and the norm in its
@@ -139,7 +152,7 @@ def _fixed_supports(x, w, plan, *, deltas=None, **_) -> str | None:
     return None
 
 
-@MATMUL.register("pallas_fixed_tiles", _fixed_supports)
+@MATMUL.register("pallas_fixed_tiles", _fixed_supports, kernel=True)
 def _pallas_fixed_tiles(x, w, plan, *, accept=ARRAY_ONLY, norm_w=None, eps=0.0, deltas=None,
                         bias=None, out_dtype=None, prefetch=()):
     """Batch-invariant prefill: the fused kernel at the prefill tiles whatever the rows, so a
@@ -206,8 +219,9 @@ def add_deltas(x, delta):
 def norm(x, weight, eps: float, plan: Plan):
     """HF RMSNorm over x's last axis: the Pallas kernel on the decode path (one launch, not
     XLA's two) and for batch-invariant plans (fixed per-row arithmetic), else the reference.
-    A config with a norm_offset (Gemma's 1 + w, in float32) always takes the reference."""
-    if plan.config.norm_offset:
+    A config with a norm_offset (Gemma's 1 + w, in float32) always takes the reference, and
+    so does a sharded plan (XLA partitions it; the decode path is off there, dispatch.py)."""
+    if plan.config.norm_offset or plan.sharded:
         return reference.rms_norm(x, weight, eps, plan.config.norm_offset)
     if kernels_on(plan, x.dtype) and (decode_path(x, plan) or plan.policy.batch_invariant):
         return pk.rms_norm(x, weight, eps=eps, interpret=plan.policy.interpret)

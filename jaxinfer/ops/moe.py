@@ -25,6 +25,7 @@ from jaxinfer.configs import MoEConfig
 from jaxinfer.ops.dispatch import Registry, always, rows
 from jaxinfer.ops.linear import boundary, matmul
 from jaxinfer.ops.mlp import SWIGLU
+from jaxinfer.ops.sharded import experts_layout
 from jaxinfer.ops.stream import ANY_SUM, Residual
 from jaxinfer.plan import MoEImpl, Plan
 from jaxinfer.weights import Kind, ParamSpec
@@ -111,7 +112,7 @@ def expert_counts(experts: jax.Array, num_experts: int) -> jax.Array:
 #   -> sum_j weights[:, j] * expert_{experts[:, j]}(x) [B, T, D] float32, N = B * T
 # ---------------------------------------------------------------------------------------------
 
-EXPERTS = Registry("experts")
+EXPERTS = Registry("experts", layout=experts_layout, every=True)
 
 
 def _swiglu_act(g, u, dtype):

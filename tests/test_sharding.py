@@ -1,0 +1,133 @@
+"""Tensor, data and expert parallelism on 8 fake CPU devices (jaxinfer/sharding.py).
+
+XLA's host device count is fixed when jax starts, so the checks run in one subprocess
+(tests/sharding_check.py, which prints its results as JSON) and the tests here assert on
+them; the suite's own process keeps its one device. XLA's backend optimizations are off in
+that process: the checks compare results and read the partitioned HLO, and LLVM's passes were
+most of its compile time.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).parent.parent
+FIXTURES = ("llama_gqa_tied_llama3", "qwen2", "mixtral", "deepseek_v3")
+
+
+@pytest.fixture(scope="module")
+def results():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (
+        str(ROOT), os.environ.get("PYTHONPATH")))),
+        XLA_FLAGS="--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "sharding_check.py")], env=env,
+                          capture_output=True, text=True, timeout=900, check=False)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_logits_and_greedy_tokens_equal_one_device(results, name):
+    entry = results["models"][name]
+    assert entry["hf_rel"] <= 1e-4  # the single-device model itself is the right one
+    if entry["hf_tokens"] is not None:  # MoE fixtures: transformers' greedy continuation
+        assert entry["tokens"] == entry["hf_tokens"]
+    assert set(entry["meshes"]) == {'{"dp": 2, "tp": 4}', '{"ep": 4, "tp": 2}', '{"tp": 8}'}
+    for mesh, got in entry["meshes"].items():
+        assert got["rel"] <= 1e-5, f"{name} on {mesh}: relative error {got['rel']}"
+        assert got["argmax_equal"], f"{name} on {mesh}"
+        assert got["tokens"] == entry["tokens"], f"{name} on {mesh}"
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_parameters_are_split(results, name):
+    """Every device holds the same share, well under the whole (the tiny fixtures keep their
+    attention whole where tp does not divide the KV heads, and the hidden axis is never
+    split, so not exactly total / tp): the shares are in the assertion message."""
+    entry = results["models"][name]
+    total = entry["total_bytes"]
+    shares = {mesh: round(got["bytes_max"] / total, 3) for mesh, got in entry["meshes"].items()}
+    for mesh, got in entry["meshes"].items():
+        assert got["bytes_max"] == got["bytes_min"], f"{name} on {mesh}: unbalanced"
+        assert got["bytes_max"] <= 0.6 * total, f"{name}: per-device share of total {shares}"
+    if name == "mixtral":  # experts over ep and tp: most of its bytes split 8 ways
+        assert shares['{"ep": 4, "tp": 2}'] < 0.3, shares
+
+
+def test_int4_model_shards_the_same_way(results):
+    entry = results["int4"]["llama_gqa_tied_llama3"]
+    (got,) = entry["meshes"].values()
+    assert got["rel"] <= 1e-5 and got["argmax_equal"]
+    assert got["tokens"] == entry["tokens"]
+    assert got["bytes_max"] == got["bytes_min"] <= 0.6 * entry["total_bytes"]
+
+
+def _count(collectives, kind):
+    return sum(k == kind for k, _ in collectives)
+
+
+def _elements(shape: str) -> int:
+    n = 1
+    for part in shape.split("[", 1)[1].split("]", 1)[0].split(","):
+        n *= int(part) if part else 1
+    return n
+
+
+@pytest.mark.parametrize("case,all_reduces", [
+    # an all-reduce after the attention's o projection and the MLP's down projection of
+    # every layer, and one for the vocabulary-parallel embedding
+    ('llama_gqa_tied_llama3 {"dp": 4, "tp": 2}', lambda h: 2 * h["layers"] + 1),
+    # tp=8 over 2 KV heads: the attention is replicated, the MLP split
+    ('llama_gqa_tied_llama3 {"tp": 8}', lambda h: h["layers"] + 1),
+    # the experts' combined output summed once over ep and tp per MoE layer
+    ('mixtral {"ep": 4, "tp": 2}', lambda h: h["layers"] + h["moe_layers"] + 1),
+])
+def test_decode_step_collectives(results, case, all_reduces):
+    """In the optimized HLO of a decode step (B=2): the expected all-reduces and nothing that
+    moves a weight (every collective is at most the batch's logits, [2, 256])."""
+    h = results["hlo"][case]
+    ops = [(k, s) for k, s in h["collectives"]]
+    assert _count(ops, "all-reduce") == all_reduces(h), ops
+    assert _count(ops, "all-to-all") == 0 and _count(ops, "collective-permute") == 0, ops
+    for kind, shape in ops:
+        assert _elements(shape) <= 2 * 256, f"{kind} of {shape}: moves more than activations"
+        assert shape.split("]")[0] + "]" not in h["weight_shapes"], (kind, shape)
+
+
+def test_pallas_kernels_run_per_shard(results):
+    """Interpret-mode kernels in bf16 on tp=2: every pallas_call inside a shard_map, the
+    logits as one device's up to bf16 rounding."""
+    got = results["interpret"]
+    assert got["pallas"]["inside"] >= 4 and got["pallas"]["outside"] == 0, got
+    assert got["rel"] <= 2e-2 and got["argmax_agree"] >= 0.9, got
+
+
+@pytest.mark.parametrize("case,match", [
+    ("mesh_too_large", r"tp=16 x dp=1 x ep=1 = 16 devices, but only 8"),
+    ("tp_heads", r"tp=3 neither divides the model's 4 attention heads"),
+    ("ep_experts", r"ep=3 does not divide the model's 4 experts"),
+    ("foreign_axes", r"are not ours"),
+    ("generate_tp_heads", r"tp=3 neither divides"),
+])
+def test_bad_meshes_are_refused(results, case, match):
+    import re
+
+    assert re.search(match, results["errors"][case]), results["errors"][case]
+
+
+def test_rules_replicate_what_does_not_divide(results):
+    rules = results["rules"]
+    # tp=2 divides the 2 KV heads: attention by heads; tp=8 does not: attention whole
+    assert rules["llama tp=2"]["kv_heads"] == rules["llama tp=2"]["q_heads"] == "tp"
+    assert rules["llama tp=8"]["kv_heads"] is None and rules["llama tp=8"]["q_heads"] is None
+    assert rules["llama tp=8"]["mlp"] == rules["llama tp=8"]["vocab"] == "tp"
+    assert rules["mixtral ep=4"]["experts"] == "ep" and rules["llama dp=2"]["batch"] == "dp"
+    assert rules["llama dp=2"]["mlp"] is None  # a size-1 axis maps to nothing
+    # the spec of a declared parameter, and the cache's: heads over tp, rows over dp
+    assert rules["wqkv tp=2"] == [None, "tp", None, None]
+    assert rules["kv cache tp=2 dp=4"] == ["dp", None, "tp", None]
