@@ -255,6 +255,21 @@ def _median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+@dataclasses.dataclass(frozen=True)
+class _strict:
+    """A compiled executable that, on a mesh, first puts its arguments on the shardings it
+    was compiled for: an executable's outputs may come back sharded otherwise than its
+    inputs went in (the state's per-row arrays over dp), and executables refuse that (jit
+    would recompile). On one device, the executable itself."""
+    compiled: object
+    plan: object
+
+    def __call__(self, *args):
+        if self.plan.sharding is not None:
+            args = jax.device_put(args, self.compiled.input_shardings[0])
+        return self.compiled(*args)
+
+
 def run(model: Model, name: str, batch: int, prompt_len: int, gen_len: int,
         repeats: int = 3, seed: int = 0, dump_hlo: str | None = None,
         policy_name: str = "default", kv_cache_dtype: str | None = None) -> BenchResult:
@@ -275,14 +290,14 @@ def run(model: Model, name: str, batch: int, prompt_len: int, gen_len: int,
     params = run_params(model, plan)  # what generate runs (on CPU: dequantized per request)
     state, tokens, lengths = fresh_state()
     t0 = time.perf_counter()
-    prefill_exe = prefill.lower(params, tokens, lengths, state, plan).compile()
+    prefill_exe = _strict(prefill.lower(params, tokens, lengths, state, plan).compile(), plan)
     state = jax.block_until_ready(prefill_exe(params, tokens, lengths, state))
-    loop_exe = decode_loop.lower(params, state, plan).compile()
-    step_exe = decode_step.lower(params, state, plan).compile()
+    loop_exe = _strict(decode_loop.lower(params, state, plan).compile(), plan)
+    step_exe = _strict(decode_step.lower(params, state, plan).compile(), plan)
     compile_s = time.perf_counter() - t0
     if dump_hlo:  # the optimized decode step, to count its kernels and spot copies
         with open(f"{dump_hlo}.b{batch}.hlo.txt", "w") as f:
-            f.write(step_exe.as_text())
+            f.write(step_exe.compiled.as_text())
     progress.update()
 
     def prefill_once():
