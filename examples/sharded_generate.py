@@ -26,7 +26,8 @@ import jaxinfer
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model", help="registered name, HF directory or .gguf file")
-    parser.add_argument("--tp", type=int, default=jax.device_count(), help="tensor parallel")
+    parser.add_argument("--tp", type=int, default=None,
+                        help="tensor parallel (default: every device, over dp)")
     parser.add_argument("--dp", type=int, default=1, help="data parallel (the batch)")
     parser.add_argument("--prompt", action="append", default=None)
     parser.add_argument("-n", "--max-new-tokens", type=int, default=32)
@@ -35,6 +36,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.distributed:  # before any other jax call: the coordinator from the environment
         jax.distributed.initialize()
+    if args.tp is None:
+        args.tp = jax.device_count() // args.dp
 
     mesh = jaxinfer.make_mesh(tp=args.tp, dp=args.dp)  # jax.devices(): every process's
     model = jaxinfer.load(args.model, mesh=mesh)
