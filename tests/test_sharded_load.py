@@ -187,14 +187,28 @@ def _example(src: str) -> dict:
 
 
 def run_checks() -> dict:
+    import tempfile
+
     import jax
 
+    import jaxinfer
+    from checkpoints.quantized import save_quantized
+
     untied = str(HF / "llama_mha_untied")  # 4 KV heads: tp=4 splits them
+    gguf = str(GGUF / "tiny-q8_0.gguf")
+    with tempfile.TemporaryDirectory() as tmp:  # a `jaxinfer quantize` output
+        quantized = save_quantized(f"{tmp}/int4", jaxinfer.load(
+            str(HF / "llama_bf16"), quantization="int4").params, HF / "llama_bf16")
+        quantized_dir = _compare(str(quantized), {"tp": 2, "dp": 4})
     return {
         "devices": jax.device_count(),
         "hf": _compare(untied, {"tp": 4, "dp": 2}),
-        "gguf": _compare(str(GGUF / "tiny-q8_0.gguf"), {"tp": 2, "dp": 4}),
+        "bf16": _compare(untied, {"tp": 4, "dp": 2}, dtype="bfloat16"),
+        "gguf": _compare(gguf, {"tp": 2, "dp": 4}),
+        "gguf_none": _compare(gguf, {"tp": 2, "dp": 4}, quantization="none"),
         "int4": _compare(str(HF / "llama_bf16"), {"tp": 2, "dp": 4}, quantization="int4"),
+        "quantized_dir": quantized_dir,
+        "moe": _compare(str(HF / "mixtral"), {"tp": 2, "ep": 4}),
         "slices": _slice_reads(untied, 4),
         "refusals": _refusals(untied, str(GGUF / "tiny-q8_0.gguf")),
         "bench": _bench_70b(),
@@ -216,16 +230,24 @@ def report():
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("case, tp", [("hf", 4), ("gguf", 2), ("int4", 2)])
-def test_every_tensor_is_on_its_declared_shards_with_one_device_values(report, case, tp):
+@pytest.mark.parametrize("case, weight, tp", [
+    ("hf", "Dense", 4),  # float32 safetensors
+    ("bf16", "Dense", 4),  # cast to bfloat16 shard by shard
+    ("gguf", "QuantizedWeight", 2),  # Q8_0 blocks kept
+    ("gguf_none", "Dense", 2),  # dequantized
+    ("int4", "QuantizedWeight", 2),  # quantized as read
+    ("quantized_dir", "QuantizedWeight", 2),  # `jaxinfer quantize` output
+    ("moe", "Dense", None),  # Mixtral: experts over ep=4, attention over tp=2
+])
+def test_every_tensor_is_on_its_declared_shards_with_one_device_values(report, case, weight,
+                                                                          tp):
     r = report[case]
     assert report["devices"] == DEVICES and r["devices"] == DEVICES
     assert r["same_structure"] and r["declared"] and r["equal"] and r["plan_has_sharding"]
     assert r["wqkv_spec"].startswith("P(None, 'tp'")  # its KV heads (codes: columns) over tp
-    assert r["weight"] == {"hf": "Dense", "gguf": "QuantizedWeight",
-                           "int4": "QuantizedWeight"}[case]
-    # each device ~1/tp of the whole (the norms, a few hundred bytes here, on every device)
-    assert r["total"] / tp <= r["per_device"] <= 1.05 * r["total"] / tp
+    assert r["weight"] == weight
+    if tp is not None:  # each device ~1/tp (the norms, a few hundred bytes here, on all)
+        assert r["total"] / tp <= r["per_device"] <= 1.05 * r["total"] / tp
 
 
 def test_a_tensor_is_read_by_the_slices_its_devices_hold(report):
