@@ -145,15 +145,18 @@ def mesh_text(sharding) -> str:
     return f"{sharding.devices} devices" + (f" ({sizes})" if sizes else "")
 
 
-def check_sharded_load(config, dtype: str, sharding, stored_bytes: int | None = None) -> None:
+def check_sharded_load(config, dtype: str, sharding, stored_bytes: int | None = None,
+                       quantizing: bool = False) -> None:
     """Before reading a checkpoint's tensors for a load onto a mesh (`sharding`): each
     device's shards of the params (weights.per_device_bytes; a checkpoint kept quantized
     in the same proportion of stored_bytes) against each device's free memory. The host
-    holds one tensor at a time (no staging copy of the model)."""
+    holds one tensor at a time (no staging copy of the model); quantizing, the first device
+    holds the largest matmul weight in float32 and its float32 working copy for a moment
+    (counted on every device: the least free one decides)."""
     import jax
 
     from jaxinfer.models import registry
-    from jaxinfer.weights import per_device_bytes
+    from jaxinfer.weights import Kind, ParamSpec, per_device_bytes
 
     specs = registry.family(config).param_specs(config)
     per = per_device_bytes(specs, sharding, dtype)
@@ -164,6 +167,11 @@ def check_sharded_load(config, dtype: str, sharding, stored_bytes: int | None = 
     if stored_bytes is not None and not on_cpu:
         whole = f"{gib(stored_bytes)} kept quantized"
         parts = {"params kept quantized, per device": int(1.05 * stored_bytes * per / total)}
+    if quantizing:
+        largest = max(math.prod(s.shape) for s in jax.tree.leaves(
+            specs, is_leaf=lambda x: isinstance(x, ParamSpec))
+            if s.kind in (Kind.DENSE, Kind.DENSE_T))
+        parts["quantizing one weight at a time"] = 2 * 4 * largest
     local = [d for d in sharding.mesh.devices.flat if d.process_index == jax.process_index()]
     _check(parts, f"loading this model ({config.num_layers} layers, hidden "
                   f"{config.hidden_size}: {whole}) on {mesh_text(sharding)}",

@@ -148,7 +148,7 @@ def load(source: str = DEFAULT_MODEL, dtype: str | None = None,
                                * BYTES_PER_PARAM[quantization])
         if mesh is not None:
             read["sharding"] = sharding = Sharding.create(mesh, config)  # check_mesh
-            memory.check_sharded_load(config, dtype, sharding, stored_bytes)
+            memory.check_sharded_load(config, dtype, sharding, stored_bytes, quantizing)
             read["transform"] = place_on_read(specs, sharding, dtype, quantization, group_size)
             return
         memory.check_load(config, dtype, host_float32_copy=float32_staging,
