@@ -28,8 +28,9 @@ DEVICES = 8
 # ------------------------------------------------------------------ the subprocess's checks
 
 
-def _compare(src: str, mesh_kw: dict, **load_kw) -> dict:
-    """One checkpoint loaded on one device and onto a mesh: shardings, values, bytes."""
+def _compare(src: str, mesh_kw: dict, one=None, **load_kw) -> dict:
+    """One checkpoint loaded on one device (or `one`, loaded so already) and onto a mesh:
+    shardings, values, bytes."""
     import jax
     import numpy as np
 
@@ -38,7 +39,7 @@ def _compare(src: str, mesh_kw: dict, **load_kw) -> dict:
     from jaxinfer.sharding import make_mesh, param_shardings, per_device_bytes
     from jaxinfer.weights import param_bytes
 
-    one = jaxinfer.load(src, **load_kw)
+    one = one or jaxinfer.load(src, **load_kw)
     model = jaxinfer.load(src, mesh=make_mesh(**mesh_kw), **load_kw)
     specs = registry.family(model.config).param_specs(model.config)
     leaves = jax.tree.leaves(model.params)
@@ -195,10 +196,10 @@ def run_checks() -> dict:
     from checkpoints.quantized import save_quantized
 
     untied = str(HF / "llama_mha_untied")  # 4 KV heads: tp=4 splits them
-    gguf = str(GGUF / "tiny-q8_0.gguf")
+    gguf, bf16 = str(GGUF / "tiny-q8_0.gguf"), str(HF / "llama_bf16")
+    int4 = jaxinfer.load(bf16, quantization="int4")
     with tempfile.TemporaryDirectory() as tmp:  # a `jaxinfer quantize` output
-        quantized = save_quantized(f"{tmp}/int4", jaxinfer.load(
-            str(HF / "llama_bf16"), quantization="int4").params, HF / "llama_bf16")
+        quantized = save_quantized(f"{tmp}/int4", int4.params, bf16)
         quantized_dir = _compare(str(quantized), {"tp": 2, "dp": 4})
     return {
         "devices": jax.device_count(),
@@ -206,7 +207,7 @@ def run_checks() -> dict:
         "bf16": _compare(untied, {"tp": 4, "dp": 2}, dtype="bfloat16"),
         "gguf": _compare(gguf, {"tp": 2, "dp": 4}),
         "gguf_none": _compare(gguf, {"tp": 2, "dp": 4}, quantization="none"),
-        "int4": _compare(str(HF / "llama_bf16"), {"tp": 2, "dp": 4}, quantization="int4"),
+        "int4": _compare(bf16, {"tp": 2, "dp": 4}, one=int4, quantization="int4"),
         "quantized_dir": quantized_dir,
         "moe": _compare(str(HF / "mixtral"), {"tp": 2, "ep": 4}),
         "slices": _slice_reads(untied, 4),
