@@ -148,7 +148,7 @@ def mesh_text(sharding) -> str:
 def check_sharded_load(config, dtype: str, sharding, stored_bytes: int | None = None,
                        quantizing: bool = False) -> None:
     """Before reading a checkpoint's tensors for a load onto a mesh (`sharding`): each
-    device's shards of the params (weights.per_device_bytes; a checkpoint kept quantized
+    device's shards of the params (weights.declared_bytes_per_device; a checkpoint kept quantized
     in the same proportion of stored_bytes) against each device's free memory. The host
     holds one tensor at a time (no staging copy of the model); quantizing, the first device
     holds the largest matmul weight in float32 and its float32 working copy for a moment
@@ -156,10 +156,10 @@ def check_sharded_load(config, dtype: str, sharding, stored_bytes: int | None = 
     import jax
 
     from jaxinfer.models import registry
-    from jaxinfer.weights import Kind, ParamSpec, per_device_bytes
+    from jaxinfer.weights import Kind, ParamSpec, declared_bytes_per_device
 
     specs = registry.family(config).param_specs(config)
-    per = per_device_bytes(specs, sharding, dtype)
+    per = declared_bytes_per_device(specs, sharding, dtype)
     total = params_bytes(config, dtype)
     on_cpu = jax.devices()[0].platform == "cpu"
     whole = f"{gib(total)} in {dtype}"

@@ -418,7 +418,7 @@ def place_on_read(specs, sharding, dtype, quantization: str | None = None,
     return transform
 
 
-def per_device_bytes(specs, sharding, dtype) -> int:
+def declared_bytes_per_device(specs, sharding, dtype) -> int:
     """Bytes one device holds of the params declared by specs, in dtype (a param's own dtype
     where it declares one), each on its declared shards (`sharding`: a Sharding)."""
     from jaxinfer.sharding import spec_for

@@ -152,7 +152,7 @@ def _bench_70b() -> dict:
     from jaxinfer.configs import PRESETS
     from jaxinfer.models import registry
     from jaxinfer.sharding import Sharding, make_mesh
-    from jaxinfer.weights import per_device_bytes
+    from jaxinfer.weights import declared_bytes_per_device
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -162,7 +162,7 @@ def _bench_70b() -> dict:
                          "--json"])
     config = PRESETS["llama3-70b"]
     specs = registry.family(config).param_specs(config)
-    whole = per_device_bytes(specs, Sharding.create(make_mesh(tp=8), config), "bfloat16")
+    whole = declared_bytes_per_device(specs, Sharding.create(make_mesh(tp=8), config), "bfloat16")
     return {"code": code, "report": json.loads(out.getvalue().strip().splitlines()[-1]),
             "params_per_device_80_layers": whole}
 
