@@ -175,7 +175,9 @@ def check_sharded_load(config, dtype: str, sharding, stored_bytes: int | None = 
     local = [d for d in sharding.mesh.devices.flat if d.process_index == jax.process_index()]
     _check(parts, f"loading this model ({config.num_layers} layers, hidden "
                   f"{config.hidden_size}: {whole}) on {mesh_text(sharding)}",
-           "use more devices (a larger tp), " + LOAD_REMEDY[4:], devices=local)
+           "use more devices (a larger tp), " + (LOAD_REMEDY[4:] if dtype == "float32"
+                                                 else "or a smaller or quantized model"),
+           devices=local)
 
 
 def kv_bytes_per_token(config, kv_dtype: str | None = None) -> int:
