@@ -359,10 +359,11 @@ def put_sharded(host, sharding, dtype=None) -> jax.Array:
     as a global jax.Array on `sharding`: each addressable device gets its own shard, read
     (and cast to dtype) by itself, so no device and no host buffer holds the whole array
     beyond the tensor the loader already has. Devices holding the same shard share one read.
-    A jax.Array (a weight quantized on the default device) is spread from its device."""
+    A jax.Array (a weight quantized on the default device) is spread from its device (over
+    several processes, each takes its own devices' shards from its own copy)."""
     import numpy as np
 
-    if isinstance(host, jax.Array):
+    if isinstance(host, jax.Array) and sharding.is_fully_addressable:
         return jax.device_put(host if dtype is None else host.astype(dtype), sharding)
     read = {}
 
