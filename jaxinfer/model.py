@@ -119,9 +119,9 @@ def load(source: str = DEFAULT_MODEL, dtype: str | None = None,
     divides K, else one scale per column; fp8 defaults to one scale per column). policy: the kernel
     choices (default `KernelPolicy()`, today's fastest; `.deterministic()`, `.reference()`).
     mesh: a `jaxinfer.make_mesh(tp=, dp=, ep=)`: every tensor is put on its shards as it is
-    read (an HF tensor read by the slices its devices hold; a GGUF block or a quantized
-    weight whole on the host, one at a time), so neither a device nor the host ever holds the
-    whole model; the mesh is checked against the config, and each device's share against its
+    read (an HF embedding or LM head by the slices its devices hold, a layer one at a time on
+    the host, a GGUF block or a quantized weight one at a time), so neither a device nor the
+    host ever holds the whole model; the mesh is checked against the config, and each device's share against its
     free memory, before any tensor is read. `model(...)` and `generate` then run sharded.
     """
     from checkpoints import load_checkpoint
