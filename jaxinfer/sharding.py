@@ -207,9 +207,11 @@ def weight_specs(weight, axes, sharding: Sharding):
     logical axes as [K, *N] (the product's orientation, also for a transposed Dense [N, K]).
 
     A Dense's .w takes them as stored, each dim replicated where its mesh axis does not
-    divide it. A QuantizedWeight's arrays are [rows, N flattened] (rows following K): rows
-    over K's mesh axis and columns over the first output dim's, where they divide (later output
-    dims stay replicated). Parts (layouts side by side) stay replicated (first version)."""
+    divide it. A QuantizedWeight's arrays are [rows, N flattened]: columns over the first
+    output dim's mesh axis where it divides them (later output dims stay replicated), rows over
+    K's only where every device's rows are one contiguous block of K (_rows_split): then the
+    dequantization and the kernels' K loop stay local. Parts (layouts side by side) stay
+    replicated (first version)."""
     from jaxinfer.weights import Dense, Parts, QuantizedWeight
 
     if isinstance(weight, Dense):
@@ -220,13 +222,37 @@ def weight_specs(weight, axes, sharding: Sharding):
     if isinstance(weight, QuantizedWeight):
         k_axis, n_axis = sharding.axis(axes[0]), sharding.axis(axes[1])
         n_axis = None if n_axis == k_axis else n_axis
+        if not _rows_split(weight, sharding.size(k_axis)):
+            k_axis = None
 
         def one(a):
-            rows = k_axis if a.shape[0] % sharding.size(k_axis) == 0 else None
             cols = n_axis if a.shape[1] % sharding.size(n_axis) == 0 else None
-            return PartitionSpec(rows, cols)
+            return PartitionSpec(k_axis if a.shape[0] > 1 else None, cols)
         return jax.tree.map(one, weight)
     return sharding.spec(axes, weight.shape)  # a plain array (stacked experts)
+
+
+def _rows_split(weight, n: int) -> bool:
+    """Whether n devices can each hold one contiguous block of a QuantizedWeight's K: K, the
+    scale groups (and super-groups) split evenly with no padding past K, and a plane of r > 1
+    tiles per byte row (int4: tile t at byte rows (t // r) * tile) splits at whole byte-row
+    blocks covering exactly K."""
+    if n == 1:
+        return True
+    k = weight.k
+    if k % n:
+        return False
+    for rows, group in ((weight.scale.shape[0], weight.group),
+                        (0 if weight.super_scale is None else weight.super_scale.shape[0],
+                         weight.super_group)):
+        if rows > 1 and (rows % n or rows * group != k):  # one row: whole on every device
+            return False
+    for plane, bits in zip(weight.planes, weight.bits):
+        r = 8 // bits
+        rows = plane.shape[0]
+        if rows * r != k or rows % n or (r > 1 and (rows // n) % weight.tile):
+            return False
+    return True
 
 
 def local_weight(weight, specs, sharding: Sharding):
@@ -236,7 +262,7 @@ def local_weight(weight, specs, sharding: Sharding):
 
     if not isinstance(weight, QuantizedWeight):
         return weight
-    rows, cols = specs.scale
+    rows, cols = specs.planes[0]
     k = weight.k // sharding.size(rows)
     out = (weight.out_shape[0] // sharding.size(cols), *weight.out_shape[1:])
     return weight.replace(k=k, out_shape=out)

@@ -140,10 +140,34 @@ def collectives(hlo: str) -> list[tuple[str, str]]:
 
 def check_hlo() -> dict:
     """The decode loops' collectives and the weights' global shapes (HLO_CASES; filled in by
-    check_models, which compiles them)."""
+    check_models, which compiles them), and a decode step with int4 weights kept quantized
+    (as the GPU holds them: XLA dequantizes the codes where the fused kernels are off)."""
+    from jaxinfer.model import from_params
+    from jaxinfer.models import llama
+    from jaxinfer.plan import KernelPolicy
+    from jaxinfer.sharding import make_mesh, shard_params
+    from jaxinfer.weights import init_params
+
     if not _HLO:
         check_models(names=sorted({n for n, _ in HLO_CASES}))
-    return dict(_HLO)
+    out = dict(_HLO)
+    generate = importlib.import_module("jaxinfer.generate")
+    # K a whole number of int4 byte-row tiles per device (no padding past K): rows can split
+    config = _tiny_config(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2,
+                          head_dim=64)
+    model = from_params(config, init_params(llama.param_specs(config), jax.random.key(0),
+                                            jnp.float32), quantization="int4",
+                        policy=KernelPolicy.reference())
+    req = generate._prepare(model, [[1, 2, 3, 4], [5, 6, 7]], 4, None, 0, None, None, None,
+                            None, None, make_mesh(tp=2))
+    params = shard_params(model.params, llama.param_specs(config), req.plan.sharding)
+    hlo = generate.decode_step.lower(params, req.state, req.plan).compile().as_text()
+    out["int4 kept quantized"] = {
+        "collectives": collectives(hlo), "layers": 2, "hidden": 256, "vocab": 512,
+        "w_down rows": str(params["layers"][0]["w_down"].planes[0].sharding.spec[0]),
+        "weight_shapes": sorted({str(list(a.shape)) for a in jax.tree.leaves(params)
+                                 if a.ndim >= 2})}
+    return out
 
 
 def pallas_calls(jaxpr, inside: bool = False, found: dict | None = None) -> dict:

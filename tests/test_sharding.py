@@ -98,6 +98,20 @@ def test_decode_step_collectives(results, case, all_reduces):
         assert shape.split("]")[0] + "]" not in h["weight_shapes"], (kind, shape)
 
 
+def test_quantized_weights_stay_on_their_shards(results):
+    """int4 codes kept on the device (the GPU's form; XLA dequantizes them per step where the
+    fused kernels are off): an all-reduce after each row-parallel projection and none of a
+    weight; the row-parallel down projection's codes split by rows."""
+    h = results["hlo"]["int4 kept quantized"]
+    ops = h["collectives"]
+    assert h["w_down rows"] == "tp"
+    assert _count(ops, "all-to-all") == 0 and _count(ops, "collective-permute") == 0, ops
+    assert sum(k == "all-reduce" and s.startswith(f"f32[2,1,{h['hidden']}]")
+               for k, s in ops) == 2 * h["layers"], ops
+    for kind, shape in ops:  # the embedding's token columns, the sampler's: the batch's
+        assert _elements(shape) <= 2 * h["vocab"], f"{kind} of {shape}"
+
+
 def test_pallas_kernels_run_per_shard(results):
     """Interpret-mode kernels in bf16 on tp=2: every pallas_call inside a shard_map, the
     logits as one device's up to bf16 rounding."""
