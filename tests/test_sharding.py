@@ -43,13 +43,15 @@ def test_logits_and_greedy_tokens_equal_one_device(results, name):
 
 
 @pytest.mark.parametrize("name", FIXTURES)
-def test_parameters_are_split(results, name):
+def test_parameters_are_split(results, name, record_property):
     """Every device holds the same share, well under the whole (the tiny fixtures keep their
     attention whole where tp does not divide the KV heads, and the hidden axis is never
-    split, so not exactly total / tp): the shares are in the assertion message."""
+    split, so not exactly total / tp); the shares are recorded (junit properties, -s)."""
     entry = results["models"][name]
     total = entry["total_bytes"]
     shares = {mesh: round(got["bytes_max"] / total, 3) for mesh, got in entry["meshes"].items()}
+    record_property("per_device_share", shares)
+    print(f"{name}: {total} parameter bytes; per device: {shares}")
     for mesh, got in entry["meshes"].items():
         assert got["bytes_max"] == got["bytes_min"], f"{name} on {mesh}: unbalanced"
         assert got["bytes_max"] <= 0.6 * total, f"{name}: per-device share of total {shares}"
