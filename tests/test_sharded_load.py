@@ -247,8 +247,11 @@ def test_every_tensor_is_on_its_declared_shards_with_one_device_values(report, c
     assert r["same_structure"] and r["declared"] and r["equal"] and r["plan_has_sharding"]
     assert r["wqkv_spec"].startswith("P(None, 'tp'")  # its KV heads (codes: columns) over tp
     assert r["weight"] == weight
-    if tp is not None:  # each device ~1/tp (the norms, a few hundred bytes here, on all)
-        assert r["total"] / tp <= r["per_device"] <= 1.05 * r["total"] / tp
+    if tp is not None:  # each device ~1/tp (the norms, a few hundred bytes here, on all;
+        # int4 codes of K=64 rows fill one kernel tile, which a device holds whole, so the
+        # row-split weights (wo, w_down) are whole there: up to 1/4 of the bytes)
+        slack = 1.25 if case in ("int4", "quantized_dir") else 1.05
+        assert r["total"] / tp <= r["per_device"] <= slack * r["total"] / tp
 
 
 def test_a_tensor_is_read_by_the_slices_its_devices_hold(report):
