@@ -337,13 +337,7 @@ def latent_spec(shape, sharding: Sharding) -> PartitionSpec:
 
 def cache_shardings(cache, sharding: Sharding):
     """NamedShardings of a KVCache / LatentCache (or one of its layers), the same pytree."""
-    from jaxinfer.cache import (
-        KVCache,
-        KVLayer,
-        LatentCache,
-        LatentLayer,
-        QuantizedKVLayer,
-    )
+    from jaxinfer.cache import KVCache, KVLayer, LatentCache, LatentLayer, QuantizedKVLayer
 
     def kv(a):
         return sharding.named(kv_spec(a.shape, sharding))

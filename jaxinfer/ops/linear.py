@@ -18,24 +18,11 @@ import jax.numpy as jnp
 import pallas_kernels as pk
 from jaxinfer.ops import reference
 from jaxinfer.ops.dispatch import Registry, decode_path, kernels_on, rows
-from jaxinfer.ops.stream import (
-    ANY_SUM,
-    ARRAY_ONLY,
-    Deferred,
-    Form,
-    Partials,
-    Projection,
-    Residual,
-)
+from jaxinfer.ops.stream import (ANY_SUM, ARRAY_ONLY, Deferred, Form, Partials, Projection,
+                                 Residual)
 from jaxinfer.plan import Boundary, Impl, Plan
-from jaxinfer.weights import (
-    Dense,
-    Parts,
-    QuantizedWeight,
-    as_array,
-    is_transposed,
-    kernel_operand,
-)
+from jaxinfer.weights import (Dense, Parts, QuantizedWeight, as_array, is_transposed,
+                              kernel_operand)
 from pallas_kernels.norm_matmul import default_block_sizes, first_rows_plan
 
 # ---------------------------------------------------------------------------------------------

@@ -15,23 +15,10 @@ from jax.sharding import PartitionSpec as P
 
 import pallas_kernels as pk
 from jaxinfer.ops import reference
-from jaxinfer.ops.dispatch import (
-    Layout,
-    Registry,
-    always,
-    batch_axis,
-    decode_path,
-    kernels_on,
-    rows,
-)
-from jaxinfer.ops.linear import (
-    MATMUL,
-    add_deltas,
-    boundary,
-    linear,
-    prefetch_pairs,
-    tiles,
-)
+from jaxinfer.ops.dispatch import (Layout, Registry, always, batch_axis, decode_path,
+                                   kernels_on, rows)
+from jaxinfer.ops.linear import (MATMUL, add_deltas, boundary, linear, prefetch_pairs,
+                                 tiles)
 from jaxinfer.ops.stream import ANY_SUM, Deferred, Partials, Residual, resolve
 from jaxinfer.plan import Boundary, Plan
 from jaxinfer.sharding import local_weight, weight_specs
@@ -48,8 +35,8 @@ def _swiglu_layout(sharding, x, w_gate, w_up, plan, *, norm_w=None, deltas=None,
     cols = {_columns(gate), _columns(up)}
     if len(cols) != 1:
         return None
-    rows = P(b, None, None)
-    inputs = {0: rows, 1: gate, 2: up}
+    x_spec = P(b, None, None)  # [B, T, D]
+    inputs = {0: x_spec, 1: gate, 2: up}
     if norm_w is not None:
         inputs["norm_w"] = P()
 
@@ -57,7 +44,7 @@ def _swiglu_layout(sharding, x, w_gate, w_up, plan, *, norm_w=None, deltas=None,
         args[1], args[2] = (local_weight(w, s, sharding)
                             for w, s in ((args[1], gate), (args[2], up)))
         return args, kwargs
-    return Layout(inputs, (rows, P(b, None, cols.pop())), local=local)
+    return Layout(inputs, (x_spec, P(b, None, cols.pop())), local=local)
 
 
 def _columns(specs):
