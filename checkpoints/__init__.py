@@ -11,7 +11,7 @@ import pathlib
 
 
 def load_checkpoint(source: str | pathlib.Path, before_tensors=None, keep_quantized: bool = True,
-                    transform=None):
+                    transform=None, host: bool = False):
     """(Config, params, Tokenizer | None) from a registered name, an HF directory or a .gguf file.
 
     before_tensors(config, float32_staging[, stored_bytes]), when given, runs once the config
@@ -20,8 +20,10 @@ def load_checkpoint(source: str | pathlib.Path, before_tensors=None, keep_quanti
     its blocks. A memory check can then refuse a load that cannot fit.
     keep_quantized: quantized tensors (GGUF blocks) come back as QuantizedWeights in their
     codes and scales; False dequantizes them to float32. transform(name, value): applied to
-    each param of an HF directory as it is read (quantize on load without holding the whole
-    float checkpoint)."""
+    each param as it is read ("embed", "layers.3.wqkv": quantize on load, or place on a mesh,
+    without holding the whole checkpoint). host=True: params reach transform on the host
+    (numpy, QuantizedWeights of numpy, or an HF tensor as `hf.TensorSlices`, read by the
+    slices asked for), never on a device."""
     from checkpoints import registry
 
     path = registry.resolve(str(source))
@@ -29,13 +31,13 @@ def load_checkpoint(source: str | pathlib.Path, before_tensors=None, keep_quanti
         from checkpoints.hf import load_hf_dir
 
         return load_hf_dir(path, before_tensors and (lambda c: before_tensors(c, False)),
-                           transform)
+                           transform, host)
     if path.suffix == ".gguf":
         from checkpoints.gguf import load_gguf
 
         stored = path.stat().st_size if keep_quantized else None  # the blocks, kept
         return load_gguf(path, before_tensors and (
             lambda c: before_tensors(c, not keep_quantized, stored)),
-            keep_quantized=keep_quantized)
+            keep_quantized=keep_quantized, transform=transform)
     raise ValueError(f"{path}: not a checkpoint this loader knows; give an HF-layout directory "
                      "(config.json + *.safetensors), a .gguf file, or a registered model name")

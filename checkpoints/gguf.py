@@ -624,10 +624,13 @@ def _owned(a):
 _MAX_WORKERS = 4
 
 
-def params_from_reader(reader, config: Config, path, keep_quantized: bool = True) -> dict:
+def params_from_reader(reader, config: Config, path, keep_quantized: bool = True,
+                       transform=None) -> dict:
     """Check every tensor's presence, type and shape, then read them into our params layout:
     with keep_quantized, matmul weights and the token embedding of gguf_blocks' types as
-    QuantizedWeights, the rest (and all without it) dequantized to float32."""
+    QuantizedWeights, the rest (and all without it) dequantized to float32. transform(name,
+    value), when given, maps each param as its worker makes it ("embed", "layers.3.wqkv": a
+    sharded load places it), so at most a few layers are on the host at once."""
     tensors = {t.name: t for t in reader.tensors}
     _check_tensors(tensors, config, path)
     field = reader.fields.get("general.architecture")
@@ -673,13 +676,16 @@ def params_from_reader(reader, config: Config, path, keep_quantized: bool = True
         return w.T if transpose else w
 
     def top(name: str):
-        return _owned(ours(name, *names.top[name]))
+        value = _owned(ours(name, *names.top[name]))
+        return value if transform is None else transform(name, value)
 
     def layer(i: int) -> dict:
         lp = {n: ours(n, f"blk.{i}.{names.layer[n][0]}", names.layer[n][1])
               for n in shapes["layer"]}
         lp = family.assemble_layer(lp, config, f"{path}: blk.{i}")
-        return {n: _owned(a) for n, a in lp.items()}
+        if transform is None:
+            return {n: _owned(a) for n, a in lp.items()}
+        return {n: transform(f"layers.{i}.{n}", _owned(a)) for n, a in lp.items()}
 
     workers = min(_MAX_WORKERS, os.cpu_count() or 1)
     pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="gguf-dequant")
@@ -707,10 +713,11 @@ def params_from_reader(reader, config: Config, path, keep_quantized: bool = True
 # ---------------------------------------------------------------------------------------------
 
 
-def load_gguf_params(path: str | os.PathLike, before_tensors=None, keep_quantized: bool = True
-                     ) -> tuple[Config, dict, dict[str, object]]:
+def load_gguf_params(path: str | os.PathLike, before_tensors=None, keep_quantized: bool = True,
+                     transform=None) -> tuple[Config, dict, dict[str, object]]:
     """(Config, params as numpy float32 arrays and QuantizedWeights, metadata) of a GGUF file;
-    no tokenizer. keep_quantized=False: every tensor dequantized to float32.
+    no tokenizer. keep_quantized=False: every tensor dequantized to float32. transform: as
+    for params_from_reader.
 
     before_tensors(config), when given, runs once the config is known and before any tensor is
     read (a memory check that may refuse the load)."""
@@ -730,13 +737,14 @@ def load_gguf_params(path: str | os.PathLike, before_tensors=None, keep_quantize
         has_output="output.weight" in names, tensor_names=names, rope_freqs=freqs)
     if before_tensors is not None:
         before_tensors(config)
-    params = params_from_reader(reader, config, path, keep_quantized)
+    params = params_from_reader(reader, config, path, keep_quantized, transform)
     return config, params, meta
 
 
-def load_gguf(path: str | os.PathLike, before_tensors=None, keep_quantized: bool = True):
-    """(Config, params, Tokenizer) from a GGUF file (before_tensors, keep_quantized: as for
-    load_gguf_params).
+def load_gguf(path: str | os.PathLike, before_tensors=None, keep_quantized: bool = True,
+              transform=None):
+    """(Config, params, Tokenizer) from a GGUF file (before_tensors, keep_quantized, transform:
+    as for load_gguf_params).
 
     params are numpy arrays in our layout ([in, out] matmul weights, one dict per layer), float32
     or QuantizedWeights of numpy arrays; the caller converts/casts them (e.g.
@@ -744,7 +752,7 @@ def load_gguf(path: str | os.PathLike, before_tensors=None, keep_quantized: bool
     """
     from checkpoints.tokenizer import Tokenizer  # lazily: another module, heavier imports
 
-    config, params, meta = load_gguf_params(path, before_tensors, keep_quantized)
+    config, params, meta = load_gguf_params(path, before_tensors, keep_quantized, transform)
     try:
         tokenizer = Tokenizer.from_gguf_metadata(meta)
     except (KeyError, ValueError) as e:

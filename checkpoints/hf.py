@@ -370,17 +370,68 @@ def read_safetensors(files: list[pathlib.Path]) -> dict[str, jnp.ndarray]:
     return tensors
 
 
+# safetensors dtype names -> numpy (bfloat16 and float8 through ml_dtypes, which jax ships)
+_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+           "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+           "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+class TensorSlices:
+    """One tensor of a safetensors file that reads only what is indexed (`view[rows, cols]`
+    reads those bytes: a device's shard of a sharded load), on the host as numpy; `.T` is
+    the transposed view (an [out, in] matmul weight read as our [in, out])."""
+
+    def __init__(self, handle, name: str, file: pathlib.Path, transposed: bool = False):
+        import ml_dtypes  # noqa: F401  (registers bfloat16 / float8 with numpy for safetensors)
+
+        self._handle, self.name, self.file, self.transposed = handle, name, file, transposed
+        info = handle.get_slice(name)
+        stored = tuple(info.get_shape())
+        self.shape = stored[::-1] if transposed else stored
+        self.dtype = np.dtype(_DTYPES[info.get_dtype()])
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def T(self) -> TensorSlices:  # numpy's name for the transposed view
+        if self.ndim != 2:
+            raise ValueError(f"{self.name}: only a 2-D tensor is read transposed")
+        return TensorSlices(self._handle, self.name, self.file, not self.transposed)
+
+    def __getitem__(self, index) -> np.ndarray:
+        index = index if isinstance(index, tuple) else (index,)
+        index = index + (slice(None),) * (self.ndim - len(index))
+        try:
+            if self.transposed:
+                return np.ascontiguousarray(self._handle.get_slice(self.name)[index[::-1]].T)
+            return self._handle.get_slice(self.name)[index]
+        except Exception as e:
+            raise ValueError(f"{self.file}: cannot read tensor {self.name!r} ({e}); the file "
+                             "is truncated or corrupt, download it again") from e
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        a = self[()]
+        return a if dtype is None else a.astype(dtype)
+
+
 class LazyTensors(Mapping):
     """The tensors of safetensors files by name, each read when first asked for and not kept
-    (a load that transforms layer by layer never holds the whole checkpoint)."""
+    (a load that transforms layer by layer never holds the whole checkpoint). host=True: as
+    `TensorSlices` on the host (nothing reaches a device before the transform places it),
+    else as jax arrays on the default device."""
 
-    def __init__(self, files: list[pathlib.Path]):
+    def __init__(self, files: list[pathlib.Path], host: bool = False):
         from safetensors import safe_open
 
-        self._open, self._where = {}, {}
+        if host:
+            import ml_dtypes  # noqa: F401  (numpy then reads bfloat16 / float8 tensors)
+        self._open, self._where, self._host = {}, {}, host
         for f in files:
             try:
-                st = safe_open(f, framework="flax")  # bfloat16 kept as is
+                # flax keeps bfloat16 as is on the device; numpy with ml_dtypes on the host
+                st = safe_open(f, framework="numpy" if host else "flax")
             except Exception as e:
                 raise ValueError(f"{f}: cannot read safetensors weights ({e}); the file is "
                                  "truncated or corrupt, download it again") from e
@@ -389,11 +440,16 @@ class LazyTensors(Mapping):
 
     def __getitem__(self, name: str):
         f = self._where[name]
+        if self._host:
+            return TensorSlices(self._open[f], name, f)
         try:
             return self._open[f].get_tensor(name)
         except Exception as e:
             raise ValueError(f"{f}: cannot read tensor {name!r} ({e}); the file is truncated "
                              "or corrupt, download it again") from e
+
+    def __contains__(self, name) -> bool:  # without reading the tensor (Mapping's reads it)
+        return name in self._where
 
     def __iter__(self):
         return iter(self._where)
@@ -402,10 +458,18 @@ class LazyTensors(Mapping):
         return len(self._where)
 
 
+def _whole(value):
+    """A TensorSlices read whole (numpy); anything else as it is."""
+    return np.asarray(value) if isinstance(value, TensorSlices) else value
+
+
 def params_from_hf_tensors(tensors, config: Config, source: str, transform=None) -> dict:
     """HF tensors (a mapping) -> our params layout (shape checks are the caller's, against
     param_specs). transform(name, value), when given, maps each of our params as it is made
-    ("layers.3.wqkv", "embed"): quantize on load, one tensor at a time."""
+    ("layers.3.wqkv", "embed"): quantize on load, one tensor at a time. A param that is one
+    checkpoint tensor (the embedding, the LM head) reaches transform as it comes from
+    `tensors` (a TensorSlices: read by the shards it is placed on); a layer's tensors are read
+    whole first, one layer at a time, as the family assembles them (q, k, v fused)."""
     family = registry.family(config)
     names = family.hf_tensors
     if config.architecture == "Gemma3ForConditionalGeneration":
@@ -431,7 +495,7 @@ def params_from_hf_tensors(tensors, config: Config, source: str, transform=None)
         for ours, (hf, tr) in names.layer.items():
             name = f"model.layers.{i}.{hf}"
             if present(name):
-                layer[ours] = take(name, tr)
+                layer[ours] = _whole(take(name, tr))
         if config.is_moe_layer(i):
             layer.update(_read_experts(tensors, f"model.layers.{i}.", names.experts, config,
                                        take, f"{source}: model.layers.{i}"))
@@ -497,11 +561,13 @@ def _read_experts(tensors, prefix: str, layouts, config: Config, take, where: st
                      f"{', '.join(sorted({prefix + lay.router for lay in layouts}))})")
 
 
-def load_hf_dir(path: str | pathlib.Path, before_tensors=None, transform=None):
+def load_hf_dir(path: str | pathlib.Path, before_tensors=None, transform=None,
+                host: bool = False):
     """(Config, params, Tokenizer | None) from an HF-layout directory. before_tensors(config),
     when given, runs before any tensor is read (a memory check that may refuse the load);
     transform(name, value), when given, maps each param as it is read (the tensors are then
-    read one at a time, not all first)."""
+    read one at a time, not all first). host=True (with transform): tensors reach transform
+    on the host, numpy or TensorSlices, never on a device (a sharded load places them)."""
     path = pathlib.Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.exists():
@@ -518,7 +584,7 @@ def load_hf_dir(path: str | pathlib.Path, before_tensors=None, transform=None):
     from checkpoints import quantized
 
     if (quantized.saved_format(files) or "").startswith("jaxinfer"):  # `jaxinfer quantize`
-        params = quantized.load_quantized(path, config)
+        params = quantized.load_quantized(path, config, transform)
     else:
         from checkpoints import fp8_blocks
 
@@ -526,7 +592,8 @@ def load_hf_dir(path: str | pathlib.Path, before_tensors=None, transform=None):
         if block is not None:
             tensors = fp8_blocks.Fp8BlockTensors(files, block)
         else:
-            tensors = read_safetensors(files) if transform is None else LazyTensors(files)
+            tensors = (read_safetensors(files) if transform is None
+                       else LazyTensors(files, host=host))
         if quantized.looks_quantized(tensors):
             raise ValueError(f"{path}: holds a jaxinfer quantized checkpoint's tensors but "
                              f"not its metadata; write it again with `jaxinfer quantize`")

@@ -93,37 +93,33 @@ def looks_quantized(names) -> bool:
     return any(n.endswith(".planes.0") for n in names)
 
 
-def load_quantized(path: pathlib.Path, config: Config) -> dict:
-    """Our params tree (numpy arrays, QuantizedWeights) from dst's model.safetensors."""
+def load_quantized(path: pathlib.Path, config: Config, transform=None) -> dict:
+    """Our params tree (numpy arrays, QuantizedWeights) from dst's model.safetensors, read one
+    param at a time; transform(name, value), when given, maps each as it is read ("embed",
+    "layers.3.wqkv": a sharded load places it)."""
     from safetensors import safe_open
 
     f = path / WEIGHTS_FILE
+    transform = transform or _as_read
     try:
         with safe_open(f, framework="numpy") as st:
             meta = st.metadata() or {}
-            tensors = {n: st.get_tensor(n) for n in st.keys()}
+            if meta.get("format") != FORMAT or "weights" not in meta:
+                raise ValueError(f"{f}: the quantized checkpoint's metadata is missing or of "
+                                 f"another version (format {meta.get('format')!r}, expected "
+                                 f"{FORMAT!r}); write it again with `jaxinfer quantize`")
+            weights = json.loads(meta["weights"])
+            rest = set(st.keys())
+            leaves = {}
+            for name, info in weights.items():
+                leaves[name] = transform(name, _quantized(st, f, name, info, rest))
+            for name in sorted(rest):  # plain arrays: norms, biases, unquantized weights
+                leaves[name] = transform(name, st.get_tensor(name))
+    except ValueError:
+        raise
     except Exception as e:
         raise ValueError(f"{f}: cannot read the quantized checkpoint ({e}); the file is "
                          "truncated or corrupt, write it again with `jaxinfer quantize`") from e
-    if meta.get("format") != FORMAT or "weights" not in meta:
-        raise ValueError(f"{f}: the quantized checkpoint's metadata is missing or of another "
-                         f"version (format {meta.get('format')!r}, expected {FORMAT!r}); write "
-                         f"it again with `jaxinfer quantize`")
-    weights = json.loads(meta["weights"])
-    leaves = {}
-    for name, info in weights.items():
-        planes = []
-        while f"{name}.planes.{len(planes)}" in tensors:
-            p = tensors.pop(f"{name}.planes.{len(planes)}")
-            planes.append(p.view(ml_dtypes.float8_e4m3fn) if info["float8"] else p)
-        if not planes or f"{name}.scale" not in tensors:
-            raise ValueError(f"{f}: quantized weight {name!r} ({info.get('name')}) has no codes "
-                             "or no scales; the file is incomplete")
-        parts = {fld: tensors.pop(f"{name}.{fld}", None) for fld in _FIELDS}
-        static = {k: tuple(v) if isinstance(v, list) else v for k, v in info.items()
-                  if k in _STATIC}
-        leaves[name] = QuantizedWeight(tuple(planes), **parts, **static)
-    leaves.update(tensors)
     params: dict = {"layers": [{} for _ in range(config.num_layers)]}
     for name, leaf in leaves.items():
         parts = name.split(".")
@@ -132,3 +128,26 @@ def load_quantized(path: pathlib.Path, config: Config) -> dict:
         else:
             params[name] = leaf
     return params
+
+
+def _as_read(name: str, value):
+    return value
+
+
+def _quantized(st, f: pathlib.Path, name: str, info: dict, rest: set) -> QuantizedWeight:
+    """One QuantizedWeight read from the open file (its tensors taken out of `rest`)."""
+    planes = []
+    while f"{name}.planes.{len(planes)}" in rest:
+        rest.discard(key := f"{name}.planes.{len(planes)}")
+        p = st.get_tensor(key)
+        planes.append(p.view(ml_dtypes.float8_e4m3fn) if info["float8"] else p)
+    if not planes or f"{name}.scale" not in rest:
+        raise ValueError(f"{f}: quantized weight {name!r} ({info.get('name')}) has no codes "
+                         "or no scales; the file is incomplete")
+    parts = {}
+    for fld in _FIELDS:
+        key = f"{name}.{fld}"
+        parts[fld] = st.get_tensor(key) if key in rest else None
+        rest.discard(key)
+    static = {k: tuple(v) if isinstance(v, list) else v for k, v in info.items() if k in _STATIC}
+    return QuantizedWeight(tuple(planes), **parts, **static)

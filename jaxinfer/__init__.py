@@ -18,6 +18,7 @@ _EXPORTS = {
     "PRESETS": "jaxinfer.configs", "RopeScaling": "jaxinfer.configs", "Model": "jaxinfer.model",
     "load": "jaxinfer.model", "KernelPolicy": "jaxinfer.plan", "Plan": "jaxinfer.plan",
     "SamplingParams": "jaxinfer.sampling", "sample": "jaxinfer.sampling",
+    "make_mesh": "jaxinfer.sharding",
 }
 
 __all__ = sorted(_EXPORTS)

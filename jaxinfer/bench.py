@@ -9,8 +9,10 @@ H200); the fraction of the floor is floor time / measured time.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
+import math
 import statistics
 import time
 import types
@@ -27,7 +29,15 @@ from jaxinfer.model import Model, default_dtype, load
 from jaxinfer.models import registry
 from jaxinfer.plan import KernelPolicy
 from jaxinfer.sampling import SamplingParams
-from jaxinfer.weights import QuantizedWeight, init_params, param_bytes, quantize_params
+from jaxinfer.sharding import Sharding, cache_shardings, param_shardings, shard_params
+from jaxinfer.weights import (
+    ParamSpec,
+    QuantizedWeight,
+    abstract_params,
+    init_params,
+    param_bytes,
+    quantize_params,
+)
 
 log = logging.getLogger(__name__)
 
@@ -57,11 +67,15 @@ class BenchResult:
     kv_cache_bytes: int = 0  # the whole cache as allocated
     weights: str = "dense"  # the matmul weights' formats ("int4", "q4_k+q6_k", ...)
     param_bytes: int = 0
+    mesh: str = "1 device"  # "8 devices (tp=8)"
+    param_bytes_per_device: int = 0  # the most any one device holds
+    kv_cache_bytes_per_device: int = 0
 
     def table_row(self) -> str:
         frac = f"{self.floor_fraction:.1%}" if self.floor_fraction is not None else "n/a"
         kv = "" if self.kv_cache_dtype == "auto" else f" kv={self.kv_cache_dtype}"
         kv += "" if self.weights == "dense" else f" w={self.weights}"
+        kv += "" if self.mesh == "1 device" else f" {self.mesh}"
         return (f"{self.model:22s} {self.policy[:5]:5s} B={self.batch:<4d} "
                 f"ctx={self.prompt_len + self.gen_len:<6d} "
                 f"{self.decode_ms_per_token:8.3f} ms/tok {self.decode_tokens_per_s:9.1f} tok/s "
@@ -96,20 +110,140 @@ POLICIES = types.MappingProxyType({"default": KernelPolicy,
                                    "reference": KernelPolicy.reference})
 
 
-def random_model(preset: str, dtype: str, seed: int = 0,
-                 policy: KernelPolicy | None = None, quantization: str | None = None,
-                 group_size: int | None = None) -> Model:
-    """Real shapes, random values, initialized on the device (no download); quantization
-    int8 / int4 / fp8 quantizes them there, one weight at a time."""
+def _preset(preset: str, dtype: str, num_layers: int | None = None) -> Config:
+    """A preset's config in dtype; num_layers: its first layers only (a quick compile)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
     config = PRESETS[preset].replace(dtype=dtype)
-    memory.check_load(config, dtype, host_float32_copy=False)
+    if num_layers is not None and num_layers != config.num_layers:
+        if num_layers > config.num_layers:
+            raise ValueError(f"--num-layers {num_layers}: {preset} has {config.num_layers}")
+        config = config.replace(num_layers=num_layers,
+                                layer_windows=config.layer_windows[:num_layers])
+    return config
+
+
+def random_model(preset: str, dtype: str, seed: int = 0,
+                 policy: KernelPolicy | None = None, quantization: str | None = None,
+                 group_size: int | None = None, mesh=None, num_layers: int | None = None
+                 ) -> Model:
+    """Real shapes, random values, initialized on the device (no download); quantization
+    int8 / int4 / fp8 quantizes them there, one weight at a time. mesh (make_mesh): each
+    weight is created in its shards (never whole on one device) and the model runs sharded.
+    num_layers: the preset's first layers only."""
+    config = _preset(preset, dtype, num_layers)
     specs = registry.family(config).param_specs(config)
-    params = init_params(specs, jax.random.key(seed), dtype)
+    if mesh is None:
+        memory.check_load(config, dtype, host_float32_copy=False)
+        params = init_params(specs, jax.random.key(seed), dtype)
+        sharding = None
+    else:
+        sharding = Sharding.create(mesh, config)
+        memory.check_sharded_load(config, dtype, sharding)
+        params = _sharded_random_params(specs, jax.random.key(seed), dtype, sharding)
     if quantization not in (None, "none"):
         params = quantize_params(params, quantization, group_size, specs)
-    return Model(config=config, params=params, tokenizer=None, policy=policy or KernelPolicy())
+        if sharding is not None:  # each weight's codes and scales on their own shards
+            params = shard_params(params, specs, sharding)
+    return Model(config=config, params=params, tokenizer=None, policy=policy or KernelPolicy(),
+                 sharding=sharding)
+
+
+def _sharded_random_params(specs, key: jax.Array, dtype: str, sharding: Sharding):
+    """init_params' values made directly in their shards: one jit per distinct declaration
+    (a layer's weights repeat), its output sharded as the rules say, so each device draws
+    only its own part (jax's partitionable threefry)."""
+    leaves, treedef = jax.tree.flatten(specs, is_leaf=lambda x: isinstance(x, ParamSpec))
+    keys = jax.random.split(key, len(leaves))
+    made = {}
+    out = []
+    for spec, k in zip(leaves, keys):
+        if spec not in made:
+            made[spec] = jax.jit(functools.partial(_initialize, spec, dtype=dtype),
+                                 out_shardings=param_shardings(spec, sharding))
+        out.append(made[spec](k))
+    return jax.tree.unflatten(treedef, out)
+
+
+def _initialize(spec: ParamSpec, key: jax.Array, dtype: str):
+    return spec.initialize(key, dtype)
+
+
+def _abstract(tree, shardings):
+    """ShapeDtypeStructs of a tree's arrays carrying these shardings (lowering without data)."""
+    def one(a, where):
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where)
+    return jax.tree.map(one, tree, shardings)
+
+
+def _shard_bytes(tree) -> int:
+    """Bytes one device holds of a tree of sharded arrays or ShapeDtypeStructs (the most any
+    device holds: shards are even, replicas whole)."""
+    total = 0
+    for a in jax.tree.leaves(tree):
+        shape = a.sharding.shard_shape(a.shape) if a.sharding is not None else a.shape
+        total += math.prod(shape) * jnp.dtype(a.dtype).itemsize
+    return total
+
+
+def _total_bytes(tree) -> int:
+    return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
+
+
+def compile_only(preset: str, dtype: str, batch: int, prompt_len: int, gen_len: int,
+                 policy: KernelPolicy, mesh=None, quantization: str | None = None,
+                 group_size: int | None = None, kv_cache_dtype: str | None = None,
+                 num_layers: int | None = None) -> dict:
+    """Lower and compile the prefill and the decode step of a preset at batch x (prompt_len +
+    gen_len) with abstract weights and cache carrying the mesh's shardings: nothing is
+    allocated, so a 70B model compiles on fake CPU devices. Returns each device's bytes
+    (params, KV cache) from the shardings, and the compile time. num_layers: the preset's
+    first layers only (every op of a layer compiled, in a fraction of the time)."""
+    config = _preset(preset, dtype, num_layers)
+    specs = registry.family(config).param_specs(config)
+    sharding = None if mesh is None else Sharding.create(mesh, config)
+    params = abstract_params(specs, dtype)
+    if quantization not in (None, "none"):
+        params = jax.eval_shape(functools.partial(quantize_params, how=quantization,
+                                                  group_size=group_size, specs=specs), params)
+    if sharding is not None:
+        params = _abstract(params, param_shardings(specs, sharding, params))
+    model = Model(config=config, params=params, tokenizer=None, policy=policy,
+                  sharding=sharding)
+    plan = model.plan
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(0, config.vocab_size, (batch, prompt_len)).tolist()
+    greedy = [SamplingParams(temperature=0.0)] * batch
+
+    def state():  # the real request's state, as shapes: the checks are for allocations
+        with memory.shapes_only():
+            return init_state(model, prompts, gen_len, greedy, 0, stop_ids=[],
+                              kv_cache_dtype=kv_cache_dtype, sharding=sharding)
+
+    state_shapes, tokens, lengths = jax.eval_shape(state)
+    if sharding is not None:
+        state_shapes = state_shapes.replace(cache=_abstract(
+            state_shapes.cache, cache_shardings(state_shapes.cache, sharding)))
+    t0 = time.perf_counter()
+    run = jax.eval_shape(lambda p: run_params(dataclasses.replace(model, params=p), plan),
+                         params)  # on CPU quantized weights run dequantized
+    if sharding is not None:
+        run = _abstract(run, param_shardings(specs, sharding, run))
+    prefill.lower(run, tokens, lengths, state_shapes, plan).compile()
+    decode_step.lower(run, state_shapes, plan).compile()
+    compile_s = time.perf_counter() - t0
+    return {"model": preset, "layers": config.num_layers, "dtype": dtype, "batch": batch,
+            "context": prompt_len + gen_len, "mesh": _mesh_text(sharding),
+            "weights": weight_formats(params),
+            "param_bytes": param_bytes(params),
+            "param_bytes_per_device": _shard_bytes(params),
+            "kv_cache_bytes": _total_bytes(state_shapes.cache),
+            "kv_cache_bytes_per_device": _shard_bytes(state_shapes.cache),
+            "compile_s": round(compile_s, 2)}
+
+
+def _mesh_text(sharding) -> str:
+    return "1 device" if sharding is None else memory.mesh_text(sharding)
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -119,6 +253,21 @@ def _median_time(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+@dataclasses.dataclass(frozen=True)
+class _strict:
+    """A compiled executable that, on a mesh, first puts its arguments on the shardings it
+    was compiled for: an executable's outputs may come back sharded otherwise than its
+    inputs went in (the state's per-row arrays over dp), and executables refuse that (jit
+    would recompile). On one device, the executable itself."""
+    compiled: object
+    plan: object
+
+    def __call__(self, *args):
+        if self.plan.sharding is not None:
+            args = jax.device_put(args, self.compiled.input_shardings[0])
+        return self.compiled(*args)
 
 
 def run(model: Model, name: str, batch: int, prompt_len: int, gen_len: int,
@@ -135,20 +284,20 @@ def run(model: Model, name: str, batch: int, prompt_len: int, gen_len: int,
     def fresh_state():
         # No stop ids: every row runs its whole budget, so the step count is known.
         return init_state(model, prompts, gen_len, greedy, seed, stop_ids=[],
-                          kv_cache_dtype=kv_cache_dtype)
+                          kv_cache_dtype=kv_cache_dtype, sharding=plan.sharding)
 
     progress = tqdm(total=4, desc=f"bench {name}", leave=False, disable=None)  # terminals only
     params = run_params(model, plan)  # what generate runs (on CPU: dequantized per request)
     state, tokens, lengths = fresh_state()
     t0 = time.perf_counter()
-    prefill_exe = prefill.lower(params, tokens, lengths, state, plan).compile()
+    prefill_exe = _strict(prefill.lower(params, tokens, lengths, state, plan).compile(), plan)
     state = jax.block_until_ready(prefill_exe(params, tokens, lengths, state))
-    loop_exe = decode_loop.lower(params, state, plan).compile()
-    step_exe = decode_step.lower(params, state, plan).compile()
+    loop_exe = _strict(decode_loop.lower(params, state, plan).compile(), plan)
+    step_exe = _strict(decode_step.lower(params, state, plan).compile(), plan)
     compile_s = time.perf_counter() - t0
     if dump_hlo:  # the optimized decode step, to count its kernels and spot copies
         with open(f"{dump_hlo}.b{batch}.hlo.txt", "w") as f:
-            f.write(step_exe.as_text())
+            f.write(step_exe.compiled.as_text())
     progress.update()
 
     def prefill_once():
@@ -200,7 +349,9 @@ def run(model: Model, name: str, batch: int, prompt_len: int, gen_len: int,
         bytes_per_step=nbytes, achieved_gb_per_s=nbytes / decode_s / 1e9,
         floor_fraction=(nbytes / bw) / decode_s if bw else None, peak_memory_gb=peak,
         kv_cache_dtype=kv_cache_dtype or "auto", kv_cache_bytes=s.cache.nbytes(),
-        weights=weight_formats(model.params), param_bytes=param_bytes(model.params))
+        weights=weight_formats(model.params), param_bytes=param_bytes(model.params),
+        mesh=_mesh_text(plan.sharding), param_bytes_per_device=_shard_bytes(model.params),
+        kv_cache_bytes_per_device=_shard_bytes(s.cache))
 
 
 def weight_formats(params) -> str:
@@ -210,21 +361,40 @@ def weight_formats(params) -> str:
     return "+".join(names) or "dense"
 
 
+def compile_row(r: dict) -> str:
+    """A compile_only report as one line: what each device holds."""
+    per = r["param_bytes_per_device"] + r["kv_cache_bytes_per_device"]
+    return (f"{r['model']} ({r['layers']} layers) {r['dtype']} B={r['batch']} ctx={r['context']} on {r['mesh']}: "
+            f"compiled in {r['compile_s']:.1f} s; per device {memory.gib(per)} = params "
+            f"{memory.gib(r['param_bytes_per_device'])} (of {memory.gib(r['param_bytes'])}) "
+            f"+ KV cache {memory.gib(r['kv_cache_bytes_per_device'])} "
+            f"(of {memory.gib(r['kv_cache_bytes'])})")
+
+
 def main(args) -> int:
     dtype = args.dtype or default_dtype()
     kv_cache_dtype = None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
     policy = POLICIES[args.policy]()
     if args.steps_per_sync is not None:
         policy = policy.replace(steps_per_sync_no_stop=args.steps_per_sync)
+    mesh = getattr(args, "mesh", None)
+    if args.preset and not args.random_weights:
+        raise ValueError("--preset needs --random-weights (presets carry shapes, not weights)")
+    if getattr(args, "compile_only", False):
+        for b in args.batch:
+            r = compile_only(args.preset, dtype, b, args.prompt_len, args.gen_len, policy,
+                             mesh, args.quantization, args.group_size, kv_cache_dtype,
+                             args.num_layers)
+            print(json.dumps(r) if args.json else compile_row(r), flush=True)
+        return 0
     if args.preset:
-        if not args.random_weights:
-            raise ValueError("--preset needs --random-weights (presets carry shapes, not weights)")
         model, name = random_model(args.preset, dtype, policy=policy,
                                    quantization=args.quantization,
-                                   group_size=args.group_size), args.preset
+                                   group_size=args.group_size, mesh=mesh,
+                                   num_layers=args.num_layers), args.preset
     else:
         model, name = load(args.model, dtype=dtype, quantization=args.quantization,
-                           policy=policy, group_size=args.group_size), args.model
+                           policy=policy, group_size=args.group_size, mesh=mesh), args.model
     results = []
     for b in args.batch:
         r = run(model, name, b, args.prompt_len, args.gen_len, repeats=args.repeats,

@@ -80,6 +80,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", choices=("auto", "int8", "fp8"), default="auto",
                    help="KV cache storage: the model's dtype (auto, default), or int8 / fp8 "
                         "(e4m3) codes with a scale per token and head: about half the bytes")
+    for axis, what in (("tp", "tensor parallel: heads, MLP and vocabulary split"),
+                       ("dp", "data parallel: the batch and its KV cache split"),
+                       ("ep", "expert parallel: a MoE model's experts split")):
+        p.add_argument(f"--{axis}", type=_positive(f"--{axis}"), default=1, metavar="N",
+                       help=f"{what} over N devices (default 1; the mesh: tp x dp x ep)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -158,6 +163,12 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="K",
                    help="decode steps per host check of the device loop (default: the "
                         "policy's steps_per_sync_no_stop, as the bench has no stop ids)")
+    b.add_argument("--num-layers", type=_positive("--num-layers"), default=None, metavar="L",
+                   help="with --preset: its first L layers only (a quick compile check)")
+    b.add_argument("--compile-only", action="store_true",
+                   help="lower and compile the prefill and the decode step with abstract "
+                        "weights and cache (nothing allocated) and report each device's "
+                        "memory: a model too large for this machine, on fake devices")
     b.add_argument("--policy", choices=("default", "deterministic", "reference"),
                    default="default",
                    help="kernel policy: today's fastest, bitwise-repeatable and "
@@ -223,12 +234,27 @@ def _read_prompt(args) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
+def _check_mesh_args(args) -> None:
+    """--tp / --dp / --ep as a mesh (args.mesh; None on one device), before the model loads:
+    more devices than present is a usage error. Whether the model's heads and experts split
+    that way is checked by the load, from the config, before any tensor is read."""
+    args.mesh = None
+    if args.tp * args.dp * args.ep == 1:
+        return
+    from jaxinfer.sharding import make_mesh
+
+    try:
+        args.mesh = make_mesh(tp=args.tp, dp=args.dp, ep=args.ep)
+    except ValueError as e:
+        raise UsageError(f"--tp {args.tp} --dp {args.dp} --ep {args.ep}: {e}") from None
+
+
 def _load(args):
     import jaxinfer
 
     t0 = time.perf_counter()
     model = jaxinfer.load(args.model, dtype=args.dtype, quantization=args.quantization,
-                          group_size=args.group_size)
+                          group_size=args.group_size, mesh=args.mesh)
     args.load_s = time.perf_counter() - t0
     log.info("loaded %s in %.2f s", args.model, args.load_s)
     return model
@@ -254,6 +280,7 @@ def cmd_generate(args) -> int:
 
         check_text(args.system, "--system")
     _check_model_arg(args.model)
+    _check_mesh_args(args)
     model = _load(args)
     if args.system is not None or not args.no_chat and model.tokenizer is not None \
             and model.tokenizer.chat_template:
@@ -325,6 +352,7 @@ def cmd_chat(args) -> int:
 
         check_text(args.system, "--system")
     _check_model_arg(args.model)
+    _check_mesh_args(args)
     model = _load(args)
     if model.tokenizer is None or not model.tokenizer.chat_template:
         raise UsageError(f"{args.model} has no chat template; use `jaxinfer generate --no-chat`")
@@ -435,8 +463,14 @@ def cmd_bench(args) -> int:
     if args.gen_len < 2:
         raise UsageError("--gen-len must be >= 2 (the first new token comes from the prefill; "
                          "decode speed needs at least one more)")
+    if args.compile_only and not (args.preset and args.random_weights):
+        raise UsageError("--compile-only lowers a --preset with --random-weights (abstract "
+                         "shapes, nothing allocated); give both")
+    if args.num_layers is not None and not args.preset:
+        raise UsageError("--num-layers cuts a --preset; a checkpoint has its own layers")
     if not args.preset:
         _check_model_arg(args.model)
+    _check_mesh_args(args)
     from jaxinfer import bench
 
     return bench.main(args)

@@ -23,6 +23,7 @@ import numpy as np
 
 from jaxinfer import memory, pytree, sampling
 from jaxinfer import prompts as prompts_lib
+from jaxinfer import sharding as sharding_lib
 from jaxinfer.cache import KVCache, check_kv_dtype
 from jaxinfer.models import registry
 from jaxinfer.ops.dispatch import kernels_on
@@ -109,7 +110,8 @@ def prefill(params: dict, tokens: jax.Array, lengths: jax.Array, state: DecodeSt
     forward = registry.family(plan.config).forward
     logits, cache = forward(params, tokens, positions, plan, state.cache,
                             logits_at=lengths - 1, fresh=True)  # [B, 1, V]
-    state = state.replace(cache=cache.replace(lengths=lengths), positions=lengths)
+    cache = sharding_lib.constrain_cache(cache.replace(lengths=lengths), plan.sharding)
+    state = state.replace(cache=cache, positions=lengths)
     new_tokens, new_logprobs = _sample(logits[:, 0], state, lengths)
     return _record(state, new_tokens, new_logprobs)
 
@@ -122,7 +124,8 @@ def _decode_step(params: dict, state: DecodeState, plan: Plan) -> DecodeState:
     logits, cache = forward(params, state.tokens[:, None], positions[:, None], plan,
                             state.cache)  # [B, 1, V]
     nxt = jnp.where(state.done, positions, positions + 1)
-    state = state.replace(cache=cache.replace(lengths=nxt), positions=nxt)
+    cache = sharding_lib.constrain_cache(cache.replace(lengths=nxt), plan.sharding)
+    state = state.replace(cache=cache, positions=nxt)
     new_tokens, new_logprobs = _sample(logits[:, 0], state, nxt)
     return _record(state, new_tokens, new_logprobs)
 
@@ -172,6 +175,7 @@ def prefill_chunk(params: dict, tokens: jax.Array, start: jax.Array, lengths: ja
     logits, cache = forward(params, tokens, positions, plan, state.cache,
                             logits_at=jnp.clip(lengths - 1 - start, 0, c - 1))  # [B, 1, V]
     here = (lengths - 1 >= start) & (lengths - 1 < start + c)
+    cache = sharding_lib.constrain_cache(cache, plan.sharding)
     return state.replace(cache=cache), jnp.where(here[:, None], logits[:, 0], last)
 
 
@@ -225,13 +229,14 @@ def _stop_ids(model, stop) -> tuple[list[int], list[str]]:
 def init_state(model, prompt_ids: list[list[int]], max_new_tokens: int,
                sampling_params: list[SamplingParams], seed: int, stop_ids: list[int],
                max_seq_len: int | None = None, prompt_multiple: int = 1,
-               kv_cache_dtype: str | None = None,
+               kv_cache_dtype: str | None = None, sharding=None,
                ) -> tuple[DecodeState, jax.Array, jax.Array]:
     """Check lengths and memory, allocate the cache, and build (state, padded prompt tokens
     [B, T], lengths [B]). The prompt pads to a bucket (a multiple of `prompt_multiple`), the
     cache to a multiple of CACHE_ROUND, the output to NEW_TOKEN_BUCKETS: a new prompt length or
     max_new_tokens then mostly reuses the compiled executables (the budget is a traced value).
-    kv_cache_dtype: None (the model's dtype), "int8" or "fp8" (cache.py)."""
+    kv_cache_dtype: None (the model's dtype), "int8" or "fp8" (cache.py). sharding: the
+    plan's (jaxinfer/sharding.py): the cache is allocated in its shards, the rest replicated."""
     check_kv_dtype(kv_cache_dtype, "kv_cache_dtype")
     config = model.config
     longest = max(len(p) for p in prompt_ids)
@@ -260,7 +265,7 @@ def init_state(model, prompt_ids: list[list[int]], max_new_tokens: int,
     state = DecodeState(
         tokens=jnp.zeros((b,), jnp.int32),
         positions=jnp.asarray(lengths),
-        cache=KVCache.init(config, b, s, kv_dtype=kv_cache_dtype),
+        cache=_new_cache(config, b, s, kv_cache_dtype, sharding),
         sampler=sampling.SamplerState.init(seed, sampling_params, prompt_ids,
                                            config.vocab_size, tensors),
         sampling=tensors,
@@ -271,7 +276,22 @@ def init_state(model, prompt_ids: list[list[int]], max_new_tokens: int,
         step=jnp.zeros((), jnp.int32),
         stop_ids=jnp.asarray(stop_ids, jnp.int32).reshape(-1),  # [K]; K = 0: none
     )
-    return state, jnp.asarray(tokens), jnp.asarray(lengths)
+    tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
+    if sharding is not None:
+        cache = state.cache
+        state, tokens, lengths = sharding_lib.replicated((state.replace(cache=None), tokens,
+                                                          lengths), sharding)
+        state = state.replace(cache=cache)
+    return state, tokens, lengths
+
+
+def _new_cache(config, batch: int, slots: int, kv_dtype, sharding):
+    """A zeroed cache; with a sharding, allocated in its shards (never whole on one device)."""
+    init = functools.partial(KVCache.init, config, batch, slots, kv_dtype=kv_dtype)
+    if sharding is None:
+        return init()
+    shardings = sharding_lib.cache_shardings(jax.eval_shape(init), sharding)
+    return jax.jit(init, out_shardings=shardings)()
 
 
 def _finish(model, ids: list[int], logprobs: list[float], stop_ids, stop_strings,
@@ -323,15 +343,19 @@ def run_params(model, plan: Plan):
     (the CPU; KernelPolicy.reference()) quantized weights are dequantized once per request,
     in one jitted call, rather than in every prefill and decode step: the model keeps its
     codes between requests, and a step-by-step stream does not dequantize per token."""
+    params = model.params
     quantized = any(isinstance(w, QuantizedWeight | Parts) for w in jax.tree.leaves(
-        model.params, is_leaf=lambda a: isinstance(a, QuantizedWeight | Parts)))
-    if not quantized or kernels_on(plan, plan.config.dtype):
-        return model.params
-    return _dequantized(model.params, plan)
+        params, is_leaf=lambda a: isinstance(a, QuantizedWeight | Parts)))
+    if quantized and not kernels_on(plan, plan.config.dtype):
+        params = _dequantized(params, plan)
+    if plan.sharding is not None:  # placed as the rules say (no copy where they already are)
+        specs = registry.family(plan.config).param_specs(plan.config)
+        params = sharding_lib.shard_params(params, specs, plan.sharding)
+    return params
 
 
 def _prepare(model, prompts, max_new_tokens, sampling_params, seed, chat, stop, max_seq_len,
-             policy, kv_cache_dtype=None) -> _Request:
+             policy, kv_cache_dtype=None, mesh=None) -> _Request:
     """Every check on the host, before anything is allocated or compiled."""
     check_kv_dtype(kv_cache_dtype, "kv_cache_dtype")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
@@ -341,7 +365,7 @@ def _prepare(model, prompts, max_new_tokens, sampling_params, seed, chat, stop, 
         raise ValueError(f"seed must be an integer, got {type(seed).__name__} {seed!r}")
     if chat is not None and not isinstance(chat, bool):
         raise ValueError(f"chat must be True, False or None (automatic), got {chat!r}")
-    plan = _plan(model, policy)
+    plan = _plan(model, policy, mesh)
     ids = prompts_lib.encode(model.tokenizer, prompts, chat, model.config.vocab_size)
     if sampling_params is None:
         sampling_params = SamplingParams(temperature=0.0)  # greedy, as HF generate defaults to
@@ -359,17 +383,23 @@ def _prepare(model, prompts, max_new_tokens, sampling_params, seed, chat, stop, 
     multiple = chunk if chunk and longest > chunk else 1
     state, tokens, lengths = init_state(model, ids, int(max_new_tokens), sampling_params,
                                         int(seed), stop_ids, max_seq_len, multiple,
-                                        kv_cache_dtype)
+                                        kv_cache_dtype, plan.sharding)
     return _Request(ids, state, tokens, lengths, stop_ids, stop_strings, sampling_params, plan,
                     int(max_new_tokens), run_params(model, plan))
 
 
-def _plan(model, policy) -> Plan:
-    if policy is None:
-        return model.plan
-    if not isinstance(policy, KernelPolicy):
-        raise ValueError(f"policy must be a jaxinfer.plan.KernelPolicy, got {type(policy).__name__}")
-    return Plan(model.config, policy)
+def _plan(model, policy, mesh=None) -> Plan:
+    """The request's plan: the model's, with policy and mesh (jaxinfer.make_mesh) when given."""
+    plan = model.plan
+    if policy is not None:
+        if not isinstance(policy, KernelPolicy):
+            raise ValueError(f"policy must be a jaxinfer.plan.KernelPolicy, got "
+                             f"{type(policy).__name__}")
+        plan = dataclasses.replace(plan, policy=policy)
+    if mesh is not None and (plan.sharding is None or plan.sharding.mesh != mesh):
+        plan = dataclasses.replace(plan, sharding=sharding_lib.Sharding.create(mesh,
+                                                                               plan.config))
+    return plan
 
 
 def _bar(progress: bool, total: int, desc: str):
@@ -406,7 +436,7 @@ PROGRESS_STEPS = 32
 def generate(model, prompts, max_new_tokens: int = 128, sampling: SamplingParams | None = None,
              seed: int = 0, chat: bool | None = None, stop=None, max_seq_len: int | None = None,
              policy: KernelPolicy | None = None, progress: bool = False,
-             kv_cache_dtype: str | None = None) -> list[Completion]:
+             kv_cache_dtype: str | None = None, mesh=None) -> list[Completion]:
     """Generate for a prompt or a batch of prompts; returns one `Completion` per prompt.
 
     prompts: a string, token ids, or chat messages ([{"role": ..., "content": ...}], system
@@ -421,9 +451,11 @@ def generate(model, prompts, max_new_tokens: int = 128, sampling: SamplingParams
     progress: show progress bars (stderr, tqdm) for a chunked prefill and the decode.
     kv_cache_dtype: None (the model's dtype), "int8" or "fp8": a quantized KV cache, about
     half the bytes of a 16-bit one (codes with a scale per token and KV head; jaxinfer/cache.py).
+    mesh: run on these devices (`jaxinfer.make_mesh(tp=, dp=, ep=)`, jaxinfer/sharding.py);
+    default: the model's (a model loaded with a mesh carries it), else one device.
     """
     req = _prepare(model, prompts, max_new_tokens, sampling, seed, chat, stop, max_seq_len,
-                   policy, kv_cache_dtype)
+                   policy, kv_cache_dtype, mesh)
     with memory.reporting_oom(f"generating for {len(req.ids)} prompts"):
         state = _run_prefill(model, req, progress)
         if progress:
@@ -475,7 +507,7 @@ class TextStream:
 def stream(model, prompt, max_new_tokens: int = 128, sampling: SamplingParams | None = None,
            seed: int = 0, chat: bool | None = None, stop=None,
            policy: KernelPolicy | None = None, progress: bool = False,
-           kv_cache_dtype: str | None = None) -> TextStream:
+           kv_cache_dtype: str | None = None, mesh=None) -> TextStream:
     """The text of one prompt's completion, yielded piece by piece as tokens are decoded.
 
     Takes one prompt of any form `generate` takes (and the same arguments). Runs the same jitted
@@ -491,7 +523,7 @@ def stream(model, prompt, max_new_tokens: int = 128, sampling: SamplingParams | 
         raise ValueError("stream() needs a tokenizer to turn tokens into text; use generate()")
     t0 = time.perf_counter()
     req = _prepare(model, prompt, max_new_tokens, sampling, seed, chat, stop, None, policy,
-                   kv_cache_dtype)
+                   kv_cache_dtype, mesh)
     out = TextStream(iter(()))
     out._pieces = _pieces(model, req, progress, out, t0)
     return out

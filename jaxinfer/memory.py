@@ -9,6 +9,7 @@ RESOURCE_EXHAUSTED; an allocation failure that still happens is reported the sam
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 import os
 import re
@@ -23,6 +24,21 @@ class OutOfMemory(ValueError):
     """A load or request that does not fit the memory budget (raised before allocating)."""
 
 
+_SHAPES_ONLY = contextvars.ContextVar("jaxinfer_memory_shapes_only", default=False)
+
+
+@contextlib.contextmanager
+def shapes_only():
+    """Inside, the checks pass: a request traced for its shapes (jax.eval_shape, lowering a
+    model too large for this machine) allocates nothing. The estimates are still reported by
+    whoever computes them."""
+    token = _SHAPES_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _SHAPES_ONLY.reset(token)
+
+
 def parse_bytes(text: str) -> int:
     m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
@@ -35,17 +51,28 @@ def gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
-def budget() -> tuple[int | None, str]:
-    """(free bytes or None when unknown, what they are) for the default device."""
+def budget(devices=None) -> tuple[int | None, str]:
+    """(free bytes or None when unknown, what they are) for the default device; with devices
+    (a mesh's), what each of them has: the least free of the accelerators, or on CPU the
+    host's memory divided among the CPU devices (which share it). JAXINFER_MEMORY_LIMIT caps
+    every device."""
     import jax
 
-    device = jax.devices()[0]
-    free, what = None, f"{device.platform} device {device.device_kind}"
-    stats = device.memory_stats() if device.platform != "cpu" else None
-    if stats and "bytes_limit" in stats:
-        free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
-    elif device.platform == "cpu":
+    devices = list(devices) if devices is not None else [jax.devices()[0]]
+    device, free = devices[0], None
+    what = f"{device.platform} device {device.device_kind}"
+    if device.platform == "cpu":
         free, what = _mem_available(), "host memory (MemAvailable)"
+        if free is not None and len(devices) > 1:
+            free //= len(devices)
+            what = f"each of the {len(devices)} CPU devices (sharing the host's MemAvailable)"
+    else:
+        for d in devices:
+            stats = d.memory_stats() or {}
+            if "bytes_limit" in stats:
+                left = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+                if free is None or left < free:
+                    free, what = left, f"{d.platform} device {d.id} ({d.device_kind})"
     cap = os.environ.get("JAXINFER_MEMORY_LIMIT")
     if cap:
         limit = parse_bytes(cap)
@@ -65,8 +92,10 @@ def _mem_available() -> int | None:
     return None
 
 
-def _check(parts: dict[str, int], doing: str, remedy: str = REMEDY) -> None:
-    free, what = budget()
+def _check(parts: dict[str, int], doing: str, remedy: str = REMEDY, devices=None) -> None:
+    if _SHAPES_ONLY.get():
+        return
+    free, what = budget(devices)
     need = sum(parts.values())
     if free is not None and need > free:
         detail = ", ".join(f"{k} {gib(v)}" for k, v in parts.items())
@@ -109,6 +138,48 @@ def check_load(config, dtype: str, host_float32_copy: bool = True,
                   f"{config.hidden_size}) in {dtype}", LOAD_REMEDY)
 
 
+def mesh_text(sharding) -> str:
+    """"8 devices (tp=8)", for messages."""
+    sizes = ", ".join(f"{a}={n}" for a, n in (("tp", sharding.tp), ("dp", sharding.dp),
+                                             ("ep", sharding.ep)) if n > 1)
+    return f"{sharding.devices} devices" + (f" ({sizes})" if sizes else "")
+
+
+def check_sharded_load(config, dtype: str, sharding, stored_bytes: int | None = None,
+                       quantizing: bool = False) -> None:
+    """Before reading a checkpoint's tensors for a load onto a mesh (`sharding`): each
+    device's shards of the params (weights.declared_bytes_per_device; a checkpoint kept quantized
+    in the same proportion of stored_bytes) against each device's free memory. The host
+    holds one tensor at a time (no staging copy of the model); quantizing, the first device
+    holds the largest matmul weight in float32 and its float32 working copy for a moment
+    (counted on every device: the least free one decides)."""
+    import jax
+
+    from jaxinfer.models import registry
+    from jaxinfer.weights import Kind, ParamSpec, declared_bytes_per_device
+
+    specs = registry.family(config).param_specs(config)
+    per = declared_bytes_per_device(specs, sharding, dtype)
+    total = params_bytes(config, dtype)
+    on_cpu = jax.devices()[0].platform == "cpu"
+    whole = f"{gib(total)} in {dtype}"
+    parts = {"params, per device": per}
+    if stored_bytes is not None and not on_cpu:
+        whole = f"{gib(stored_bytes)} kept quantized"
+        parts = {"params kept quantized, per device": int(1.05 * stored_bytes * per / total)}
+    if quantizing:
+        largest = max(math.prod(s.shape) for s in jax.tree.leaves(
+            specs, is_leaf=lambda x: isinstance(x, ParamSpec))
+            if s.kind in (Kind.DENSE, Kind.DENSE_T))
+        parts["quantizing one weight at a time"] = 2 * 4 * largest
+    local = [d for d in sharding.mesh.devices.flat if d.process_index == jax.process_index()]
+    _check(parts, f"loading this model ({config.num_layers} layers, hidden "
+                  f"{config.hidden_size}: {whole}) on {mesh_text(sharding)}",
+           "use more devices (a larger tp), " + (LOAD_REMEDY[4:] if dtype == "float32"
+                                                 else "or a smaller or quantized model"),
+           devices=local)
+
+
 def kv_bytes_per_token(config, kv_dtype: str | None = None) -> int:
     """Cache bytes one token takes over all layers: K and V in the model's dtype, or 1-byte
     codes plus a float32 scale per KV head (int8 / fp8); an MLA model's latent (c_kv and the
@@ -124,15 +195,27 @@ def kv_cache_bytes(config, batch: int, cache_len: int, kv_dtype: str | None = No
     return batch * cache_len * kv_bytes_per_token(config, kv_dtype)
 
 
+def cache_split(config, batch: int, sharding) -> int:
+    """How many ways a KV cache of `batch` rows is split over a mesh: its rows over dp
+    where dp divides them, its KV heads over tp where they shard (an MLA latent: rows only)."""
+    if sharding is None:
+        return 1
+    rows = sharding.dp if batch % sharding.dp == 0 else 1
+    heads = sharding.tp if config.mla is None and sharding.axis("kv_heads") is not None else 1
+    return rows * heads
+
+
 def check_request(config, batch: int, prompt_len: int, cache_len: int, chunk: int,
-                  kv_dtype: str | None = None) -> None:
+                  kv_dtype: str | None = None, sharding=None) -> None:
     """Before allocating a request's cache: K/V for batch x cache_len slots (kv_dtype "int8" /
     "fp8": the quantized cache), and the largest prefill step's activations (chunk tokens per
     row; on CPU the reference attention's float32 scores against the cache, and a quantized
-    layer's K/V dequantized to float32)."""
+    layer's K/V dequantized to float32). sharding (a mesh's): per device, the cache's share
+    (cache_split) against each device's free memory."""
     import jax
 
-    kv = kv_cache_bytes(config, batch, cache_len, kv_dtype)
+    split = cache_split(config, batch, sharding)
+    kv = kv_cache_bytes(config, batch, cache_len, kv_dtype) // split
     tokens = batch * min(chunk, prompt_len)
     width = (4 * config.hidden_size + (config.num_heads + 2 * config.num_kv_heads)
              * config.head_dim + 3 * config.intermediate_size)
@@ -142,9 +225,15 @@ def check_request(config, batch: int, prompt_len: int, cache_len: int, chunk: in
         work += 2 * tokens * config.num_heads * keys * 4
         if kv_dtype:
             work += 2 * batch * cache_len * config.num_kv_heads * config.head_dim * 4
+    devices = None
+    if sharding is not None:
+        work //= sharding.dp if batch % sharding.dp == 0 else 1  # rows over dp
+        devices = [d for d in sharding.mesh.devices.flat
+                   if d.process_index == jax.process_index()]
+    where = "" if sharding is None else f" on {mesh_text(sharding)}, per device"
     _check({"KV cache": kv, "workspace": work},
            f"this request (batch {batch}, {prompt_len} prompt tokens padded, cache of "
-           f"{cache_len} slots)")
+           f"{cache_len} slots){where}", devices=devices)
 
 
 @contextlib.contextmanager

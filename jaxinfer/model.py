@@ -12,8 +12,10 @@ import numpy as np
 from jaxinfer.configs import DTYPES, Config
 from jaxinfer.models import registry
 from jaxinfer.plan import KernelPolicy, Plan
+from jaxinfer.sharding import Sharding
 from jaxinfer.weights import (BYTES_PER_PARAM, QUANTIZATIONS, cast_floating, check_params,
-                              dequantize_params, quantize_on_read, quantize_params, typed)
+                              dequantize_params, place_on_read, quantize_on_read,
+                              quantize_params, typed)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -32,16 +34,18 @@ def _full_forward(params, tokens, plan: Plan):
 
 @dataclasses.dataclass(frozen=True)
 class Model:
-    """A loaded model: `model(token_ids)` is the full causal forward [B, T] -> [B, T, V] float32."""
+    """A loaded model: `model(token_ids)` is the full causal forward [B, T] -> [B, T, V] float32.
+    sharding: the mesh its params are placed on and the rules (None: one device)."""
 
     config: Config
     params: dict
     tokenizer: object | None = None
     policy: KernelPolicy = KernelPolicy()
+    sharding: Sharding | None = None
 
     @property
     def plan(self) -> Plan:
-        return Plan(self.config, self.policy)
+        return Plan(self.config, self.policy, self.sharding)
 
     def with_policy(self, policy: KernelPolicy) -> Model:
         return dataclasses.replace(self, policy=policy)
@@ -80,10 +84,11 @@ def _check_quantization(quantization) -> None:
 
 def from_params(config: Config, params, tokenizer=None, dtype: str | None = None,
                 policy: KernelPolicy | None = None, quantization: str | None = None,
-                group_size: int | None = None) -> Model:
+                group_size: int | None = None, sharding: Sharding | None = None) -> Model:
     """Check params against the family's declaration, hold matmul weights as their declared
     types, quantize them if asked (int8 | int4 | fp8; "none" dequantizes quantized ones), and
-    cast the floating leaves to `dtype` (default: config's)."""
+    cast the floating leaves to `dtype` (default: config's). sharding: the mesh the params
+    are on (a sharded load placed them as read; what they are then stays on its shards)."""
     dtype = dtype or config.dtype
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
@@ -97,12 +102,13 @@ def from_params(config: Config, params, tokenizer=None, dtype: str | None = None
     elif quantization is not None:
         params = quantize_params(params, quantization, group_size, specs)
     params = cast_floating(params, dtype, specs)
-    return Model(config=config, params=params, tokenizer=tokenizer, policy=_check_policy(policy))
+    return Model(config=config, params=params, tokenizer=tokenizer, policy=_check_policy(policy),
+                 sharding=sharding)
 
 
 def load(source: str = DEFAULT_MODEL, dtype: str | None = None,
          quantization: str | None = None, policy: KernelPolicy | None = None, *,
-         group_size: int | None = None) -> Model:
+         group_size: int | None = None, mesh=None) -> Model:
     """Load a model from a registered name, an HF-layout directory or a .gguf file.
 
     dtype: "float32" | "bfloat16" | "float16" for params and activations (logits stay float32);
@@ -112,6 +118,11 @@ def load(source: str = DEFAULT_MODEL, dtype: str | None = None,
     (group-wise along K, group_size rows per scale: default the largest of 128, 64, 32 that
     divides K, else one scale per column; fp8 defaults to one scale per column). policy: the kernel
     choices (default `KernelPolicy()`, today's fastest; `.deterministic()`, `.reference()`).
+    mesh: a `jaxinfer.make_mesh(tp=, dp=, ep=)`: every tensor is put on its shards as it is
+    read (an HF embedding or LM head by the slices its devices hold, a layer one at a time on
+    the host, a GGUF block or a quantized weight one at a time), so neither a device nor the
+    host ever holds the whole model; the mesh is checked against the config, and each device's share against its
+    free memory, before any tensor is read. `model(...)` and `generate` then run sharded.
     """
     from checkpoints import load_checkpoint
     from jaxinfer import compilation_cache, memory
@@ -120,26 +131,36 @@ def load(source: str = DEFAULT_MODEL, dtype: str | None = None,
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     _check_quantization(quantization)
     policy = _check_policy(policy)
+    if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
+        raise ValueError(f"mesh must be a jax.sharding.Mesh (jaxinfer.make_mesh(tp=, dp=, "
+                         f"ep=)), got {type(mesh).__name__}")
     compilation_cache.enable()
     dtype = dtype or default_dtype()
 
     quantizing = quantization not in (None, "none")
-    read = {}  # quantize-on-read's transform, once the loader knows the config
+    read = {}  # the transform and the sharding, once the loader knows the config
 
     def fits(config, float32_staging, stored_bytes=None):
+        specs = registry.family(config).param_specs(config)
         if quantizing:  # each weight quantized as it is read
-            read["transform"] = quantize_on_read(registry.family(config).param_specs(config),
-                                                 quantization, group_size)
+            read["transform"] = quantize_on_read(specs, quantization, group_size)
             stored_bytes = int(memory.params_bytes(config, "float32") / 4
                                * BYTES_PER_PARAM[quantization])
+        if mesh is not None:
+            read["sharding"] = sharding = Sharding.create(mesh, config)  # check_mesh
+            memory.check_sharded_load(config, dtype, sharding, stored_bytes, quantizing)
+            read["transform"] = place_on_read(specs, sharding, dtype, quantization, group_size)
+            return
         memory.check_load(config, dtype, host_float32_copy=float32_staging,
                           stored_bytes=stored_bytes)
 
     def transform(name, value):
         return read["transform"](name, value)
 
-    config, params, tokenizer = load_checkpoint(source, before_tensors=fits,
-                                                keep_quantized=quantization is None,
-                                                transform=transform if quantizing else None)
+    config, params, tokenizer = load_checkpoint(
+        source, before_tensors=fits, keep_quantized=quantization is None,
+        transform=transform if quantizing or mesh is not None else None,
+        host=mesh is not None)
     with memory.reporting_oom(f"loading {source}"):
-        return from_params(config, params, tokenizer, dtype, policy, quantization, group_size)
+        return from_params(config, params, tokenizer, dtype, policy, quantization, group_size,
+                           read.get("sharding"))

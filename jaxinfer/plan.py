@@ -1,12 +1,13 @@
 """The static plan: every kernel choice is a field of a frozen, hashable `KernelPolicy`.
 
-`Plan(config, policy)` is the one static argument of the model's jitted functions (`forward`,
+`Plan(config, policy, sharding)` is the one static argument of the model's jitted functions (`forward`,
 `prefill`, `decode_step`, `decode_loop`): it is part of their compile key, so two plans that
 differ in any field compile to two executables, and nothing else read at trace time changes
 what is compiled. Each default is today's measured best (benchmarks/DECISIONS.md says how it
 was measured); `KernelPolicy.reference()` is pure jnp everywhere, `KernelPolicy(interpret=True)`
 runs the Pallas kernels in interpret mode (CPU tests), `KernelPolicy.deterministic()` decodes
-bitwise repeatably and batch-invariantly.
+bitwise repeatably and batch-invariantly. `sharding` (jaxinfer/sharding.py: the mesh and the
+rules resolved for the config) is None on one device.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import dataclasses
 import enum
 
 from jaxinfer.configs import Config
+from jaxinfer.sharding import Sharding
 from pallas_kernels import DecodeBlockSizes, MatmulBlockSizes, MLABlockSizes, MoEBlockSizes
 
 
@@ -222,10 +224,12 @@ class KernelPolicy:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """What a compiled model function is specialised on: the model's shapes and the kernels."""
+    """What a compiled model function is specialised on: the model's shapes, the kernels and
+    the devices (None: one device)."""
 
     config: Config
     policy: KernelPolicy = KernelPolicy()
+    sharding: Sharding | None = None
 
     def __post_init__(self):
         if not isinstance(self.config, Config):
@@ -233,3 +237,15 @@ class Plan:
         if not isinstance(self.policy, KernelPolicy):
             raise ValueError(f"Plan.policy must be a KernelPolicy, got "
                              f"{type(self.policy).__name__}")
+        if self.sharding is not None and not isinstance(self.sharding, Sharding):
+            raise ValueError(f"Plan.sharding must be a jaxinfer.sharding.Sharding or None, got "
+                             f"{type(self.sharding).__name__}")
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the plan spans more than one device."""
+        return self.sharding is not None and self.sharding.devices > 1
+
+    def local(self) -> Plan:
+        """The plan of one device's shard (inside shard_map: no sharding)."""
+        return dataclasses.replace(self, sharding=None)

@@ -323,25 +323,109 @@ def dequantize_params(params, specs):
 BYTES_PER_PARAM = types.MappingProxyType({"int8": 1.02, "int4": 0.52, "fp8": 1.0})
 
 
+def _at(tree, name: str):
+    """The node of a params-shaped tree (dicts and lists) at a dotted name ("layers.3.wqkv")."""
+    for part in name.split("."):
+        tree = tree[int(part)] if isinstance(tree, list) else tree[part]
+    return tree
+
+
 def quantize_on_read(specs, how: str, group_size: int | None = None):
     """A loader's transform(name, value) ("layers.3.wqkv", "embed"): each matmul weight
     quantized as it is read, so the float checkpoint is never held whole."""
-    def spec_at(name: str) -> ParamSpec:
-        node = specs
-        for part in name.split("."):
-            node = node[int(part)] if isinstance(node, list) else node[part]
-        return node
-
     refuse_quantized_experts(specs, how)
 
     def transform(name: str, value):
         try:
-            spec = spec_at(name)
+            spec = _at(specs, name)
         except (KeyError, IndexError):
             return value  # not declared: check_params names it
         # Plain arrays, weights already quantized, and shapes check_params will refuse by
         # name, pass as they are.
-        if spec.kind is Kind.ARRAY or tuple(getattr(value, "shape", ())) != spec.shape:
+        if (spec.kind is Kind.ARRAY or isinstance(value, QuantizedWeight | Parts)
+                or tuple(getattr(value, "shape", ())) != spec.shape):
             return value
         return _quantize_one(spec.wrap(jnp.asarray(value)), how, group_size, f"['{name}']")
     return transform
+
+
+# ---------------------------------------------------------------------------------------------
+# Sharded loading: every param put on its shards as it is read
+# ---------------------------------------------------------------------------------------------
+
+
+def put_sharded(host, sharding, dtype=None) -> jax.Array:
+    """A host array (numpy, or anything indexed by slices such as checkpoints.hf.TensorSlices)
+    as a global jax.Array on `sharding`: each addressable device gets its own shard, read
+    (and cast to dtype) by itself, so no device and no host buffer holds the whole array
+    beyond the tensor the loader already has. Devices holding the same shard share one read.
+    A jax.Array (a weight quantized on the default device) is spread from its device (over
+    several processes, each takes its own devices' shards from its own copy)."""
+    import numpy as np
+
+    if isinstance(host, jax.Array) and sharding.is_fully_addressable:
+        return jax.device_put(host if dtype is None else host.astype(dtype), sharding)
+    read = {}
+
+    def shard(index):
+        key = tuple((s.start, s.stop, s.step) for s in index)
+        if key not in read:
+            part = np.asarray(host[index])
+            read[key] = part if dtype is None else part.astype(dtype)
+        return read[key]
+    return jax.make_array_from_callback(tuple(host.shape), sharding, shard)
+
+
+def place_on_read(specs, sharding, dtype, quantization: str | None = None,
+                  group_size: int | None = None):
+    """A loader's transform(name, value) for a sharded load (`sharding`: a
+    jaxinfer.sharding.Sharding): each param, as it is read, is dequantized ("none") or
+    quantized (int8 / int4 / fp8) on the default device, one tensor at a time, then put on
+    the shards `param_shardings` gives its type, its floating arrays cast to dtype (or the
+    param's declared dtype) shard by shard."""
+    import numpy as np
+
+    from jaxinfer.sharding import param_shardings
+
+    quantizing = quantization not in (None, "none")
+    if quantizing:
+        refuse_quantized_experts(specs, quantization)
+
+    def transform(name: str, value):
+        try:
+            spec = _at(specs, name)
+        except (KeyError, IndexError):
+            return value  # not declared: check_params names it
+        quantized = isinstance(value, QuantizedWeight | Parts)
+        if not quantized and tuple(getattr(value, "shape", ())) != spec.shape:
+            return value  # check_params names the shape
+        # (De)quantized as a single-device load does it, on the default device (the same
+        # codes; one tensor there at a time), then spread from there
+        if quantized and quantization == "none":
+            a = as_array(jax.tree.map(jnp.asarray, value), jnp.float32)
+            a = a.reshape(quantized_shape(spec))
+            value = a.T if spec.kind is Kind.DENSE_T else a
+        elif quantizing and not quantized and spec.kind in (Kind.DENSE, Kind.DENSE_T):
+            value = _quantize_one(spec.wrap(jnp.asarray(np.asarray(value))), quantization,
+                                  group_size, f"['{name}']")
+        typed = spec.wrap(value)
+        keep = isinstance(typed, QuantizedWeight | Parts)  # codes and scales as stored
+        floating = jnp.dtype(spec.dtype or dtype)
+
+        def put(host, where):
+            cast = jnp.issubdtype(host.dtype, jnp.floating) and not keep
+            return put_sharded(host, where, floating if cast else None)
+        return jax.tree.map(put, typed, param_shardings(spec, sharding, typed))
+    return transform
+
+
+def declared_bytes_per_device(specs, sharding, dtype) -> int:
+    """Bytes one device holds of the params declared by specs, in dtype (a param's own dtype
+    where it declares one), each on its declared shards (`sharding`: a Sharding)."""
+    from jaxinfer.sharding import spec_for
+
+    total = 0
+    for spec in jax.tree.leaves(specs, is_leaf=_is_spec):
+        shard = sharding.named(spec_for(spec, sharding)).shard_shape(spec.shape)
+        total += math.prod(shard) * jnp.dtype(spec.dtype or dtype).itemsize
+    return total

@@ -109,6 +109,12 @@ def test_prompt_from_stdin_and_file(tiny_chat, tiny_chat_dir, capsys, monkeypatc
     (["bench", "--gen-len", "1"], "--gen-len must be >= 2"),
     (["bench", "--batch", "0"], "--batch must be >= 1"),
     (["bench", "--batch", "1", "x"], "--batch must be an integer"),
+    (["generate", "hi", "--tp", "0"], "--tp must be >= 1"),
+    (["generate", "hi", "--tp", "4096"], "--tp 4096 --dp 1 --ep 1: a mesh of"),
+    (["chat", "--dp", "64", "--tp", "64"], "= 4096 devices, but only"),
+    (["bench", "--ep", "4096"], "= 4096 devices, but only"),
+    (["bench", "--compile-only"], "--compile-only lowers a --preset"),
+    (["bench", "--num-layers", "2"], "--num-layers cuts a --preset"),
 ])
 def test_arguments_are_checked_before_loading(argv, match, capsys, monkeypatch):
     def no_load(*a, **k):

@@ -25,14 +25,31 @@ import jax.numpy as jnp
 import pallas_kernels as pk
 from jaxinfer.cache import KVLayer, QuantizedKVLayer
 from jaxinfer.ops import reference
-from jaxinfer.ops.dispatch import Registry, always, kernels_on
+from jaxinfer.ops.dispatch import Layout, Registry, always, kernels_on
 from jaxinfer.ops.linear import norm
 from jaxinfer.ops.stream import Form, Partials, Projection
 from jaxinfer.plan import Plan
+from jaxinfer.sharding import kv_spec
 from pallas_kernels import DecodeBlockSizes, dequantize_kv
 
+
+def _core_layout(sharding, q, k, v, cache, plan, *, positions, **_):
+    """By heads over tp (whole GQA groups per device: the rules shard q_heads and kv_heads
+    together or neither) and rows over dp: q [B, T, Hq, D], k / v [B, T, Hkv, D], the cache
+    layer's [B, S, Hkv, (D)] arrays, positions [B, T]; no collective."""
+    q_spec = sharding.spec(("batch", None, "q_heads", None), q.shape)
+    kv = sharding.spec(("batch", None, "kv_heads", None), k.shape)
+    inputs = {0: q_spec, 1: kv, 2: kv, "positions": sharding.spec(("batch", None),
+                                                                  positions.shape)}
+    if cache is not None:
+        inputs[3] = jax.tree.map(lambda a: kv_spec(a.shape, sharding), cache)
+    return Layout(inputs, q_spec)
+
+
+# The fused decode kernel reads the projection's split-K chunks: no per-shard layout yet, so on
+# a sharded plan attend takes the prologue and the core (which has one).
 ATTEND = Registry("attend")
-ATTENTION_CORE = Registry("attention_core")
+ATTENTION_CORE = Registry("attention_core", layout=_core_layout)
 
 
 def _kernel_head_dim(d: int) -> bool:
@@ -86,9 +103,9 @@ def _decode_append(qkv: Projection, cache, plan, *, positions, rope, window=None
     return out[:, None], type(cache)(*layer)  # [B, 1, Hq, D]
 
 
-ATTEND.register("decode_append", _fused_supports)(_decode_append)
+ATTEND.register("decode_append", _fused_supports, kernel=True)(_decode_append)
 ATTEND.register("decode_append_quantized", functools.partial(
-    _fused_supports, layer_type=QuantizedKVLayer))(_decode_append)
+    _fused_supports, layer_type=QuantizedKVLayer), kernel=True)(_decode_append)
 
 
 @ATTEND.register("prologue_then_core", always)
@@ -124,7 +141,7 @@ def _flash_supports(q, k, v, cache, plan, *, fresh=False, **_) -> str | None:
     return None
 
 
-@ATTENTION_CORE.register("flash", _flash_supports)
+@ATTENTION_CORE.register("flash", _flash_supports, kernel=True)
 def _flash(q, k, v, cache, plan, *, positions, window=None, fresh=False, sm_scale=None,
            softcap=None):
     """Causal attention among the T new tokens at positions 0..T-1 (never materializes the
@@ -160,9 +177,9 @@ def _decode(q, k, v, cache, plan, *, positions, window=None, fresh=False, sm_sca
     return out[:, None]  # [B, 1, Hq, D]
 
 
-ATTENTION_CORE.register("decode", _decode_supports)(_decode)
+ATTENTION_CORE.register("decode", _decode_supports, kernel=True)(_decode)
 ATTENTION_CORE.register("decode_quantized", functools.partial(
-    _decode_supports, layer_type=QuantizedKVLayer))(_decode)
+    _decode_supports, layer_type=QuantizedKVLayer), kernel=True)(_decode)
 
 
 def _chunk_supports(q, k, v, cache, plan, *, fresh=False, **_) -> str | None:
@@ -173,7 +190,7 @@ def _chunk_supports(q, k, v, cache, plan, *, fresh=False, **_) -> str | None:
     return None
 
 
-@ATTENTION_CORE.register("chunk_quantized", _chunk_supports)
+@ATTENTION_CORE.register("chunk_quantized", _chunk_supports, kernel=True)
 def _chunk(q, k, v, cache, plan, *, positions, window=None, fresh=False, sm_scale=None,
            softcap=None):
     """T queries at their positions against the cache's codes (a chunked prefill)."""

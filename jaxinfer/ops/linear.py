@@ -87,7 +87,7 @@ def _fused_supports(x, w, plan, *, deltas=None, **_) -> str | None:
     return None
 
 
-@MATMUL.register("fused_small_m", _fused_supports)
+@MATMUL.register("fused_small_m", _fused_supports, kernel=True)
 def _fused_small_m(x, w, plan, *, accept=ARRAY_ONLY, norm_w=None, eps=0.0, deltas=None,
                    bias=None, out_dtype=None, prefetch=()):
     """The decode matmul: one pass over the weight, the residual add and the norm in its
@@ -140,7 +140,7 @@ def _fixed_supports(x, w, plan, *, deltas=None, **_) -> str | None:
     return None
 
 
-@MATMUL.register("pallas_fixed_tiles", _fixed_supports)
+@MATMUL.register("pallas_fixed_tiles", _fixed_supports, kernel=True)
 def _pallas_fixed_tiles(x, w, plan, *, accept=ARRAY_ONLY, norm_w=None, eps=0.0, deltas=None,
                         bias=None, out_dtype=None, prefetch=()):
     """Batch-invariant prefill: the fused kernel at the prefill tiles whatever the rows, so a
@@ -210,8 +210,11 @@ def add_deltas(x, delta):
 def norm(x, weight, eps: float, plan: Plan):
     """HF RMSNorm over x's last axis: the Pallas kernel on the decode path (one launch, not
     XLA's two) and for batch-invariant plans (fixed per-row arithmetic), else the reference.
-    A config's norm_offset (Gemma's 1 + w, in float32) goes to either."""
+    A config's norm_offset (Gemma's 1 + w, in float32) goes to either. A sharded plan takes
+    the reference (XLA partitions it; the decode path is off there, dispatch.py)."""
     offset = plan.config.norm_offset
+    if plan.sharded:
+        return reference.rms_norm(x, weight, eps, offset)
     if kernels_on(plan, x.dtype) and (decode_path(x, plan) or plan.policy.batch_invariant):
         return pk.rms_norm(x, weight, eps=eps, offset=offset, interpret=plan.policy.interpret)
     return reference.rms_norm(x, weight, eps, offset)

@@ -33,13 +33,30 @@ import jax.numpy as jnp
 from jaxinfer.cache import LatentLayer
 from jaxinfer.configs import Config
 from jaxinfer.ops import reference
-from jaxinfer.ops.dispatch import Registry, always, kernels_on
+from jaxinfer.ops.dispatch import Layout, Registry, always, kernels_on
 from jaxinfer.plan import Plan
+from jaxinfer.sharding import latent_spec
 from jaxinfer.weights import as_array
 
+
+def _core_layout(sharding, q, latent, lengths, plan, **_):
+    """The heads over tp, the latent whole on every device of a row's dp group: q
+    [B, T, H, R + Dr], latent [B, S, R + Dr], lengths [B] -> [B, T, H, R]; no collective."""
+    q_spec = sharding.spec(("batch", None, "q_heads", None), q.shape)
+    return Layout({0: q_spec, 1: latent_spec(latent.shape, sharding),
+                   2: sharding.spec(("batch",), lengths.shape)}, q_spec)
+
+
+def _prefill_layout(sharding, q, k, v, plan, *, positions, **_):
+    """Expanded attention by heads: q, k, v [B, T, H, D], positions [B, T]."""
+    q_spec = sharding.spec(("batch", None, "q_heads", None), q.shape)
+    return Layout({0: q_spec, 1: q_spec, 2: q_spec,
+                   "positions": sharding.spec(("batch", None), positions.shape)}, q_spec)
+
+
 MLA_ATTEND = Registry("mla_attend")
-MLA_PREFILL = Registry("mla_prefill")
-MLA_CORE = Registry("mla_core")
+MLA_PREFILL = Registry("mla_prefill", layout=_prefill_layout)
+MLA_CORE = Registry("mla_core", layout=_core_layout)
 
 
 def softmax_scale(config: Config) -> float:
@@ -86,7 +103,7 @@ def _kernel_supports(q, latent, lengths, plan, *, sm_scale, kv_lora_rank) -> str
     return None
 
 
-@MLA_CORE.register("pallas", _kernel_supports)
+@MLA_CORE.register("pallas", _kernel_supports, kernel=True)
 def _kernel_core(q, latent, lengths, plan, *, sm_scale, kv_lora_rank):
     import pallas_kernels as pk
 
@@ -138,7 +155,7 @@ def _flash_supports(q, k, v, plan, *, positions, sm_scale) -> str | None:
     return None
 
 
-@MLA_PREFILL.register("flash_padded", _flash_supports)
+@MLA_PREFILL.register("flash_padded", _flash_supports, kernel=True)
 def _flash_padded(q, k, v, plan, *, positions, sm_scale):
     """Flash attention among the T new tokens (positions 0..T-1) with q, k and v zero-padded
     to one power-of-two head dim: zero q/k columns add nothing to the scores, and the padded

@@ -11,18 +11,49 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 import pallas_kernels as pk
 from jaxinfer.ops import reference
-from jaxinfer.ops.dispatch import Registry, always, decode_path, kernels_on, rows
+from jaxinfer.ops.dispatch import (Layout, Registry, always, batch_axis, decode_path,
+                                   kernels_on, rows)
 from jaxinfer.ops.linear import (MATMUL, add_deltas, boundary, linear, post_norm_of,
                                  prefetch_pairs, tiles)
 from jaxinfer.ops.stream import ANY_SUM, Deferred, Partials, Residual, resolve
 from jaxinfer.plan import Boundary, Plan
+from jaxinfer.sharding import local_weight, weight_specs
 from jaxinfer.weights import Dense, QuantizedWeight, as_array, kernel_operand
 
+
+def _swiglu_layout(sharding, x, w_gate, w_up, plan, *, norm_w=None, deltas=None, **_):
+    """Column parallel: x [B, T, D] whole over tp, w_gate / w_up [D, F] split along F, the
+    activation [B, T, F] split alike (no collective); the batch over dp."""
+    if deltas is not None:
+        return None
+    b = batch_axis(sharding, x.shape[0])
+    gate, up = (weight_specs(w, ("embed", "mlp"), sharding) for w in (w_gate, w_up))
+    cols = {_columns(gate), _columns(up)}
+    if len(cols) != 1:
+        return None
+    x_spec = P(b, None, None)  # [B, T, D]
+    inputs = {0: x_spec, 1: gate, 2: up}
+    if norm_w is not None:
+        inputs["norm_w"] = P()
+
+    def local(args, kwargs):
+        args[1], args[2] = (local_weight(w, s, sharding)
+                            for w, s in ((args[1], gate), (args[2], up)))
+        return args, kwargs
+    return Layout(inputs, (x_spec, P(b, None, cols.pop())), local=local)
+
+
+def _columns(specs):
+    """The mesh axis of a [D, F] weight's output columns, from its specs (weight_specs)."""
+    return specs.w[1] if isinstance(specs, Dense) else specs.scale[1]
+
+
 # (x [B, T, D], w_gate, w_up) -> (x + sum(deltas), silu(h @ w_gate + b) * (h @ w_up + b))
-SWIGLU = Registry("swiglu")
+SWIGLU = Registry("swiglu", layout=_swiglu_layout)
 
 
 def _pallas_supports(x, w_gate, w_up, plan, *, biases=(None, None), deltas=None, **_):
@@ -42,7 +73,7 @@ def _pallas_supports(x, w_gate, w_up, plan, *, biases=(None, None), deltas=None,
     return None
 
 
-@SWIGLU.register("pallas", _pallas_supports)
+@SWIGLU.register("pallas", _pallas_supports, kernel=True)
 def _pallas_swiglu(x, w_gate, w_up, plan, *, biases=(None, None), norm_w=None, eps=0.0,
                    deltas=None, prefetch=()):
     m, k = rows(x), x.shape[-1]

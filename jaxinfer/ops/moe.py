@@ -29,6 +29,7 @@ from jaxinfer.configs import MoEConfig
 from jaxinfer.ops.dispatch import KERNEL_DTYPES, Registry, always, rows
 from jaxinfer.ops.linear import boundary, matmul
 from jaxinfer.ops.mlp import SWIGLU
+from jaxinfer.ops.sharded import experts_layout
 from jaxinfer.ops.stream import ANY_SUM, Deferred, Form, Partials, Residual
 from jaxinfer.plan import Kernels, MoEImpl, Plan
 from jaxinfer.weights import Kind, ParamSpec
@@ -115,7 +116,7 @@ def expert_counts(experts: jax.Array, num_experts: int) -> jax.Array:
 #   -> sum_j weights[:, j] * expert_{experts[:, j]}(x) [B, T, D] float32, N = B * T
 # ---------------------------------------------------------------------------------------------
 
-EXPERTS = Registry("experts")
+EXPERTS = Registry("experts", layout=experts_layout, every=True)
 
 
 def _swiglu_act(g, u, dtype):
@@ -296,10 +297,11 @@ def moe_mlp(stream: Residual, norm_weight, layer_params: dict, plan: Plan) -> Re
     experts_args = (h, weights, experts, lp["experts_gate"], lp["experts_up"],
                     lp["experts_down"], plan)
     kernel = EXPERTS.pick(*experts_args).name
-    if not moe.num_shared_experts and (kernel == "pallas_decode" or (
+    if not moe.num_shared_experts and not plan.sharded and (kernel == "pallas_decode" or (
             kernel == "pallas_grouped" and b * t <= policy.fused_rows)):
         # The kernels' weighted chunks go to the consumer, which adds them to the stream in
-        # its own kernel at decode (no combine, add or norm kernel in between).
+        # its own kernel at decode (no combine, add or norm kernel in between). A sharded
+        # plan keeps EXPERTS, whose dispatcher runs the kernels under shard_map.
         def emit(accept, prefetch):
             with jax.named_scope("experts"):
                 if Form.PARTIALS in accept:
