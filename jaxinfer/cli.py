@@ -83,8 +83,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     for axis, what in (("tp", "tensor parallel: heads, MLP and vocabulary split"),
                        ("dp", "data parallel: the batch and its KV cache split"),
                        ("ep", "expert parallel: a MoE model's experts split")):
-        p.add_argument(f"--{axis}", type=_positive(f"--{axis}"), default=1, metavar="N",
-                       help=f"{what} over N devices (default 1; the mesh: tp x dp x ep)")
+        p.add_argument(f"--{axis}", type=_positive(f"--{axis}"), default=None, metavar="N",
+                       help=f"{what} over N devices (default 1; the mesh: tp x dp x ep; "
+                            f"any of the three given, even 1, runs on a mesh)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -235,12 +236,14 @@ def _read_prompt(args) -> str:
 
 
 def _check_mesh_args(args) -> None:
-    """--tp / --dp / --ep as a mesh (args.mesh; None on one device), before the model loads:
-    more devices than present is a usage error. Whether the model's heads and experts split
-    that way is checked by the load, from the config, before any tensor is read."""
+    """--tp / --dp / --ep as a mesh (args.mesh; None when none is given: `--tp 1` is a
+    one-device mesh), before the model loads: more devices than present is a usage error.
+    Whether the model's heads and experts split that way is checked by the load, from the
+    config, before any tensor is read."""
     args.mesh = None
-    if args.tp * args.dp * args.ep == 1:
+    if args.tp is None and args.dp is None and args.ep is None:
         return
+    args.tp, args.dp, args.ep = args.tp or 1, args.dp or 1, args.ep or 1
     from jaxinfer.sharding import make_mesh
 
     try:
