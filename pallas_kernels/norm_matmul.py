@@ -59,7 +59,7 @@ from pallas_kernels.l2_prefetch import PrefetchPlan, issue_prefetches, l2_prefet
 from pallas_kernels.quantized import (QuantizedWeight, check_quantized, dequantize,
                                       kernel_arrays, tile_dot, tile_load, weight_format)
 from pallas_kernels.rms_norm import (add_deltas_reference, check_deltas, check_post_norm,
-                                     normed_rows, rms_norm_reference)
+                                     rms_norm_reference)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,8 +268,8 @@ def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int,
                     total += dt.astype(jnp.float32)
                 if post is not None:
                     # The sublayer's output as the unfused path rounds it, normed, rounded.
-                    total = normed_rows(total.astype(x.dtype).astype(jnp.float32), inv_post,
-                                        pw, post[1], x.dtype, x.dtype).astype(jnp.float32)
+                    total = _post_normed(total.astype(x.dtype), inv_post, pw, post[1],
+                                         x.dtype).astype(jnp.float32)
                 x = (total + x.astype(jnp.float32)).astype(x.dtype)  # [op_rows, block_k]
                 x_mask = jnp.broadcast_to(writes_x, (op_rows, block_k))
                 if op_rows > 1:
@@ -316,7 +316,7 @@ def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int,
         # Every program needs its rows' post-norm statistics over all of K before its chunk's
         # first add: one pass over the chunks' rows (L2-resident, a few KB a row).
         post_rows = 1 if m == 1 and single_row else op_rows
-        inv_post = _post_inv_rms(d_refs, k=k, kp=x_ref.shape[-1], block_k=block_k,
+        inv_post = _post_inv_rms(d_refs, m=m, k=k, kp=x_ref.shape[-1], block_k=block_k,
                                  rows=post_rows, eps=post[0], row_ok=row_ok,
                                  dtype=x_ref.dtype)
     # This program's share of the next kernel's first weight rows, into the L2, at the start
@@ -388,12 +388,14 @@ def post_widths(kp: int, block_k: int, rows: int) -> list[int]:
     return widths
 
 
-def _post_inv_rms(d_refs, *, k: int, kp: int, block_k: int, rows: int, eps: float, row_ok,
-                  dtype):
+def _post_inv_rms(d_refs, *, m: int, k: int, kp: int, block_k: int, rows: int, eps: float,
+                  row_ok, dtype):
     """rsqrt(mean(round(sum(deltas))^2) + eps) of each of the program's rows -> [rows, 1]
     float32: the post-norm's statistics, from the chunks' whole rows. The tiles are unrolled,
     so their loads are independent and issue together (latency, not bandwidth, bounds this)."""
-    ok = row_ok if rows > 1 else None  # [rows, 1]; one row: the program's only real row
+    ok = None
+    if rows > 1 and row_ok is not None:
+        ok = row_ok
     ss = None
     start = 0
     for width in post_widths(kp, block_k, rows):
@@ -411,6 +413,15 @@ def _post_inv_rms(d_refs, *, k: int, kp: int, block_k: int, rows: int, eps: floa
         ss = tile_ss if ss is None else ss + tile_ss
         start += width
     return lax.rsqrt(ss / k + eps)
+
+
+def _post_normed(delta, inv_post, pw, offset: float, dtype):
+    """HF's RMSNorm of the rounded delta tile [rows, block_k] with its rows' inv_rms: in
+    float32, times (offset + pw) then rounded (offset) or rounded then times pw (none)."""
+    normed = delta.astype(jnp.float32) * inv_post
+    if offset:
+        return (normed * (offset + pw.astype(jnp.float32))[None, :]).astype(dtype)
+    return pw[None, :].astype(dtype) * normed.astype(dtype)
 
 
 def down_epilogue(act, wd_ref, acc_ref, clear_ref, *, m: int, n: int, block_m: int,

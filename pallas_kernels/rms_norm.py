@@ -16,10 +16,10 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels._common import check_array, next_pow2
 
 
-def normed_rows(xf, inv_rms, w, offset: float, dtype, out_dtype):
-    """HF's RMSNorm output (in a kernel) from float32 rows [rows, D] and their inv_rms
-    [rows, 1], w [D]: times (offset + w) in float32, then rounded to dtype (offset != 0,
-    Gemma); or rounded to dtype (the input's), then times w in out_dtype."""
+def _normed(xf, inv_rms, w, offset: float, dtype, out_dtype):
+    """HF's RMSNorm output from float32 rows [block_m, Dp] and their inv_rms [block_m, 1]:
+    times (offset + w) in float32, then rounded to dtype (offset != 0, Gemma); or rounded to
+    dtype (the input's), then times w in out_dtype."""
     if offset:
         return (xf * inv_rms * (offset + w.astype(jnp.float32))[None, :]).astype(dtype)
     return w[None, :].astype(out_dtype) * (xf * inv_rms).astype(dtype).astype(out_dtype)
@@ -35,7 +35,7 @@ def rms_norm_kernel(x_ref, w_ref, o_ref, *, eps: float, rows: int, dim: int, blo
     x = plgpu.load(x_ref, mask=mask, other=0).astype(jnp.float32)  # [block_m, Dp]
     w = plgpu.load(w_ref, mask=col_ok, other=0)  # [Dp]
     inv_rms = jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) / dim + eps)  # [block_m, 1]
-    plgpu.store(o_ref, normed_rows(x, inv_rms, w, offset, x_ref.dtype, o_ref.dtype), mask=mask)
+    plgpu.store(o_ref, _normed(x, inv_rms, w, offset, x_ref.dtype, o_ref.dtype), mask=mask)
 
 
 def _validate(x, weight, op: str = "rms_norm"):
@@ -125,13 +125,13 @@ def add_rms_norm_kernel(*refs, eps: float, rows: int, dim: int, block_m: int, sp
         # The sublayer's output rounded as the unfused path rounds it, normed, rounded.
         d = acc.astype(xo_ref.dtype).astype(jnp.float32)
         inv_post = jax.lax.rsqrt(jnp.sum(d * d, axis=-1, keepdims=True) / dim + post[0])
-        acc = normed_rows(d, inv_post, pw, post[1], xo_ref.dtype, xo_ref.dtype).astype(jnp.float32)
+        acc = _normed(d, inv_post, pw, post[1], xo_ref.dtype, xo_ref.dtype).astype(jnp.float32)
     acc += xin
     x_new = acc.astype(xo_ref.dtype)  # the residual stream keeps x's dtype (one rounding)
     plgpu.store(xo_ref, x_new, mask=mask)
     xf = x_new.astype(jnp.float32)
     inv_rms = jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) / dim + eps)  # [block_m, 1]
-    plgpu.store(h_ref, normed_rows(xf, inv_rms, w, offset, xo_ref.dtype, h_ref.dtype), mask=mask)
+    plgpu.store(h_ref, _normed(xf, inv_rms, w, offset, xo_ref.dtype, h_ref.dtype), mask=mask)
 
 
 def check_deltas(op: str, x, deltas, *, float32_only: bool = False) -> None:
