@@ -51,8 +51,7 @@ def greedy_logits(params, prompt, plan: Plan, new: int):
 
 def random_model(preset: str, layers: int | None = None) -> Model:
     config = PRESETS[preset].replace(dtype="bfloat16")
-    layers = layers or config.num_layers
-    config = config.replace(num_layers=layers, layer_windows=config.layer_windows[:layers])
+    config = config.replace(num_layers=layers or config.num_layers)
     specs = registry.family(config).param_specs(config)
     return Model(config, init_params(specs, jax.random.key(0), jnp.bfloat16))
 

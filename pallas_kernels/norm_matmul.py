@@ -22,14 +22,10 @@ multiplies x into the gate and the up slab in one pass) and one chunk of K:
 - Residual add (deltas [S, M, K] given, a split-K producer's chunks): each x tile is x plus
   the chunks' tiles, summed in float32 and rounded once; the programs of the first N tile
   store it (the next residual stream). The decoder's sublayer boundary thus needs no kernel.
-  With a post-norm (Gemma's sandwich norm of the sublayer's output, `post_norm=`), the sum is
-  rounded, normed with its own row statistics (a prologue reads the chunks' whole rows once,
-  from the L2, in a few wide loads) and rounded again before it is added to x.
 - Norm (norm_weight given): rms_norm(x) @ w = inv_rms * ((x * norm_weight) @ w), so the main
   loop multiplies (x * norm_weight) tiles (rounded to x's dtype, as HF rounds the normed x) and
   gathers each row's float32 sum of squares from the same x tiles; the epilogue scales by
-  inv_rms. x is read once, in step with the weight stream. norm_offset: the weight scales by
-  (norm_offset + norm_weight) in float32 (Gemma's 1 + w).
+  inv_rms. x is read once, in step with the weight stream.
 - Main loop: x tile @ weight slab [block_k, block_n], float32 accumulation.
 - Epilogue, split_k = 1: the norm scale, then the residual added in float32 or SiLU(gate) * up,
   then the cast.
@@ -58,8 +54,7 @@ from pallas_kernels.atomics import atomic_add_relaxed
 from pallas_kernels.l2_prefetch import PrefetchPlan, issue_prefetches, l2_prefetch
 from pallas_kernels.quantized import (QuantizedWeight, check_quantized, dequantize,
                                       kernel_arrays, tile_dot, tile_load, weight_format)
-from pallas_kernels.rms_norm import (add_deltas_reference, check_deltas, check_post_norm,
-                                     rms_norm_reference)
+from pallas_kernels.rms_norm import add_deltas_reference, check_deltas, rms_norm_reference
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,7 +140,6 @@ def check_prefetch(op: str, prefetch) -> None:
 def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int, block_n: int,
                         block_k: int, k_chunk: int, n_weights: int, has_norm: bool,
                         has_residual: bool, epilogue: str, partial: bool, n_deltas: int,
-                        norm_offset: float = 0.0, post: tuple | None = None,
                         activation: str = "silu", prefetch_plans: tuple = (),
                         programs: int = 1, threads: int = 128,
                         block_d: int = 256, down_prefetch: bool = False,
@@ -154,8 +148,7 @@ def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int,
                         formats: tuple = ()):
     # refs, in order:
     #   x_ref [block_m, Kp]; n_deltas d_refs [block_m, Kp] (float32 partial sums added to x:
-    #   the same [S, M, K] array once per chunk); pw_ref [Kp] if post (the deltas' sum goes
-    #   through an RMSNorm, (eps, offset) = post, before it is added); nw_ref [Kp] if has_norm;
+    #   the same [S, M, K] array once per chunk); nw_ref [Kp] if has_norm;
     #   n_weights w_refs [Kp, block_n] ([block_n, Kp] if transposed: w stored [N, K]), or
     #   for a quantized weight (formats[i] a WeightFormat) its arrays' [rows, block_n] bands
     #   (pallas_kernels/quantized.py: codes and scales, dequantized per tile by tile_dot);
@@ -173,7 +166,6 @@ def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int,
     it = iter(refs)
     x_ref = next(it)
     d_refs = [next(it) for _ in range(n_deltas)]
-    pw_ref = next(it) if post is not None else None
     nw_ref = next(it) if has_norm else None
     formats = formats or (None,) * n_weights
     w_refs = [[next(it) for _ in range(1 if f is None else f.n_arrays)] for f in formats]
@@ -226,12 +218,11 @@ def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int,
         return load(ref.at[:, pl.ds(start, block_k)], both(row_ok, k_ok[None, :]))
 
     def operands(start):
-        # The x, delta, post-norm weight and norm_weight tiles at `start`.
+        # The x, delta and norm_weight tiles at `start`.
         k_ok = (start + jnp.arange(block_k)) < chunk_end
         tiles = [op_tile(x_ref, start)] + [op_tile(d_ref, start) for d_ref in d_refs]
-        for ref in (pw_ref, nw_ref):
-            if ref is not None:
-                tiles.append(plgpu.load(ref.at[pl.ds(start, block_k)], mask=k_ok, other=0))
+        if has_norm:
+            tiles.append(plgpu.load(nw_ref.at[pl.ds(start, block_k)], mask=k_ok, other=0))
         return tuple(tiles)
 
     prefetched = has_norm or n_deltas > 0
@@ -256,7 +247,6 @@ def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int,
             # fed to the dot as loaded, so Triton's pipeliner leaves these loads in place;
             # they are prefetched one tile ahead by hand (in the carry) instead.
             x, *deltas = cur[:1 + n_deltas]
-            pw = cur[1 + n_deltas] if post is not None else None
             nw = cur[-1] if has_norm else None
             cur = operands(start + block_k)
             k_ok = (start + jnp.arange(block_k)) < chunk_end if mask_k else None  # [block_k]
@@ -266,10 +256,6 @@ def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int,
                 total = deltas[0].astype(jnp.float32)
                 for dt in deltas[1:]:
                     total += dt.astype(jnp.float32)
-                if post is not None:
-                    # The sublayer's output as the unfused path rounds it, normed, rounded.
-                    total = _post_normed(total.astype(x.dtype), inv_post, pw, post[1],
-                                         x.dtype).astype(jnp.float32)
                 x = (total + x.astype(jnp.float32)).astype(x.dtype)  # [op_rows, block_k]
                 x_mask = jnp.broadcast_to(writes_x, (op_rows, block_k))
                 if op_rows > 1:
@@ -282,10 +268,7 @@ def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int,
                 # gathers in the same pass and the scale waits for the epilogue.
                 xf = x.astype(jnp.float32)
                 ss = ss + xf * xf  # [op_rows, block_k]; reduced once, after the loop
-                scale = nw.astype(jnp.float32)
-                if norm_offset:
-                    scale = norm_offset + scale
-                x = (xf * scale[None, :]).astype(x.dtype)
+                x = (xf * nw.astype(jnp.float32)[None, :]).astype(x.dtype)
             if op_rows < block_m:
                 x = jnp.broadcast_to(x, (block_m, block_k))  # the dot's rows (row 0 real)
         else:
@@ -311,14 +294,6 @@ def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int,
             else ((),) * n_weights)
     if prefetched:
         init = (*init, *operands(multiple_of(chunk_start, block_k)))
-    inv_post = None
-    if post is not None:
-        # Every program needs its rows' post-norm statistics over all of K before its chunk's
-        # first add: one pass over the chunks' rows (L2-resident, a few KB a row).
-        post_rows = 1 if m == 1 and single_row else op_rows
-        inv_post = _post_inv_rms(d_refs, m=m, k=k, kp=x_ref.shape[-1], block_k=block_k,
-                                 rows=post_rows, eps=post[0], row_ok=row_ok,
-                                 dtype=x_ref.dtype)
     # This program's share of the next kernel's first weight rows, into the L2, at the start
     # or the end of its own stream (each plan's `at`).
     program = (pl.program_id(0) * pl.num_programs(1) + pl.program_id(1)) \
@@ -368,60 +343,6 @@ def fused_matmul_kernel(*refs, m: int, n: int, k: int, eps: float, block_m: int,
     if has_residual:
         out = out + load(r_ref, mask).astype(jnp.float32)
     store(o_refs[0], out.astype(o_refs[0].dtype))
-
-
-POST_TILE_ELEMS = 4096  # float32 elements per row tile of the post-norm prologue, per chunk
-
-
-def post_widths(kp: int, block_k: int, rows: int) -> list[int]:
-    """The post-norm prologue's tiles over Kp (whole block_k tiles): the widest powers of two
-    of block_k tiles first, each at most POST_TILE_ELEMS // rows wide (at least one tile).
-    Tiles never reach past Kp: interpret mode's padded blocks end there."""
-    widest = max(block_k, 1 << ((POST_TILE_ELEMS // rows).bit_length() - 1))
-    widths, left = [], kp
-    while left:
-        w = widest
-        while w > left:
-            w //= 2
-        widths.append(w)
-        left -= w
-    return widths
-
-
-def _post_inv_rms(d_refs, *, m: int, k: int, kp: int, block_k: int, rows: int, eps: float,
-                  row_ok, dtype):
-    """rsqrt(mean(round(sum(deltas))^2) + eps) of each of the program's rows -> [rows, 1]
-    float32: the post-norm's statistics, from the chunks' whole rows. The tiles are unrolled,
-    so their loads are independent and issue together (latency, not bandwidth, bounds this)."""
-    ok = None
-    if rows > 1 and row_ok is not None:
-        ok = row_ok
-    ss = None
-    start = 0
-    for width in post_widths(kp, block_k, rows):
-        cols = start + jnp.arange(width)
-        mask = (cols < k)[None, :]
-        if ok is not None:
-            mask = mask & ok
-        total = None
-        for d_ref in d_refs:
-            part = plgpu.load(d_ref.at[pl.ds(0, rows), pl.ds(start, width)], mask=mask,
-                              other=0).astype(jnp.float32)  # [rows, width]
-            total = part if total is None else total + part
-        d = total.astype(dtype).astype(jnp.float32)
-        tile_ss = jnp.sum(d * d, axis=1, keepdims=True)  # [rows, 1]
-        ss = tile_ss if ss is None else ss + tile_ss
-        start += width
-    return lax.rsqrt(ss / k + eps)
-
-
-def _post_normed(delta, inv_post, pw, offset: float, dtype):
-    """HF's RMSNorm of the rounded delta tile [rows, block_k] with its rows' inv_rms: in
-    float32, times (offset + pw) then rounded (offset) or rounded then times pw (none)."""
-    normed = delta.astype(jnp.float32) * inv_post
-    if offset:
-        return (normed * (offset + pw.astype(jnp.float32))[None, :]).astype(dtype)
-    return pw[None, :].astype(dtype) * normed.astype(dtype)
 
 
 def down_epilogue(act, wd_ref, acc_ref, clear_ref, *, m: int, n: int, block_m: int,
@@ -474,13 +395,11 @@ def down_epilogue(act, wd_ref, acc_ref, clear_ref, *, m: int, n: int, block_m: i
 @functools.partial(jax.jit, static_argnames=("eps", "blocks", "epilogue", "activation", "interpret",
                                              "out_dtype", "partials", "prefetch_plans",
                                              "block_d", "down_prefetch", "stagger",
-                                             "transposed", "single_row", "norm_offset",
-                                             "post"))
+                                             "transposed", "single_row"))
 def fused_matmul(x, norm_weight, weights, residual, *, eps, blocks, epilogue, interpret,
                  out_dtype=None, partials=False, deltas=None, prefetch=(), prefetch_plans=(),
                  down=None, block_d=256, down_prefetch=False, stagger=True, activation="silu",
-                 transposed=False, single_row=True, norm_offset=0.0, post_weight=None,
-                 post=None):
+                 transposed=False, single_row=True):
     """x [M, K]; norm_weight [K] or None; weights: tuple of [K, N] (1, or 2 for SwiGLU; one
     [N, K] with transposed, no epilogue);
     residual [M, N] or None -> [M, N] in out_dtype (default x's dtype). partials=True (one
@@ -498,11 +417,7 @@ def fused_matmul(x, norm_weight, weights, residual, *, eps, blocks, epilogue, in
     float32, clear [M, D] float32) -> (acc + silu(gate) * up @ w_down, clear zeroed), after
     x + sum(deltas) when deltas are given; block_d: w_down's columns per step of its loop;
     down_prefetch: each program asks the L2 for its first w_down tile at its start.
-    single_row=False: the operand math of an M = 1 call on block_m rows, as at M > 1.
-    norm_offset: the norm scales by (norm_offset + norm_weight) in float32. post_weight [K]
-    with post (eps, offset), deltas given: x + post_norm(sum(deltas)) instead, the sum
-    rounded to x's dtype, RMS-normed over its row (HF's norm, offset as norm_offset) and
-    rounded again before the add (Gemma's sandwich norm of a sublayer's output)."""
+    single_row=False: the operand math of an M = 1 call on block_m rows, as at M > 1."""
     if partials:
         assert residual is None and len(weights) == 1, "plain matmul only"
         out_dtype = jnp.float32
@@ -533,10 +448,6 @@ def fused_matmul(x, norm_weight, weights, residual, *, eps, blocks, epilogue, in
     for c in range(n_deltas):  # the same array once per chunk: every ref is 2-D
         in_specs.append(pl.BlockSpec((None, bm, kp), lambda i, j, s, c=c: (c, i, 0)))
         args.append(deltas)
-    assert (post is None) == (post_weight is None) and (post is None or n_deltas), "post"
-    if post is not None:
-        in_specs.append(pl.BlockSpec((kp,), lambda i, j, s: (0,)))
-        args.append(post_weight)
     if norm_weight is not None:
         in_specs.append(pl.BlockSpec((kp,), lambda i, j, s: (0,)))
         args.append(norm_weight)
@@ -585,8 +496,7 @@ def fused_matmul(x, norm_weight, weights, residual, *, eps, blocks, epilogue, in
         fused_matmul_kernel, m=m, n=n, k=k, eps=eps, block_m=bm, block_n=bn, block_k=bk,
         k_chunk=k_chunk, n_weights=len(weights), has_norm=norm_weight is not None,
         has_residual=has_residual, epilogue=epilogue, activation=activation, partial=partial,
-        n_deltas=n_deltas, norm_offset=float(norm_offset), post=post,
-        prefetch_plans=tuple(prefetch_plans),
+        n_deltas=n_deltas, prefetch_plans=tuple(prefetch_plans),
         programs=pl.cdiv(m, bm) * pl.cdiv(n, bn) * split, threads=32 * blocks.num_warps,
         block_d=block_d, down_prefetch=down_prefetch, interpret=interpret, stagger=stagger,
         transposed=transposed, single_row=single_row, formats=formats if quantized else ())
@@ -683,9 +593,8 @@ def _validate(x, norm_weight, w, residual, transposed=False):
 
 def norm_matmul(x, norm_weight, w, *, eps: float = 1e-6, residual=None, out_dtype=None,
                 partials: bool = False, deltas=None, prefetch: tuple = (),
-                transposed: bool = False, single_row: bool = True, norm_offset: float = 0.0,
-                post_norm: tuple | None = None, interpret: bool = False,
-                block_sizes: MatmulBlockSizes | None = None):
+                transposed: bool = False, single_row: bool = True,
+                interpret: bool = False, block_sizes: MatmulBlockSizes | None = None):
     """rms_norm(x, norm_weight) @ w (+ residual); x [M, K], norm_weight [K] (None: no norm,
     a plain matmul), w [K, *N], residual [M, *N] -> [M, *N] in out_dtype, default x's dtype
     (float32 statistics and accumulation, the residual added in float32 before the one
@@ -703,15 +612,11 @@ def norm_matmul(x, norm_weight, w, *, eps: float = 1e-6, residual=None, out_dtyp
     (pallas_kernels/l2_prefetch.py). A cache hint only: results are unchanged.
     transposed=True: w is [N, K] ([out, in]: an embedding table as a tied LM head), read in
     [block_n, block_k] tiles; no partials. single_row=False: an M = 1 call does its operand
-    math (deltas, norm) on whole row tiles, bit for bit as M > 1 does (batch-invariant).
-    norm_offset: the norm scales by (norm_offset + norm_weight), in float32 (Gemma: 1.0).
-    post_norm (weight [K], eps, offset), with deltas: x + rms_norm(sum(deltas)) instead, the
-    sum rounded to x's dtype first and the norm's output rounded (a sandwich norm: Gemma)."""
+    math (deltas, norm) on whole row tiles, bit for bit as M > 1 does (batch-invariant)."""
     _validate(x, norm_weight, w, residual, transposed)
     check_prefetch("norm_matmul", prefetch)
     if deltas is not None:
         check_deltas("norm_matmul", x, deltas, float32_only=True)
-    post_weight, post = check_post_norm("norm_matmul", x, deltas, post_norm)
     if partials and (residual is not None or out_dtype is not None):
         raise ValueError("norm_matmul: partials=True is for a plain or normed matmul (no "
                          "residual or out_dtype)")
@@ -730,8 +635,7 @@ def norm_matmul(x, norm_weight, w, *, eps: float = 1e-6, residual=None, out_dtyp
                        partials=partials, deltas=deltas,
                        prefetch=tuple(a for a, _ in prefetch),
                        prefetch_plans=tuple(p for _, p in prefetch),
-                       transposed=transposed, single_row=single_row,
-                       norm_offset=float(norm_offset), post_weight=post_weight, post=post)
+                       transposed=transposed, single_row=single_row)
     x_new = None
     if deltas is not None:
         x_new, out = out
@@ -754,26 +658,20 @@ def apply_norm_partials(parts, ss, k: int, eps: float):
 
 def norm_matmul_reference(x, norm_weight, w, *, eps: float = 1e-6, residual=None,
                           out_dtype=None, deltas=None, transposed: bool = False,
-                          norm_offset: float = 0.0, post_norm: tuple | None = None,
                           interpret: bool = False):
     """rms_norm(x) @ w (+ residual) in plain jnp: HF RMSNorm, float32 accumulation, the residual
-    added in float32 before the cast to x's dtype (interpret is ignored). deltas, transposed,
-    norm_offset and post_norm as in norm_matmul (deltas: returns (x + sum(deltas), the
-    output)); no partials."""
+    added in float32 before the cast to x's dtype (interpret is ignored). deltas and
+    transposed as in norm_matmul (deltas: returns (x + sum(deltas), the output)); no partials."""
     del interpret
     _validate(x, norm_weight, w, residual, transposed)
     if isinstance(w, QuantizedWeight):
         w = dequantize(w, x.dtype)  # [K, *N]: as the kernel's float32 math, rounded once
     if deltas is not None:
         check_deltas("norm_matmul", x, deltas, float32_only=True)
-        check_post_norm("norm_matmul", x, deltas, post_norm)
-        x = add_deltas_reference(x, deltas, post_norm)
+        x = add_deltas_reference(x, deltas)
         return x, norm_matmul_reference(x, norm_weight, w, eps=eps, residual=residual,
-                                        out_dtype=out_dtype, transposed=transposed,
-                                        norm_offset=norm_offset)
-    check_post_norm("norm_matmul", x, deltas, post_norm)
-    h = x if norm_weight is None else rms_norm_reference(x, norm_weight, eps=eps,
-                                                         offset=norm_offset)  # [M, K]
+                                        out_dtype=out_dtype, transposed=transposed)
+    h = x if norm_weight is None else rms_norm_reference(x, norm_weight, eps=eps)  # [M, K]
     y = lax.dot_general(h, w, (((1,), (1 if transposed else 0,)), ((), ())),
                         precision=ref_precision(x.dtype),
                         preferred_element_type=jnp.float32)  # [M, *N]

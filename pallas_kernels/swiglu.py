@@ -19,8 +19,7 @@ from pallas_kernels._common import (GATE_ACTIVATIONS, check_array, check_same_dt
 from pallas_kernels.norm_matmul import (MatmulBlockSizes, check_prefetch, default_block_sizes,
                                         fused_matmul)
 from pallas_kernels.quantized import QuantizedWeight, check_quantized, dequantize
-from pallas_kernels.rms_norm import (add_deltas_reference, check_deltas, check_post_norm,
-                                     rms_norm_reference)
+from pallas_kernels.rms_norm import add_deltas_reference, check_deltas, rms_norm_reference
 
 
 def _validate(x, w_gate, w_up, norm_weight=None, deltas=None, activation="silu"):
@@ -58,8 +57,7 @@ def _validate(x, w_gate, w_up, norm_weight=None, deltas=None, activation="silu")
 
 def swiglu(x, w_gate, w_up, *, norm_weight=None, eps: float = 1e-6, deltas=None,
            prefetch: tuple = (), interpret: bool = False,
-           block_sizes: MatmulBlockSizes | None = None, activation: str = "silu",
-           norm_offset: float = 0.0, post_norm: tuple | None = None, single_row: bool = True):
+           block_sizes: MatmulBlockSizes | None = None, activation: str = "silu"):
     """silu(h @ w_gate) * (h @ w_up); x [M, K], w_* [K, N] -> [M, N] in x's dtype, where h is x,
     or rms_norm(x, norm_weight, eps) (HF semantics) fused into the main loop when norm_weight
     [K] is given.
@@ -67,38 +65,31 @@ def swiglu(x, w_gate, w_up, *, norm_weight=None, eps: float = 1e-6, deltas=None,
     x + sum(deltas) (rounded once to x's dtype), the decoder's residual add done in the same
     pass; returns (x + sum(deltas), the SwiGLU output) then.
     prefetch: (array, PrefetchPlan) pairs for the next kernel, as in norm_matmul.
-    activation: the gate's, "silu" (SwiGLU) or "gelu_tanh" (GeGLU: tanh-approximated GELU).
-    norm_offset, post_norm (weight [K], eps, offset) with deltas: as in norm_matmul;
-    single_row=False: an M = 1 call gathers the post-norm's statistics on whole row tiles,
-    bit for bit as M > 1 does (batch-invariant)."""
+    activation: the gate's, "silu" (SwiGLU) or "gelu_tanh" (GeGLU: tanh-approximated GELU)."""
     _validate(x, w_gate, w_up, norm_weight, deltas, activation)
     check_prefetch("swiglu", prefetch)
-    post_weight, post = check_post_norm("swiglu", x, deltas, post_norm)
     blocks = block_sizes or default_block_sizes(x.shape[0], w_gate.shape[1], x.shape[1],
                                                 x.dtype.itemsize, n_weights=2,
                                                 quantized=isinstance(w_gate, QuantizedWeight))
     return fused_matmul(x, norm_weight, (w_gate, w_up), None, eps=float(eps), blocks=blocks,
                         epilogue="swiglu", activation=activation, interpret=interpret,
-                        deltas=deltas, norm_offset=float(norm_offset), post_weight=post_weight,
-                        post=post, single_row=single_row,
+                        deltas=deltas,
                         prefetch=tuple(a for a, _ in prefetch),
                         prefetch_plans=tuple(p for _, p in prefetch))
 
 
 def swiglu_reference(x, w_gate, w_up, *, norm_weight=None, eps: float = 1e-6, deltas=None,
-                     interpret: bool = False, activation: str = "silu",
-                     norm_offset: float = 0.0, post_norm: tuple | None = None):
+                     interpret: bool = False, activation: str = "silu"):
     """silu(h @ w_gate) * (h @ w_up) with float32 accumulation, in plain jnp (h and the
     deltas' residual add as in swiglu)."""
     del interpret
     _validate(x, w_gate, w_up, norm_weight, deltas, activation)
-    check_post_norm("swiglu", x, deltas, post_norm)
     if deltas is not None:
-        x = add_deltas_reference(x, deltas, post_norm)
+        x = add_deltas_reference(x, deltas)
         return x, swiglu_reference(x, w_gate, w_up, norm_weight=norm_weight, eps=eps,
-                                   activation=activation, norm_offset=norm_offset)
+                                   activation=activation)
     if norm_weight is not None:
-        x = rms_norm_reference(x, norm_weight, eps=eps, offset=norm_offset)
+        x = rms_norm_reference(x, norm_weight, eps=eps)
     if isinstance(w_gate, QuantizedWeight):
         w_gate, w_up = dequantize(w_gate, x.dtype), dequantize(w_up, x.dtype)
     hp = ref_precision(x.dtype)
@@ -125,8 +116,7 @@ def _validate_down(x, w_gate, w_down, acc, clear):
 def swiglu_down(x, w_gate, w_up, w_down, acc, clear, *, norm_weight=None, eps: float = 1e-6,
                 deltas=None, prefetch: tuple = (), interpret: bool = False,
                 block_sizes: MatmulBlockSizes | None = None, block_d: int = 256,
-                down_prefetch: bool = True, stagger: bool = True, activation: str = "silu",
-                norm_offset: float = 0.0, post_norm: tuple | None = None):
+                down_prefetch: bool = True, stagger: bool = True, activation: str = "silu"):
     """The whole SwiGLU MLP in one kernel: acc + (silu(h @ w_gate) * (h @ w_up)) @ w_down.
     x [M, K]; w_gate, w_up [K, F]; w_down [F, D]; acc, clear [M, D] float32 (donated: their
     buffers are the outputs'). Each program owns F columns of the SwiGLU: it streams its gate
@@ -141,11 +131,10 @@ def swiglu_down(x, w_gate, w_up, w_down, acc, clear, *, norm_weight=None, eps: f
     block_d: w_down's columns per step; down_prefetch: each program asks the L2 for its
     first w_down tile while it streams gate and up; stagger: program j starts w_down's loop
     at column tile j (mod the tiles), so the programs' atomics spread over the columns. One K
-    chunk (block_sizes.split_k = 1). activation, norm_offset, post_norm: as in swiglu."""
+    chunk (block_sizes.split_k = 1). activation: as in swiglu."""
     _validate(x, w_gate, w_up, norm_weight, deltas, activation)
     _validate_down(x, w_gate, w_down, acc, clear)
     check_prefetch("swiglu_down", prefetch)
-    post_weight, post = check_post_norm("swiglu_down", x, deltas, post_norm)
     blocks = block_sizes or default_block_sizes(x.shape[0], w_gate.shape[1], x.shape[1],
                                                 x.dtype.itemsize, n_weights=2)
     if blocks.split_k != 1:
@@ -164,14 +153,13 @@ def swiglu_down(x, w_gate, w_up, w_down, acc, clear, *, norm_weight=None, eps: f
         epilogue="swiglu_down", activation=activation, interpret=interpret, deltas=deltas,
         prefetch=tuple(a for a, _ in prefetch), prefetch_plans=tuple(p for _, p in prefetch),
         down=(w_down, acc, clear), block_d=block_d, down_prefetch=down_prefetch,
-        stagger=stagger, norm_offset=float(norm_offset), post_weight=post_weight, post=post)
+        stagger=stagger)
     return (acc, clear) if x_new is None else (x_new, acc, clear)
 
 
 def swiglu_down_reference(x, w_gate, w_up, w_down, acc, clear, *, norm_weight=None,
                           eps: float = 1e-6, deltas=None, interpret: bool = False,
-                          activation: str = "silu", norm_offset: float = 0.0,
-                          post_norm: tuple | None = None):
+                          activation: str = "silu"):
     """swiglu_down in plain jnp: the SwiGLU (rounded to x's dtype), its float32 product with
     w_down added to acc; clear zeroed."""
     del interpret
@@ -180,11 +168,10 @@ def swiglu_down_reference(x, w_gate, w_up, w_down, acc, clear, *, norm_weight=No
     x_new = None
     if deltas is not None:
         x_new, act = swiglu_reference(x, w_gate, w_up, norm_weight=norm_weight, eps=eps,
-                                      deltas=deltas, activation=activation,
-                                      norm_offset=norm_offset, post_norm=post_norm)
+                                      deltas=deltas, activation=activation)
     else:
         act = swiglu_reference(x, w_gate, w_up, norm_weight=norm_weight, eps=eps,
-                               activation=activation, norm_offset=norm_offset)
+                               activation=activation)
     y = jnp.dot(act, w_down, preferred_element_type=jnp.float32,
                 precision=ref_precision(x.dtype))
     out = (acc + y, jnp.zeros_like(clear))

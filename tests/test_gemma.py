@@ -2,7 +2,6 @@
 full forward, incremental decoding past the sliding window, greedy generation, the multimodal
 checkpoint's text tower, the GGUF load, and bad configs."""
 
-import collections
 import json
 import pathlib
 import shutil
@@ -15,7 +14,7 @@ import pytest
 import jaxinfer
 from jaxinfer.cache import KVCache
 from jaxinfer.models import gemma
-from jaxinfer.plan import Boundary, KernelPolicy, Plan
+from jaxinfer.plan import KernelPolicy
 
 HF = pathlib.Path(__file__).parent / "fixtures" / "data" / "hf"
 GGUF = pathlib.Path(__file__).parent / "fixtures" / "data" / "gguf"
@@ -83,34 +82,11 @@ def test_greedy_generation_matches_transformers(fixture):
     assert out.token_ids[:len(ref["greedy"])] == ref["greedy"].tolist()
 
 
-def xla_primitives(fn, *args) -> collections.Counter:
-    """The primitives fn(*args) runs outside its Pallas kernels (traced, not run)."""
-    counts = collections.Counter()
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "pallas_call":
-                continue
-            counts[eqn.primitive.name] += 1
-            for v in eqn.params.values():
-                for sub in v if isinstance(v, (tuple, list)) else (v,):
-                    if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                        walk(sub.jaxpr)
-                    elif isinstance(sub, jax.extend.core.Jaxpr):
-                        walk(sub)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return counts
-
-
 def test_kernels_in_interpret_mode_match_the_references():
     """bfloat16 on the Pallas kernels in interpret mode: a prefill takes the soft-capped flash
-    attention and the GeGLU kernel (traced, not run: interpret mode is slow), and a decode
-    step (the soft-capped decode attention, the small-M matmuls) matches the references'
-    step within bfloat16 rounding, from the same cache: with the sublayer boundaries in the
-    consumer kernels (the sandwich post-norms and the (1 + w) pre-norms inside the GeGLU and
-    q/k/v kernels' main loops, the MLP as one kernel), and as add_rms_norm kernels (the
-    MLP as GeGLU, then down). No norm runs in XLA on either path."""
+    attention and the GeGLU kernel (traced, not run: interpret mode is slow), and one decode
+    step (the soft-capped decode attention, the small-M matmuls) matches the
+    references' step within bfloat16 rounding, from the same cache."""
     from kernel_testing import pallas_kernels_in
 
     path = HF / "gemma2"
@@ -121,41 +97,20 @@ def test_kernels_in_interpret_mode_match_the_references():
     f32 = jaxinfer.load(str(path), dtype="float32")
     names = pallas_kernels_in(lambda p, t: gemma.forward(p, t, pos[:, :11], pallas.plan)[0],
                               pallas.params, ids[:, :11])
-    # 11 rows: the fused small-M path (layer 0's q/k/v has no pending output to add)
-    assert names == collections.Counter({
-        "flash_attention": 4, "norm_matmul_none_k64_n128": 1, "add_norm_matmul_none_k64_n128": 3,
-        "matmul_none_k64_n64": 8, "add_norm_matmul_swiglu_k64_n64": 4, "add_rms_norm": 1}), names
+    assert names["flash_attention"] == 4 and names["matmul_swiglu_k64_n64"] == 4, names
     cache = KVCache.init(ref.config, 1, 16, dtype="bfloat16")
     _, cache = gemma.forward(ref.params, ids[:, :11], pos[:, :11], ref.plan, cache, None, True)
+    steps = {m: np.asarray(gemma.forward(model.params, ids[:, 11:], pos[:, 11:], model.plan,
+                                         cache)[0]) for m, model in (("ref", ref),
+                                                                     ("pallas", pallas))}
+    names = pallas_kernels_in(lambda p, c: gemma.forward(p, ids[:, 11:], pos[:, 11:],
+                                                         pallas.plan, c)[0], pallas.params, cache)
+    # head_dim 16: RoPE halves of 8 are below the append kernel's tiles, so the split-K
+    # decode kernel takes the step (test_softcap_kernels.py checks the append's softcap)
+    assert names["decode_attention"] == 4 and names["matmul_none_k64_n64"] == 8, names
     want = np.asarray(f32(ids))[:, 11:]
-    step_ref = np.asarray(gemma.forward(ref.params, ids[:, 11:], pos[:, 11:], ref.plan,
-                                        cache)[0])
-    assert rel_err(step_ref, want) < 3e-2
-    kernel_boundaries = KernelPolicy(interpret=True, norm_linear_boundary=Boundary.KERNEL,
-                                     gated_mlp_boundary=Boundary.KERNEL)
-    expected = {
-        # head_dim 16: RoPE halves of 8 are below the append kernel's tiles, so the split-K
-        # decode kernel takes the step (test_softcap_kernels.py checks the append's softcap)
-        pallas.plan.policy: {"decode_attention": 4, "norm_matmul_none_k64_n128": 1,
-                             "add_norm_matmul_none_k64_n128": 3, "matmul_none_k64_n64": 4,
-                             "add_norm_matmul_swiglu_down_k64_n64": 4, "add_rms_norm": 1},
-        kernel_boundaries: {"decode_attention": 4, "rms_norm": 1, "matmul_none_k64_n128": 4,
-                            "matmul_none_k64_n64": 8, "matmul_swiglu_k64_n64": 4,
-                            "add_rms_norm": 8},
-    }
-    for policy, kernels in expected.items():
-        plan = Plan(pallas.config, policy)
-
-        def step(p, c, plan=plan):
-            return gemma.forward(p, ids[:, 11:], pos[:, 11:], plan, c)[0]
-
-        assert pallas_kernels_in(step, pallas.params, cache) == collections.Counter(kernels)
-        assert xla_primitives(step, pallas.params, cache)["rsqrt"] == 0
-        got = np.asarray(step(pallas.params, cache))
-        assert rel_err(got, step_ref) < 3e-2 and rel_err(got, want) < 3e-2
-    # The check can fail: the reference path runs its norms in XLA.
-    assert xla_primitives(lambda p, c: gemma.forward(p, ids[:, 11:], pos[:, 11:], ref.plan, c)[0],
-                          ref.params, cache)["rsqrt"] > 0
+    assert rel_err(steps["pallas"], steps["ref"]) < 2e-2
+    assert rel_err(steps["pallas"], want) < 3e-2 and rel_err(steps["ref"], want) < 3e-2
 
 
 # ----------------------------------------------------------------------- multimodal checkpoint

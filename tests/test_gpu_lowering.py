@@ -189,22 +189,6 @@ KERNEL_CASES.update({
          S((1, 256), I32))),
     "gemma geglu": (lambda x, g, u: pk.swiglu(x, g, u, activation="gelu_tanh"),
                     (S((1, 5376), BF16), S((5376, 21504), BF16), S((5376, 21504), BF16))),
-    # The sandwich post-norm of the pending chunks and the (1 + w) pre-norm in the consumer:
-    # 16 rows (the post-norm prologue at block_m rows), normed partials out.
-    "gemma geglu post-norm + deltas, 16 rows": (
-        lambda x, d, n, p, g, u: pk.swiglu(x, g, u, norm_weight=n, deltas=d, norm_offset=1.0,
-                                           post_norm=(p, 1e-6, 1.0), activation="gelu_tanh"),
-        (S((16, 5376), BF16), S((2, 16, 5376), F32), S((5376,), BF16), S((5376,), BF16),
-         S((5376, 21504), BF16), S((5376, 21504), BF16))),
-    "gemma q/k/v post-norm + deltas, normed partials": (
-        lambda x, d, n, p, w: pk.norm_matmul(x, n, w, deltas=d, partials=True, norm_offset=1.0,
-                                             post_norm=(p, 1e-6, 1.0)),
-        (S((1, 5376), BF16), S((2, 1, 5376), F32), S((5376,), BF16), S((5376,), BF16),
-         S((5376, 16, 4, 128), BF16))),
-    "gemma add_rms_norm post-norm": (
-        lambda x, d, n, p: pk.add_rms_norm(x, d, n, eps=1e-6, offset=1.0,
-                                           post_norm=(p, 1e-6, 1.0)),
-        (S((1, 1, 5376), BF16), S((2, 1, 1, 5376), F32), S((5376,), BF16), S((5376,), BF16))),
 })
 
 # The MoE experts kernels at Mixtral's (E 8, k 2, D 4096, F 14336) and Qwen3-30B-A3B's (E 128,
@@ -413,10 +397,9 @@ def test_one_kernel_mlp_prefetches(verify_triton_modules):
 @pytest.mark.parametrize("preset", ["gemma3-1b", "gemma3-27b"])
 def test_gemma3_decode_lowers(preset):
     """A Gemma 3 decode step (6 layers: 5 sliding, 1 full) at batch 1 on the GPU path: the
-    q/k/v and o projections on the fused small-M kernel, the MLP as one kernel (GeGLU in its
-    epilogue), the attention (q/k norm: finished q/k/v) in the split-K decode kernel; the
-    sandwich post-norms and the (1 + w) pre-norms ride in the q/k/v and MLP kernels' loops
-    (the final ones in add_rms_norm), so no RMSNorm but the q/k norms is left to XLA."""
+    q/k/v, o and down projections on the fused small-M kernel, GeGLU in the SwiGLU kernel's
+    epilogue, the attention (q/k norm: finished q/k/v) in the split-K decode kernel; the
+    sandwich norms and the q/k norms stay in XLA (Gemma's (1 + w) in float32)."""
     from jaxinfer.models import gemma
 
     full = PRESETS[preset]
@@ -429,19 +412,14 @@ def test_gemma3_decode_lowers(preset):
     def step(params, tokens, positions, cache):
         return gemma.forward(params, tokens, positions, plan, cache)
 
-    module = lower_for_h200(step, params, tokens, tokens, cache)
-    names = kernel_names(module)
+    names = kernel_names(lower_for_h200(step, params, tokens, tokens, cache))
     d, f, hd = config.hidden_size, config.intermediate_size, config.head_dim
     qkv = (config.num_heads + 2 * config.num_kv_heads) * hd
     # (kernel_names counts the distinct kernels: the sliding and the full layers' attention)
     assert names["decode_attention"] == 2, names
-    assert names[f"add_norm_matmul_swiglu_down_k{d}_n{f}"] >= 1, names  # (prefetch or not)
-    assert names[f"norm_matmul_none_k{d}_n{qkv}"] == 1, names  # layer 0: nothing to add
-    assert names[f"add_norm_matmul_none_k{d}_n{qkv}"] == 1, names
-    assert names["add_rms_norm"] == 1 and names["rms_norm"] == 0, names
-    assert not any(n.startswith(f"matmul_none_k{f}_n{d}") for n in names), names
-    # XLA's rsqrts: the q and k norms of each of the 6 layers, nothing else
-    assert module.count("stablehlo.rsqrt") == 2 * config.num_layers, module.count("rsqrt")
+    assert names[f"matmul_swiglu_k{d}_n{f}"] == 1, names
+    assert any(n.startswith(f"matmul_none_k{d}_n{qkv}") for n in names), names
+    assert any(n.startswith(f"matmul_none_k{f}_n{d}") for n in names), names
 
 
 @pytest.mark.parametrize("preset, batch", [("mixtral-8x7b", 1), ("qwen3-30b-a3b", 8)])

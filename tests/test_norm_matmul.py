@@ -13,10 +13,9 @@ import numpy as np
 import pytest
 
 from jaxinfer.ops import reference
-from pallas_kernels.norm_matmul import (POST_TILE_ELEMS, MatmulBlockSizes, apply_norm_partials,
-                                        norm_matmul, norm_matmul_reference, post_widths)
-from pallas_kernels.rms_norm import (add_deltas_reference, add_rms_norm, add_rms_norm_reference,
-                                     rms_norm, rms_norm_reference)
+from pallas_kernels.norm_matmul import (MatmulBlockSizes, apply_norm_partials, norm_matmul,
+                                        norm_matmul_reference)
+from pallas_kernels.rms_norm import add_rms_norm_reference
 from pallas_kernels.swiglu import (swiglu, swiglu_down, swiglu_down_reference,
                                    swiglu_reference)
 from kernel_testing import rel_err
@@ -186,113 +185,6 @@ def test_bad_deltas_raise_clear_errors():
         assert needle in str(err.value)
         with pytest.raises(ValueError, match="swiglu"):
             swiglu(x, w, w, deltas=bad, interpret=True)
-
-
-# ---------------------------------------------------------------- Gemma's sandwich post-norm
-
-
-def gemma_norms(seed, k, dtype):
-    """Norm weights stored as w for a (1 + w) scale (Gemma), and a post-norm (w, eps, 1.0)."""
-    keys = jax.random.split(jax.random.PRNGKey(seed), 2)
-    nw, pw = ((0.5 * jax.random.normal(kk, (k,))).astype(dtype) for kk in keys)
-    return nw, (pw, 1e-6, 1.0)
-
-
-# Two cases (interpret mode is slow): each of the blocks, the dtype and m (one row: the
-# prologue's statistics on that row alone) takes both its values.
-@pytest.mark.parametrize("blocks, dtype, m", [(SPLIT, jnp.float32, 3), (SMALL, jnp.bfloat16, 1)],
-                         ids=["split_k-f32-m3", "one_chunk-bf16-m1"])
-def test_post_norm_and_offset_in_the_consumers_main_loop(blocks, dtype, m):
-    # The sublayer boundary of a sandwich-norm model in its consumer kernels: the pending
-    # chunks' sum rounded, RMS-normed over its whole row (the prologue: K = 200 spans several
-    # chunks and tiles), times (1 + w), rounded, added to x; then the (1 + w) pre-norm. GeGLU
-    # (the MLP kernel) and the normed q/k/v partials, against the references and against the
-    # model's unfused path (the post-norm, the add, the pre-norm as separate ops).
-    x, _, w, _ = inputs(30 + m, m, 200, (2, 24), dtype)
-    nw, post = gemma_norms(31, 200, dtype)
-    deltas = deltas_for(32, x, chunks=3)
-    keys = jax.random.split(jax.random.PRNGKey(33), 2)
-    wg, wu = ((jax.random.normal(kk, (200, 40)) / np.sqrt(200)).astype(dtype) for kk in keys)
-    kw = {"norm_weight": nw, "eps": EPS, "deltas": deltas, "norm_offset": 1.0,
-          "post_norm": post, "activation": "gelu_tanh"}
-    x_new, act = swiglu(x, wg, wu, interpret=True, block_sizes=blocks, **kw)
-    x_ref, act_ref = swiglu_reference(x, wg, wu, **kw)
-    # The model's unfused path: post-norm and add, then the pre-norm (HF's Gemma RMSNorm).
-    h = reference.rms_norm(add_deltas_reference(x, deltas, post), nw, EPS, 1.0)
-    np.testing.assert_array_equal(np.asarray(x_ref), np.asarray(
-        x + reference.rms_norm(deltas.sum(0).astype(dtype), post[0], post[1], 1.0)))
-    # The row statistics are summed in another order: a last-bit difference may flip a
-    # rounding, nothing more.
-    assert rel_err(x_new, x_ref) < (1e-6 if dtype == jnp.float32 else 2e-3)
-    assert np.mean(np.asarray(x_new) != np.asarray(x_ref)) < (0.6 if dtype == jnp.float32
-                                                               else 0.05)
-    assert act.shape == (m, 40) and rel_err(act, act_ref) < TOL[dtype]
-    assert rel_err(act, reference.swiglu(h, wg, wu, activation="gelu_tanh")) < TOL[dtype]
-    # The checks can fail: without the post-norm, or with the plain (w) scale, x and h differ.
-    assert rel_err(x_new, add_deltas_reference(x, deltas)) > 0.1
-    assert rel_err(act, swiglu_reference(x_ref, wg, wu, norm_weight=nw, eps=EPS,
-                                         activation="gelu_tanh")) > 0.1
-    x_qkv, (parts, ss) = norm_matmul(x, nw, w, eps=EPS, partials=True, deltas=deltas,
-                                     norm_offset=1.0, post_norm=post, interpret=True,
-                                     block_sizes=blocks)
-    np.testing.assert_array_equal(np.asarray(x_qkv), np.asarray(x_new))  # the same prologue
-    y_ref = norm_matmul_reference(x, nw, w, eps=EPS, deltas=deltas, norm_offset=1.0,
-                                  post_norm=post)[1]
-    assert rel_err(apply_norm_partials(parts, ss, 200, EPS), y_ref) < TOL[dtype]
-    assert rel_err(apply_norm_partials(parts, ss, 200, EPS), reference.linear(h, w)) < TOL[dtype]
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-def test_add_rms_norm_and_rms_norm_with_post_norm_and_offset(dtype):
-    # Boundary.KERNEL's add_rms_norm with the post-norm, and the (1 + w) RMSNorm kernel: rows
-    # of different scales, D = 200 (padded to 256 in the kernel), 2 of 3 rows per program.
-    x, _, _, _ = inputs(40, 3, 200, (1,), dtype)
-    nw, post = gemma_norms(41, 200, dtype)
-    deltas = deltas_for(42, x)
-    x_new, h = add_rms_norm(x, deltas, nw, eps=EPS, offset=1.0, post_norm=post, interpret=True,
-                            block_m=2)
-    x_ref, h_ref = add_rms_norm_reference(x, deltas, nw, eps=EPS, offset=1.0, post_norm=post)
-    assert x_new.dtype == h.dtype == dtype
-    assert rel_err(x_new, x_ref) < (1e-6 if dtype == jnp.float32 else 2e-3)
-    assert rel_err(h, h_ref) < (1e-6 if dtype == jnp.float32 else 1e-2)
-    assert rel_err(x_new, add_deltas_reference(x, deltas)) > 0.1
-    assert rel_err(h, rms_norm_reference(x_ref, nw, eps=EPS)) > 0.1  # the offset counts
-    out = rms_norm(x, nw, eps=EPS, offset=1.0, interpret=True, block_m=2)
-    assert out.dtype == dtype
-    assert rel_err(out, reference.rms_norm(x, nw, EPS, 1.0)) < (1e-6 if dtype == jnp.float32
-                                                                else 1e-2)
-
-
-def test_post_norm_prologue_tiles_cover_the_row():
-    # Whole block_k tiles, powers of two, never past Kp, within the per-tile budget.
-    for kp, block_k, rows in ((5376, 128, 1), (5376, 256, 1), (5376, 128, 16), (224, 32, 16),
-                              (21504, 256, 1), (96, 32, 1)):
-        widths = post_widths(kp, block_k, rows)
-        assert sum(widths) == kp, (kp, block_k, rows, widths)
-        for w in widths:
-            assert w % block_k == 0 and (w & (w - 1)) == 0
-            assert w == block_k or w * rows <= POST_TILE_ELEMS
-    assert post_widths(5376, 128, 1) == [4096, 1024, 256]
-
-
-def test_post_norm_bad_inputs_raise_clear_errors():
-    x, nw, w, _ = inputs(0, 3, 64, (8,), jnp.float32)
-    d = deltas_for(1, x)
-    pw = jnp.zeros((64,), jnp.float32)
-    cases = [
-        ({"post_norm": (pw, 1e-6, 1.0)}, "pass deltas= with it"),
-        ({"deltas": d, "post_norm": (pw[:32], 1e-6, 1.0)}, "post_norm weight has 32 entries"),
-        ({"deltas": d, "post_norm": pw}, "post_norm takes (weight [K], eps, offset)"),
-    ]
-    for kwargs, needle in cases:
-        for fn in (norm_matmul, norm_matmul_reference):
-            with pytest.raises(ValueError, match="norm_matmul") as err:
-                fn(x, nw, w, eps=EPS, **kwargs)
-            assert needle in str(err.value), (needle, str(err.value))
-    with pytest.raises(ValueError, match="swiglu: post_norm norms the deltas' sum"):
-        swiglu(x, w, w, post_norm=(pw, 1e-6, 1.0), interpret=True)
-    with pytest.raises(ValueError, match="add_rms_norm: the post_norm weight has 32 entries"):
-        add_rms_norm(x, d, nw, eps=EPS, post_norm=(pw[:32], 1e-6, 1.0))
 
 
 def mlp_weights(seed, k, f, d, dtype):

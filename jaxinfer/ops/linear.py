@@ -9,6 +9,7 @@ where it runs).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -99,16 +100,14 @@ def _fused_small_m(x, w, plan, *, accept=ARRAY_ONLY, norm_w=None, eps=0.0, delta
     partials = (want in accept and bias is None and out_dtype is None
                 and not is_transposed(w))
     dl = None if deltas is None else deltas.parts.reshape(deltas.parts.shape[0], m, k)
-    post = None if deltas is None else deltas.post
     # Batch-invariant: the one-row operand math at M = 1 reduces the norm's sums of squares
-    # (and a post-norm's) in another layout than at M > 1, so a norm finished here takes the
-    # row tiles; a deferred one leaves the sums to the consumer (one input row per program).
-    single_row = not (policy.batch_invariant
-                      and ((norm_w is not None and not partials) or post is not None))
+    # in another layout than at M > 1, so a norm finished here takes the row tiles; a
+    # deferred one leaves the sums to the consumer (one input row per program).
+    single_row = not (policy.batch_invariant and norm_w is not None and not partials)
     out = pk.norm_matmul(
         x.reshape(m, k), norm_w, kernel_operand(w), eps=eps, partials=partials, deltas=dl,
         prefetch=prefetch, transposed=is_transposed(w), out_dtype=out_dtype,
-        single_row=single_row, norm_offset=plan.config.norm_offset, post_norm=post,
+        single_row=single_row,
         interpret=policy.interpret,
         block_sizes=tiles(plan, m, k, n, 1, x.dtype, decode=True))
     x_new = x
@@ -148,7 +147,7 @@ def _pallas_fixed_tiles(x, w, plan, *, accept=ARRAY_ONLY, norm_w=None, eps=0.0, 
     m, k = rows(x), x.shape[-1]
     n = math.prod(w.out_shape)
     out = pk.norm_matmul(x.reshape(m, k), norm_w, kernel_operand(w), eps=eps,
-                         transposed=is_transposed(w), norm_offset=plan.config.norm_offset,
+                         transposed=is_transposed(w),
                          out_dtype=out_dtype, single_row=False,
                          interpret=plan.policy.interpret,
                          block_sizes=tiles(plan, m, k, n, 1, x.dtype, decode=False))
@@ -162,7 +161,7 @@ def _pallas_fixed_tiles(x, w, plan, *, accept=ARRAY_ONLY, norm_w=None, eps=0.0, 
 def _xla(x, w, plan, *, accept=ARRAY_ONLY, norm_w=None, eps=0.0, deltas=None, bias=None,
          out_dtype=None, prefetch=()):
     x = add_deltas(x, deltas)
-    h = x if norm_w is None else reference.rms_norm(x, norm_w, eps, plan.config.norm_offset)
+    h = x if norm_w is None else reference.rms_norm(x, norm_w, eps)
     return x, reference.linear(h, as_array(w, h.dtype), bias, transposed=is_transposed(w),
                                out_dtype=out_dtype)
 
@@ -191,12 +190,9 @@ def matmul(x, w, plan: Plan, **kwargs):
 
 
 def add_deltas(x, delta):
-    """x + delta (an array, Partials summed in float32 with x and rounded once, or None;
-    Partials with a post-norm: finished, normed, then added, as the unfused path does)."""
+    """x + delta (an array, Partials summed in float32 with x and rounded once, or None)."""
     if delta is None:
         return x
-    if isinstance(delta, Partials) and delta.post is not None:
-        return x + delta.materialize(x.dtype)
     if isinstance(delta, Partials):
         return (jnp.sum(delta.parts, axis=0) + x.astype(jnp.float32)).astype(x.dtype)
     return x + delta
@@ -210,23 +206,21 @@ def add_deltas(x, delta):
 def norm(x, weight, eps: float, plan: Plan):
     """HF RMSNorm over x's last axis: the Pallas kernel on the decode path (one launch, not
     XLA's two) and for batch-invariant plans (fixed per-row arithmetic), else the reference.
-    A config's norm_offset (Gemma's 1 + w, in float32) goes to either. A sharded plan takes
-    the reference (XLA partitions it; the decode path is off there, dispatch.py)."""
-    offset = plan.config.norm_offset
-    if plan.sharded:
-        return reference.rms_norm(x, weight, eps, offset)
+    A config with a norm_offset (Gemma's 1 + w, in float32) always takes the reference, and
+    so does a sharded plan (XLA partitions it; the decode path is off there, dispatch.py)."""
+    if plan.config.norm_offset or plan.sharded:
+        return reference.rms_norm(x, weight, eps, plan.config.norm_offset)
     if kernels_on(plan, x.dtype) and (decode_path(x, plan) or plan.policy.batch_invariant):
-        return pk.rms_norm(x, weight, eps=eps, offset=offset, interpret=plan.policy.interpret)
-    return reference.rms_norm(x, weight, eps, offset)
+        return pk.rms_norm(x, weight, eps=eps, interpret=plan.policy.interpret)
+    return reference.rms_norm(x, weight, eps)
 
 
 def boundary(x, delta, weight, eps: float, plan: Plan, where: Boundary):
-    """The pre-norm boundary on its own: (x + delta, rms_norm(x + delta)). Partials (with
-    their post-norm, if any) go to the add_rms_norm kernel unless the plan puts the boundary
-    in XLA."""
-    if isinstance(delta, Partials) and where is not Boundary.XLA and kernels_on(plan, x.dtype):
-        return pk.add_rms_norm(x, delta.parts, weight, eps=eps, offset=plan.config.norm_offset,
-                               post_norm=delta.post, interpret=plan.policy.interpret)
+    """The pre-norm boundary on its own: (x + delta, rms_norm(x + delta)). Partials go to
+    the add_rms_norm kernel unless the plan puts the boundary in XLA."""
+    if isinstance(delta, Partials) and where is not Boundary.XLA and kernels_on(plan, x.dtype) \
+            and not plan.config.norm_offset:
+        return pk.add_rms_norm(x, delta.parts, weight, eps=eps, interpret=plan.policy.interpret)
     x = add_deltas(x, delta)
     return x, norm(x, weight, eps, plan)
 
@@ -269,12 +263,13 @@ def embed(table, tokens: jax.Array, plan: Plan) -> jax.Array:
     return EMBED(table, tokens, plan)
 
 
+def _post_norm(delta, weight, *, plan: Plan):
+    return norm(delta, weight, plan.config.rms_norm_eps, plan)
+
+
 def post_norm_of(weight, plan: Plan) -> tuple | None:
-    """A Residual's post_norm for a sandwich-norm weight [D]: (weight, eps, offset) of the
-    config's RMSNorm (None: no post norm)."""
-    if weight is None:
-        return None
-    return weight, plan.config.rms_norm_eps, plan.config.norm_offset
+    """A Residual's post_norm for a sandwich-norm weight [D] (None: no post norm)."""
+    return None if weight is None else (functools.partial(_post_norm, plan=plan), weight)
 
 
 def linear(x, w, plan: Plan, *, bias=None, into: Residual | None = None, post_norm=None):
@@ -302,8 +297,9 @@ def norm_linear(stream: Residual, norm_weight, w, plan: Plan, *, bias=None):
     m, d = rows(aval), aval.shape[-1]
 
     def emit(accept, prefetch):
-        x, delta = stream.take(ANY_SUM, hints, post_ok=True)
+        x, delta = stream.take(ANY_SUM, hints)
         in_kernel = (fused and policy.norm_linear_boundary is Boundary.CONSUMER and bias is None
+                     and not plan.config.norm_offset
                      and (delta is None or isinstance(delta, Partials)))
         if in_kernel:
             x_new, y = matmul(x, w, plan, accept=accept, norm_w=norm_weight, eps=eps,
@@ -329,15 +325,15 @@ def lm_head(stream: Residual, norm_weight, head, plan: Plan, *, rows_at=None) ->
     # whole [D, V] table every step.
     pallas = ((policy.lm_head is Impl.PALLAS or isinstance(head, QuantizedWeight))
               and MATMUL.pick(sel, head, plan).name == "fused_small_m")
-    x, delta = stream.take(ANY_SUM, post_ok=True)
+    x, delta = stream.take(ANY_SUM)
     if rows_at is not None:
         x = jnp.take_along_axis(x, rows_at[:, None, None], axis=1)  # [B, 1, D]
         if isinstance(delta, Partials):
-            delta = delta._replace(parts=jnp.take_along_axis(
-                delta.parts, rows_at[None, :, None, None], axis=2))
+            delta = Partials(jnp.take_along_axis(delta.parts, rows_at[None, :, None, None],
+                                                 axis=2))
         elif delta is not None:
             delta = jnp.take_along_axis(delta, rows_at[:, None, None], axis=1)
-    if pallas and policy.lm_head_boundary is Boundary.CONSUMER \
+    if pallas and policy.lm_head_boundary is Boundary.CONSUMER and not plan.config.norm_offset \
             and (delta is None or isinstance(delta, Partials)):
         return matmul(x, head, plan, norm_w=norm_weight, eps=eps, deltas=delta,
                       out_dtype=jnp.float32)[1]

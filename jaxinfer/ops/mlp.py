@@ -17,8 +17,8 @@ import pallas_kernels as pk
 from jaxinfer.ops import reference
 from jaxinfer.ops.dispatch import (Layout, Registry, always, batch_axis, decode_path,
                                    kernels_on, rows)
-from jaxinfer.ops.linear import (MATMUL, add_deltas, boundary, linear, post_norm_of,
-                                 prefetch_pairs, tiles)
+from jaxinfer.ops.linear import (MATMUL, add_deltas, boundary, linear, prefetch_pairs,
+                                 tiles)
 from jaxinfer.ops.stream import ANY_SUM, Deferred, Partials, Residual, resolve
 from jaxinfer.plan import Boundary, Plan
 from jaxinfer.sharding import local_weight, weight_specs
@@ -78,12 +78,8 @@ def _pallas_swiglu(x, w_gate, w_up, plan, *, biases=(None, None), norm_w=None, e
                    deltas=None, prefetch=()):
     m, k = rows(x), x.shape[-1]
     f = w_gate.out_shape[0]
-    post = None if deltas is None else deltas.post
     out = pk.swiglu(x.reshape(m, k), kernel_operand(w_gate), kernel_operand(w_up),
                     norm_weight=norm_w, eps=eps, activation=plan.config.mlp_activation,
-                    norm_offset=plan.config.norm_offset, post_norm=post,
-                    # batch-invariant: the post-norm's sums in the layout of M > 1 at M = 1 too
-                    single_row=not (plan.policy.batch_invariant and post is not None),
                     deltas=None if deltas is None else deltas.parts.reshape(-1, m, k),
                     prefetch=prefetch, interpret=plan.policy.interpret,
                     block_sizes=tiles(plan, m, k, f, 2, x.dtype, decode_path(x, plan)))
@@ -95,7 +91,7 @@ def _pallas_swiglu(x, w_gate, w_up, plan, *, biases=(None, None), norm_w=None, e
 def _reference_swiglu(x, w_gate, w_up, plan, *, biases=(None, None), norm_w=None, eps=0.0,
                       deltas=None, prefetch=()):
     x = add_deltas(x, deltas)
-    h = x if norm_w is None else reference.rms_norm(x, norm_w, eps, plan.config.norm_offset)
+    h = x if norm_w is None else reference.rms_norm(x, norm_w, eps)
     return x, reference.swiglu(h, as_array(w_gate, h.dtype), as_array(w_up, h.dtype), *biases,
                                activation=plan.config.mlp_activation)
 
@@ -131,21 +127,21 @@ def gated_mlp(stream: Residual, norm_weight, w_gate, w_up, w_down, plan: Plan, *
     kernel = SWIGLU.pick(aval, w_gate, w_up, plan, biases=biases[:2]).name == "pallas"
     hints = prefetch_pairs(policy.prefetch_gated_mlp, (w_gate, w_up), m, plan) \
         if kernel and decode_path(aval, plan) else ()
-    x, delta = stream.take(ANY_SUM, hints, post_ok=True)
+    x, delta = stream.take(ANY_SUM, hints)
     in_kernel = (kernel and policy.gated_mlp_boundary is Boundary.CONSUMER
-                 and isinstance(delta, Partials))
-    if in_kernel and _one_kernel(aval, w_gate, w_up, w_down, plan, biases):
+                 and not plan.config.norm_offset and isinstance(delta, Partials))
+    if in_kernel and post_norm is None and _one_kernel(aval, w_gate, w_up, w_down, plan,
+                                                       biases):
         def emit(accept, prefetch):
             x_new, acc, clear = pk.swiglu_down(
                 x.reshape(m, d), w_gate.w, w_up.w, w_down.w, _buffer(stream.spare, m, d),
                 _buffer(stream.dead, m, d), norm_weight=norm_weight, eps=eps,
-                activation=plan.config.mlp_activation, norm_offset=plan.config.norm_offset,
-                post_norm=delta.post, deltas=delta.parts.reshape(-1, m, d), prefetch=prefetch,
+                activation=plan.config.mlp_activation,
+                deltas=delta.parts.reshape(-1, m, d), prefetch=prefetch,
                 interpret=policy.interpret)
             return x_new.reshape(aval.shape), Partials(acc.reshape(1, *aval.shape)), clear
         call = Deferred(emit)
-        return Residual(call.part(0), aval, pending=call.part(1), spare=call.part(2),
-                        post_norm=post_norm_of(post_norm, plan))
+        return Residual(call.part(0), aval, pending=call.part(1), spare=call.part(2))
     act_aval = jax.ShapeDtypeStruct((*aval.shape[:-1], w_gate.out_shape[0]), aval.dtype)
     down_fused = MATMUL.pick(act_aval, w_down, plan).name == "fused_small_m"
     down_hints = prefetch_pairs(policy.prefetch_down, (w_down,), m, plan) \

@@ -7,8 +7,7 @@ What a producer should emit (its output form, which of its consumer's weights to
 the L2) depends on that consumer, so producers are *deferred*: an op records the kernel call,
 and the consumer emits it with its hints. A `Residual` holds the stream, the pending output and
 the one-kernel MLP's spare buffers; `Projection` is a norm_linear's output for its consumer.
-Family code passes these along and never looks inside. A sandwich post-norm (Gemma) of the
-pending output rides along too: a consumer kernel that takes it norms the chunks' sum itself.
+Family code passes these along and never looks inside.
 """
 
 from __future__ import annotations
@@ -20,8 +19,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-
-from jaxinfer.ops import reference
 
 
 class Form(enum.Enum):
@@ -39,12 +36,9 @@ class Partials(NamedTuple):
     """A matmul's output left as float32 chunks [S, B, T, *N] for a consumer kernel to sum;
     norm: when the sum still has to be scaled by its input's rsqrt(mean square + eps) (a
     normed projection whose norm was deferred), (sums of squares [S, B * T] float32, K, eps),
-    or (the input rows [B * T, K], eps) for the consumer to sum their squares itself.
-    post: (weight [*N], eps, offset) when the finished sum, rounded to the stream's dtype, goes
-    through that RMSNorm before it is added (a sandwich post-norm; set by Residual.take)."""
+    or (the input rows [B * T, K], eps) for the consumer to sum their squares itself."""
     parts: jax.Array
     norm: tuple | None = None
-    post: tuple | None = None
 
     @property
     def form(self) -> Form:
@@ -62,9 +56,6 @@ class Partials(NamedTuple):
                 ss, k, eps = self.norm
             inv_rms = jax.lax.rsqrt(jnp.sum(ss, axis=0) / k + eps)  # [B * T]
             total = total * inv_rms.reshape(*total.shape[:2], *(1,) * (total.ndim - 2))
-        if self.post is not None:
-            weight, eps, offset = self.post
-            return reference.rms_norm(total.astype(dtype), weight, eps, offset).astype(dtype)
         return total.astype(dtype)
 
 
@@ -106,9 +97,7 @@ class Residual:
     """The residual stream x [B, T, D] between two ops; pending: the last sublayer's output,
     not yet added to x (an array, Partials, or a deferred one); spare: a zeroed float32
     [B * T, D] buffer for the next one-kernel MLP's accumulator; dead: a float32 [B * T, D]
-    buffer no op reads any more (the last one-kernel MLP's output, once added); post_norm:
-    (weight [D], eps, offset) of a sandwich RMSNorm the pending output goes through before it
-    is added (Gemma), or None."""
+    buffer no op reads any more (the last one-kernel MLP's output, once added)."""
 
     x: jax.Array | Part
     aval: jax.ShapeDtypeStruct  # x's shape and dtype, known before any deferred call runs
@@ -122,27 +111,20 @@ class Residual:
         """The stream of the embeddings x [B, T, D]."""
         return cls(x, jax.ShapeDtypeStruct(x.shape, x.dtype))
 
-    def take(self, accept: frozenset = ANY_SUM, prefetch: tuple = (), *,
-             post_ok: bool = False):
+    def take(self, accept: frozenset = ANY_SUM, prefetch: tuple = ()):
         """(x, the pending output or None): the consumer's hints go to the pending producer.
-        With a post_norm, a consumer that norms the chunks' sum itself (post_ok: every path
-        of it honours Partials.post) gets them as Partials carrying the post-norm; any other
-        gets the output finished and normed (an array)."""
+        With a post_norm the pending output comes back finished and normed (an array): the
+        norm needs whole rows, so no consumer kernel can take its chunks."""
         # The pending output first: x may be a part of the same deferred call, which must
         # run with the consumer's hints, not be emitted without them by resolving x.
         if self.post_norm is None:
             delta = resolve(self.pending, accept, prefetch)
             return resolve(self.x), delta
-        delta = resolve(self.pending, accept if post_ok else ARRAY_ONLY, prefetch)
-        if isinstance(delta, Partials) and delta.norm is None and delta.post is None:
-            delta = delta._replace(post=self.post_norm)
-            if post_ok:
-                return resolve(self.x), delta
-            return resolve(self.x), delta.materialize(self.aval.dtype)
+        delta = resolve(self.pending, ARRAY_ONLY, prefetch)
         if isinstance(delta, Partials):
             delta = delta.materialize(self.aval.dtype)
-        weight, eps, offset = self.post_norm
-        return resolve(self.x), reference.rms_norm(delta, weight, eps, offset)
+        fn, weight = self.post_norm
+        return resolve(self.x), fn(delta, weight)
 
     def with_pending(self, pending, post_norm: tuple | None = None) -> Residual:
         """The stream with a sublayer's output pending (post_norm: see the class)."""
