@@ -355,7 +355,7 @@ def test_request_estimate_counts_the_quantized_cache(tiny_chat, monkeypatch):
     from jaxinfer.sampling import SamplingParams
 
     seen = []
-    monkeypatch.setattr(memory, "_check", lambda parts, doing, *a: seen.append(parts))
+    monkeypatch.setattr(memory, "_check", lambda parts, doing, *a, **k: seen.append(parts))
     greedy = [SamplingParams(temperature=0.0)] * 8
     sizes = {}
     for kind in (None, "int8", "fp8"):
