@@ -270,7 +270,11 @@ def test_compilation_cache_is_reused_across_processes(tiny_chat_dir, tmp_path):
         assert proc.returncode == 0, proc.stderr
         return {p.name for p in xla.iterdir()}
 
-    first = run("-n", "8")
+    def steps(names):  # small helpers join the cache only past JAX's compile-time threshold,
+        # which a loaded machine crosses in one run and not the other: the two steps count
+        return {n for n in names if n.startswith(("jit_prefill", "jit__decode_step"))}
+
+    first = steps(run("-n", "8"))
     assert any(n.startswith("jit_prefill") for n in first)
     assert any(n.startswith("jit__decode_step") for n in first)
-    assert run("-n", "12") == first
+    assert steps(run("-n", "12")) == first
