@@ -23,8 +23,8 @@
 #   bash benchmarks/run_h200.sh moe      # benchmarks/moe.py: MoE experts, our Pallas kernels vs
 #                                        # ragged_dot vs a dense per-expert loop vs gather
 #                                        # (Mixtral, Qwen3-30B-A3B; $MOE_ARGS: e.g. --tokens ...)
-#   bash benchmarks/run_h200.sh deepseek # jaxinfer bench at DeepSeek-V2-Lite shapes (MLA + MoE,
-#                                        # random weights): B=1 and B=32 decode
+#   bash benchmarks/run_h200.sh deepseek # jaxinfer bench at DeepSeek-V2-Lite and Qwen3-30B-A3B
+#                                        # shapes (random weights): B=1 and B=32 decode
 #   bash benchmarks/run_h200.sh gemma    # benchmarks/gemma_attention.py (soft-capped flash and
 #                                        # decode attention at D256 vs XLA / cuDNN), then
 #                                        # jaxinfer bench --preset gemma3-27b and gemma3-1b, B=1
@@ -139,9 +139,11 @@ moe() {  # benchmarks/moe.py: the MoE experts' implementations at prefill and de
     ${MOE_MODELS:+--models "$MOE_MODELS"} --json "$out/moe${MOE_MODELS:+-$MOE_MODELS}.jsonl" \
     2>&1 | grep -v '^{' | tail -80
 }
-deepseek() {  # DeepSeek-V2-Lite shapes: the latent cache and the absorbed decode (jnp for now)
-  bench . deepseek --preset deepseek-v2-lite --batch 1 --prompt-len 128 --gen-len 128
-  bench . deepseek --preset deepseek-v2-lite --batch 32 --prompt-len 1024 --gen-len 64 --repeats 2
+deepseek() {  # DeepSeek-V2-Lite (MLA + MoE) and Qwen3-30B-A3B shapes at B=1 and B=32 (one
+  # process per preset: one random init, two compiles; ~2 min each on the H200)
+  for preset in ${MOE_PRESETS:-deepseek-v2-lite qwen3-30b-a3b}; do
+    bench . deepseek --preset "$preset" --batch 1 32 --prompt-len 512 --gen-len 64 --repeats 2
+  done
 }
 gemma() {  # Gemma: the attention kernels, then the two presets' B=1 decode against the floor
   timeout "${KERNELS_TIMEOUT:-300}" python3 benchmarks/gemma_attention.py \
