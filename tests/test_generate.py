@@ -47,11 +47,9 @@ def test_greedy_matches_transformers_batched(smollm):
         assert got.token_ids == case["new_token_ids"]
         stopped = len(case["new_token_ids"]) < n
         assert got.finish_reason == ("stop" if stopped else "length")
-    # The text path (a string is a templated user message by default) gives the same tokens,
-    # in a batch mixing strings and token ids (the same shapes: no new compilation).
-    mixed = [c["text"] if c["chat"] else c["prompt_ids"] for c in cases]
-    for case, got in zip(cases, jaxinfer.generate(smollm, mixed, max_new_tokens=n)):
-        assert got.token_ids == case["new_token_ids"]
+    # The text path (a string is a templated user message by default, mixed with token ids in
+    # one batch) is test_messages_equal_the_chat_template's, on the tiny model: with the prompt
+    # ids above equal to transformers', a second 30-layer run would add no check.
     assert "Paris" in out[0].text
 
 
