@@ -4,7 +4,8 @@ XLA's host device count is fixed when jax starts, so these run in their own proc
 the suite keeps one CPU device). One process computes every check and prints one JSON object;
 the tests assert on it. `python tests/sharding_check.py [check ...]` runs some of them.
 
-    models      per fixture and mesh: logits against the single-device ones, greedy tokens,
+    models      per fixture and mesh: logits against the single-device ones, greedy tokens
+                (from the same compiled forward; generate itself on GENERATE_CASES),
                 per-device parameter bytes
     int4        an int4-quantized model: the same, and its codes sharded like the float weights
     hlo         the compiled decode step: collectives per layer, no all-gather of a weight
@@ -55,15 +56,36 @@ def _prompts(ref) -> list[list[int]]:
     return [list(map(int, p)) for p in prompt]
 
 
+def _greedy(params, ref, plan) -> list[list[int]]:
+    """NEW_TOKENS greedy tokens per prompt from the full forward at the logits check's shape
+    [B, T] (one executable for both): the prompt then the tokens so far, the rest padding that
+    causal attention keeps out of the positions read."""
+    from jaxinfer.model import _full_forward
+
+    prompts = np.asarray(_prompts(ref), np.int32)  # [B, P]
+    b, p = prompts.shape
+    buf = np.zeros(ref["input_ids"].shape, np.int32)  # [B, T]
+    assert buf.shape[0] == b and p + NEW_TOKENS <= buf.shape[1], (prompts.shape, buf.shape)
+    buf[:, :p] = prompts
+    for i in range(NEW_TOKENS):
+        logits = _full_forward(params, jnp.asarray(buf), plan)  # [B, T, V]
+        buf[:, p + i] = np.asarray(logits[:, p + i - 1].argmax(-1))
+    return buf[:, p:p + NEW_TOKENS].tolist()
+
+
 # (fixture, mesh) pairs whose decode loop's optimized HLO the "hlo" results keep
 HLO_CASES = (("llama_gqa_tied_llama3", '{"ep": 4, "tp": 2}'),
              ("llama_gqa_tied_llama3", '{"tp": 8}'), ("mixtral", '{"ep": 4, "tp": 2}'))
+# (fixture, mesh) pairs whose greedy tokens also come from generate(..., mesh=) (prefill, the
+# sharded cache, the decode loop): an MoE and an MLA model on every axis but dp (stream takes
+# tp and dp)
+GENERATE_CASES = (("mixtral", '{"ep": 4, "tp": 2}'), ("deepseek_v3", '{"ep": 4, "tp": 2}'))
 _HLO = {}
 
 
 def _compare(model, ref, name: str, mesh_kw) -> dict:
     """One model on one mesh against one device: logits, greedy tokens, bytes per device;
-    for HLO_CASES the decode loop's optimized HLO (the executable generate compiled)."""
+    for GENERATE_CASES generate's tokens; for HLO_CASES the decode loop's optimized HLO."""
     from jaxinfer import sharding
     from jaxinfer.models import registry
     from jaxinfer.plan import Plan
@@ -73,8 +95,11 @@ def _compare(model, ref, name: str, mesh_kw) -> dict:
     plan = Plan(model.config, model.policy, sharding.Sharding.create(mesh, model.config))
     specs = registry.family(model.config).param_specs(model.config)
     params = sharding.shard_params(model.params, specs, plan.sharding)
-    out = generate.generate(model, _prompts(ref), max_new_tokens=NEW_TOKENS, mesh=mesh)
     key = json.dumps(mesh_kw, sort_keys=True)
+    got = {}
+    if (name, key) in GENERATE_CASES:
+        out = generate.generate(model, _prompts(ref), max_new_tokens=NEW_TOKENS, mesh=mesh)
+        got["generate_tokens"] = [c.token_ids for c in out]
     if (name, key) in HLO_CASES:
         req = generate._prepare(model, _prompts(ref), NEW_TOKENS, None, 0, None, None, None,
                                 None, None, mesh)
@@ -86,8 +111,8 @@ def _compare(model, ref, name: str, mesh_kw) -> dict:
             "weight_shapes": sorted({str(list(a.shape)) for a in jax.tree.leaves(model.params)
                                      if a.ndim >= 2})}
     per_device = sharding.per_device_bytes(params)
-    return {"logits": _logits(model, params, ref["input_ids"], plan),
-            "tokens": [c.token_ids for c in out],
+    return {**got, "logits": _logits(model, params, ref["input_ids"], plan),
+            "tokens": _greedy(params, ref, plan),
             "bytes_max": max(per_device.values()), "bytes_min": min(per_device.values()),
             "rules": dict(plan.sharding.rules)}
 
@@ -103,15 +128,13 @@ def check_models(names=FIXTURES, meshes=MESHES, quantization=None) -> dict:
         model = jaxinfer.load(str(HF / name), dtype="float32", quantization=quantization,
                               policy=KernelPolicy.reference())
         base = _logits(model, model.params, ref["input_ids"], model.plan)
-        if "greedy_new" in ref and quantization is None:
-            # transformers' greedy tokens, which one device gives (tests/test_moe.py,
-            # tests/test_deepseek.py): one generate's compiles fewer
-            tokens = ref["greedy_new"][:, :NEW_TOKENS].tolist()
-        else:
-            tokens = [c.token_ids for c in jaxinfer.generate(model, _prompts(ref),
-                                                             max_new_tokens=NEW_TOKENS)]
-        entry = {"total_bytes": param_bytes(model.params), "tokens": tokens,
+        entry = {"total_bytes": param_bytes(model.params),
+                 "tokens": _greedy(model.params, ref, model.plan),
                  "hf_rel": _rel(base, ref["logits"]), "meshes": {}}
+        if "greedy_new" in ref and quantization is None:
+            # transformers' greedy tokens (one device's generate gives them: tests/test_moe.py,
+            # tests/test_deepseek.py)
+            entry["hf_tokens"] = ref["greedy_new"][:, :NEW_TOKENS].tolist()
         for kw in meshes:
             got = _compare(model, ref, name, kw)
             logits = got.pop("logits")
@@ -210,7 +233,10 @@ def check_interpret() -> dict:
         step, _ = forward(params, tokens[:, t:], pos[:, t:], plan, cache)
         return jnp.concatenate([logits, step], axis=1)
 
-    one = jax.jit(run, static_argnums=1)(model.params, model.plan, KVCache.init(config, b, s))
+    # one device with the jnp references: the same sums up to bf16 rounding, and one
+    # interpret-mode compile fewer
+    reference = Plan(config, KernelPolicy.reference())
+    one = jax.jit(run, static_argnums=1)(model.params, reference, KVCache.init(config, b, s))
     sharding = Sharding.create(make_mesh(tp=2), config)
     plan = Plan(config, model.policy, sharding)
     params = shard_params(model.params, llama.param_specs(config), sharding)

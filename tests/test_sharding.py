@@ -33,13 +33,21 @@ def results():
 
 @pytest.mark.parametrize("name", FIXTURES)
 def test_logits_and_greedy_tokens_equal_one_device(results, name):
+    """Greedy tokens from the compiled forward on every mesh; the MoE and MLA fixtures' also
+    from generate(..., mesh=) on (tp=2, ep=4), and transformers' where the fixture has them."""
     entry = results["models"][name]
     assert entry["hf_rel"] <= 1e-4  # the single-device model itself is the right one
+    assert entry.get("hf_tokens", entry["tokens"]) == entry["tokens"]
+    assert len(entry["tokens"]) == 2 and all(len(t) == 6 for t in entry["tokens"])
     assert set(entry["meshes"]) == {'{"dp": 2, "tp": 4}', '{"ep": 4, "tp": 2}', '{"tp": 8}'}
     for mesh, got in entry["meshes"].items():
         assert got["rel"] <= 1e-5, f"{name} on {mesh}: relative error {got['rel']}"
         assert got["argmax_equal"], f"{name} on {mesh}"
         assert got["tokens"] == entry["tokens"], f"{name} on {mesh}"
+    generated = {mesh for mesh, got in entry["meshes"].items() if "generate_tokens" in got}
+    assert generated == ({'{"ep": 4, "tp": 2}'} if name in ("mixtral", "deepseek_v3") else set())
+    for mesh in generated:
+        assert entry["meshes"][mesh]["generate_tokens"] == entry["tokens"], f"{name} on {mesh}"
 
 
 @pytest.mark.parametrize("name", FIXTURES)
@@ -116,7 +124,7 @@ def test_quantized_weights_stay_on_their_shards(results):
 
 def test_pallas_kernels_run_per_shard(results):
     """Interpret-mode kernels in bf16 on tp=2: every pallas_call inside a shard_map, the
-    logits as one device's up to bf16 rounding."""
+    logits as one device's (with the jnp references) up to bf16 rounding."""
     got = results["interpret"]
     assert got["pallas"]["inside"] >= 4 and got["pallas"]["outside"] == 0, got
     assert got["rel"] <= 2e-2 and got["argmax_agree"] >= 0.9, got
