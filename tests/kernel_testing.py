@@ -4,6 +4,7 @@ Pallas kernels a function runs (read from its jaxpr)."""
 import collections
 
 import jax
+import jax.extend  # the jaxpr types below (jax itself does not import jax.extend)
 import jax.numpy as jnp
 import numpy as np
 
