@@ -256,7 +256,7 @@ def init_state(model, prompt_ids: list[list[int]], max_new_tokens: int,
     n = _bucket(max_new_tokens, NEW_TOKEN_BUCKETS)
     b = len(prompt_ids)
     chunk = prompt_multiple if prompt_multiple > 1 else t  # the largest prefill step's tokens
-    memory.check_request(config, b, t, s, chunk, kv_cache_dtype)
+    memory.check_request(config, b, t, s, chunk, kv_cache_dtype, sharding)
     tokens = np.zeros((b, t), np.int32)
     for i, p in enumerate(prompt_ids):
         tokens[i, :len(p)] = p
