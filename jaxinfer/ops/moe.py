@@ -164,14 +164,20 @@ def _pallas_decode_supports(x, weights, experts, w_gate, w_up, w_down, plan) -> 
     return _pallas_reason(x, w_gate, plan) or _decode_rows_reason(x, w_gate, plan)
 
 
+def _pallas_experts(kernel, x, weights, experts, w_gate, w_up, w_down, plan):
+    """x [B, T, D] through pk.moe_decode or pk.moe_grouped (the plan's tiles for it)."""
+    lead, d = x.shape[:-1], x.shape[-1]
+    blocks = (plan.policy.moe_decode_blocks if kernel is pk.moe_decode
+              else plan.policy.moe_grouped_blocks)
+    out = kernel(x.reshape(-1, d), weights, experts, w_gate, w_up, w_down,
+                 interpret=plan.policy.interpret, block_sizes=blocks)  # [N, D] float32
+    return out.reshape(*lead, d)
+
+
 @EXPERTS.register("pallas_decode", _pallas_decode_supports)
 def _pallas_decode(x, weights, experts, w_gate, w_up, w_down, plan):
     """pallas_kernels.moe_decode: each assignment's expert streamed by its own programs."""
-    lead, d = x.shape[:-1], x.shape[-1]
-    out = pk.moe_decode(x.reshape(-1, d), weights, experts, w_gate, w_up, w_down,
-                        interpret=plan.policy.interpret,
-                        block_sizes=plan.policy.moe_decode_blocks)  # [N, D] float32
-    return out.reshape(*lead, d)
+    return _pallas_experts(pk.moe_decode, x, weights, experts, w_gate, w_up, w_down, plan)
 
 
 def _pallas_grouped_supports(x, weights, experts, w_gate, w_up, w_down, plan) -> str | None:
@@ -181,11 +187,7 @@ def _pallas_grouped_supports(x, weights, experts, w_gate, w_up, w_down, plan) ->
 @EXPERTS.register("pallas_grouped", _pallas_grouped_supports)
 def _pallas_grouped(x, weights, experts, w_gate, w_up, w_down, plan):
     """pallas_kernels.moe_grouped: the grouped GEMM over the rows sorted by expert."""
-    lead, d = x.shape[:-1], x.shape[-1]
-    out = pk.moe_grouped(x.reshape(-1, d), weights, experts, w_gate, w_up, w_down,
-                         interpret=plan.policy.interpret,
-                         block_sizes=plan.policy.moe_grouped_blocks)  # [N, D] float32
-    return out.reshape(*lead, d)
+    return _pallas_experts(pk.moe_grouped, x, weights, experts, w_gate, w_up, w_down, plan)
 
 
 def _gather_supports(x, weights, experts, w_gate, w_up, w_down, plan) -> str | None:
