@@ -87,8 +87,9 @@ class MoEBlockSizes:
 def default_block_sizes(rows: int, d: int, f: int, e: int, k: int, itemsize: int = 2, *,
                         decode: bool) -> MoEBlockSizes:
     """Decode (and grouped GEMMs of few rows per expert): 16-row dots, SwiGLU column tiles
-    narrowed (down to 32) until the row tiles x column tiles give two programs per SM (Qwen3's
-    F 768 over 8 assignments), the decode down projection split along F for the same.
+    narrowed (down to 32) until the row tiles x column tiles give a program per SM (Qwen3's
+    F 768 over 8 assignments; Mixtral's 2 x 112 tiles of 128 beat 2 x 224 of 64 by 5%), the
+    decode down projection split along F for two programs per SM.
     Grouped: 128-row tiles at prefill (16 when the experts average <= 16 rows, 64 when <= 64),
     64-wide SwiGLU tiles (two accumulators) and 128-wide down tiles.
     float32 (interpret mode, tests) gets half-depth tiles and 2 stages for shared memory."""
@@ -98,7 +99,7 @@ def default_block_sizes(rows: int, d: int, f: int, e: int, k: int, itemsize: int
     if decode or a <= 16 * e:
         tiles = a if decode else max_tiles(a, e, 16)
         block_n = 128
-        while block_n > 32 and tiles * -(-f // block_n) < target:
+        while block_n > 32 and tiles * -(-f // block_n) < NUM_SMS_H200:
             block_n //= 2
         block_k = 128 // small
         cols = -(-d // 64)
