@@ -28,6 +28,10 @@
 #   bash benchmarks/run_h200.sh gemma    # benchmarks/gemma_attention.py (soft-capped flash and
 #                                        # decode attention at D256 vs XLA / cuDNN), then
 #                                        # jaxinfer bench --preset gemma3-27b and gemma3-1b, B=1
+#   bash benchmarks/run_h200.sh multi    # 2+ GPUs (nvidia-h200-x2): llama3-8b tp 1 vs tp 2 at B=1
+#                                        # and B=64, llama3-70b tp 2 at B=1 and 32, mixtral ep 1
+#                                        # vs ep 2 at B=1 and 32, then the 2-GPU test
+#                                        # ($MULTI: a subset of multi8b multi70b multiep)
 #   bash benchmarks/run_h200.sh mla      # benchmarks/mla.py: MLA decode attention (DeepSeek-V2-Lite
 #                                        # shapes, $MLA_SHAPES) vs XLA absorbed / expanded, then
 #                                        # the GPU tests of tests/test_mla.py
@@ -159,5 +163,24 @@ mla() {  # the absorbed MLA decode kernel: speed and variants, then its GPU test
   timeout "${MLA_TIMEOUT:-240}" python3 benchmarks/mla.py ${MLA_SHAPES:+--shapes "$MLA_SHAPES"} \
     --json "$out/mla.jsonl" 2>&1 | grep -v '^{' | tail -"${MLA_TAIL:-70}"
   TESTS_TIMEOUT=120 gpu_tests tests/test_mla.py
+}
+multi8b() {  # tensor parallel against one GPU, same call
+  bench . multi $B1 --tp 1
+  bench . multi $B1 --tp 2
+  bench . multi $B64 --tp 1
+  bench . multi $B64 --tp 2
+}
+multi70b() {  # Llama-3-70B does not fit one H200 with a useful cache: tp 2 only
+  bench . multi --preset llama3-70b --batch 1 --prompt-len 128 --gen-len 128 --tp 2
+  bench . multi --preset llama3-70b --batch 32 --prompt-len 2048 --gen-len 64 --repeats 2 --tp 2
+}
+multiep() {  # expert parallel against the same model on one GPU
+  for ep in 1 2; do
+    bench . multi --preset mixtral-8x7b --batch 1 32 --prompt-len 128 --gen-len 128 --ep $ep
+  done
+}
+multi() {
+  for part in ${MULTI:-multi8b multi70b multiep}; do "$part"; done
+  TESTS_TIMEOUT=200 gpu_tests tests/test_sharding.py
 }
 for part in "${@:-ours}"; do "$part"; done
