@@ -9,8 +9,10 @@ quantized: repacked into `QuantizedWeight`s whose values are bit for bit what th
 in the LM-head orientation [D, V]. Everything else, and every tensor with keep_quantized=False,
 is dequantized on load by gguf.quants to float32.
 
-Architectures: "llama", "qwen2", "qwen3", "gemma2", "gemma3" (`ARCHITECTURES`). Layout facts the
-loader undoes (Gemma's norm weights stored as 1 + w: see GGUFArchitecture.norm_plus_one):
+Architectures: "llama" (Mixtral too), "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3",
+"deepseek2" (`ARCHITECTURES`; the mixture-of-experts and MLA specifics are in
+checkpoints/gguf_moe.py). Layout facts the loader undoes (Gemma's norm weights stored as 1 + w:
+see GGUFArchitecture.norm_plus_one):
 - GGUF lists dimensions fastest-first (ne0 = the input features), so `GGUFReader` gives a
   matmul weight as numpy [out, in], HF's layout; we transpose to [in, out].
 - For "llama" only, llama.cpp's converter permutes the rows of attn_q / attn_k (weights and
@@ -38,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from checkpoints import gguf_blocks
+from checkpoints import gguf_blocks, gguf_moe
 from jaxinfer.configs import Config, RopeScaling
 from jaxinfer.models import registry
 from jaxinfer.weights import Parts, QuantizedWeight
@@ -74,15 +76,21 @@ class GGUFArchitecture:
     # (every tensor ending in "norm.weight"); the loader takes it off once, as transformers'
     # GGUF loader does, and the model adds it back in float32.
     norm_plus_one: bool = False
+    experts: bool = False  # llama.cpp reads `{arch}.expert_count` and expert tensors for it
 
 
 # Biases are optional everywhere (llama.cpp loads whichever the file has), so the Config takes
 # them from the tensors present.
 ARCHITECTURES = {
     "llama": GGUFArchitecture("LlamaForCausalLM", permuted_qk=True, qk_norm=False,
-                              rope_freqs=True),
+                              rope_freqs=True, experts=True),
     "qwen2": GGUFArchitecture("Qwen2ForCausalLM", permuted_qk=False, qk_norm=False),
     "qwen3": GGUFArchitecture("Qwen3ForCausalLM", permuted_qk=False, qk_norm=True),
+    "qwen3moe": GGUFArchitecture("Qwen3MoeForCausalLM", permuted_qk=False, qk_norm=True,
+                                 experts=True),
+    # MLA + MoE (checkpoints/gguf_moe.py); its RoPE rotates adjacent pairs as DeepSeek's does.
+    "deepseek2": GGUFArchitecture("DeepseekV2ForCausalLM", permuted_qk=False, qk_norm=False,
+                                  experts=True),
     # Gemma: rotate-half RoPE in llama.cpp too (no permutation).
     "gemma2": GGUFArchitecture("Gemma2ForCausalLM", permuted_qk=False, qk_norm=False,
                                norm_plus_one=True),
@@ -295,10 +303,14 @@ def _rope_scaling(meta: dict, arch: str, path, context_length: int) -> RopeScali
         return RopeScaling("linear", factor=factor)
     if kind == "yarn":
         # llama.cpp's extra YaRN knobs have no counterpart in HF's llama yarn; refuse rather
-        # than silently compute something else.
+        # than silently compute something else. deepseek2 alone writes yarn_log_multiplier,
+        # 0.1 * DeepSeek's mscale_all_dim, and llama.cpp then takes mscale = mscale_all_dim
+        # (no cos/sin factor; the softmax scale times mscale(factor, mscale_all_dim)^2).
+        mla = arch == "deepseek2"
+        log_mul = _get(meta, p + "yarn_log_multiplier", path, float, default=0.0) if mla else 0.0
         for extra, neutral in (("attn_factor", 1.0), ("yarn_attn_factor", 1.0),
                                ("yarn_ext_factor", None), ("yarn_log_multiplier", None)):
-            v = meta.get(p + extra)
+            v = None if mla and extra == "yarn_log_multiplier" else meta.get(p + extra)
             if v is not None and not (neutral is not None and float(v) == neutral) \
                     and not (extra == "yarn_ext_factor" and float(v) < 0):
                 raise ValueError(f"{path}: GGUF metadata {p + extra!r} = {v} is not supported "
@@ -309,7 +321,10 @@ def _rope_scaling(meta: dict, arch: str, path, context_length: int) -> RopeScali
             original_max_position_embeddings=_get(meta, p + "original_context_length", path,
                                                   int, default=context_length),
             beta_fast=_get(meta, p + "yarn_beta_fast", path, float, default=32.0),
-            beta_slow=_get(meta, p + "yarn_beta_slow", path, float, default=1.0))
+            beta_slow=_get(meta, p + "yarn_beta_slow", path, float, default=1.0),
+            mscale=log_mul / 0.1 if log_mul else None,
+            mscale_all_dim=log_mul / 0.1 if log_mul else None,
+            attention_factor=1.0 if mla and not log_mul else None)
     raise ValueError(f"{path}: unsupported rope scaling type {kind!r} in {p + 'type'!r}; "
                      "supported: none, linear, yarn")
 
@@ -344,29 +359,43 @@ def config_from_metadata(meta: dict, path="<gguf>", token_embd_shape=None,
     in_layers = {n.split(".", 2)[2] for n in tensor_names or () if n.startswith("blk.")}
     has = {ours: name in in_layers for ours, (name, _) in family.gguf_tensors.layer.items()}
 
+    def get(key, kind=int, default=None, required=False):  # `{arch}.key`
+        return _get(meta, f"{arch}.{key}", path, kind, default=default, required=required)
+
     def req(key, kind=int):
-        return _get(meta, f"{arch}.{key}", path, kind, required=True)
+        return get(key, kind, required=True)
 
     def opt(key, kind, default):
-        return _get(meta, f"{arch}.{key}", path, kind, default=default)
+        return get(key, kind, default)
 
-    if opt("expert_count", int, 0):
-        raise ValueError(f"{path}: a mixture-of-experts GGUF ({arch}.expert_count = "
-                         f"{opt('expert_count', int, 0)}); GGUF experts are not supported yet: "
-                         f"load the HF checkpoint instead")
+    experts = opt("expert_count", int, 0)
+    if experts and not spec.experts:
+        moe_archs = ", ".join(a for a, s in ARCHITECTURES.items() if s.experts)
+        raise ValueError(f"{path}: {arch}.expert_count = {experts}, but llama.cpp's {arch!r} has "
+                         f"no experts; mixture-of-experts GGUFs are supported as: {moe_archs}")
     hidden = req("embedding_length")
     heads = req("attention.head_count")
     context = req("context_length")
-    head_dim = opt("attention.key_length", int, None) or opt("rope.dimension_count", int, None) \
-        or hidden // heads
-    rot = opt("rope.dimension_count", int, head_dim)
-    if rot != head_dim:
-        raise ValueError(f"{path}: {arch}.rope.dimension_count = {rot} differs from the head "
-                         f"dimension {head_dim}; partial rotary GGUFs are not supported")
-    value_len = opt("attention.value_length", int, head_dim)
-    if value_len != head_dim:
-        raise ValueError(f"{path}: {arch}.attention.value_length = {value_len} differs from "
-                         f"key_length {head_dim}; not supported")
+    layers = req("block_count")
+    if arch == "deepseek2":  # MLA: the per-head sizes are not key/value_length (gguf_moe)
+        fields = gguf_moe.deepseek2_fields(meta, get, path, heads, tensor_names)
+        rot = fields["mla"].qk_rope_head_dim
+    else:
+        head_dim = opt("attention.key_length", int, None) \
+            or opt("rope.dimension_count", int, None) or hidden // heads
+        rot = opt("rope.dimension_count", int, head_dim)
+        if rot != head_dim:
+            raise ValueError(f"{path}: {arch}.rope.dimension_count = {rot} differs from the head "
+                             f"dimension {head_dim}; partial rotary GGUFs are not supported")
+        value_len = opt("attention.value_length", int, head_dim)
+        if value_len != head_dim:
+            raise ValueError(f"{path}: {arch}.attention.value_length = {value_len} differs from "
+                             f"key_length {head_dim}; not supported")
+        fields = dict(head_dim=head_dim, num_kv_heads=opt("attention.head_count_kv", int, heads),
+                      intermediate_size=req("feed_forward_length"),
+                      moe=gguf_moe.llama_moe(meta, arch, get, path, layers, tensor_names))
+        if fields["moe"] is not None and arch == "llama":
+            fields["architecture"] = "MixtralForCausalLM"
     freq_factors = () if rope_freqs is None else _rope_freq_factors(rope_freqs, arch, spec, rot,
                                                                      path)
 
@@ -391,11 +420,8 @@ def config_from_metadata(meta: dict, path="<gguf>", token_embd_shape=None,
     config = Config(
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=req("feed_forward_length"),
-        num_layers=req("block_count"),
+        num_layers=layers,
         num_heads=heads,
-        num_kv_heads=opt("attention.head_count_kv", int, heads),
-        head_dim=head_dim,
         rms_norm_eps=req("attention.layer_norm_rms_epsilon", float),
         rope_theta=opt("rope.freq_base", float, 10000.0),
         rope_scaling=_rope_scaling(meta, arch, path, context),
@@ -407,9 +433,9 @@ def config_from_metadata(meta: dict, path="<gguf>", token_embd_shape=None,
         mlp_bias=any(has.get(n, False) for n in ("b_gate", "b_up", "b_down")),
         qk_norm=spec.qk_norm,
         family=family.name,
-        architecture=spec.hf_architecture,
         bos_token_id=_get(meta, "tokenizer.ggml.bos_token_id", path, int),
         eos_token_ids=tuple(eos_ids),
+        **{"architecture": spec.hf_architecture, **fields},
     )
     if arch in ("gemma2", "gemma3"):
         config = config.replace(**_gemma_fields(meta, arch, config, path))
@@ -507,21 +533,42 @@ def _unpermute_rope_columns(a: np.ndarray, n_heads: int) -> np.ndarray:
     return a.reshape(r, n_heads, hd // 2, 2).swapaxes(2, 3).reshape(r, cols)
 
 
-def _expected_shapes(config: Config) -> dict[str, tuple[int, ...]]:
+def _layer_slots(config: Config, i: int, tensors) -> tuple[dict, Any]:
+    """Layer i's tensors read one to one: our name -> (GGUF name, transpose to [in, out]), and
+    for a MoE layer the expert layout (gguf_moe.expert_layout) its experts come in, else None.
+    A MoE layer has no dense MLP, a dense one no shared experts; a deepseek2 file with the
+    split attn_k_b / attn_v_b has no attn_kv_b (gguf_moe.kv_b_shapes)."""
+    family = registry.family(config)
+    names, shapes = family.gguf_tensors, family.checkpoint_shapes(config)["layer"]
+    prefix = f"blk.{i}."
+    moe = config.moe is not None and config.is_moe_layer(i)
+    skip = ({"w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down"} if moe
+            else {"shared_gate", "shared_up", "shared_down"})
+    if config.mla is not None and prefix + gguf_moe.K_B in tensors:
+        skip.add("wkv_b")
+    slots = {n: (prefix + names.layer[n][0], names.layer[n][1]) for n in shapes if n not in skip}
+    layout = gguf_moe.expert_layout(names.experts, prefix, tensors) if moe else None
+    return slots, layout
+
+
+def _expected_shapes(config: Config, tensors) -> dict[str, tuple[int, ...]]:
     """GGUF tensor name -> numpy shape as the reader gives it ([out, in] for matmuls)."""
     family = registry.family(config)
     names, shapes = family.gguf_tensors, family.checkpoint_shapes(config)
 
-    def stored(table: dict, shape_of: dict) -> dict:  # file name -> its [out, in] shape
-        return {table[n][0]: tuple(reversed(s)) if table[n][1] else s
-                for n, s in shape_of.items()}
+    def stored(shape: tuple, transpose: bool) -> tuple:  # its [out, in] shape
+        return tuple(reversed(shape)) if transpose else shape
 
-    out = stored(names.top, shapes["top"])
+    out = {names.top[n][0]: stored(s, names.top[n][1]) for n, s in shapes["top"].items()}
     if config.rope_freq_factors:  # read into the Config, not the params
         out[ROPE_FREQS] = (len(config.rope_freq_factors),)
-    layer = stored(names.layer, shapes["layer"])
     for i in range(config.num_layers):
-        out.update({f"blk.{i}.{name}": shape for name, shape in layer.items()})
+        slots, layout = _layer_slots(config, i, tensors)
+        out.update({g: stored(shapes["layer"][n], t) for n, (g, t) in slots.items()})
+        if config.mla is not None and "wkv_b" not in slots:
+            out.update(gguf_moe.kv_b_shapes(f"blk.{i}.", config))
+        if layout is not None:
+            out.update(gguf_moe.expert_shapes(layout, f"blk.{i}.", config))
     return out
 
 
@@ -569,12 +616,15 @@ def _dequantize(tensor, path) -> np.ndarray:
     return out
 
 
-def _repack(tensor, path) -> QuantizedWeight:
-    """A reader tensor of a gguf_blocks type -> QuantizedWeight [ne0, rows] (our [in, out])."""
+def _repack(tensor, path, data=None) -> QuantizedWeight:
+    """A reader tensor of a gguf_blocks type -> QuantizedWeight [ne0, rows] (our [in, out]);
+    data: the blocks of one expert (tensor.data[j] of a stacked [E, rows, ne0] tensor) in place
+    of the whole tensor's, giving that expert's QuantizedWeight."""
     kind, shape = tensor.tensor_type.name, _logical_shape(tensor)
     k = shape[-1]
+    rows = int(np.prod(shape[:-1] if data is None else shape[1:-1]))
     try:
-        qw = gguf_blocks.repack(tensor.data, kind, k, int(np.prod(shape[:-1])))
+        qw = gguf_blocks.repack(tensor.data if data is None else data, kind, k, rows)
     except ValueError as e:
         raise ValueError(f"{path}: tensor {tensor.name!r} ({kind}, shape {list(shape)}): "
                          f"{e}") from None
@@ -590,12 +640,14 @@ def _repack(tensor, path) -> QuantizedWeight:
 
 def _check_tensors(tensors: dict, config: Config, path) -> None:
     """Every expected tensor present with a supported type and its shape; none unknown."""
-    expected = _expected_shapes(config)
+    expected = _expected_shapes(config, tensors)
     problems = []
     for name, shape in expected.items():
         t = tensors.get(name)
         if t is None:
-            problems.append(f"tensor {name!r} is missing")
+            why = (f" (the metadata has {config.moe.num_experts} experts and their router in "
+                   f"this layer)" if "_exps." in name or "ffn_gate_inp." in name else "")
+            problems.append(f"tensor {name!r} is missing{why}")
         elif t.tensor_type.name not in SUPPORTED_TYPES:
             problems.append(f"tensor {name!r} has type {t.tensor_type.name}, which is not "
                             f"supported (supported: {', '.join(SUPPORTED_TYPES)})")
@@ -646,10 +698,13 @@ def params_from_reader(reader, config: Config, path, keep_quantized: bool = True
         return keep_quantized and (transpose or gguf_name == TOKEN_EMBD) \
             and tensors[gguf_name].tensor_type.name in gguf_blocks.BLOCK_TYPES
 
+    layer_slots = [_layer_slots(config, i, tensors) for i in range(config.num_layers)]
     if keep_quantized:
+        experts = [(g, True) for i, (_, lay) in enumerate(layer_slots) if lay is not None
+                   for g in gguf_moe.expert_shapes(lay, f"blk.{i}.", config)
+                   if "ffn_gate_inp" not in g and "exp_probs_b" not in g]
         slots = [names.top[n] for n in shapes["top"]] + [
-            (f"blk.{i}.{names.layer[n][0]}", names.layer[n][1])
-            for i in range(config.num_layers) for n in shapes["layer"]]
+            s for slot, _ in layer_slots for s in slot.values()] + experts
         dequantized = sorted({tensors[g].tensor_type.name for g, transpose in slots
                               if (transpose or g == TOKEN_EMBD) and not kept(g, transpose)
                               and tensors[g].tensor_type.name not in _FLOAT_TYPES})
@@ -680,8 +735,16 @@ def params_from_reader(reader, config: Config, path, keep_quantized: bool = True
         return value if transform is None else transform(name, value)
 
     def layer(i: int) -> dict:
-        lp = {n: ours(n, f"blk.{i}.{names.layer[n][0]}", names.layer[n][1])
-              for n in shapes["layer"]}
+        slots, layout = layer_slots[i]
+        prefix = f"blk.{i}."
+        lp = {n: ours(n, g, transpose) for n, (g, transpose) in slots.items()}
+        if config.mla is not None and "wkv_b" not in slots:  # llama.cpp's split kv_b
+            lp["wkv_b"] = gguf_moe.join_kv_b(_dequantize(tensors[prefix + gguf_moe.K_B], path),
+                                             _dequantize(tensors[prefix + gguf_moe.V_B], path))
+        if layout is not None:
+            lp.update(gguf_moe.read_experts(
+                tensors, prefix, layout, config, keep_quantized,
+                functools.partial(_dequantize, path=path), functools.partial(_repack, path=path)))
         lp = family.assemble_layer(lp, config, f"{path}: blk.{i}")
         if transform is None:
             return {n: _owned(a) for n, a in lp.items()}
