@@ -217,7 +217,7 @@ def read_experts(tensors, prefix: str, layout, config, keep_quantized: bool, deq
     for ours, name in layout.fused.items():
         t = tensors[prefix + name]
         if keep_quantized and t.tensor_type.name in gguf_blocks.BLOCK_TYPES:
-            out[ours] = stack_quantized([repack(t, t.data[j]) for j in range(e)])
+            out[ours] = stack_quantized([repack(t, data=t.data[j]) for j in range(e)])
         else:
             out[ours] = np.ascontiguousarray(dequantize(t).transpose(0, 2, 1))  # [E, in, out]
     for ours, pattern in layout.per_expert.items():

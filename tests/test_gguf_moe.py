@@ -274,7 +274,7 @@ def dequantized_copy(src: pathlib.Path, dst: pathlib.Path) -> pathlib.Path:
 def test_q8_0_matches_dequantized_weights(tmp_path, variant, arch):
     path = hf_to_gguf(variant, tmp_path / "q8.gguf", arch, qtype=QT.Q8_0)
     types = {t.name: t.tensor_type for t in gguf.GGUFReader(path).tensors}
-    assert types["blk.1.ffn_gate_exps.weight"] == QT.Q8_0  # the test holds quantized experts
+    assert {t for n, t in types.items() if "gate_exps" in n} == {QT.Q8_0}  # quantized experts
     config, params, _ = G.load_gguf_params(path, keep_quantized=False)
     ref_config, ref_params, _ = G.load_gguf_params(
         dequantized_copy(path, tmp_path / "f32.gguf"))
@@ -283,9 +283,10 @@ def test_q8_0_matches_dequantized_weights(tmp_path, variant, arch):
         np.testing.assert_array_equal(ours, theirs)
     ref = np.load(HF / variant / "ref.npz")
     logits = run_forward(config, params, ref["input_ids"])
-    # Q8_0's rounding moves the logits a little from transformers' float32 ones.
+    # Q8_0's rounding moves the logits a few percent from transformers' float32 ones (these
+    # random tiny weights; a misread tensor is off by about 100%).
     seen = 8 if variant == "mixtral" else logits.shape[1]
-    assert rel_err(logits[:, :seen], ref["logits"][:, :seen]) <= 2e-2
+    assert rel_err(logits[:, :seen], ref["logits"][:, :seen]) <= 0.1
 
 
 def test_kept_quantized_experts_are_stacked(tmp_path):
