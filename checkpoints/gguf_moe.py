@@ -161,10 +161,10 @@ def deepseek2_fields(meta: dict, get, path, heads: int, tensor_names) -> dict:
     intermediate = get("feed_forward_length", int, None)
     if intermediate is None and (moe is None or dense):
         get("feed_forward_length", int, required=True)
-    return dict(mla=mla, moe=moe, intermediate_size=intermediate or 1,
-                head_dim=mla.qk_head_dim, num_kv_heads=heads,
-                architecture="DeepseekV3ForCausalLM" if moe is not None and moe.router == "sigmoid"
-                else "DeepseekV2ForCausalLM")
+    v3 = moe is not None and moe.router == "sigmoid"
+    return {"mla": mla, "moe": moe, "intermediate_size": intermediate or 1,
+            "head_dim": mla.qk_head_dim, "num_kv_heads": heads,
+            "architecture": "DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,7 +200,7 @@ def expert_shapes(layout, prefix: str, config) -> dict[str, tuple[int, ...]]:
 def stack_quantized(qws: list[QuantizedWeight]) -> QuantizedWeight:
     """Per-expert QuantizedWeights of one layout -> one, every array with a leading expert axis
     (the static fields, one expert's, must agree)."""
-    return jax.tree.map(lambda *a: np.stack(a), *qws)  # noqa: E731 (the stacking contract)
+    return jax.tree.map(lambda *a: np.stack(a), *qws)
 
 
 def read_experts(tensors, prefix: str, layout, config, keep_quantized: bool, dequantize,
@@ -247,6 +247,6 @@ def join_kv_b(k_b: np.ndarray, v_b: np.ndarray) -> np.ndarray:
     """attn_k_b [H, R, Dn] and attn_v_b [H, Dv, R] (float) -> wkv_b [R, H * (Dn + Dv)], per head
     its k_nope then its v columns, as kv_b_proj's rows. k_b's blocks (if it was quantized) run
     along Dn, not along R, our contraction axis: so the joined weight is float."""
-    h, r, _ = k_b.shape
+    r = k_b.shape[1]
     joined = np.concatenate([k_b.transpose(1, 0, 2), v_b.transpose(2, 0, 1)], axis=-1)
     return np.ascontiguousarray(joined.reshape(r, -1))
