@@ -391,3 +391,18 @@ def test_deepseek2_key_lengths_must_be_per_head(tmp_path):
     with pytest.raises(ValueError, match=r"key_length_mla / value_length_mla are missing.*"
                                          r"re-convert the model"):
         G.load_gguf_params(path)
+
+
+def test_mixtral_config_from_metadata_alone():
+    """Without the tensor names (metadata only) every layer has experts; Mixtral's experts are
+    feed_forward_length wide and renormalised, as llama.cpp runs them."""
+    meta = {"general.architecture": "llama", "llama.expert_count": 8,
+            "llama.expert_used_count": 2, "llama.block_count": 2, "llama.context_length": 64,
+            "llama.embedding_length": 64, "llama.feed_forward_length": 96,
+            "llama.attention.head_count": 4, "llama.attention.layer_norm_rms_epsilon": 1e-5,
+            "llama.vocab_size": 32}
+    config = G.config_from_metadata(meta, "mixtral.gguf")
+    assert config.architecture == "MixtralForCausalLM"
+    assert (config.moe.num_experts, config.moe.experts_per_token,
+            config.moe.expert_intermediate_size, config.moe.norm_topk_prob) == (8, 2, 96, True)
+    assert all(config.is_moe_layer(i) for i in range(2))
