@@ -366,7 +366,9 @@ def test_expert_shapes_disagree_with_metadata(tmp_path):
     ({"expert_shared_count": 2}, r"llama\.expert_shared_count = 2 is not supported"),
     ({"expert_used_count": None}, r"'llama\.expert_used_count' is missing"),
     ({"expert_used_count": 5}, r"experts_per_token \(5\) must be at most num_experts \(4\)"),
-], ids=["shared", "no-top-k", "top-k"])
+    ({"expert_group_scale": 2.0}, r"llama\.expert_group_scale = 2\.0 asks for a MoE variant "
+                                  r"that is not supported"),
+], ids=["shared", "no-top-k", "top-k", "group-scale"])
 def test_bad_moe_metadata(tmp_path, meta, message):
     path = hf_to_gguf("mixtral", tmp_path / "bad.gguf", "llama", meta=meta)
     with pytest.raises(ValueError, match=message):
