@@ -6,8 +6,9 @@ names from the family's table (jaxinfer/models/registry.py). Matmul weights and 
 embedding of the block types in `checkpoints.gguf_blocks` (Q4_0 ... Q8_0, Q4_K, Q5_K, Q6_K) stay
 quantized: repacked into `QuantizedWeight`s whose values are bit for bit what the `gguf` package
 (`gguf.quants`, the code transformers' GGUF loader uses) dequantizes; the embedding comes back
-in the LM-head orientation [D, V]. Everything else, and every tensor with keep_quantized=False,
-is dequantized on load by gguf.quants to float32.
+in the LM-head orientation [D, V]; a MoE layer's stacked experts become one QuantizedWeight per
+projection with a leading expert axis on every array (gguf_moe). Everything else, and every
+tensor with keep_quantized=False, is dequantized on load by gguf.quants to float32.
 
 Architectures: "llama" (Mixtral too), "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3",
 "deepseek2" (`ARCHITECTURES`; the mixture-of-experts and MLA specifics are in

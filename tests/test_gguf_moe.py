@@ -408,3 +408,70 @@ def test_mixtral_config_from_metadata_alone():
     assert (config.moe.num_experts, config.moe.experts_per_token,
             config.moe.expert_intermediate_size, config.moe.norm_topk_prob) == (8, 2, 96, True)
     assert all(config.is_moe_layer(i) for i in range(2))
+
+
+# Byte offsets of the fp16 fields (d, dmin) in the K-quant blocks; every other byte is valid.
+K_FP16 = {QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208,)}
+
+
+def k_quant_experts(qtype, e: int, rows: int, cols: int, rng) -> np.ndarray:
+    """uint8 [E, rows, row bytes]: random blocks of qtype with small positive fp16 scales."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (e * rows * cols // block, size), dtype=np.uint8)
+    for off in K_FP16[qtype]:
+        scales = rng.uniform(1e-3, 2e-3, raw.shape[0]).astype(np.float16)
+        raw[:, off:off + 2] = scales.view(np.uint8).reshape(-1, 2)
+    return raw.reshape(e, rows, -1)
+
+
+def test_k_quant_experts_stack_their_repacks(tmp_path):
+    """Two-level K-quant scales (rows of 256): each stacked QuantizedWeight is exactly
+    jax.tree.map(np.stack) of gguf_blocks.repack of each expert's blocks (the contract with the
+    quantized experts kernels), and each expert dequantizes to gguf.quants' values."""
+    from checkpoints import gguf_blocks
+
+    rng = np.random.default_rng(0)
+    d, f, e, hd, vocab = 256, 256, 2, 128, 16
+    path = tmp_path / "kq.gguf"
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    for key, value in {"block_count": 1, "context_length": 64, "embedding_length": d,
+                       "feed_forward_length": f, "attention.head_count": 2,
+                       "attention.head_count_kv": 1, "attention.key_length": hd,
+                       "attention.value_length": hd, "expert_count": e, "expert_used_count": 1,
+                       "expert_feed_forward_length": f, "vocab_size": vocab}.items():
+        w.add_uint32(f"qwen3moe.{key}", value)
+    w.add_float32("qwen3moe.attention.layer_norm_rms_epsilon", 1e-6)
+    floats = {"token_embd.weight": (vocab, d), "output.weight": (vocab, d),
+              "output_norm.weight": (d,), "blk.0.attn_norm.weight": (d,),
+              "blk.0.ffn_norm.weight": (d,), "blk.0.attn_q.weight": (2 * hd, d),
+              "blk.0.attn_k.weight": (hd, d), "blk.0.attn_v.weight": (hd, d),
+              "blk.0.attn_output.weight": (d, 2 * hd), "blk.0.attn_q_norm.weight": (hd,),
+              "blk.0.attn_k_norm.weight": (hd,), "blk.0.ffn_gate_inp.weight": (e, d)}
+    for name, shape in floats.items():
+        w.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
+    experts = {"gate": (QT.Q4_K, f, d), "up": (QT.Q5_K, f, d), "down": (QT.Q6_K, d, f)}
+    raws = {}
+    for kind, (qtype, rows, cols) in experts.items():
+        raws[kind] = k_quant_experts(qtype, e, rows, cols, rng)
+        w.add_tensor(f"blk.0.ffn_{kind}_exps.weight", raws[kind], raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    _, params, _ = G.load_gguf_params(path)
+    lp = params["layers"][0]
+    for kind, (qtype, rows, cols) in experts.items():
+        qw = lp[f"experts_{kind}"]
+        per_expert = [gguf_blocks.repack(raws[kind][j], qtype.name, cols, rows) for j in range(e)]
+        assert jax.tree.structure(qw) == jax.tree.structure(per_expert[0])  # static fields
+        assert (qw.k, qw.out_shape) == (cols, (rows,))
+        for ours, theirs in zip(jax.tree.leaves(qw),
+                                jax.tree.leaves(jax.tree.map(lambda *a: np.stack(a),
+                                                             *per_expert))):
+            assert ours.shape[0] == e
+            np.testing.assert_array_equal(ours, theirs)
+        for j in range(e):
+            one = jax.tree.map(lambda a, j=j: a[j], qw)
+            np.testing.assert_array_equal(np.asarray(dequantize(one, np.float32)),
+                                          gguf.quants.dequantize(raws[kind][j], qtype).T)
