@@ -316,15 +316,20 @@ def test_kept_quantized_experts_are_stacked(tmp_path):
     assert isinstance(params["layers"][1]["w_gate"], QuantizedWeight)  # dense: kept as before
 
 
-@pytest.mark.parametrize("variant,arch", [("mixtral", "llama"), ("qwen3_moe", "qwen3moe")])
+@pytest.mark.parametrize("variant,arch", [("mixtral", "llama"), ("qwen3_moe", "qwen3moe"),
+                                          ("k-quants", "qwen3moe")])
 def test_kept_experts_run_as_dequantized(tmp_path, variant, arch):
-    """The model on the kept Q8_0 experts computes what it computes on their dequantized
-    values. Skipped where the model side still refuses quantized experts (jaxinfer/weights.py);
-    it runs once the quantized-experts kernels are merged."""
-    path = hf_to_gguf(variant, tmp_path / "q8.gguf", arch, qtype=QT.Q8_0)
+    """The model on the kept experts (Q8_0; Q4_K / Q5_K / Q6_K) computes what it computes on
+    their dequantized values. Skipped where the model side still refuses quantized experts
+    (jaxinfer/weights.py); it runs once the quantized-experts kernels are merged."""
+    if variant == "k-quants":
+        path, tokens = tmp_path / "kq.gguf", np.arange(1, 9).reshape(1, 8)
+        k_quant_moe(path)
+    else:
+        path = hf_to_gguf(variant, tmp_path / "q8.gguf", arch, qtype=QT.Q8_0)
+        tokens = np.load(HF / variant / "ref.npz")["input_ids"]
     config, kept, _ = G.load_gguf_params(path)
     _, floats, _ = G.load_gguf_params(path, keep_quantized=False)
-    tokens = np.load(HF / variant / "ref.npz")["input_ids"]
     try:
         logits = run_forward(config, kept, tokens)
     except ValueError as e:
@@ -442,21 +447,20 @@ def k_quant_experts(qtype, e: int, rows: int, cols: int, rng) -> np.ndarray:
     return raw.reshape(e, rows, -1)
 
 
-def test_k_quant_experts_stack_their_repacks(tmp_path):
-    """Two-level K-quant scales (rows of 256): each stacked QuantizedWeight is exactly
-    jax.tree.map(np.stack) of gguf_blocks.repack of each expert's blocks (the contract with the
-    quantized experts kernels), and each expert dequantizes to gguf.quants' values."""
-    from checkpoints import gguf_blocks
+K_EXPERTS = {"gate": (QT.Q4_K, 256, 256), "up": (QT.Q5_K, 256, 256), "down": (QT.Q6_K, 256, 256)}
 
+
+def k_quant_moe(path: pathlib.Path) -> dict:
+    """A one-layer qwen3moe of hidden 256 whose 2 experts are random K-quant blocks (K_EXPERTS:
+    kind -> (type, rows, row elements)), the rest F32; returns kind -> the experts' raw blocks."""
     rng = np.random.default_rng(0)
-    d, f, e, hd, vocab = 256, 256, 2, 128, 16
-    path = tmp_path / "kq.gguf"
+    d, e, hd, vocab = 256, 2, 128, 16
     w = gguf.GGUFWriter(str(path), "qwen3moe")
     for key, value in {"block_count": 1, "context_length": 64, "embedding_length": d,
-                       "feed_forward_length": f, "attention.head_count": 2,
+                       "feed_forward_length": d, "attention.head_count": 2,
                        "attention.head_count_kv": 1, "attention.key_length": hd,
                        "attention.value_length": hd, "expert_count": e, "expert_used_count": 1,
-                       "expert_feed_forward_length": f, "vocab_size": vocab}.items():
+                       "expert_feed_forward_length": d, "vocab_size": vocab}.items():
         w.add_uint32(f"qwen3moe.{key}", value)
     w.add_float32("qwen3moe.attention.layer_norm_rms_epsilon", 1e-6)
     floats = {"token_embd.weight": (vocab, d), "output.weight": (vocab, d),
@@ -467,19 +471,28 @@ def test_k_quant_experts_stack_their_repacks(tmp_path):
               "blk.0.attn_k_norm.weight": (hd,), "blk.0.ffn_gate_inp.weight": (e, d)}
     for name, shape in floats.items():
         w.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
-    experts = {"gate": (QT.Q4_K, f, d), "up": (QT.Q5_K, f, d), "down": (QT.Q6_K, d, f)}
     raws = {}
-    for kind, (qtype, rows, cols) in experts.items():
+    for kind, (qtype, rows, cols) in K_EXPERTS.items():
         raws[kind] = k_quant_experts(qtype, e, rows, cols, rng)
         w.add_tensor(f"blk.0.ffn_{kind}_exps.weight", raws[kind], raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return raws
 
-    _, params, _ = G.load_gguf_params(path)
-    lp = params["layers"][0]
-    for kind, (qtype, rows, cols) in experts.items():
+
+def test_k_quant_experts_stack_their_repacks(tmp_path):
+    """Two-level K-quant scales (rows of 256): each stacked QuantizedWeight is exactly
+    jax.tree.map(np.stack) of gguf_blocks.repack of each expert's blocks (the contract with the
+    quantized experts kernels), and each expert dequantizes to gguf.quants' values."""
+    from checkpoints import gguf_blocks
+
+    path = tmp_path / "kq.gguf"
+    raws = k_quant_moe(path)
+    config, params, _ = G.load_gguf_params(path)
+    e, lp = config.moe.num_experts, params["layers"][0]
+    for kind, (qtype, rows, cols) in K_EXPERTS.items():
         qw = lp[f"experts_{kind}"]
         per_expert = [gguf_blocks.repack(raws[kind][j], qtype.name, cols, rows) for j in range(e)]
         assert jax.tree.structure(qw) == jax.tree.structure(per_expert[0])  # static fields
