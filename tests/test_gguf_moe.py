@@ -317,7 +317,7 @@ def test_kept_quantized_experts_are_stacked(tmp_path):
 
 
 @pytest.mark.parametrize("variant,arch", [("mixtral", "llama"), ("qwen3_moe", "qwen3moe"),
-                                          ("k-quants", "qwen3moe")])
+                                          ("deepseek_v2", "deepseek2"), ("k-quants", "qwen3moe")])
 def test_kept_experts_run_as_dequantized(tmp_path, variant, arch):
     """The model on the kept experts (Q8_0; Q4_K / Q5_K / Q6_K) computes what it computes on
     their dequantized values. Skipped where the model side still refuses quantized experts
