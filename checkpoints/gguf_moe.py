@@ -17,7 +17,9 @@ Architectures and what llama.cpp's convert_hf_to_gguf.py writes for them:
   leading_dense_block_count, expert_shared_count, expert_weights_scale, expert_weights_norm,
   expert_group_count / expert_group_used_count, expert_gating_func (absent: softmax, as
   llama.cpp reads DeepSeek-V2 files), exp_probs_b (V3's score bias), YaRN's mscale_all_dim as
-  rope.scaling.yarn_log_multiplier = 0.1 * mscale_all_dim.
+  rope.scaling.yarn_log_multiplier = 0.1 * mscale_all_dim. Expert groups are scored as
+  transformers does: by their best expert with softmax (V2's group_limited_greedy), their best
+  two with sigmoid (V3); llama.cpp takes the best two for both.
 
 Kept quantized, a stacked expert tensor becomes ONE QuantizedWeight whose every array has a
 leading expert axis (planes [E, rows, N], scale [E, G, N], ...) and whose static fields describe
