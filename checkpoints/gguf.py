@@ -6,11 +6,14 @@ names from the family's table (jaxinfer/models/registry.py). Matmul weights and 
 embedding of the block types in `checkpoints.gguf_blocks` (Q4_0 ... Q8_0, Q4_K, Q5_K, Q6_K) stay
 quantized: repacked into `QuantizedWeight`s whose values are bit for bit what the `gguf` package
 (`gguf.quants`, the code transformers' GGUF loader uses) dequantizes; the embedding comes back
-in the LM-head orientation [D, V]. Everything else, and every tensor with keep_quantized=False,
-is dequantized on load by gguf.quants to float32.
+in the LM-head orientation [D, V]; a MoE layer's stacked experts become one QuantizedWeight per
+projection with a leading expert axis on every array (gguf_moe). Everything else, and every
+tensor with keep_quantized=False, is dequantized on load by gguf.quants to float32.
 
-Architectures: "llama", "qwen2", "qwen3", "gemma2", "gemma3" (`ARCHITECTURES`). Layout facts the
-loader undoes (Gemma's norm weights stored as 1 + w: see GGUFArchitecture.norm_plus_one):
+Architectures: "llama" (Mixtral too), "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3",
+"deepseek2" (`ARCHITECTURES`; the mixture-of-experts and MLA specifics are in
+checkpoints/gguf_moe.py). Layout facts the loader undoes (Gemma's norm weights stored as 1 + w:
+see GGUFArchitecture.norm_plus_one):
 - GGUF lists dimensions fastest-first (ne0 = the input features), so `GGUFReader` gives a
   matmul weight as numpy [out, in], HF's layout; we transpose to [in, out].
 - For "llama" only, llama.cpp's converter permutes the rows of attn_q / attn_k (weights and
@@ -32,13 +35,12 @@ import functools
 import logging
 import os
 import pathlib
-import struct
 from collections.abc import Collection
 from typing import Any
 
 import numpy as np
 
-from checkpoints import gguf_blocks
+from checkpoints import gguf_blocks, gguf_moe, gguf_reader
 from jaxinfer.configs import Config, RopeScaling
 from jaxinfer.models import registry
 from jaxinfer.weights import Parts, QuantizedWeight
@@ -74,15 +76,21 @@ class GGUFArchitecture:
     # (every tensor ending in "norm.weight"); the loader takes it off once, as transformers'
     # GGUF loader does, and the model adds it back in float32.
     norm_plus_one: bool = False
+    experts: bool = False  # llama.cpp reads `{arch}.expert_count` and expert tensors for it
 
 
 # Biases are optional everywhere (llama.cpp loads whichever the file has), so the Config takes
 # them from the tensors present.
 ARCHITECTURES = {
     "llama": GGUFArchitecture("LlamaForCausalLM", permuted_qk=True, qk_norm=False,
-                              rope_freqs=True),
+                              rope_freqs=True, experts=True),
     "qwen2": GGUFArchitecture("Qwen2ForCausalLM", permuted_qk=False, qk_norm=False),
     "qwen3": GGUFArchitecture("Qwen3ForCausalLM", permuted_qk=False, qk_norm=True),
+    "qwen3moe": GGUFArchitecture("Qwen3MoeForCausalLM", permuted_qk=False, qk_norm=True,
+                                 experts=True),
+    # MLA + MoE (checkpoints/gguf_moe.py); its RoPE rotates adjacent pairs as DeepSeek's does.
+    "deepseek2": GGUFArchitecture("DeepseekV2ForCausalLM", permuted_qk=False, qk_norm=False,
+                                  experts=True),
     # Gemma: rotate-half RoPE in llama.cpp too (no permutation).
     "gemma2": GGUFArchitecture("Gemma2ForCausalLM", permuted_qk=False, qk_norm=False,
                                norm_plus_one=True),
@@ -93,128 +101,6 @@ ARCHITECTURES = {
 # ---------------------------------------------------------------------------------------------
 # Reading the file
 # ---------------------------------------------------------------------------------------------
-
-
-class _Truncated(Exception):
-    """Raised inside the reader when a read would pass the end of the file."""
-
-
-@functools.cache
-def _itemsize(dtype) -> int:
-    return np.dtype(dtype).itemsize
-
-
-@functools.cache
-def _checked_reader_class():
-    """A GGUFReader that reports reads past the end of the file instead of mis-shaping arrays.
-
-    Built lazily so importing this module does not import `gguf` (and numpy memmap machinery).
-    """
-    import gguf
-
-    value_type = gguf.GGUFValueType
-    u64 = np.dtype(np.uint64)
-    read_u64 = struct.Struct("=Q").unpack_from  # host order: the fast path is for 'I' files only
-
-    class CheckedReader(gguf.GGUFReader):
-        where = "at the start"  # how far parsing got, for truncation messages
-
-        def _cut(self, end: int) -> _Truncated:
-            return _Truncated(f"the header is cut short {self.where}: reading it needs byte "
-                              f"{end} but the file has {len(self.data)} bytes")
-
-        def _get(self, offset, dtype, count=1, override_order=None):
-            if type(self.data) is np.memmap:
-                # A plain ndarray view of the same mapping: slicing a np.memmap runs Python-level
-                # __array_finalize__ on every slice. Still zero-copy and lazy.
-                self.data = self.data.view(np.ndarray)
-            end = int(offset) + _itemsize(dtype) * int(count)
-            if end > len(self.data):
-                raise self._cut(end)
-            return super()._get(offset, dtype, count, override_order)
-
-        def _get_field_parts(self, orig_offs, raw_type):
-            # The base class parses an array one element at a time through recursive calls,
-            # which for a 49k-token vocabulary (tokens, merges, token types) takes most of the
-            # load. Same parts, data indices and types, built in one pass: arrays of strings
-            # and of scalars in host byte order; anything else goes to the base class.
-            if raw_type != value_type.ARRAY or self.byte_order != "I":
-                return super()._get_field_parts(orig_offs, raw_type)
-            raw_itype = self._get(orig_offs, np.uint32)
-            alen = self._get(orig_offs + 4, np.uint64)
-            itype, n = int(raw_itype[0]), int(alen[0])
-            offs = orig_offs + 12
-            if itype == value_type.STRING:
-                end, items = self._string_parts(offs, n)
-                size = end - orig_offs
-                data_idxs = list(range(3, 3 + 2 * n, 2))  # each string's bytes, after its length
-            elif (nptype := self.gguf_scalar_to_np.get(itype)) is not None:
-                values = self._get(offs, nptype, n)
-                items = list(values.reshape(n, 1))  # one [1] view per element, like the base
-                size = int(values.nbytes) + 12
-                data_idxs = list(range(2, 2 + n))
-            else:  # nested arrays, unknown item types: the base class (and its errors)
-                return super()._get_field_parts(orig_offs, raw_type)
-            # The base class learns the item type from the first element: none when empty.
-            types = [value_type.ARRAY] + ([value_type(itype)] if n else [])
-            return size, [raw_itype, alen, *items], data_idxs, types
-
-        def _string_parts(self, offs: int, n: int) -> tuple[int, list]:
-            """(end offset, [length (uint64 [1]), utf-8 bytes (uint8 [len])] per string), the
-            parts as views of the file."""
-            data = self.data
-            size = len(data)
-            buf = memoryview(data)
-            parts = []
-            append = parts.append
-            for _ in range(n):
-                start = offs + 8
-                if start > size:
-                    raise self._cut(start)
-                end = start + read_u64(buf, offs)[0]
-                if end > size:
-                    raise self._cut(end)
-                append(data[offs:start].view(u64))
-                append(data[start:end])
-                offs = end
-            return offs, parts
-
-        def _push_field(self, field, skip_sum=False):
-            # The reader's own "GGUF.*" fields are the fixed header before the first key.
-            self.where = ("before the first metadata key" if field.name.startswith("GGUF.")
-                          else f"after metadata key {field.name!r}")
-            return super()._push_field(field, skip_sum)
-
-        def _build_tensor_info(self, offs, count):
-            self.where = f"in the tensor table ({int(count)} tensors) after the metadata"
-            return super()._build_tensor_info(offs, count)
-
-        def _build_tensors(self, start_offs, fields):
-            # Check each tensor's data range before the base class maps it, so the message can
-            # name the tensor that the file's end cuts into.
-            size = len(self.data)
-            for field in fields:
-                _, name_data, _, dims, raw_type, offset = field.parts
-                name = bytes(name_data).decode("utf-8", "replace")
-                try:
-                    qtype = gguf.GGMLQuantizationType(int(raw_type[0]))
-                except ValueError:
-                    raise ValueError(f"tensor {name!r} has unknown type id {int(raw_type[0])}; "
-                                     f"supported types: {', '.join(SUPPORTED_TYPES)}") from None
-                block, type_size = gguf.GGML_QUANT_SIZES[qtype]
-                # ggml packs each row into whole blocks; _dequantize's row joining relies on it.
-                if len(dims) and int(dims[0]) % block:
-                    raise ValueError(f"tensor {name!r} ({qtype.name}) has rows of {int(dims[0])} "
-                                     f"elements, not a whole number of its {block}-element "
-                                     "blocks; the file is corrupt")
-                n_elems = int(np.prod(dims.astype(np.int64)))
-                end = int(start_offs) + int(offset[0]) + n_elems * type_size // block
-                if end > size:
-                    raise _Truncated(f"tensor {name!r} ({qtype.name}) needs bytes up to {end} "
-                                     f"but the file ends at byte {size}")
-            return super()._build_tensors(start_offs, fields)
-
-    return CheckedReader
 
 
 def _open(path: str | os.PathLike):
@@ -228,8 +114,8 @@ def _open(path: str | os.PathLike):
     if size == 0:
         raise ValueError(f"{path}: the file is empty (0 bytes); expected a GGUF checkpoint")
     try:
-        return _checked_reader_class()(path, "r")
-    except _Truncated as e:
+        return gguf_reader.checked_reader_class(SUPPORTED_TYPES)(path, "r")
+    except gguf_reader.Truncated as e:
         raise ValueError(f"{path}: truncated GGUF file: {e}; download it again") from None
     except ValueError as e:
         if "magic" in str(e).lower():
@@ -295,10 +181,14 @@ def _rope_scaling(meta: dict, arch: str, path, context_length: int) -> RopeScali
         return RopeScaling("linear", factor=factor)
     if kind == "yarn":
         # llama.cpp's extra YaRN knobs have no counterpart in HF's llama yarn; refuse rather
-        # than silently compute something else.
+        # than silently compute something else. deepseek2 alone writes yarn_log_multiplier,
+        # 0.1 * DeepSeek's mscale_all_dim, and llama.cpp then takes mscale = mscale_all_dim
+        # (no cos/sin factor; the softmax scale times mscale(factor, mscale_all_dim)^2).
+        mla = arch == "deepseek2"
+        log_mul = _get(meta, p + "yarn_log_multiplier", path, float, default=0.0) if mla else 0.0
         for extra, neutral in (("attn_factor", 1.0), ("yarn_attn_factor", 1.0),
                                ("yarn_ext_factor", None), ("yarn_log_multiplier", None)):
-            v = meta.get(p + extra)
+            v = None if mla and extra == "yarn_log_multiplier" else meta.get(p + extra)
             if v is not None and not (neutral is not None and float(v) == neutral) \
                     and not (extra == "yarn_ext_factor" and float(v) < 0):
                 raise ValueError(f"{path}: GGUF metadata {p + extra!r} = {v} is not supported "
@@ -309,7 +199,10 @@ def _rope_scaling(meta: dict, arch: str, path, context_length: int) -> RopeScali
             original_max_position_embeddings=_get(meta, p + "original_context_length", path,
                                                   int, default=context_length),
             beta_fast=_get(meta, p + "yarn_beta_fast", path, float, default=32.0),
-            beta_slow=_get(meta, p + "yarn_beta_slow", path, float, default=1.0))
+            beta_slow=_get(meta, p + "yarn_beta_slow", path, float, default=1.0),
+            mscale=log_mul / 0.1 if log_mul else None,
+            mscale_all_dim=log_mul / 0.1 if log_mul else None,
+            attention_factor=1.0 if mla and not log_mul else None)
     raise ValueError(f"{path}: unsupported rope scaling type {kind!r} in {p + 'type'!r}; "
                      "supported: none, linear, yarn")
 
@@ -344,29 +237,44 @@ def config_from_metadata(meta: dict, path="<gguf>", token_embd_shape=None,
     in_layers = {n.split(".", 2)[2] for n in tensor_names or () if n.startswith("blk.")}
     has = {ours: name in in_layers for ours, (name, _) in family.gguf_tensors.layer.items()}
 
+    def get(key, kind=int, default=None, required=False):  # `{arch}.key`
+        return _get(meta, f"{arch}.{key}", path, kind, default=default, required=required)
+
     def req(key, kind=int):
-        return _get(meta, f"{arch}.{key}", path, kind, required=True)
+        return get(key, kind, required=True)
 
     def opt(key, kind, default):
-        return _get(meta, f"{arch}.{key}", path, kind, default=default)
+        return get(key, kind, default)
 
-    if opt("expert_count", int, 0):
-        raise ValueError(f"{path}: a mixture-of-experts GGUF ({arch}.expert_count = "
-                         f"{opt('expert_count', int, 0)}); GGUF experts are not supported yet: "
-                         f"load the HF checkpoint instead")
+    experts = opt("expert_count", int, 0)
+    if experts and not spec.experts:
+        moe_archs = ", ".join(a for a, s in ARCHITECTURES.items() if s.experts)
+        raise ValueError(f"{path}: {arch}.expert_count = {experts}, but llama.cpp's {arch!r} has "
+                         f"no experts; mixture-of-experts GGUFs are supported as: {moe_archs}")
     hidden = req("embedding_length")
     heads = req("attention.head_count")
     context = req("context_length")
-    head_dim = opt("attention.key_length", int, None) or opt("rope.dimension_count", int, None) \
-        or hidden // heads
-    rot = opt("rope.dimension_count", int, head_dim)
-    if rot != head_dim:
-        raise ValueError(f"{path}: {arch}.rope.dimension_count = {rot} differs from the head "
-                         f"dimension {head_dim}; partial rotary GGUFs are not supported")
-    value_len = opt("attention.value_length", int, head_dim)
-    if value_len != head_dim:
-        raise ValueError(f"{path}: {arch}.attention.value_length = {value_len} differs from "
-                         f"key_length {head_dim}; not supported")
+    layers = req("block_count")
+    if arch == "deepseek2":  # MLA: the per-head sizes are not key/value_length (gguf_moe)
+        fields = gguf_moe.deepseek2_fields(meta, get, path, heads, tensor_names)
+        rot = fields["mla"].qk_rope_head_dim
+    else:
+        head_dim = opt("attention.key_length", int, None) \
+            or opt("rope.dimension_count", int, None) or hidden // heads
+        rot = opt("rope.dimension_count", int, head_dim)
+        if rot != head_dim:
+            raise ValueError(f"{path}: {arch}.rope.dimension_count = {rot} differs from the head "
+                             f"dimension {head_dim}; partial rotary GGUFs are not supported")
+        value_len = opt("attention.value_length", int, head_dim)
+        if value_len != head_dim:
+            raise ValueError(f"{path}: {arch}.attention.value_length = {value_len} differs from "
+                             f"key_length {head_dim}; not supported")
+        fields = {"head_dim": head_dim,
+                  "num_kv_heads": opt("attention.head_count_kv", int, heads),
+                  "intermediate_size": req("feed_forward_length"),
+                  "moe": gguf_moe.llama_moe(meta, arch, get, path, layers, tensor_names)}
+        if fields["moe"] is not None and arch == "llama":
+            fields["architecture"] = "MixtralForCausalLM"
     freq_factors = () if rope_freqs is None else _rope_freq_factors(rope_freqs, arch, spec, rot,
                                                                      path)
 
@@ -391,11 +299,8 @@ def config_from_metadata(meta: dict, path="<gguf>", token_embd_shape=None,
     config = Config(
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=req("feed_forward_length"),
-        num_layers=req("block_count"),
+        num_layers=layers,
         num_heads=heads,
-        num_kv_heads=opt("attention.head_count_kv", int, heads),
-        head_dim=head_dim,
         rms_norm_eps=req("attention.layer_norm_rms_epsilon", float),
         rope_theta=opt("rope.freq_base", float, 10000.0),
         rope_scaling=_rope_scaling(meta, arch, path, context),
@@ -407,9 +312,9 @@ def config_from_metadata(meta: dict, path="<gguf>", token_embd_shape=None,
         mlp_bias=any(has.get(n, False) for n in ("b_gate", "b_up", "b_down")),
         qk_norm=spec.qk_norm,
         family=family.name,
-        architecture=spec.hf_architecture,
         bos_token_id=_get(meta, "tokenizer.ggml.bos_token_id", path, int),
         eos_token_ids=tuple(eos_ids),
+        **{"architecture": spec.hf_architecture, **fields},
     )
     if arch in ("gemma2", "gemma3"):
         config = config.replace(**_gemma_fields(meta, arch, config, path))
@@ -507,21 +412,42 @@ def _unpermute_rope_columns(a: np.ndarray, n_heads: int) -> np.ndarray:
     return a.reshape(r, n_heads, hd // 2, 2).swapaxes(2, 3).reshape(r, cols)
 
 
-def _expected_shapes(config: Config) -> dict[str, tuple[int, ...]]:
+def _layer_slots(config: Config, i: int, tensors) -> tuple[dict, Any]:
+    """Layer i's tensors read one to one: our name -> (GGUF name, transpose to [in, out]), and
+    for a MoE layer the expert layout (gguf_moe.expert_layout) its experts come in, else None.
+    A MoE layer has no dense MLP, a dense one no shared experts; a deepseek2 file with the
+    split attn_k_b / attn_v_b has no attn_kv_b (gguf_moe.kv_b_shapes)."""
+    family = registry.family(config)
+    names, shapes = family.gguf_tensors, family.checkpoint_shapes(config)["layer"]
+    prefix = f"blk.{i}."
+    moe = config.moe is not None and config.is_moe_layer(i)
+    skip = ({"w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down"} if moe
+            else {"shared_gate", "shared_up", "shared_down"})
+    if config.mla is not None and prefix + gguf_moe.K_B in tensors:
+        skip.add("wkv_b")
+    slots = {n: (prefix + names.layer[n][0], names.layer[n][1]) for n in shapes if n not in skip}
+    layout = gguf_moe.expert_layout(names.experts, prefix, tensors) if moe else None
+    return slots, layout
+
+
+def _expected_shapes(config: Config, tensors) -> dict[str, tuple[int, ...]]:
     """GGUF tensor name -> numpy shape as the reader gives it ([out, in] for matmuls)."""
     family = registry.family(config)
     names, shapes = family.gguf_tensors, family.checkpoint_shapes(config)
 
-    def stored(table: dict, shape_of: dict) -> dict:  # file name -> its [out, in] shape
-        return {table[n][0]: tuple(reversed(s)) if table[n][1] else s
-                for n, s in shape_of.items()}
+    def stored(shape: tuple, transpose: bool) -> tuple:  # its [out, in] shape
+        return tuple(reversed(shape)) if transpose else shape
 
-    out = stored(names.top, shapes["top"])
+    out = {names.top[n][0]: stored(s, names.top[n][1]) for n, s in shapes["top"].items()}
     if config.rope_freq_factors:  # read into the Config, not the params
         out[ROPE_FREQS] = (len(config.rope_freq_factors),)
-    layer = stored(names.layer, shapes["layer"])
     for i in range(config.num_layers):
-        out.update({f"blk.{i}.{name}": shape for name, shape in layer.items()})
+        slots, layout = _layer_slots(config, i, tensors)
+        out.update({g: stored(shapes["layer"][n], t) for n, (g, t) in slots.items()})
+        if config.mla is not None and "wkv_b" not in slots:
+            out.update(gguf_moe.kv_b_shapes(f"blk.{i}.", config))
+        if layout is not None:
+            out.update(gguf_moe.expert_shapes(layout, f"blk.{i}.", config))
     return out
 
 
@@ -569,12 +495,15 @@ def _dequantize(tensor, path) -> np.ndarray:
     return out
 
 
-def _repack(tensor, path) -> QuantizedWeight:
-    """A reader tensor of a gguf_blocks type -> QuantizedWeight [ne0, rows] (our [in, out])."""
+def _repack(tensor, path, data=None) -> QuantizedWeight:
+    """A reader tensor of a gguf_blocks type -> QuantizedWeight [ne0, rows] (our [in, out]);
+    data: the blocks of one expert (tensor.data[j] of a stacked [E, rows, ne0] tensor) in place
+    of the whole tensor's, giving that expert's QuantizedWeight."""
     kind, shape = tensor.tensor_type.name, _logical_shape(tensor)
     k = shape[-1]
+    rows = int(np.prod(shape[:-1] if data is None else shape[1:-1]))
     try:
-        qw = gguf_blocks.repack(tensor.data, kind, k, int(np.prod(shape[:-1])))
+        qw = gguf_blocks.repack(tensor.data if data is None else data, kind, k, rows)
     except ValueError as e:
         raise ValueError(f"{path}: tensor {tensor.name!r} ({kind}, shape {list(shape)}): "
                          f"{e}") from None
@@ -590,12 +519,14 @@ def _repack(tensor, path) -> QuantizedWeight:
 
 def _check_tensors(tensors: dict, config: Config, path) -> None:
     """Every expected tensor present with a supported type and its shape; none unknown."""
-    expected = _expected_shapes(config)
+    expected = _expected_shapes(config, tensors)
     problems = []
     for name, shape in expected.items():
         t = tensors.get(name)
         if t is None:
-            problems.append(f"tensor {name!r} is missing")
+            why = (f" (the metadata has {config.moe.num_experts} experts and their router in "
+                   f"this layer)" if "_exps." in name or "ffn_gate_inp." in name else "")
+            problems.append(f"tensor {name!r} is missing{why}")
         elif t.tensor_type.name not in SUPPORTED_TYPES:
             problems.append(f"tensor {name!r} has type {t.tensor_type.name}, which is not "
                             f"supported (supported: {', '.join(SUPPORTED_TYPES)})")
@@ -646,10 +577,13 @@ def params_from_reader(reader, config: Config, path, keep_quantized: bool = True
         return keep_quantized and (transpose or gguf_name == TOKEN_EMBD) \
             and tensors[gguf_name].tensor_type.name in gguf_blocks.BLOCK_TYPES
 
+    layer_slots = [_layer_slots(config, i, tensors) for i in range(config.num_layers)]
     if keep_quantized:
+        experts = [(g, True) for i, (_, lay) in enumerate(layer_slots) if lay is not None
+                   for g in gguf_moe.expert_shapes(lay, f"blk.{i}.", config)
+                   if "ffn_gate_inp" not in g and "exp_probs_b" not in g]
         slots = [names.top[n] for n in shapes["top"]] + [
-            (f"blk.{i}.{names.layer[n][0]}", names.layer[n][1])
-            for i in range(config.num_layers) for n in shapes["layer"]]
+            s for slot, _ in layer_slots for s in slot.values()] + experts
         dequantized = sorted({tensors[g].tensor_type.name for g, transpose in slots
                               if (transpose or g == TOKEN_EMBD) and not kept(g, transpose)
                               and tensors[g].tensor_type.name not in _FLOAT_TYPES})
@@ -680,8 +614,16 @@ def params_from_reader(reader, config: Config, path, keep_quantized: bool = True
         return value if transform is None else transform(name, value)
 
     def layer(i: int) -> dict:
-        lp = {n: ours(n, f"blk.{i}.{names.layer[n][0]}", names.layer[n][1])
-              for n in shapes["layer"]}
+        slots, layout = layer_slots[i]
+        prefix = f"blk.{i}."
+        lp = {n: ours(n, g, transpose) for n, (g, transpose) in slots.items()}
+        if config.mla is not None and "wkv_b" not in slots:  # llama.cpp's split kv_b
+            lp["wkv_b"] = gguf_moe.join_kv_b(_dequantize(tensors[prefix + gguf_moe.K_B], path),
+                                             _dequantize(tensors[prefix + gguf_moe.V_B], path))
+        if layout is not None:
+            lp.update(gguf_moe.read_experts(
+                tensors, prefix, layout, config, keep_quantized,
+                functools.partial(_dequantize, path=path), functools.partial(_repack, path=path)))
         lp = family.assemble_layer(lp, config, f"{path}: blk.{i}")
         if transform is None:
             return {n: _owned(a) for n, a in lp.items()}

@@ -785,7 +785,7 @@ def test_missing_required_key(tmp_path):
 def test_unsupported_architecture(tmp_path):
     path = rewrite(TINY_Q4_1, tmp_path / "falcon.gguf", arch="falcon")
     with pytest.raises(ValueError, match=r"falcon\.gguf.*unsupported GGUF architecture 'falcon'"
-                                         r".*supported: llama, qwen2, qwen3, gemma2, gemma3$"):
+                                         r".*supported: llama, qwen2, qwen3, qwen3moe, deepseek2, gemma2, gemma3$"):
         G.load_gguf_params(path)
 
 

@@ -140,7 +140,37 @@ HF_TENSORS = TensorMap(
                             "experts_down": "mlp.experts.down_proj"}),
     ))
 
-GGUF_TENSORS = TensorMap(layer={}, top={})  # GGUF deepseek2 files: not supported yet
+# llama.cpp's "deepseek2" names. Its converter splits kv_b_proj into attn_k_b / attn_v_b (the
+# GGUF loader joins them back into wkv_b); files from before that split have attn_kv_b.
+GGUF_TENSORS = TensorMap(
+    layer={
+        "attn_norm": ("attn_norm.weight", False),
+        "wq": ("attn_q.weight", True),
+        "wq_a": ("attn_q_a.weight", True),
+        "q_a_norm": ("attn_q_a_norm.weight", False),
+        "wq_b": ("attn_q_b.weight", True),
+        "wkv_a": ("attn_kv_a_mqa.weight", True),
+        "kv_a_norm": ("attn_kv_a_norm.weight", False),
+        "wkv_b": ("attn_kv_b.weight", True),
+        "wo": ("attn_output.weight", True),
+        "mlp_norm": ("ffn_norm.weight", False),
+        "w_gate": ("ffn_gate.weight", True),
+        "w_up": ("ffn_up.weight", True),
+        "w_down": ("ffn_down.weight", True),
+        "shared_gate": ("ffn_gate_shexp.weight", True),
+        "shared_up": ("ffn_up_shexp.weight", True),
+        "shared_down": ("ffn_down_shexp.weight", True),
+    },
+    top={
+        "embed": ("token_embd.weight", False),
+        "final_norm": ("output_norm.weight", False),
+        "lm_head": ("output.weight", True),
+    },
+    experts=(
+        ExpertLayout(router="ffn_gate_inp.weight", router_bias="exp_probs_b.bias", fused={
+            "experts_gate": "ffn_gate_exps.weight", "experts_up": "ffn_up_exps.weight",
+            "experts_down": "ffn_down_exps.weight"}),
+    ))
 
 
 def checkpoint_shapes(config: Config) -> dict:
@@ -221,5 +251,5 @@ def assemble_layer(layer: dict, config: Config, where: str) -> dict:
 FAMILY = Family(
     name="deepseek", param_specs=param_specs, forward=forward,
     hf_architectures=("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"),
-    hf_tensors=HF_TENSORS, gguf_architectures=(), gguf_tensors=GGUF_TENSORS,
+    hf_tensors=HF_TENSORS, gguf_architectures=("deepseek2",), gguf_tensors=GGUF_TENSORS,
     assemble_layer=assemble_layer, checkpoint_shapes=checkpoint_shapes)

@@ -178,7 +178,17 @@ GGUF_TENSORS = TensorMap(
         "embed": ("token_embd.weight", False),
         "final_norm": ("output_norm.weight", False),
         "lm_head": ("output.weight", True),
-    })
+    },
+    # MoE layers (Mixtral as "llama", "qwen3moe"): the experts stacked [E, out, in] as
+    # llama.cpp's converter writes them, then the per-expert tensors of older Mixtral files.
+    experts=(
+        ExpertLayout(router="ffn_gate_inp.weight", fused={
+            "experts_gate": "ffn_gate_exps.weight", "experts_up": "ffn_up_exps.weight",
+            "experts_down": "ffn_down_exps.weight"}),
+        ExpertLayout(router="ffn_gate_inp.weight", per_expert={
+            "experts_gate": "ffn_gate.{j}.weight", "experts_up": "ffn_up.{j}.weight",
+            "experts_down": "ffn_down.{j}.weight"}),
+    ))
 
 
 def checkpoint_shapes(config: Config) -> dict:
@@ -260,6 +270,6 @@ FAMILY = Family(
     name="llama", param_specs=param_specs, forward=forward,
     hf_architectures=("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                       "Qwen3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM"),
-    hf_tensors=HF_TENSORS, gguf_architectures=("llama", "qwen2", "qwen3"),
+    hf_tensors=HF_TENSORS, gguf_architectures=("llama", "qwen2", "qwen3", "qwen3moe"),
     gguf_tensors=GGUF_TENSORS,
     assemble_layer=fuse_qkv, checkpoint_shapes=checkpoint_shapes)
