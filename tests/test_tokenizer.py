@@ -375,3 +375,21 @@ def test_decode_out_of_vocabulary():
         tok.incremental_decoder().step(10**9)
     with pytest.raises(TypeError, match="str"):
         tok.encode(["a", "b"])
+
+
+@pytest.mark.parametrize("pre, words", [
+    # V2 / DeepSeek-LLM: newlines alone, letter runs with one leading space, digit runs whole,
+    # and its CJK stage's U+0800-U+4E00 range takes Greek Extended letters out of their word
+    ("deepseek-llm", ["Hi", " ", "\u1f7d", "μέγα", " ", "12345", " ", "你好", "!!", "\n", "\n", "x", " [", "ab",
+                      "]"]),
+    # V3: digits in threes first, then CJK / kana runs, then the word pattern
+    ("deepseek-v3", ["Hi", " \u1f7dμέγα", " ", "123", "45", " ", "你好", "!!\n\n", "x", " [", "ab", "]"]),
+])
+def test_gguf_deepseek_pre_tokenizers(pre, words):
+    """DeepSeek's staged split patterns (one Split per stage, in order) cut a text where their
+    regexes say (tokenizer.ggml.pre names them; a single pattern would merge or split these)."""
+    meta = dict(TINY_GGUF["gpt2_qwen2"]["metadata"], **{"tokenizer.ggml.pre": pre})
+    backend = Tokenizer.from_gguf_metadata(meta).backend
+    text = "Hi \u1f7dμέγα 12345 你好!!\n\nx [ab]"
+    got = [w for w, _ in backend.pre_tokenizer.pre_tokenize_str(text)]
+    assert [backend.decoder.decode([w]) for w in got] == words
