@@ -183,9 +183,11 @@ def check_sharded_load(config, dtype: str, sharding, stored_bytes: int | None = 
 def kv_bytes_per_token(config, kv_dtype: str | None = None) -> int:
     """Cache bytes one token takes over all layers: K and V in the model's dtype, or 1-byte
     codes plus a float32 scale per KV head (int8 / fp8); an MLA model's latent (c_kv and the
-    shared RoPE key) in the model's dtype."""
+    shared RoPE key) in the model's dtype, or 1-byte codes plus two float32 scales."""
     if config.mla is not None:
-        return config.num_layers * config.mla.latent_dim * itemsize(config.dtype)
+        latent = config.mla.latent_dim
+        return config.num_layers * (latent + 2 * 4 if kv_dtype
+                                    else latent * itemsize(config.dtype))
     per_head = (config.head_dim + 4) if kv_dtype else config.head_dim * itemsize(config.dtype)
     return 2 * config.num_layers * config.num_kv_heads * per_head
 
