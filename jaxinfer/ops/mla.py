@@ -254,8 +254,8 @@ def mla_attend(q: jax.Array, kv_a: jax.Array,
     q [B, T, H, Dn + Dr] (q_proj / q_b_proj's output, RoPE not applied yet); kv_a [B, T, R + Dr]
     (kv_a_proj_with_mqa's); positions [B, T] int32; rope (cos, sin) [B, T, Dr]; kv_norm [R]:
     kv_a_layernorm's weight; w_kv_b: kv_b_proj [R, H, Dn + Dv]. cache: the layer's LatentLayer
-    (or QuantizedLatentLayer) or None (the T tokens attend among themselves at positions 0..T-1); fresh: the cache held
-    nothing before them."""
+    (or QuantizedLatentLayer) or None (the T tokens attend among themselves at positions
+    0..T-1); fresh: the cache held nothing before them."""
     config = plan.config
     mla = config.mla
     r, dn = mla.kv_lora_rank, mla.qk_nope_head_dim
