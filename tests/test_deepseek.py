@@ -22,6 +22,7 @@ from jaxinfer.models import registry
 from jaxinfer.ops import mla
 from jaxinfer.plan import KernelPolicy, MoEImpl, Plan
 from jaxinfer.weights import QuantizedWeight
+from pallas_kernels.kv_quant import quantize_latent
 
 HF = pathlib.Path(__file__).parent / "fixtures" / "data" / "hf"
 VARIANTS = ("deepseek_v2", "deepseek_v2_qlora", "deepseek_v3")
@@ -462,7 +463,7 @@ def test_real_shapes_lower_for_h200(preset):
     """A two-layer (one dense, one MoE) model at the preset's real shapes, bf16, with the ops
     forced onto the kernels, lowered for an H200 on the CPU: a fresh prefill of 128 tokens
     (flash attention on q/k/v padded 192 / 128 -> 256) and a decode step (the fused decode
-    matmuls; the absorbed attention in XLA until the MLA kernel plugs in)."""
+    matmuls, the absorbed MLA kernel), also against an int8 latent cache (its quantized form)."""
     from test_gpu_lowering import ON_GPU, kernel_names, lower_for_h200
 
     from jaxinfer.models import deepseek
@@ -478,8 +479,9 @@ def test_real_shapes_lower_for_h200(preset):
     def run(params, tokens, positions, cache, fresh):
         return deepseek.forward(params, tokens, positions, plan, cache, fresh=fresh)
 
-    for batch, t, fresh in ((1, 128, True), (4, 1, False)):
-        cache = jax.eval_shape(lambda: KVCache.init(config, batch, 256))
+    for batch, t, fresh, kind in ((1, 128, True, None), (4, 1, False, None),
+                                  (4, 1, False, "int8")):
+        cache = jax.eval_shape(lambda: KVCache.init(config, batch, 256, kv_dtype=kind))
         tokens = jax.ShapeDtypeStruct((batch, t), jnp.int32)
         module = lower_for_h200(lambda p, x, c: run(p, x, x, c, fresh), params, tokens, cache)
         names = kernel_names(module)
@@ -488,6 +490,8 @@ def test_real_shapes_lower_for_h200(preset):
         else:
             assert any(n.startswith("norm_matmul") or n.startswith("add_norm_matmul")
                        for n in names), names
+            mla_kernel = "mla_decode_attention_quantized" if kind else "mla_decode_attention"
+            assert mla_kernel in names, names
 
 
 def test_absorbed_core_takes_the_kernel_where_its_tiles_fit():
@@ -506,6 +510,14 @@ def test_absorbed_core_takes_the_kernel_where_its_tiles_fit():
     assert mla.MLA_CORE.pick(q, latent, lengths, plan, **kw).name == "pallas"
     got = mla.MLA_CORE(q, latent, lengths, plan, **kw).astype(jnp.float32)
     want = pk.mla_decode_attention_reference(q, latent, lengths, sm_scale=0.2, rope_dim=dr)
+    np.testing.assert_allclose(got, want.astype(jnp.float32), rtol=2e-2, atol=2e-2)
+    # an int8 latent: the kernel reads the codes and their scales [B, S, 2]
+    codes, scale = quantize_latent(latent.astype(jnp.float32), r, jnp.int8)
+    qkw = dict(kw, latent_scale=scale)
+    assert mla.MLA_CORE.pick(q, codes, lengths, plan, **qkw).name == "pallas"
+    got = mla.MLA_CORE(q, codes, lengths, plan, **qkw).astype(jnp.float32)
+    want = pk.mla_decode_attention_reference(q, codes, lengths, sm_scale=0.2, rope_dim=dr,
+                                             latent_scale=scale)
     np.testing.assert_allclose(got, want.astype(jnp.float32), rtol=2e-2, atol=2e-2)
     small = latent[..., : 16 + 8]
     assert mla.MLA_CORE.pick(q[..., :24], small, lengths, plan, sm_scale=0.2,
