@@ -79,7 +79,6 @@ def variants(quick: bool, kind: str = "bf16") -> list[tuple[str, pk.MLABlockSize
     if kind != "bf16":
         return [("default", None),
                 ("st3", mb(num_stages=3)),
-                ("bs64 st3", mb(block_s=64, num_stages=3)),
                 ("bs64 w8 st3", mb(block_s=64, num_warps=8, num_stages=3)),
                 ("bf16 partials", mb(q_dtype_partials=True))]
     return [("default", None),

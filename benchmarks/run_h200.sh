@@ -29,8 +29,9 @@
 #                                        # decode attention at D256 vs XLA / cuDNN), then
 #                                        # jaxinfer bench --preset gemma3-27b and gemma3-1b, B=1
 #   bash benchmarks/run_h200.sh mla      # benchmarks/mla.py: MLA decode attention (DeepSeek-V2-Lite
-#                                        # shapes, $MLA_SHAPES) vs XLA absorbed / expanded, then
-#                                        # the GPU tests of tests/test_mla.py
+#                                        # shapes, $MLA_SHAPES; $MLA_ARGS: e.g. --kinds int8,fp8
+#                                        # or --tune --kinds bf16) vs XLA absorbed / expanded,
+#                                        # then the GPU tests of tests/test_mla.py
 # Results: JSON lines in ${OUT:-.}/bench-<part>.jsonl; a table on stdout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -156,8 +157,9 @@ gemma() {  # Gemma: the attention kernels, then the two presets' B=1 decode agai
   done
 }
 mla() {  # the absorbed MLA decode kernel: speed and variants, then its GPU tests
+  # shellcheck disable=SC2086
   timeout "${MLA_TIMEOUT:-240}" python3 benchmarks/mla.py ${MLA_SHAPES:+--shapes "$MLA_SHAPES"} \
-    --json "$out/mla.jsonl" 2>&1 | grep -v '^{' | tail -"${MLA_TAIL:-70}"
+    ${MLA_ARGS:-} --json "$out/mla.jsonl" 2>&1 | grep -v '^{' | tail -"${MLA_TAIL:-70}"
   TESTS_TIMEOUT=120 gpu_tests tests/test_mla.py
 }
 for part in "${@:-ours}"; do "$part"; done

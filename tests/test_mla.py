@@ -38,7 +38,7 @@ def inputs(b, s, tq, h, rank, rope, dtype, seed=0):
 # One compiled program each (their eager ops would each compile).
 reference = jax.jit(mla_decode_attention_reference,
                     static_argnames=("sm_scale", "rope_dim", "interpret", "block_sizes"))
-quantize = jax.jit(quantize_latent, static_argnums=(1, 2))  # (latent, R, code dtype)
+quantize = jax.jit(quantize_latent, static_argnums=(1, 2, 3))  # (latent, R, codes, scales)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -112,18 +112,20 @@ def test_default_stages_fit_shared_memory():
                                                            q_bytes=4).q_dtype_partials
 
 
-@pytest.mark.parametrize("code, dtype",
-                         [(jnp.int8, jnp.float32), (jnp.float8_e4m3fn, jnp.bfloat16)],
-                         ids=["int8-f32", "fp8-bf16"])
-def test_quantized_latent_matches_reference_interpret(code, dtype):
-    """The kernel on int8 / fp8 codes with per-token scales (c_KV's and k_rope's) against the
-    reference on the same codes (dequantized to float32), split and unsplit, with k_rope at 20x
-    c_KV's magnitude (a shared scale would show); and the quantized result near the float
-    latent's (within the format's error, far from a wrong answer)."""
+@pytest.mark.parametrize("code, dtype, scale_dtype",
+                         [(jnp.int8, jnp.float32, jnp.float32),
+                          (jnp.float8_e4m3fn, jnp.bfloat16, jnp.float16)],
+                         ids=["int8-f32", "fp8-bf16-f16scales"])
+def test_quantized_latent_matches_reference_interpret(code, dtype, scale_dtype):
+    """The kernel on int8 / fp8 codes with per-token scales (c_KV's and k_rope's; float32 or
+    float16) against the reference on the same codes (dequantized to float32), split and
+    unsplit, with k_rope at 20x c_KV's magnitude (a shared scale would show); and the quantized
+    result near the float latent's (within the format's error, far from a wrong answer)."""
     b, s, tq, h, rank, rope = 3, 130, 3, 4, 64, 16
     q, latent = inputs(b, s, tq, h, rank, rope, dtype, seed=5)
     latent = latent.at[..., rank:].multiply(20.0)
-    codes, scale = quantize(latent.astype(jnp.float32), rank, code)  # [B, S, 80], [B, S, 2]
+    codes, scale = quantize(latent.astype(jnp.float32), rank, code,
+                            scale_dtype)  # [B, S, 80], [B, S, 2]
     lengths = jnp.asarray([130, 64, 3], jnp.int32)
     kw = dict(sm_scale=0.125, rope_dim=rope, latent_scale=scale)
     ref = reference(q, codes, lengths, **kw)
