@@ -108,8 +108,8 @@ def tune_variants(b: int, s: int) -> list[tuple[str, pk.MLABlockSizes]]:
     decode"), each one change from the default. B8 runs one program per SM (16 splits of 256
     slots) and writes a 32 KiB float32 partial per 295 KiB chunk read (+22% traffic with the
     merge's read): more programs with 16-bit partials, more bytes in flight per program (64-slot
-    tiles, 8 warps, 4 stages). B32 (8 splits of 1024) is nearer its floor: the same tiles,
-    fewer splits (less merge) and more."""
+    tiles, 8 warps, 4 stages). B32 (8 splits of 1024) is nearer its floor: the same tiles and
+    split counts (split_variants has half and twice the default at 4 warps)."""
     mb = pk.MLABlockSizes
     splits = mb().resolve(b, HEADS, RANK, s).num_splits
     most = s // 32
@@ -118,18 +118,21 @@ def tune_variants(b: int, s: int) -> list[tuple[str, pk.MLABlockSizes]]:
            ("bs64 w8 st2", mb(block_s=64, num_warps=8, num_stages=2)),
            ("bs16 st6", mb(block_s=16, num_stages=6)),
            ("bs64 st2 bf16 partials", mb(block_s=64, num_stages=2, q_dtype_partials=True))]
-    for n in sorted({min(most, 4 * splits), min(most, 8 * splits)} - {splits}):
-        out.append((f"bf16 partials splits{n}", mb(num_splits=n, q_dtype_partials=True)))
+    for n in sorted({min(most, 2 * splits), min(most, 3 * splits), min(most, 4 * splits)}
+                    - {splits}):
+        if n != min(most, 2 * splits):  # twice the splits: split_variants has it at 4 warps
+            out.append((f"bf16 partials splits{n}", mb(num_splits=n, q_dtype_partials=True)))
         out.append((f"bf16 partials w8 splits{n}",
                     mb(num_splits=n, num_warps=8, q_dtype_partials=True)))
-    if splits > 2:
-        out.append((f"splits{splits // 4 or 1}", mb(num_splits=splits // 4 or 1)))
     return out
 
 
-def merge_only(b: int, splits: int, q_dtype_partials: bool):
-    """The split merge alone as the kernel's wrapper runs it (XLA), on partials of the
-    default tiling: (fn, args, bytes it reads)."""
+def merge_only(b: int, splits: int, q_dtype_partials: bool, weights_first: bool = False):
+    """The split merge alone on partials of the default tiling: (fn, args, bytes it reads).
+    weights_first=False: as the kernel's wrapper runs it (_merge_splits; 16-bit partials
+    rescaled by l first); True, a candidate form: each chunk's weight l_c 2^(m_c - M) / L
+    first (a [B, splits, rows] array), then one weighted sum over the partials (for float32
+    ones a chunk with l = 0 would need a guard; the timing's l are >= 1)."""
     rows, dtype = HEADS, jnp.bfloat16 if q_dtype_partials else jnp.float32
     k = jax.random.split(jax.random.PRNGKey(splits), 3)
     acc = jax.random.normal(k[0], (b, splits, rows, RANK)).astype(dtype)
@@ -143,8 +146,18 @@ def merge_only(b: int, splits: int, q_dtype_partials: bool):
         out = _merge_splits(acc[:, None], m[:, None], l[:, None])[:, 0]
         return out.astype(jnp.bfloat16)
 
+    @jax.jit
+    def merge_weights_first(acc, m, l):
+        w = l * jnp.exp2(m - jnp.max(m, axis=1, keepdims=True))  # [B, splits, rows]
+        if not q_dtype_partials:  # unnormalized float32 partials: their own l divides
+            w = w / l
+        w = w / jnp.sum(l * jnp.exp2(m - jnp.max(m, axis=1, keepdims=True)), axis=1,
+                        keepdims=True)
+        out = jnp.einsum("bcr,bcrd->brd", w, acc, preferred_element_type=jnp.float32)
+        return out.astype(jnp.bfloat16)
+
     nbytes = acc.size * acc.dtype.itemsize + 2 * m.size * 4
-    return merge, [(acc, m, l)], nbytes
+    return (merge_weights_first if weights_first else merge), [(acc, m, l)], nbytes
 
 
 def expanded_attention(q_nope, q_rope, latent, lengths, w_uk, w_uv, sm_scale):
@@ -256,10 +269,13 @@ def bench_shape(b: int, s: int, quick: bool, interpret: bool, kinds=("bf16",),
     if tune and not quick:  # the merge alone at the default tiling: its share of the call
         splits = pk.MLABlockSizes().resolve(b, HEADS, RANK, s).num_splits
         for partials in (False, True) if splits > 1 else ():
-            fn, margs, mbytes = merge_only(b, splits, partials)
-            guarded(f"merge {shape}", measure,
-                    f"merge only, splits{splits} {'bf16' if partials else 'f32'} partials",
-                    "bf16", fn, margs, lambda out: 0.0, mbytes)
+            want = merge_only(b, splits, partials)[0](*merge_only(b, splits, partials)[1][0])
+            for first in (False, True):
+                fn, margs, mbytes = merge_only(b, splits, partials, first)
+                guarded(f"merge {shape}", measure,
+                        f"merge only{' (weights first)' if first else ''}, splits{splits} "
+                        f"{'bf16' if partials else 'f32'} partials", "bf16", fn, margs,
+                        lambda out, want=want: rel_err(out, want), mbytes)
     del sets
 
 
