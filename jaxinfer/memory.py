@@ -225,8 +225,10 @@ def check_request(config, batch: int, prompt_len: int, cache_len: int, chunk: in
     if jax.devices()[0].platform == "cpu":
         keys = prompt_len if chunk >= prompt_len else cache_len
         work += 2 * tokens * config.num_heads * keys * 4
-        if kv_dtype:
-            work += 2 * batch * cache_len * config.num_kv_heads * config.head_dim * 4
+        if kv_dtype:  # one layer's cache dequantized: K and V, or an MLA latent
+            per_slot = (config.mla.latent_dim if config.mla is not None
+                        else 2 * config.num_kv_heads * config.head_dim)
+            work += batch * cache_len * per_slot * 4
     devices = None
     if sharding is not None:
         work //= sharding.dp if batch % sharding.dp == 0 else 1  # rows over dp
