@@ -119,8 +119,9 @@ def test_default_stages_fit_shared_memory():
 def test_quantized_latent_matches_reference_interpret(code, dtype, scale_dtype):
     """The kernel on int8 / fp8 codes with per-token scales (c_KV's and k_rope's; float32 or
     float16) against the reference on the same codes (dequantized to float32), split and
-    unsplit, with k_rope at 20x c_KV's magnitude (a shared scale would show); and the quantized
-    result near the float latent's (within the format's error, far from a wrong answer)."""
+    unsplit and with R in two column blocks, with k_rope at 20x c_KV's magnitude (a shared
+    scale would show); and the quantized result near the float latent's (within the format's
+    error, far from a wrong answer)."""
     b, s, tq, h, rank, rope = 3, 130, 3, 4, 64, 16
     q, latent = inputs(b, s, tq, h, rank, rope, dtype, seed=5)
     latent = latent.at[..., rank:].multiply(20.0)
@@ -129,11 +130,11 @@ def test_quantized_latent_matches_reference_interpret(code, dtype, scale_dtype):
     lengths = jnp.asarray([130, 64, 3], jnp.int32)
     kw = dict(sm_scale=0.125, rope_dim=rope, latent_scale=scale)
     ref = reference(q, codes, lengths, **kw)
-    for splits in (1, 3):
-        out = mla_decode_attention(q, codes, lengths, interpret=True,
-                                   block_sizes=MLABlockSizes(block_s=16, num_splits=splits),
-                                   **kw)
-        assert rel_err(out, ref) < TOL[dtype], splits
+    for blocks in (MLABlockSizes(block_s=16, num_splits=1), MLABlockSizes(block_s=16,
+                                                                          num_splits=3),
+                   MLABlockSizes(block_s=16, block_r=32, num_splits=2)):  # R in two blocks
+        out = mla_decode_attention(q, codes, lengths, interpret=True, block_sizes=blocks, **kw)
+        assert rel_err(out, ref) < TOL[dtype], blocks
     exact = reference(q.astype(jnp.float32), latent.astype(jnp.float32), lengths,
                       sm_scale=0.125, rope_dim=rope)
     err = rel_err(ref, exact)
@@ -294,6 +295,9 @@ LOWERING_CASES = {
                             S((8,), I32), S((8, 4096, 2), F32)), None),
     "v2-lite int8 latent unsplit": ((S((8, 1, 16, 576), BF16), S((8, 300, 576), jnp.int8),
                                      S((8,), I32), S((8, 300, 2), F32)), None),
+    "v3 Tq2 H128 int8 latent, f16 scales": ((S((4, 2, 128, 576), BF16),
+                                             S((4, 8192, 576), jnp.int8), S((4,), I32),
+                                             S((4, 8192, 2), jnp.float16)), None),
     "bs64 w8 st2": ((S((8, 1, 16, 576), BF16), S((8, 4096, 576), BF16), S((8,), I32)),
                     MLABlockSizes(block_s=64, num_warps=8, num_stages=2)),
     "bf16 partials, R split": ((S((8, 1, 16, 576), BF16), S((8, 4096, 576), BF16),
@@ -336,9 +340,12 @@ def test_kernel_matches_reference_gpu(dtype, tq, h):
 
 @gpu
 @pytest.mark.parametrize("code", [jnp.int8, jnp.float8_e4m3fn], ids=["int8", "fp8"])
-@pytest.mark.parametrize("s", [400, 5000], ids=["unsplit", "split"])
-def test_quantized_latent_matches_reference_gpu(code, s):
-    q, latent = inputs(4, s, 1, 16, 512, 64, jnp.bfloat16, seed=31)
+@pytest.mark.parametrize("s, tq, h", [(400, 1, 16), (5000, 1, 16), (5000, 2, 128)],
+                         ids=["v2-unsplit", "v2-split", "v3-tq2"])
+def test_quantized_latent_matches_reference_gpu(code, s, tq, h):
+    """The compiled kernel on codes at DeepSeek-V2-Lite shapes (H 16, R 512, Dr 64) and V3's
+    128 heads x Tq 2 (row blocks of 64, R in two halves) against the reference."""
+    q, latent = inputs(4, s, tq, h, 512, 64, jnp.bfloat16, seed=31)
     codes, scale = quantize(latent.astype(jnp.float32), 512, code)
     lengths = jnp.asarray([s, 1, s // 3, s - 7], jnp.int32)
     kw = dict(sm_scale=0.07, latent_scale=scale)
