@@ -324,6 +324,8 @@ def main(argv=None) -> int:
                     help="latent kinds, of bf16, int8, fp8 (default: all three)")
     ap.add_argument("--tune", action="store_true",
                     help="also the bf16 tuning candidates and the merge alone")
+    ap.add_argument("--budget", type=float, default=None, metavar="S",
+                    help="start no new shape after S seconds (the table still prints)")
     args = ap.parse_args(argv)
     kinds = tuple(args.kinds.split(","))
     bad = [k for k in kinds if k not in KINDS]
@@ -341,6 +343,9 @@ def main(argv=None) -> int:
         shapes = tuple(sh for sh in shapes if sh in want)
     t0 = time.time()
     for b, s in shapes:
+        if args.budget is not None and time.time() - t0 > args.budget:
+            print(f"[budget of {args.budget:.0f}s spent: B{b} S{s} and later shapes skipped]")
+            break
         guarded(f"mla B{b} S{s}", bench_shape, b, s, args.quick, interpret, kinds, args.tune)
         print(f"[B{b} S{s} done at {time.time() - t0:.0f}s]", flush=True)
         if args.json:  # after each shape, so a run cut short still leaves its numbers

@@ -159,7 +159,8 @@ gemma() {  # Gemma: the attention kernels, then the two presets' B=1 decode agai
 mla() {  # the absorbed MLA decode kernel: speed and variants, then its GPU tests
   # shellcheck disable=SC2086
   timeout "${MLA_TIMEOUT:-240}" python3 benchmarks/mla.py ${MLA_SHAPES:+--shapes "$MLA_SHAPES"} \
-    ${MLA_ARGS:-} --json "$out/mla.jsonl" 2>&1 | grep -v '^{' | tail -"${MLA_TAIL:-70}"
+    --budget $(( ${MLA_TIMEOUT:-240} - 100 )) ${MLA_ARGS:-} --json "$out/mla.jsonl" 2>&1 \
+    | grep -v '^{' | tail -"${MLA_TAIL:-70}"
   TESTS_TIMEOUT=120 gpu_tests tests/test_mla.py
 }
 for part in "${@:-ours}"; do "$part"; done
