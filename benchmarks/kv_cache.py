@@ -2,6 +2,8 @@
 
     PYTHONPATH=. python3 benchmarks/kv_cache.py [--json F]     # the H200: Llama-3-8B shapes
     PYTHONPATH=. python3 benchmarks/kv_cache.py --small        # any CPU, tiny shapes, seconds
+    PYTHONPATH=. python3 benchmarks/kv_cache.py --preset deepseek-v2-lite --context 8192
+                                            # the MLA latent cache (int8 / fp8 codes + 2 scales)
 
 Part 1: batch-1 decode at a long context (32k) through `jaxinfer bench`'s measurement
 (jaxinfer/bench.py: random weights of the preset's shapes), one run per cache dtype in one
@@ -11,6 +13,10 @@ model-dtype cache, and the relative error of the logits along the unquantized ru
 (teacher-forced, so one early flip does not hide the rest); where a row's tokens part, the
 unquantized logits' gap between the two choices (a near tie is the expected cause). One JSON
 line per result (--json: also to a file), then a table.
+
+An MLA preset (DeepSeek) runs the same parts on its latent cache; part 2's model is then the
+tiny DeepSeek-V2 test checkpoint (MLA + MoE, random weights: no download), and --small takes
+that checkpoint's shapes for part 1 too.
 """
 
 from __future__ import annotations
@@ -35,8 +41,9 @@ from jaxinfer.plan import Plan
 from jaxinfer.prompts import encode
 from jaxinfer.weights import init_params
 
-FIXTURE = pathlib.Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "data" / "hf" \
-    / "llama_gqa_tied_llama3"
+HF_FIXTURES = pathlib.Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "data" / "hf"
+FIXTURE = HF_FIXTURES / "llama_gqa_tied_llama3"
+MLA_FIXTURE = HF_FIXTURES / "deepseek_v2"  # the tiny checkpoint of MLA presets
 PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.",
            "Explain in one sentence why the sky is blue.", "Name three prime numbers.")
 
@@ -141,8 +148,9 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=32768)
     p.add_argument("--gen-len", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--model", default="smollm2-135m-instruct",
-                   help="the model of part 2 (greedy fidelity)")
+    p.add_argument("--model", default=None,
+                   help="the model of part 2 (greedy fidelity; default smollm2-135m-instruct, "
+                        "for an MLA preset or --small a tiny test checkpoint)")
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--kv-cache-dtypes", default="auto,int8,fp8")
     p.add_argument("--skip", choices=("decode", "greedy"), default=None)
@@ -156,6 +164,8 @@ def main(argv=None) -> int:
             p.error(f"--kv-cache-dtypes takes auto, int8, fp8; got {kind!r}")
     dtype = default_dtype()
     rows = []
+    mla = PRESETS[args.preset].mla is not None
+    fixture = MLA_FIXTURE if mla else FIXTURE
 
     def emit(row):
         rows.append(row)
@@ -163,7 +173,11 @@ def main(argv=None) -> int:
 
     if args.skip != "decode":
         name, context, gen_len = args.preset, args.context, args.gen_len
-        if args.small:
+        if args.small and mla:  # the tiny checkpoint's shapes (MLA and MoE sized together)
+            config = jaxinfer.load(str(fixture), dtype=dtype).config
+            name, context, gen_len = f"{args.preset} ({fixture.name} shapes)", 256, 16
+            model = small_random_model(config)
+        elif args.small:
             config = PRESETS[args.preset].replace(
                 dtype=dtype, num_layers=2, hidden_size=256, intermediate_size=512, num_heads=4,
                 num_kv_heads=2, head_dim=64, vocab_size=512)
@@ -176,7 +190,8 @@ def main(argv=None) -> int:
                               None if kind == "auto" else kind))
         del model
     if args.skip != "greedy":
-        source = str(FIXTURE) if args.small else args.model
+        source = args.model or (str(fixture) if args.small or mla
+                                else "smollm2-135m-instruct")
         model = jaxinfer.load(source, dtype=dtype)
         prompts = PROMPTS
         if model.tokenizer is None:  # the tiny fixture: token-id prompts of four lengths

@@ -33,8 +33,9 @@
 #                                        # vs ep 2 at B=1 and 32, then the 2-GPU test
 #                                        # ($MULTI: a subset of multi8b multi70b multiep)
 #   bash benchmarks/run_h200.sh mla      # benchmarks/mla.py: MLA decode attention (DeepSeek-V2-Lite
-#                                        # shapes, $MLA_SHAPES) vs XLA absorbed / expanded, then
-#                                        # the GPU tests of tests/test_mla.py
+#                                        # shapes, $MLA_SHAPES; $MLA_ARGS: e.g. --kinds int8,fp8
+#                                        # or --tune --kinds bf16) vs XLA absorbed / expanded,
+#                                        # then the GPU tests of tests/test_mla.py
 # Results: JSON lines in ${OUT:-.}/bench-<part>.jsonl; a table on stdout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -160,8 +161,10 @@ gemma() {  # Gemma: the attention kernels, then the two presets' B=1 decode agai
   done
 }
 mla() {  # the absorbed MLA decode kernel: speed and variants, then its GPU tests
+  # shellcheck disable=SC2086
   timeout "${MLA_TIMEOUT:-240}" python3 benchmarks/mla.py ${MLA_SHAPES:+--shapes "$MLA_SHAPES"} \
-    --json "$out/mla.jsonl" 2>&1 | grep -v '^{' | tail -"${MLA_TAIL:-70}"
+    --budget $(( ${MLA_TIMEOUT:-240} - 100 )) ${MLA_ARGS:-} --json "$out/mla.jsonl" 2>&1 \
+    | grep -v '^{' | tail -"${MLA_TAIL:-70}"
   TESTS_TIMEOUT=120 gpu_tests tests/test_mla.py
 }
 multi8b() {  # tensor parallel against one GPU, same call

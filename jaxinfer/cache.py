@@ -9,7 +9,8 @@ per-layer slice copies that indexing a stacked array makes XLA emit (benchmarks/
 `QuantizedKVLayer` (int8 / fp8 codes with a scale per token and head, about half the bytes of
 a 16-bit cache: the decode kernels read the codes and dequantize in registers), or for MLA
 models (config.mla) `LatentLayer`: one latent per token instead of per-head K/V (`LatentCache`,
-which `KVCache.init` builds for those configs).
+which `KVCache.init` builds for those configs), or `QuantizedLatentLayer`: its int8 / fp8 codes
+with a scale per token for each of its two parts.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import jax.numpy as jnp
 
 from jaxinfer import pytree
 from jaxinfer.configs import Config
-from pallas_kernels.kv_quant import SCALE_DTYPES, quantize_kv
+from pallas_kernels.kv_quant import (SCALE_DTYPES, dequantize_latent, quantize_kv,
+                                     quantize_latent)
 
 # kv_dtype names -> code dtypes (None: the activations' dtype, unquantized)
 KV_DTYPES = types.MappingProxyType({"int8": jnp.dtype(jnp.int8),
@@ -97,7 +99,8 @@ class KVCache:
                              f"got {batch_size} and {max_seq_len}")
         check_kv_dtype(kv_dtype)
         if config.mla is not None:  # MLA caches its latent, not per-head K/V
-            return LatentCache.init(config, batch_size, max_seq_len, dtype, kv_dtype)
+            return LatentCache.init(config, batch_size, max_seq_len, dtype, kv_dtype,
+                                    scale_dtype)
         shape = (batch_size, max_seq_len, config.num_kv_heads, config.head_dim)
         dtype = KV_DTYPES[kv_dtype] if kv_dtype else jnp.dtype(dtype or config.dtype)
         k = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
@@ -154,41 +157,88 @@ class LatentLayer:
         rows = jnp.arange(latent.shape[0])[:, None]  # [B, 1]
         return LatentLayer(_scatter(self.latent, rows, positions, latent))
 
+    def values(self) -> jax.Array:
+        """The latent as stored [B, S, R + Dr]."""
+        return self.latent
+
+
+@pytree.dataclass
+class QuantizedLatentLayer:
+    """One MLA layer's latent as int8 / fp8 codes: value = code * scale, one scale per token
+    for its c_kv and one for its k_rope, each absmax / qmax of its part (kv_quant.py)."""
+
+    latent: jax.Array  # [B, S, R + Dr] int8 or float8_e4m3fn
+    scale: jax.Array  # [B, S, 2] float32 or float16: c_kv's, then k_rope's
+    rank: int = pytree.static_field()  # R: where c_kv ends and k_rope begins
+
+    def append(self, latent: jax.Array, positions: jax.Array) -> QuantizedLatentLayer:
+        """New latents [B, T, R + Dr] quantized and written to slots `positions` [B, T] (past
+        the end: dropped, as KVLayer.append)."""
+        rows = jnp.arange(latent.shape[0])[:, None]  # [B, 1]
+        codes, scale = quantize_latent(latent, self.rank, self.latent.dtype, self.scale.dtype)
+        return QuantizedLatentLayer(_scatter(self.latent, rows, positions, codes),
+                                    _scatter(self.scale, rows, positions, scale), self.rank)
+
+    def values(self) -> jax.Array:
+        """The latent dequantized, float32 [B, S, R + Dr]."""
+        return dequantize_latent(self.latent, self.scale, self.rank)
+
 
 @pytree.dataclass
 class LatentCache:
     """The latent cache of an MLA model: kv_lora_rank + qk_rope_head_dim values per token and
-    layer (DeepSeek-V2-Lite: 576, against 16 heads x (192 + 128) = 5120 for per-head K/V)."""
+    layer (DeepSeek-V2-Lite: 576, against 16 heads x (192 + 128) = 5120 for per-head K/V), or
+    with kv_dtype "int8" / "fp8" as many 1-byte codes and two scales."""
 
-    latent: tuple[jax.Array, ...]  # per layer [B, S, R + Dr]
+    latent: tuple[jax.Array, ...]  # per layer [B, S, R + Dr]: values, or codes when quantized
     lengths: jax.Array  # [B] int32: valid slots per sequence (= next write position)
+    scale: tuple[jax.Array, ...] = ()  # per layer [B, S, 2] when quantized, else empty
+    rank: int = pytree.static_field(0)  # R (kv_lora_rank): c_kv's width in the latent
 
     @classmethod
     def init(cls, config: Config, batch_size: int, max_seq_len: int, dtype=None,
-             kv_dtype: str | None = None) -> LatentCache:
+             kv_dtype: str | None = None, scale_dtype=jnp.float32) -> LatentCache:
+        """Zeroed cache: latents in `dtype` (default the model's), or with kv_dtype "int8" /
+        "fp8" codes with `scale_dtype` (float32 or float16) scales per token and part."""
         if config.mla is None:
             raise ValueError("LatentCache is the cache of MLA models (config.mla)")
         if batch_size < 1 or max_seq_len < 1:
             raise ValueError(f"LatentCache needs batch_size >= 1 and max_seq_len >= 1, "
                              f"got {batch_size} and {max_seq_len}")
-        if check_kv_dtype(kv_dtype) is not None:
-            raise ValueError(f"kv_dtype={kv_dtype!r}: a quantized latent cache (MLA) is not "
-                             f"supported yet; use kv_dtype=None")
         shape = (batch_size, max_seq_len, config.mla.latent_dim)
-        dtype = jnp.dtype(dtype or config.dtype)
+        kv_dtype = check_kv_dtype(kv_dtype)
+        dtype = KV_DTYPES[kv_dtype] if kv_dtype else jnp.dtype(dtype or config.dtype)
+        scale = ()
+        if kv_dtype:
+            scale_dtype = jnp.dtype(scale_dtype)
+            if scale_dtype not in SCALE_DTYPES:
+                raise ValueError(f"LatentCache scale_dtype must be float32 or float16, got "
+                                 f"{scale_dtype}")
+            # Two scales per token, not one for all R + Dr: k_rope is not RMS-normed as c_kv
+            # is, so its range may differ; the fixtures measured the same error either way.
+            scale = tuple(jnp.zeros((*shape[:2], 2), scale_dtype)
+                          for _ in range(config.num_layers))
         return cls(latent=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
-                   lengths=jnp.zeros((batch_size,), jnp.int32))
+                   lengths=jnp.zeros((batch_size,), jnp.int32), scale=scale,
+                   rank=config.mla.kv_lora_rank)
 
     @property
     def quantized(self) -> bool:
-        return False
+        return bool(self.scale)
 
-    def layer(self, i: int) -> LatentLayer:
+    def layer(self, i: int) -> LatentLayer | QuantizedLatentLayer:
+        if self.quantized:
+            return QuantizedLatentLayer(self.latent[i], self.scale[i], self.rank)
         return LatentLayer(self.latent[i])
 
-    def with_layers(self, layers: Sequence[LatentLayer]) -> LatentCache:
-        return self.replace(latent=tuple(c.latent for c in layers))
+    def with_layers(self, layers: Sequence[LatentLayer | QuantizedLatentLayer]) -> LatentCache:
+        new = self.replace(latent=tuple(c.latent for c in layers))
+        if self.quantized:
+            new = new.replace(scale=tuple(c.scale for c in layers))
+        return new
 
     def nbytes(self) -> int:
-        """Bytes the latent arrays hold (allocated, not only the valid slots)."""
-        return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in self.latent)
+        """Bytes the latent arrays (and a quantized cache's scales) hold (allocated, not only
+        the valid slots); also for a cache of jax.ShapeDtypeStructs (jax.eval_shape)."""
+        return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize
+                   for a in (*self.latent, *self.scale))

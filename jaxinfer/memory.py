@@ -183,9 +183,11 @@ def check_sharded_load(config, dtype: str, sharding, stored_bytes: int | None = 
 def kv_bytes_per_token(config, kv_dtype: str | None = None) -> int:
     """Cache bytes one token takes over all layers: K and V in the model's dtype, or 1-byte
     codes plus a float32 scale per KV head (int8 / fp8); an MLA model's latent (c_kv and the
-    shared RoPE key) in the model's dtype."""
+    shared RoPE key) in the model's dtype, or 1-byte codes plus two float32 scales."""
     if config.mla is not None:
-        return config.num_layers * config.mla.latent_dim * itemsize(config.dtype)
+        latent = config.mla.latent_dim
+        return config.num_layers * (latent + 2 * 4 if kv_dtype
+                                    else latent * itemsize(config.dtype))
     per_head = (config.head_dim + 4) if kv_dtype else config.head_dim * itemsize(config.dtype)
     return 2 * config.num_layers * config.num_kv_heads * per_head
 
@@ -223,8 +225,10 @@ def check_request(config, batch: int, prompt_len: int, cache_len: int, chunk: in
     if jax.devices()[0].platform == "cpu":
         keys = prompt_len if chunk >= prompt_len else cache_len
         work += 2 * tokens * config.num_heads * keys * 4
-        if kv_dtype:
-            work += 2 * batch * cache_len * config.num_kv_heads * config.head_dim * 4
+        if kv_dtype:  # one layer's cache dequantized: K and V, or an MLA latent
+            per_slot = (config.mla.latent_dim if config.mla is not None
+                        else 2 * config.num_kv_heads * config.head_dim)
+            work += batch * cache_len * per_slot * 4
     devices = None
     if sharding is not None:
         work //= sharding.dp if batch % sharding.dp == 0 else 1  # rows over dp

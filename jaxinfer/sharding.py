@@ -337,7 +337,8 @@ def latent_spec(shape, sharding: Sharding) -> PartitionSpec:
 
 def cache_shardings(cache, sharding: Sharding):
     """NamedShardings of a KVCache / LatentCache (or one of its layers), the same pytree."""
-    from jaxinfer.cache import KVCache, KVLayer, LatentCache, LatentLayer, QuantizedKVLayer
+    from jaxinfer.cache import (KVCache, KVLayer, LatentCache, LatentLayer, QuantizedKVLayer,
+                                QuantizedLatentLayer)
 
     def kv(a):
         return sharding.named(kv_spec(a.shape, sharding))
@@ -352,10 +353,11 @@ def cache_shardings(cache, sharding: Sharding):
                              lengths=batch_sharding(cache.lengths.shape, sharding))
     if isinstance(cache, LatentCache):
         return cache.replace(latent=tuple(map(latent, cache.latent)),
+                             scale=tuple(map(latent, cache.scale)),
                              lengths=batch_sharding(cache.lengths.shape, sharding))
     if isinstance(cache, KVLayer | QuantizedKVLayer):
         return jax.tree.map(kv, cache)
-    if isinstance(cache, LatentLayer):
+    if isinstance(cache, LatentLayer | QuantizedLatentLayer):
         return jax.tree.map(latent, cache)
     raise ValueError(f"cache_shardings: not a cache: {type(cache).__name__}")
 

@@ -2,6 +2,8 @@
 
     quantize_kv(x [..., D], dtype, scale_dtype)  -> (codes [..., D], scale [...])
     dequantize_kv(codes [..., D], scale [...])    -> float32 [..., D]
+    quantize_latent / dequantize_latent              an MLA latent [..., R + Dr]: the same with
+                                                     one scale per part (c_kv, k_rope): [..., 2]
 
 Symmetric absmax scaling, scale = max|x| / qmax (127 for int8, 448 for e4m3) per (token, head),
 so one token's outlier channel costs only that row's precision and nothing saturates; a row of
@@ -56,6 +58,21 @@ def quantize_kv(x: jax.Array, dtype, scale_dtype=jnp.float32) -> tuple[jax.Array
 def dequantize_kv(codes: jax.Array, scale: jax.Array) -> jax.Array:
     """codes [..., D] * scale [...] in float32."""
     return codes.astype(jnp.float32) * scale.astype(jnp.float32)[..., None]
+
+
+def quantize_latent(latent: jax.Array, rank: int, dtype, scale_dtype=jnp.float32
+                    ) -> tuple[jax.Array, jax.Array]:
+    """An MLA latent [..., R + Dr] (c_kv, then k_rope) -> (codes [..., R + Dr] of `dtype`,
+    scale [..., 2] of `scale_dtype`: c_kv's, then k_rope's), each part scaled by its own absmax."""
+    (c, cs), (r, rs) = (quantize_kv(x, dtype, scale_dtype)
+                        for x in (latent[..., :rank], latent[..., rank:]))
+    return jnp.concatenate([c, r], axis=-1), jnp.stack([cs, rs], axis=-1)
+
+
+def dequantize_latent(codes: jax.Array, scale: jax.Array, rank: int) -> jax.Array:
+    """codes [..., R + Dr] with scale [..., 2] (quantize_latent's) -> float32 [..., R + Dr]."""
+    return jnp.concatenate([dequantize_kv(codes[..., :rank], scale[..., 0]),
+                            dequantize_kv(codes[..., rank:], scale[..., 1])], axis=-1)
 
 
 def reference_operands(k_cache, v_cache, k_scale, v_scale, q_dtype):

@@ -20,9 +20,14 @@ itself). For many heads (DeepSeek-V3's 128) the rows are cut into blocks of bloc
 blocks of block_r, across programs, so the [block_m, block_r] float32 accumulator stays in
 registers; the programs of one chunk then read its tiles from L2.
 
-An int8 / fp8 latent cache (codes in `latent`, one scale per token [B, S], value = code *
-scale, kv_quant.py) is read as codes: the tile is converted to the query's dtype in registers
-(exactly), the scores are scaled per token and so are the probabilities before the PV product.
+An int8 / fp8 latent cache (codes in `latent`, per token one scale for c_KV and one for k_rope,
+latent_scale [B, S, 2], kv_quant.quantize_latent) is read as codes, each byte once: the tile is
+converted to the query's dtype in registers (exactly), and the scales never touch the tile:
+
+    scores[h, s] = (q_lat . codes_R[s]) * scale_R[s] + (q_rope . codes_Dr[s]) * scale_Dr[s]
+    out[h]       = sum_s (p[h, s] * scale_R[s]) codes_R[s]
+
+so each scale multiplies a score column, and c_KV's again the probabilities before P @ codes.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from pallas_kernels._common import (FLOAT_DTYPES, LOG2_E, MASK_VALUE, check_arra
                                      is_pow2, multiple_of, next_pow2, ref_precision)
 from pallas_kernels._jax_private import is_tracer
 from pallas_kernels.decode_attention import _merge_splits, choose_num_splits
-from pallas_kernels.kv_quant import CODE_DTYPES, SCALE_DTYPES, codes_as, dequantize_kv
+from pallas_kernels.kv_quant import CODE_DTYPES, SCALE_DTYPES, codes_as, dequantize_latent
 
 OP = "mla_decode_attention"
 SMEM_BYTES = 232448  # shared memory one block may opt in to on Hopper (H100 / H200)
@@ -135,7 +140,7 @@ def mla_decode_kernel(len_ref, q_ref, lat_ref, *refs, qk_scale: float, chunk: in
     #   lie past the array and are masked to zero on load
     # lat_ref [S_pad, R + Dr]: the sequence's latent rows (codes when quantized); rows >=
     #   lengths[b] are never read
-    # sc_ref [S_pad] (quantized): the rows' scales
+    # sc_ref [S_pad, 2] (quantized): the rows' scales, c_KV's then k_rope's
     # split: acc_ref [block_m, block_r] (float32, or q's dtype normalized), m_ref, l_ref
     #   [block_m] (float32): this chunk's partials; else o_ref [block_m, block_r] in q's dtype
     if quantized:
@@ -173,11 +178,15 @@ def mla_decode_kernel(len_ref, q_ref, lat_ref, *refs, qk_scale: float, chunk: in
                              mask=in_chunk[:, None], other=fill)  # [block_s, block_r]
         if quantized:
             lat, rope, val = (codes_as(x, dtype) for x in (lat, rope, val))
-        s = dot_f32(q_lat, lat, trans_b=True) + dot_f32(q_rope, rope, trans_b=True)  # [bm, bs]
-        if quantized:
-            scale = plgpu.load(sc_ref.at[pl.ds(base, block_s)], mask=in_chunk,
-                               other=0).astype(jnp.float32)  # [block_s]
-            s = s * scale[None, :]
+        s_lat = dot_f32(q_lat, lat, trans_b=True)  # [bm, block_s]
+        s_rope = dot_f32(q_rope, rope, trans_b=True)  # [bm, block_s]
+        if quantized:  # the codes' scores column-scaled: each part by its own scale
+            scale, scale_rope = (plgpu.load(sc_ref.at[pl.ds(base, block_s), jnp.int32(part)],
+                                            mask=in_chunk, other=0.0).astype(jnp.float32)
+                                 for part in (0, 1))  # [block_s] each
+            s = s_lat * scale[None, :] + s_rope * scale_rope[None, :]
+        else:
+            s = s_lat + s_rope
         visible = in_chunk[None, :] & (pos[None, :] < limit[:, None])  # [bm, block_s]
         s = jnp.where(visible, s * qk_scale, MASK_VALUE)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
@@ -186,7 +195,7 @@ def mla_decode_kernel(len_ref, q_ref, lat_ref, *refs, qk_scale: float, chunk: in
         # chunk past its limit) keeps l = 0, acc = 0 instead of exp2(0) = 1 per hidden slot.
         p = jnp.where(visible, jnp.exp2(s - m_new[:, None]), 0.0)  # [bm, block_s]
         l = l * alpha + jnp.sum(p, axis=-1)
-        if quantized:
+        if quantized:  # c_KV's scale folded into p: P @ codes is the dequantized product
             p = p * scale[None, :]
         acc = acc * alpha[:, None] + dot_f32(p.astype(dtype), val)
         return acc, m_new, l
@@ -236,8 +245,9 @@ def _validate(q, latent, lengths, sm_scale, latent_scale, rope_dim) -> tuple[int
             raise ValueError(f"{OP}: q {q.dtype} and latent {latent.dtype} must share one "
                              f"dtype (or pass latent_scale with int8 / fp8 codes)")
     else:
-        if not hasattr(latent_scale, "shape") or tuple(latent_scale.shape) != (b, s):
-            raise ValueError(f"{OP}: latent_scale must be [B, S] = {(b, s)}, got "
+        if not hasattr(latent_scale, "shape") or tuple(latent_scale.shape) != (b, s, 2):
+            raise ValueError(f"{OP}: latent_scale must be [B, S, 2] = {(b, s, 2)} (per token "
+                             f"c_KV's and k_rope's scale, kv_quant.quantize_latent), got "
                              f"{tuple(getattr(latent_scale, 'shape', ()))}")
         if jnp.dtype(latent_scale.dtype) not in SCALE_DTYPES:
             raise ValueError(f"{OP}: latent_scale has dtype {latent_scale.dtype}, expected "
@@ -258,8 +268,9 @@ def mla_decode_attention(q, latent, lengths, *, sm_scale: float, interpret: bool
     """q [B, Tq, H, R + Dr] (the absorbed queries: W_UK-folded q_nope, then q_rope) against
     latent [B, S, R + Dr] (c_KV, then k_rope) at slots < lengths[b] - (Tq - 1 - t) for query t
     (lengths [B] int32 in [0, S]; a query that sees no slot gets zeros). rope_dim = Dr
-    (DeepSeek-V2/V3: 64). latent_scale [B, S] (float32 / float16): latent holds int8 / fp8
-    codes, value = code * scale. Returns softmax(q . latent * sm_scale) @ latent[..., :R]
+    (DeepSeek-V2/V3: 64). latent_scale [B, S, 2] (float32 / float16): latent holds int8 / fp8
+    codes, value = code * scale (latent_scale[..., 0] for the first R columns, [..., 1] for
+    the last Dr: kv_quant.quantize_latent). Returns softmax(q . latent * sm_scale) @ latent[..., :R]
     [B, Tq, H, R] in q's dtype (float32 softmax statistics)."""
     rank, rope_dim = _validate(q, latent, lengths, sm_scale, latent_scale, rope_dim)
     for name, val in (("R (latent rank)", rank), ("Dr (rope_dim)", rope_dim)):
@@ -297,7 +308,7 @@ def _mla_triton(q, latent, lengths, latent_scale, *, qk_scale, rank, tiling: MLA
                 pl.BlockSpec((None, s_pad, d), lambda p, i, c: (i, 0, 0))]
     args = [lengths, q.reshape(b, rows, d), latent]  # q [B, Tq x H, R + Dr]: a bitcast
     if quantized:
-        in_specs.append(pl.BlockSpec((None, s_pad), lambda p, i, c: (i, 0)))
+        in_specs.append(pl.BlockSpec((None, s_pad, 2), lambda p, i, c: (i, 0, 0)))
         args.append(latent_scale)
     row_block = lambda p, i, c: (i, c, p // r_blocks)  # noqa: E731
     if split:
@@ -341,12 +352,13 @@ def mla_decode_attention_reference(q, latent, lengths, *, sm_scale: float,
                                    interpret: bool = False, block_sizes=None, latent_scale=None,
                                    rope_dim: int = 64):
     """Plain jnp with the same signature (interpret and block_sizes are ignored); a quantized
-    latent is dequantized to float32 first."""
+    latent is dequantized to float32 first (then the float math)."""
     del interpret, block_sizes
     rank, _ = _validate(q, latent, lengths, sm_scale, latent_scale, rope_dim)
     tq, s = q.shape[1], latent.shape[1]
     if latent_scale is not None:
-        latent, precision = dequantize_kv(latent, latent_scale), ref_precision(jnp.float32)
+        latent = dequantize_latent(latent, latent_scale, rank)  # [B, S, R + Dr] float32
+        precision = ref_precision(jnp.float32)
     else:
         precision = ref_precision(q.dtype)
     scores = jnp.einsum("bthd,bsd->bths", q, latent, preferred_element_type=jnp.float32,

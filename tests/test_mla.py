@@ -18,7 +18,7 @@ import pytest
 
 from kernel_testing import rel_err
 from pallas_kernels import MLABlockSizes, mla_decode_attention, mla_decode_attention_reference
-from pallas_kernels.kv_quant import quantize_kv
+from pallas_kernels.kv_quant import quantize_kv, quantize_latent
 from test_gpu_lowering import BF16, F32, I32, S, lower_for_h200
 from test_gpu_lowering import verify_triton_modules  # noqa: F401 -- autouse: verify lowerings
 
@@ -38,7 +38,7 @@ def inputs(b, s, tq, h, rank, rope, dtype, seed=0):
 # One compiled program each (their eager ops would each compile).
 reference = jax.jit(mla_decode_attention_reference,
                     static_argnames=("sm_scale", "rope_dim", "interpret", "block_sizes"))
-quantize = jax.jit(quantize_kv, static_argnums=(1,))
+quantize = jax.jit(quantize_latent, static_argnums=(1, 2, 3))  # (latent, R, codes, scales)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -112,29 +112,54 @@ def test_default_stages_fit_shared_memory():
                                                            q_bytes=4).q_dtype_partials
 
 
-@pytest.mark.parametrize("code, dtype",
-                         [(jnp.int8, jnp.float32), (jnp.float8_e4m3fn, jnp.bfloat16)],
-                         ids=["int8-f32", "fp8-bf16"])
-def test_quantized_latent_matches_reference_interpret(code, dtype):
-    """The kernel on int8 / fp8 codes with per-token scales against the reference on the same
-    codes (dequantized to float32), split and unsplit; and the quantized result near the
-    float latent's (within the format's error, far from a wrong answer)."""
+@pytest.mark.parametrize("code, dtype, scale_dtype",
+                         [(jnp.int8, jnp.float32, jnp.float32),
+                          (jnp.float8_e4m3fn, jnp.bfloat16, jnp.float16)],
+                         ids=["int8-f32", "fp8-bf16-f16scales"])
+def test_quantized_latent_matches_reference_interpret(code, dtype, scale_dtype):
+    """The kernel on int8 / fp8 codes with per-token scales (c_KV's and k_rope's; float32 or
+    float16) against the reference on the same codes (dequantized to float32), split and
+    unsplit and with R in two column blocks, with k_rope at 20x c_KV's magnitude (a shared
+    scale would show); and the quantized result near the float latent's (within the format's
+    error, far from a wrong answer)."""
     b, s, tq, h, rank, rope = 3, 130, 3, 4, 64, 16
     q, latent = inputs(b, s, tq, h, rank, rope, dtype, seed=5)
-    codes, scale = quantize(latent.astype(jnp.float32), code)  # [B, S, 80], [B, S]
+    latent = latent.at[..., rank:].multiply(20.0)
+    codes, scale = quantize(latent.astype(jnp.float32), rank, code,
+                            scale_dtype)  # [B, S, 80], [B, S, 2]
     lengths = jnp.asarray([130, 64, 3], jnp.int32)
     kw = dict(sm_scale=0.125, rope_dim=rope, latent_scale=scale)
     ref = reference(q, codes, lengths, **kw)
-    for splits in (1, 3):
-        out = mla_decode_attention(q, codes, lengths, interpret=True,
-                                   block_sizes=MLABlockSizes(block_s=16, num_splits=splits),
-                                   **kw)
-        assert rel_err(out, ref) < TOL[dtype], splits
+    for blocks in (MLABlockSizes(block_s=16, num_splits=1), MLABlockSizes(block_s=16,
+                                                                          num_splits=3),
+                   MLABlockSizes(block_s=16, block_r=32, num_splits=2)):  # R in two blocks
+        out = mla_decode_attention(q, codes, lengths, interpret=True, block_sizes=blocks, **kw)
+        assert rel_err(out, ref) < TOL[dtype], blocks
     exact = reference(q.astype(jnp.float32), latent.astype(jnp.float32), lengths,
                       sm_scale=0.125, rope_dim=rope)
     err = rel_err(ref, exact)
     assert err < (0.03 if code == jnp.int8 else 0.15)
     assert rel_err(exact[:, :, ::-1], exact) > 0.5  # a wrong answer is far away
+
+
+def test_latent_parts_take_their_own_scales():
+    """quantize_latent: c_KV and k_rope each scaled by their own absmax, so a k_rope 30x larger
+    costs c_KV nothing (one scale for all R + Dr loses c_KV in int8 rounding); the round trip
+    is within int8's half step of each part."""
+    from pallas_kernels.kv_quant import dequantize_kv, dequantize_latent
+
+    rank = 64
+    _, latent = inputs(2, 40, 1, 1, rank, 16, jnp.float32, seed=8)
+    latent = latent.at[..., rank:].multiply(30.0)
+    codes, scale = quantize(latent, rank, jnp.int8)
+    assert codes.dtype == jnp.int8 and scale.shape == (2, 40, 2)
+    back = dequantize_latent(codes, scale, rank)
+    for part in (slice(0, rank), slice(rank, None)):
+        step = np.abs(np.asarray(latent[..., part])).max(-1, keepdims=True) / 127
+        assert np.all(np.abs(np.asarray(back - latent)[..., part]) <= step / 2 + 1e-6)
+    one = dequantize_kv(*quantize_kv(latent, jnp.int8))
+    assert rel_err(one[..., :rank], latent[..., :rank]) > 5 * rel_err(back[..., :rank],
+                                                                       latent[..., :rank])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -223,7 +248,7 @@ def test_bad_input_is_refused_before_compiling(fn):
     q, latent = inputs(2, 64, 1, 4, 64, 16, jnp.float32)
     lens = jnp.asarray([64, 3], jnp.int32)
     kw = dict(sm_scale=0.1, rope_dim=16)
-    codes, scale = quantize(latent, jnp.int8)
+    codes, scale = quantize(latent, 64, jnp.int8)
     cases = [
         (lambda: fn(q[0], latent, lens, **kw), "q must have rank 4"),
         (lambda: fn(q, latent[..., :72], lens, **kw), "q's last dim"),
@@ -235,6 +260,8 @@ def test_bad_input_is_refused_before_compiling(fn):
         (lambda: fn(q, latent, lens, sm_scale=0.1, rope_dim=80), "rope_dim=80"),
         (lambda: fn(q, codes, lens, **kw), "latent has dtype int8"),
         (lambda: fn(q, codes, lens, latent_scale=scale[:, :10], **kw), r"latent_scale must"),
+        (lambda: fn(q, codes, lens, latent_scale=scale[..., 0], **kw),
+         r"latent_scale must be \[B, S, 2\]"),
         (lambda: fn(q, latent, lens, latent_scale=scale, **kw), "latent has dtype float32"),
         (lambda: fn(q, codes, lens, latent_scale=scale.astype(jnp.bfloat16), **kw),
          "latent_scale has dtype"),
@@ -265,9 +292,12 @@ LOWERING_CASES = {
     "v3 Tq2 H128 row and R blocks": ((S((4, 2, 128, 576), BF16), S((4, 8192, 576), BF16),
                                       S((4,), I32)), None),
     "v2-lite fp8 latent": ((S((8, 1, 16, 576), BF16), S((8, 4096, 576), jnp.float8_e4m3fn),
-                            S((8,), I32), S((8, 4096), F32)), None),
+                            S((8,), I32), S((8, 4096, 2), F32)), None),
     "v2-lite int8 latent unsplit": ((S((8, 1, 16, 576), BF16), S((8, 300, 576), jnp.int8),
-                                     S((8,), I32), S((8, 300), F32)), None),
+                                     S((8,), I32), S((8, 300, 2), F32)), None),
+    "v3 Tq2 H128 int8 latent, f16 scales": ((S((4, 2, 128, 576), BF16),
+                                             S((4, 8192, 576), jnp.int8), S((4,), I32),
+                                             S((4, 8192, 2), jnp.float16)), None),
     "bs64 w8 st2": ((S((8, 1, 16, 576), BF16), S((8, 4096, 576), BF16), S((8,), I32)),
                     MLABlockSizes(block_s=64, num_warps=8, num_stages=2)),
     "bf16 partials, R split": ((S((8, 1, 16, 576), BF16), S((8, 4096, 576), BF16),
@@ -310,10 +340,13 @@ def test_kernel_matches_reference_gpu(dtype, tq, h):
 
 @gpu
 @pytest.mark.parametrize("code", [jnp.int8, jnp.float8_e4m3fn], ids=["int8", "fp8"])
-@pytest.mark.parametrize("s", [400, 5000], ids=["unsplit", "split"])
-def test_quantized_latent_matches_reference_gpu(code, s):
-    q, latent = inputs(4, s, 1, 16, 512, 64, jnp.bfloat16, seed=31)
-    codes, scale = quantize(latent.astype(jnp.float32), code)
+@pytest.mark.parametrize("s, tq, h", [(400, 1, 16), (5000, 1, 16), (5000, 2, 128)],
+                         ids=["v2-unsplit", "v2-split", "v3-tq2"])
+def test_quantized_latent_matches_reference_gpu(code, s, tq, h):
+    """The compiled kernel on codes at DeepSeek-V2-Lite shapes (H 16, R 512, Dr 64) and V3's
+    128 heads x Tq 2 (row blocks of 64, R in two halves) against the reference."""
+    q, latent = inputs(4, s, tq, h, 512, 64, jnp.bfloat16, seed=31)
+    codes, scale = quantize(latent.astype(jnp.float32), 512, code)
     lengths = jnp.asarray([s, 1, s // 3, s - 7], jnp.int32)
     kw = dict(sm_scale=0.07, latent_scale=scale)
     out = mla_decode_attention(q, codes, lengths, **kw)

@@ -1,9 +1,9 @@
 """`mla_attend`: multi-head latent attention (DeepSeek-V2 / V3) and its latent cache.
 
     mla_attend(q, kv_a, cache, plan, *, positions, rope, kv_norm, w_kv_b)
-        -> (out [B, T, H, Dv], the layer's LatentLayer with the new tokens' latents)
-    MLA_CORE(q, latent, lengths, plan, *, sm_scale, kv_lora_rank)    the absorbed core:
-        pallas_kernels.mla_decode_attention (the kernel) or its reference
+        -> (out [B, T, H, Dv], the layer's cache with the new tokens' latents)
+    MLA_CORE(q, latent, lengths, plan, *, sm_scale, kv_lora_rank, latent_scale=None)
+        the absorbed core: pallas_kernels.mla_decode_attention (the kernel) or its reference
     softmax_scale(config)                                qk_head_dim^-0.5, YaRN's mscale^2 in
 
 Per token, kv_a = [c_kv (R), k_pe (Dr)] (kv_a_proj_with_mqa's output): c_kv is RMS-normed, k_pe
@@ -21,6 +21,13 @@ Dispatch (MLA_ATTEND) is on the cache and whether it held earlier tokens:
   kernel where the kernels are on and its tiles fit, else its reference), the latent output
   times W_UV.
   K/V are never rebuilt, and the cache is read once for all heads.
+
+A quantized cache (`QuantizedLatentLayer`: int8 / fp8 codes, per token a scale for c_kv and one
+for k_pe) quantizes the new latents as they are written (its append); the absorbed core reads
+the codes (the kernel dequantizes in registers, the reference to float32 first). A fresh
+prefill attends with the float latents it just computed, not the written codes, as the other
+families' prefill does with its K/V: nothing to dequantize, and no quantization error in the
+prompt's own attention; the decode steps after it see the codes.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.cache import LatentLayer
+from jaxinfer.cache import LatentLayer, QuantizedLatentLayer
 from jaxinfer.configs import Config
 from jaxinfer.ops import reference
 from jaxinfer.ops.dispatch import Layout, Registry, always, kernels_on
@@ -39,12 +46,16 @@ from jaxinfer.sharding import latent_spec
 from jaxinfer.weights import as_array
 
 
-def _core_layout(sharding, q, latent, lengths, plan, **_):
+def _core_layout(sharding, q, latent, lengths, plan, *, latent_scale=None, **_):
     """The heads over tp, the latent whole on every device of a row's dp group: q
-    [B, T, H, R + Dr], latent [B, S, R + Dr], lengths [B] -> [B, T, H, R]; no collective."""
+    [B, T, H, R + Dr], latent [B, S, R + Dr] (and its scales [B, S, 2]), lengths [B]
+    -> [B, T, H, R]; no collective."""
     q_spec = sharding.spec(("batch", None, "q_heads", None), q.shape)
-    return Layout({0: q_spec, 1: latent_spec(latent.shape, sharding),
-                   2: sharding.spec(("batch",), lengths.shape)}, q_spec)
+    inputs = {0: q_spec, 1: latent_spec(latent.shape, sharding),
+              2: sharding.spec(("batch",), lengths.shape)}
+    if latent_scale is not None:
+        inputs["latent_scale"] = latent_spec(latent_scale.shape, sharding)
+    return Layout(inputs, q_spec)
 
 
 def _prefill_layout(sharding, q, k, v, plan, *, positions, **_):
@@ -94,7 +105,8 @@ def _rope(x, rope, interleave: bool):
 # ---------------------------------------------------------------------------------------------
 
 
-def _kernel_supports(q, latent, lengths, plan, *, sm_scale, kv_lora_rank) -> str | None:
+def _kernel_supports(q, latent, lengths, plan, *, sm_scale, kv_lora_rank,
+                     latent_scale=None) -> str | None:
     if not kernels_on(plan, q.dtype):
         return "kernels off for these dtypes"
     dims = (kv_lora_rank, latent.shape[-1] - kv_lora_rank)
@@ -104,21 +116,23 @@ def _kernel_supports(q, latent, lengths, plan, *, sm_scale, kv_lora_rank) -> str
 
 
 @MLA_CORE.register("pallas", _kernel_supports, kernel=True)
-def _kernel_core(q, latent, lengths, plan, *, sm_scale, kv_lora_rank):
+def _kernel_core(q, latent, lengths, plan, *, sm_scale, kv_lora_rank, latent_scale=None):
     import pallas_kernels as pk
 
     return pk.mla_decode_attention(q, latent, lengths, sm_scale=sm_scale,
                                    rope_dim=latent.shape[-1] - kv_lora_rank,
+                                   latent_scale=latent_scale,
                                    block_sizes=plan.policy.mla_blocks,
                                    interpret=plan.policy.interpret)
 
 
 @MLA_CORE.register("reference", always)
-def _reference_core(q, latent, lengths, plan, *, sm_scale, kv_lora_rank):
+def _reference_core(q, latent, lengths, plan, *, sm_scale, kv_lora_rank, latent_scale=None):
     import pallas_kernels as pk
 
     return pk.mla_decode_attention_reference(q, latent, lengths, sm_scale=sm_scale,
-                                             rope_dim=latent.shape[-1] - kv_lora_rank)
+                                             rope_dim=latent.shape[-1] - kv_lora_rank,
+                                             latent_scale=latent_scale)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -197,7 +211,8 @@ def _expanded(q, latent, cache, plan, *, positions, w_kv_b, fresh=False):
     if cache is not None and not fresh:
         s = cache.latent.shape[1]
         kv_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), cache.latent.shape[:2])
-        latent, k_positions = cache.latent, kv_pos  # [B, S, R + Dr], slot i = position i
+        # [B, S, R + Dr] (float32 from a quantized cache), slot i = position i
+        latent, k_positions = cache.values(), kv_pos
     else:
         k_positions = positions
     c_kv, k_pe = latent[..., :r], latent[..., r:]
@@ -212,7 +227,8 @@ def _expanded(q, latent, cache, plan, *, positions, w_kv_b, fresh=False):
 
 
 @MLA_ATTEND.register("absorbed", lambda q, latent, cache, plan, **_: None
-                     if isinstance(cache, LatentLayer) else "needs a LatentLayer")
+                     if isinstance(cache, LatentLayer | QuantizedLatentLayer)
+                     else "needs a LatentLayer or QuantizedLatentLayer")
 def _absorbed(q, latent, cache, plan, *, positions, w_kv_b, fresh=False):
     """W_UK folded into the query, attention over the latent cache, W_UV after it. The T new
     tokens' positions are consecutive per row (the decode step, a chunk of a prefill)."""
@@ -223,21 +239,23 @@ def _absorbed(q, latent, cache, plan, *, positions, w_kv_b, fresh=False):
                        preferred_element_type=jnp.float32).astype(q.dtype)  # [B, T, H, R]
     q_abs = jnp.concatenate([q_lat, q[..., dn:]], axis=-1)  # [B, T, H, R + Dr]
     lengths = positions[:, -1] + 1  # [B]: the last new token's slot, plus one
+    scale = cache.scale if isinstance(cache, QuantizedLatentLayer) else None  # [B, S, 2]
     o_lat = MLA_CORE(q_abs, cache.latent, lengths, plan, sm_scale=softmax_scale(plan.config),
-                     kv_lora_rank=r)  # [B, T, H, R]
+                     kv_lora_rank=r, latent_scale=scale)  # [B, T, H, R]
     return jnp.einsum("bthr,rhv->bthv", o_lat, w_uv,
                       preferred_element_type=jnp.float32).astype(q.dtype)  # [B, T, H, Dv]
 
 
-def mla_attend(q: jax.Array, kv_a: jax.Array, cache: LatentLayer | None, plan: Plan, *,
+def mla_attend(q: jax.Array, kv_a: jax.Array,
+               cache: LatentLayer | QuantizedLatentLayer | None, plan: Plan, *,
                positions: jax.Array, rope, kv_norm, w_kv_b, fresh: bool = False):
     """MLA of the new tokens -> (out [B, T, H, Dv], the layer's cache with their latents).
 
     q [B, T, H, Dn + Dr] (q_proj / q_b_proj's output, RoPE not applied yet); kv_a [B, T, R + Dr]
     (kv_a_proj_with_mqa's); positions [B, T] int32; rope (cos, sin) [B, T, Dr]; kv_norm [R]:
     kv_a_layernorm's weight; w_kv_b: kv_b_proj [R, H, Dn + Dv]. cache: the layer's LatentLayer
-    or None (the T tokens attend among themselves at positions 0..T-1); fresh: the cache held
-    nothing before them."""
+    (or QuantizedLatentLayer) or None (the T tokens attend among themselves at positions
+    0..T-1); fresh: the cache held nothing before them."""
     config = plan.config
     mla = config.mla
     r, dn = mla.kv_lora_rank, mla.qk_nope_head_dim
