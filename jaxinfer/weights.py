@@ -17,8 +17,13 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer import pytree
-from pallas_kernels.quantized import (QuantizedWeight, check_quantized_experts, dequantize,
-                                      num_experts, weight_format)
+from pallas_kernels.quantized import (
+    QuantizedWeight,
+    check_quantized_experts,
+    dequantize,
+    num_experts,
+    weight_format,
+)
 
 __all__ = ["Dense", "Kind", "ParamSpec", "Parts", "QuantizedWeight", "as_array", "dequantize",
            "kernel_operand", "weight_format"]

@@ -384,7 +384,7 @@ def _weight_operands(w, kp: int, np_: int):
 @functools.partial(jax.jit, static_argnames=("top_k", "single", "blocks", "interpret"))
 def _swiglu_call(tile_experts, x, w_gate, w_up, *, top_k, single, blocks, interpret):
     """act [T or R, F] in x's dtype (see _swiglu_kernel)."""
-    e, d, f = _dims(w_gate)
+    _, d, f = _dims(w_gate)
     n_tiles = tile_experts.shape[0]
     rows = n_tiles if single else n_tiles * blocks.block_m
     blocks = dataclasses.replace(blocks, block_k=_step(blocks.block_k, w_gate, w_up))
@@ -414,7 +414,7 @@ def _swiglu_call(tile_experts, x, w_gate, w_up, *, top_k, single, blocks, interp
 @functools.partial(jax.jit, static_argnames=("top_k", "single", "blocks", "interpret"))
 def _down_call(tile_experts, act, w_down, routing=None, *, top_k, single, blocks, interpret):
     """single: [S * top_k, T // top_k, D], else [1, R, D], float32 (see _down_kernel)."""
-    e, f, d = _dims(w_down)
+    _, f, d = _dims(w_down)
     n_tiles = tile_experts.shape[0]
     rows = act.shape[0]
     bk = _step(blocks.block_k, w_down)

@@ -324,6 +324,43 @@ def _moe_out(config, lp, x, policy=KernelPolicy()):
     return np.asarray(xs), np.asarray(pending)
 
 
+# XLA's CPU backend optimizations off: the interpret-mode kernels' loops compile faster
+@functools.partial(jax.jit, static_argnums=2, compiler_options={
+    "xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True})
+def _moe_array(lp, x, plan):
+    """The MoE sublayer's output as one array (a decode kernel's partials summed)."""
+    from jaxinfer.ops.stream import ARRAY_ONLY
+
+    return ops.moe_mlp(ops.Residual.start(x), lp["mlp_norm"], lp, plan).take(ARRAY_ONLY)[1]
+
+
+def test_quantized_experts_through_every_implementation():
+    """int4 experts (quantize_params with the layer's specs: per expert, stacked; group 32
+    for gate / up, per-column scales over down's ragged F 24) through each implementation,
+    the Pallas ones in interpret mode at a decode row and a grouped batch: all agree with the
+    dense reference on the dequantized experts, which stays near the float layer's."""
+    from jaxinfer.weights import quantize_params
+
+    config = tiny_config()
+    lp = tiny_layer(config, 3)
+    q = quantize_params(lp, "int4", specs=llama.param_specs(config)["layers"][0])
+    assert q["experts_gate"].group == 32 and q["experts_down"].groups == 1
+    assert q["router"].w.dtype == jnp.float32  # declared float32: kept
+    for shape in ((1, 1, 32), (2, 5, 32)):
+        x = jax.random.normal(jax.random.key(4), shape, jnp.float32)
+        want = _moe_out(config, q, x, KernelPolicy(moe=MoEImpl.DENSE))[1]
+        float_out = _moe_out(config, lp, x, KernelPolicy(moe=MoEImpl.DENSE))[1]
+        assert rel_err(want, float_out) < 0.3  # int4 (down: one scale per column of 24)
+        policies = [KernelPolicy(moe=impl) for impl in (MoEImpl.GATHER, MoEImpl.RAGGED_DOT)]
+        policies.append(KernelPolicy(moe=MoEImpl.PALLAS, interpret=True))
+        for policy in policies:
+            w = q["experts_gate"]
+            picked = EXPERTS.pick(x, None, None, w, w, q["experts_down"], Plan(config, policy))
+            assert picked.name != "dense", policy
+            np.testing.assert_allclose(_moe_array(q, x, Plan(config, policy)), want,
+                                       rtol=1e-5, atol=1e-5, err_msg=picked.name)
+
+
 def test_shared_experts_and_score_bias():
     """Shared experts add a dense gated MLP of the normed input; the score bias changes
     which experts run; every implementation agrees."""

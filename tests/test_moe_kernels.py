@@ -13,8 +13,12 @@ from kernel_testing import pallas_kernels_in, rel_err
 
 import pallas_kernels as pk
 from pallas_kernels.moe import default_block_sizes, max_tiles
-from pallas_kernels.quantized import (dequantize, from_fp8_blocks, quantize_weight,
-                                      stack_experts)
+from pallas_kernels.quantized import (
+    dequantize,
+    from_fp8_blocks,
+    quantize_weight,
+    stack_experts,
+)
 
 DATA = pathlib.Path(__file__).parent / "fixtures" / "data"
 # Small tiles, so that the odd shapes below have ragged edges in D, F and the split chunks.

@@ -173,7 +173,6 @@ def _pallas_reason(x, w_gate, plan) -> str | None:
     if dtype == jnp.float32 and policy.moe is MoEImpl.AUTO and not policy.interpret:
         return "float32 activations take XLA's paths under AUTO (IEEE float32 dots)"
     return None
-    return _weights_reason(dtype, w_gate, w_up, w_down)
 
 
 def _weights_reason(dtype, w_gate, w_up, w_down) -> str | None:

@@ -22,7 +22,6 @@ from jax.sharding import PartitionSpec as P
 from jaxinfer.ops.dispatch import Layout, batch_axis
 from pallas_kernels.quantized import QuantizedWeight
 
-
 GATE_AXES = ("experts", "embed", "mlp")
 DOWN_AXES = ("experts", "mlp", "embed")
 
