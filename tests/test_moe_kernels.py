@@ -355,18 +355,21 @@ def test_fixture_logits_through_the_kernels(variant):
 
 
 def test_benchmark_runs_quick_on_cpu(tmp_path):
-    """benchmarks/moe.py --quick: every variant runs (interpret mode) and meets the reference."""
+    """benchmarks/moe.py --quick: every variant runs (interpret mode) and meets the reference
+    (int4 experts: the float math on their dequantized weights)."""
     import json
 
     from benchmarks import moe as bench
 
     out = tmp_path / "moe.jsonl"
-    impls = ("pallas_decode", "dense_loop")
+    impls = ("pallas_decode", "pallas_decode_int4", "dense_loop")
     assert bench.main(["--quick", "--models", "tiny-e8k2", "--tokens", "decode_1", "--impls",
-                       ",".join(impls), "--json", str(out)]) == 0
+                       ",".join(impls), "--quant", "int4", "--json", str(out)]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert sorted(r["impl"] for r in rows) == sorted(impls), rows
     assert all(r["rel_err"] < 2e-2 and r["vs_loop"] > 0 for r in rows), rows
+    (q,) = (r for r in rows if r["impl"] == "pallas_decode_int4")
+    assert 0.01 < q["quant_err"] < 0.3, q  # int4 really moved the experts, not far
 
 
 @pytest.mark.gpu
