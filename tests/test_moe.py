@@ -287,6 +287,30 @@ def test_quantize_on_load_keeps_experts_quantized(how, max_err, min_agree):
     assert rel_err(np.asarray(last), full[:, -1:]) < 1e-4
 
 
+def test_bench_floor_counts_quantized_experts_bytes():
+    """The decode floor's unrouted experts are taken off at their held bytes: int4 experts'
+    codes and scales, not 3 * D * F elements of the model's dtype."""
+    from jaxinfer import memory
+    from jaxinfer.bench import decode_bytes_per_step
+    from jaxinfer.weights import param_bytes, quantize_params
+
+    config = tiny_config()
+    assert not config.tie_word_embeddings
+    specs = llama.param_specs(config)
+    layer = tiny_layer(config, 5)
+    floats = {"embed": jnp.zeros((64, 32)), "layers": [layer]}
+    int4 = {"embed": floats["embed"],
+            "layers": [quantize_params(layer, "int4", specs=specs["layers"][0])]}
+    m = config.moe
+    unused = m.num_experts * (1 - m.experts_per_token / m.num_experts)  # at batch 1
+    row = config.hidden_size * jnp.dtype(config.dtype).itemsize + memory.kv_bytes_per_token(config)
+    for name, p in (("float", floats), ("int4", int4)):
+        expert = sum(param_bytes(p["layers"][0][n]) for n in
+                     ("experts_gate", "experts_up", "experts_down")) / m.num_experts
+        want = param_bytes(p) - param_bytes(p["embed"]) - unused * expert + row
+        assert decode_bytes_per_step(config, 1, 0, params=p) == pytest.approx(want, rel=1e-9), name
+
+
 # ---------------------------------------------------------------------- the op on its own
 
 

@@ -381,3 +381,28 @@ def test_kernels_on_the_gpu(n):
     ref = pk.moe_experts_reference(*args)
     for fn in (pk.moe_grouped, pk.moe_decode) if n <= 32 else (pk.moe_grouped,):
         assert rel_err(jax.jit(fn)(*args), ref) < 2e-2, fn.__name__
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 32])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "fp8_blocks", "gguf_q4k_q6k"])
+def test_quantized_kernels_on_the_gpu(fmt, n):
+    """bf16 activations, quantized experts at Mixtral-like proportions (E 8, k 2, D 1024,
+    F 3584; int8 / int4 group 128, fp8 blocks of 128, GGUF Q4_K gate / up with Q6_K down):
+    both kernels at their default tiles against the reference on the dequantized experts."""
+    x, w, ex, wg, wu, wd = inputs(n, 2, 8, 1024, 3584, jnp.bfloat16, seed=n)
+    if fmt == "gguf_q4k_q6k":
+        rng = np.random.default_rng(2)
+        qs = [jax.tree.map(jnp.asarray, stack_experts([gguf_blocks(t, k, nn, rng)
+                                                       for _ in range(8)]))
+              for t, k, nn in (("Q4_K", 1024, 3584), ("Q4_K", 1024, 3584),
+                               ("Q6_K", 3584, 1024))]
+    else:
+        make = {"int8": lambda a: quantize_weight(a, bits=8, group_size=128),
+                "int4": lambda a: quantize_weight(a, bits=4, group_size=128),
+                "fp8_blocks": lambda a: fp8_blocks(a, 128)}[fmt]
+        qs = [stacked(a, make) for a in (wg, wu, wd)]
+    ref = pk.moe_experts_reference(x, w, ex, *qs)
+    for fn in (pk.moe_decode, pk.moe_grouped):
+        out = jax.jit(fn)(x, w, ex, *qs)
+        assert rel_err(out, ref) < 2e-2, fn.__name__
