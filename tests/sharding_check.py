@@ -8,6 +8,7 @@ the tests assert on it. `python tests/sharding_check.py [check ...]` runs some o
                 (from the same compiled forward; generate itself on GENERATE_CASES),
                 per-device parameter bytes
     int4        an int4-quantized model: the same, and its codes sharded like the float weights
+    quantized_moe  Mixtral with int8 / int4 experts (stacked QuantizedWeights): the same
     hlo         the compiled decode step: collectives per layer, no all-gather of a weight
     interpret   the Pallas kernels (interpret mode, bf16) under shard_map: logits close to one
                 device's, and every pallas_call inside a shard_map
@@ -150,6 +151,14 @@ def check_int4() -> dict:
     (tp=4, dp=2) as on one device, and the codes split (per-device bytes)."""
     return check_models(names=("llama_gqa_tied_llama3",), meshes=({"tp": 4, "dp": 2},),
                         quantization="int4")
+
+
+def check_quantized_moe() -> dict:
+    """Mixtral's experts quantized on load (stacked QuantizedWeights) on (tp=2, ep=2, dp=2):
+    int8 splits down's rows over tp, int4 (one byte row per two tiles: this fixture's F 32
+    cannot split) keeps F whole; both give one device's results."""
+    return {how: check_models(names=("mixtral",), meshes=({"tp": 2, "ep": 2, "dp": 2},),
+                              quantization=how) for how in ("int8", "int4")}
 
 
 _COLLECTIVE = re.compile(r"= (\S+) (all-reduce|all-gather|all-to-all|reduce-scatter|"
@@ -335,7 +344,8 @@ def check_stream() -> dict:
 
 
 CHECKS = {"errors": check_errors, "stream": check_stream, "rules": check_rules, "models": check_models,
-          "int4": check_int4, "hlo": check_hlo, "interpret": check_interpret}
+          "int4": check_int4, "quantized_moe": check_quantized_moe, "hlo": check_hlo,
+          "interpret": check_interpret}
 
 
 def main(names: list[str]) -> None:

@@ -75,6 +75,17 @@ def test_int4_model_shards_the_same_way(results):
     assert got["bytes_max"] == got["bytes_min"] <= 0.6 * entry["total_bytes"]
 
 
+@pytest.mark.parametrize("how", ["int8", "int4"])
+def test_quantized_experts_shard(results, how):
+    """Quantized experts (every array's expert axis over ep, F over tp where the rows split)
+    give one device's logits and tokens, each device an equal share."""
+    entry = results["quantized_moe"][how]["mixtral"]
+    (got,) = entry["meshes"].values()
+    assert got["rel"] <= 1e-5 and got["argmax_equal"]
+    assert got["tokens"] == entry["tokens"]
+    assert got["bytes_max"] == got["bytes_min"] <= 0.6 * entry["total_bytes"]
+
+
 def _count(collectives, kind):
     return sum(k == kind for k, _ in collectives)
 
