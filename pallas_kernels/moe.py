@@ -221,7 +221,7 @@ def _k_loop(weights, steps: int, first, bk: int, k_valid, body, init):
     """fori_loop over `steps` K steps of bk from `first`, a quantized weight's tiles loaded a
     step ahead (in the carry: Triton's pipeliner leaves loads that feed elementwise math in
     place, see quantized.tile_load); plain arrays' tiles are loaded in the step.
-    k_valid(start) -> [bk] mask or None; body(j, start, k_ok, tiles, acc) -> acc."""
+    k_valid(start) -> [bk] mask or None; body(start, k_ok, tiles, acc) -> acc."""
     quantized = any(w.fmt is not None for w in weights)
 
     def tiles_at(start, k_ok, ahead: bool):
