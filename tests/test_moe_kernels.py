@@ -173,16 +173,21 @@ def fp8_blocks(w, block=32):
 
 def gguf_blocks(type_name: str, k: int, n: int, rng):
     """A random GGUF tensor of n rows of k (gguf.quants writes no K-quants): random block
-    bytes with the fp16 super-scales set to give values near 1 / sqrt(k), repacked as the
-    GGUF loader repacks it."""
+    bytes, the fp16 super-scales then set so the values' standard deviation is 1 / sqrt(k)
+    (they are linear in those fields), repacked as the GGUF loader repacks it."""
     from checkpoints.gguf_blocks import BLOCK_SIZES, repack
 
     block, size = BLOCK_SIZES[type_name]
     raw = rng.integers(0, 256, (n * k // block, size), dtype=np.uint8)
     fields = {"Q4_K": (0, 2), "Q6_K": (208,), "Q8_0": (0,)}[type_name]
-    scale = {"Q4_K": 2e-3, "Q6_K": 1e-3, "Q8_0": 1e-3}[type_name] * 256 ** 0.5 / k ** 0.5
-    for off in fields:
-        raw[:, off:off + 2] = np.full((raw.shape[0], 1), scale, np.float16).view(np.uint8)
+
+    def put(value: float):
+        for off in fields:
+            raw[:, off:off + 2] = np.full((raw.shape[0], 1), value, np.float16).view(np.uint8)
+
+    put(1.0)
+    std = float(np.std(dequantize(repack(raw.reshape(n, -1), type_name, k, n))))
+    put(1.0 / (std * np.sqrt(k)))
     return repack(raw.reshape(n, -1), type_name, k, n)
 
 
