@@ -156,9 +156,41 @@ def check_int4() -> dict:
 def check_quantized_moe() -> dict:
     """Mixtral's experts quantized on load (stacked QuantizedWeights) on (tp=2, ep=2, dp=2):
     int8 splits down's rows over tp, int4 (one byte row per two tiles: this fixture's F 32
-    cannot split) keeps F whole; both give one device's results."""
-    return {how: check_models(names=("mixtral",), meshes=({"tp": 2, "ep": 2, "dp": 2},),
-                              quantization=how) for how in ("int8", "int4")}
+    cannot split) keeps F whole; both give one device's results. "interpret": the int8
+    model's prefill and a decode step through the Pallas experts (interpret mode) on
+    (tp=2, ep=2), each shard's weights cut to its own K / N, against one device."""
+    import jaxinfer
+    from jaxinfer.cache import KVCache
+    from jaxinfer.models import llama
+    from jaxinfer.plan import KernelPolicy, Plan
+    from jaxinfer.sharding import Sharding, make_mesh, shard_params
+
+    out = {how: check_models(names=("mixtral",), meshes=({"tp": 2, "ep": 2, "dp": 2},),
+                             quantization=how) for how in ("int8", "int4")}
+    model = jaxinfer.load(str(HF / "mixtral"), dtype="float32", quantization="int8",
+                          group_size=32)
+    config = model.config
+    ids = jnp.asarray(np.load(HF / "mixtral" / "ref.npz")["input_ids"][:2, :9])
+    b, t = 2, 8
+    pos = jnp.broadcast_to(jnp.arange(t + 1, dtype=jnp.int32), (b, t + 1))
+
+    def run(params, plan, cache):
+        logits, cache = llama.forward(params, ids[:, :t], pos[:, :t], plan, cache, fresh=True)
+        step, _ = llama.forward(params, ids[:, t:], pos[:, t:], plan, cache)
+        return jnp.concatenate([logits, step], axis=1)
+
+    one = jax.jit(run, static_argnums=1)(model.params, Plan(config, KernelPolicy.reference()),
+                                         KVCache.init(config, b, 16))
+    sharding = Sharding.create(make_mesh(tp=2, ep=2), config)
+    plan = Plan(config, KernelPolicy(interpret=True), sharding)
+    params = shard_params(model.params, llama.param_specs(config), sharding)
+    cache = KVCache.init(config, b, 16)
+    found = pallas_calls(jax.make_jaxpr(run, static_argnums=1)(params, plan, cache).jaxpr)
+    two = np.asarray(jax.jit(run, static_argnums=1)(params, plan, cache))
+    one = np.asarray(one)
+    out["interpret"] = {"rel": _rel(two, one), "pallas": found,
+                        "argmax_equal": bool((one.argmax(-1) == two.argmax(-1)).all())}
+    return out
 
 
 _COLLECTIVE = re.compile(r"= (\S+) (all-reduce|all-gather|all-to-all|reduce-scatter|"

@@ -86,6 +86,15 @@ def test_quantized_experts_shard(results, how):
     assert got["bytes_max"] == got["bytes_min"] <= 0.6 * entry["total_bytes"]
 
 
+def test_quantized_experts_through_the_kernels_per_shard(results):
+    """int8 experts through the Pallas experts kernels (interpret mode) under shard_map on
+    (tp=2, ep=2): prefill and a decode step as one device's references give them; the four
+    experts kernels of each of the two layers run inside the shard_map."""
+    got = results["quantized_moe"]["interpret"]
+    assert got["rel"] <= 1e-5 and got["argmax_equal"]
+    assert got["pallas"]["inside"] >= 8 and got["pallas"]["outside"] == 0, got["pallas"]
+
+
 def _count(collectives, kind):
     return sum(k == kind for k, _ in collectives)
 
