@@ -7,8 +7,8 @@
 A MoE layer's params: "router" [D, E] (a float32 Dense), "router_bias" [E] float32 (with
 moe.score_bias), "experts_gate" / "experts_up" [E, D, F] and "experts_down" [E, F, D]
 (stacked: plain arrays, or QuantizedWeights whose every array has the expert axis first,
-pallas_kernels.quantized.stack_experts), and with shared experts "shared_gate" / "shared_up" [D, Fs] and
-"shared_down" [Fs, D] (Dense, a gated MLP every token runs).
+pallas_kernels.quantized.stack_experts), and with shared experts "shared_gate" / "shared_up"
+[D, Fs] and "shared_down" [Fs, D] (Dense, a gated MLP every token runs).
 
 The routed experts go through EXPERTS, picked by the plan (KernelPolicy.moe and
 moe_decode_rows): "pallas_decode" and "pallas_grouped" are pallas_kernels/moe.py's kernels,
