@@ -21,6 +21,11 @@ tokens), with real routing (softmax top-k of random router logits):
                      SwiGLU and down kernels, the weighted combine (XLA); default tiles
     grouped_only     its two kernels alone, on rows already grouped (the sort's cost apart)
     pallas_grouped_<tiles>   the same at other tiles (prefill shapes; TILES below)
+    pallas_decode_<q>,       with --quant int8,int4 (decode shapes): the same kernels on the
+    pallas_grouped_<q>       experts quantized per expert (group 128; int4 symmetric), each
+                             checked against the float math on its dequantized experts, its
+                             TB/s and floor counted on the chosen experts' quantized bytes
+                             (codes and scales); quant_err: that reference against the bf16 one
 
 Each is checked against a float32 reference at full precision (relative L2 error); its time
 is the median of repeated calls (benchmarks/kernels.py time_fn) rotating over two copies of
@@ -51,7 +56,9 @@ from benchmarks.kernels import time_fn
 from jaxinfer.configs import Config, MoEConfig
 from jaxinfer.ops import moe as moe_ops
 from jaxinfer.plan import Plan
+from jaxinfer.weights import Kind, ParamSpec, param_bytes, quantize_params
 from pallas_kernels.moe import default_block_sizes
+from pallas_kernels.quantized import dequantize
 
 FLOOR_TFLOPS = 790.0  # H200 bf16 dense
 FLOOR_TBS = 4.8  # H200 HBM3e
@@ -143,6 +150,16 @@ def random_x(key, n: int, d: int):
     return jax.random.normal(key, (1, n, d), jnp.float32).astype(jnp.bfloat16)
 
 
+def quantized_experts(weights, how: str, group: int | None):
+    """(gate, up, down) [E, K, N] -> stacked QuantizedWeights, each expert quantized as a
+    model's experts are on load (jaxinfer.weights.quantize_params; group None: the largest
+    of 128, 64, 32 that divides K)."""
+    specs = {n: ParamSpec(tuple(w.shape), ("experts", None, None), kind=Kind.EXPERTS)
+             for n, w in zip("gud", weights)}
+    q = quantize_params(dict(zip("gud", weights)), how, group, specs)
+    return tuple(q[n] for n in "gud")
+
+
 def rel(a, b) -> float:
     a, b = np.asarray(a, np.float32).reshape(-1), np.asarray(b, np.float32).reshape(-1)
     if not np.all(np.isfinite(a)):
@@ -151,7 +168,7 @@ def rel(a, b) -> float:
 
 
 def run_case(model: str, dims, tokens_name: str, n: int, quick: bool, rows: list,
-             only: tuple = ()):
+             only: tuple = (), quant: tuple = ()):
     d, f, e, k = dims
     plan = plan_for(d, f, e, k)
     rng = np.random.default_rng(0)
@@ -164,7 +181,6 @@ def run_case(model: str, dims, tokens_name: str, n: int, quick: bool, rows: list
     used = int((counts > 0).sum())
     flops = n * k * 3 * 2 * d * f
     nbytes = used * 3 * d * f * 2 + 2 * n * d * 2  # chosen experts' weights, x in, y out
-    floor_s = max(flops / (FLOOR_TFLOPS * 1e12), nbytes / (FLOOR_TBS * 1e12))
     shape = f"{model} {tokens_name} N={n} D={d} F={f} E={e} k={k}"
     ref = reference(xs_in[0], weights, experts, *weights_sets[0])
 
@@ -224,6 +240,18 @@ def run_case(model: str, dims, tokens_name: str, n: int, quick: bool, rows: list
         impls["ragged_dot_only"] = (
             jax.jit(ragged_only), [(sx, sizes, *w) for sx, w in zip(sorted_x, weights_sets)],
             unsort)
+    checks = {}  # impl -> (its reference, its bytes, the quantization's own error)
+    for how in quant if decode else ():
+        if only and not {f"pallas_decode_{how}", f"pallas_grouped_{how}"} & set(only):
+            continue
+        q_sets = [quantized_experts(w, how, None if quick else 128) for w in weights_sets]
+        q_ref = reference(xs_in[0], weights, experts,
+                          *(dequantize(w, jnp.bfloat16) for w in q_sets[0]))
+        q_bytes = used * sum(param_bytes(w) for w in q_sets[0]) / e + 2 * n * d * 2
+        q_routed = [(x.reshape(n, d), weights, experts, *w) for x, w in zip(xs_in, q_sets)]
+        for fn_name, fn in (("decode", pk.moe_decode), ("grouped", pk.moe_grouped)):
+            impls[f"pallas_{fn_name}_{how}"] = (kernel(fn), q_routed, None)
+            checks[f"pallas_{fn_name}_{how}"] = (q_ref, q_bytes, rel(q_ref, ref))
     if n <= 4:  # 32 tokens' gathered copies took 15.8 ms at Mixtral's shapes
         impls["gather"] = (jax.jit(functools.partial(moe_ops.EXPERTS.get("gather").run,
                                                      plan=plan)),
@@ -233,9 +261,11 @@ def run_case(model: str, dims, tokens_name: str, n: int, quick: bool, rows: list
     for name, (fn, arg_sets, post) in impls.items():
         if only and name not in only:
             continue
+        own_ref, own_bytes, quant_err = checks.get(name, (ref, nbytes, None))
+        own_floor = max(flops / (FLOOR_TFLOPS * 1e12), own_bytes / (FLOOR_TBS * 1e12))
         try:
             out = fn(*arg_sets[0])
-            err = rel(post(out) if post is not None else out, ref)
+            err = rel(post(out) if post is not None else out, own_ref)
             t0 = time.perf_counter()
             jax.block_until_ready(fn(*arg_sets[1]))
             guess = time.perf_counter() - t0  # ~0.25 s of calls per repeat
@@ -253,7 +283,10 @@ def run_case(model: str, dims, tokens_name: str, n: int, quick: bool, rows: list
             continue
         row = dict(model=model, tokens=tokens_name, n=n, d=d, f=f, e=e, k=k, impl=name,
                    experts_read=used, ms=seconds * 1e3, tflops=flops / seconds / 1e12,
-                   tbs=nbytes / seconds / 1e12, floor_fraction=floor_s / seconds, rel_err=err)
+                   tbs=own_bytes / seconds / 1e12, floor_fraction=own_floor / seconds,
+                   rel_err=err, bytes=own_bytes)
+        if quant_err is not None:
+            row["quant_err"] = quant_err
         case_rows.append(row)
     loop = next((r["ms"] for r in case_rows if r["impl"] == "dense_loop"), None)
     for row in case_rows:
@@ -271,6 +304,9 @@ def main(argv=None) -> int:
                         "counts (their names: prefill_b4_t2k, decode_1, ...)")
     parser.add_argument("--impls", default=None, help="comma-separated subset of the "
                         "implementations (dense_loop is needed for vs_loop)")
+    parser.add_argument("--quant", default="", help="comma-separated weight quantizations "
+                        "(int8, int4: group 128) whose Pallas experts also run at the decode "
+                        "shapes (pallas_decode_<q>, pallas_grouped_<q>)")
     args = parser.parse_args(argv)
     models = QUICK_MODELS if args.quick else MODELS
     tokens = QUICK_TOKENS if args.quick else TOKENS
@@ -279,11 +315,14 @@ def main(argv=None) -> int:
     if args.tokens:
         tokens = {t: tokens[t] for t in args.tokens.split(",")}
     only = tuple(args.impls.split(",")) if args.impls else ()
+    quant = tuple(q for q in args.quant.split(",") if q)
+    if any(q not in ("int8", "int4") for q in quant):
+        parser.error(f"--quant {args.quant}: int8 and / or int4")
     print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
     rows: list[dict] = []
     for model, dims in models.items():
         for tokens_name, n in tokens.items():
-            run_case(model, dims, tokens_name, n, args.quick, rows, only)
+            run_case(model, dims, tokens_name, n, args.quick, rows, only, quant)
     if args.json:
         with open(args.json, "w") as fh:
             fh.writelines(json.dumps(r) + "\n" for r in rows)
@@ -298,7 +337,8 @@ def main(argv=None) -> int:
         shape = f"{r['model']} {r['tokens']}"
         vs = f"{r['vs_loop']:7.2f}" if r["vs_loop"] else f"{'':7s}"
         print(f"{shape:34s} {r['impl']:26s} {r['ms']:9.3f} {r['tflops']:8.1f} {r['tbs']:7.3f} "
-              f"{r['floor_fraction']:6.1%} {vs} {r['experts_read']:7d} {r['rel_err']:8.1e}")
+              f"{r['floor_fraction']:6.1%} {vs} {r['experts_read']:7d} {r['rel_err']:8.1e}"
+              + (f" (quantization {r['quant_err']:.1e})" if "quant_err" in r else ""))
         bad += not r["rel_err"] <= 2e-2
     return 1 if bad else 0
 

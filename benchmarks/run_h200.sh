@@ -22,7 +22,9 @@
 #   bash benchmarks/run_h200.sh qkernels # benchmarks/quantized.py (quantized decode matmuls)
 #   bash benchmarks/run_h200.sh moe      # benchmarks/moe.py: MoE experts, our Pallas kernels vs
 #                                        # ragged_dot vs a dense per-expert loop vs gather
-#                                        # (Mixtral, Qwen3-30B-A3B; $MOE_ARGS: e.g. --tokens ...)
+#                                        # (Mixtral, Qwen3-30B-A3B; $MOE_ARGS: e.g. --tokens ...;
+#                                        #  --quant int8,int4: the kernels on quantized experts
+#                                        #  at the decode shapes, pallas_{decode,grouped}_int4)
 #   bash benchmarks/run_h200.sh deepseek # jaxinfer bench at DeepSeek-V2-Lite and Qwen3-30B-A3B
 #                                        # shapes (random weights): B=1 and B=32 decode
 #   bash benchmarks/run_h200.sh gemma    # benchmarks/gemma_attention.py (soft-capped flash and

@@ -3,10 +3,12 @@ weight_block_size: [b, b]}: DeepSeek-V3's release, and others in the same format
 
 Each quantized `X.weight` [out, in] is float8_e4m3fn beside `X.weight_scale_inv`
 [ceil(out / b), ceil(in / b)] float32: the true weight is w * scale_inv per b x b block. They
-come out of `Fp8BlockTensors` as `QuantizedWeight`s kept in fp8 (`from_fp8_blocks`, one scale per
-b rows of K and column), except routed experts, dequantized to float32 as read (the MoE op takes
-float experts only). safetensors' numpy / flax readers do not know fp8, so fp8 tensors are read
-from the file itself (the format is an 8-byte header length, a JSON header, raw data).
+come out of `Fp8BlockTensors` as `Fp8Weight`s whose transpose is a `QuantizedWeight` kept in
+fp8 (`from_fp8_blocks`, one scale per b rows of K and column). Routed experts stay fp8 too:
+the loader (checkpoints/hf.py `_read_experts`) stacks each weight's per-expert QuantizedWeights
+(host numpy, `Fp8Weight.host_T`) into one whose arrays are [E, ...], which the MoE kernels read
+as they are. safetensors' numpy / flax readers do not know fp8, so fp8 tensors are read from
+the file itself (the format is an 8-byte header length, a JSON header, raw data).
 Blocks at the edges may be partial (V3's kv_a_proj_with_mqa has 576 = 4.5 x 128 rows): the
 last scale row / column covers what is left.
 """
@@ -14,14 +16,11 @@ last scale row / column covers what is left.
 from __future__ import annotations
 
 import json
-import logging
 import pathlib
 import struct
 from collections.abc import Mapping
 
 import numpy as np
-
-log = logging.getLogger(__name__)
 
 SCALE_SUFFIX = "_scale_inv"
 FP8_DTYPES = ("F8_E4M3",)
@@ -57,8 +56,8 @@ def _header(f: pathlib.Path) -> tuple[dict, int]:
 class Fp8BlockTensors(Mapping):
     """The tensors of safetensors files by name (each read when asked for), with block-scaled
     fp8 weights as QuantizedWeights [in, out] behind `.T` (the loaders transpose torch's
-    [out, in]) and routed experts' (names with `.experts.`) dequantized. The scale tensors are
-    consumed here and not listed."""
+    [out, in]; routed experts' included). The scale tensors are consumed here and not
+    listed."""
 
     def __init__(self, files: list[pathlib.Path], block: int):
         from safetensors import safe_open
@@ -80,7 +79,6 @@ class Fp8BlockTensors(Mapping):
                 if info["dtype"] in FP8_DTYPES:
                     begin, end = info["data_offsets"]
                     self._raw[name] = (base + begin, end - begin, tuple(info["shape"]))
-        self._dequantized = 0
 
     def _read(self, name: str):
         f = self._where[name]
@@ -111,12 +109,6 @@ class Fp8BlockTensors(Mapping):
             raise ValueError(f"{self._where[name]}: {name + SCALE_SUFFIX} has shape "
                              f"{scale.shape}, expected {want} for {name} {w.shape} in "
                              f"{b} x {b} blocks")
-        if ".experts." in name:
-            self._dequantized += 1
-            if self._dequantized == 1:
-                log.warning("fp8 routed experts are dequantized on load: the MoE op takes "
-                            "float experts only")
-            return dequantize_blocks(w, scale, b)
         return Fp8Weight(w, scale, b)
 
     def __iter__(self):
@@ -124,13 +116,6 @@ class Fp8BlockTensors(Mapping):
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
-
-
-def dequantize_blocks(w, scale_inv, block: int) -> np.ndarray:
-    """w [out, in] fp8 times its block scales [ceil(out / b), ceil(in / b)] -> float32."""
-    out, k = w.shape
-    s = np.repeat(np.repeat(scale_inv, block, axis=0)[:out], block, axis=1)[:, :k]
-    return np.asarray(w, np.float32) * s
 
 
 class Fp8Weight:
@@ -148,3 +133,11 @@ class Fp8Weight:
         from pallas_kernels.quantized import from_fp8_blocks
 
         return from_fp8_blocks(jnp.asarray(self.w).T, jnp.asarray(self.scale_inv).T, self.block)
+
+    @property
+    def host_T(self):  # noqa: N802
+        """`.T` with numpy arrays (an expert's, stacked on the host with the others)."""
+        from pallas_kernels.quantized import from_fp8_blocks
+
+        return from_fp8_blocks(np.ascontiguousarray(np.asarray(self.w).T),
+                               np.asarray(self.scale_inv).T, self.block)

@@ -516,16 +516,25 @@ def params_from_hf_tensors(tensors, config: Config, source: str, transform=None)
 def _read_experts(tensors, prefix: str, layouts, config: Config, take, where: str) -> dict:
     """A MoE layer's router and stacked experts in our layout (router [D, E], experts_gate /
     experts_up [E, D, F], experts_down [E, F, D]) from the first of the family's layouts
-    whose tensors the checkpoint has; per-expert tensors are stacked as they are read."""
+    whose tensors the checkpoint has; per-expert tensors are stacked as they are read
+    (block-scaled fp8 ones, checkpoints/fp8_blocks.py, kept fp8: one QuantizedWeight whose
+    arrays are [E, ...])."""
+    from checkpoints.fp8_blocks import Fp8Weight
+    from pallas_kernels.quantized import stack_experts
+
     moe, d = config.moe, config.hidden_size
     e, f = moe.num_experts, moe.expert_intermediate_size
     torch_shape = {"experts_gate": (f, d), "experts_up": (f, d), "experts_down": (d, f),
                    "experts_gate_up": (2 * f, d)}  # [out, in] per expert
 
-    def read(name: str, shape: tuple) -> np.ndarray:
+    def read(name: str, shape: tuple, fp8: bool = False):
         if prefix + name not in tensors:
             raise ValueError(f"{where}: missing {prefix + name} (the config has {e} experts)")
-        t = np.asarray(take(prefix + name, False))
+        t = take(prefix + name, False)
+        if isinstance(t, Fp8Weight) and not fp8:
+            raise ValueError(f"{where}: {prefix + name} is block-scaled fp8, which is kept "
+                             f"for per-expert tensors only")
+        t = t if isinstance(t, Fp8Weight) else np.asarray(t)
         if t.shape != shape:
             raise ValueError(f"{where}: {prefix + name} has shape {t.shape}, expected {shape} "
                              f"from the config (hidden {d}, {e} experts of {f})")
@@ -542,13 +551,19 @@ def _read_experts(tensors, prefix: str, layouts, config: Config, take, where: st
                                  f"no {prefix}{lay.router_bias or 'router bias'}")
             out["router_bias"] = read(lay.router_bias, (e,))
         for ours, pattern in lay.per_expert.items():
-            stacked = None
+            stacked, fp8 = None, []
             for j in range(e):
-                t = read(pattern.format(j=j), torch_shape[ours])
+                t = read(pattern.format(j=j), torch_shape[ours], fp8=True)
+                if j and isinstance(t, Fp8Weight) != bool(fp8):
+                    raise ValueError(f"{where}: {prefix + pattern.format(j=j)}: some of the "
+                                     f"experts' {ours} tensors are fp8 and some are not")
+                if isinstance(t, Fp8Weight):
+                    fp8.append(t.host_T)  # [in, out], kept fp8
+                    continue
                 if stacked is None:
                     stacked = np.empty((e, *t.shape[::-1]), t.dtype)  # [E, in, out]
                 stacked[j] = t.T
-            out[ours] = stacked
+            out[ours] = stack_experts(fp8) if fp8 else stacked
         for ours, name in lay.fused.items():
             t = read(name, (e, *torch_shape[ours])).transpose(0, 2, 1)  # [E, in, out]
             if ours == "experts_gate_up":  # gate then up along out, as torch chunks them

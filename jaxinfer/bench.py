@@ -97,12 +97,24 @@ def decode_bytes_per_step(config: Config, batch: int, context: int,
         m = config.moe
         unused = m.num_experts * (1 - m.experts_per_token / m.num_experts) ** batch
         expert = 3 * config.hidden_size * m.expert_intermediate_size * itemsize
+        if params is not None:  # one expert's real bytes (quantized: its codes and scales)
+            expert = _expert_bytes(params, m.num_experts) or expert
         weights -= sum(map(config.is_moe_layer, range(config.num_layers))) * unused * expert
     weights += batch * config.hidden_size * itemsize  # ...of which B rows are read
     if config.tie_word_embeddings:
         weights += embed  # the tied head reads the whole table
     kv_row = memory.kv_bytes_per_token(config, kv_dtype)
     return weights + batch * (context + 1) * kv_row
+
+
+def _expert_bytes(params, num_experts: int) -> float:
+    """The bytes of one routed expert (gate, up and down) of the params' first MoE layer, as
+    held (a quantized expert's codes and scales); 0 without one."""
+    for layer in params.get("layers", ()):
+        if "experts_gate" in layer:
+            names = ("experts_gate", "experts_up", "experts_down")
+            return sum(param_bytes(layer[n]) for n in names) / num_experts
+    return 0
 
 
 POLICIES = types.MappingProxyType({"default": KernelPolicy,

@@ -151,8 +151,9 @@ def check_sharded_load(config, dtype: str, sharding, stored_bytes: int | None = 
     device's shards of the params (weights.declared_bytes_per_device; a checkpoint kept quantized
     in the same proportion of stored_bytes) against each device's free memory. The host
     holds one tensor at a time (no staging copy of the model); quantizing, the first device
-    holds the largest matmul weight in float32 and its float32 working copy for a moment
-    (counted on every device: the least free one decides)."""
+    holds the largest matmul weight (of stacked experts: one expert's, they are quantized one
+    at a time) in float32 and its float32 working copy for a moment (counted on every device:
+    the least free one decides)."""
     import jax
 
     from jaxinfer.models import registry
@@ -168,9 +169,9 @@ def check_sharded_load(config, dtype: str, sharding, stored_bytes: int | None = 
         whole = f"{gib(stored_bytes)} kept quantized"
         parts = {"params kept quantized, per device": int(1.05 * stored_bytes * per / total)}
     if quantizing:
-        largest = max(math.prod(s.shape) for s in jax.tree.leaves(
-            specs, is_leaf=lambda x: isinstance(x, ParamSpec))
-            if s.kind in (Kind.DENSE, Kind.DENSE_T))
+        largest = max(math.prod(s.shape[1:] if s.kind is Kind.EXPERTS else s.shape)
+                      for s in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, ParamSpec))
+                      if s.kind in (Kind.DENSE, Kind.DENSE_T, Kind.EXPERTS))
         parts["quantizing one weight at a time"] = 2 * 4 * largest
     local = [d for d in sharding.mesh.devices.flat if d.process_index == jax.process_index()]
     _check(parts, f"loading this model ({config.num_layers} layers, hidden "

@@ -232,6 +232,26 @@ def weight_specs(weight, axes, sharding: Sharding):
     return sharding.spec(axes, weight.shape)  # a plain array (stacked experts)
 
 
+def experts_weight_specs(weight, axes, sharding: Sharding, split_rows: bool = True):
+    """PartitionSpecs of a stacked experts' QuantizedWeight (every array [E, rows, N]), in its
+    pytree structure. axes: the declared ("experts", K axis, N axis). The expert axis over
+    its mesh axis where it divides E; the columns over the N axis's where it divides them;
+    the rows over the K axis's only with split_rows and where every device's rows are one
+    contiguous block of each expert's K (_rows_split), else replicated."""
+    from pallas_kernels.quantized import expert_view, num_experts
+
+    e_axis = sharding.spec(axes[:1], (num_experts(weight),))[0]
+    k_axis, n_axis = sharding.axis(axes[1]), sharding.axis(axes[2])
+    k_axis = None if k_axis in (e_axis, n_axis) or not split_rows \
+        or not _rows_split(expert_view(weight), sharding.size(k_axis)) else k_axis
+    n_axis = None if n_axis == e_axis else n_axis
+
+    def one(a):
+        cols = n_axis if a.shape[2] % sharding.size(n_axis) == 0 else None
+        return PartitionSpec(e_axis, k_axis if a.shape[1] > 1 else None, cols)
+    return jax.tree.map(one, weight)
+
+
 def _rows_split(weight, n: int) -> bool:
     """Whether n devices can each hold one contiguous block of a QuantizedWeight's K: K, the
     scale groups (and super-groups) split evenly with no padding past K, and a plane of r > 1
@@ -269,9 +289,12 @@ def local_weight(weight, specs, sharding: Sharding):
 
 
 def _leaf_sharding(param_spec, leaf, sharding: Sharding):
-    from jaxinfer.weights import Kind
+    from jaxinfer.weights import Kind, QuantizedWeight
 
     axes = param_spec.axes
+    if param_spec.kind is Kind.EXPERTS and isinstance(leaf, QuantizedWeight):
+        return jax.tree.map(sharding.named, experts_weight_specs(leaf, axes, sharding),
+                            is_leaf=lambda x: isinstance(x, PartitionSpec))
     if param_spec.kind is Kind.DENSE_T:  # declared as stored, [V, D]: the product's [K, N] is
         axes = (axes[1], axes[0])  # [D, V]
     elif param_spec.kind in (Kind.ARRAY, Kind.EXPERTS) or not hasattr(leaf, "in_features"):

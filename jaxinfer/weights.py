@@ -17,7 +17,13 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer import pytree
-from pallas_kernels.quantized import QuantizedWeight, dequantize, weight_format
+from pallas_kernels.quantized import (
+    QuantizedWeight,
+    check_quantized_experts,
+    dequantize,
+    num_experts,
+    weight_format,
+)
 
 __all__ = ["Dense", "Kind", "ParamSpec", "Parts", "QuantizedWeight", "as_array", "dequantize",
            "kernel_operand", "weight_format"]
@@ -105,8 +111,9 @@ class Kind(enum.Enum):
     ARRAY = "array"  # a plain array: norm weights, biases
     DENSE = "dense"  # a matmul weight [in, *out], held as Dense
     DENSE_T = "dense_t"  # a matmul weight [out, in] (an embedding table), held as Dense
-    # stacked per-expert matmul weights [E, in, out] (MoE), held as a plain array: the experts
-    # op indexes the expert axis itself (a grouped matmul, or the chosen experts' slices)
+    # stacked per-expert matmul weights [E, in, out] (MoE), held as a plain array or a
+    # QuantizedWeight whose every array is [E, ...] (stack_experts): the experts op indexes
+    # the expert axis itself (a grouped matmul, or the chosen experts' slices)
     EXPERTS = "experts"
 
 
@@ -136,9 +143,10 @@ class ParamSpec:
     def wrap(self, value):
         """A loaded array as this parameter's type (a Dense is returned as is; a
         QuantizedWeight [K, N] takes the declared output dims)."""
-        if self.kind is Kind.EXPERTS and isinstance(value, QuantizedWeight | Parts | Dense):
+        if self.kind is Kind.EXPERTS and isinstance(value, Parts | Dense):
             raise ValueError(f"expert weights {list(self.shape)} arrived as a "
-                             f"{type(value).__name__}: quantized experts are not supported yet")
+                             f"{type(value).__name__}: stacked experts are an array [E, in, "
+                             f"out] or a QuantizedWeight stacked per expert (stack_experts)")
         if self.kind in (Kind.ARRAY, Kind.EXPERTS) or isinstance(value, Dense):
             return value
         if isinstance(value, QuantizedWeight | Parts):
@@ -163,8 +171,11 @@ def _is_weight(x) -> bool:
 
 def quantized_shape(spec: ParamSpec) -> tuple[int, ...]:
     """The [K, *N] a QuantizedWeight of this matmul spec has (a [V, D] table: [D, V], the
-    LM head's orientation, whose columns the embedding gathers)."""
-    return spec.shape if spec.kind is Kind.DENSE else (spec.shape[1], spec.shape[0])
+    LM head's orientation, whose columns the embedding gathers); stacked experts: [E, K, N]
+    (what dequantize gives)."""
+    if spec.kind in (Kind.DENSE, Kind.EXPERTS):
+        return spec.shape
+    return (spec.shape[1], spec.shape[0])
 
 
 def init_params(specs, key: jax.Array, dtype):
@@ -200,8 +211,15 @@ def check_params(params, specs) -> None:
             continue
         if isinstance(a, QuantizedWeight):
             if s.kind is Kind.EXPERTS:
-                problems.append(f"{k} is quantized ({a.name}): quantized experts are not "
-                                f"supported yet")
+                e, kk, n = s.shape
+                if (num_experts(a), a.k, a.n) != (e, kk, n):
+                    problems.append(f"{k} is quantized ({a.name}) experts [{num_experts(a)}, "
+                                    f"{a.k}, {a.n}], expected {list(s.shape)} ([E, in, out])")
+                    continue
+                try:
+                    check_quantized_experts(k, a, e, kk)
+                except ValueError as err:
+                    problems.append(str(err))
             elif s.kind is Kind.ARRAY:
                 problems.append(f"{k} is quantized ({a.name}), expected a plain array")
             elif (a.k, a.n) != (quantized_shape(s)[0], math.prod(quantized_shape(s)[1:])):
@@ -276,28 +294,44 @@ def _quantize_one(w, how: str, group_size: int | None, where: str) -> QuantizedW
         raise ValueError(f"{where} {list(a.shape)}: {e}") from None
 
 
-def refuse_quantized_experts(specs, how: str) -> None:
-    """ValueError naming the first expert weight of specs, if any: a quantization `how` of
-    a MoE model would leave its experts, nearly all its bytes, in float."""
-    for path, spec in jax.tree_util.tree_leaves_with_path(specs, is_leaf=_is_spec):
-        if spec.kind is Kind.EXPERTS:
-            raise ValueError(f"quantization={how!r}: {jax.tree_util.keystr(path)} "
-                             f"{list(spec.shape)} holds experts, and quantized experts are not "
-                             f"supported yet; load this model without quantization")
+def _quantize_experts(w, how: str, group_size: int | None, where: str) -> QuantizedWeight:
+    """Stacked experts w [E, K, N] (host or device) -> one QuantizedWeight stacked per expert
+    (each expert quantized as a dense weight is, on the default device, one at a time)."""
+    from pallas_kernels.quantized import stack_experts
+
+    return stack_experts([_quantize_one(Dense(jnp.asarray(w[i])), how, group_size,
+                                        f"{where} expert {i}") for i in range(w.shape[0])])
+
+
+def _quantizable(spec: ParamSpec) -> bool:
+    """Whether a quantization on load applies to this param: matmul weights and stacked
+    experts, except one declared with its own dtype (a MoE router stays float32, so the
+    choice of experts does not move)."""
+    return spec.kind in (Kind.DENSE, Kind.DENSE_T, Kind.EXPERTS) and spec.dtype is None
+
+
+def _check_group(group_size) -> None:
+    if group_size is not None and (not isinstance(group_size, int) or group_size < 16
+                                   or group_size % 16):
+        raise ValueError(f"group_size={group_size!r}: a multiple of 16 (32, 64, 128 ...)")
 
 
 def quantize_params(params, how: str, group_size: int | None = None, specs=None):
     """Every Dense matmul weight of typed params quantized (`how`: int8 | int4 | fp8), one
     tensor at a time on its device (each float weight is released as its codes are made);
     weights already quantized and plain arrays are kept. specs, when given: the params'
-    declaration, refused if it has experts (refuse_quantized_experts)."""
-    import jax.numpy as jnp
-
+    declaration, whose stacked experts (plain arrays [E, K, N]) are quantized too, per
+    expert, and whose params declared with a dtype (a router) are kept (without specs:
+    experts stay as they are)."""
+    _check_group(group_size)
     if specs is not None:
-        refuse_quantized_experts(specs, how)
-    if group_size is not None and (not isinstance(group_size, int) or group_size < 16
-                                   or group_size % 16):
-        raise ValueError(f"group_size={group_size!r}: a multiple of 16 (32, 64, 128 ...)")
+        def one(path, spec, p):
+            if not _quantizable(spec):
+                return p
+            if spec.kind is Kind.EXPERTS and not isinstance(p, QuantizedWeight):
+                return _quantize_experts(p, how, group_size, jax.tree_util.keystr(path))
+            return quantize_params(p, how, group_size)
+        return jax.tree_util.tree_map_with_path(one, specs, params, is_leaf=_is_spec)
     flat, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_weight)
     out = []
     for path, leaf in flat:
@@ -332,8 +366,9 @@ def _at(tree, name: str):
 
 def quantize_on_read(specs, how: str, group_size: int | None = None):
     """A loader's transform(name, value) ("layers.3.wqkv", "embed"): each matmul weight
-    quantized as it is read, so the float checkpoint is never held whole."""
-    refuse_quantized_experts(specs, how)
+    quantized as it is read, so the float checkpoint is never held whole (stacked experts
+    one expert at a time)."""
+    _check_group(group_size)
 
     def transform(name: str, value):
         try:
@@ -342,9 +377,11 @@ def quantize_on_read(specs, how: str, group_size: int | None = None):
             return value  # not declared: check_params names it
         # Plain arrays, weights already quantized, and shapes check_params will refuse by
         # name, pass as they are.
-        if (spec.kind is Kind.ARRAY or isinstance(value, QuantizedWeight | Parts)
+        if (not _quantizable(spec) or isinstance(value, QuantizedWeight | Parts)
                 or tuple(getattr(value, "shape", ())) != spec.shape):
             return value
+        if spec.kind is Kind.EXPERTS:
+            return _quantize_experts(value, how, group_size, f"['{name}']")
         return _quantize_one(spec.wrap(jnp.asarray(value)), how, group_size, f"['{name}']")
     return transform
 
@@ -389,7 +426,7 @@ def place_on_read(specs, sharding, dtype, quantization: str | None = None,
 
     quantizing = quantization not in (None, "none")
     if quantizing:
-        refuse_quantized_experts(specs, quantization)
+        _check_group(group_size)
 
     def transform(name: str, value):
         try:
@@ -405,9 +442,11 @@ def place_on_read(specs, sharding, dtype, quantization: str | None = None,
             a = as_array(jax.tree.map(jnp.asarray, value), jnp.float32)
             a = a.reshape(quantized_shape(spec))
             value = a.T if spec.kind is Kind.DENSE_T else a
-        elif quantizing and not quantized and spec.kind in (Kind.DENSE, Kind.DENSE_T):
-            value = _quantize_one(spec.wrap(jnp.asarray(np.asarray(value))), quantization,
-                                  group_size, f"['{name}']")
+        elif quantizing and not quantized and _quantizable(spec):
+            value = (_quantize_experts(value, quantization, group_size, f"['{name}']")
+                     if spec.kind is Kind.EXPERTS else
+                     _quantize_one(spec.wrap(jnp.asarray(np.asarray(value))), quantization,
+                                   group_size, f"['{name}']"))
         typed = spec.wrap(value)
         keep = isinstance(typed, QuantizedWeight | Parts)  # codes and scales as stored
         floating = jnp.dtype(spec.dtype or dtype)

@@ -13,6 +13,12 @@ w_gate, w_up [E, D, F]; w_down [E, F, D] (x's dtype) -> sum_j weights[:, j] *
 down_e(silu(x @ gate_e) * (x @ up_e)) [N, D] float32, e = experts[:, j]; the SwiGLU rounded to
 x's dtype as HF rounds it.
 
+Each stacked weight may instead be a QuantizedWeight of any format (pallas_kernels/quantized.py:
+int8 / int4 group-wise, fp8 blocks, GGUF's blocks as repacked), its every array [E, rows, N]
+(`stack_experts`); the three may differ (GGUF Q4_K_M: gate / up Q4_K, down Q6_K). The kernels
+then read the chosen expert's code and scale tiles and dequantize them in registers
+(`tile_load` / `tile_dot`), their reduction step the weight's tile (one scale row per step).
+
 Both paths run two kernels, whose programs each own a row tile and a column tile and index the
 stacked weight by the tile's expert, loaded from an int32 array inside the kernel: only the
 chosen experts' weights are read, and no gathered copy of them is made.
@@ -53,6 +59,18 @@ from pallas_kernels._common import (
     dot_f32,
     multiple_of,
     ref_precision,
+)
+from pallas_kernels.quantized import (
+    QuantizedWeight,
+    WeightFormat,
+    check_quantized_experts,
+    dequantize,
+    kernel_arrays,
+    num_experts,
+    take_experts,
+    tile_dot,
+    tile_load,
+    weight_format,
 )
 
 INT32 = jnp.dtype(jnp.int32)
@@ -147,32 +165,121 @@ def _rows(ref, row, single: bool, block_m: int, start, block_k: int, k_ok):
     return _masked(ref.at[pl.ds(row, block_m), pl.ds(start, block_k)], mask)
 
 
-def _swiglu_kernel(te_ref, x_ref, wg_ref, wu_ref, o_ref, *, d: int, f: int, top_k: int,
-                   single: bool, n_tiles: int, n_cols: int, blocks: MoEBlockSizes):
+class _ExpertBand:
+    """A stacked weight array's ref seen as one expert's column band [rows, bn]: tile_load's
+    `ref.at[rows, :]` becomes the single indexer `ref.at[expert, rows, cols]` (Triton's
+    lowering takes one indexer per load)."""
+
+    def __init__(self, ref, expert, col0, width: int):
+        self.ref, self.expert, self.cols = ref, expert, pl.ds(col0, width)
+
+    @property
+    def at(self):
+        return self
+
+    def __getitem__(self, idx):
+        rows, _ = idx
+        return self.ref.at[self.expert, rows, self.cols]
+
+
+class _Weight:
+    """One stacked weight in a kernel: its refs (one array, or a QuantizedWeight's arrays)
+    and its format (None: a plain array [E, K, N] in x's dtype)."""
+
+    def __init__(self, refs, fmt: WeightFormat | None, expert, col0, bn: int, col_ok):
+        self.refs, self.fmt, self.col_ok = refs, fmt, col_ok
+        self.expert, self.col0, self.bn = expert, col0, bn
+
+    def load(self, start, bk: int, k_ok):
+        """The raw tile(s) at K offset `start` (a quantized weight's codes and scale rows;
+        k_ok [bk]: the valid K positions, None when all are)."""
+        if self.fmt is None:
+            mask = _both(None if k_ok is None else k_ok[:, None], self.col_ok)
+            return _masked(self.refs[0].at[self.expert, pl.ds(start, bk),
+                                           pl.ds(self.col0, self.bn)], mask)
+        if k_ok is None:
+            k_ok = jnp.ones((bk,), jnp.bool_)
+        bands = [_ExpertBand(r, self.expert, self.col0, self.bn) for r in self.refs]
+        return tile_load(bands, self.fmt, start, k_ok, self.col_ok, _masked)
+
+    def dot(self, x, raw, start):
+        """x [bm, bk] @ the tile (dequantized in registers) -> [bm, bn] float32."""
+        return dot_f32(x, raw) if self.fmt is None else tile_dot(x, raw, self.fmt, start)
+
+
+def _weight_refs(refs, formats):
+    """Split a kernel's flat weight refs by weight: one ref per plain array, n_arrays per
+    quantized one; returns (the groups, the refs left)."""
+    groups = []
+    for fmt in formats:
+        n = 1 if fmt is None else fmt.n_arrays
+        groups.append(refs[:n])
+        refs = refs[n:]
+    return groups, refs
+
+
+def _k_loop(weights, steps: int, first, bk: int, k_valid, body, init):
+    """fori_loop over `steps` K steps of bk from `first`, a quantized weight's tiles loaded a
+    step ahead (in the carry: Triton's pipeliner leaves loads that feed elementwise math in
+    place, see quantized.tile_load); plain arrays' tiles are loaded in the step.
+    k_valid(start) -> [bk] mask or None; body(start, k_ok, tiles, acc) -> acc."""
+    quantized = any(w.fmt is not None for w in weights)
+
+    def tiles_at(start, k_ok, ahead: bool):
+        return tuple(w.load(start, bk, k_ok) if (w.fmt is not None) == ahead else None
+                     for w in weights)
+
+    def ok(start):
+        # A quantized tile's loads always take a K mask (the prefetch past the end reads none).
+        k_ok = k_valid(start)
+        return (start + jnp.arange(bk)) < first + steps * bk if k_ok is None and quantized \
+            else k_ok
+
+    def step(j, carry):
+        acc, ahead = carry
+        start = multiple_of(first + j * bk, bk)
+        k_ok = k_valid(start)
+        now = tiles_at(start, k_ok, False)
+        tiles = tuple(a if a is not None else b for a, b in zip(ahead, now))
+        nxt = start + bk
+        if quantized:
+            ahead = tiles_at(nxt, ok(nxt), True)
+        return body(start, k_ok, tiles, acc), ahead
+
+    start0 = multiple_of(first, bk)
+    ahead = tiles_at(start0, ok(start0), True) if quantized else (None,) * len(weights)
+    return lax.fori_loop(0, steps, step, (init, ahead))[0]
+
+
+def _swiglu_kernel(te_ref, x_ref, *refs, d: int, f: int, top_k: int, single: bool,
+                   n_tiles: int, n_cols: int, blocks: MoEBlockSizes, formats: tuple):
     # te_ref [T] int32: each tile's expert (-1: empty); x_ref: single [N + bm, Dp] (tile t =
     # the assignment t, its row x[t // top_k]), else [R, Dp] rows sorted by expert;
-    # wg_ref, wu_ref [E, Dp, Fp]; o_ref [T or R, Fp] in x's dtype. Dp, Fp: D, F padded to
-    # the tiles (positions past D, F masked: never read or written).
+    # then gate's and up's refs: a plain array [E, Dp, Fp], or a QuantizedWeight's arrays
+    # [E, rows, Fp] (formats[i] not None); o_ref [T or R, Fp] in x's dtype. Dp, Fp: D, F
+    # padded to the tiles (positions past D, F masked: never read or written).
+    (wg_refs, wu_refs), (o_ref,) = _weight_refs(refs, formats)
     bm, bn, bk = blocks.block_m, blocks.block_n, blocks.block_k
     tile, col = _tile_and_col(n_tiles, n_cols, blocks.group_m)
     expert = te_ref[tile]
     row = tile // top_k if single else tile * bm
     f0 = multiple_of(col * bn, bn)
     col_ok = ((f0 + jnp.arange(bn)) < f)[None, :] if f % bn else None  # [1, bn]
+    weights = [_Weight(r, fmt, expert, f0, bn, col_ok)
+               for r, fmt in zip((wg_refs, wu_refs), formats)]
 
     @pl.when(expert >= 0)
     def _():
-        def step(j, accs):
-            start = multiple_of(j * bk, bk)
-            k_ok = (start + jnp.arange(bk)) < d if d % bk else None  # [bk]
+        def k_valid(start):
+            return (start + jnp.arange(bk)) < d if d % bk else None  # [bk]
+
+        def body(start, k_ok, tiles, accs):
             x = _rows(x_ref, row, single, bm, start, bk, k_ok)  # [bm, bk]
-            w_mask = _both(None if k_ok is None else k_ok[:, None], col_ok)
-            g = _masked(wg_ref.at[expert, pl.ds(start, bk), pl.ds(f0, bn)], w_mask)
-            u = _masked(wu_ref.at[expert, pl.ds(start, bk), pl.ds(f0, bn)], w_mask)
-            return accs[0] + dot_f32(x, g), accs[1] + dot_f32(x, u)
+            return tuple(acc + w.dot(x, t, start) for acc, w, t in zip(accs, weights, tiles))
 
         zeros = jnp.zeros((bm, bn), jnp.float32)
-        gate, up = lax.fori_loop(0, pl.cdiv(d, bk), step, (zeros, zeros))  # [bm, bn] each
+        gate, up = _k_loop(weights, pl.cdiv(d, bk), 0, bk, k_valid, body,
+                           (zeros, zeros))  # [bm, bn] each
         if single:
             gate, up = (jnp.sum(a, axis=0, keepdims=True) for a in (gate, up))  # [1, bn]
         dtype = o_ref.dtype
@@ -188,13 +295,16 @@ def _swiglu_kernel(te_ref, x_ref, wg_ref, wu_ref, o_ref, *, d: int, f: int, top_
             plgpu.store(out, act, mask=jnp.broadcast_to(col_ok, (rows, bn)))
 
 
-def _down_kernel(te_ref, a_ref, wd_ref, *refs, f: int, d: int, single: bool, top_k: int,
-                 n_tiles: int, n_cols: int, k_chunk: int, blocks: MoEBlockSizes):
+def _down_kernel(te_ref, a_ref, *refs, f: int, d: int, single: bool, top_k: int,
+                 n_tiles: int, n_cols: int, k_chunk: int, blocks: MoEBlockSizes,
+                 formats: tuple):
     # te_ref [T] int32; a_ref [T + bm or R, Fp] the SwiGLU rows (single: row t is tile t);
-    # wd_ref [E, Fp, Dp]; single: rw_ref [T] float32 the routing weights, then o_ref
+    # then down's refs: [E, Fp, Dp], or a QuantizedWeight's arrays [E, rows, Dp];
+    # single: rw_ref [T] float32 the routing weights, then o_ref
     # [S * top_k, T // top_k, Dp] float32: this F chunk's sums times the routing weight, the
     # assignment t = n * top_k + j at chunk s * top_k + j, row n (the chunks' sum is the
     # output); else o_ref [1, R, Dp] float32.
+    (wd_refs,), refs = _weight_refs(refs, formats)
     rw_ref, o_ref = refs if single else (None, *refs)
     bm, bn, bk = blocks.block_m, blocks.block_n_down, blocks.block_k
     tile, col = _tile_and_col(n_tiles, n_cols, blocks.group_m)
@@ -206,18 +316,19 @@ def _down_kernel(te_ref, a_ref, wd_ref, *refs, f: int, d: int, single: bool, top
     chunk_start = chunk * k_chunk
     chunk_end = jnp.minimum(chunk_start + k_chunk, f)
     ragged = f % k_chunk != 0 or f % bk != 0
+    (w,) = weights = [_Weight(wd_refs, formats[0], expert, d0, bn, col_ok)]
 
     @pl.when(expert >= 0)
     def _():
-        def step(j, acc):
-            start = multiple_of(chunk_start + j * bk, bk)
-            k_ok = (start + jnp.arange(bk)) < chunk_end if ragged else None  # [bk]
-            a = _rows(a_ref, row, single, bm, start, bk, k_ok)  # [bm, bk]
-            w = _masked(wd_ref.at[expert, pl.ds(start, bk), pl.ds(d0, bn)],
-                        _both(None if k_ok is None else k_ok[:, None], col_ok))
-            return acc + dot_f32(a, w)
+        def k_valid(start):
+            return (start + jnp.arange(bk)) < chunk_end if ragged else None  # [bk]
 
-        acc = lax.fori_loop(0, k_chunk // bk, step, jnp.zeros((bm, bn), jnp.float32))
+        def body(start, k_ok, tiles, acc):
+            a = _rows(a_ref, row, single, bm, start, bk, k_ok)  # [bm, bk]
+            return acc + w.dot(a, tiles[0], start)
+
+        acc = _k_loop(weights, k_chunk // bk, chunk_start, bk, k_valid, body,
+                      jnp.zeros((bm, bn), jnp.float32))
         if single:
             acc = jnp.sum(acc, axis=0, keepdims=True) * rw_ref[tile]  # [1, bn]
             out = o_ref.at[chunk * top_k + lax.rem(tile, top_k), pl.ds(tile // top_k, 1),
@@ -241,39 +352,74 @@ def _pad(n: int, b: int) -> int:
     return pl.cdiv(n, b) * b
 
 
+def _dims(w) -> tuple[int, int, int]:
+    """(E, K, N) of a stacked weight: an array [E, K, N] or a stacked QuantizedWeight."""
+    if isinstance(w, QuantizedWeight):
+        return num_experts(w), w.k, w.n
+    return tuple(w.shape)
+
+
+def _format(w) -> WeightFormat | None:
+    return weight_format(w) if isinstance(w, QuantizedWeight) else None
+
+
+def _step(block_k: int, *weights) -> int:
+    """The K step: a quantized weight's tile (one scale row per step; the weights of one
+    kernel share it, checked by check_experts), else block_k."""
+    tiles = {w.tile for w in weights if isinstance(w, QuantizedWeight)}
+    return tiles.pop() if tiles else block_k
+
+
+def _weight_operands(w, kp: int, np_: int):
+    """(arrays, BlockSpecs) of a stacked weight for a kernel: the array padded (as a block)
+    to [E, Kp, Np], or a QuantizedWeight's kernel arrays [E, rows, Np] (8-bit planes' rows
+    padded to Kp: their masked edge tiles stay inside the block in interpret mode)."""
+    if not isinstance(w, QuantizedWeight):
+        return [w], [_whole((w.shape[0], kp, np_))]
+    arrays = list(kernel_arrays(w))
+    rows = [max(a.shape[1], kp) if i < len(w.bits) and w.bits[i] == 8 else a.shape[1]
+            for i, a in enumerate(arrays)]
+    return arrays, [_whole((a.shape[0], r, np_)) for a, r in zip(arrays, rows)]
+
+
 @functools.partial(jax.jit, static_argnames=("top_k", "single", "blocks", "interpret"))
 def _swiglu_call(tile_experts, x, w_gate, w_up, *, top_k, single, blocks, interpret):
     """act [T or R, F] in x's dtype (see _swiglu_kernel)."""
-    e, d, f = w_gate.shape
+    _, d, f = _dims(w_gate)
     n_tiles = tile_experts.shape[0]
     rows = n_tiles if single else n_tiles * blocks.block_m
+    blocks = dataclasses.replace(blocks, block_k=_step(blocks.block_k, w_gate, w_up))
     dp, fp = _pad(d, blocks.block_k), _pad(f, blocks.block_n)
     n_cols = fp // blocks.block_n
     group_m = min(blocks.group_m, n_tiles)
+    formats = (_format(w_gate), _format(w_up))
     kernel = functools.partial(_swiglu_kernel, d=d, f=f, top_k=top_k, single=single,
-                               n_tiles=n_tiles, n_cols=n_cols,
+                               n_tiles=n_tiles, n_cols=n_cols, formats=formats,
                                blocks=dataclasses.replace(blocks, group_m=group_m))
+    (g_args, g_specs), (u_args, u_specs) = (_weight_operands(w, dp, fp) for w in (w_gate, w_up))
     return pl.pallas_call(
         kernel,
         grid=(n_tiles * n_cols,),
         in_specs=[_whole((n_tiles,)), _whole((x.shape[0] + single * blocks.block_m, dp)),
-                  _whole((e, dp, fp)), _whole((e, dp, fp))],
+                  *g_specs, *u_specs],
         out_specs=_whole((rows, fp)),
         out_shape=jax.ShapeDtypeStruct((rows, f), x.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps,
                                              num_stages=blocks.num_stages),
         interpret=interpret,
-        name=f"moe_{'decode' if single else 'grouped'}_swiglu_d{d}_f{f}",
-    )(tile_experts, x, w_gate, w_up)
+        name=f"moe_{'decode' if single else 'grouped'}_swiglu_d{d}_f{f}"
+             + "".join(f"_{w.name}" for w in (w_gate, w_up) if isinstance(w, QuantizedWeight)),
+    )(tile_experts, x, *g_args, *u_args)
 
 
 @functools.partial(jax.jit, static_argnames=("top_k", "single", "blocks", "interpret"))
 def _down_call(tile_experts, act, w_down, routing=None, *, top_k, single, blocks, interpret):
     """single: [S * top_k, T // top_k, D], else [1, R, D], float32 (see _down_kernel)."""
-    e, f, d = w_down.shape
+    _, f, d = _dims(w_down)
     n_tiles = tile_experts.shape[0]
     rows = act.shape[0]
-    bk = blocks.block_k
+    bk = _step(blocks.block_k, w_down)
+    blocks = dataclasses.replace(blocks, block_k=bk)
     split = max(1, min(blocks.split_k, pl.cdiv(f, bk)))
     k_chunk = _pad(pl.cdiv(f, split), bk)
     split = pl.cdiv(f, k_chunk)
@@ -282,10 +428,12 @@ def _down_call(tile_experts, act, w_down, routing=None, *, top_k, single, blocks
     group_m = min(blocks.group_m, n_tiles)
     kernel = functools.partial(_down_kernel, f=f, d=d, single=single, top_k=top_k,
                                n_tiles=n_tiles, n_cols=n_cols, k_chunk=k_chunk,
+                               formats=(_format(w_down),),
                                blocks=dataclasses.replace(blocks, group_m=group_m))
+    w_args, w_specs = _weight_operands(w_down, split * k_chunk, dp)
     in_specs = [_whole((n_tiles,)), _whole((rows + single * blocks.block_m, split * k_chunk)),
-                _whole((e, split * k_chunk, dp))]
-    args = [tile_experts, act, w_down]
+                *w_specs]
+    args = [tile_experts, act, *w_args]
     out = (split, rows, d)
     if single:
         in_specs.append(_whole((n_tiles,)))
@@ -301,7 +449,8 @@ def _down_call(tile_experts, act, w_down, routing=None, *, top_k, single, blocks
                                              num_stages=blocks.num_stages),
         interpret=interpret,
         name=f"moe_{'decode' if single else 'grouped'}_down_f{f}_d{d}"
-             + (f"_split{split}" if split > 1 else ""),
+             + (f"_split{split}" if split > 1 else "")
+             + (f"_{w_down.name}" if isinstance(w_down, QuantizedWeight) else ""),
     )(*args)
 
 
@@ -314,18 +463,27 @@ def check_experts(op: str, x, weights, experts, w_gate, w_up, w_down) -> None:
     """Raise ValueError naming the first input whose rank, shape or dtype does not fit."""
     check_array(op, "x", x, 2)
     n, d = x.shape
-    for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+    named = (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down))
+    for name, w in named:
+        if isinstance(w, QuantizedWeight):
+            check_quantized_experts(f"{op}: {name}", w)
+            continue
         check_array(op, name, w, 3)
         if jnp.dtype(w.dtype) != jnp.dtype(x.dtype):
             raise ValueError(f"{op}: {name} has dtype {w.dtype} but x has {x.dtype}: the "
                              f"experts' weights and activations must share one dtype")
-    e, _, f = w_gate.shape
+    e, _, f = _dims(w_gate)
     want = {"w_gate": (e, d, f), "w_up": (e, d, f), "w_down": (e, f, d)}
-    for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
-        if tuple(w.shape) != want[name]:
-            raise ValueError(f"{op}: {name} has shape {tuple(w.shape)}, expected "
-                             f"{want[name]} (stacked [E, D, F] gate / up and [E, F, D] down, "
-                             f"x [N, D={d}])")
+    for name, w in named:
+        if _dims(w) != want[name]:
+            raise ValueError(f"{op}: {name} has shape {_dims(w)}, expected {want[name]} "
+                             f"(stacked [E, D, F] gate / up and [E, F, D] down, x [N, D={d}]; "
+                             f"a quantized one's shape is its [E, K, N])")
+    if isinstance(w_gate, QuantizedWeight) and isinstance(w_up, QuantizedWeight) \
+            and w_gate.tile != w_up.tile:
+        raise ValueError(f"{op}: w_gate ({w_gate.name}) and w_up ({w_up.name}) are read in "
+                         f"one K loop but have K tiles {w_gate.tile} and {w_up.tile}; "
+                         f"quantize them with the same group size")
     check_array(op, "experts", experts, 2, dtypes=(INT32,))
     check_array(op, "weights", weights, 2, dtypes=(FLOAT32,))
     if experts.shape[0] != n or not 1 <= experts.shape[1] <= e:
@@ -338,7 +496,7 @@ def check_experts(op: str, x, weights, experts, w_gate, w_up, w_down) -> None:
 
 def _blocks(blocks, x, experts, w_gate, decode: bool) -> MoEBlockSizes:
     if blocks is None:
-        e, d, f = w_gate.shape
+        e, d, f = _dims(w_gate)
         return default_block_sizes(x.shape[0], d, f, e, experts.shape[1], x.dtype.itemsize,
                                    decode=decode)
     if not isinstance(blocks, MoEBlockSizes):
@@ -377,6 +535,15 @@ def moe_decode(x, weights, experts, w_gate, w_up, w_down, *, partials: bool = Fa
     return parts if partials else jnp.sum(parts, axis=0)
 
 
+def take_dequantized(w, ids, dtype):
+    """The chosen experts' weights w[ids] [..., K, N] (ids [...] int): an array's slices, or
+    a QuantizedWeight's chosen arrays dequantized to dtype (as the kernels' float32 math,
+    rounded once)."""
+    if isinstance(w, QuantizedWeight):
+        return dequantize(take_experts(w, ids), dtype)
+    return jnp.take(w, ids, axis=0)
+
+
 def moe_experts_reference(x, weights, experts, w_gate, w_up, w_down, *,
                           partials: bool = False, interpret: bool = False,
                           block_sizes: MoEBlockSizes | None = None):
@@ -387,13 +554,13 @@ def moe_experts_reference(x, weights, experts, w_gate, w_up, w_down, *,
     del interpret, block_sizes
     check_experts("moe_experts_reference", x, weights, experts, w_gate, w_up, w_down)
     hp = ref_precision(x.dtype)
-    g = jnp.einsum("nd,nkdf->nkf", x, jnp.take(w_gate, experts, axis=0), precision=hp,
+    g = jnp.einsum("nd,nkdf->nkf", x, take_dequantized(w_gate, experts, x.dtype), precision=hp,
                    preferred_element_type=jnp.float32)  # [N, k, F]
-    u = jnp.einsum("nd,nkdf->nkf", x, jnp.take(w_up, experts, axis=0), precision=hp,
+    u = jnp.einsum("nd,nkdf->nkf", x, take_dequantized(w_up, experts, x.dtype), precision=hp,
                    preferred_element_type=jnp.float32)
     act = (jax.nn.silu(g.astype(x.dtype)) * u.astype(x.dtype)).astype(x.dtype)
-    y = jnp.einsum("nkf,nkfd->nkd", act, jnp.take(w_down, experts, axis=0), precision=hp,
-                   preferred_element_type=jnp.float32)  # [N, k, D]
+    y = jnp.einsum("nkf,nkfd->nkd", act, take_dequantized(w_down, experts, x.dtype),
+                   precision=hp, preferred_element_type=jnp.float32)  # [N, k, D]
     if partials:
         return jnp.transpose(y * weights[:, :, None], (1, 0, 2))
     return _combine(y.reshape(-1, y.shape[-1]), weights)
@@ -448,12 +615,16 @@ def group_by_expert(experts, num_experts: int, block_m: int) -> Groups:
 def check_grouped(op: str, rows, tile_experts, weight, blocks: MoEBlockSizes) -> None:
     check_array(op, "tile_experts", tile_experts, 1, dtypes=(INT32,))
     check_array(op, "rows", rows, 2)
-    check_array(op, "weight", weight, 3, dtypes=(jnp.dtype(rows.dtype),))
+    if isinstance(weight, QuantizedWeight):
+        check_quantized_experts(op, weight)
+    else:
+        check_array(op, "weight", weight, 3, dtypes=(jnp.dtype(rows.dtype),))
     want = tile_experts.shape[0] * blocks.block_m
-    if rows.shape[0] != want or rows.shape[1] != weight.shape[1]:
+    k = _dims(weight)[1]
+    if rows.shape[0] != want or rows.shape[1] != k:
         raise ValueError(f"{op}: rows {tuple(rows.shape)} must be [T * block_m = {want}, "
-                         f"{weight.shape[1]}] for {tile_experts.shape[0]} tiles of "
-                         f"{blocks.block_m} and a weight {tuple(weight.shape)}")
+                         f"{k}] for {tile_experts.shape[0]} tiles of "
+                         f"{blocks.block_m} and a weight {_dims(weight)}")
 
 
 def grouped_swiglu(xs, tile_experts, w_gate, w_up, *, interpret: bool = False,
@@ -461,9 +632,10 @@ def grouped_swiglu(xs, tile_experts, w_gate, w_up, *, interpret: bool = False,
     """xs [R, D] (R = T * block_m rows, tile t all of expert tile_experts[t]; -1: skipped,
     its rows left unwritten) -> silu(xs @ w_gate[e]) * (xs @ w_up[e]) [R, F] in xs' dtype."""
     check_grouped("grouped_swiglu", xs, tile_experts, w_gate, block_sizes)
-    if tuple(w_up.shape) != tuple(w_gate.shape) or w_up.dtype != w_gate.dtype:
-        raise ValueError(f"grouped_swiglu: w_up {tuple(w_up.shape)} {w_up.dtype} must match "
-                         f"w_gate {tuple(w_gate.shape)} {w_gate.dtype}")
+    check_grouped("grouped_swiglu", xs, tile_experts, w_up, block_sizes)
+    if _dims(w_up) != _dims(w_gate) or _step(0, w_gate) != _step(0, w_up):
+        raise ValueError(f"grouped_swiglu: w_up {_dims(w_up)} must match w_gate "
+                         f"{_dims(w_gate)} (and a quantized one's K tile)")
     return _swiglu_call(tile_experts, xs, w_gate, w_up, top_k=1, single=False,
                         blocks=block_sizes, interpret=interpret)
 
@@ -493,10 +665,10 @@ def grouped_swiglu_reference(xs, tile_experts, w_gate, w_up, *, interpret: bool 
     hp = ref_precision(xs.dtype)
 
     def product(tiles, ids):
-        g = jnp.einsum("tmd,tdf->tmf", tiles, w_gate[ids], precision=hp,
-                       preferred_element_type=jnp.float32)
-        u = jnp.einsum("tmd,tdf->tmf", tiles, w_up[ids], precision=hp,
-                       preferred_element_type=jnp.float32)
+        g = jnp.einsum("tmd,tdf->tmf", tiles, take_dequantized(w_gate, ids, xs.dtype),
+                       precision=hp, preferred_element_type=jnp.float32)
+        u = jnp.einsum("tmd,tdf->tmf", tiles, take_dequantized(w_up, ids, xs.dtype),
+                       precision=hp, preferred_element_type=jnp.float32)
         return (jax.nn.silu(g.astype(xs.dtype)) * u.astype(xs.dtype)).astype(xs.dtype)
 
     return _grouped_reference(xs, tile_experts, block_sizes.block_m, product)
@@ -509,7 +681,7 @@ def grouped_down_reference(act, tile_experts, w_down, *, interpret: bool = False
     check_grouped("grouped_down", act, tile_experts, w_down, block_sizes)
 
     def product(tiles, ids):
-        return jnp.einsum("tmf,tfd->tmd", tiles, w_down[ids],
+        return jnp.einsum("tmf,tfd->tmd", tiles, take_dequantized(w_down, ids, act.dtype),
                           precision=ref_precision(act.dtype), preferred_element_type=jnp.float32)
 
     return _grouped_reference(act, tile_experts, block_sizes.block_m, product)
@@ -523,7 +695,7 @@ def moe_grouped(x, weights, experts, w_gate, w_up, w_down, *, partials: bool = F
     output), for a consumer kernel that adds them to the stream itself (a few rows)."""
     check_experts("moe_grouped", x, weights, experts, w_gate, w_up, w_down)
     blocks = _blocks(block_sizes, x, experts, w_gate, decode=False)
-    groups = group_by_expert(experts, w_gate.shape[0], blocks.block_m)
+    groups = group_by_expert(experts, _dims(w_gate)[0], blocks.block_m)
     xs = x[groups.row_token]  # [R, D]
     act = grouped_swiglu(xs, groups.tile_experts, w_gate, w_up, interpret=interpret,
                          block_sizes=blocks)  # [R, F]

@@ -2,6 +2,7 @@
 
     quantize_weight(w, bits=8|4, group_size=, symmetric=, float8=)  -> QuantizedWeight
     dequantize(qw)                          [K, *N] float32 (the reference every kernel meets)
+    stack_experts(qws) / num_experts(qw)    E experts' weights as one, every array [E, ...]
     quantized_matmul(x, qw)                 x [M, K] @ dequantize(qw): the fused decode kernel
     quantized_matmul_reference(x, qw)       the same in plain jnp
 
@@ -28,6 +29,11 @@ b bits holds r = 8 // b tiles per byte row: tile t of K is stored at byte rows
 (t // r) * tile .. + tile - 1, in bits b * (t % r) .. b * (t % r) + b - 1. A kernel step then
 loads a [tile, block_n] byte tile and one shift and mask give the codes: no interleaved rows
 to untangle in registers. Rows past K are zero codes.
+
+A MoE layer's stacked experts are one QuantizedWeight whose every array has a leading expert
+axis ([E, rows, N]); its static fields describe one expert's [K, N] (`stack_experts`). The
+helpers below that read arrays (unpack_plane, codes_of, group_scales, dequantize) take any
+leading axes: a stacked weight dequantizes to [E, K, *N].
 """
 
 from __future__ import annotations
@@ -174,21 +180,22 @@ def pack_plane(codes, bits: int, tile: int):
 def unpack_plane(plane, bits: int, tile: int, k: int):
     """The inverse of pack_plane: [rows, N] -> codes [K, N] (uint8; 8-bit planes as stored)."""
     if bits == 8:
-        return plane[:k]
+        return plane[..., :k, :]
     xp = _xp(plane)
-    rows, n = plane.shape
+    *lead, rows, n = plane.shape
     r = 8 // bits
-    u = plane.reshape(rows // tile, 1, tile, n)
-    shifts = (xp.arange(r, dtype=xp.uint8) * bits).reshape(1, r, 1, 1)
+    u = plane.reshape(*lead, rows // tile, 1, tile, n)
+    shifts = (xp.arange(r, dtype=xp.uint8) * bits).reshape(r, 1, 1)
     codes = (u >> shifts) & ((1 << bits) - 1)
-    return codes.reshape(rows * r, n)[:k]
+    return codes.reshape(*lead, rows * r, n)[..., :k, :]
 
 
 def codes_of(qw: QuantizedWeight):
-    """The codes [K, N] as int32 minus code_offset (float32 for fp8), numpy or jnp as stored."""
+    """The codes [..., K, N] as int32 minus code_offset (float32 for fp8), numpy or jnp as
+    stored (leading axes: a stacked weight's experts)."""
     xp = _xp(qw.planes[0])
     if qw.float8:
-        return qw.planes[0][:qw.k].astype(xp.float32)
+        return qw.planes[0][..., :qw.k, :].astype(xp.float32)
     c = None
     shift = 0
     for plane, b in zip(qw.planes, qw.bits):
@@ -199,39 +206,108 @@ def codes_of(qw: QuantizedWeight):
 
 
 def group_scales(qw: QuantizedWeight):
-    """(s [G, N], o [G, N] or None) in float32: the per-group scale and offset."""
+    """(s [..., G, N], o [..., G, N] or None) in float32: the per-group scale and offset."""
     xp = _xp(qw.scale)
     f32 = xp.float32
     s = qw.scale.astype(f32)
     ratio = qw.super_group // qw.group if qw.super_group else 0
     if qw.super_scale is not None:
-        s = xp.repeat(qw.super_scale.astype(f32), ratio, axis=0)[:s.shape[0]] * s
+        s = xp.repeat(qw.super_scale.astype(f32), ratio, axis=-2)[..., :s.shape[-2], :] * s
     o = None
     if qw.offset is not None:
         o = qw.offset.astype(f32)
         if qw.super_offset is not None:
-            o = -(xp.repeat(qw.super_offset.astype(f32), ratio, axis=0)[:o.shape[0]] * o)
+            o = -(xp.repeat(qw.super_offset.astype(f32), ratio, axis=-2)[..., :o.shape[-2], :]
+                  * o)
     return s, o
 
 
 def dequantize(qw: QuantizedWeight, dtype=jnp.float32):
-    """w [K, *out_shape] in dtype: s * c + o in float32 per the module docstring, then cast."""
+    """w [K, *out_shape] in dtype: s * c + o in float32 per the module docstring, then cast.
+    A stacked weight (arrays [E, rows, N], or any leading axes) gives [E, K, *out_shape]."""
     xp = _xp(qw.planes[0])
-    c = codes_of(qw).astype(xp.float32)  # [K, N]
+    c = codes_of(qw).astype(xp.float32)  # [..., K, N]
+    lead = tuple(c.shape[:-2])
     s, o = group_scales(qw)
     if qw.groups == 1:
-        w = c * s[:1]
+        w = c * s[..., :1, :]
         if o is not None:
-            w = w + o[:1]
+            w = w + o[..., :1, :]
     else:
         g = qw.group
         kp = qw.groups * g
-        cg = xp.pad(c, ((0, kp - qw.k), (0, 0))).reshape(qw.groups, g, -1)
-        w = cg * s[:, None, :]
+        pad = ((0, 0),) * len(lead) + ((0, kp - qw.k), (0, 0))
+        cg = xp.pad(c, pad).reshape(*lead, qw.groups, g, -1)
+        w = cg * s[..., :, None, :]
         if o is not None:
-            w = w + o[:, None, :]
-        w = w.reshape(kp, -1)[:qw.k]
-    return w.reshape(qw.shape).astype(dtype)
+            w = w + o[..., :, None, :]
+        w = w.reshape(*lead, kp, -1)[..., :qw.k, :]
+    return w.reshape(*lead, *qw.shape).astype(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Stacked experts: every array with a leading expert axis
+# ---------------------------------------------------------------------------------------------
+
+
+def num_experts(qw: QuantizedWeight) -> int:
+    """E of a stacked experts' weight (arrays [E, rows, N]); 0 for one matrix ([rows, N])."""
+    return int(qw.planes[0].shape[0]) if len(qw.planes[0].shape) == 3 else 0
+
+
+def stack_experts(qws) -> QuantizedWeight:
+    """E per-expert QuantizedWeights of one format ([K, N] each, the same static fields and
+    array shapes) -> one whose every array is [E, ...] (numpy stays numpy)."""
+    qws = list(qws)
+    if not qws or not all(isinstance(q, QuantizedWeight) for q in qws):
+        raise ValueError("stack_experts: give one or more QuantizedWeights (one per expert)")
+    first = jax.tree.structure(qws[0])
+    shapes = [tuple(a.shape) for a in jax.tree.leaves(qws[0])]
+    for i, q in enumerate(qws):
+        if num_experts(q):
+            raise ValueError(f"stack_experts: expert {i} is already stacked")
+        if (jax.tree.structure(q) != first
+                or [tuple(a.shape) for a in jax.tree.leaves(q)] != shapes):
+            raise ValueError(f"stack_experts: expert {i} ({q.name}, K={q.k}, N={q.n}) differs "
+                             f"in format or shapes from expert 0 ({qws[0].name}, K={qws[0].k}, "
+                             f"N={qws[0].n}); the experts of one weight share one layout")
+
+    def stack(*arrays):
+        return _xp(arrays[0]).stack(arrays)
+    return jax.tree.map(stack, *qws)
+
+
+def expert_view(qw: QuantizedWeight) -> QuantizedWeight:
+    """One expert's arrays as shape / dtype structs (for the shape checks of one matrix)."""
+    def one(a):
+        return jax.ShapeDtypeStruct(tuple(a.shape[1:]), a.dtype)
+    return jax.tree.map(one, qw)
+
+
+def take_experts(qw: QuantizedWeight, ids) -> QuantizedWeight:
+    """The chosen experts' arrays of a stacked weight: ids [...] int -> arrays [..., rows, N]
+    (dequantize gives [..., K, *N])."""
+    def take(a):
+        return jnp.take(a, ids, axis=0)
+    return jax.tree.map(take, qw)
+
+
+def check_quantized_experts(op: str, qw, e: int | None = None, k: int | None = None) -> None:
+    """Raise ValueError unless qw is a stacked experts' QuantizedWeight (arrays [E, rows, N])
+    whose per-expert arrays fit its layout (check_quantized), with E = e and K = k when
+    given."""
+    if not isinstance(qw, QuantizedWeight):
+        raise ValueError(f"{op}: expected a QuantizedWeight, got {type(qw).__name__}")
+    n_exp = num_experts(qw)
+    if not n_exp or any(len(a.shape) != 3 or a.shape[0] != n_exp
+                        for a in jax.tree.leaves(qw)):
+        raise ValueError(f"{op}: the quantized experts' weight ({qw.name}) needs every array "
+                         f"[E, rows, N] (stack_experts), got shapes "
+                         f"{[tuple(a.shape) for a in jax.tree.leaves(qw)]}")
+    if e is not None and n_exp != e:
+        raise ValueError(f"{op}: the quantized experts' weight holds {n_exp} experts, "
+                         f"expected {e}")
+    check_quantized(op, expert_view(qw), qw.k if k is None else k)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ the tests assert on it. `python tests/sharding_check.py [check ...]` runs some o
                 (from the same compiled forward; generate itself on GENERATE_CASES),
                 per-device parameter bytes
     int4        an int4-quantized model: the same, and its codes sharded like the float weights
+    quantized_moe  Mixtral with int8 / int4 experts (stacked QuantizedWeights): the same
     hlo         the compiled decode step: collectives per layer, no all-gather of a weight
     interpret   the Pallas kernels (interpret mode, bf16) under shard_map: logits close to one
                 device's, and every pallas_call inside a shard_map
@@ -150,6 +151,46 @@ def check_int4() -> dict:
     (tp=4, dp=2) as on one device, and the codes split (per-device bytes)."""
     return check_models(names=("llama_gqa_tied_llama3",), meshes=({"tp": 4, "dp": 2},),
                         quantization="int4")
+
+
+def check_quantized_moe() -> dict:
+    """Mixtral's experts quantized on load (stacked QuantizedWeights) on (tp=2, ep=2, dp=2):
+    int8 splits down's rows over tp, int4 (one byte row per two tiles: this fixture's F 32
+    cannot split) keeps F whole; both give one device's results. "interpret": the int8
+    model's prefill and a decode step through the Pallas experts (interpret mode) on
+    (tp=2, ep=2), each shard's weights cut to its own K / N, against one device."""
+    import jaxinfer
+    from jaxinfer.cache import KVCache
+    from jaxinfer.models import llama
+    from jaxinfer.plan import KernelPolicy, Plan
+    from jaxinfer.sharding import Sharding, make_mesh, shard_params
+
+    out = {how: check_models(names=("mixtral",), meshes=({"tp": 2, "ep": 2, "dp": 2},),
+                             quantization=how) for how in ("int8", "int4")}
+    model = jaxinfer.load(str(HF / "mixtral"), dtype="float32", quantization="int8",
+                          group_size=32)
+    config = model.config
+    ids = jnp.asarray(np.load(HF / "mixtral" / "ref.npz")["input_ids"][:2, :9])
+    b, t = 2, 8
+    pos = jnp.broadcast_to(jnp.arange(t + 1, dtype=jnp.int32), (b, t + 1))
+
+    def run(params, plan, cache):
+        logits, cache = llama.forward(params, ids[:, :t], pos[:, :t], plan, cache, fresh=True)
+        step, _ = llama.forward(params, ids[:, t:], pos[:, t:], plan, cache)
+        return jnp.concatenate([logits, step], axis=1)
+
+    one = jax.jit(run, static_argnums=1)(model.params, Plan(config, KernelPolicy.reference()),
+                                         KVCache.init(config, b, 16))
+    sharding = Sharding.create(make_mesh(tp=2, ep=2), config)
+    plan = Plan(config, KernelPolicy(interpret=True), sharding)
+    params = shard_params(model.params, llama.param_specs(config), sharding)
+    cache = KVCache.init(config, b, 16)
+    found = pallas_calls(jax.make_jaxpr(run, static_argnums=1)(params, plan, cache).jaxpr)
+    two = np.asarray(jax.jit(run, static_argnums=1)(params, plan, cache))
+    one = np.asarray(one)
+    out["interpret"] = {"rel": _rel(two, one), "pallas": found,
+                        "argmax_equal": bool((one.argmax(-1) == two.argmax(-1)).all())}
+    return out
 
 
 _COLLECTIVE = re.compile(r"= (\S+) (all-reduce|all-gather|all-to-all|reduce-scatter|"
@@ -335,7 +376,8 @@ def check_stream() -> dict:
 
 
 CHECKS = {"errors": check_errors, "stream": check_stream, "rules": check_rules, "models": check_models,
-          "int4": check_int4, "hlo": check_hlo, "interpret": check_interpret}
+          "int4": check_int4, "quantized_moe": check_quantized_moe, "hlo": check_hlo,
+          "interpret": check_interpret}
 
 
 def main(names: list[str]) -> None:

@@ -381,7 +381,9 @@ def test_fp8_block_checkpoint_kept_in_fp8(tmp_path):
     assert isinstance(layer["wq_kv_a"], QuantizedWeight) and layer["wq_kv_a"].float8
     assert isinstance(layer["wkv_b"], QuantizedWeight) and isinstance(layer["wo"],
                                                                       QuantizedWeight)
-    assert layer["experts_gate"].dtype == jnp.float32  # experts dequantized on load
+    for name in ("experts_gate", "experts_up", "experts_down"):  # routed experts kept fp8
+        w = layer[name]
+        assert isinstance(w, QuantizedWeight) and w.float8 and w.planes[0].shape[0] == 8, name
     logits = np.asarray(kept(ref["input_ids"]))
     want = np.asarray(jaxinfer.load(str(deq), dtype="float32")(ref["input_ids"]))
     assert rel_err(logits, want) <= 1e-4

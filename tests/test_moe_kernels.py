@@ -1,6 +1,7 @@
 """The MoE experts kernels (pallas_kernels/moe.py) in interpret mode against their pure-jnp
-references and an independent per-token loop, the grouped layout, bad inputs, the model's
-MoE fixtures through the kernels, and benchmarks/moe.py --quick."""
+references and an independent per-token loop, float and quantized experts (int8, int4, fp8
+blocks, GGUF K-quants), the grouped layout, bad inputs, the model's MoE fixtures through the
+kernels, and benchmarks/moe.py --quick."""
 
 import pathlib
 
@@ -12,6 +13,12 @@ from kernel_testing import pallas_kernels_in, rel_err
 
 import pallas_kernels as pk
 from pallas_kernels.moe import default_block_sizes, max_tiles
+from pallas_kernels.quantized import (
+    dequantize,
+    from_fp8_blocks,
+    quantize_weight,
+    stack_experts,
+)
 
 DATA = pathlib.Path(__file__).parent / "fixtures" / "data"
 # Small tiles, so that the odd shapes below have ragged edges in D, F and the split chunks.
@@ -146,6 +153,118 @@ def test_grouped_kernels_match_their_references_and_skip_empty_tiles():
     np.testing.assert_allclose(other[bm:2 * bm], want_y[bm:2 * bm], rtol=1e-5, atol=1e-5)
 
 
+# ------------------------------------------------------------------------ quantized experts
+
+
+def stacked(w, make):
+    """A stacked QuantizedWeight of w [E, K, N]: make(w_e float32 numpy [K, N]) per expert."""
+    w = np.asarray(jnp.asarray(w, jnp.float32))
+    return jax.tree.map(jnp.asarray, stack_experts([make(w[i]) for i in range(w.shape[0])]))
+
+
+def fp8_blocks(w, block=32):
+    """w [K, N] as DeepSeek-V3 stores it: e4m3 values times a scale per block x block."""
+    k, n = w.shape
+    amax = np.abs(w).reshape(k // block, block, n // block, block).max(axis=(1, 3))
+    s = np.maximum(amax, 1e-12) / 448.0  # [K / b, N / b]
+    full = np.repeat(np.repeat(s, block, 0), block, 1)
+    return from_fp8_blocks(jnp.asarray(w / full, jnp.float8_e4m3fn), jnp.asarray(s), block)
+
+
+def gguf_blocks(type_name: str, k: int, n: int, rng):
+    """A random GGUF tensor of n rows of k (gguf.quants writes no K-quants): random block
+    bytes, the fp16 super-scales then set so the values' standard deviation is 1 / sqrt(k)
+    (they are linear in those fields), repacked as the GGUF loader repacks it."""
+    from checkpoints.gguf_blocks import BLOCK_SIZES, repack
+
+    block, size = BLOCK_SIZES[type_name]
+    raw = rng.integers(0, 256, (n * k // block, size), dtype=np.uint8)
+    fields = {"Q4_K": (0, 2), "Q6_K": (208,), "Q8_0": (0,)}[type_name]
+
+    def put(value: float):
+        for off in fields:
+            raw[:, off:off + 2] = np.full((raw.shape[0], 1), value, np.float16).view(np.uint8)
+
+    put(1.0)
+    std = float(np.std(dequantize(repack(raw.reshape(n, -1), type_name, k, n))))
+    put(1.0 / (std * np.sqrt(k)))
+    return repack(raw.reshape(n, -1), type_name, k, n)
+
+
+def quantized_case(name: str, n: int):
+    """(x, weights, experts, w_gate, w_up, w_down) with the experts in format `name`."""
+    if name == "gguf_q4k_q6k":  # GGUF Q4_K_M's experts: gate / up Q4_K, down Q6_K
+        x, w, ex, *_ = inputs(n, 2, 4, 256, 256, jnp.float32, seed=n)
+        rng = np.random.default_rng(1)
+        qs = [jax.tree.map(jnp.asarray, stack_experts([gguf_blocks(t, 256, 256, rng)
+                                                       for _ in range(4)]))
+              for t in ("Q4_K", "Q4_K", "Q6_K")]
+        return (x, w, ex, *qs)
+    d = 40 if name == "int8" else 64
+    dtype = jnp.bfloat16 if name == "int4_g64" else jnp.float32
+    x, w, ex, wg, wu, wd = inputs(n, 2, 5, d, 96, dtype, seed=n)
+    make = {
+        # per-column scales over the ragged D 40 (one tile past K), group 32 for down
+        "int8": (lambda a: quantize_weight(a, bits=8, group_size=None),) * 2
+        + (lambda a: quantize_weight(a, bits=8, group_size=32),),
+        "int4_g32": (lambda a: quantize_weight(a, bits=4, group_size=32),) * 3,
+        "int4_g64": (lambda a: quantize_weight(a, bits=4, group_size=64),) * 2
+        + (lambda a: quantize_weight(a, bits=4, group_size=32, symmetric=False),),
+        "fp8_blocks": (fp8_blocks,) * 3,
+    }[name]
+    return (x, w, ex, *(stacked(a, m) for a, m in zip((wg, wu, wd), make)))
+
+
+@pytest.mark.parametrize("name, n, paths", [
+    ("int8", 3, ("decode", "grouped")), ("int4_g32", 2, ("decode",)),
+    ("int4_g64", 5, ("grouped",)), ("fp8_blocks", 3, ("grouped",)),
+    ("gguf_q4k_q6k", 2, ("decode",))])
+def test_quantized_experts_match_reference(name, n, paths):
+    """Stacked QuantizedWeight experts through both kernels (tiles dequantized in registers)
+    against the reference (the chosen experts dequantized) and, in float32, against the
+    per-token loop on the whole weights dequantized; the top outputs agree."""
+    args = quantized_case(name, n)
+    x = args[0]
+    ref = jax.jit(pk.moe_experts_reference)(*args)  # jitted: eager, its ops compile one by one
+    tol = TOL[x.dtype.type]
+    if x.dtype == jnp.float32:
+        dense = jax.jit(lambda ws: [dequantize(w) for w in ws])(args[3:])  # [E, K, N] each
+        assert rel_err(ref, per_token_loop(*args[:3], *dense)) < 1e-5
+    for path in paths:
+        fn = jax.jit(pk.moe_decode if path == "decode" else pk.moe_grouped,
+                     static_argnames=("interpret", "block_sizes"), compiler_options=FAST_COMPILE)
+        out = fn(*args, interpret=True, block_sizes=SMALL)
+        assert out.shape == x.shape and out.dtype == jnp.float32
+        assert rel_err(out, ref) < tol, path
+        np.testing.assert_array_equal(np.argmax(out, -1), np.argmax(ref, -1))
+
+
+def test_quantized_experts_are_close_to_the_float_ones():
+    """int8 and int4 experts stay near the float experts they were made from (the reference
+    path: what the kernels are checked against above)."""
+    args = inputs(4, 2, 5, 64, 96, jnp.float32, seed=7)
+    reference = jax.jit(pk.moe_experts_reference)
+    want = reference(*args)
+    for bits, bound in ((8, 1e-2), (4, 0.2)):
+        qs = [stacked(w, lambda a, b=bits: quantize_weight(a, bits=b, group_size=32))
+              for w in args[3:]]
+        assert rel_err(reference(*args[:3], *qs), want) < bound, bits
+
+
+def test_bad_quantized_experts_are_named():
+    x, w, ex, wg, wu, wd = inputs(2, 2, 5, 64, 96, jnp.float32)
+    q32 = stacked(wg, lambda a: quantize_weight(a, bits=8, group_size=32))
+    q64 = stacked(wu, lambda a: quantize_weight(a, bits=8, group_size=64))
+    qd = stacked(wd, lambda a: quantize_weight(a, bits=8, group_size=32))
+    with pytest.raises(ValueError, match=r"w_gate.*needs every array \[E, rows, N\]"):
+        pk.moe_decode(x, w, ex, jax.tree.map(lambda a: a[0], q32), q32, qd, interpret=True)
+    with pytest.raises(ValueError, match=r"K tiles 32 and 128; quantize them with the same"):
+        pk.moe_decode(x, w, ex, q32, q64, qd, interpret=True)
+    with pytest.raises(ValueError, match=r"w_down has shape \(5, 64, 96\), expected "
+                                         r"\(5, 96, 64\)"):
+        pk.moe_grouped(x, w, ex, q32, q32, q32, interpret=True)
+
+
 @pytest.mark.parametrize("change, match", [
     (dict(x=jnp.zeros((3, 40), jnp.int32)), r"moe_decode: x has dtype int32"),
     (dict(x=jnp.zeros((3, 1, 40))), r"moe_decode: x must have rank 2"),
@@ -241,18 +360,21 @@ def test_fixture_logits_through_the_kernels(variant):
 
 
 def test_benchmark_runs_quick_on_cpu(tmp_path):
-    """benchmarks/moe.py --quick: every variant runs (interpret mode) and meets the reference."""
+    """benchmarks/moe.py --quick: every variant runs (interpret mode) and meets the reference
+    (int4 experts: the float math on their dequantized weights)."""
     import json
 
     from benchmarks import moe as bench
 
     out = tmp_path / "moe.jsonl"
-    impls = ("pallas_decode", "dense_loop")
+    impls = ("pallas_decode", "pallas_decode_int4", "dense_loop")
     assert bench.main(["--quick", "--models", "tiny-e8k2", "--tokens", "decode_1", "--impls",
-                       ",".join(impls), "--json", str(out)]) == 0
+                       ",".join(impls), "--quant", "int4", "--json", str(out)]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert sorted(r["impl"] for r in rows) == sorted(impls), rows
     assert all(r["rel_err"] < 2e-2 and r["vs_loop"] > 0 for r in rows), rows
+    (q,) = (r for r in rows if r["impl"] == "pallas_decode_int4")
+    assert 0.01 < q["quant_err"] < 0.3, q  # int4 really moved the experts, not far
 
 
 @pytest.mark.gpu
@@ -264,3 +386,28 @@ def test_kernels_on_the_gpu(n):
     ref = pk.moe_experts_reference(*args)
     for fn in (pk.moe_grouped, pk.moe_decode) if n <= 32 else (pk.moe_grouped,):
         assert rel_err(jax.jit(fn)(*args), ref) < 2e-2, fn.__name__
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 32])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "fp8_blocks", "gguf_q4k_q6k"])
+def test_quantized_kernels_on_the_gpu(fmt, n):
+    """bf16 activations, quantized experts at Mixtral-like proportions (E 8, k 2, D 1024,
+    F 3584; int8 / int4 group 128, fp8 blocks of 128, GGUF Q4_K gate / up with Q6_K down):
+    both kernels at their default tiles against the reference on the dequantized experts."""
+    x, w, ex, wg, wu, wd = inputs(n, 2, 8, 1024, 3584, jnp.bfloat16, seed=n)
+    if fmt == "gguf_q4k_q6k":
+        rng = np.random.default_rng(2)
+        qs = [jax.tree.map(jnp.asarray, stack_experts([gguf_blocks(t, k, nn, rng)
+                                                       for _ in range(8)]))
+              for t, k, nn in (("Q4_K", 1024, 3584), ("Q4_K", 1024, 3584),
+                               ("Q6_K", 3584, 1024))]
+    else:
+        make = {"int8": lambda a: quantize_weight(a, bits=8, group_size=128),
+                "int4": lambda a: quantize_weight(a, bits=4, group_size=128),
+                "fp8_blocks": lambda a: fp8_blocks(a, 128)}[fmt]
+        qs = [stacked(a, make) for a in (wg, wu, wd)]
+    ref = pk.moe_experts_reference(x, w, ex, *qs)
+    for fn in (pk.moe_decode, pk.moe_grouped):
+        out = jax.jit(fn)(x, w, ex, *qs)
+        assert rel_err(out, ref) < 2e-2, fn.__name__

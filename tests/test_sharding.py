@@ -75,6 +75,26 @@ def test_int4_model_shards_the_same_way(results):
     assert got["bytes_max"] == got["bytes_min"] <= 0.6 * entry["total_bytes"]
 
 
+@pytest.mark.parametrize("how", ["int8", "int4"])
+def test_quantized_experts_shard(results, how):
+    """Quantized experts (every array's expert axis over ep, F over tp where the rows split)
+    give one device's logits and tokens, each device an equal share."""
+    entry = results["quantized_moe"][how]["mixtral"]
+    (got,) = entry["meshes"].values()
+    assert got["rel"] <= 1e-5 and got["argmax_equal"]
+    assert got["tokens"] == entry["tokens"]
+    assert got["bytes_max"] == got["bytes_min"] <= 0.6 * entry["total_bytes"]
+
+
+def test_quantized_experts_through_the_kernels_per_shard(results):
+    """int8 experts through the Pallas experts kernels (interpret mode) under shard_map on
+    (tp=2, ep=2): prefill and a decode step as one device's references give them; the four
+    experts kernels of each of the two layers run inside the shard_map."""
+    got = results["quantized_moe"]["interpret"]
+    assert got["rel"] <= 1e-5 and got["argmax_equal"]
+    assert got["pallas"]["inside"] >= 8 and got["pallas"]["outside"] == 0, got["pallas"]
+
+
 def _count(collectives, kind):
     return sum(k == kind for k, _ in collectives)
 

@@ -6,8 +6,9 @@
 
 A MoE layer's params: "router" [D, E] (a float32 Dense), "router_bias" [E] float32 (with
 moe.score_bias), "experts_gate" / "experts_up" [E, D, F] and "experts_down" [E, F, D]
-(stacked, plain arrays), and with shared experts "shared_gate" / "shared_up" [D, Fs] and
-"shared_down" [Fs, D] (Dense, a gated MLP every token runs).
+(stacked: plain arrays, or QuantizedWeights whose every array has the expert axis first,
+pallas_kernels.quantized.stack_experts), and with shared experts "shared_gate" / "shared_up"
+[D, Fs] and "shared_down" [Fs, D] (Dense, a gated MLP every token runs).
 
 The routed experts go through EXPERTS, picked by the plan (KernelPolicy.moe and
 moe_decode_rows): "pallas_decode" and "pallas_grouped" are pallas_kernels/moe.py's kernels,
@@ -16,7 +17,9 @@ rows: one program row per token-expert assignment; above: a grouped GEMM over th
 by expert); "ragged_dot" sorts the assignments by expert and runs each projection as one
 jax.lax.ragged_dot (no token dropping, no capacity); "gather" takes each token's k chosen
 experts' weights, so a decode step reads only those; "dense" runs every expert on every token
-with the unchosen weights zero (the reference, E / k times the work).
+with the unchosen weights zero (the reference, E / k times the work). Quantized experts: the
+kernels dequantize the chosen experts' tiles in registers; gather dequantizes the chosen
+experts' slices, ragged_dot and dense the whole stacked weights (references, fallbacks).
 """
 
 from __future__ import annotations
@@ -32,7 +35,9 @@ from jaxinfer.ops.mlp import SWIGLU
 from jaxinfer.ops.sharded import experts_layout
 from jaxinfer.ops.stream import ANY_SUM, Deferred, Form, Partials, Residual
 from jaxinfer.plan import Kernels, MoEImpl, Plan
-from jaxinfer.weights import Kind, ParamSpec
+from jaxinfer.weights import Kind, ParamSpec, QuantizedWeight
+from pallas_kernels.moe import take_dequantized
+from pallas_kernels.quantized import dequantize, num_experts
 
 # ---------------------------------------------------------------------------------------------
 # The parameters of a MoE layer's MLP (every family with experts declares these)
@@ -119,6 +124,19 @@ def expert_counts(experts: jax.Array, num_experts: int) -> jax.Array:
 EXPERTS = Registry("experts", layout=experts_layout, every=True)
 
 
+def experts_shape(w) -> tuple[int, ...]:
+    """[E, K, N] of a stacked experts' weight: an array, or a stacked QuantizedWeight."""
+    if isinstance(w, QuantizedWeight):
+        return (num_experts(w), w.k, w.n)
+    return tuple(w.shape)
+
+
+def _whole(w, dtype):
+    """A stacked weight as an array [E, K, N] in dtype (a QuantizedWeight dequantized whole:
+    the XLA paths that run every expert)."""
+    return dequantize(w, dtype) if isinstance(w, QuantizedWeight) else w.astype(dtype)
+
+
 def _swiglu_act(g, u, dtype):
     """silu(g) * u from float32 projections, in the activations' dtype (as HF rounds it)."""
     return (jax.nn.silu(g.astype(dtype)) * u.astype(dtype)).astype(dtype)
@@ -154,14 +172,25 @@ def _pallas_reason(x, w_gate, plan) -> str | None:
         return f"activations in {dtype}"
     if dtype == jnp.float32 and policy.moe is MoEImpl.AUTO and not policy.interpret:
         return "float32 activations take XLA's paths under AUTO (IEEE float32 dots)"
-    if getattr(w_gate, "dtype", None) != dtype:
-        return (f"expert weights {getattr(w_gate, 'dtype', type(w_gate).__name__)} differ "
-                f"from the activations' {dtype}")
+    return None
+
+
+def _weights_reason(dtype, w_gate, w_up, w_down) -> str | None:
+    """Why the kernels do not take these stacked weights, or None: plain ones must be in
+    the activations' dtype; a quantized gate and up share one K loop, so one K tile."""
+    for w in (w_gate, w_up, w_down):
+        if not isinstance(w, QuantizedWeight) and getattr(w, "dtype", None) != dtype:
+            return (f"expert weights {getattr(w, 'dtype', type(w).__name__)} differ "
+                    f"from the activations' {dtype}")
+    tiles = {w.tile for w in (w_gate, w_up) if isinstance(w, QuantizedWeight)}
+    if len(tiles) > 1:
+        return f"quantized gate and up weights with different K tiles {sorted(tiles)}"
     return None
 
 
 def _pallas_decode_supports(x, weights, experts, w_gate, w_up, w_down, plan) -> str | None:
-    return _pallas_reason(x, w_gate, plan) or _decode_rows_reason(x, w_gate, plan)
+    return (_pallas_reason(x, w_gate, plan) or _weights_reason(x.dtype, w_gate, w_up, w_down)
+            or _decode_rows_reason(x, w_gate, plan))
 
 
 def _pallas_experts(kernel, x, weights, experts, w_gate, w_up, w_down, plan):
@@ -181,7 +210,7 @@ def _pallas_decode(x, weights, experts, w_gate, w_up, w_down, plan):
 
 
 def _pallas_grouped_supports(x, weights, experts, w_gate, w_up, w_down, plan) -> str | None:
-    return _pallas_reason(x, w_gate, plan)
+    return _pallas_reason(x, w_gate, plan) or _weights_reason(x.dtype, w_gate, w_up, w_down)
 
 
 @EXPERTS.register("pallas_grouped", _pallas_grouped_supports)
@@ -202,15 +231,17 @@ def _gather_supports(x, weights, experts, w_gate, w_up, w_down, plan) -> str | N
 @EXPERTS.register("gather", _gather_supports)
 def _gather(x, weights, experts, w_gate, w_up, w_down, plan):
     """Each token's k experts' weights taken [N, k, D, F] and applied: only the chosen
-    experts are read (the decode path, where N * k is below E or near it)."""
+    experts are read (the decode path, where N * k is below E or near it); quantized ones
+    are dequantized from the chosen experts' codes and scales only."""
     lead, d = x.shape[:-1], x.shape[-1]
     h = x.reshape(-1, d)  # [N, D]
-    g = jnp.einsum("nd,nkdf->nkf", h, jnp.take(w_gate, experts, axis=0),
+    g = jnp.einsum("nd,nkdf->nkf", h, take_dequantized(w_gate, experts, x.dtype),
                    preferred_element_type=jnp.float32)
-    u = jnp.einsum("nd,nkdf->nkf", h, jnp.take(w_up, experts, axis=0),
+    u = jnp.einsum("nd,nkdf->nkf", h, take_dequantized(w_up, experts, x.dtype),
                    preferred_element_type=jnp.float32)
     y = jnp.einsum("nkf,nkfd->nkd", _swiglu_act(g, u, x.dtype),
-                   jnp.take(w_down, experts, axis=0), preferred_element_type=jnp.float32)
+                   take_dequantized(w_down, experts, x.dtype),
+                   preferred_element_type=jnp.float32)
     return jnp.einsum("nkd,nk->nd", y, weights).reshape(*lead, d)
 
 
@@ -223,9 +254,11 @@ def _ragged_supports(x, weights, experts, w_gate, w_up, w_down, plan) -> str | N
 @EXPERTS.register("ragged_dot", _ragged_supports)
 def _ragged(x, weights, experts, w_gate, w_up, w_down, plan):
     """Token-expert assignments sorted by expert, each projection one grouped matmul over
-    the groups (jax.lax.ragged_dot), the outputs weighted and scatter-added back."""
+    the groups (jax.lax.ragged_dot), the outputs weighted and scatter-added back (quantized
+    experts dequantized whole to the activations' dtype first)."""
     lead, d = x.shape[:-1], x.shape[-1]
     n, k = experts.shape
+    w_gate, w_up, w_down = (_whole(w, x.dtype) for w in (w_gate, w_up, w_down))
     order = jnp.argsort(experts.reshape(-1), stable=True)  # [N * k] assignments by expert
     token = order // k  # each sorted assignment's token
     sizes = expert_counts(experts, w_gate.shape[0])  # [E] group sizes
@@ -243,15 +276,15 @@ def _dense(x, weights, experts, w_gate, w_up, w_down, plan):
     """The reference: every expert on every token, combined by an [N, E] matrix holding the
     routing weights of the chosen experts and zeros elsewhere."""
     lead, d = x.shape[:-1], x.shape[-1]
-    n, e = experts.shape[0], w_gate.shape[0]
+    n, e = experts.shape[0], experts_shape(w_gate)[0]
     f32 = jnp.float32  # operands upcast: exact for 16-bit ones, and XLA:CPU has no bf16 x
     # bf16 -> f32 batched dot
     h = x.reshape(n, d).astype(f32)
     combine = jnp.zeros((n, e), f32).at[jnp.arange(n)[:, None], experts].add(weights)
-    g = jnp.einsum("nd,edf->nef", h, w_gate.astype(f32))
-    u = jnp.einsum("nd,edf->nef", h, w_up.astype(f32))
+    g = jnp.einsum("nd,edf->nef", h, _whole(w_gate, f32))
+    u = jnp.einsum("nd,edf->nef", h, _whole(w_up, f32))
     act = _swiglu_act(g, u, x.dtype).astype(f32)
-    y = jnp.einsum("nef,efd->ned", act, w_down.astype(f32))
+    y = jnp.einsum("nef,efd->ned", act, _whole(w_down, f32))
     return jnp.einsum("ned,ne->nd", y, combine).reshape(*lead, d)
 
 
@@ -267,7 +300,10 @@ def _check_layer(lp: dict, moe: MoEConfig, d: int) -> None:
             "experts_down": (e, moe.expert_intermediate_size, d)}
     for name, shape in want.items():
         w = lp.get(name)
-        got = None if w is None else tuple(getattr(w, "w", w).shape)
+        if isinstance(w, QuantizedWeight) and name.startswith("experts_"):
+            got = experts_shape(w)
+        else:
+            got = None if w is None else tuple(getattr(w, "w", w).shape)
         if got != shape:
             raise ValueError(f"moe_mlp: {name} has shape {got}, expected {shape} (hidden {d}, "
                              f"{e} experts of {moe.expert_intermediate_size})")
