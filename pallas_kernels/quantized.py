@@ -43,6 +43,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 
 MAX_TILE = 128  # rows per kernel step for groups of 128 and more (and per-channel scales)
@@ -488,7 +489,9 @@ def tile_dot(x, raw: tuple, fmt: WeightFormat, start):
             r = 8 // b
             v = v.astype(jnp.int32)
             if r > 1:
-                v = (v >> (b * (t % r))) & ((1 << b) - 1)
+                # lax.rem, not %: jnp's remainder guards a zero divisor with a select that
+                # Pallas Triton lowers to i1 inside a fori_loop step (AssertionError i32/i1)
+                v = (v >> (b * lax.rem(t, r))) & ((1 << b) - 1)
             c = v if c is None else c | (v << shift)
         shift += b
 

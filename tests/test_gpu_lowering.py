@@ -352,6 +352,45 @@ def test_gguf_block_layouts_lower_for_h200():
             lower_for_h200(lambda x, w: pk.swiglu(x, w, w), x, qw)
 
 
+def test_quantized_moe_experts_lower_for_h200():
+    """Both experts kernels on stacked int4 (group 128) experts and on GGUF Q4_K gate / up with
+    Q6_K down, at 1 and 32 tokens (E 8, k 2, D 1024, F 3584). jnp's `%` on the int4 plane's
+    shift lowered to an i32 / i1 remainder inside the K loop (found on the H200)."""
+    from pallas_kernels.quantized import QuantizedWeight, plane_rows
+
+    e, d, f = 8, 1024, 3584
+
+    def stack(*arrays):  # one expert's [rows, N] arrays -> [E, rows, N]
+        return tuple(None if a is None else S((e, *a.shape), a.dtype) for a in arrays)
+
+    def int4(k, n):
+        planes, scale = stack(S((plane_rows(k, 128, 4), n), jnp.uint8), S((k // 128, n), BF16))
+        return QuantizedWeight((planes,), scale, k=k, out_shape=(n,), bits=(4,), group=128,
+                               tile=128, code_offset=8, name="int4")
+
+    def q4_k(k, n):
+        u8 = jnp.uint8
+        planes, sc, mn, ss, so = stack(S((plane_rows(k, 32, 4), n), u8), S((k // 32, n), u8),
+                                       S((k // 32, n), u8), S((k // 256, n), jnp.float16),
+                                       S((k // 256, n), jnp.float16))
+        return QuantizedWeight((planes,), sc, mn, ss, so, k=k, out_shape=(n,), bits=(4,),
+                               group=32, super_group=256, tile=32, name="q4_k")
+
+    def q6_k(k, n):
+        lo, hi, sc, ss = stack(S((plane_rows(k, 16, 4), n), jnp.uint8),
+                               S((plane_rows(k, 16, 2), n), jnp.uint8),
+                               S((k // 16, n), jnp.int8), S((k // 256, n), jnp.float16))
+        return QuantizedWeight((lo, hi), sc, None, ss, k=k, out_shape=(n,), bits=(4, 2),
+                               group=16, super_group=256, tile=16, code_offset=32, name="q6_k")
+
+    layouts = {"int4": (int4(d, f), int4(d, f), int4(f, d)),
+               "gguf": (q4_k(d, f), q4_k(d, f), q6_k(f, d))}
+    for name, (wg, wu, wd) in layouts.items():
+        for n in (1, 32):
+            args = (S((n, d), BF16), S((n, 2), F32), S((n, 2), I32), wg, wu, wd)
+            for fn in (pk.moe_decode, pk.moe_grouped):
+                assert "custom_call" in lower_for_h200(fn, *args), (name, n, fn.__name__)
+
 def _prefetches(modules) -> collections.Counter:
     counts = collections.Counter()  # (kernel, prefetches in it), per distinct lowering
     for text in modules:
