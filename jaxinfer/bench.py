@@ -31,10 +31,10 @@ from jaxinfer.plan import KernelPolicy
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.sharding import Sharding, cache_shardings, param_shardings, shard_params
 from jaxinfer.weights import (
+    BYTES_PER_PARAM,
     ParamSpec,
     QuantizedWeight,
     abstract_params,
-    init_params,
     param_bytes,
     quantize_params,
 )
@@ -145,20 +145,38 @@ def random_model(preset: str, dtype: str, seed: int = 0,
     num_layers: the preset's first layers only."""
     config = _preset(preset, dtype, num_layers)
     specs = registry.family(config).param_specs(config)
+    quantize = quantization not in (None, "none")
     if mesh is None:
-        memory.check_load(config, dtype, host_float32_copy=False)
-        params = init_params(specs, jax.random.key(seed), dtype)
+        memory.check_load(config, dtype, host_float32_copy=False, stored_bytes=int(
+            memory.params_bytes(config, "bfloat16") / 2 * BYTES_PER_PARAM[quantization])
+            if quantize else None)
+        params = _random_params(specs, jax.random.key(seed), dtype,
+                                (quantization, group_size) if quantize else None)
         sharding = None
     else:
         sharding = Sharding.create(mesh, config)
         memory.check_sharded_load(config, dtype, sharding)
         params = _sharded_random_params(specs, jax.random.key(seed), dtype, sharding)
-    if quantization not in (None, "none"):
-        params = quantize_params(params, quantization, group_size, specs)
-        if sharding is not None:  # each weight's codes and scales on their own shards
-            params = shard_params(params, specs, sharding)
+        if quantize:  # each weight's codes and scales on their own shards
+            params = shard_params(quantize_params(params, quantization, group_size, specs),
+                                  specs, sharding)
     return Model(config=config, params=params, tokenizer=None, policy=policy or KernelPolicy(),
                  sharding=sharding)
+
+
+def _random_params(specs, key: jax.Array, dtype: str, quantize: tuple | None):
+    """init_params' values (the same keys), each weight quantized (quantize: (how,
+    group_size)) as soon as it is drawn, so the float model is never whole on the device
+    (Mixtral's 93 GB of bf16 beside its int4 codes did not fit an H200)."""
+    leaves, treedef = jax.tree.flatten(specs, is_leaf=lambda x: isinstance(x, ParamSpec))
+    keys = jax.random.split(key, len(leaves))
+    out = []
+    for spec, k in zip(leaves, keys):
+        value = spec.initialize(k, dtype)
+        if quantize is not None:
+            value = quantize_params([value], *quantize, specs=[spec])[0]
+        out.append(value)
+    return jax.tree.unflatten(treedef, out)
 
 
 def _sharded_random_params(specs, key: jax.Array, dtype: str, sharding: Sharding):
