@@ -32,6 +32,14 @@ def _full_forward(params, tokens, plan: Plan):
     return logits
 
 
+@functools.partial(jax.jit, static_argnames=("plan",))
+def _expert_load(params, tokens, plan: Plan):
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    loads = []  # the MoE layers' expert_counts [E], in layer order
+    registry.family(plan.config).forward(params, tokens, positions, plan, loads=loads)
+    return jnp.stack(loads)  # [MoE layers, E]
+
+
 @dataclasses.dataclass(frozen=True)
 class Model:
     """A loaded model: `model(token_ids)` is the full causal forward [B, T] -> [B, T, V] float32.
@@ -53,6 +61,19 @@ class Model:
     def __call__(self, token_ids) -> jax.Array:
         tokens = self.check_tokens(token_ids)
         return _full_forward(self.params, jnp.asarray(tokens), self.plan)
+
+    def expert_load(self, token_ids) -> np.ndarray:
+        """How many of token_ids' [B, T] tokens each layer routes to each expert in the full
+        forward (each token counts once per expert of its top k): int [num_layers, E], the
+        rows of dense layers zero. For balancing experts over devices or checking a router."""
+        moe = self.config.moe
+        if moe is None:
+            raise ValueError(f"expert_load: this model ({self.config.family}) has no experts")
+        tokens = self.check_tokens(token_ids)
+        counts = np.asarray(_expert_load(self.params, jnp.asarray(tokens), self.plan))
+        out = np.zeros((self.config.num_layers, moe.num_experts), counts.dtype)
+        out[[i for i in range(self.config.num_layers) if self.config.is_moe_layer(i)]] = counts
+        return out
 
     def check_tokens(self, token_ids) -> np.ndarray:
         """Validate token ids on the host: integer [B, T] within the vocabulary."""

@@ -582,3 +582,27 @@ def test_bench_floor_counts_the_experts_a_step_reads():
     dense = config.replace(moe=None)  # one MLP of the expert's size per layer
     assert round((one - decode_bytes_per_step(dense, 1, 0)) / expert / 32, 2) == 1.0
 
+
+
+def test_expert_load_counts_the_routing():
+    """Model.expert_load: [layers, E], the dense first layer's row zero, every MoE layer's row
+    summing to tokens x k; an expert the router bias excludes gets no token; a dense model
+    is refused by name."""
+    model = jaxinfer.load(str(DATA / "hf" / "deepseek_v3"))
+    moe = model.config.moe
+    tokens = np.load(DATA / "hf" / "deepseek_v3" / "ref.npz")["input_ids"]  # [B, T]
+    load = model.expert_load(tokens)
+    assert load.shape == (model.config.num_layers, moe.num_experts)
+    assert moe.first_dense_layers == 1 and not load[0].any()
+    np.testing.assert_array_equal(load[1:].sum(-1), tokens.size * moe.experts_per_token)
+    busiest = int(load[1].argmax())
+    layers = [dict(lp) for lp in model.params["layers"]]
+    for lp in layers[1:]:
+        lp["router_bias"] = lp["router_bias"].at[busiest].set(-1e9)
+    params = dict(model.params, layers=layers)
+    without = jaxinfer.model.from_params(model.config, params).expert_load(tokens)
+    assert not without[1:, busiest].any()
+    np.testing.assert_array_equal(without[1:].sum(-1), tokens.size * moe.experts_per_token)
+    dense = jaxinfer.load(str(DATA / "hf" / "qwen2"))
+    with pytest.raises(ValueError, match="has no experts"):
+        dense.expert_load(tokens)

@@ -65,7 +65,8 @@ def param_specs(config: Config) -> dict:
 
 def forward(params: dict, tokens: jax.Array, positions: jax.Array, plan: Plan,
             cache: LatentCache | None = None, logits_at: jax.Array | None = None,
-            fresh: bool = False) -> tuple[jax.Array, LatentCache | None]:
+            fresh: bool = False, loads: list | None = None
+            ) -> tuple[jax.Array, LatentCache | None]:
     """Causal forward pass, as llama.forward (the same arguments and cache contract; the cache
     is a LatentCache). Returns (logits [B, T or 1, V] float32, cache)."""
     config = plan.config
@@ -90,7 +91,7 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, plan: Plan,
                 fresh=fresh)  # o [B, T, H, Dv]
             stream = ops.linear(o.reshape(b, t, -1), lp["wo"], plan, into=stream)
             if config.is_moe_layer(i):
-                stream = ops.moe_mlp(stream, lp["mlp_norm"], lp, plan)
+                stream = ops.moe_mlp(stream, lp["mlp_norm"], lp, plan, loads=loads)
             else:
                 stream = ops.gated_mlp(stream, lp["mlp_norm"], lp["w_gate"], lp["w_up"],
                                        lp["w_down"], plan)

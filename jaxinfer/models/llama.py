@@ -68,7 +68,8 @@ def param_specs(config: Config) -> dict:
 
 def forward(params: dict, tokens: jax.Array, positions: jax.Array, plan: Plan,
             cache: KVCache | None = None, logits_at: jax.Array | None = None,
-            fresh: bool = False) -> tuple[jax.Array, KVCache | None]:
+            fresh: bool = False, loads: list | None = None
+            ) -> tuple[jax.Array, KVCache | None]:
     """Causal forward pass.
 
     tokens, positions: [B, T] int32. Without a cache, the T tokens attend among themselves
@@ -76,6 +77,7 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, plan: Plan,
     attend to every cache slot at or before their position; `fresh=True` says the cache held
     nothing before them (a prefill from position 0). `cache.lengths` is left for the caller.
     logits_at: optional [B] index into T; then only those rows get logits ([B, 1, V]).
+    loads: a list each MoE layer appends its expert_counts [E] to (Model.expert_load).
     Returns (logits [B, T or 1, V] float32, cache).
     """
     config = plan.config
@@ -94,7 +96,7 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, plan: Plan,
             stream = ops.linear(o.reshape(b, t, -1), lp["wo"], plan, bias=lp.get("bo"),
                                 into=stream)
             if config.is_moe_layer(i):
-                stream = ops.moe_mlp(stream, lp["mlp_norm"], lp, plan)
+                stream = ops.moe_mlp(stream, lp["mlp_norm"], lp, plan, loads=loads)
             else:
                 biases = (lp["b_gate"], lp["b_up"], lp["b_down"]) if config.mlp_bias else None
                 stream = ops.gated_mlp(stream, lp["mlp_norm"], lp["w_gate"], lp["w_up"],

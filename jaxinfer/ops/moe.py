@@ -316,10 +316,12 @@ def router_logits(h: jax.Array, router) -> jax.Array:
     return jnp.dot(h.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST)
 
 
-def moe_mlp(stream: Residual, norm_weight, layer_params: dict, plan: Plan) -> Residual:
+def moe_mlp(stream: Residual, norm_weight, layer_params: dict, plan: Plan,
+            loads: list | None = None) -> Residual:
     """The MoE sublayer: x + pending -> that stream, with the experts' output (the routed
     experts weighted, plus the shared experts) pending. layer_params: the layer's MoE params
-    (names in the module docstring)."""
+    (names in the module docstring). loads: a list (at trace time) that gets this layer's
+    expert_counts [E] appended (Model.expert_load)."""
     config, policy = plan.config, plan.policy
     moe, lp = config.moe, layer_params
     aval = stream.aval
@@ -331,6 +333,8 @@ def moe_mlp(stream: Residual, norm_weight, layer_params: dict, plan: Plan) -> Re
     with jax.named_scope("router"):
         weights, experts = route(router_logits(h, lp["router"]).reshape(b * t, -1), moe,
                                  lp.get("router_bias"))  # [N, k] each
+    if loads is not None:
+        loads.append(expert_counts(experts, moe.num_experts))  # [E]
     rest = Residual(x, aval, spare=stream.spare, dead=stream.dead)
     experts_args = (h, weights, experts, lp["experts_gate"], lp["experts_up"],
                     lp["experts_down"], plan)
