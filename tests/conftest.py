@@ -11,7 +11,7 @@ os.environ.setdefault("JAXINFER_COMPILATION_CACHE", "0")
 
 
 def _cuda_plugin_installed() -> bool:
-    return any(d.metadata["Name"].lower().startswith("jax-cuda")
+    return any((d.metadata["Name"] or "").lower().startswith("jax-cuda")
                for d in importlib.metadata.distributions())
 
 
