@@ -1,5 +1,6 @@
 """Test configuration: GPU-marked tests are skipped where no GPU is present."""
 
+import importlib.metadata
 import os
 
 # Tests compare float32 logits at 1e-4; keep XLA's CPU matmuls at full precision and quiet.
@@ -7,6 +8,21 @@ os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 # `jaxinfer.load` turns on JAX's persistent compilation cache; tests that want it say so
 # (tests/test_cli.py), the rest do not write to the user's cache.
 os.environ.setdefault("JAXINFER_COMPILATION_CACHE", "0")
+
+
+def _cuda_plugin_installed() -> bool:
+    return any((d.metadata["Name"] or "").lower().startswith("jax-cuda")
+               for d in importlib.metadata.distributions())
+
+
+# Without a GPU, XLA's CPU backend optimizations off (read when jax starts its backends, so
+# here; subprocesses inherit it): most CPU test time is compiling tiny models and interpret-mode
+# kernels, whose LLVM passes cost more than they save. Not on a GPU host, where the flag would
+# slow the compiled kernels that the GPU tests time.
+_flags = os.environ.get("XLA_FLAGS", "")
+if not _cuda_plugin_installed() and "xla_backend_optimization_level" not in _flags:
+    os.environ["XLA_FLAGS"] = (_flags + " --xla_backend_optimization_level=0"
+                               " --xla_llvm_disable_expensive_passes=true").strip()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -8,7 +8,6 @@ import select
 import signal
 import subprocess
 import sys
-import threading
 import time
 import types
 
@@ -17,7 +16,10 @@ import pytest
 
 import jaxinfer
 from jaxinfer import cli
+from jaxinfer.generate import decode_step
 from jaxinfer.sampling import SamplingParams
+
+generate_module = sys.modules["jaxinfer.generate"]  # the package's name is the function
 
 
 def test_generate_json(capsys):
@@ -166,16 +168,21 @@ def _spawn(args, env_extra=None, **kw):
     return subprocess.Popen([sys.executable, "-m", "jaxinfer.cli", *args], env=env, **kw)
 
 
-def test_sigint_exits_130_quietly(tiny_chat_dir, capsys):
-    """Ctrl-C (SIGINT from a timer, as the terminal sends it) mid-generation: exit 130, no
-    traceback."""
-    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
-    timer.start()
-    try:
-        code, _, err = _run(capsys, "generate", "Tell me a long story.", "-n", "400",
-                            "--no-chat", "--model", str(tiny_chat_dir))
-    finally:
-        timer.cancel()
+def test_sigint_exits_130_quietly(tiny_chat_dir, capsys, monkeypatch):
+    """Ctrl-C (a SIGINT to the process, as the terminal sends it) mid-generation: exit 130, no
+    traceback. The signal goes out at the third streamed decode step: a timer's could land
+    after the tiny model's 400 tokens (compiled by an earlier test) had all come."""
+    steps = []
+
+    def interrupted_step(*args, **kwargs):
+        steps.append(1)
+        if len(steps) == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return decode_step(*args, **kwargs)
+
+    monkeypatch.setattr(generate_module, "decode_step", interrupted_step)
+    code, _, err = _run(capsys, "generate", "Tell me a long story.", "-n", "400",
+                        "--no-chat", "--model", str(tiny_chat_dir))
     assert code == 130 and "Traceback" not in err, err
 
 
