@@ -157,7 +157,7 @@ def test_memory_refusal_before_allocating(capsys, monkeypatch):
     with the numbers and a remedy before a byte is allocated (here under a 16 GB cap, so the
     test does not depend on the machine)."""
     monkeypatch.setenv("JAXINFER_MEMORY_LIMIT", "16GB")
-    monkeypatch.setattr("jaxinfer.bench.init_params", lambda *a: pytest.fail("allocated"))
+    monkeypatch.setattr("jaxinfer.bench._random_params", lambda *a: pytest.fail("allocated"))
     code, _, err = _run(capsys, "bench", "--preset", "llama3-8b", "--random-weights",
                         "--dtype", "float32")
     assert code == 2 and "needs about" in err and "GiB" in err and "bfloat16" in err
@@ -244,6 +244,9 @@ def test_chat_commands_through_a_terminal(tiny_chat_dir, tmp_path):
         expect(b"(conversation cleared)")
         os.write(leader, b"/system You are terse.\n")
         expect(b"(system message set")
+        # Ctrl-D only at the prompt: sent while the tty is still in canonical mode (before
+        # readline reads), the line discipline's EOF mark can reach readline as another byte
+        expect(b"> ")
         os.write(leader, b"\x04")  # Ctrl-D
         assert p.wait(timeout=60) == 0, seen.decode(errors="replace")
     finally:
