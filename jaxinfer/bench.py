@@ -35,6 +35,7 @@ from jaxinfer.weights import (
     ParamSpec,
     QuantizedWeight,
     abstract_params,
+    init_params,
     param_bytes,
     quantize_params,
 )
@@ -150,8 +151,10 @@ def random_model(preset: str, dtype: str, seed: int = 0,
         memory.check_load(config, dtype, host_float32_copy=False, stored_bytes=int(
             memory.params_bytes(config, "bfloat16") / 2 * BYTES_PER_PARAM[quantization])
             if quantize else None)
-        params = _random_params(specs, jax.random.key(seed), dtype,
-                                (quantization, group_size) if quantize else None)
+        # each weight quantized as it is drawn: Mixtral's 93 GB of bf16 beside its int4 codes
+        # did not fit an H200
+        params = init_params(specs, jax.random.key(seed), dtype, functools.partial(
+            _quantize_one_param, how=quantization, group_size=group_size) if quantize else None)
         sharding = None
     else:
         sharding = Sharding.create(mesh, config)
@@ -164,19 +167,8 @@ def random_model(preset: str, dtype: str, seed: int = 0,
                  sharding=sharding)
 
 
-def _random_params(specs, key: jax.Array, dtype: str, quantize: tuple | None):
-    """init_params' values (the same keys), each weight quantized (quantize: (how,
-    group_size)) as soon as it is drawn, so the float model is never whole on the device
-    (Mixtral's 93 GB of bf16 beside its int4 codes did not fit an H200)."""
-    leaves, treedef = jax.tree.flatten(specs, is_leaf=lambda x: isinstance(x, ParamSpec))
-    keys = jax.random.split(key, len(leaves))
-    out = []
-    for spec, k in zip(leaves, keys):
-        value = spec.initialize(k, dtype)
-        if quantize is not None:
-            value = quantize_params([value], *quantize, specs=[spec])[0]
-        out.append(value)
-    return jax.tree.unflatten(treedef, out)
+def _quantize_one_param(spec: ParamSpec, value, *, how: str, group_size: int | None):
+    return quantize_params([value], how, group_size, specs=[spec])[0]
 
 
 def _sharded_random_params(specs, key: jax.Array, dtype: str, sharding: Sharding):

@@ -178,11 +178,17 @@ def quantized_shape(spec: ParamSpec) -> tuple[int, ...]:
     return (spec.shape[1], spec.shape[0])
 
 
-def init_params(specs, key: jax.Array, dtype):
-    """Random params with the declared shapes and types (benchmarks, tests)."""
+def init_params(specs, key: jax.Array, dtype, each=None):
+    """Random params with the declared shapes and types (benchmarks, tests). each(spec,
+    value) -> value, when given, is applied to each param as soon as it is drawn (a
+    quantization, so the float model is never whole on the device)."""
     leaves, treedef = jax.tree.flatten(specs, is_leaf=_is_spec)
     keys = jax.random.split(key, len(leaves))
-    return jax.tree.unflatten(treedef, [s.initialize(k, dtype) for s, k in zip(leaves, keys)])
+    out = []
+    for spec, k in zip(leaves, keys):
+        value = spec.initialize(k, dtype)
+        out.append(value if each is None else each(spec, value))
+    return jax.tree.unflatten(treedef, out)
 
 
 def abstract_params(specs, dtype):

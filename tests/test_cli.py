@@ -157,7 +157,7 @@ def test_memory_refusal_before_allocating(capsys, monkeypatch):
     with the numbers and a remedy before a byte is allocated (here under a 16 GB cap, so the
     test does not depend on the machine)."""
     monkeypatch.setenv("JAXINFER_MEMORY_LIMIT", "16GB")
-    monkeypatch.setattr("jaxinfer.bench._random_params", lambda *a: pytest.fail("allocated"))
+    monkeypatch.setattr("jaxinfer.bench.init_params", lambda *a: pytest.fail("allocated"))
     code, _, err = _run(capsys, "bench", "--preset", "llama3-8b", "--random-weights",
                         "--dtype", "float32")
     assert code == 2 and "needs about" in err and "GiB" in err and "bfloat16" in err

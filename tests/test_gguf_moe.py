@@ -14,25 +14,15 @@ import gguf
 import jax
 import numpy as np
 import pytest
+from test_gguf import HF, rel_err, run_forward
 
 from checkpoints import gguf as G
 from checkpoints.hf import load_hf_dir
-from jaxinfer.model import from_params
 from jaxinfer.weights import QuantizedWeight, dequantize
 
-HF = pathlib.Path(__file__).parent / "fixtures" / "data" / "hf"
 QT = gguf.GGMLQuantizationType
 EXPERT_NAMES = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up",
                 "down_proj": "down"}
-
-
-def rel_err(a, b) -> float:
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-
-def run_forward(config, params, tokens) -> np.ndarray:
-    model = from_params(config, params, dtype="float32")
-    return np.asarray(model(np.asarray(tokens)))  # [B, T, V]
 
 
 def hf_to_gguf(variant: str, dst: pathlib.Path, arch: str, qtype=None, legacy: bool = False,
