@@ -18,7 +18,8 @@ _EXPORTS = {
     "PRESETS": "jaxinfer.configs", "RopeScaling": "jaxinfer.configs", "Model": "jaxinfer.model",
     "load": "jaxinfer.model", "KernelPolicy": "jaxinfer.plan", "Plan": "jaxinfer.plan",
     "SamplingParams": "jaxinfer.sampling", "sample": "jaxinfer.sampling",
-    "make_mesh": "jaxinfer.sharding",
+    "make_mesh": "jaxinfer.sharding", "Engine": "jaxinfer.engine",
+    "RequestOutput": "jaxinfer.engine", "PagedKVCache": "jaxinfer.cache",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -242,3 +242,180 @@ class LatentCache:
         the valid slots); also for a cache of jax.ShapeDtypeStructs (jax.eval_shape)."""
         return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize
                    for a in (*self.latent, *self.scale))
+
+
+# ---------------------------------------------------------------------------------------------
+# The paged cache of the serving engine (jaxinfer/engine)
+# ---------------------------------------------------------------------------------------------
+
+
+def _page_slots(block_tables: jax.Array, positions: jax.Array, page_size: int,
+                pages: int) -> jax.Array:
+    """Flat pool slots [B, T] (page * page_size + offset) of positions [B, T] through
+    block_tables [B, W]; a negative position (a padding token) or one past the table maps to
+    pages * page_size, past the end, where a mode="drop" scatter discards it."""
+    w = block_tables.shape[1]
+    logical = positions // page_size  # [B, T]
+    ok = (positions >= 0) & (logical < w)
+    page = jnp.take_along_axis(block_tables, jnp.clip(logical, 0, w - 1), axis=1)  # [B, T]
+    return jnp.where(ok, page * page_size + positions % page_size, pages * page_size)
+
+
+def _scatter_pages(pool: jax.Array, slots: jax.Array, x: jax.Array) -> jax.Array:
+    """pool [P, ps, ...] with x [B, T, ...] written at flat slots [B, T] (past the end: dropped)."""
+    p, ps = pool.shape[:2]
+    flat = pool.reshape(p * ps, *pool.shape[2:])
+    flat = flat.at[slots.reshape(-1)].set(x.reshape(-1, *x.shape[2:]).astype(pool.dtype),
+                                          mode="drop")
+    return flat.reshape(pool.shape)
+
+
+def gather_pages(pool: jax.Array, block_tables: jax.Array) -> jax.Array:
+    """The rows' pages laid end to end: pool [P, ps, ...] -> [B, W * ps, ...] (slot i holds
+    position i; what the references attend over)."""
+    b, w = block_tables.shape
+    pages = pool[block_tables]  # [B, W, ps, ...]
+    return pages.reshape(b, w * pool.shape[1], *pool.shape[2:])
+
+
+@pytree.dataclass
+class PagedKVLayer:
+    """One layer's page pools and the rows' block tables: position p of row b lives at
+    (block_tables[b, p // page_size], p % page_size). Page 0 is the null page (padding rows
+    and unused table entries point at it; never attended to at a valid position)."""
+
+    k: jax.Array  # [P, page_size, Hkv, D]
+    v: jax.Array  # [P, page_size, Hkv, D]
+    block_tables: jax.Array  # [B, W] int32
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[1]
+
+    def append(self, k: jax.Array, v: jax.Array, positions: jax.Array) -> PagedKVLayer:
+        """New keys/values k, v [B, T, Hkv, D] written at positions [B, T] (negative: a
+        padding token, dropped)."""
+        slots = _page_slots(self.block_tables, positions, self.page_size, self.k.shape[0])
+        return self.replace(k=_scatter_pages(self.k, slots, k), v=_scatter_pages(self.v, slots, v))
+
+    def contiguous(self) -> tuple[jax.Array, jax.Array]:
+        """(k, v) [B, W * page_size, Hkv, D] in position order (the references' view)."""
+        return gather_pages(self.k, self.block_tables), gather_pages(self.v, self.block_tables)
+
+
+@pytree.dataclass
+class QuantizedPagedKVLayer:
+    """PagedKVLayer of int8 / fp8 codes with a scale per (token, head), as QuantizedKVLayer."""
+
+    k: jax.Array  # [P, page_size, Hkv, D] int8 or float8_e4m3fn
+    v: jax.Array  # [P, page_size, Hkv, D]
+    k_scale: jax.Array  # [P, page_size, Hkv] float32 or float16
+    v_scale: jax.Array  # [P, page_size, Hkv]
+    block_tables: jax.Array  # [B, W] int32
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[1]
+
+    def append(self, k: jax.Array, v: jax.Array, positions: jax.Array) -> QuantizedPagedKVLayer:
+        """New keys/values k, v [B, T, Hkv, D] quantized and written at positions [B, T]."""
+        slots = _page_slots(self.block_tables, positions, self.page_size, self.k.shape[0])
+        (kc, ks), (vc, vs) = (quantize_kv(x, self.k.dtype, self.k_scale.dtype) for x in (k, v))
+        return self.replace(k=_scatter_pages(self.k, slots, kc), v=_scatter_pages(self.v, slots, vc),
+                            k_scale=_scatter_pages(self.k_scale, slots, ks),
+                            v_scale=_scatter_pages(self.v_scale, slots, vs))
+
+    def contiguous(self) -> tuple[jax.Array, jax.Array]:
+        """(k, v) [B, W * page_size, Hkv, D] dequantized to float32, in position order."""
+        from pallas_kernels.kv_quant import dequantize_kv
+
+        k, v = gather_pages(self.k, self.block_tables), gather_pages(self.v, self.block_tables)
+        return (dequantize_kv(k, gather_pages(self.k_scale, self.block_tables)),
+                dequantize_kv(v, gather_pages(self.v_scale, self.block_tables)))
+
+
+@pytree.dataclass
+class PagedKVCache:
+    """Page pools per layer shared by every request of the engine, and the block tables of the
+    rows of one step. Implements KVCache's interface (layer, with_layers, nbytes), so the
+    families run on it unchanged; which pages a row owns is the host's business
+    (jaxinfer/engine/pages.py)."""
+
+    k: tuple[jax.Array, ...]  # per layer [P, page_size, Hkv, D]: values, or codes
+    v: tuple[jax.Array, ...]  # per layer [P, page_size, Hkv, D]
+    block_tables: jax.Array  # [B, W] int32: the step's rows' pages (0: the null page)
+    k_scale: tuple[jax.Array, ...] = ()  # per layer [P, page_size, Hkv] when quantized
+    v_scale: tuple[jax.Array, ...] = ()
+
+    @classmethod
+    def init(cls, config: Config, num_pages: int, page_size: int, dtype=None,
+             kv_dtype: str | None = None, scale_dtype=jnp.float32) -> PagedKVCache:
+        """Zeroed pools of num_pages pages (page 0, the null page, included) of page_size
+        tokens, in `dtype` (default the model's), or int8 / fp8 codes with scales."""
+        if config.mla is not None:
+            raise ValueError("the paged cache holds per-head K/V; MLA models (DeepSeek) keep "
+                             "their latent cache, which is not paged yet: use generate()")
+        if num_pages < 2 or page_size < 1 or page_size & (page_size - 1):
+            raise ValueError(f"PagedKVCache needs num_pages >= 2 (page 0 is the null page) and "
+                             f"a power-of-two page_size, got {num_pages} and {page_size}")
+        check_kv_dtype(kv_dtype)
+        shape = (num_pages, page_size, config.num_kv_heads, config.head_dim)
+        dtype = KV_DTYPES[kv_dtype] if kv_dtype else jnp.dtype(dtype or config.dtype)
+        n = config.num_layers
+        scales = {}
+        if kv_dtype:
+            scale_dtype = jnp.dtype(scale_dtype)
+            if scale_dtype not in SCALE_DTYPES:
+                raise ValueError(f"PagedKVCache scale_dtype must be float32 or float16, got "
+                                 f"{scale_dtype}")
+            scales = {name: tuple(jnp.zeros(shape[:3], scale_dtype) for _ in range(n))
+                      for name in ("k_scale", "v_scale")}
+        return cls(k=tuple(jnp.zeros(shape, dtype) for _ in range(n)),
+                   v=tuple(jnp.zeros(shape, dtype) for _ in range(n)),
+                   block_tables=jnp.zeros((1, 1), jnp.int32), **scales)
+
+    @property
+    def quantized(self) -> bool:
+        return bool(self.k_scale)
+
+    @property
+    def num_pages(self) -> int:
+        return self.k[0].shape[0]
+
+    @property
+    def page_size(self) -> int:
+        return self.k[0].shape[1]
+
+    def with_tables(self, block_tables: jax.Array) -> PagedKVCache:
+        return self.replace(block_tables=block_tables)
+
+    def layer(self, i: int) -> PagedKVLayer | QuantizedPagedKVLayer:
+        if self.quantized:
+            return QuantizedPagedKVLayer(self.k[i], self.v[i], self.k_scale[i], self.v_scale[i],
+                                         self.block_tables)
+        return PagedKVLayer(self.k[i], self.v[i], self.block_tables)
+
+    def with_layers(self, layers) -> PagedKVCache:
+        new = self.replace(k=tuple(c.k for c in layers), v=tuple(c.v for c in layers))
+        if self.quantized:
+            new = new.replace(k_scale=tuple(c.k_scale for c in layers),
+                              v_scale=tuple(c.v_scale for c in layers))
+        return new
+
+    def nbytes(self) -> int:
+        """Bytes the pools hold (every page, allocated or not)."""
+        return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize
+                   for a in (*self.k, *self.v, *self.k_scale, *self.v_scale))
+
+    @staticmethod
+    def page_bytes(config: Config, page_size: int, dtype=None, kv_dtype: str | None = None,
+                   scale_dtype=jnp.float32) -> int:
+        """Bytes one page takes over all layers (K and V, scales included)."""
+        per_token = config.num_kv_heads * config.head_dim
+        if kv_dtype:
+            itemsize = 1
+            per_token_scale = 2 * config.num_kv_heads * jnp.dtype(scale_dtype).itemsize
+        else:
+            itemsize = jnp.dtype(dtype or config.dtype).itemsize
+            per_token_scale = 0
+        return config.num_layers * page_size * (2 * per_token * itemsize + per_token_scale)

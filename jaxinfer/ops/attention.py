@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels as pk
-from jaxinfer.cache import KVLayer, QuantizedKVLayer
+from jaxinfer.cache import KVLayer, PagedKVLayer, QuantizedKVLayer, QuantizedPagedKVLayer
 from jaxinfer.ops import reference
 from jaxinfer.ops.dispatch import Layout, Registry, always, kernels_on
 from jaxinfer.ops.linear import norm
@@ -197,6 +197,21 @@ def _chunk(q, k, v, cache, plan, *, positions, window=None, fresh=False, sm_scal
     return pk.chunk_attention(q, cache.k, cache.v, positions, sliding_window=window,
                               sm_scale=sm_scale, softcap=softcap,
                               interpret=plan.policy.interpret, **_scales(cache))
+
+
+def _paged_supports(q, k, v, cache, plan, **_) -> str | None:
+    return None if isinstance(cache, PagedKVLayer | QuantizedPagedKVLayer) else "a paged cache only"
+
+
+@ATTENTION_CORE.register("paged_reference", _paged_supports)
+def _paged_reference(q, k, v, cache, plan, *, positions, window=None, fresh=False, sm_scale=None,
+                     softcap=None):
+    """T queries at positions [B, T] (negative: padding, zeros out) against the rows' pages
+    gathered end to end (float32 from a quantized pool)."""
+    k_all, v_all = cache.contiguous()  # [B, W * page_size, Hkv, D], slot i = position i
+    kv_pos = jnp.broadcast_to(jnp.arange(k_all.shape[1], dtype=jnp.int32), k_all.shape[:2])
+    return reference.attention_reference(q, k_all, v_all, positions, kv_pos, window=window,
+                                         sm_scale=sm_scale, softcap=softcap)
 
 
 @ATTENTION_CORE.register("reference", always)

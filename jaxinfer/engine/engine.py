@@ -1,0 +1,471 @@
+"""`Engine`: requests that come and go, served from one paged KV cache (continuous batching).
+
+    engine = jaxinfer.Engine(model)
+    rid = engine.add_request("Hello", max_tokens=32)      # at any time
+    while engine.has_unfinished():
+        for out in engine.step():                          # RequestOutput per request that got tokens
+            print(out.request_id, out.new_token_ids, out.finished)
+
+Each `step()` schedules (jaxinfer/engine/scheduler.py: decode rows, then prefill chunks under a
+token budget, admission by free pages, preemption by recompute), dispatches the jitted prefill
+chunk and decode steps (jaxinfer/engine/step.py), and only then reads the tokens of the
+previous step: the device runs step n + 1 while the host turns step n's tokens into outputs,
+so a step returns the tokens of the step before it. Shapes are bucketed (rows and chunk
+lengths to powers of two, the block table to the longest row's pages, or to the table's full
+width where the Pallas kernels read only valid pages), so a running engine compiles a few
+executables and then none.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer import memory, sampling
+from jaxinfer import prompts as prompts_lib
+from jaxinfer.cache import PagedKVCache, check_kv_dtype
+from jaxinfer.engine import step as step_lib
+from jaxinfer.engine.pages import PagePool
+from jaxinfer.engine.scheduler import Request, Scheduler, Status
+from jaxinfer.ops.dispatch import kernels_on
+from jaxinfer.sampling import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+    """The tokens one request got in one step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[float] | None  # when its SamplingParams asked for logprobs
+    finished: bool
+    finish_reason: str | None  # "stop" (EOS, stop token or string), "length", or None
+
+
+def _pow2(n: int, lo: int = 1) -> int:
+    return max(lo, 1 << max(n - 1, 0).bit_length())
+
+
+def _kv_budget(kv_memory, params_done: bool = True) -> int:
+    """Bytes for the page pools: a fraction (0, 1] of the free device memory, or bytes (an int
+    or a string like "8GB")."""
+    free, what = memory.budget()
+    if isinstance(kv_memory, str):
+        return memory.parse_bytes(kv_memory)
+    if isinstance(kv_memory, bool) or not isinstance(kv_memory, (int, float)) or kv_memory <= 0:
+        raise ValueError(f"kv_memory must be a fraction in (0, 1] of the free memory, a byte "
+                         f"count or a string like '8GB', got {kv_memory!r}")
+    if kv_memory <= 1:
+        if free is None:
+            raise ValueError(f"the free memory of {what} is unknown: give kv_memory in bytes")
+        return int(free * kv_memory)
+    return int(kv_memory)
+
+
+class Engine:
+    """Continuous batching over a paged KV cache with prefix caching and chunked prefill.
+
+    model: a loaded `jaxinfer.Model` (GQA families; MLA models keep generate() for now).
+    max_num_seqs: requests running at once (rows of a decode step). page_size: tokens per
+    page (a power of two; default 64 on a GPU, the kernels' key tile, 16 on CPU).
+    kv_memory: the page pools' size: a fraction of the free memory after the params (default
+    0.8 on a GPU; on CPU 0.25, capped at what max_num_seqs full-length requests need) or
+    bytes. max_model_len: the longest prompt + output a request may have (default the
+    model's context, at most 32768 on a GPU and 4096 on CPU). max_num_batched_tokens: the
+    token budget of a step (decode rows count `decode_steps` each); chunk_size: the most
+    prompt tokens of one request per step (a power of two). decode_steps: tokens per decode
+    dispatch (more amortize the host's work; a finished request wastes up to that many - 1).
+    prefix_caching: share the K/V pages of equal prompt prefixes. kv_cache_dtype: None,
+    "int8" or "fp8" (cache.py). policy: the kernel policy (default the model's). seed: the
+    seed of requests that give none (their key id is their arrival number).
+    """
+
+    def __init__(self, model, *, max_num_seqs: int | None = None, page_size: int | None = None,
+                 kv_memory=None, max_model_len: int | None = None,
+                 max_num_batched_tokens: int | None = None, chunk_size: int | None = None,
+                 decode_steps: int = 1, max_prefill_rows: int = 8, prefix_caching: bool = True,
+                 kv_cache_dtype: str | None = None, policy=None, seed: int = 0):
+        from jaxinfer.generate import _plan, run_params
+
+        config = model.config
+        if config.mla is not None:
+            raise ValueError("the engine pages per-head K/V caches; MLA models (DeepSeek "
+                             "V2/V3) are not paged yet: use jaxinfer.generate()")
+        check_kv_dtype(kv_cache_dtype, "kv_cache_dtype")
+        gpu = jax.default_backend() == "gpu"
+        self.model = model
+        self.plan = _plan(model, policy)
+        if self.plan.sharded:
+            raise ValueError("the engine runs on one device for now; load the model without "
+                             "a mesh")
+        self.params = run_params(model, self.plan)
+        self.kernels = kernels_on(self.plan, config.dtype)
+
+        def positive(name, value):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            return int(value)
+
+        self.max_num_seqs = positive("max_num_seqs", max_num_seqs or (64 if gpu else 16))
+        page_size = positive("page_size", page_size or (64 if gpu else 16))
+        if page_size & (page_size - 1):
+            raise ValueError(f"page_size must be a power of two, got {page_size}")
+        context = config.max_position_embeddings
+        self.max_model_len = positive("max_model_len",
+                                      max_model_len or min(context, 32768 if gpu else 4096))
+        if self.max_model_len > context:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's context "
+                             f"of {context} tokens")
+        chunk = positive("chunk_size", chunk_size or 512)
+        self.chunk_size = _pow2(chunk)
+        if self.chunk_size != chunk:
+            raise ValueError(f"chunk_size must be a power of two, got {chunk}")
+        self.decode_steps = positive("decode_steps", decode_steps)
+        budget = positive("max_num_batched_tokens",
+                          max_num_batched_tokens or max(2048, self.chunk_size))
+        self.max_pages = -(-self.max_model_len // page_size)
+        self.kv_cache_dtype = kv_cache_dtype
+
+        page_bytes = PagedKVCache.page_bytes(config, page_size, config.dtype, kv_cache_dtype)
+        full = self.max_num_seqs * self.max_pages + 1  # every row at max_model_len
+        if kv_memory is None:
+            num_pages = min(_kv_budget(0.8 if gpu else 0.25) // page_bytes, full if not gpu
+                            else 1 << 62)
+        else:
+            num_pages = _kv_budget(kv_memory) // page_bytes
+        if num_pages < self.max_pages + 1:
+            raise memory.OutOfMemory(
+                f"the KV page pool would hold {num_pages} pages of {page_size} tokens "
+                f"({memory.gib(page_bytes)} each), fewer than one request of max_model_len "
+                f"{self.max_model_len} needs ({self.max_pages}); raise kv_memory or lower "
+                "max_model_len")
+        pool = PagePool(num_pages, page_size, prefix_caching)
+        extra = repr((config, str(config.dtype), kv_cache_dtype)).encode()
+        self.scheduler = Scheduler(pool, max_num_seqs=self.max_num_seqs,
+                                   max_pages=self.max_pages, max_num_batched_tokens=budget,
+                                   chunk_size=self.chunk_size, decode_steps=self.decode_steps,
+                                   max_prefill_rows=max_prefill_rows, cache_extra=extra)
+        with memory.reporting_oom(f"allocating the KV page pool ({num_pages} pages)"):
+            cache = PagedKVCache.init(config, num_pages, page_size, kv_dtype=kv_cache_dtype)
+            self.state = step_lib.EngineState(
+                cache=cache, last_token=jnp.zeros((self.max_num_seqs + 1,), jnp.int32))
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) \
+                or not 0 <= seed < 2**32:
+            raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
+        self.seed = int(seed)
+        self.requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()  # key ids of requests without their own seed
+        self._prompt_lens: dict[str, int] = {}  # for run()'s Completions
+        self._inflight: list = []  # dispatches not read yet: (kind, rows, tokens, logprobs)
+        self.stats = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "preemptions": 0}
+
+    # -- public API ---------------------------------------------------------------------------
+
+    @property
+    def pool(self) -> PagePool:
+        return self.scheduler.pool
+
+    @property
+    def total_pages(self) -> int:
+        return self.pool.total
+
+    @property
+    def free_pages(self) -> int:
+        """Pages a request can get now (free, or cached and held by nobody)."""
+        return self.pool.available
+
+    @property
+    def page_size(self) -> int:
+        return self.pool.page_size
+
+    def prefix_cache_hit_rate(self) -> float:
+        """Prompt tokens served from the prefix cache / prompt tokens admitted."""
+        return self.pool.hits / self.pool.queries if self.pool.queries else 0.0
+
+    def add_request(self, prompt, *, sampling: SamplingParams | None = None,
+                    max_tokens: int = 128, stop=None, request_id: str | None = None,
+                    seed: int | None = None, chat: bool | None = None) -> str:
+        """Queue one request (anything `generate` takes for one prompt) -> its id. Every check
+        runs here: a bad request raises ValueError and changes nothing. seed: its own seed
+        (its draws then equal generate(..., seed=seed) for it alone); default the engine's
+        seed and its arrival number."""
+        from jaxinfer.generate import _stop_ids
+
+        model = self.model
+        if prompts_lib.as_batch(prompt) != [prompt] and not isinstance(prompt, np.ndarray):
+            raise ValueError("add_request takes one prompt (text, token ids or chat messages); "
+                             "call it once per prompt")
+        (ids,) = prompts_lib.encode(model.tokenizer, [prompt], chat, model.config.vocab_size)
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) \
+                or max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
+        sampling = SamplingParams(temperature=0.0) if sampling is None else sampling
+        if not isinstance(sampling, SamplingParams):
+            raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))
+                                 or not 0 <= seed < 2**32):
+            raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
+        need = len(ids) + int(max_tokens)
+        if need > self.max_model_len:
+            raise ValueError(f"prompt of {len(ids)} tokens + max_tokens {max_tokens} = {need} "
+                             f"exceeds the engine's max_model_len of {self.max_model_len} "
+                             "tokens; shorten the prompt or lower max_tokens")
+        if -(-need // self.page_size) > self.pool.total:
+            raise ValueError(f"{need} tokens need {-(-need // self.page_size)} pages, more "
+                             f"than the whole pool's {self.pool.total}; raise kv_memory")
+        stop_ids, stop_strings = _stop_ids(model, stop)
+        index = next(self._arrivals)
+        if request_id is None:
+            request_id = f"req-{index}"
+        elif not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in the engine")
+        if sampling.seed is not None:
+            seed, key_id = sampling.seed, 0
+        elif seed is not None:
+            key_id = 0
+        else:
+            seed, key_id = self.seed, index
+        req = Request(request_id, key_id, list(ids), sampling, int(max_tokens),
+                      frozenset(stop_ids), tuple(stop_strings), int(seed), time.perf_counter())
+        self.requests[request_id] = req
+        self._prompt_lens[request_id] = len(ids)
+        self.scheduler.waiting.append(req)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now; its pages and slot go back at once."""
+        req = self.requests.get(request_id)
+        if req is None:
+            raise ValueError(f"no request {request_id!r} in the engine (finished requests are "
+                             "forgotten once their last output is returned)")
+        self.scheduler.finish(req, "abort")
+        del self.requests[request_id]
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests) or bool(self._inflight)
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule and dispatch one step, then return the outputs of the one before it."""
+        sched = self.scheduler.schedule()
+        if not sched.decode and not sched.prefill and not self._inflight \
+                and self.scheduler.running:
+            # Every running request is stuck on pages: give the youngest's back.
+            self.scheduler._preempt(spare=self.scheduler.running[0])
+            sched = self.scheduler.schedule()
+        self.stats["preemptions"] += len(sched.preempted)
+        dispatched = []
+        with memory.reporting_oom("an engine step"):
+            if sched.prefill:
+                dispatched.append(self._dispatch_prefill(sched.prefill))
+            if sched.decode:
+                dispatched.append(self._dispatch_decode(sched.decode))
+        outputs = self._read(self._inflight)
+        self._inflight = dispatched
+        self.stats["steps"] += 1
+        return outputs
+
+    def run(self, prompts: Iterable, *, sampling=None, max_tokens: int = 128, stop=None,
+            seed: int | None = None, chat: bool | None = None, progress: bool = False):
+        """Serve a list of prompts to the end -> one `Completion` per prompt, in order.
+        sampling: one SamplingParams or one per prompt; seed: request i's is seed + i (so
+        each equals generate(prompt_i, seed=seed + i) alone), default the engine's."""
+        from tqdm.auto import tqdm
+
+        from jaxinfer.generate import Completion
+
+        prompts = list(prompts)
+        params = sampling if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        ids = [self.add_request(p, sampling=sp, max_tokens=max_tokens, stop=stop, chat=chat,
+                                seed=None if seed is None else seed + i)
+               for i, (p, sp) in enumerate(zip(prompts, params))]
+        got = {i: ([], []) for i in ids}
+        reasons = {}
+        with tqdm(total=len(ids), desc="requests", disable=not progress, leave=False) as bar:
+            while self.has_unfinished():
+                for out in self.step():
+                    toks, lps = got[out.request_id]
+                    toks += out.new_token_ids
+                    lps += out.new_logprobs or []
+                    if out.finished:
+                        reasons[out.request_id] = out.finish_reason
+                        bar.update(1)
+        results = []
+        for i, sp in zip(ids, params):
+            toks, lps = got[i]
+            text = self.model.tokenizer.decode(toks) if self.model.tokenizer is not None else ""
+            results.append(Completion(token_ids=toks, text=text, finish_reason=reasons[i],
+                                      logprobs=lps if sp is not None and sp.logprobs else None,
+                                      prompt_tokens=self._prompt_lens.pop(i, 0)))
+        return results
+
+    # -- dispatch -----------------------------------------------------------------------------
+
+    def _width(self, rows_pages: Iterable[int]) -> int:
+        """Block-table width of a dispatch: the kernels read only valid pages, so the full
+        width (one shape); the references gather every entry, so the longest row's, bucketed."""
+        if self.kernels:
+            return self.max_pages
+        return min(self.max_pages, _pow2(max(rows_pages, default=1), 4))
+
+    def _rows(self, reqs: list[Request], positions, counts, b: int, width: int):
+        """Rows for these requests padded to b rows (padding: slot R, position -1)."""
+        n = len(reqs)
+        r = self.max_num_seqs
+        slot = np.full((b,), r, np.int32)
+        position = np.full((b,), -1, np.int32)
+        count = np.zeros((b,), np.int32)
+        seed = np.zeros((b,), np.uint32)
+        key_id = np.zeros((b,), np.int32)
+        tables = np.zeros((b, width), np.int32)
+        for i, req in enumerate(reqs):
+            slot[i], position[i], count[i] = req.slot, positions[i], counts[i]
+            seed[i], key_id[i] = req.seed, req.index
+            pages = req.pages[:width]
+            tables[i, :len(pages)] = pages
+        params = [req.sampling for req in reqs] + [reqs[0].sampling] * (b - n)
+        tensors = sampling.SamplingTensors.from_params(params)
+        return step_lib.Rows(slot=jnp.asarray(slot), position=jnp.asarray(position),
+                             count=jnp.asarray(count), seed=jnp.asarray(seed),
+                             key_id=jnp.asarray(key_id), block_tables=jnp.asarray(tables),
+                             sampling=tensors)
+
+    def _ensure_penalties(self, reqs: list[Request]) -> None:
+        """Penalty statistics on the device for requests that use penalties (allocated at the
+        first such request), set for each newly admitted one."""
+        fresh = [r for r in reqs if (r.sampling.repetition_penalty != 1
+                                      or r.sampling.presence_penalty != 0
+                                      or r.sampling.frequency_penalty != 0)]
+        if not fresh:
+            return
+        v = self.model.config.vocab_size
+        if self.state.token_counts is None:
+            self.state = self.state.replace(
+                token_counts=jnp.zeros((self.max_num_seqs + 1, v), jnp.int32),
+                seen_mask=jnp.zeros((self.max_num_seqs + 1, v), bool))
+        counts = np.zeros((len(fresh), v), np.int32)
+        seen = np.zeros((len(fresh), v), bool)
+        for i, req in enumerate(fresh):
+            np.add.at(counts[i], np.asarray(req.output, np.int64), 1)
+            seen[i, np.asarray(req.tokens(), np.int64)] = True
+        slots = jnp.asarray([r.slot for r in fresh], jnp.int32)
+        self.state = step_lib.set_penalty_rows(self.state, slots, jnp.asarray(counts),
+                                               jnp.asarray(seen))
+
+    def _dispatch_prefill(self, rows):
+        reqs = [row.request for row in rows]
+        starting = [row.request for row in rows if row.start == row.request.cached_tokens]
+        self._ensure_penalties(starting)
+        b = _pow2(len(rows))
+        c = _pow2(max(len(row.tokens) for row in rows), 16)
+        width = self._width(-(-(row.start + len(row.tokens)) // self.page_size) for row in rows)
+        tokens = np.zeros((b, c), np.int32)
+        for i, row in enumerate(rows):
+            tokens[i, :len(row.tokens)] = row.tokens
+        batch = self._rows(reqs, [row.start for row in rows], [len(row.tokens) for row in rows],
+                           b, width)
+        # Rows whose chunk does not end the prompt sample nothing kept: slot R.
+        final = np.array([row.final for row in rows] + [False] * (b - len(rows)))
+        batch = batch.replace(slot=jnp.where(jnp.asarray(final), batch.slot, self.max_num_seqs))
+        self.state, new, logprobs = step_lib.prefill_step(self.params, self.state,
+                                                          jnp.asarray(tokens), batch, self.plan)
+        for row in rows:
+            if row.final:
+                row.request.inflight += 1
+        self.stats["prompt_tokens"] += sum(len(row.tokens) for row in rows)
+        return ("prefill", [row.request if row.final else None for row in rows], new[:, None],
+                logprobs[:, None])
+
+    def _dispatch_decode(self, rows):
+        reqs = [row.request for row in rows]
+        b = min(_pow2(len(rows)), _pow2(self.max_num_seqs))
+        width = self._width(len(r.pages) for r in reqs)
+        batch = self._rows(reqs, [row.position for row in rows], [1] * len(rows), b, width)
+        self.state, new, logprobs = step_lib.decode_step(self.params, self.state, batch,
+                                                         self.plan, steps=self.decode_steps)
+        for req in reqs:
+            req.inflight += 1
+        return ("decode", reqs, new, logprobs)
+
+    # -- outputs ------------------------------------------------------------------------------
+
+    def _read(self, dispatched) -> list[RequestOutput]:
+        if not dispatched:
+            return []
+        values = jax.device_get([(new, lps) for _, _, new, lps in dispatched])
+        now = time.perf_counter()
+        outputs: dict[str, RequestOutput] = {}
+        for (_, reqs, _, _), (new, lps) in zip(dispatched, values):
+            for row, req in enumerate(reqs):
+                if req is None:
+                    continue
+                req.inflight -= 1
+                if req.status is Status.FINISHED or req.finish_reason:
+                    continue
+                got, got_lp = self._accept(req, new[row].tolist(), lps[row].tolist())
+                if req.first_token_time is None and got:
+                    req.first_token_time = now
+                prev = outputs.get(req.request_id)
+                if prev is not None:
+                    got = prev.new_token_ids + got
+                    got_lp = (prev.new_logprobs or []) + got_lp
+                want_lp = got_lp if req.sampling.logprobs else None
+                outputs[req.request_id] = RequestOutput(req.request_id, got, want_lp,
+                                                        req.finish_reason is not None,
+                                                        req.finish_reason)
+        for out in outputs.values():
+            if out.finished:
+                self.requests.pop(out.request_id, None)
+        return list(outputs.values())
+
+    def _accept(self, req: Request, tokens: list[int], lps: list[float]):
+        """Append a row's new tokens to its request, up to its stop or its budget."""
+        got, got_lp = [], []
+        for token, lp in zip(tokens, lps):
+            if len(req.output) >= req.max_tokens:
+                break
+            req.output.append(token)
+            req.logprobs.append(lp)
+            got.append(token)
+            got_lp.append(lp)
+            self.stats["generated_tokens"] += 1
+            reason = None
+            if token in req.stop_ids:
+                reason = "stop"
+            elif req.stop_strings and self._stop_string(req, got, got_lp):
+                reason = "stop"
+            elif len(req.output) >= req.max_tokens:
+                reason = "length"
+            if reason:
+                self.scheduler.finish(req, reason)
+                break
+        return got, got_lp
+
+    def _stop_string(self, req: Request, got: list[int], got_lp: list[float]) -> bool:
+        """Whether the output's text now holds a stop string; if so the output is cut to the
+        fewest tokens whose text reaches it (as generate's _finish)."""
+        tok = self.model.tokenizer
+        if tok is None:
+            return False
+        text = tok.decode(req.output)
+        cuts = [text.find(s) for s in req.stop_strings if s in text]
+        if not cuts:
+            return False
+        cut = min(cuts)
+        for n in range(1, len(req.output) + 1):
+            if len(tok.decode(req.output[:n])) > cut:
+                drop = len(req.output) - n
+                del req.output[n:], req.logprobs[n:]
+                if drop:
+                    del got[-drop:], got_lp[-drop:]
+                break
+        return True

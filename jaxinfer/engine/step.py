@@ -1,0 +1,131 @@
+"""The engine's jitted steps: a prefill chunk and k decode steps over rows of a paged cache.
+
+Both take the engine's device state (the page pools, each request slot's newest token, the
+penalty statistics) and rows the host built for this dispatch, and return the new state and
+the tokens they sampled. A decode row's input token is read from `last_token[slot]` on the
+device, where the step before wrote it: the host never has to wait for a token's value to
+dispatch the next step (it reads step n while step n + 1 runs).
+
+Sampling keys are those of `generate`: row b's token at position p is drawn with
+fold_in(fold_in(key(seed_b), key_id_b), p), so a request's draws depend on nothing but its own
+seed, its id and the position, whatever batch, row or chunking it is computed in.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer import pytree, sampling
+from jaxinfer.cache import PagedKVCache
+from jaxinfer.models import registry
+from jaxinfer.plan import Plan
+
+
+@pytree.dataclass
+class EngineState:
+    """What the engine keeps on the device between steps; donated to every step."""
+
+    cache: PagedKVCache  # the page pools (block_tables: the last dispatch's, unused)
+    last_token: jax.Array  # [R + 1] int32: each request slot's newest token; R: padding rows'
+    token_counts: jax.Array | None = None  # [R + 1, V] int32: generated-token counts
+    seen_mask: jax.Array | None = None  # [R + 1, V] bool: prompt + generated tokens
+
+
+@pytree.dataclass
+class Rows:
+    """One dispatch's rows (built on the host; padding rows: slot R, position -1)."""
+
+    slot: jax.Array  # [B] int32: the request slot (R for padding rows)
+    position: jax.Array  # [B] int32: position of the row's first input token
+    count: jax.Array  # [B] int32: the row's valid input tokens (a chunk; 1 for decode)
+    seed: jax.Array  # [B] uint32: the request's seed
+    key_id: jax.Array  # [B] int32: the request's key id (0 with its own seed)
+    block_tables: jax.Array  # [B, W] int32: the row's pages (0: the null page)
+    sampling: sampling.SamplingTensors  # [B] per-row parameters
+
+
+def _keys(rows: Rows, positions: jax.Array) -> jax.Array:
+    """Typed keys [B] for tokens at positions [B] (as generate's SamplerState + step_keys)."""
+    base = jax.vmap(jax.random.fold_in)(jax.vmap(jax.random.key)(rows.seed), rows.key_id)
+    return jax.vmap(jax.random.fold_in)(base, positions)
+
+
+def _sample(logits, rows: Rows, positions, counts, seen):
+    """-> (tokens [B], logprobs [B] (zeros when no row asked), counts, seen)."""
+    out = sampling.sample_with_logprobs(logits, _keys(rows, positions), rows.sampling,
+                                        token_counts=counts, seen_mask=seen)
+    logprobs = out.logprobs if rows.sampling.flags.logprobs else jnp.zeros_like(out.logprobs)
+    counts, seen = sampling.update_penalty_state(counts, seen, out.tokens)
+    return out.tokens, logprobs, counts, seen
+
+
+def _penalty_rows(state: EngineState, rows: Rows):
+    """The rows' penalty statistics when some row of the dispatch uses penalties."""
+    if not rows.sampling.flags.penalties:
+        return None, None
+    return state.token_counts[rows.slot], state.seen_mask[rows.slot]
+
+
+def _store(state: EngineState, rows: Rows, cache, tokens, counts, seen) -> EngineState:
+    state = state.replace(cache=cache, last_token=state.last_token.at[rows.slot].set(tokens))
+    if counts is not None:
+        state = state.replace(token_counts=state.token_counts.at[rows.slot].set(counts),
+                              seen_mask=state.seen_mask.at[rows.slot].set(seen))
+    return state
+
+
+@functools.partial(jax.jit, static_argnames=("plan",), donate_argnames=("state",))
+def prefill_step(params: dict, state: EngineState, tokens: jax.Array, rows: Rows,
+                 plan: Plan):
+    """One chunk per row: tokens [B, C] at positions position..position + count - 1 (the rest
+    padding) written to the pages, attending to everything before them; the token after each
+    row's chunk is sampled (kept by the host for rows whose chunk ends their prompt: those
+    rows carry their slot, the others slot R). -> (state, tokens [B], logprobs [B])."""
+    b, c = tokens.shape
+    offsets = jnp.arange(c, dtype=jnp.int32)[None, :]  # [1, C]
+    positions = jnp.where(offsets < rows.count[:, None], rows.position[:, None] + offsets, -1)
+    forward = registry.family(plan.config).forward
+    cache = state.cache.with_tables(rows.block_tables)
+    logits, cache = forward(params, tokens, positions, plan, cache,
+                            logits_at=jnp.maximum(rows.count - 1, 0))  # [B, 1, V]
+    counts, seen = _penalty_rows(state, rows)
+    new, logprobs, counts, seen = _sample(logits[:, 0], rows, rows.position + rows.count,
+                                          counts, seen)
+    return _store(state, rows, cache, new, counts, seen), new, logprobs
+
+
+@functools.partial(jax.jit, static_argnames=("plan", "steps"), donate_argnames=("state",))
+def decode_step(params: dict, state: EngineState, rows: Rows, plan: Plan, steps: int = 1):
+    """`steps` tokens per row: the slot's newest token at `position`, then each sampled one
+    after it. -> (state, tokens [B, steps], logprobs [B, steps])."""
+    forward = registry.family(plan.config).forward
+    counts, seen = _penalty_rows(state, rows)
+
+    def one(carry, _):
+        cache, tokens, positions, counts, seen = carry
+        logits, cache = forward(params, tokens[:, None], positions[:, None], plan, cache)
+        nxt = jnp.where(positions < 0, positions, positions + 1)  # padding rows stay idle
+        new, logprobs, counts, seen = _sample(logits[:, 0], rows, nxt, counts, seen)
+        return (cache, new, nxt, counts, seen), (new, logprobs)
+
+    carry = (state.cache.with_tables(rows.block_tables), state.last_token[rows.slot],
+             rows.position, counts, seen)
+    if steps == 1:  # no loop around the forward: the decode step exactly as generate's
+        carry, (new, logprobs) = one(carry, None)
+        new, logprobs = new[None], logprobs[None]
+    else:
+        carry, (new, logprobs) = jax.lax.scan(one, carry, None, length=steps)
+    cache, last, _, counts, seen = carry
+    return _store(state, rows, cache, last, counts, seen), new.T, logprobs.T
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def set_penalty_rows(state: EngineState, slots: jax.Array, counts: jax.Array,
+                     seen: jax.Array) -> EngineState:
+    """A (re)admitted request's penalty statistics: counts [n, V] of its generated tokens,
+    seen [n, V] its prompt and generated tokens, at slots [n]."""
+    return state.replace(token_counts=state.token_counts.at[slots].set(counts),
+                         seen_mask=state.seen_mask.at[slots].set(seen))
