@@ -160,6 +160,18 @@ class SamplingFlags:
     def penalties(self) -> bool:
         return self.repetition_penalty or self.presence_frequency_penalty
 
+    def union(self, other: SamplingFlags) -> SamplingFlags:
+        """Flags that run every stage either needs. A row's token and logprob do not depend on
+        the stages the batch compiled, so a server can keep one growing set of flags (few
+        executables) instead of compiling each batch's own."""
+        return SamplingFlags(
+            any_greedy=self.any_greedy or other.any_greedy,
+            all_greedy=self.all_greedy and other.all_greedy,
+            top_k_cap=max(self.top_k_cap, other.top_k_cap),
+            **{f.name: getattr(self, f.name) or getattr(other, f.name)
+               for f in dataclasses.fields(self)
+               if f.name not in ("any_greedy", "all_greedy", "top_k_cap")})
+
 
 @pytree.dataclass
 class SamplingTensors:

@@ -162,6 +162,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()  # key ids of requests without their own seed
         self._prompt_lens: dict[str, int] = {}  # for run()'s Completions
+        self._flags: sampling.SamplingFlags | None = None  # union of the dispatches' so far
         self._inflight: list = []  # dispatches not read yet: (kind, rows, tokens, logprobs)
         self.stats = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "preemptions": 0}
 
@@ -315,7 +316,7 @@ class Engine:
         width (one shape); the references gather every entry, so the longest row's, bucketed."""
         if self.kernels:
             return self.max_pages
-        return min(self.max_pages, _pow2(max(rows_pages, default=1), 4))
+        return min(self.max_pages, _pow2(max(rows_pages, default=1), 16))
 
     def _rows(self, reqs: list[Request], positions, counts, b: int, width: int):
         """Rows for these requests padded to b rows (padding: slot R, position -1)."""
@@ -334,6 +335,9 @@ class Engine:
             tables[i, :len(pages)] = pages
         params = [req.sampling for req in reqs] + [reqs[0].sampling] * (b - n)
         tensors = sampling.SamplingTensors.from_params(params)
+        # The flags of every request so far: a new mix of requests compiles nothing new.
+        self._flags = tensors.flags if self._flags is None else self._flags.union(tensors.flags)
+        tensors = tensors.replace(flags=self._flags)
         return step_lib.Rows(slot=jnp.asarray(slot), position=jnp.asarray(position),
                              count=jnp.asarray(count), seed=jnp.asarray(seed),
                              key_id=jnp.asarray(key_id), block_tables=jnp.asarray(tables),
