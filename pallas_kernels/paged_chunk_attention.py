@@ -31,10 +31,18 @@ only because another query of the tile needs them contribute exactly nothing:
   first visible tile alpha = exp2(MASK_VALUE - m_real) = 0 exactly and l = 0 * l + sum(p),
   acc = 0 * acc + p @ v: the bits of a start from l = 0, acc = 0.
 Padding queries (and the Gp - G padding heads) are masked and stored as zeros / not stored.
+
+Split keys (opt-in, `PagedBlockSizes.split_keys`): a (row, KV head, query block) has only B x Hkv
+x T / bq programs, 8 for one row of a verification; with split_keys = c each program also takes
+one chunk of c positions ([i c, (i + 1) c), fixed whatever the batch or T) and writes a partial
+(acc, m, l); the chunks merge in position order (a scan) in XLA. A chunk the query sees no key
+of adds exactly +0 (selected out, not multiplied by 0), so the bits are still the query's own,
+for a fixed split_keys (a different arithmetic from the unsplit kernel's).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -45,11 +53,30 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (FLOAT_DTYPES, LOG2_E, MASK_VALUE, check_array, check_head_dim,
-                                    check_same_dtype, check_softcap, dot_f32, multiple_of,
-                                    next_pow2, ref_precision, softcap_log2)
+                                    check_same_dtype, check_softcap, check_tiles, dot_f32,
+                                    multiple_of, next_pow2, ref_precision, softcap_log2)
 from pallas_kernels._jax_private import is_tracer
-from pallas_kernels.flash_attention import FlashBlockSizes
 from pallas_kernels.kv_quant import CODE_DTYPES, SCALE_DTYPES, codes_as, dequantize_kv
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedBlockSizes:
+    """block_q: rows per program (queries x the group's heads padded to a power of two);
+    block_k: keys per tile, dividing page_size; split_keys: None, or chunks of this many
+    positions (a multiple of block_k) per program, merged in order (see the module docstring).
+    Powers of two >= 16."""
+    block_q: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    split_keys: int | None = None
+
+    def __post_init__(self):
+        check_tiles(self, "block_q", "block_k")
+        if self.split_keys is not None and (self.split_keys < self.block_k
+                                            or self.split_keys % self.block_k):
+            raise ValueError(f"PagedBlockSizes.split_keys={self.split_keys}: must be a "
+                             f"multiple of block_k={self.block_k}")
 
 # ---------------------------------------------------------------------------------------------
 # Kernel
@@ -59,7 +86,7 @@ from pallas_kernels.kv_quant import CODE_DTYPES, SCALE_DTYPES, codes_as, dequant
 def paged_chunk_attention_kernel(pos_ref, bt_ref, q_ref, k_ref, v_ref, *refs, sm_scale: float,
                                  t: int, groups: int, page_size: int, block_k: int,
                                  window: int | None, quantized: bool,
-                                 softcap: float | None = None):
+                                 softcap: float | None = None, split_keys: int | None = None):
     # pos_ref [bq] int32: the block's query positions (-1: padding; entries >= t lie past the
     #   array and are masked on load)
     # bt_ref [max_pages] int32: this row's block table
@@ -67,10 +94,14 @@ def paged_chunk_attention_kernel(pos_ref, bt_ref, q_ref, k_ref, v_ref, *refs, sm
     #   >= G lie past the array, masked on load and store
     # k_ref, v_ref [P, page_size, D]: the page pool of this KV head (codes when quantized)
     # ks_ref, vs_ref [P, page_size] (quantized): their scales
+    # split_keys: acc_ref [rows, D], m_ref, l_ref [rows] (float32): the partials of keys
+    #   [c split_keys, (c + 1) split_keys), c = program_id(3), instead of o_ref
     if quantized:
-        ks_ref, vs_ref, o_ref = refs
-    else:
+        ks_ref, vs_ref, *refs = refs
+    if split_keys is None:
         (o_ref,) = refs
+    else:
+        acc_ref, m_ref, l_ref = refs
     bq, gp, d = q_ref.shape
     rows = bq * gp
     q_ok = pl.program_id(2) * bq + jnp.arange(bq) < t  # [bq]
@@ -89,6 +120,11 @@ def paged_chunk_attention_kernel(pos_ref, bt_ref, q_ref, k_ref, v_ref, *refs, sm
     if window is not None:
         key_lo = jnp.maximum(jnp.min(jnp.where(q_ok, pos, key_hi)) - window + 1, 0)
         lo = key_lo // block_k
+    if split_keys is not None:
+        per_split = split_keys // block_k
+        c = pl.program_id(3)
+        lo = jnp.maximum(lo, c * per_split)
+        hi = jnp.minimum(hi, (c + 1) * per_split)
     tiles_per_page = page_size // block_k
 
     def step(j, carry):
@@ -128,7 +164,12 @@ def paged_chunk_attention_kernel(pos_ref, bt_ref, q_ref, k_ref, v_ref, *refs, sm
     carry = (jnp.zeros((rows, d), jnp.float32),
              jnp.full((rows,), MASK_VALUE, jnp.float32),
              jnp.zeros((rows,), jnp.float32))
-    acc, _, l = lax.fori_loop(lo, hi, step, carry)
+    acc, m, l = lax.fori_loop(lo, hi, step, carry)
+    if split_keys is not None:  # (padding queries' garbage is selected out by the merge)
+        acc_ref[...] = acc
+        m_ref[...] = m
+        l_ref[...] = l
+        return
     # padding queries (pos -1) saw no key: zeros, not their garbage
     out = jnp.where((pos_rows >= 0)[:, None], acc / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
     out_ok = (pl.program_id(2) * bq + jnp.arange(bq) < t)[:, None] & (
@@ -144,7 +185,7 @@ OP = "paged_chunk_attention"
 
 
 def default_block_sizes(head_dim: int, itemsize: int = 2, page_size: int = 64
-                        ) -> FlashBlockSizes:
+                        ) -> PagedBlockSizes:
     """block_q counts rows (queries x Gp heads). Chosen from D, the dtype and the page size
     only, never from T or B (batch invariance: see the module docstring). 64 rows: a G=4 group
     fits 16 queries, so T=9 verification wastes under half the rows while a 512-query chunk
@@ -155,7 +196,7 @@ def default_block_sizes(head_dim: int, itemsize: int = 2, page_size: int = 64
         rows, bk, warps, stages = 64, 64, 4, 3
     else:
         rows, bk, warps, stages = 64, 32, 4, 2
-    return FlashBlockSizes(block_q=rows, block_k=min(bk, page_size & -page_size),
+    return PagedBlockSizes(block_q=rows, block_k=min(bk, page_size & -page_size),
                            num_warps=warps, num_stages=stages)
 
 
@@ -216,7 +257,7 @@ def _validate(q, k_pages, v_pages, block_tables, positions, sliding_window, k_sc
 def paged_chunk_attention(q, k_pages, v_pages, block_tables, positions, *, k_scale=None,
                           v_scale=None, sm_scale: float | None = None,
                           sliding_window: int | None = None, softcap: float | None = None,
-                          block_sizes: FlashBlockSizes | None = None, interpret: bool = False):
+                          block_sizes: PagedBlockSizes | None = None, interpret: bool = False):
     """q [B, T, Hq, D] at positions [B, T] (int32; -1: a padding query) attends to the paged
     cache k/v_pages [P, page_size, Hkv, D] through block_tables [B, max_pages] (int32): the
     positions at or before its own (HF's sliding window: > position - w).
@@ -224,7 +265,8 @@ def paged_chunk_attention(q, k_pages, v_pages, block_tables, positions, *, k_sca
     k_scale, v_scale [P, page_size, Hkv] (float32 / float16): the pages hold int8 or fp8
     codes, dequantized in registers. softcap: scores = softcap * tanh(scores / softcap)
     before the mask (Gemma 2), or None. block_sizes: block_q counts rows (queries x the
-    group's heads padded to a power of two), block_k divides page_size. Returns [B, T, Hq, D]
+    group's heads padded to a power of two), block_k divides page_size; split_keys for few
+    programs (one row's verification). Returns [B, T, Hq, D]
     in q's dtype; padding queries get zeros.
     """
     _validate(q, k_pages, v_pages, block_tables, positions, sliding_window, k_scale, v_scale)
@@ -255,32 +297,67 @@ def _paged_chunk_attention_triton(q, k_pages, v_pages, block_tables, positions, 
     g = hq // hkv
     gp = next_pow2(g)
     bq = max(1, blocks.block_q // gp)  # queries per program
+    nq = pl.cdiv(t, bq)
+    split = blocks.split_keys
     quantized = k_scale is not None
     kernel = functools.partial(
         paged_chunk_attention_kernel, sm_scale=sm_scale, t=t, groups=g, page_size=page_size,
-        block_k=blocks.block_k, window=window, quantized=quantized, softcap=softcap)
+        block_k=blocks.block_k, window=window, quantized=quantized, softcap=softcap,
+        split_keys=split)
     qg = q.reshape(b, t, hkv, g, d)  # a bitcast
-    q_spec = pl.BlockSpec((None, bq, None, gp, d), lambda i, h, j: (i, j, h, 0, 0))
-    pool = pl.BlockSpec((n_pages, page_size, None, d), lambda i, h, j: (0, 0, h, 0))
-    in_specs = [pl.BlockSpec((None, bq), lambda i, h, j: (i, j)),
-                pl.BlockSpec((None, block_tables.shape[1]), lambda i, h, j: (i, 0)),
+    q_spec = pl.BlockSpec((None, bq, None, gp, d), lambda i, h, j, *_: (i, j, h, 0, 0))
+    pool = pl.BlockSpec((n_pages, page_size, None, d), lambda i, h, j, *_: (0, 0, h, 0))
+    in_specs = [pl.BlockSpec((None, bq), lambda i, h, j, *_: (i, j)),
+                pl.BlockSpec((None, block_tables.shape[1]), lambda i, h, j, *_: (i, 0)),
                 q_spec, pool, pool]
     args = [positions, block_tables, qg, k_pages, v_pages]
     if quantized:  # the KV head's scales [P, page_size], strided by Hkv
-        in_specs += [pl.BlockSpec((n_pages, page_size, None), lambda i, h, j: (0, 0, h))] * 2
+        in_specs += [pl.BlockSpec((n_pages, page_size, None),
+                                  lambda i, h, j, *_: (0, 0, h))] * 2
         args += [k_scale, v_scale]
-    out = pl.pallas_call(
-        kernel,
-        grid=(b, hkv, pl.cdiv(t, bq)),
-        in_specs=in_specs,
-        out_specs=q_spec,
-        out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps,
-                                             num_stages=blocks.num_stages),
-        interpret=interpret,
-        name="paged_chunk_attention_quantized" if quantized else "paged_chunk_attention",
-    )(*args)
-    return out.reshape(b, t, hq, d)
+    name = "paged_chunk_attention_quantized" if quantized else "paged_chunk_attention"
+    params = plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+    if split is None:
+        out = pl.pallas_call(
+            kernel, grid=(b, hkv, nq), in_specs=in_specs, out_specs=q_spec,
+            out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype), compiler_params=params,
+            interpret=interpret, name=name)(*args)
+        return out.reshape(b, t, hq, d)
+    rows = bq * gp
+    splits = pl.cdiv(block_tables.shape[1] * page_size, split)
+    acc, m, l = pl.pallas_call(
+        kernel, grid=(b, hkv, nq, splits), in_specs=in_specs,
+        out_specs=[pl.BlockSpec((None, None, None, None, rows, d),
+                                lambda i, h, j, c: (i, h, j, c, 0, 0))] + [
+            pl.BlockSpec((None, None, None, None, rows), lambda i, h, j, c: (i, h, j, c, 0))] * 2,
+        out_shape=[jax.ShapeDtypeStruct((b, hkv, nq, splits, rows, d), jnp.float32),
+                   jax.ShapeDtypeStruct((b, hkv, nq, splits, rows), jnp.float32),
+                   jax.ShapeDtypeStruct((b, hkv, nq, splits, rows), jnp.float32)],
+        compiler_params=params, interpret=interpret, name=name + "_split")(*args)
+    o = _merge_ordered(acc, m, l)  # [B, Hkv, nq, rows, D]
+    o = o.reshape(b, hkv, nq * bq, gp, d)[:, :, :t, :g]  # [B, Hkv, T, G, D]
+    return o.transpose(0, 2, 1, 3, 4).reshape(b, t, hq, d).astype(q.dtype)
+
+
+def _merge_ordered(acc, m, l):
+    """acc [..., splits, rows, D], m, l [..., splits, rows] (log2 domain) -> [..., rows, D]
+    float32, the chunks summed in position order (a scan: XLA's reductions may tile a sum by
+    shape). A chunk the query saw no key of (m = MASK_VALUE, garbage l and acc, or none) adds
+    +0 by a select, whatever its garbage; no key at all (padding) gives zeros."""
+    m_all = jnp.max(m, axis=-2)  # [..., rows] (a max is exact in any order)
+    def add(carry, part):
+        o, l_all = carry
+        acc_c, m_c, l_c = part
+        seen = m_c > MASK_VALUE
+        w = jnp.exp2(m_c - m_all)
+        l_all = l_all + jnp.where(seen, w * l_c, 0.0)
+        o = o + jnp.where(seen[..., None], w[..., None] * acc_c, 0.0)
+        return (o, l_all), None
+
+    parts = (jnp.moveaxis(acc, -3, 0), jnp.moveaxis(m, -2, 0), jnp.moveaxis(l, -2, 0))
+    zero = jnp.zeros(acc.shape[:-3] + acc.shape[-2:], jnp.float32)
+    (o, l_all), _ = lax.scan(add, (zero, zero[..., 0]), parts)
+    return o / jnp.where(l_all > 0, l_all, 1.0)[..., None]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -298,7 +375,7 @@ def paged_chunk_attention_reference(q, k_pages, v_pages, block_tables, positions
                                     k_scale=None, v_scale=None, sm_scale: float | None = None,
                                     sliding_window: int | None = None,
                                     softcap: float | None = None,
-                                    block_sizes: FlashBlockSizes | None = None,
+                                    block_sizes: PagedBlockSizes | None = None,
                                     interpret: bool = False):
     """Plain jnp with the same signature (block_sizes and interpret are ignored): the pages
     gathered to a contiguous view, masked attention with a float32 softmax; a quantized cache

@@ -21,7 +21,7 @@ from jax.sharding import AbstractDevice, AbstractMesh
 
 import pallas_kernels as pk
 from kernel_testing import rel_err
-from pallas_kernels import FlashBlockSizes
+from pallas_kernels import FlashBlockSizes, PagedBlockSizes
 from pallas_kernels._jax_private import triton_lowering
 from pallas_kernels.chunk_attention import chunk_attention
 from pallas_kernels.kv_quant import quantize_kv
@@ -101,14 +101,18 @@ CASES = {
     # name: dtype, kind, hq, hkv, d, page_size, block_sizes, t, window, softcap
     "f32 mha d64 ps16": (jnp.float32, None, 2, 2, 64, 16, None, 5, None, None),
     "bf16 gqa4 d64 ps32 bk16 window": (jnp.bfloat16, None, 8, 2, 64, 32,
-                                       FlashBlockSizes(32, 16, 4, 1), 7, 9, None),
+                                       PagedBlockSizes(32, 16, 4, 1), 7, 9, None),
     "f32 gqa4 d256 T1": (jnp.float32, None, 4, 1, 256, 16, None, 1, None, None),
     "int8 bf16 mha softcap T>block": (jnp.bfloat16, "int8", 2, 2, 64, 16,
-                                      FlashBlockSizes(16, 16, 4, 1), 37, None, 30.0),
+                                      PagedBlockSizes(16, 16, 4, 1), 37, None, 30.0),
     "fp8 f32 gqa4 window softcap": (jnp.float32, "fp8", 4, 1, 64, 32,
-                                    FlashBlockSizes(32, 32, 4, 1), 6, 20, 50.0),
+                                    PagedBlockSizes(32, 32, 4, 1), 6, 20, 50.0),
     "int8 f32 gqa4 T>block window": (jnp.float32, "int8", 8, 2, 64, 16,
-                                     FlashBlockSizes(16, 16, 4, 1), 11, 13, None),
+                                     PagedBlockSizes(16, 16, 4, 1), 11, 13, None),
+    "bf16 gqa4 split window": (jnp.bfloat16, None, 8, 2, 64, 16,
+                               PagedBlockSizes(32, 16, 4, 1, split_keys=32), 7, 20, None),
+    "int8 f32 mha split T>block": (jnp.float32, "int8", 2, 2, 64, 32,
+                                   PagedBlockSizes(16, 16, 4, 1, split_keys=32), 21, None, None),
 }
 
 
@@ -122,8 +126,8 @@ def test_matches_reference_and_chunk_attention(case):
     lengths = [19 + t, 16 + 3 + t, 40 + min(t, 3)]
     starts = [19, 19, 40]
     counts = [t, t, min(t, 3)]
-    pages, bt, contiguous = make_cache(list(CASES).index(case), lengths, ps, max_pages, hkv, d, dtype,
-                                       kind, shared_pages=1)
+    pages, bt, contiguous = make_cache(list(CASES).index(case), lengths, ps, max_pages, hkv, d,
+                                       dtype, kind, shared_pages=1)
     k_pages, v_pages, scales = split_pages(pages)
     q = jnp.asarray(np.random.default_rng(1).standard_normal((3, t, hq, d)), dtype)
     pos = query_positions(starts, counts, t)
@@ -150,9 +154,10 @@ def test_matches_reference_and_chunk_attention(case):
     assert rel_err(np.asarray(out)[~pad], np.asarray(want)[~pad]) < tol
 
 
-@pytest.mark.parametrize("dtype, g, window", [(jnp.float32, 1, None), (jnp.bfloat16, 4, 9)],
-                         ids=["f32-mha", "bf16-gqa4-window"])
-def test_bitwise_chunk_invariance(dtype, g, window):
+@pytest.mark.parametrize("dtype, g, window, split", [
+    (jnp.float32, 1, None, None), (jnp.bfloat16, 4, 9, None), (jnp.bfloat16, 4, 9, 32)],
+    ids=["f32-mha", "bf16-gqa4-window", "bf16-gqa4-window-split"])
+def test_bitwise_chunk_invariance(dtype, g, window, split):
     """A 45-token prompt's attention in one call (T = 45, row 0 of 1) and in chunks of 1, 5,
     37 and 2 queries (at rows 2, 0, 1, 1 of three-row batches whose other rows hold other
     work): every query's output bit for bit the same, as is a decode-like T = 1 call."""
@@ -162,7 +167,7 @@ def test_bitwise_chunk_invariance(dtype, g, window):
     k_pages, v_pages, _ = split_pages(pages)
     q_all = jnp.asarray(np.random.default_rng(2).standard_normal((n, hkv * g, d)), dtype)
     kw = dict(sliding_window=window, interpret=True,
-              block_sizes=FlashBlockSizes(32, 16, 4, 1))
+              block_sizes=PagedBlockSizes(32, 16, 4, 1))
     whole = paged_chunk_attention(q_all[None], k_pages, v_pages, bt[:1],
                                   jnp.arange(n, dtype=jnp.int32)[None], **kw)[0]
     rng = np.random.default_rng(3)
@@ -196,7 +201,7 @@ def test_bad_inputs_raise():
     codes, scale = jnp.zeros((5, 16, 2, 16), INT8), jnp.zeros((5, 16, 2), jnp.float32)
     cases = [
         (lambda: paged_chunk_attention(q, kp, kp, bt, pos,
-                                       block_sizes=FlashBlockSizes(32, 32, 4, 1)),
+                                       block_sizes=PagedBlockSizes(32, 32, 4, 1)),
          "block_k 32 must divide page_size 16"),
         (lambda: paged_chunk_attention(q, kp[:, :8], kp[:, :8], bt, pos),
          "page_size 8 is not a multiple of 16"),
@@ -235,12 +240,16 @@ H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
 TRITON = "__gpu$xla.gpu.triton"
 
 LOWERING_CASES = {
-    # name: (kwargs, q [B, T, Hq, D], Hkv, pages: a float dtype, I32 (int8) or None (fp8), page_size)
+    # name: (kwargs, q [B, T, Hq, D], Hkv, pages (a float dtype, I32: int8, None: fp8),
+    #        page_size)
     "prefill bf16 d128 gqa4 ps64 T512": (dict(), (4, 512, 32, 128), 8, BF16, 64),
     "verify int8 d128 gqa4 ps16 T9": (dict(), (8, 9, 32, 128), 8, I32, 16),
     "verify fp8 d256 softcap window ps32 T3": (dict(softcap=50.0, sliding_window=1024),
                                                (2, 3, 16, 256), 8, None, 32),
     "f32 d64 mha T1": (dict(), (1, 1, 8, 64), 8, F32, 16),
+    "verify bf16 d128 split B1 T5": (
+        dict(block_sizes=PagedBlockSizes(64, 64, 4, 3, split_keys=512)), (1, 5, 32, 128), 8,
+        BF16, 64),
 }
 
 
@@ -285,8 +294,9 @@ def test_lowers_for_h200(case, monkeypatch):
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("kind, window", [(None, None), ("int8", None), ("fp8", 1024)])
-def test_gpu_matches_reference(kind, window):
+@pytest.mark.parametrize("kind, window, split", [
+    (None, None, None), ("int8", None, None), ("fp8", 1024, None), (None, 1024, 512)])
+def test_gpu_matches_reference(kind, window, split):
     """Four rows of 2048-token contexts (pages in random order, 64 per page), a 512-query
     chunk at 1536.. in three rows and a 9-query verification in the fourth."""
     lengths = [2048, 2048, 2048, 1545]
@@ -294,7 +304,9 @@ def test_gpu_matches_reference(kind, window):
     k_pages, v_pages, scales = split_pages(pages)
     q = jnp.asarray(np.random.default_rng(4).standard_normal((4, 512, 32, 128)), jnp.bfloat16)
     pos = query_positions([1536, 1536, 1536, 1536], [512, 512, 512, 9], 512)
-    got = paged_chunk_attention(q, k_pages, v_pages, bt, pos, sliding_window=window, **scales)
+    got = paged_chunk_attention(q, k_pages, v_pages, bt, pos, sliding_window=window,
+                                block_sizes=split and PagedBlockSizes(split_keys=split),
+                                **scales)
     want = paged_chunk_attention_reference(q, k_pages, v_pages, bt, pos, sliding_window=window,
                                            **scales)
     assert rel_err(got, want) < TOL[jnp.bfloat16]
