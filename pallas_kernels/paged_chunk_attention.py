@@ -19,7 +19,7 @@ per-(token, head) scales) are dequantized in registers as in chunk_attention.py.
 
 Batch invariance: a query's bits do not depend on the other queries of its tile (so not on T,
 the row index, the other rows or where the chunk starts), for a fixed `block_sizes`; the
-default depends on D, the dtype and G only. Every program has the same shapes, a query's tiles
+default depends on D, the dtype and page_size only. Every program has the same shapes, a query's tiles
 are visited in position order from its window's first tile (or 0), and the tiles a query visits
 only because another query of the tile needs them contribute exactly nothing:
 - a tile past its position (every score MASK_VALUE): the query has already seen key 0 (or the
@@ -29,7 +29,8 @@ only because another query of the tile needs them contribute exactly nothing:
 - a tile before its window (sliding window only, when a lower query of the tile needs it):
   m stays MASK_VALUE, p = exp2(0) = 1, so l and acc collect finite garbage; at the query's
   first visible tile alpha = exp2(MASK_VALUE - m_real) = 0 exactly and l = 0 * l + sum(p),
-  acc = 0 * acc + p @ v: the bits of a start from l = 0, acc = 0.
+  acc = 0 * acc + p @ v: the bits of a start from l = 0, acc = 0 (a product's sum starts at
+  +0, so -0 + it is it).
 Padding queries (and the Gp - G padding heads) are masked and stored as zeros / not stored.
 
 Split keys (opt-in, `PagedBlockSizes.split_keys`): a (row, KV head, query block) has only B x Hkv
@@ -246,6 +247,11 @@ def _validate(q, k_pages, v_pages, block_tables, positions, sliding_window, k_sc
     else:
         check_same_dtype(OP, q=q, k_pages=k_pages, v_pages=v_pages)
     span = block_tables.shape[1] * page_size
+    if not is_tracer(block_tables):  # an entry past the pool would read out of bounds
+        bt = jax.device_get(block_tables)
+        if bt.size and (bt.min() < 0 or bt.max() >= k_pages.shape[0]):
+            raise ValueError(f"{OP}: block_tables entries must lie in [0, {k_pages.shape[0]}) "
+                             f"(the pool's pages), got min {bt.min()} max {bt.max()}")
     if not is_tracer(positions):  # under jit the caller owns this check
         pos = jax.device_get(positions)
         if pos.size and (pos.max() >= span or pos.min() < -1):

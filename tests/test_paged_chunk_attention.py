@@ -208,6 +208,7 @@ def test_bad_inputs_raise():
         (lambda: paged_chunk_attention(q, kp, kp, bt, pos + 32), r"positions must lie in"),
         (lambda: paged_chunk_attention(q, kp, kp, bt, pos - 2), r"or be -1"),
         (lambda: paged_chunk_attention(q, kp, kp, bt[:1], pos), "block_tables must be"),
+        (lambda: paged_chunk_attention(q, kp, kp, bt + 5, pos), r"entries must lie in \[0, 5\)"),
         (lambda: paged_chunk_attention(q, kp, kp, bt.astype(jnp.float32), pos), "dtype"),
         (lambda: paged_chunk_attention(q, codes, codes, bt, pos, k_scale=scale),
          "both k_scale and v_scale"),
