@@ -23,6 +23,8 @@ _MODULES = {
             "grouped_swiglu_reference", "group_by_expert", "moe_decode", "moe_decode_reference",
             "moe_experts_reference", "moe_grouped", "moe_grouped_reference"),
     "norm_matmul": ("MatmulBlockSizes", "norm_matmul", "norm_matmul_reference"),
+    "paged_chunk_attention": ("PagedBlockSizes", "paged_chunk_attention",
+                              "paged_chunk_attention_reference"),
     "quantized": ("QuantizedWeight", "dequantize", "num_experts", "quantize_weight",
                   "stack_experts"),
     "quantized_matmul": ("quantized_matmul", "quantized_matmul_reference"),
