@@ -37,40 +37,141 @@ def _requests(model, n, seed):
     return out
 
 
-def _reference(model, reqs):
-    """generate() alone for each request."""
-    return [jaxinfer.generate(model, [p], max_new_tokens=n, sampling=sp)[0] for p, sp, n in reqs]
+def _reference(model, reqs, batch: int = 1):
+    """generate() for each request: alone (batch 1), or in batches of `batch` requests with
+    the largest budget, each row cut to its own (generate's rows do not depend on their batch:
+    test_generate.py), which is `batch` times fewer calls."""
+    out = []
+    for i in range(0, len(reqs), batch):
+        group = reqs[i:i + batch]
+        n = max(k for _, _, k in group)
+        got = jaxinfer.generate(model, [p for p, _, _ in group], max_new_tokens=n,
+                                sampling=[sp for _, sp, _ in group])
+        for (_, sp, k), c in zip(group, got):
+            toks, lps = c.token_ids[:k], (c.logprobs or [])[:k]
+            reason = "stop" if toks[-1] in model.config.eos_token_ids else "length"
+            out.append((toks, lps, reason))
+    return out
 
 
-def test_engine_equals_generate_alone(tiny_chat):
-    """A few hundred requests arriving at random steps, with shared prefixes, prompts split
-    into chunks and preemption forced by a small pool: each request's tokens (and logprobs)
-    are those of generate() for it alone, and every page is back at the end."""
-    model = tiny_chat
-    reqs = _requests(model, 240, seed=0)
-    engine = _engine(model, pages=24)
-    rng = np.random.default_rng(1)
-    order = rng.permutation(len(reqs))
+def _serve(engine, reqs, rng):
+    """Requests added a few at a time between steps, in rng's order -> ({i: (tokens,
+    logprobs)}, {i: finish_reason})."""
+    order = list(rng.permutation(len(reqs)))
     ids, got, reasons = {}, {}, {}
-    pending = list(order)
-    while pending or engine.has_unfinished():
-        for i in pending[:int(rng.integers(0, 6))]:
+    while order or engine.has_unfinished():
+        for i in order[:int(rng.integers(0, 6))]:
             p, sp, n = reqs[i]
             ids[engine.add_request(p, sampling=sp, max_tokens=n)] = i
-        pending = pending[len([i for i in ids.values() if i in pending]):] if False else \
-            [i for i in pending if i not in ids.values()]
+        added = set(ids.values())
+        order = [i for i in order if i not in added]
         for out in engine.step():
             toks, lps = got.setdefault(ids[out.request_id], ([], []))
             toks += out.new_token_ids
             lps += out.new_logprobs or []
             if out.finished:
                 reasons[ids[out.request_id]] = out.finish_reason
+    return got, reasons
+
+
+def test_engine_equals_generate(tiny_chat):
+    """200 requests arriving at random steps, with shared prefixes, prompts split into chunks
+    and preemption forced by a small pool: each request's tokens (and logprobs) are
+    generate()'s for it, and every page is back at the end."""
+    model = tiny_chat
+    reqs = _requests(model, 200, seed=0)
+    engine = _engine(model, pages=40, max_num_seqs=8)
+    got, reasons = _serve(engine, reqs, np.random.default_rng(1))
     assert engine.stats["preemptions"] > 0  # the pool was really too small
-    assert engine.prefix_cache_hit_rate() > 0
+    assert engine.prefix_cache_hit_rate() > 0.05
     assert engine.free_pages == engine.total_pages and not engine.requests
-    for i, ref in enumerate(_reference(model, reqs)):
-        toks, lps = got[i]
-        assert toks == ref.token_ids, i
-        assert reasons[i] == ref.finish_reason, i
+    for i, (toks, lps, reason) in enumerate(_reference(model, reqs, batch=25)):
+        assert got[i][0] == toks, i
+        assert reasons[i] == reason, i
         if reqs[i][1].logprobs:
-            np.testing.assert_allclose(lps, ref.logprobs, atol=1e-4)
+            np.testing.assert_allclose(got[i][1], lps, atol=1e-4)
+
+
+def test_engine_equals_generate_alone(tiny_chat):
+    """The same against generate() for each request alone, on fewer requests."""
+    model = tiny_chat
+    reqs = _requests(model, 10, seed=2)
+    engine = _engine(model, pages=24)
+    got, reasons = _serve(engine, reqs, np.random.default_rng(3))
+    for i, (toks, lps, reason) in enumerate(_reference(model, reqs)):
+        assert (got[i][0], reasons[i]) == (toks, reason), i
+
+
+def test_prefix_cache_prefills_only_the_suffix(tiny_chat):
+    """A second request with the first one's prompt as its prefix computes only its own
+    tokens past the shared whole pages, and gets generate()'s tokens."""
+    engine = _engine(tiny_chat)
+    first = list(range(3, 60))
+    second = first + [7, 8, 9]
+    engine.run([first], max_tokens=4)
+    before = engine.stats["prompt_tokens"]
+    (out,) = engine.run([second], max_tokens=4)
+    assert engine.stats["prompt_tokens"] - before == len(second) - 56  # 7 pages of 8 shared
+    assert out.token_ids == jaxinfer.generate(tiny_chat, [second], max_new_tokens=4)[0].token_ids
+
+
+def test_bad_requests_are_refused_alone(tiny_chat):
+    """Each bad request raises ValueError naming the problem; the engine keeps serving the
+    others, loses none of their tokens and leaks no page."""
+    engine = _engine(tiny_chat, pages=40)
+    good = engine.add_request([5, 6, 7], max_tokens=6)
+    engine.step()
+    bad = [
+        (dict(prompt=list(range(3, 200))), "max_model_len"),
+        (dict(prompt=[5], max_tokens=0), "max_tokens"),
+        (dict(prompt=[5], max_tokens=1.5), "max_tokens"),
+        (dict(prompt=[]), "empty"),
+        (dict(prompt=[10**9]), "vocabulary"),
+        (dict(prompt=[5], sampling="greedy"), "SamplingParams"),
+        (dict(prompt=[5], request_id=good), "already"),
+        (dict(prompt=[5], stop=[""]), "stop"),
+        (dict(prompt=[5], seed=-1), "seed"),
+    ]
+    for kw, words in bad:
+        with pytest.raises(ValueError, match=words):
+            engine.add_request(kw.pop("prompt"), **kw)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(ValueError, match="no request"):
+        engine.abort("nobody")
+    got = []
+    while engine.has_unfinished():
+        got += [t for out in engine.step() for t in out.new_token_ids]
+    assert got == jaxinfer.generate(tiny_chat, [[5, 6, 7]], max_new_tokens=6)[0].token_ids
+    assert engine.free_pages == engine.total_pages
+
+
+def test_abort_frees_pages_at_once(tiny_chat):
+    engine = _engine(tiny_chat)
+    keep = engine.add_request(list(range(3, 40)), max_tokens=30)
+    gone = engine.add_request(list(range(3, 50)), max_tokens=30)
+    for _ in range(3):
+        engine.step()
+    held = engine.total_pages - engine.free_pages
+    engine.abort(gone)
+    assert engine.total_pages - engine.free_pages < held
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert {o.request_id for o in outs} == {keep}
+    assert engine.free_pages == engine.total_pages
+
+
+def test_penalties_stop_strings_and_text_prompts(tiny_chat):
+    """Per-request penalties (their statistics live in the engine's slots), stop strings and
+    chat-templated text give generate()'s output."""
+    sp = [SamplingParams(temperature=0.0, repetition_penalty=1.3),
+          SamplingParams(temperature=0.7, presence_penalty=1.0, frequency_penalty=0.5, seed=4),
+          SamplingParams(temperature=0.0)]
+    prompts = ["Hi there", "Name three painters.", [5, 6, 7, 5, 6]]
+    engine = _engine(tiny_chat)
+    outs = engine.run(prompts, sampling=sp, max_tokens=12, stop=["e"])
+    ref = [jaxinfer.generate(tiny_chat, [p], max_new_tokens=12, sampling=s, stop=["e"])[0]
+           for p, s in zip(prompts, sp)]
+    for a, b in zip(outs, ref):
+        assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)

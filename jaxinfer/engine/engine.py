@@ -286,6 +286,8 @@ class Engine:
         params = sampling if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        stops = [s for s in ([stop] if isinstance(stop, str) else stop or [])
+                 if isinstance(s, str)]
         ids = [self.add_request(p, sampling=sp, max_tokens=max_tokens, stop=stop, chat=chat,
                                 seed=None if seed is None else seed + i)
                for i, (p, sp) in enumerate(zip(prompts, params))]
@@ -304,6 +306,8 @@ class Engine:
         for i, sp in zip(ids, params):
             toks, lps = got[i]
             text = self.model.tokenizer.decode(toks) if self.model.tokenizer is not None else ""
+            cuts = [text.find(s) for s in stops if s in text]
+            text = text[:min(cuts)] if cuts else text  # the stop string itself is left out
             results.append(Completion(token_ids=toks, text=text, finish_reason=reasons[i],
                                       logprobs=lps if sp is not None and sp.logprobs else None,
                                       prompt_tokens=self._prompt_lens.pop(i, 0)))

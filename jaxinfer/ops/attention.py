@@ -162,7 +162,7 @@ def _decode_supports(q, k, v, cache, plan, *, fresh=False, layer_type=KVLayer,
 
 def _scales(cache) -> dict:
     """A quantized layer's scales as the kernels take them; none for a KVLayer."""
-    if isinstance(cache, QuantizedKVLayer):
+    if isinstance(cache, QuantizedKVLayer | QuantizedPagedKVLayer):
         return {"k_scale": cache.k_scale, "v_scale": cache.v_scale}
     return {}
 
@@ -201,6 +201,27 @@ def _chunk(q, k, v, cache, plan, *, positions, window=None, fresh=False, sm_scal
 
 def _paged_supports(q, k, v, cache, plan, **_) -> str | None:
     return None if isinstance(cache, PagedKVLayer | QuantizedPagedKVLayer) else "a paged cache only"
+
+
+def _paged_chunk_supports(q, k, v, cache, plan, **_) -> str | None:
+    if isinstance(why := _paged_supports(q, k, v, cache, plan), str):
+        return why
+    if not kernels_on(plan, q.dtype) or not _kernel_head_dim(q.shape[-1]):
+        return "kernels off, or a head dim the kernel lacks"
+    if cache.page_size % 16:
+        return f"page_size {cache.page_size}: the kernel's key tiles need a multiple of 16"
+    return None
+
+
+@ATTENTION_CORE.register("paged_chunk", _paged_chunk_supports, kernel=True)
+def _paged_chunk(q, k, v, cache, plan, *, positions, window=None, fresh=False, sm_scale=None,
+                 softcap=None):
+    """T queries per row at their positions (negative: padding) against the rows' pages: a
+    prefill chunk, a prefix-cache hit's suffix; under batch_invariant also the decode step
+    (one kernel whatever T, so a token's bits do not depend on how it was batched)."""
+    return pk.paged_chunk_attention(q, cache.k, cache.v, cache.block_tables, positions,
+                                    sliding_window=window, sm_scale=sm_scale, softcap=softcap,
+                                    interpret=plan.policy.interpret, **_scales(cache))
 
 
 @ATTENTION_CORE.register("paged_reference", _paged_supports)
