@@ -417,6 +417,13 @@ def main(args) -> int:
     else:
         model, name = load(args.model, dtype=dtype, quantization=args.quantization,
                            policy=policy, group_size=args.group_size, mesh=mesh), args.model
+    if getattr(args, "engine", False):
+        from jaxinfer.engine import bench as engine_bench
+
+        if args.kv_memory is not None:
+            args.kv_memory = float(args.kv_memory) if args.kv_memory.replace(
+                ".", "", 1).isdigit() else args.kv_memory
+        return engine_bench.main(args, model, name)
     results = []
     for b in args.batch:
         r = run(model, name, b, args.prompt_len, args.gen_len, repeats=args.repeats,

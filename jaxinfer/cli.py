@@ -174,6 +174,26 @@ def build_parser() -> argparse.ArgumentParser:
                    default="default",
                    help="kernel policy: today's fastest, bitwise-repeatable and "
                         "batch-invariant, or the pure-jnp references")
+    e = b.add_argument_group("serving engine (--engine)")
+    e.add_argument("--engine", action="store_true",
+                   help="replay a synthetic trace through the serving engine (Poisson arrivals, "
+                        "a shared system prompt for some) and through static batches of "
+                        "generate; report throughput, TTFT / TPOT p50 / p99, pages, hit rate")
+    e.add_argument("--requests", type=_positive("--requests"), default=512)
+    e.add_argument("--rate", type=float, default=16.0, help="arrivals per second (Poisson)")
+    e.add_argument("--prompt-lens", type=_positive("--prompt-lens"), nargs=2, default=[32, 1024],
+                   metavar=("MIN", "MAX"), help="prompt lengths, drawn uniformly")
+    e.add_argument("--output-lens", type=_positive("--output-lens"), nargs=2, default=[16, 512],
+                   metavar=("MIN", "MAX"), help="output lengths, drawn uniformly")
+    e.add_argument("--shared-fraction", type=float, default=0.3,
+                   help="fraction of requests starting with the shared system prompt")
+    e.add_argument("--shared-len", type=_positive("--shared-len"), default=512)
+    e.add_argument("--decode-steps", type=_positive("--decode-steps"), default=1,
+                   help="decode steps per engine dispatch")
+    e.add_argument("--kv-memory", default=None,
+                   help="the page pool: a fraction of free memory (0.8) or bytes ('8GB')")
+    e.add_argument("--no-static", action="store_true",
+                   help="skip the static-batch comparison")
     b.set_defaults(func=cmd_bench)
     return parser
 
