@@ -167,6 +167,10 @@ def test_split_keys_make_a_row_independent_of_the_batch_and_the_table():
 
 
 def test_bad_inputs_raise():
+    import pallas_kernels as pk
+
+    assert pk.paged_decode_attention is paged_decode_attention  # exported
+    assert "paged_decode_attention_append_reference" in pk.__all__
     q = jnp.zeros((2, 4, 64), F32)
     k = jnp.zeros((5, 16, 2, 64), F32)
     bt = jnp.zeros((2, 3), jnp.int32)
@@ -232,11 +236,11 @@ def test_paged_append_matches_reference_and_contiguous(dtype):
 
 
 def test_paged_append_window_softcap_split():
-    """Split-K (2 chunks of 32 slots) with a window and a soft-cap, one tile per page."""
+    """Split-K with a window and a soft-cap: 6 chunks of 16 slots, each half a page of 32."""
     positions = jnp.asarray([47, 20, -1], jnp.int32)
-    qkv, (k, v), bt = append_case(30, 16, 4, 2, 64, F32, positions, share=0)
+    qkv, (k, v), bt = append_case(30, 32, 4, 2, 64, F32, positions, share=0)
     kw = dict(sliding_window=24, softcap=3.0,
-              block_sizes=DecodeBlockSizes(block_k=16, num_splits=3))
+              block_sizes=DecodeBlockSizes(block_k=16, num_splits=6))
     got = paged_decode_attention_append(qkv, k, v, bt, positions, interpret=True, **kw)
     want = paged_decode_attention_append_reference(qkv, clean(k), clean(v), bt, positions, **kw)
     contiguous = decode_attention_append(qkv, gather_pages(k, bt), gather_pages(v, bt),
