@@ -356,6 +356,24 @@ def test_paged_decode_gpu(dtype, page_size, window):
     out = paged_decode_attention(q, k, v, bt, lengths, sliding_window=window)
     ref = paged_decode_attention_reference(q, k, v, bt, lengths, sliding_window=window)
     assert rel_err(out, ref) < GPU_TOL[dtype]
+    contiguous = decode_attention(q, gather_pages(k, bt), gather_pages(v, bt), lengths,
+                                  sliding_window=window)
+    assert rel_err(out, contiguous) < GPU_TOL[dtype]  # bit for bit in interpret mode
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_paged_split_keys_batch_invariant_gpu(page_size):
+    """Compiled, fixed-size chunks: a row's bits alone equal its bits in a batch of others."""
+    lengths = jnp.asarray([2500, 700, 4000, 1], jnp.int32)
+    bt, k, v = gpu_case(90, lengths, page_size, 8, 128, BF16)
+    q = normal(93, (4, 32, 128), BF16)
+    blocks = DecodeBlockSizes(split_keys=512)
+    out = paged_decode_attention(q, k, v, bt, lengths, block_sizes=blocks)
+    alone = paged_decode_attention(q[2:3], k, v, bt[2:3, :4000 // page_size + 1],
+                                   lengths[2:3], block_sizes=blocks)
+    assert_same(alone, out[2:3])
 
 
 @gpu
