@@ -38,6 +38,11 @@
 #                                        # shapes, $MLA_SHAPES; $MLA_ARGS: e.g. --kinds int8,fp8
 #                                        # or --tune --kinds bf16) vs XLA absorbed / expanded,
 #                                        # then the GPU tests of tests/test_mla.py
+#   bash benchmarks/run_h200.sh paged    # benchmarks/paged_attention.py: paged decode attention
+#                                        # (pages 16/32/64, tilings) vs JAX's bundled Pallas paged
+#                                        # kernel vs our contiguous kernel, B=64 ragged 1k-16k;
+#                                        # the fused paged append at B=64 ctx 2k ($PAGED_ARGS:
+#                                        # e.g. --quick); then tests/test_paged_attention.py -m gpu
 # Results: JSON lines in ${OUT:-.}/bench-<part>.jsonl; a table on stdout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -168,6 +173,12 @@ mla() {  # the absorbed MLA decode kernel: speed and variants, then its GPU test
     --budget $(( ${MLA_TIMEOUT:-240} - 100 )) ${MLA_ARGS:-} --json "$out/mla.jsonl" 2>&1 \
     | grep -v '^{' | tail -"${MLA_TAIL:-70}"
   TESTS_TIMEOUT=120 gpu_tests tests/test_mla.py
+}
+paged() {  # paged decode attention: ours (pages, tilings) vs JAX's paged kernel, then tests
+  # shellcheck disable=SC2086
+  timeout "${PAGED_TIMEOUT:-280}" python3 benchmarks/paged_attention.py ${PAGED_ARGS:-} \
+    --json "$out/paged_attention.jsonl" 2>&1 | grep -v '^{' | tail -"${PAGED_TAIL:-80}"
+  TESTS_TIMEOUT=200 gpu_tests tests/test_paged_attention.py
 }
 multi8b() {  # tensor parallel against one GPU, same call
   bench . multi $B1 --tp 1

@@ -96,7 +96,7 @@ def choose_num_splits(batch: int, kv_heads: int, seq_len: int, block_k: int,
 
 
 def attend_tiles(q_parts, k_ref, v_ref, *, start, first, end, block_k: int, qk_scale: float,
-                 carry, scales=None, softcap: float | None = None):
+                 carry, scales=None, softcap: float | None = None, pages=None):
     """Online softmax (base 2) of a query over cache rows [first, end) of k_ref/v_ref [S, D],
     read in tiles of block_k rows from `start` (tile-aligned, <= first; first=None: from start);
     rows outside the range are masked, never used. The query comes in column pieces
@@ -104,11 +104,33 @@ def attend_tiles(q_parts, k_ref, v_ref, *, start, first, end, block_k: int, qk_s
     halves): scores = sum_i q_i @ k[:, col_i:col_i + w_i]^T. carry = (acc [Gp, D], m [Gp],
     l [Gp]) float32; returns the same. scales: (ks_ref, vs_ref) [S] of a quantized cache whose
     codes k_ref/v_ref hold (see the module docstring), or None. softcap: scores soft-capped
-    (softcap * tanh(. / softcap)) before the mask, or None."""
+    (softcap * tanh(. / softcap)) before the mask, or None. pages: (bt_ref [max_pages] int32,
+    page_size) for a paged cache (paged_attention.py): k_ref/v_ref are then the page pools
+    [P, page_size, D] (scales [P, page_size]) and cache position p lives at page
+    bt_ref[p // page_size], row p % page_size; None: k_ref/v_ref [S, D] hold position p at row p."""
     d = k_ref.shape[-1]
     cols = [col for _, col in q_parts]
     # A masked load's fill is cast to the ref's dtype: Triton casts no integer to fp8.
     fill = 0 if scales is None else 0.0
+
+    def tile_index(base, rows, valid):
+        """at(col, w): the tile's index into k_ref/v_ref, columns [col, col + w); at(): into
+        the scales."""
+        if pages is None:
+            lead = (pl.ds(base, block_k),)
+        elif pages[1] >= block_k:  # the tile lies in one page (both are powers of two)
+            bt_ref, page_size = pages
+            lead = (bt_ref[base // page_size], pl.ds(base % page_size, block_k))
+        else:
+            # block_k / page_size pages: one page index per key (a gather; masked keys read
+            # the table's entry 0 and are themselves never loaded)
+            bt_ref, page_size = pages
+            page = plgpu.load(bt_ref.at[rows // page_size], mask=valid, other=0)  # [block_k]
+            row = rows % page_size  # [block_k]
+            # Every index an array (interpret mode loads no mix of arrays and slices).
+            return lambda col=None, w=None: (page, row) if col is None else (
+                page[:, None], row[:, None], col + jnp.arange(w)[None, :])
+        return lambda col=None, w=None: lead if col is None else (*lead, pl.ds(col, w))
 
     def tile(qs, j, carry):
         acc, m, l = carry
@@ -117,20 +139,21 @@ def attend_tiles(q_parts, k_ref, v_ref, *, start, first, end, block_k: int, qk_s
         valid = rows < end
         if first is not None:
             valid &= rows >= first
+        at = tile_index(base, rows, valid)
         s = None
         for q, col in zip(qs, cols):
             w = q.shape[-1]
-            kk = plgpu.load(k_ref.at[pl.ds(base, block_k), pl.ds(col, w)],
+            kk = plgpu.load(k_ref.at[at(col, w)],
                             mask=valid[:, None], other=fill)  # [block_k, w]
             if scales is not None:
                 kk = codes_as(kk, q.dtype)
             part = dot_f32(q, kk, trans_b=True)  # [Gp, block_k]
             s = part if s is None else s + part
-        v = plgpu.load(v_ref.at[pl.ds(base, block_k), pl.ds(0, d)],
+        v = plgpu.load(v_ref.at[at(0, d)],
                        mask=valid[:, None], other=fill)
         if scales is not None:
             ks_ref, vs_ref = scales
-            k_s, v_s = (plgpu.load(r.at[pl.ds(base, block_k)], mask=valid, other=0
+            k_s, v_s = (plgpu.load(r.at[at()], mask=valid, other=0
                                    ).astype(jnp.float32) for r in (ks_ref, vs_ref))  # [block_k]
             s = s * k_s[None, :]
         s = jnp.where(valid[None, :], softcap_log2(s * qk_scale, softcap), MASK_VALUE)
@@ -151,17 +174,25 @@ def attend_tiles(q_parts, k_ref, v_ref, *, start, first, end, block_k: int, qk_s
     return lax.fori_loop(0, n_blocks, lambda j, c: tile(qs, j, c), carry)
 
 
-def decode_attention_kernel(len_ref, q_ref, k_ref, v_ref, *refs, sm_scale: float, chunk: int,
-                            block_k: int, window: int | None, groups: int, quantized: bool,
-                            softcap: float | None = None):
+def decode_attention_kernel(len_ref, *refs, sm_scale: float, chunk: int, block_k: int,
+                            window: int | None, groups: int, quantized: bool,
+                            softcap: float | None = None, page_size: int | None = None):
     # len_ref [B] int32 (whole array; this program reads lengths[b])
+    # bt_ref [max_pages] int32 (page_size given: a paged cache): this row's block table
     # q_ref [Gp, D]: a block over the G query heads of one KV group (Gp >= 16 for the tensor
     #   cores); rows >= G lie past the array and are masked to zero on load, so no padded
     #   copy of q is made
     # k_ref, v_ref [S_pad, D]: one KV head's cache row (rows >= lengths[b], and with a window
-    # rows < lengths[b] - window, are never read); codes when quantized
-    # ks_ref, vs_ref [S_pad] (quantized): that row's scales, read where the codes are
+    # rows < lengths[b] - window, are never read); codes when quantized. Paged: one KV head's
+    # page pools [P, page_size, D], position p at (bt_ref[p // page_size], p % page_size)
+    # ks_ref, vs_ref [S_pad] (quantized): that row's scales, read where the codes are (paged:
+    #   [P, page_size])
     # acc_ref [Gp, D], m_ref [Gp], l_ref [Gp] (float32): this chunk's partials, G rows stored
+    pages = None
+    if page_size is not None:
+        bt_ref, *refs = refs
+        pages = (bt_ref, page_size)
+    q_ref, k_ref, v_ref, *refs = refs
     scales = None
     if quantized:
         ks_ref, vs_ref, *refs = refs
@@ -183,7 +214,7 @@ def decode_attention_kernel(len_ref, q_ref, k_ref, v_ref, *refs, sm_scale: float
     q = plgpu.load(q_ref, mask=row_ok[:, None], other=0)  # [Gp, D]
     acc, m, l = attend_tiles(
         ((q, 0),), k_ref, v_ref, start=start, first=first, end=end, block_k=block_k,
-        qk_scale=sm_scale * LOG2_E, scales=scales, softcap=softcap,
+        qk_scale=sm_scale * LOG2_E, scales=scales, softcap=softcap, pages=pages,
         carry=(jnp.zeros((gp, d), jnp.float32), jnp.full((gp,), MASK_VALUE, jnp.float32),
                jnp.zeros((gp,), jnp.float32)))
     plgpu.store(acc_ref, acc, mask=row_ok[:, None])
@@ -278,10 +309,12 @@ def decode_attention(q, k_cache, v_cache, lengths, *, k_scale=None, v_scale=None
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "blocks", "chunk", "num_splits",
                                              "window", "softcap", "interpret"))
-def _decode_attention_triton(q, k_cache, v_cache, lengths, k_scale, v_scale, *, sm_scale,
-                             blocks, chunk, num_splits, window, softcap, interpret):
+def _decode_attention_triton(q, k_cache, v_cache, lengths, k_scale, v_scale, block_tables=None,
+                             *, sm_scale, blocks, chunk, num_splits, window, softcap, interpret):
+    # block_tables [B, max_pages] int32: k/v_cache are page pools [P, page_size, Hkv, D]
+    # (paged_attention.py), else caches [B, S, Hkv, D]
     b, hq, d = q.shape
-    _, s, hkv, _ = k_cache.shape
+    hkv = k_cache.shape[2]
     g = hq // hkv
     gp = max(16, next_pow2(g))  # tl.dot needs >= 16 rows; the block covers them, loads mask
     block_k = blocks.block_k
@@ -289,16 +322,25 @@ def _decode_attention_triton(q, k_cache, v_cache, lengths, k_scale, v_scale, *, 
     qg = q.reshape(b, hkv, g, d)  # [B, Hkv, G, D]; a bitcast, no copy
 
     quantized = k_scale is not None
+    paged = block_tables is not None
+    page_size = k_cache.shape[1] if paged else None
     kernel = functools.partial(decode_attention_kernel, sm_scale=sm_scale, chunk=chunk,
                                block_k=block_k, window=window, groups=g, quantized=quantized,
-                               softcap=softcap)
-    in_specs = [pl.BlockSpec((b,), lambda i, h, c: (0,)),
-                pl.BlockSpec((None, None, gp, d), lambda i, h, c: (i, h, 0, 0)),
-                pl.BlockSpec((None, s_pad, None, d), lambda i, h, c: (i, 0, h, 0)),
-                pl.BlockSpec((None, s_pad, None, d), lambda i, h, c: (i, 0, h, 0))]
-    args = [lengths, qg, k_cache, v_cache]
-    if quantized:  # one KV head's scales [S_pad], strided by Hkv
-        in_specs += [pl.BlockSpec((None, s_pad, None), lambda i, h, c: (i, 0, h))] * 2
+                               softcap=softcap, page_size=page_size)
+    if paged:  # the row's block table; one KV head's whole page pools, strided by Hkv
+        pool = k_cache.shape[0]
+        table = [pl.BlockSpec((None, block_tables.shape[1]), lambda i, h, c: (i, 0))]
+        cache = pl.BlockSpec((pool, page_size, None, d), lambda i, h, c: (0, 0, h, 0))
+        scale = pl.BlockSpec((pool, page_size, None), lambda i, h, c: (0, 0, h))
+    else:  # one KV head's cache row [S_pad, D] and scales [S_pad], strided by Hkv
+        table = []
+        cache = pl.BlockSpec((None, s_pad, None, d), lambda i, h, c: (i, 0, h, 0))
+        scale = pl.BlockSpec((None, s_pad, None), lambda i, h, c: (i, 0, h))
+    in_specs = [pl.BlockSpec((b,), lambda i, h, c: (0,)), *table,
+                pl.BlockSpec((None, None, gp, d), lambda i, h, c: (i, h, 0, 0)), cache, cache]
+    args = [lengths, *([block_tables] if paged else []), qg, k_cache, v_cache]
+    if quantized:
+        in_specs += [scale, scale]
         args += [k_scale, v_scale]
     acc, m, l = pl.pallas_call(
         kernel,
@@ -313,7 +355,8 @@ def _decode_attention_triton(q, k_cache, v_cache, lengths, k_scale, v_scale, *, 
         compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps,
                                              num_stages=blocks.num_stages),
         interpret=interpret,
-        name="decode_attention_quantized" if quantized else "decode_attention",
+        name=("paged_" if paged else "") + (
+            "decode_attention_quantized" if quantized else "decode_attention"),
     )(*args)
     merged = _merge_splits(acc, m, l, ordered=blocks.split_keys is not None)
     return merged.reshape(b, hq, d).astype(q.dtype)

@@ -58,7 +58,7 @@ from pallas_kernels.norm_matmul import apply_norm_partials
 def append_attend(q_src, k_src, v_src, k_ref, v_ref, ko_ref, vo_ref, *, gp: int,
                   d: int, pos, start, chunk: int, seq_len: int, window: int | None,
                   block_k: int, groups: int, qk_scale: float, dtype, inv_rms=None, rope=None,
-                  scales=None, softcap: float | None = None):
+                  scales=None, softcap: float | None = None, pages=None):
     """The body of the append kernels for one (sequence, KV group, chunk of `chunk` cache slots
     from `start`): gather q, k_new, v_new from the projection's parts (summed in float32, times
     the deferred norm's inv_rms if given, rounded once to `dtype`, the activations'), rotate q
@@ -77,6 +77,9 @@ def append_attend(q_src, k_src, v_src, k_ref, v_ref, ko_ref, vo_ref, *, gp: int,
       rotate-half tables (halves equal), or None.
     scales: a quantized cache's (ks_ref, vs_ref, kso_ref, vso_ref) [S_pad]: the scales read
       at slots < pos, and the same buffers (aliased) where slot pos's are written; or None.
+    pages: (bt_ref [max_pages] int32, page_size) for a paged cache: the cache refs are page
+      pools [P, page_size, D] (scales [P, page_size]), slot p at (bt_ref[p // page_size],
+      p % page_size), and seq_len is max_pages * page_size; or None (see attend_tiles).
     Returns (acc [Gp, D], m [Gp], l [Gp]) float32 and the row mask [Gp] of the query heads."""
     # pos < seq_len keeps an out-of-range traced position from writing past the cache
     owns = (pos >= start) & (pos < start + chunk) & (pos < seq_len)
@@ -138,16 +141,22 @@ def append_attend(q_src, k_src, v_src, k_ref, v_ref, ko_ref, vo_ref, *, gp: int,
 
         @pl.when(owns)
         def _write_new_slot():
+            if pages is None:
+                page, row = (), pos
+            else:  # clipped: only an owner (0 <= pos < seq_len) gets here on the GPU
+                bt_ref, page_size = pages
+                slot = jnp.clip(pos, 0, seq_len - 1)
+                page, row = (bt_ref[slot // page_size],), slot % page_size
             col = 0
             for kp in k_store:
                 w = kp.shape[-1]
-                ko_ref[pl.ds(pos, 1), pl.ds(col, w)] = kp
+                ko_ref[(*page, pl.ds(row, 1), pl.ds(col, w))] = kp
                 col += w
-            vo_ref[pos, all_cols] = v_store
+            vo_ref[(*page, row, all_cols)] = v_store
             if scales is not None:
                 _, _, kso_ref, vso_ref = scales
-                kso_ref[pl.ds(pos, 1)] = k_s
-                vso_ref[pl.ds(pos, 1)] = jnp.broadcast_to(v_s, (1,))
+                kso_ref[(*page, pl.ds(row, 1))] = k_s
+                vso_ref[(*page, pl.ds(row, 1))] = jnp.broadcast_to(v_s, (1,))
 
         # The owner's running softmax starts from the new token (its rotated key as stored,
         # so the score matches a later read from the cache); the others start empty.
@@ -171,7 +180,7 @@ def append_attend(q_src, k_src, v_src, k_ref, v_ref, ko_ref, vo_ref, *, gp: int,
         start = jnp.maximum(start, (first // block_k) * block_k)
     acc, m, l = attend_tiles(tuple(zip(qs, q_cols)), k_ref, v_ref, start=start, first=first,
                              end=end, block_k=block_k, qk_scale=qk_scale, carry=carry,
-                             softcap=softcap,
+                             softcap=softcap, pages=pages,
                              scales=None if scales is None else scales[:2])
     return acc, m, l, row_ok
 
@@ -189,8 +198,10 @@ def decode_attention_append_kernel(pos_ref, *refs, sm_scale: float, chunk: int, 
                                    window: int | None, groups: int, seq_len: int,
                                    has_rope: bool, num_parts: int, normalize: bool,
                                    norm: tuple | None, quantized: bool, dtype,
-                                   softcap: float | None = None):
+                                   softcap: float | None = None, page_size: int | None = None):
     # pos_ref [B] int32 (whole array): slot of each sequence's new token
+    # bt_ref [max_pages] int32 (page_size given: a paged cache): this row's block table; the
+    #   cache refs below are then one KV head's page pools [P, page_size, D] ([P, page_size])
     # q_refs [Gp, D] x P: qkv rows of one KV group from row 0, from each of the P parts (one
     #   16-bit array, or a split-K matmul's float32 chunks, summed here); rows >= G (the key,
     #   the value, past the array) are masked to zero on load
@@ -208,6 +219,10 @@ def decode_attention_append_kernel(pos_ref, *refs, sm_scale: float, chunk: int, 
     #   partials, G rows stored; normalize=True (one chunk): o_ref [Gp, D], the attention output
     # ko_ref, vo_ref [S_pad, D]: the same buffers as k_ref / v_ref (aliased); slot pos written
     # kso_ref, vso_ref [S_pad] (quantized): the same buffers as ks_ref / vs_ref (aliased)
+    pages = None
+    if page_size is not None:
+        bt_ref, *refs = refs
+        pages = (bt_ref, page_size)
     q_refs, kn_refs, vn_refs = (refs[i * num_parts:(i + 1) * num_parts] for i in range(3))
     refs = refs[3 * num_parts:]
     inv_rms = None
@@ -244,8 +259,10 @@ def decode_attention_append_kernel(pos_ref, *refs, sm_scale: float, chunk: int, 
         gp=gp, d=d, pos=pos, start=start, chunk=chunk,
         seq_len=seq_len, window=window, block_k=block_k, groups=groups,
         qk_scale=sm_scale * LOG2_E, dtype=dtype, inv_rms=inv_rms, rope=rope, scales=scales,
-        softcap=softcap)
+        softcap=softcap, pages=pages)
     if normalize:  # the only chunk: l >= 1 (the new token), no merge step
+        if pages is not None:  # an idle paged row (pos < 0) has l = 0: zeros, not NaN
+            l = jnp.where(l > 0, l, 1.0)
         plgpu.store(o_ref, (acc / l[:, None]).astype(o_ref.dtype), mask=row_ok[:, None])
     else:
         plgpu.store(acc_ref, acc, mask=row_ok[:, None])
@@ -397,19 +414,9 @@ def decode_attention_append(qkv, k_cache, v_cache, positions, *, k_scale=None, v
         check_head_dim("decode_attention_append (RoPE halves)", d // 2)
     sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d)
     b, s, hkv, _ = k_cache.shape
-    blocks = block_sizes or default_block_sizes(d)
-    chunk, num_splits = blocks.chunking(b, hkv, s)
-    if block_sizes is None and num_splits == 1 and d <= 128:
-        # One program per (sequence, KV head) walks the whole short cache in tiles of 128
-        # keys (benchmarks/DECISIONS.md); at D 256 such tiles would not fit shared memory.
-        blocks = DecodeBlockSizes(block_k=128, num_splits=1, num_stages=3)
-        chunk, num_splits = blocks.chunking(b, hkv, s)
+    blocks, chunk, num_splits = append_block_sizes(block_sizes, b, hkv, s, d)
     window = int(sliding_window) if sliding_window is not None else None
-    ss, norm_static = None, None
-    if norm is not None and len(norm) == 2:
-        ss, norm_static = norm[0], ("rows", int(norm[0].shape[1]), float(norm[1]))
-    elif norm is not None:
-        ss, norm_static = norm[0], ("sums", int(norm[1]), float(norm[2]))
+    ss, norm_static = norm_operands(norm)
     out = _decode_attention_append_triton(
         qkv, k_cache, v_cache, positions, rope, ss, k_scale, v_scale, sm_scale=sm_scale,
         blocks=blocks, chunk=chunk, num_splits=num_splits, window=window, norm=norm_static,
@@ -417,16 +424,42 @@ def decode_attention_append(qkv, k_cache, v_cache, positions, *, k_scale=None, v
     return out if k_scale is not None else out[:3]
 
 
+def append_block_sizes(block_sizes: DecodeBlockSizes | None, b: int, hkv: int, s: int, d: int
+                       ) -> tuple[DecodeBlockSizes, int, int]:
+    """(blocks, keys per chunk, chunks) of the append kernels for caches of s slots per row."""
+    blocks = block_sizes or default_block_sizes(d)
+    chunk, num_splits = blocks.chunking(b, hkv, s)
+    if block_sizes is None and num_splits == 1 and d <= 128:
+        # One program per (sequence, KV head) walks the whole short cache in tiles of 128
+        # keys (benchmarks/DECISIONS.md); at D 256 such tiles would not fit shared memory.
+        blocks = DecodeBlockSizes(block_k=128, num_splits=1, num_stages=3)
+        chunk, num_splits = blocks.chunking(b, hkv, s)
+    return blocks, chunk, num_splits
+
+
+def norm_operands(norm) -> tuple:
+    """(the norm's array operand, its static (kind, K, eps)), or (None, None) for norm=None."""
+    if norm is not None and len(norm) == 2:
+        return norm[0], ("rows", int(norm[0].shape[1]), float(norm[1]))
+    if norm is not None:
+        return norm[0], ("sums", int(norm[1]), float(norm[2]))
+    return None, None
+
+
 @functools.partial(jax.jit, static_argnames=("sm_scale", "blocks", "chunk", "num_splits",
                                              "window", "norm", "dtype", "softcap",
                                              "interpret"))
 def _decode_attention_append_triton(qkv, k_cache, v_cache, positions, rope, ss, k_scale,
-                                    v_scale, *, sm_scale, blocks, chunk, num_splits, window,
-                                    norm, dtype, softcap, interpret):
+                                    v_scale, block_tables=None, *, sm_scale, blocks, chunk,
+                                    num_splits, window, norm, dtype, softcap, interpret):
     # qkv [P, B, Hkv, G + 2, D]: P parts summed in the kernel; dtype: the activations'
+    # block_tables [B, max_pages] int32: k/v_cache are page pools [P, page_size, Hkv, D]
+    # (paged_attention.py), else caches [B, S, Hkv, D]
     parts, b, hkv, rows, d = qkv.shape
     g = rows - 2
-    _, s, _, _ = k_cache.shape
+    paged = block_tables is not None
+    page_size = k_cache.shape[1] if paged else None
+    s = block_tables.shape[1] * page_size if paged else k_cache.shape[1]  # slots per row
     quantized = k_scale is not None
     gp = max(16, next_pow2(g))  # tl.dot needs >= 16 rows; the block covers them, loads mask
     block_k = blocks.block_k
@@ -438,8 +471,15 @@ def _decode_attention_append_triton(qkv, k_cache, v_cache, positions, rope, ss, 
     kernel = functools.partial(decode_attention_append_kernel, sm_scale=sm_scale, chunk=chunk,
                                block_k=block_k, window=window, groups=g, seq_len=s,
                                has_rope=rope is not None, num_parts=parts, normalize=normalize,
-                               norm=norm, quantized=quantized, dtype=dtype, softcap=softcap)
-    row = pl.BlockSpec((None, s_pad, None, d), lambda i, h, c: (i, 0, h, 0))
+                               norm=norm, quantized=quantized, dtype=dtype, softcap=softcap,
+                               page_size=page_size)
+    if paged:  # one KV head's whole page pools, strided by Hkv
+        pool = k_cache.shape[0]
+        row = pl.BlockSpec((pool, page_size, None, d), lambda i, h, c: (0, 0, h, 0))
+        scale_row = pl.BlockSpec((pool, page_size, None), lambda i, h, c: (0, 0, h))
+    else:
+        row = pl.BlockSpec((None, s_pad, None, d), lambda i, h, c: (i, 0, h, 0))
+        scale_row = pl.BlockSpec((None, s_pad, None), lambda i, h, c: (i, 0, h))  # by Hkv
 
     def qkv_spec(p, first_row, n_rows):  # rows [first_row, +n_rows) of part p, KV group h
         if n_rows is None:  # one row, squeezed
@@ -447,10 +487,12 @@ def _decode_attention_append_triton(qkv, k_cache, v_cache, positions, rope, ss, 
         return pl.BlockSpec((None, None, None, n_rows, d), lambda i, h, c: (p, i, h, 0, 0))
 
     in_specs = [pl.BlockSpec((b,), lambda i, h, c: (0,))]
+    if paged:  # the row's block table
+        in_specs.append(pl.BlockSpec((None, block_tables.shape[1]), lambda i, h, c: (i, 0)))
     in_specs += [qkv_spec(p, 0, gp) for p in range(parts)]  # queries
     in_specs += [qkv_spec(p, g, None) for p in range(parts)]  # keys
     in_specs += [qkv_spec(p, g + 1, None) for p in range(parts)]  # values
-    args = [positions] + [qkv] * (3 * parts)
+    args = [positions] + ([block_tables] if paged else []) + [qkv] * (3 * parts)
     if norm is not None and norm[0] == "rows":  # this sequence's input row, padded to 2^n
         in_specs.append(pl.BlockSpec((None, next_pow2(norm[1])), lambda i, h, c: (i, 0)))
         args.append(ss)
@@ -462,7 +504,6 @@ def _decode_attention_append_triton(qkv, k_cache, v_cache, positions, rope, ss, 
         args += list(rope)
     in_specs += [row, row]
     args += [k_cache, v_cache]
-    scale_row = pl.BlockSpec((None, s_pad, None), lambda i, h, c: (i, 0, h))  # strided by Hkv
     if quantized:
         in_specs += [scale_row, scale_row]
         args += [k_scale, v_scale]
@@ -497,7 +538,8 @@ def _decode_attention_append_triton(qkv, k_cache, v_cache, positions, rope, ss, 
         compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps,
                                              num_stages=blocks.num_stages),
         interpret=interpret,
-        name="decode_attention_append_quantized" if quantized else "decode_attention_append",
+        name=("paged_" if paged else "") + ("decode_attention_append_quantized" if quantized
+                                            else "decode_attention_append"),
     )(*args)
     if quantized:
         *outs, k_cache, v_cache, k_scale, v_scale = results
