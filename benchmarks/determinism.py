@@ -222,9 +222,9 @@ def time_steps(model, policy: KernelPolicy, batches, cache_len: int, iters: int)
 
 
 def tile_probe(k: int, n: int, interpret: bool, rows: int = 256) -> dict:
-    """Row 0 of x [rows, k] @ w [k, n] through the fused matmul at block_m 16, 64, 128 (the
-    deterministic tiles' block_k, split and warps otherwise), and alone (M = 1): bitwise
-    equal to block_m 16's? {"m1_bm16": ..., "bm64": ..., "bm128": ...}."""
+    """x [rows, k] @ w [k, n] through the fused matmul at block_m 16, 64, 128 (128 also with 8
+    warps; the deterministic tiles' block_k and split otherwise), and row 0 alone (M = 1):
+    bitwise equal to block_m 16's? {"m1_bm16": ..., "bm64": ..., "bm128": ..., ...}."""
     import dataclasses
 
     import pallas_kernels as pk
@@ -235,17 +235,19 @@ def tile_probe(k: int, n: int, interpret: bool, rows: int = 256) -> dict:
          ).astype(jnp.bfloat16)
     base = default_block_sizes(16, n, k)
 
-    def run(xs, block_m):
-        blocks = dataclasses.replace(base, block_m=block_m)
+    def run(xs, block_m, **change):
+        blocks = dataclasses.replace(base, block_m=block_m, **change)
         return np.asarray(pk.norm_matmul(xs, None, w, out_dtype=jnp.float32,
                                          interpret=interpret, block_sizes=blocks))
     ref = run(x, 16)
     out = {"m1_bm16": bool(np.array_equal(run(x[:1], 16)[0], ref[0]))}
-    for bm in (64, 128):
+    # 2 stages where 3 would not fit the shared memory (stages do not change the sums).
+    for name, bm, change in (("bm64", 64, {}), ("bm128", 128, dict(num_stages=2)),
+                             ("bm128w8", 128, dict(num_stages=2, num_warps=8))):
         try:
-            out[f"bm{bm}"] = bool(np.array_equal(run(x, bm), ref))
+            out[name] = bool(np.array_equal(run(x, bm, **change), ref))
         except Exception as e:  # a tile that does not fit: say so, go on
-            out[f"bm{bm}"] = f"failed: {type(e).__name__}"
+            out[name] = f"failed: {type(e).__name__}"
     return out
 
 

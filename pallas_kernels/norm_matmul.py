@@ -16,7 +16,8 @@
 
 Built for decode (M = batch, 1..64), where the op streams the weight and every separate small
 kernel (the norm's reduce and scale, the residual add, a split-K reduction) costs more time than
-the bytes it moves. One program owns a [block_m, block_n] output tile (of each weight: SwiGLU
+the bytes it moves. A batch-invariant plan runs it at any M (prefill too) at the small-M tiles:
+a row's arithmetic depends on block_k, the split and the row's own operands, never on M. One program owns a [block_m, block_n] output tile (of each weight: SwiGLU
 multiplies x into the gate and the up slab in one pass) and one chunk of K:
 
 - Residual add (deltas [S, M, K] given, a split-K producer's chunks): each x tile is x plus
