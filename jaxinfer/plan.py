@@ -194,6 +194,9 @@ class KernelPolicy:
                 wrong.append("lm_head=Impl.PALLAS (XLA picks its GEMM by the batch)")
             if self.flash is Flash.AUTO:
                 wrong.append("flash=Flash.TRITON or MOSAIC (AUTO picks by the prompt length)")
+            if self.kernels is Kernels.REFERENCE:
+                wrong.append("kernels=Kernels.AUTO or PALLAS (the references are XLA's dots, "
+                             "whose GEMM XLA picks by the batch)")
             if wrong:
                 raise ValueError("KernelPolicy(batch_invariant=True) needs " + "; ".join(wrong)
                                  + "; KernelPolicy.deterministic() sets them")
