@@ -7,7 +7,9 @@
 #                                        # B=1 and B=64 ($CONFIGS), alternating old / new,
 #                                        # $ROUNDS (2) times
 #   bash benchmarks/run_h200.sh det      # KernelPolicy.deterministic(): its B=1 cost beside the
-#                                        # default, then determinism.py (3 runs bitwise, batch 4/16)
+#                                        # default, then determinism.py (3 runs bitwise; a row
+#                                        # alone vs in batches of 4/16 (generate) and 16/64/256
+#                                        # (one step, 4 layers); chunked prefill; ms/step B=1, 64)
 #   bash benchmarks/run_h200.sh tests    # every GPU-marked test, in four parts of < 6 min each
 #   bash benchmarks/run_h200.sh tests1   # (or one part: tests1 flash, tests2 decode kernels,
 #                                        #  tests3 the model, tests4 quantized weights and cache)
@@ -90,8 +92,15 @@ det() {
     bench . deterministic $B1 --policy deterministic
   done
   python3 benchmarks/compare_peer.py "$out/bench-deterministic.jsonl" "$out/bench-default.jsonl"
-  timeout 300 python3 benchmarks/determinism.py --preset llama3-8b \
-    --policies "${DET_POLICIES:-default,deterministic}" --json "$out/determinism.json"
+  timeout "${DET_TIMEOUT:-540}" python3 benchmarks/determinism.py --preset llama3-8b \
+    --policies "${DET_POLICIES:-default,deterministic}" --checks generate \
+    --json "$out/determinism.json"
+  timeout "${DET_TIMEOUT:-540}" python3 benchmarks/determinism.py --preset llama3-8b \
+    --layers 4 --policies "${DET_POLICIES:-default,deterministic}" --checks rows,chunks,probe \
+    --json "$out/determinism-rows.json"
+  timeout "${DET_TIMEOUT:-540}" python3 benchmarks/determinism.py --preset llama3-8b \
+    --policies "${DET_POLICIES:-default,deterministic}" --checks time \
+    --json "$out/determinism-time.json"
 }
 gpu_tests() {
   timeout "${TESTS_TIMEOUT:-350}" python3 -m pytest -q -m gpu -p no:cacheprovider "$@" 2>&1 \

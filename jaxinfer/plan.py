@@ -6,7 +6,7 @@ differ in any field compile to two executables, and nothing else read at trace t
 what is compiled. Each default is today's measured best (benchmarks/DECISIONS.md says how it
 was measured); `KernelPolicy.reference()` is pure jnp everywhere, `KernelPolicy(interpret=True)`
 runs the Pallas kernels in interpret mode (CPU tests), `KernelPolicy.deterministic()` decodes
-bitwise repeatably and batch-invariantly. `sharding` (jaxinfer/sharding.py: the mesh and the
+bitwise repeatably and batch-invariantly (see its docstring for what that covers). `sharding` (jaxinfer/sharding.py: the mesh and the
 rules resolved for the config) is None on one device.
 """
 
@@ -92,7 +92,8 @@ class KernelPolicy:
     kernels: Kernels = Kernels.AUTO
     interpret: bool = False  # run the Pallas kernels in interpret mode (CPU)
     # Decode batches of at most this many rows (B * T) run the fused small-M matmuls
-    # (norm in the prologue, split-K partials); larger ones XLA's GEMMs.
+    # (norm in the prologue, split-K partials); larger ones XLA's GEMMs. Not read under
+    # batch_invariant, where every matmul runs the fused kernels (MoE's experts aside: moe.py).
     fused_rows: int = 16
     # The three sublayer boundaries of the fused decode path: before a norm_linear (the
     # MLP -> next attention one), before a gated_mlp (attention -> MLP) and before the LM head.
@@ -108,10 +109,14 @@ class KernelPolicy:
     prefetch_gated_mlp: Prefetch | None = None  # the o projection: SwiGLU's
     lm_head: Impl = Impl.XLA
     flash: Flash = Flash.AUTO
-    # Kernels and tiles picked from the query length, never from the batch: prefill matmuls
-    # and norms through the Pallas kernels at fixed tiles, decode attention split into
-    # `attention_chunk`-key chunks merged in a fixed order, no one-row fast path. A request's
-    # logits then do not depend on the other rows of its batch (batches up to fused_rows).
+    # Kernels and tiles picked from the weight shapes, never from the rows M = B * T: every
+    # matmul (q/k/v, o, gate/up, down, the LM head), decode or prefill, through the fused
+    # Pallas kernels at one set of tiles per weight shape (block_m 16, K split by K and N
+    # only, the chunks summed in order), every norm through the Pallas RMSNorm kernels,
+    # decode attention split into `attention_chunk`-key chunks merged in a fixed order, no
+    # one-row fast path. A row's matmul, norm and MLP results then do not depend on the batch
+    # size, the other rows or how a prompt is chunked (KernelPolicy.deterministic says what
+    # else does).
     batch_invariant: bool = False
     attention_chunk: int = 512
     # Tile overrides for sweeps: ((K, N, weights), MatmulBlockSizes) pairs for the fused
@@ -189,6 +194,9 @@ class KernelPolicy:
                 wrong.append("lm_head=Impl.PALLAS (XLA picks its GEMM by the batch)")
             if self.flash is Flash.AUTO:
                 wrong.append("flash=Flash.TRITON or MOSAIC (AUTO picks by the prompt length)")
+            if self.kernels is Kernels.REFERENCE:
+                wrong.append("kernels=Kernels.AUTO or PALLAS (the references are XLA's dots, "
+                             "whose GEMM XLA picks by the batch)")
             if wrong:
                 raise ValueError("KernelPolicy(batch_invariant=True) needs " + "; ".join(wrong)
                                  + "; KernelPolicy.deterministic() sets them")
@@ -203,8 +211,15 @@ class KernelPolicy:
 
     @classmethod
     def deterministic(cls, **changes) -> KernelPolicy:
-        """Bitwise repeatable run to run (no float atomics) and batch-invariant: a request's
-        tokens do not depend on the other rows of its batch, for batches up to fused_rows."""
+        """Bitwise repeatable run to run (no float atomics) and batch-invariant at any batch
+        size: a row's logits (so its tokens and logprobs) do not depend on the batch size B,
+        the other rows' contents or its index in the batch; and every matmul, norm and MLP
+        result of a prefill token is the same bits whatever the number of tokens T
+        processed with it (a prompt in one call or in chunks). Not covered: the attention
+        of a prefill (flash for a fresh prompt, jnp attention against the cache for a later
+        chunk: different arithmetic, and XLA's GEMMs by shape on the GPU), MoE experts
+        above fused_rows rows or at T > 1 (the grouped kernel), norm_offset (Gemma) norms
+        (jnp), and sharded plans (XLA's GEMMs). Costs: benchmarks/DECISIONS.md."""
         return cls(**{"one_kernel_mlp_rows": 0, "lm_head": Impl.PALLAS,
                       "flash": Flash.TRITON, "batch_invariant": True, **changes})
 

@@ -103,6 +103,17 @@ def dot_f32(a: jax.Array, b: jax.Array, *, trans_b: bool = False) -> jax.Array:
                            preferred_element_type=jnp.float32)
 
 
+def sum_chunks(parts: jax.Array) -> jax.Array:
+    """parts [S, ...] summed over S in chunk order, ((p0 + p1) + p2) + ..., as the kernels that
+    take split-K chunks sum them (add_rms_norm, a consumer matmul's deltas). Elementwise adds
+    keep that order at any shape; a reduce's order over S is XLA's choice by shape (a row's
+    sum could then depend on the other rows: batch invariance). One fused pass either way."""
+    total = parts[0]
+    for i in range(1, parts.shape[0]):
+        total = total + parts[i]
+    return total
+
+
 def ref_precision(dtype):
     """Matmul precision for the references: IEEE float32 for float32 inputs (the GPU default would
     be tf32), the native tensor-core path for 16-bit inputs (exact products, float32 sums)."""

@@ -16,7 +16,8 @@
 
 Built for decode (M = batch, 1..64), where the op streams the weight and every separate small
 kernel (the norm's reduce and scale, the residual add, a split-K reduction) costs more time than
-the bytes it moves. One program owns a [block_m, block_n] output tile (of each weight: SwiGLU
+the bytes it moves. A batch-invariant plan runs it at any M (prefill too) at the small-M tiles:
+a row's arithmetic depends on block_k, the split and the row's own operands, never on M. One program owns a [block_m, block_n] output tile (of each weight: SwiGLU
 multiplies x into the gate and the up slab in one pass) and one chunk of K:
 
 - Residual add (deltas [S, M, K] given, a split-K producer's chunks): each x tile is x plus
@@ -49,7 +50,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (NUM_SMS_H200, check_array, check_same_dtype, check_tiles,
-                                     dot_f32, gate_activation, multiple_of, ref_precision)
+                                     dot_f32, gate_activation, multiple_of, ref_precision,
+                                     sum_chunks)
 from pallas_kernels.atomics import atomic_add_relaxed
 from pallas_kernels.l2_prefetch import PrefetchPlan, issue_prefetches, l2_prefetch
 from pallas_kernels.quantized import (QuantizedWeight, check_quantized, dequantize,
@@ -535,10 +537,11 @@ def _finish(out, x, norm_weight, residual, *, eps, epilogue, out_dtype, partial,
         return out[0][None] if partials else out[0]
     if partials:  # [S, M, N] float32 (+ the sums of squares [S, M] with a norm)
         return out[0] if norm_weight is None else (out[0], out[1])
-    # XLA sums the K chunks and applies the epilogue, fused into one elementwise pass.
-    sums = [jnp.sum(p, axis=0) for p in out[:-1 if norm_weight is not None else None]]
+    # XLA sums the K chunks (in chunk order: sum_chunks) and applies the epilogue, fused into
+    # one elementwise pass.
+    sums = [sum_chunks(p) for p in out[:-1 if norm_weight is not None else None]]
     if norm_weight is not None:
-        inv_rms = lax.rsqrt(jnp.sum(out[-1], axis=0) / k + eps)[:, None]  # [M, 1]
+        inv_rms = lax.rsqrt(sum_chunks(out[-1]) / k + eps)[:, None]  # [M, 1]
         sums = [acc * inv_rms for acc in sums]
     y = sums[0]
     if epilogue == "swiglu":
@@ -652,8 +655,8 @@ def apply_norm_partials(parts, ss, k: int, eps: float):
     """The finished normed matmul from `norm_matmul(..., partials=True)` with a norm:
     parts [S, M, *N], ss [S, M] -> float32 [M, *N] (what a consumer kernel does in its
     gather)."""
-    inv_rms = lax.rsqrt(jnp.sum(ss, axis=0) / k + eps)  # [M]
-    return jnp.sum(parts, axis=0) * inv_rms.reshape(-1, *(1,) * (parts.ndim - 2))
+    inv_rms = lax.rsqrt(sum_chunks(ss) / k + eps)  # [M]
+    return sum_chunks(parts) * inv_rms.reshape(-1, *(1,) * (parts.ndim - 2))
 
 
 def norm_matmul_reference(x, norm_weight, w, *, eps: float = 1e-6, residual=None,

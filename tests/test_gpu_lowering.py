@@ -288,6 +288,33 @@ def test_llama3_8b_batch64_long_context_decode_lowers():
     assert not any(n.startswith("matmul_none") for n in names)  # the fused matmuls are M <= 16
 
 
+def test_llama3_8b_deterministic_kernels_do_not_change_with_the_rows():
+    """KernelPolicy.deterministic() at B = 64 and 256 (decode) and a 512-token prefill chunk
+    against the cache: the same fused matmul kernels, at the same split, as at B = 1 (no
+    XLA GEMM, the LM head included); the tiles are the same too (block_m 16: tests/
+    test_batch_invariance.py runs them)."""
+    det = KernelPolicy.deterministic(kernels=Kernels.PALLAS)
+    matmuls = {"norm_matmul_none_k4096_n6144_split2": 1, "matmul_none_k4096_n4096_split2": 1,
+               "add_norm_matmul_swiglu_k4096_n14336": 1, "matmul_none_k14336_n4096_split2": 1,
+               "matmul_none_k4096_n128256": 1}
+    for batch in (64, 256):
+        names = kernel_names(decode_step_module("llama3-8b", batch, 1024, det))
+        assert {n: names[n] for n in matmuls} == matmuls, names
+        assert not any(n.startswith("matmul") and n not in matmuls for n in names), names
+    config = PRESETS["llama3-8b"].replace(dtype="bfloat16", num_layers=1)
+    params = abstract_params(llama.param_specs(config), BF16)
+    cache = jax.eval_shape(lambda: KVCache.init(config, 1, 1024))
+    plan = Plan(config, det)
+
+    def chunk(params, tokens, cache):  # generate.prefill_chunk's forward: T = 512 at 512..
+        positions = 512 + jnp.arange(512, dtype=I32)[None]
+        return llama.forward(params, tokens, positions, plan, cache,
+                             logits_at=jnp.full((1,), 511, I32))
+
+    names = kernel_names(lower_for_h200(chunk, params, S((1, 512), I32), cache))
+    assert {n: names[n] for n in matmuls} == matmuls, names
+
+
 @pytest.mark.parametrize("preset", ["qwen3-8b", "smollm2-135m"])
 def test_other_presets_decode_lowers(preset):
     """Qwen3 (q/k norm: the unfused attention path, which takes the q/k/v product finished)

@@ -70,6 +70,12 @@ def test_bad_prefetch_and_plan():
         Plan(PRESETS["llama3-8b"], "deterministic")
 
 
+def test_deterministic_policy_refuses_the_references():
+    with pytest.raises(ValueError, match="kernels=Kernels.AUTO or PALLAS"):
+        KernelPolicy.deterministic(kernels=Kernels.REFERENCE)
+    assert KernelPolicy.deterministic(kernels=Kernels.PALLAS).batch_invariant
+
+
 def test_enums_name_every_choice():
     assert KernelPolicy.reference().kernels is Kernels.REFERENCE
     det = KernelPolicy.deterministic()

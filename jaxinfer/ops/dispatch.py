@@ -177,13 +177,14 @@ def rows(x) -> int:
 
 def decode_path(x, plan: Plan) -> bool:
     """Whether x [B, T, K] takes the fused small-M kernels (the decode path): at most
-    fused_rows rows, and with batch_invariant one token per row (the choice then depends on
-    the query length, not on the batch). Never on a sharded plan (first version): split-K
-    partials and the one-kernel MLP's accumulators are handed between kernels across the
-    sublayer boundary, which no per-shard layout expresses yet."""
-    if not kernels_on(plan, x.dtype) or rows(x) > plan.policy.fused_rows or plan.sharded:
+    fused_rows rows; with batch_invariant every x, whatever its rows and query length (one
+    kernel and one set of tiles per weight shape, so that a row's bits never depend on M =
+    B * T: decode at any batch and prefill in any chunking). Never on a sharded plan (first
+    version): split-K partials and the one-kernel MLP's accumulators are handed between
+    kernels across the sublayer boundary, which no per-shard layout expresses yet."""
+    if not kernels_on(plan, x.dtype) or plan.sharded:
         return False
-    return not plan.policy.batch_invariant or x.shape[1] == 1
+    return plan.policy.batch_invariant or rows(x) <= plan.policy.fused_rows
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """The matmul ops: `embed`, `linear`, `norm_linear`, `lm_head` (and `norm`), over typed weights.
 
 Every product goes through `matmul`, whose registry picks the fused small-M Pallas kernel on
-the decode path (norm in its prologue, split-K chunks left for the consumer), the Pallas
-kernel at fixed tiles for batch-invariant prefill, or XLA's dot. The ops around it own the
+the decode path (norm in its prologue, split-K chunks left for the consumer; with
+batch_invariant every product, at one set of tiles per weight shape), or XLA's dot. The ops
+around it own the
 sublayer boundary (pallas_kernels/norm_matmul.py describes the fused boundary; the plan says
 where it runs).
 """
@@ -23,6 +24,7 @@ from jaxinfer.ops.stream import (ANY_SUM, ARRAY_ONLY, Deferred, Form, Partials, 
 from jaxinfer.plan import Boundary, Impl, Plan
 from jaxinfer.weights import (Dense, Parts, QuantizedWeight, as_array, is_transposed,
                               kernel_operand)
+from pallas_kernels._common import sum_chunks
 from pallas_kernels.norm_matmul import default_block_sizes, first_rows_plan
 
 # ---------------------------------------------------------------------------------------------
@@ -30,17 +32,18 @@ from pallas_kernels.norm_matmul import default_block_sizes, first_rows_plan
 # ---------------------------------------------------------------------------------------------
 
 
-def tiles(plan: Plan, m: int, k: int, n: int, weights: int, dtype, decode: bool):
+def tiles(plan: Plan, m: int, k: int, n: int, weights: int, dtype):
     """The fused matmul tiles for x [m, k] @ `weights` weights [k, n]: the policy's override,
-    or with batch_invariant the tiles of the phase (decode or prefill), not of m; None: the
-    kernel's own choice by shape."""
+    or with batch_invariant the small-M tiles of the weight's shape whatever m (block_m 16,
+    the split of K from K and N only: a row's reduction order, its operand math and its
+    chunks' sum are then the same at any M = B * T, decode or prefill); None: the kernel's
+    own choice by shape."""
     policy = plan.policy
     override = policy.tiles(k, n, weights)
     if override is not None:
         return override
     if policy.batch_invariant:
-        return default_block_sizes(16 if decode else 1 << 20, n, k, jnp.dtype(dtype).itemsize,
-                                   n_weights=weights)
+        return default_block_sizes(16, n, k, jnp.dtype(dtype).itemsize, n_weights=weights)
     return None
 
 
@@ -51,7 +54,7 @@ def prefetch_pairs(prefetch, weights: tuple, m: int, plan: Plan) -> tuple:
     if prefetch is None or not isinstance(w, Dense) or w.transposed:
         return ()
     k, n, itemsize = w.in_features, math.prod(w.out_shape), jnp.dtype(w.dtype).itemsize
-    blocks = tiles(plan, m, k, n, len(weights), w.dtype, decode=True)
+    blocks = tiles(plan, m, k, n, len(weights), w.dtype)
     fp = first_rows_plan(m, k, n, itemsize=itemsize, n_weights=len(weights), rows=prefetch.rows,
                          at=prefetch.at.value, block_sizes=blocks)
     # Rows the instruction cannot address (not in 16-byte granules) get no prefetch.
@@ -109,7 +112,7 @@ def _fused_small_m(x, w, plan, *, accept=ARRAY_ONLY, norm_w=None, eps=0.0, delta
         prefetch=prefetch, transposed=is_transposed(w), out_dtype=out_dtype,
         single_row=single_row,
         interpret=policy.interpret,
-        block_sizes=tiles(plan, m, k, n, 1, x.dtype, decode=True))
+        block_sizes=tiles(plan, m, k, n, 1, x.dtype))
     x_new = x
     if dl is not None:
         x_new, out = out
@@ -127,34 +130,6 @@ def _fused_small_m(x, w, plan, *, accept=ARRAY_ONLY, norm_w=None, eps=0.0, delta
     if bias is not None:
         y = (y.astype(jnp.float32) + bias.astype(jnp.float32)).astype(y.dtype)
     return x_new, y
-
-
-def _fixed_supports(x, w, plan, *, deltas=None, **_) -> str | None:
-    if (why := _weight_ok(w, x)) is not None:
-        return why
-    if not (plan.policy.batch_invariant and kernels_on(plan, x.dtype)):
-        return "only for batch-invariant plans"
-    if deltas is not None:
-        return "takes no deltas"
-    return None
-
-
-@MATMUL.register("pallas_fixed_tiles", _fixed_supports, kernel=True)
-def _pallas_fixed_tiles(x, w, plan, *, accept=ARRAY_ONLY, norm_w=None, eps=0.0, deltas=None,
-                        bias=None, out_dtype=None, prefetch=()):
-    """Batch-invariant prefill: the fused kernel at the prefill tiles whatever the rows, so a
-    row's arithmetic does not depend on the batch (XLA picks its GEMMs by shape)."""
-    m, k = rows(x), x.shape[-1]
-    n = math.prod(w.out_shape)
-    out = pk.norm_matmul(x.reshape(m, k), norm_w, kernel_operand(w), eps=eps,
-                         transposed=is_transposed(w),
-                         out_dtype=out_dtype, single_row=False,
-                         interpret=plan.policy.interpret,
-                         block_sizes=tiles(plan, m, k, n, 1, x.dtype, decode=False))
-    y = out.reshape(*x.shape[:-1], *w.out_shape)
-    if bias is not None:
-        y = (y.astype(jnp.float32) + bias.astype(jnp.float32)).astype(y.dtype)
-    return x, y
 
 
 @MATMUL.register("xla", lambda x, w, plan, **_: _weight_ok(w, x))
@@ -194,7 +169,7 @@ def add_deltas(x, delta):
     if delta is None:
         return x
     if isinstance(delta, Partials):
-        return (jnp.sum(delta.parts, axis=0) + x.astype(jnp.float32)).astype(x.dtype)
+        return (sum_chunks(delta.parts) + x.astype(jnp.float32)).astype(x.dtype)
     return x + delta
 
 
@@ -205,12 +180,13 @@ def add_deltas(x, delta):
 
 def norm(x, weight, eps: float, plan: Plan):
     """HF RMSNorm over x's last axis: the Pallas kernel on the decode path (one launch, not
-    XLA's two) and for batch-invariant plans (fixed per-row arithmetic), else the reference.
+    XLA's two; every x of a batch-invariant plan: fixed per-row arithmetic), else the
+    reference.
     A config with a norm_offset (Gemma's 1 + w, in float32) always takes the reference, and
     so does a sharded plan (XLA partitions it; the decode path is off there, dispatch.py)."""
     if plan.config.norm_offset or plan.sharded:
         return reference.rms_norm(x, weight, eps, plan.config.norm_offset)
-    if kernels_on(plan, x.dtype) and (decode_path(x, plan) or plan.policy.batch_invariant):
+    if decode_path(x, plan):
         return pk.rms_norm(x, weight, eps=eps, interpret=plan.policy.interpret)
     return reference.rms_norm(x, weight, eps)
 

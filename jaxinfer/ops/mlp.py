@@ -82,7 +82,7 @@ def _pallas_swiglu(x, w_gate, w_up, plan, *, biases=(None, None), norm_w=None, e
                     norm_weight=norm_w, eps=eps, activation=plan.config.mlp_activation,
                     deltas=None if deltas is None else deltas.parts.reshape(-1, m, k),
                     prefetch=prefetch, interpret=plan.policy.interpret,
-                    block_sizes=tiles(plan, m, k, f, 2, x.dtype, decode_path(x, plan)))
+                    block_sizes=tiles(plan, m, k, f, 2, x.dtype))
     x_new, act = out if deltas is not None else (x.reshape(m, k), out)
     return x_new.reshape(x.shape), act.reshape(*x.shape[:-1], f)
 

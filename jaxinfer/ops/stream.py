@@ -20,6 +20,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels._common import sum_chunks
+
 
 class Form(enum.Enum):
     """The forms a matmul's output can take."""
@@ -46,7 +48,7 @@ class Partials(NamedTuple):
 
     def materialize(self, dtype) -> jax.Array:
         """The finished product [B, T, *N] in dtype."""
-        total = jnp.sum(self.parts, axis=0)
+        total = sum_chunks(self.parts)  # in chunk order, as the kernels sum them
         if self.norm is not None:
             if len(self.norm) == 2:
                 x, eps = self.norm
@@ -54,7 +56,7 @@ class Partials(NamedTuple):
                 ss, k = jnp.sum(xf * xf, axis=-1)[None], x.shape[-1]
             else:
                 ss, k, eps = self.norm
-            inv_rms = jax.lax.rsqrt(jnp.sum(ss, axis=0) / k + eps)  # [B * T]
+            inv_rms = jax.lax.rsqrt(sum_chunks(ss) / k + eps)  # [B * T]
             total = total * inv_rms.reshape(*total.shape[:2], *(1,) * (total.ndim - 2))
         return total.astype(dtype)
 
