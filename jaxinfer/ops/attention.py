@@ -103,7 +103,38 @@ def _decode_append(qkv: Projection, cache, plan, *, positions, rope, window=None
     return out[:, None], type(cache)(*layer)  # [B, 1, Hq, D]
 
 
+def _paged_fused_supports(qkv: Projection, cache, plan, **kw) -> str | None:
+    if plan.policy.batch_invariant:
+        return "batch_invariant: the paged chunk kernel serves every T (one arithmetic)"
+    return _fused_supports(qkv, cache, plan, **kw)
+
+
+def _paged_decode_append(qkv: Projection, cache, plan, *, positions, rope, window=None,
+                         q_norm=None, k_norm=None, fresh=False, sm_scale=None, softcap=None):
+    """_decode_append through the rows' block tables (padding rows: position -1, no write)."""
+    value = qkv.get(frozenset({Form.ARRAY, Form.PARTIALS, Form.NORMED}))
+    norm_stats = None
+    if isinstance(value, Partials):
+        value, norm_stats = value.parts[:, :, 0], value.norm  # [S, B, Hkv, G + 2, D]
+    else:
+        value = value[:, 0]  # [B, Hkv, G + 2, D]
+    cos, sin = rope
+    quantized = {}
+    if isinstance(cache, QuantizedPagedKVLayer):
+        quantized = {"k_scale": cache.k_scale, "v_scale": cache.v_scale, "dtype": qkv.dtype}
+    out, *pools = pk.paged_decode_attention_append(
+        value, cache.k, cache.v, cache.block_tables, positions[:, 0],
+        rope=(cos[:, 0], sin[:, 0]), sliding_window=window, norm=norm_stats,
+        interpret=plan.policy.interpret, block_sizes=plan.policy.attention_blocks,
+        sm_scale=sm_scale, softcap=softcap, **quantized)
+    return out[:, None], type(cache)(*pools, cache.block_tables)  # [B, 1, Hq, D]
+
+
 ATTEND.register("decode_append", _fused_supports, kernel=True)(_decode_append)
+ATTEND.register("paged_decode_append", functools.partial(
+    _paged_fused_supports, layer_type=PagedKVLayer), kernel=True)(_paged_decode_append)
+ATTEND.register("paged_decode_append_quantized", functools.partial(
+    _paged_fused_supports, layer_type=QuantizedPagedKVLayer), kernel=True)(_paged_decode_append)
 ATTEND.register("decode_append_quantized", functools.partial(
     _fused_supports, layer_type=QuantizedKVLayer), kernel=True)(_decode_append)
 
@@ -211,6 +242,26 @@ def _paged_chunk_supports(q, k, v, cache, plan, **_) -> str | None:
     if cache.page_size % 16:
         return f"page_size {cache.page_size}: the kernel's key tiles need a multiple of 16"
     return None
+
+
+def _paged_decode_supports(q, k, v, cache, plan, **_) -> str | None:
+    if isinstance(why := _paged_chunk_supports(q, k, v, cache, plan), str):
+        return why
+    if q.shape[1] != 1 or plan.policy.batch_invariant:
+        return "one token per row (not under batch_invariant: the chunk kernel serves all T)"
+    return None
+
+
+@ATTENTION_CORE.register("paged_decode", _paged_decode_supports, kernel=True)
+def _paged_decode(q, k, v, cache, plan, *, positions, window=None, fresh=False, sm_scale=None,
+                  softcap=None):
+    """The split-K decode kernel through the rows' block tables (padding rows: length 0)."""
+    out = pk.paged_decode_attention(q[:, 0], cache.k, cache.v, cache.block_tables,
+                                    jnp.maximum(positions[:, 0] + 1, 0), sliding_window=window,
+                                    interpret=plan.policy.interpret,
+                                    block_sizes=plan.policy.attention_blocks, sm_scale=sm_scale,
+                                    softcap=softcap, **_scales(cache))
+    return out[:, None]  # [B, 1, Hq, D]
 
 
 @ATTENTION_CORE.register("paged_chunk", _paged_chunk_supports, kernel=True)
