@@ -52,6 +52,11 @@ def _pow2(n: int, lo: int = 1) -> int:
     return max(lo, 1 << max(n - 1, 0).bit_length())
 
 
+def _bucket(n: int, buckets: tuple[int, ...]) -> int:
+    """The smallest bucket >= n (buckets ascending; the last one is the most there is)."""
+    return next((b for b in buckets if b >= n), buckets[-1])
+
+
 def _kv_budget(kv_memory, params_done: bool = True) -> int:
     """Bytes for the page pools: a fraction (0, 1] of the free device memory, or bytes (an int
     or a string like "8GB")."""
@@ -89,7 +94,7 @@ class Engine:
     def __init__(self, model, *, max_num_seqs: int | None = None, page_size: int | None = None,
                  kv_memory=None, max_model_len: int | None = None,
                  max_num_batched_tokens: int | None = None, chunk_size: int | None = None,
-                 decode_steps: int = 1, max_prefill_rows: int = 8, prefix_caching: bool = True,
+                 decode_steps: int = 1, max_prefill_rows: int = 4, prefix_caching: bool = True,
                  kv_cache_dtype: str | None = None, policy=None, seed: int = 0):
         from jaxinfer.generate import _plan, run_params
 
@@ -130,6 +135,24 @@ class Engine:
         budget = positive("max_num_batched_tokens",
                           max_num_batched_tokens or max(2048, self.chunk_size))
         self.max_pages = -(-self.max_model_len // page_size)
+        self.max_prefill_rows = positive("max_prefill_rows", max_prefill_rows)
+        # Dispatch shapes. Each one is compiled once: on a GPU (a large model's compile takes
+        # tens of seconds) a few coarse buckets, whose padding costs little there (decode is
+        # bound by the weights' bytes, and padded prefill queries read no cache); on CPU,
+        # where padded tokens cost their full compute, powers of two.
+        pow2 = tuple(1 << i for i in range(20))
+        if gpu:
+            self.decode_buckets = tuple(sorted({min(b, self.max_num_seqs)
+                                                for b in (1, 16, self.max_num_seqs)}))
+            self.prefill_rows = tuple(sorted({1, self.max_prefill_rows}))
+            self.prefill_lengths = tuple(sorted({max(16, self.chunk_size // 4), self.chunk_size}))
+        else:
+            self.decode_buckets = tuple(b for b in pow2 if b < self.max_num_seqs) + (
+                self.max_num_seqs,)
+            self.prefill_rows = tuple(b for b in pow2 if b < self.max_prefill_rows) + (
+                self.max_prefill_rows,)
+            self.prefill_lengths = tuple(b for b in pow2 if 16 <= b < self.chunk_size) + (
+                self.chunk_size,)
         self.kv_cache_dtype = kv_cache_dtype
 
         page_bytes = PagedKVCache.page_bytes(config, page_size, config.dtype, kv_cache_dtype)
@@ -150,7 +173,7 @@ class Engine:
         self.scheduler = Scheduler(pool, max_num_seqs=self.max_num_seqs,
                                    max_pages=self.max_pages, max_num_batched_tokens=budget,
                                    chunk_size=self.chunk_size, decode_steps=self.decode_steps,
-                                   max_prefill_rows=max_prefill_rows, cache_extra=extra)
+                                   max_prefill_rows=self.max_prefill_rows, cache_extra=extra)
         with memory.reporting_oom(f"allocating the KV page pool ({num_pages} pages)"):
             cache = PagedKVCache.init(config, num_pages, page_size, kv_dtype=kv_cache_dtype)
             self.state = step_lib.EngineState(
@@ -188,6 +211,10 @@ class Engine:
     def prefix_cache_hit_rate(self) -> float:
         """Prompt tokens served from the prefix cache / prompt tokens admitted."""
         return self.pool.hits / self.pool.queries if self.pool.queries else 0.0
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (pages nobody holds become free)."""
+        self.pool.reset_prefix_cache()
 
     def add_request(self, prompt, *, sampling: SamplingParams | None = None,
                     max_tokens: int = 128, stop=None, request_id: str | None = None,
@@ -373,8 +400,8 @@ class Engine:
         reqs = [row.request for row in rows]
         starting = [row.request for row in rows if row.start == row.request.cached_tokens]
         self._ensure_penalties(starting)
-        b = _pow2(len(rows))
-        c = _pow2(max(len(row.tokens) for row in rows), 16)
+        b = _bucket(len(rows), self.prefill_rows)
+        c = _bucket(max(len(row.tokens) for row in rows), self.prefill_lengths)
         width = self._width(-(-(row.start + len(row.tokens)) // self.page_size) for row in rows)
         tokens = np.zeros((b, c), np.int32)
         for i, row in enumerate(rows):
@@ -395,7 +422,7 @@ class Engine:
 
     def _dispatch_decode(self, rows):
         reqs = [row.request for row in rows]
-        b = min(_pow2(len(rows)), _pow2(self.max_num_seqs))
+        b = _bucket(len(rows), self.decode_buckets)
         width = self._width(len(r.pages) for r in reqs)
         batch = self._rows(reqs, [row.position for row in rows], [1] * len(rows), b, width)
         self.state, new, logprobs = step_lib.decode_step(self.params, self.state, batch,

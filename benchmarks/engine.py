@@ -1,0 +1,167 @@
+"""The serving engine on the H200, each figure beside its comparison in the same run.
+
+    PYTHONPATH=. python3 benchmarks/engine.py --preset llama3-8b --parts decode,trace,prefix,det
+
+- decode: a steady decode batch of 64 rows at 2k context through the engine (ms per engine
+  step, host included: step n + 1 is dispatched before step n is read) against generate's
+  contiguous batch-64 step (jaxinfer bench's device loop, and the same step dispatched from
+  Python), same model, same run.
+- trace: a Poisson trace (jaxinfer/engine/bench.py) through the engine and through static
+  batches of 64 of generate: throughput, TTFT / TPOT p50 / p99, pages, hit rate.
+- prefix: time to first token behind a 2,000-token shared system prompt, prefix caching on
+  and off.
+- det: KernelPolicy.deterministic(): `--det-rows` requests served together (arriving over
+  several steps, prompts split into chunks) against each served alone: tokens and logprobs
+  compared bitwise; and their tokens against generate() alone.
+Random weights of the preset's real shapes, bf16. A table of every figure is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+
+import jax
+import numpy as np
+
+from jaxinfer import bench
+from jaxinfer.engine import Engine
+from jaxinfer.engine import bench as engine_bench
+from jaxinfer.generate import generate
+from jaxinfer.plan import KernelPolicy
+from jaxinfer.sampling import SamplingParams
+
+ROWS = []
+
+
+def row(part: str, what: str, value: str, **extra):
+    ROWS.append((part, what, value))
+    print(json.dumps({"part": part, "what": what, "value": value, **extra}), flush=True)
+
+
+def part_decode(model, args, kw):
+    ref = bench.run(model, args.preset, 64, 2048, 64, repeats=2)
+    row("decode", "generate B=64 ctx 2048 (device loop)", f"{ref.decode_ms_per_token:.3f} ms/step",
+        floor=ref.floor_fraction)
+    host = ref.decode_ms_per_token + ref.host_overhead_ms_per_step
+    row("decode", "generate B=64 (steps from Python)", f"{host:.3f} ms/step")
+    for k in args.decode_steps:
+        engine = Engine(model, **kw, decode_steps=k)
+        t0 = time.perf_counter()
+        dt = engine_bench.steady_decode(engine, 64, 2048, steps=max(8, 32 // k))
+        per_token = dt / k * 1e3
+        row("decode", f"engine B=64 ctx 2048, {k} step(s)/dispatch",
+            f"{per_token:.3f} ms/token ({per_token / ref.decode_ms_per_token:.3f}x generate's)",
+            wall_s=time.perf_counter() - t0)
+        del engine
+        gc.collect()
+
+
+def part_trace(model, args, kw):
+    engine = Engine(model, **kw)
+    trace = engine_bench.make_trace(model.config.vocab_size, args.requests, args.rate,
+                                    shared_len=512)
+    t0 = time.perf_counter()
+    # Compiles first (a short trace of the same shapes), so the timed one measures serving.
+    engine_bench.serve_trace(engine, engine_bench.make_trace(
+        model.config.vocab_size, 24, 1000.0, shared_len=512, seed=9), progress=False)
+    row("trace", "engine warm-up (compiles)", f"{time.perf_counter() - t0:.1f} s")
+    r = engine_bench.serve_trace(engine, trace, progress=False)
+    row("trace", f"engine, {args.requests} requests at {args.rate}/s",
+        f"{r['tokens_per_s']:.0f} tok/s; TTFT p50 {r['ttft_p50_s']:.3f} s p99 "
+        f"{r['ttft_p99_s']:.3f} s; TPOT p50 {r['tpot_p50_ms']:.1f} ms p99 {r['tpot_p99_ms']:.1f} ms;"
+        f" peak pages {r['peak_pages_in_use']}/{r['total_pages']}; hit rate "
+        f"{r['prefix_hit_rate']:.1%}; preemptions {r['preemptions']}", **r)
+    del engine
+    gc.collect()
+    s = engine_bench.static_batches(model, trace, 64, progress=False)
+    row("trace", "static batches of 64 (generate)",
+        f"{s['tokens_per_s']:.0f} tok/s; TTFT p50 {s['ttft_p50_s']:.3f} s p99 "
+        f"{s['ttft_p99_s']:.3f} s; engine / static = {r['tokens_per_s'] / s['tokens_per_s']:.2f}x",
+        **s)
+
+
+def part_prefix(model, args, kw):
+    r = engine_bench.shared_prefix_ttft(lambda **k: Engine(model, **{**kw, **k}),
+                                        model.config.vocab_size)
+    row("prefix", "TTFT, 2000-token shared system prompt + 64 tokens",
+        f"caching on {r['on']['ttft_p50_s'] * 1e3:.1f} ms (hit {r['on']['hit_rate']:.1%}), "
+        f"off {r['off']['ttft_p50_s'] * 1e3:.1f} ms")
+
+
+def part_det(model, args, kw):
+    policy = KernelPolicy.deterministic()
+    rng = np.random.default_rng(5)
+    n, new = args.det_rows, args.det_tokens
+    prompts = [rng.integers(0, model.config.vocab_size, int(rng.integers(16, 700))).tolist()
+               for _ in range(n)]
+    shared = prompts[0][:256]
+    prompts = [shared + p if i % 4 == 0 else p for i, p in enumerate(prompts)]
+    sps = [SamplingParams(temperature=0.0, logprobs=True) if i % 2 else
+           SamplingParams(temperature=0.8, top_p=0.9, seed=i, logprobs=True) for i in range(n)]
+    engine = Engine(model, **kw, policy=policy)
+    t0 = time.perf_counter()
+    ids = {}
+    got = {}
+    order = list(range(n))
+    while order or engine.has_unfinished():
+        for i in order[:8]:
+            ids[engine.add_request(prompts[i], sampling=sps[i], max_tokens=new)] = i
+        order = order[8:]
+        for o in engine.step():
+            t, lp = got.setdefault(ids[o.request_id], ([], []))
+            t += o.new_token_ids
+            lp += o.new_logprobs or []
+    together_s = time.perf_counter() - t0
+    alone = {}
+    for i in range(args.det_alone):
+        engine.reset_prefix_cache()
+        (c,) = engine.run([prompts[i]], sampling=sps[i], max_tokens=new)
+        alone[i] = (c.token_ids, c.logprobs)
+    same = sum(alone[i][0] == got[i][0] and alone[i][1] == got[i][1] for i in alone)
+    row("det", f"engine {n} rows vs each alone (bitwise tokens + logprobs)",
+        f"{same}/{len(alone)} equal", together_s=together_s)
+    del engine
+    gc.collect()
+    ref = generate(model, prompts[:args.det_alone], max_new_tokens=new,
+                   sampling=sps[:args.det_alone], policy=policy)
+    tok = sum(ref[i].token_ids == got[i][0] for i in range(args.det_alone))
+    lpb = sum(ref[i].logprobs == got[i][1] for i in range(args.det_alone))
+    row("det", "engine rows vs generate (deterministic), tokens / bitwise logprobs",
+        f"{tok}/{args.det_alone} tokens, {lpb}/{args.det_alone} logprobs")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="llama3-8b")
+    p.add_argument("--parts", default="decode,trace,prefix,det")
+    p.add_argument("--requests", type=int, default=512)
+    p.add_argument("--rate", type=float, default=24.0)
+    p.add_argument("--decode-steps", type=lambda s: [int(x) for x in s.split(",")],
+                   default=[1, 4])
+    p.add_argument("--kv-memory", default="40GB")
+    p.add_argument("--det-rows", type=int, default=64)
+    p.add_argument("--det-tokens", type=int, default=32)
+    p.add_argument("--det-alone", type=int, default=8)
+    p.add_argument("--num-layers", type=int, default=None)
+    args = p.parse_args()
+    from jaxinfer import compilation_cache
+
+    compilation_cache.enable()  # a later call on the same machine reuses the compiles
+    model = bench.random_model(args.preset, "bfloat16", num_layers=args.num_layers)
+    kw = dict(max_num_seqs=64, kv_memory=args.kv_memory)
+    print(f"device: {jax.devices()[0].device_kind}", flush=True)
+    for part in args.parts.split(","):
+        t0 = time.perf_counter()
+        globals()[f"part_{part}"](model, args, kw)
+        print(f"# part {part}: {time.perf_counter() - t0:.1f} s", flush=True)
+    print("\n| part | what | figure |\n| --- | --- | --- |")
+    for part, what, value in ROWS:
+        print(f"| {part} | {what} | {value} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
