@@ -175,3 +175,16 @@ def test_penalties_stop_strings_and_text_prompts(tiny_chat):
            for p, s in zip(prompts, sp)]
     for a, b in zip(outs, ref):
         assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
+
+
+def test_embedded_model_through_the_engine():
+    """The embedded SmolLM2 (its real GGUF, kept quantized; the references dequantize it
+    once) serves a chat prompt and a plain one through the engine as generate() does."""
+    model = jaxinfer.load("smollm2-135m-instruct", dtype="float32")
+    prompts = ["What is the capital of France?", [1, 504, 3458, 282]]
+    engine = jaxinfer.Engine(model, max_num_seqs=2, max_model_len=256, chunk_size=16)
+    outs = engine.run(prompts, max_tokens=8)
+    ref = jaxinfer.generate(model, prompts, max_new_tokens=8)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    assert "Paris" in outs[0].text
+    assert engine.free_pages == engine.total_pages
