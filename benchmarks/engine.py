@@ -125,8 +125,11 @@ def part_det(model, args, kw):
         (c,) = engine.run([prompts[i]], sampling=sps[i], max_tokens=new)
         alone[i] = (c.token_ids, c.logprobs)
     same = sum(alone[i][0] == got[i][0] and alone[i][1] == got[i][1] for i in alone)
+    kinds = {i: ("greedy" if sps[i].greedy else "sampled") + (
+        ":tokens" if alone[i][0] == got[i][0] else ":TOKENS-DIFFER") + (
+        ":logprobs" if alone[i][1] == got[i][1] else ":LOGPROBS-DIFFER") for i in alone}
     row("det", f"engine {n} rows vs each alone (bitwise tokens + logprobs)",
-        f"{same}/{len(alone)} equal", together_s=together_s)
+        f"{same}/{len(alone)} equal", together_s=together_s, rows=kinds)
     del engine
     gc.collect()
     ref = generate(model, prompts[:args.det_alone], max_new_tokens=new,
