@@ -84,14 +84,18 @@ def _fused_supports(qkv: Projection, cache, plan, *, positions, rope, q_norm=Non
     return None
 
 
+def _one_token(qkv: Projection):
+    """The fused kernels' view of a one-token projection: (value [B, Hkv, G + 2, D], None), or
+    its split-K chunks [S, B, Hkv, G + 2, D] with their deferred norm's statistics."""
+    value = qkv.get(frozenset({Form.ARRAY, Form.PARTIALS, Form.NORMED}))
+    if isinstance(value, Partials):
+        return value.parts[:, :, 0], value.norm
+    return value[:, 0], None
+
+
 def _decode_append(qkv: Projection, cache, plan, *, positions, rope, window=None, q_norm=None,
                    k_norm=None, fresh=False, sm_scale=None, softcap=None):
-    value = qkv.get(frozenset({Form.ARRAY, Form.PARTIALS, Form.NORMED}))
-    norm_stats = None
-    if isinstance(value, Partials):
-        value, norm_stats = value.parts[:, :, 0], value.norm  # [S, B, Hkv, G + 2, D]
-    else:
-        value = value[:, 0]  # [B, Hkv, G + 2, D]
+    value, norm_stats = _one_token(qkv)
     cos, sin = rope
     quantized = {}
     if isinstance(cache, QuantizedKVLayer):  # codes and scales, quantized as written
@@ -112,12 +116,7 @@ def _paged_fused_supports(qkv: Projection, cache, plan, **kw) -> str | None:
 def _paged_decode_append(qkv: Projection, cache, plan, *, positions, rope, window=None,
                          q_norm=None, k_norm=None, fresh=False, sm_scale=None, softcap=None):
     """_decode_append through the rows' block tables (padding rows: position -1, no write)."""
-    value = qkv.get(frozenset({Form.ARRAY, Form.PARTIALS, Form.NORMED}))
-    norm_stats = None
-    if isinstance(value, Partials):
-        value, norm_stats = value.parts[:, :, 0], value.norm  # [S, B, Hkv, G + 2, D]
-    else:
-        value = value[:, 0]  # [B, Hkv, G + 2, D]
+    value, norm_stats = _one_token(qkv)
     cos, sin = rope
     quantized = {}
     if isinstance(cache, QuantizedPagedKVLayer):
