@@ -90,14 +90,15 @@ def _record(state: DecodeState, new_tokens: jax.Array,
                          sampler=sampling.observe(state.sampler, new_tokens, alive))
 
 
-def _sample(logits: jax.Array, state: DecodeState, positions: jax.Array):
+def _sample(logits: jax.Array, state: DecodeState, positions: jax.Array, plan: Plan):
     """Sample one token per row; the key of row b depends only on (seed_b, request_b, position).
     -> (tokens [B], their logprobs [B], or None when no row asked for them: the logsumexp over
     the vocabulary and the logprobs' column write are then left out of the step)."""
     keys = sampling.step_keys(state.sampler, positions)
     out = sampling.sample_with_logprobs(logits, keys, state.sampling,
                                         token_counts=state.sampler.token_counts,
-                                        seen_mask=state.sampler.seen_mask)
+                                        seen_mask=state.sampler.seen_mask,
+                                        batch_invariant=plan.policy.batch_invariant)
     return out.tokens, out.logprobs if state.sampling.flags.logprobs else None
 
 
@@ -112,7 +113,7 @@ def prefill(params: dict, tokens: jax.Array, lengths: jax.Array, state: DecodeSt
                             logits_at=lengths - 1, fresh=True)  # [B, 1, V]
     cache = sharding_lib.constrain_cache(cache.replace(lengths=lengths), plan.sharding)
     state = state.replace(cache=cache, positions=lengths)
-    new_tokens, new_logprobs = _sample(logits[:, 0], state, lengths)
+    new_tokens, new_logprobs = _sample(logits[:, 0], state, lengths, plan)
     return _record(state, new_tokens, new_logprobs)
 
 
@@ -126,7 +127,7 @@ def _decode_step(params: dict, state: DecodeState, plan: Plan) -> DecodeState:
     nxt = jnp.where(state.done, positions, positions + 1)
     cache = sharding_lib.constrain_cache(cache.replace(lengths=nxt), plan.sharding)
     state = state.replace(cache=cache, positions=nxt)
-    new_tokens, new_logprobs = _sample(logits[:, 0], state, nxt)
+    new_tokens, new_logprobs = _sample(logits[:, 0], state, nxt, plan)
     return _record(state, new_tokens, new_logprobs)
 
 
@@ -184,7 +185,7 @@ def sample_first(last: jax.Array, lengths: jax.Array, state: DecodeState,
                  plan: Plan) -> DecodeState:
     """After the chunks: the first new token of every row from its last prompt logits."""
     state = state.replace(cache=state.cache.replace(lengths=lengths), positions=lengths)
-    new_tokens, new_logprobs = _sample(last, state, lengths)
+    new_tokens, new_logprobs = _sample(last, state, lengths, plan)
     return _record(state, new_tokens, new_logprobs)
 
 

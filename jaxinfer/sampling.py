@@ -393,6 +393,20 @@ def _top_values(x: jax.Array, n: int) -> jax.Array:
     return jax.lax.top_k(candidates.reshape(b, n * chunk), n)[0]
 
 
+def _row_sum(x: jax.Array, ordered: bool) -> jax.Array:
+    """Sum over the last axis of x [B, V] -> [B]. ordered: as a fixed tree of elementwise adds
+    (halves added pairwise), so a row's sum has the same bits at any B; XLA's reductions tile
+    rows by the batch's shape (a row's logprob moved by an ulp between B = 1 and 8)."""
+    if not ordered:
+        return jnp.sum(x, axis=-1)
+    n = 1 << (x.shape[-1] - 1).bit_length()
+    x = jnp.pad(x, ((0, 0), (0, n - x.shape[-1])))
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[:, :half] + x[:, half:]
+    return x[:, 0]
+
+
 def _sortable_key(x: jax.Array) -> jax.Array:
     """float32 -> uint32 with the same order (-inf smallest, +inf largest; no NaN here)."""
     bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
@@ -408,7 +422,8 @@ _RADIX_BITS = 2  # bits of the key settled per pass of _radix_select
 _NEG_INF_KEY = 0x007FFFFF  # _sortable_key(-inf)
 
 
-def _radix_select(x: jax.Array, shift: jax.Array, target: jax.Array) -> jax.Array:
+def _radix_select(x: jax.Array, shift: jax.Array, target: jax.Array,
+                  ordered: bool = False) -> jax.Array:
     """Per row, the largest value t of x [B, V] with sum(exp(x - shift)[x >= t]) >= target.
 
     That is the nucleus boundary of softmax(x), found without sorting: the mass is
@@ -425,7 +440,7 @@ def _radix_select(x: jax.Array, shift: jax.Array, target: jax.Array) -> jax.Arra
         for d in range(1, 1 << _RADIX_BITS):
             pivot = jnp.maximum(found | (jnp.uint32(d) << bit), _NEG_INF_KEY)  # [B]
             t = _key_to_float(pivot)[:, None]  # NaN above +inf: compares false, mass 0
-            mass = jnp.sum(jnp.where(x >= t, jnp.exp(x - shift), 0.0), axis=-1)  # [B]
+            mass = _row_sum(jnp.where(x >= t, jnp.exp(x - shift), 0.0), ordered)  # [B]
             digit = digit + (mass >= target).astype(jnp.uint32)  # monotone in d: a count
         return found | (digit << bit)
 
@@ -435,8 +450,10 @@ def _radix_select(x: jax.Array, shift: jax.Array, target: jax.Array) -> jax.Arra
     return _key_to_float(found)
 
 
-def _truncation_cut(scaled: jax.Array, params: SamplingTensors) -> jax.Array | None:
-    """Per-row threshold [B]: top-k/top-p/min-p keep exactly the tokens with scaled >= cut."""
+def _truncation_cut(scaled: jax.Array, params: SamplingTensors,
+                    ordered: bool = False) -> jax.Array | None:
+    """Per-row threshold [B]: top-k/top-p/min-p keep exactly the tokens with scaled >= cut.
+    ordered: every sum in a fixed order (_row_sum; a prefix sum by associative_scan)."""
     flags = params.flags
     neg_inf = jnp.float32(-jnp.inf)
     row_max = jnp.max(scaled, axis=-1)  # [B]
@@ -453,18 +470,20 @@ def _truncation_cut(scaled: jax.Array, params: SamplingTensors) -> jax.Array | N
         # Unnormalised probabilities exp(x - max) of the top-k-renormalised distribution.
         shift = jnp.where(jnp.isfinite(row_max), row_max, 0.0)[:, None]  # [B, 1]
         weight = jnp.where(scaled >= cut[:, None], jnp.exp(scaled - shift), 0.0)  # [B, V]
-        target = params.top_p * jnp.sum(weight, axis=-1)  # [B] mass the nucleus must reach
+        target = params.top_p * _row_sum(weight, ordered)  # [B] mass the nucleus must reach
         boundary = jnp.full(row_max.shape, neg_inf)
         if flags.top_k_cap:
             # Top-k rows: the nucleus lies in the sorted top n; token i stays iff the mass
             # above it is below the target.
             valid = (top >= cut[:, None]) & (top > neg_inf)  # [B, n] the top-k set
             w = jnp.where(valid, jnp.exp(top - shift), 0.0)
-            keep = valid & (jnp.cumsum(w, axis=-1) - w < target[:, None])
+            above = (jax.lax.associative_scan(jnp.add, w, axis=1) if ordered
+                     else jnp.cumsum(w, axis=-1)) - w
+            keep = valid & (above < target[:, None])
             last = jnp.maximum(jnp.sum(keep, axis=-1), 1) - 1  # [B]
             boundary = jnp.take_along_axis(top, last[:, None], axis=1)[:, 0]
         if flags.top_p_without_top_k:  # the nucleus of the whole distribution
-            selected = _radix_select(scaled, shift, target)
+            selected = _radix_select(scaled, shift, target, ordered)
             boundary = selected if not flags.top_k_cap else jnp.where(
                 params.top_k > 0, boundary, selected)
         cut = jnp.maximum(cut, jnp.where(params.top_p < 1, boundary, neg_inf))
@@ -490,12 +509,16 @@ def _as_row_keys(keys: jax.Array, batch: int) -> jax.Array:
 def sample_with_logprobs(logits: jax.Array, keys: jax.Array,
                          params: SamplingTensors | SamplingParams | Sequence[SamplingParams], *,
                          token_counts: jax.Array | None = None,
-                         seen_mask: jax.Array | None = None) -> SampleOutput:
+                         seen_mask: jax.Array | None = None,
+                         batch_invariant: bool = False) -> SampleOutput:
     """Sample one token per row of logits [B, V]; also its logprob (see the module docstring).
 
     keys: [B] typed keys (`request_keys`, `step_keys`); params: per-row `SamplingTensors`, or
     SamplingParams for every row. token_counts [B, V] int32 (generated tokens) feeds presence and
     frequency penalties, seen_mask [B, V] bool (prompt + generated) the repetition penalty.
+    batch_invariant (static; KernelPolicy.batch_invariant): the sums over the vocabulary (the
+    logprob's normalizer, top-p's masses) in a fixed order, so a row's token and logprob are
+    the same bits at any batch size (a few more small kernels per step).
     """
     if logits.ndim != 2:
         raise ValueError(f"logits must be [B, V], got shape {logits.shape}")
@@ -518,7 +541,7 @@ def sample_with_logprobs(logits: jax.Array, keys: jax.Array,
         tokens = jnp.argmax(x, axis=-1)
     else:
         scaled = x / params.temperature[:, None]  # [B, V]; greedy rows have temperature 1
-        cut = _truncation_cut(scaled, params)
+        cut = _truncation_cut(scaled, params, batch_invariant)
         masked = scaled if cut is None else jnp.where(scaled >= cut[:, None], scaled, neg_inf)
         gumbel = jax.vmap(jax.random.gumbel, in_axes=(0, None, None))(keys, (v,), jnp.float32)
         tokens = jnp.argmax(masked + gumbel, axis=-1)  # [B]
@@ -526,7 +549,12 @@ def sample_with_logprobs(logits: jax.Array, keys: jax.Array,
             tokens = jnp.where(params.greedy, jnp.argmax(x, axis=-1), tokens)
     tokens = tokens.astype(jnp.int32)
 
-    lse = jax.nn.logsumexp(scaled, axis=-1)  # [B]
+    if batch_invariant:
+        top = jnp.max(scaled, axis=-1)  # exact in any order
+        shift = jnp.where(jnp.isfinite(top), top, 0.0)
+        lse = shift + jnp.log(_row_sum(jnp.exp(scaled - shift[:, None]), True))  # [B]
+    else:
+        lse = jax.nn.logsumexp(scaled, axis=-1)  # [B]
     chosen = jnp.take_along_axis(scaled, tokens[:, None], axis=1)[:, 0]  # [B]
     logprobs = jnp.where(jnp.isfinite(lse) & jnp.isfinite(chosen), chosen - lse, neg_inf)
     return SampleOutput(tokens=tokens, logprobs=logprobs)
@@ -535,10 +563,10 @@ def sample_with_logprobs(logits: jax.Array, keys: jax.Array,
 def sample(logits: jax.Array, keys: jax.Array,
            params: SamplingTensors | SamplingParams | Sequence[SamplingParams], *,
            token_counts: jax.Array | None = None,
-           seen_mask: jax.Array | None = None) -> jax.Array:
+           seen_mask: jax.Array | None = None, batch_invariant: bool = False) -> jax.Array:
     """Tokens [B] int32 for logits [B, V]: `sample_with_logprobs` without the logprobs.
 
     Under jit the logprob computation is dead code and XLA removes it.
     """
     return sample_with_logprobs(logits, keys, params, token_counts=token_counts,
-                                seen_mask=seen_mask).tokens
+                                seen_mask=seen_mask, batch_invariant=batch_invariant).tokens

@@ -188,3 +188,23 @@ def test_embedded_model_through_the_engine():
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
     assert "Paris" in outs[0].text
     assert engine.free_pages == engine.total_pages
+
+
+def test_deterministic_engine_rows_are_bitwise_those_alone(tiny_chat):
+    """KernelPolicy.deterministic() (bf16, the Pallas kernels in interpret mode): requests
+    served together, arriving at different steps, chunked and sharing prefixes, give the bits
+    (tokens and logprobs) each gets served alone from an empty prefix cache."""
+    from jaxinfer.model import from_params
+    from jaxinfer.plan import KernelPolicy
+
+    model = from_params(tiny_chat.config, tiny_chat.params, tiny_chat.tokenizer,
+                        dtype="bfloat16")
+    reqs = [(p, SamplingParams(temperature=sp.temperature, top_p=0.9, seed=i, logprobs=True), 6)
+            for i, (p, sp, _) in enumerate(_requests(model, 6, seed=4))]
+    engine = _engine(model, pages=60, max_num_seqs=8,
+                     policy=KernelPolicy.deterministic(interpret=True))
+    got, _ = _serve(engine, reqs, np.random.default_rng(5))
+    for i, (p, sp, n) in enumerate(reqs):
+        engine.reset_prefix_cache()
+        (alone,) = engine.run([p], sampling=sp, max_tokens=n)
+        assert (got[i][0], got[i][1]) == (alone.token_ids, alone.logprobs), i

@@ -9,6 +9,7 @@ stages in the wrong order, ...) would fail the same bound, so the bound has teet
 """
 
 import collections
+import functools
 import math
 
 import jax
@@ -550,3 +551,26 @@ def test_radix_select_is_the_exact_nucleus_boundary():
         keep = np.flatnonzero(above < target[b])
         want = x[b, order[keep[-1]]] if keep.size else x[b].max()
         assert got[b] == want, (b, got[b], want)
+
+
+def test_batch_invariant_rows_are_the_same_bits_at_any_batch():
+    """batch_invariant=True: a row's token and logprob alone equal its bits in a batch of 8
+    (XLA's own reductions over V moved some logprobs by an ulp between B = 1 and 8)."""
+    v = 2048
+    x = jax.random.normal(jax.random.key(0), (8, v)) * 8
+    params = [SamplingParams(temperature=0.0, logprobs=True) if i % 2 else
+              SamplingParams(temperature=0.8, top_p=0.9, seed=i, logprobs=True)
+              for i in range(8)]
+    params[4] = SamplingParams(temperature=0.7, top_k=40, top_p=0.8, seed=4, logprobs=True)
+    keys = jax.vmap(jax.random.key)(jnp.arange(8))
+    run = jax.jit(functools.partial(S.sample_with_logprobs, batch_invariant=True))
+    tensors = SamplingTensors.from_params(params)
+    full = run(x, keys, tensors)
+    plain = _sample_lp(x, keys, tensors)
+    np.testing.assert_array_equal(full.tokens, plain.tokens)
+    np.testing.assert_allclose(full.logprobs, plain.logprobs, atol=1e-5)
+    for i in range(8):
+        one = run(x[i:i + 1], keys[i:i + 1],
+                  SamplingTensors.from_params([params[i]]).replace(flags=tensors.flags))
+        assert int(one.tokens[0]) == int(full.tokens[i])
+        assert float(one.logprobs[0]) == float(full.logprobs[i]), i

@@ -53,10 +53,11 @@ def _keys(rows: Rows, positions: jax.Array) -> jax.Array:
     return jax.vmap(jax.random.fold_in)(base, positions)
 
 
-def _sample(logits, rows: Rows, positions, counts, seen):
+def _sample(logits, rows: Rows, positions, counts, seen, plan: Plan):
     """-> (tokens [B], logprobs [B] (zeros when no row asked), counts, seen)."""
     out = sampling.sample_with_logprobs(logits, _keys(rows, positions), rows.sampling,
-                                        token_counts=counts, seen_mask=seen)
+                                        token_counts=counts, seen_mask=seen,
+                                        batch_invariant=plan.policy.batch_invariant)
     logprobs = out.logprobs if rows.sampling.flags.logprobs else jnp.zeros_like(out.logprobs)
     counts, seen = sampling.update_penalty_state(counts, seen, out.tokens)
     return out.tokens, logprobs, counts, seen
@@ -93,7 +94,7 @@ def prefill_step(params: dict, state: EngineState, tokens: jax.Array, rows: Rows
                             logits_at=jnp.maximum(rows.count - 1, 0))  # [B, 1, V]
     counts, seen = _penalty_rows(state, rows)
     new, logprobs, counts, seen = _sample(logits[:, 0], rows, rows.position + rows.count,
-                                          counts, seen)
+                                          counts, seen, plan)
     return _store(state, rows, cache, new, counts, seen), new, logprobs
 
 
@@ -108,7 +109,7 @@ def decode_step(params: dict, state: EngineState, rows: Rows, plan: Plan, steps:
         cache, tokens, positions, counts, seen = carry
         logits, cache = forward(params, tokens[:, None], positions[:, None], plan, cache)
         nxt = jnp.where(positions < 0, positions, positions + 1)  # padding rows stay idle
-        new, logprobs, counts, seen = _sample(logits[:, 0], rows, nxt, counts, seen)
+        new, logprobs, counts, seen = _sample(logits[:, 0], rows, nxt, counts, seen, plan)
         return (cache, new, nxt, counts, seen), (new, logprobs)
 
     carry = (state.cache.with_tables(rows.block_tables), state.last_token[rows.slot],
