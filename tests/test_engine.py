@@ -93,10 +93,11 @@ def test_engine_equals_generate(tiny_chat):
 
 
 def test_engine_equals_generate_alone(tiny_chat):
-    """The same against generate() for each request alone, on fewer requests."""
+    """The same against generate() for each request alone, on fewer requests, with two
+    decode steps dispatched per engine step."""
     model = tiny_chat
     reqs = _requests(model, 10, seed=2)
-    engine = _engine(model, pages=24)
+    engine = _engine(model, pages=24, decode_steps=2)
     got, reasons = _serve(engine, reqs, np.random.default_rng(3))
     for i, (toks, lps, reason) in enumerate(_reference(model, reqs)):
         assert (got[i][0], reasons[i]) == (toks, reason), i

@@ -1,4 +1,4 @@
-"""The engine's jitted steps: a prefill chunk and k decode steps over rows of a paged cache.
+"""The engine's jitted steps: a prefill chunk and a decode step over rows of a paged cache.
 
 Both take the engine's device state (the page pools, each request slot's newest token, the
 penalty statistics) and rows the host built for this dispatch, and return the new state and
@@ -98,32 +98,18 @@ def prefill_step(params: dict, state: EngineState, tokens: jax.Array, rows: Rows
     return _store(state, rows, cache, new, counts, seen), new, logprobs
 
 
-@functools.partial(jax.jit, static_argnames=("plan", "steps"), donate_argnames=("state",))
-def decode_step(params: dict, state: EngineState, rows: Rows, plan: Plan, steps: int = 1):
-    """`steps` tokens per row: the slot's newest token at `position`, then each sampled one
-    after it. -> (state, tokens [B, steps], logprobs [B, steps])."""
+@functools.partial(jax.jit, static_argnames=("plan",), donate_argnames=("state",))
+def decode_step(params: dict, state: EngineState, rows: Rows, plan: Plan):
+    """One token per row: the slot's newest token at `position` (padding rows: -1, idle).
+    -> (state, tokens [B], logprobs [B])."""
     forward = registry.family(plan.config).forward
     counts, seen = _penalty_rows(state, rows)
-
-    def one(carry, _):
-        cache, tokens, positions, counts, seen = carry
-        logits, cache = forward(params, tokens[:, None], positions[:, None], plan, cache)
-        nxt = jnp.where(positions < 0, positions, positions + 1)  # padding rows stay idle
-        new, logprobs, counts, seen = _sample(logits[:, 0], rows, nxt, counts, seen, plan)
-        return (cache, new, nxt, counts, seen), (new, logprobs)
-
-    carry = (state.cache.with_tables(rows.block_tables), state.last_token[rows.slot],
-             rows.position, counts, seen)
-    # Unrolled, not a lax.scan: with the pools in a loop's carry the in-place kernels' writes
-    # lost their aliasing and the step copied pools (8x slower per token on the H200).
-    news, lps = [], []
-    for _ in range(steps):
-        carry, (new, logprobs) = one(carry, None)
-        news.append(new)
-        lps.append(logprobs)
-    cache, last, _, counts, seen = carry
-    return (_store(state, rows, cache, last, counts, seen), jnp.stack(news, axis=1),
-            jnp.stack(lps, axis=1))
+    logits, cache = forward(params, state.last_token[rows.slot][:, None],
+                            rows.position[:, None], plan,
+                            state.cache.with_tables(rows.block_tables))  # [B, 1, V]
+    nxt = jnp.where(rows.position < 0, rows.position, rows.position + 1)
+    new, logprobs, counts, seen = _sample(logits[:, 0], rows, nxt, counts, seen, plan)
+    return _store(state, rows, cache, new, counts, seen), new, logprobs
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
