@@ -420,9 +420,6 @@ def main(args) -> int:
     if getattr(args, "engine", False):
         from jaxinfer.engine import bench as engine_bench
 
-        if args.kv_memory is not None:
-            args.kv_memory = float(args.kv_memory) if args.kv_memory.replace(
-                ".", "", 1).isdigit() else args.kv_memory
         return engine_bench.main(args, model, name)
     results = []
     for b in args.batch:

@@ -24,8 +24,8 @@ import jax.numpy as jnp
 
 from jaxinfer import pytree
 from jaxinfer.configs import Config
-from pallas_kernels.kv_quant import (SCALE_DTYPES, dequantize_latent, quantize_kv,
-                                     quantize_latent)
+from pallas_kernels.kv_quant import (SCALE_DTYPES, dequantize_kv, dequantize_latent,
+                                     quantize_kv, quantize_latent)
 
 # kv_dtype names -> code dtypes (None: the activations' dtype, unquantized)
 KV_DTYPES = types.MappingProxyType({"int8": jnp.dtype(jnp.int8),
@@ -38,6 +38,13 @@ def check_kv_dtype(kv_dtype, name: str = "kv_dtype") -> str | None:
         raise ValueError(f"{name} must be None (the model's dtype), 'int8' or 'fp8', "
                          f"got {kv_dtype!r}")
     return kv_dtype
+
+
+def _scale_dtype(scale_dtype, cls: str):
+    scale_dtype = jnp.dtype(scale_dtype)
+    if scale_dtype not in SCALE_DTYPES:
+        raise ValueError(f"{cls} scale_dtype must be float32 or float16, got {scale_dtype}")
+    return scale_dtype
 
 
 def _scatter(cache: jax.Array, rows: jax.Array, positions: jax.Array, x: jax.Array):
@@ -107,10 +114,7 @@ class KVCache:
         v = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
         scales = {}
         if kv_dtype:
-            scale_dtype = jnp.dtype(scale_dtype)
-            if scale_dtype not in SCALE_DTYPES:
-                raise ValueError(f"KVCache scale_dtype must be float32 or float16, got "
-                                 f"{scale_dtype}")
+            scale_dtype = _scale_dtype(scale_dtype, "KVCache")
             scales = {name: tuple(jnp.zeros(shape[:3], scale_dtype)
                                   for _ in range(config.num_layers))
                       for name in ("k_scale", "v_scale")}
@@ -210,10 +214,7 @@ class LatentCache:
         dtype = KV_DTYPES[kv_dtype] if kv_dtype else jnp.dtype(dtype or config.dtype)
         scale = ()
         if kv_dtype:
-            scale_dtype = jnp.dtype(scale_dtype)
-            if scale_dtype not in SCALE_DTYPES:
-                raise ValueError(f"LatentCache scale_dtype must be float32 or float16, got "
-                                 f"{scale_dtype}")
+            scale_dtype = _scale_dtype(scale_dtype, "LatentCache")
             # Two scales per token, not one for all R + Dr: k_rope is not RMS-normed as c_kv
             # is, so its range may differ; the fixtures measured the same error either way.
             scale = tuple(jnp.zeros((*shape[:2], 2), scale_dtype)
@@ -327,8 +328,6 @@ class QuantizedPagedKVLayer:
 
     def contiguous(self) -> tuple[jax.Array, jax.Array]:
         """(k, v) [B, W * page_size, Hkv, D] dequantized to float32, in position order."""
-        from pallas_kernels.kv_quant import dequantize_kv
-
         k, v = gather_pages(self.k, self.block_tables), gather_pages(self.v, self.block_tables)
         return (dequantize_kv(k, gather_pages(self.k_scale, self.block_tables)),
                 dequantize_kv(v, gather_pages(self.v_scale, self.block_tables)))
@@ -364,19 +363,16 @@ class PagedKVCache:
         n = config.num_layers
         scales = {}
         if kv_dtype:
-            scale_dtype = jnp.dtype(scale_dtype)
-            if scale_dtype not in SCALE_DTYPES:
-                raise ValueError(f"PagedKVCache scale_dtype must be float32 or float16, got "
-                                 f"{scale_dtype}")
+            scale_dtype = _scale_dtype(scale_dtype, "PagedKVCache")
             scales = {name: tuple(jnp.zeros(shape[:3], scale_dtype) for _ in range(n))
                       for name in ("k_scale", "v_scale")}
         return cls(k=tuple(jnp.zeros(shape, dtype) for _ in range(n)),
                    v=tuple(jnp.zeros(shape, dtype) for _ in range(n)),
                    block_tables=jnp.zeros((1, 1), jnp.int32), **scales)
 
-    @property
-    def quantized(self) -> bool:
-        return bool(self.k_scale)
+    quantized = KVCache.quantized
+    with_layers = KVCache.with_layers  # the same fields per layer (the tables are shared)
+    nbytes = KVCache.nbytes  # every page's bytes, allocated or not
 
     @property
     def num_pages(self) -> int:
@@ -394,28 +390,3 @@ class PagedKVCache:
             return QuantizedPagedKVLayer(self.k[i], self.v[i], self.k_scale[i], self.v_scale[i],
                                          self.block_tables)
         return PagedKVLayer(self.k[i], self.v[i], self.block_tables)
-
-    def with_layers(self, layers) -> PagedKVCache:
-        new = self.replace(k=tuple(c.k for c in layers), v=tuple(c.v for c in layers))
-        if self.quantized:
-            new = new.replace(k_scale=tuple(c.k_scale for c in layers),
-                              v_scale=tuple(c.v_scale for c in layers))
-        return new
-
-    def nbytes(self) -> int:
-        """Bytes the pools hold (every page, allocated or not)."""
-        return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize
-                   for a in (*self.k, *self.v, *self.k_scale, *self.v_scale))
-
-    @staticmethod
-    def page_bytes(config: Config, page_size: int, dtype=None, kv_dtype: str | None = None,
-                   scale_dtype=jnp.float32) -> int:
-        """Bytes one page takes over all layers (K and V, scales included)."""
-        per_token = config.num_kv_heads * config.head_dim
-        if kv_dtype:
-            itemsize = 1
-            per_token_scale = 2 * config.num_kv_heads * jnp.dtype(scale_dtype).itemsize
-        else:
-            itemsize = jnp.dtype(dtype or config.dtype).itemsize
-            per_token_scale = 0
-        return config.num_layers * page_size * (2 * per_token * itemsize + per_token_scale)

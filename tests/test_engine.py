@@ -5,13 +5,13 @@ import pytest
 
 import jaxinfer
 from jaxinfer import SamplingParams
-from jaxinfer.cache import PagedKVCache
+import jaxinfer.memory
 
 
 def _engine(model, **kw):
     """A small engine: pages of 8 tokens, chunks of 32, a pool of `pages` pages."""
     pages = kw.pop("pages", 64)
-    page_bytes = PagedKVCache.page_bytes(model.config, 8, model.config.dtype)
+    page_bytes = jaxinfer.memory.kv_bytes_per_token(model.config) * 8
     args = dict(max_num_seqs=4, page_size=8, chunk_size=32, max_num_batched_tokens=64,
                 max_model_len=160, kv_memory=pages * page_bytes)
     return jaxinfer.Engine(model, **{**args, **kw})
@@ -209,3 +209,13 @@ def test_deterministic_engine_rows_are_bitwise_those_alone(tiny_chat):
         engine.reset_prefix_cache()
         (alone,) = engine.run([p], sampling=sp, max_tokens=n)
         assert (got[i][0], got[i][1]) == (alone.token_ids, alone.logprobs), i
+
+
+def test_int8_page_pool_equals_generate_with_an_int8_cache(tiny_chat):
+    reqs = _requests(tiny_chat, 4, seed=6)
+    engine = _engine(tiny_chat, kv_cache_dtype="int8")
+    outs = engine.run([p for p, _, _ in reqs], sampling=[sp for _, sp, _ in reqs], max_tokens=8)
+    for (p, sp, _), out in zip(reqs, outs):
+        ref = jaxinfer.generate(tiny_chat, [p], max_new_tokens=8, sampling=sp,
+                                kv_cache_dtype="int8")[0]
+        assert out.token_ids == ref.token_ids

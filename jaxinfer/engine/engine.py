@@ -57,12 +57,15 @@ def _bucket(n: int, buckets: tuple[int, ...]) -> int:
     return next((b for b in buckets if b >= n), buckets[-1])
 
 
-def _kv_budget(kv_memory, params_done: bool = True) -> int:
-    """Bytes for the page pools: a fraction (0, 1] of the free device memory, or bytes (an int
-    or a string like "8GB")."""
+def _kv_budget(kv_memory) -> int:
+    """Bytes for the page pools: a fraction (0, 1] of the free device memory, or bytes (a
+    number, or a string: "0.5" or "8GB")."""
     free, what = memory.budget()
     if isinstance(kv_memory, str):
-        return memory.parse_bytes(kv_memory)
+        try:
+            kv_memory = float(kv_memory)
+        except ValueError:
+            return memory.parse_bytes(kv_memory)
     if isinstance(kv_memory, bool) or not isinstance(kv_memory, (int, float)) or kv_memory <= 0:
         raise ValueError(f"kv_memory must be a fraction in (0, 1] of the free memory, a byte "
                          f"count or a string like '8GB', got {kv_memory!r}")
@@ -150,7 +153,7 @@ class Engine:
         self.prefill_lengths = pow2s(64 if gpu else 16, self.chunk_size)
         self.kv_cache_dtype = kv_cache_dtype
 
-        page_bytes = PagedKVCache.page_bytes(config, page_size, config.dtype, kv_cache_dtype)
+        page_bytes = memory.kv_bytes_per_token(config, kv_cache_dtype) * page_size
         full = self.max_num_seqs * self.max_pages + 1  # every row at max_model_len
         if kv_memory is None:
             num_pages = min(_kv_budget(0.8 if gpu else 0.25) // page_bytes, full if not gpu
@@ -179,7 +182,6 @@ class Engine:
         self.seed = int(seed)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()  # key ids of requests without their own seed
-        self._prompt_lens: dict[str, int] = {}  # for run()'s Completions
         self._flags: sampling.SamplingFlags | None = None  # union of the dispatches' so far
         self._inflight: list = []  # dispatches not read yet: (kind, rows, tokens, logprobs)
         self.stats = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "preemptions": 0}
@@ -221,7 +223,7 @@ class Engine:
         from jaxinfer.generate import _stop_ids
 
         model = self.model
-        if prompts_lib.as_batch(prompt) != [prompt] and not isinstance(prompt, np.ndarray):
+        if len(prompts_lib.as_batch(prompt)) != 1:
             raise ValueError("add_request takes one prompt (text, token ids or chat messages); "
                              "call it once per prompt")
         (ids,) = prompts_lib.encode(model.tokenizer, [prompt], chat, model.config.vocab_size)
@@ -259,7 +261,6 @@ class Engine:
         req = Request(request_id, key_id, list(ids), sampling, int(max_tokens),
                       frozenset(stop_ids), tuple(stop_strings), int(seed), time.perf_counter())
         self.requests[request_id] = req
-        self._prompt_lens[request_id] = len(ids)
         self.scheduler.waiting.append(req)
         return request_id
 
@@ -277,12 +278,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule and dispatch one step, then return the outputs of the one before it."""
-        sched = self.scheduler.schedule()
-        if not sched.decode and not sched.prefill and not self._inflight \
-                and self.scheduler.running:
-            # Every running request is stuck on pages: give the youngest's back.
-            self.scheduler._preempt(spare=self.scheduler.running[0])
-            sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule(idle=not self._inflight)
         self.stats["preemptions"] += len(sched.preempted)
         dispatched = []
         with memory.reporting_oom("an engine step"):
@@ -299,7 +295,8 @@ class Engine:
             seed: int | None = None, chat: bool | None = None, progress: bool = False):
         """Serve a list of prompts to the end -> one `Completion` per prompt, in order.
         sampling: one SamplingParams or one per prompt; seed: request i's is seed + i (so
-        each equals generate(prompt_i, seed=seed + i) alone), default the engine's."""
+        each equals generate(prompt_i, seed=seed + i) alone), default the engine's. Requests
+        added otherwise run on meanwhile, but their outputs are not returned here."""
         from tqdm.auto import tqdm
 
         from jaxinfer.generate import Completion
@@ -313,11 +310,14 @@ class Engine:
         ids = [self.add_request(p, sampling=sp, max_tokens=max_tokens, stop=stop, chat=chat,
                                 seed=None if seed is None else seed + i)
                for i, (p, sp) in enumerate(zip(prompts, params))]
+        prompt_tokens = {i: len(self.requests[i].prompt) for i in ids}
         got = {i: ([], []) for i in ids}
         reasons = {}
         with tqdm(total=len(ids), desc="requests", disable=not progress, leave=False) as bar:
-            while self.has_unfinished():
+            while len(reasons) < len(ids):
                 for out in self.step():
+                    if out.request_id not in got:
+                        continue
                     toks, lps = got[out.request_id]
                     toks += out.new_token_ids
                     lps += out.new_logprobs or []
@@ -332,7 +332,7 @@ class Engine:
             text = text[:min(cuts)] if cuts else text  # the stop string itself is left out
             results.append(Completion(token_ids=toks, text=text, finish_reason=reasons[i],
                                       logprobs=lps if sp is not None and sp.logprobs else None,
-                                      prompt_tokens=self._prompt_lens.pop(i, 0)))
+                                      prompt_tokens=prompt_tokens[i]))
         return results
 
     # -- dispatch -----------------------------------------------------------------------------

@@ -185,7 +185,17 @@ class Scheduler:
 
     # -- one step -----------------------------------------------------------------------------
 
-    def schedule(self) -> Schedule:
+    def schedule(self, idle: bool = False) -> Schedule:
+        """This step's rows. idle: nothing is in flight, so if no row can be scheduled every
+        running request is stuck on pages: the youngest gives its pages back and it retries."""
+        sched = self._schedule()
+        if idle and not sched.decode and not sched.prefill and len(self.running) > 1:
+            sched.preempted.append(self._preempt(spare=self.running[0]))
+            again = self._schedule()
+            sched = Schedule(again.decode, again.prefill, sched.preempted + again.preempted)
+        return sched
+
+    def _schedule(self) -> Schedule:
         preempted: list[Request] = []
         decode: list[DecodeRow] = []
         for req in list(self.running):
