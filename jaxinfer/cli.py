@@ -382,6 +382,12 @@ def cmd_chat(args) -> int:
     from jaxinfer.generate import stream
     from jaxinfer.prompts import check_text
 
+    engine = None
+    if model.config.mla is None and getattr(model, "sharding", None) is None:
+        from jaxinfer.engine import Engine
+
+        # One row, and the conversation's pages kept: a turn prefills only the new messages.
+        engine = Engine(model, max_num_seqs=1, kv_cache_dtype=_kv_cache_dtype(args))
     history = _readline()
     system = args.system
     messages: list[dict] = []
@@ -422,14 +428,22 @@ def cmd_chat(args) -> int:
             turn = ([{"role": "system", "content": system}] if system else []) + messages \
                 + [{"role": "user", "content": line}]
             reply = []
+            pieces = None
             try:
-                for piece in stream(model, turn, max_new_tokens=args.max_new_tokens,
+                if engine is not None:
+                    pieces = engine.stream(turn, max_tokens=args.max_new_tokens,
+                                           sampling=sampling, seed=args.seed, stop=args.stop)
+                else:
+                    pieces = stream(model, turn, max_new_tokens=args.max_new_tokens,
                                     sampling=sampling, seed=args.seed, stop=args.stop,
-                                    kv_cache_dtype=_kv_cache_dtype(args)):
+                                    kv_cache_dtype=_kv_cache_dtype(args))
+                for piece in pieces:
                     reply.append(piece)
                     sys.stdout.write(piece)
                     sys.stdout.flush()
-            except KeyboardInterrupt:  # stops this reply; the session goes on
+            except KeyboardInterrupt:  # stops this reply (its request aborted); the session goes on
+                if pieces is not None:
+                    pieces.close()
                 sys.stdout.write(" [stopped]")
             except ValueError as e:  # e.g. the conversation outgrew the context
                 print(f"\njaxinfer: {e}; /reset starts over", file=sys.stderr)

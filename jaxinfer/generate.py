@@ -530,14 +530,35 @@ def stream(model, prompt, max_new_tokens: int = 128, sampling: SamplingParams | 
     return out
 
 
+class StreamText:
+    """A stream's text, token by token: what is safe to show now, holding back text that
+    could still be the start of a stop string; stop ids add no text."""
+
+    def __init__(self, tokenizer, stop_ids, stop_strings):
+        self.decoder = tokenizer.incremental_decoder()
+        self.stop_ids, self.stop_strings = stop_ids, stop_strings
+        self.hold = max((len(s) - 1 for s in stop_strings), default=0)
+        self.text, self.emitted = "", 0
+
+    def feed(self, token: int, finished: bool) -> tuple[str, bool]:
+        """-> (the text to show now, whether a stop string ended the stream there)."""
+        if token not in self.stop_ids:
+            self.text += self.decoder.step(token)
+        if finished:
+            self.text += self.decoder.flush()
+        cut = min((self.text.find(s) for s in self.stop_strings if s in self.text), default=-1)
+        end = cut if cut >= 0 else len(self.text) if finished else len(self.text) - self.hold
+        piece = self.text[self.emitted:end] if end > self.emitted else ""
+        self.emitted = max(self.emitted, end)
+        return piece, cut >= 0
+
+
 def _pieces(model, req: _Request, progress: bool, out: TextStream, t0: float) -> Iterator[str]:
-    decoder = model.tokenizer.incremental_decoder()
-    # Text that could still be the start of a stop string is held back until it is not.
-    hold = max((len(s) - 1 for s in req.stop_strings), default=0)
+    shown = StreamText(model.tokenizer, req.stop_ids, req.stop_strings)
     want_logprobs = req.sampling[0].logprobs
     with memory.reporting_oom("the prefill"):
         state = _run_prefill(model, req, progress)
-    text, emitted, ids, lps = "", 0, [], []
+    ids, lps = [], []
 
     def finish():
         out.completion = _finish(model, ids, lps, req.stop_ids, req.stop_strings,
@@ -559,22 +580,12 @@ def _pieces(model, req: _Request, progress: bool, out: TextStream, t0: float) ->
         if want_logprobs:
             lps.append(float(lp))
         finished = new in req.stop_ids or bool(done)
-        if new not in req.stop_ids:
-            text += decoder.step(new)
-        if finished:
-            text += decoder.flush()
-        cut = min((text.find(s) for s in req.stop_strings if s in text), default=-1)
-        if cut >= 0:
+        piece, stopped = shown.feed(new, finished)
+        if stopped or finished:
             finish()
-            if cut > emitted:
-                yield text[emitted:cut]
-            return
-        safe = len(text) if finished else len(text) - hold
-        if safe > emitted:
-            yield text[emitted:safe]
-            emitted = safe
-        if finished:
-            finish()
+        if piece:
+            yield piece
+        if stopped or finished:
             return
         state = nxt if nxt is not None else decode_step(req.params, state, req.plan)
         nxt = None

@@ -219,3 +219,30 @@ def test_int8_page_pool_equals_generate_with_an_int8_cache(tiny_chat):
         ref = jaxinfer.generate(tiny_chat, [p], max_new_tokens=8, sampling=sp,
                                 kv_cache_dtype="int8")[0]
         assert out.token_ids == ref.token_ids
+
+
+def test_stream_and_chat_turns_reuse_the_cache(tiny_chat):
+    """Engine.stream gives jaxinfer.stream's pieces; the next chat turn (the conversation so
+    far + a new message) prefills only what its cached pages do not hold; closing a stream
+    early aborts its request."""
+    engine = _engine(tiny_chat, pages=60)
+    turn = [{"role": "user", "content": "Name three famous painters and one painting."}]
+    s = engine.stream(turn, max_tokens=12, stop=["e"])
+    pieces = list(s)
+    ref = jaxinfer.stream(tiny_chat, turn, max_new_tokens=12, stop=["e"])
+    assert pieces == list(ref) and s.completion.text == ref.completion.text
+    assert s.completion.token_ids == ref.completion.token_ids
+    before = engine.stats["prompt_tokens"]
+    turn = turn + [{"role": "assistant", "content": s.completion.text},
+                   {"role": "user", "content": "And three sculptors?"}]
+    s2 = engine.stream(turn, max_tokens=6)
+    assert "".join(s2) == "".join(jaxinfer.stream(tiny_chat, turn, max_new_tokens=6))
+    full = len(tiny_chat.tokenizer.apply_chat_template(turn))
+    assert engine.stats["prompt_tokens"] - before < full - 16  # whole pages came from the cache
+    s3 = engine.stream("Hello there", max_tokens=40)
+    next(s3)
+    s3.close()
+    assert not engine.requests
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.free_pages == engine.total_pages

@@ -335,6 +335,56 @@ class Engine:
                                       prompt_tokens=prompt_tokens[i]))
         return results
 
+    def stream(self, prompt, *, sampling=None, max_tokens: int = 128, stop=None,
+               seed: int | None = None, chat: bool | None = None):
+        """One request's text piece by piece, as `jaxinfer.stream` gives it (a TextStream:
+        iterate it; then `.completion`, `.time_to_first_token`). Its prompt's cached pages
+        are reused, so a chat turn prefills only what the conversation added since the last
+        one. Closing the stream (or an exception in the consumer's loop) aborts the request.
+        Other requests in the engine run on meanwhile; their outputs are not returned here."""
+        from jaxinfer.generate import Completion, StreamText, TextStream
+
+        if self.model.tokenizer is None:
+            raise ValueError("stream() needs a tokenizer to turn tokens into text")
+        t0 = time.perf_counter()
+        rid = self.add_request(prompt, sampling=sampling, max_tokens=max_tokens, stop=stop,
+                               seed=seed, chat=chat)
+        req = self.requests[rid]
+        out = TextStream(iter(()))
+
+        def pieces():
+            shown = StreamText(self.model.tokenizer, req.stop_ids, req.stop_strings)
+            ids, lps, reason = [], [], None
+            try:
+                while reason is None:
+                    for o in self.step():
+                        if o.request_id != rid:
+                            continue
+                        if out.time_to_first_token is None:
+                            out.time_to_first_token = time.perf_counter() - t0
+                        for i, token in enumerate(o.new_token_ids):
+                            last = o.finished and i == len(o.new_token_ids) - 1
+                            piece, stopped = shown.feed(token, last)
+                            if piece:
+                                yield piece
+                            if stopped:
+                                break
+                        ids += o.new_token_ids
+                        lps += o.new_logprobs or []
+                        reason = o.finish_reason if o.finished else None
+            finally:
+                if reason is None and rid in self.requests:
+                    self.abort(rid)
+            text = shown.text
+            cuts = [text.find(s) for s in req.stop_strings if s in text]
+            out.completion = Completion(token_ids=ids, text=text[:min(cuts)] if cuts else text,
+                                        finish_reason=reason,
+                                        logprobs=lps if req.sampling.logprobs else None,
+                                        prompt_tokens=len(req.prompt))
+
+        out._pieces = pieces()
+        return out
+
     # -- dispatch -----------------------------------------------------------------------------
 
     def _width(self, rows_pages: Iterable[int]) -> int:
