@@ -133,6 +133,26 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--system", default=None, help="system message")
     c.set_defaults(func=cmd_chat)
 
+    v = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the engine")
+    _add_model_args(v)
+    v.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1, this machine only)")
+    v.add_argument("--port", type=_positive("--port"), default=8000)
+    v.add_argument("--api-key", default=os.environ.get("JAXINFER_API_KEY"),
+                   help="require this bearer token on every endpoint but /health (default "
+                        "$JAXINFER_API_KEY)")
+    v.add_argument("--served-model-name", default=None,
+                   help="the model's name in the API (default --model)")
+    v.add_argument("--max-num-seqs", type=_positive("--max-num-seqs"), default=None,
+                   help="requests running at once")
+    v.add_argument("--max-model-len", type=_positive("--max-model-len"), default=None,
+                   help="the longest prompt + output of a request")
+    v.add_argument("--kv-memory", default=None,
+                   help="the KV page pool: a fraction of free memory (0.8) or bytes ('8GB')")
+    v.add_argument("--max-pending", type=_positive("--max-pending"), default=256,
+                   help="requests queued or running before new ones get 429")
+    v.set_defaults(func=cmd_serve)
+
     q = sub.add_parser("quantize", help="write a checkpoint's weights quantized (int8 / int4 / "
                                         "fp8), to load without re-quantizing")
     _add_verbose(q)
@@ -458,6 +478,36 @@ def cmd_chat(args) -> int:
                 history[0].write_history_file(history[1])
             except OSError:
                 pass
+
+
+def cmd_serve(args) -> int:
+    _check_model_arg(args.model)
+    _check_mesh_args(args)
+    if args.mesh is not None:
+        raise UsageError("serve runs on one device for now; drop --tp / --dp / --ep")
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("binding %s: reachable from other machines%s", args.host,
+                    "" if args.api_key else " and without --api-key")
+    model = _load(args)
+    import uvicorn
+
+    from jaxinfer.engine import Engine
+    from jaxinfer.server import EngineRunner, create_app
+
+    engine = Engine(model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                    kv_memory=args.kv_memory, kv_cache_dtype=_kv_cache_dtype(args))
+    runner = EngineRunner(engine, max_pending=args.max_pending)
+    name = args.served_model_name or args.model
+    app = create_app(runner, name, api_key=args.api_key)
+    print(f"jaxinfer serve: {name} ({model.config.num_layers} layers, {model.config.dtype}); "
+          f"{engine.max_num_seqs} rows, {engine.total_pages} KV pages of {engine.page_size} "
+          f"tokens, max_model_len {engine.max_model_len}; http://{args.host}:{args.port}/v1",
+          file=sys.stderr, flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    finally:
+        runner.close()
+    return 0
 
 
 def cmd_models(args) -> int:

@@ -1,0 +1,48 @@
+"""Prometheus metrics of the server (prometheus-client), in a registry of its own."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge,
+                               Histogram, generate_latest)
+
+
+class Metrics:
+    def __init__(self, runner):
+        self.runner = runner
+        engine = runner.engine
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("jaxinfer_requests", "requests finished (choices)", registry=r)
+        self.tokens = Counter("jaxinfer_generated_tokens", "tokens generated", registry=r)
+        self.ttft = Histogram("jaxinfer_time_to_first_token_seconds", "time to first token",
+                              registry=r, buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10,
+                                                   30, 60))
+        self.tpot = Histogram("jaxinfer_time_per_output_token_seconds",
+                              "request time / its output tokens", registry=r,
+                              buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1))
+        gauges = {
+            "jaxinfer_requests_running": ("requests holding a row",
+                                          lambda: len(engine.scheduler.running)),
+            "jaxinfer_requests_waiting": ("requests queued for a row",
+                                          lambda: len(engine.scheduler.waiting)),
+            "jaxinfer_pages_in_use": ("KV pages held by requests",
+                                      lambda: engine.pool.in_use),
+            "jaxinfer_pages_total": ("KV pages in the pool", lambda: engine.total_pages),
+            "jaxinfer_prefix_cache_hit_rate": ("prompt tokens served from the prefix cache",
+                                               engine.prefix_cache_hit_rate),
+        }
+        for name, (doc, fn) in gauges.items():
+            Gauge(name, doc, registry=r).set_function(fn)
+
+    def first_token(self, t0: float) -> None:
+        self.ttft.observe(time.perf_counter() - t0)
+
+    def finished(self, choices: int, t0: float, tokens: int) -> None:
+        self.requests.inc(choices)
+        self.tokens.inc(tokens)
+        if tokens:
+            self.tpot.observe((time.perf_counter() - t0) / tokens)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,127 @@
+"""The engine on its own thread: the server's event loop only queues work and reads events.
+
+JAX dispatch blocks, so `Engine.step()` never runs on the event loop. Requests, aborts and
+outputs cross threads through a lock-protected inbox (loop -> engine thread) and
+`loop.call_soon_threadsafe` (engine thread -> the request's asyncio.Queue). Every Engine call
+happens on the engine thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import threading
+import time
+
+from jaxinfer.engine import Engine, RequestOutput
+
+
+@dataclasses.dataclass
+class Submitted:
+    request_id: str
+    prompt_tokens: int
+    stop_ids: frozenset[int]  # its stop token ids (they add no text)
+    queue: asyncio.Queue  # RequestOutput, then None when it finished or was aborted
+
+
+class EngineRunner:
+    """Owns an Engine and the thread that steps it."""
+
+    def __init__(self, engine: Engine, max_pending: int = 256):
+        self.engine = engine
+        self.max_pending = max_pending
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._inbox: list = []  # ("add", kwargs, future, queue, loop) | ("abort", request_id)
+        self._queues: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
+        self._stop = False
+        self.pending = 0  # requests submitted and not finished
+        self.counters = {"requests": 0, "generated_tokens": 0, "prompt_tokens": 0}
+        self._thread = threading.Thread(target=self._run, name="jaxinfer-engine", daemon=True)
+        self._thread.start()
+
+    # -- the event loop's side ------------------------------------------------------------
+
+    async def submit(self, prompt, **kwargs) -> Submitted:
+        """Queue a request (Engine.add_request's arguments); its checks' ValueError raises
+        here. OverflowError: the queue is full (the server answers 429)."""
+        if self.pending >= self.max_pending:
+            raise OverflowError(f"{self.pending} requests are already queued or running")
+        loop = asyncio.get_running_loop()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            self._inbox.append(("add", (prompt, kwargs), future, queue, loop))
+            self.pending += 1
+        self._wake.set()
+        try:
+            rid, prompt_tokens, stop_ids = await asyncio.wrap_future(future)
+        except BaseException:
+            with self._lock:
+                self.pending -= 1
+            raise
+        return Submitted(rid, prompt_tokens, stop_ids, queue)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._inbox.append(("abort", request_id))
+        self._wake.set()
+
+    def close(self) -> None:
+        """Stop the thread (requests still running are dropped)."""
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    # -- the engine thread ----------------------------------------------------------------
+
+    def _finish(self, rid: str) -> None:
+        queue, loop = self._queues.pop(rid)
+        loop.call_soon_threadsafe(queue.put_nowait, None)
+        with self._lock:
+            self.pending -= 1
+
+    def _take_inbox(self) -> None:
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+        for item in inbox:
+            if item[0] == "abort":
+                rid = item[1]
+                if rid in self._queues:
+                    if rid in self.engine.requests:
+                        self.engine.abort(rid)
+                    self._finish(rid)
+                continue
+            _, (prompt, kwargs), future, queue, loop = item
+            try:
+                rid = self.engine.add_request(prompt, **kwargs)
+            except Exception as e:  # noqa: BLE001 - handed to the request's coroutine
+                future.set_exception(e)
+                continue
+            req = self.engine.requests[rid]
+            prompt_tokens = len(req.prompt)
+            self._queues[rid] = (queue, loop)
+            self.counters["requests"] += 1
+            self.counters["prompt_tokens"] += prompt_tokens
+            future.set_result((rid, prompt_tokens, req.stop_ids))
+
+    def _run(self) -> None:
+        while not self._stop:
+            self._take_inbox()
+            if not self.engine.has_unfinished():
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            outs: list[RequestOutput] = self.engine.step()
+            for out in outs:
+                self.counters["generated_tokens"] += len(out.new_token_ids)
+                entry = self._queues.get(out.request_id)
+                if entry is None:  # aborted meanwhile
+                    continue
+                queue, loop = entry
+                loop.call_soon_threadsafe(queue.put_nowait, out)
+                if out.finished:
+                    self._finish(out.request_id)
+            if not outs:
+                time.sleep(0)  # let the loop's thread take the lock
