@@ -1,20 +1,21 @@
 """The OpenAI-compatible server, driven by the official `openai` client over loopback."""
 
 import json
+import os
 import socket
-import threading
+import subprocess
+import sys
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 import jaxinfer
-from jaxinfer.engine import Engine
-from jaxinfer.server import EngineRunner, create_app
 
 KEY = "test-key"
+CHAT = [{"role": "user", "content": "Name three painters."}]
+IDS = [5, 6, 7, 8]
 
 
 def _free_port() -> int:
@@ -23,47 +24,52 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-CHAT = [{"role": "user", "content": "Name three painters."}]
-IDS = [5, 6, 7, 8]
-
-
 @pytest.fixture(scope="module")
 def refs(tiny_chat):
-    """generate()'s answers, computed before the server starts: no test thread runs JAX while
-    the engine's thread may (concurrent compiles were seen to crash an XLA CPU process)."""
+    """generate()'s answers for the model the server loads (tiny_chat_dir holds its weights)."""
     return (jaxinfer.generate(tiny_chat, [CHAT], max_new_tokens=12)[0],
             jaxinfer.generate(tiny_chat, [IDS], max_new_tokens=10)[0])
 
 
 @pytest.fixture(scope="module")
-def server(tiny_chat, refs):
-    """The tiny chat model served on 127.0.0.1 (an API key required), stopped at the end."""
-    engine = Engine(tiny_chat, max_num_seqs=4, page_size=8, chunk_size=32, max_model_len=256,
-                    kv_memory=jaxinfer.memory.kv_bytes_per_token(tiny_chat.config) * 8 * 200)
-    runner = EngineRunner(engine, max_pending=64)
+def server(tiny_chat_dir):
+    """`jaxinfer serve` of the tiny chat model in its own process on 127.0.0.1 (an API key
+    required), as a user starts it; stopped (SIGTERM, then killed) at the end."""
     port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(create_app(runner, "tiny", api_key=KEY),
-                                        host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not srv.started and time.time() < deadline:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", engine
-    srv.should_exit = True
-    thread.join(timeout=10)
-    runner.close()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jaxinfer.cli", "serve", "--model", str(tiny_chat_dir),
+         "--dtype", "float32", "--port", str(port), "--api-key", KEY, "--max-num-seqs", "4",
+         "--max-model-len", "256", "--kv-memory", "64MB", "--served-model-name", "tiny"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "JAXINFER_API_KEY": ""})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"jaxinfer serve exited: {proc.stderr.read()}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            time.sleep(0.2)
+    yield url
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server[0] + "/v1", api_key=KEY, timeout=60, max_retries=0)
+    return openai.OpenAI(base_url=server + "/v1", api_key=KEY, timeout=60, max_retries=0)
 
 
-def _pages_in_use(url: str) -> float:
+def _metric(url: str, name: str) -> float:
     text = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
     return float(next(line.split()[1] for line in text.splitlines()
-                      if line.startswith("jaxinfer_pages_in_use ")))
+                      if line.startswith(name + " ")))
 
 
 def test_chat_and_completions_equal_generate(client, refs):
@@ -121,7 +127,7 @@ def test_streaming_n_logprobs_stop_and_seed(client):
                  "response_format": {"type": "json_object"}}), 400, "response_format"),
 ])
 def test_bad_requests_get_openai_errors(server, body, status, words):
-    r = httpx.post(server[0] + "/v1/chat/completions", content=body,
+    r = httpx.post(server + "/v1/chat/completions", content=body,
                    headers={"Authorization": f"Bearer {KEY}",
                             "Content-Type": "application/json"})
     assert r.status_code == status, r.text
@@ -130,14 +136,14 @@ def test_bad_requests_get_openai_errors(server, body, status, words):
 
 
 def test_api_key_is_required_but_not_for_health(server):
-    r = httpx.get(server[0] + "/v1/models")
+    r = httpx.get(server + "/v1/models")
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-    assert httpx.get(server[0] + "/health").json() == {"status": "ok"}
+    assert httpx.get(server + "/health").json() == {"status": "ok"}
 
 
 def test_disconnect_mid_stream_returns_the_pages(server, client):
-    url, engine = server
-    before = engine.stats["generated_tokens"]
+    url = server
+    before = _metric(url, "jaxinfer_engine_generated_tokens")
     with httpx.stream("POST", url + "/v1/completions",
                       headers={"Authorization": f"Bearer {KEY}"},
                       json={"model": "tiny", "prompt": [5, 6, 7] * 20, "max_tokens": 150,
@@ -146,9 +152,10 @@ def test_disconnect_mid_stream_returns_the_pages(server, client):
             if line.startswith("data:"):
                 break  # the first token is out; drop the connection
     deadline = time.time() + 20
-    while _pages_in_use(url) and time.time() < deadline:
+    while _metric(url, "jaxinfer_pages_in_use") and time.time() < deadline:
         time.sleep(0.1)
-    assert _pages_in_use(url) == 0
-    assert engine.stats["generated_tokens"] - before < 100  # aborted, not run to its 150
+    assert _metric(url, "jaxinfer_pages_in_use") == 0
+    # Aborted, not run to its 150 tokens.
+    assert _metric(url, "jaxinfer_engine_generated_tokens") - before < 100
     # Everyone else is still served.
     assert client.completions.create(model="tiny", prompt=[5, 6], max_tokens=3).choices

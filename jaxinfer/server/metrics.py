@@ -31,6 +31,9 @@ class Metrics:
             "jaxinfer_pages_total": ("KV pages in the pool", lambda: engine.total_pages),
             "jaxinfer_prefix_cache_hit_rate": ("prompt tokens served from the prefix cache",
                                                engine.prefix_cache_hit_rate),
+            "jaxinfer_engine_generated_tokens": ("tokens the engine generated (aborted "
+                                                 "requests' included)",
+                                                 lambda: engine.stats["generated_tokens"]),
         }
         for name, (doc, fn) in gauges.items():
             Gauge(name, doc, registry=r).set_function(fn)
