@@ -34,6 +34,34 @@ from pallas_kernels.kv_quant import (CODE_DTYPES, check_quantized_cache, codes_a
 # ---------------------------------------------------------------------------------------------
 
 
+def online_softmax_tile(q, k, v, scales, kv_ok, cols, pos, carry, *, qk_scale: float,
+                        window: int | None, softcap: float | None):
+    """One key tile of the base-2 online softmax of queries q [R, D] at positions pos [R]
+    (query r sees cols <= pos[r], with a window also > pos[r] - window): k, v [block_k, D] the
+    tile as loaded (codes when scales = (k_s, v_s) [block_k] are given), kv_ok [block_k]
+    its loaded keys, cols [block_k] their positions. carry = (acc [R, D], m [R], l [R])
+    float32 -> the same. Shared by the contiguous and paged chunk kernels."""
+    acc, m, l = carry
+    if scales is not None:
+        k = codes_as(k, q.dtype)
+    sc = dot_f32(q, k, trans_b=True)  # [R, block_k]
+    if scales is not None:
+        sc = sc * scales[0][None, :]
+    visible = kv_ok[None, :] & (cols[None, :] <= pos[:, None])
+    if window is not None:
+        visible &= cols[None, :] > pos[:, None] - window
+    sc = jnp.where(visible, softcap_log2(sc * qk_scale, softcap), MASK_VALUE)
+    m_new = jnp.maximum(m, jnp.max(sc, axis=-1))
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(sc - m_new[:, None])  # [R, block_k]
+    l = l * alpha + jnp.sum(p, axis=-1)
+    if scales is not None:
+        pv = dot_f32((p * scales[1][None, :]).astype(q.dtype), codes_as(v, q.dtype))
+    else:
+        pv = dot_f32(p.astype(v.dtype), v)
+    return acc * alpha[:, None] + pv, m_new, l
+
+
 def chunk_attention_kernel(pos_ref, q_ref, k_ref, v_ref, *refs, sm_scale: float, t: int, s: int,
                            block_k: int, window: int | None, quantized: bool,
                            softcap: float | None = None):
@@ -61,34 +89,19 @@ def chunk_attention_kernel(pos_ref, q_ref, k_ref, v_ref, *refs, sm_scale: float,
         lowest = jnp.min(jnp.where(row_ok, pos, s))
         lo = jnp.maximum(lowest - window + 1, 0) // block_k
 
-    def step(j, carry):
-        acc, m, l = carry  # [block_q, D], [block_q], [block_q] (float32)
+    def step(j, carry):  # carry: [block_q, D], [block_q], [block_q] (float32)
         base = multiple_of(j * block_k, block_k)
         cols = base + jnp.arange(block_k)  # [block_k] slot
         kv_ok = cols < s
         # (a float fill: Triton casts no integer to fp8)
         k = plgpu.load(k_ref.at[pl.ds(base, block_k), :], mask=kv_ok[:, None], other=0.0)
         v = plgpu.load(v_ref.at[pl.ds(base, block_k), :], mask=kv_ok[:, None], other=0.0)
+        scales = None
         if quantized:
-            k = codes_as(k, q.dtype)
-        sc = dot_f32(q, k, trans_b=True)  # [block_q, block_k]
-        if quantized:
-            k_s, v_s = (plgpu.load(r.at[pl.ds(base, block_k)], mask=kv_ok, other=0
-                                   ).astype(jnp.float32) for r in (ks_ref, vs_ref))  # [block_k]
-            sc = sc * k_s[None, :]
-        visible = kv_ok[None, :] & (cols[None, :] <= pos[:, None])
-        if window is not None:
-            visible &= cols[None, :] > pos[:, None] - window
-        sc = jnp.where(visible, softcap_log2(sc * qk_scale, softcap), MASK_VALUE)
-        m_new = jnp.maximum(m, jnp.max(sc, axis=-1))
-        alpha = jnp.exp2(m - m_new)
-        p = jnp.exp2(sc - m_new[:, None])  # [block_q, block_k]
-        l = l * alpha + jnp.sum(p, axis=-1)
-        if quantized:
-            pv = dot_f32((p * v_s[None, :]).astype(q.dtype), codes_as(v, q.dtype))
-        else:
-            pv = dot_f32(p.astype(v.dtype), v)
-        return acc * alpha[:, None] + pv, m_new, l
+            scales = tuple(plgpu.load(r.at[pl.ds(base, block_k)], mask=kv_ok, other=0
+                                      ).astype(jnp.float32) for r in (ks_ref, vs_ref))
+        return online_softmax_tile(q, k, v, scales, kv_ok, cols, pos, carry,
+                                   qk_scale=qk_scale, window=window, softcap=softcap)
 
     carry = (jnp.zeros((block_q, d), jnp.float32),
              jnp.full((block_q,), MASK_VALUE, jnp.float32),

@@ -54,10 +54,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (FLOAT_DTYPES, LOG2_E, MASK_VALUE, check_array, check_head_dim,
-                                    check_same_dtype, check_softcap, check_tiles, dot_f32,
-                                    multiple_of, next_pow2, ref_precision, softcap_log2)
+                                    check_same_dtype, check_softcap, check_tiles, multiple_of,
+                                    next_pow2, ref_precision)
 from pallas_kernels._jax_private import is_tracer
-from pallas_kernels.kv_quant import CODE_DTYPES, SCALE_DTYPES, codes_as, dequantize_kv
+from pallas_kernels.chunk_attention import online_softmax_tile
+from pallas_kernels.kv_quant import CODE_DTYPES, SCALE_DTYPES, dequantize_kv
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,8 +129,7 @@ def paged_chunk_attention_kernel(pos_ref, bt_ref, q_ref, k_ref, v_ref, *refs, sm
         hi = jnp.minimum(hi, (c + 1) * per_split)
     tiles_per_page = page_size // block_k
 
-    def step(j, carry):
-        acc, m, l = carry  # [rows, D], [rows], [rows] (float32)
+    def step(j, carry):  # carry: [rows, D], [rows], [rows] (float32)
         base = multiple_of(j * block_k, block_k)
         cols = base + jnp.arange(block_k)  # [block_k] position
         # Only keys some query sees are read: the rest of the page (an unwritten tail, the
@@ -141,26 +141,12 @@ def paged_chunk_attention_kernel(pos_ref, bt_ref, q_ref, k_ref, v_ref, *refs, sm
         # (a float fill: Triton casts no integer to fp8)
         k = plgpu.load(k_ref.at[page, pl.ds(off, block_k), :], mask=kv_ok[:, None], other=0.0)
         v = plgpu.load(v_ref.at[page, pl.ds(off, block_k), :], mask=kv_ok[:, None], other=0.0)
+        scales = None
         if quantized:
-            k = codes_as(k, q.dtype)
-        sc = dot_f32(q, k, trans_b=True)  # [rows, block_k]
-        if quantized:
-            k_s, v_s = (plgpu.load(r.at[page, pl.ds(off, block_k)], mask=kv_ok, other=0
-                                   ).astype(jnp.float32) for r in (ks_ref, vs_ref))  # [block_k]
-            sc = sc * k_s[None, :]
-        visible = kv_ok[None, :] & (cols[None, :] <= pos_rows[:, None])
-        if window is not None:
-            visible &= cols[None, :] > pos_rows[:, None] - window
-        sc = jnp.where(visible, softcap_log2(sc * qk_scale, softcap), MASK_VALUE)
-        m_new = jnp.maximum(m, jnp.max(sc, axis=-1))
-        alpha = jnp.exp2(m - m_new)
-        p = jnp.exp2(sc - m_new[:, None])  # [rows, block_k]
-        l = l * alpha + jnp.sum(p, axis=-1)
-        if quantized:
-            pv = dot_f32((p * v_s[None, :]).astype(q.dtype), codes_as(v, q.dtype))
-        else:
-            pv = dot_f32(p.astype(v.dtype), v)
-        return acc * alpha[:, None] + pv, m_new, l
+            scales = tuple(plgpu.load(r.at[page, pl.ds(off, block_k)], mask=kv_ok, other=0
+                                      ).astype(jnp.float32) for r in (ks_ref, vs_ref))
+        return online_softmax_tile(q, k, v, scales, kv_ok, cols, pos_rows, carry,
+                                   qk_scale=qk_scale, window=window, softcap=softcap)
 
     carry = (jnp.zeros((rows, d), jnp.float32),
              jnp.full((rows,), MASK_VALUE, jnp.float32),
