@@ -53,6 +53,7 @@ def part_decode(model, args, kw):
     kw = {**kw, "max_num_seqs": 64}
     for k in args.decode_steps:
         engine = Engine(model, **kw, decode_steps=k)
+        engine.warmup()
         t0 = time.perf_counter()
         dt = engine_bench.steady_decode(engine, 64, 2048, steps=max(8, 32 // k))
         per_token = dt / k * 1e3
@@ -68,10 +69,9 @@ def part_trace(model, args, kw):
     trace = engine_bench.make_trace(model.config.vocab_size, args.requests, args.rate,
                                     shared_len=512)
     t0 = time.perf_counter()
-    # Compiles first (a short trace of the same shapes), so the timed one measures serving.
-    engine_bench.serve_trace(engine, engine_bench.make_trace(
-        model.config.vocab_size, 24, 1000.0, shared_len=512, seed=9), progress=False)
-    row("trace", "engine warm-up (compiles)", f"{time.perf_counter() - t0:.1f} s")
+    shapes = engine.warmup()  # compiles first, so the timed trace measures serving
+    row("trace", f"engine warm-up ({shapes} executables, {engine.max_num_seqs} rows)",
+        f"{time.perf_counter() - t0:.1f} s")
     r = engine_bench.serve_trace(engine, trace, progress=False)
     row("trace", f"engine, {args.requests} requests at {args.rate}/s",
         f"{r['tokens_per_s']:.0f} tok/s; TTFT p50 {r['ttft_p50_s']:.3f} s p99 "
@@ -106,6 +106,7 @@ def part_det(model, args, kw):
     sps = [SamplingParams(temperature=0.0, logprobs=True) if i % 2 else
            SamplingParams(temperature=0.8, top_p=0.9, seed=i, logprobs=True) for i in range(n)]
     engine = Engine(model, **{**kw, "max_num_seqs": 64}, policy=policy)
+    engine.warmup(sps[:2])
     t0 = time.perf_counter()
     ids = {}
     got = {}

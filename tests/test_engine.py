@@ -246,3 +246,23 @@ def test_stream_and_chat_turns_reuse_the_cache(tiny_chat):
     while engine.has_unfinished():
         engine.step()
     assert engine.free_pages == engine.total_pages
+
+
+def test_warmup_compiles_every_shape_serving_needs(tiny_chat):
+    """After warmup() serving compiles nothing new, and its tokens are still generate()'s."""
+    from jaxinfer.engine import step
+
+    model = tiny_chat
+    engine = _engine(model, max_model_len=64)
+    assert engine.warmup() == 9  # prefill rows 1/2/4 x chunks 16/32, decode rows 1/2/4
+    assert engine.free_pages == engine.total_pages  # padding rows took no page
+    compiled = step.prefill_step._cache_size() + step.decode_step._cache_size()
+    reqs = [(p, SamplingParams(temperature=0.0), n) for p, _, n in _requests(model, 6, seed=4)
+            if len(p) + n <= 64]
+    got, _ = _serve(engine, reqs, np.random.default_rng(5))
+    assert step.prefill_step._cache_size() + step.decode_step._cache_size() == compiled
+    for i, (toks, _, _) in enumerate(_reference(model, reqs)):
+        assert got[i][0] == toks, i
+    with pytest.raises(ValueError, match="idle engine"):
+        engine.add_request([5, 6, 7], max_tokens=2)
+        engine.warmup()

@@ -177,8 +177,11 @@ def main(args, model, name: str) -> int:
         kw["kv_memory"] = args.kv_memory
     results = {"model": name, "backend": jax.default_backend()}
     engine = Engine(model, **kw)
+    t0 = time.perf_counter()
+    engine.warmup(progress=True)  # every shape compiled before the timed trace
     results["engine"] = {"max_num_seqs": engine.max_num_seqs, "page_size": engine.page_size,
-                         "total_pages": engine.total_pages, "decode_steps": engine.decode_steps}
+                         "total_pages": engine.total_pages, "decode_steps": engine.decode_steps,
+                         "warmup_s": time.perf_counter() - t0}
     trace = make_trace(vocab, args.requests, args.rate, tuple(args.prompt_lens),
                        tuple(args.output_lens), args.shared_fraction, args.shared_len)
     results["trace"] = serve_trace(engine, trace)

@@ -28,7 +28,7 @@ from jaxinfer.plan import Plan
 class EngineState:
     """What the engine keeps on the device between steps; donated to every step."""
 
-    cache: PagedKVCache  # the page pools (block_tables: the last dispatch's, unused)
+    cache: PagedKVCache  # the page pools (block_tables: a placeholder; rows carry theirs)
     last_token: jax.Array  # [R + 1] int32: each request slot's newest token; R: padding rows'
     token_counts: jax.Array | None = None  # [R + 1, V] int32: generated-token counts
     seen_mask: jax.Array | None = None  # [R + 1, V] bool: prompt + generated tokens
@@ -71,6 +71,9 @@ def _penalty_rows(state: EngineState, rows: Rows):
 
 
 def _store(state: EngineState, rows: Rows, cache, tokens, counts, seen) -> EngineState:
+    # The state keeps its own placeholder tables: with the dispatch's, the next step's input
+    # shapes would depend on the previous dispatch's and compile once per pair.
+    cache = cache.with_tables(state.cache.block_tables)
     state = state.replace(cache=cache, last_token=state.last_token.at[rows.slot].set(tokens))
     if counts is not None:
         state = state.replace(token_counts=state.token_counts.at[rows.slot].set(counts),
