@@ -25,6 +25,7 @@ from sse_starlette.sse import EventSourceResponse
 from jaxinfer.generate import StreamText
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.server.metrics import Metrics
+from jaxinfer.server.page import PAGE_PATHS, add_chat_page
 from jaxinfer.server.runner import EngineRunner
 
 MAX_BODY_BYTES = 4 << 20
@@ -134,7 +135,7 @@ def create_app(runner: EngineRunner, model_name: str, api_key: str | None = None
 
     @app.middleware("http")
     async def _guard(request: Request, call_next):
-        if request.url.path != "/health" and api_key is not None:
+        if request.url.path not in ("/health", *PAGE_PATHS) and api_key is not None:
             if request.headers.get("authorization") != f"Bearer {api_key}":
                 return _error(401, "a valid API key is required (Authorization: Bearer ...)",
                               kind="authentication_error", code="invalid_api_key")
@@ -142,6 +143,8 @@ def create_app(runner: EngineRunner, model_name: str, api_key: str | None = None
         if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
             return _error(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
         return await call_next(request)
+
+    add_chat_page(app)
 
     @app.get("/health")
     async def health():
