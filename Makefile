@@ -50,7 +50,7 @@ chromium:
 # without them, and neither the server nor its client imports reproduce it alone).
 test: $(VENV)/.installed-test chromium
 	$(PY) -m pytest -n 2 --dist worksteal -q --ignore-glob='tests/test_server*.py'
-	$(PY) -m pytest -q tests/test_server.py tests/test_server_page.py
+	$(PY) -m pytest -q tests/test_server*.py
 
 clean:
 	rm -rf $(VENV)

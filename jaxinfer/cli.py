@@ -47,6 +47,19 @@ def _positive(name):
     return parse
 
 
+def _seconds(name):
+    def parse(text):
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number of seconds, got "
+                                             f"{text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{name} must be > 0, got {text}")
+        return value
+    return parse
+
+
 def _seed(text):
     try:
         value = int(text)
@@ -138,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1, this machine only)")
     v.add_argument("--port", type=_positive("--port"), default=8000)
-    v.add_argument("--api-key", default=os.environ.get("JAXINFER_API_KEY"),
+    v.add_argument("--api-key", default=os.environ.get("JAXINFER_API_KEY") or None,
                    help="require this bearer token on every endpoint but /health (default "
                         "$JAXINFER_API_KEY)")
     v.add_argument("--served-model-name", default=None,
@@ -151,6 +164,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the KV page pool: a fraction of free memory (0.8) or bytes ('8GB')")
     v.add_argument("--max-pending", type=_positive("--max-pending"), default=256,
                    help="requests queued or running before new ones get 429")
+    v.add_argument("--max-tokens-limit", type=_positive("--max-tokens-limit"), default=None,
+                   metavar="N", help="the most max_tokens a request may ask for (default "
+                                     "--max-model-len); more gets 400")
+    v.add_argument("--request-timeout", type=_seconds("--request-timeout"), default=600.0,
+                   metavar="S", help="seconds a request may take, its wait in the queue "
+                                     "included (default 600); past it: aborted, 408")
+    v.add_argument("--shutdown-timeout", type=_seconds("--shutdown-timeout"), default=30.0,
+                   metavar="S", help="on Ctrl-C (or SIGTERM), seconds the requests under way "
+                                     "may take to finish before they are cut (default 30)")
+    v.add_argument("--decode-steps", type=_positive("--decode-steps"), default=1,
+                   help="decode steps per engine dispatch (default 1)")
+    v.add_argument("--preset", default=None,
+                   help="serve a known model's shapes with --random-weights (no tokenizer: "
+                        "token-id prompts through /v1/completions; for load tests)")
+    v.add_argument("--random-weights", action="store_true",
+                   help="random values for --preset, no download")
+    v.add_argument("--num-layers", type=_positive("--num-layers"), default=None, metavar="L",
+                   help="with --preset: its first L layers only")
     v.set_defaults(func=cmd_serve)
 
     q = sub.add_parser("quantize", help="write a checkpoint's weights quantized (int8 / int4 / "
@@ -480,31 +511,79 @@ def cmd_chat(args) -> int:
                 pass
 
 
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False
+
+
 def cmd_serve(args) -> int:
-    _check_model_arg(args.model)
+    if args.random_weights != bool(args.preset):
+        raise UsageError("--preset and --random-weights go together (a preset carries shapes, "
+                         "not weights)")
+    if args.num_layers is not None and not args.preset:
+        raise UsageError("--num-layers cuts a --preset; a checkpoint has its own layers")
+    if not args.preset:
+        _check_model_arg(args.model)
     _check_mesh_args(args)
     if args.mesh is not None:
         raise UsageError("serve runs on one device for now; drop --tp / --dp / --ep")
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
+    if args.max_tokens_limit and args.max_model_len and \
+            args.max_tokens_limit > args.max_model_len:
+        raise UsageError(f"--max-tokens-limit {args.max_tokens_limit} exceeds --max-model-len "
+                         f"{args.max_model_len}")
+    if not _is_loopback(args.host):
         log.warning("binding %s: reachable from other machines%s", args.host,
-                    "" if args.api_key else " and without --api-key")
-    model = _load(args)
-    import uvicorn
+                    "" if args.api_key else " and without --api-key (anyone who can reach it "
+                    "can use it)")
+    if args.preset:
+        from jaxinfer.bench import default_dtype, random_model
 
+        t0 = time.perf_counter()
+        model = random_model(args.preset, args.dtype or default_dtype(),
+                             quantization=args.quantization, group_size=args.group_size,
+                             num_layers=args.num_layers)
+        args.load_s = time.perf_counter() - t0
+    else:
+        model = _load(args)
+    import jax
+    import uvicorn
+    from sse_starlette.sse import AppStatus
+
+    from jaxinfer import memory
     from jaxinfer.engine import Engine
     from jaxinfer.server import EngineRunner, create_app
 
     engine = Engine(model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                    kv_memory=args.kv_memory, kv_cache_dtype=_kv_cache_dtype(args))
+                    kv_memory=args.kv_memory, kv_cache_dtype=_kv_cache_dtype(args),
+                    decode_steps=args.decode_steps)
     runner = EngineRunner(engine, max_pending=args.max_pending)
-    name = args.served_model_name or args.model
-    app = create_app(runner, name, api_key=args.api_key)
-    print(f"jaxinfer serve: {name} ({model.config.num_layers} layers, {model.config.dtype}); "
-          f"{engine.max_num_seqs} rows, {engine.total_pages} KV pages of {engine.page_size} "
-          f"tokens, max_model_len {engine.max_model_len}; http://{args.host}:{args.port}/v1",
+    name = args.served_model_name or args.preset or args.model
+    app = create_app(runner, name, api_key=args.api_key, max_tokens_limit=args.max_tokens_limit,
+                     request_timeout=args.request_timeout)
+    params_bytes = sum(x.nbytes for x in jax.tree.leaves(model.params))
+    c = model.config
+    url = f"http://{'[' + args.host + ']' if ':' in args.host else args.host}:{args.port}"
+    print(f"jaxinfer serve: {name} ({c.num_layers} layers, {c.dtype}, loaded in "
+          f"{args.load_s:.1f} s) on {jax.devices()[0].device_kind}\n"
+          f"  memory: params {memory.gib(params_bytes)}, KV pool {engine.total_pages} pages of "
+          f"{engine.page_size} tokens = {memory.gib(engine.state.cache.nbytes())}"
+          f"{'' if engine.kv_cache_dtype is None else ' (' + engine.kv_cache_dtype + ')'}; "
+          f"{engine.max_num_seqs} rows, max_model_len {engine.max_model_len}\n"
+          f"  {url}/v1 (OpenAI API), {url}/ (chat page); Ctrl-C drains and stops",
           file=sys.stderr, flush=True)
+    # Ctrl-C / SIGTERM: uvicorn stops accepting, then waits for the requests under way (streams
+    # included: sse-starlette would otherwise cut them at the signal) up to --shutdown-timeout.
+    AppStatus.disable_automatic_graceful_drain()
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                            timeout_graceful_shutdown=args.shutdown_timeout)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        uvicorn.Server(config).run()
     finally:
         runner.close()
     return 0

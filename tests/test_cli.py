@@ -117,6 +117,13 @@ def test_prompt_from_stdin_and_file(tiny_chat, tiny_chat_dir, capsys, monkeypatc
     (["bench", "--ep", "4096"], "= 4096 devices, but only"),
     (["bench", "--compile-only"], "--compile-only lowers a --preset"),
     (["bench", "--num-layers", "2"], "--num-layers cuts a --preset"),
+    (["serve", "--preset", "llama3-8b"], "--preset and --random-weights go together"),
+    (["serve", "--num-layers", "2"], "--num-layers cuts a --preset"),
+    (["serve", "--request-timeout", "0"], "--request-timeout must be > 0"),
+    (["serve", "--shutdown-timeout", "x"], "--shutdown-timeout must be a number of seconds"),
+    (["serve", "--max-tokens-limit", "600", "--max-model-len", "512"],
+     "exceeds --max-model-len"),
+    (["serve", "--tp", "4096"], "--tp 4096 --dp 1 --ep 1: a mesh of"),
 ])
 def test_arguments_are_checked_before_loading(argv, match, capsys, monkeypatch):
     def no_load(*a, **k):
@@ -127,6 +134,22 @@ def test_arguments_are_checked_before_loading(argv, match, capsys, monkeypatch):
         assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert match in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("host, warned", [("0.0.0.0", True), ("192.0.2.1", True),
+                                           ("example.org", True), ("127.0.0.2", False),
+                                           ("localhost", False), ("::1", False)])
+def test_serve_warns_when_not_loopback(host, warned, caplog, capsys, monkeypatch):
+    """The warning comes before the load (stopped here: nothing is bound)."""
+    def stop(args):
+        raise RuntimeError("stopped before the load")
+
+    monkeypatch.setattr(cli, "_load", stop)
+    assert cli.main(["serve", "--host", host]) == 2
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert bool(said) == warned and all("reachable from other machines" in m and
+                                        "without --api-key" in m for m in said)
+    assert "stopped before the load" in capsys.readouterr().err
 
 
 def test_version_models_and_help_do_not_import_jax(tmp_path):

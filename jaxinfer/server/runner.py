@@ -57,11 +57,16 @@ class EngineRunner:
         self._wake.set()
         try:
             rid, prompt_tokens, stop_ids = await asyncio.wrap_future(future)
-        except BaseException:
-            with self._lock:
-                self.pending -= 1
+        except asyncio.CancelledError:
+            # The client went away (or timed out) first: the engine thread either skips the
+            # request (its future cancelled) or has added it, and then it is aborted.
+            future.add_done_callback(self._abort_added)
             raise
         return Submitted(rid, prompt_tokens, stop_ids, queue)
+
+    def _abort_added(self, future: concurrent.futures.Future) -> None:
+        if not future.cancelled() and future.exception() is None:
+            self.abort(future.result()[0])
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -94,9 +99,15 @@ class EngineRunner:
                     self._finish(rid)
                 continue
             _, (prompt, kwargs), future, queue, loop = item
+            if not future.set_running_or_notify_cancel():  # its client is gone already
+                with self._lock:
+                    self.pending -= 1
+                continue
             try:
                 rid = self.engine.add_request(prompt, **kwargs)
             except Exception as e:  # noqa: BLE001 - handed to the request's coroutine
+                with self._lock:
+                    self.pending -= 1
                 future.set_exception(e)
                 continue
             req = self.engine.requests[rid]
