@@ -522,7 +522,8 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def cmd_serve(args) -> int:
+def check_serve_args(args) -> None:
+    """`serve`'s argument checks, before anything loads."""
     if args.random_weights != bool(args.preset):
         raise UsageError("--preset and --random-weights go together (a preset carries shapes, "
                          "not weights)")
@@ -537,10 +538,11 @@ def cmd_serve(args) -> int:
             args.max_tokens_limit > args.max_model_len:
         raise UsageError(f"--max-tokens-limit {args.max_tokens_limit} exceeds --max-model-len "
                          f"{args.max_model_len}")
-    if not _is_loopback(args.host):
-        log.warning("binding %s: reachable from other machines%s", args.host,
-                    "" if args.api_key else " and without --api-key (anyone who can reach it "
-                    "can use it)")
+
+
+def serve_engine(args):
+    """The model and Engine that `serve` args describe (also benchmarks/serve_load.py's
+    in-process comparison)."""
     if args.preset:
         from jaxinfer.bench import default_dtype, random_model
 
@@ -551,17 +553,27 @@ def cmd_serve(args) -> int:
         args.load_s = time.perf_counter() - t0
     else:
         model = _load(args)
+    from jaxinfer.engine import Engine
+
+    return model, Engine(model, max_num_seqs=args.max_num_seqs,
+                         max_model_len=args.max_model_len, kv_memory=args.kv_memory,
+                         kv_cache_dtype=_kv_cache_dtype(args), decode_steps=args.decode_steps)
+
+
+def cmd_serve(args) -> int:
+    check_serve_args(args)
+    if not _is_loopback(args.host):
+        log.warning("binding %s: reachable from other machines%s", args.host,
+                    "" if args.api_key else " and without --api-key (anyone who can reach it "
+                    "can use it)")
+    model, engine = serve_engine(args)
     import jax
     import uvicorn
     from sse_starlette.sse import AppStatus
 
     from jaxinfer import memory
-    from jaxinfer.engine import Engine
     from jaxinfer.server import EngineRunner, create_app
 
-    engine = Engine(model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                    kv_memory=args.kv_memory, kv_cache_dtype=_kv_cache_dtype(args),
-                    decode_steps=args.decode_steps)
     runner = EngineRunner(engine, max_pending=args.max_pending)
     name = args.served_model_name or args.preset or args.model
     app = create_app(runner, name, api_key=args.api_key, max_tokens_limit=args.max_tokens_limit,
