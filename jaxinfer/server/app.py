@@ -21,6 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 from sse_starlette.sse import EventSourceResponse
+from starlette.background import BackgroundTask
 
 from jaxinfer.generate import StreamText
 from jaxinfer.sampling import SamplingParams
@@ -336,7 +337,11 @@ def create_app(runner: EngineRunner, model_name: str, api_key: str | None = None
                 for sub in subs:
                     runner.abort(sub.request_id)
 
-        return EventSourceResponse(events(), ping=15)
+        def abort_all():  # also when the client left before the stream's first event
+            for sub in subs:
+                runner.abort(sub.request_id)
+
+        return EventSourceResponse(events(), ping=15, background=BackgroundTask(abort_all))
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest):
