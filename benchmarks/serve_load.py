@@ -38,6 +38,7 @@ import contextlib
 import dataclasses
 import ipaddress
 import json
+import os
 import random
 import signal
 import socket
@@ -155,8 +156,8 @@ class Load:
                     continue
                 c = chunk.choices[0]
                 piece = c.text if self.args.token_ids else (c.delta.content or "")
-                if piece or c.finish_reason:
-                    if piece and r.first is None:
+                if piece or c.finish_reason:  # (a lone stop token shows no text)
+                    if r.first is None:
                         r.first = time.perf_counter()
                     chunks += 1
                     if leave_after is not None and chunks >= leave_after:
@@ -166,7 +167,7 @@ class Load:
                 raise RuntimeError("the stream ended without its usage chunk")
             r.tokens = usage.completion_tokens
             if r.tokens < 1 or r.first is None:
-                raise RuntimeError(f"no tokens came ({usage})")
+                raise RuntimeError(f"no token and no finish reason came ({usage})")
 
     async def malformed(self, r: Request) -> None:
         body, what = self.rng.choice(MALFORMED)
@@ -195,10 +196,13 @@ class Load:
                                for _ in range(self.args.clients)))
         return time.perf_counter() - start
 
-    async def pages_in_use(self) -> float:
+    async def metric(self, name: str) -> float:
         text = (await self.raw.get("/metrics")).text
         return float(next(line.split()[1] for line in text.splitlines()
-                          if line.startswith("jaxinfer_pages_in_use ")))
+                          if line.startswith(name + " ")))
+
+    async def pages_in_use(self) -> float:
+        return await self.metric("jaxinfer_pages_in_use")
 
     async def wait_pages_zero(self, wait: float) -> float:
         deadline = time.perf_counter() + wait
@@ -207,6 +211,21 @@ class Load:
             if pages == 0 or time.perf_counter() > deadline:
                 return pages
             await asyncio.sleep(0.2)
+
+
+async def thread_cpu(load: "Load", pid: int | None) -> dict[str, float]:
+    """CPU seconds so far of the server's engine thread (its /metrics) and, for a server this
+    harness started, its event loop (the main thread, from Linux's /proc)."""
+    out = {}
+    with contextlib.suppress(StopIteration, ValueError, httpx.HTTPError):
+        out["engine_thread"] = await load.metric("jaxinfer_engine_thread_cpu_seconds")
+    if pid is not None:
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            with open(f"/proc/{pid}/task/{pid}/stat") as f:
+                stat = f.read()
+            fields = stat[stat.rindex(")") + 2:].split()  # utime, stime: fields 14, 15
+            out["event_loop"] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return out
 
 
 def summarize(reqs: list[Request], elapsed: float) -> dict:
@@ -247,7 +266,8 @@ def _free_port() -> int:
 
 @contextlib.contextmanager
 def start_server(serve_args: list[str], api_key: str | None, timeout: float):
-    """`jaxinfer serve SERVE_ARGS` on 127.0.0.1 and a free port, until /health answers."""
+    """`jaxinfer serve SERVE_ARGS` on 127.0.0.1 and a free port, until /health answers;
+    yields (url, its pid)."""
     port = _free_port()
     log = tempfile.TemporaryFile("w+")
     cmd = [sys.executable, "-m", "jaxinfer.cli", "serve", *serve_args, "--host", "127.0.0.1",
@@ -257,7 +277,7 @@ def start_server(serve_args: list[str], api_key: str | None, timeout: float):
 
     def stderr() -> str:
         log.seek(0)
-        return log.read()
+        return log.read()[-4000:]
 
     try:
         deadline = time.time() + timeout
@@ -271,7 +291,7 @@ def start_server(serve_args: list[str], api_key: str | None, timeout: float):
                     break
             except httpx.TransportError:
                 time.sleep(0.3)
-        yield url, stderr
+        yield url, proc.pid
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)  # as a user stops it: drain, then exit
@@ -299,6 +319,7 @@ def engine_replay(serve_args: list[str], reqs: list[Request], clients: int) -> d
         start = time.perf_counter()
         added, first, tokens = {}, {}, {}
         ttft, tpot = [], []
+        cpu0 = time.thread_time()
         while todo or engine.has_unfinished():
             while todo and len(added) < clients:
                 r = todo.pop(0)
@@ -318,6 +339,8 @@ def engine_replay(serve_args: list[str], reqs: list[Request], clients: int) -> d
         elapsed = time.perf_counter() - start
         n = sum(tokens.values())
         return {"requests": len(batch), "output_tokens": n, "elapsed_s": elapsed,
+                "engine_thread_cpu_ms_per_1k_tokens": 1e6 * (time.thread_time() - cpu0) / n
+                if n else None,
                 "tokens_per_s": n / elapsed if elapsed else 0.0,
                 "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
                 "tpot_p50_ms": _pct(tpot, 50) and 1e3 * _pct(tpot, 50),
@@ -353,6 +376,10 @@ def table(r: dict) -> list[str]:
              f"{_fmt(s['ttft_p99_s'], '.3f')} s; TPOT p50 {_fmt(s['tpot_p50_ms'], '.1f')} ms "
              f"p99 {_fmt(s['tpot_p99_ms'], '.1f')} ms",
              f"  pages in use at the end: {r['pages_in_use_end']:g}"]
+    if "engine_thread_cpu_ms_per_1k_tokens" in s:
+        lines.append(f"  server host CPU per 1k tokens: engine thread "
+                     f"{s['engine_thread_cpu_ms_per_1k_tokens']:.0f} ms, event loop "
+                     f"{_fmt(s.get('event_loop_cpu_ms_per_1k_tokens'), '.0f')} ms")
     for what in ("failures", "disconnect_errors", "malformed_errors"):
         lines += [f"  {what[:-1]}: {e}" for e in s[what]]
     if "engine" in r:
@@ -360,8 +387,9 @@ def table(r: dict) -> list[str]:
         lines.append(f"  engine in-process, same {e['requests']} requests: "
                      f"{e['tokens_per_s']:.1f} tok/s ({e['output_tokens']} tokens in "
                      f"{e['elapsed_s']:.1f} s); TTFT p50 {_fmt(e['ttft_p50_s'], '.3f')} s; "
-                     f"TPOT p50 {_fmt(e['tpot_p50_ms'], '.1f')} ms; server / engine = "
-                     f"{r['server_over_engine']:.3f}")
+                     f"TPOT p50 {_fmt(e['tpot_p50_ms'], '.1f')} ms; engine thread CPU "
+                     f"{_fmt(e['engine_thread_cpu_ms_per_1k_tokens'], '.0f')} ms per 1k tokens; "
+                     f"server / engine = {r['server_over_engine']:.3f}")
     lines.append("  OK" if r["ok"] else "  NOT OK (failed well-formed requests, wrong answers "
                                         "to malformed ones, or pages still in use)")
     return lines
@@ -406,7 +434,7 @@ def parse(argv=None):
     return args
 
 
-async def _load_run(args, url: str) -> dict:
+async def _load_run(args, url: str, pid: int | None = None) -> dict:
     model = args.model
     if model is None:
         async with httpx.AsyncClient(timeout=10) as c:
@@ -419,13 +447,18 @@ async def _load_run(args, url: str) -> dict:
         if args.warmup > 0:
             await load.run(args.warmup, warmup=True)
             await load.wait_pages_zero(args.drain_timeout)
+        cpu0 = await thread_cpu(load, pid)
         elapsed = await load.run(args.duration)
+        cpu1 = await thread_cpu(load, pid)
         pages = await load.wait_pages_zero(args.drain_timeout)
     finally:
         await load.client.close()
         await load.raw.aclose()
     timed = [r for r in load.requests if not r.warmup]
     server = summarize(timed, elapsed)
+    for name in cpu1:  # host CPU the server spent per 1k tokens, by thread
+        server[f"{name}_cpu_ms_per_1k_tokens"] = 1e6 * (cpu1[name] - cpu0.get(name, 0.0)) \
+            / max(server["output_tokens"], 1)
     return {"model": model, "clients": args.clients, "duration_s": args.duration,
             "mode": "token ids, /v1/completions" if args.token_ids
             else "chat, /v1/chat/completions", "server": server, "pages_in_use_end": pages,
@@ -438,8 +471,8 @@ def main(argv=None) -> int:
     if args.url is not None:
         result = asyncio.run(_load_run(args, args.url.rstrip("/")))
     else:
-        with start_server(args.serve_args, args.api_key, args.start_timeout) as (url, _):
-            result = asyncio.run(_load_run(args, url))
+        with start_server(args.serve_args, args.api_key, args.start_timeout) as (url, pid):
+            result = asyncio.run(_load_run(args, url, pid))
     reqs = result.pop("requests")
     if args.engine_trace:
         result["engine"] = engine_replay(args.serve_args, reqs, args.clients)

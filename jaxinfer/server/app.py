@@ -16,7 +16,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
@@ -120,7 +120,10 @@ def create_app(runner: EngineRunner, model_name: str, api_key: str | None = None
     the most a request may ask for (default the engine's max_model_len); request_timeout:
     seconds a request may take, queue included (None: no limit)."""
     app = FastAPI(title="jaxinfer", docs_url=None, redoc_url=None)
-    app.add_middleware(RequestLimits, max_body_bytes=max_body_bytes, timeout=request_timeout)
+    # The API key, body size and timeout in one plain ASGI middleware: a BaseHTTPMiddleware
+    # (@app.middleware) would pass every streamed event through a task and a memory stream.
+    app.add_middleware(RequestLimits, max_body_bytes=max_body_bytes, timeout=request_timeout,
+                       api_key=api_key, public=("/health", *PAGE_PATHS))
     engine = runner.engine
     tokenizer = engine.model.tokenizer or IdText()  # random weights: token ids only
     metrics = Metrics(runner)
@@ -142,14 +145,6 @@ def create_app(runner: EngineRunner, model_name: str, api_key: str | None = None
     @app.exception_handler(Exception)
     async def _internal(request, e: Exception):  # never a traceback to the client
         return _error(500, f"internal error: {type(e).__name__}", kind="server_error")
-
-    @app.middleware("http")
-    async def _guard(request: Request, call_next):
-        if request.url.path not in ("/health", *PAGE_PATHS) and api_key is not None:
-            if request.headers.get("authorization") != f"Bearer {api_key}":
-                return _error(401, "a valid API key is required (Authorization: Bearer ...)",
-                              kind="authentication_error", code="invalid_api_key")
-        return await call_next(request)
 
     add_chat_page(app)
 
@@ -337,7 +332,7 @@ def create_app(runner: EngineRunner, model_name: str, api_key: str | None = None
                 for sub in subs:
                     runner.abort(sub.request_id)
 
-        def abort_all():  # also when the client left before the stream's first event
+        async def abort_all():  # also when the client left before the stream's first event
             for sub in subs:
                 runner.abort(sub.request_id)
 

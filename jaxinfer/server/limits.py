@@ -1,4 +1,8 @@
-"""Per-request limits as one ASGI middleware: the request body's size and the request's time.
+"""Per-request checks as one plain ASGI middleware: the API key, the request body's size and
+the request's time.
+
+- API key: when set, every path but the public ones (/health, the chat page) needs
+  `Authorization: Bearer KEY`, else 401 (checked before the body is read).
 
 - Body: past `max_body_bytes` a request gets 413 with OpenAI's error body, whether it said its
   size (Content-Length, refused before a byte is read) or streamed it in chunks (counted as it
@@ -13,6 +17,7 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 
 TIMEOUT_CODE = "timeout"
@@ -32,21 +37,30 @@ async def _send_error(send, status: int, message: str, kind: str, code=None) -> 
 
 
 class RequestLimits:
-    """ASGI middleware: `app` with a body size limit and a per-request timeout (None: none)."""
+    """ASGI middleware: `app` behind an API key (None: none), with a body size limit and a
+    per-request timeout (None: none)."""
 
     def __init__(self, app, max_body_bytes: int, timeout: float | None = None,
+                 api_key: str | None = None, public: tuple[str, ...] = ("/health",),
                  exempt: tuple[str, ...] = ("/health", "/metrics")):
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.timeout = timeout
+        self.authorization = None if api_key is None else f"Bearer {api_key}".encode()
+        self.public = public
         self.exempt = exempt
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.authorization is not None and scope["path"] not in self.public and \
+                not hmac.compare_digest(headers.get(b"authorization", b""), self.authorization):
+            return await _send_error(send, 401, "a valid API key is required (Authorization: "
+                                     "Bearer ...)", "authentication_error", "invalid_api_key")
         limit = self.max_body_bytes
         too_large = f"the request body is larger than {limit} bytes"
-        size = dict(scope["headers"]).get(b"content-length")
+        size = headers.get(b"content-length")
         if size is not None and size.isdigit() and int(size) > limit:
             return await _send_error(send, 413, too_large, "invalid_request_error")
         if scope["method"] in ("POST", "PUT", "PATCH"):
