@@ -489,7 +489,8 @@ class TextStream:
     """The text of one completion, piece by piece (iterate it). Once it is exhausted,
     `completion` holds the whole `Completion` (token ids, finish reason, logprobs, prompt
     tokens), `time_to_first_token` the seconds from the call to the first piece's token and
-    `token_times` those to each token (the first decode step's compile shows in the second)."""
+    `token_times` (jaxinfer.stream) those to each token: the first decode step's compile shows
+    in the second."""
 
     def __init__(self, pieces: Iterator[str]):
         self._pieces = pieces
