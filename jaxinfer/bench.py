@@ -72,6 +72,11 @@ class BenchResult:
     param_bytes_per_device: int = 0  # the most any one device holds
     kv_cache_bytes_per_device: int = 0
 
+    @staticmethod
+    def table_header() -> str:
+        return (f"{'model':22s} {'polic':5s} {'batch':6s} {'context':10s} {'decode':>15s} "
+                f"{'throughput':>15s} {'achieved':>13s} of the HBM floor")
+
     def table_row(self) -> str:
         frac = f"{self.floor_fraction:.1%}" if self.floor_fraction is not None else "n/a"
         kv = "" if self.kv_cache_dtype == "auto" else f" kv={self.kv_cache_dtype}"
@@ -422,11 +427,13 @@ def main(args) -> int:
 
         return engine_bench.main(args, model, name)
     results = []
+    print(BenchResult.table_header(), flush=True)
     for b in args.batch:
         r = run(model, name, b, args.prompt_len, args.gen_len, repeats=args.repeats,
                 dump_hlo=args.dump_hlo, policy_name=args.policy, kv_cache_dtype=kv_cache_dtype)
         results.append(r)
-        print(r.table_row(), flush=True)
-    for r in results:
-        print(json.dumps(dataclasses.asdict(r)) if args.json else r.table_row())
+        print(r.table_row(), flush=True)  # each row as it is measured, once
+    if args.json:
+        for r in results:
+            print(json.dumps(dataclasses.asdict(r)))
     return 0

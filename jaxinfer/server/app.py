@@ -3,9 +3,9 @@
     POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics
 
 Errors have OpenAI's body, {"error": {"message", "type", "param", "code"}}, with 400 for a bad
-parameter, 401 without the API key, 404 for an unknown model, 413 for a body too large, 429
-when the queue is full; never a traceback. A client that disconnects from a stream aborts
-its request (its pages go back at once).
+parameter, 401 without the API key, 404 for an unknown model, 408 past the request timeout,
+413 for a body too large, 429 (with Retry-After) when the queue is full; never a traceback. A
+client that disconnects from a stream aborts its request (its pages go back at once).
 """
 
 from __future__ import annotations
@@ -16,26 +16,33 @@ import time
 import uuid
 from typing import Any, Literal
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 from sse_starlette.sse import EventSourceResponse
+from starlette.background import BackgroundTask
 
 from jaxinfer.generate import StreamText
 from jaxinfer.sampling import SamplingParams
+from jaxinfer.server.idtext import IdText
+from jaxinfer.server.limits import RequestLimits
 from jaxinfer.server.metrics import Metrics
+from jaxinfer.server.page import PAGE_PATHS, add_chat_page
 from jaxinfer.server.runner import EngineRunner
 
 MAX_BODY_BYTES = 4 << 20
+RETRY_AFTER_S = 1  # what a 429 asks a client to wait (the openai client honours it)
 
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None,
-                 kind: str = "invalid_request_error", code: str | None = None):
+                 kind: str = "invalid_request_error", code: str | None = None,
+                 headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.kind, self.code = (status, message, param,
                                                                        kind, code)
+        self.headers = headers
 
 
 def _error(status: int, message: str, param=None, kind="invalid_request_error", code=None,
@@ -107,17 +114,24 @@ def _messages(messages: list[dict]) -> list[dict]:
 
 
 def create_app(runner: EngineRunner, model_name: str, api_key: str | None = None,
-               max_tokens_limit: int | None = None) -> FastAPI:
-    """The API over `runner`'s engine, serving the model as `model_name`."""
+               max_tokens_limit: int | None = None, request_timeout: float | None = None,
+               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The API over `runner`'s engine, serving the model as `model_name`. max_tokens_limit:
+    the most a request may ask for (default the engine's max_model_len); request_timeout:
+    seconds a request may take, queue included (None: no limit)."""
     app = FastAPI(title="jaxinfer", docs_url=None, redoc_url=None)
+    # The API key, body size and timeout in one plain ASGI middleware: a BaseHTTPMiddleware
+    # (@app.middleware) would pass every streamed event through a task and a memory stream.
+    app.add_middleware(RequestLimits, max_body_bytes=max_body_bytes, timeout=request_timeout,
+                       api_key=api_key, public=("/health", *PAGE_PATHS))
     engine = runner.engine
-    tokenizer = engine.model.tokenizer
+    tokenizer = engine.model.tokenizer or IdText()  # random weights: token ids only
     metrics = Metrics(runner)
     max_tokens_limit = max_tokens_limit or engine.max_model_len
 
     @app.exception_handler(APIError)
     async def _api_error(request, e: APIError):
-        return _error(e.status, e.message, e.param, e.kind, e.code)
+        return _error(e.status, e.message, e.param, e.kind, e.code, e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, e: RequestValidationError):
@@ -132,16 +146,7 @@ def create_app(runner: EngineRunner, model_name: str, api_key: str | None = None
     async def _internal(request, e: Exception):  # never a traceback to the client
         return _error(500, f"internal error: {type(e).__name__}", kind="server_error")
 
-    @app.middleware("http")
-    async def _guard(request: Request, call_next):
-        if request.url.path != "/health" and api_key is not None:
-            if request.headers.get("authorization") != f"Bearer {api_key}":
-                return _error(401, "a valid API key is required (Authorization: Bearer ...)",
-                              kind="authentication_error", code="invalid_api_key")
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
-            return _error(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
-        return await call_next(request)
+    add_chat_page(app)
 
     @app.get("/health")
     async def health():
@@ -190,7 +195,12 @@ def create_app(runner: EngineRunner, model_name: str, api_key: str | None = None
             for s in subs:
                 runner.abort(s.request_id)
             raise APIError(429, f"the server is busy ({e}); retry later",
-                           kind="rate_limit_error") from None
+                           kind="rate_limit_error",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except asyncio.CancelledError:  # the client went away, or the request timed out
+            for s in subs:
+                runner.abort(s.request_id)
+            raise
         except ValueError as e:
             for s in subs:
                 runner.abort(s.request_id)
@@ -322,7 +332,11 @@ def create_app(runner: EngineRunner, model_name: str, api_key: str | None = None
                 for sub in subs:
                     runner.abort(sub.request_id)
 
-        return EventSourceResponse(events(), ping=15)
+        async def abort_all():  # also when the client left before the stream's first event
+            for sub in subs:
+                runner.abort(sub.request_id)
+
+        return EventSourceResponse(events(), ping=15, background=BackgroundTask(abort_all))
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest):
