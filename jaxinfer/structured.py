@@ -171,8 +171,8 @@ def from_response_format(tokenizer, response_format: dict | None) -> Grammar | N
     """OpenAI's response_format -> a Grammar (None for text). ValueError for a bad one.
 
     {"type": "text"} | {"type": "json_object"} |
-    {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}} |
-    {"type": "regex", "regex": "..."} | {"type": "grammar", "grammar": "<lark>"} (extensions)
+    {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}
+    (the schema is enforced whatever "strict" says)
     """
     if response_format is None:
         return None
@@ -189,9 +189,5 @@ def from_response_format(tokenizer, response_format: dict | None) -> Grammar | N
             raise ValueError("response_format json_schema needs "
                              "{\"json_schema\": {\"name\": ..., \"schema\": {...}}}")
         return Grammar.json_schema(tokenizer, spec["schema"])
-    if kind == "regex":
-        return Grammar.regex(tokenizer, response_format.get("regex"))
-    if kind == "grammar":
-        return Grammar.lark(tokenizer, response_format.get("grammar"))
-    raise ValueError(f"response_format type must be text, json_object, json_schema, regex or "
-                     f"grammar, got {kind!r}")
+    raise ValueError(f"response_format type must be text, json_object or json_schema, got "
+                     f"{kind!r}")
