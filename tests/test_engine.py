@@ -134,6 +134,7 @@ def test_bad_requests_are_refused_alone(tiny_chat):
         (dict(prompt=[5], request_id=good), "already"),
         (dict(prompt=[5], stop=[""]), "stop"),
         (dict(prompt=[5], seed=-1), "seed"),
+        (dict(prompt=[5], grammar='{"type": "object"}'), "Grammar"),
     ]
     for kw, words in bad:
         with pytest.raises(ValueError, match=words):
@@ -263,7 +264,7 @@ def test_constrained_rows_beside_free_rows(tiny_chat):
     import llguidance
     import llguidance.numpy
 
-    from jaxinfer.structured import Grammar, ll_tokenizer
+    from jaxinfer.structured import JSON_WHITESPACE, Grammar, ll_tokenizer
 
     model, tok = tiny_chat, tiny_chat.tokenizer
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
@@ -277,7 +278,7 @@ def test_constrained_rows_beside_free_rows(tiny_chat):
                    (list(range(20, 40)), Grammar.json_schema(tok, schema), schema)]
     engine = _engine(model, pages=60, decode_steps=2)
     ids = [engine.add_request(p, sampling=sp, max_tokens=n) for p, sp, n in free[:2]]
-    ids += [engine.add_request(p, max_tokens=40, grammar=g) for p, g, _ in constrained]
+    ids += [engine.add_request(p, max_tokens=130, grammar=g) for p, g, _ in constrained]
     ids += [engine.add_request(p, sampling=sp, max_tokens=n) for p, sp, n in free[2:]]
     got = {i: ([], [], [], None) for i in ids}
     while engine.has_unfinished():
@@ -306,9 +307,9 @@ def test_constrained_rows_beside_free_rows(tiny_chat):
         m = llguidance.LLMatcher(lt, llguidance.LLMatcher.grammar_from_regex(spec)
                                  if isinstance(spec, str) else
                                  llguidance.LLMatcher.grammar_from_json_schema(
-                                     spec, defaults={"whitespace_pattern": " ?"}))
+                                     spec, defaults={"whitespace_pattern": JSON_WHITESPACE}))
         want, mask = [], llguidance.numpy.allocate_token_bitmask(1, tok.vocab_size)
-        while len(want) < 40 and not m.is_stopped():
+        while len(want) < 130 and not m.is_stopped():
             logits = np.array(model(np.array([prompt + want]))[0, -1:], np.float32)
             llguidance.numpy.fill_next_token_bitmask(m, mask)
             llguidance.numpy.apply_token_bitmask_inplace(logits, mask)

@@ -56,7 +56,7 @@ def server(tiny_chat_dir, tmp_path_factory):
     proc = subprocess.Popen(
         [sys.executable, "-m", "jaxinfer.cli", "serve", "--model", str(model_dir),
          "--dtype", "float32", "--port", str(port), "--api-key", KEY, "--max-num-seqs", "4",
-         "--max-model-len", "256", "--kv-memory", "64MB", "--served-model-name", "tiny"],
+         "--max-model-len", "512", "--kv-memory", "64MB", "--served-model-name", "tiny"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "JAXINFER_API_KEY": ""})
     url = f"http://127.0.0.1:{port}"
@@ -200,12 +200,12 @@ def test_structured_output(client):
     """json_schema (parses, validates), json_object, a regex (vLLM's extension, streamed)
     and a forced tool call: the outputs follow their grammars and end where they do."""
     r = client.chat.completions.create(
-        model="tiny", messages=CHAT, max_tokens=60, temperature=0,
+        model="tiny", messages=CHAT, max_tokens=150, temperature=0,
         response_format={"type": "json_schema",
                          "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}})
     assert r.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
-    r = client.completions.create(model="tiny", prompt="Hello", max_tokens=60, temperature=0.8,
+    r = client.completions.create(model="tiny", prompt="Hello", max_tokens=150, temperature=0.8,
                                   seed=5, extra_body={"response_format": {"type": "json_object"}})
     assert r.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(r.choices[0].text), dict)
@@ -220,12 +220,20 @@ def test_structured_output(client):
         "required": ["city"], "additionalProperties": False}}}
     plain = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2)
     r = client.chat.completions.create(
-        model="tiny", messages=CHAT, max_tokens=30, tools=[tool],
+        model="tiny", messages=CHAT, max_tokens=120, temperature=0, tools=[tool],
         tool_choice={"type": "function", "function": {"name": "weather"}})
     (call,) = r.choices[0].message.tool_calls
     assert call.function.name == "weather" and r.choices[0].finish_reason == "tool_calls"
     jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
     assert r.usage.prompt_tokens > plain.usage.prompt_tokens + 10  # the tools were in it
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=120, temperature=0, tools=[tool],
+        tool_choice="required", stream=True))
+    calls = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
+    assert [c.function.name for c in calls] == ["weather"] * len(calls) and calls
+    for c in calls:
+        jsonschema.validate(json.loads(c.function.arguments), tool["function"]["parameters"])
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
 def test_top_logprobs(client):

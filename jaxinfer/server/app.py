@@ -405,6 +405,8 @@ def create_app(runner: EngineRunner, model_name: str, api_key: str | None = None
             constraint = ("tool_choice",
                           _bind(structured.Grammar.json_schema, tool_schema))
         grammar = await compile_grammar(*constraint) if constraint else None
+        if req.logprobs:  # token bytes come from llguidance's tokenizer (~1 s to build once)
+            await asyncio.to_thread(structured.ll_tokenizer, tokenizer)
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         subs = await submit_all(prompt, req, sp, max_tokens, param, grammar)
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
