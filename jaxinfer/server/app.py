@@ -115,8 +115,7 @@ def _constraint(req: _Common) -> tuple[str, Any] | None:
     found = []
     rf = req.response_format
     if rf is not None and rf.get("type") != "text":
-        found.append(("response_format",
-                      lambda tok: structured.from_response_format(tok, rf)))
+        found.append(("response_format", _bind(structured.from_response_format, rf)))
     so = req.structured_outputs or {}
     for key, value in so.items():
         if key not in _CONSTRAINTS:
@@ -151,7 +150,7 @@ def _tools(req: ChatRequest, template: str) -> tuple[list | None, tuple | None, 
     names = {}
     for i, t in enumerate(tools):
         f = t.get("function") if isinstance(t, dict) else None
-        if t.get("type") != "function" or not isinstance(f, dict) or \
+        if not isinstance(f, dict) or t.get("type") != "function" or \
                 not isinstance(f.get("name"), str) or not f["name"] or \
                 not isinstance(f.get("parameters", {}), dict):
             raise APIError(400, f"tools[{i}] must be {{\"type\": \"function\", \"function\": "
@@ -172,8 +171,9 @@ def _tools(req: ChatRequest, template: str) -> tuple[list | None, tuple | None, 
                  for n, p in names.items()]
         return tools, ("required", None), {"type": "array", "minItems": 1,
                                            "items": {"anyOf": calls}}
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
-    if not isinstance(choice, dict) or choice.get("type") != "function" or name is None:
+    f = choice.get("function") if isinstance(choice, dict) else None
+    name = f.get("name") if isinstance(f, dict) else None
+    if not isinstance(name, str) or choice.get("type") != "function":
         raise APIError(400, 'tool_choice must be "none", "auto", "required" or {"type": '
                             '"function", "function": {"name": ...}}', "tool_choice")
     if name not in names:
@@ -301,10 +301,13 @@ def create_app(runner: EngineRunner, model_name: str, api_key: str | None = None
         return {"object": "list", "data": [{"id": model_name, "object": "model",
                                             "created": 0, "owned_by": "jaxinfer"}]}
 
-    def check(req: _Common) -> tuple[SamplingParams, int]:
+    def check_model(req: _Common) -> None:
         if req.model != model_name:
             raise APIError(404, f"the model {req.model!r} does not exist; this server serves "
                                 f"{model_name!r}", "model", code="model_not_found")
+
+    def check(req: _Common) -> tuple[SamplingParams, int]:
+        check_model(req)
         max_tokens = req.max_completion_tokens or req.max_tokens or 256
         if max_tokens > max_tokens_limit:
             raise APIError(400, f"max_tokens {max_tokens} exceeds this server's limit of "
@@ -330,8 +333,10 @@ def create_app(runner: EngineRunner, model_name: str, api_key: str | None = None
         and parser tables: milliseconds, up to a second for a large schema)."""
         try:
             return await asyncio.to_thread(make, tokenizer)
-        except ValueError as e:
-            raise APIError(400, str(e), param) from None
+        except (ValueError, TypeError) as e:  # TypeError: a value of the wrong JSON type
+            msg = str(e)
+            raise APIError(400, msg if msg.startswith(param) else f"{param}: {msg}",
+                           param) from None
 
     async def submit_all(prompt, req: _Common, sp: SamplingParams, max_tokens: int,
                          param: str, grammar):
@@ -525,6 +530,7 @@ def create_app(runner: EngineRunner, model_name: str, api_key: str | None = None
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest):
+        check_model(req)
         template = getattr(tokenizer, "chat_template", None)
         if not template:
             raise APIError(400, "this model has no chat template; use /v1/completions")
