@@ -146,13 +146,14 @@ class Matcher:
         self.words = -(-vocab_size // 32)  # bitmask width for the tokenizer's ids
 
     def fill_bitmask(self, row: np.ndarray) -> None:
-        """Write the allowed next tokens into row [>= words] int32 (words past the
-        tokenizer's vocabulary are cleared)."""
+        """Write the allowed next tokens into row [W] int32, W = ceil(model vocab / 32):
+        bits of ids past the tokenizer's vocabulary are cleared, ids past the model's (a
+        tokenizer larger than the embedding) left out."""
         row[:] = 0
-        bits = np.frombuffer(self._m.compute_bitmask(), np.int32)[:self.words]
+        bits = np.frombuffer(self._m.compute_bitmask(), np.int32)[:min(self.words, len(row))]
         row[:len(bits)] = bits
         tail = self.vocab_size % 32
-        if tail:  # bits of ids past the tokenizer's last one
+        if tail and self.words <= len(row):  # bits of ids past the tokenizer's last one
             row[self.words - 1] &= np.int32((1 << tail) - 1)
 
     def consume(self, token: int) -> bool:

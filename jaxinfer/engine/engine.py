@@ -39,6 +39,7 @@ from jaxinfer.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
+
 @dataclasses.dataclass(frozen=True)
 class RequestOutput:
     """The tokens one request got in one step."""
