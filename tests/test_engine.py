@@ -257,6 +257,7 @@ def test_constrained_rows_beside_free_rows(tiny_chat):
     logprobs; each constrained row gets what a plain loop picks (the full forward, the mask
     from llguidance's own matcher, argmax), ending where the grammar does; its text matches
     the regex / validates against the schema. One row's top logprobs are log_softmax's."""
+    import dataclasses
     import json
 
     import jax
@@ -289,7 +290,8 @@ def test_constrained_rows_beside_free_rows(tiny_chat):
             tops += out.new_top_logprobs or []
             got[out.request_id] = (toks, lps, tops, out.finish_reason)
     order = [ids[0], ids[1], ids[4], ids[5]]
-    for i, (toks, lps, reason) in zip(order, _reference(model, free)):
+    plain = [(p, dataclasses.replace(sp, top_logprobs=0), n) for p, sp, n in free]
+    for i, (toks, lps, reason) in zip(order, _reference(model, plain)):
         assert got[i][0] == toks and got[i][3] == reason
         if lps:
             np.testing.assert_allclose(got[i][1], lps, atol=1e-4)
@@ -301,6 +303,8 @@ def test_constrained_rows_beside_free_rows(tiny_chat):
         assert [t for t, _ in top] == want.tolist()
         np.testing.assert_allclose([lp for _, lp in top], logp[len(p) - 1 + j][want], atol=1e-4)
         assert top[0][0] == toks[j]
+    with pytest.raises(ValueError, match="top_logprobs"):  # generate does not report them
+        jaxinfer.generate(model, [p], sampling=free[0][1])
     # Constrained rows against a plain masked greedy loop.
     lt = ll_tokenizer(tok)
     for i, (prompt, grammar, spec) in zip(ids[2:4], constrained):
