@@ -252,11 +252,12 @@ def test_stream_and_chat_turns_reuse_the_cache(tiny_chat):
 
 
 def test_constrained_rows_beside_free_rows(tiny_chat):
-    """Structured output: a regex row and a JSON-schema row (greedy) served with two decode
-    steps per engine step beside free rows. The free rows get generate()'s tokens and
-    logprobs; each constrained row gets what a plain loop picks (the full forward, the mask
-    from llguidance's own matcher, argmax), ending where the grammar does; its text matches
-    the regex / validates against the schema. One row's top logprobs are log_softmax's."""
+    """Structured output: a JSON-schema row and a regex row (greedy) served with two decode
+    steps per engine step beside free rows, both preempted midway (recomputed from prompt
+    and output). The free rows get generate()'s tokens and logprobs; each constrained row
+    gets what a plain loop picks (the full forward, the mask from llguidance's own matcher,
+    argmax), ending where the grammar does; its text matches the regex / validates against
+    the schema. One row's top logprobs are log_softmax's."""
     import dataclasses
     import json
 
@@ -275,23 +276,26 @@ def test_constrained_rows_beside_free_rows(tiny_chat):
     regex = r"(yes|no), [0-9]{2,4}"
     free = _requests(model, 4, seed=8)
     free[0] = (free[0][0], SamplingParams(temperature=0.0, top_logprobs=3, logprobs=True), 6)
-    constrained = [([5, 6, 7, 8], Grammar.regex(tok, regex), regex),
-                   (list(range(20, 40)), Grammar.json_schema(tok, schema), schema)]
+    constrained = [(list(range(20, 40)), Grammar.json_schema(tok, schema), schema),
+                   ([5, 6, 7, 8], Grammar.regex(tok, regex), regex)]
     engine = _engine(model, pages=60, decode_steps=2)
-    ids = [engine.add_request(p, sampling=sp, max_tokens=n) for p, sp, n in free[:2]]
+    ids = [engine.add_request(p, sampling=sp, max_tokens=n) for p, sp, n in free]
     ids += [engine.add_request(p, max_tokens=130, grammar=g) for p, g, _ in constrained]
-    ids += [engine.add_request(p, sampling=sp, max_tokens=n) for p, sp, n in free[2:]]
+    held = [engine.requests[i] for i in ids]
     got = {i: ([], [], [], None) for i in ids}
     while engine.has_unfinished():
+        if engine.stats["steps"] == 12:  # both grammar rows (the youngest) are recomputed
+            engine.scheduler._preempt(spare=None)
+            engine.scheduler._preempt(spare=None)
         for out in engine.step():
             toks, lps, tops, _ = got[out.request_id]
             toks += out.new_token_ids
             lps += out.new_logprobs or []
             tops += out.new_top_logprobs or []
             got[out.request_id] = (toks, lps, tops, out.finish_reason)
-    order = [ids[0], ids[1], ids[4], ids[5]]
+    assert [r.preemptions for r in held[4:]] == [1, 1]
     plain = [(p, dataclasses.replace(sp, top_logprobs=0), n) for p, sp, n in free]
-    for i, (toks, lps, reason) in zip(order, _reference(model, plain)):
+    for i, (toks, lps, reason) in zip(ids, _reference(model, plain)):
         assert got[i][0] == toks and got[i][3] == reason
         if lps:
             np.testing.assert_allclose(got[i][1], lps, atol=1e-4)
@@ -307,7 +311,7 @@ def test_constrained_rows_beside_free_rows(tiny_chat):
         jaxinfer.generate(model, [p], sampling=free[0][1])
     # Constrained rows against a plain masked greedy loop.
     lt = ll_tokenizer(tok)
-    for i, (prompt, grammar, spec) in zip(ids[2:4], constrained):
+    for i, (prompt, grammar, spec) in zip(ids[4:], constrained):
         m = llguidance.LLMatcher(lt, llguidance.LLMatcher.grammar_from_regex(spec)
                                  if isinstance(spec, str) else
                                  llguidance.LLMatcher.grammar_from_json_schema(
