@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 from collections.abc import Iterable
 
@@ -36,6 +37,8 @@ from jaxinfer.engine.scheduler import Request, Scheduler, Status
 from jaxinfer.ops.dispatch import kernels_on
 from jaxinfer.sampling import SamplingParams, SamplingTensors
 
+log = logging.getLogger(__name__)
+
 
 @dataclasses.dataclass(frozen=True)
 class RequestOutput:
@@ -46,6 +49,8 @@ class RequestOutput:
     new_logprobs: list[float] | None  # when its SamplingParams asked for logprobs
     finished: bool
     finish_reason: str | None  # "stop" (EOS, stop token or string), "length", or None
+    # Per new token, its SamplingParams.top_logprobs most likely tokens: [(id, logprob), ...]
+    new_top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 def _pow2(n: int, lo: int = 1) -> int:
@@ -183,7 +188,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()  # key ids of requests without their own seed
         self._flags: sampling.SamplingFlags | None = None  # union of the dispatches' so far
-        self._inflight: list = []  # dispatches not read yet: (kind, rows, tokens, logprobs)
+        self._inflight: list = []  # dispatches not read yet: (kind, rows, tokens, logprobs, top)
         self.stats = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "preemptions": 0}
 
     # -- public API ---------------------------------------------------------------------------
@@ -215,11 +220,14 @@ class Engine:
 
     def add_request(self, prompt, *, sampling: SamplingParams | None = None,
                     max_tokens: int = 128, stop=None, request_id: str | None = None,
-                    seed: int | None = None, chat: bool | None = None) -> str:
+                    seed: int | None = None, chat: bool | None = None,
+                    grammar=None) -> str:
         """Queue one request (anything `generate` takes for one prompt) -> its id. Every check
         runs here: a bad request raises ValueError and changes nothing. seed: its own seed
         (its draws then equal generate(..., seed=seed) for it alone); default the engine's
-        seed and its arrival number."""
+        seed and its arrival number. grammar: a `jaxinfer.structured.Grammar` its output must
+        follow (structured output; it finishes with "stop" once the grammar is complete);
+        such a request advances every other step (the scheduler's docstring says why)."""
         from jaxinfer.generate import _stop_ids
 
         model = self.model
@@ -252,6 +260,16 @@ class Engine:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
+        matcher = None
+        if grammar is not None:
+            from jaxinfer.structured import Grammar
+
+            if not isinstance(grammar, Grammar):
+                raise ValueError(f"grammar must be a jaxinfer.structured.Grammar, got "
+                                 f"{type(grammar).__name__}")
+            if model.tokenizer is None or grammar.vocab_size != model.tokenizer.vocab_size:
+                raise ValueError("grammar was compiled for another tokenizer than this model's")
+            matcher = grammar.matcher()
         if sampling.seed is not None:
             seed, key_id = sampling.seed, 0
         elif seed is not None:
@@ -259,7 +277,8 @@ class Engine:
         else:
             seed, key_id = self.seed, index
         req = Request(request_id, key_id, list(ids), sampling, int(max_tokens),
-                      frozenset(stop_ids), tuple(stop_strings), int(seed), time.perf_counter())
+                      frozenset(stop_ids), tuple(stop_strings), int(seed), time.perf_counter(),
+                      matcher=matcher)
         self.requests[request_id] = req
         self.scheduler.waiting.append(req)
         return request_id
@@ -325,11 +344,11 @@ class Engine:
                 sampling=SamplingTensors.from_params(
                     [params[0]] * b).replace(flags=self._flags))
             if kind == "prefill":
-                self.state, new, _ = step_lib.prefill_step(
+                self.state, new, _, _ = step_lib.prefill_step(
                     self.params, self.state, jnp.zeros((b, c), jnp.int32), rows, self.plan)
             else:
-                self.state, new, _ = step_lib.decode_step(self.params, self.state, rows,
-                                                          self.plan)
+                self.state, new, _, _ = step_lib.decode_step(self.params, self.state, rows,
+                                                             self.plan)
             new.block_until_ready()
         return len(shapes)
 
@@ -436,8 +455,11 @@ class Engine:
             return self.max_pages
         return min(self.max_pages, _pow2(max(rows_pages, default=1), 16))
 
-    def _rows(self, reqs: list[Request], positions, counts, b: int, width: int):
-        """Rows for these requests padded to b rows (padding: slot R, position -1)."""
+    def _rows(self, reqs: list[Request], positions, counts, b: int, width: int,
+              sampled=None):
+        """Rows for these requests padded to b rows (padding: slot R, position -1).
+        sampled [n] bool: the rows whose token is kept (default all): those with a grammar
+        get its mask of allowed tokens."""
         n = len(reqs)
         r = self.max_num_seqs
         slot = np.full((b,), r, np.int32)
@@ -453,13 +475,23 @@ class Engine:
             tables[i, :len(pages)] = pages
         params = [req.sampling for req in reqs] + [reqs[0].sampling] * (b - n)
         tensors = sampling.SamplingTensors.from_params(params)
-        # The flags of every request so far: a new mix of requests compiles nothing new.
+        # The flags of every request so far: a new mix of requests compiles nothing new. The
+        # top-logprobs search alone is this dispatch's own (rows that ask are rare).
         self._flags = tensors.flags if self._flags is None else self._flags.union(tensors.flags)
-        tensors = tensors.replace(flags=self._flags)
+        tensors = tensors.replace(flags=dataclasses.replace(
+            self._flags, top_logprobs=tensors.flags.top_logprobs))
+        sampled = [True] * n if sampled is None else sampled
+        bitmask = None
+        if any(req.matcher is not None and s for req, s in zip(reqs, sampled)):
+            bitmask = np.full((b, -(-self.model.config.vocab_size // 32)), -1, np.int32)
+            for i, (req, s) in enumerate(zip(reqs, sampled)):
+                if req.matcher is not None and s:
+                    req.matcher.fill_bitmask(bitmask[i])
+            bitmask = jnp.asarray(bitmask)
         return step_lib.Rows(slot=jnp.asarray(slot), position=jnp.asarray(position),
                              count=jnp.asarray(count), seed=jnp.asarray(seed),
                              key_id=jnp.asarray(key_id), block_tables=jnp.asarray(tables),
-                             sampling=tensors)
+                             sampling=tensors, token_bitmask=bitmask)
 
     def _ensure_penalties(self, reqs: list[Request]) -> None:
         """Penalty statistics on the device for requests that use penalties (allocated at the
@@ -494,18 +526,18 @@ class Engine:
         for i, row in enumerate(rows):
             tokens[i, :len(row.tokens)] = row.tokens
         batch = self._rows(reqs, [row.start for row in rows], [len(row.tokens) for row in rows],
-                           b, width)
+                           b, width, sampled=[row.final for row in rows])
         # Rows whose chunk does not end the prompt sample nothing kept: slot R.
         final = np.array([row.final for row in rows] + [False] * (b - len(rows)))
         batch = batch.replace(slot=jnp.where(jnp.asarray(final), batch.slot, self.max_num_seqs))
-        self.state, new, logprobs = step_lib.prefill_step(self.params, self.state,
-                                                          jnp.asarray(tokens), batch, self.plan)
+        self.state, new, logprobs, top = step_lib.prefill_step(
+            self.params, self.state, jnp.asarray(tokens), batch, self.plan)
         for row in rows:
             if row.final:
                 row.request.inflight += 1
         self.stats["prompt_tokens"] += sum(len(row.tokens) for row in rows)
         return ("prefill", [row.request if row.final else None for row in rows], [new],
-                [logprobs])
+                [logprobs], [top])
 
     def _dispatch_decode(self, rows):
         reqs = [row.request for row in rows]
@@ -513,78 +545,106 @@ class Engine:
         width = self._width(len(r.pages) for r in reqs)
         positions = np.array([row.position for row in rows] + [-1] * (b - len(rows)), np.int32)
         batch = self._rows(reqs, positions, [1] * len(rows), b, width)
-        news, lps = [], []
+        news, lps, tops = [], [], []
+        # Rows with a grammar take one step: their next mask needs this step's token.
+        one = np.array([r.matcher is not None for r in reqs] + [False] * (b - len(rows)))
         # decode_steps dispatches of one step each before anything is read: each reads the
         # token the one before wrote to last_token (one step per executable: k steps inside
         # one jit copied the pools between them on the H200, 119 ms/token at k = 4).
         for i in range(self.decode_steps):
             if i:
-                batch = batch.replace(position=jnp.asarray(np.where(positions < 0, -1,
-                                                                    positions + i)))
-            self.state, new, logprobs = step_lib.decode_step(self.params, self.state, batch,
-                                                             self.plan)
+                batch = batch.replace(
+                    position=jnp.asarray(np.where((positions < 0) | one, -1, positions + i)))
+                if one.any():  # idle as padding rows from here on
+                    batch = batch.replace(slot=jnp.where(jnp.asarray(one), self.max_num_seqs,
+                                                         batch.slot), token_bitmask=None)
+            self.state, new, logprobs, top = step_lib.decode_step(self.params, self.state,
+                                                                  batch, self.plan)
             news.append(new)
             lps.append(logprobs)
+            tops.append(top)
         for req in reqs:
             req.inflight += 1
-        return ("decode", reqs, news, lps)
+        return ("decode", reqs, news, lps, tops)
 
     # -- outputs ------------------------------------------------------------------------------
 
     def _read(self, dispatched) -> list[RequestOutput]:
         if not dispatched:
             return []
-        values = jax.device_get([(new, lps) for _, _, new, lps in dispatched])
+        values = jax.device_get([(new, lps, tops) for _, _, new, lps, tops in dispatched])
         now = time.perf_counter()
         outputs: dict[str, RequestOutput] = {}
-        for (_, reqs, _, _), (new, lps) in zip(dispatched, values):
+        for (_, reqs, _, _, _), (new, lps, tops) in zip(dispatched, values):
             new, lps = np.stack(new, axis=1), np.stack(lps, axis=1)  # [B, steps]
+            if tops[0] is not None:  # [B, steps, K]
+                top_ids = np.stack([t[0] for t in tops], axis=1)
+                top_lps = np.stack([t[1] for t in tops], axis=1)
             for row, req in enumerate(reqs):
                 if req is None:
                     continue
                 req.inflight -= 1
                 if req.status is Status.FINISHED or req.finish_reason:
                     continue
-                got, got_lp = self._accept(req, new[row].tolist(), lps[row].tolist())
+                steps = 1 if req.matcher is not None else new.shape[1]  # see _dispatch_decode
+                k = req.sampling.top_logprobs
+                top = [list(zip(top_ids[row, j, :k].tolist(), top_lps[row, j, :k].tolist()))
+                       for j in range(steps)] if k else None
+                got, got_lp, got_top = self._accept(req, new[row, :steps].tolist(),
+                                                    lps[row, :steps].tolist(), top)
                 if req.first_token_time is None and got:
                     req.first_token_time = now
                 prev = outputs.get(req.request_id)
                 if prev is not None:
                     got = prev.new_token_ids + got
                     got_lp = (prev.new_logprobs or []) + got_lp
+                    got_top = (prev.new_top_logprobs or []) + got_top if k else None
                 want_lp = got_lp if req.sampling.logprobs else None
                 outputs[req.request_id] = RequestOutput(req.request_id, got, want_lp,
                                                         req.finish_reason is not None,
-                                                        req.finish_reason)
+                                                        req.finish_reason,
+                                                        got_top if k else None)
         for out in outputs.values():
             if out.finished:
                 self.requests.pop(out.request_id, None)
         return list(outputs.values())
 
-    def _accept(self, req: Request, tokens: list[int], lps: list[float]):
-        """Append a row's new tokens to its request, up to its stop or its budget."""
-        got, got_lp = [], []
-        for token, lp in zip(tokens, lps):
+    def _accept(self, req: Request, tokens: list[int], lps: list[float], tops=None):
+        """Append a row's new tokens to its request, up to its stop or its budget (or the
+        end of its grammar)."""
+        got, got_lp, got_top = [], [], []
+        for j, (token, lp) in enumerate(zip(tokens, lps)):
             if len(req.output) >= req.max_tokens:
                 break
             req.output.append(token)
             req.logprobs.append(lp)
             got.append(token)
             got_lp.append(lp)
+            if tops is not None:
+                req.top_logprobs.append(tops[j])
+                got_top.append(tops[j])
             self.stats["generated_tokens"] += 1
             reason = None
             if token in req.stop_ids:
                 reason = "stop"
-            elif req.stop_strings and self._stop_string(req, got, got_lp):
+            elif req.matcher is not None and not req.matcher.consume(token):
+                # Only an empty mask (no EOS id to end on) lets a disallowed token through.
+                log.warning("request %s: token %d is outside its grammar (%s); stopping it",
+                            req.request_id, token, req.matcher.error)
                 reason = "stop"
+            elif req.stop_strings and self._stop_string(req, got, got_lp, got_top):
+                reason = "stop"
+            elif req.matcher is not None and req.matcher.done:
+                reason = "stop"  # the grammar is complete: only EOS could follow
             elif len(req.output) >= req.max_tokens:
                 reason = "length"
             if reason:
                 self.scheduler.finish(req, reason)
                 break
-        return got, got_lp
+        return got, got_lp, got_top
 
-    def _stop_string(self, req: Request, got: list[int], got_lp: list[float]) -> bool:
+    def _stop_string(self, req: Request, got: list[int], got_lp: list[float],
+                     got_top: list) -> bool:
         """Whether the output's text now holds a stop string; if so the output is cut to the
         fewest tokens whose text reaches it (as generate's _finish)."""
         tok = self.model.tokenizer
@@ -598,8 +658,8 @@ class Engine:
         for n in range(1, len(req.output) + 1):
             if len(tok.decode(req.output[:n])) > cut:
                 drop = len(req.output) - n
-                del req.output[n:], req.logprobs[n:]
+                del req.output[n:], req.logprobs[n:], req.top_logprobs[n:]
                 if drop:
-                    del got[-drop:], got_lp[-drop:]
+                    del got[-drop:], got_lp[-drop:], got_top[-drop:]
                 break
         return True

@@ -45,6 +45,9 @@ class Rows:
     key_id: jax.Array  # [B] int32: the request's key id (0 with its own seed)
     block_tables: jax.Array  # [B, W] int32: the row's pages (0: the null page)
     sampling: sampling.SamplingTensors  # [B] per-row parameters
+    # [B, ceil(V / 32)] int32: the tokens each row may take (structured output; -1 words: all).
+    # None when no row has a grammar: another program, with no mask work.
+    token_bitmask: jax.Array | None = None
 
 
 def _keys(rows: Rows, positions: jax.Array) -> jax.Array:
@@ -54,13 +57,16 @@ def _keys(rows: Rows, positions: jax.Array) -> jax.Array:
 
 
 def _sample(logits, rows: Rows, positions, counts, seen, plan: Plan):
-    """-> (tokens [B], logprobs [B] (zeros when no row asked), counts, seen)."""
+    """-> (tokens [B], logprobs [B] (zeros when no row asked), top, counts, seen); top:
+    (ids [B, K], logprobs [B, K]) of the most likely tokens when some row asked, else None."""
     out = sampling.sample_with_logprobs(logits, _keys(rows, positions), rows.sampling,
                                         token_counts=counts, seen_mask=seen,
+                                        token_bitmask=rows.token_bitmask,
                                         batch_invariant=plan.policy.batch_invariant)
     logprobs = out.logprobs if rows.sampling.flags.logprobs else jnp.zeros_like(out.logprobs)
+    top = (out.top_ids, out.top_logprobs) if out.top_ids is not None else None
     counts, seen = sampling.update_penalty_state(counts, seen, out.tokens)
-    return out.tokens, logprobs, counts, seen
+    return out.tokens, logprobs, top, counts, seen
 
 
 def _penalty_rows(state: EngineState, rows: Rows):
@@ -87,7 +93,7 @@ def prefill_step(params: dict, state: EngineState, tokens: jax.Array, rows: Rows
     """One chunk per row: tokens [B, C] at positions position..position + count - 1 (the rest
     padding) written to the pages, attending to everything before them; the token after each
     row's chunk is sampled (kept by the host for rows whose chunk ends their prompt: those
-    rows carry their slot, the others slot R). -> (state, tokens [B], logprobs [B])."""
+    rows carry their slot, the others slot R). -> (state, tokens [B], logprobs [B], top)."""
     b, c = tokens.shape
     offsets = jnp.arange(c, dtype=jnp.int32)[None, :]  # [1, C]
     positions = jnp.where(offsets < rows.count[:, None], rows.position[:, None] + offsets, -1)
@@ -96,23 +102,23 @@ def prefill_step(params: dict, state: EngineState, tokens: jax.Array, rows: Rows
     logits, cache = forward(params, tokens, positions, plan, cache,
                             logits_at=jnp.maximum(rows.count - 1, 0))  # [B, 1, V]
     counts, seen = _penalty_rows(state, rows)
-    new, logprobs, counts, seen = _sample(logits[:, 0], rows, rows.position + rows.count,
-                                          counts, seen, plan)
-    return _store(state, rows, cache, new, counts, seen), new, logprobs
+    new, logprobs, top, counts, seen = _sample(logits[:, 0], rows, rows.position + rows.count,
+                                               counts, seen, plan)
+    return _store(state, rows, cache, new, counts, seen), new, logprobs, top
 
 
 @functools.partial(jax.jit, static_argnames=("plan",), donate_argnames=("state",))
 def decode_step(params: dict, state: EngineState, rows: Rows, plan: Plan):
     """One token per row: the slot's newest token at `position` (padding rows: -1, idle).
-    -> (state, tokens [B], logprobs [B])."""
+    -> (state, tokens [B], logprobs [B], top (see _sample))."""
     forward = registry.family(plan.config).forward
     counts, seen = _penalty_rows(state, rows)
     logits, cache = forward(params, state.last_token[rows.slot][:, None],
                             rows.position[:, None], plan,
                             state.cache.with_tables(rows.block_tables))  # [B, 1, V]
     nxt = jnp.where(rows.position < 0, rows.position, rows.position + 1)
-    new, logprobs, counts, seen = _sample(logits[:, 0], rows, nxt, counts, seen, plan)
-    return _store(state, rows, cache, new, counts, seen), new, logprobs
+    new, logprobs, top, counts, seen = _sample(logits[:, 0], rows, nxt, counts, seen, plan)
+    return _store(state, rows, cache, new, counts, seen), new, logprobs, top
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
