@@ -270,6 +270,7 @@ def create_app(runner: EngineRunner, model_name: str, api_key: str | None = None
                        api_key=api_key, public=("/health", *PAGE_PATHS))
     engine = runner.engine
     tokenizer = engine.model.tokenizer or IdText()  # random weights: token ids only
+    token_ids_only = engine.model.tokenizer is None
     metrics = Metrics(runner)
     max_tokens_limit = max_tokens_limit or engine.max_model_len
 
@@ -388,6 +389,9 @@ def create_app(runner: EngineRunner, model_name: str, api_key: str | None = None
 
     def token_text(t: int) -> tuple[str, list[int]]:
         """A token's text and its own bytes (part of a UTF-8 character for some tokens)."""
+        if token_ids_only:  # IdText: no llguidance tokenizer; the text is the bytes
+            text = tokenizer.decode([t])
+            return text, list(text.encode())
         raw = structured.ll_tokenizer(tokenizer).decode_bytes([t])
         return tokenizer.decode([t]), list(raw)
 
@@ -419,8 +423,12 @@ def create_app(runner: EngineRunner, model_name: str, api_key: str | None = None
                                     f"{constraint[0]} cannot as well", constraint[0])
             constraint = ("tool_choice",
                           _bind(structured.Grammar.json_schema, tool_schema))
+        if constraint and token_ids_only:
+            raise APIError(400, f"{constraint[0]}: structured output needs the model's "
+                                "tokenizer (this server has token ids only)", constraint[0])
         grammar = await compile_grammar(*constraint) if constraint else None
-        if req.logprobs:  # token bytes come from llguidance's tokenizer (~1 s to build once)
+        if req.logprobs and not token_ids_only:  # token bytes come from llguidance's
+            # tokenizer (~1 s to build once)
             await asyncio.to_thread(structured.ll_tokenizer, tokenizer)
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         subs = await submit_all(prompt, req, sp, max_tokens, param, grammar)
