@@ -1,0 +1,145 @@
+"""Quantized matmuls off the kernels' path (the CPU): dequantized a column block at a time.
+
+Where no Pallas kernel runs (the CPU, float32 activations), x @ w of a `QuantizedWeight` is
+computed as a loop over blocks of w's columns: each block's codes and scales are dequantized
+to a float32 [K, block] tile and multiplied, so XLA holds one tile (about
+`dequant_block_bytes(plan)`, sized to stay in the cache) instead of the weight's float copy,
+and the dequantization cannot be hoisted out of the decode loop (it depends on the block
+index of a loop inside the step). The model's memory is then its codes and scales, about the
+checkpoint's file size, rather than every layer's float32 weights.
+
+The values are those of `dequantize` (the same float32 products) and each output column is
+one float32 dot over K, as the whole-weight reference computes it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.ops import reference
+from jaxinfer.plan import Plan
+from jaxinfer.weights import Parts, QuantizedWeight, as_array, is_transposed
+from pallas_kernels.quantized import codes_of, group_scales
+
+CPU_BLOCK_BYTES = 1 << 20  # a float32 tile of 1 MiB: in the L2 of one core beside its codes
+
+
+def dequant_block_bytes(plan: Plan) -> int:
+    """Float32 bytes of one dequantized tile (the policy's, or its default: 1 MiB on the CPU,
+    0 elsewhere: a GPU's reference path dequantizes once per request, generate.run_params)."""
+    block = plan.policy.dequant_block_bytes
+    if block is None:
+        return CPU_BLOCK_BYTES if jax.default_backend() == "cpu" else 0
+    return block
+
+
+def block_columns(k: int, n: int, block_bytes: int) -> int:
+    """Columns per tile of a [K, N] weight: the largest power of two whose float32 [K, cols]
+    tile fits block_bytes (at least 1), at most N."""
+    cols = 1
+    while cols * 2 * k * 4 <= block_bytes and cols * 2 <= n:
+        cols *= 2
+    return cols
+
+
+def dequantize_tile(qw: QuantizedWeight, dtype) -> jax.Array:
+    """dequantize(qw) of a tile, its per-group scales and offsets made first: XLA would
+    otherwise fuse their conversions and products (fp16 super-scales times 6-bit
+    sub-scales) into every element's dequantization, recomputing them per element."""
+    c = codes_of(qw).astype(jnp.float32)  # [K, N]
+    s, o = jax.lax.optimization_barrier(group_scales(qw))  # [G, N] float32 each, o or None
+    rows = qw.groups * qw.group  # K padded to whole groups (one group: per-column scales)
+    cg = jnp.pad(c, ((0, max(rows - qw.k, 0)), (0, 0)))[:rows].reshape(qw.groups, qw.group, -1)
+    w = cg * s[:, None, :]
+    if o is not None:
+        w = w + o[:, None, :]
+    return w.reshape(rows, -1)[:qw.k].astype(dtype)
+
+
+def _columns(qw: QuantizedWeight, start, width: int) -> QuantizedWeight:
+    """Columns start .. start + width - 1 of qw (every array is [rows, N]) as a weight [K, width]."""
+    def take(a):
+        return jax.lax.dynamic_slice_in_dim(a, start, width, axis=a.ndim - 1)
+    return qw.map_columns(take).replace(out_shape=(width,))
+
+
+def row_unit(qw: QuantizedWeight) -> int:
+    """The fewest rows of K a row slice of qw can start and end at: whole byte rows of every
+    plane, whole scale groups and super-groups."""
+    unit = math.lcm(qw.group, qw.super_group or 1)
+    for b in qw.bits:
+        unit = math.lcm(unit, qw.tile * (8 // b) if b < 8 else 1)
+    return unit
+
+
+def block_rows(qw: QuantizedWeight, block_bytes: int) -> int | None:
+    """Rows per tile for a tall weight read in row tiles [rows, N] (contiguous slices, the
+    columns whole), or None to read it in column tiles: a weight wider than tall, or whose
+    K is not whole units (row_unit), or whose one-unit tile is over twice block_bytes."""
+    unit, k, n = row_unit(qw), qw.k, qw.n
+    if k <= n or k % unit or unit * n * 4 > 2 * block_bytes:
+        return None
+    rows = unit
+    while k % (rows * 2) == 0 and rows * 2 * n * 4 <= block_bytes:
+        rows *= 2
+    return rows
+
+
+def _rows(qw: QuantizedWeight, start, count: int) -> QuantizedWeight:
+    """Rows start .. start + count - 1 of K (multiples of row_unit) as a weight [count, N]."""
+    def take(a, k_per_row: int):
+        return None if a is None else jax.lax.dynamic_slice_in_dim(a, start // k_per_row,
+                                                                    count // k_per_row, axis=0)
+    return qw.replace(planes=tuple(take(p, 8 // b) for p, b in zip(qw.planes, qw.bits)),
+                      scale=take(qw.scale, qw.group), offset=take(qw.offset, qw.group),
+                      super_scale=take(qw.super_scale, qw.super_group),
+                      super_offset=take(qw.super_offset, qw.super_group), k=count)
+
+
+def blocked_matmul(x: jax.Array, qw: QuantizedWeight, block_bytes: int) -> jax.Array:
+    """x [..., K] @ dequantize(qw) [K, *N] -> [..., *N] float32, one dequantized tile at a
+    time (about block_bytes of float32 each): row tiles for a tall weight (a down
+    projection: contiguous slices, partial products summed in order), else column tiles."""
+    lead, k, n = x.shape[:-1], qw.k, qw.n
+    xm = x.reshape(-1, k)  # [M, K]
+    rows = block_rows(qw, block_bytes)
+    if rows is not None:
+        def add_tile(i, acc):  # acc [M, N] float32 += x's rows of tile i @ the tile
+            part = dequantize_tile(_rows(qw, i * rows, rows), xm.dtype).reshape(rows, n)
+            xs = jax.lax.dynamic_slice_in_dim(xm, i * rows, rows, axis=1)
+            return acc + reference.linear(xs, part, out_dtype=jnp.float32)
+        y = jax.lax.fori_loop(0, k // rows, add_tile, jnp.zeros((xm.shape[0], n), jnp.float32))
+        return y.reshape(*lead, *qw.out_shape)
+    cols = block_columns(k, n, block_bytes)
+    blocks, rest = divmod(n, cols)
+
+    def tile(start, width):  # [M, width] float32
+        return reference.linear(xm, dequantize_tile(_columns(qw, start, width), xm.dtype),
+                                out_dtype=jnp.float32)
+
+    ys = jax.lax.map(lambda j: tile(j * cols, cols), jnp.arange(blocks))  # [blocks, M, cols]
+    y = jnp.moveaxis(ys, 0, 1).reshape(xm.shape[0], blocks * cols)
+    if rest:  # the last columns, fewer than a tile
+        y = jnp.concatenate([y, tile(blocks * cols, rest)], axis=1)
+    return y.reshape(*lead, *qw.out_shape)
+
+
+def linear(x: jax.Array, w, plan: Plan, bias=None, out_dtype=None) -> jax.Array:
+    """The reference x [..., K] @ w (+ bias) -> [..., *N] in out_dtype (default x's), with
+    QuantizedWeights (alone or among Parts) dequantized a tile at a time where the plan
+    says (dequant_block_bytes), else whole."""
+    block = dequant_block_bytes(plan)
+    if block and isinstance(w, QuantizedWeight):
+        y = blocked_matmul(x, w, block)
+    elif block and isinstance(w, Parts):
+        y = w.combine([linear(x, p, plan, out_dtype=jnp.float32).reshape(*x.shape[:-1], -1)
+                       for p in w.parts])
+    else:
+        y = reference.linear(x, as_array(w, x.dtype), transposed=is_transposed(w),
+                             out_dtype=jnp.float32)
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    return y.astype(out_dtype or x.dtype)
