@@ -89,6 +89,11 @@ class Model:
         return tokens.astype(np.int32)
 
 
+def _to_device(name: str, value):
+    """A loader's transform: the param (an array, or a weight's arrays) on the default device."""
+    return jax.tree.map(jnp.asarray, value)
+
+
 def _check_policy(policy) -> KernelPolicy:
     if policy is None:
         return KernelPolicy()
@@ -178,10 +183,17 @@ def load(source: str = DEFAULT_MODEL, dtype: str | None = None,
     def transform(name, value):
         return read["transform"](name, value)
 
+    if quantizing or mesh is not None:
+        on_read = transform
+    elif jax.default_backend() == "cpu":
+        # The device is the host: each param becomes a device array as it is read, so the
+        # loader's numpy copy of the whole model never sits beside the device's.
+        on_read = _to_device
+    else:
+        on_read = None
     config, params, tokenizer = load_checkpoint(
         source, before_tensors=fits, keep_quantized=quantization is None,
-        transform=transform if quantizing or mesh is not None else None,
-        host=mesh is not None)
+        transform=on_read, host=mesh is not None)
     with memory.reporting_oom(f"loading {source}"):
         return from_params(config, params, tokenizer, dtype, policy, quantization, group_size,
                            read.get("sharding"))
