@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jaxinfer.ops import reference
 from jaxinfer.plan import Plan
 from jaxinfer.weights import Parts, QuantizedWeight, as_array, is_transposed
-from pallas_kernels.quantized import codes_of, group_scales
+from pallas_kernels.quantized import group_scales, unpack_plane
 
 CPU_BLOCK_BYTES = 1 << 20  # a float32 tile of 1 MiB: in the L2 of one core beside its codes
 
@@ -46,10 +46,19 @@ def block_columns(k: int, n: int, block_bytes: int) -> int:
 
 
 def dequantize_tile(qw: QuantizedWeight, dtype) -> jax.Array:
-    """dequantize(qw) of a tile, its per-group scales and offsets made first: XLA would
-    otherwise fuse their conversions and products (fp16 super-scales times 6-bit
-    sub-scales) into every element's dequantization, recomputing them per element."""
-    c = codes_of(qw).astype(jnp.float32)  # [K, N]
+    """dequantize(qw) of a tile, the same float32 values, in the form XLA's CPU code runs
+    fastest: the codes stay uint8 until one conversion (code_offset taken off in float32,
+    exactly), and the per-group scales and offsets are made first (an optimization barrier):
+    XLA would otherwise fuse their conversions and products (fp16 super-scales times 6-bit
+    sub-scales) into every element's dequantization."""
+    c, shift = None, 0
+    for plane, b in zip(qw.planes, qw.bits):
+        v = unpack_plane(plane, b, qw.tile, qw.k)  # [K, N] uint8 (int8 / fp8 as stored)
+        c = v if c is None else c | (v << shift)
+        shift += b
+    c = c.astype(jnp.float32)
+    if qw.code_offset:
+        c = c - qw.code_offset
     s, o = jax.lax.optimization_barrier(group_scales(qw))  # [G, N] float32 each, o or None
     rows = qw.groups * qw.group  # K padded to whole groups (one group: per-column scales)
     cg = jnp.pad(c, ((0, max(rows - qw.k, 0)), (0, 0)))[:rows].reshape(qw.groups, qw.group, -1)
