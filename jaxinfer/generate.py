@@ -68,7 +68,7 @@ class Completion:
     prompt_tokens: int = 0  # the prompt's length in tokens (after the chat template)
 
 
-def _bucket(n: int, buckets: Sequence[int]) -> int:
+def bucket(n: int, buckets: Sequence[int]) -> int:
     for b in buckets:
         if n <= b:
             return b
@@ -252,11 +252,11 @@ def init_state(model, prompt_ids: list[list[int]], max_new_tokens: int,
     if max_seq_len is not None and need > max_seq_len:
         raise ValueError(f"prompt of {longest} tokens + max_new_tokens {max_new_tokens} = {need} "
                          f"exceeds max_seq_len {max_seq_len}")
-    t = min(_bucket(longest, PROMPT_BUCKETS), context)
+    t = min(bucket(longest, PROMPT_BUCKETS), context)
     t = -(-t // prompt_multiple) * prompt_multiple
-    s = max_seq_len or min(_bucket(need, (CACHE_ROUND,)), context)
+    s = max_seq_len or min(bucket(need, (CACHE_ROUND,)), context)
     s = max(s, t)
-    n = _bucket(max_new_tokens, NEW_TOKEN_BUCKETS)
+    n = bucket(max_new_tokens, NEW_TOKEN_BUCKETS)
     b = len(prompt_ids)
     chunk = prompt_multiple if prompt_multiple > 1 else t  # the largest prefill step's tokens
     memory.check_request(config, b, t, s, chunk, kv_cache_dtype, sharding)
@@ -369,7 +369,7 @@ def run_params(model, plan: Plan):
     quantized = any(isinstance(w, QuantizedWeight | Parts) for w in jax.tree.leaves(
         params, is_leaf=lambda a: isinstance(a, QuantizedWeight | Parts)))
     if quantized and not kernels_on(plan, plan.config.dtype):
-        blocked = dequant_block_bytes(plan) > 0
+        blocked = dequant_block_bytes(plan.policy) > 0
         specs = registry.family(plan.config).param_specs(plan.config)
         whole = any(_read_whole(path, spec) for path, spec in
                     jax.tree_util.tree_leaves_with_path(

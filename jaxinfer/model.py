@@ -152,6 +152,7 @@ def load(source: str = DEFAULT_MODEL, dtype: str | None = None,
     """
     from checkpoints import load_checkpoint
     from jaxinfer import compilation_cache, memory
+    from jaxinfer.ops.blocked import dequant_block_bytes
 
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
@@ -178,7 +179,7 @@ def load(source: str = DEFAULT_MODEL, dtype: str | None = None,
             read["transform"] = place_on_read(specs, sharding, dtype, quantization, group_size)
             return
         memory.check_load(config, dtype, host_float32_copy=float32_staging,
-                          stored_bytes=stored_bytes)
+                          stored_bytes=stored_bytes, blocked=dequant_block_bytes(policy) > 0)
 
     def transform(name, value):
         return read["transform"](name, value)

@@ -1,15 +1,17 @@
-"""Quantized matmuls off the kernels' path (the CPU): dequantized a column block at a time.
+"""Quantized matmuls off the kernels' path (the CPU): dequantized one tile at a time.
 
 Where no Pallas kernel runs (the CPU, float32 activations), x @ w of a `QuantizedWeight` is
-computed as a loop over blocks of w's columns: each block's codes and scales are dequantized
-to a float32 [K, block] tile and multiplied, so XLA holds one tile (about
-`dequant_block_bytes(plan)`, sized to stay in the cache) instead of the weight's float copy,
-and the dequantization cannot be hoisted out of the decode loop (it depends on the block
-index of a loop inside the step). The model's memory is then its codes and scales, about the
-checkpoint's file size, rather than every layer's float32 weights.
+computed as a loop over tiles of w: each tile's codes and scales are dequantized to a float32
+tile of about `dequant_block_bytes(policy)` (sized to stay in the cache) and multiplied, so
+XLA holds one tile instead of the weight's float copy, and the dequantization cannot be
+hoisted out of the decode loop (it depends on the tile index of a loop inside the step). The
+model's memory is then its codes and scales, about the checkpoint's file size, rather than
+every layer's float32 weights (XLA hoisted those out of the decode loop: 9 GB for a 1 GB
+Q4_K_M file). Tiles are column blocks [K, cols], or for a tall weight (a down projection)
+row blocks [rows, N], which are contiguous slices of the codes.
 
-The values are those of `dequantize` (the same float32 products) and each output column is
-one float32 dot over K, as the whole-weight reference computes it.
+The tiles' values are those of `dequantize` (the same float32 products); a column tile's
+outputs are each one float32 dot over K, a row tile's partial sums are added in order.
 """
 
 from __future__ import annotations
@@ -20,17 +22,26 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.ops import reference
-from jaxinfer.plan import Plan
+from jaxinfer.plan import KernelPolicy, Plan
 from jaxinfer.weights import Parts, QuantizedWeight, as_array, is_transposed
 from pallas_kernels.quantized import group_scales, unpack_plane
 
 CPU_BLOCK_BYTES = 1 << 20  # a float32 tile of 1 MiB: in the L2 of one core beside its codes
 
 
-def dequant_block_bytes(plan: Plan) -> int:
+# At most this many rows (decode steps, small batches) multiply tile by tile; more (a prefill
+# chunk) dequantize the weight whole, one weight at a time. XLA gives each loop's output
+# buffer its own allocation for the whole step, so the [T, N] outputs of every layer's tile
+# loops add up (prefill temp of 4 layers at 512 tokens: 212 MB tiled, 59 MB whole), while a
+# whole weight's float32 copy is a temporary XLA reuses from one weight to the next; beside
+# a GEMM of that many rows its dequantization costs little.
+TILED_ROWS = 64
+
+
+def dequant_block_bytes(policy: KernelPolicy) -> int:
     """Float32 bytes of one dequantized tile (the policy's, or its default: 1 MiB on the CPU,
     0 elsewhere: a GPU's reference path dequantizes once per request, generate.run_params)."""
-    block = plan.policy.dequant_block_bytes
+    block = policy.dequant_block_bytes
     if block is None:
         return CPU_BLOCK_BYTES if jax.default_backend() == "cpu" else 0
     return block
@@ -140,9 +151,15 @@ def linear(x: jax.Array, w, plan: Plan, bias=None, out_dtype=None) -> jax.Array:
     """The reference x [..., K] @ w (+ bias) -> [..., *N] in out_dtype (default x's), with
     QuantizedWeights (alone or among Parts) dequantized a tile at a time where the plan
     says (dequant_block_bytes), else whole."""
-    block = dequant_block_bytes(plan)
+    block = dequant_block_bytes(plan.policy)
     if block and isinstance(w, QuantizedWeight):
-        y = blocked_matmul(x, w, block)
+        if math.prod(x.shape[:-1]) <= TILED_ROWS:
+            y = blocked_matmul(x, w, block)
+        else:  # a prefill: the weight whole (see TILED_ROWS), once its input is there, so
+            # that XLA cannot dequantize every layer's weights up front and hold them all
+            w, x = jax.lax.optimization_barrier((w, x))
+            y = reference.linear(x, dequantize_tile(w, x.dtype), out_dtype=jnp.float32)
+            y = y.reshape(*x.shape[:-1], *w.out_shape)
     elif block and isinstance(w, Parts):
         y = w.combine([linear(x, p, plan, out_dtype=jnp.float32).reshape(*x.shape[:-1], -1)
                        for p in w.parts])
