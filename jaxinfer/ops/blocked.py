@@ -4,7 +4,7 @@ Where no Pallas kernel runs (the CPU, float32 activations), x @ w of a `Quantize
 computed as a loop over tiles of w: each tile's codes and scales are dequantized to a float32
 tile of about `dequant_block_bytes(policy)` (sized to stay in the cache) and multiplied, so
 XLA holds one tile instead of the weight's float copy, and the dequantization cannot be
-hoisted out of the decode loop (it depends on the tile index of a loop inside the step). The
+hoisted out of the decode loop (an optimization barrier ties the codes to the step's input). The
 model's memory is then its codes and scales, about the checkpoint's file size, rather than
 every layer's float32 weights (XLA hoisted those out of the decode loop: 9 GB for a 1 GB
 Q4_K_M file). Tiles are column blocks [K, cols], or for a tall weight (a down projection)
@@ -124,7 +124,9 @@ def blocked_matmul(x: jax.Array, qw: QuantizedWeight, block_bytes: int) -> jax.A
     time (about block_bytes of float32 each): row tiles for a tall weight (a down
     projection: contiguous slices, partial products summed in order), else column tiles."""
     lead, k, n = x.shape[:-1], qw.k, qw.n
-    xm = x.reshape(-1, k)  # [M, K]
+    # Tied to the input, the weight's tiles are never loop-invariant: XLA would otherwise
+    # hoist the dequantization of a weight of one tile (no loop left) out of the decode loop.
+    qw, xm = jax.lax.optimization_barrier((qw, x.reshape(-1, k)))  # xm [M, K]
     rows = block_rows(qw, block_bytes)
     if rows is not None:
         def add_tile(i, acc):  # acc [M, N] float32 += x's rows of tile i @ the tile
