@@ -405,7 +405,8 @@ def cpu_peak_estimate(model: Model, plan, batch: int, prompt_len: int, gen_len: 
     # as init_state pads them for run(): the prompt to its bucket, prefilled in one shot
     padded = bucket(prompt_len, PROMPT_BUCKETS)
     cache = max(bucket(prompt_len + gen_len, (CACHE_ROUND,)), padded)
-    request = memory.request_parts(config, batch, padded, cache, padded, kv_cache_dtype)
+    request = memory.request_parts(config, batch, padded, cache, padded, kv_cache_dtype,
+                                   quantized=quantized)
     return memory.cpu_peak_bytes(config, held, load, request, model.tokenizer is not None)
 
 

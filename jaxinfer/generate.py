@@ -259,7 +259,8 @@ def init_state(model, prompt_ids: list[list[int]], max_new_tokens: int,
     n = bucket(max_new_tokens, NEW_TOKEN_BUCKETS)
     b = len(prompt_ids)
     chunk = prompt_multiple if prompt_multiple > 1 else t  # the largest prefill step's tokens
-    memory.check_request(config, b, t, s, chunk, kv_cache_dtype, sharding)
+    memory.check_request(config, b, t, s, chunk, kv_cache_dtype, sharding,
+                         quantized=has_quantized(model.params))
     tokens = np.zeros((b, t), np.int32)
     for i, p in enumerate(prompt_ids):
         tokens[i, :len(p)] = p
@@ -357,6 +358,12 @@ def _dequantized(params, plan: Plan, blocked: bool = False):
     return cast_floating(dequantize_params(params, specs), config.dtype, specs)
 
 
+def has_quantized(params) -> bool:
+    """Whether params hold a quantized matmul weight (alone or among Parts)."""
+    return any(isinstance(w, QuantizedWeight | Parts) for w in jax.tree.leaves(
+        params, is_leaf=lambda a: isinstance(a, QuantizedWeight | Parts)))
+
+
 def run_params(model, plan: Plan):
     """The params a request's compiled functions take. Where the ops take the references
     (the CPU; KernelPolicy.reference()) the matmuls dequantize their weights a tile at a time
@@ -366,9 +373,7 @@ def run_params(model, plan: Plan):
     every prefill and decode step: the model keeps its codes between requests, and a
     step-by-step stream does not dequantize per token."""
     params = model.params
-    quantized = any(isinstance(w, QuantizedWeight | Parts) for w in jax.tree.leaves(
-        params, is_leaf=lambda a: isinstance(a, QuantizedWeight | Parts)))
-    if quantized and not kernels_on(plan, plan.config.dtype):
+    if has_quantized(params) and not kernels_on(plan, plan.config.dtype):
         blocked = dequant_block_bytes(plan.policy) > 0
         specs = registry.family(plan.config).param_specs(plan.config)
         whole = any(_read_whole(path, spec) for path, spec in

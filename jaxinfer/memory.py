@@ -255,9 +255,12 @@ def cache_split(config, batch: int, sharding) -> int:
 
 
 def request_parts(config, batch: int, prompt_len: int, cache_len: int, chunk: int,
-                  kv_dtype: str | None = None, sharding=None) -> dict[str, int]:
+                  kv_dtype: str | None = None, sharding=None,
+                  quantized: bool = False) -> dict[str, int]:
     """What a request allocates, by part (see check_request)."""
     import jax
+
+    from jaxinfer.ops.blocked import TILED_ROWS
 
     split = cache_split(config, batch, sharding)
     kv = kv_cache_bytes(config, batch, cache_len, kv_dtype) // split
@@ -272,18 +275,21 @@ def request_parts(config, batch: int, prompt_len: int, cache_len: int, chunk: in
             per_slot = (config.mla.latent_dim if config.mla is not None
                         else 2 * config.num_kv_heads * config.head_dim)
             work += batch * cache_len * per_slot * 4
+        if quantized and tokens > TILED_ROWS:  # a prefill's gate and up dequantized whole
+            work += 2 * config.hidden_size * config.intermediate_size * 4
     if sharding is not None:
         work //= sharding.dp if batch % sharding.dp == 0 else 1  # rows over dp
     return {"KV cache": kv, "workspace": work}
 
 
 def check_request(config, batch: int, prompt_len: int, cache_len: int, chunk: int,
-                  kv_dtype: str | None = None, sharding=None) -> None:
+                  kv_dtype: str | None = None, sharding=None, quantized: bool = False) -> None:
     """Before allocating a request's cache: K/V for batch x cache_len slots (kv_dtype "int8" /
     "fp8": the quantized cache), and the largest prefill step's activations (chunk tokens per
     row; on CPU the reference attention's float32 scores against the cache, and a quantized
     layer's K/V dequantized to float32). sharding (a mesh's): per device, the cache's share
-    (cache_split) against each device's free memory."""
+    (cache_split) against each device's free memory. quantized: the params hold quantized
+    weights (on CPU a prefill dequantizes a weight whole at a time)."""
     import jax
 
     devices = None
@@ -291,7 +297,8 @@ def check_request(config, batch: int, prompt_len: int, cache_len: int, chunk: in
         devices = [d for d in sharding.mesh.devices.flat
                    if d.process_index == jax.process_index()]
     where = "" if sharding is None else f" on {mesh_text(sharding)}, per device"
-    _check(request_parts(config, batch, prompt_len, cache_len, chunk, kv_dtype, sharding),
+    _check(request_parts(config, batch, prompt_len, cache_len, chunk, kv_dtype, sharding,
+                         quantized),
            f"this request (batch {batch}, {prompt_len} prompt tokens padded, cache of "
            f"{cache_len} slots){where}",
            CPU_REMEDY if jax.devices()[0].platform == "cpu" else REMEDY, devices=devices)

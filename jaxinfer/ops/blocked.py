@@ -80,7 +80,7 @@ def dequantize_tile(qw: QuantizedWeight, dtype) -> jax.Array:
 
 
 def _columns(qw: QuantizedWeight, start, width: int) -> QuantizedWeight:
-    """Columns start .. start + width - 1 of qw (every array is [rows, N]) as a weight [K, width]."""
+    """Columns start .. start + width - 1 of qw (its arrays are [rows, N]): a weight [K, width]."""
     def take(a):
         return jax.lax.dynamic_slice_in_dim(a, start, width, axis=a.ndim - 1)
     return qw.map_columns(take).replace(out_shape=(width,))
