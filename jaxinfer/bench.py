@@ -407,7 +407,9 @@ def cpu_peak_estimate(model: Model, plan, batch: int, prompt_len: int, gen_len: 
     cache = max(bucket(prompt_len + gen_len, (CACHE_ROUND,)), padded)
     request = memory.request_parts(config, batch, padded, cache, padded, kv_cache_dtype,
                                    quantized=quantized)
-    return memory.cpu_peak_bytes(config, held, load, request, model.tokenizer is not None)
+    # run() compiles the decode step beside generate's two (the prefill and the decode loop)
+    return memory.cpu_peak_bytes(config, held, load, request, model.tokenizer is not None,
+                                 executables=3)
 
 
 def llama_cpp_note() -> str:

@@ -138,13 +138,14 @@ def params_bytes(config, dtype: str) -> int:
     return sum(math.prod(a.shape) for a in leaves) * itemsize(dtype)
 
 
-def cpu_process_parts(config, tokenizer: bool = True) -> dict[str, int]:
+def cpu_process_parts(config, tokenizer: bool = True, executables: int = 2) -> dict[str, int]:
     """What a CPU process running this model holds besides its params and KV cache (the
-    runtime, the tokenizer's tables, a request's compiled executables: measured constants)."""
+    runtime, the tokenizer's tables, its compiled executables of the whole model: measured
+    constants for generate's two, the prefill and the decode loop)."""
+    per_layer = CPU_COMPILED_BYTES_PER_LAYER * config.num_layers * executables // 2
     return {"runtime and tokenizer": CPU_RUNTIME_BYTES
             + CPU_TOKENIZER_BYTES_PER_TOKEN * config.vocab_size * tokenizer,
-            "compiled executables": CPU_COMPILED_BYTES
-            + CPU_COMPILED_BYTES_PER_LAYER * config.num_layers}
+            "compiled executables": CPU_COMPILED_BYTES + per_layer}
 
 
 def load_parts(config, dtype: str, host_float32_copy: bool = True,
@@ -305,11 +306,11 @@ def check_request(config, batch: int, prompt_len: int, cache_len: int, chunk: in
 
 
 def cpu_peak_bytes(config, params: int, load: dict[str, int], request: dict[str, int],
-                   tokenizer: bool = True) -> int:
+                   tokenizer: bool = True, executables: int = 2) -> int:
     """The resident memory a CPU process peaks at: the runtime and the params (params: their
     bytes as held), then the larger of what the load adds while reading (load_parts beyond
     the params) and what a request adds (its compiled executables, cache and workspace)."""
-    extra = cpu_process_parts(config, tokenizer)
+    extra = cpu_process_parts(config, tokenizer, executables)
     reading = sum(v for k, v in load.items() if not k.startswith("params"))
     running = extra["compiled executables"] + sum(request.values())
     return extra["runtime and tokenizer"] + params + max(reading, running)
