@@ -29,7 +29,7 @@ from jaxinfer.models import registry
 from jaxinfer.ops.dispatch import kernels_on
 from jaxinfer.plan import KernelPolicy, Plan
 from jaxinfer.sampling import SamplingParams
-from jaxinfer.ops.blocked import dequant_block_bytes
+from jaxinfer.ops.blocked import plan_block_bytes
 from jaxinfer.weights import (Kind, ParamSpec, Parts, QuantizedWeight, cast_floating,
                               dequantize_params)
 
@@ -367,14 +367,14 @@ def has_quantized(params) -> bool:
 def run_params(model, plan: Plan):
     """The params a request's compiled functions take. Where the ops take the references
     (the CPU; KernelPolicy.reference()) the matmuls dequantize their weights a tile at a time
-    inside each step where the plan says (KernelPolicy.dequant_block_bytes; the CPU's
-    default), so only weights an op reads whole (experts, MLA's kv_b) are dequantized here,
+    inside each step where the plan says (KernelPolicy.dequant_block_bytes, the CPU's
+    default; not on a sharded plan), so only weights an op reads whole (experts, MLA's kv_b) are dequantized here,
     once per request; with 0 every quantized weight is, in one jitted call, rather than in
     every prefill and decode step: the model keeps its codes between requests, and a
     step-by-step stream does not dequantize per token."""
     params = model.params
     if has_quantized(params) and not kernels_on(plan, plan.config.dtype):
-        blocked = dequant_block_bytes(plan.policy) > 0
+        blocked = plan_block_bytes(plan) > 0
         specs = registry.family(plan.config).param_specs(plan.config)
         whole = any(_read_whole(path, spec) for path, spec in
                     jax.tree_util.tree_leaves_with_path(

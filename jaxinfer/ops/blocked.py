@@ -47,6 +47,13 @@ def dequant_block_bytes(policy: KernelPolicy) -> int:
     return block
 
 
+def plan_block_bytes(plan: Plan) -> int:
+    """dequant_block_bytes of the plan's policy, 0 on a sharded plan: XLA partitions the
+    whole-weight reference over the mesh, where a tile's slices of a sharded weight would
+    gather its codes across devices."""
+    return 0 if plan.sharded else dequant_block_bytes(plan.policy)
+
+
 def block_columns(k: int, n: int, block_bytes: int) -> int:
     """Columns per tile of a [K, N] weight: the largest power of two whose float32 [K, cols]
     tile fits block_bytes (at least 1), at most N."""
@@ -153,7 +160,7 @@ def linear(x: jax.Array, w, plan: Plan, bias=None, out_dtype=None) -> jax.Array:
     """The reference x [..., K] @ w (+ bias) -> [..., *N] in out_dtype (default x's), with
     QuantizedWeights (alone or among Parts) dequantized a tile at a time where the plan
     says (dequant_block_bytes), else whole."""
-    block = dequant_block_bytes(plan.policy)
+    block = plan_block_bytes(plan)
     if block and isinstance(w, QuantizedWeight):
         if math.prod(x.shape[:-1]) <= TILED_ROWS:
             y = blocked_matmul(x, w, block)
