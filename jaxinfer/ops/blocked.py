@@ -2,7 +2,7 @@
 
 Where no Pallas kernel runs (the CPU, float32 activations), x @ w of a `QuantizedWeight` is
 computed as a loop over tiles of w: each tile's codes and scales are dequantized to a float32
-tile of about `dequant_block_bytes(policy)` (sized to stay in the cache) and multiplied, so
+tile of about `dequant_block_bytes(policy)` (32 MiB on a CPU) and multiplied, so
 XLA holds one tile instead of the weight's float copy, and the dequantization cannot be
 hoisted out of the decode loop (an optimization barrier ties the codes to the step's input). The
 model's memory is then its codes and scales, about the checkpoint's file size, rather than
@@ -26,7 +26,10 @@ from jaxinfer.plan import KernelPolicy, Plan
 from jaxinfer.weights import Parts, QuantizedWeight, as_array, is_transposed
 from pallas_kernels.quantized import group_scales, unpack_plane
 
-CPU_BLOCK_BYTES = 1 << 20  # a float32 tile of 1 MiB: in the L2 of one core beside its codes
+# A float32 tile of 32 MiB: on a quiet 2-core machine decode ran 414 ms/token against 767 at
+# 1 MiB (cache-sized tiles ran on one thread; a large tile's dequantization XLA splits over
+# both cores) and 517 at 64 MiB (benchmarks/DECISIONS.md).
+CPU_BLOCK_BYTES = 32 << 20
 
 
 # At most this many rows (decode steps, small batches) multiply tile by tile; more (a prefill
@@ -39,7 +42,7 @@ TILED_ROWS = 64
 
 
 def dequant_block_bytes(policy: KernelPolicy) -> int:
-    """Float32 bytes of one dequantized tile (the policy's, or its default: 1 MiB on the CPU,
+    """Float32 bytes of one dequantized tile (the policy's, or its default: 32 MiB on the CPU,
     0 elsewhere: a GPU's reference path dequantizes once per request, generate.run_params)."""
     block = policy.dequant_block_bytes
     if block is None:
@@ -109,10 +112,9 @@ def block_rows(qw: QuantizedWeight, block_bytes: int) -> int | None:
     unit, k, n = row_unit(qw), qw.k, qw.n
     if k <= n or k % unit or unit * n * 4 > 2 * block_bytes:
         return None
-    rows = unit
-    while k % (rows * 2) == 0 and rows * 2 * n * 4 <= block_bytes:
-        rows *= 2
-    return rows
+    units = k // unit  # the most whole units that divide K and fit block_bytes
+    return unit * max(m for m in range(1, units + 1)
+                      if units % m == 0 and (m == 1 or m * unit * n * 4 <= block_bytes))
 
 
 def _rows(qw: QuantizedWeight, start, count: int) -> QuantizedWeight:
