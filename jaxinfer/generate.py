@@ -29,7 +29,9 @@ from jaxinfer.models import registry
 from jaxinfer.ops.dispatch import kernels_on
 from jaxinfer.plan import KernelPolicy, Plan
 from jaxinfer.sampling import SamplingParams
-from jaxinfer.weights import Parts, QuantizedWeight, cast_floating, dequantize_params
+from jaxinfer.ops.blocked import plan_block_bytes
+from jaxinfer.weights import (Kind, ParamSpec, Parts, QuantizedWeight, cast_floating,
+                              dequantize_params)
 
 # Prompt lengths are padded up to one of these buckets (then to multiples of the largest), so a
 # new prompt length rarely means a new compilation.
@@ -66,7 +68,7 @@ class Completion:
     prompt_tokens: int = 0  # the prompt's length in tokens (after the chat template)
 
 
-def _bucket(n: int, buckets: Sequence[int]) -> int:
+def bucket(n: int, buckets: Sequence[int]) -> int:
     for b in buckets:
         if n <= b:
             return b
@@ -250,14 +252,15 @@ def init_state(model, prompt_ids: list[list[int]], max_new_tokens: int,
     if max_seq_len is not None and need > max_seq_len:
         raise ValueError(f"prompt of {longest} tokens + max_new_tokens {max_new_tokens} = {need} "
                          f"exceeds max_seq_len {max_seq_len}")
-    t = min(_bucket(longest, PROMPT_BUCKETS), context)
+    t = min(bucket(longest, PROMPT_BUCKETS), context)
     t = -(-t // prompt_multiple) * prompt_multiple
-    s = max_seq_len or min(_bucket(need, (CACHE_ROUND,)), context)
+    s = max_seq_len or min(bucket(need, (CACHE_ROUND,)), context)
     s = max(s, t)
-    n = _bucket(max_new_tokens, NEW_TOKEN_BUCKETS)
+    n = bucket(max_new_tokens, NEW_TOKEN_BUCKETS)
     b = len(prompt_ids)
     chunk = prompt_multiple if prompt_multiple > 1 else t  # the largest prefill step's tokens
-    memory.check_request(config, b, t, s, chunk, kv_cache_dtype, sharding)
+    memory.check_request(config, b, t, s, chunk, kv_cache_dtype, sharding,
+                         quantized=has_quantized(model.params))
     tokens = np.zeros((b, t), np.int32)
     for i, p in enumerate(prompt_ids):
         tokens[i, :len(p)] = p
@@ -332,23 +335,52 @@ class _Request:
     params: dict  # what the compiled functions take (run_params)
 
 
-@functools.partial(jax.jit, static_argnames=("plan",))
-def _dequantized(params, plan: Plan):
+def _read_whole(path, spec) -> bool:
+    """Whether an op reads this weight whole rather than through the matmul ops (which
+    dequantize a tile at a time, ops/blocked.py): stacked experts (ops/moe.py) and MLA's
+    absorbed kv_b (ops/mla.py)."""
+    return spec.kind is Kind.EXPERTS or jax.tree_util.keystr(path).endswith("['wkv_b']")
+
+
+@functools.partial(jax.jit, static_argnames=("plan", "blocked"))
+def _dequantized(params, plan: Plan, blocked: bool = False):
+    """params with their QuantizedWeights dequantized and cast to the model's dtype; with
+    blocked, only those an op reads whole (_read_whole)."""
     config = plan.config
     specs = registry.family(config).param_specs(config)
+    if blocked:
+        def one(path, spec, p):
+            if not _read_whole(path, spec):
+                return p
+            return cast_floating(dequantize_params(p, spec), config.dtype, spec)
+        return jax.tree_util.tree_map_with_path(one, specs, params,
+                                                is_leaf=lambda s: isinstance(s, ParamSpec))
     return cast_floating(dequantize_params(params, specs), config.dtype, specs)
+
+
+def has_quantized(params) -> bool:
+    """Whether params hold a quantized matmul weight (alone or among Parts)."""
+    return any(isinstance(w, QuantizedWeight | Parts) for w in jax.tree.leaves(
+        params, is_leaf=lambda a: isinstance(a, QuantizedWeight | Parts)))
 
 
 def run_params(model, plan: Plan):
     """The params a request's compiled functions take. Where the ops take the references
-    (the CPU; KernelPolicy.reference()) quantized weights are dequantized once per request,
-    in one jitted call, rather than in every prefill and decode step: the model keeps its
-    codes between requests, and a step-by-step stream does not dequantize per token."""
+    (the CPU; KernelPolicy.reference()) the matmuls dequantize their weights a tile at a time
+    inside each step where the plan says (KernelPolicy.dequant_block_bytes, the CPU's
+    default; not on a sharded plan), so only weights an op reads whole (experts, MLA's kv_b) are dequantized here,
+    once per request; with 0 every quantized weight is, in one jitted call, rather than in
+    every prefill and decode step: the model keeps its codes between requests, and a
+    step-by-step stream does not dequantize per token."""
     params = model.params
-    quantized = any(isinstance(w, QuantizedWeight | Parts) for w in jax.tree.leaves(
-        params, is_leaf=lambda a: isinstance(a, QuantizedWeight | Parts)))
-    if quantized and not kernels_on(plan, plan.config.dtype):
-        params = _dequantized(params, plan)
+    if has_quantized(params) and not kernels_on(plan, plan.config.dtype):
+        blocked = plan_block_bytes(plan) > 0
+        specs = registry.family(plan.config).param_specs(plan.config)
+        whole = any(_read_whole(path, spec) for path, spec in
+                    jax.tree_util.tree_leaves_with_path(
+                        specs, is_leaf=lambda s: isinstance(s, ParamSpec)))
+        if not blocked or whole:
+            params = _dequantized(params, plan, blocked)
     if plan.sharding is not None:  # placed as the rules say (no copy where they already are)
         specs = registry.family(plan.config).param_specs(plan.config)
         params = sharding_lib.shard_params(params, specs, plan.sharding)

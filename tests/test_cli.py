@@ -11,6 +11,7 @@ import sys
 import time
 import types
 
+import jax
 import numpy as np
 import pytest
 
@@ -184,7 +185,12 @@ def test_memory_refusal_before_allocating(capsys, monkeypatch):
     monkeypatch.setattr("jaxinfer.bench.init_params", lambda *a: pytest.fail("allocated"))
     code, _, err = _run(capsys, "bench", "--preset", "llama3-8b", "--random-weights",
                         "--dtype", "float32")
-    assert code == 2 and "needs about" in err and "GiB" in err and "bfloat16" in err
+    assert code == 2 and "needs about" in err and "GiB" in err
+    # The remedy fits the backend: never bfloat16 on a CPU (its matmuls ~9x slower there).
+    if jax.default_backend() == "cpu":
+        assert "bfloat16" not in err and "quantized GGUF" in err, err
+    else:
+        assert "bfloat16" in err
 
 
 def _spawn(args, env_extra=None, **kw):
