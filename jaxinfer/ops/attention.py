@@ -212,21 +212,28 @@ ATTENTION_CORE.register("decode_quantized", functools.partial(
     _decode_supports, layer_type=QuantizedKVLayer), kernel=True)(_decode)
 
 
-def _chunk_supports(q, k, v, cache, plan, *, fresh=False, **_) -> str | None:
-    if not isinstance(cache, QuantizedKVLayer) or fresh:
-        return "T queries against the earlier tokens of a quantized cache only"
+def _chunk_supports(q, k, v, cache, plan, *, fresh=False, layer_type=QuantizedKVLayer,
+                    **_) -> str | None:
+    if not isinstance(cache, layer_type) or fresh:
+        return f"T queries against the earlier tokens of a {layer_type.__name__} only"
     if not kernels_on(plan, q.dtype) or not _kernel_head_dim(q.shape[-1]):
         return "kernels off, or a head dim the kernel lacks"
     return None
 
 
-@ATTENTION_CORE.register("chunk_quantized", _chunk_supports, kernel=True)
 def _chunk(q, k, v, cache, plan, *, positions, window=None, fresh=False, sm_scale=None,
            softcap=None):
-    """T queries at their positions against the cache's codes (a chunked prefill)."""
+    """T queries at their positions against the cache (values or codes): a chunked prefill,
+    a speculative verification (the last token and K drafts, causal among themselves)."""
     return pk.chunk_attention(q, cache.k, cache.v, positions, sliding_window=window,
                               sm_scale=sm_scale, softcap=softcap,
                               interpret=plan.policy.interpret, **_scales(cache))
+
+
+ATTENTION_CORE.register("chunk_quantized", _chunk_supports, kernel=True)(_chunk)
+# Registered after "decode": T = 1 keeps the split-K decode kernel, T > 1 comes here.
+ATTENTION_CORE.register("chunk", functools.partial(_chunk_supports, layer_type=KVLayer),
+                        kernel=True)(_chunk)
 
 
 def _paged_supports(q, k, v, cache, plan, **_) -> str | None:
