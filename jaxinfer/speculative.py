@@ -1,0 +1,495 @@
+"""Speculative decoding: a drafter proposes K tokens, the target scores them in one forward.
+
+One round, for every row (jitted, `spec_round`; `spec_loop` runs rounds in a while loop):
+
+    x = the row's last token at position p (not yet in the cache); history = its tokens so far
+    drafts d_1..d_K              n-gram prompt lookup (`NGram`) or a draft model (`DraftModel`)
+    verify [x, d_1..d_K]         one target forward, T = K + 1 queries at p..p+K, causal among
+                                 themselves (attend's chunk kernels); logits row j scores p+1+j
+    target tokens y_0..y_K       the plain sampler at each position, with the key of that
+                                 position and the penalty counts as if d_1..d_j were accepted
+    accept a = leading drafts with d_j == y_{j-1}; emit y_0..y_a (a + 1 tokens)
+
+Greedy rows take the argmax and sampled rows a Gumbel-max draw keyed by (request, position)
+only (sampling.py), so y_j is what plain decoding would sample at that position given the same
+prefix: accepting while the drafts equal it ("coupled" acceptance) gives plain `generate`'s
+tokens exactly, for any drafter. A draft model also drafts with the target's Gumbel noise of
+each position, so its draft equals the target's token whenever their perturbed argmaxes agree.
+`DraftModel(..., rejection=True)` instead accepts d_j with probability min(1, p(d_j) / q(d_j))
+and on the first rejection samples from max(0, p - q) (Leviathan et al.): the target's law,
+not plain generate's tokens. Rejected drafts need no cache work: their slots lie past the row's
+new length, and the next round writes over them before attending to them (append precedes
+attention in `attend`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer import memory, pytree, sampling
+from jaxinfer.generate import (PROGRESS_STEPS, Completion, DecodeState, StreamText, _bar,
+                               _finish, _plan, _Request, run_params)
+from jaxinfer.generate import _prepare as _prepare_request
+from jaxinfer.generate import _run_prefill as _target_prefill
+from jaxinfer import sharding as sharding_lib
+from jaxinfer.cache import KVCache
+from jaxinfer.models import registry
+from jaxinfer.plan import Plan
+
+
+# ---------------------------------------------------------------------------------------------
+# Drafters (static: part of the compiled round)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class NGram:
+    """Prompt lookup: find the latest earlier occurrence of the row's last n tokens (n from
+    max_n down to min_n) in its prompt and output, and propose the K tokens that followed it."""
+
+    max_n: int = 3
+    min_n: int = 1
+
+    def __post_init__(self):
+        if not (isinstance(self.min_n, int) and isinstance(self.max_n, int)
+                and 1 <= self.min_n <= self.max_n):
+            raise ValueError(f"NGram needs integers 1 <= min_n <= max_n, got min_n={self.min_n!r}"
+                             f" max_n={self.max_n!r}")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DraftModel:
+    """A smaller model with the target's vocabulary drafting K tokens greedily or with the
+    target's Gumbel noise (its own KV cache). rejection: rejection sampling (min(1, p/q)) for
+    sampled rows instead of the coupled acceptance (module docstring)."""
+
+    model: object  # jaxinfer.model.Model
+    rejection: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class _DraftPlan:
+    """The static part of a DraftModel: its plan and acceptance rule."""
+
+    plan: Plan
+    rejection: bool
+
+
+# ---------------------------------------------------------------------------------------------
+# State
+# ---------------------------------------------------------------------------------------------
+
+
+@pytree.dataclass
+class SpecState:
+    """The decode state plus what speculation tracks per row; donated to each round."""
+
+    decode: DecodeState  # tokens/positions/cache/sampler/output; its `step` is unused
+    count: jax.Array  # [B] int32: new tokens out per row (the row's next output column)
+    history: jax.Array  # [B, S] int32: the row's token at each position (prompt + output)
+    draft_cache: KVCache | None  # the draft model's cache (None for n-gram lookup)
+    drafted: jax.Array  # [B] int32: drafts proposed to the row
+    accepted: jax.Array  # [B] int32: drafts accepted (emitted as they were proposed)
+
+
+# ---------------------------------------------------------------------------------------------
+# Drafting
+# ---------------------------------------------------------------------------------------------
+
+
+def ngram_drafts(history: jax.Array, last: jax.Array, k: int, ngram: NGram) -> jax.Array:
+    """Prompt-lookup drafts [B, k] from history [B, S] valid through position last [B].
+
+    The longest n-gram (max_n..min_n) ending at `last` that also occurs earlier wins, at its
+    latest occurrence i; the drafts are the tokens after it, hist[i + n ...], repeated with the
+    period L - (i + n) where they would run into the suffix itself (a loop continues as a loop).
+    No match: the last token repeated (the verification still yields one token)."""
+    b, s = history.shape
+    length = last + 1  # [B] valid tokens
+    slots = jnp.arange(s, dtype=jnp.int32)  # [S] candidate starts i
+    start = jnp.full((b,), -1, jnp.int32)  # [B] where the continuation starts; -1: none yet
+    for n in range(ngram.max_n, ngram.min_n - 1, -1):
+        suffix = jnp.take_along_axis(history, jnp.clip(length[:, None] - n + jnp.arange(n), 0,
+                                                       s - 1), axis=1)  # [B, n]
+        match = slots[None, :] <= (length - n - 1)[:, None]  # [B, S]: i + n < L, i >= 0
+        for m in range(n):
+            match &= jnp.roll(history, -m, axis=1) == suffix[:, m:m + 1]
+        latest = jnp.max(jnp.where(match, slots[None, :], -1), axis=1)  # [B]
+        start = jnp.where((start < 0) & (latest >= 0), latest + n, start)
+    period = jnp.maximum(length - start, 1)  # [B]
+    idx = start[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :] % period[:, None]  # [B, k]
+    drafts = jnp.take_along_axis(history, jnp.clip(idx, 0, s - 1), axis=1)
+    return jnp.where(start[:, None] >= 0, drafts, last_token(history, last)[:, None])
+
+
+def last_token(history: jax.Array, last: jax.Array) -> jax.Array:
+    return jnp.take_along_axis(history, last[:, None], axis=1)[:, 0]  # [B]
+
+
+def _draft_law(logits: jax.Array, tensors: sampling.SamplingTensors):
+    """The draft's proposal law q for each row: the target's temperature and truncation
+    without penalties (any q is exact under rejection sampling; this one tracks p).
+    -> masked scaled logits [B, V] (softmax = q)."""
+    plain = tensors.replace(flags=dataclasses.replace(tensors.flags, repetition_penalty=False,
+                                                      presence_frequency_penalty=False))
+    return sampling.processed_logits(logits, plain)[1]
+
+
+def _draw(masked: jax.Array, keys: jax.Array, greedy: jax.Array, all_greedy: bool):
+    """Gumbel-max from masked logits [B, V] with keys [B]; greedy rows [B] take the argmax."""
+    argmax = jnp.argmax(masked, axis=-1).astype(jnp.int32)
+    if all_greedy:
+        return argmax
+    v = masked.shape[-1]
+    gumbel = jax.vmap(jax.random.gumbel, in_axes=(0, None, None))(keys, (v,), jnp.float32)
+    return jnp.where(greedy, argmax, jnp.argmax(masked + gumbel, axis=-1).astype(jnp.int32))
+
+
+def model_drafts(draft_params, state: SpecState, k: int, draft: _DraftPlan):
+    """K drafts from the draft model -> (drafts [B, K], their laws' masked logits [B, K, V] or
+    None, the draft cache). Its first forward takes the token before x and x at p - 1, p: the
+    slot p - 1 may be missing (all K drafts accepted last round) or stale; rewriting it is
+    idempotent. Draft j + 1 uses the target's key for position p + 1 + j."""
+    d = state.decode
+    p, x = d.positions, d.tokens  # [B]
+    forward = registry.family(draft.plan.config).forward
+    tensors = d.sampling
+    prev = last_token(state.history, jnp.maximum(p - 1, 0))
+    tokens = jnp.stack([prev, x], axis=1)  # [B, 2]
+    positions = jnp.stack([p - 1, p], axis=1)
+    cache = state.draft_cache
+    drafts, laws = [], []
+    for j in range(k):
+        logits, cache = forward(draft_params, tokens, positions, draft.plan, cache)
+        masked = _draft_law(logits[:, -1], tensors)  # [B, V]
+        keys = sampling.step_keys(d.sampler, p + 1 + j)
+        nxt = _draw(masked, keys, tensors.greedy, tensors.flags.all_greedy)  # [B]
+        drafts.append(nxt)
+        laws.append(masked)
+        tokens, positions = nxt[:, None], (p + 1 + j)[:, None]
+    return (jnp.stack(drafts, axis=1), jnp.stack(laws, axis=1) if draft.rejection else None,
+            cache)
+
+
+# ---------------------------------------------------------------------------------------------
+# One round: draft, verify, accept, record
+# ---------------------------------------------------------------------------------------------
+
+
+def _spec_round(params, draft_params, state: SpecState, plan: Plan, k: int,
+                drafter: NGram | _DraftPlan) -> SpecState:
+    d = state.decode
+    p, x = d.positions, d.tokens  # [B]
+    b = p.shape[0]
+    rows = jnp.arange(b)
+    alive0 = ~d.done
+    laws = None
+    draft_cache = state.draft_cache
+    if isinstance(drafter, NGram):
+        drafts = ngram_drafts(state.history, p, k, drafter)  # [B, K]
+    else:
+        drafts, laws, draft_cache = model_drafts(draft_params, state, k, drafter)
+
+    # Verification: the last token and the K drafts at p..p+K in one forward.
+    tokens = jnp.concatenate([x[:, None], drafts], axis=1)  # [B, K + 1]
+    positions = p[:, None] + jnp.arange(k + 1, dtype=jnp.int32)  # [B, K + 1]
+    forward = registry.family(plan.config).forward
+    logits, cache = forward(params, tokens, positions, plan, d.cache)  # [B, K + 1, V]
+
+    # The target's token at each position, penalties counting the drafts before it.
+    tensors, flags = d.sampling, d.sampling.flags
+    rejection = isinstance(drafter, _DraftPlan) and drafter.rejection and not flags.all_greedy
+    sampler = d.sampler
+    ys, lps, accept, scaled_all, masked_all = [], [], [], [], []
+    for j in range(k + 1):
+        keys = sampling.step_keys(sampler, p + 1 + j)
+        out = sampling.sample_with_logprobs(logits[:, j], keys, tensors,
+                                            token_counts=sampler.token_counts,
+                                            seen_mask=sampler.seen_mask,
+                                            batch_invariant=plan.policy.batch_invariant)
+        ys.append(out.tokens)
+        lps.append(out.logprobs)
+        if rejection:
+            scaled, masked = sampling.processed_logits(
+                logits[:, j], tensors, token_counts=sampler.token_counts,
+                seen_mask=sampler.seen_mask, batch_invariant=plan.policy.batch_invariant)
+            scaled_all.append(scaled)
+            masked_all.append(masked)
+        if j < k:
+            coupled = drafts[:, j] == out.tokens
+            if rejection:  # accept d w.p. min(1, p(d) / q(d)), u keyed by d's position
+                ukeys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, 1)
+                u = jax.vmap(jax.random.uniform)(ukeys)  # [B]
+                logp = jax.nn.log_softmax(masked, axis=-1)
+                logq = jax.nn.log_softmax(laws[:, j], axis=-1)
+                dj = drafts[:, j:j + 1]
+                ratio = jnp.exp(jnp.take_along_axis(logp, dj, 1) - jnp.take_along_axis(logq, dj, 1))
+                coupled = jnp.where(tensors.greedy, coupled, u < ratio[:, 0])
+            accept.append(coupled)
+            sampler = sampling.observe(sampler, drafts[:, j], alive0)
+    ys, lps = jnp.stack(ys, axis=1), jnp.stack(lps, axis=1)  # [B, K + 1]
+    a = jnp.sum(jnp.cumprod(jnp.stack(accept, axis=1).astype(jnp.int32), axis=1), axis=1)  # [B]
+
+    if rejection:
+        # A sampled row emits its accepted drafts, then on a rejection a draw from
+        # max(0, p_a - q_a), after K acceptances its plain draw y_K; greedy rows keep y.
+        pa = jax.nn.softmax(jnp.stack(masked_all, 1)[rows, a], axis=-1)  # [B, V]
+        qa = jax.nn.softmax(laws[rows, jnp.minimum(a, k - 1)], axis=-1)  # [B, V]
+        diff = jnp.maximum(pa - qa, 0.0)
+        residual = jnp.log(jnp.where(jnp.any(diff > 0, axis=-1, keepdims=True), diff, pa))
+        rkeys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(
+            sampling.step_keys(d.sampler, p + 1 + a), 2)
+        fix = _draw(residual, rkeys, jnp.zeros((b,), bool), False)  # [B]
+        emitted = jnp.concatenate([drafts, ys[:, k:]], axis=1)  # [B, K + 1]
+        at_a = (jnp.arange(k + 1)[None, :] == a[:, None]) & (a < k)[:, None]
+        emitted = jnp.where(at_a, fix[:, None], emitted)
+        ys = jnp.where(tensors.greedy[:, None], ys, emitted)
+        if flags.logprobs:  # the emitted tokens' logprobs under the untruncated scaled law
+            lsm = jax.nn.log_softmax(jnp.stack(scaled_all, 1), axis=-1)  # [B, K + 1, V]
+            lps = jnp.take_along_axis(lsm, ys[:, :, None], 2)[:, :, 0]
+
+    # Record y_0..y_a one column at a time: stop ids and budgets end a row mid-run.
+    done, count, history = d.done, state.count, state.history
+    output, logprobs, sampler = d.output, d.logprobs, d.sampler
+    n_out, s = output.shape[1], history.shape[1]
+    for j in range(k + 1):
+        alive = ~done & (j <= a)
+        tok = ys[:, j]
+        col = jnp.where(alive, count, n_out)  # past the end: dropped
+        output = output.at[rows, col].set(tok, mode="drop")
+        if flags.logprobs:
+            logprobs = logprobs.at[rows, col].set(lps[:, j], mode="drop")
+        history = history.at[rows, jnp.where(alive, p + 1 + j, s)].set(tok, mode="drop")
+        hit_stop = jnp.any(tok[:, None] == d.stop_ids[None, :], axis=-1)
+        done = done | (alive & (hit_stop | (count + 1 >= d.budget)))
+        count = count + alive
+        sampler = sampling.observe(sampler, tok, alive)
+    emitted = count - state.count  # [B]
+    new_p = p + emitted
+    cache = sharding_lib.constrain_cache(cache.replace(lengths=new_p), plan.sharding)
+    decode = d.replace(tokens=last_token(history, new_p), positions=new_p, cache=cache,
+                       sampler=sampler, done=done, output=output, logprobs=logprobs)
+    return state.replace(decode=decode, count=count, history=history, draft_cache=draft_cache,
+                         drafted=state.drafted + jnp.where(alive0, k, 0),
+                         accepted=state.accepted + jnp.minimum(a, emitted))
+
+
+spec_round = jax.jit(_spec_round, static_argnames=("plan", "k", "drafter"),
+                     donate_argnames=("state",))
+
+
+@functools.partial(jax.jit, static_argnames=("plan", "k", "drafter"), donate_argnames=("state",))
+def spec_loop(params, draft_params, state: SpecState, plan: Plan, k: int,
+              drafter: NGram | _DraftPlan, until: jax.Array | None = None) -> SpecState:
+    """Rounds until every row is done (or, with `until` [] int32, until every live row has
+    that many tokens out), inside one executable."""
+    def running(s: SpecState):
+        live = ~s.decode.done
+        if until is not None:
+            live &= s.count < until
+        return jnp.any(live)
+
+    return jax.lax.while_loop(running, functools.partial(
+        _spec_round, params, draft_params, plan=plan, k=k, drafter=drafter), state)
+
+
+@functools.partial(jax.jit, static_argnames=("plan",), donate_argnames=("cache",))
+def _draft_prefill(params, tokens: jax.Array, lengths: jax.Array, cache: KVCache, plan: Plan):
+    """The prompts into the draft model's cache (its logits are not needed)."""
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    _, cache = registry.family(plan.config).forward(params, tokens, positions, plan, cache,
+                                                    logits_at=lengths - 1, fresh=True)
+    return cache.replace(lengths=lengths)
+
+
+@jax.jit
+def _start(state: DecodeState, tokens: jax.Array, lengths: jax.Array):
+    """After the target's prefill: each row's history (prompt, then its first token)."""
+    b, t = tokens.shape
+    s = state.cache.k[0].shape[1] if isinstance(state.cache, KVCache) else state.cache.latent[
+        0].shape[1]
+    history = jnp.zeros((b, s), jnp.int32).at[:, :t].set(tokens[:, :s])
+    history = history.at[jnp.arange(b), lengths].set(state.tokens)
+    return history, (state.output[:, 0] >= 0).astype(jnp.int32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side: checks, prefill, results
+# ---------------------------------------------------------------------------------------------
+
+
+def _drafter(speculative, model):
+    """speculative argument -> (NGram | DraftModel)."""
+    if isinstance(speculative, str):
+        if speculative == "ngram":
+            return NGram()
+        raise ValueError(f"speculative must be 'ngram', an NGram, a loaded draft model or a "
+                         f"DraftModel, got {speculative!r} (a draft model: load it with "
+                         "jaxinfer.load and pass the model)")
+    if isinstance(speculative, NGram | DraftModel):
+        drafter = speculative
+    elif hasattr(speculative, "config") and hasattr(speculative, "params"):
+        drafter = DraftModel(speculative)
+    else:
+        raise ValueError(f"speculative must be 'ngram', an NGram, a loaded draft model or a "
+                         f"DraftModel, got {type(speculative).__name__}")
+    if isinstance(drafter, DraftModel):
+        check_same_vocabulary(model, drafter.model)
+    return drafter
+
+
+def check_same_vocabulary(model, draft) -> None:
+    """A draft model must share the target's token ids: same vocabulary size, and where both
+    have tokenizers, the same token for every id."""
+    v, dv = model.config.vocab_size, draft.config.vocab_size
+    if v != dv:
+        raise ValueError(f"the draft model's vocabulary ({dv} tokens) is not the target's ({v}); "
+                         "speculative decoding needs a draft model with the same tokenizer")
+    if model.tokenizer is not None and draft.tokenizer is not None:
+        mine = model.tokenizer.backend.get_vocab(with_added_tokens=True)
+        theirs = draft.tokenizer.backend.get_vocab(with_added_tokens=True)
+        if mine != theirs:
+            differ = len(set(mine.items()) ^ set(theirs.items()))
+            raise ValueError(f"the draft model's tokenizer differs from the target's ({differ} "
+                             "token/id pairs differ); speculative decoding needs a draft model "
+                             "with the same tokenizer")
+
+
+@dataclasses.dataclass
+class _SpecRequest:
+    req: _Request
+    k: int
+    drafter: NGram | _DraftPlan
+    draft_params: dict | None
+
+
+def _prepare(model, prompts, max_new_tokens, sampling_params, seed, chat, stop, max_seq_len,
+             policy, kv_cache_dtype, mesh, speculative, num_speculative_tokens) -> _SpecRequest:
+    """Every check on the host, before anything is allocated or compiled."""
+    drafter = _drafter(speculative, model)
+    if mesh is not None or model.sharding is not None:
+        raise ValueError("speculative decoding runs on one device for now; drop mesh= (or load "
+                         "the model without a mesh)")
+    if isinstance(drafter, DraftModel) and drafter.model.config.mla is not None:
+        raise ValueError("an MLA draft model is not supported yet; use a GQA draft model")
+    k = num_speculative_tokens
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+        raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
+    k = int(k)
+    # init_state checks that K slots past the last token fit the target's context.
+    req = _prepare_request(model, prompts, max_new_tokens, sampling_params, seed, chat, stop,
+                       max_seq_len, policy, kv_cache_dtype, mesh, reserve=k)
+    if isinstance(drafter, DraftModel):
+        need = max(len(p) for p in req.ids) + int(max_new_tokens) + k
+        context = drafter.model.config.max_position_embeddings
+        if need > context:
+            raise ValueError(f"the draft model's context ({context} tokens) is shorter than "
+                             f"the longest prompt + max_new_tokens + num_speculative_tokens "
+                             f"({need}); lower max_new_tokens or use another draft model")
+    if isinstance(drafter, DraftModel):
+        draft_model = drafter.model
+        plan = _plan(draft_model, policy)
+        return _SpecRequest(req, k, _DraftPlan(plan, drafter.rejection),
+                            run_params(draft_model, plan))
+    return _SpecRequest(req, k, drafter, None)
+
+
+def _run_prefill(model, sreq: _SpecRequest, progress: bool) -> SpecState:
+    req = sreq.req
+    state = _target_prefill(model, req, progress)
+    history, count = _start(state, req.tokens, req.lengths)
+    draft_cache = None
+    if isinstance(sreq.drafter, _DraftPlan):
+        b = req.tokens.shape[0]
+        draft_cache = KVCache.init(sreq.drafter.plan.config, b, history.shape[1])
+        draft_cache = _draft_prefill(sreq.draft_params, req.tokens, req.lengths, draft_cache,
+                                     sreq.drafter.plan)
+    b = count.shape[0]
+    return SpecState(decode=state, count=count, history=history, draft_cache=draft_cache,
+                     drafted=jnp.zeros((b,), jnp.int32), accepted=jnp.zeros((b,), jnp.int32))
+
+
+def _results(model, sreq: _SpecRequest, state: SpecState) -> list[Completion]:
+    req = sreq.req
+    out = np.asarray(state.decode.output)
+    lps = np.asarray(state.decode.logprobs)
+    drafted, accepted = np.asarray(state.drafted), np.asarray(state.accepted)
+    results = []
+    for row, sp in enumerate(req.sampling):
+        n = int((out[row] >= 0).sum())
+        done = _finish(model, out[row, :n].tolist(), lps[row, :n].tolist(), req.stop_ids,
+                           req.stop_strings, sp.logprobs, len(req.ids[row]))
+        results.append(dataclasses.replace(done, draft_tokens=int(drafted[row]),
+                                           accepted_tokens=int(accepted[row])))
+    return results
+
+
+def generate(model, prompts, max_new_tokens, sampling, seed, chat, stop, max_seq_len, policy,
+             progress, kv_cache_dtype, mesh, speculative,
+             num_speculative_tokens) -> list[Completion]:
+    """`jaxinfer.generate(..., speculative=...)` (see its docstring)."""
+    sreq = _prepare(model, prompts, max_new_tokens, sampling, seed, chat, stop, max_seq_len,
+                    policy, kv_cache_dtype, mesh, speculative, num_speculative_tokens)
+    req = sreq.req
+    args = dict(plan=req.plan, k=sreq.k, drafter=sreq.drafter)
+    with memory.reporting_oom(f"generating for {len(req.ids)} prompts"):
+        state = _run_prefill(model, sreq, progress)
+        if progress:
+            with _bar(True, int(max_new_tokens), f"speculative x{len(req.ids)}") as bar:
+                bar.update(1)
+                while not bool(jnp.all(state.decode.done)):
+                    state = spec_loop(req.params, sreq.draft_params, state,
+                                      until=jnp.int32(bar.n + PROGRESS_STEPS), **args)
+                    bar.update(int(jnp.max(state.count)) - bar.n)
+        else:
+            state = spec_loop(req.params, sreq.draft_params, state, **args)
+    return _results(model, sreq, state)
+
+
+@jax.jit
+def _row0(state: SpecState):
+    """Row 0's outputs so far: (count, output row, logprobs row, done), as new arrays."""
+    d = state.decode
+    return state.count[0], d.output[0], d.logprobs[0], d.done[0]
+
+
+def pieces(model, sreq: _SpecRequest, progress: bool, out, t0: float) -> Iterator[str]:
+    """`stream`'s pieces with speculation: one round per host read (1..K+1 tokens)."""
+    import time
+
+    req = sreq.req
+    shown = StreamText(model.tokenizer, req.stop_ids, req.stop_strings)
+    want_logprobs = req.sampling[0].logprobs
+    with memory.reporting_oom("the prefill"):
+        state = _run_prefill(model, sreq, progress)
+    ids, lps = [], []
+    while True:
+        count, row, lp, done = jax.device_get(_row0(state))
+        new = row[len(ids):int(count)].tolist()
+        finished = bool(done)
+        if out.time_to_first_token is None:
+            out.time_to_first_token = time.perf_counter() - t0
+        for i, tok in enumerate(new):
+            ids.append(int(tok))
+            if want_logprobs:
+                lps.append(float(lp[len(ids) - 1]))
+            last = finished and i == len(new) - 1  # recording stops at a stop token
+            piece, stopped = shown.feed(int(tok), last)
+            if stopped or last:
+                out.completion = dataclasses.replace(
+                    _finish(model, ids, lps, req.stop_ids, req.stop_strings, want_logprobs,
+                                len(req.ids[0])),
+                    draft_tokens=int(state.drafted[0]), accepted_tokens=int(state.accepted[0]))
+            if piece:
+                yield piece
+            if stopped or last:
+                return
+        state = spec_round(req.params, sreq.draft_params, state, req.plan, sreq.k,
+                           sreq.drafter)
