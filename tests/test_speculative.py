@@ -4,6 +4,8 @@ drafters, and bad input."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -52,3 +54,156 @@ def test_verification_forward_runs_the_chunk_kernel_and_matches_decode_steps():
                                     ref_plan, cache)
         assert rel_err(got[:, t], want[:, 0]) < 3e-2, t
         assert np.mean(np.asarray(got[:, t].argmax(-1) == want[:, 0].argmax(-1))) == 1.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Against plain generate
+# ---------------------------------------------------------------------------------------------
+
+import pathlib  # noqa: E402
+
+import pytest  # noqa: E402
+
+import jaxinfer  # noqa: E402
+from jaxinfer import speculative  # noqa: E402
+from jaxinfer.model import from_params  # noqa: E402
+from jaxinfer.sampling import SamplingParams  # noqa: E402
+
+PROMPTS = ["x", "the cat sat on the mat and the cat sat on", "hello world", "a b c a b c a b",
+           "one two three four five six seven eight nine ten one two three", "zz",
+           "the the the", "to be or not to be, that is"]
+
+
+@pytest.fixture(scope="module")
+def looping(tiny_chat):
+    """tiny_chat's config and tokenizer with unscaled random weights: its greedy text falls
+    into loops, so prompt lookup has drafts to accept (tiny_chat's text rarely repeats)."""
+    params = init_params(llama.param_specs(tiny_chat.config), jax.random.key(3), jnp.float32)
+    return from_params(tiny_chat.config, params, tiny_chat.tokenizer, dtype="float32")
+
+
+def assert_same(plain, spec):
+    for row, (p, s) in enumerate(zip(plain, spec)):
+        assert s.token_ids == p.token_ids, row
+        assert (s.text, s.finish_reason) == (p.text, p.finish_reason), row
+        assert (s.logprobs is None) == (p.logprobs is None), row
+        if p.logprobs is not None:  # a verification's float32 logits: not a decode step's bits
+            np.testing.assert_allclose(s.logprobs, p.logprobs, atol=1e-4)
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("drafter", ["ngram", "draft", "self"])
+def test_greedy_speculative_equals_plain_greedy(looping, tiny_chat, drafter, batch):
+    """Token for token, with a stop token that ends rows in the middle of a round. The draft
+    model is another model (drafts mostly rejected) or the target itself (mostly accepted):
+    both ends of the acceptance rule."""
+    spec_arg = {"ngram": "ngram", "draft": tiny_chat, "self": looping}[drafter]
+    prompts = PROMPTS[:batch]
+    plain = jaxinfer.generate(looping, prompts, max_new_tokens=24, chat=False)
+    ids = plain[0].token_ids  # a stop token row 0 emits first mid-way (others may too)
+    stop = next(t for i, t in enumerate(ids) if i >= 12 and t not in ids[:i])
+    plain = jaxinfer.generate(looping, prompts, max_new_tokens=24, chat=False, stop=[stop])
+    spec = jaxinfer.generate(looping, prompts, max_new_tokens=24, chat=False, stop=[stop],
+                             speculative=spec_arg, num_speculative_tokens=3)
+    assert plain[0].finish_reason == "stop"
+    assert_same(plain, spec)
+    accepted = sum(c.accepted_tokens for c in spec)
+    assert all(0 <= c.accepted_tokens <= c.draft_tokens for c in spec)
+    if drafter != "draft":
+        assert accepted > 0  # rounds of several tokens were exercised
+
+
+MIXED = [SamplingParams(temperature=0.8), SamplingParams(temperature=0.0),
+         SamplingParams(temperature=1.0, top_k=20, top_p=0.9, logprobs=True),
+         SamplingParams(temperature=0.7, repetition_penalty=1.3, seed=123),
+         SamplingParams(temperature=0.9, presence_penalty=0.5, frequency_penalty=0.4,
+                        logprobs=True),
+         SamplingParams(temperature=0.6, min_p=0.05),
+         SamplingParams(temperature=0.0, repetition_penalty=1.2),
+         SamplingParams(temperature=1.2, seed=7)]
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "self"])
+def test_coupled_sampling_equals_plain_sampling(looping, drafter):
+    """Sampled rows (truncation, penalties, own seeds, greedy rows mixed in) get the tokens
+    plain generate samples with the same seed: a row's draw depends only on its key at each
+    position and the penalty counts of the tokens before it."""
+    spec_arg = {"ngram": "ngram", "self": looping}[drafter]
+    plain = jaxinfer.generate(looping, PROMPTS, max_new_tokens=24, chat=False, sampling=MIXED,
+                              seed=5)
+    spec = jaxinfer.generate(looping, PROMPTS, max_new_tokens=24, chat=False, sampling=MIXED,
+                             seed=5, speculative=spec_arg, num_speculative_tokens=4)
+    assert_same(plain, spec)
+    assert sum(c.accepted_tokens for c in spec) > 0
+
+
+def test_ngram_drafts_follow_the_latest_longest_match():
+    """Row 0: its last 2 tokens (7 8) occur earlier twice; the latest one (at 4) wins and its
+    continuation runs into the suffix, so it repeats with its period (9, 7, 8, 9, ...).
+    Row 1: no earlier occurrence of its last token: the last token repeated. Row 2: only the
+    1-gram (5) occurs earlier. Slots past a row's last position hold stale tokens, never
+    matched."""
+    history = jnp.array([[7, 8, 1, 2, 7, 8, 9, 7, 8, 0, 7, 8],
+                         [1, 2, 3, 4, 0, 0, 0, 0, 0, 0, 4, 4],
+                         [5, 6, 1, 2, 3, 5, 0, 0, 0, 0, 0, 0]], jnp.int32)
+    last = jnp.array([8, 3, 5], jnp.int32)
+    drafts = speculative.ngram_drafts(history, last, 5, speculative.NGram(max_n=3, min_n=1))
+    np.testing.assert_array_equal(drafts, [[9, 7, 8, 9, 7], [4, 4, 4, 4, 4],
+                                           [6, 1, 2, 3, 5]])
+
+
+def test_stream_speculative_equals_generate(looping):
+    sp = SamplingParams(temperature=0.8, logprobs=True)
+    want = jaxinfer.generate(looping, PROMPTS[0], max_new_tokens=20, chat=False, sampling=sp)[0]
+    out = jaxinfer.stream(looping, PROMPTS[0], max_new_tokens=20, chat=False, sampling=sp,
+                          speculative=looping, num_speculative_tokens=3)
+    text = "".join(out)
+    assert text == want.text
+    assert out.completion.token_ids == want.token_ids
+    np.testing.assert_allclose(out.completion.logprobs, want.logprobs, atol=1e-4)
+    assert out.completion.accepted_tokens > 0
+
+
+def _other_tokenizer(tiny_chat, tmp_path):
+    """tiny_chat's tokenizer with two tokens' ids swapped: same size, other ids."""
+    import json
+
+    from checkpoints.tokenizer import Tokenizer
+
+    src = pathlib.Path(__file__).parent / "fixtures" / "data" / "tokenizer" / "tiny_hf"
+    for f in src.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    data = json.loads((tmp_path / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    a, b = list(vocab)[300:302]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (tmp_path / "tokenizer.json").write_text(json.dumps(data))
+    return Tokenizer.from_hf_dir(tmp_path)
+
+
+def test_bad_speculative_arguments(looping, tiny_chat, tmp_path):
+    """Each refused before anything is compiled, naming the problem."""
+    def run(**kw):
+        return jaxinfer.generate(looping, "hi", max_new_tokens=8, chat=False, **kw)
+
+    for k in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="num_speculative_tokens must be an integer >= 1"):
+            run(speculative="ngram", num_speculative_tokens=k)
+    context = looping.config.max_position_embeddings
+    with pytest.raises(ValueError, match="more than the context left"):
+        jaxinfer.generate(looping, "hi", max_new_tokens=context - 4, chat=False,
+                          speculative="ngram", num_speculative_tokens=8)
+    with pytest.raises(ValueError, match="speculative must be 'ngram'"):
+        run(speculative="eagle")
+    with pytest.raises(ValueError, match="speculative must be 'ngram'"):
+        run(speculative=3)
+    other_vocab = from_params(
+        tiny_bf16_config(), init_params(llama.param_specs(tiny_bf16_config()), jax.random.key(0),
+                                        jnp.float32), None, dtype="float32")
+    with pytest.raises(ValueError, match="vocabulary .96 tokens. is not the target's"):
+        run(speculative=other_vocab)
+    swapped = dataclasses.replace(looping, tokenizer=_other_tokenizer(tiny_chat, tmp_path))
+    with pytest.raises(ValueError, match="tokenizer differs from the target's"):
+        run(speculative=speculative.DraftModel(swapped))
+    with pytest.raises(ValueError, match="min_n <= max_n"):
+        speculative.NGram(max_n=1, min_n=2)
