@@ -5,6 +5,7 @@ drafters, and bad input."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -207,3 +208,63 @@ def test_bad_speculative_arguments(looping, tiny_chat, tmp_path):
         run(speculative=speculative.DraftModel(swapped))
     with pytest.raises(ValueError, match="min_n <= max_n"):
         speculative.NGram(max_n=1, min_n=2)
+
+
+def _chi_square_p(counts: np.ndarray, law: np.ndarray) -> float:
+    """Pearson's chi-square p-value of counts [V] against probabilities law [V]; bins
+    expecting fewer than 5 draws are pooled into one."""
+    from scipy import stats
+
+    expected = law * counts.sum()
+    small = expected < 5
+    obs = np.append(counts[~small], counts[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    return float(stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue)
+
+
+def test_rejection_sampling_follows_the_target_law():
+    """DraftModel(rejection=True) with a draft whose law differs from the target's: the first
+    two tokens of the first round (one of an accepted draft, a residual draw, or the bonus
+    token) follow the target's marginal laws, computed exactly from its full forward over all
+    V and V * V continuations (V = 16). The same counts against the law an always-accepting
+    rule would give are refused, so the sample size can tell the two apart."""
+    config = Config(vocab_size=16, hidden_size=32, intermediate_size=64, num_layers=2,
+                    num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=16,
+                    eos_token_ids=())
+
+    def model(key):  # weights 3x the fan-in scale: laws far from uniform
+        params = jax.tree.map(lambda a: 3 * a if a.ndim > 1 else a,
+                              init_params(llama.param_specs(config), jax.random.key(key),
+                                          jnp.float32))
+        return from_params(config, params, None, dtype="float32")
+
+    target, draft = model(1), model(2)
+    prompt, n, v = [3, 1, 4], 6000, config.vocab_size
+    out = jaxinfer.generate(target, [prompt] * n, max_new_tokens=3,
+                            sampling=SamplingParams(temperature=1.0), seed=11,
+                            speculative=speculative.DraftModel(draft, rejection=True),
+                            num_speculative_tokens=2)
+    tokens = np.array([c.token_ids for c in out])  # [N, 3]: prefill's token, then the round's
+    accepted = sum(c.accepted_tokens for c in out)
+    assert 0.1 * n < accepted < 1.9 * n  # drafts are accepted and rejected
+
+    def laws(m, prefix_len):  # p(next | prompt + every prefix of that length) [V] * len, V
+        prefixes = np.array(list(itertools.product(range(v), repeat=prefix_len)),
+                            np.int64).reshape(v ** prefix_len, prefix_len)  # [V ** len, len]
+        ids = np.concatenate([np.tile(prompt, (len(prefixes), 1)), prefixes], axis=1)
+        return np.asarray(jax.nn.softmax(m(ids)[:, -1], axis=-1))  # [V ** len, V]
+
+    p1 = laws(target, 0)[0]  # [V]
+    p2 = laws(target, 1)  # [V, V]: row t1
+    p3 = laws(target, 2).reshape(v, v, v)  # [t1, t2, V]
+    marginal2 = p1 @ p2
+    marginal3 = np.einsum("a,ab,abc->c", p1, p2, p3)
+    count2 = np.bincount(tokens[:, 1], minlength=v)
+    count3 = np.bincount(tokens[:, 2], minlength=v)
+    assert _chi_square_p(np.bincount(tokens[:, 0], minlength=v), p1) > 1e-3
+    assert _chi_square_p(count2, marginal2) > 1e-3
+    assert _chi_square_p(count3, marginal3) > 1e-3
+    always_accept = p1 @ laws(draft, 1)  # t2's law if every first draft were accepted
+    assert _chi_square_p(count2, always_accept) < 1e-6
