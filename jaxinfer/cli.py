@@ -125,6 +125,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="report each new token's log-probability (in --json, else on stderr)")
     g.add_argument("--json", action="store_true",
                    help="print one JSON object: text, token ids, finish reason, usage, timings")
+    s = g.add_argument_group("speculative decoding (the same tokens, fewer target steps)")
+    s.add_argument("--speculative", choices=("ngram", "draft"), default=None,
+                   help="draft tokens by prompt lookup (ngram) or with --draft-model, and "
+                        "verify them in one forward of the model")
+    s.add_argument("--num-speculative-tokens", type=_positive("--num-speculative-tokens"),
+                   default=None, metavar="K", help="drafts per step (default 4)")
+    s.add_argument("--draft-model", default=None, metavar="MODEL",
+                   help="the draft model for --speculative draft (registered name, HF "
+                        "directory or .gguf; the model's tokenizer)")
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("chat", help="interactive multi-turn chat (" + CHAT_HELP + ")")
@@ -303,6 +312,36 @@ def _load(args):
     return model
 
 
+def _check_speculative_args(args) -> None:
+    """--speculative, --num-speculative-tokens and --draft-model agree (before any load)."""
+    if args.speculative is None:
+        if args.num_speculative_tokens is not None or args.draft_model is not None:
+            raise UsageError("--num-speculative-tokens and --draft-model need --speculative")
+        return
+    if (args.speculative == "draft") != (args.draft_model is not None):
+        raise UsageError("--speculative draft needs --draft-model MODEL, and --draft-model "
+                         "needs --speculative draft")
+    if args.mesh is not None:
+        raise UsageError("--speculative runs on one device for now; drop --tp/--dp/--ep")
+    if args.draft_model is not None:
+        _check_model_arg(args.draft_model)
+    if args.num_speculative_tokens is None:
+        args.num_speculative_tokens = 4
+
+
+def _speculative(args, model):
+    """The `speculative=` argument for generate/stream: None, "ngram" or the draft model."""
+    if args.speculative != "draft":
+        return args.speculative
+    import jaxinfer
+
+    t0 = time.perf_counter()  # its vocabulary is checked against the model's by stream()
+    draft = jaxinfer.load(args.draft_model, dtype=args.dtype, quantization=args.quantization,
+                          group_size=args.group_size)
+    log.info("loaded the draft model %s in %.2f s", args.draft_model, time.perf_counter() - t0)
+    return draft
+
+
 def _kv_cache_dtype(args) -> str | None:
     """--kv-cache-dtype as the API takes it (auto: None)."""
     return None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
@@ -324,7 +363,9 @@ def cmd_generate(args) -> int:
         check_text(args.system, "--system")
     _check_model_arg(args.model)
     _check_mesh_args(args)
+    _check_speculative_args(args)
     model = _load(args)
+    speculative = _speculative(args, model)
     if args.system is not None or not args.no_chat and model.tokenizer is not None \
             and model.tokenizer.chat_template:
         request = _messages(args.system, prompt)
@@ -332,10 +373,12 @@ def cmd_generate(args) -> int:
         request = prompt
     from jaxinfer.generate import stream
 
+    spec = {} if speculative is None else {
+        "speculative": speculative, "num_speculative_tokens": args.num_speculative_tokens}
     t0 = time.perf_counter()
     pieces = stream(model, request, max_new_tokens=args.max_new_tokens, sampling=sampling,
                     seed=args.seed, chat=False if args.no_chat else None, stop=args.stop,
-                    progress=sys.stderr.isatty(), kv_cache_dtype=_kv_cache_dtype(args))
+                    progress=sys.stderr.isatty(), kv_cache_dtype=_kv_cache_dtype(args), **spec)
     for piece in pieces:
         if not args.json:
             sys.stdout.write(piece)
@@ -356,6 +399,9 @@ def cmd_generate(args) -> int:
                "timings": timings}
         if args.logprobs:
             out["logprobs"] = c.logprobs
+        if speculative is not None:
+            out["speculative"] = {"draft_tokens": c.draft_tokens,
+                                  "accepted_tokens": c.accepted_tokens}
         print(json.dumps(out, ensure_ascii=False))
     else:
         sys.stdout.write("\n")
@@ -368,6 +414,8 @@ def cmd_generate(args) -> int:
     log.info("%d prompt + %d new tokens; first token %.2f s after the load, %s tok/s decode",
              c.prompt_tokens, n, timings["time_to_first_token_s"],
              timings["decode_tokens_per_s"])
+    if speculative is not None:
+        log.info("speculative: %d of %d drafts accepted", c.accepted_tokens, c.draft_tokens)
     return 0
 
 

@@ -268,3 +268,30 @@ def test_rejection_sampling_follows_the_target_law():
     assert _chi_square_p(count3, marginal3) > 1e-3
     always_accept = p1 @ laws(draft, 1)  # t2's law if every first draft were accepted
     assert _chi_square_p(count2, always_accept) < 1e-6
+
+
+def test_cli_speculative(tiny_chat, tiny_chat_dir, capsys):
+    """--speculative draft / ngram print the API's plain tokens and the acceptance counts;
+    inconsistent flags are usage errors before anything loads."""
+    import json
+
+    from jaxinfer import cli
+
+    sp = SamplingParams(temperature=0.7)
+    (ref,) = jaxinfer.generate(tiny_chat, PROMPTS[1], max_new_tokens=12, chat=False,
+                               sampling=sp, seed=3)
+    base = ["generate", PROMPTS[1], "--no-chat", "-n", "12", "--temperature", "0.7", "--seed",
+            "3", "--model", str(tiny_chat_dir), "--json"]
+    for flags in (["--speculative", "draft", "--draft-model", str(tiny_chat_dir)],
+                  ["--speculative", "ngram", "--num-speculative-tokens", "2"]):
+        assert cli.main(base + flags) == 0
+        got = json.loads(capsys.readouterr().out)
+        assert got["token_ids"] == ref.token_ids and got["text"] == ref.text
+        counts = got["speculative"]
+        assert 0 <= counts["accepted_tokens"] <= counts["draft_tokens"]
+    assert counts["draft_tokens"] % 2 == 0
+    for flags, match in ((["--speculative", "draft"], "needs --draft-model"),
+                         (["--draft-model", str(tiny_chat_dir)], "need --speculative"),
+                         (["--num-speculative-tokens", "3"], "need --speculative")):
+        assert cli.main(base + flags) == 2
+        assert match in capsys.readouterr().err
