@@ -102,6 +102,24 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="stop when the reply contains TEXT (repeatable); EOS always stops")
 
 
+def _add_speculative_args(p: argparse.ArgumentParser, bench: bool = False) -> None:
+    s = p.add_argument_group("speculative decoding (the same tokens, fewer target steps)")
+    s.add_argument("--speculative", choices=("ngram", "draft"), default=None,
+                   help="draft tokens by prompt lookup (ngram) or with --draft-model, and "
+                        "verify them in one forward of the model")
+    s.add_argument("--num-speculative-tokens", type=_positive("--num-speculative-tokens"),
+                   default=None, metavar="K", nargs="+" if bench else None,
+                   help="drafts per step (default 4)" + (", one run per K" if bench else ""))
+    s.add_argument("--draft-model", default=None, metavar="MODEL",
+                   help="the draft model for --speculative draft (registered name, HF "
+                        "directory or .gguf; the model's tokenizer)")
+    if bench:
+        from jaxinfer.speculative_bench import TASKS
+
+        s.add_argument("--tasks", nargs="+", choices=sorted(TASKS), default=["edit"],
+                       help="input-grounded prompts the acceptance is measured on")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from jaxinfer import __version__
 
@@ -125,15 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="report each new token's log-probability (in --json, else on stderr)")
     g.add_argument("--json", action="store_true",
                    help="print one JSON object: text, token ids, finish reason, usage, timings")
-    s = g.add_argument_group("speculative decoding (the same tokens, fewer target steps)")
-    s.add_argument("--speculative", choices=("ngram", "draft"), default=None,
-                   help="draft tokens by prompt lookup (ngram) or with --draft-model, and "
-                        "verify them in one forward of the model")
-    s.add_argument("--num-speculative-tokens", type=_positive("--num-speculative-tokens"),
-                   default=None, metavar="K", help="drafts per step (default 4)")
-    s.add_argument("--draft-model", default=None, metavar="MODEL",
-                   help="the draft model for --speculative draft (registered name, HF "
-                        "directory or .gguf; the model's tokenizer)")
+    _add_speculative_args(g)
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("chat", help="interactive multi-turn chat (" + CHAT_HELP + ")")
@@ -203,6 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
                    default="default",
                    help="kernel policy: today's fastest, bitwise-repeatable and "
                         "batch-invariant, or the pure-jnp references")
+    _add_speculative_args(b, bench=True)
     e = b.add_argument_group("serving engine (--engine)")
     e.add_argument("--engine", action="store_true",
                    help="replay a synthetic trace through the serving engine (Poisson arrivals, "
@@ -326,7 +337,7 @@ def _check_speculative_args(args) -> None:
     if args.draft_model is not None:
         _check_model_arg(args.draft_model)
     if args.num_speculative_tokens is None:
-        args.num_speculative_tokens = 4
+        args.num_speculative_tokens = [4] if args.func is cmd_bench else 4
 
 
 def _speculative(args, model):
@@ -606,6 +617,9 @@ def cmd_bench(args) -> int:
     if not args.preset:
         _check_model_arg(args.model)
     _check_mesh_args(args)
+    if args.speculative is not None and getattr(args, "engine", False):
+        raise UsageError("--speculative measures generate(); the engine has no speculation yet")
+    _check_speculative_args(args)
     from jaxinfer import bench
 
     return bench.main(args)

@@ -295,3 +295,23 @@ def test_cli_speculative(tiny_chat, tiny_chat_dir, capsys):
                          (["--num-speculative-tokens", "3"], "need --speculative")):
         assert cli.main(base + flags) == 2
         assert match in capsys.readouterr().err
+
+
+def test_bench_speculative(tiny_chat_dir, capsys):
+    """jaxinfer bench --speculative: a verification cost per K and an acceptance row per K
+    and task (whose run checks its tokens against plain greedy generate)."""
+    import json
+
+    from jaxinfer import cli
+
+    assert cli.main(["bench", "--model", str(tiny_chat_dir), "--speculative", "ngram",
+                     "--num-speculative-tokens", "1", "3", "--prompt-len", "16", "--gen-len",
+                     "8", "--repeats", "1", "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()
+            if line.startswith("{")]
+    cost = [r for r in rows if "ratio" in r]
+    runs = [r for r in rows if "tokens_per_round" in r]
+    assert [r["k"] for r in cost] == [1, 3] and all(r["ms"] > 0 for r in cost)
+    assert [r["k"] for r in runs] == [1, 3]
+    for r in runs:
+        assert r["new_tokens"] == 8 and 1 <= r["tokens_per_round"] <= r["k"] + 1
