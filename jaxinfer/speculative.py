@@ -377,8 +377,6 @@ def _prepare(model, prompts, max_new_tokens, sampling_params, seed, chat, stop, 
     if mesh is not None or model.sharding is not None:
         raise ValueError("speculative decoding runs on one device for now; drop mesh= (or load "
                          "the model without a mesh)")
-    if isinstance(drafter, DraftModel) and drafter.model.config.mla is not None:
-        raise ValueError("an MLA draft model is not supported yet; use a GQA draft model")
     k = num_speculative_tokens
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
         raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")

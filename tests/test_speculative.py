@@ -315,3 +315,23 @@ def test_bench_speculative(tiny_chat_dir, capsys):
     assert [r["k"] for r in runs] == [1, 3]
     for r in runs:
         assert r["new_tokens"] == 8 and 1 <= r["tokens_per_round"] <= r["k"] + 1
+
+
+def test_mla_model_speculative_equals_plain():
+    """A DeepSeek (MLA) model verifies against its latent cache and drafts for itself."""
+    from jaxinfer.configs import MLAConfig
+    from jaxinfer.models import deepseek
+
+    mla = MLAConfig(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12)
+    config = Config(vocab_size=64, hidden_size=32, intermediate_size=32, num_layers=2,
+                    num_heads=3, num_kv_heads=3, head_dim=16, family="deepseek", mla=mla,
+                    max_position_embeddings=128)
+    model = from_params(config, init_params(deepseek.param_specs(config), jax.random.key(0),
+                                            jnp.float32), None, dtype="float32")
+    prompts = [[1, 2, 3, 4, 1, 2, 3], [5, 6, 7], [9] * 5]
+    plain = jaxinfer.generate(model, prompts, max_new_tokens=20)
+    for drafter in ("ngram", model):
+        spec = jaxinfer.generate(model, prompts, max_new_tokens=20, speculative=drafter,
+                                 num_speculative_tokens=3)
+        assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
+        assert sum(c.accepted_tokens for c in spec) > 0
