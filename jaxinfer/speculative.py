@@ -182,88 +182,89 @@ def model_drafts(draft_params, state: SpecState, k: int, draft: _DraftPlan):
 # ---------------------------------------------------------------------------------------------
 
 
-def _spec_round(params, draft_params, state: SpecState, plan: Plan, k: int,
-                drafter: NGram | _DraftPlan) -> SpecState:
-    d = state.decode
-    p, x = d.positions, d.tokens  # [B]
-    b = p.shape[0]
-    rows = jnp.arange(b)
-    alive0 = ~d.done
-    laws = None
-    draft_cache = state.draft_cache
-    if isinstance(drafter, NGram):
-        drafts = ngram_drafts(state.history, p, k, drafter)  # [B, K]
-    else:
-        drafts, laws, draft_cache = model_drafts(draft_params, state, k, drafter)
-
-    # Verification: the last token and the K drafts at p..p+K in one forward.
-    tokens = jnp.concatenate([x[:, None], drafts], axis=1)  # [B, K + 1]
-    positions = p[:, None] + jnp.arange(k + 1, dtype=jnp.int32)  # [B, K + 1]
-    forward = registry.family(plan.config).forward
-    logits, cache = forward(params, tokens, positions, plan, d.cache)  # [B, K + 1, V]
-
-    # The target's token at each position, penalties counting the drafts before it.
-    tensors, flags = d.sampling, d.sampling.flags
-    rejection = isinstance(drafter, _DraftPlan) and drafter.rejection and not flags.all_greedy
-    sampler = d.sampler
-    ys, lps, accept, scaled_all, masked_all = [], [], [], [], []
+def _target_tokens(logits: jax.Array, drafts: jax.Array, d: DecodeState, plan: Plan,
+                   laws: bool):
+    """The target's token at each of the K + 1 positions p+1..p+K+1, as plain decoding would
+    sample it there if the drafts before it were accepted: the key of that position, penalty
+    counts including d_1..d_j. -> (tokens [B, K + 1], logprobs [B, K + 1], with laws: the
+    processed (scaled, masked) logits [B, K + 1, V] each, for rejection sampling)."""
+    k = drafts.shape[1]
+    sampler, tensors, p = d.sampler, d.sampling, d.positions
+    ys, lps, scaled, masked = [], [], [], []
     for j in range(k + 1):
-        keys = sampling.step_keys(sampler, p + 1 + j)
-        out = sampling.sample_with_logprobs(logits[:, j], keys, tensors,
-                                            token_counts=sampler.token_counts,
-                                            seen_mask=sampler.seen_mask,
-                                            batch_invariant=plan.policy.batch_invariant)
+        counts = dict(token_counts=sampler.token_counts, seen_mask=sampler.seen_mask,
+                      batch_invariant=plan.policy.batch_invariant)
+        out = sampling.sample_with_logprobs(logits[:, j], sampling.step_keys(sampler, p + 1 + j),
+                                            tensors, **counts)
         ys.append(out.tokens)
         lps.append(out.logprobs)
-        if rejection:
-            scaled, masked = sampling.processed_logits(
-                logits[:, j], tensors, token_counts=sampler.token_counts,
-                seen_mask=sampler.seen_mask, batch_invariant=plan.policy.batch_invariant)
-            scaled_all.append(scaled)
-            masked_all.append(masked)
+        if laws:
+            sc, ma = sampling.processed_logits(logits[:, j], tensors, **counts)
+            scaled.append(sc)
+            masked.append(ma)
         if j < k:
-            coupled = drafts[:, j] == out.tokens
-            if rejection:  # accept d w.p. min(1, p(d) / q(d)), u keyed by d's position
-                ukeys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, 1)
-                u = jax.vmap(jax.random.uniform)(ukeys)  # [B]
-                logp = jax.nn.log_softmax(masked, axis=-1)
-                logq = jax.nn.log_softmax(laws[:, j], axis=-1)
-                dj = drafts[:, j:j + 1]
-                ratio = jnp.exp(jnp.take_along_axis(logp, dj, 1) - jnp.take_along_axis(logq, dj, 1))
-                coupled = jnp.where(tensors.greedy, coupled, u < ratio[:, 0])
-            accept.append(coupled)
-            sampler = sampling.observe(sampler, drafts[:, j], alive0)
-    ys, lps = jnp.stack(ys, axis=1), jnp.stack(lps, axis=1)  # [B, K + 1]
-    a = jnp.sum(jnp.cumprod(jnp.stack(accept, axis=1).astype(jnp.int32), axis=1), axis=1)  # [B]
+            sampler = sampling.observe(sampler, drafts[:, j], ~d.done)
+    laws_out = (jnp.stack(scaled, 1), jnp.stack(masked, 1)) if laws else None
+    return jnp.stack(ys, 1), jnp.stack(lps, 1), laws_out
 
-    if rejection:
-        # A sampled row emits its accepted drafts, then on a rejection a draw from
-        # max(0, p_a - q_a), after K acceptances its plain draw y_K; greedy rows keep y.
-        pa = jax.nn.softmax(jnp.stack(masked_all, 1)[rows, a], axis=-1)  # [B, V]
-        qa = jax.nn.softmax(laws[rows, jnp.minimum(a, k - 1)], axis=-1)  # [B, V]
-        diff = jnp.maximum(pa - qa, 0.0)
-        residual = jnp.log(jnp.where(jnp.any(diff > 0, axis=-1, keepdims=True), diff, pa))
-        rkeys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(
-            sampling.step_keys(d.sampler, p + 1 + a), 2)
-        fix = _draw(residual, rkeys, jnp.zeros((b,), bool), False)  # [B]
-        emitted = jnp.concatenate([drafts, ys[:, k:]], axis=1)  # [B, K + 1]
-        at_a = (jnp.arange(k + 1)[None, :] == a[:, None]) & (a < k)[:, None]
-        emitted = jnp.where(at_a, fix[:, None], emitted)
-        ys = jnp.where(tensors.greedy[:, None], ys, emitted)
-        if flags.logprobs:  # the emitted tokens' logprobs under the untruncated scaled law
-            lsm = jax.nn.log_softmax(jnp.stack(scaled_all, 1), axis=-1)  # [B, K + 1, V]
-            lps = jnp.take_along_axis(lsm, ys[:, :, None], 2)[:, :, 0]
 
-    # Record y_0..y_a one column at a time: stop ids and budgets end a row mid-run.
+def _leading(ok: jax.Array) -> jax.Array:
+    """ok [B, K] bool -> [B] int32: how many leading entries are true."""
+    return jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
+
+
+def _rejection(drafts, draft_laws, ys, lps, target_laws, d: DecodeState):
+    """Rejection sampling for sampled rows (greedy rows keep the coupled rule): draft d_j is
+    accepted with probability min(1, p(d_j) / q(d_j)) (u keyed by its position), the first
+    rejected one replaced by a draw from max(0, p - q), after K acceptances the plain draw
+    y_K. -> (accepted count a [B], tokens [B, K + 1], logprobs [B, K + 1])."""
+    b, k = drafts.shape
+    rows = jnp.arange(b)
+    tensors, p = d.sampling, d.positions
+    scaled, masked = target_laws  # [B, K + 1, V] each
+    keys = jax.vmap(sampling.step_keys, in_axes=(None, 1), out_axes=1)(
+        d.sampler, p[:, None] + 1 + jnp.arange(k + 1))  # [B, K + 1]: key of each position
+    logp = jax.nn.log_softmax(masked[:, :k], axis=-1)  # [B, K, V]
+    logq = jax.nn.log_softmax(draft_laws, axis=-1)  # [B, K, V]
+    pick = drafts[:, :, None]
+    ratio = jnp.exp(jnp.take_along_axis(logp, pick, 2) - jnp.take_along_axis(logq, pick, 2))
+    u = jax.vmap(jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 1))))(
+        keys[:, :k])  # [B, K]
+    ok = jnp.where(tensors.greedy[:, None], drafts == ys[:, :k], u < ratio[:, :, 0])
+    a = _leading(ok)
+    pa = jnp.exp(logp[rows, jnp.minimum(a, k - 1)])  # [B, V] at the first rejection
+    qa = jnp.exp(logq[rows, jnp.minimum(a, k - 1)])
+    diff = jnp.maximum(pa - qa, 0.0)
+    residual = jnp.log(jnp.where(jnp.any(diff > 0, axis=-1, keepdims=True), diff, pa))
+    rkeys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys[rows, jnp.minimum(a, k)], 2)
+    fix = _draw(residual, rkeys, jnp.zeros((b,), bool), False)  # [B]
+    emitted = jnp.concatenate([drafts, ys[:, k:]], axis=1)  # [B, K + 1]
+    at_a = (jnp.arange(k + 1)[None, :] == a[:, None]) & (a < k)[:, None]
+    emitted = jnp.where(at_a, fix[:, None], emitted)
+    tokens = jnp.where(tensors.greedy[:, None], ys, emitted)
+    if tensors.flags.logprobs:  # the emitted tokens' logprobs under the untruncated law
+        lps = jnp.take_along_axis(jax.nn.log_softmax(scaled, axis=-1), tokens[:, :, None],
+                                  2)[:, :, 0]
+    return a, tokens, lps
+
+
+def _record_round(state: SpecState, tokens: jax.Array, lps: jax.Array, a: jax.Array,
+                  cache, plan: Plan) -> SpecState:
+    """Emit tokens[:, :a + 1] [B, K + 1] one column at a time (a stop id or the budget ends a
+    row mid-run), into the outputs, the history and the penalty counts; advance each row."""
+    d = state.decode
+    b, t = tokens.shape
+    rows = jnp.arange(b)
+    p = d.positions
     done, count, history = d.done, state.count, state.history
     output, logprobs, sampler = d.output, d.logprobs, d.sampler
     n_out, s = output.shape[1], history.shape[1]
-    for j in range(k + 1):
+    for j in range(t):
         alive = ~done & (j <= a)
-        tok = ys[:, j]
+        tok = tokens[:, j]
         col = jnp.where(alive, count, n_out)  # past the end: dropped
         output = output.at[rows, col].set(tok, mode="drop")
-        if flags.logprobs:
+        if d.sampling.flags.logprobs:
             logprobs = logprobs.at[rows, col].set(lps[:, j], mode="drop")
         history = history.at[rows, jnp.where(alive, p + 1 + j, s)].set(tok, mode="drop")
         hit_stop = jnp.any(tok[:, None] == d.stop_ids[None, :], axis=-1)
@@ -271,13 +272,40 @@ def _spec_round(params, draft_params, state: SpecState, plan: Plan, k: int,
         count = count + alive
         sampler = sampling.observe(sampler, tok, alive)
     emitted = count - state.count  # [B]
-    new_p = p + emitted
+    new_p = p + emitted  # the last emitted token's slot: written by the next round
     cache = sharding_lib.constrain_cache(cache.replace(lengths=new_p), plan.sharding)
     decode = d.replace(tokens=last_token(history, new_p), positions=new_p, cache=cache,
                        sampler=sampler, done=done, output=output, logprobs=logprobs)
-    return state.replace(decode=decode, count=count, history=history, draft_cache=draft_cache,
-                         drafted=state.drafted + jnp.where(alive0, k, 0),
+    return state.replace(decode=decode, count=count, history=history,
+                         drafted=state.drafted + jnp.where(d.done, 0, t - 1),
                          accepted=state.accepted + jnp.minimum(a, emitted))
+
+
+def _spec_round(params, draft_params, state: SpecState, plan: Plan, k: int,
+                drafter: NGram | _DraftPlan) -> SpecState:
+    """One round for every row (module docstring): draft, verify, accept, record."""
+    d = state.decode
+    p, x = d.positions, d.tokens  # [B]
+    draft_laws = None
+    if isinstance(drafter, NGram):
+        drafts = ngram_drafts(state.history, p, k, drafter)  # [B, K]
+    else:
+        drafts, draft_laws, draft_cache = model_drafts(draft_params, state, k, drafter)
+        state = state.replace(draft_cache=draft_cache)
+
+    # Verification: the last token and the K drafts at p..p+K in one forward.
+    tokens = jnp.concatenate([x[:, None], drafts], axis=1)  # [B, K + 1]
+    positions = p[:, None] + jnp.arange(k + 1, dtype=jnp.int32)  # [B, K + 1]
+    forward = registry.family(plan.config).forward
+    logits, cache = forward(params, tokens, positions, plan, d.cache)  # [B, K + 1, V]
+
+    rejection = draft_laws is not None and not d.sampling.flags.all_greedy
+    ys, lps, target_laws = _target_tokens(logits, drafts, d, plan, laws=rejection)
+    if rejection:
+        a, ys, lps = _rejection(drafts, draft_laws, ys, lps, target_laws, d)
+    else:  # coupled: accept while the draft is the token plain decoding samples there
+        a = _leading(drafts == ys[:, :k])
+    return _record_round(state, ys, lps, a, cache, plan)
 
 
 spec_round = jax.jit(_spec_round, static_argnames=("plan", "k", "drafter"),
