@@ -519,3 +519,20 @@ def pieces(model, sreq: _SpecRequest, progress: bool, out, t0: float) -> Iterato
                 return
         state = spec_round(req.params, sreq.draft_params, state, req.plan, sreq.k,
                            sreq.drafter)
+
+
+def ngram_drafts_host(tokens: list[int], k: int, ngram: NGram) -> list[int]:
+    """`ngram_drafts` for one row on the host (the engine's rows keep their tokens there):
+    the same rule over tokens, the row's prompt and output so far -> k drafts."""
+    hist = np.asarray(tokens, np.int64)
+    length = len(hist)
+    for n in range(ngram.max_n, ngram.min_n - 1, -1):
+        if length - n - 1 < 0:
+            continue
+        windows = np.lib.stride_tricks.sliding_window_view(hist[:length - 1], n)  # starts < L-n
+        hits = np.flatnonzero((windows == hist[length - n:]).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            period = length - start
+            return [int(hist[start + i % period]) for i in range(k)]
+    return [int(hist[-1])] * k

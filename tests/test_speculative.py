@@ -335,3 +335,55 @@ def test_mla_model_speculative_equals_plain():
                                  num_speculative_tokens=3)
         assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
         assert sum(c.accepted_tokens for c in spec) > 0
+
+
+def test_host_ngram_equals_device_ngram():
+    """The engine's host prompt lookup and generate's on-device one: the same drafts."""
+    rng = np.random.default_rng(0)
+    for trial in range(40):
+        length = int(rng.integers(1, 30))
+        row = rng.integers(0, 4, length)  # a small alphabet: many matches
+        history = jnp.asarray(np.pad(row, (0, 8), constant_values=int(rng.integers(0, 4)))[None],
+                              jnp.int32)
+        ngram = speculative.NGram(max_n=int(rng.integers(1, 4)), min_n=1)
+        device = speculative.ngram_drafts(history, jnp.array([length - 1], jnp.int32), 5, ngram)
+        assert speculative.ngram_drafts_host(row.tolist(), 5, ngram) == device[0].tolist(), trial
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "oracle"])
+def test_engine_speculative_equals_generate(looping, drafter, monkeypatch):
+    """The engine with prompt lookup: requests arriving at random steps, shared prefixes,
+    chunked prompts, a pool small enough to preempt, greedy and sampled rows with penalties:
+    each request's tokens (and logprobs) are generate()'s, and every page comes back.
+    "oracle": the drafts are generate()'s own continuation (prompt lookup replaced), so
+    nearly every draft is accepted, on the penalized rows too, where each accepted draft must
+    count in the next position's penalties."""
+    from test_engine import _engine, _reference, _requests, _serve
+
+    reqs = _requests(looping, 24, seed=4)
+    # Penalized greedy rows: this model repeats tokens unless its penalties count each one.
+    reqs = [(p, sp if i % 4 != 2 else SamplingParams(temperature=0.0, repetition_penalty=1.2,
+                                                     frequency_penalty=0.4), n * 2)
+            for i, (p, sp, n) in enumerate(reqs)]
+    want = _reference(looping, reqs, batch=24)
+    if drafter == "oracle":
+        futures = [p + toks for (p, _, _), (toks, _, _) in zip(reqs, want)]
+
+        def oracle(tokens, k, ngram):
+            for f in futures:
+                if f[:len(tokens)] == tokens and len(f) > len(tokens):
+                    return (f[len(tokens):] + [0] * k)[:k]
+            return [0] * k
+
+        monkeypatch.setattr(speculative, "ngram_drafts_host", oracle)
+    engine = _engine(looping, pages=30, max_num_seqs=8, speculative="ngram",
+                     num_speculative_tokens=3)
+    got, reasons = _serve(engine, reqs, np.random.default_rng(5))
+    assert engine.stats["preemptions"] > 0
+    rate = engine.stats["accepted_tokens"] / engine.stats["draft_tokens"]
+    assert rate > (0.5 if drafter == "oracle" else 0)
+    assert engine.free_pages == engine.total_pages and not engine.requests
+    for i, (toks, lps, reason) in enumerate(want):
+        assert (got[i][0], reasons[i]) == (toks, reason), i
+        if reqs[i][1].logprobs:
+            np.testing.assert_allclose(got[i][1], lps, atol=1e-4)

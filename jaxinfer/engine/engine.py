@@ -93,13 +93,18 @@ class Engine:
     prefix_caching: share the K/V pages of equal prompt prefixes. kv_cache_dtype: None,
     "int8" or "fp8" (cache.py). policy: the kernel policy (default the model's). seed: the
     seed of requests that give none (their key id is their arrival number).
+    speculative: None, or "ngram" / a `speculative.NGram`: prompt lookup drafts
+    num_speculative_tokens tokens per decode row, verified in one step (the tokens are the
+    same); a speculative step's tokens are read before the next is dispatched (the next
+    positions depend on them).
     """
 
     def __init__(self, model, *, max_num_seqs: int | None = None, page_size: int | None = None,
                  kv_memory=None, max_model_len: int | None = None,
                  max_num_batched_tokens: int | None = None, chunk_size: int | None = None,
                  decode_steps: int = 1, max_prefill_rows: int = 4, prefix_caching: bool = True,
-                 kv_cache_dtype: str | None = None, policy=None, seed: int = 0):
+                 kv_cache_dtype: str | None = None, policy=None, seed: int = 0,
+                 speculative=None, num_speculative_tokens: int = 4):
         from jaxinfer.generate import _plan, run_params
 
         config = model.config
@@ -136,6 +141,8 @@ class Engine:
         if self.chunk_size != chunk:
             raise ValueError(f"chunk_size must be a power of two, got {chunk}")
         self.decode_steps = positive("decode_steps", decode_steps)
+        self.ngram, self.num_speculative_tokens = self._speculative(
+            speculative, num_speculative_tokens)
         budget = positive("max_num_batched_tokens",
                           max_num_batched_tokens or max(2048, self.chunk_size))
         self.max_pages = -(-self.max_model_len // page_size)
@@ -170,7 +177,9 @@ class Engine:
         extra = repr((config, str(config.dtype), kv_cache_dtype)).encode()
         self.scheduler = Scheduler(pool, max_num_seqs=self.max_num_seqs,
                                    max_pages=self.max_pages, max_num_batched_tokens=budget,
-                                   chunk_size=self.chunk_size, decode_steps=self.decode_steps,
+                                   chunk_size=self.chunk_size,
+                                   # a verification's K + 1 slots, pages and budget
+                                   decode_steps=self.decode_steps + self.num_speculative_tokens,
                                    max_prefill_rows=self.max_prefill_rows, cache_extra=extra)
         with memory.reporting_oom(f"allocating the KV page pool ({num_pages} pages)"):
             cache = PagedKVCache.init(config, num_pages, page_size, kv_dtype=kv_cache_dtype)
@@ -184,7 +193,8 @@ class Engine:
         self._arrivals = itertools.count()  # key ids of requests without their own seed
         self._flags: sampling.SamplingFlags | None = None  # union of the dispatches' so far
         self._inflight: list = []  # dispatches not read yet: (kind, rows, tokens, logprobs)
-        self.stats = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "preemptions": 0}
+        self.stats = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "preemptions": 0,
+                      "draft_tokens": 0, "accepted_tokens": 0}
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -288,6 +298,8 @@ class Engine:
                 dispatched.append(self._dispatch_decode(sched.decode))
         outputs = self._read(self._inflight)
         self._inflight = dispatched
+        if self.ngram is not None:  # the next rows' positions and drafts need these tokens
+            outputs, self._inflight = self._read(dispatched), []
         self.stats["steps"] += 1
         return outputs
 
@@ -466,6 +478,8 @@ class Engine:
                 [logprobs])
 
     def _dispatch_decode(self, rows):
+        if self.ngram is not None:
+            return self._dispatch_verify(rows)
         reqs = [row.request for row in rows]
         b = _bucket(len(rows), self.decode_buckets)
         width = self._width(len(r.pages) for r in reqs)
@@ -487,6 +501,45 @@ class Engine:
             req.inflight += 1
         return ("decode", reqs, news, lps)
 
+    def _speculative(self, speculative, k):
+        """(NGram or None, K or 0) from the constructor's arguments."""
+        from jaxinfer.speculative import NGram
+
+        if speculative is None:
+            return None, 0
+        if speculative == "ngram":
+            speculative = NGram()
+        if not isinstance(speculative, NGram):
+            raise ValueError(f"the engine's speculative must be None, 'ngram' or an NGram (a "
+                             f"draft model: use jaxinfer.generate), got {speculative!r}")
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+            raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
+        if self.decode_steps != 1:
+            raise ValueError("speculative decoding takes decode_steps=1 (a verification "
+                             "already yields several tokens per step)")
+        return speculative, int(k)
+
+    def _dispatch_verify(self, rows):
+        """Decode rows as verifications: each row's newest token and K drafts (prompt
+        lookup over its tokens, on the host, where a step's tokens are read before the next)."""
+        from jaxinfer.speculative import ngram_drafts_host
+
+        reqs = [row.request for row in rows]
+        k = self.num_speculative_tokens
+        b = _bucket(len(rows), self.decode_buckets)
+        width = self._width(len(r.pages) for r in reqs)
+        positions = np.array([row.position for row in rows] + [-1] * (b - len(rows)), np.int32)
+        tokens = np.zeros((b, k + 1), np.int32)
+        for i, req in enumerate(reqs):
+            history = req.tokens()
+            tokens[i] = [history[-1]] + ngram_drafts_host(history, k, self.ngram)
+        batch = self._rows(reqs, positions, [k + 1] * len(rows), b, width)
+        self.state, new, logprobs = step_lib.verify_step(self.params, self.state,
+                                                         jnp.asarray(tokens), batch, self.plan)
+        for req in reqs:
+            req.inflight += 1
+        return ("verify", reqs, list(new.T), list(logprobs.T))  # per column [B], as decode
+
     # -- outputs ------------------------------------------------------------------------------
 
     def _read(self, dispatched) -> list[RequestOutput]:
@@ -495,15 +548,22 @@ class Engine:
         values = jax.device_get([(new, lps) for _, _, new, lps in dispatched])
         now = time.perf_counter()
         outputs: dict[str, RequestOutput] = {}
-        for (_, reqs, _, _), (new, lps) in zip(dispatched, values):
-            new, lps = np.stack(new, axis=1), np.stack(lps, axis=1)  # [B, steps]
+        for (kind, reqs, _, _), (new, lps) in zip(dispatched, values):
+            # [B, steps]; a verification's [B, K + 1] has -1 after its kept tokens
+            new, lps = np.stack(new, axis=1), np.stack(lps, axis=1)
             for row, req in enumerate(reqs):
                 if req is None:
                     continue
                 req.inflight -= 1
                 if req.status is Status.FINISHED or req.finish_reason:
                     continue
-                got, got_lp = self._accept(req, new[row].tolist(), lps[row].tolist())
+                kept = new[row] >= 0
+                got, got_lp = self._accept(req, new[row][kept].tolist(),
+                                           lps[row][kept].tolist())
+                if kind == "verify":
+                    req.scheduled = len(req.output)  # the scheduler counted K + 1
+                    self.stats["draft_tokens"] += self.num_speculative_tokens
+                    self.stats["accepted_tokens"] += int(kept.sum()) - 1
                 if req.first_token_time is None and got:
                     req.first_token_time = now
                 prev = outputs.get(req.request_id)

@@ -119,3 +119,46 @@ def set_penalty_rows(state: EngineState, slots: jax.Array, counts: jax.Array,
     seen [n, V] its prompt and generated tokens, at slots [n]."""
     return state.replace(token_counts=state.token_counts.at[slots].set(counts),
                          seen_mask=state.seen_mask.at[slots].set(seen))
+
+
+@functools.partial(jax.jit, static_argnames=("plan",), donate_argnames=("state",))
+def verify_step(params: dict, state: EngineState, tokens: jax.Array, rows: Rows, plan: Plan):
+    """Speculative decoding's step (jaxinfer/speculative.py): tokens [B, K + 1] per row, its
+    newest token then K drafts, at position..position + K in one forward; the target's token
+    at each position as `decode_step` would sample it if the drafts before it were accepted;
+    the drafts accepted while they equal it. -> (state, tokens [B, K + 1]: the accepted
+    drafts then the target's next token, -1 after them; logprobs [B, K + 1])."""
+    from jaxinfer.speculative import _leading
+
+    b, t = tokens.shape
+    # Positions past the block table never yield a kept token (max_model_len ends the row
+    # first): padding (-1), so no kernel reads or writes past a row's table.
+    end = rows.block_tables.shape[1] * state.cache.k[0].shape[1]  # W * page_size
+    offsets = jnp.arange(t, dtype=jnp.int32)[None, :]  # [1, K + 1]
+    positions = jnp.where((rows.position[:, None] >= 0) & (rows.position[:, None] + offsets
+                                                           < end),
+                          rows.position[:, None] + offsets, -1)  # [B, K + 1]
+    forward = registry.family(plan.config).forward
+    logits, cache = forward(params, tokens, positions, plan,
+                            state.cache.with_tables(rows.block_tables))  # [B, K + 1, V]
+    counts0, seen0 = _penalty_rows(state, rows)
+    counts, seen = counts0, seen0
+    ys, lps = [], []
+    for j in range(t):
+        out = sampling.sample_with_logprobs(logits[:, j], _keys(rows, rows.position + 1 + j),
+                                            rows.sampling, token_counts=counts,
+                                            seen_mask=seen,
+                                            batch_invariant=plan.policy.batch_invariant)
+        ys.append(out.tokens)
+        lps.append(out.logprobs if rows.sampling.flags.logprobs
+                   else jnp.zeros_like(out.logprobs))
+        if j + 1 < t:  # the penalties of position j + 1 count draft j + 1
+            counts, seen = sampling.update_penalty_state(counts, seen, tokens[:, j + 1])
+    ys, lps = jnp.stack(ys, 1), jnp.stack(lps, 1)  # [B, K + 1]
+    a = _leading(tokens[:, 1:] == ys[:, :-1])  # [B] drafts accepted
+    kept = offsets <= a[:, None]  # [B, K + 1]
+    for j in range(t):  # the statistics count the kept tokens only
+        counts0, seen0 = sampling.update_penalty_state(counts0, seen0, ys[:, j], kept[:, j])
+    last = jnp.take_along_axis(ys, a[:, None], axis=1)[:, 0]
+    state = _store(state, rows, cache, last, counts0, seen0)
+    return state, jnp.where(kept, ys, -1), lps
