@@ -387,3 +387,28 @@ def test_engine_speculative_equals_generate(looping, drafter, monkeypatch):
         assert (got[i][0], reasons[i]) == (toks, reason), i
         if reqs[i][1].logprobs:
             np.testing.assert_allclose(got[i][1], lps, atol=1e-4)
+
+
+def test_engine_run_reports_acceptance_per_request(looping):
+    """Engine.run with speculation: generate()'s tokens, each Completion's draft and accepted
+    counts, which add up to the engine's."""
+    from test_engine import _engine
+
+    engine = _engine(looping, speculative="ngram", num_speculative_tokens=2)
+    out = engine.run(PROMPTS[:4], max_tokens=20, chat=False)
+    want = jaxinfer.generate(looping, PROMPTS[:4], max_new_tokens=20, chat=False)
+    assert [c.token_ids for c in out] == [c.token_ids for c in want]
+    assert sum(c.draft_tokens for c in out) == engine.stats["draft_tokens"] > 0
+    assert sum(c.accepted_tokens for c in out) == engine.stats["accepted_tokens"] > 0
+    assert all(c.accepted_tokens <= c.draft_tokens for c in out)
+
+
+def test_engine_bad_speculative_arguments(looping):
+    from test_engine import _engine
+
+    for kw, match in (({"speculative": looping}, "None, 'ngram' or an NGram"),
+                      ({"speculative": "ngram", "num_speculative_tokens": 0},
+                       "num_speculative_tokens must be an integer >= 1"),
+                      ({"speculative": "ngram", "decode_steps": 2}, "decode_steps=1")):
+        with pytest.raises(ValueError, match=match):
+            _engine(looping, **kw)

@@ -46,6 +46,9 @@ class RequestOutput:
     new_logprobs: list[float] | None  # when its SamplingParams asked for logprobs
     finished: bool
     finish_reason: str | None  # "stop" (EOS, stop token or string), "length", or None
+    # Speculative engines: drafts proposed to the request and accepted, in this output.
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 def _pow2(n: int, lo: int = 1) -> int:
@@ -324,6 +327,7 @@ class Engine:
                for i, (p, sp) in enumerate(zip(prompts, params))]
         prompt_tokens = {i: len(self.requests[i].prompt) for i in ids}
         got = {i: ([], []) for i in ids}
+        spec = {i: [0, 0] for i in ids}  # drafts proposed, accepted
         reasons = {}
         with tqdm(total=len(ids), desc="requests", disable=not progress, leave=False) as bar:
             while len(reasons) < len(ids):
@@ -333,6 +337,8 @@ class Engine:
                     toks, lps = got[out.request_id]
                     toks += out.new_token_ids
                     lps += out.new_logprobs or []
+                    spec[out.request_id][0] += out.draft_tokens
+                    spec[out.request_id][1] += out.accepted_tokens
                     if out.finished:
                         reasons[out.request_id] = out.finish_reason
                         bar.update(1)
@@ -342,9 +348,11 @@ class Engine:
             text = self.model.tokenizer.decode(toks) if self.model.tokenizer is not None else ""
             cuts = [text.find(s) for s in stops if s in text]
             text = text[:min(cuts)] if cuts else text  # the stop string itself is left out
+            drafted, accepted = spec[i] if self.ngram is not None else (None, None)
             results.append(Completion(token_ids=toks, text=text, finish_reason=reasons[i],
                                       logprobs=lps if sp is not None and sp.logprobs else None,
-                                      prompt_tokens=prompt_tokens[i]))
+                                      prompt_tokens=prompt_tokens[i], draft_tokens=drafted,
+                                      accepted_tokens=accepted))
         return results
 
     def stream(self, prompt, *, sampling=None, max_tokens: int = 128, stop=None,
@@ -560,20 +568,24 @@ class Engine:
                 kept = new[row] >= 0
                 got, got_lp = self._accept(req, new[row][kept].tolist(),
                                            lps[row][kept].tolist())
+                drafted = accepted = 0
                 if kind == "verify":
                     req.scheduled = len(req.output)  # the scheduler counted K + 1
-                    self.stats["draft_tokens"] += self.num_speculative_tokens
-                    self.stats["accepted_tokens"] += int(kept.sum()) - 1
+                    drafted, accepted = self.num_speculative_tokens, int(kept.sum()) - 1
+                    self.stats["draft_tokens"] += drafted
+                    self.stats["accepted_tokens"] += accepted
                 if req.first_token_time is None and got:
                     req.first_token_time = now
                 prev = outputs.get(req.request_id)
                 if prev is not None:
                     got = prev.new_token_ids + got
                     got_lp = (prev.new_logprobs or []) + got_lp
+                    drafted += prev.draft_tokens
+                    accepted += prev.accepted_tokens
                 want_lp = got_lp if req.sampling.logprobs else None
                 outputs[req.request_id] = RequestOutput(req.request_id, got, want_lp,
                                                         req.finish_reason is not None,
-                                                        req.finish_reason)
+                                                        req.finish_reason, drafted, accepted)
         for out in outputs.values():
             if out.finished:
                 self.requests.pop(out.request_id, None)
