@@ -103,8 +103,9 @@ class SpecState:
 # ---------------------------------------------------------------------------------------------
 
 
-def ngram_drafts(history: jax.Array, last: jax.Array, k: int, ngram: NGram) -> jax.Array:
-    """Prompt-lookup drafts [B, k] from history [B, S] valid through position last [B].
+def ngram_drafts(history: jax.Array, last: jax.Array, k: int, ngram: NGram):
+    """Prompt-lookup drafts [B, k] from history [B, S] valid through position last [B], and
+    whether each row found a match [B] bool.
 
     The longest n-gram (max_n..min_n) ending at `last` that also occurs earlier wins, at its
     latest occurrence i; the drafts are the tokens after it, hist[i + n ...], repeated with the
@@ -125,7 +126,8 @@ def ngram_drafts(history: jax.Array, last: jax.Array, k: int, ngram: NGram) -> j
     period = jnp.maximum(length - start, 1)  # [B]
     idx = start[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :] % period[:, None]  # [B, k]
     drafts = jnp.take_along_axis(history, jnp.clip(idx, 0, s - 1), axis=1)
-    return jnp.where(start[:, None] >= 0, drafts, last_token(history, last)[:, None])
+    found = start >= 0
+    return jnp.where(found[:, None], drafts, last_token(history, last)[:, None]), found
 
 
 def last_token(history: jax.Array, last: jax.Array) -> jax.Array:
@@ -281,19 +283,13 @@ def _record_round(state: SpecState, tokens: jax.Array, lps: jax.Array, a: jax.Ar
                          accepted=state.accepted + jnp.minimum(a, emitted))
 
 
-def _spec_round(params, draft_params, state: SpecState, plan: Plan, k: int,
-                drafter: NGram | _DraftPlan) -> SpecState:
-    """One round for every row (module docstring): draft, verify, accept, record."""
+def _verify_round(params, state: SpecState, drafts: jax.Array, draft_laws, plan: Plan
+                  ) -> SpecState:
+    """Verify drafts [B, K] (K = 0: a plain decode step), accept, record."""
     d = state.decode
     p, x = d.positions, d.tokens  # [B]
-    draft_laws = None
-    if isinstance(drafter, NGram):
-        drafts = ngram_drafts(state.history, p, k, drafter)  # [B, K]
-    else:
-        drafts, draft_laws, draft_cache = model_drafts(draft_params, state, k, drafter)
-        state = state.replace(draft_cache=draft_cache)
-
-    # Verification: the last token and the K drafts at p..p+K in one forward.
+    k = drafts.shape[1]
+    # The last token and the K drafts at p..p+K in one forward.
     tokens = jnp.concatenate([x[:, None], drafts], axis=1)  # [B, K + 1]
     positions = p[:, None] + jnp.arange(k + 1, dtype=jnp.int32)  # [B, K + 1]
     forward = registry.family(plan.config).forward
@@ -306,6 +302,25 @@ def _spec_round(params, draft_params, state: SpecState, plan: Plan, k: int,
     else:  # coupled: accept while the draft is the token plain decoding samples there
         a = _leading(drafts == ys[:, :k])
     return _record_round(state, ys, lps, a, cache, plan)
+
+
+def _spec_round(params, draft_params, state: SpecState, plan: Plan, k: int,
+                drafter: NGram | _DraftPlan) -> SpecState:
+    """One round for every row (module docstring): draft, verify, accept, record."""
+    if isinstance(drafter, NGram):
+        drafts, found = ngram_drafts(state.history, state.decode.positions, k, drafter)
+        # No live row found a match: a plain decode step (T = 1) costs less than verifying
+        # guesses that are almost surely wrong.
+        def verify(s: SpecState) -> SpecState:
+            return _verify_round(params, s, drafts, None, plan)
+
+        def plain(s: SpecState) -> SpecState:
+            return _verify_round(params, s, drafts[:, :0], None, plan)
+
+        return jax.lax.cond(jnp.any(found & ~state.decode.done), verify, plain, state)
+    drafts, draft_laws, draft_cache = model_drafts(draft_params, state, k, drafter)
+    return _verify_round(params, state.replace(draft_cache=draft_cache), drafts, draft_laws,
+                         plan)
 
 
 spec_round = jax.jit(_spec_round, static_argnames=("plan", "k", "drafter"),
@@ -521,9 +536,9 @@ def pieces(model, sreq: _SpecRequest, progress: bool, out, t0: float) -> Iterato
                            sreq.drafter)
 
 
-def ngram_drafts_host(tokens: list[int], k: int, ngram: NGram) -> list[int]:
+def ngram_drafts_host(tokens: list[int], k: int, ngram: NGram) -> tuple[list[int], bool]:
     """`ngram_drafts` for one row on the host (the engine's rows keep their tokens there):
-    the same rule over tokens, the row's prompt and output so far -> k drafts."""
+    the same rule over tokens, the row's prompt and output so far -> (k drafts, found)."""
     hist = np.asarray(tokens, np.int64)
     length = len(hist)
     for n in range(ngram.max_n, ngram.min_n - 1, -1):
@@ -534,5 +549,5 @@ def ngram_drafts_host(tokens: list[int], k: int, ngram: NGram) -> list[int]:
         if hits.size:
             start = int(hits[-1]) + n
             period = length - start
-            return [int(hist[start + i % period]) for i in range(k)]
-    return [int(hist[-1])] * k
+            return [int(hist[start + i % period]) for i in range(k)], True
+    return [int(hist[-1])] * k, False

@@ -112,6 +112,10 @@ def test_greedy_speculative_equals_plain_greedy(looping, tiny_chat, drafter, bat
     assert all(0 <= c.accepted_tokens <= c.draft_tokens for c in spec)
     if drafter != "draft":
         assert accepted > 0  # rounds of several tokens were exercised
+    if drafter == "ngram" and batch == 1:  # rounds without a match were plain decode steps
+        (c,) = spec
+        rounds = len(c.token_ids) - 1 - c.accepted_tokens
+        assert c.draft_tokens % 3 == 0 and 0 < c.draft_tokens < 3 * rounds
 
 
 MIXED = [SamplingParams(temperature=0.8), SamplingParams(temperature=0.0),
@@ -148,7 +152,9 @@ def test_ngram_drafts_follow_the_latest_longest_match():
                          [1, 2, 3, 4, 0, 0, 0, 0, 0, 0, 4, 4],
                          [5, 6, 1, 2, 3, 5, 0, 0, 0, 0, 0, 0]], jnp.int32)
     last = jnp.array([8, 3, 5], jnp.int32)
-    drafts = speculative.ngram_drafts(history, last, 5, speculative.NGram(max_n=3, min_n=1))
+    drafts, found = speculative.ngram_drafts(history, last, 5,
+                                             speculative.NGram(max_n=3, min_n=1))
+    np.testing.assert_array_equal(found, [True, False, True])
     np.testing.assert_array_equal(drafts, [[9, 7, 8, 9, 7], [4, 4, 4, 4, 4],
                                            [6, 1, 2, 3, 5]])
 
@@ -346,8 +352,10 @@ def test_host_ngram_equals_device_ngram():
         history = jnp.asarray(np.pad(row, (0, 8), constant_values=int(rng.integers(0, 4)))[None],
                               jnp.int32)
         ngram = speculative.NGram(max_n=int(rng.integers(1, 4)), min_n=1)
-        device = speculative.ngram_drafts(history, jnp.array([length - 1], jnp.int32), 5, ngram)
-        assert speculative.ngram_drafts_host(row.tolist(), 5, ngram) == device[0].tolist(), trial
+        device, dfound = speculative.ngram_drafts(history, jnp.array([length - 1], jnp.int32),
+                                                  5, ngram)
+        drafts, found = speculative.ngram_drafts_host(row.tolist(), 5, ngram)
+        assert (drafts, found) == (device[0].tolist(), bool(dfound[0])), trial
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "oracle"])
@@ -372,8 +380,8 @@ def test_engine_speculative_equals_generate(looping, drafter, monkeypatch):
         def oracle(tokens, k, ngram):
             for f in futures:
                 if f[:len(tokens)] == tokens and len(f) > len(tokens):
-                    return (f[len(tokens):] + [0] * k)[:k]
-            return [0] * k
+                    return (f[len(tokens):] + [0] * k)[:k], True
+            return [0] * k, True
 
         monkeypatch.setattr(speculative, "ngram_drafts_host", oracle)
     engine = _engine(looping, pages=30, max_num_seqs=8, speculative="ngram",

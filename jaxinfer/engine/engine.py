@@ -488,6 +488,9 @@ class Engine:
     def _dispatch_decode(self, rows):
         if self.ngram is not None:
             return self._dispatch_verify(rows)
+        return self._dispatch_plain(rows)
+
+    def _dispatch_plain(self, rows):
         reqs = [row.request for row in rows]
         b = _bucket(len(rows), self.decode_buckets)
         width = self._width(len(r.pages) for r in reqs)
@@ -534,13 +537,15 @@ class Engine:
 
         reqs = [row.request for row in rows]
         k = self.num_speculative_tokens
+        drafts = [ngram_drafts_host(req.tokens(), k, self.ngram) for req in reqs]
+        if not any(found for _, found in drafts):
+            return self._dispatch_plain(rows)  # one token per row: no guesses to verify
         b = _bucket(len(rows), self.decode_buckets)
         width = self._width(len(r.pages) for r in reqs)
         positions = np.array([row.position for row in rows] + [-1] * (b - len(rows)), np.int32)
         tokens = np.zeros((b, k + 1), np.int32)
-        for i, req in enumerate(reqs):
-            history = req.tokens()
-            tokens[i] = [history[-1]] + ngram_drafts_host(history, k, self.ngram)
+        for i, (req, (draft, _)) in enumerate(zip(reqs, drafts)):
+            tokens[i] = [req.tokens()[-1]] + draft
         batch = self._rows(reqs, positions, [k + 1] * len(rows), b, width)
         self.state, new, logprobs = step_lib.verify_step(self.params, self.state,
                                                          jnp.asarray(tokens), batch, self.plan)
@@ -569,8 +574,9 @@ class Engine:
                 got, got_lp = self._accept(req, new[row][kept].tolist(),
                                            lps[row][kept].tolist())
                 drafted = accepted = 0
-                if kind == "verify":
+                if self.ngram is not None:
                     req.scheduled = len(req.output)  # the scheduler counted K + 1
+                if kind == "verify":
                     drafted, accepted = self.num_speculative_tokens, int(kept.sum()) - 1
                     self.stats["draft_tokens"] += drafted
                     self.stats["accepted_tokens"] += accepted
