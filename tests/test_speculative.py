@@ -316,11 +316,12 @@ def test_bench_speculative(tiny_chat_dir, capsys):
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()
             if line.startswith("{")]
     cost = [r for r in rows if "ratio" in r]
-    runs = [r for r in rows if "tokens_per_round" in r]
+    runs = [r for r in rows if "tokens_per_verification" in r]
     assert [r["k"] for r in cost] == [1, 3] and all(r["ms"] > 0 for r in cost)
     assert [r["k"] for r in runs] == [1, 3]
     for r in runs:
-        assert r["new_tokens"] == 8 and 1 <= r["tokens_per_round"] <= r["k"] + 1
+        assert r["new_tokens"] == 8 and 1 <= r["tokens_per_verification"] <= r["k"] + 1
+        assert r["verifications"] + r["plain_steps"] + r["accepted"] == 7
 
 
 def test_mla_model_speculative_equals_plain():
