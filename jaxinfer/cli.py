@@ -113,10 +113,8 @@ def _add_speculative_args(p: argparse.ArgumentParser, bench: bool = False) -> No
     s.add_argument("--draft-model", default=None, metavar="MODEL",
                    help="the draft model for --speculative draft (registered name, HF "
                         "directory or .gguf; the model's tokenizer)")
-    if bench:
-        from jaxinfer.speculative_bench import TASKS
-
-        s.add_argument("--tasks", nargs="+", choices=sorted(TASKS), default=["edit"],
+    if bench:  # jaxinfer/speculative_bench.py's TASKS (not imported here: it imports jax)
+        s.add_argument("--tasks", nargs="+", choices=("edit", "summarize"), default=["edit"],
                        help="input-grounded prompts the acceptance is measured on")
 
 

@@ -421,3 +421,26 @@ def test_engine_bad_speculative_arguments(looping):
                       ({"speculative": "ngram", "decode_steps": 2}, "decode_steps=1")):
         with pytest.raises(ValueError, match=match):
             _engine(looping, **kw)
+
+
+def test_bench_tasks_match_the_cli_choices():
+    from jaxinfer import cli, speculative_bench
+
+    args = cli.build_parser().parse_args(["bench", "--tasks", *speculative_bench.TASKS])
+    assert args.tasks == list(speculative_bench.TASKS)
+
+
+def test_rejection_mode_keeps_greedy_rows_plain(looping, tiny_chat):
+    """In a DraftModel(rejection=True) batch, greedy rows still take the argmax: plain
+    generate's tokens (sampled rows follow the law: the chi-square test above)."""
+    sp = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, logprobs=True),
+          SamplingParams(temperature=0.0, repetition_penalty=1.3, logprobs=True)]
+    plain = jaxinfer.generate(looping, PROMPTS[:3], max_new_tokens=16, chat=False, sampling=sp)
+    spec = jaxinfer.generate(looping, PROMPTS[:3], max_new_tokens=16, chat=False, sampling=sp,
+                             speculative=speculative.DraftModel(looping, rejection=True),
+                             num_speculative_tokens=3)
+    for row in (0, 2):
+        assert spec[row].token_ids == plain[row].token_ids
+    np.testing.assert_allclose(spec[2].logprobs, plain[2].logprobs, atol=1e-4)
+    assert len(spec[1].logprobs) == len(spec[1].token_ids)
+    assert sum(c.accepted_tokens for c in spec) > 0
