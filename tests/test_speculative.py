@@ -347,14 +347,14 @@ def test_mla_model_speculative_equals_plain():
 def test_host_ngram_equals_device_ngram():
     """The engine's host prompt lookup and generate's on-device one: the same drafts."""
     rng = np.random.default_rng(0)
+    lookup = jax.jit(speculative.ngram_drafts, static_argnames=("k", "ngram"))
     for trial in range(40):
         length = int(rng.integers(1, 30))
         row = rng.integers(0, 4, length)  # a small alphabet: many matches
-        history = jnp.asarray(np.pad(row, (0, 8), constant_values=int(rng.integers(0, 4)))[None],
-                              jnp.int32)
+        stale = rng.integers(0, 4, 38 - length)  # slots past the row's tokens
+        history = jnp.asarray(np.concatenate([row, stale])[None], jnp.int32)  # [1, 38]
         ngram = speculative.NGram(max_n=int(rng.integers(1, 4)), min_n=1)
-        device, dfound = speculative.ngram_drafts(history, jnp.array([length - 1], jnp.int32),
-                                                  5, ngram)
+        device, dfound = lookup(history, jnp.array([length - 1], jnp.int32), k=5, ngram=ngram)
         drafts, found = speculative.ngram_drafts_host(row.tolist(), 5, ngram)
         assert (drafts, found) == (device[0].tolist(), bool(dfound[0])), trial
 
