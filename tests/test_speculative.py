@@ -10,6 +10,7 @@ import itertools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxinfer.cache import KVCache
 from jaxinfer.configs import Config
@@ -25,10 +26,13 @@ def tiny_bf16_config() -> Config:
                   tie_word_embeddings=False, dtype="bfloat16")
 
 
-def test_verification_forward_runs_the_chunk_kernel_and_matches_decode_steps():
+@pytest.mark.parametrize("verify_queries, kernel", [(16, "verify_attention"),
+                                                     (2, "chunk_attention")])
+def test_verification_forward_runs_a_kernel_and_matches_decode_steps(verify_queries, kernel):
     """T = 3 queries per row (the last token and 2 drafts) at per-row positions against a
-    contiguous cache take the chunk attention kernel (interpret mode), and give the logits the
-    reference path gives one token at a time."""
+    contiguous cache take the split-K verify kernel (up to KernelPolicy.verify_queries
+    queries; the chunk kernel past it), in interpret mode, and give the logits the reference
+    path gives one token at a time."""
     config = tiny_bf16_config()
     params = init_params(llama.param_specs(config), jax.random.key(0), jnp.bfloat16)
     ids = jax.random.randint(jax.random.key(1), (2, 12), 0, config.vocab_size)
@@ -42,12 +46,12 @@ def test_verification_forward_runs_the_chunk_kernel_and_matches_decode_steps():
 
     verify_pos = lengths[:, None] + jnp.arange(3, dtype=jnp.int32)  # [B, 3]
     verify_ids = jnp.take_along_axis(ids, verify_pos, axis=1)
-    kernel_plan = Plan(config, KernelPolicy(interpret=True))
+    kernel_plan = Plan(config, KernelPolicy(interpret=True, verify_queries=verify_queries))
     ref_plan = Plan(config, KernelPolicy.reference())
     names = pallas_kernels_in(lambda c: llama.forward(params, verify_ids, verify_pos,
                                                       kernel_plan, c),
                               prompt_cache(ref_plan))
-    assert names["chunk_attention"] == config.num_layers, names
+    assert names[kernel] == config.num_layers, names
     got, _ = llama.forward(params, verify_ids, verify_pos, kernel_plan, prompt_cache(ref_plan))
     cache = prompt_cache(ref_plan)
     for t in range(3):  # one token at a time through the reference
@@ -62,8 +66,6 @@ def test_verification_forward_runs_the_chunk_kernel_and_matches_decode_steps():
 # ---------------------------------------------------------------------------------------------
 
 import pathlib  # noqa: E402
-
-import pytest  # noqa: E402
 
 import jaxinfer  # noqa: E402
 from jaxinfer import speculative  # noqa: E402

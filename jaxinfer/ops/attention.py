@@ -230,8 +230,30 @@ def _chunk(q, k, v, cache, plan, *, positions, window=None, fresh=False, sm_scal
                               interpret=plan.policy.interpret, **_scales(cache))
 
 
+def _verify_supports(q, k, v, cache, plan, *, fresh=False, **_) -> str | None:
+    if not isinstance(cache, KVLayer | QuantizedKVLayer) or fresh:
+        return "T queries against the earlier tokens of a contiguous cache only"
+    if not 1 < q.shape[1] <= plan.policy.verify_queries:
+        return f"2..{plan.policy.verify_queries} queries per row (KernelPolicy.verify_queries)"
+    if not kernels_on(plan, q.dtype) or not _kernel_head_dim(q.shape[-1]):
+        return "kernels off, or a head dim the kernel lacks"
+    return None
+
+
+@ATTENTION_CORE.register("verify", _verify_supports, kernel=True)
+def _verify(q, k, v, cache, plan, *, positions, window=None, fresh=False, sm_scale=None,
+            softcap=None):
+    """A few queries per row (the last token and K drafts) against a long cache, split over
+    the keys as the decode kernel is."""
+    return pk.verify_attention(q, cache.k, cache.v, positions, sliding_window=window,
+                               sm_scale=sm_scale, softcap=softcap,
+                               interpret=plan.policy.interpret,
+                               block_sizes=decode_blocks(plan), **_scales(cache))
+
+
 ATTENTION_CORE.register("chunk_quantized", _chunk_supports, kernel=True)(_chunk)
-# Registered after "decode": T = 1 keeps the split-K decode kernel, T > 1 comes here.
+# Registered after "decode" and "verify": T = 1 keeps the split-K decode kernel, a few
+# queries take verify_attention, more come here.
 ATTENTION_CORE.register("chunk", functools.partial(_chunk_supports, layer_type=KVLayer),
                         kernel=True)(_chunk)
 
