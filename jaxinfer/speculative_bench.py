@@ -20,6 +20,7 @@ import functools
 import json
 import statistics
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -38,11 +39,11 @@ PASSAGE = (
     "ninety-four steps to the gallery, where the original brass lens still turns slowly "
     "every evening at dusk, and on clear days the grain terminals of the old harbour can be "
     "seen across the bay.")
-TASKS = {
+TASKS = types.MappingProxyType({
     "edit": ("Copy the following passage exactly, but replace every occurrence of "
              "\"lamp\" with \"lantern\". Output only the passage.\n\n" + PASSAGE),
     "summarize": "Summarize the following passage in three sentences.\n\n" + PASSAGE,
-}
+})
 
 
 @functools.partial(jax.jit, static_argnames=("plan",), donate_argnames=("cache",))
