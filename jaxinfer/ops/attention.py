@@ -292,6 +292,28 @@ def _paged_decode(q, k, v, cache, plan, *, positions, window=None, fresh=False, 
     return out[:, None]  # [B, 1, Hq, D]
 
 
+def _paged_verify_supports(q, k, v, cache, plan, **_) -> str | None:
+    if isinstance(why := _paged_chunk_supports(q, k, v, cache, plan), str):
+        return why
+    if not 1 < q.shape[1] <= plan.policy.verify_queries:
+        return f"2..{plan.policy.verify_queries} queries per row (KernelPolicy.verify_queries)"
+    if plan.policy.batch_invariant:
+        return "batch_invariant: the paged chunk kernel serves every T (one arithmetic)"
+    return None
+
+
+@ATTENTION_CORE.register("paged_verify", _paged_verify_supports, kernel=True)
+def _paged_verify(q, k, v, cache, plan, *, positions, window=None, fresh=False, sm_scale=None,
+                  softcap=None):
+    """A few queries per row (the engine's verification) through the rows' block tables,
+    split over the keys (padding queries: position -1, zeros)."""
+    return pk.paged_verify_attention(q, cache.k, cache.v, cache.block_tables, positions,
+                                     sliding_window=window, sm_scale=sm_scale, softcap=softcap,
+                                     interpret=plan.policy.interpret,
+                                     block_sizes=plan.policy.attention_blocks,
+                                     **_scales(cache))
+
+
 @ATTENTION_CORE.register("paged_chunk", _paged_chunk_supports, kernel=True)
 def _paged_chunk(q, k, v, cache, plan, *, positions, window=None, fresh=False, sm_scale=None,
                  softcap=None):
