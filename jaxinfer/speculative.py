@@ -5,7 +5,8 @@ One round, for every row (jitted, `spec_round`; `spec_loop` runs rounds in a whi
     x = the row's last token at position p (not yet in the cache); history = its tokens so far
     drafts d_1..d_K              n-gram prompt lookup (`NGram`) or a draft model (`DraftModel`)
     verify [x, d_1..d_K]         one target forward, T = K + 1 queries at p..p+K, causal among
-                                 themselves (attend's chunk kernels); logits row j scores p+1+j
+                                 themselves (attend: verify_attention on a GPU); logits row j
+                                 scores position p+1+j
     target tokens y_0..y_K       the plain sampler at each position, with the key of that
                                  position and the penalty counts as if d_1..d_j were accepted
     accept a = leading drafts with d_j == y_{j-1}; emit y_0..y_a (a + 1 tokens)
@@ -33,12 +34,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import memory, pytree, sampling
+from jaxinfer import sharding as sharding_lib
+from jaxinfer.cache import KVCache
 from jaxinfer.generate import (PROGRESS_STEPS, Completion, DecodeState, StreamText, _bar,
                                _finish, _plan, _Request, run_params)
 from jaxinfer.generate import _prepare as _prepare_request
 from jaxinfer.generate import _run_prefill as _target_prefill
-from jaxinfer import sharding as sharding_lib
-from jaxinfer.cache import KVCache
+from jaxinfer.model import Model
 from jaxinfer.models import registry
 from jaxinfer.plan import Plan
 
@@ -69,7 +71,7 @@ class DraftModel:
     target's Gumbel noise (its own KV cache). rejection: rejection sampling (min(1, p/q)) for
     sampled rows instead of the coupled acceptance (module docstring)."""
 
-    model: object  # jaxinfer.model.Model
+    model: Model
     rejection: bool = False
 
 
@@ -131,6 +133,7 @@ def ngram_drafts(history: jax.Array, last: jax.Array, k: int, ngram: NGram):
 
 
 def last_token(history: jax.Array, last: jax.Array) -> jax.Array:
+    """Each row's token at position last [B] of history [B, S]."""
     return jnp.take_along_axis(history, last[:, None], axis=1)[:, 0]  # [B]
 
 
@@ -356,9 +359,9 @@ def _draft_prefill(params, tokens: jax.Array, lengths: jax.Array, cache: KVCache
 def _start(state: DecodeState, tokens: jax.Array, lengths: jax.Array):
     """After the target's prefill: each row's history (prompt, then its first token)."""
     b, t = tokens.shape
-    s = state.cache.k[0].shape[1] if isinstance(state.cache, KVCache) else state.cache.latent[
-        0].shape[1]
-    history = jnp.zeros((b, s), jnp.int32).at[:, :t].set(tokens[:, :s])
+    cache = state.cache  # KVCache or an MLA model's LatentCache: [B, S, ...] per layer
+    s = (cache.k if isinstance(cache, KVCache) else cache.latent)[0].shape[1]
+    history = jnp.zeros((b, s), jnp.int32).at[:, :t].set(tokens)  # T <= S (init_state)
     history = history.at[jnp.arange(b), lengths].set(state.tokens)
     return history, (state.output[:, 0] >= 0).astype(jnp.int32)
 
@@ -378,7 +381,7 @@ def _drafter(speculative, model):
                          "jaxinfer.load and pass the model)")
     if isinstance(speculative, NGram | DraftModel):
         drafter = speculative
-    elif hasattr(speculative, "config") and hasattr(speculative, "params"):
+    elif isinstance(speculative, Model):
         drafter = DraftModel(speculative)
     else:
         raise ValueError(f"speculative must be 'ngram', an NGram, a loaded draft model or a "
@@ -426,20 +429,18 @@ def _prepare(model, prompts, max_new_tokens, sampling_params, seed, chat, stop, 
     k = int(k)
     # init_state checks that K slots past the last token fit the target's context.
     req = _prepare_request(model, prompts, max_new_tokens, sampling_params, seed, chat, stop,
-                       max_seq_len, policy, kv_cache_dtype, mesh, reserve=k)
-    if isinstance(drafter, DraftModel):
-        need = max(len(p) for p in req.ids) + int(max_new_tokens) + k
-        context = drafter.model.config.max_position_embeddings
-        if need > context:
-            raise ValueError(f"the draft model's context ({context} tokens) is shorter than "
-                             f"the longest prompt + max_new_tokens + num_speculative_tokens "
-                             f"({need}); lower max_new_tokens or use another draft model")
-    if isinstance(drafter, DraftModel):
-        draft_model = drafter.model
-        plan = _plan(draft_model, policy)
-        return _SpecRequest(req, k, _DraftPlan(plan, drafter.rejection),
-                            run_params(draft_model, plan))
-    return _SpecRequest(req, k, drafter, None)
+                           max_seq_len, policy, kv_cache_dtype, mesh, reserve=k)
+    if isinstance(drafter, NGram):
+        return _SpecRequest(req, k, drafter, None)
+    need = max(len(p) for p in req.ids) + int(max_new_tokens) + k
+    context = drafter.model.config.max_position_embeddings
+    if need > context:
+        raise ValueError(f"the draft model's context ({context} tokens) is shorter than the "
+                         f"longest prompt + max_new_tokens + num_speculative_tokens ({need}); "
+                         "lower max_new_tokens or use another draft model")
+    plan = _plan(drafter.model, policy)
+    return _SpecRequest(req, k, _DraftPlan(plan, drafter.rejection),
+                        run_params(drafter.model, plan))
 
 
 def _run_prefill(model, sreq: _SpecRequest, progress: bool) -> SpecState:
