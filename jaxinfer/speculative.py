@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from collections.abc import Iterator
 
 import jax
@@ -504,8 +505,6 @@ def _row0(state: SpecState):
 
 def pieces(model, sreq: _SpecRequest, progress: bool, out, t0: float) -> Iterator[str]:
     """`stream`'s pieces with speculation: one round per host read (1..K+1 tokens)."""
-    import time
-
     req = sreq.req
     shown = StreamText(model.tokenizer, req.stop_ids, req.stop_strings)
     want_logprobs = req.sampling[0].logprobs
@@ -527,7 +526,7 @@ def pieces(model, sreq: _SpecRequest, progress: bool, out, t0: float) -> Iterato
             if stopped or last:
                 out.completion = dataclasses.replace(
                     _finish(model, ids, lps, req.stop_ids, req.stop_strings, want_logprobs,
-                                len(req.ids[0])),
+                            len(req.ids[0])),
                     draft_tokens=int(state.drafted[0]), accepted_tokens=int(state.accepted[0]))
             if piece:
                 yield piece
