@@ -361,14 +361,15 @@ def test_host_ngram_equals_device_ngram():
         assert (drafts, found) == (device[0].tolist(), bool(dfound[0])), trial
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "oracle"])
-def test_engine_speculative_equals_generate(looping, drafter, monkeypatch):
+@pytest.mark.parametrize("drafter", ["ngram", "oracle", "draft", "self"])
+def test_engine_speculative_equals_generate(looping, tiny_chat, drafter, monkeypatch):
     """The engine with prompt lookup: requests arriving at random steps, shared prefixes,
     chunked prompts, a pool small enough to preempt, greedy and sampled rows with penalties:
     each request's tokens (and logprobs) are generate()'s, and every page comes back.
     "oracle": the drafts are generate()'s own continuation (prompt lookup replaced), so
     nearly every draft is accepted, on the penalized rows too, where each accepted draft must
-    count in the next position's penalties."""
+    count in the next position's penalties. "draft": another model drafts (its pages beside
+    the target's), "self": the model drafts for itself (most drafts accepted)."""
     from test_engine import _engine, _reference, _requests, _serve
 
     reqs = _requests(looping, 24, seed=4)
@@ -387,12 +388,15 @@ def test_engine_speculative_equals_generate(looping, drafter, monkeypatch):
             return [0] * k, True
 
         monkeypatch.setattr(speculative, "ngram_drafts_host", oracle)
-    engine = _engine(looping, pages=30, max_num_seqs=8, speculative="ngram",
-                     num_speculative_tokens=3)
+    spec_arg = {"draft": tiny_chat, "self": looping}.get(drafter, "ngram")
+    # 30 pages: few enough to preempt (a draft model's pool takes as many bytes again)
+    engine = _engine(looping, pages=30 if spec_arg == "ngram" else 60, max_num_seqs=8,
+                     speculative=spec_arg, num_speculative_tokens=3)
+    assert engine.total_pages == 29  # 30 less the null page, whichever drafter
     got, reasons = _serve(engine, reqs, np.random.default_rng(5))
     assert engine.stats["preemptions"] > 0
     rate = engine.stats["accepted_tokens"] / engine.stats["draft_tokens"]
-    assert rate > (0.5 if drafter == "oracle" else 0)
+    assert rate > {"oracle": 0.5, "self": 0.5}.get(drafter, 0.0 if drafter == "ngram" else -1)
     assert engine.free_pages == engine.total_pages and not engine.requests
     for i, (toks, lps, reason) in enumerate(want):
         assert (got[i][0], reasons[i]) == (toks, reason), i
@@ -417,7 +421,9 @@ def test_engine_run_reports_acceptance_per_request(looping):
 def test_engine_bad_speculative_arguments(looping):
     from test_engine import _engine
 
-    for kw, match in (({"speculative": looping}, "None, 'ngram' or an NGram"),
+    for kw, match in (({"speculative": 3}, "None, 'ngram', an NGram"),
+                      ({"speculative": speculative.DraftModel(looping, rejection=True)},
+                       "coupled acceptance only"),
                       ({"speculative": "ngram", "num_speculative_tokens": 0},
                        "num_speculative_tokens must be an integer >= 1"),
                       ({"speculative": "ngram", "decode_steps": 2}, "decode_steps=1")):

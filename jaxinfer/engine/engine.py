@@ -96,9 +96,10 @@ class Engine:
     prefix_caching: share the K/V pages of equal prompt prefixes. kv_cache_dtype: None,
     "int8" or "fp8" (cache.py). policy: the kernel policy (default the model's). seed: the
     seed of requests that give none (their key id is their arrival number).
-    speculative: None, or "ngram" / a `speculative.NGram`: prompt lookup drafts
-    num_speculative_tokens tokens per decode row, verified in one step (the tokens are the
-    same); a speculative step's tokens are read before the next is dispatched (the next
+    speculative: None, "ngram" / a `speculative.NGram` (prompt lookup) or a draft model with
+    the same tokenizer (its K/V in page pools of its own, at the target's page indices):
+    num_speculative_tokens drafts per decode row, verified in one step (the same tokens as
+    without); a speculative step's tokens are read before the next is dispatched (the next
     positions depend on them).
     """
 
@@ -144,8 +145,10 @@ class Engine:
         if self.chunk_size != chunk:
             raise ValueError(f"chunk_size must be a power of two, got {chunk}")
         self.decode_steps = positive("decode_steps", decode_steps)
-        self.ngram, self.num_speculative_tokens = self._speculative(
-            speculative, num_speculative_tokens)
+        # Speculative decoding: prompt lookup (ngram) or a draft model (draft: its plan and
+        # params; its page pools follow the target's block tables), K drafts per decode row.
+        self.ngram, self.draft, self.num_speculative_tokens = self._speculative(
+            speculative, num_speculative_tokens, policy)
         budget = positive("max_num_batched_tokens",
                           max_num_batched_tokens or max(2048, self.chunk_size))
         self.max_pages = -(-self.max_model_len // page_size)
@@ -164,6 +167,8 @@ class Engine:
         self.kv_cache_dtype = kv_cache_dtype
 
         page_bytes = memory.kv_bytes_per_token(config, kv_cache_dtype) * page_size
+        if self.draft is not None:  # a page index holds both models' K/V
+            page_bytes += memory.kv_bytes_per_token(self.draft[0].config) * page_size
         full = self.max_num_seqs * self.max_pages + 1  # every row at max_model_len
         if kv_memory is None:
             num_pages = min(_kv_budget(0.8 if gpu else 0.25) // page_bytes, full if not gpu
@@ -186,6 +191,8 @@ class Engine:
                                    max_prefill_rows=self.max_prefill_rows, cache_extra=extra)
         with memory.reporting_oom(f"allocating the KV page pool ({num_pages} pages)"):
             cache = PagedKVCache.init(config, num_pages, page_size, kv_dtype=kv_cache_dtype)
+            self.draft_cache = None if self.draft is None else PagedKVCache.init(
+                self.draft[0].config, num_pages, page_size)
             self.state = step_lib.EngineState(
                 cache=cache, last_token=jnp.zeros((self.max_num_seqs + 1,), jnp.int32))
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) \
@@ -301,7 +308,7 @@ class Engine:
                 dispatched.append(self._dispatch_decode(sched.decode))
         outputs = self._read(self._inflight)
         self._inflight = dispatched
-        if self.ngram is not None:  # the next rows' positions and drafts need these tokens
+        if self.num_speculative_tokens:  # the next rows' positions and drafts need these
             outputs, self._inflight = self._read(dispatched), []
         self.stats["steps"] += 1
         return outputs
@@ -348,7 +355,7 @@ class Engine:
             text = self.model.tokenizer.decode(toks) if self.model.tokenizer is not None else ""
             cuts = [text.find(s) for s in stops if s in text]
             text = text[:min(cuts)] if cuts else text  # the stop string itself is left out
-            drafted, accepted = spec[i] if self.ngram is not None else (None, None)
+            drafted, accepted = spec[i] if self.num_speculative_tokens else (None, None)
             results.append(Completion(token_ids=toks, text=text, finish_reason=reasons[i],
                                       logprobs=lps if sp is not None and sp.logprobs else None,
                                       prompt_tokens=prompt_tokens[i], draft_tokens=drafted,
@@ -478,6 +485,10 @@ class Engine:
         batch = batch.replace(slot=jnp.where(jnp.asarray(final), batch.slot, self.max_num_seqs))
         self.state, new, logprobs = step_lib.prefill_step(self.params, self.state,
                                                           jnp.asarray(tokens), batch, self.plan)
+        if self.draft is not None:  # the same chunks into the draft model's pages
+            _, plan, params = self.draft
+            self.draft_cache = step_lib.draft_prefill_step(params, self.draft_cache,
+                                                           jnp.asarray(tokens), batch, plan)
         for row in rows:
             if row.final:
                 row.request.inflight += 1
@@ -486,7 +497,7 @@ class Engine:
                 [logprobs])
 
     def _dispatch_decode(self, rows):
-        if self.ngram is not None:
+        if self.num_speculative_tokens:
             return self._dispatch_verify(rows)
         return self._dispatch_plain(rows)
 
@@ -512,23 +523,39 @@ class Engine:
             req.inflight += 1
         return ("decode", reqs, news, lps)
 
-    def _speculative(self, speculative, k):
-        """(NGram or None, K or 0) from the constructor's arguments."""
-        from jaxinfer.speculative import NGram
+    def _speculative(self, speculative, k, policy):
+        """(NGram or None, (draft model, its plan, its params) or None, K or 0) from the
+        constructor's arguments."""
+        from jaxinfer.generate import _plan, run_params
+        from jaxinfer.model import Model
+        from jaxinfer.speculative import DraftModel, NGram, check_same_vocabulary
 
         if speculative is None:
-            return None, 0
+            return None, None, 0
         if speculative == "ngram":
             speculative = NGram()
-        if not isinstance(speculative, NGram):
-            raise ValueError(f"the engine's speculative must be None, 'ngram' or an NGram (a "
-                             f"draft model: use jaxinfer.generate), got {speculative!r}")
+        if isinstance(speculative, Model):
+            speculative = DraftModel(speculative)
+        if not isinstance(speculative, NGram | DraftModel):
+            raise ValueError(f"the engine's speculative must be None, 'ngram', an NGram, a "
+                             f"loaded draft model or a DraftModel, got {speculative!r}")
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
             raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
         if self.decode_steps != 1:
             raise ValueError("speculative decoding takes decode_steps=1 (a verification "
                              "already yields several tokens per step)")
-        return speculative, int(k)
+        if isinstance(speculative, NGram):
+            return speculative, None, int(k)
+        draft = speculative.model
+        if speculative.rejection:
+            raise ValueError("the engine verifies drafts by coupled acceptance only (the same "
+                             "tokens as without speculation); rejection sampling: use "
+                             "jaxinfer.generate")
+        if draft.config.mla is not None:
+            raise ValueError("an MLA draft model has no paged cache yet; use a GQA draft model")
+        check_same_vocabulary(self.model, draft)
+        plan = _plan(draft, policy)
+        return None, (draft, plan, run_params(draft, plan)), int(k)
 
     def _dispatch_verify(self, rows):
         """Decode rows as verifications: each row's newest token and K drafts (prompt
@@ -537,18 +564,27 @@ class Engine:
 
         reqs = [row.request for row in rows]
         k = self.num_speculative_tokens
-        drafts = [ngram_drafts_host(req.tokens(), k, self.ngram) for req in reqs]
-        if not any(found for _, found in drafts):
-            return self._dispatch_plain(rows)  # one token per row: no guesses to verify
         b = _bucket(len(rows), self.decode_buckets)
         width = self._width(len(r.pages) for r in reqs)
         positions = np.array([row.position for row in rows] + [-1] * (b - len(rows)), np.int32)
-        tokens = np.zeros((b, k + 1), np.int32)
-        for i, (req, (draft, _)) in enumerate(zip(reqs, drafts)):
-            tokens[i] = [req.tokens()[-1]] + draft
         batch = self._rows(reqs, positions, [k + 1] * len(rows), b, width)
-        self.state, new, logprobs = step_lib.verify_step(self.params, self.state,
-                                                         jnp.asarray(tokens), batch, self.plan)
+        if self.draft is not None:  # drafted on the device by the draft model
+            last_two = np.zeros((b, 2), np.int32)
+            for i, req in enumerate(reqs):
+                last_two[i] = req.tokens()[-2:]  # a decode row has >= 1 prompt + 1 output
+            _, plan, params = self.draft
+            self.draft_cache, tokens = step_lib.draft_step(params, self.draft_cache,
+                                                           jnp.asarray(last_two), batch, plan, k)
+        else:
+            drafts = [ngram_drafts_host(req.tokens(), k, self.ngram) for req in reqs]
+            if not any(found for _, found in drafts):
+                return self._dispatch_plain(rows)  # one token per row: no guesses to verify
+            tokens = np.zeros((b, k + 1), np.int32)
+            for i, (req, (draft, _)) in enumerate(zip(reqs, drafts)):
+                tokens[i] = [req.tokens()[-1]] + draft
+            tokens = jnp.asarray(tokens)
+        self.state, new, logprobs = step_lib.verify_step(self.params, self.state, tokens,
+                                                         batch, self.plan)
         for req in reqs:
             req.inflight += 1
         return ("verify", reqs, list(new.T), list(logprobs.T))  # per column [B], as decode
@@ -574,7 +610,7 @@ class Engine:
                 got, got_lp = self._accept(req, new[row][kept].tolist(),
                                            lps[row][kept].tolist())
                 drafted = accepted = 0
-                if self.ngram is not None:
+                if self.num_speculative_tokens:
                     req.scheduled = len(req.output)  # the scheduler counted K + 1
                 if kind == "verify":
                     drafted, accepted = self.num_speculative_tokens, int(kept.sum()) - 1

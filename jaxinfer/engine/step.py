@@ -162,3 +162,55 @@ def verify_step(params: dict, state: EngineState, tokens: jax.Array, rows: Rows,
     last = jnp.take_along_axis(ys, a[:, None], axis=1)[:, 0]
     state = _store(state, rows, cache, last, counts0, seen0)
     return state, jnp.where(kept, ys, -1), lps
+
+
+# -- a draft model's steps (speculative decoding with a draft model; jaxinfer/speculative.py) --
+
+
+def _in_table(positions: jax.Array, block_tables: jax.Array, page_size: int) -> jax.Array:
+    """positions [B, T] past the rows' block tables as padding (-1): nothing kept lies there
+    (max_model_len ends a row first), and no kernel then reads past a table."""
+    return jnp.where(positions < block_tables.shape[1] * page_size, positions, -1)
+
+
+@functools.partial(jax.jit, static_argnames=("plan",), donate_argnames=("cache",))
+def draft_prefill_step(params: dict, cache: PagedKVCache, tokens: jax.Array, rows: Rows,
+                       plan: Plan) -> PagedKVCache:
+    """prefill_step's chunk [B, C] into the draft model's pages (the same page indices as the
+    target's: both pools follow the rows' block tables); no token is sampled."""
+    b, c = tokens.shape
+    offsets = jnp.arange(c, dtype=jnp.int32)[None, :]  # [1, C]
+    positions = jnp.where(offsets < rows.count[:, None], rows.position[:, None] + offsets, -1)
+    forward = registry.family(plan.config).forward
+    _, cache = forward(params, tokens, positions, plan, cache.with_tables(rows.block_tables),
+                       logits_at=jnp.maximum(rows.count - 1, 0))
+    return cache
+
+
+@functools.partial(jax.jit, static_argnames=("plan", "k"), donate_argnames=("cache",))
+def draft_step(params: dict, cache: PagedKVCache, last_two: jax.Array, rows: Rows, plan: Plan,
+               k: int):
+    """K drafts per row from the draft model: its first forward takes the row's token before
+    its newest and the newest, last_two [B, 2] at position - 1, position (rewriting the first
+    is idempotent; it is missing when the last round accepted every draft), then one token at
+    a time; draft j is drawn with the target's key of its position (coupled drafting, as
+    speculative.model_drafts). -> (cache, tokens [B, K + 1]: the newest token, then K drafts)."""
+    from jaxinfer.speculative import _draft_law, _draw
+
+    forward = registry.family(plan.config).forward
+    page_size = cache.k[0].shape[1]
+    p = rows.position  # [B]; -1: padding
+    live = (p >= 0)[:, None]
+    tokens = last_two
+    positions = jnp.where(live, jnp.stack([p - 1, p], axis=1), -1)
+    drafts = []
+    for j in range(k):
+        logits, cache = forward(params, tokens, _in_table(positions, rows.block_tables,
+                                                          page_size), plan,
+                                cache.with_tables(rows.block_tables))
+        masked = _draft_law(logits[:, -1], rows.sampling)  # [B, V]
+        nxt = _draw(masked, _keys(rows, p + 1 + j), rows.sampling.greedy,
+                    rows.sampling.flags.all_greedy)  # [B]
+        drafts.append(nxt)
+        tokens, positions = nxt[:, None], jnp.where(live, (p + 1 + j)[:, None], -1)
+    return cache, jnp.concatenate([last_two[:, 1:], jnp.stack(drafts, axis=1)], axis=1)
