@@ -168,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the KV page pool: a fraction of free memory (0.8) or bytes ('8GB')")
     v.add_argument("--max-pending", type=_positive("--max-pending"), default=256,
                    help="requests queued or running before new ones get 429")
+    _add_speculative_args(v)
     v.set_defaults(func=cmd_serve)
 
     q = sub.add_parser("quantize", help="write a checkpoint's weights quantized (int8 / int4 / "
@@ -542,6 +543,7 @@ def cmd_serve(args) -> int:
     _check_mesh_args(args)
     if args.mesh is not None:
         raise UsageError("serve runs on one device for now; drop --tp / --dp / --ep")
+    _check_speculative_args(args)
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("binding %s: reachable from other machines%s", args.host,
                     "" if args.api_key else " and without --api-key")
@@ -551,8 +553,11 @@ def cmd_serve(args) -> int:
     from jaxinfer.engine import Engine
     from jaxinfer.server import EngineRunner, create_app
 
+    speculative = _speculative(args, model)
+    spec = {} if speculative is None else {
+        "speculative": speculative, "num_speculative_tokens": args.num_speculative_tokens}
     engine = Engine(model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                    kv_memory=args.kv_memory, kv_cache_dtype=_kv_cache_dtype(args))
+                    kv_memory=args.kv_memory, kv_cache_dtype=_kv_cache_dtype(args), **spec)
     runner = EngineRunner(engine, max_pending=args.max_pending)
     name = args.served_model_name or args.model
     app = create_app(runner, name, api_key=args.api_key)
