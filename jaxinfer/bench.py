@@ -471,6 +471,10 @@ def main(args) -> int:
     else:
         model, name = load(args.model, dtype=dtype, quantization=args.quantization,
                            policy=policy, group_size=args.group_size, mesh=mesh), args.model
+    if getattr(args, "speculative", None) is not None:
+        from jaxinfer import speculative_bench
+
+        return speculative_bench.main(args, model, name)
     if getattr(args, "engine", False):
         from jaxinfer.engine import bench as engine_bench
 

@@ -155,6 +155,22 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="stop when the reply contains TEXT (repeatable); EOS always stops")
 
 
+def _add_speculative_args(p: argparse.ArgumentParser, bench: bool = False) -> None:
+    s = p.add_argument_group("speculative decoding (the same tokens, fewer target steps)")
+    s.add_argument("--speculative", choices=("ngram", "draft"), default=None,
+                   help="draft tokens by prompt lookup (ngram) or with --draft-model, and "
+                        "verify them in one forward of the model")
+    s.add_argument("--num-speculative-tokens", type=_positive("--num-speculative-tokens"),
+                   default=None, metavar="K", nargs="+" if bench else None,
+                   help="drafts per step (default 4)" + (", one run per K" if bench else ""))
+    s.add_argument("--draft-model", default=None, metavar="MODEL",
+                   help="the draft model for --speculative draft (registered name, HF "
+                        "directory or .gguf; the model's tokenizer)")
+    if bench:  # jaxinfer/speculative_bench.py's TASKS (not imported here: it imports jax)
+        s.add_argument("--tasks", nargs="+", choices=("edit", "summarize"), default=["edit"],
+                       help="input-grounded prompts the acceptance is measured on")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from jaxinfer import __version__
 
@@ -178,6 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="report each new token's log-probability (in --json, else on stderr)")
     g.add_argument("--json", action="store_true",
                    help="print one JSON object: text, token ids, finish reason, usage, timings")
+    _add_speculative_args(g)
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("chat", help="interactive multi-turn chat (" + CHAT_HELP + ")")
@@ -222,6 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="random values for --preset, no download")
     v.add_argument("--num-layers", type=_positive("--num-layers"), default=None, metavar="L",
                    help="with --preset: its first L layers only")
+    _add_speculative_args(v)
     v.set_defaults(func=cmd_serve)
 
     q = sub.add_parser("quantize", help="write a checkpoint's weights quantized (int8 / int4 / "
@@ -265,6 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
                    default="default",
                    help="kernel policy: today's fastest, bitwise-repeatable and "
                         "batch-invariant, or the pure-jnp references")
+    _add_speculative_args(b, bench=True)
     e = b.add_argument_group("serving engine (--engine)")
     e.add_argument("--engine", action="store_true",
                    help="replay a synthetic trace through the serving engine (Poisson arrivals, "
@@ -424,6 +443,36 @@ def _load(args):
     return model
 
 
+def _check_speculative_args(args) -> None:
+    """--speculative, --num-speculative-tokens and --draft-model agree (before any load)."""
+    if args.speculative is None:
+        if args.num_speculative_tokens is not None or args.draft_model is not None:
+            raise UsageError("--num-speculative-tokens and --draft-model need --speculative")
+        return
+    if (args.speculative == "draft") != (args.draft_model is not None):
+        raise UsageError("--speculative draft needs --draft-model MODEL, and --draft-model "
+                         "needs --speculative draft")
+    if args.mesh is not None:
+        raise UsageError("--speculative runs on one device for now; drop --tp/--dp/--ep")
+    if args.draft_model is not None:
+        _check_model_arg(args.draft_model)
+    if args.num_speculative_tokens is None:
+        args.num_speculative_tokens = [4] if args.func is cmd_bench else 4
+
+
+def _speculative(args, model):
+    """The `speculative=` argument for generate/stream: None, "ngram" or the draft model."""
+    if args.speculative != "draft":
+        return args.speculative
+    import jaxinfer
+
+    t0 = time.perf_counter()  # its vocabulary is checked against the model's by stream()
+    draft = jaxinfer.load(args.draft_model, dtype=args.dtype, quantization=args.quantization,
+                          group_size=args.group_size)
+    log.info("loaded the draft model %s in %.2f s", args.draft_model, time.perf_counter() - t0)
+    return draft
+
+
 def _kv_cache_dtype(args) -> str | None:
     """--kv-cache-dtype as the API takes it (auto: None)."""
     return None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
@@ -447,7 +496,9 @@ def cmd_generate(args) -> int:
     _check_mesh_args(args)
     _check_checkpoint(args, "drop --system (or give the prompt whole, --no-chat)"
                       if args.system is not None else None)
+    _check_speculative_args(args)
     model = _load(args)
+    speculative = _speculative(args, model)
     if args.system is not None or not args.no_chat and model.tokenizer is not None \
             and model.tokenizer.chat_template:
         request = _messages(args.system, prompt)
@@ -455,10 +506,12 @@ def cmd_generate(args) -> int:
         request = prompt
     from jaxinfer.generate import stream
 
+    spec = {} if speculative is None else {
+        "speculative": speculative, "num_speculative_tokens": args.num_speculative_tokens}
     t0 = time.perf_counter()
     pieces = stream(model, request, max_new_tokens=args.max_new_tokens, sampling=sampling,
                     seed=args.seed, chat=False if args.no_chat else None, stop=args.stop,
-                    progress=sys.stderr.isatty(), kv_cache_dtype=_kv_cache_dtype(args))
+                    progress=sys.stderr.isatty(), kv_cache_dtype=_kv_cache_dtype(args), **spec)
     with _waiting("prefill (and compiles) until the first token"):
         first = next(pieces, None)
     for piece in itertools.chain([] if first is None else [first], pieces):
@@ -484,6 +537,9 @@ def cmd_generate(args) -> int:
                "timings": timings}
         if args.logprobs:
             out["logprobs"] = c.logprobs
+        if speculative is not None:
+            out["speculative"] = {"draft_tokens": c.draft_tokens,
+                                  "accepted_tokens": c.accepted_tokens}
         print(json.dumps(out, ensure_ascii=False))
     else:
         sys.stdout.write("\n")
@@ -497,6 +553,8 @@ def cmd_generate(args) -> int:
              "compile), first decode step %s s, then %s tok/s decode", c.prompt_tokens, n,
              timings["time_to_first_token_s"], timings["first_decode_step_s"],
              timings["decode_tokens_per_s"])
+    if speculative is not None:
+        log.info("speculative: %d of %d drafts accepted", c.accepted_tokens, c.draft_tokens)
     return 0
 
 
@@ -640,6 +698,10 @@ def check_serve_args(args) -> None:
             args.max_tokens_limit > args.max_model_len:
         raise UsageError(f"--max-tokens-limit {args.max_tokens_limit} exceeds --max-model-len "
                          f"{args.max_model_len}")
+    _check_speculative_args(args)
+    if args.speculative is not None and args.decode_steps != 1:
+        raise UsageError("--speculative takes --decode-steps 1 (a verification already yields "
+                         "several tokens per step)")
 
 
 def serve_engine(args):
@@ -657,9 +719,13 @@ def serve_engine(args):
         model = _load(args)
     from jaxinfer.engine import Engine
 
+    speculative = _speculative(args, model)
+    spec = {} if speculative is None else {
+        "speculative": speculative, "num_speculative_tokens": args.num_speculative_tokens}
     return model, Engine(model, max_num_seqs=args.max_num_seqs,
                          max_model_len=args.max_model_len, kv_memory=args.kv_memory,
-                         kv_cache_dtype=_kv_cache_dtype(args), decode_steps=args.decode_steps)
+                         kv_cache_dtype=_kv_cache_dtype(args), decode_steps=args.decode_steps,
+                         **spec)
 
 
 def cmd_serve(args) -> int:
@@ -752,6 +818,9 @@ def cmd_bench(args) -> int:
         _check_model_arg(args.model)
         _check_checkpoint(args)
     _check_mesh_args(args)
+    if args.speculative is not None and getattr(args, "engine", False):
+        raise UsageError("--speculative measures generate(); the engine has no speculation yet")
+    _check_speculative_args(args)
     from jaxinfer import bench
 
     return bench.main(args)

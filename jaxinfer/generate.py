@@ -66,6 +66,9 @@ class Completion:
     finish_reason: str  # "stop" (EOS, stop token or stop string) or "length"
     logprobs: list[float] | None = None
     prompt_tokens: int = 0  # the prompt's length in tokens (after the chat template)
+    # With speculative decoding: drafts proposed to this request, and those accepted.
+    draft_tokens: int | None = None
+    accepted_tokens: int | None = None
 
 
 def bucket(n: int, buckets: Sequence[int]) -> int:
@@ -232,14 +235,16 @@ def _stop_ids(model, stop) -> tuple[list[int], list[str]]:
 def init_state(model, prompt_ids: list[list[int]], max_new_tokens: int,
                sampling_params: list[SamplingParams], seed: int, stop_ids: list[int],
                max_seq_len: int | None = None, prompt_multiple: int = 1,
-               kv_cache_dtype: str | None = None, sharding=None,
+               kv_cache_dtype: str | None = None, sharding=None, reserve: int = 0,
                ) -> tuple[DecodeState, jax.Array, jax.Array]:
     """Check lengths and memory, allocate the cache, and build (state, padded prompt tokens
     [B, T], lengths [B]). The prompt pads to a bucket (a multiple of `prompt_multiple`), the
     cache to a multiple of CACHE_ROUND, the output to NEW_TOKEN_BUCKETS: a new prompt length or
     max_new_tokens then mostly reuses the compiled executables (the budget is a traced value).
     kv_cache_dtype: None (the model's dtype), "int8" or "fp8" (cache.py). sharding: the
-    plan's (jaxinfer/sharding.py): the cache is allocated in its shards, the rest replicated."""
+    plan's (jaxinfer/sharding.py): the cache is allocated in its shards, the rest replicated.
+    reserve: cache slots past the last token's (a speculative verification writes K drafts
+    there; the caller checks that they fit the context)."""
     check_kv_dtype(kv_cache_dtype, "kv_cache_dtype")
     config = model.config
     longest = max(len(p) for p in prompt_ids)
@@ -252,9 +257,15 @@ def init_state(model, prompt_ids: list[list[int]], max_new_tokens: int,
     if max_seq_len is not None and need > max_seq_len:
         raise ValueError(f"prompt of {longest} tokens + max_new_tokens {max_new_tokens} = {need} "
                          f"exceeds max_seq_len {max_seq_len}")
+    if reserve and need + reserve > min(context, max_seq_len or context):
+        room = min(context, max_seq_len or context) - need
+        raise ValueError(f"num_speculative_tokens {reserve} is more than the context left "
+                         f"({room} slots after the longest prompt of {longest} tokens and "
+                         f"max_new_tokens {max_new_tokens}: a verification writes K drafts past "
+                         "the last token); lower num_speculative_tokens or max_new_tokens")
     t = min(bucket(longest, PROMPT_BUCKETS), context)
     t = -(-t // prompt_multiple) * prompt_multiple
-    s = max_seq_len or min(bucket(need, (CACHE_ROUND,)), context)
+    s = max_seq_len or min(bucket(need + reserve, (CACHE_ROUND,)), context)
     s = max(s, t)
     n = bucket(max_new_tokens, NEW_TOKEN_BUCKETS)
     b = len(prompt_ids)
@@ -388,7 +399,7 @@ def run_params(model, plan: Plan):
 
 
 def _prepare(model, prompts, max_new_tokens, sampling_params, seed, chat, stop, max_seq_len,
-             policy, kv_cache_dtype=None, mesh=None) -> _Request:
+             policy, kv_cache_dtype=None, mesh=None, reserve: int = 0) -> _Request:
     """Every check on the host, before anything is allocated or compiled."""
     check_kv_dtype(kv_cache_dtype, "kv_cache_dtype")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
@@ -419,7 +430,7 @@ def _prepare(model, prompts, max_new_tokens, sampling_params, seed, chat, stop, 
     multiple = chunk if chunk and longest > chunk else 1
     state, tokens, lengths = init_state(model, ids, int(max_new_tokens), sampling_params,
                                         int(seed), stop_ids, max_seq_len, multiple,
-                                        kv_cache_dtype, plan.sharding)
+                                        kv_cache_dtype, plan.sharding, reserve)
     return _Request(ids, state, tokens, lengths, stop_ids, stop_strings, sampling_params, plan,
                     int(max_new_tokens), run_params(model, plan))
 
@@ -472,7 +483,8 @@ PROGRESS_STEPS = 32
 def generate(model, prompts, max_new_tokens: int = 128, sampling: SamplingParams | None = None,
              seed: int = 0, chat: bool | None = None, stop=None, max_seq_len: int | None = None,
              policy: KernelPolicy | None = None, progress: bool = False,
-             kv_cache_dtype: str | None = None, mesh=None) -> list[Completion]:
+             kv_cache_dtype: str | None = None, mesh=None, speculative=None,
+             num_speculative_tokens: int = 4) -> list[Completion]:
     """Generate for a prompt or a batch of prompts; returns one `Completion` per prompt.
 
     prompts: a string, token ids, or chat messages ([{"role": ..., "content": ...}], system
@@ -489,7 +501,18 @@ def generate(model, prompts, max_new_tokens: int = 128, sampling: SamplingParams
     half the bytes of a 16-bit one (codes with a scale per token and KV head; jaxinfer/cache.py).
     mesh: run on these devices (`jaxinfer.make_mesh(tp=, dp=, ep=)`, jaxinfer/sharding.py);
     default: the model's (a model loaded with a mesh carries it), else one device.
+    speculative: None, "ngram" (prompt lookup; `speculative.NGram` to tune it), a loaded draft
+    model with the same tokenizer, or `speculative.DraftModel(model, rejection=True)`:
+    num_speculative_tokens drafts per step, verified in one forward of the model; the tokens
+    are this function's without speculation (jaxinfer/speculative.py), and each Completion
+    counts its draft_tokens and accepted_tokens.
     """
+    if speculative is not None:
+        from jaxinfer import speculative as spec
+
+        return spec.generate(model, prompts, max_new_tokens, sampling, seed, chat, stop,
+                             max_seq_len, policy, progress, kv_cache_dtype, mesh, speculative,
+                             num_speculative_tokens)
     req = _prepare(model, prompts, max_new_tokens, sampling, seed, chat, stop, max_seq_len,
                    policy, kv_cache_dtype, mesh)
     with memory.reporting_oom(f"generating for {len(req.ids)} prompts"):
@@ -546,7 +569,8 @@ class TextStream:
 def stream(model, prompt, max_new_tokens: int = 128, sampling: SamplingParams | None = None,
            seed: int = 0, chat: bool | None = None, stop=None,
            policy: KernelPolicy | None = None, progress: bool = False,
-           kv_cache_dtype: str | None = None, mesh=None) -> TextStream:
+           kv_cache_dtype: str | None = None, mesh=None, speculative=None,
+           num_speculative_tokens: int = 4) -> TextStream:
     """The text of one prompt's completion, yielded piece by piece as tokens are decoded.
 
     Takes one prompt of any form `generate` takes (and the same arguments). Runs the same jitted
@@ -561,9 +585,16 @@ def stream(model, prompt, max_new_tokens: int = 128, sampling: SamplingParams | 
     if model.tokenizer is None:
         raise ValueError("stream() needs a tokenizer to turn tokens into text; use generate()")
     t0 = time.perf_counter()
+    out = TextStream(iter(()))
+    if speculative is not None:  # speculative.py; one host read per round of K + 1 tokens
+        from jaxinfer import speculative as spec
+
+        sreq = spec._prepare(model, prompt, max_new_tokens, sampling, seed, chat, stop, None,
+                             policy, kv_cache_dtype, mesh, speculative, num_speculative_tokens)
+        out._pieces = spec.pieces(model, sreq, progress, out, t0)
+        return out
     req = _prepare(model, prompt, max_new_tokens, sampling, seed, chat, stop, None, policy,
                    kv_cache_dtype, mesh)
-    out = TextStream(iter(()))
     out._pieces = _pieces(model, req, progress, out, t0)
     return out
 

@@ -124,6 +124,10 @@ class KernelPolicy:
     matmul_tiles: tuple = ()
     attention_blocks: DecodeBlockSizes | None = None
     mla_blocks: MLABlockSizes | None = None  # the absorbed MLA decode kernel's (None: its own)
+    # T > 1 queries per row against a cache: up to this many take the split-K
+    # verify_attention kernels (a speculative verification at a long context), more the
+    # chunk kernels (a prefill chunk). Not measured on the H200 yet.
+    verify_queries: int = 16
     # Decode steps per host check of the device loop, with stop tokens and without.
     steps_per_sync: int = 1
     steps_per_sync_no_stop: int = 8

@@ -613,6 +613,22 @@ def sample_with_logprobs(logits: jax.Array, keys: jax.Array,
                         top_logprobs=top_lps)
 
 
+def processed_logits(logits: jax.Array, params: SamplingTensors, *,
+                     token_counts: jax.Array | None = None, seen_mask: jax.Array | None = None,
+                     batch_invariant: bool = False) -> tuple[jax.Array, jax.Array]:
+    """The distribution a sampled row's Gumbel-max draw follows, for logits [B, V]: ->
+    (scaled [B, V]: penalized / temperature, what logprobs are taken under; masked [B, V]:
+    scaled with -inf outside the top-k/top-p/min-p set; softmax(masked) is the draw's law).
+    The same stages as `sample_with_logprobs` (speculative rejection sampling needs the law)."""
+    x = logits.astype(jnp.float32)
+    x = jnp.where(jnp.isnan(x), -jnp.inf, x)
+    x = apply_penalties(x, params, token_counts=token_counts, seen_mask=seen_mask)
+    scaled = x / params.temperature[:, None]
+    cut = _truncation_cut(scaled, params, batch_invariant)
+    masked = scaled if cut is None else jnp.where(scaled >= cut[:, None], scaled, -jnp.inf)
+    return scaled, masked
+
+
 def sample(logits: jax.Array, keys: jax.Array,
            params: SamplingTensors | SamplingParams | Sequence[SamplingParams], *,
            token_counts: jax.Array | None = None, seen_mask: jax.Array | None = None,

@@ -51,6 +51,9 @@ class RequestOutput:
     finish_reason: str | None  # "stop" (EOS, stop token or string), "length", or None
     # Per new token, its SamplingParams.top_logprobs most likely tokens: [(id, logprob), ...]
     new_top_logprobs: list[list[tuple[int, float]]] | None = None
+    # Speculative engines: drafts proposed to the request and accepted, in this output.
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 def _pow2(n: int, lo: int = 1) -> int:
@@ -98,13 +101,19 @@ class Engine:
     prefix_caching: share the K/V pages of equal prompt prefixes. kv_cache_dtype: None,
     "int8" or "fp8" (cache.py). policy: the kernel policy (default the model's). seed: the
     seed of requests that give none (their key id is their arrival number).
+    speculative: None, "ngram" / a `speculative.NGram` (prompt lookup) or a draft model with
+    the same tokenizer (its K/V in page pools of its own, at the target's page indices):
+    num_speculative_tokens drafts per decode row, verified in one step (the same tokens as
+    without); a speculative step's tokens are read before the next is dispatched (the next
+    positions depend on them).
     """
 
     def __init__(self, model, *, max_num_seqs: int | None = None, page_size: int | None = None,
                  kv_memory=None, max_model_len: int | None = None,
                  max_num_batched_tokens: int | None = None, chunk_size: int | None = None,
                  decode_steps: int = 1, max_prefill_rows: int = 4, prefix_caching: bool = True,
-                 kv_cache_dtype: str | None = None, policy=None, seed: int = 0):
+                 kv_cache_dtype: str | None = None, policy=None, seed: int = 0,
+                 speculative=None, num_speculative_tokens: int = 4):
         from jaxinfer.generate import _plan, run_params
 
         config = model.config
@@ -141,6 +150,10 @@ class Engine:
         if self.chunk_size != chunk:
             raise ValueError(f"chunk_size must be a power of two, got {chunk}")
         self.decode_steps = positive("decode_steps", decode_steps)
+        # Speculative decoding: prompt lookup (ngram) or a draft model (draft: its plan and
+        # params; its page pools follow the target's block tables), K drafts per decode row.
+        self.ngram, self.draft, self.num_speculative_tokens = self._speculative(
+            speculative, num_speculative_tokens, policy)
         budget = positive("max_num_batched_tokens",
                           max_num_batched_tokens or max(2048, self.chunk_size))
         self.max_pages = -(-self.max_model_len // page_size)
@@ -159,6 +172,8 @@ class Engine:
         self.kv_cache_dtype = kv_cache_dtype
 
         page_bytes = memory.kv_bytes_per_token(config, kv_cache_dtype) * page_size
+        if self.draft is not None:  # a page index holds both models' K/V
+            page_bytes += memory.kv_bytes_per_token(self.draft[0].config) * page_size
         full = self.max_num_seqs * self.max_pages + 1  # every row at max_model_len
         if kv_memory is None:
             num_pages = min(_kv_budget(0.8 if gpu else 0.25) // page_bytes, full if not gpu
@@ -175,10 +190,14 @@ class Engine:
         extra = repr((config, str(config.dtype), kv_cache_dtype)).encode()
         self.scheduler = Scheduler(pool, max_num_seqs=self.max_num_seqs,
                                    max_pages=self.max_pages, max_num_batched_tokens=budget,
-                                   chunk_size=self.chunk_size, decode_steps=self.decode_steps,
+                                   chunk_size=self.chunk_size,
+                                   # a verification's K + 1 slots, pages and budget
+                                   decode_steps=self.decode_steps + self.num_speculative_tokens,
                                    max_prefill_rows=self.max_prefill_rows, cache_extra=extra)
         with memory.reporting_oom(f"allocating the KV page pool ({num_pages} pages)"):
             cache = PagedKVCache.init(config, num_pages, page_size, kv_dtype=kv_cache_dtype)
+            self.draft_cache = None if self.draft is None else PagedKVCache.init(
+                self.draft[0].config, num_pages, page_size)
             self.state = step_lib.EngineState(
                 cache=cache, last_token=jnp.zeros((self.max_num_seqs + 1,), jnp.int32))
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) \
@@ -189,7 +208,8 @@ class Engine:
         self._arrivals = itertools.count()  # key ids of requests without their own seed
         self._flags: sampling.SamplingFlags | None = None  # union of the dispatches' so far
         self._inflight: list = []  # dispatches not read yet: (kind, rows, tokens, logprobs, top)
-        self.stats = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "preemptions": 0}
+        self.stats = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "preemptions": 0,
+                      "draft_tokens": 0, "accepted_tokens": 0}
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -269,6 +289,10 @@ class Engine:
                                  f"{type(grammar).__name__}")
             if model.tokenizer is None or grammar.vocab_size != model.tokenizer.vocab_size:
                 raise ValueError("grammar was compiled for another tokenizer than this model's")
+            if self.num_speculative_tokens:
+                raise ValueError("structured output (grammar=) is not supported by a "
+                                 "speculative engine (its drafts are verified without the "
+                                 "grammar's masks); use an engine without speculative=")
             matcher = grammar.matcher()
         if sampling.seed is not None:
             seed, key_id = sampling.seed, 0
@@ -307,6 +331,8 @@ class Engine:
                 dispatched.append(self._dispatch_decode(sched.decode))
         outputs = self._read(self._inflight)
         self._inflight = dispatched
+        if self.num_speculative_tokens:  # the next rows' positions and drafts need these
+            outputs, self._inflight = self._read(dispatched), []
         self.stats["steps"] += 1
         return outputs
 
@@ -373,6 +399,7 @@ class Engine:
                for i, (p, sp) in enumerate(zip(prompts, params))]
         prompt_tokens = {i: len(self.requests[i].prompt) for i in ids}
         got = {i: ([], []) for i in ids}
+        spec = {i: [0, 0] for i in ids}  # drafts proposed, accepted
         reasons = {}
         with tqdm(total=len(ids), desc="requests", disable=not progress, leave=False) as bar:
             while len(reasons) < len(ids):
@@ -382,6 +409,8 @@ class Engine:
                     toks, lps = got[out.request_id]
                     toks += out.new_token_ids
                     lps += out.new_logprobs or []
+                    spec[out.request_id][0] += out.draft_tokens
+                    spec[out.request_id][1] += out.accepted_tokens
                     if out.finished:
                         reasons[out.request_id] = out.finish_reason
                         bar.update(1)
@@ -391,9 +420,11 @@ class Engine:
             text = self.model.tokenizer.decode(toks) if self.model.tokenizer is not None else ""
             cuts = [text.find(s) for s in stops if s in text]
             text = text[:min(cuts)] if cuts else text  # the stop string itself is left out
+            drafted, accepted = spec[i] if self.num_speculative_tokens else (None, None)
             results.append(Completion(token_ids=toks, text=text, finish_reason=reasons[i],
                                       logprobs=lps if sp is not None and sp.logprobs else None,
-                                      prompt_tokens=prompt_tokens[i]))
+                                      prompt_tokens=prompt_tokens[i], draft_tokens=drafted,
+                                      accepted_tokens=accepted))
         return results
 
     def stream(self, prompt, *, sampling=None, max_tokens: int = 128, stop=None,
@@ -532,6 +563,10 @@ class Engine:
         batch = batch.replace(slot=jnp.where(jnp.asarray(final), batch.slot, self.max_num_seqs))
         self.state, new, logprobs, top = step_lib.prefill_step(
             self.params, self.state, jnp.asarray(tokens), batch, self.plan)
+        if self.draft is not None:  # the same chunks into the draft model's pages
+            _, plan, params = self.draft
+            self.draft_cache = step_lib.draft_prefill_step(params, self.draft_cache,
+                                                           jnp.asarray(tokens), batch, plan)
         for row in rows:
             if row.final:
                 row.request.inflight += 1
@@ -540,6 +575,11 @@ class Engine:
                 [logprobs], [top])
 
     def _dispatch_decode(self, rows):
+        if self.num_speculative_tokens:
+            return self._dispatch_verify(rows)
+        return self._dispatch_plain(rows)
+
+    def _dispatch_plain(self, rows):
         reqs = [row.request for row in rows]
         b = _bucket(len(rows), self.decode_buckets)
         width = self._width(len(r.pages) for r in reqs)
@@ -567,6 +607,75 @@ class Engine:
             req.inflight += 1
         return ("decode", reqs, news, lps, tops)
 
+    def _speculative(self, speculative, k, policy):
+        """(NGram or None, (draft model, its plan, its params) or None, K or 0) from the
+        constructor's arguments."""
+        from jaxinfer.generate import _plan, run_params
+        from jaxinfer.model import Model
+        from jaxinfer.speculative import DraftModel, NGram, check_same_vocabulary
+
+        if speculative is None:
+            return None, None, 0
+        if speculative == "ngram":
+            speculative = NGram()
+        if isinstance(speculative, Model):
+            speculative = DraftModel(speculative)
+        if not isinstance(speculative, NGram | DraftModel):
+            raise ValueError(f"the engine's speculative must be None, 'ngram', an NGram, a "
+                             f"loaded draft model or a DraftModel, got {speculative!r}")
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+            raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
+        if self.decode_steps != 1:
+            raise ValueError("speculative decoding takes decode_steps=1 (a verification "
+                             "already yields several tokens per step)")
+        if isinstance(speculative, NGram):
+            return speculative, None, int(k)
+        draft = speculative.model
+        if speculative.rejection:
+            raise ValueError("the engine verifies drafts by coupled acceptance only (the same "
+                             "tokens as without speculation); rejection sampling: use "
+                             "jaxinfer.generate")
+        if draft.config.mla is not None:
+            raise ValueError("an MLA draft model has no paged cache yet; use a GQA draft model")
+        check_same_vocabulary(self.model, draft)
+        plan = _plan(draft, policy)
+        return None, (draft, plan, run_params(draft, plan)), int(k)
+
+    def _dispatch_verify(self, rows):
+        """Decode rows as verifications: each row's newest token and K drafts (prompt
+        lookup over its tokens, on the host, where a step's tokens are read before the next)."""
+        from jaxinfer.speculative import ngram_drafts_host
+
+        reqs = [row.request for row in rows]
+        k = self.num_speculative_tokens
+        b = _bucket(len(rows), self.decode_buckets)
+        width = self._width(len(r.pages) for r in reqs)
+        positions = np.array([row.position for row in rows] + [-1] * (b - len(rows)), np.int32)
+        batch = self._rows(reqs, positions, [k + 1] * len(rows), b, width)
+        if self.draft is not None:  # drafted on the device by the draft model
+            last_two = np.zeros((b, 2), np.int32)
+            for i, req in enumerate(reqs):
+                last_two[i] = req.tokens()[-2:]  # a decode row has >= 1 prompt + 1 output
+            _, plan, params = self.draft
+            self.draft_cache, tokens = step_lib.draft_step(params, self.draft_cache,
+                                                           jnp.asarray(last_two), batch, plan, k)
+        else:
+            drafts = [ngram_drafts_host(req.tokens(), k, self.ngram) for req in reqs]
+            if not any(found for _, found in drafts):
+                return self._dispatch_plain(rows)  # one token per row: no guesses to verify
+            tokens = np.zeros((b, k + 1), np.int32)
+            for i, (req, (draft, _)) in enumerate(zip(reqs, drafts)):
+                tokens[i] = [req.tokens()[-1]] + draft
+            tokens = jnp.asarray(tokens)
+        self.state, new, logprobs, top = step_lib.verify_step(self.params, self.state, tokens,
+                                                              batch, self.plan)
+        for req in reqs:
+            req.inflight += 1
+        tops = [None] * (k + 1) if top is None else [(top[0][:, j], top[1][:, j])
+                                                     for j in range(k + 1)]
+        # per column [B], as decode
+        return ("verify", reqs, list(new.T), list(logprobs.T), tops)
+
     # -- outputs ------------------------------------------------------------------------------
 
     def _read(self, dispatched) -> list[RequestOutput]:
@@ -575,8 +684,9 @@ class Engine:
         values = jax.device_get([(new, lps, tops) for _, _, new, lps, tops in dispatched])
         now = time.perf_counter()
         outputs: dict[str, RequestOutput] = {}
-        for (_, reqs, _, _, _), (new, lps, tops) in zip(dispatched, values):
-            new, lps = np.stack(new, axis=1), np.stack(lps, axis=1)  # [B, steps]
+        for (kind, reqs, _, _, _), (new, lps, tops) in zip(dispatched, values):
+            # [B, steps]; a verification's [B, K + 1] has -1 after its kept tokens
+            new, lps = np.stack(new, axis=1), np.stack(lps, axis=1)
             if tops[0] is not None:  # [B, steps, K]
                 top_ids = np.stack([t[0] for t in tops], axis=1)
                 top_lps = np.stack([t[1] for t in tops], axis=1)
@@ -587,11 +697,19 @@ class Engine:
                 if req.status is Status.FINISHED or req.finish_reason:
                     continue
                 steps = 1 if req.matcher is not None else new.shape[1]  # see _dispatch_decode
+                kept = new[row, :steps] >= 0
                 k = req.sampling.top_logprobs
                 top = [list(zip(top_ids[row, j, :k].tolist(), top_lps[row, j, :k].tolist()))
-                       for j in range(steps)] if k else None
-                got, got_lp, got_top = self._accept(req, new[row, :steps].tolist(),
-                                                    lps[row, :steps].tolist(), top)
+                       for j in np.flatnonzero(kept)] if k else None
+                got, got_lp, got_top = self._accept(req, new[row, :steps][kept].tolist(),
+                                                    lps[row, :steps][kept].tolist(), top)
+                drafted = accepted = 0
+                if self.num_speculative_tokens:
+                    req.scheduled = len(req.output)  # the scheduler counted K + 1
+                if kind == "verify":
+                    drafted, accepted = self.num_speculative_tokens, int(kept.sum()) - 1
+                    self.stats["draft_tokens"] += drafted
+                    self.stats["accepted_tokens"] += accepted
                 if req.first_token_time is None and got:
                     req.first_token_time = now
                 prev = outputs.get(req.request_id)
@@ -599,11 +717,13 @@ class Engine:
                     got = prev.new_token_ids + got
                     got_lp = (prev.new_logprobs or []) + got_lp
                     got_top = (prev.new_top_logprobs or []) + got_top if k else None
+                    drafted += prev.draft_tokens
+                    accepted += prev.accepted_tokens
                 want_lp = got_lp if req.sampling.logprobs else None
-                outputs[req.request_id] = RequestOutput(req.request_id, got, want_lp,
-                                                        req.finish_reason is not None,
-                                                        req.finish_reason,
-                                                        got_top if k else None)
+                outputs[req.request_id] = RequestOutput(
+                    req.request_id, got, want_lp, req.finish_reason is not None,
+                    req.finish_reason, new_top_logprobs=got_top if k else None,
+                    draft_tokens=drafted, accepted_tokens=accepted)
         for out in outputs.values():
             if out.finished:
                 self.requests.pop(out.request_id, None)
