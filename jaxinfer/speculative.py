@@ -515,9 +515,11 @@ def pieces(model, sreq: _SpecRequest, progress: bool, out, t0: float) -> Iterato
         count, row, lp, done = jax.device_get(_row0(state))
         new = row[len(ids):int(count)].tolist()
         finished = bool(done)
+        now = time.perf_counter() - t0
         if out.time_to_first_token is None:
-            out.time_to_first_token = time.perf_counter() - t0
+            out.time_to_first_token = now
         for i, tok in enumerate(new):
+            out.token_times.append(now)  # a round's tokens arrive together
             ids.append(int(tok))
             if want_logprobs:
                 lps.append(float(lp[len(ids) - 1]))
