@@ -198,9 +198,9 @@ def draft_prefill_step(params: dict, cache: PagedKVCache, tokens: jax.Array, row
     offsets = jnp.arange(c, dtype=jnp.int32)[None, :]  # [1, C]
     positions = jnp.where(offsets < rows.count[:, None], rows.position[:, None] + offsets, -1)
     forward = registry.family(plan.config).forward
-    _, cache = forward(params, tokens, positions, plan, cache.with_tables(rows.block_tables),
-                       logits_at=jnp.maximum(rows.count - 1, 0))
-    return cache
+    _, out = forward(params, tokens, positions, plan, cache.with_tables(rows.block_tables),
+                     logits_at=jnp.maximum(rows.count - 1, 0))
+    return out.with_tables(cache.block_tables)  # its placeholder tables, as _store's
 
 
 @functools.partial(jax.jit, static_argnames=("plan", "k"), donate_argnames=("cache",))
@@ -215,6 +215,7 @@ def draft_step(params: dict, cache: PagedKVCache, last_two: jax.Array, rows: Row
 
     forward = registry.family(plan.config).forward
     page_size = cache.k[0].shape[1]
+    placeholder = cache.block_tables
     p = rows.position  # [B]; -1: padding
     live = (p >= 0)[:, None]
     tokens = last_two
@@ -229,4 +230,6 @@ def draft_step(params: dict, cache: PagedKVCache, last_two: jax.Array, rows: Row
                     rows.sampling.flags.all_greedy)  # [B]
         drafts.append(nxt)
         tokens, positions = nxt[:, None], jnp.where(live, (p + 1 + j)[:, None], -1)
-    return cache, jnp.concatenate([last_two[:, 1:], jnp.stack(drafts, axis=1)], axis=1)
+    # The placeholder tables it came with (as _store's): the next step's shapes stay its own.
+    return (cache.with_tables(placeholder),
+            jnp.concatenate([last_two[:, 1:], jnp.stack(drafts, axis=1)], axis=1))
