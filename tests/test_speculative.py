@@ -431,6 +431,56 @@ def test_engine_bad_speculative_arguments(looping):
             _engine(looping, **kw)
 
 
+@pytest.mark.parametrize("drafter", ["ngram", "self"])
+def test_engine_speculative_warmup_top_logprobs_and_grammar(looping, drafter):
+    """A speculative engine: warmup() compiles its verifications (and a draft model's steps)
+    so serving compiles nothing new; top_logprobs of verified tokens are the plain engine's;
+    a grammar request is refused (its drafts would be verified without its masks)."""
+    from test_engine import _engine
+
+    from jaxinfer.engine import step
+    from jaxinfer.structured import Grammar
+
+    spec_arg = {"self": looping}.get(drafter, "ngram")
+    greedy = SamplingParams(temperature=0.0)
+    top = SamplingParams(temperature=0.0, logprobs=True, top_logprobs=3)
+    engine = _engine(looping, max_model_len=64, speculative=spec_arg,
+                     num_speculative_tokens=2)
+    engine.warmup([greedy, top])
+    steps = (step.prefill_step, step.decode_step, step.verify_step, step.draft_step,
+             step.draft_prefill_step)
+    compiled = [f._cache_size() for f in steps]
+    prompts = [list(range(3, 13)) * 2, list(range(40, 47))]
+    ids = [engine.add_request(p, sampling=sp, max_tokens=12)
+           for p, sp in zip(prompts, [greedy, top])]
+    got = {i: ([], []) for i in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id][0].extend(out.new_token_ids)
+            got[out.request_id][1].extend(out.new_top_logprobs or [])
+    assert [f._cache_size() for f in steps] == compiled
+    assert engine.stats["draft_tokens"] > 0
+    plain = _engine(looping, max_model_len=64)
+    ids2 = [plain.add_request(p, sampling=sp, max_tokens=12)
+            for p, sp in zip(prompts, [greedy, top])]
+    want = {i: ([], []) for i in ids2}
+    while plain.has_unfinished():
+        for out in plain.step():
+            want[out.request_id][0].extend(out.new_token_ids)
+            want[out.request_id][1].extend(out.new_top_logprobs or [])
+    for a, b in zip(ids, ids2):
+        assert got[a][0] == want[b][0]
+        assert len(got[a][1]) == len(want[b][1])
+        for x, y in zip(got[a][1], want[b][1]):
+            assert [t for t, _ in x] == [t for t, _ in y]
+            np.testing.assert_allclose([lp for _, lp in x], [lp for _, lp in y], atol=1e-4)
+    assert len(got[ids[1]][1]) == 12 and all(len(t) == 3 for t in got[ids[1]][1])
+    with pytest.raises(ValueError, match="speculative engine"):
+        engine.add_request([5, 6], max_tokens=4, grammar=Grammar.regex(looping.tokenizer, "a+"))
+    with pytest.raises(ValueError, match="speculative engine refuses grammars"):
+        engine.warmup(structured=True)
+
+
 def test_bench_tasks_match_the_cli_choices():
     from jaxinfer import cli, speculative_bench
 

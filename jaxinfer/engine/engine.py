@@ -336,16 +336,23 @@ class Engine:
         self.stats["steps"] += 1
         return outputs
 
-    def warmup(self, sampling=None, progress: bool = False) -> int:
+    def warmup(self, sampling=None, progress: bool = False, structured: bool = False) -> int:
         """Compile every dispatch shape now (prefill rows x chunk lengths, decode rows), for
         requests with these SamplingParams (one or a list; default greedy), so a running
         engine compiles nothing: a shape first met while serving stalls every row for its
         compile (~3 s at 8B on the H200). Runs rows of padding only (they write nothing).
-        -> the number of executables dispatched. Call it before serving; idle engines only."""
+        Params asking for top_logprobs also warm the programs that search them (a dispatch
+        has them when one of its rows asks); a speculative engine also warms its
+        verifications (and a draft model's prefill and drafting steps); structured=True also
+        the programs with a grammar's token bitmask (not in a speculative engine, which
+        refuses grammars). -> the number of executables dispatched. Call it before serving;
+        idle engines only."""
         from tqdm.auto import tqdm
 
         if self.has_unfinished():
             raise ValueError("warmup() runs on an idle engine; call it before adding requests")
+        if structured and self.num_speculative_tokens:
+            raise ValueError("warmup(structured=True): a speculative engine refuses grammars")
         params = sampling if isinstance(sampling, (list, tuple)) else \
             [sampling or SamplingParams(temperature=0.0)]
         for sp in params:
@@ -355,28 +362,56 @@ class Engine:
         self._flags = tensors.flags if self._flags is None else self._flags.union(tensors.flags)
         if self._flags.penalties and self.state.token_counts is None:
             raise ValueError("warmup() with penalties: add a penalty request first")
+        # As _rows: the flags of every request so far, the top-logprobs search the dispatch's.
+        tops = sorted({SamplingTensors.from_params([sp]).flags.top_logprobs for sp in params})
+        masks = [False, True] if structured else [False]
         # The references' block-table width grows with the longest row; the kernels' is fixed.
         widths = [self.max_pages] if self.kernels else sorted(
             {min(self.max_pages, _pow2(n, 16)) for n in range(1, self.max_pages + 1)})
         shapes = [("prefill", b, c, w) for b in self.prefill_rows for c in self.prefill_lengths
                   for w in widths] + [("decode", b, 1, w) for b in self.decode_buckets
                                       for w in widths]
+        if self.num_speculative_tokens:
+            shapes += [("verify", b, self.num_speculative_tokens + 1, w)
+                       for b in self.decode_buckets for w in widths]
+        variants = [(shape, top, mask) for shape in shapes for top in tops for mask in masks
+                    if not (mask and shape[0] == "verify")]
         r = self.max_num_seqs
-        for kind, b, c, w in tqdm(shapes, desc="compiling", disable=not progress, leave=False):
+        words = -(-self.model.config.vocab_size // 32)
+        dispatched = 0
+        for (kind, b, c, w), top, mask in tqdm(variants, desc="compiling",
+                                               disable=not progress, leave=False):
             rows = step_lib.Rows(
                 slot=jnp.full((b,), r, jnp.int32), position=jnp.full((b,), -1, jnp.int32),
                 count=jnp.zeros((b,), jnp.int32), seed=jnp.zeros((b,), jnp.uint32),
                 key_id=jnp.zeros((b,), jnp.int32), block_tables=jnp.zeros((b, w), jnp.int32),
-                sampling=SamplingTensors.from_params(
-                    [params[0]] * b).replace(flags=self._flags))
+                sampling=SamplingTensors.from_params([params[0]] * b).replace(
+                    flags=dataclasses.replace(self._flags, top_logprobs=top)),
+                token_bitmask=jnp.full((b, words), -1, jnp.int32) if mask else None)
             if kind == "prefill":
                 self.state, new, _, _ = step_lib.prefill_step(
                     self.params, self.state, jnp.zeros((b, c), jnp.int32), rows, self.plan)
-            else:
+                if self.draft is not None and not mask:  # the draft's pages take the chunks
+                    _, plan, dparams = self.draft
+                    self.draft_cache = step_lib.draft_prefill_step(
+                        dparams, self.draft_cache, jnp.zeros((b, c), jnp.int32), rows, plan)
+                    dispatched += 1
+            elif kind == "decode":
                 self.state, new, _, _ = step_lib.decode_step(self.params, self.state, rows,
                                                              self.plan)
+            else:
+                tokens = jnp.zeros((b, c), jnp.int32)
+                if self.draft is not None:
+                    _, plan, dparams = self.draft
+                    self.draft_cache, tokens = step_lib.draft_step(
+                        dparams, self.draft_cache, jnp.zeros((b, 2), jnp.int32), rows, plan,
+                        self.num_speculative_tokens)
+                    dispatched += 1
+                self.state, new, _, _ = step_lib.verify_step(self.params, self.state, tokens,
+                                                             rows, self.plan)
             new.block_until_ready()
-        return len(shapes)
+            dispatched += 1
+        return dispatched
 
     def run(self, prompts: Iterable, *, sampling=None, max_tokens: int = 128, stop=None,
             seed: int | None = None, chat: bool | None = None, progress: bool = False):
