@@ -271,6 +271,23 @@ def test_warmup_compiles_every_shape_serving_needs(tiny_chat):
         engine.warmup()
 
 
+def test_warmup_structured_compiles_the_masked_programs(tiny_chat):
+    """warmup(structured=True) also compiles the token-bitmask programs: a grammar request
+    beside a free one then compiles nothing new."""
+    from jaxinfer.engine import step
+    from jaxinfer.structured import Grammar
+
+    engine = _engine(tiny_chat, max_model_len=64)
+    assert engine.warmup(structured=True) == 18  # each of the 9 shapes with and without
+    compiled = step.prefill_step._cache_size() + step.decode_step._cache_size()
+    engine.add_request([5, 6, 7], max_tokens=8,
+                       grammar=Grammar.regex(tiny_chat.tokenizer, "(yes|no), [0-9]{2,4}"))
+    engine.add_request([8, 9, 10, 11], max_tokens=6)
+    while engine.has_unfinished():
+        engine.step()
+    assert step.prefill_step._cache_size() + step.decode_step._cache_size() == compiled
+
+
 def test_constrained_rows_beside_free_rows(tiny_chat):
     """Structured output: a JSON-schema row and a regex row (greedy) served with two decode
     steps per engine step beside free rows, both preempted midway (recomputed from prompt
