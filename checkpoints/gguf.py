@@ -596,6 +596,7 @@ def params_from_reader(reader, config: Config, path, keep_quantized: bool = True
         tensor = tensors[gguf_name]
         if kept(gguf_name, transpose):
             qw = _repack(tensor, path)  # already [in, out]: GGUF rows are its columns
+            gguf_reader.release_pages(tensor.data)  # repacked into new arrays
             if name in heads:
                 qw = qw.map_columns(functools.partial(_unpermute_rope_columns,
                                                       n_heads=heads[name]))

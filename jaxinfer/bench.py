@@ -13,6 +13,7 @@ import functools
 import json
 import logging
 import math
+import os
 import statistics
 import time
 import types
@@ -24,9 +25,11 @@ from tqdm.auto import tqdm
 
 from jaxinfer import memory
 from jaxinfer.configs import PRESETS, Config
-from jaxinfer.generate import decode_loop, decode_step, init_state, prefill, run_params
+from jaxinfer.generate import (CACHE_ROUND, PROMPT_BUCKETS, bucket, decode_loop, decode_step,
+                               init_state, prefill, run_params)
 from jaxinfer.model import Model, default_dtype, load
 from jaxinfer.models import registry
+from jaxinfer.ops.blocked import dequant_block_bytes
 from jaxinfer.plan import KernelPolicy
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.sharding import Sharding, cache_shardings, param_shardings, shard_params
@@ -64,6 +67,8 @@ class BenchResult:
     achieved_gb_per_s: float
     floor_fraction: float | None
     peak_memory_gb: float | None
+    # On CPU: memory.cpu_peak_bytes' estimate of the peak (what the refusals budget), in GB
+    estimated_peak_gb: float | None = None
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype), "int8" or "fp8"
     kv_cache_bytes: int = 0  # the whole cache as allocated
     weights: str = "dense"  # the matmul weights' formats ("int4", "q4_k+q6_k", ...)
@@ -72,11 +77,22 @@ class BenchResult:
     param_bytes_per_device: int = 0  # the most any one device holds
     kv_cache_bytes_per_device: int = 0
 
+    @staticmethod
+    def table_header() -> str:
+        return (f"{'model':22s} {'polic':5s} {'batch':6s} {'context':10s} {'decode':>15s} "
+                f"{'throughput':>15s} {'achieved':>13s} of the HBM floor")
+
     def table_row(self) -> str:
         frac = f"{self.floor_fraction:.1%}" if self.floor_fraction is not None else "n/a"
         kv = "" if self.kv_cache_dtype == "auto" else f" kv={self.kv_cache_dtype}"
         kv += "" if self.weights == "dense" else f" w={self.weights}"
         kv += "" if self.mesh == "1 device" else f" {self.mesh}"
+        if self.backend == "cpu":  # no floor here: the prompt's speed and the memory instead
+            kv += f" prefill {self.prefill_tokens_per_s:.1f} tok/s"
+            if self.peak_memory_gb is not None:
+                kv += f" peak RSS {self.peak_memory_gb:.2f} GB"
+            if self.estimated_peak_gb is not None:
+                kv += f" (estimate {self.estimated_peak_gb:.2f} GB)"
         return (f"{self.model:22s} {self.policy[:5]:5s} B={self.batch:<4d} "
                 f"ctx={self.prompt_len + self.gen_len:<6d} "
                 f"{self.decode_ms_per_token:8.3f} ms/tok {self.decode_tokens_per_s:9.1f} tok/s "
@@ -362,6 +378,10 @@ def run(model: Model, name: str, batch: int, prompt_len: int, gen_len: int,
         import resource
 
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+    estimate = None
+    if backend == "cpu" and plan.sharding is None:
+        estimate = cpu_peak_estimate(model, plan, batch, prompt_len, gen_len,
+                                     kv_cache_dtype) / 1e9
     return BenchResult(
         model=name, policy=policy_name, backend=backend, dtype=config.dtype, batch=batch, prompt_len=prompt_len,
         gen_len=gen_len, compile_s=compile_s,
@@ -370,10 +390,44 @@ def run(model: Model, name: str, batch: int, prompt_len: int, gen_len: int,
         host_overhead_ms_per_step=max(python_step_s - decode_s, 0.0) * 1e3,
         bytes_per_step=nbytes, achieved_gb_per_s=nbytes / decode_s / 1e9,
         floor_fraction=(nbytes / bw) / decode_s if bw else None, peak_memory_gb=peak,
+        estimated_peak_gb=estimate,
         kv_cache_dtype=kv_cache_dtype or "auto", kv_cache_bytes=s.cache.nbytes(),
         weights=weight_formats(model.params), param_bytes=param_bytes(model.params),
         mesh=_mesh_text(plan.sharding), param_bytes_per_device=_shard_bytes(model.params),
         kv_cache_bytes_per_device=_shard_bytes(s.cache))
+
+
+def cpu_peak_estimate(model: Model, plan, batch: int, prompt_len: int, gen_len: int,
+                      kv_cache_dtype: str | None = None) -> int:
+    """memory.cpu_peak_bytes for this bench's load and request: the params as held, a load
+    that kept quantized weights in their codes (a GGUF's blocks, or quantized as read)."""
+    config = model.config
+    held = param_bytes(model.params)
+    quantized = weight_formats(model.params) != "dense"
+    load = memory.load_parts(config, config.dtype, host_float32_copy=False,
+                             stored_bytes=held if quantized else None,
+                             blocked=dequant_block_bytes(plan.policy) > 0)
+    # as init_state pads them for run(): the prompt to its bucket, prefilled in one shot
+    padded = bucket(prompt_len, PROMPT_BUCKETS)
+    cache = max(bucket(prompt_len + gen_len, (CACHE_ROUND,)), padded)
+    request = memory.request_parts(config, batch, padded, cache, padded, kv_cache_dtype,
+                                   quantized=quantized)
+    # run() compiles the decode step beside generate's two (the prefill and the decode loop)
+    return memory.cpu_peak_bytes(config, held, load, request, model.tokenizer is not None,
+                                 executables=3)
+
+
+def llama_cpp_note() -> str:
+    """What `bench` says of llama.cpp, the CPU peer: it is not run from here, so no figure of
+    its is made up; where its binaries are on PATH, the command that measures it."""
+    import shutil
+
+    found = [b for b in ("llama-bench", "llama-cli") if shutil.which(b)]
+    if not found:
+        return ("llama.cpp: not available on this machine (no llama-bench or llama-cli on "
+                "PATH); no peer figure")
+    return (f"llama.cpp: {', '.join(found)} found; for its figures on the same file and "
+            f"cores run: llama-bench -m FILE -t {os.cpu_count()} -p PROMPT_LEN -n GEN_LEN")
 
 
 def weight_formats(params) -> str:
@@ -417,16 +471,24 @@ def main(args) -> int:
     else:
         model, name = load(args.model, dtype=dtype, quantization=args.quantization,
                            policy=policy, group_size=args.group_size, mesh=mesh), args.model
+    if getattr(args, "speculative", None) is not None:
+        from jaxinfer import speculative_bench
+
+        return speculative_bench.main(args, model, name)
     if getattr(args, "engine", False):
         from jaxinfer.engine import bench as engine_bench
 
         return engine_bench.main(args, model, name)
     results = []
+    print(BenchResult.table_header(), flush=True)
     for b in args.batch:
         r = run(model, name, b, args.prompt_len, args.gen_len, repeats=args.repeats,
                 dump_hlo=args.dump_hlo, policy_name=args.policy, kv_cache_dtype=kv_cache_dtype)
         results.append(r)
-        print(r.table_row(), flush=True)
-    for r in results:
-        print(json.dumps(dataclasses.asdict(r)) if args.json else r.table_row())
+        print(r.table_row(), flush=True)  # each row as it is measured, once
+    if args.json:
+        for r in results:
+            print(json.dumps(dataclasses.asdict(r)))
+    if jax.default_backend() == "cpu" and not args.json:
+        print(llama_cpp_note())
     return 0

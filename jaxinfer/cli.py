@@ -1,21 +1,25 @@
-"""The `jaxinfer` command: `generate` (one completion, streamed), `chat` (interactive), `models`,
-`bench`.
+"""The `jaxinfer` command: `generate` (one completion, streamed), `chat` (interactive), `serve`
+(an OpenAI-compatible server), `quantize` (write a checkpoint quantized), `models`, `bench`.
 
 Every argument is checked before the model loads, and jax is imported only by the commands
 that need it (`--help`, `--version`, `models` and argument errors answer at once). Errors print
 one line, `jaxinfer: error: ...`, and exit 2; Ctrl-C exits 130 and a closed pipe (`| head`)
-141, quietly, as shell tools do.
+141, quietly, as shell tools do. On a terminal, a wait of more than 2 s (the load, the first
+token's prefill and compile) shows a line that counts the seconds.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
+import itertools
 import json
 import logging
 import os
 import signal
 import sys
+import threading
 import time
 
 from checkpoints.registry import DEFAULT_MODEL
@@ -28,6 +32,42 @@ CHAT_HELP = ("/exit, /quit or Ctrl-D ends the chat, /reset forgets the conversat
 
 class UsageError(ValueError):
     """A bad argument, found before anything is loaded."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's errors as one line (not the whole usage block), with where to look."""
+
+    def error(self, message):
+        self.exit(EXIT_USAGE, f"jaxinfer: error: {message} (see `{self.prog} --help`)\n")
+
+
+@contextlib.contextmanager
+def _waiting(what: str, after: float = 2.0, stream=None):
+    """On a terminal, a wait longer than `after` seconds shows `what... N s` (a tqdm line,
+    erased when the wait ends); elsewhere nothing."""
+    stream = stream or sys.stderr
+    if not stream.isatty():
+        yield
+        return
+    done, t0 = threading.Event(), time.perf_counter()
+
+    def show():
+        if done.wait(after):
+            return
+        from tqdm.auto import tqdm
+
+        with tqdm(total=None, bar_format="{desc}", file=stream, leave=False) as bar:
+            while not done.is_set():
+                bar.set_description_str(f"{what}... {time.perf_counter() - t0:.0f} s")
+                done.wait(0.5)
+
+    thread = threading.Thread(target=show, name="jaxinfer-waiting", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -43,6 +83,19 @@ def _positive(name):
             raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
         if value < 1:
             raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {value}")
+        return value
+    return parse
+
+
+def _seconds(name):
+    def parse(text):
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number of seconds, got "
+                                             f"{text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{name} must be > 0, got {text}")
         return value
     return parse
 
@@ -102,10 +155,26 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="stop when the reply contains TEXT (repeatable); EOS always stops")
 
 
+def _add_speculative_args(p: argparse.ArgumentParser, bench: bool = False) -> None:
+    s = p.add_argument_group("speculative decoding (the same tokens, fewer target steps)")
+    s.add_argument("--speculative", choices=("ngram", "draft"), default=None,
+                   help="draft tokens by prompt lookup (ngram) or with --draft-model, and "
+                        "verify them in one forward of the model")
+    s.add_argument("--num-speculative-tokens", type=_positive("--num-speculative-tokens"),
+                   default=None, metavar="K", nargs="+" if bench else None,
+                   help="drafts per step (default 4)" + (", one run per K" if bench else ""))
+    s.add_argument("--draft-model", default=None, metavar="MODEL",
+                   help="the draft model for --speculative draft (registered name, HF "
+                        "directory or .gguf; the model's tokenizer)")
+    if bench:  # jaxinfer/speculative_bench.py's TASKS (not imported here: it imports jax)
+        s.add_argument("--tasks", nargs="+", choices=("edit", "summarize"), default=["edit"],
+                       help="input-grounded prompts the acceptance is measured on")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from jaxinfer import __version__
 
-    parser = argparse.ArgumentParser(prog="jaxinfer", description=__doc__.split("\n\n")[0])
+    parser = _Parser(prog="jaxinfer", description=__doc__.split("\n\n")[0])
     parser.add_argument("--version", action="version", version=f"jaxinfer {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="log progress and timings (load, first token, tokens/s) to stderr")
@@ -125,6 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="report each new token's log-probability (in --json, else on stderr)")
     g.add_argument("--json", action="store_true",
                    help="print one JSON object: text, token ids, finish reason, usage, timings")
+    _add_speculative_args(g)
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("chat", help="interactive multi-turn chat (" + CHAT_HELP + ")")
@@ -138,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1, this machine only)")
     v.add_argument("--port", type=_positive("--port"), default=8000)
-    v.add_argument("--api-key", default=os.environ.get("JAXINFER_API_KEY"),
+    v.add_argument("--api-key", default=os.environ.get("JAXINFER_API_KEY") or None,
                    help="require this bearer token on every endpoint but /health (default "
                         "$JAXINFER_API_KEY)")
     v.add_argument("--served-model-name", default=None,
@@ -151,6 +221,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the KV page pool: a fraction of free memory (0.8) or bytes ('8GB')")
     v.add_argument("--max-pending", type=_positive("--max-pending"), default=256,
                    help="requests queued or running before new ones get 429")
+    v.add_argument("--max-tokens-limit", type=_positive("--max-tokens-limit"), default=None,
+                   metavar="N", help="the most max_tokens a request may ask for (default "
+                                     "--max-model-len); more gets 400")
+    v.add_argument("--request-timeout", type=_seconds("--request-timeout"), default=600.0,
+                   metavar="S", help="seconds a request may take, its wait in the queue "
+                                     "included (default 600); past it: aborted, 408")
+    v.add_argument("--shutdown-timeout", type=_seconds("--shutdown-timeout"), default=30.0,
+                   metavar="S", help="on Ctrl-C (or SIGTERM), seconds the requests under way "
+                                     "may take to finish before they are cut (default 30)")
+    v.add_argument("--decode-steps", type=_positive("--decode-steps"), default=1,
+                   help="decode steps per engine dispatch (default 1)")
+    v.add_argument("--preset", default=None,
+                   help="serve a known model's shapes with --random-weights (no tokenizer: "
+                        "token-id prompts through /v1/completions; for load tests)")
+    v.add_argument("--random-weights", action="store_true",
+                   help="random values for --preset, no download")
+    v.add_argument("--num-layers", type=_positive("--num-layers"), default=None, metavar="L",
+                   help="with --preset: its first L layers only")
+    _add_speculative_args(v)
     v.set_defaults(func=cmd_serve)
 
     q = sub.add_parser("quantize", help="write a checkpoint's weights quantized (int8 / int4 / "
@@ -194,6 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
                    default="default",
                    help="kernel policy: today's fastest, bitwise-repeatable and "
                         "batch-invariant, or the pure-jnp references")
+    _add_speculative_args(b, bench=True)
     e = b.add_argument_group("serving engine (--engine)")
     e.add_argument("--engine", action="store_true",
                    help="replay a synthetic trace through the serving engine (Poisson arrivals, "
@@ -292,15 +382,95 @@ def _check_mesh_args(args) -> None:
         raise UsageError(f"--tp {args.tp} --dp {args.dp} --ep {args.ep}: {e}") from None
 
 
+def _checkpoint_facts(args) -> dict:
+    """What the checkpoint says of itself without loading it: whether it has a chat template,
+    and a GGUF's file type (its quantization). {} for what cannot be read cheaply."""
+    from checkpoints import registry
+
+    try:
+        path = registry.resolve(args.model)
+    except ValueError:
+        return {}
+    if path.suffix == ".gguf" and path.is_file():
+        import gguf
+
+        from checkpoints.gguf import read_metadata
+
+        meta = read_metadata(path)
+        kind = meta.get("general.file_type")
+        try:
+            kind = gguf.LlamaFileType(kind).name.removeprefix("MOSTLY_") if kind is not None \
+                else None
+        except ValueError:
+            kind = str(kind)
+        return {"chat_template": bool(meta.get("tokenizer.chat_template")), "file_type": kind}
+    if path.is_dir():
+        from checkpoints.tokenizer import _read_hf_chat_template
+
+        config = {}
+        with contextlib.suppress(OSError, ValueError):
+            config = json.loads((path / "tokenizer_config.json").read_text("utf-8"))
+        return {"chat_template": bool(_read_hf_chat_template(path, config))}
+    return {}
+
+
+def _check_checkpoint(args, needs_chat_template: str | None = None) -> None:
+    """Before the load: a chat without a template is refused; --quantization on a GGUF whose
+    blocks are already quantized is said (its blocks dequantized, then quantized again)."""
+    requantize = args.quantization in ("int8", "int4", "fp8")
+    if not needs_chat_template and not requantize:
+        return  # nothing to check: no metadata read
+    facts = _checkpoint_facts(args)
+    if needs_chat_template and facts.get("chat_template") is False:
+        raise UsageError(f"{args.model} has no chat template; {needs_chat_template}")
+    kind = facts.get("file_type")
+    if requantize and kind not in (None, "ALL_F32", "F16", "BF16"):
+        log.warning("%s is already quantized (%s); --quantization %s dequantizes its blocks "
+                    "and quantizes them again, adding error to the file's own; leave "
+                    "--quantization out to run its blocks as they are", args.model, kind,
+                    args.quantization)
+
+
 def _load(args):
     import jaxinfer
 
     t0 = time.perf_counter()
-    model = jaxinfer.load(args.model, dtype=args.dtype, quantization=args.quantization,
-                          group_size=args.group_size, mesh=args.mesh)
+    with _waiting(f"loading {args.model}"):
+        model = jaxinfer.load(args.model, dtype=args.dtype, quantization=args.quantization,
+                              group_size=args.group_size, mesh=args.mesh)
     args.load_s = time.perf_counter() - t0
     log.info("loaded %s in %.2f s", args.model, args.load_s)
     return model
+
+
+def _check_speculative_args(args) -> None:
+    """--speculative, --num-speculative-tokens and --draft-model agree (before any load)."""
+    if args.speculative is None:
+        if args.num_speculative_tokens is not None or args.draft_model is not None:
+            raise UsageError("--num-speculative-tokens and --draft-model need --speculative")
+        return
+    if (args.speculative == "draft") != (args.draft_model is not None):
+        raise UsageError("--speculative draft needs --draft-model MODEL, and --draft-model "
+                         "needs --speculative draft")
+    if args.mesh is not None:
+        raise UsageError("--speculative runs on one device for now; drop --tp/--dp/--ep")
+    if args.draft_model is not None:
+        _check_model_arg(args.draft_model)
+    if args.num_speculative_tokens is None:
+        args.num_speculative_tokens = [4] if args.func is cmd_bench else 4
+
+
+def _speculative(args, model):
+    """The `speculative=` argument for generate/stream: None, "ngram" or the draft model."""
+    if args.speculative != "draft":
+        return args.speculative
+    import jaxinfer
+
+    t0 = time.perf_counter()  # its vocabulary is checked against the model's by stream()
+    draft = jaxinfer.load(args.draft_model, dtype=args.dtype, quantization=args.quantization,
+                          group_size=args.group_size)
+    log.info("loaded the draft model %s in %.2f s", args.draft_model, time.perf_counter() - t0)
+    return draft
 
 
 def _kv_cache_dtype(args) -> str | None:
@@ -324,7 +494,11 @@ def cmd_generate(args) -> int:
         check_text(args.system, "--system")
     _check_model_arg(args.model)
     _check_mesh_args(args)
+    _check_checkpoint(args, "drop --system (or give the prompt whole, --no-chat)"
+                      if args.system is not None else None)
+    _check_speculative_args(args)
     model = _load(args)
+    speculative = _speculative(args, model)
     if args.system is not None or not args.no_chat and model.tokenizer is not None \
             and model.tokenizer.chat_template:
         request = _messages(args.system, prompt)
@@ -332,23 +506,30 @@ def cmd_generate(args) -> int:
         request = prompt
     from jaxinfer.generate import stream
 
+    spec = {} if speculative is None else {
+        "speculative": speculative, "num_speculative_tokens": args.num_speculative_tokens}
     t0 = time.perf_counter()
     pieces = stream(model, request, max_new_tokens=args.max_new_tokens, sampling=sampling,
                     seed=args.seed, chat=False if args.no_chat else None, stop=args.stop,
-                    progress=sys.stderr.isatty(), kv_cache_dtype=_kv_cache_dtype(args))
-    for piece in pieces:
+                    progress=sys.stderr.isatty(), kv_cache_dtype=_kv_cache_dtype(args), **spec)
+    with _waiting("prefill (and compiles) until the first token"):
+        first = next(pieces, None)
+    for piece in itertools.chain([] if first is None else [first], pieces):
         if not args.json:
             sys.stdout.write(piece)
             sys.stdout.flush()
     total = time.perf_counter() - t0
     c = pieces.completion
     n = len(c.token_ids)
-    decode_s = total - pieces.time_to_first_token
+    # Decode speed from the second token on: the first decode step compiles (when the
+    # executable is not cached), which on a short run would dominate the figure.
+    times = pieces.token_times
+    steady = times[-1] - times[1] if n > 2 else 0.0
     timings = {"load_s": round(args.load_s, 4),
                "time_to_first_token_s": round(pieces.time_to_first_token, 4),
+               "first_decode_step_s": round(times[1] - times[0], 4) if n > 1 else None,
                "generate_s": round(total, 4),
-               "decode_tokens_per_s": round((n - 1) / decode_s, 2) if n > 1 and decode_s > 0
-               else None}
+               "decode_tokens_per_s": round((n - 2) / steady, 2) if steady > 0 else None}
     if args.json:
         out = {"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
                "usage": {"prompt_tokens": c.prompt_tokens, "completion_tokens": n,
@@ -356,6 +537,9 @@ def cmd_generate(args) -> int:
                "timings": timings}
         if args.logprobs:
             out["logprobs"] = c.logprobs
+        if speculative is not None:
+            out["speculative"] = {"draft_tokens": c.draft_tokens,
+                                  "accepted_tokens": c.accepted_tokens}
         print(json.dumps(out, ensure_ascii=False))
     else:
         sys.stdout.write("\n")
@@ -365,9 +549,12 @@ def cmd_generate(args) -> int:
             for t, lp in zip(c.token_ids, c.logprobs):
                 print(f"{t}\t{lp:.4f}\t{tok.decode([t], skip_special_tokens=False)!r}",
                       file=sys.stderr)
-    log.info("%d prompt + %d new tokens; first token %.2f s after the load, %s tok/s decode",
-             c.prompt_tokens, n, timings["time_to_first_token_s"],
+    log.info("%d prompt + %d new tokens; first token %.2f s after the load (prefill and its "
+             "compile), first decode step %s s, then %s tok/s decode", c.prompt_tokens, n,
+             timings["time_to_first_token_s"], timings["first_decode_step_s"],
              timings["decode_tokens_per_s"])
+    if speculative is not None:
+        log.info("speculative: %d of %d drafts accepted", c.accepted_tokens, c.draft_tokens)
     return 0
 
 
@@ -396,6 +583,7 @@ def cmd_chat(args) -> int:
         check_text(args.system, "--system")
     _check_model_arg(args.model)
     _check_mesh_args(args)
+    _check_checkpoint(args, "use `jaxinfer generate --no-chat`")
     model = _load(args)
     if model.tokenizer is None or not model.tokenizer.chat_template:
         raise UsageError(f"{args.model} has no chat template; use `jaxinfer generate --no-chat`")
@@ -457,7 +645,9 @@ def cmd_chat(args) -> int:
                     pieces = stream(model, turn, max_new_tokens=args.max_new_tokens,
                                     sampling=sampling, seed=args.seed, stop=args.stop,
                                     kv_cache_dtype=_kv_cache_dtype(args))
-                for piece in pieces:
+                with _waiting("prefill (and compiles) until the first token"):
+                    first = next(pieces, None)
+                for piece in itertools.chain([] if first is None else [first], pieces):
                     reply.append(piece)
                     sys.stdout.write(piece)
                     sys.stdout.flush()
@@ -480,31 +670,100 @@ def cmd_chat(args) -> int:
                 pass
 
 
-def cmd_serve(args) -> int:
-    _check_model_arg(args.model)
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False
+
+
+def check_serve_args(args) -> None:
+    """`serve`'s argument checks, before anything loads."""
+    if args.random_weights != bool(args.preset):
+        raise UsageError("--preset and --random-weights go together (a preset carries shapes, "
+                         "not weights)")
+    if args.num_layers is not None and not args.preset:
+        raise UsageError("--num-layers cuts a --preset; a checkpoint has its own layers")
+    if not args.preset:
+        _check_model_arg(args.model)
+        _check_checkpoint(args)
     _check_mesh_args(args)
     if args.mesh is not None:
         raise UsageError("serve runs on one device for now; drop --tp / --dp / --ep")
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("binding %s: reachable from other machines%s", args.host,
-                    "" if args.api_key else " and without --api-key")
-    model = _load(args)
-    import uvicorn
+    if args.max_tokens_limit and args.max_model_len and \
+            args.max_tokens_limit > args.max_model_len:
+        raise UsageError(f"--max-tokens-limit {args.max_tokens_limit} exceeds --max-model-len "
+                         f"{args.max_model_len}")
+    _check_speculative_args(args)
+    if args.speculative is not None and args.decode_steps != 1:
+        raise UsageError("--speculative takes --decode-steps 1 (a verification already yields "
+                         "several tokens per step)")
 
+
+def serve_engine(args):
+    """The model and Engine that `serve` args describe (also benchmarks/serve_load.py's
+    in-process comparison)."""
+    if args.preset:
+        from jaxinfer.bench import default_dtype, random_model
+
+        t0 = time.perf_counter()
+        model = random_model(args.preset, args.dtype or default_dtype(),
+                             quantization=args.quantization, group_size=args.group_size,
+                             num_layers=args.num_layers)
+        args.load_s = time.perf_counter() - t0
+    else:
+        model = _load(args)
     from jaxinfer.engine import Engine
+
+    speculative = _speculative(args, model)
+    spec = {} if speculative is None else {
+        "speculative": speculative, "num_speculative_tokens": args.num_speculative_tokens}
+    return model, Engine(model, max_num_seqs=args.max_num_seqs,
+                         max_model_len=args.max_model_len, kv_memory=args.kv_memory,
+                         kv_cache_dtype=_kv_cache_dtype(args), decode_steps=args.decode_steps,
+                         **spec)
+
+
+def cmd_serve(args) -> int:
+    check_serve_args(args)
+    if not _is_loopback(args.host):
+        log.warning("binding %s: reachable from other machines%s", args.host,
+                    "" if args.api_key else " and without --api-key (anyone who can reach it "
+                    "can use it)")
+    model, engine = serve_engine(args)
+    import jax
+    import uvicorn
+    from sse_starlette.sse import AppStatus
+
+    from jaxinfer import memory
     from jaxinfer.server import EngineRunner, create_app
 
-    engine = Engine(model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                    kv_memory=args.kv_memory, kv_cache_dtype=_kv_cache_dtype(args))
     runner = EngineRunner(engine, max_pending=args.max_pending)
-    name = args.served_model_name or args.model
-    app = create_app(runner, name, api_key=args.api_key)
-    print(f"jaxinfer serve: {name} ({model.config.num_layers} layers, {model.config.dtype}); "
-          f"{engine.max_num_seqs} rows, {engine.total_pages} KV pages of {engine.page_size} "
-          f"tokens, max_model_len {engine.max_model_len}; http://{args.host}:{args.port}/v1",
+    name = args.served_model_name or args.preset or args.model
+    app = create_app(runner, name, api_key=args.api_key, max_tokens_limit=args.max_tokens_limit,
+                     request_timeout=args.request_timeout)
+    params_bytes = sum(x.nbytes for x in jax.tree.leaves(model.params))
+    c = model.config
+    url = f"http://{'[' + args.host + ']' if ':' in args.host else args.host}:{args.port}"
+    print(f"jaxinfer serve: {name} ({c.num_layers} layers, {c.dtype}, loaded in "
+          f"{args.load_s:.1f} s) on {jax.devices()[0].device_kind}\n"
+          f"  memory: params {memory.gib(params_bytes)}, KV pool {engine.total_pages} pages of "
+          f"{engine.page_size} tokens = {memory.gib(engine.state.cache.nbytes())}"
+          f"{'' if engine.kv_cache_dtype is None else ' (' + engine.kv_cache_dtype + ')'}; "
+          f"{engine.max_num_seqs} rows, max_model_len {engine.max_model_len}\n"
+          f"  {url}/v1 (OpenAI API), {url}/ (chat page); Ctrl-C drains and stops",
           file=sys.stderr, flush=True)
+    # Ctrl-C / SIGTERM: uvicorn stops accepting, then waits for the requests under way (streams
+    # included: sse-starlette would otherwise cut them at the signal) up to --shutdown-timeout.
+    AppStatus.disable_automatic_graceful_drain()
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                            timeout_graceful_shutdown=args.shutdown_timeout)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        uvicorn.Server(config).run()
     finally:
         runner.close()
     return 0
@@ -557,7 +816,11 @@ def cmd_bench(args) -> int:
         raise UsageError("--num-layers cuts a --preset; a checkpoint has its own layers")
     if not args.preset:
         _check_model_arg(args.model)
+        _check_checkpoint(args)
     _check_mesh_args(args)
+    if args.speculative is not None and getattr(args, "engine", False):
+        raise UsageError("--speculative measures generate(); the engine has no speculation yet")
+    _check_speculative_args(args)
     from jaxinfer import bench
 
     return bench.main(args)

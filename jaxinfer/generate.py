@@ -29,7 +29,9 @@ from jaxinfer.models import registry
 from jaxinfer.ops.dispatch import kernels_on
 from jaxinfer.plan import KernelPolicy, Plan
 from jaxinfer.sampling import SamplingParams
-from jaxinfer.weights import Parts, QuantizedWeight, cast_floating, dequantize_params
+from jaxinfer.ops.blocked import plan_block_bytes
+from jaxinfer.weights import (Kind, ParamSpec, Parts, QuantizedWeight, cast_floating,
+                              dequantize_params)
 
 # Prompt lengths are padded up to one of these buckets (then to multiples of the largest), so a
 # new prompt length rarely means a new compilation.
@@ -64,9 +66,12 @@ class Completion:
     finish_reason: str  # "stop" (EOS, stop token or stop string) or "length"
     logprobs: list[float] | None = None
     prompt_tokens: int = 0  # the prompt's length in tokens (after the chat template)
+    # With speculative decoding: drafts proposed to this request, and those accepted.
+    draft_tokens: int | None = None
+    accepted_tokens: int | None = None
 
 
-def _bucket(n: int, buckets: Sequence[int]) -> int:
+def bucket(n: int, buckets: Sequence[int]) -> int:
     for b in buckets:
         if n <= b:
             return b
@@ -230,14 +235,16 @@ def _stop_ids(model, stop) -> tuple[list[int], list[str]]:
 def init_state(model, prompt_ids: list[list[int]], max_new_tokens: int,
                sampling_params: list[SamplingParams], seed: int, stop_ids: list[int],
                max_seq_len: int | None = None, prompt_multiple: int = 1,
-               kv_cache_dtype: str | None = None, sharding=None,
+               kv_cache_dtype: str | None = None, sharding=None, reserve: int = 0,
                ) -> tuple[DecodeState, jax.Array, jax.Array]:
     """Check lengths and memory, allocate the cache, and build (state, padded prompt tokens
     [B, T], lengths [B]). The prompt pads to a bucket (a multiple of `prompt_multiple`), the
     cache to a multiple of CACHE_ROUND, the output to NEW_TOKEN_BUCKETS: a new prompt length or
     max_new_tokens then mostly reuses the compiled executables (the budget is a traced value).
     kv_cache_dtype: None (the model's dtype), "int8" or "fp8" (cache.py). sharding: the
-    plan's (jaxinfer/sharding.py): the cache is allocated in its shards, the rest replicated."""
+    plan's (jaxinfer/sharding.py): the cache is allocated in its shards, the rest replicated.
+    reserve: cache slots past the last token's (a speculative verification writes K drafts
+    there; the caller checks that they fit the context)."""
     check_kv_dtype(kv_cache_dtype, "kv_cache_dtype")
     config = model.config
     longest = max(len(p) for p in prompt_ids)
@@ -250,14 +257,21 @@ def init_state(model, prompt_ids: list[list[int]], max_new_tokens: int,
     if max_seq_len is not None and need > max_seq_len:
         raise ValueError(f"prompt of {longest} tokens + max_new_tokens {max_new_tokens} = {need} "
                          f"exceeds max_seq_len {max_seq_len}")
-    t = min(_bucket(longest, PROMPT_BUCKETS), context)
+    if reserve and need + reserve > min(context, max_seq_len or context):
+        room = min(context, max_seq_len or context) - need
+        raise ValueError(f"num_speculative_tokens {reserve} is more than the context left "
+                         f"({room} slots after the longest prompt of {longest} tokens and "
+                         f"max_new_tokens {max_new_tokens}: a verification writes K drafts past "
+                         "the last token); lower num_speculative_tokens or max_new_tokens")
+    t = min(bucket(longest, PROMPT_BUCKETS), context)
     t = -(-t // prompt_multiple) * prompt_multiple
-    s = max_seq_len or min(_bucket(need, (CACHE_ROUND,)), context)
+    s = max_seq_len or min(bucket(need + reserve, (CACHE_ROUND,)), context)
     s = max(s, t)
-    n = _bucket(max_new_tokens, NEW_TOKEN_BUCKETS)
+    n = bucket(max_new_tokens, NEW_TOKEN_BUCKETS)
     b = len(prompt_ids)
     chunk = prompt_multiple if prompt_multiple > 1 else t  # the largest prefill step's tokens
-    memory.check_request(config, b, t, s, chunk, kv_cache_dtype, sharding)
+    memory.check_request(config, b, t, s, chunk, kv_cache_dtype, sharding,
+                         quantized=has_quantized(model.params))
     tokens = np.zeros((b, t), np.int32)
     for i, p in enumerate(prompt_ids):
         tokens[i, :len(p)] = p
@@ -332,23 +346,52 @@ class _Request:
     params: dict  # what the compiled functions take (run_params)
 
 
-@functools.partial(jax.jit, static_argnames=("plan",))
-def _dequantized(params, plan: Plan):
+def _read_whole(path, spec) -> bool:
+    """Whether an op reads this weight whole rather than through the matmul ops (which
+    dequantize a tile at a time, ops/blocked.py): stacked experts (ops/moe.py) and MLA's
+    absorbed kv_b (ops/mla.py)."""
+    return spec.kind is Kind.EXPERTS or jax.tree_util.keystr(path).endswith("['wkv_b']")
+
+
+@functools.partial(jax.jit, static_argnames=("plan", "blocked"))
+def _dequantized(params, plan: Plan, blocked: bool = False):
+    """params with their QuantizedWeights dequantized and cast to the model's dtype; with
+    blocked, only those an op reads whole (_read_whole)."""
     config = plan.config
     specs = registry.family(config).param_specs(config)
+    if blocked:
+        def one(path, spec, p):
+            if not _read_whole(path, spec):
+                return p
+            return cast_floating(dequantize_params(p, spec), config.dtype, spec)
+        return jax.tree_util.tree_map_with_path(one, specs, params,
+                                                is_leaf=lambda s: isinstance(s, ParamSpec))
     return cast_floating(dequantize_params(params, specs), config.dtype, specs)
+
+
+def has_quantized(params) -> bool:
+    """Whether params hold a quantized matmul weight (alone or among Parts)."""
+    return any(isinstance(w, QuantizedWeight | Parts) for w in jax.tree.leaves(
+        params, is_leaf=lambda a: isinstance(a, QuantizedWeight | Parts)))
 
 
 def run_params(model, plan: Plan):
     """The params a request's compiled functions take. Where the ops take the references
-    (the CPU; KernelPolicy.reference()) quantized weights are dequantized once per request,
-    in one jitted call, rather than in every prefill and decode step: the model keeps its
-    codes between requests, and a step-by-step stream does not dequantize per token."""
+    (the CPU; KernelPolicy.reference()) the matmuls dequantize their weights a tile at a time
+    inside each step where the plan says (KernelPolicy.dequant_block_bytes, the CPU's
+    default; not on a sharded plan), so only weights an op reads whole (experts, MLA's kv_b) are dequantized here,
+    once per request; with 0 every quantized weight is, in one jitted call, rather than in
+    every prefill and decode step: the model keeps its codes between requests, and a
+    step-by-step stream does not dequantize per token."""
     params = model.params
-    quantized = any(isinstance(w, QuantizedWeight | Parts) for w in jax.tree.leaves(
-        params, is_leaf=lambda a: isinstance(a, QuantizedWeight | Parts)))
-    if quantized and not kernels_on(plan, plan.config.dtype):
-        params = _dequantized(params, plan)
+    if has_quantized(params) and not kernels_on(plan, plan.config.dtype):
+        blocked = plan_block_bytes(plan) > 0
+        specs = registry.family(plan.config).param_specs(plan.config)
+        whole = any(_read_whole(path, spec) for path, spec in
+                    jax.tree_util.tree_leaves_with_path(
+                        specs, is_leaf=lambda s: isinstance(s, ParamSpec)))
+        if not blocked or whole:
+            params = _dequantized(params, plan, blocked)
     if plan.sharding is not None:  # placed as the rules say (no copy where they already are)
         specs = registry.family(plan.config).param_specs(plan.config)
         params = sharding_lib.shard_params(params, specs, plan.sharding)
@@ -356,7 +399,7 @@ def run_params(model, plan: Plan):
 
 
 def _prepare(model, prompts, max_new_tokens, sampling_params, seed, chat, stop, max_seq_len,
-             policy, kv_cache_dtype=None, mesh=None) -> _Request:
+             policy, kv_cache_dtype=None, mesh=None, reserve: int = 0) -> _Request:
     """Every check on the host, before anything is allocated or compiled."""
     check_kv_dtype(kv_cache_dtype, "kv_cache_dtype")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
@@ -378,13 +421,16 @@ def _prepare(model, prompts, max_new_tokens, sampling_params, seed, chat, stop, 
     for i, sp in enumerate(sampling_params):
         if not isinstance(sp, SamplingParams):
             raise ValueError(f"sampling[{i}] must be a SamplingParams, got {type(sp).__name__}")
+        if sp.top_logprobs:
+            raise ValueError("top_logprobs (alternatives per token) are reported by the "
+                             "engine (jaxinfer.Engine, jaxinfer serve), not by generate")
     stop_ids, stop_strings = _stop_ids(model, stop)
     longest = max(len(p) for p in ids)
     chunk = prefill_chunk_size(plan)
     multiple = chunk if chunk and longest > chunk else 1
     state, tokens, lengths = init_state(model, ids, int(max_new_tokens), sampling_params,
                                         int(seed), stop_ids, max_seq_len, multiple,
-                                        kv_cache_dtype, plan.sharding)
+                                        kv_cache_dtype, plan.sharding, reserve)
     return _Request(ids, state, tokens, lengths, stop_ids, stop_strings, sampling_params, plan,
                     int(max_new_tokens), run_params(model, plan))
 
@@ -437,7 +483,8 @@ PROGRESS_STEPS = 32
 def generate(model, prompts, max_new_tokens: int = 128, sampling: SamplingParams | None = None,
              seed: int = 0, chat: bool | None = None, stop=None, max_seq_len: int | None = None,
              policy: KernelPolicy | None = None, progress: bool = False,
-             kv_cache_dtype: str | None = None, mesh=None) -> list[Completion]:
+             kv_cache_dtype: str | None = None, mesh=None, speculative=None,
+             num_speculative_tokens: int = 4) -> list[Completion]:
     """Generate for a prompt or a batch of prompts; returns one `Completion` per prompt.
 
     prompts: a string, token ids, or chat messages ([{"role": ..., "content": ...}], system
@@ -454,7 +501,18 @@ def generate(model, prompts, max_new_tokens: int = 128, sampling: SamplingParams
     half the bytes of a 16-bit one (codes with a scale per token and KV head; jaxinfer/cache.py).
     mesh: run on these devices (`jaxinfer.make_mesh(tp=, dp=, ep=)`, jaxinfer/sharding.py);
     default: the model's (a model loaded with a mesh carries it), else one device.
+    speculative: None, "ngram" (prompt lookup; `speculative.NGram` to tune it), a loaded draft
+    model with the same tokenizer, or `speculative.DraftModel(model, rejection=True)`:
+    num_speculative_tokens drafts per step, verified in one forward of the model; the tokens
+    are this function's without speculation (jaxinfer/speculative.py), and each Completion
+    counts its draft_tokens and accepted_tokens.
     """
+    if speculative is not None:
+        from jaxinfer import speculative as spec
+
+        return spec.generate(model, prompts, max_new_tokens, sampling, seed, chat, stop,
+                             max_seq_len, policy, progress, kv_cache_dtype, mesh, speculative,
+                             num_speculative_tokens)
     req = _prepare(model, prompts, max_new_tokens, sampling, seed, chat, stop, max_seq_len,
                    policy, kv_cache_dtype, mesh)
     with memory.reporting_oom(f"generating for {len(req.ids)} prompts"):
@@ -488,12 +546,15 @@ def _newest(state: DecodeState):
 class TextStream:
     """The text of one completion, piece by piece (iterate it). Once it is exhausted,
     `completion` holds the whole `Completion` (token ids, finish reason, logprobs, prompt
-    tokens) and `time_to_first_token` the seconds from the call to the first piece's token."""
+    tokens), `time_to_first_token` the seconds from the call to the first piece's token and
+    `token_times` (jaxinfer.stream) those to each token: the first decode step's compile shows
+    in the second."""
 
     def __init__(self, pieces: Iterator[str]):
         self._pieces = pieces
         self.completion: Completion | None = None
         self.time_to_first_token: float | None = None
+        self.token_times: list[float] = []
 
     def __iter__(self) -> TextStream:
         return self
@@ -508,7 +569,8 @@ class TextStream:
 def stream(model, prompt, max_new_tokens: int = 128, sampling: SamplingParams | None = None,
            seed: int = 0, chat: bool | None = None, stop=None,
            policy: KernelPolicy | None = None, progress: bool = False,
-           kv_cache_dtype: str | None = None, mesh=None) -> TextStream:
+           kv_cache_dtype: str | None = None, mesh=None, speculative=None,
+           num_speculative_tokens: int = 4) -> TextStream:
     """The text of one prompt's completion, yielded piece by piece as tokens are decoded.
 
     Takes one prompt of any form `generate` takes (and the same arguments). Runs the same jitted
@@ -523,9 +585,16 @@ def stream(model, prompt, max_new_tokens: int = 128, sampling: SamplingParams | 
     if model.tokenizer is None:
         raise ValueError("stream() needs a tokenizer to turn tokens into text; use generate()")
     t0 = time.perf_counter()
+    out = TextStream(iter(()))
+    if speculative is not None:  # speculative.py; one host read per round of K + 1 tokens
+        from jaxinfer import speculative as spec
+
+        sreq = spec._prepare(model, prompt, max_new_tokens, sampling, seed, chat, stop, None,
+                             policy, kv_cache_dtype, mesh, speculative, num_speculative_tokens)
+        out._pieces = spec.pieces(model, sreq, progress, out, t0)
+        return out
     req = _prepare(model, prompt, max_new_tokens, sampling, seed, chat, stop, None, policy,
                    kv_cache_dtype, mesh)
-    out = TextStream(iter(()))
     out._pieces = _pieces(model, req, progress, out, t0)
     return out
 
@@ -574,8 +643,9 @@ def _pieces(model, req: _Request, progress: bool, out: TextStream, t0: float) ->
             nxt = decode_step(req.params, state, req.plan)
         col, new, done, lp = jax.device_get(peek)
         new = int(new)
+        out.token_times.append(time.perf_counter() - t0)
         if out.time_to_first_token is None:
-            out.time_to_first_token = time.perf_counter() - t0
+            out.time_to_first_token = out.token_times[0]
         ids.append(new)
         if want_logprobs:
             lps.append(float(lp))

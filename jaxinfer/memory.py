@@ -16,6 +16,25 @@ import re
 
 LOAD_REMEDY = "use dtype='bfloat16' (--dtype bfloat16), or a smaller or quantized model"
 REMEDY = "use a smaller batch, a shorter prompt or max_new_tokens, or " + LOAD_REMEDY[4:]
+# On the CPU bfloat16 is no remedy (its matmuls run ~9x slower there than float32's), while a
+# quantized GGUF kept in its blocks takes about its file size.
+CPU_LOAD_REMEDY = ("use a smaller model, or a quantized GGUF file (Q4_K_M ...), which the CPU "
+                   "runs from its blocks in about its file size")
+CPU_REMEDY = ("use a smaller batch, a shorter prompt or max_new_tokens, or a smaller or "
+              "quantized (GGUF) model")
+
+# What a CPU process holds besides the params and the KV cache, measured with RSS on the
+# 2-core CPU machine (jax 0.11.2; README, "On a CPU"): Python with jax and XLA's CPU runtime
+# before any model; the tokenizer's tables per vocabulary entry; a request's compiled
+# executables (prefill, decode loop), a fixed part and a part per layer.
+CPU_RUNTIME_BYTES = 200 * 2**20
+CPU_TOKENIZER_BYTES_PER_TOKEN = 1400
+CPU_COMPILED_BYTES = 140 * 2**20
+CPU_COMPILED_BYTES_PER_LAYER = 12 * 2**20
+# Reading a GGUF kept in its blocks: the largest tensor (the embedding) is in flight as the
+# file's pages, its codes unpacked one byte per element while repacked, and the repacked
+# arrays with their device copy: about this many bytes per element of it.
+CPU_READ_BYTES_PER_ELEMENT = 2.5
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
           "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}
 
@@ -119,23 +138,50 @@ def params_bytes(config, dtype: str) -> int:
     return sum(math.prod(a.shape) for a in leaves) * itemsize(dtype)
 
 
-def check_load(config, dtype: str, host_float32_copy: bool = True,
-               stored_bytes: int | None = None) -> None:
-    """Before reading a checkpoint's tensors: the params in `dtype`, plus (on CPU, where the
-    device is the host) the float32 numpy copy the loaders build first. stored_bytes: a
-    checkpoint kept quantized (a GGUF's blocks) takes about its file's bytes on a GPU; on
-    the CPU the decode loop holds its weights dequantized (XLA hoists the dequantization out
-    of the loop), so the estimate stays `dtype`'s."""
+def cpu_process_parts(config, tokenizer: bool = True, executables: int = 2) -> dict[str, int]:
+    """What a CPU process running this model holds besides its params and KV cache (the
+    runtime, the tokenizer's tables, its compiled executables of the whole model: measured
+    constants for generate's two, the prefill and the decode loop)."""
+    per_layer = CPU_COMPILED_BYTES_PER_LAYER * config.num_layers * executables // 2
+    return {"runtime and tokenizer": CPU_RUNTIME_BYTES
+            + CPU_TOKENIZER_BYTES_PER_TOKEN * config.vocab_size * tokenizer,
+            "compiled executables": CPU_COMPILED_BYTES + per_layer}
+
+
+def load_parts(config, dtype: str, host_float32_copy: bool = True,
+               stored_bytes: int | None = None, blocked: bool = True) -> dict[str, int]:
+    """What a load takes at its peak, by part (see check_load)."""
     import jax
 
     on_cpu = jax.devices()[0].platform == "cpu"
     parts = {"params": params_bytes(config, dtype)}
-    if stored_bytes is not None and not on_cpu:
+    if stored_bytes is not None and (blocked or not on_cpu):
         parts = {"params (kept quantized)": int(1.05 * stored_bytes)}
+    if stored_bytes is not None and blocked and on_cpu:
+        parts["reading the largest tensor"] = int(
+            CPU_READ_BYTES_PER_ELEMENT * config.vocab_size * config.hidden_size)
     if host_float32_copy and on_cpu:
         parts["float32 staging copy"] = params_bytes(config, "float32")
-    _check(parts, f"loading this model ({config.num_layers} layers, hidden "
-                  f"{config.hidden_size}) in {dtype}", LOAD_REMEDY)
+    return parts
+
+
+def load_remedy() -> str:
+    import jax
+
+    return CPU_LOAD_REMEDY if jax.devices()[0].platform == "cpu" else LOAD_REMEDY
+
+
+def check_load(config, dtype: str, host_float32_copy: bool = True,
+               stored_bytes: int | None = None, blocked: bool = True) -> None:
+    """Before reading a checkpoint's tensors: the params in `dtype`, plus (on CPU, where the
+    device is the host) the float32 numpy copy the loaders build first. stored_bytes: a
+    checkpoint kept quantized (a GGUF's blocks) takes about its file's bytes; on the CPU
+    with blocked (KernelPolicy.dequant_block_bytes > 0, the default) too, plus the largest
+    tensor in flight while it is read; without blocked the CPU's requests hold the weights
+    dequantized, so the estimate stays `dtype`'s."""
+    _check(load_parts(config, dtype, host_float32_copy, stored_bytes, blocked),
+           f"loading this model ({config.num_layers} layers, hidden {config.hidden_size}) in "
+           f"{dtype}", load_remedy())
 
 
 def mesh_text(sharding) -> str:
@@ -177,6 +223,7 @@ def check_sharded_load(config, dtype: str, sharding, stored_bytes: int | None = 
     _check(parts, f"loading this model ({config.num_layers} layers, hidden "
                   f"{config.hidden_size}: {whole}) on {mesh_text(sharding)}",
            "use more devices (a larger tp), " + (LOAD_REMEDY[4:] if dtype == "float32"
+                                                 and not on_cpu
                                                  else "or a smaller or quantized model"),
            devices=local)
 
@@ -208,14 +255,13 @@ def cache_split(config, batch: int, sharding) -> int:
     return rows * heads
 
 
-def check_request(config, batch: int, prompt_len: int, cache_len: int, chunk: int,
-                  kv_dtype: str | None = None, sharding=None) -> None:
-    """Before allocating a request's cache: K/V for batch x cache_len slots (kv_dtype "int8" /
-    "fp8": the quantized cache), and the largest prefill step's activations (chunk tokens per
-    row; on CPU the reference attention's float32 scores against the cache, and a quantized
-    layer's K/V dequantized to float32). sharding (a mesh's): per device, the cache's share
-    (cache_split) against each device's free memory."""
+def request_parts(config, batch: int, prompt_len: int, cache_len: int, chunk: int,
+                  kv_dtype: str | None = None, sharding=None,
+                  quantized: bool = False) -> dict[str, int]:
+    """What a request allocates, by part (see check_request)."""
     import jax
+
+    from jaxinfer.ops.blocked import TILED_ROWS
 
     split = cache_split(config, batch, sharding)
     kv = kv_cache_bytes(config, batch, cache_len, kv_dtype) // split
@@ -230,15 +276,44 @@ def check_request(config, batch: int, prompt_len: int, cache_len: int, chunk: in
             per_slot = (config.mla.latent_dim if config.mla is not None
                         else 2 * config.num_kv_heads * config.head_dim)
             work += batch * cache_len * per_slot * 4
-    devices = None
+        if quantized and tokens > TILED_ROWS:  # a prefill's gate and up dequantized whole
+            work += 2 * config.hidden_size * config.intermediate_size * 4
     if sharding is not None:
         work //= sharding.dp if batch % sharding.dp == 0 else 1  # rows over dp
+    return {"KV cache": kv, "workspace": work}
+
+
+def check_request(config, batch: int, prompt_len: int, cache_len: int, chunk: int,
+                  kv_dtype: str | None = None, sharding=None, quantized: bool = False) -> None:
+    """Before allocating a request's cache: K/V for batch x cache_len slots (kv_dtype "int8" /
+    "fp8": the quantized cache), and the largest prefill step's activations (chunk tokens per
+    row; on CPU the reference attention's float32 scores against the cache, and a quantized
+    layer's K/V dequantized to float32). sharding (a mesh's): per device, the cache's share
+    (cache_split) against each device's free memory. quantized: the params hold quantized
+    weights (on CPU a prefill dequantizes a weight whole at a time)."""
+    import jax
+
+    devices = None
+    if sharding is not None:
         devices = [d for d in sharding.mesh.devices.flat
                    if d.process_index == jax.process_index()]
     where = "" if sharding is None else f" on {mesh_text(sharding)}, per device"
-    _check({"KV cache": kv, "workspace": work},
+    _check(request_parts(config, batch, prompt_len, cache_len, chunk, kv_dtype, sharding,
+                         quantized),
            f"this request (batch {batch}, {prompt_len} prompt tokens padded, cache of "
-           f"{cache_len} slots){where}", devices=devices)
+           f"{cache_len} slots){where}",
+           CPU_REMEDY if jax.devices()[0].platform == "cpu" else REMEDY, devices=devices)
+
+
+def cpu_peak_bytes(config, params: int, load: dict[str, int], request: dict[str, int],
+                   tokenizer: bool = True, executables: int = 2) -> int:
+    """The resident memory a CPU process peaks at: the runtime and the params (params: their
+    bytes as held), then the larger of what the load adds while reading (load_parts beyond
+    the params) and what a request adds (its compiled executables, cache and workspace)."""
+    extra = cpu_process_parts(config, tokenizer, executables)
+    reading = sum(v for k, v in load.items() if not k.startswith("params"))
+    running = extra["compiled executables"] + sum(request.values())
+    return extra["runtime and tokenizer"] + params + max(reading, running)
 
 
 @contextlib.contextmanager
@@ -253,5 +328,6 @@ def reporting_oom(doing: str):
             raise
         free, what = budget()
         first = str(e).strip().splitlines()[0][:300]
+        remedy = CPU_REMEDY if jax.devices()[0].platform == "cpu" else REMEDY
         raise OutOfMemory(f"{doing} ran out of memory ({first}); {what} has "
-                          f"{'?' if free is None else gib(free)} free; {REMEDY}") from e
+                          f"{'?' if free is None else gib(free)} free; {remedy}") from e

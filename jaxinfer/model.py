@@ -89,6 +89,11 @@ class Model:
         return tokens.astype(np.int32)
 
 
+def _to_device(name: str, value):
+    """A loader's transform: the param (an array, or a weight's arrays) on the default device."""
+    return jax.tree.map(jnp.asarray, value)
+
+
 def _check_policy(policy) -> KernelPolicy:
     if policy is None:
         return KernelPolicy()
@@ -147,6 +152,7 @@ def load(source: str = DEFAULT_MODEL, dtype: str | None = None,
     """
     from checkpoints import load_checkpoint
     from jaxinfer import compilation_cache, memory
+    from jaxinfer.ops.blocked import dequant_block_bytes
 
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
@@ -173,15 +179,22 @@ def load(source: str = DEFAULT_MODEL, dtype: str | None = None,
             read["transform"] = place_on_read(specs, sharding, dtype, quantization, group_size)
             return
         memory.check_load(config, dtype, host_float32_copy=float32_staging,
-                          stored_bytes=stored_bytes)
+                          stored_bytes=stored_bytes, blocked=dequant_block_bytes(policy) > 0)
 
     def transform(name, value):
         return read["transform"](name, value)
 
+    if quantizing or mesh is not None:
+        on_read = transform
+    elif jax.default_backend() == "cpu":
+        # The device is the host: each param becomes a device array as it is read, so the
+        # loader's numpy copy of the whole model never sits beside the device's.
+        on_read = _to_device
+    else:
+        on_read = None
     config, params, tokenizer = load_checkpoint(
         source, before_tensors=fits, keep_quantized=quantization is None,
-        transform=transform if quantizing or mesh is not None else None,
-        host=mesh is not None)
+        transform=on_read, host=mesh is not None)
     with memory.reporting_oom(f"loading {source}"):
         return from_params(config, params, tokenizer, dtype, policy, quantization, group_size,
                            read.get("sharding"))

@@ -124,6 +124,10 @@ class KernelPolicy:
     matmul_tiles: tuple = ()
     attention_blocks: DecodeBlockSizes | None = None
     mla_blocks: MLABlockSizes | None = None  # the absorbed MLA decode kernel's (None: its own)
+    # T > 1 queries per row against a cache: up to this many take the split-K
+    # verify_attention kernels (a speculative verification at a long context), more the
+    # chunk kernels (a prefill chunk). Not measured on the H200 yet.
+    verify_queries: int = 16
     # Decode steps per host check of the device loop, with stop tokens and without.
     steps_per_sync: int = 1
     steps_per_sync_no_stop: int = 8
@@ -132,6 +136,11 @@ class KernelPolicy:
     # where the reference attention's [T, S] scores of a one-shot 8k prefill take GBs;
     # one shot elsewhere (flash attention). 0: always one shot.
     prefill_chunk: int | None = None
+    # Off the kernels' path (the CPU), a quantized weight's matmul dequantizes it one column
+    # tile of about this many float32 bytes at a time, inside the step (jaxinfer/ops/
+    # blocked.py): the model then holds its codes, not every layer's float32 copy. None: 32
+    # MiB on CPU, 0 elsewhere; 0: the whole model dequantized once per request (run_params).
+    dequant_block_bytes: int | None = None
     # MoE experts: the implementation, and the most token rows (B * T) that take the decode
     # path (one kernel row per token-expert assignment: experts that tokens share are read
     # once per token) rather than the grouped GEMM (rows sorted by expert: each expert read
@@ -166,6 +175,8 @@ class KernelPolicy:
             _check_int("moe_decode_rows", self.moe_decode_rows, 0)
         if self.prefill_chunk is not None:
             _check_int("prefill_chunk", self.prefill_chunk, 0)
+        if self.dequant_block_bytes is not None:
+            _check_int("dequant_block_bytes", self.dequant_block_bytes, 0)
         if self.attention_chunk & (self.attention_chunk - 1):
             raise ValueError(f"KernelPolicy.attention_chunk={self.attention_chunk}: must be a "
                              f"power of two (whole key tiles)")

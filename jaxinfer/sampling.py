@@ -25,8 +25,16 @@ Processing order (HF `generate` and vLLM agree on it):
    Keys come from (seed, request id, position) (`request_keys`, `SamplerState`).
 
 Logprobs (`sample_with_logprobs`) are those of the chosen token under log_softmax of the
-penalized, temperature-scaled logits *before* truncation (what vLLM reports as "processed
-logprobs"); greedy rows use temperature 1.
+penalized, temperature-scaled logits *before* truncation and before a grammar's mask (what
+vLLM reports as "processed logprobs"); greedy rows use temperature 1. `top_logprobs` > 0 also
+reports the most likely tokens of that distribution and their logprobs (OpenAI's alternatives).
+
+Structured output: `token_bitmask` [B, ceil(V / 32)] int32 (bit i % 32 of word i // 32 set:
+token i allowed; llguidance's layout) removes disallowed tokens after the penalties, before
+greedy argmax and truncation, so top-k / top-p act on what the grammar allows. Unconstrained
+rows of a constrained batch carry all bits set (-1 words). Ids past the mask's 32 * W bits (a
+model vocabulary padded beyond the tokenizer's) are disallowed. Without a mask (None) the
+program has no mask work at all.
 
 Per-row parameters live in `SamplingTensors` ([B] arrays), so one compiled step serves a batch
 mixing greedy and sampled requests. Its static `SamplingFlags` (host-derived, pytree aux data)
@@ -64,6 +72,8 @@ from jaxinfer import pytree
 
 # Temperatures below this are treated as greedy, as vLLM does: dividing by them overflows float32.
 GREEDY_TEMPERATURE = 1e-5
+# The most alternatives per token a request may ask for (OpenAI's limit for top_logprobs).
+MAX_TOP_LOGPROBS = 20
 
 
 # ---------------------------------------------------------------------------------------------
@@ -95,6 +105,8 @@ class SamplingParams:
     repetition_penalty: HF semantics over prompt + output tokens; > 0, 1.0 = off.
     presence_penalty, frequency_penalty: vLLM/OpenAI semantics over generated tokens; in [-2, 2].
     logprobs: report the log-probability of each chosen token.
+    top_logprobs: also report the k most likely tokens at each position and their logprobs
+        (OpenAI's top_logprobs); 0 = off, at most MAX_TOP_LOGPROBS.
     seed: this request's own seed; its draws then depend on (seed, position) only. None = derive
         them from the batch seed and the request's index.
     """
@@ -107,6 +119,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: bool = False
+    top_logprobs: int = 0
     seed: int | None = None
 
     def __post_init__(self):
@@ -127,6 +140,8 @@ class SamplingParams:
         check("presence_penalty", lambda r: _is_real(r) and -2 <= r <= 2, "in [-2, 2] (0 = off)")
         check("frequency_penalty", lambda r: _is_real(r) and -2 <= r <= 2, "in [-2, 2] (0 = off)")
         check("logprobs", lambda b: isinstance(b, (bool, np.bool_)), "a bool")
+        check("top_logprobs", lambda k: _is_int(k) and 0 <= k <= MAX_TOP_LOGPROBS,
+              f"an integer in [0, {MAX_TOP_LOGPROBS}] (0 = off)")
         check("seed", lambda s: s is None or (_is_int(s) and 0 <= s < 2**32),
               "None or an integer in [0, 2**32)")
         if problems:
@@ -155,6 +170,7 @@ class SamplingFlags:
     repetition_penalty: bool = False
     presence_frequency_penalty: bool = False
     logprobs: bool = False
+    top_logprobs: int = 0  # static k of the alternatives search: 0, or MAX_TOP_LOGPROBS
 
     @property
     def penalties(self) -> bool:
@@ -168,9 +184,10 @@ class SamplingFlags:
             any_greedy=self.any_greedy or other.any_greedy,
             all_greedy=self.all_greedy and other.all_greedy,
             top_k_cap=max(self.top_k_cap, other.top_k_cap),
+            top_logprobs=max(self.top_logprobs, other.top_logprobs),
             **{f.name: getattr(self, f.name) or getattr(other, f.name)
                for f in dataclasses.fields(self)
-               if f.name not in ("any_greedy", "all_greedy", "top_k_cap")})
+               if f.name not in ("any_greedy", "all_greedy", "top_k_cap", "top_logprobs")})
 
 
 @pytree.dataclass
@@ -228,7 +245,9 @@ class SamplingTensors:
             repetition_penalty=any(p.repetition_penalty != 1 for p in params),
             presence_frequency_penalty=any(p.presence_penalty != 0 or p.frequency_penalty != 0
                                            for p in params),
-            logprobs=any(p.logprobs for p in params),
+            logprobs=any(p.logprobs or p.top_logprobs for p in params),
+            # One k for every batch that asks (one more program, not one per k).
+            top_logprobs=MAX_TOP_LOGPROBS if any(p.top_logprobs for p in params) else 0,
         )
 
         def f32(name):
@@ -250,6 +269,8 @@ class SamplingTensors:
 class SampleOutput:
     tokens: jax.Array  # [B] int32
     logprobs: jax.Array  # [B] float32: chosen token under the processed, untruncated distribution
+    top_ids: jax.Array | None = None  # [B, K] int32: the K most likely tokens (flags.top_logprobs)
+    top_logprobs: jax.Array | None = None  # [B, K] float32: their logprobs, descending
 
 
 # ---------------------------------------------------------------------------------------------
@@ -374,8 +395,8 @@ def apply_penalties(logits: jax.Array, params: SamplingTensors, *,
 _TOP_CHUNK = 128  # logits per chunk in _top_values (32 and 512 measured slower on the H200)
 
 
-def _top_values(x: jax.Array, n: int) -> jax.Array:
-    """The n largest values of each row of x [B, V], descending [B, n], exactly.
+def _top_k(x: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
+    """The n largest values of each row of x [B, V], descending [B, n], and their ids [B, n].
 
     XLA's GPU top_k sorts the whole row once k > 16 (2.6 ms for [256, 152k] on an H200), so a
     large vocabulary is searched in two stages: the maxima of chunks of C logits (one pass),
@@ -384,13 +405,31 @@ def _top_values(x: jax.Array, n: int) -> jax.Array:
     """
     b, v = x.shape
     if n * 64 >= v:
-        return jax.lax.top_k(x, n)[0]
+        return jax.lax.top_k(x, n)
     chunk = min(_TOP_CHUNK, 1 << (v // (4 * n)).bit_length() - 1)  # n * chunk <= V / 4
     pad = -v % chunk
     chunks = jnp.pad(x, ((0, 0), (0, pad)), constant_values=-jnp.inf).reshape(b, -1, chunk)
     _, best = jax.lax.top_k(jnp.max(chunks, axis=-1), n)  # [B, n] chunk ids
     candidates = jnp.take_along_axis(chunks, best[:, :, None], axis=1)  # [B, n, chunk]
-    return jax.lax.top_k(candidates.reshape(b, n * chunk), n)[0]
+    values, at = jax.lax.top_k(candidates.reshape(b, n * chunk), n)  # at: in the candidates
+    ids = jnp.take_along_axis(best, at // chunk, axis=1) * chunk + at % chunk
+    return values, ids.astype(jnp.int32)
+
+
+def _top_values(x: jax.Array, n: int) -> jax.Array:
+    """The n largest values of each row of x [B, V], descending [B, n] (`_top_k`'s values;
+    under jit the ids are dead code)."""
+    return _top_k(x, n)[0]
+
+
+def _allowed(token_bitmask: jax.Array, v: int) -> jax.Array:
+    """[B, W] int32 bitmask (llguidance's layout) -> [B, V] bool; ids past 32 * W: False."""
+    b, w = token_bitmask.shape
+    bits = (token_bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [B, W, 32]
+    bits = bits.reshape(b, w * 32)[:, :v] != 0
+    if w * 32 < v:
+        bits = jnp.pad(bits, ((0, 0), (0, v - w * 32)))
+    return bits
 
 
 def _row_sum(x: jax.Array, ordered: bool) -> jax.Array:
@@ -510,12 +549,14 @@ def sample_with_logprobs(logits: jax.Array, keys: jax.Array,
                          params: SamplingTensors | SamplingParams | Sequence[SamplingParams], *,
                          token_counts: jax.Array | None = None,
                          seen_mask: jax.Array | None = None,
+                         token_bitmask: jax.Array | None = None,
                          batch_invariant: bool = False) -> SampleOutput:
     """Sample one token per row of logits [B, V]; also its logprob (see the module docstring).
 
     keys: [B] typed keys (`request_keys`, `step_keys`); params: per-row `SamplingTensors`, or
     SamplingParams for every row. token_counts [B, V] int32 (generated tokens) feeds presence and
     frequency penalties, seen_mask [B, V] bool (prompt + generated) the repetition penalty.
+    token_bitmask [B, W] int32: the tokens each row may take (structured output); None: all.
     batch_invariant (static; KernelPolicy.batch_invariant): the sums over the vocabulary (the
     logprob's normalizer, top-p's masses) in a fixed order, so a row's token and logprob are
     the same bits at any batch size (a few more small kernels per step).
@@ -528,6 +569,8 @@ def sample_with_logprobs(logits: jax.Array, keys: jax.Array,
                                              else None)
     if params.batch_size != b:
         raise ValueError(f"SamplingTensors has {params.batch_size} rows, logits {b}")
+    if token_bitmask is not None and (token_bitmask.ndim != 2 or token_bitmask.shape[0] != b):
+        raise ValueError(f"token_bitmask must be [B, W] = [{b}, W], got {token_bitmask.shape}")
     flags = params.flags
     keys = _as_row_keys(keys, b)
     neg_inf = jnp.float32(-jnp.inf)
@@ -535,18 +578,23 @@ def sample_with_logprobs(logits: jax.Array, keys: jax.Array,
     x = logits.astype(jnp.float32)  # [B, V]
     x = jnp.where(jnp.isnan(x), neg_inf, x)  # a NaN must never win an argmax
     x = apply_penalties(x, params, token_counts=token_counts, seen_mask=seen_mask)
+    allowed = None if token_bitmask is None else _allowed(token_bitmask, v)  # [B, V]
+
+    def constrain(y):  # what the grammar allows (truncation and the draw act on it)
+        return y if allowed is None else jnp.where(allowed, y, neg_inf)
 
     if flags.all_greedy:
         scaled = x
-        tokens = jnp.argmax(x, axis=-1)
+        tokens = jnp.argmax(constrain(x), axis=-1)
     else:
         scaled = x / params.temperature[:, None]  # [B, V]; greedy rows have temperature 1
-        cut = _truncation_cut(scaled, params, batch_invariant)
-        masked = scaled if cut is None else jnp.where(scaled >= cut[:, None], scaled, neg_inf)
+        drawn = constrain(scaled)
+        cut = _truncation_cut(drawn, params, batch_invariant)
+        masked = drawn if cut is None else jnp.where(drawn >= cut[:, None], drawn, neg_inf)
         gumbel = jax.vmap(jax.random.gumbel, in_axes=(0, None, None))(keys, (v,), jnp.float32)
         tokens = jnp.argmax(masked + gumbel, axis=-1)  # [B]
         if flags.any_greedy:
-            tokens = jnp.where(params.greedy, jnp.argmax(x, axis=-1), tokens)
+            tokens = jnp.where(params.greedy, jnp.argmax(constrain(x), axis=-1), tokens)
     tokens = tokens.astype(jnp.int32)
 
     if batch_invariant:
@@ -557,16 +605,38 @@ def sample_with_logprobs(logits: jax.Array, keys: jax.Array,
         lse = jax.nn.logsumexp(scaled, axis=-1)  # [B]
     chosen = jnp.take_along_axis(scaled, tokens[:, None], axis=1)[:, 0]  # [B]
     logprobs = jnp.where(jnp.isfinite(lse) & jnp.isfinite(chosen), chosen - lse, neg_inf)
-    return SampleOutput(tokens=tokens, logprobs=logprobs)
+    top_ids = top_lps = None
+    if flags.top_logprobs:
+        values, top_ids = _top_k(scaled, min(flags.top_logprobs, v))  # [B, K]
+        top_lps = jnp.where(jnp.isfinite(lse)[:, None], values - lse[:, None], neg_inf)
+    return SampleOutput(tokens=tokens, logprobs=logprobs, top_ids=top_ids,
+                        top_logprobs=top_lps)
+
+
+def processed_logits(logits: jax.Array, params: SamplingTensors, *,
+                     token_counts: jax.Array | None = None, seen_mask: jax.Array | None = None,
+                     batch_invariant: bool = False) -> tuple[jax.Array, jax.Array]:
+    """The distribution a sampled row's Gumbel-max draw follows, for logits [B, V]: ->
+    (scaled [B, V]: penalized / temperature, what logprobs are taken under; masked [B, V]:
+    scaled with -inf outside the top-k/top-p/min-p set; softmax(masked) is the draw's law).
+    The same stages as `sample_with_logprobs` (speculative rejection sampling needs the law)."""
+    x = logits.astype(jnp.float32)
+    x = jnp.where(jnp.isnan(x), -jnp.inf, x)
+    x = apply_penalties(x, params, token_counts=token_counts, seen_mask=seen_mask)
+    scaled = x / params.temperature[:, None]
+    cut = _truncation_cut(scaled, params, batch_invariant)
+    masked = scaled if cut is None else jnp.where(scaled >= cut[:, None], scaled, -jnp.inf)
+    return scaled, masked
 
 
 def sample(logits: jax.Array, keys: jax.Array,
            params: SamplingTensors | SamplingParams | Sequence[SamplingParams], *,
-           token_counts: jax.Array | None = None,
-           seen_mask: jax.Array | None = None, batch_invariant: bool = False) -> jax.Array:
+           token_counts: jax.Array | None = None, seen_mask: jax.Array | None = None,
+           token_bitmask: jax.Array | None = None, batch_invariant: bool = False) -> jax.Array:
     """Tokens [B] int32 for logits [B, V]: `sample_with_logprobs` without the logprobs.
 
     Under jit the logprob computation is dead code and XLA removes it.
     """
     return sample_with_logprobs(logits, keys, params, token_counts=token_counts,
-                                seen_mask=seen_mask, batch_invariant=batch_invariant).tokens
+                                seen_mask=seen_mask, token_bitmask=token_bitmask,
+                                batch_invariant=batch_invariant).tokens

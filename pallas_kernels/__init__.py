@@ -34,6 +34,8 @@ _MODULES = {
     "rms_norm": ("add_rms_norm", "add_rms_norm_reference", "rms_norm", "rms_norm_reference"),
     "rope": ("rope", "rope_reference"),
     "swiglu": ("swiglu", "swiglu_down", "swiglu_down_reference", "swiglu_reference"),
+    "verify_attention": ("paged_verify_attention", "paged_verify_attention_reference",
+                         "verify_attention", "verify_attention_reference"),
 }
 _EXPORTS = {name: module for module, names in _MODULES.items() for name in names}
 

@@ -96,7 +96,7 @@ def choose_num_splits(batch: int, kv_heads: int, seq_len: int, block_k: int,
 
 
 def attend_tiles(q_parts, k_ref, v_ref, *, start, first, end, block_k: int, qk_scale: float,
-                 carry, scales=None, softcap: float | None = None, pages=None):
+                 carry, scales=None, softcap: float | None = None, pages=None, limits=None):
     """Online softmax (base 2) of a query over cache rows [first, end) of k_ref/v_ref [S, D],
     read in tiles of block_k rows from `start` (tile-aligned, <= first; first=None: from start);
     rows outside the range are masked, never used. The query comes in column pieces
@@ -107,7 +107,10 @@ def attend_tiles(q_parts, k_ref, v_ref, *, start, first, end, block_k: int, qk_s
     (softcap * tanh(. / softcap)) before the mask, or None. pages: (bt_ref [max_pages] int32,
     page_size) for a paged cache (paged_attention.py): k_ref/v_ref are then the page pools
     [P, page_size, D] (scales [P, page_size]) and cache position p lives at page
-    bt_ref[p // page_size], row p % page_size; None: k_ref/v_ref [S, D] hold position p at row p."""
+    bt_ref[p // page_size], row p % page_size; None: k_ref/v_ref [S, D] hold position p at row p.
+    limits: (pos [Gp], window) when the query rows sit at their own positions (several tokens
+    of a row, verify_attention.py): row i sees cache rows <= pos[i] (with a window also
+    > pos[i] - window), on top of [first, end); None: every row sees [first, end)."""
     d = k_ref.shape[-1]
     cols = [col for _, col in q_parts]
     # A masked load's fill is cast to the ref's dtype: Triton casts no integer to fp8.
@@ -156,7 +159,13 @@ def attend_tiles(q_parts, k_ref, v_ref, *, start, first, end, block_k: int, qk_s
             k_s, v_s = (plgpu.load(r.at[at()], mask=valid, other=0
                                    ).astype(jnp.float32) for r in (ks_ref, vs_ref))  # [block_k]
             s = s * k_s[None, :]
-        s = jnp.where(valid[None, :], softcap_log2(s * qk_scale, softcap), MASK_VALUE)
+        keep = valid[None, :]  # [1 or Gp, block_k]
+        if limits is not None:
+            pos, win = limits
+            keep = keep & (rows[None, :] <= pos[:, None])
+            if win is not None:
+                keep &= rows[None, :] > pos[:, None] - win
+        s = jnp.where(keep, softcap_log2(s * qk_scale, softcap), MASK_VALUE)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         alpha = jnp.exp2(m - m_new)
         p = jnp.exp2(s - m_new[:, None])

@@ -1,5 +1,7 @@
 """The serving engine against `generate` alone, token for token (CPU, float32, tiny model)."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -132,6 +134,7 @@ def test_bad_requests_are_refused_alone(tiny_chat):
         (dict(prompt=[5], request_id=good), "already"),
         (dict(prompt=[5], stop=[""]), "stop"),
         (dict(prompt=[5], seed=-1), "seed"),
+        (dict(prompt=[5], grammar='{"type": "object"}'), "Grammar"),
     ]
     for kw, words in bad:
         with pytest.raises(ValueError, match=words):
@@ -266,3 +269,105 @@ def test_warmup_compiles_every_shape_serving_needs(tiny_chat):
     with pytest.raises(ValueError, match="idle engine"):
         engine.add_request([5, 6, 7], max_tokens=2)
         engine.warmup()
+
+
+def test_warmup_structured_compiles_the_masked_programs(tiny_chat):
+    """warmup(structured=True) also compiles the token-bitmask programs: a grammar request
+    beside a free one then compiles nothing new."""
+    from jaxinfer.engine import step
+    from jaxinfer.structured import Grammar
+
+    engine = _engine(tiny_chat, max_model_len=64)
+    assert engine.warmup(structured=True) == 18  # each of the 9 shapes with and without
+    compiled = step.prefill_step._cache_size() + step.decode_step._cache_size()
+    engine.add_request([5, 6, 7], max_tokens=8,
+                       grammar=Grammar.regex(tiny_chat.tokenizer, "(yes|no), [0-9]{2,4}"))
+    engine.add_request([8, 9, 10, 11], max_tokens=6)
+    while engine.has_unfinished():
+        engine.step()
+    assert step.prefill_step._cache_size() + step.decode_step._cache_size() == compiled
+
+
+def test_constrained_rows_beside_free_rows(tiny_chat):
+    """Structured output: a JSON-schema row and a regex row (greedy) served with two decode
+    steps per engine step beside free rows, both preempted midway (recomputed from prompt
+    and output). The free rows get generate()'s tokens and logprobs; each constrained row
+    gets what a plain loop picks (the full forward, the mask from llguidance's own matcher,
+    argmax), ending where the grammar does; its text matches the regex / validates against
+    the schema. One row's top logprobs are log_softmax's."""
+    import dataclasses
+    import json
+
+    import jax
+    import jsonschema
+    import llguidance
+    import llguidance.numpy
+
+    from jaxinfer.structured import JSON_WHITESPACE, Grammar, ll_tokenizer
+
+    model, tok = tiny_chat, tiny_chat.tokenizer
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                               "age": {"type": "integer", "minimum": 0,
+                                                       "maximum": 120}},
+              "required": ["name", "age"], "additionalProperties": False}
+    regex = r"(yes|no), [0-9]{2,4}"
+    free = _requests(model, 4, seed=8)
+    free[0] = (free[0][0], SamplingParams(temperature=0.0, top_logprobs=3, logprobs=True), 6)
+    constrained = [(list(range(20, 40)), Grammar.json_schema(tok, schema), schema),
+                   ([5, 6, 7, 8], Grammar.regex(tok, regex), regex)]
+    engine = _engine(model, pages=60, decode_steps=2)
+    ids = [engine.add_request(p, sampling=sp, max_tokens=n) for p, sp, n in free]
+    ids += [engine.add_request(p, max_tokens=130, grammar=g) for p, g, _ in constrained]
+    held = [engine.requests[i] for i in ids]
+    got = {i: ([], [], [], None) for i in ids}
+    while engine.has_unfinished():
+        if engine.stats["steps"] == 12:  # both grammar rows (the youngest) are recomputed
+            engine.scheduler._preempt(spare=None)
+            engine.scheduler._preempt(spare=None)
+        for out in engine.step():
+            toks, lps, tops, _ = got[out.request_id]
+            toks += out.new_token_ids
+            lps += out.new_logprobs or []
+            tops += out.new_top_logprobs or []
+            got[out.request_id] = (toks, lps, tops, out.finish_reason)
+    assert [r.preemptions for r in held[4:]] == [1, 1]
+    plain = [(p, dataclasses.replace(sp, top_logprobs=0), n) for p, sp, n in free]
+    for i, (toks, lps, reason) in zip(ids, _reference(model, plain)):
+        assert got[i][0] == toks and got[i][3] == reason
+        if lps:
+            np.testing.assert_allclose(got[i][1], lps, atol=1e-4)
+    # Top logprobs of the first free row: the k most likely under log_softmax, descending.
+    p, toks = free[0][0], got[ids[0]][0]
+    logp = np.asarray(jax.nn.log_softmax(model(np.array([p + toks]))[0], axis=-1))
+    for j, top in enumerate(got[ids[0]][2]):
+        want = np.argsort(-logp[len(p) - 1 + j])[:3]
+        assert [t for t, _ in top] == want.tolist()
+        np.testing.assert_allclose([lp for _, lp in top], logp[len(p) - 1 + j][want], atol=1e-4)
+        assert top[0][0] == toks[j]
+    with pytest.raises(ValueError, match="top_logprobs"):  # generate does not report them
+        jaxinfer.generate(model, [p], sampling=free[0][1])
+    # Constrained rows against a plain masked greedy loop.
+    lt = ll_tokenizer(tok)
+    for i, (prompt, grammar, spec) in zip(ids[4:], constrained):
+        m = llguidance.LLMatcher(lt, llguidance.LLMatcher.grammar_from_regex(spec)
+                                 if isinstance(spec, str) else
+                                 llguidance.LLMatcher.grammar_from_json_schema(
+                                     spec, defaults={"whitespace_pattern": JSON_WHITESPACE}))
+        want, mask = [], llguidance.numpy.allocate_token_bitmask(1, tok.vocab_size)
+        while len(want) < 130 and not m.is_stopped():
+            logits = np.array(model(np.array([prompt + want]))[0, -1:], np.float32)
+            llguidance.numpy.fill_next_token_bitmask(m, mask)
+            llguidance.numpy.apply_token_bitmask_inplace(logits, mask)
+            t = int(np.argmax(logits))
+            if t in tok.eos_token_ids:
+                want.append(t)
+                break
+            assert m.consume_token(t)
+            want.append(t)
+        assert got[i][0] == want and got[i][3] == "stop", repr(tok.decode(want))
+        text = tok.decode(got[i][0])
+        if isinstance(spec, str):
+            assert re.fullmatch(spec, text), text
+        else:
+            jsonschema.validate(json.loads(text), spec)
+    assert engine.free_pages == engine.total_pages

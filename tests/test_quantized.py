@@ -221,7 +221,7 @@ def test_parts_weight_equals_its_combined_weight():
 
 def test_a_gguf_kept_quantized_is_budgeted_at_its_file_size_on_a_gpu(monkeypatch):
     """On a GPU the kernels read the blocks: the load needs about the file's bytes, not the
-    float params'; on the CPU the decode loop holds float weights, so the float estimate."""
+    float params' (the CPU: test_a_gguf_kept_quantized_is_budgeted_at_its_file_size_on_cpu)."""
     from jaxinfer import memory
     from jaxinfer.configs import PRESETS
 
@@ -238,6 +238,24 @@ def test_a_gguf_kept_quantized_is_budgeted_at_its_file_size_on_a_gpu(monkeypatch
     memory.check_load(config, "bfloat16", host_float32_copy=False, stored_bytes=4_900_000_000)
     with pytest.raises(memory.OutOfMemory, match="loading this model"):
         memory.check_load(config, "bfloat16", host_float32_copy=False)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU's estimate")
+def test_a_gguf_kept_quantized_is_budgeted_at_its_file_size_on_cpu(monkeypatch):
+    """The CPU's matmuls dequantize a tile at a time, so a GGUF kept in its blocks is budgeted
+    at its file size (and its largest tensor in flight while read), not the float params';
+    with dequant_block_bytes=0 the requests hold the float weights, so the float estimate.
+    The refusal's remedy is one for a CPU: no bfloat16."""
+    from jaxinfer import memory
+    from jaxinfer.configs import PRESETS
+
+    config = PRESETS["llama3-8b"]  # 32 GB in float32; a Q4_K_M file is about 4.9 GB
+    monkeypatch.setenv("JAXINFER_MEMORY_LIMIT", "8GB")
+    memory.check_load(config, "float32", host_float32_copy=False, stored_bytes=4_900_000_000)
+    for kwargs in ({}, {"stored_bytes": 4_900_000_000, "blocked": False}):
+        with pytest.raises(memory.OutOfMemory, match="loading this model") as refused:
+            memory.check_load(config, "float32", host_float32_copy=False, **kwargs)
+        assert "bfloat16" not in str(refused.value) and "quantized GGUF" in str(refused.value)
 
 
 def test_quantize_on_load_reads_one_tensor_at_a_time(monkeypatch):

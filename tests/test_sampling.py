@@ -144,7 +144,7 @@ def logits_of(seed, v=16, scale=1.5):
     ("repetition_penalty", 0.0), ("repetition_penalty", -1.0),
     ("repetition_penalty", float("inf")),
     ("presence_penalty", 2.5), ("frequency_penalty", -2.01), ("frequency_penalty", float("nan")),
-    ("logprobs", 1), ("seed", -3), ("seed", 1.5),
+    ("logprobs", 1), ("seed", -3), ("seed", 1.5), ("top_logprobs", 21), ("top_logprobs", -1),
 ])
 def test_invalid_params_raise_naming_the_parameter(field, value):
     with pytest.raises(ValueError, match=field):
@@ -491,8 +491,51 @@ def test_top_values_two_stage_is_exact(v, n):
     x[2, rng.choice(v, n + 3, replace=False)] = 9.0  # a tie spanning the n-th value
     x[3, : v // 2] = -np.inf
     x[4, rng.choice(v, n, replace=False)] = np.linspace(5, 6, n)  # the top n in few chunks
-    got = np.asarray(jax.jit(S._top_values, static_argnums=1)(jnp.asarray(x), n))
-    np.testing.assert_array_equal(got, -np.sort(-x, axis=-1)[:, :n])
+    got, ids = jax.jit(S._top_k, static_argnums=1)(jnp.asarray(x), n)
+    np.testing.assert_array_equal(np.asarray(got), -np.sort(-x, axis=-1)[:, :n])
+    ids = np.asarray(ids)
+    assert all(len(set(row)) == n for row in ids)  # distinct ids, each holding its value
+    np.testing.assert_array_equal(np.take_along_axis(x, ids, axis=1), np.asarray(got))
+
+
+def test_token_bitmask_constrains_rows_and_drops_padded_ids():
+    """A grammar's bitmask (llguidance's layout): a masked row draws only allowed ids, in the
+    law of the allowed renormalised (with top-k applied after the mask); ids past the mask's
+    32 * W bits (padded vocabulary) are never drawn though their logits are the largest;
+    unmasked rows (-1 words) get exactly their tokens and logprobs without a mask; logprobs
+    and top logprobs are those of the unmasked distribution."""
+    v, n = 40, N_DRAWS
+    logits = logits_of(11, v)
+    logits[32:] = 9.0  # ids 32..39: the padded vocabulary, past a 1-word mask
+    allowed = [3, 7, 8, 20, 31]
+    word = np.int32(np.sum([np.int64(1) << i for i in allowed]) - (1 << 32))  # bit 31 set
+    mask = np.full((n, 1), word, np.int32)
+    mask[1::2] = -1  # unconstrained rows (but only 32 ids are covered)
+    keys = S.request_keys(3, jnp.arange(n), jnp.full((n,), 7))
+    sp = SamplingParams(temperature=0.8, top_k=3, logprobs=True, top_logprobs=2)
+    x = jnp.broadcast_to(jnp.asarray(logits, jnp.float32), (n, v))
+    out = _sample_lp(x, keys, SamplingTensors.from_params(sp, n), token_bitmask=mask)
+    tokens = np.asarray(out.tokens)
+    want = np.zeros(v)
+    want[allowed] = ref_probs(logits[allowed], 0.8, top_k=3)
+    wrong = np.zeros(v)  # top-k before the mask: only the allowed among the top 3 overall
+    top3 = np.argsort(-logits[:32])[:3]
+    keep = [i for i in allowed if i in top3] or allowed
+    wrong[keep] = ref_probs(logits[keep], 0.8)
+    assert_matches(tokens[0::2], want, wrong=[("top-k before the mask", wrong)])
+    assert tokens[1::2].max() < 32
+    free = np.asarray(_sample_lp(x[:, :32], keys, SamplingTensors.from_params(sp, n)).tokens)
+    np.testing.assert_array_equal(tokens[1::2], free[1::2])
+    lsm = np.asarray(jax.nn.log_softmax(jnp.asarray(logits, jnp.float32) / 0.8))
+    np.testing.assert_allclose(np.asarray(out.logprobs)[:4], lsm[tokens[:4]], rtol=1e-5)
+    top_ids, top_lps = np.asarray(out.top_ids)[0], np.asarray(out.top_logprobs)[0]
+    assert top_ids.shape == (S.MAX_TOP_LOGPROBS,)  # one k for all; the host keeps each row's
+    np.testing.assert_allclose(top_lps, np.sort(lsm)[::-1][:S.MAX_TOP_LOGPROBS], rtol=1e-5)
+    np.testing.assert_allclose(lsm[top_ids], top_lps, rtol=1e-5)
+    greedy = _sample_lp(x[:2], keys[:2], SamplingTensors.from_params(
+        SamplingParams(temperature=0), 2), token_bitmask=mask[:2])
+    assert np.asarray(greedy.tokens).tolist() == [allowed[np.argmax(logits[allowed])],
+                                                  int(np.argmax(logits[:32]))]
 
 
 def test_request_keys_and_sampler_state():

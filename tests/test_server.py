@@ -1,13 +1,17 @@
 """The OpenAI-compatible server, driven by the official `openai` client over loopback."""
 
 import json
+import math
 import os
+import re
+import shutil
 import socket
 import subprocess
 import sys
 import time
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -31,15 +35,28 @@ def refs(tiny_chat):
             jaxinfer.generate(tiny_chat, [IDS], max_new_tokens=10)[0])
 
 
+# The tiny model's ChatML template, with the tool definitions in a system turn first when a
+# request has any (without tools it renders exactly as the original, so generate()'s
+# references hold).
+TOOLS_TEMPLATE = ("{% if tools %}{{ '<|im_start|>system\nTools: ' + (tools | tojson) + "
+                  "'<|im_end|>\n' }}{% endif %}")
+
+
 @pytest.fixture(scope="module")
-def server(tiny_chat_dir):
+def server(tiny_chat_dir, tmp_path_factory):
     """`jaxinfer serve` of the tiny chat model in its own process on 127.0.0.1 (an API key
-    required), as a user starts it; stopped (SIGTERM, then killed) at the end."""
+    required), as a user starts it; stopped (SIGTERM, then killed) at the end. Its chat
+    template also takes tools (TOOLS_TEMPLATE)."""
+    model_dir = tmp_path_factory.mktemp("served") / "tiny"
+    shutil.copytree(tiny_chat_dir, model_dir)
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    config["chat_template"] = TOOLS_TEMPLATE + config["chat_template"]
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
     port = _free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "jaxinfer.cli", "serve", "--model", str(tiny_chat_dir),
+        [sys.executable, "-m", "jaxinfer.cli", "serve", "--model", str(model_dir),
          "--dtype", "float32", "--port", str(port), "--api-key", KEY, "--max-num-seqs", "4",
-         "--max-model-len", "256", "--kv-memory", "64MB", "--served-model-name", "tiny"],
+         "--max-model-len", "512", "--kv-memory", "64MB", "--served-model-name", "tiny"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "JAXINFER_API_KEY": ""})
     url = f"http://127.0.0.1:{port}"
@@ -124,7 +141,18 @@ def test_streaming_n_logprobs_stop_and_seed(client):
     (json.dumps({"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}), 400,
      "role"),
     (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
-                 "response_format": {"type": "json_object"}}), 400, "response_format"),
+                 "response_format": {"type": "json_schema", "json_schema": {
+                     "name": "x", "schema": {"type": "wat"}}}}), 400, "invalid JSON schema"),
+    (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                 "guided_regex": "a(b"}), 400, "invalid regex"),
+    (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                 "guided_regex": "a", "response_format": {"type": "json_object"}}), 400,
+     "one output constraint"),
+    (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                 "logprobs": True, "top_logprobs": 21}), 400, "top_logprobs"),
+    (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                 "tools": [{"type": "function", "function": {"name": "f"}}],
+                 "tool_choice": "auto"}), 400, "tool-call parser"),
 ])
 def test_bad_requests_get_openai_errors(server, body, status, words):
     r = httpx.post(server + "/v1/chat/completions", content=body,
@@ -159,3 +187,75 @@ def test_disconnect_mid_stream_returns_the_pages(server, client):
     assert _metric(url, "jaxinfer_engine_generated_tokens") - before < 100
     # Everyone else is still served.
     assert client.completions.create(model="tiny", prompt=[5, 6], max_tokens=3).choices
+
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 8},
+    "age": {"type": "integer", "minimum": 0, "maximum": 150},
+    "colour": {"enum": ["red", "green", "blue"]}},
+    "required": ["name", "age", "colour"], "additionalProperties": False}
+
+
+def test_structured_output(client):
+    """json_schema (parses, validates), json_object, a regex (vLLM's extension, streamed)
+    and a forced tool call: the outputs follow their grammars and end where they do."""
+    r = client.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=150, temperature=0,
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}})
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+    r = client.completions.create(model="tiny", prompt="Hello", max_tokens=150, temperature=0.8,
+                                  seed=5, extra_body={"response_format": {"type": "json_object"}})
+    assert r.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(r.choices[0].text), dict)
+    regex = r"(Monday|Friday) at [0-9]{1,2}(am|pm)"
+    chunks = list(client.completions.create(model="tiny", prompt=IDS, max_tokens=20,
+                                            temperature=0.7, stream=True,
+                                            extra_body={"guided_regex": regex}))
+    assert re.fullmatch(regex, "".join(c.choices[0].text for c in chunks))
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    tool = {"type": "function", "function": {"name": "weather", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+        "required": ["city"], "additionalProperties": False}}}
+    plain = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2)
+    r = client.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=120, temperature=0, tools=[tool],
+        tool_choice={"type": "function", "function": {"name": "weather"}})
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "weather" and r.choices[0].finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+    assert r.usage.prompt_tokens > plain.usage.prompt_tokens + 10  # the tools were in it
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=120, temperature=0, tools=[tool],
+        tool_choice="required", stream=True))
+    calls = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
+    assert [c.function.name for c in calls] == ["weather"] * len(calls) and calls
+    for c in calls:
+        jsonschema.validate(json.loads(c.function.arguments), tool["function"]["parameters"])
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_top_logprobs(client):
+    """Chat top_logprobs (streamed and not) and completions' logprobs=k: k alternatives per
+    token, descending; greedy, the chosen token is the first, with its own logprob."""
+    kw = dict(model="tiny", messages=CHAT, max_tokens=6, temperature=0, logprobs=True,
+              top_logprobs=4)
+    r = client.chat.completions.create(**kw)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for t in content:
+        lps = [a.logprob for a in t.top_logprobs]
+        assert len(lps) == 4 and lps == sorted(lps, reverse=True) and lps[-1] < 0
+        assert (t.top_logprobs[0].token, t.top_logprobs[0].logprob) == (t.token, t.logprob)
+        assert sum(math.exp(x) for x in lps) <= 1 + 1e-4
+    streamed = [t for c in client.chat.completions.create(**kw, stream=True)
+                if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [(t.token, [a.logprob for a in t.top_logprobs]) for t in streamed] == \
+        [(t.token, [a.logprob for a in t.top_logprobs]) for t in content]
+    r = client.completions.create(model="tiny", prompt=IDS, max_tokens=5, temperature=0,
+                                  logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.top_logprobs) == len(lp.tokens) == len(lp.token_logprobs) == 5
+    for token, chosen, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert 1 <= len(top) <= 3 and top.get(token) == chosen == max(top.values())

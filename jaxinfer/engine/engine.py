@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 from collections.abc import Iterable
 
@@ -36,6 +37,8 @@ from jaxinfer.engine.scheduler import Request, Scheduler, Status
 from jaxinfer.ops.dispatch import kernels_on
 from jaxinfer.sampling import SamplingParams, SamplingTensors
 
+log = logging.getLogger(__name__)
+
 
 @dataclasses.dataclass(frozen=True)
 class RequestOutput:
@@ -46,6 +49,11 @@ class RequestOutput:
     new_logprobs: list[float] | None  # when its SamplingParams asked for logprobs
     finished: bool
     finish_reason: str | None  # "stop" (EOS, stop token or string), "length", or None
+    # Per new token, its SamplingParams.top_logprobs most likely tokens: [(id, logprob), ...]
+    new_top_logprobs: list[list[tuple[int, float]]] | None = None
+    # Speculative engines: drafts proposed to the request and accepted, in this output.
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 def _pow2(n: int, lo: int = 1) -> int:
@@ -93,13 +101,19 @@ class Engine:
     prefix_caching: share the K/V pages of equal prompt prefixes. kv_cache_dtype: None,
     "int8" or "fp8" (cache.py). policy: the kernel policy (default the model's). seed: the
     seed of requests that give none (their key id is their arrival number).
+    speculative: None, "ngram" / a `speculative.NGram` (prompt lookup) or a draft model with
+    the same tokenizer (its K/V in page pools of its own, at the target's page indices):
+    num_speculative_tokens drafts per decode row, verified in one step (the same tokens as
+    without); a speculative step's tokens are read before the next is dispatched (the next
+    positions depend on them).
     """
 
     def __init__(self, model, *, max_num_seqs: int | None = None, page_size: int | None = None,
                  kv_memory=None, max_model_len: int | None = None,
                  max_num_batched_tokens: int | None = None, chunk_size: int | None = None,
                  decode_steps: int = 1, max_prefill_rows: int = 4, prefix_caching: bool = True,
-                 kv_cache_dtype: str | None = None, policy=None, seed: int = 0):
+                 kv_cache_dtype: str | None = None, policy=None, seed: int = 0,
+                 speculative=None, num_speculative_tokens: int = 4):
         from jaxinfer.generate import _plan, run_params
 
         config = model.config
@@ -136,6 +150,10 @@ class Engine:
         if self.chunk_size != chunk:
             raise ValueError(f"chunk_size must be a power of two, got {chunk}")
         self.decode_steps = positive("decode_steps", decode_steps)
+        # Speculative decoding: prompt lookup (ngram) or a draft model (draft: its plan and
+        # params; its page pools follow the target's block tables), K drafts per decode row.
+        self.ngram, self.draft, self.num_speculative_tokens = self._speculative(
+            speculative, num_speculative_tokens, policy)
         budget = positive("max_num_batched_tokens",
                           max_num_batched_tokens or max(2048, self.chunk_size))
         self.max_pages = -(-self.max_model_len // page_size)
@@ -154,6 +172,8 @@ class Engine:
         self.kv_cache_dtype = kv_cache_dtype
 
         page_bytes = memory.kv_bytes_per_token(config, kv_cache_dtype) * page_size
+        if self.draft is not None:  # a page index holds both models' K/V
+            page_bytes += memory.kv_bytes_per_token(self.draft[0].config) * page_size
         full = self.max_num_seqs * self.max_pages + 1  # every row at max_model_len
         if kv_memory is None:
             num_pages = min(_kv_budget(0.8 if gpu else 0.25) // page_bytes, full if not gpu
@@ -170,10 +190,14 @@ class Engine:
         extra = repr((config, str(config.dtype), kv_cache_dtype)).encode()
         self.scheduler = Scheduler(pool, max_num_seqs=self.max_num_seqs,
                                    max_pages=self.max_pages, max_num_batched_tokens=budget,
-                                   chunk_size=self.chunk_size, decode_steps=self.decode_steps,
+                                   chunk_size=self.chunk_size,
+                                   # a verification's K + 1 slots, pages and budget
+                                   decode_steps=self.decode_steps + self.num_speculative_tokens,
                                    max_prefill_rows=self.max_prefill_rows, cache_extra=extra)
         with memory.reporting_oom(f"allocating the KV page pool ({num_pages} pages)"):
             cache = PagedKVCache.init(config, num_pages, page_size, kv_dtype=kv_cache_dtype)
+            self.draft_cache = None if self.draft is None else PagedKVCache.init(
+                self.draft[0].config, num_pages, page_size)
             self.state = step_lib.EngineState(
                 cache=cache, last_token=jnp.zeros((self.max_num_seqs + 1,), jnp.int32))
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) \
@@ -183,8 +207,9 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()  # key ids of requests without their own seed
         self._flags: sampling.SamplingFlags | None = None  # union of the dispatches' so far
-        self._inflight: list = []  # dispatches not read yet: (kind, rows, tokens, logprobs)
-        self.stats = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "preemptions": 0}
+        self._inflight: list = []  # dispatches not read yet: (kind, rows, tokens, logprobs, top)
+        self.stats = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "preemptions": 0,
+                      "draft_tokens": 0, "accepted_tokens": 0}
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -215,11 +240,14 @@ class Engine:
 
     def add_request(self, prompt, *, sampling: SamplingParams | None = None,
                     max_tokens: int = 128, stop=None, request_id: str | None = None,
-                    seed: int | None = None, chat: bool | None = None) -> str:
+                    seed: int | None = None, chat: bool | None = None,
+                    grammar=None) -> str:
         """Queue one request (anything `generate` takes for one prompt) -> its id. Every check
         runs here: a bad request raises ValueError and changes nothing. seed: its own seed
         (its draws then equal generate(..., seed=seed) for it alone); default the engine's
-        seed and its arrival number."""
+        seed and its arrival number. grammar: a `jaxinfer.structured.Grammar` its output must
+        follow (structured output; it finishes with "stop" once the grammar is complete);
+        such a request advances every other step (the scheduler's docstring says why)."""
         from jaxinfer.generate import _stop_ids
 
         model = self.model
@@ -252,6 +280,20 @@ class Engine:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
+        matcher = None
+        if grammar is not None:
+            from jaxinfer.structured import Grammar
+
+            if not isinstance(grammar, Grammar):
+                raise ValueError(f"grammar must be a jaxinfer.structured.Grammar, got "
+                                 f"{type(grammar).__name__}")
+            if model.tokenizer is None or grammar.vocab_size != model.tokenizer.vocab_size:
+                raise ValueError("grammar was compiled for another tokenizer than this model's")
+            if self.num_speculative_tokens:
+                raise ValueError("structured output (grammar=) is not supported by a "
+                                 "speculative engine (its drafts are verified without the "
+                                 "grammar's masks); use an engine without speculative=")
+            matcher = grammar.matcher()
         if sampling.seed is not None:
             seed, key_id = sampling.seed, 0
         elif seed is not None:
@@ -259,7 +301,8 @@ class Engine:
         else:
             seed, key_id = self.seed, index
         req = Request(request_id, key_id, list(ids), sampling, int(max_tokens),
-                      frozenset(stop_ids), tuple(stop_strings), int(seed), time.perf_counter())
+                      frozenset(stop_ids), tuple(stop_strings), int(seed), time.perf_counter(),
+                      matcher=matcher)
         self.requests[request_id] = req
         self.scheduler.waiting.append(req)
         return request_id
@@ -288,19 +331,28 @@ class Engine:
                 dispatched.append(self._dispatch_decode(sched.decode))
         outputs = self._read(self._inflight)
         self._inflight = dispatched
+        if self.num_speculative_tokens:  # the next rows' positions and drafts need these
+            outputs, self._inflight = self._read(dispatched), []
         self.stats["steps"] += 1
         return outputs
 
-    def warmup(self, sampling=None, progress: bool = False) -> int:
+    def warmup(self, sampling=None, progress: bool = False, structured: bool = False) -> int:
         """Compile every dispatch shape now (prefill rows x chunk lengths, decode rows), for
         requests with these SamplingParams (one or a list; default greedy), so a running
         engine compiles nothing: a shape first met while serving stalls every row for its
         compile (~3 s at 8B on the H200). Runs rows of padding only (they write nothing).
-        -> the number of executables dispatched. Call it before serving; idle engines only."""
+        Params asking for top_logprobs also warm the programs that search them (a dispatch
+        has them when one of its rows asks); a speculative engine also warms its
+        verifications (and a draft model's prefill and drafting steps); structured=True also
+        the programs with a grammar's token bitmask (not in a speculative engine, which
+        refuses grammars). -> the number of executables dispatched. Call it before serving;
+        idle engines only."""
         from tqdm.auto import tqdm
 
         if self.has_unfinished():
             raise ValueError("warmup() runs on an idle engine; call it before adding requests")
+        if structured and self.num_speculative_tokens:
+            raise ValueError("warmup(structured=True): a speculative engine refuses grammars")
         params = sampling if isinstance(sampling, (list, tuple)) else \
             [sampling or SamplingParams(temperature=0.0)]
         for sp in params:
@@ -310,28 +362,56 @@ class Engine:
         self._flags = tensors.flags if self._flags is None else self._flags.union(tensors.flags)
         if self._flags.penalties and self.state.token_counts is None:
             raise ValueError("warmup() with penalties: add a penalty request first")
+        # As _rows: the flags of every request so far, the top-logprobs search the dispatch's.
+        tops = sorted({SamplingTensors.from_params([sp]).flags.top_logprobs for sp in params})
+        masks = [False, True] if structured else [False]
         # The references' block-table width grows with the longest row; the kernels' is fixed.
         widths = [self.max_pages] if self.kernels else sorted(
             {min(self.max_pages, _pow2(n, 16)) for n in range(1, self.max_pages + 1)})
         shapes = [("prefill", b, c, w) for b in self.prefill_rows for c in self.prefill_lengths
                   for w in widths] + [("decode", b, 1, w) for b in self.decode_buckets
                                       for w in widths]
+        if self.num_speculative_tokens:
+            shapes += [("verify", b, self.num_speculative_tokens + 1, w)
+                       for b in self.decode_buckets for w in widths]
+        variants = [(shape, top, mask) for shape in shapes for top in tops for mask in masks
+                    if not (mask and shape[0] == "verify")]
         r = self.max_num_seqs
-        for kind, b, c, w in tqdm(shapes, desc="compiling", disable=not progress, leave=False):
+        words = -(-self.model.config.vocab_size // 32)
+        dispatched = 0
+        for (kind, b, c, w), top, mask in tqdm(variants, desc="compiling",
+                                               disable=not progress, leave=False):
             rows = step_lib.Rows(
                 slot=jnp.full((b,), r, jnp.int32), position=jnp.full((b,), -1, jnp.int32),
                 count=jnp.zeros((b,), jnp.int32), seed=jnp.zeros((b,), jnp.uint32),
                 key_id=jnp.zeros((b,), jnp.int32), block_tables=jnp.zeros((b, w), jnp.int32),
-                sampling=SamplingTensors.from_params(
-                    [params[0]] * b).replace(flags=self._flags))
+                sampling=SamplingTensors.from_params([params[0]] * b).replace(
+                    flags=dataclasses.replace(self._flags, top_logprobs=top)),
+                token_bitmask=jnp.full((b, words), -1, jnp.int32) if mask else None)
             if kind == "prefill":
-                self.state, new, _ = step_lib.prefill_step(
+                self.state, new, _, _ = step_lib.prefill_step(
                     self.params, self.state, jnp.zeros((b, c), jnp.int32), rows, self.plan)
+                if self.draft is not None and not mask:  # the draft's pages take the chunks
+                    _, plan, dparams = self.draft
+                    self.draft_cache = step_lib.draft_prefill_step(
+                        dparams, self.draft_cache, jnp.zeros((b, c), jnp.int32), rows, plan)
+                    dispatched += 1
+            elif kind == "decode":
+                self.state, new, _, _ = step_lib.decode_step(self.params, self.state, rows,
+                                                             self.plan)
             else:
-                self.state, new, _ = step_lib.decode_step(self.params, self.state, rows,
-                                                          self.plan)
+                tokens = jnp.zeros((b, c), jnp.int32)
+                if self.draft is not None:
+                    _, plan, dparams = self.draft
+                    self.draft_cache, tokens = step_lib.draft_step(
+                        dparams, self.draft_cache, jnp.zeros((b, 2), jnp.int32), rows, plan,
+                        self.num_speculative_tokens)
+                    dispatched += 1
+                self.state, new, _, _ = step_lib.verify_step(self.params, self.state, tokens,
+                                                             rows, self.plan)
             new.block_until_ready()
-        return len(shapes)
+            dispatched += 1
+        return dispatched
 
     def run(self, prompts: Iterable, *, sampling=None, max_tokens: int = 128, stop=None,
             seed: int | None = None, chat: bool | None = None, progress: bool = False):
@@ -354,6 +434,7 @@ class Engine:
                for i, (p, sp) in enumerate(zip(prompts, params))]
         prompt_tokens = {i: len(self.requests[i].prompt) for i in ids}
         got = {i: ([], []) for i in ids}
+        spec = {i: [0, 0] for i in ids}  # drafts proposed, accepted
         reasons = {}
         with tqdm(total=len(ids), desc="requests", disable=not progress, leave=False) as bar:
             while len(reasons) < len(ids):
@@ -363,6 +444,8 @@ class Engine:
                     toks, lps = got[out.request_id]
                     toks += out.new_token_ids
                     lps += out.new_logprobs or []
+                    spec[out.request_id][0] += out.draft_tokens
+                    spec[out.request_id][1] += out.accepted_tokens
                     if out.finished:
                         reasons[out.request_id] = out.finish_reason
                         bar.update(1)
@@ -372,9 +455,11 @@ class Engine:
             text = self.model.tokenizer.decode(toks) if self.model.tokenizer is not None else ""
             cuts = [text.find(s) for s in stops if s in text]
             text = text[:min(cuts)] if cuts else text  # the stop string itself is left out
+            drafted, accepted = spec[i] if self.num_speculative_tokens else (None, None)
             results.append(Completion(token_ids=toks, text=text, finish_reason=reasons[i],
                                       logprobs=lps if sp is not None and sp.logprobs else None,
-                                      prompt_tokens=prompt_tokens[i]))
+                                      prompt_tokens=prompt_tokens[i], draft_tokens=drafted,
+                                      accepted_tokens=accepted))
         return results
 
     def stream(self, prompt, *, sampling=None, max_tokens: int = 128, stop=None,
@@ -436,8 +521,11 @@ class Engine:
             return self.max_pages
         return min(self.max_pages, _pow2(max(rows_pages, default=1), 16))
 
-    def _rows(self, reqs: list[Request], positions, counts, b: int, width: int):
-        """Rows for these requests padded to b rows (padding: slot R, position -1)."""
+    def _rows(self, reqs: list[Request], positions, counts, b: int, width: int,
+              sampled=None):
+        """Rows for these requests padded to b rows (padding: slot R, position -1).
+        sampled [n] bool: the rows whose token is kept (default all): those with a grammar
+        get its mask of allowed tokens."""
         n = len(reqs)
         r = self.max_num_seqs
         slot = np.full((b,), r, np.int32)
@@ -453,13 +541,23 @@ class Engine:
             tables[i, :len(pages)] = pages
         params = [req.sampling for req in reqs] + [reqs[0].sampling] * (b - n)
         tensors = sampling.SamplingTensors.from_params(params)
-        # The flags of every request so far: a new mix of requests compiles nothing new.
+        # The flags of every request so far: a new mix of requests compiles nothing new. The
+        # top-logprobs search alone is this dispatch's own (rows that ask are rare).
         self._flags = tensors.flags if self._flags is None else self._flags.union(tensors.flags)
-        tensors = tensors.replace(flags=self._flags)
+        tensors = tensors.replace(flags=dataclasses.replace(
+            self._flags, top_logprobs=tensors.flags.top_logprobs))
+        sampled = [True] * n if sampled is None else sampled
+        bitmask = None
+        if any(req.matcher is not None and s for req, s in zip(reqs, sampled)):
+            bitmask = np.full((b, -(-self.model.config.vocab_size // 32)), -1, np.int32)
+            for i, (req, s) in enumerate(zip(reqs, sampled)):
+                if req.matcher is not None and s:
+                    req.matcher.fill_bitmask(bitmask[i])
+            bitmask = jnp.asarray(bitmask)
         return step_lib.Rows(slot=jnp.asarray(slot), position=jnp.asarray(position),
                              count=jnp.asarray(count), seed=jnp.asarray(seed),
                              key_id=jnp.asarray(key_id), block_tables=jnp.asarray(tables),
-                             sampling=tensors)
+                             sampling=tensors, token_bitmask=bitmask)
 
     def _ensure_penalties(self, reqs: list[Request]) -> None:
         """Penalty statistics on the device for requests that use penalties (allocated at the
@@ -494,97 +592,214 @@ class Engine:
         for i, row in enumerate(rows):
             tokens[i, :len(row.tokens)] = row.tokens
         batch = self._rows(reqs, [row.start for row in rows], [len(row.tokens) for row in rows],
-                           b, width)
+                           b, width, sampled=[row.final for row in rows])
         # Rows whose chunk does not end the prompt sample nothing kept: slot R.
         final = np.array([row.final for row in rows] + [False] * (b - len(rows)))
         batch = batch.replace(slot=jnp.where(jnp.asarray(final), batch.slot, self.max_num_seqs))
-        self.state, new, logprobs = step_lib.prefill_step(self.params, self.state,
-                                                          jnp.asarray(tokens), batch, self.plan)
+        self.state, new, logprobs, top = step_lib.prefill_step(
+            self.params, self.state, jnp.asarray(tokens), batch, self.plan)
+        if self.draft is not None:  # the same chunks into the draft model's pages
+            _, plan, params = self.draft
+            self.draft_cache = step_lib.draft_prefill_step(params, self.draft_cache,
+                                                           jnp.asarray(tokens), batch, plan)
         for row in rows:
             if row.final:
                 row.request.inflight += 1
         self.stats["prompt_tokens"] += sum(len(row.tokens) for row in rows)
         return ("prefill", [row.request if row.final else None for row in rows], [new],
-                [logprobs])
+                [logprobs], [top])
 
     def _dispatch_decode(self, rows):
+        if self.num_speculative_tokens:
+            return self._dispatch_verify(rows)
+        return self._dispatch_plain(rows)
+
+    def _dispatch_plain(self, rows):
         reqs = [row.request for row in rows]
         b = _bucket(len(rows), self.decode_buckets)
         width = self._width(len(r.pages) for r in reqs)
         positions = np.array([row.position for row in rows] + [-1] * (b - len(rows)), np.int32)
         batch = self._rows(reqs, positions, [1] * len(rows), b, width)
-        news, lps = [], []
+        news, lps, tops = [], [], []
+        # Rows with a grammar take one step: their next mask needs this step's token.
+        one = np.array([r.matcher is not None for r in reqs] + [False] * (b - len(rows)))
         # decode_steps dispatches of one step each before anything is read: each reads the
         # token the one before wrote to last_token (one step per executable: k steps inside
         # one jit copied the pools between them on the H200, 119 ms/token at k = 4).
         for i in range(self.decode_steps):
             if i:
-                batch = batch.replace(position=jnp.asarray(np.where(positions < 0, -1,
-                                                                    positions + i)))
-            self.state, new, logprobs = step_lib.decode_step(self.params, self.state, batch,
-                                                             self.plan)
+                batch = batch.replace(
+                    position=jnp.asarray(np.where((positions < 0) | one, -1, positions + i)))
+                if one.any():  # idle as padding rows from here on
+                    batch = batch.replace(slot=jnp.where(jnp.asarray(one), self.max_num_seqs,
+                                                         batch.slot), token_bitmask=None)
+            self.state, new, logprobs, top = step_lib.decode_step(self.params, self.state,
+                                                                  batch, self.plan)
             news.append(new)
             lps.append(logprobs)
+            tops.append(top)
         for req in reqs:
             req.inflight += 1
-        return ("decode", reqs, news, lps)
+        return ("decode", reqs, news, lps, tops)
+
+    def _speculative(self, speculative, k, policy):
+        """(NGram or None, (draft model, its plan, its params) or None, K or 0) from the
+        constructor's arguments."""
+        from jaxinfer.generate import _plan, run_params
+        from jaxinfer.model import Model
+        from jaxinfer.speculative import DraftModel, NGram, check_same_vocabulary
+
+        if speculative is None:
+            return None, None, 0
+        if speculative == "ngram":
+            speculative = NGram()
+        if isinstance(speculative, Model):
+            speculative = DraftModel(speculative)
+        if not isinstance(speculative, NGram | DraftModel):
+            raise ValueError(f"the engine's speculative must be None, 'ngram', an NGram, a "
+                             f"loaded draft model or a DraftModel, got {speculative!r}")
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+            raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
+        if self.decode_steps != 1:
+            raise ValueError("speculative decoding takes decode_steps=1 (a verification "
+                             "already yields several tokens per step)")
+        if isinstance(speculative, NGram):
+            return speculative, None, int(k)
+        draft = speculative.model
+        if speculative.rejection:
+            raise ValueError("the engine verifies drafts by coupled acceptance only (the same "
+                             "tokens as without speculation); rejection sampling: use "
+                             "jaxinfer.generate")
+        if draft.config.mla is not None:
+            raise ValueError("an MLA draft model has no paged cache yet; use a GQA draft model")
+        check_same_vocabulary(self.model, draft)
+        plan = _plan(draft, policy)
+        return None, (draft, plan, run_params(draft, plan)), int(k)
+
+    def _dispatch_verify(self, rows):
+        """Decode rows as verifications: each row's newest token and K drafts (prompt
+        lookup over its tokens, on the host, where a step's tokens are read before the next)."""
+        from jaxinfer.speculative import ngram_drafts_host
+
+        reqs = [row.request for row in rows]
+        k = self.num_speculative_tokens
+        b = _bucket(len(rows), self.decode_buckets)
+        width = self._width(len(r.pages) for r in reqs)
+        positions = np.array([row.position for row in rows] + [-1] * (b - len(rows)), np.int32)
+        batch = self._rows(reqs, positions, [k + 1] * len(rows), b, width)
+        if self.draft is not None:  # drafted on the device by the draft model
+            last_two = np.zeros((b, 2), np.int32)
+            for i, req in enumerate(reqs):
+                last_two[i] = req.tokens()[-2:]  # a decode row has >= 1 prompt + 1 output
+            _, plan, params = self.draft
+            self.draft_cache, tokens = step_lib.draft_step(params, self.draft_cache,
+                                                           jnp.asarray(last_two), batch, plan, k)
+        else:
+            drafts = [ngram_drafts_host(req.tokens(), k, self.ngram) for req in reqs]
+            if not any(found for _, found in drafts):
+                return self._dispatch_plain(rows)  # one token per row: no guesses to verify
+            tokens = np.zeros((b, k + 1), np.int32)
+            for i, (req, (draft, _)) in enumerate(zip(reqs, drafts)):
+                tokens[i] = [req.tokens()[-1]] + draft
+            tokens = jnp.asarray(tokens)
+        self.state, new, logprobs, top = step_lib.verify_step(self.params, self.state, tokens,
+                                                              batch, self.plan)
+        for req in reqs:
+            req.inflight += 1
+        tops = [None] * (k + 1) if top is None else [(top[0][:, j], top[1][:, j])
+                                                     for j in range(k + 1)]
+        # per column [B], as decode
+        return ("verify", reqs, list(new.T), list(logprobs.T), tops)
 
     # -- outputs ------------------------------------------------------------------------------
 
     def _read(self, dispatched) -> list[RequestOutput]:
         if not dispatched:
             return []
-        values = jax.device_get([(new, lps) for _, _, new, lps in dispatched])
+        values = jax.device_get([(new, lps, tops) for _, _, new, lps, tops in dispatched])
         now = time.perf_counter()
         outputs: dict[str, RequestOutput] = {}
-        for (_, reqs, _, _), (new, lps) in zip(dispatched, values):
-            new, lps = np.stack(new, axis=1), np.stack(lps, axis=1)  # [B, steps]
+        for (kind, reqs, _, _, _), (new, lps, tops) in zip(dispatched, values):
+            # [B, steps]; a verification's [B, K + 1] has -1 after its kept tokens
+            new, lps = np.stack(new, axis=1), np.stack(lps, axis=1)
+            if tops[0] is not None:  # [B, steps, K]
+                top_ids = np.stack([t[0] for t in tops], axis=1)
+                top_lps = np.stack([t[1] for t in tops], axis=1)
             for row, req in enumerate(reqs):
                 if req is None:
                     continue
                 req.inflight -= 1
                 if req.status is Status.FINISHED or req.finish_reason:
                     continue
-                got, got_lp = self._accept(req, new[row].tolist(), lps[row].tolist())
+                steps = 1 if req.matcher is not None else new.shape[1]  # see _dispatch_decode
+                kept = new[row, :steps] >= 0
+                k = req.sampling.top_logprobs
+                top = [list(zip(top_ids[row, j, :k].tolist(), top_lps[row, j, :k].tolist()))
+                       for j in np.flatnonzero(kept)] if k else None
+                got, got_lp, got_top = self._accept(req, new[row, :steps][kept].tolist(),
+                                                    lps[row, :steps][kept].tolist(), top)
+                drafted = accepted = 0
+                if self.num_speculative_tokens:
+                    req.scheduled = len(req.output)  # the scheduler counted K + 1
+                if kind == "verify":
+                    drafted, accepted = self.num_speculative_tokens, int(kept.sum()) - 1
+                    self.stats["draft_tokens"] += drafted
+                    self.stats["accepted_tokens"] += accepted
                 if req.first_token_time is None and got:
                     req.first_token_time = now
                 prev = outputs.get(req.request_id)
                 if prev is not None:
                     got = prev.new_token_ids + got
                     got_lp = (prev.new_logprobs or []) + got_lp
+                    got_top = (prev.new_top_logprobs or []) + got_top if k else None
+                    drafted += prev.draft_tokens
+                    accepted += prev.accepted_tokens
                 want_lp = got_lp if req.sampling.logprobs else None
-                outputs[req.request_id] = RequestOutput(req.request_id, got, want_lp,
-                                                        req.finish_reason is not None,
-                                                        req.finish_reason)
+                outputs[req.request_id] = RequestOutput(
+                    req.request_id, got, want_lp, req.finish_reason is not None,
+                    req.finish_reason, new_top_logprobs=got_top if k else None,
+                    draft_tokens=drafted, accepted_tokens=accepted)
         for out in outputs.values():
             if out.finished:
                 self.requests.pop(out.request_id, None)
         return list(outputs.values())
 
-    def _accept(self, req: Request, tokens: list[int], lps: list[float]):
-        """Append a row's new tokens to its request, up to its stop or its budget."""
-        got, got_lp = [], []
-        for token, lp in zip(tokens, lps):
+    def _accept(self, req: Request, tokens: list[int], lps: list[float], tops=None):
+        """Append a row's new tokens to its request, up to its stop or its budget (or the
+        end of its grammar)."""
+        got, got_lp, got_top = [], [], []
+        for j, (token, lp) in enumerate(zip(tokens, lps)):
             if len(req.output) >= req.max_tokens:
                 break
             req.output.append(token)
             req.logprobs.append(lp)
             got.append(token)
             got_lp.append(lp)
+            if tops is not None:
+                req.top_logprobs.append(tops[j])
+                got_top.append(tops[j])
             self.stats["generated_tokens"] += 1
             reason = None
             if token in req.stop_ids:
                 reason = "stop"
-            elif req.stop_strings and self._stop_string(req, got, got_lp):
+            elif req.matcher is not None and not req.matcher.consume(token):
+                # Only an empty mask (no EOS id to end on) lets a disallowed token through.
+                log.warning("request %s: token %d is outside its grammar (%s); stopping it",
+                            req.request_id, token, req.matcher.error)
                 reason = "stop"
+            elif req.stop_strings and self._stop_string(req, got, got_lp, got_top):
+                reason = "stop"
+            elif req.matcher is not None and req.matcher.done:
+                reason = "stop"  # the grammar is complete: only EOS could follow
             elif len(req.output) >= req.max_tokens:
                 reason = "length"
             if reason:
                 self.scheduler.finish(req, reason)
                 break
-        return got, got_lp
+        return got, got_lp, got_top
 
-    def _stop_string(self, req: Request, got: list[int], got_lp: list[float]) -> bool:
+    def _stop_string(self, req: Request, got: list[int], got_lp: list[float],
+                     got_top: list) -> bool:
         """Whether the output's text now holds a stop string; if so the output is cut to the
         fewest tokens whose text reaches it (as generate's _finish)."""
         tok = self.model.tokenizer
@@ -598,8 +813,8 @@ class Engine:
         for n in range(1, len(req.output) + 1):
             if len(tok.decode(req.output[:n])) > cut:
                 drop = len(req.output) - n
-                del req.output[n:], req.logprobs[n:]
+                del req.output[n:], req.logprobs[n:], req.top_logprobs[n:]
                 if drop:
-                    del got[-drop:], got_lp[-drop:]
+                    del got[-drop:], got_lp[-drop:], got_top[-drop:]
                 break
         return True

@@ -10,6 +10,11 @@ unreferenced cached pages), the youngest running request is preempted: its pages
 the tokens it already produced, which reproduces its stream exactly (the sampling keys depend
 on (request, position) only).
 
+A request with a grammar (structured output) gets a decode row only when none of its tokens is
+in flight, one token per row: its next token mask needs the token before it. The engine
+dispatches step n + 1 before reading step n, so such a request advances every other step
+while the others keep the pipeline.
+
 Host-side only: it decides rows and pages; jaxinfer/engine/engine.py turns them into arrays.
 """
 
@@ -55,6 +60,8 @@ class Request:
     preemptions: int = 0
     finish_reason: str | None = None
     first_token_time: float | None = None
+    matcher: object | None = None  # structured output: its jaxinfer.structured.Matcher
+    top_logprobs: list = dataclasses.field(default_factory=list)  # per output token, if asked
 
     @property
     def prefilling(self) -> bool:
@@ -203,11 +210,13 @@ class Scheduler:
                 continue
             if req.scheduled >= req.max_tokens:
                 continue  # its last tokens are in flight
+            if req.matcher is not None and req.inflight:
+                continue  # its grammar's next mask needs the token in flight
             position = len(req.prompt) + req.scheduled - 1
             if not self._pages_for(req, position + self.steps, preempted):
                 continue
             decode.append(DecodeRow(req, position))
-            req.scheduled += self.steps
+            req.scheduled += 1 if req.matcher is not None else self.steps
         decode = [row for row in decode if row.request.status is Status.RUNNING]
         budget = self.budget - len(decode) * self.steps
         prefill: list[PrefillRow] = []

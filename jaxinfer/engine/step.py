@@ -45,6 +45,9 @@ class Rows:
     key_id: jax.Array  # [B] int32: the request's key id (0 with its own seed)
     block_tables: jax.Array  # [B, W] int32: the row's pages (0: the null page)
     sampling: sampling.SamplingTensors  # [B] per-row parameters
+    # [B, ceil(V / 32)] int32: the tokens each row may take (structured output; -1 words: all).
+    # None when no row has a grammar: another program, with no mask work.
+    token_bitmask: jax.Array | None = None
 
 
 def _keys(rows: Rows, positions: jax.Array) -> jax.Array:
@@ -54,13 +57,16 @@ def _keys(rows: Rows, positions: jax.Array) -> jax.Array:
 
 
 def _sample(logits, rows: Rows, positions, counts, seen, plan: Plan):
-    """-> (tokens [B], logprobs [B] (zeros when no row asked), counts, seen)."""
+    """-> (tokens [B], logprobs [B] (zeros when no row asked), top, counts, seen); top:
+    (ids [B, K], logprobs [B, K]) of the most likely tokens when some row asked, else None."""
     out = sampling.sample_with_logprobs(logits, _keys(rows, positions), rows.sampling,
                                         token_counts=counts, seen_mask=seen,
+                                        token_bitmask=rows.token_bitmask,
                                         batch_invariant=plan.policy.batch_invariant)
     logprobs = out.logprobs if rows.sampling.flags.logprobs else jnp.zeros_like(out.logprobs)
+    top = (out.top_ids, out.top_logprobs) if out.top_ids is not None else None
     counts, seen = sampling.update_penalty_state(counts, seen, out.tokens)
-    return out.tokens, logprobs, counts, seen
+    return out.tokens, logprobs, top, counts, seen
 
 
 def _penalty_rows(state: EngineState, rows: Rows):
@@ -87,7 +93,7 @@ def prefill_step(params: dict, state: EngineState, tokens: jax.Array, rows: Rows
     """One chunk per row: tokens [B, C] at positions position..position + count - 1 (the rest
     padding) written to the pages, attending to everything before them; the token after each
     row's chunk is sampled (kept by the host for rows whose chunk ends their prompt: those
-    rows carry their slot, the others slot R). -> (state, tokens [B], logprobs [B])."""
+    rows carry their slot, the others slot R). -> (state, tokens [B], logprobs [B], top)."""
     b, c = tokens.shape
     offsets = jnp.arange(c, dtype=jnp.int32)[None, :]  # [1, C]
     positions = jnp.where(offsets < rows.count[:, None], rows.position[:, None] + offsets, -1)
@@ -96,23 +102,23 @@ def prefill_step(params: dict, state: EngineState, tokens: jax.Array, rows: Rows
     logits, cache = forward(params, tokens, positions, plan, cache,
                             logits_at=jnp.maximum(rows.count - 1, 0))  # [B, 1, V]
     counts, seen = _penalty_rows(state, rows)
-    new, logprobs, counts, seen = _sample(logits[:, 0], rows, rows.position + rows.count,
-                                          counts, seen, plan)
-    return _store(state, rows, cache, new, counts, seen), new, logprobs
+    new, logprobs, top, counts, seen = _sample(logits[:, 0], rows, rows.position + rows.count,
+                                               counts, seen, plan)
+    return _store(state, rows, cache, new, counts, seen), new, logprobs, top
 
 
 @functools.partial(jax.jit, static_argnames=("plan",), donate_argnames=("state",))
 def decode_step(params: dict, state: EngineState, rows: Rows, plan: Plan):
     """One token per row: the slot's newest token at `position` (padding rows: -1, idle).
-    -> (state, tokens [B], logprobs [B])."""
+    -> (state, tokens [B], logprobs [B], top (see _sample))."""
     forward = registry.family(plan.config).forward
     counts, seen = _penalty_rows(state, rows)
     logits, cache = forward(params, state.last_token[rows.slot][:, None],
                             rows.position[:, None], plan,
                             state.cache.with_tables(rows.block_tables))  # [B, 1, V]
     nxt = jnp.where(rows.position < 0, rows.position, rows.position + 1)
-    new, logprobs, counts, seen = _sample(logits[:, 0], rows, nxt, counts, seen, plan)
-    return _store(state, rows, cache, new, counts, seen), new, logprobs
+    new, logprobs, top, counts, seen = _sample(logits[:, 0], rows, nxt, counts, seen, plan)
+    return _store(state, rows, cache, new, counts, seen), new, logprobs, top
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
@@ -122,3 +128,108 @@ def set_penalty_rows(state: EngineState, slots: jax.Array, counts: jax.Array,
     seen [n, V] its prompt and generated tokens, at slots [n]."""
     return state.replace(token_counts=state.token_counts.at[slots].set(counts),
                          seen_mask=state.seen_mask.at[slots].set(seen))
+
+
+@functools.partial(jax.jit, static_argnames=("plan",), donate_argnames=("state",))
+def verify_step(params: dict, state: EngineState, tokens: jax.Array, rows: Rows, plan: Plan):
+    """Speculative decoding's step (jaxinfer/speculative.py): tokens [B, K + 1] per row, its
+    newest token then K drafts, at position..position + K in one forward; the target's token
+    at each position as `decode_step` would sample it if the drafts before it were accepted;
+    the drafts accepted while they equal it. -> (state, tokens [B, K + 1]: the accepted
+    drafts then the target's next token, -1 after them; logprobs [B, K + 1]; top: (ids
+    [B, K + 1, N], logprobs [B, K + 1, N]) of each position's most likely tokens when some
+    row asked for top_logprobs, else None). Rows carry no token bitmask: the engine refuses
+    grammars when it speculates."""
+    from jaxinfer.speculative import _leading
+
+    b, t = tokens.shape
+    # Positions past the block table never yield a kept token (max_model_len ends the row
+    # first): padding (-1), so no kernel reads or writes past a row's table.
+    end = rows.block_tables.shape[1] * state.cache.k[0].shape[1]  # W * page_size
+    offsets = jnp.arange(t, dtype=jnp.int32)[None, :]  # [1, K + 1]
+    positions = jnp.where((rows.position[:, None] >= 0) & (rows.position[:, None] + offsets
+                                                           < end),
+                          rows.position[:, None] + offsets, -1)  # [B, K + 1]
+    forward = registry.family(plan.config).forward
+    logits, cache = forward(params, tokens, positions, plan,
+                            state.cache.with_tables(rows.block_tables))  # [B, K + 1, V]
+    counts0, seen0 = _penalty_rows(state, rows)
+    counts, seen = counts0, seen0
+    ys, lps, top_ids, top_lps = [], [], [], []
+    for j in range(t):
+        out = sampling.sample_with_logprobs(logits[:, j], _keys(rows, rows.position + 1 + j),
+                                            rows.sampling, token_counts=counts,
+                                            seen_mask=seen,
+                                            batch_invariant=plan.policy.batch_invariant)
+        ys.append(out.tokens)
+        lps.append(out.logprobs if rows.sampling.flags.logprobs
+                   else jnp.zeros_like(out.logprobs))
+        if out.top_ids is not None:
+            top_ids.append(out.top_ids)
+            top_lps.append(out.top_logprobs)
+        if j + 1 < t:  # the penalties of position j + 1 count draft j + 1
+            counts, seen = sampling.update_penalty_state(counts, seen, tokens[:, j + 1])
+    ys, lps = jnp.stack(ys, 1), jnp.stack(lps, 1)  # [B, K + 1]
+    a = _leading(tokens[:, 1:] == ys[:, :-1])  # [B] drafts accepted
+    kept = offsets <= a[:, None]  # [B, K + 1]
+    for j in range(t):  # the statistics count the kept tokens only
+        counts0, seen0 = sampling.update_penalty_state(counts0, seen0, ys[:, j], kept[:, j])
+    last = jnp.take_along_axis(ys, a[:, None], axis=1)[:, 0]
+    state = _store(state, rows, cache, last, counts0, seen0)
+    top = (jnp.stack(top_ids, 1), jnp.stack(top_lps, 1)) if top_ids else None
+    return state, jnp.where(kept, ys, -1), lps, top
+
+
+# -- a draft model's steps (speculative decoding with a draft model; jaxinfer/speculative.py) --
+
+
+def _in_table(positions: jax.Array, block_tables: jax.Array, page_size: int) -> jax.Array:
+    """positions [B, T] past the rows' block tables as padding (-1): nothing kept lies there
+    (max_model_len ends a row first), and no kernel then reads past a table."""
+    return jnp.where(positions < block_tables.shape[1] * page_size, positions, -1)
+
+
+@functools.partial(jax.jit, static_argnames=("plan",), donate_argnames=("cache",))
+def draft_prefill_step(params: dict, cache: PagedKVCache, tokens: jax.Array, rows: Rows,
+                       plan: Plan) -> PagedKVCache:
+    """prefill_step's chunk [B, C] into the draft model's pages (the same page indices as the
+    target's: both pools follow the rows' block tables); no token is sampled."""
+    b, c = tokens.shape
+    offsets = jnp.arange(c, dtype=jnp.int32)[None, :]  # [1, C]
+    positions = jnp.where(offsets < rows.count[:, None], rows.position[:, None] + offsets, -1)
+    forward = registry.family(plan.config).forward
+    _, out = forward(params, tokens, positions, plan, cache.with_tables(rows.block_tables),
+                     logits_at=jnp.maximum(rows.count - 1, 0))
+    return out.with_tables(cache.block_tables)  # its placeholder tables, as _store's
+
+
+@functools.partial(jax.jit, static_argnames=("plan", "k"), donate_argnames=("cache",))
+def draft_step(params: dict, cache: PagedKVCache, last_two: jax.Array, rows: Rows, plan: Plan,
+               k: int):
+    """K drafts per row from the draft model: its first forward takes the row's token before
+    its newest and the newest, last_two [B, 2] at position - 1, position (rewriting the first
+    is idempotent; it is missing when the last round accepted every draft), then one token at
+    a time; draft j is drawn with the target's key of its position (coupled drafting, as
+    speculative.model_drafts). -> (cache, tokens [B, K + 1]: the newest token, then K drafts)."""
+    from jaxinfer.speculative import _draft_law, _draw
+
+    forward = registry.family(plan.config).forward
+    page_size = cache.k[0].shape[1]
+    placeholder = cache.block_tables
+    p = rows.position  # [B]; -1: padding
+    live = (p >= 0)[:, None]
+    tokens = last_two
+    positions = jnp.where(live, jnp.stack([p - 1, p], axis=1), -1)
+    drafts = []
+    for j in range(k):
+        logits, cache = forward(params, tokens, _in_table(positions, rows.block_tables,
+                                                          page_size), plan,
+                                cache.with_tables(rows.block_tables))
+        masked = _draft_law(logits[:, -1], rows.sampling)  # [B, V]
+        nxt = _draw(masked, _keys(rows, p + 1 + j), rows.sampling.greedy,
+                    rows.sampling.flags.all_greedy)  # [B]
+        drafts.append(nxt)
+        tokens, positions = nxt[:, None], jnp.where(live, (p + 1 + j)[:, None], -1)
+    # The placeholder tables it came with (as _store's): the next step's shapes stay its own.
+    return (cache.with_tables(placeholder),
+            jnp.concatenate([last_two[:, 1:], jnp.stack(drafts, axis=1)], axis=1))

@@ -212,21 +212,50 @@ ATTENTION_CORE.register("decode_quantized", functools.partial(
     _decode_supports, layer_type=QuantizedKVLayer), kernel=True)(_decode)
 
 
-def _chunk_supports(q, k, v, cache, plan, *, fresh=False, **_) -> str | None:
-    if not isinstance(cache, QuantizedKVLayer) or fresh:
-        return "T queries against the earlier tokens of a quantized cache only"
+def _chunk_supports(q, k, v, cache, plan, *, fresh=False, layer_type=QuantizedKVLayer,
+                    **_) -> str | None:
+    if not isinstance(cache, layer_type) or fresh:
+        return f"T queries against the earlier tokens of a {layer_type.__name__} only"
     if not kernels_on(plan, q.dtype) or not _kernel_head_dim(q.shape[-1]):
         return "kernels off, or a head dim the kernel lacks"
     return None
 
 
-@ATTENTION_CORE.register("chunk_quantized", _chunk_supports, kernel=True)
 def _chunk(q, k, v, cache, plan, *, positions, window=None, fresh=False, sm_scale=None,
            softcap=None):
-    """T queries at their positions against the cache's codes (a chunked prefill)."""
+    """T queries at their positions against the cache (values or codes): a chunked prefill,
+    a speculative verification (the last token and K drafts, causal among themselves)."""
     return pk.chunk_attention(q, cache.k, cache.v, positions, sliding_window=window,
                               sm_scale=sm_scale, softcap=softcap,
                               interpret=plan.policy.interpret, **_scales(cache))
+
+
+def _verify_supports(q, k, v, cache, plan, *, fresh=False, **_) -> str | None:
+    if not isinstance(cache, KVLayer | QuantizedKVLayer) or fresh:
+        return "T queries against the earlier tokens of a contiguous cache only"
+    if not 1 < q.shape[1] <= plan.policy.verify_queries:
+        return f"2..{plan.policy.verify_queries} queries per row (KernelPolicy.verify_queries)"
+    if not kernels_on(plan, q.dtype) or not _kernel_head_dim(q.shape[-1]):
+        return "kernels off, or a head dim the kernel lacks"
+    return None
+
+
+@ATTENTION_CORE.register("verify", _verify_supports, kernel=True)
+def _verify(q, k, v, cache, plan, *, positions, window=None, fresh=False, sm_scale=None,
+            softcap=None):
+    """A few queries per row (the last token and K drafts) against a long cache, split over
+    the keys as the decode kernel is."""
+    return pk.verify_attention(q, cache.k, cache.v, positions, sliding_window=window,
+                               sm_scale=sm_scale, softcap=softcap,
+                               interpret=plan.policy.interpret,
+                               block_sizes=decode_blocks(plan), **_scales(cache))
+
+
+ATTENTION_CORE.register("chunk_quantized", _chunk_supports, kernel=True)(_chunk)
+# Registered after "decode" and "verify": T = 1 keeps the split-K decode kernel, a few
+# queries take verify_attention, more come here.
+ATTENTION_CORE.register("chunk", functools.partial(_chunk_supports, layer_type=KVLayer),
+                        kernel=True)(_chunk)
 
 
 def _paged_supports(q, k, v, cache, plan, **_) -> str | None:
@@ -261,6 +290,28 @@ def _paged_decode(q, k, v, cache, plan, *, positions, window=None, fresh=False, 
                                     block_sizes=plan.policy.attention_blocks, sm_scale=sm_scale,
                                     softcap=softcap, **_scales(cache))
     return out[:, None]  # [B, 1, Hq, D]
+
+
+def _paged_verify_supports(q, k, v, cache, plan, **_) -> str | None:
+    if isinstance(why := _paged_chunk_supports(q, k, v, cache, plan), str):
+        return why
+    if not 1 < q.shape[1] <= plan.policy.verify_queries:
+        return f"2..{plan.policy.verify_queries} queries per row (KernelPolicy.verify_queries)"
+    if plan.policy.batch_invariant:
+        return "batch_invariant: the paged chunk kernel serves every T (one arithmetic)"
+    return None
+
+
+@ATTENTION_CORE.register("paged_verify", _paged_verify_supports, kernel=True)
+def _paged_verify(q, k, v, cache, plan, *, positions, window=None, fresh=False, sm_scale=None,
+                  softcap=None):
+    """A few queries per row (the engine's verification) through the rows' block tables,
+    split over the keys (padding queries: position -1, zeros)."""
+    return pk.paged_verify_attention(q, cache.k, cache.v, cache.block_tables, positions,
+                                     sliding_window=window, sm_scale=sm_scale, softcap=softcap,
+                                     interpret=plan.policy.interpret,
+                                     block_sizes=plan.policy.attention_blocks,
+                                     **_scales(cache))
 
 
 @ATTENTION_CORE.register("paged_chunk", _paged_chunk_supports, kernel=True)

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels as pk
-from jaxinfer.ops import reference
+from jaxinfer.ops import blocked, reference
 from jaxinfer.ops.dispatch import Registry, decode_path, kernels_on, rows
 from jaxinfer.ops.stream import (ANY_SUM, ARRAY_ONLY, Deferred, Form, Partials, Projection,
                                  Residual)
@@ -137,6 +137,8 @@ def _xla(x, w, plan, *, accept=ARRAY_ONLY, norm_w=None, eps=0.0, deltas=None, bi
          out_dtype=None, prefetch=()):
     x = add_deltas(x, deltas)
     h = x if norm_w is None else reference.rms_norm(x, norm_w, eps)
+    if isinstance(w, QuantizedWeight):  # a tile at a time where the plan says (the CPU)
+        return x, blocked.linear(h, w, plan, bias, out_dtype)
     return x, reference.linear(h, as_array(w, h.dtype), bias, transposed=is_transposed(w),
                                out_dtype=out_dtype)
 

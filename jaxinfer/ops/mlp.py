@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 import pallas_kernels as pk
-from jaxinfer.ops import reference
+from jaxinfer.ops import blocked, reference
 from jaxinfer.ops.dispatch import (Layout, Registry, always, batch_axis, decode_path,
                                    kernels_on, rows)
 from jaxinfer.ops.linear import (MATMUL, add_deltas, boundary, linear, prefetch_pairs,
@@ -92,6 +92,11 @@ def _reference_swiglu(x, w_gate, w_up, plan, *, biases=(None, None), norm_w=None
                       deltas=None, prefetch=()):
     x = add_deltas(x, deltas)
     h = x if norm_w is None else reference.rms_norm(x, norm_w, eps)
+    if isinstance(w_gate, QuantizedWeight) or isinstance(w_up, QuantizedWeight):
+        # a tile at a time where the plan says (the CPU): reference.swiglu's math
+        gate = blocked.linear(h, w_gate, plan, biases[0])
+        up = blocked.linear(h, w_up, plan, biases[1])
+        return x, reference.gate_activation(gate, plan.config.mlp_activation) * up
     return x, reference.swiglu(h, as_array(w_gate, h.dtype), as_array(w_up, h.dtype), *biases,
                                activation=plan.config.mlp_activation)
 

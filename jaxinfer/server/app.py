@@ -3,9 +3,22 @@
     POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics
 
 Errors have OpenAI's body, {"error": {"message", "type", "param", "code"}}, with 400 for a bad
-parameter, 401 without the API key, 404 for an unknown model, 413 for a body too large, 429
-when the queue is full; never a traceback. A client that disconnects from a stream aborts
-its request (its pages go back at once).
+parameter, 401 without the API key, 404 for an unknown model, 408 past the request timeout,
+413 for a body too large, 429 (with Retry-After) when the queue is full; never a traceback. A
+client that disconnects from a stream aborts its request (its pages go back at once).
+
+Structured output (jaxinfer/structured.py, llguidance), one constraint per request, compiled
+on a worker thread (an invalid one: 400):
+- OpenAI's `response_format`: {"type": "json_object"} or {"type": "json_schema",
+  "json_schema": {"name", "schema", "strict"}} (the schema is always enforced);
+- vLLM's extensions, as `extra_body` of the openai client: `structured_outputs` {"json" |
+  "regex" | "grammar" (Lark) | "choice": ...}, or the older `guided_json`, `guided_regex`,
+  `guided_grammar`, `guided_choice`;
+- chat `tool_choice` naming a function ({"type": "function", "function": {"name"}}) or
+  "required": the reply is a tool call whose arguments follow the function's parameters
+  schema (as vLLM does it). "none" (the default) puts `tools` in the prompt through the chat
+  template and returns text; "auto" needs a tool-call parser, which this server does not
+  have (400).
 """
 
 from __future__ import annotations
@@ -16,26 +29,35 @@ import time
 import uuid
 from typing import Any, Literal
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 from sse_starlette.sse import EventSourceResponse
+from starlette.background import BackgroundTask
 
+from jaxinfer import structured
 from jaxinfer.generate import StreamText
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.prompts import check_text
+from jaxinfer.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from jaxinfer.server.idtext import IdText
+from jaxinfer.server.limits import RequestLimits
 from jaxinfer.server.metrics import Metrics
+from jaxinfer.server.page import PAGE_PATHS, add_chat_page
 from jaxinfer.server.runner import EngineRunner
 
 MAX_BODY_BYTES = 4 << 20
+RETRY_AFTER_S = 1  # what a 429 asks a client to wait (the openai client honours it)
 
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None,
-                 kind: str = "invalid_request_error", code: str | None = None):
+                 kind: str = "invalid_request_error", code: str | None = None,
+                 headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.kind, self.code = (status, message, param,
                                                                        kind, code)
+        self.headers = headers
 
 
 def _error(status: int, message: str, param=None, kind="invalid_request_error", code=None,
@@ -68,22 +90,124 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: dict | None = None
+    # vLLM's structured-output extensions (one constraint per request; see the docstring).
+    structured_outputs: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
 
 
 class ChatRequest(_Common):
     messages: list[dict[str, Any]] = Field(min_length=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
 
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str]
-    logprobs: int | None = Field(default=None, ge=0, le=5)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
 
 
+# structured_outputs keys (vLLM) -> Grammar constructors
+_CONSTRAINTS = {"json": structured.Grammar.json_schema, "regex": structured.Grammar.regex,
+                "grammar": structured.Grammar.lark, "choice": structured.Grammar.choice}
+
+
+def _constraint(req: _Common) -> tuple[str, Any] | None:
+    """(param, how to compile it) of the request's one output constraint, or None."""
+    found = []
+    rf = req.response_format
+    if rf is not None and rf.get("type") != "text":
+        found.append(("response_format", _bind(structured.from_response_format, rf)))
+    so = req.structured_outputs or {}
+    for key, value in so.items():
+        if key not in _CONSTRAINTS:
+            raise APIError(400, f"structured_outputs.{key} is not supported (json, regex, "
+                                "grammar and choice are)", f"structured_outputs.{key}")
+        if value is not None:
+            found.append((f"structured_outputs.{key}", _bind(_CONSTRAINTS[key], value)))
+    for key in _CONSTRAINTS:
+        value = getattr(req, f"guided_{key}")
+        if value is not None:
+            found.append((f"guided_{key}", _bind(_CONSTRAINTS[key], value)))
+    if len(found) > 1:
+        raise APIError(400, "give at most one output constraint; got "
+                            + ", ".join(p for p, _ in found), found[1][0])
+    return found[0] if found else None
+
+
+def _bind(make, value):
+    def compile_for(tokenizer):
+        return make(tokenizer, value)
+    return compile_for
+
+
+def _tools(req: ChatRequest, template: str) -> tuple[list | None, tuple | None, Any]:
+    """-> (tools for the chat template, tool mode: None | ("required", None) | ("named",
+    function name), the JSON schema the reply must follow in that mode)."""
+    tools, choice = req.tools, req.tool_choice
+    if not tools:
+        if choice not in (None, "none"):
+            raise APIError(400, "tool_choice needs tools", "tool_choice")
+        return None, None, None
+    names = {}
+    for i, t in enumerate(tools):
+        f = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(f, dict) or t.get("type") != "function" or \
+                not isinstance(f.get("name"), str) or not f["name"] or \
+                not isinstance(f.get("parameters", {}), dict):
+            raise APIError(400, f"tools[{i}] must be {{\"type\": \"function\", \"function\": "
+                                "{\"name\": ..., \"parameters\": {...}}}", f"tools[{i}]")
+        names[f["name"]] = f.get("parameters") or {"type": "object"}
+    if "tools" not in template:
+        raise APIError(400, "this model's chat template does not take tool definitions",
+                       "tools")
+    if choice in (None, "none"):
+        return tools, None, None
+    if choice == "auto":
+        raise APIError(400, 'tool_choice "auto" needs a tool-call parser, which this server '
+                            'does not have; use "none" (tool calls come back as text), '
+                            '"required", or name a function', "tool_choice")
+    if choice == "required":
+        calls = [{"type": "object", "properties": {"name": {"const": n}, "parameters": p},
+                  "required": ["name", "parameters"], "additionalProperties": False}
+                 for n, p in names.items()]
+        return tools, ("required", None), {"type": "array", "minItems": 1,
+                                           "items": {"anyOf": calls}}
+    f = choice.get("function") if isinstance(choice, dict) else None
+    name = f.get("name") if isinstance(f, dict) else None
+    if not isinstance(name, str) or choice.get("type") != "function":
+        raise APIError(400, 'tool_choice must be "none", "auto", "required" or {"type": '
+                            '"function", "function": {"name": ...}}', "tool_choice")
+    if name not in names:
+        raise APIError(400, f"tool_choice names {name!r}, which is not in tools",
+                       "tool_choice")
+    return tools, ("named", name), names[name]
+
+
+def _tool_calls(mode: tuple, text: str, reason: str | None):
+    """The reply of a tool-mode choice -> (content, tool_calls, finish_reason)."""
+    if reason != "stop":  # cut short: the arguments are not complete JSON
+        return text, None, reason
+    if mode[0] == "required":
+        try:
+            calls = [(c["name"], json.dumps(c["parameters"])) for c in json.loads(text)]
+        except (ValueError, KeyError, TypeError):
+            return text, None, reason
+    else:
+        calls = [(mode[1], text)]
+    return None, [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+                   "function": {"name": n, "arguments": a}} for n, a in calls], "tool_calls"
+
+
 def _messages(messages: list[dict]) -> list[dict]:
-    """OpenAI chat messages -> the template's {"role", "content"} (text parts joined)."""
+    """OpenAI chat messages -> the template's {"role", "content"} (text parts joined), with
+    an assistant's tool_calls (their JSON arguments as objects, as templates read them) and
+    a tool reply's tool_call_id and name."""
     out = []
     for i, m in enumerate(messages):
         role, content = m.get("role"), m.get("content")
@@ -102,22 +226,57 @@ def _messages(messages: list[dict]) -> list[dict]:
         if not isinstance(content, str):
             raise APIError(400, f"messages[{i}].content must be a string or text parts",
                            f"messages[{i}].content")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+        try:
+            check_text(content, f"messages[{i}].content")
+        except ValueError as e:
+            raise APIError(400, str(e), f"messages[{i}].content") from None
+        msg = {"role": "system" if role == "developer" else role, "content": content}
+        for key in ("tool_call_id", "name"):
+            if isinstance(m.get(key), str):
+                msg[key] = m[key]
+        calls = m.get("tool_calls")
+        if calls is not None:
+            if role != "assistant" or not isinstance(calls, list) or not all(
+                    isinstance(c, dict) and isinstance(c.get("function"), dict)
+                    for c in calls):
+                raise APIError(400, f"messages[{i}].tool_calls must be an assistant's list "
+                                    "of {\"function\": {\"name\", \"arguments\"}}",
+                               f"messages[{i}].tool_calls")
+            msg["tool_calls"] = [{**c, "function": {**c["function"], "arguments": _arguments(
+                c["function"].get("arguments"))}} for c in calls]
+        out.append(msg)
     return out
 
 
+def _arguments(arguments):
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except ValueError:
+            return arguments
+    return arguments
+
+
 def create_app(runner: EngineRunner, model_name: str, api_key: str | None = None,
-               max_tokens_limit: int | None = None) -> FastAPI:
-    """The API over `runner`'s engine, serving the model as `model_name`."""
+               max_tokens_limit: int | None = None, request_timeout: float | None = None,
+               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The API over `runner`'s engine, serving the model as `model_name`. max_tokens_limit:
+    the most a request may ask for (default the engine's max_model_len); request_timeout:
+    seconds a request may take, queue included (None: no limit)."""
     app = FastAPI(title="jaxinfer", docs_url=None, redoc_url=None)
+    # The API key, body size and timeout in one plain ASGI middleware: a BaseHTTPMiddleware
+    # (@app.middleware) would pass every streamed event through a task and a memory stream.
+    app.add_middleware(RequestLimits, max_body_bytes=max_body_bytes, timeout=request_timeout,
+                       api_key=api_key, public=("/health", *PAGE_PATHS))
     engine = runner.engine
-    tokenizer = engine.model.tokenizer
+    tokenizer = engine.model.tokenizer or IdText()  # random weights: token ids only
+    token_ids_only = engine.model.tokenizer is None
     metrics = Metrics(runner)
     max_tokens_limit = max_tokens_limit or engine.max_model_len
 
     @app.exception_handler(APIError)
     async def _api_error(request, e: APIError):
-        return _error(e.status, e.message, e.param, e.kind, e.code)
+        return _error(e.status, e.message, e.param, e.kind, e.code, e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, e: RequestValidationError):
@@ -132,16 +291,7 @@ def create_app(runner: EngineRunner, model_name: str, api_key: str | None = None
     async def _internal(request, e: Exception):  # never a traceback to the client
         return _error(500, f"internal error: {type(e).__name__}", kind="server_error")
 
-    @app.middleware("http")
-    async def _guard(request: Request, call_next):
-        if request.url.path != "/health" and api_key is not None:
-            if request.headers.get("authorization") != f"Bearer {api_key}":
-                return _error(401, "a valid API key is required (Authorization: Bearer ...)",
-                              kind="authentication_error", code="invalid_api_key")
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
-            return _error(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
-        return await call_next(request)
+    add_chat_page(app)
 
     @app.get("/health")
     async def health():
@@ -157,49 +307,71 @@ def create_app(runner: EngineRunner, model_name: str, api_key: str | None = None
         return {"object": "list", "data": [{"id": model_name, "object": "model",
                                             "created": 0, "owned_by": "jaxinfer"}]}
 
-    def check(req: _Common) -> tuple[SamplingParams, int]:
+    def check_model(req: _Common) -> None:
         if req.model != model_name:
             raise APIError(404, f"the model {req.model!r} does not exist; this server serves "
                                 f"{model_name!r}", "model", code="model_not_found")
-        if req.response_format is not None and req.response_format.get("type") != "text":
-            raise APIError(400, "response_format json_object / json_schema is not supported "
-                                "yet", "response_format")
+
+    def check(req: _Common) -> tuple[SamplingParams, int]:
+        check_model(req)
         max_tokens = req.max_completion_tokens or req.max_tokens or 256
         if max_tokens > max_tokens_limit:
             raise APIError(400, f"max_tokens {max_tokens} exceeds this server's limit of "
                                 f"{max_tokens_limit}", "max_tokens")
+        if isinstance(req, ChatRequest):
+            if req.top_logprobs and not req.logprobs:
+                raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+            logprobs, top = req.logprobs, (req.top_logprobs or 0) if req.logprobs else 0
+        else:
+            logprobs, top = req.logprobs is not None, req.logprobs or 0
         try:
             sp = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                                 min_p=req.min_p, presence_penalty=req.presence_penalty,
                                 frequency_penalty=req.frequency_penalty,
                                 repetition_penalty=req.repetition_penalty,
-                                logprobs=bool(req.logprobs is not None and req.logprobs
-                                              is not False))
+                                logprobs=logprobs, top_logprobs=top)
         except ValueError as e:
             raise APIError(400, str(e)) from None
         return sp, max_tokens
 
-    async def submit_all(prompt, req: _Common, sp: SamplingParams, max_tokens: int):
+    async def compile_grammar(param: str, make):
+        """A constraint's Grammar, compiled on a worker thread (llguidance builds its lexer
+        and parser tables: milliseconds, up to a second for a large schema)."""
+        try:
+            return await asyncio.to_thread(make, tokenizer)
+        except (ValueError, TypeError) as e:  # TypeError: a value of the wrong JSON type
+            msg = str(e)
+            raise APIError(400, msg if msg.startswith(param) else f"{param}: {msg}",
+                           param) from None
+
+    async def submit_all(prompt, req: _Common, sp: SamplingParams, max_tokens: int,
+                         param: str, grammar):
         subs = []
         try:
             for i in range(req.n):
                 seed = None if req.seed is None else (req.seed + i) % 2**32
                 subs.append(await runner.submit(prompt, sampling=sp, max_tokens=max_tokens,
-                                                stop=req.stop, seed=seed, chat=False))
+                                                stop=req.stop, seed=seed, chat=False,
+                                                grammar=grammar))
         except OverflowError as e:
             for s in subs:
                 runner.abort(s.request_id)
             raise APIError(429, f"the server is busy ({e}); retry later",
-                           kind="rate_limit_error") from None
+                           kind="rate_limit_error",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except asyncio.CancelledError:  # the client went away, or the request timed out
+            for s in subs:
+                runner.abort(s.request_id)
+            raise
         except ValueError as e:
             for s in subs:
                 runner.abort(s.request_id)
-            raise APIError(400, str(e), "messages" if isinstance(prompt, list) and prompt
-                           and isinstance(prompt[0], dict) else "prompt") from None
+            raise APIError(400, str(e), param) from None
         return subs
 
     async def choice_events(sub, stops):
-        """(piece, token ids, logprobs, finish_reason or None) per output of one choice."""
+        """(piece, token ids, logprobs, top logprobs, finish_reason or None) per output of
+        one choice."""
         shown = StreamText(tokenizer, sub.stop_ids, stops)
         while True:
             out = await sub.queue.get()
@@ -212,40 +384,85 @@ def create_app(runner: EngineRunner, model_name: str, api_key: str | None = None
                 piece += p
                 if stopped:
                     break
-            yield piece, out.new_token_ids, out.new_logprobs, out.finish_reason \
-                if out.finished else None
+            yield piece, out.new_token_ids, out.new_logprobs, out.new_top_logprobs, \
+                out.finish_reason if out.finished else None
 
-    def token_logprobs(ids, lps):
-        return [{"token": tokenizer.decode([t]), "logprob": lp,
-                 "bytes": list(tokenizer.decode([t]).encode()), "top_logprobs": []}
-                for t, lp in zip(ids, lps or [])]
+    def token_text(t: int) -> tuple[str, list[int]]:
+        """A token's text and its own bytes (part of a UTF-8 character for some tokens)."""
+        if token_ids_only:  # IdText: no llguidance tokenizer; the text is the bytes
+            text = tokenizer.decode([t])
+            return text, list(text.encode())
+        raw = structured.ll_tokenizer(tokenizer).decode_bytes([t])
+        return tokenizer.decode([t]), list(raw)
 
-    async def run(kind: str, req: _Common, prompt):
+    def chat_logprobs(ids, lps, tops):
+        content = []
+        for j, (t, lp) in enumerate(zip(ids, lps or [])):
+            text, raw = token_text(t)
+            alternatives = []
+            for a, alp in (tops[j] if tops else []):
+                a_text, a_raw = token_text(a)
+                alternatives.append({"token": a_text, "logprob": alp, "bytes": a_raw})
+            content.append({"token": text, "logprob": lp, "bytes": raw,
+                            "top_logprobs": alternatives})
+        return {"content": content}
+
+    def text_logprobs(ids, lps, tops, k):
+        return {"tokens": [tokenizer.decode([t]) for t in ids], "token_logprobs": lps or [],
+                "top_logprobs": [{tokenizer.decode([a]): alp for a, alp in top}
+                                 for top in tops] if k and tops else None,
+                "text_offset": None}
+
+    async def run(kind: str, req: _Common, prompt, param: str, tool_mode=None,
+                  tool_schema=None):
         sp, max_tokens = check(req)
-        if getattr(req, "top_logprobs", None) or (kind == "text" and (req.logprobs or 0) > 0):
-            raise APIError(400, "top logprobs (alternatives per token) are not supported yet; "
-                                "ask for the chosen tokens' logprobs only", "top_logprobs")
+        constraint = _constraint(req)
+        if tool_mode is not None:
+            if constraint is not None:
+                raise APIError(400, f"tool_choice {req.tool_choice!r} constrains the reply; "
+                                    f"{constraint[0]} cannot as well", constraint[0])
+            constraint = ("tool_choice",
+                          _bind(structured.Grammar.json_schema, tool_schema))
+        if constraint and token_ids_only:
+            raise APIError(400, f"{constraint[0]}: structured output needs the model's "
+                                "tokenizer (this server has token ids only)", constraint[0])
+        grammar = await compile_grammar(*constraint) if constraint else None
+        if req.logprobs and not token_ids_only:  # token bytes come from llguidance's
+            # tokenizer (~1 s to build once)
+            await asyncio.to_thread(structured.ll_tokenizer, tokenizer)
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        subs = await submit_all(prompt, req, sp, max_tokens)
+        subs = await submit_all(prompt, req, sp, max_tokens, param, grammar)
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         obj = "chat.completion" if kind == "chat" else "text_completion"
         t0 = time.perf_counter()
+        k = sp.top_logprobs
 
         def usage(completion_tokens):
             prompt_tokens = sum(s.prompt_tokens for s in subs) // len(subs)
             return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                     "total_tokens": prompt_tokens + completion_tokens}
 
+        def message(text, reason):
+            if tool_mode is None:
+                return {"role": "assistant", "content": text}, reason
+            content, calls, reason = _tool_calls(tool_mode, text, reason)
+            msg = {"role": "assistant", "content": content}
+            if calls:
+                msg["tool_calls"] = calls
+            return msg, reason
+
         if not req.stream:
-            texts, ids, lps, reasons = [""] * len(subs), [[] for _ in subs], \
-                [[] for _ in subs], [None] * len(subs)
+            n = len(subs)
+            texts, ids, lps, tops, reasons = [""] * n, [[] for _ in subs], \
+                [[] for _ in subs], [[] for _ in subs], [None] * n
             try:
                 for i, sub in enumerate(subs):
-                    async for piece, toks, lp, reason in choice_events(sub, stops):
+                    async for piece, toks, lp, top, reason in choice_events(sub, stops):
                         texts[i] += piece
                         ids[i] += toks
                         lps[i] += lp or []
+                        tops[i] += top or []
                         reasons[i] = reason or reasons[i]
             finally:
                 for sub in subs:
@@ -254,15 +471,13 @@ def create_app(runner: EngineRunner, model_name: str, api_key: str | None = None
             choices = []
             for i in range(len(subs)):
                 if kind == "chat":
-                    c = {"index": i, "message": {"role": "assistant", "content": texts[i]},
-                         "finish_reason": reasons[i],
-                         "logprobs": {"content": token_logprobs(ids[i], lps[i])}
+                    msg, reason = message(texts[i], reasons[i])
+                    c = {"index": i, "message": msg, "finish_reason": reason,
+                         "logprobs": chat_logprobs(ids[i], lps[i], tops[i])
                          if req.logprobs else None}
                 else:
                     c = {"index": i, "text": texts[i], "finish_reason": reasons[i],
-                         "logprobs": {"tokens": [tokenizer.decode([t]) for t in ids[i]],
-                                      "token_logprobs": lps[i], "top_logprobs": None,
-                                      "text_offset": None}
+                         "logprobs": text_logprobs(ids[i], lps[i], tops[i], k)
                          if req.logprobs is not None else None}
                 choices.append(c)
             return {"id": rid, "object": obj, "created": created, "model": model_name,
@@ -278,6 +493,7 @@ def create_app(runner: EngineRunner, model_name: str, api_key: str | None = None
 
             tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(subs)]
             done, generated, first = 0, 0, True
+            held = [""] * len(subs)  # tool mode: a choice's text, sent as a call at its end
             chunk_obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
             try:
                 if kind == "chat":
@@ -292,21 +508,27 @@ def create_app(runner: EngineRunner, model_name: str, api_key: str | None = None
                     if event is None:
                         done += 1
                         continue
-                    piece, toks, lp, reason = event
+                    piece, toks, lp, top, reason = event
                     generated += len(toks)
                     if first:
                         metrics.first_token(t0)
                         first = False
                     if kind == "chat":
-                        c = {"index": i, "delta": {"content": piece} if piece else {},
-                             "finish_reason": reason,
-                             "logprobs": {"content": token_logprobs(toks, lp)}
+                        delta = {"content": piece} if piece else {}
+                        if tool_mode is not None:
+                            held[i] += piece
+                            delta = {}
+                            if reason is not None:
+                                msg, reason = message(held[i], reason)
+                                delta = {"tool_calls": [{"index": j, **call} for j, call in
+                                                        enumerate(msg["tool_calls"])]} \
+                                    if "tool_calls" in msg else {"content": msg["content"]}
+                        c = {"index": i, "delta": delta, "finish_reason": reason,
+                             "logprobs": chat_logprobs(toks, lp, top)
                              if req.logprobs else None}
                     else:
                         c = {"index": i, "text": piece, "finish_reason": reason,
-                             "logprobs": {"tokens": [tokenizer.decode([t]) for t in toks],
-                                          "token_logprobs": lp or [], "top_logprobs": None,
-                                          "text_offset": None}
+                             "logprobs": text_logprobs(toks, lp, top, k)
                              if req.logprobs is not None else None}
                     yield json.dumps({"id": rid, "object": chunk_obj, "created": created,
                                       "model": model_name, "choices": [c]})
@@ -322,13 +544,25 @@ def create_app(runner: EngineRunner, model_name: str, api_key: str | None = None
                 for sub in subs:
                     runner.abort(sub.request_id)
 
-        return EventSourceResponse(events(), ping=15)
+        async def abort_all():  # also when the client left before the stream's first event
+            for sub in subs:
+                runner.abort(sub.request_id)
+
+        return EventSourceResponse(events(), ping=15, background=BackgroundTask(abort_all))
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest):
-        if not getattr(tokenizer, "chat_template", None):
+        check_model(req)
+        template = getattr(tokenizer, "chat_template", None)
+        if not template:
             raise APIError(400, "this model has no chat template; use /v1/completions")
-        return await run("chat", req, _messages(req.messages))
+        tools, mode, schema = _tools(req, template)
+        try:
+            ids = tokenizer.apply_chat_template(_messages(req.messages),
+                                                add_generation_prompt=True, tools=tools)
+        except ValueError as e:  # the template's own errors (ChatTemplateError)
+            raise APIError(400, str(e), "messages") from None
+        return await run("chat", req, ids, "messages", mode, schema)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest):
@@ -340,7 +574,7 @@ def create_app(runner: EngineRunner, model_name: str, api_key: str | None = None
             prompt = prompt[0]
         if req.echo:
             raise APIError(400, "echo is not supported", "echo")
-        return await run("text", req, prompt)
+        return await run("text", req, prompt, "prompt")
 
     return app
 

@@ -34,6 +34,9 @@ class Metrics:
             "jaxinfer_engine_generated_tokens": ("tokens the engine generated (aborted "
                                                  "requests' included)",
                                                  lambda: engine.stats["generated_tokens"]),
+            "jaxinfer_engine_thread_cpu_seconds": ("CPU time of the thread that steps the "
+                                                   "engine (its host work)",
+                                                   lambda: runner.thread_cpu_s),
         }
         for name, (doc, fn) in gauges.items():
             Gauge(name, doc, registry=r).set_function(fn)

@@ -2,8 +2,9 @@
 
 JAX dispatch blocks, so `Engine.step()` never runs on the event loop. Requests, aborts and
 outputs cross threads through a lock-protected inbox (loop -> engine thread) and
-`loop.call_soon_threadsafe` (engine thread -> the request's asyncio.Queue). Every Engine call
-happens on the engine thread.
+`loop.call_soon_threadsafe` (engine thread -> the request's asyncio.Queue), once per engine step
+for all of that step's outputs (one wake-up of the event loop, not one per request). Every
+Engine call happens on the engine thread.
 """
 
 from __future__ import annotations
@@ -35,9 +36,11 @@ class EngineRunner:
         self._wake = threading.Event()
         self._inbox: list = []  # ("add", kwargs, future, queue, loop) | ("abort", request_id)
         self._queues: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
+        self._outbox: dict = {}  # loop -> [(queue, item)], handed over once per engine step
         self._stop = False
         self.pending = 0  # requests submitted and not finished
         self.counters = {"requests": 0, "generated_tokens": 0, "prompt_tokens": 0}
+        self.thread_cpu_s = 0.0  # the engine thread's CPU time so far (host overhead)
         self._thread = threading.Thread(target=self._run, name="jaxinfer-engine", daemon=True)
         self._thread.start()
 
@@ -57,11 +60,16 @@ class EngineRunner:
         self._wake.set()
         try:
             rid, prompt_tokens, stop_ids = await asyncio.wrap_future(future)
-        except BaseException:
-            with self._lock:
-                self.pending -= 1
+        except asyncio.CancelledError:
+            # The client went away (or timed out) first: the engine thread either skips the
+            # request (its future cancelled) or has added it, and then it is aborted.
+            future.add_done_callback(self._abort_added)
             raise
         return Submitted(rid, prompt_tokens, stop_ids, queue)
+
+    def _abort_added(self, future: concurrent.futures.Future) -> None:
+        if not future.cancelled() and future.exception() is None:
+            self.abort(future.result()[0])
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -76,9 +84,21 @@ class EngineRunner:
 
     # -- the engine thread ----------------------------------------------------------------
 
+    def _send(self, rid: str, item) -> None:
+        queue, loop = self._queues[rid]
+        self._outbox.setdefault(loop, []).append((queue, item))
+
+    def _flush(self) -> None:
+        outbox, self._outbox = self._outbox, {}
+        for loop, items in outbox.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # that loop is closed (its server stopped): nobody reads
+                pass
+
     def _finish(self, rid: str) -> None:
-        queue, loop = self._queues.pop(rid)
-        loop.call_soon_threadsafe(queue.put_nowait, None)
+        self._send(rid, None)
+        del self._queues[rid]
         with self._lock:
             self.pending -= 1
 
@@ -94,9 +114,15 @@ class EngineRunner:
                     self._finish(rid)
                 continue
             _, (prompt, kwargs), future, queue, loop = item
+            if not future.set_running_or_notify_cancel():  # its client is gone already
+                with self._lock:
+                    self.pending -= 1
+                continue
             try:
                 rid = self.engine.add_request(prompt, **kwargs)
             except Exception as e:  # noqa: BLE001 - handed to the request's coroutine
+                with self._lock:
+                    self.pending -= 1
                 future.set_exception(e)
                 continue
             req = self.engine.requests[rid]
@@ -109,6 +135,7 @@ class EngineRunner:
     def _run(self) -> None:
         while not self._stop:
             self._take_inbox()
+            self._flush()
             if not self.engine.has_unfinished():
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
@@ -116,12 +143,18 @@ class EngineRunner:
             outs: list[RequestOutput] = self.engine.step()
             for out in outs:
                 self.counters["generated_tokens"] += len(out.new_token_ids)
-                entry = self._queues.get(out.request_id)
-                if entry is None:  # aborted meanwhile
+                if out.request_id not in self._queues:  # aborted meanwhile
                     continue
-                queue, loop = entry
-                loop.call_soon_threadsafe(queue.put_nowait, out)
+                self._send(out.request_id, out)
                 if out.finished:
                     self._finish(out.request_id)
+            self._flush()
+            self.thread_cpu_s = time.thread_time()
             if not outs:
                 time.sleep(0)  # let the loop's thread take the lock
+
+
+def _deliver(items) -> None:
+    """On the event loop: a step's outputs into their requests' queues."""
+    for queue, item in items:
+        queue.put_nowait(item)

@@ -1,0 +1,555 @@
+"""Speculative decoding: a drafter proposes K tokens, the target scores them in one forward.
+
+One round, for every row (jitted, `spec_round`; `spec_loop` runs rounds in a while loop):
+
+    x = the row's last token at position p (not yet in the cache); history = its tokens so far
+    drafts d_1..d_K              n-gram prompt lookup (`NGram`) or a draft model (`DraftModel`)
+    verify [x, d_1..d_K]         one target forward, T = K + 1 queries at p..p+K, causal among
+                                 themselves (attend: verify_attention on a GPU); logits row j
+                                 scores position p+1+j
+    target tokens y_0..y_K       the plain sampler at each position, with the key of that
+                                 position and the penalty counts as if d_1..d_j were accepted
+    accept a = leading drafts with d_j == y_{j-1}; emit y_0..y_a (a + 1 tokens)
+
+Greedy rows take the argmax and sampled rows a Gumbel-max draw keyed by (request, position)
+only (sampling.py), so y_j is what plain decoding would sample at that position given the same
+prefix: accepting while the drafts equal it ("coupled" acceptance) gives plain `generate`'s
+tokens exactly, for any drafter. A draft model also drafts with the target's Gumbel noise of
+each position, so its draft equals the target's token whenever their perturbed argmaxes agree.
+`DraftModel(..., rejection=True)` instead accepts d_j with probability min(1, p(d_j) / q(d_j))
+and on the first rejection samples from max(0, p - q) (Leviathan et al.): the target's law,
+not plain generate's tokens. Rejected drafts need no cache work: their slots lie past the row's
+new length, and the next round writes over them before attending to them (append precedes
+attention in `attend`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer import memory, pytree, sampling
+from jaxinfer import sharding as sharding_lib
+from jaxinfer.cache import KVCache
+from jaxinfer.generate import (PROGRESS_STEPS, Completion, DecodeState, StreamText, _bar,
+                               _finish, _plan, _Request, run_params)
+from jaxinfer.generate import _prepare as _prepare_request
+from jaxinfer.generate import _run_prefill as _target_prefill
+from jaxinfer.model import Model
+from jaxinfer.models import registry
+from jaxinfer.plan import Plan
+
+
+# ---------------------------------------------------------------------------------------------
+# Drafters (static: part of the compiled round)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class NGram:
+    """Prompt lookup: find the latest earlier occurrence of the row's last n tokens (n from
+    max_n down to min_n) in its prompt and output, and propose the K tokens that followed it."""
+
+    max_n: int = 3
+    min_n: int = 1
+
+    def __post_init__(self):
+        if not (isinstance(self.min_n, int) and isinstance(self.max_n, int)
+                and 1 <= self.min_n <= self.max_n):
+            raise ValueError(f"NGram needs integers 1 <= min_n <= max_n, got min_n={self.min_n!r}"
+                             f" max_n={self.max_n!r}")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DraftModel:
+    """A smaller model with the target's vocabulary drafting K tokens greedily or with the
+    target's Gumbel noise (its own KV cache). rejection: rejection sampling (min(1, p/q)) for
+    sampled rows instead of the coupled acceptance (module docstring)."""
+
+    model: Model
+    rejection: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class _DraftPlan:
+    """The static part of a DraftModel: its plan and acceptance rule."""
+
+    plan: Plan
+    rejection: bool
+
+
+# ---------------------------------------------------------------------------------------------
+# State
+# ---------------------------------------------------------------------------------------------
+
+
+@pytree.dataclass
+class SpecState:
+    """The decode state plus what speculation tracks per row; donated to each round."""
+
+    decode: DecodeState  # tokens/positions/cache/sampler/output; its `step` is unused
+    count: jax.Array  # [B] int32: new tokens out per row (the row's next output column)
+    history: jax.Array  # [B, S] int32: the row's token at each position (prompt + output)
+    draft_cache: KVCache | None  # the draft model's cache (None for n-gram lookup)
+    drafted: jax.Array  # [B] int32: drafts proposed to the row
+    accepted: jax.Array  # [B] int32: drafts accepted (emitted as they were proposed)
+
+
+# ---------------------------------------------------------------------------------------------
+# Drafting
+# ---------------------------------------------------------------------------------------------
+
+
+def ngram_drafts(history: jax.Array, last: jax.Array, k: int, ngram: NGram):
+    """Prompt-lookup drafts [B, k] from history [B, S] valid through position last [B], and
+    whether each row found a match [B] bool.
+
+    The longest n-gram (max_n..min_n) ending at `last` that also occurs earlier wins, at its
+    latest occurrence i; the drafts are the tokens after it, hist[i + n ...], repeated with the
+    period L - (i + n) where they would run into the suffix itself (a loop continues as a loop).
+    No match: the last token repeated (the verification still yields one token)."""
+    b, s = history.shape
+    length = last + 1  # [B] valid tokens
+    slots = jnp.arange(s, dtype=jnp.int32)  # [S] candidate starts i
+    start = jnp.full((b,), -1, jnp.int32)  # [B] where the continuation starts; -1: none yet
+    for n in range(ngram.max_n, ngram.min_n - 1, -1):
+        suffix = jnp.take_along_axis(history, jnp.clip(length[:, None] - n + jnp.arange(n), 0,
+                                                       s - 1), axis=1)  # [B, n]
+        match = slots[None, :] <= (length - n - 1)[:, None]  # [B, S]: i + n < L, i >= 0
+        for m in range(n):
+            match &= jnp.roll(history, -m, axis=1) == suffix[:, m:m + 1]
+        latest = jnp.max(jnp.where(match, slots[None, :], -1), axis=1)  # [B]
+        start = jnp.where((start < 0) & (latest >= 0), latest + n, start)
+    period = jnp.maximum(length - start, 1)  # [B]
+    idx = start[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :] % period[:, None]  # [B, k]
+    drafts = jnp.take_along_axis(history, jnp.clip(idx, 0, s - 1), axis=1)
+    found = start >= 0
+    return jnp.where(found[:, None], drafts, last_token(history, last)[:, None]), found
+
+
+def last_token(history: jax.Array, last: jax.Array) -> jax.Array:
+    """Each row's token at position last [B] of history [B, S]."""
+    return jnp.take_along_axis(history, last[:, None], axis=1)[:, 0]  # [B]
+
+
+def _draft_law(logits: jax.Array, tensors: sampling.SamplingTensors):
+    """The draft's proposal law q for each row: the target's temperature and truncation
+    without penalties (any q is exact under rejection sampling; this one tracks p).
+    -> masked scaled logits [B, V] (softmax = q)."""
+    plain = tensors.replace(flags=dataclasses.replace(tensors.flags, repetition_penalty=False,
+                                                      presence_frequency_penalty=False))
+    return sampling.processed_logits(logits, plain)[1]
+
+
+def _draw(masked: jax.Array, keys: jax.Array, greedy: jax.Array, all_greedy: bool):
+    """Gumbel-max from masked logits [B, V] with keys [B]; greedy rows [B] take the argmax."""
+    argmax = jnp.argmax(masked, axis=-1).astype(jnp.int32)
+    if all_greedy:
+        return argmax
+    v = masked.shape[-1]
+    gumbel = jax.vmap(jax.random.gumbel, in_axes=(0, None, None))(keys, (v,), jnp.float32)
+    return jnp.where(greedy, argmax, jnp.argmax(masked + gumbel, axis=-1).astype(jnp.int32))
+
+
+def model_drafts(draft_params, state: SpecState, k: int, draft: _DraftPlan):
+    """K drafts from the draft model -> (drafts [B, K], their laws' masked logits [B, K, V] or
+    None, the draft cache). Its first forward takes the token before x and x at p - 1, p: the
+    slot p - 1 may be missing (all K drafts accepted last round) or stale; rewriting it is
+    idempotent. Draft j + 1 uses the target's key for position p + 1 + j."""
+    d = state.decode
+    p, x = d.positions, d.tokens  # [B]
+    forward = registry.family(draft.plan.config).forward
+    tensors = d.sampling
+    prev = last_token(state.history, jnp.maximum(p - 1, 0))
+    tokens = jnp.stack([prev, x], axis=1)  # [B, 2]
+    positions = jnp.stack([p - 1, p], axis=1)
+    cache = state.draft_cache
+    drafts, laws = [], []
+    for j in range(k):
+        logits, cache = forward(draft_params, tokens, positions, draft.plan, cache)
+        masked = _draft_law(logits[:, -1], tensors)  # [B, V]
+        keys = sampling.step_keys(d.sampler, p + 1 + j)
+        nxt = _draw(masked, keys, tensors.greedy, tensors.flags.all_greedy)  # [B]
+        drafts.append(nxt)
+        laws.append(masked)
+        tokens, positions = nxt[:, None], (p + 1 + j)[:, None]
+    return (jnp.stack(drafts, axis=1), jnp.stack(laws, axis=1) if draft.rejection else None,
+            cache)
+
+
+# ---------------------------------------------------------------------------------------------
+# One round: draft, verify, accept, record
+# ---------------------------------------------------------------------------------------------
+
+
+def _target_tokens(logits: jax.Array, drafts: jax.Array, d: DecodeState, plan: Plan,
+                   laws: bool):
+    """The target's token at each of the K + 1 positions p+1..p+K+1, as plain decoding would
+    sample it there if the drafts before it were accepted: the key of that position, penalty
+    counts including d_1..d_j. -> (tokens [B, K + 1], logprobs [B, K + 1], with laws: the
+    processed (scaled, masked) logits [B, K + 1, V] each, for rejection sampling)."""
+    k = drafts.shape[1]
+    sampler, tensors, p = d.sampler, d.sampling, d.positions
+    ys, lps, scaled, masked = [], [], [], []
+    for j in range(k + 1):
+        counts = dict(token_counts=sampler.token_counts, seen_mask=sampler.seen_mask,
+                      batch_invariant=plan.policy.batch_invariant)
+        out = sampling.sample_with_logprobs(logits[:, j], sampling.step_keys(sampler, p + 1 + j),
+                                            tensors, **counts)
+        ys.append(out.tokens)
+        lps.append(out.logprobs)
+        if laws:
+            sc, ma = sampling.processed_logits(logits[:, j], tensors, **counts)
+            scaled.append(sc)
+            masked.append(ma)
+        if j < k:
+            sampler = sampling.observe(sampler, drafts[:, j], ~d.done)
+    laws_out = (jnp.stack(scaled, 1), jnp.stack(masked, 1)) if laws else None
+    return jnp.stack(ys, 1), jnp.stack(lps, 1), laws_out
+
+
+def _leading(ok: jax.Array) -> jax.Array:
+    """ok [B, K] bool -> [B] int32: how many leading entries are true."""
+    return jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
+
+
+def _rejection(drafts, draft_laws, ys, lps, target_laws, d: DecodeState):
+    """Rejection sampling for sampled rows (greedy rows keep the coupled rule): draft d_j is
+    accepted with probability min(1, p(d_j) / q(d_j)) (u keyed by its position), the first
+    rejected one replaced by a draw from max(0, p - q), after K acceptances the plain draw
+    y_K. -> (accepted count a [B], tokens [B, K + 1], logprobs [B, K + 1])."""
+    b, k = drafts.shape
+    rows = jnp.arange(b)
+    tensors, p = d.sampling, d.positions
+    scaled, masked = target_laws  # [B, K + 1, V] each
+    keys = jax.vmap(sampling.step_keys, in_axes=(None, 1), out_axes=1)(
+        d.sampler, p[:, None] + 1 + jnp.arange(k + 1))  # [B, K + 1]: key of each position
+    logp = jax.nn.log_softmax(masked[:, :k], axis=-1)  # [B, K, V]
+    logq = jax.nn.log_softmax(draft_laws, axis=-1)  # [B, K, V]
+    pick = drafts[:, :, None]
+    ratio = jnp.exp(jnp.take_along_axis(logp, pick, 2) - jnp.take_along_axis(logq, pick, 2))
+    u = jax.vmap(jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 1))))(
+        keys[:, :k])  # [B, K]
+    ok = jnp.where(tensors.greedy[:, None], drafts == ys[:, :k], u < ratio[:, :, 0])
+    a = _leading(ok)
+    pa = jnp.exp(logp[rows, jnp.minimum(a, k - 1)])  # [B, V] at the first rejection
+    qa = jnp.exp(logq[rows, jnp.minimum(a, k - 1)])
+    diff = jnp.maximum(pa - qa, 0.0)
+    residual = jnp.log(jnp.where(jnp.any(diff > 0, axis=-1, keepdims=True), diff, pa))
+    rkeys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys[rows, jnp.minimum(a, k)], 2)
+    fix = _draw(residual, rkeys, jnp.zeros((b,), bool), False)  # [B]
+    emitted = jnp.concatenate([drafts, ys[:, k:]], axis=1)  # [B, K + 1]
+    at_a = (jnp.arange(k + 1)[None, :] == a[:, None]) & (a < k)[:, None]
+    emitted = jnp.where(at_a, fix[:, None], emitted)
+    tokens = jnp.where(tensors.greedy[:, None], ys, emitted)
+    if tensors.flags.logprobs:  # the emitted tokens' logprobs under the untruncated law
+        lps = jnp.take_along_axis(jax.nn.log_softmax(scaled, axis=-1), tokens[:, :, None],
+                                  2)[:, :, 0]
+    return a, tokens, lps
+
+
+def _record_round(state: SpecState, tokens: jax.Array, lps: jax.Array, a: jax.Array,
+                  cache, plan: Plan) -> SpecState:
+    """Emit tokens[:, :a + 1] [B, K + 1] one column at a time (a stop id or the budget ends a
+    row mid-run), into the outputs, the history and the penalty counts; advance each row."""
+    d = state.decode
+    b, t = tokens.shape
+    rows = jnp.arange(b)
+    p = d.positions
+    done, count, history = d.done, state.count, state.history
+    output, logprobs, sampler = d.output, d.logprobs, d.sampler
+    n_out, s = output.shape[1], history.shape[1]
+    for j in range(t):
+        alive = ~done & (j <= a)
+        tok = tokens[:, j]
+        col = jnp.where(alive, count, n_out)  # past the end: dropped
+        output = output.at[rows, col].set(tok, mode="drop")
+        if d.sampling.flags.logprobs:
+            logprobs = logprobs.at[rows, col].set(lps[:, j], mode="drop")
+        history = history.at[rows, jnp.where(alive, p + 1 + j, s)].set(tok, mode="drop")
+        hit_stop = jnp.any(tok[:, None] == d.stop_ids[None, :], axis=-1)
+        done = done | (alive & (hit_stop | (count + 1 >= d.budget)))
+        count = count + alive
+        sampler = sampling.observe(sampler, tok, alive)
+    emitted = count - state.count  # [B]
+    new_p = p + emitted  # the last emitted token's slot: written by the next round
+    cache = sharding_lib.constrain_cache(cache.replace(lengths=new_p), plan.sharding)
+    decode = d.replace(tokens=last_token(history, new_p), positions=new_p, cache=cache,
+                       sampler=sampler, done=done, output=output, logprobs=logprobs)
+    return state.replace(decode=decode, count=count, history=history,
+                         drafted=state.drafted + jnp.where(d.done, 0, t - 1),
+                         accepted=state.accepted + jnp.minimum(a, emitted))
+
+
+def _verify_round(params, state: SpecState, drafts: jax.Array, draft_laws, plan: Plan
+                  ) -> SpecState:
+    """Verify drafts [B, K] (K = 0: a plain decode step), accept, record."""
+    d = state.decode
+    p, x = d.positions, d.tokens  # [B]
+    k = drafts.shape[1]
+    # The last token and the K drafts at p..p+K in one forward.
+    tokens = jnp.concatenate([x[:, None], drafts], axis=1)  # [B, K + 1]
+    positions = p[:, None] + jnp.arange(k + 1, dtype=jnp.int32)  # [B, K + 1]
+    forward = registry.family(plan.config).forward
+    logits, cache = forward(params, tokens, positions, plan, d.cache)  # [B, K + 1, V]
+
+    rejection = draft_laws is not None and not d.sampling.flags.all_greedy
+    ys, lps, target_laws = _target_tokens(logits, drafts, d, plan, laws=rejection)
+    if rejection:
+        a, ys, lps = _rejection(drafts, draft_laws, ys, lps, target_laws, d)
+    else:  # coupled: accept while the draft is the token plain decoding samples there
+        a = _leading(drafts == ys[:, :k])
+    return _record_round(state, ys, lps, a, cache, plan)
+
+
+def _spec_round(params, draft_params, state: SpecState, plan: Plan, k: int,
+                drafter: NGram | _DraftPlan) -> SpecState:
+    """One round for every row (module docstring): draft, verify, accept, record."""
+    if isinstance(drafter, NGram):
+        drafts, found = ngram_drafts(state.history, state.decode.positions, k, drafter)
+        # No live row found a match: a plain decode step (T = 1) costs less than verifying
+        # guesses that are almost surely wrong.
+        def verify(s: SpecState) -> SpecState:
+            return _verify_round(params, s, drafts, None, plan)
+
+        def plain(s: SpecState) -> SpecState:
+            return _verify_round(params, s, drafts[:, :0], None, plan)
+
+        return jax.lax.cond(jnp.any(found & ~state.decode.done), verify, plain, state)
+    drafts, draft_laws, draft_cache = model_drafts(draft_params, state, k, drafter)
+    return _verify_round(params, state.replace(draft_cache=draft_cache), drafts, draft_laws,
+                         plan)
+
+
+spec_round = jax.jit(_spec_round, static_argnames=("plan", "k", "drafter"),
+                     donate_argnames=("state",))
+
+
+@functools.partial(jax.jit, static_argnames=("plan", "k", "drafter"), donate_argnames=("state",))
+def spec_loop(params, draft_params, state: SpecState, plan: Plan, k: int,
+              drafter: NGram | _DraftPlan, until: jax.Array | None = None) -> SpecState:
+    """Rounds until every row is done (or, with `until` [] int32, until every live row has
+    that many tokens out), inside one executable."""
+    def running(s: SpecState):
+        live = ~s.decode.done
+        if until is not None:
+            live &= s.count < until
+        return jnp.any(live)
+
+    return jax.lax.while_loop(running, functools.partial(
+        _spec_round, params, draft_params, plan=plan, k=k, drafter=drafter), state)
+
+
+@functools.partial(jax.jit, static_argnames=("plan",), donate_argnames=("cache",))
+def _draft_prefill(params, tokens: jax.Array, lengths: jax.Array, cache: KVCache, plan: Plan):
+    """The prompts into the draft model's cache (its logits are not needed)."""
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    _, cache = registry.family(plan.config).forward(params, tokens, positions, plan, cache,
+                                                    logits_at=lengths - 1, fresh=True)
+    return cache.replace(lengths=lengths)
+
+
+@jax.jit
+def _start(state: DecodeState, tokens: jax.Array, lengths: jax.Array):
+    """After the target's prefill: each row's history (prompt, then its first token)."""
+    b, t = tokens.shape
+    cache = state.cache  # KVCache or an MLA model's LatentCache: [B, S, ...] per layer
+    s = (cache.k if isinstance(cache, KVCache) else cache.latent)[0].shape[1]
+    history = jnp.zeros((b, s), jnp.int32).at[:, :t].set(tokens)  # T <= S (init_state)
+    history = history.at[jnp.arange(b), lengths].set(state.tokens)
+    return history, (state.output[:, 0] >= 0).astype(jnp.int32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side: checks, prefill, results
+# ---------------------------------------------------------------------------------------------
+
+
+def _drafter(speculative, model):
+    """speculative argument -> (NGram | DraftModel)."""
+    if isinstance(speculative, str):
+        if speculative == "ngram":
+            return NGram()
+        raise ValueError(f"speculative must be 'ngram', an NGram, a loaded draft model or a "
+                         f"DraftModel, got {speculative!r} (a draft model: load it with "
+                         "jaxinfer.load and pass the model)")
+    if isinstance(speculative, NGram | DraftModel):
+        drafter = speculative
+    elif isinstance(speculative, Model):
+        drafter = DraftModel(speculative)
+    else:
+        raise ValueError(f"speculative must be 'ngram', an NGram, a loaded draft model or a "
+                         f"DraftModel, got {type(speculative).__name__}")
+    if isinstance(drafter, DraftModel):
+        check_same_vocabulary(model, drafter.model)
+    return drafter
+
+
+def check_same_vocabulary(model, draft) -> None:
+    """A draft model must share the target's token ids: same vocabulary size, and where both
+    have tokenizers, the same token for every id."""
+    v, dv = model.config.vocab_size, draft.config.vocab_size
+    if v != dv:
+        raise ValueError(f"the draft model's vocabulary ({dv} tokens) is not the target's ({v}); "
+                         "speculative decoding needs a draft model with the same tokenizer")
+    if model.tokenizer is not None and draft.tokenizer is not None:
+        mine = model.tokenizer.backend.get_vocab(with_added_tokens=True)
+        theirs = draft.tokenizer.backend.get_vocab(with_added_tokens=True)
+        if mine != theirs:
+            differ = len(set(mine.items()) ^ set(theirs.items()))
+            raise ValueError(f"the draft model's tokenizer differs from the target's ({differ} "
+                             "token/id pairs differ); speculative decoding needs a draft model "
+                             "with the same tokenizer")
+
+
+@dataclasses.dataclass
+class _SpecRequest:
+    req: _Request
+    k: int
+    drafter: NGram | _DraftPlan
+    draft_params: dict | None
+
+
+def _prepare(model, prompts, max_new_tokens, sampling_params, seed, chat, stop, max_seq_len,
+             policy, kv_cache_dtype, mesh, speculative, num_speculative_tokens) -> _SpecRequest:
+    """Every check on the host, before anything is allocated or compiled."""
+    drafter = _drafter(speculative, model)
+    if mesh is not None or model.sharding is not None:
+        raise ValueError("speculative decoding runs on one device for now; drop mesh= (or load "
+                         "the model without a mesh)")
+    k = num_speculative_tokens
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+        raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
+    k = int(k)
+    # init_state checks that K slots past the last token fit the target's context.
+    req = _prepare_request(model, prompts, max_new_tokens, sampling_params, seed, chat, stop,
+                           max_seq_len, policy, kv_cache_dtype, mesh, reserve=k)
+    if isinstance(drafter, NGram):
+        return _SpecRequest(req, k, drafter, None)
+    need = max(len(p) for p in req.ids) + int(max_new_tokens) + k
+    context = drafter.model.config.max_position_embeddings
+    if need > context:
+        raise ValueError(f"the draft model's context ({context} tokens) is shorter than the "
+                         f"longest prompt + max_new_tokens + num_speculative_tokens ({need}); "
+                         "lower max_new_tokens or use another draft model")
+    plan = _plan(drafter.model, policy)
+    return _SpecRequest(req, k, _DraftPlan(plan, drafter.rejection),
+                        run_params(drafter.model, plan))
+
+
+def _run_prefill(model, sreq: _SpecRequest, progress: bool) -> SpecState:
+    req = sreq.req
+    state = _target_prefill(model, req, progress)
+    history, count = _start(state, req.tokens, req.lengths)
+    draft_cache = None
+    if isinstance(sreq.drafter, _DraftPlan):
+        b = req.tokens.shape[0]
+        draft_cache = KVCache.init(sreq.drafter.plan.config, b, history.shape[1])
+        draft_cache = _draft_prefill(sreq.draft_params, req.tokens, req.lengths, draft_cache,
+                                     sreq.drafter.plan)
+    b = count.shape[0]
+    return SpecState(decode=state, count=count, history=history, draft_cache=draft_cache,
+                     drafted=jnp.zeros((b,), jnp.int32), accepted=jnp.zeros((b,), jnp.int32))
+
+
+def _results(model, sreq: _SpecRequest, state: SpecState) -> list[Completion]:
+    req = sreq.req
+    out = np.asarray(state.decode.output)
+    lps = np.asarray(state.decode.logprobs)
+    drafted, accepted = np.asarray(state.drafted), np.asarray(state.accepted)
+    results = []
+    for row, sp in enumerate(req.sampling):
+        n = int((out[row] >= 0).sum())
+        done = _finish(model, out[row, :n].tolist(), lps[row, :n].tolist(), req.stop_ids,
+                           req.stop_strings, sp.logprobs, len(req.ids[row]))
+        results.append(dataclasses.replace(done, draft_tokens=int(drafted[row]),
+                                           accepted_tokens=int(accepted[row])))
+    return results
+
+
+def generate(model, prompts, max_new_tokens, sampling, seed, chat, stop, max_seq_len, policy,
+             progress, kv_cache_dtype, mesh, speculative,
+             num_speculative_tokens) -> list[Completion]:
+    """`jaxinfer.generate(..., speculative=...)` (see its docstring)."""
+    sreq = _prepare(model, prompts, max_new_tokens, sampling, seed, chat, stop, max_seq_len,
+                    policy, kv_cache_dtype, mesh, speculative, num_speculative_tokens)
+    req = sreq.req
+    args = dict(plan=req.plan, k=sreq.k, drafter=sreq.drafter)
+    with memory.reporting_oom(f"generating for {len(req.ids)} prompts"):
+        state = _run_prefill(model, sreq, progress)
+        if progress:
+            with _bar(True, int(max_new_tokens), f"speculative x{len(req.ids)}") as bar:
+                bar.update(1)
+                while not bool(jnp.all(state.decode.done)):
+                    state = spec_loop(req.params, sreq.draft_params, state,
+                                      until=jnp.int32(bar.n + PROGRESS_STEPS), **args)
+                    bar.update(int(jnp.max(state.count)) - bar.n)
+        else:
+            state = spec_loop(req.params, sreq.draft_params, state, **args)
+    return _results(model, sreq, state)
+
+
+@jax.jit
+def _row0(state: SpecState):
+    """Row 0's outputs so far: (count, output row, logprobs row, done), as new arrays."""
+    d = state.decode
+    return state.count[0], d.output[0], d.logprobs[0], d.done[0]
+
+
+def pieces(model, sreq: _SpecRequest, progress: bool, out, t0: float) -> Iterator[str]:
+    """`stream`'s pieces with speculation: one round per host read (1..K+1 tokens)."""
+    req = sreq.req
+    shown = StreamText(model.tokenizer, req.stop_ids, req.stop_strings)
+    want_logprobs = req.sampling[0].logprobs
+    with memory.reporting_oom("the prefill"):
+        state = _run_prefill(model, sreq, progress)
+    ids, lps = [], []
+    while True:
+        count, row, lp, done = jax.device_get(_row0(state))
+        new = row[len(ids):int(count)].tolist()
+        finished = bool(done)
+        now = time.perf_counter() - t0
+        if out.time_to_first_token is None:
+            out.time_to_first_token = now
+        for i, tok in enumerate(new):
+            out.token_times.append(now)  # a round's tokens arrive together
+            ids.append(int(tok))
+            if want_logprobs:
+                lps.append(float(lp[len(ids) - 1]))
+            last = finished and i == len(new) - 1  # recording stops at a stop token
+            piece, stopped = shown.feed(int(tok), last)
+            if stopped or last:
+                out.completion = dataclasses.replace(
+                    _finish(model, ids, lps, req.stop_ids, req.stop_strings, want_logprobs,
+                            len(req.ids[0])),
+                    draft_tokens=int(state.drafted[0]), accepted_tokens=int(state.accepted[0]))
+            if piece:
+                yield piece
+            if stopped or last:
+                return
+        state = spec_round(req.params, sreq.draft_params, state, req.plan, sreq.k,
+                           sreq.drafter)
+
+
+def ngram_drafts_host(tokens: list[int], k: int, ngram: NGram) -> tuple[list[int], bool]:
+    """`ngram_drafts` for one row on the host (the engine's rows keep their tokens there):
+    the same rule over tokens, the row's prompt and output so far -> (k drafts, found)."""
+    hist = np.asarray(tokens, np.int64)
+    length = len(hist)
+    for n in range(ngram.max_n, ngram.min_n - 1, -1):
+        if length - n - 1 < 0:
+            continue
+        windows = np.lib.stride_tricks.sliding_window_view(hist[:length - 1], n)  # starts < L-n
+        hits = np.flatnonzero((windows == hist[length - n:]).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            period = length - start
+            return [int(hist[start + i % period]) for i in range(k)], True
+    return [int(hist[-1])] * k, False

@@ -1,0 +1,119 @@
+"""Quantized weights on the CPU path (jaxinfer/ops/blocked.py): tiles that dequantize to
+gguf.quants' values, and a decode step / prefill that hold the codes, not every layer's float
+copy (the compiled executables' memory analysis against the float32 load's bytes)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from checkpoints import gguf_blocks
+from jaxinfer.generate import decode_loop, init_state, prefill, run_params
+from jaxinfer.model import from_params
+from jaxinfer.ops import blocked
+from jaxinfer.plan import KernelPolicy
+from jaxinfer.sampling import SamplingParams
+from jaxinfer.weights import param_bytes
+from test_gguf_blocks import random_blocks
+from test_kernel_wiring import random_params, tiny_config
+
+QT = gguf.GGMLQuantizationType
+BLOCKED = KernelPolicy(dequant_block_bytes=64 * 1024)  # small tiles: several per weight
+
+
+def _weight(type_name: str, n: int, k: int, seed: int = 0):
+    """A GGUF tensor of n rows of k: (QuantizedWeight [k, n], gguf.quants' float32 [k, n])."""
+    raw = random_blocks(type_name, n, k, np.random.default_rng(seed))
+    want = gguf.quants.dequantize(raw, QT[type_name]).reshape(n, k).T
+    qw = jax.tree.map(jnp.asarray, gguf_blocks.repack(raw, type_name, k, n))
+    return qw, np.ascontiguousarray(want)
+
+
+@pytest.mark.parametrize("type_name", gguf_blocks.BLOCK_TYPES)
+@pytest.mark.parametrize("k, n, rows", [(256, 600, False), (1024, 64, True)],
+                         ids=["wide-column-tiles", "tall-row-tiles"])
+def test_tiles_are_gguf_quants_values(type_name, k, n, rows):
+    """A tile dequantizes to gguf.quants' values bit for bit, and the tiled product equals
+    x @ those values (column tiles with a narrower last one; row tiles summed in order)."""
+    qw, want = _weight(type_name, n, k)
+    np.testing.assert_array_equal(np.asarray(blocked.dequantize_tile(qw, jnp.float32)), want)
+    block = BLOCKED.dequant_block_bytes
+    assert (blocked.block_rows(qw, block) is not None) == rows
+    if not rows:
+        assert n % blocked.block_columns(k, n, block)  # a last tile narrower than the others
+    x = np.random.default_rng(1).standard_normal((3, k)).astype(np.float32)
+    got = np.asarray(jax.jit(blocked.blocked_matmul, static_argnums=2)(jnp.asarray(x), qw,
+                                                                       block))
+    ref = x.astype(np.float64) @ want.astype(np.float64)
+    assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
+
+
+def _quantized_model():
+    """A tiny float32 llama of 6 layers, its matmul weights int4 (group 32), and the bytes of
+    its float32 matmul weights: all layers', and one layer's."""
+    config = tiny_config(dtype="float32", num_layers=6, hidden_size=256, intermediate_size=1024,
+                         head_dim=64, vocab_size=512, max_position_embeddings=512)
+    params = random_params(config)
+    model = from_params(config, params, dtype="float32", quantization="int4", group_size=32)
+    dense = from_params(config, params, dtype="float32")
+    layer = param_bytes({n: w for n, w in dense.params["layers"][0].items()
+                         if n.startswith("w")})
+    return model, layer * config.num_layers, layer
+
+
+def _compiled(model, policy, prompt_len: int):
+    """(params as the request runs them, prefill's and decode loop's executables)."""
+    plan = dataclasses.replace(model.plan, policy=policy)
+    ids = np.arange(1, prompt_len + 1).tolist()
+    state, tokens, lengths = init_state(model, [ids], 8, [SamplingParams(temperature=0.0)], 0,
+                                        [])
+    params = run_params(model, plan)
+    first = prefill.lower(params, tokens, lengths, state, plan).compile()
+    loop = decode_loop.lower(params, prefill(params, tokens, lengths, state, plan),
+                             plan).compile()
+    return params, first, loop
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU path")
+def test_cpu_decode_holds_the_codes_not_every_layers_float_weights():
+    """The CPU default keeps a quantized model's codes through a request: the decode loop's
+    temporaries stay under one layer's float32 weights and the prefill's (128 tokens, each
+    weight dequantized whole after its input) under one layer's plus activations, where
+    dequantizing every layer (XLA hoists it out of the decode loop, or schedules it up
+    front) would hold all six layers' float copies. The old path (dequant_block_bytes=0:
+    the whole model dequantized per request) shows what the measure sees when it does."""
+    model, all_layers, one_layer = _quantized_model()
+    codes = param_bytes(model.params)
+    params, first, loop = _compiled(model, KernelPolicy(), prompt_len=100)
+    assert param_bytes(params) == codes < all_layers / 4
+    assert loop.memory_analysis().temp_size_in_bytes < one_layer
+    activations = 128 * (4 * 256 + 512 + 3 * 1024) * 4  # prefill rows x widths, float32
+    assert first.memory_analysis().temp_size_in_bytes < one_layer + activations
+    assert one_layer + activations < all_layers / 2  # the bounds tell them apart
+
+    params, _, loop = _compiled(model, KernelPolicy(dequant_block_bytes=0), prompt_len=100)
+    held = loop.memory_analysis()
+    assert param_bytes(params) > all_layers
+    assert held.argument_size_in_bytes + held.temp_size_in_bytes > all_layers
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU path")
+def test_cpu_tiles_give_the_whole_weights_tokens():
+    """Generating from the codes tile by tile gives the tokens (and logprobs to float32
+    rounding) of the same model dequantized whole once per request."""
+    import jaxinfer
+
+    model, _, _ = _quantized_model()
+    prompts = [[5, 6, 7, 8], list(range(1, 101))]  # decode tiles; a prefill of 128 rows
+    sampling = SamplingParams(temperature=0.0, logprobs=True)
+    tiled = jaxinfer.generate(model, prompts, max_new_tokens=6, sampling=sampling)
+    whole = jaxinfer.generate(model, prompts, max_new_tokens=6, sampling=sampling,
+                              policy=KernelPolicy(dequant_block_bytes=0))
+    for a, b in zip(tiled, whole):
+        assert a.token_ids == b.token_ids
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)

@@ -1,0 +1,557 @@
+"""Speculative decoding (jaxinfer/speculative.py): the verification forward on the chunk
+kernels, greedy / coupled / rejection-sampled acceptance against plain `generate`, the
+drafters, and bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer.cache import KVCache
+from jaxinfer.configs import Config
+from jaxinfer.models import llama
+from jaxinfer.plan import KernelPolicy, Plan
+from jaxinfer.weights import init_params
+from kernel_testing import pallas_kernels_in, rel_err
+
+
+def tiny_bf16_config() -> Config:
+    return Config(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2,
+                  num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=64,
+                  tie_word_embeddings=False, dtype="bfloat16")
+
+
+@pytest.mark.parametrize("verify_queries, kernel", [(16, "verify_attention"),
+                                                     (2, "chunk_attention")])
+def test_verification_forward_runs_a_kernel_and_matches_decode_steps(verify_queries, kernel):
+    """T = 3 queries per row (the last token and 2 drafts) at per-row positions against a
+    contiguous cache take the split-K verify kernel (up to KernelPolicy.verify_queries
+    queries; the chunk kernel past it), in interpret mode, and give the logits the reference
+    path gives one token at a time."""
+    config = tiny_bf16_config()
+    params = init_params(llama.param_specs(config), jax.random.key(0), jnp.bfloat16)
+    ids = jax.random.randint(jax.random.key(1), (2, 12), 0, config.vocab_size)
+    lengths = jnp.array([5, 8], jnp.int32)  # rows hold prompts of different lengths
+
+    def prompt_cache(plan):
+        pos = jnp.broadcast_to(jnp.arange(12, dtype=jnp.int32), (2, 12))
+        _, cache = llama.forward(params, ids, pos, plan, KVCache.init(config, 2, 16),
+                                 fresh=True)
+        return cache  # slots past a row's length hold stale tokens, as after rejected drafts
+
+    verify_pos = lengths[:, None] + jnp.arange(3, dtype=jnp.int32)  # [B, 3]
+    verify_ids = jnp.take_along_axis(ids, verify_pos, axis=1)
+    kernel_plan = Plan(config, KernelPolicy(interpret=True, verify_queries=verify_queries))
+    ref_plan = Plan(config, KernelPolicy.reference())
+    names = pallas_kernels_in(lambda c: llama.forward(params, verify_ids, verify_pos,
+                                                      kernel_plan, c),
+                              prompt_cache(ref_plan))
+    assert names[kernel] == config.num_layers, names
+    got, _ = llama.forward(params, verify_ids, verify_pos, kernel_plan, prompt_cache(ref_plan))
+    cache = prompt_cache(ref_plan)
+    for t in range(3):  # one token at a time through the reference
+        want, cache = llama.forward(params, verify_ids[:, t:t + 1], verify_pos[:, t:t + 1],
+                                    ref_plan, cache)
+        assert rel_err(got[:, t], want[:, 0]) < 3e-2, t
+        assert np.mean(np.asarray(got[:, t].argmax(-1) == want[:, 0].argmax(-1))) == 1.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Against plain generate
+# ---------------------------------------------------------------------------------------------
+
+import pathlib  # noqa: E402
+
+import jaxinfer  # noqa: E402
+from jaxinfer import speculative  # noqa: E402
+from jaxinfer.model import from_params  # noqa: E402
+from jaxinfer.sampling import SamplingParams  # noqa: E402
+
+PROMPTS = ["x", "the cat sat on the mat and the cat sat on", "hello world", "a b c a b c a b",
+           "one two three four five six seven eight nine ten one two three", "zz",
+           "the the the", "to be or not to be, that is"]
+
+
+@pytest.fixture(scope="module")
+def looping(tiny_chat):
+    """tiny_chat's config and tokenizer with unscaled random weights: its greedy text falls
+    into loops, so prompt lookup has drafts to accept (tiny_chat's text rarely repeats)."""
+    params = init_params(llama.param_specs(tiny_chat.config), jax.random.key(3), jnp.float32)
+    return from_params(tiny_chat.config, params, tiny_chat.tokenizer, dtype="float32")
+
+
+def assert_same(plain, spec):
+    for row, (p, s) in enumerate(zip(plain, spec)):
+        assert s.token_ids == p.token_ids, row
+        assert (s.text, s.finish_reason) == (p.text, p.finish_reason), row
+        assert (s.logprobs is None) == (p.logprobs is None), row
+        if p.logprobs is not None:  # a verification's float32 logits: not a decode step's bits
+            np.testing.assert_allclose(s.logprobs, p.logprobs, atol=1e-4)
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("drafter", ["ngram", "draft", "self"])
+def test_greedy_speculative_equals_plain_greedy(looping, tiny_chat, drafter, batch):
+    """Token for token, with a stop token that ends rows in the middle of a round. The draft
+    model is another model (drafts mostly rejected) or the target itself (mostly accepted):
+    both ends of the acceptance rule."""
+    spec_arg = {"ngram": "ngram", "draft": tiny_chat, "self": looping}[drafter]
+    prompts = PROMPTS[:batch]
+    plain = jaxinfer.generate(looping, prompts, max_new_tokens=24, chat=False)
+    ids = plain[0].token_ids  # a stop token row 0 emits first mid-way (others may too)
+    stop = next(t for i, t in enumerate(ids) if i >= 12 and t not in ids[:i])
+    plain = jaxinfer.generate(looping, prompts, max_new_tokens=24, chat=False, stop=[stop])
+    spec = jaxinfer.generate(looping, prompts, max_new_tokens=24, chat=False, stop=[stop],
+                             speculative=spec_arg, num_speculative_tokens=3)
+    assert plain[0].finish_reason == "stop"
+    assert_same(plain, spec)
+    accepted = sum(c.accepted_tokens for c in spec)
+    assert all(0 <= c.accepted_tokens <= c.draft_tokens for c in spec)
+    if drafter != "draft":
+        assert accepted > 0  # rounds of several tokens were exercised
+    if drafter == "ngram" and batch == 1:  # rounds without a match were plain decode steps
+        (c,) = spec
+        rounds = len(c.token_ids) - 1 - c.accepted_tokens
+        assert c.draft_tokens % 3 == 0 and 0 < c.draft_tokens < 3 * rounds
+
+
+MIXED = [SamplingParams(temperature=0.8), SamplingParams(temperature=0.0),
+         SamplingParams(temperature=1.0, top_k=20, top_p=0.9, logprobs=True),
+         SamplingParams(temperature=0.7, repetition_penalty=1.3, seed=123),
+         SamplingParams(temperature=0.9, presence_penalty=0.5, frequency_penalty=0.4,
+                        logprobs=True),
+         SamplingParams(temperature=0.6, min_p=0.05),
+         SamplingParams(temperature=0.0, repetition_penalty=1.2),
+         SamplingParams(temperature=1.2, seed=7)]
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "self"])
+def test_coupled_sampling_equals_plain_sampling(looping, drafter):
+    """Sampled rows (truncation, penalties, own seeds, greedy rows mixed in) get the tokens
+    plain generate samples with the same seed: a row's draw depends only on its key at each
+    position and the penalty counts of the tokens before it."""
+    spec_arg = {"ngram": "ngram", "self": looping}[drafter]
+    plain = jaxinfer.generate(looping, PROMPTS, max_new_tokens=24, chat=False, sampling=MIXED,
+                              seed=5)
+    spec = jaxinfer.generate(looping, PROMPTS, max_new_tokens=24, chat=False, sampling=MIXED,
+                             seed=5, speculative=spec_arg, num_speculative_tokens=4)
+    assert_same(plain, spec)
+    assert sum(c.accepted_tokens for c in spec) > 0
+
+
+def test_ngram_drafts_follow_the_latest_longest_match():
+    """Row 0: its last 2 tokens (7 8) occur earlier twice; the latest one (at 4) wins and its
+    continuation runs into the suffix, so it repeats with its period (9, 7, 8, 9, ...).
+    Row 1: no earlier occurrence of its last token: the last token repeated. Row 2: only the
+    1-gram (5) occurs earlier. Slots past a row's last position hold stale tokens, never
+    matched."""
+    history = jnp.array([[7, 8, 1, 2, 7, 8, 9, 7, 8, 0, 7, 8],
+                         [1, 2, 3, 4, 0, 0, 0, 0, 0, 0, 4, 4],
+                         [5, 6, 1, 2, 3, 5, 0, 0, 0, 0, 0, 0]], jnp.int32)
+    last = jnp.array([8, 3, 5], jnp.int32)
+    drafts, found = speculative.ngram_drafts(history, last, 5,
+                                             speculative.NGram(max_n=3, min_n=1))
+    np.testing.assert_array_equal(found, [True, False, True])
+    np.testing.assert_array_equal(drafts, [[9, 7, 8, 9, 7], [4, 4, 4, 4, 4],
+                                           [6, 1, 2, 3, 5]])
+
+
+def test_stream_speculative_equals_generate(looping):
+    sp = SamplingParams(temperature=0.8, logprobs=True)
+    want = jaxinfer.generate(looping, PROMPTS[0], max_new_tokens=20, chat=False, sampling=sp)[0]
+    out = jaxinfer.stream(looping, PROMPTS[0], max_new_tokens=20, chat=False, sampling=sp,
+                          speculative=looping, num_speculative_tokens=3)
+    text = "".join(out)
+    assert text == want.text
+    assert out.completion.token_ids == want.token_ids
+    np.testing.assert_allclose(out.completion.logprobs, want.logprobs, atol=1e-4)
+    assert out.completion.accepted_tokens > 0
+
+
+def _other_tokenizer(tiny_chat, tmp_path):
+    """tiny_chat's tokenizer with two tokens' ids swapped: same size, other ids."""
+    import json
+
+    from checkpoints.tokenizer import Tokenizer
+
+    src = pathlib.Path(__file__).parent / "fixtures" / "data" / "tokenizer" / "tiny_hf"
+    for f in src.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    data = json.loads((tmp_path / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    a, b = list(vocab)[300:302]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (tmp_path / "tokenizer.json").write_text(json.dumps(data))
+    return Tokenizer.from_hf_dir(tmp_path)
+
+
+def test_bad_speculative_arguments(looping, tiny_chat, tmp_path):
+    """Each refused before anything is compiled, naming the problem."""
+    def run(**kw):
+        return jaxinfer.generate(looping, "hi", max_new_tokens=8, chat=False, **kw)
+
+    for k in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="num_speculative_tokens must be an integer >= 1"):
+            run(speculative="ngram", num_speculative_tokens=k)
+    context = looping.config.max_position_embeddings
+    with pytest.raises(ValueError, match="more than the context left"):
+        jaxinfer.generate(looping, "hi", max_new_tokens=context - 4, chat=False,
+                          speculative="ngram", num_speculative_tokens=8)
+    with pytest.raises(ValueError, match="speculative must be 'ngram'"):
+        run(speculative="eagle")
+    with pytest.raises(ValueError, match="speculative must be 'ngram'"):
+        run(speculative=3)
+    other_vocab = from_params(
+        tiny_bf16_config(), init_params(llama.param_specs(tiny_bf16_config()), jax.random.key(0),
+                                        jnp.float32), None, dtype="float32")
+    with pytest.raises(ValueError, match="vocabulary .96 tokens. is not the target's"):
+        run(speculative=other_vocab)
+    swapped = dataclasses.replace(looping, tokenizer=_other_tokenizer(tiny_chat, tmp_path))
+    with pytest.raises(ValueError, match="tokenizer differs from the target's"):
+        run(speculative=speculative.DraftModel(swapped))
+    with pytest.raises(ValueError, match="min_n <= max_n"):
+        speculative.NGram(max_n=1, min_n=2)
+
+
+def _chi_square_p(counts: np.ndarray, law: np.ndarray) -> float:
+    """Pearson's chi-square p-value of counts [V] against probabilities law [V]; bins
+    expecting fewer than 5 draws are pooled into one."""
+    from scipy import stats
+
+    expected = law * counts.sum()
+    small = expected < 5
+    obs = np.append(counts[~small], counts[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    return float(stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue)
+
+
+def test_rejection_sampling_follows_the_target_law():
+    """DraftModel(rejection=True) with a draft whose law differs from the target's: the first
+    two tokens of the first round (one of an accepted draft, a residual draw, or the bonus
+    token) follow the target's marginal laws, computed exactly from its full forward over all
+    V and V * V continuations (V = 16). The same counts against the law an always-accepting
+    rule would give are refused, so the sample size can tell the two apart."""
+    config = Config(vocab_size=16, hidden_size=32, intermediate_size=64, num_layers=2,
+                    num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=16,
+                    eos_token_ids=())
+
+    def model(key):  # weights 3x the fan-in scale: laws far from uniform
+        params = jax.tree.map(lambda a: 3 * a if a.ndim > 1 else a,
+                              init_params(llama.param_specs(config), jax.random.key(key),
+                                          jnp.float32))
+        return from_params(config, params, None, dtype="float32")
+
+    target, draft = model(1), model(2)
+    prompt, n, v = [3, 1, 4], 6000, config.vocab_size
+    out = jaxinfer.generate(target, [prompt] * n, max_new_tokens=3,
+                            sampling=SamplingParams(temperature=1.0), seed=11,
+                            speculative=speculative.DraftModel(draft, rejection=True),
+                            num_speculative_tokens=2)
+    tokens = np.array([c.token_ids for c in out])  # [N, 3]: prefill's token, then the round's
+    accepted = sum(c.accepted_tokens for c in out)
+    assert 0.1 * n < accepted < 1.9 * n  # drafts are accepted and rejected
+
+    def laws(m, prefix_len):  # p(next | prompt + every prefix of that length) [V] * len, V
+        prefixes = np.array(list(itertools.product(range(v), repeat=prefix_len)),
+                            np.int64).reshape(v ** prefix_len, prefix_len)  # [V ** len, len]
+        ids = np.concatenate([np.tile(prompt, (len(prefixes), 1)), prefixes], axis=1)
+        return np.asarray(jax.nn.softmax(m(ids)[:, -1], axis=-1))  # [V ** len, V]
+
+    p1 = laws(target, 0)[0]  # [V]
+    p2 = laws(target, 1)  # [V, V]: row t1
+    p3 = laws(target, 2).reshape(v, v, v)  # [t1, t2, V]
+    marginal2 = p1 @ p2
+    marginal3 = np.einsum("a,ab,abc->c", p1, p2, p3)
+    count2 = np.bincount(tokens[:, 1], minlength=v)
+    count3 = np.bincount(tokens[:, 2], minlength=v)
+    assert _chi_square_p(np.bincount(tokens[:, 0], minlength=v), p1) > 1e-3
+    assert _chi_square_p(count2, marginal2) > 1e-3
+    assert _chi_square_p(count3, marginal3) > 1e-3
+    always_accept = p1 @ laws(draft, 1)  # t2's law if every first draft were accepted
+    assert _chi_square_p(count2, always_accept) < 1e-6
+
+
+def test_cli_speculative(tiny_chat, tiny_chat_dir, capsys):
+    """--speculative draft / ngram print the API's plain tokens and the acceptance counts;
+    inconsistent flags are usage errors before anything loads."""
+    import json
+
+    from jaxinfer import cli
+
+    sp = SamplingParams(temperature=0.7)
+    (ref,) = jaxinfer.generate(tiny_chat, PROMPTS[1], max_new_tokens=12, chat=False,
+                               sampling=sp, seed=3)
+    base = ["generate", PROMPTS[1], "--no-chat", "-n", "12", "--temperature", "0.7", "--seed",
+            "3", "--model", str(tiny_chat_dir), "--json"]
+    for flags in (["--speculative", "draft", "--draft-model", str(tiny_chat_dir)],
+                  ["--speculative", "ngram", "--num-speculative-tokens", "2"]):
+        assert cli.main(base + flags) == 0
+        got = json.loads(capsys.readouterr().out)
+        assert got["token_ids"] == ref.token_ids and got["text"] == ref.text
+        counts = got["speculative"]
+        assert 0 <= counts["accepted_tokens"] <= counts["draft_tokens"]
+    assert counts["draft_tokens"] % 2 == 0
+    for flags, match in ((["--speculative", "draft"], "needs --draft-model"),
+                         (["--draft-model", str(tiny_chat_dir)], "need --speculative"),
+                         (["--num-speculative-tokens", "3"], "need --speculative")):
+        assert cli.main(base + flags) == 2
+        assert match in capsys.readouterr().err
+
+
+def test_bench_speculative(tiny_chat_dir, capsys):
+    """jaxinfer bench --speculative: a verification cost per K and an acceptance row per K
+    and task (whose run checks its tokens against plain greedy generate)."""
+    import json
+
+    from jaxinfer import cli
+
+    assert cli.main(["bench", "--model", str(tiny_chat_dir), "--speculative", "ngram",
+                     "--num-speculative-tokens", "1", "3", "--prompt-len", "16", "--gen-len",
+                     "8", "--repeats", "1", "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()
+            if line.startswith("{")]
+    cost = [r for r in rows if "ratio" in r]
+    runs = [r for r in rows if "tokens_per_verification" in r]
+    assert [r["k"] for r in cost] == [1, 3] and all(r["ms"] > 0 for r in cost)
+    assert [r["k"] for r in runs] == [1, 3]
+    for r in runs:
+        assert r["new_tokens"] == 8 and 1 <= r["tokens_per_verification"] <= r["k"] + 1
+        assert r["verifications"] + r["plain_steps"] + r["accepted"] in (7, 8)
+
+
+def test_mla_model_speculative_equals_plain():
+    """A DeepSeek (MLA) model verifies against its latent cache and drafts for itself."""
+    from jaxinfer.configs import MLAConfig
+    from jaxinfer.models import deepseek
+
+    mla = MLAConfig(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12)
+    config = Config(vocab_size=64, hidden_size=32, intermediate_size=32, num_layers=2,
+                    num_heads=3, num_kv_heads=3, head_dim=16, family="deepseek", mla=mla,
+                    max_position_embeddings=128)
+    model = from_params(config, init_params(deepseek.param_specs(config), jax.random.key(0),
+                                            jnp.float32), None, dtype="float32")
+    prompts = [[1, 2, 3, 4, 1, 2, 3], [5, 6, 7], [9] * 5]
+    plain = jaxinfer.generate(model, prompts, max_new_tokens=20)
+    for drafter in ("ngram", model):
+        spec = jaxinfer.generate(model, prompts, max_new_tokens=20, speculative=drafter,
+                                 num_speculative_tokens=3)
+        assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
+        assert sum(c.accepted_tokens for c in spec) > 0
+
+
+def test_host_ngram_equals_device_ngram():
+    """The engine's host prompt lookup and generate's on-device one: the same drafts."""
+    rng = np.random.default_rng(0)
+    lookup = jax.jit(speculative.ngram_drafts, static_argnames=("k", "ngram"))
+    for trial in range(40):
+        length = int(rng.integers(1, 30))
+        row = rng.integers(0, 4, length)  # a small alphabet: many matches
+        stale = rng.integers(0, 4, 38 - length)  # slots past the row's tokens
+        history = jnp.asarray(np.concatenate([row, stale])[None], jnp.int32)  # [1, 38]
+        ngram = speculative.NGram(max_n=int(rng.integers(1, 4)), min_n=1)
+        device, dfound = lookup(history, jnp.array([length - 1], jnp.int32), k=5, ngram=ngram)
+        drafts, found = speculative.ngram_drafts_host(row.tolist(), 5, ngram)
+        assert (drafts, found) == (device[0].tolist(), bool(dfound[0])), trial
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "oracle", "draft", "self"])
+def test_engine_speculative_equals_generate(looping, tiny_chat, drafter, monkeypatch):
+    """The engine with prompt lookup: requests arriving at random steps, shared prefixes,
+    chunked prompts, a pool small enough to preempt, greedy and sampled rows with penalties:
+    each request's tokens (and logprobs) are generate()'s, and every page comes back.
+    "oracle": the drafts are generate()'s own continuation (prompt lookup replaced), so
+    nearly every draft is accepted, on the penalized rows too, where each accepted draft must
+    count in the next position's penalties. "draft": another model drafts (its pages beside
+    the target's), "self": the model drafts for itself (most drafts accepted)."""
+    from test_engine import _engine, _reference, _requests, _serve
+
+    reqs = _requests(looping, 24, seed=4)
+    # Penalized greedy rows: this model repeats tokens unless its penalties count each one.
+    reqs = [(p, sp if i % 4 != 2 else SamplingParams(temperature=0.0, repetition_penalty=1.2,
+                                                     frequency_penalty=0.4), n * 2)
+            for i, (p, sp, n) in enumerate(reqs)]
+    want = _reference(looping, reqs, batch=24)
+    if drafter == "oracle":
+        futures = [p + toks for (p, _, _), (toks, _, _) in zip(reqs, want)]
+
+        def oracle(tokens, k, ngram):
+            for f in futures:
+                if f[:len(tokens)] == tokens and len(f) > len(tokens):
+                    return (f[len(tokens):] + [0] * k)[:k], True
+            return [0] * k, True
+
+        monkeypatch.setattr(speculative, "ngram_drafts_host", oracle)
+    spec_arg = {"draft": tiny_chat, "self": looping}.get(drafter, "ngram")
+    # 30 pages: few enough to preempt (a draft model's pool takes as many bytes again)
+    engine = _engine(looping, pages=30 if spec_arg == "ngram" else 60, max_num_seqs=8,
+                     speculative=spec_arg, num_speculative_tokens=3)
+    assert engine.total_pages == 29  # 30 less the null page, whichever drafter
+    got, reasons = _serve(engine, reqs, np.random.default_rng(5))
+    assert engine.stats["preemptions"] > 0
+    rate = engine.stats["accepted_tokens"] / engine.stats["draft_tokens"]
+    assert rate > {"oracle": 0.5, "self": 0.5}.get(drafter, 0.0 if drafter == "ngram" else -1)
+    assert engine.free_pages == engine.total_pages and not engine.requests
+    for i, (toks, lps, reason) in enumerate(want):
+        assert (got[i][0], reasons[i]) == (toks, reason), i
+        if reqs[i][1].logprobs:
+            np.testing.assert_allclose(got[i][1], lps, atol=1e-4)
+
+
+def test_engine_run_reports_acceptance_per_request(looping):
+    """Engine.run with speculation: generate()'s tokens, each Completion's draft and accepted
+    counts, which add up to the engine's."""
+    from test_engine import _engine
+
+    engine = _engine(looping, speculative="ngram", num_speculative_tokens=2)
+    out = engine.run(PROMPTS[:4], max_tokens=20, chat=False)
+    want = jaxinfer.generate(looping, PROMPTS[:4], max_new_tokens=20, chat=False)
+    assert [c.token_ids for c in out] == [c.token_ids for c in want]
+    assert sum(c.draft_tokens for c in out) == engine.stats["draft_tokens"] > 0
+    assert sum(c.accepted_tokens for c in out) == engine.stats["accepted_tokens"] > 0
+    assert all(c.accepted_tokens <= c.draft_tokens for c in out)
+
+
+def test_engine_bad_speculative_arguments(looping):
+    from test_engine import _engine
+
+    for kw, match in (({"speculative": 3}, "None, 'ngram', an NGram"),
+                      ({"speculative": speculative.DraftModel(looping, rejection=True)},
+                       "coupled acceptance only"),
+                      ({"speculative": "ngram", "num_speculative_tokens": 0},
+                       "num_speculative_tokens must be an integer >= 1"),
+                      ({"speculative": "ngram", "decode_steps": 2}, "decode_steps=1")):
+        with pytest.raises(ValueError, match=match):
+            _engine(looping, **kw)
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "self"])
+def test_engine_speculative_warmup_top_logprobs_and_grammar(looping, drafter):
+    """A speculative engine: warmup() compiles its verifications (and a draft model's steps)
+    so serving compiles nothing new; top_logprobs of verified tokens are the plain engine's;
+    a grammar request is refused (its drafts would be verified without its masks)."""
+    from test_engine import _engine
+
+    from jaxinfer.engine import step
+    from jaxinfer.structured import Grammar
+
+    spec_arg = {"self": looping}.get(drafter, "ngram")
+    greedy = SamplingParams(temperature=0.0)
+    top = SamplingParams(temperature=0.0, logprobs=True, top_logprobs=3)
+    engine = _engine(looping, max_model_len=64, speculative=spec_arg,
+                     num_speculative_tokens=2)
+    engine.warmup([greedy, top])
+    steps = (step.prefill_step, step.decode_step, step.verify_step, step.draft_step,
+             step.draft_prefill_step)
+    compiled = [f._cache_size() for f in steps]
+    prompts = [list(range(3, 13)) * 2, list(range(40, 47))]
+    ids = [engine.add_request(p, sampling=sp, max_tokens=12)
+           for p, sp in zip(prompts, [greedy, top])]
+    got = {i: ([], []) for i in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id][0].extend(out.new_token_ids)
+            got[out.request_id][1].extend(out.new_top_logprobs or [])
+    assert [f._cache_size() for f in steps] == compiled
+    assert engine.stats["draft_tokens"] > 0
+    plain = _engine(looping, max_model_len=64)
+    ids2 = [plain.add_request(p, sampling=sp, max_tokens=12)
+            for p, sp in zip(prompts, [greedy, top])]
+    want = {i: ([], []) for i in ids2}
+    while plain.has_unfinished():
+        for out in plain.step():
+            want[out.request_id][0].extend(out.new_token_ids)
+            want[out.request_id][1].extend(out.new_top_logprobs or [])
+    for a, b in zip(ids, ids2):
+        assert got[a][0] == want[b][0]
+        assert len(got[a][1]) == len(want[b][1])
+        for x, y in zip(got[a][1], want[b][1]):
+            assert [t for t, _ in x] == [t for t, _ in y]
+            np.testing.assert_allclose([lp for _, lp in x], [lp for _, lp in y], atol=1e-4)
+    assert len(got[ids[1]][1]) == 12 and all(len(t) == 3 for t in got[ids[1]][1])
+    with pytest.raises(ValueError, match="speculative engine"):
+        engine.add_request([5, 6], max_tokens=4, grammar=Grammar.regex(looping.tokenizer, "a+"))
+    with pytest.raises(ValueError, match="speculative engine refuses grammars"):
+        engine.warmup(structured=True)
+
+
+def test_bench_tasks_match_the_cli_choices():
+    from jaxinfer import cli, speculative_bench
+
+    args = cli.build_parser().parse_args(["bench", "--tasks", *speculative_bench.TASKS])
+    assert args.tasks == list(speculative_bench.TASKS)
+
+
+def test_rejection_mode_keeps_greedy_rows_plain(looping, tiny_chat):
+    """In a DraftModel(rejection=True) batch, greedy rows still take the argmax: plain
+    generate's tokens (sampled rows follow the law: the chi-square test above)."""
+    sp = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, logprobs=True),
+          SamplingParams(temperature=0.0, repetition_penalty=1.3, logprobs=True)]
+    plain = jaxinfer.generate(looping, PROMPTS[:3], max_new_tokens=16, chat=False, sampling=sp)
+    spec = jaxinfer.generate(looping, PROMPTS[:3], max_new_tokens=16, chat=False, sampling=sp,
+                             speculative=speculative.DraftModel(looping, rejection=True),
+                             num_speculative_tokens=3)
+    for row in (0, 2):
+        assert spec[row].token_ids == plain[row].token_ids
+    np.testing.assert_allclose(spec[2].logprobs, plain[2].logprobs, atol=1e-4)
+    assert len(spec[1].logprobs) == len(spec[1].token_ids)
+    assert sum(c.accepted_tokens for c in spec) > 0
+
+
+def test_serve_speculative_equals_generate(tiny_chat, tiny_chat_dir):
+    """`jaxinfer serve --speculative draft` in its own process (the model drafting for
+    itself): a greedy completion and a seeded sampled one are generate()'s tokens."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+    import openai
+
+    from test_server import _free_port
+
+    ids = [5, 6, 7, 8]
+    greedy = jaxinfer.generate(tiny_chat, [ids], max_new_tokens=10)[0]
+    sampled = jaxinfer.generate(tiny_chat, [ids], max_new_tokens=10,
+                                sampling=SamplingParams(temperature=0.8, seed=3))[0]
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jaxinfer.cli", "serve", "--model", str(tiny_chat_dir),
+         "--dtype", "float32", "--port", str(port), "--max-num-seqs", "2", "--max-model-len",
+         "128", "--kv-memory", "32MB", "--speculative", "draft", "--draft-model",
+         str(tiny_chat_dir), "--num-speculative-tokens", "3", "--api-key", "test-key"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "JAXINFER_API_KEY": ""})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if proc.poll() is not None:
+                pytest.fail(f"jaxinfer serve exited: {proc.stderr.read()}")
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="test-key", timeout=60,
+                               max_retries=0)
+        for want, extra in ((greedy, {"temperature": 0}), (sampled, {"temperature": 0.8,
+                                                                      "seed": 3})):
+            r = client.completions.create(model=str(tiny_chat_dir), prompt=ids, max_tokens=10,
+                                          **extra)
+            assert r.choices[0].text == want.text
+            assert r.usage.completion_tokens == len(want.token_ids)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
