@@ -742,6 +742,16 @@ def cmd_serve(args) -> int:
     from jaxinfer import memory
     from jaxinfer.server import EngineRunner, create_app
 
+    if jax.default_backend() == "gpu":
+        # Every dispatch shape compiled before the first client: one first met while serving
+        # stalls every row for its compile (~3 s at 8B on the H200).
+        from jaxinfer.sampling import SamplingParams
+
+        t0 = time.perf_counter()
+        n = engine.warmup([SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)],
+                          progress=sys.stderr.isatty())
+        print(f"jaxinfer serve: compiled {n} executables in {time.perf_counter() - t0:.0f} s",
+              file=sys.stderr, flush=True)
     runner = EngineRunner(engine, max_pending=args.max_pending)
     name = args.served_model_name or args.preset or args.model
     app = create_app(runner, name, api_key=args.api_key, max_tokens_limit=args.max_tokens_limit,
