@@ -226,9 +226,10 @@ class KernelPolicy:
         size: a row's logits (so its tokens and logprobs) do not depend on the batch size B,
         the other rows' contents or its index in the batch; and every matmul, norm and MLP
         result of a prefill token is the same bits whatever the number of tokens T
-        processed with it (a prompt in one call or in chunks). Not covered: the attention
-        of a prefill (flash for a fresh prompt, jnp attention against the cache for a later
-        chunk: different arithmetic, and XLA's GEMMs by shape on the GPU), MoE experts
+        processed with it (a prompt in one call or in chunks). Attention of every T runs
+        the paged chunk kernel, a contiguous cache read as pages of 64 (so generate() and
+        the engine at its default page size give a request the same bits); not covered: a
+        contiguous cache not a multiple of 64 slots (a max_seq_len such), MoE experts
         above fused_rows rows or at T > 1 (the grouped kernel), norm_offset (Gemma) norms
         (jnp), and sharded plans (XLA's GEMMs). Costs: benchmarks/DECISIONS.md."""
         return cls(**{"one_kernel_mlp_rows": 0, "lm_head": Impl.PALLAS,

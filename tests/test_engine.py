@@ -194,24 +194,29 @@ def test_embedded_model_through_the_engine():
     assert engine.free_pages == engine.total_pages
 
 
-def test_deterministic_engine_rows_are_bitwise_those_alone(tiny_chat):
+def test_deterministic_engine_rows_are_bitwise_those_alone_and_generates(tiny_chat):
     """KernelPolicy.deterministic() (bf16, the Pallas kernels in interpret mode): requests
     served together, arriving at different steps, chunked and sharing prefixes, give the bits
-    (tokens and logprobs) each gets served alone from an empty prefix cache."""
+    (tokens and logprobs) each gets served alone from an empty prefix cache, and those of
+    generate() alone (its contiguous cache read as pages of 64 by the same kernel)."""
     from jaxinfer.model import from_params
     from jaxinfer.plan import KernelPolicy
 
     model = from_params(tiny_chat.config, tiny_chat.params, tiny_chat.tokenizer,
                         dtype="bfloat16")
+    policy = KernelPolicy.deterministic(interpret=True)
     reqs = [(p, SamplingParams(temperature=sp.temperature, top_p=0.9, seed=i, logprobs=True), 6)
             for i, (p, sp, _) in enumerate(_requests(model, 6, seed=4))]
-    engine = _engine(model, pages=60, max_num_seqs=8,
-                     policy=KernelPolicy.deterministic(interpret=True))
+    page_bytes = jaxinfer.memory.kv_bytes_per_token(model.config) * 64
+    engine = _engine(model, max_num_seqs=8, page_size=64, kv_memory=12 * page_bytes,
+                     policy=policy)
     got, _ = _serve(engine, reqs, np.random.default_rng(5))
     for i, (p, sp, n) in enumerate(reqs):
         engine.reset_prefix_cache()
         (alone,) = engine.run([p], sampling=sp, max_tokens=n)
         assert (got[i][0], got[i][1]) == (alone.token_ids, alone.logprobs), i
+        (gen,) = jaxinfer.generate(model, [p], max_new_tokens=n, sampling=sp, policy=policy)
+        assert (got[i][0], got[i][1]) == (gen.token_ids[:n], gen.logprobs[:n]), i
 
 
 def test_int8_page_pool_equals_generate_with_an_int8_cache(tiny_chat):

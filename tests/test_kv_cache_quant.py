@@ -10,6 +10,7 @@ tokens on the tiny checkpoints with the int8 cache beside the bf16 cache.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import pathlib
@@ -273,8 +274,8 @@ def test_bad_quantized_inputs_raise():
 
 def test_kernel_wiring_takes_the_quantized_kernels():
     """bf16 under interpret=True: one token per row takes the fused quantized append kernel
-    (with q/k norm, the split-K kernel after the XLA append), a T > 1 step against the cache
-    the chunk kernel, a fresh prefill flash attention only; and a decode step through the
+    (with q/k norm, the split-K kernel after the XLA append), a few queries against the cache
+    the verify kernel, more the chunk kernel, a fresh prefill flash attention only; and a decode step through the
     kernels gives the reference path's logits and writes the same (dequantized) K/V."""
     config = tiny_config()
     params = random_params(config)
@@ -288,7 +289,9 @@ def test_kernel_wiring_takes_the_quantized_kernels():
                                                             fresh=fresh), params, cache)
 
     assert kernels(plan, params, 1)["decode_attention_append_quantized"] == config.num_layers
-    assert kernels(plan, params, 5)["chunk_attention_quantized"] == config.num_layers
+    assert kernels(plan, params, 5)["verify_attention_quantized"] == config.num_layers
+    few = Plan(config, dataclasses.replace(plan.policy, verify_queries=4))
+    assert kernels(few, params, 5)["chunk_attention_quantized"] == config.num_layers
     prefill = kernels(plan, params, 5, fresh=True)
     assert not any("quantized" in n for n in prefill) and any("flash" in n for n in prefill)
     qk = tiny_config(qk_norm=True)

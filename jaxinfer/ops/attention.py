@@ -75,6 +75,8 @@ def _fused_supports(qkv: Projection, cache, plan, *, positions, rope, q_norm=Non
         return f"needs a {layer_type.__name__} holding the earlier tokens"
     if t != 1:
         return "one new token per row only"
+    if plan.policy.batch_invariant and _as_pages_supports(None, None, None, cache, plan) is None:
+        return "batch_invariant: the paged chunk kernel serves every T (one arithmetic)"
     if not kernels_on(plan, qkv.dtype):
         return "kernels off for these dtypes"
     if q_norm is not None:
@@ -161,6 +163,42 @@ def _prologue_then_core(qkv: Projection, cache, plan, *, positions, rope, window
         cache = cache.append(k, v, positions)
     return ATTENTION_CORE(q, k, v, cache, plan, positions=positions, window=window,
                           fresh=fresh, sm_scale=sm_scale, softcap=softcap), cache
+
+
+# Under batch_invariant a contiguous cache is read as pages by the paged chunk kernel, for every
+# T and for a fresh prefill too: the engine's arithmetic, so generate() and the engine give
+# the same bits for a request (the engine's default page size on a GPU, 64 positions).
+AS_PAGES = 64
+
+
+def _as_pages_supports(q, k, v, cache, plan, **_) -> str | None:
+    if not plan.policy.batch_invariant:
+        return "batch_invariant only (the contiguous kernels are faster)"
+    if not isinstance(cache, KVLayer | QuantizedKVLayer):
+        return "a contiguous cache only"
+    if cache.k.shape[1] % AS_PAGES:
+        return f"a cache of {cache.k.shape[1]} slots is not whole pages of {AS_PAGES}"
+    dtype = q.dtype if q is not None else cache.k.dtype
+    if not kernels_on(plan, dtype) or not _kernel_head_dim(cache.k.shape[-1]):
+        return "kernels off, or a head dim the kernel lacks"
+    return None
+
+
+@ATTENTION_CORE.register("contiguous_as_pages", _as_pages_supports, kernel=True)
+def _as_pages(q, k, v, cache, plan, *, positions, window=None, fresh=False, sm_scale=None,
+              softcap=None):
+    """The cache rows [B, S, Hkv, D] seen as B * S / 64 pages of 64 slots (a free reshape),
+    row b's table b * S / 64 + j, through the paged chunk kernel."""
+    b, s = cache.k.shape[:2]
+    per_row = s // AS_PAGES
+
+    def pages(a):  # [B, S, ...] -> [B * S / 64, 64, ...]
+        return a.reshape(b * per_row, AS_PAGES, *a.shape[2:])
+    tables = jnp.arange(b * per_row, dtype=jnp.int32).reshape(b, per_row)
+    scales = {name: pages(a) for name, a in _scales(cache).items()}
+    return pk.paged_chunk_attention(q, pages(cache.k), pages(cache.v), tables, positions,
+                                    sliding_window=window, sm_scale=sm_scale, softcap=softcap,
+                                    interpret=plan.policy.interpret, **scales)
 
 
 def _flash_supports(q, k, v, cache, plan, *, fresh=False, **_) -> str | None:
