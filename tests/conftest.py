@@ -35,6 +35,29 @@ def _has_gpu() -> bool:
         return False
 
 
+# Each compiled XLA CPU kernel keeps three memory maps of JIT code until its executable is
+# dropped. A long test process (an xdist worker runs ~500 tests) reached 44k maps, and past
+# vm.max_map_count (65530 by default) the next compile segfaults. Past this many maps, the
+# compiled programs are dropped after the test (later tests recompile what they need).
+MAX_MAPS = 30_000
+
+
+def _memory_maps() -> int:
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return f.read().count(b"\n")
+    except OSError:  # not Linux: no such limit to keep under
+        return 0
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    if _memory_maps() > MAX_MAPS:
+        import gc
+        jax.clear_caches()
+        gc.collect()
+
+
 def pytest_collection_modifyitems(config, items):
     if _has_gpu():
         return

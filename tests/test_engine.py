@@ -186,7 +186,7 @@ def test_embedded_model_through_the_engine():
     once) serves a chat prompt and a plain one through the engine as generate() does."""
     model = jaxinfer.load("smollm2-135m-instruct", dtype="float32")
     prompts = ["What is the capital of France?", [1, 504, 3458, 282]]
-    engine = jaxinfer.Engine(model, max_num_seqs=2, max_model_len=256, chunk_size=16)
+    engine = jaxinfer.Engine(model, max_num_seqs=2, max_model_len=256, chunk_size=64)
     outs = engine.run(prompts, max_tokens=8)
     ref = jaxinfer.generate(model, prompts, max_new_tokens=8)
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
@@ -198,7 +198,8 @@ def test_deterministic_engine_rows_are_bitwise_those_alone_and_generates(tiny_ch
     """KernelPolicy.deterministic() (bf16, the Pallas kernels in interpret mode): requests
     served together, arriving at different steps, chunked and sharing prefixes, give the bits
     (tokens and logprobs) each gets served alone from an empty prefix cache, and those of
-    generate() alone (its contiguous cache read as pages of 64 by the same kernel)."""
+    generate() (its contiguous cache read as pages of 64 by the same kernel; one batch of all
+    six, itself batch-invariant)."""
     from jaxinfer.model import from_params
     from jaxinfer.plan import KernelPolicy
 
@@ -211,12 +212,13 @@ def test_deterministic_engine_rows_are_bitwise_those_alone_and_generates(tiny_ch
     engine = _engine(model, max_num_seqs=8, page_size=64, kv_memory=12 * page_bytes,
                      policy=policy)
     got, _ = _serve(engine, reqs, np.random.default_rng(5))
+    gen = jaxinfer.generate(model, [p for p, _, _ in reqs], max_new_tokens=6,
+                            sampling=[sp for _, sp, _ in reqs], policy=policy)
     for i, (p, sp, n) in enumerate(reqs):
         engine.reset_prefix_cache()
         (alone,) = engine.run([p], sampling=sp, max_tokens=n)
         assert (got[i][0], got[i][1]) == (alone.token_ids, alone.logprobs), i
-        (gen,) = jaxinfer.generate(model, [p], max_new_tokens=n, sampling=sp, policy=policy)
-        assert (got[i][0], got[i][1]) == (gen.token_ids[:n], gen.logprobs[:n]), i
+        assert (got[i][0], got[i][1]) == (gen[i].token_ids, gen[i].logprobs), i
 
 
 def test_int8_page_pool_equals_generate_with_an_int8_cache(tiny_chat):

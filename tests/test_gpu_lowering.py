@@ -252,8 +252,9 @@ def test_llama3_8b_batch1_decode_layer_kernels_default_and_deterministic():
     """Batch 1, one layer, in one process: the default policy's 4 kernels per decode layer
     (the boundaries ride in the q/k/v matmul and SwiGLU, the MLP is one swiglu_down, the
     attention sums q/k/v's chunks) plus the final add + norm, the LM head in XLA; the
-    deterministic policy's 5 (SwiGLU, then down: no float atomics; the attention's fixed-size
-    chunks merged by XLA) plus the final add + norm and the LM head as a fused matmul."""
+    deterministic policy's 5 (SwiGLU, then down: no float atomics; the cache read as pages by
+    the engine's paged chunk kernel, RoPE and the append in XLA) plus the final add + norm and
+    the LM head as a fused matmul."""
     default = decode_step_module("llama3-8b", 1, 512)
     assert kernel_names(default) == collections.Counter({
         "norm_matmul_none_k4096_n6144_split2": 1, "decode_attention_append": 1,
@@ -262,7 +263,7 @@ def test_llama3_8b_batch1_decode_layer_kernels_default_and_deterministic():
     deterministic = decode_step_module(
         "llama3-8b", 1, 512, KernelPolicy.deterministic(kernels=Kernels.PALLAS))
     assert kernel_names(deterministic) == collections.Counter({
-        "norm_matmul_none_k4096_n6144_split2": 1, "decode_attention_append": 1,
+        "norm_matmul_none_k4096_n6144_split2": 1, "paged_chunk_attention": 1,
         "matmul_none_k4096_n4096_split2": 1, "add_norm_matmul_swiglu_k4096_n14336": 1,
         "matmul_none_k14336_n4096_split2": 1, "add_rms_norm": 1,
         "matmul_none_k4096_n128256": 1})
