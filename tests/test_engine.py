@@ -362,7 +362,10 @@ def test_constrained_rows_beside_free_rows(tiny_chat):
                                      spec, defaults={"whitespace_pattern": JSON_WHITESPACE}))
         want, mask = [], llguidance.numpy.allocate_token_bitmask(1, tok.vocab_size)
         while len(want) < 130 and not m.is_stopped():
-            logits = np.array(model(np.array([prompt + want]))[0, -1:], np.float32)
+            # padded to one length (one compile; causal: the padding changes no earlier logit)
+            seq = prompt + want
+            logits = np.array(model(np.array([seq + [0] * (len(prompt) + 130 - len(seq))]))
+                              [0, len(seq) - 1:len(seq)], np.float32)
             llguidance.numpy.fill_next_token_bitmask(m, mask)
             llguidance.numpy.apply_token_bitmask_inplace(logits, mask)
             t = int(np.argmax(logits))
