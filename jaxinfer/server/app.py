@@ -484,14 +484,25 @@ def create_app(runner: EngineRunner, model_name: str, api_key: str | None = None
                     "choices": choices, "usage": usage(sum(map(len, ids)))}
 
         async def events():
-            merged: asyncio.Queue = asyncio.Queue()
+            if len(subs) == 1:  # one choice (most requests): its events as they come
+                one = choice_events(subs[0], stops)
+                tasks = []
 
-            async def pump(i, sub):
-                async for event in choice_events(sub, stops):
-                    await merged.put((i, event))
-                await merged.put((i, None))
+                async def get():
+                    try:
+                        return 0, await anext(one)
+                    except StopAsyncIteration:
+                        return 0, None
+            else:  # n > 1: a task per choice feeds one queue
+                merged: asyncio.Queue = asyncio.Queue()
 
-            tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(subs)]
+                async def pump(i, sub):
+                    async for event in choice_events(sub, stops):
+                        await merged.put((i, event))
+                    await merged.put((i, None))
+
+                tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(subs)]
+                get = merged.get
             done, generated, first = 0, 0, True
             held = [""] * len(subs)  # tool mode: a choice's text, sent as a call at its end
             chunk_obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
@@ -504,7 +515,7 @@ def create_app(runner: EngineRunner, model_name: str, api_key: str | None = None
                                                                      "content": ""},
                                                "finish_reason": None}]})
                 while done < len(subs):
-                    i, event = await merged.get()
+                    i, event = await get()
                     if event is None:
                         done += 1
                         continue
