@@ -31,9 +31,8 @@ from typing import Any, Literal
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
-from sse_starlette.sse import EventSourceResponse
 from starlette.background import BackgroundTask
 
 from jaxinfer import structured
@@ -559,7 +558,16 @@ def create_app(runner: EngineRunner, model_name: str, api_key: str | None = None
             for sub in subs:
                 runner.abort(sub.request_id)
 
-        return EventSourceResponse(events(), ping=15, background=BackgroundTask(abort_all))
+        async def sse():  # Server-sent events: one `data:` line per chunk
+            async for data in events():
+                yield f"data: {data}\n\n"
+
+        # Starlette's own streaming response, as vLLM's server: it cancels the stream when the
+        # client disconnects; sse-starlette's per-event send timeout and task group took about
+        # half of the event loop's time per token.
+        return StreamingResponse(sse(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"},
+                                 background=BackgroundTask(abort_all))
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest):
