@@ -737,7 +737,6 @@ def cmd_serve(args) -> int:
     model, engine = serve_engine(args)
     import jax
     import uvicorn
-    from sse_starlette.sse import AppStatus
 
     from jaxinfer import memory
     from jaxinfer.server import EngineRunner, create_app
@@ -768,8 +767,7 @@ def cmd_serve(args) -> int:
           f"  {url}/v1 (OpenAI API), {url}/ (chat page); Ctrl-C drains and stops",
           file=sys.stderr, flush=True)
     # Ctrl-C / SIGTERM: uvicorn stops accepting, then waits for the requests under way (streams
-    # included: sse-starlette would otherwise cut them at the signal) up to --shutdown-timeout.
-    AppStatus.disable_automatic_graceful_drain()
+    # included) up to --shutdown-timeout.
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                             timeout_graceful_shutdown=args.shutdown_timeout)
     try:

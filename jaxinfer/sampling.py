@@ -251,18 +251,18 @@ class SamplingTensors:
         )
 
         def f32(name):
-            return jnp.asarray(np.array([getattr(p, name) for p in params], np.float32))
+            return np.array([getattr(p, name) for p in params], np.float32)
 
-        return cls(
-            greedy=jnp.asarray(greedy),
-            temperature=jnp.asarray(np.where(greedy, 1.0, [p.temperature for p in params])
-                                    .astype(np.float32)),
-            top_k=jnp.asarray(top_k), top_p=jnp.asarray(top_p), min_p=jnp.asarray(min_p),
+        arrays = dict(
+            greedy=greedy,
+            temperature=np.where(greedy, 1.0, [p.temperature for p in params]).astype(np.float32),
+            top_k=top_k, top_p=top_p, min_p=min_p,
             repetition_penalty=f32("repetition_penalty"),
             presence_penalty=f32("presence_penalty"),
-            frequency_penalty=f32("frequency_penalty"),
-            flags=flags,
-        )
+            frequency_penalty=f32("frequency_penalty"))
+        # One transfer call for all of them (the engine builds these every step it admits or
+        # finishes a request).
+        return cls(**jax.device_put(arrays), flags=flags)
 
 
 @pytree.dataclass

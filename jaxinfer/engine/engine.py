@@ -207,6 +207,9 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()  # key ids of requests without their own seed
         self._flags: sampling.SamplingFlags | None = None  # union of the dispatches' so far
+        # The last dispatch's (params, flags, SamplingTensors): a steady decode batch reuses
+        # its tensors instead of rebuilding and uploading 9 arrays per step.
+        self._tensors: tuple | None = None
         self._inflight: list = []  # dispatches not read yet: (kind, rows, tokens, logprobs, top)
         self.stats = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "preemptions": 0,
                       "draft_tokens": 0, "accepted_tokens": 0}
@@ -540,12 +543,19 @@ class Engine:
             pages = req.pages[:width]
             tables[i, :len(pages)] = pages
         params = [req.sampling for req in reqs] + [reqs[0].sampling] * (b - n)
-        tensors = sampling.SamplingTensors.from_params(params)
-        # The flags of every request so far: a new mix of requests compiles nothing new. The
-        # top-logprobs search alone is this dispatch's own (rows that ask are rare).
-        self._flags = tensors.flags if self._flags is None else self._flags.union(tensors.flags)
-        tensors = tensors.replace(flags=dataclasses.replace(
-            self._flags, top_logprobs=tensors.flags.top_logprobs))
+        last = self._tensors
+        if (last is not None and last[1] == self._flags and len(last[0]) == b
+                and all(p is q for p, q in zip(last[0], params))):
+            tensors = last[2]  # (the params held there cannot be reused objects)
+        else:
+            tensors = sampling.SamplingTensors.from_params(params)
+            # The flags of every request so far: a new mix of requests compiles nothing new.
+            # The top-logprobs search alone is this dispatch's own (rows that ask are rare).
+            self._flags = tensors.flags if self._flags is None else \
+                self._flags.union(tensors.flags)
+            tensors = tensors.replace(flags=dataclasses.replace(
+                self._flags, top_logprobs=tensors.flags.top_logprobs))
+            self._tensors = (params, self._flags, tensors)
         sampled = [True] * n if sampled is None else sampled
         bitmask = None
         if any(req.matcher is not None and s for req, s in zip(reqs, sampled)):
@@ -554,10 +564,13 @@ class Engine:
                 if req.matcher is not None and s:
                     req.matcher.fill_bitmask(bitmask[i])
             bitmask = jnp.asarray(bitmask)
-        return step_lib.Rows(slot=jnp.asarray(slot), position=jnp.asarray(position),
-                             count=jnp.asarray(count), seed=jnp.asarray(seed),
-                             key_id=jnp.asarray(key_id), block_tables=jnp.asarray(tables),
-                             sampling=tensors, token_bitmask=bitmask)
+        # One transfer call for the six arrays (each call is a GIL release and re-take, which
+        # waits behind the server's event loop).
+        slot, position, count, seed, key_id, tables = jax.device_put(
+            (slot, position, count, seed, key_id, tables))
+        return step_lib.Rows(slot=slot, position=position, count=count, seed=seed,
+                             key_id=key_id, block_tables=tables, sampling=tensors,
+                             token_bitmask=bitmask)
 
     def _ensure_penalties(self, reqs: list[Request]) -> None:
         """Penalty statistics on the device for requests that use penalties (allocated at the

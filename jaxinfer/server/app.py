@@ -31,9 +31,8 @@ from typing import Any, Literal
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
-from sse_starlette.sse import EventSourceResponse
 from starlette.background import BackgroundTask
 
 from jaxinfer import structured
@@ -484,14 +483,25 @@ def create_app(runner: EngineRunner, model_name: str, api_key: str | None = None
                     "choices": choices, "usage": usage(sum(map(len, ids)))}
 
         async def events():
-            merged: asyncio.Queue = asyncio.Queue()
+            if len(subs) == 1:  # one choice (most requests): its events as they come
+                one = choice_events(subs[0], stops)
+                tasks = []
 
-            async def pump(i, sub):
-                async for event in choice_events(sub, stops):
-                    await merged.put((i, event))
-                await merged.put((i, None))
+                async def get():
+                    try:
+                        return 0, await anext(one)
+                    except StopAsyncIteration:
+                        return 0, None
+            else:  # n > 1: a task per choice feeds one queue
+                merged: asyncio.Queue = asyncio.Queue()
 
-            tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(subs)]
+                async def pump(i, sub):
+                    async for event in choice_events(sub, stops):
+                        await merged.put((i, event))
+                    await merged.put((i, None))
+
+                tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(subs)]
+                get = merged.get
             done, generated, first = 0, 0, True
             held = [""] * len(subs)  # tool mode: a choice's text, sent as a call at its end
             chunk_obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
@@ -504,7 +514,7 @@ def create_app(runner: EngineRunner, model_name: str, api_key: str | None = None
                                                                      "content": ""},
                                                "finish_reason": None}]})
                 while done < len(subs):
-                    i, event = await merged.get()
+                    i, event = await get()
                     if event is None:
                         done += 1
                         continue
@@ -548,7 +558,16 @@ def create_app(runner: EngineRunner, model_name: str, api_key: str | None = None
             for sub in subs:
                 runner.abort(sub.request_id)
 
-        return EventSourceResponse(events(), ping=15, background=BackgroundTask(abort_all))
+        async def sse():  # Server-sent events: one `data:` line per chunk
+            async for data in events():
+                yield f"data: {data}\n\n"
+
+        # Starlette's own streaming response, as vLLM's server: it cancels the stream when the
+        # client disconnects; sse-starlette's per-event send timeout and task group took about
+        # half of the event loop's time per token.
+        return StreamingResponse(sse(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"},
+                                 background=BackgroundTask(abort_all))
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest):
