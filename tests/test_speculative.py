@@ -144,6 +144,27 @@ def test_coupled_sampling_equals_plain_sampling(looping, drafter):
     assert sum(c.accepted_tokens for c in spec) > 0
 
 
+def test_deterministic_speculative_is_bitwise_plain(looping):
+    """KernelPolicy.deterministic() (bf16, the kernels in interpret mode): a verification's
+    queries take the decode step's kernels and tiles (the cache read as pages by the chunk
+    kernel, row-invariant matmuls), so greedy and coupled-sampled rows get plain decoding's
+    tokens and logprobs bit for bit, not just to a tolerance."""
+    from jaxinfer.plan import KernelPolicy
+
+    model = from_params(looping.config, looping.params, looping.tokenizer, dtype="bfloat16")
+    policy = KernelPolicy.deterministic(interpret=True)
+    sampling = [SamplingParams(temperature=0.0, logprobs=True),
+                SamplingParams(temperature=0.8, top_p=0.9, seed=3, logprobs=True)]
+    kw = dict(max_new_tokens=24, chat=False, sampling=sampling, policy=policy)
+    prompts = [PROMPTS[1] * 4, PROMPTS[3] * 8]  # past one 64-key tile (the kernels differ there)
+    plain = jaxinfer.generate(model, prompts, **kw)
+    spec = jaxinfer.generate(model, prompts, speculative="ngram", num_speculative_tokens=3,
+                             **kw)
+    assert sum(c.accepted_tokens for c in spec) > 0
+    for p, s in zip(plain, spec):
+        assert (s.token_ids, s.logprobs) == (p.token_ids, p.logprobs)
+
+
 def test_ngram_drafts_follow_the_latest_longest_match():
     """Row 0: its last 2 tokens (7 8) occur earlier twice; the latest one (at 4) wins and its
     continuation runs into the suffix, so it repeats with its period (9, 7, 8, 9, ...).
