@@ -21,19 +21,16 @@ Variants:
                      then the scales and a sum over g
   xla_int4_nk        codes [N, K] and scales [N, G] (the torch Linear orientation, K contiguous),
                      dequantized, then a dot contracting K
-  pair_*             pallas_kernels/int4_gemv.py: one load of a byte tile feeds both K tiles
-                     packed in it, operands loaded `depth` units ahead in the loop carry, split-K
-                     over the grid; sub-variants bn (block_n), s (split, "a" = auto), d (depth),
-                     w (warps), st (stages); fma_* the M = 1 FMA design (no tensor-core dot)
   torch_tinygemm     torch.ops.aten._weight_int4pack_mm on _convert_weight_to_int4pack(inner k
                      tiles 8); the same codes and scales (zeros 0); skipped with a note without
                      torch or CUDA. Timed in a CUDA graph of calls, each call's x first passed
                      through one elementwise add of 0 * the previous output, as time_fn's chained
                      program does (torch_tinygemm_nolink: without that add)
 
-The int4_gemv sub-variants all run at 4096 x 14336; at 8192 x 28672 only the 3 fastest there
-at the same M (--all-pairs: all). Past --budget seconds (default 420) the remaining timings are
-skipped with a note; --json is rewritten after each (shape, M).
+A new design joins as one more entry of `jax_variants`. (A paired-nibble Pallas kernel, one
+byte-tile load feeding both K tiles, was measured here and removed: benchmarks/DECISIONS.md.)
+Past --budget seconds (default 420) the remaining timings are skipped with a note; --json is
+rewritten after each (shape, M).
 
 Bytes read: the weight's arrays plus x (int4: K N / 2 codes + G N 2-byte scales; tinygemm: its
 packed codes + scales and zeros; bf16: K N 2). --cpu-check runs every JAX variant at tiny shapes
@@ -61,7 +58,6 @@ import numpy as np  # noqa: E402
 
 import pallas_kernels as pk  # noqa: E402
 from benchmarks.kernels import PEAK_TBS, rel_err, time_fn  # noqa: E402
-from pallas_kernels.int4_gemv import Int4Blocks, int4_matmul  # noqa: E402
 from pallas_kernels.quantized import codes_of, dequantize, quantize_weight  # noqa: E402
 
 TOL = 2e-2  # relative error (Frobenius) against x @ dequantize(qw) in float32
@@ -117,31 +113,8 @@ def xla_int4_nk(x, c4t, st):
                                preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-def pair_variants(m: int, cpu: bool) -> dict[str, Int4Blocks]:
-    """The int4_gemv sub-variants timed at M rows (design axes, a few points each)."""
-    B = Int4Blocks
-    v = {
-        "pair_bn64_sa_d2_w4_st3": B(block_n=64, depth=2),
-        "pair_bn64_s2_d2_w4_st3": B(block_n=64, split_k=2, depth=2),
-        "pair_bn64_s4_d2_w4_st3": B(block_n=64, split_k=4, depth=2),  # ~7 programs per SM
-        "pair_bn128_s2_d2_w4_st3": B(block_n=128, split_k=2, depth=2),
-        "pair_bn128_s2_d3_w8_st3": B(block_n=128, split_k=2, depth=3, num_warps=8),
-        "pair_bn32_sa_d2_w4_st3": B(block_n=32, depth=2),
-        "pair_bn64_s2_d3_w4_st1": B(block_n=64, split_k=2, depth=3, num_stages=1),
-        "pair_bn64_sa_d1_w4_st3": B(block_n=64, depth=1),  # control: the pairing, 1 ahead
-    }
-    if m == 1:
-        v["fma_bn64_s2_d2_w4"] = B(block_n=64, split_k=2, depth=2, mode="fma")
-        v["fma_bn32_sa_d2_w4"] = B(block_n=32, depth=2, mode="fma")
-    if cpu:  # tiny shapes: splits that leave a ragged last chunk, depth past the chunk
-        v["pair_bn16_s3_d4_w4"] = B(block_n=16, split_k=3, depth=4)
-    return v
-
-
-def jax_variants(m: int, k: int, n: int, interpret: bool,
-                 pairs: list[str] | None = None) -> list[tuple]:
-    """(name, jitted fn, args_of(set dict) -> tuple, bytes); pairs: the int4_gemv
-    sub-variants to keep (None: all)."""
+def jax_variants(m: int, k: int, n: int, interpret: bool) -> list[tuple]:
+    """(name, jitted fn, args_of(set dict) -> tuple, bytes)."""
     ib, bb = int4_bytes(m, k, n), bf16_bytes(m, k, n)
     out = [
         ("bf16", jax.jit(lambda x, w: pk.norm_matmul(x, None, w, interpret=interpret)),
@@ -155,11 +128,6 @@ def jax_variants(m: int, k: int, n: int, interpret: bool,
         ("xla_int4_einsum", jax.jit(xla_int4_einsum), lambda s: (s["x"], s["c4"], s["s"]), ib),
         ("xla_int4_nk", jax.jit(xla_int4_nk), lambda s: (s["x"], s["c4t"], s["st"]), ib),
     ]
-    for name, blocks in pair_variants(m, interpret).items():
-        if pairs is not None and name not in pairs:
-            continue
-        fn = jax.jit(lambda x, q, b=blocks: int4_matmul(x, q, blocks=b, interpret=interpret))
-        out.append((name, fn, lambda s: (s["x"], s["q"]), ib))
     return out
 
 
@@ -306,12 +274,10 @@ def over_budget(budget: float | None) -> bool:
 
 
 def run_shape(k: int, n: int, ms: tuple, *, iters: int, sets_n: int, interpret: bool,
-              torch, repeats: int, only: str | None, pairs: dict | None = None,
-              budget: float | None = None, json_path: str | None = None) -> dict:
-    """Check and time every variant at K x N for each M. pairs: {M: names} of the int4_gemv
-    sub-variants to run (None: all). Returns {M: the int4_gemv sub-variants by time}."""
+              torch, repeats: int, only: str | None, budget: float | None = None,
+              json_path: str | None = None) -> None:
+    """Check and time every variant at K x N for each M."""
     t0 = time.perf_counter()
-    ranked = {}
     sets = make_sets(k, n, sets_n)
     print(f"# {k}x{n}: {sets_n} weight sets ready in {time.perf_counter() - t0:.1f} s",
           flush=True)
@@ -322,7 +288,7 @@ def run_shape(k: int, n: int, ms: tuple, *, iters: int, sets_n: int, interpret: 
             st["x"] = x
         ref = jnp.dot(xs[0].astype(jnp.float32), dequantize(sets[0]["q"], jnp.float32),
                       precision=jax.lax.Precision.HIGHEST)  # [M, N]
-        variants = jax_variants(m, k, n, interpret, None if pairs is None else pairs.get(m))
+        variants = jax_variants(m, k, n, interpret)
         if only:
             keep = only.split(",")
             variants = [v for v in variants
@@ -375,12 +341,9 @@ def run_shape(k: int, n: int, ms: tuple, *, iters: int, sets_n: int, interpret: 
                    vs_bf16=None if t_bf16 is None else t_bf16 / t,
                    vs_tinygemm=None if t_tiny is None else t_tiny / t,
                    err=err, bytes=nbytes, timing=how)
-        ranked[m] = sorted((nm for nm in timed if nm.startswith(("pair_", "fma_"))),
-                           key=lambda nm: timed[nm][0])
         print(f"# {k}x{n} M={m} done at {time.perf_counter() - t0:.1f} s", flush=True)
         write_json(json_path)
     del sets
-    return ranked
 
 
 def write_json(path: str | None) -> None:
@@ -417,25 +380,17 @@ def main() -> int:
     ap.add_argument("--cpu-check", action="store_true",
                     help="tiny shapes (K 256 / 384, N 384 / 200, M 1 and 3) in interpret mode")
     ap.add_argument("--only", default=None,
-                    help="comma-separated name prefixes (e.g. pair_bn64,xla_int4); bf16 is "
+                    help="comma-separated name prefixes (e.g. current,xla_int4); bf16 is "
                          "always kept")
-    ap.add_argument("--all-pairs", action="store_true",
-                    help="every int4_gemv sub-variant at 8192 x 28672 too (default: the 3 "
-                         "fastest at 4096 x 14336 for the same M)")
     ap.add_argument("--budget", type=float, default=420.0,
                     help="seconds after which the remaining timings are skipped (noted)")
     ap.add_argument("--no-torch", action="store_true")
     args = ap.parse_args()
     print(f"# jax {jax.__version__}, devices {jax.devices()}", flush=True)
     if args.cpu_check:
-        ranked = None
-        # 3 K tiles with N not a tile multiple (every sub-variant), then 256 x 384 with the
-        # 3 fastest here kept (the selection path of the GPU run).
-        for k, n in ((384, 200), (256, 384)):
-            ranked = run_shape(k, n, (1, 3), iters=1, sets_n=2, interpret=True, torch=None,
-                               repeats=1, only=args.only, json_path=args.json,
-                               pairs=None if ranked is None else
-                               {m: names[:3] for m, names in ranked.items()})
+        for k, n in ((384, 200), (256, 384)):  # 3 and 2 groups of 128; N 200 not a tile multiple
+            run_shape(k, n, (1, 3), iters=1, sets_n=2, interpret=True, torch=None, repeats=1,
+                      only=args.only, json_path=args.json)
         NOTES.append("torch_tinygemm skipped: --cpu-check")
     else:
         torch = None if args.no_torch else torch_setup(NOTES)
@@ -444,18 +399,11 @@ def main() -> int:
         for note in NOTES:
             print(f"# {note}", flush=True)
         shapes = [(4096, 14336)] if args.quick else [(4096, 14336), (8192, 28672)]
-        ranked = None
         for k, n in shapes:
-            pairs = None if ranked is None or args.all_pairs else \
-                {m: names[:3] for m, names in ranked.items()}
-            if pairs:
-                print(f"# {k}x{n}: int4_gemv sub-variants kept from the first shape: {pairs}",
-                      flush=True)
-            got = run_shape(k, n, (1, 16), iters=20 if args.quick else 50,
-                            sets_n=4 if k * n <= 10 ** 8 else 2, interpret=False, torch=torch,
-                            repeats=3 if args.quick else 5, only=args.only, pairs=pairs,
-                            budget=args.budget, json_path=args.json)
-            ranked = ranked or got
+            run_shape(k, n, (1, 16), iters=20 if args.quick else 50,
+                      sets_n=4 if k * n <= 10 ** 8 else 2, interpret=False, torch=torch,
+                      repeats=3 if args.quick else 5, only=args.only, budget=args.budget,
+                      json_path=args.json)
     summary()
     for note in NOTES:
         print(f"note: {note}")
