@@ -569,6 +569,11 @@ def test_serve_speculative_equals_generate(tiny_chat, tiny_chat_dir):
                                           **extra)
             assert r.choices[0].text == want.text
             assert r.usage.completion_tokens == len(want.token_ids)
+        # A grammar is refused, naming the format parameter (not the prompt).
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=str(tiny_chat_dir), prompt=ids, max_tokens=4,
+                                      extra_body={"guided_regex": "a+"})
+        assert e.value.body["param"] == "guided_regex" and "speculative" in str(e.value)
     finally:
         proc.terminate()
         try:
