@@ -24,6 +24,7 @@ on a worker thread (an invalid one: 400):
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 import uuid
@@ -406,11 +407,15 @@ def create_app(runner: EngineRunner, model_name: str, api_key: str | None = None
                             "top_logprobs": alternatives})
         return {"content": content}
 
-    def text_logprobs(ids, lps, tops, k):
-        return {"tokens": [tokenizer.decode([t]) for t in ids], "token_logprobs": lps or [],
+    def text_logprobs(ids, lps, tops, k, start: int = 0):
+        """Completions' logprobs; text_offset: each token's character offset in the choice's
+        text, from `start` (the characters streamed before), as vLLM counts them."""
+        tokens = [tokenizer.decode([t]) for t in ids]
+        offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=start))
+        return {"tokens": tokens, "token_logprobs": lps or [],
                 "top_logprobs": [{tokenizer.decode([a]): alp for a, alp in top}
                                  for top in tops] if k and tops else None,
-                "text_offset": None}
+                "text_offset": offsets if tokens else []}
 
     async def run(kind: str, req: _Common, prompt, param: str, tool_mode=None,
                   tool_schema=None):
@@ -509,6 +514,7 @@ def create_app(runner: EngineRunner, model_name: str, api_key: str | None = None
                 get = merged.get
             done, generated, first = 0, 0, True
             held = [""] * len(subs)  # tool mode: a choice's text, sent as a call at its end
+            offset = [0] * len(subs)  # completions' text_offset: characters streamed so far
             chunk_obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
             try:
                 if kind == "chat":
@@ -543,8 +549,10 @@ def create_app(runner: EngineRunner, model_name: str, api_key: str | None = None
                              if req.logprobs else None}
                     else:
                         c = {"index": i, "text": piece, "finish_reason": reason,
-                             "logprobs": text_logprobs(toks, lp, top, k)
+                             "logprobs": text_logprobs(toks, lp, top, k, offset[i])
                              if req.logprobs is not None else None}
+                        if c["logprobs"] is not None:
+                            offset[i] += sum(map(len, c["logprobs"]["tokens"]))
                     yield json.dumps({"id": rid, "object": chunk_obj, "created": created,
                                       "model": model_name, "choices": [c]})
                 if req.stream_options and req.stream_options.include_usage:
