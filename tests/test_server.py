@@ -2,12 +2,8 @@
 
 import json
 import math
-import os
 import re
 import shutil
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
@@ -17,16 +13,11 @@ import openai
 import pytest
 
 import jaxinfer
+from tests.serving import serve
 
 KEY = "test-key"
 CHAT = [{"role": "user", "content": "Name three painters."}]
 IDS = [5, 6, 7, 8]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -53,30 +44,10 @@ def server(tiny_chat_dir, tmp_path_factory):
     config = json.loads((model_dir / "tokenizer_config.json").read_text())
     config["chat_template"] = TOOLS_TEMPLATE + config["chat_template"]
     (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "jaxinfer.cli", "serve", "--model", str(model_dir),
-         "--dtype", "float32", "--port", str(port), "--api-key", KEY, "--max-num-seqs", "4",
-         "--max-model-len", "512", "--kv-memory", "64MB", "--served-model-name", "tiny"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "JAXINFER_API_KEY": ""})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"jaxinfer serve exited: {proc.stderr.read()}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            time.sleep(0.2)
-    yield url
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    with serve("--model", str(model_dir), "--dtype", "float32", "--api-key", KEY,
+               "--max-num-seqs", "4", "--max-model-len", "512", "--kv-memory", "64MB",
+               "--served-model-name", "tiny") as (url, _, _):
+        yield url
 
 
 @pytest.fixture(scope="module")

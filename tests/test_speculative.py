@@ -527,40 +527,20 @@ def test_rejection_mode_keeps_greedy_rows_plain(looping, tiny_chat):
 
 def test_serve_speculative_equals_generate(tiny_chat, tiny_chat_dir):
     """`jaxinfer serve --speculative draft` in its own process (the model drafting for
-    itself): a greedy completion and a seeded sampled one are generate()'s tokens."""
-    import os
-    import subprocess
-    import sys
-    import time
-
-    import httpx
+    itself): a greedy completion and a seeded sampled one are generate()'s tokens; a grammar
+    request gets a 400 naming its format parameter."""
     import openai
 
-    from test_server import _free_port
+    from tests.serving import serve
 
     ids = [5, 6, 7, 8]
     greedy = jaxinfer.generate(tiny_chat, [ids], max_new_tokens=10)[0]
     sampled = jaxinfer.generate(tiny_chat, [ids], max_new_tokens=10,
                                 sampling=SamplingParams(temperature=0.8, seed=3))[0]
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "jaxinfer.cli", "serve", "--model", str(tiny_chat_dir),
-         "--dtype", "float32", "--port", str(port), "--max-num-seqs", "2", "--max-model-len",
-         "128", "--kv-memory", "32MB", "--speculative", "draft", "--draft-model",
-         str(tiny_chat_dir), "--num-speculative-tokens", "3", "--api-key", "test-key"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "JAXINFER_API_KEY": ""})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            if proc.poll() is not None:
-                pytest.fail(f"jaxinfer serve exited: {proc.stderr.read()}")
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+    with serve("--model", str(tiny_chat_dir), "--dtype", "float32", "--max-num-seqs", "2",
+               "--max-model-len", "128", "--kv-memory", "32MB", "--speculative", "draft",
+               "--draft-model", str(tiny_chat_dir), "--num-speculative-tokens", "3",
+               "--api-key", "test-key") as (url, _, _):
         client = openai.OpenAI(base_url=url + "/v1", api_key="test-key", timeout=60,
                                max_retries=0)
         for want, extra in ((greedy, {"temperature": 0}), (sampled, {"temperature": 0.8,
@@ -574,10 +554,3 @@ def test_serve_speculative_equals_generate(tiny_chat, tiny_chat_dir):
             client.completions.create(model=str(tiny_chat_dir), prompt=ids, max_tokens=4,
                                       extra_body={"guided_regex": "a+"})
         assert e.value.body["param"] == "guided_regex" and "speculative" in str(e.value)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
