@@ -13,6 +13,11 @@
 - det: KernelPolicy.deterministic(): `--det-rows` requests served together (arriving over
   several steps, prompts split into chunks) against each served alone: tokens and logprobs
   compared bitwise; and their tokens against generate() alone.
+- spec_det: speculative decoding under KernelPolicy.deterministic(): n-gram speculative
+  `generate` (greedy and coupled-sampled rows, K = --spec-k) against plain `generate`, tokens
+  and logprobs compared bitwise, at batch 1 and 8, and the engine's speculative rows against
+  the same plain rows; then the wall time of plain and speculative `generate` under that policy
+  against the default policy (the mode's cost), same prompts, compiles excluded.
 Random weights of the preset's real shapes, bf16. A table of every figure is printed last.
 """
 
@@ -141,6 +146,68 @@ def part_det(model, args, kw):
         f"{tok}/{args.det_alone} tokens, {lpb}/{args.det_alone} logprobs")
 
 
+def part_spec_det(model, args, kw):
+    det = KernelPolicy.deterministic()
+    rng = np.random.default_rng(7)
+    new = args.det_tokens
+    # Prompts that repeat a random span: prompt lookup finds drafts; random weights decide.
+    prompts = []
+    for _ in range(8):
+        span = rng.integers(0, model.config.vocab_size, int(rng.integers(8, 40))).tolist()
+        prompts.append(span * int(rng.integers(3, 12)))
+    sps = [SamplingParams(temperature=0.0, logprobs=True) if i % 2 == 0 else
+           SamplingParams(temperature=0.8, top_p=0.9, seed=i, logprobs=True) for i in range(8)]
+    spec = dict(speculative="ngram", num_speculative_tokens=args.spec_k)
+
+    def run(batch, policy, **extra):
+        out = []
+        for i in range(0, 8, batch):
+            out += generate(model, prompts[i:i + batch], max_new_tokens=new,
+                            sampling=sps[i:i + batch], policy=policy, chat=False, **extra)
+        return out
+
+    plain = {}
+    for batch in (1, 8):
+        plain[batch] = run(batch, det)
+        got = run(batch, det, **spec)
+        same = [(g.token_ids, g.logprobs) == (p.token_ids, p.logprobs)
+                for g, p in zip(got, plain[batch])]
+        acc = sum(g.accepted_tokens for g in got)
+        drafted = sum(g.draft_tokens for g in got)
+        row("spec_det", f"ngram K={args.spec_k} speculative vs plain generate, batch {batch} "
+            "(bitwise tokens + logprobs; greedy rows 0,2,4,6, sampled 1,3,5,7)",
+            f"{sum(same)}/8 equal; {acc}/{drafted} drafts accepted",
+            rows=["equal" if e else "DIFFER" for e in same])
+    engine = Engine(model, **{**kw, "max_num_seqs": 8}, policy=det, **spec)
+    got = {}
+    ids = {engine.add_request(p, sampling=sp, max_tokens=new): i
+           for i, (p, sp) in enumerate(zip(prompts, sps))}
+    while engine.has_unfinished():
+        for o in engine.step():
+            t, lp = got.setdefault(ids[o.request_id], ([], []))
+            t += o.new_token_ids
+            lp += o.new_logprobs or []
+    same = sum(got[i] == (plain[8][i].token_ids, plain[8][i].logprobs) for i in range(8))
+    row("spec_det", "engine, ngram speculative, 8 rows together vs plain generate (bitwise)",
+        f"{same}/8 equal")
+    del engine
+    gc.collect()
+    # The mode's cost: wall time per generated token, second call of each (compiled).
+    for batch in (1, 8):
+        times = {}
+        for name, policy, extra in (("default plain", None, {}), ("det plain", det, {}),
+                                    ("default spec", None, spec), ("det spec", det, spec)):
+            run(batch, policy, **extra)
+            t0 = time.perf_counter()
+            run(batch, policy, **extra)
+            times[name] = (time.perf_counter() - t0) / (8 * new) * 1e3
+        row("spec_det", f"ms per generated token, batch {batch}: default plain / det plain / "
+            "default spec / det spec",
+            " / ".join(f"{v:.2f}" for v in times.values()),
+            det_cost_plain=times["det plain"] / times["default plain"],
+            det_cost_spec=times["det spec"] / times["default spec"])
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="llama3-8b")
@@ -153,6 +220,7 @@ def main() -> int:
     p.add_argument("--det-rows", type=int, default=64)
     p.add_argument("--det-tokens", type=int, default=32)
     p.add_argument("--det-alone", type=int, default=8)
+    p.add_argument("--spec-k", type=int, default=4, help="spec_det: drafts per round")
     p.add_argument("--num-layers", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64, help="the engine's rows (trace)")
     p.add_argument("--no-ref", action="store_true", help="decode: skip generate's figure")

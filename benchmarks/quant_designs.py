@@ -21,6 +21,10 @@ Variants:
                      then the scales and a sum over g
   xla_int4_nk        codes [N, K] and scales [N, G] (the torch Linear orientation, K contiguous),
                      dequantized, then a dot contracting K
+  mgpu_<config>      pallas_kernels/quantized_mgpu.py (Mosaic GPU: TMA tiles of codes [N, K] int4,
+                     swapped-operand wgmma with the dequantized weight from registers), one
+                     variant per entry of MGPU_CONFIGS that fits the shape ("ws" schedules are
+                     not run in interpret mode)
   torch_tinygemm     torch.ops.aten._weight_int4pack_mm on _convert_weight_to_int4pack(inner k
                      tiles 8); the same codes and scales (zeros 0); skipped with a note without
                      torch or CUDA. Timed in a CUDA graph of calls, each call's x first passed
@@ -46,6 +50,7 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
 
 import argparse  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
@@ -59,6 +64,7 @@ import numpy as np  # noqa: E402
 import pallas_kernels as pk  # noqa: E402
 from benchmarks.kernels import PEAK_TBS, rel_err, time_fn  # noqa: E402
 from pallas_kernels.quantized import codes_of, dequantize, quantize_weight  # noqa: E402
+from pallas_kernels.quantized_mgpu import Int4MgpuConfig, int4_matmul_mgpu  # noqa: E402
 
 TOL = 2e-2  # relative error (Frobenius) against x @ dequantize(qw) in float32
 GROUP = 128
@@ -113,6 +119,18 @@ def xla_int4_nk(x, c4t, st):
                                preferred_element_type=jnp.float32).astype(x.dtype)
 
 
+MGPU_CONFIGS = [Int4MgpuConfig(schedule=sc, stages=st, splits=sp)
+                for sc, st, sp in (("pipe", 4, 1), ("pipe", 8, 1), ("pipe", 4, 2), ("pipe", 8, 2),
+                                   ("pipe", 6, 4), ("ws", 4, 1), ("ws", 8, 1), ("ws", 4, 2),
+                                   ("ws", 6, 2))]
+
+
+def mgpu_fits(cfg: Int4MgpuConfig, k: int, n: int, interpret: bool) -> bool:
+    rows = cfg.bn * (2 if cfg.schedule == "ws" else 1)
+    return (n % rows == 0 and k % GROUP == 0 and (k // GROUP) % cfg.splits == 0
+            and not (interpret and cfg.schedule == "ws"))
+
+
 def jax_variants(m: int, k: int, n: int, interpret: bool) -> list[tuple]:
     """(name, jitted fn, args_of(set dict) -> tuple, bytes)."""
     ib, bb = int4_bytes(m, k, n), bf16_bytes(m, k, n)
@@ -128,6 +146,11 @@ def jax_variants(m: int, k: int, n: int, interpret: bool) -> list[tuple]:
         ("xla_int4_einsum", jax.jit(xla_int4_einsum), lambda s: (s["x"], s["c4"], s["s"]), ib),
         ("xla_int4_nk", jax.jit(xla_int4_nk), lambda s: (s["x"], s["c4t"], s["st"]), ib),
     ]
+    for cfg in MGPU_CONFIGS:
+        if mgpu_fits(cfg, k, n, interpret):
+            out.append((f"mgpu_{cfg}", jax.jit(functools.partial(
+                int4_matmul_mgpu, cfg=cfg, interpret=interpret)),
+                lambda s: (s["x"], s["c4t"], s["s"]), ib))
     return out
 
 

@@ -1,0 +1,183 @@
+"""int4 decode matmul for Hopper on the Pallas Mosaic GPU backend (issue 37's design study).
+
+    y [M, N] = x [M, K] @ (codes [N, K] * scale[g, n])     codes int4 in [-8, 7], groups of 128
+
+Swapped operands: the weight is wgmma's A operand (its N rows are the MMA's M side, 64 per
+warpgroup) and x^T its B operand (M <= 64 rows padded to a multiple of 8 are the MMA's N side),
+so one decode row costs an m64n8 product, not an m64 tile of padding. Per K step of one group:
+TMA brings the [bn, 128] int4 tile (K contiguous per output column), x's [Mp, 128] tile and the
+group's scales into shared memory; the warpgroup loads the codes in the upcast layout, converts
+them to bf16 (Mosaic's lop3 path, two codes per instruction), scales them per row and issues the
+wgmma with A from registers. The accumulator [bn, Mp] f32 goes out transposed ([N, Mp]).
+
+Two schedules (`Int4MgpuConfig.schedule`):
+  * "pipe": one warpgroup per block, `plgpu.emit_pipeline` keeps `stages` TMA steps in flight;
+    small blocks, several per SM.
+  * "ws": warp-specialized, as JAX's Hopper mixed-type matmul: two compute warpgroups (bn rows
+    each) and a memory warpgroup issuing the TMA copies `stages` ahead.
+`splits` cuts K into that many ranges (a grid axis), summed in float32 by the wrapper.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+GROUP = 128  # the K step: one scale row per step
+
+_WGMMA = plgpu.Layout.WGMMA
+_WGMMA_ROW = plgpu.Layout.WGMMA.reduce(1)
+_UPCAST_4X = plgpu.Layout.WGMMA_UPCAST_4X
+
+
+@dataclasses.dataclass(frozen=True)
+class Int4MgpuConfig:
+    """bn: weight rows (output columns) per compute warpgroup (64); stages: K steps in flight;
+    splits: K ranges (grid axis, float32 partial sums); schedule: "pipe" or "ws"."""
+    bn: int = 64
+    stages: int = 4
+    splits: int = 1
+    schedule: str = "pipe"
+
+    def __str__(self):
+        return f"{self.schedule}_bn{self.bn}_s{self.stages}_k{self.splits}"
+
+
+def _smem_transforms(row_bits: int, dtype_bits: int):
+    """Tiling + swizzle for a tile whose rows are row_bits wide (TMA and wgmma both read it)."""
+    swizzle = min(128, row_bits // 8)
+    return (plgpu.TilingTransform((8, swizzle * 8 // dtype_bits)),
+            plgpu.SwizzleTransform(swizzle))
+
+
+def repack(codes_kn: jax.Array, scale_gn: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """codes [K, N] integers in [-8, 7] and scales [G, N] -> (codes [N, K] int4, scale [G, N]
+    bf16): K contiguous per output column, as the kernel's TMA tiles read it."""
+    return codes_kn.T.astype(jnp.int4), scale_gn.astype(jnp.bfloat16)
+
+
+def _dequant(w_smem, s_smem, rows):
+    """[rows] of the int4 tile -> bf16 [bn, 128] in the wgmma layout, scaled per row."""
+    w = plgpu.load(w_smem, (rows,), layout=_UPCAST_4X)
+    w = plgpu.layout_cast(w, _WGMMA).astype(jnp.bfloat16)
+    s = plgpu.load(s_smem, (0, rows), layout=_WGMMA_ROW)  # [bn] bf16
+    return w * lax.broadcast_in_dim(s, w.shape, [0])
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
+def int4_matmul_mgpu(x, codes, scale, *, cfg: Int4MgpuConfig = Int4MgpuConfig(),
+                     interpret: bool = False):
+    """x [M, K] bf16 @ dequantize(codes [N, K] int4, scale [K / 128, N]) -> [M, N] bf16."""
+    m, k = x.shape
+    n, k2 = codes.shape
+    if k2 != k or k % GROUP or scale.shape != (k // GROUP, n):
+        raise ValueError(f"int4_matmul_mgpu: x {x.shape}, codes {codes.shape}, scale "
+                         f"{scale.shape} do not fit groups of {GROUP}")
+    if m > 64:
+        raise ValueError(f"int4_matmul_mgpu is a decode kernel: M = {m} > 64")
+    wgs = 2 if cfg.schedule == "ws" else 1
+    bn, rows = cfg.bn, cfg.bn * wgs
+    if n % rows or (k // GROUP) % cfg.splits:
+        raise ValueError(f"int4_matmul_mgpu: N {n} not a multiple of {rows} or K groups "
+                         f"{k // GROUP} not a multiple of splits {cfg.splits}")
+    mp = max(8, -(-m // 8) * 8)
+    x = x.astype(jnp.bfloat16)
+    if mp != m:
+        x = jnp.pad(x, ((0, mp - m), (0, 0)))
+    steps = k // GROUP // cfg.splits
+    w_tr = _smem_transforms(GROUP * 4, 4)
+    x_tr = _smem_transforms(GROUP * 16, 16)
+    in_specs = [
+        plgpu.BlockSpec((rows, GROUP), lambda i: (0, i), transforms=w_tr),
+        plgpu.BlockSpec((mp, GROUP), lambda i: (0, i), transforms=x_tr),
+        plgpu.BlockSpec((1, rows), lambda i: (i, 0)),
+    ]
+
+    def operands(w_gmem, x_gmem, s_gmem, nb, sp):
+        k0 = sp * steps
+        return (w_gmem.at[pl.ds(nb * rows, rows), pl.ds(k0 * GROUP, steps * GROUP)],
+                x_gmem.at[:, pl.ds(k0 * GROUP, steps * GROUP)],
+                s_gmem.at[pl.ds(k0, steps), pl.ds(nb * rows, rows)])
+
+    def store(acc, o_smem, o_gmem, nb, sp, wg):
+        o_smem[...] = acc  # [bn, Mp] f32
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[sp, pl.ds(nb * rows + wg * bn, bn)])
+        plgpu.wait_smem_to_gmem(0)
+
+    if cfg.schedule == "pipe":
+        def kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem):
+            nb, sp = lax.axis_index("n"), lax.axis_index("s")
+
+            pipe = functools.partial(plgpu.emit_pipeline, grid=(steps,), in_specs=in_specs,
+                                     max_concurrent_steps=cfg.stages)
+            ops = operands(w_gmem, x_gmem, s_gmem, nb, sp)
+            if interpret:  # the GPU interpreter takes no register operand for wgmma
+                def body_i(_, w_smem, x_smem, s_smem, acc):
+                    w = _dequant(w_smem, s_smem, pl.ds(0, bn))
+                    return acc + jnp.dot(w, x_smem[...].T, preferred_element_type=jnp.float32)
+                acc = pipe(body_i, init_carry=jnp.zeros((bn, mp), jnp.float32))(*ops)
+            else:
+                def scope(acc_ref):
+                    def body(_, w_smem, x_smem, s_smem):
+                        plgpu.wgmma(acc_ref, _dequant(w_smem, s_smem, pl.ds(0, bn)), x_smem.T)
+                        plgpu.wgmma_wait(0)
+                    pipe(body)(*ops)
+                    return acc_ref[...]
+                acc = pl.run_scoped(scope, plgpu.ACC((bn, mp), jnp.float32))
+            store(acc, o_smem, o_gmem, nb, sp, 0)
+
+        threads = {}
+    elif cfg.schedule == "ws":
+        def kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem):
+            nb, sp = lax.axis_index("n"), lax.axis_index("s")
+            wg = lax.axis_index("wg")
+
+            def body(_, w_smem, x_smem, s_smem, acc):
+                w = _dequant(w_smem, s_smem, pl.ds(wg * bn, bn))
+                plgpu.wgmma(acc, w, x_smem.T)
+                plgpu.wgmma_wait(0)
+                return acc
+
+            def context(run):
+                def scope(acc_ref):
+                    run(acc_ref)
+                    store(acc_ref[...], o_smem.at[wg], o_gmem, nb, sp, wg)
+                pl.run_scoped(scope, plgpu.ACC((bn, mp), jnp.float32))
+
+            plgpu.emit_pipeline_warp_specialized(
+                body, grid=(steps,), memory_registers=40, in_specs=in_specs, wg_axis="wg",
+                num_compute_wgs=2, max_concurrent_steps=cfg.stages, compute_context=context,
+            )(*operands(w_gmem, x_gmem, s_gmem, nb, sp))
+
+        threads = dict(num_threads=3, thread_name="wg")
+    else:
+        raise ValueError(f"unknown schedule {cfg.schedule!r}")
+
+    o_shape = (bn, mp) if cfg.schedule == "pipe" else (2, bn, mp)
+    out = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((cfg.splits, n, mp), jnp.float32),
+        scratch_types=[plgpu.SMEM(o_shape, jnp.float32)],
+        grid=(n // rows, cfg.splits),
+        grid_names=("n", "s"),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if interpret else False,
+        **threads,
+    )(x, codes, scale)
+    # [splits, N, Mp] f32 -> [M, N] bf16
+    return jnp.sum(out, axis=0)[:, :m].T.astype(jnp.bfloat16)
+
+
+def reference(x, codes, scale):
+    """The same in plain jnp (float32): x @ (codes * scale)^T."""
+    n, k = codes.shape
+    w = codes.astype(jnp.float32).reshape(n, k // GROUP, GROUP) * scale.T.astype(
+        jnp.float32)[:, :, None]
+    return jnp.dot(x.astype(jnp.float32), w.reshape(n, k).T).astype(jnp.bfloat16)
