@@ -119,15 +119,16 @@ def xla_int4_nk(x, c4t, st):
                                preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-MGPU_CONFIGS = [Int4MgpuConfig(schedule=sc, stages=st, splits=sp)
-                for sc, st, sp in (("pipe", 4, 1), ("pipe", 8, 1), ("pipe", 4, 2), ("pipe", 8, 2),
-                                   ("pipe", 6, 4), ("ws", 4, 1), ("ws", 8, 1), ("ws", 4, 2),
-                                   ("ws", 6, 2))]
+MGPU_CONFIGS = [Int4MgpuConfig(schedule=sc, gps=g, stages=st, splits=sp)
+                for sc, g, st, sp in (("pipe", 1, 4, 1), ("pipe", 1, 8, 1), ("pipe", 1, 4, 2),
+                                      ("pipe", 2, 4, 1), ("pipe", 2, 4, 2), ("pipe", 4, 3, 1),
+                                      ("ws", 1, 4, 1), ("ws", 1, 8, 1), ("ws", 2, 4, 1),
+                                      ("ws", 2, 6, 2))]
 
 
 def mgpu_fits(cfg: Int4MgpuConfig, k: int, n: int, interpret: bool) -> bool:
     rows = cfg.bn * (2 if cfg.schedule == "ws" else 1)
-    return (n % rows == 0 and k % GROUP == 0 and (k // GROUP) % cfg.splits == 0
+    return (n % rows == 0 and k % GROUP == 0 and (k // GROUP) % (cfg.splits * cfg.gps) == 0
             and not (interpret and cfg.schedule == "ws"))
 
 

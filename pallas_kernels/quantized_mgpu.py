@@ -38,15 +38,17 @@ _UPCAST_4X = plgpu.Layout.WGMMA_UPCAST_4X
 
 @dataclasses.dataclass(frozen=True)
 class Int4MgpuConfig:
-    """bn: weight rows (output columns) per compute warpgroup (64); stages: K steps in flight;
-    splits: K ranges (grid axis, float32 partial sums); schedule: "pipe" or "ws"."""
+    """bn: weight rows (output columns) per compute warpgroup (64); gps: groups of 128 per K
+    step (one TMA tile); stages: K steps in flight; splits: K ranges (grid axis, float32
+    partial sums); schedule: "pipe" or "ws"."""
     bn: int = 64
+    gps: int = 1
     stages: int = 4
     splits: int = 1
     schedule: str = "pipe"
 
     def __str__(self):
-        return f"{self.schedule}_bn{self.bn}_s{self.stages}_k{self.splits}"
+        return f"{self.schedule}_g{self.gps}_s{self.stages}_k{self.splits}"
 
 
 def _smem_transforms(row_bits: int, dtype_bits: int):
@@ -62,12 +64,21 @@ def repack(codes_kn: jax.Array, scale_gn: jax.Array) -> tuple[jax.Array, jax.Arr
     return codes_kn.T.astype(jnp.int4), scale_gn.astype(jnp.bfloat16)
 
 
-def _dequant(w_smem, s_smem, rows):
-    """[rows] of the int4 tile -> bf16 [bn, 128] in the wgmma layout, scaled per row."""
-    w = plgpu.load(w_smem, (rows,), layout=_UPCAST_4X)
+def _dequant(w_smem, s_smem, rows, j):
+    """Group j of [rows] of the int4 tile -> bf16 [bn, 128] in the wgmma layout, scaled per
+    row."""
+    w = plgpu.load(w_smem, (rows, pl.ds(j * GROUP, GROUP)), layout=_UPCAST_4X)
     w = plgpu.layout_cast(w, _WGMMA).astype(jnp.bfloat16)
-    s = plgpu.load(s_smem, (0, rows), layout=_WGMMA_ROW)  # [bn] bf16
+    s = plgpu.load(s_smem, (j, rows), layout=_WGMMA_ROW)  # [bn] bf16
     return w * lax.broadcast_in_dim(s, w.shape, [0])
+
+
+def _products(acc_ref, w_smem, x_smem, s_smem, rows, gps):
+    """acc [bn, Mp] += the step's gps groups: dequantized weight (registers) @ x^T (smem)."""
+    for j in range(gps):
+        plgpu.wgmma(acc_ref, _dequant(w_smem, s_smem, rows, j),
+                    x_smem.at[:, pl.ds(j * GROUP, GROUP)].T)
+        plgpu.wgmma_wait(0)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
@@ -83,27 +94,29 @@ def int4_matmul_mgpu(x, codes, scale, *, cfg: Int4MgpuConfig = Int4MgpuConfig(),
         raise ValueError(f"int4_matmul_mgpu is a decode kernel: M = {m} > 64")
     wgs = 2 if cfg.schedule == "ws" else 1
     bn, rows = cfg.bn, cfg.bn * wgs
-    if n % rows or (k // GROUP) % cfg.splits:
+    gps = cfg.gps
+    if n % rows or (k // GROUP) % (cfg.splits * gps):
         raise ValueError(f"int4_matmul_mgpu: N {n} not a multiple of {rows} or K groups "
-                         f"{k // GROUP} not a multiple of splits {cfg.splits}")
+                         f"{k // GROUP} not a multiple of splits x gps {cfg.splits * gps}")
     mp = max(8, -(-m // 8) * 8)
     x = x.astype(jnp.bfloat16)
     if mp != m:
         x = jnp.pad(x, ((0, mp - m), (0, 0)))
-    steps = k // GROUP // cfg.splits
-    w_tr = _smem_transforms(GROUP * 4, 4)
-    x_tr = _smem_transforms(GROUP * 16, 16)
+    bk = gps * GROUP
+    steps = k // bk // cfg.splits
+    w_tr = _smem_transforms(bk * 4, 4)
+    x_tr = _smem_transforms(bk * 16, 16)
     in_specs = [
-        plgpu.BlockSpec((rows, GROUP), lambda i: (0, i), transforms=w_tr),
-        plgpu.BlockSpec((mp, GROUP), lambda i: (0, i), transforms=x_tr),
-        plgpu.BlockSpec((1, rows), lambda i: (i, 0)),
+        plgpu.BlockSpec((rows, bk), lambda i: (0, i), transforms=w_tr),
+        plgpu.BlockSpec((mp, bk), lambda i: (0, i), transforms=x_tr),
+        plgpu.BlockSpec((gps, rows), lambda i: (i, 0)),
     ]
 
     def operands(w_gmem, x_gmem, s_gmem, nb, sp):
-        k0 = sp * steps
-        return (w_gmem.at[pl.ds(nb * rows, rows), pl.ds(k0 * GROUP, steps * GROUP)],
-                x_gmem.at[:, pl.ds(k0 * GROUP, steps * GROUP)],
-                s_gmem.at[pl.ds(k0, steps), pl.ds(nb * rows, rows)])
+        k0 = sp * steps * bk  # the split's first K
+        return (w_gmem.at[pl.ds(nb * rows, rows), pl.ds(k0, steps * bk)],
+                x_gmem.at[:, pl.ds(k0, steps * bk)],
+                s_gmem.at[pl.ds(k0 // GROUP, steps * gps), pl.ds(nb * rows, rows)])
 
     def store(acc, o_smem, o_gmem, nb, sp, wg):
         o_smem[...] = acc  # [bn, Mp] f32
@@ -120,14 +133,16 @@ def int4_matmul_mgpu(x, codes, scale, *, cfg: Int4MgpuConfig = Int4MgpuConfig(),
             ops = operands(w_gmem, x_gmem, s_gmem, nb, sp)
             if interpret:  # the GPU interpreter takes no register operand for wgmma
                 def body_i(_, w_smem, x_smem, s_smem, acc):
-                    w = _dequant(w_smem, s_smem, pl.ds(0, bn))
-                    return acc + jnp.dot(w, x_smem[...].T, preferred_element_type=jnp.float32)
+                    for j in range(gps):
+                        w = _dequant(w_smem, s_smem, pl.ds(0, bn), j)
+                        xj = x_smem[:, pl.ds(j * GROUP, GROUP)]
+                        acc = acc + jnp.dot(w, xj.T, preferred_element_type=jnp.float32)
+                    return acc
                 acc = pipe(body_i, init_carry=jnp.zeros((bn, mp), jnp.float32))(*ops)
             else:
                 def scope(acc_ref):
                     def body(_, w_smem, x_smem, s_smem):
-                        plgpu.wgmma(acc_ref, _dequant(w_smem, s_smem, pl.ds(0, bn)), x_smem.T)
-                        plgpu.wgmma_wait(0)
+                        _products(acc_ref, w_smem, x_smem, s_smem, pl.ds(0, bn), gps)
                     pipe(body)(*ops)
                     return acc_ref[...]
                 acc = pl.run_scoped(scope, plgpu.ACC((bn, mp), jnp.float32))
@@ -140,9 +155,7 @@ def int4_matmul_mgpu(x, codes, scale, *, cfg: Int4MgpuConfig = Int4MgpuConfig(),
             wg = lax.axis_index("wg")
 
             def body(_, w_smem, x_smem, s_smem, acc):
-                w = _dequant(w_smem, s_smem, pl.ds(wg * bn, bn))
-                plgpu.wgmma(acc, w, x_smem.T)
-                plgpu.wgmma_wait(0)
+                _products(acc, w_smem, x_smem, s_smem, pl.ds(wg * bn, bn), gps)
                 return acc
 
             def context(run):
