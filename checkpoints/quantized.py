@@ -52,6 +52,9 @@ def save_quantized(dst: str | pathlib.Path, params, src_dir: str | pathlib.Path)
     tensors, weights = {}, {}
     for name, leaf in _leaves(params):
         if isinstance(leaf, QuantizedWeight):
+            if leaf.layout == "nk":  # the file keeps the tiles layout (the Mosaic kernel's
+                from pallas_kernels.quantized_mgpu import to_tiles  # is made on load)
+                leaf = to_tiles(leaf)
             weights[name] = {f: list(getattr(leaf, f)) if isinstance(getattr(leaf, f), tuple)
                              else getattr(leaf, f) for f in _STATIC}
             weights[name]["float8"] = bool(leaf.float8)

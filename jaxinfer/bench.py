@@ -12,7 +12,6 @@ import dataclasses
 import functools
 import json
 import logging
-import math
 import os
 import statistics
 import time
@@ -26,11 +25,11 @@ from tqdm.auto import tqdm
 from jaxinfer import memory
 from jaxinfer.configs import PRESETS, Config
 from jaxinfer.generate import (CACHE_ROUND, PROMPT_BUCKETS, bucket, decode_loop, decode_step,
-                               init_state, prefill, run_params)
+                               init_state, int4_layout_params, prefill, run_params)
 from jaxinfer.model import Model, default_dtype, load
 from jaxinfer.models import registry
 from jaxinfer.ops.blocked import dequant_block_bytes
-from jaxinfer.plan import KernelPolicy
+from jaxinfer.plan import KernelPolicy, Plan
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.sharding import Sharding, cache_shardings, param_shardings, shard_params
 from jaxinfer.weights import (
@@ -38,6 +37,7 @@ from jaxinfer.weights import (
     ParamSpec,
     QuantizedWeight,
     abstract_params,
+    array_bytes,
     init_params,
     param_bytes,
     quantize_params,
@@ -179,7 +179,10 @@ def random_model(preset: str, dtype: str, seed: int = 0,
         if quantize:  # each weight's codes and scales on their own shards
             params = shard_params(quantize_params(params, quantization, group_size, specs),
                                   specs, sharding)
-    return Model(config=config, params=params, tokenizer=None, policy=policy or KernelPolicy(),
+    policy = policy or KernelPolicy()
+    if quantize:  # int4 weights in the layout the model's kernels read (as a load does)
+        params = int4_layout_params(params, Plan(config, policy, sharding))
+    return Model(config=config, params=params, tokenizer=None, policy=policy,
                  sharding=sharding)
 
 
@@ -220,12 +223,12 @@ def _shard_bytes(tree) -> int:
     total = 0
     for a in jax.tree.leaves(tree):
         shape = a.sharding.shard_shape(a.shape) if a.sharding is not None else a.shape
-        total += math.prod(shape) * jnp.dtype(a.dtype).itemsize
+        total += array_bytes(shape, a.dtype)
     return total
 
 
 def _total_bytes(tree) -> int:
-    return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
+    return sum(array_bytes(a.shape, a.dtype) for a in jax.tree.leaves(tree))
 
 
 def compile_only(preset: str, dtype: str, batch: int, prompt_len: int, gen_len: int,

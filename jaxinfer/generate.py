@@ -21,12 +21,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import pallas_kernels as pk
+
 from jaxinfer import memory, pytree, sampling
 from jaxinfer import prompts as prompts_lib
 from jaxinfer import sharding as sharding_lib
 from jaxinfer.cache import KVCache, check_kv_dtype
 from jaxinfer.models import registry
 from jaxinfer.ops.dispatch import kernels_on
+from jaxinfer.ops.linear import int4_layout
 from jaxinfer.plan import KernelPolicy, Plan
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.ops.blocked import plan_block_bytes
@@ -375,6 +378,27 @@ def has_quantized(params) -> bool:
         params, is_leaf=lambda a: isinstance(a, QuantizedWeight | Parts)))
 
 
+def int4_layout_params(params, plan: Plan):
+    """params with their int4 matmul weights in the layout the plan's kernels read
+    (jaxinfer/ops/linear.int4_layout): "nk" for the Mosaic GPU kernel where a weight fits it
+    (pk.nk_unfit), else the tiles the Triton kernels read. Embedding tables keep theirs."""
+    layout = int4_layout(plan)
+    specs = registry.family(plan.config).param_specs(plan.config)
+
+    def one(spec, p):
+        if spec.kind is not Kind.DENSE or not isinstance(p, QuantizedWeight) \
+                or p.layout == layout:
+            return p
+        if layout == "tiles":
+            return _to_tiles(p)
+        return p if pk.nk_unfit(p) is not None else _to_nk(p)
+    return jax.tree.map(one, specs, params, is_leaf=lambda s: isinstance(s, ParamSpec))
+
+
+_to_nk = jax.jit(lambda w: pk.to_nk(w))
+_to_tiles = jax.jit(lambda w: pk.to_tiles(w))
+
+
 def run_params(model, plan: Plan):
     """The params a request's compiled functions take. Where the ops take the references
     (the CPU; KernelPolicy.reference()) the matmuls dequantize their weights a tile at a time
@@ -384,6 +408,8 @@ def run_params(model, plan: Plan):
     every prefill and decode step: the model keeps its codes between requests, and a
     step-by-step stream does not dequantize per token."""
     params = model.params
+    if has_quantized(params):
+        params = int4_layout_params(params, plan)
     if has_quantized(params) and not kernels_on(plan, plan.config.dtype):
         blocked = plan_block_bytes(plan) > 0
         specs = registry.family(plan.config).param_specs(plan.config)

@@ -267,9 +267,15 @@ def cast_floating(params, dtype, specs=None):
     return jax.tree.map(cast, params, is_leaf=lambda a: isinstance(a, QuantizedWeight | Dense))
 
 
+def array_bytes(shape, dtype) -> int:
+    """Bytes an array of this shape and dtype takes on the device (int4: half a byte)."""
+    n = math.prod(shape)
+    return n // 2 if jnp.dtype(dtype) == jnp.int4 else n * jnp.dtype(dtype).itemsize
+
+
 def param_bytes(params) -> int:
     """Bytes the params hold (codes and scales for quantized weights)."""
-    return sum(int(a.size) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(params))
+    return sum(array_bytes(a.shape, a.dtype) for a in jax.tree.leaves(params))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -136,3 +136,10 @@ def check_tiles(sizes, *names: str) -> None:
         val = getattr(sizes, name)
         if not is_pow2(val) or val < 16:
             raise ValueError(f"{type(sizes).__name__}.{name}={val}: must be a power of two >= 16")
+
+
+def on_hopper() -> bool:
+    """Whether the default device is a Hopper GPU (the Mosaic GPU kernels' target)."""
+    dev = jax.devices()[0]
+    return dev.platform == "gpu" and any(n in dev.device_kind
+                                         for n in ("H100", "H200", "H800", "GH200"))

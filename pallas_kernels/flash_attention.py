@@ -25,7 +25,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
     LOG2_E, MASK_VALUE, check_array, check_head_dim, check_same_dtype, check_softcap, check_tiles,
-    dot_f32, multiple_of, ref_precision, softcap_log2)
+    dot_f32, multiple_of, on_hopper, ref_precision, softcap_log2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,11 +135,6 @@ def flash_attention_kernel(q_ref, k_ref, v_ref, o_ref, *, sm_scale: float, causa
 # ---------------------------------------------------------------------------------------------
 
 
-def _on_hopper() -> bool:
-    dev = jax.devices()[0]
-    return dev.platform == "gpu" and any(n in dev.device_kind for n in ("H100", "H200", "H800", "GH200"))
-
-
 def _validate(q, k, v, causal, sliding_window):
     op = "flash_attention"
     check_array(op, "q", q, 4)
@@ -200,7 +195,7 @@ def flash_attention(q, k, v, *, causal: bool = True, sm_scale: float | None = No
     from pallas_kernels import flash_attention_mgpu
 
     if backend == "auto":
-        backend = "mosaic" if (not interpret and softcap is None and _on_hopper()
+        backend = "mosaic" if (not interpret and softcap is None and on_hopper()
                                and flash_attention_mgpu.supports(q, k, v, mosaic_config) is None
                                and flash_attention_mgpu.is_aligned(q, k, mosaic_config)) \
             else "triton"

@@ -30,6 +30,11 @@ b bits holds r = 8 // b tiles per byte row: tile t of K is stored at byte rows
 loads a [tile, block_n] byte tile and one shift and mask give the codes: no interleaved rows
 to untangle in registers. Rows past K are zero codes.
 
+`layout="nk"` (int4 groups of 128 only, pallas_kernels/quantized_mgpu.py): the one plane is the
+codes minus code_offset as a signed int4 array [N, K] (K contiguous per output column, what the
+Mosaic GPU kernel's TMA tiles read); the scales and every static field stay as they were, so
+`dequantize` gives the same values bit for bit and `to_tiles` restores the planes.
+
 A MoE layer's stacked experts are one QuantizedWeight whose every array has a leading expert
 axis ([E, rows, N]); its static fields describe one expert's [K, N] (`stack_experts`). The
 helpers below that read arrays (unpack_plane, codes_of, group_scales, dequantize) take any
@@ -66,6 +71,7 @@ class QuantizedWeight:
     tile: int = dataclasses.field(default=MAX_TILE, metadata={"static": True})
     code_offset: int = dataclasses.field(default=0, metadata={"static": True})
     name: str = dataclasses.field(default="int8", metadata={"static": True})  # for messages
+    layout: str = dataclasses.field(default="tiles", metadata={"static": True})  # or "nk"
 
     # -- what the ops and checks read --------------------------------------------------------
     @property
@@ -90,7 +96,10 @@ class QuantizedWeight:
         return -(-self.k // self.group)
 
     def nbytes(self) -> int:
-        return sum(int(a.size) * a.dtype.itemsize for a in jax.tree.leaves(self))
+        # int4 arrays ("nk" codes) take half a byte an element on the device
+        return sum(int(a.size) * jnp.dtype(a.dtype).itemsize // (2 if a.dtype == jnp.int4
+                                                                   else 1)
+                   for a in jax.tree.leaves(self))
 
     def replace(self, **changes) -> QuantizedWeight:
         return dataclasses.replace(self, **changes)
@@ -195,6 +204,8 @@ def codes_of(qw: QuantizedWeight):
     """The codes [..., K, N] as int32 minus code_offset (float32 for fp8), numpy or jnp as
     stored (leading axes: a stacked weight's experts)."""
     xp = _xp(qw.planes[0])
+    if qw.layout == "nk":  # signed codes [..., N, K], code_offset already taken off
+        return xp.swapaxes(qw.planes[0].astype(xp.int32), -1, -2)
     if qw.float8:
         return qw.planes[0][..., :qw.k, :].astype(xp.float32)
     c = None

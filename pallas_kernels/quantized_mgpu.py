@@ -29,6 +29,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.quantized import (QuantizedWeight, codes_of, dequantize, num_experts,
+                                      pack_plane)
+
 GROUP = 128  # the K step: one scale row per step
 
 _WGMMA = plgpu.Layout.WGMMA
@@ -58,19 +61,71 @@ def _smem_transforms(row_bits: int, dtype_bits: int):
             plgpu.SwizzleTransform(swizzle))
 
 
-def repack(codes_kn: jax.Array, scale_gn: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """codes [K, N] integers in [-8, 7] and scales [G, N] -> (codes [N, K] int4, scale [G, N]
-    bf16): K contiguous per output column, as the kernel's TMA tiles read it."""
-    return codes_kn.T.astype(jnp.int4), scale_gn.astype(jnp.bfloat16)
+def nk_unfit(qw: QuantizedWeight) -> str | None:
+    """Why qw cannot take the "nk" layout (None: it can): symmetric int4 in groups of 128 of
+    one [K, N] matrix, N a multiple of 64."""
+    if qw.layout == "nk":
+        return None
+    if qw.bits != (4,) or qw.float8 or qw.group != GROUP or qw.offset is not None \
+            or qw.super_scale is not None:
+        return f"{qw.name}: not symmetric int4 in groups of {GROUP}"
+    if num_experts(qw):
+        return "stacked experts"
+    if qw.k % GROUP or qw.n % 64:
+        return f"K={qw.k} not a multiple of {GROUP} or N={qw.n} not a multiple of 64"
+    return None
+
+
+def to_nk(qw: QuantizedWeight) -> QuantizedWeight:
+    """The same weight in the "nk" layout (pallas_kernels/quantized.py): codes [N, K] int4."""
+    if qw.layout == "nk":
+        return qw
+    if (why := nk_unfit(qw)) is not None:
+        raise ValueError(f"to_nk: {why}")
+    codes = jnp.asarray(codes_of(qw)).reshape(qw.k, qw.n)  # [K, N] int32 in [-8, 7]
+    return qw.replace(planes=(codes.T.astype(jnp.int4),), layout="nk")
+
+
+def to_tiles(qw: QuantizedWeight) -> QuantizedWeight:
+    """An "nk" weight back in the tiles layout the Triton kernels read (the planes it had)."""
+    if qw.layout != "nk":
+        return qw
+    codes = codes_of(qw) + qw.code_offset  # [K, N] stored codes in [0, 16)
+    return qw.replace(planes=(pack_plane(codes, 4, qw.tile),), layout="tiles")
+
+
+def default_config(m: int, k: int, n: int) -> Int4MgpuConfig:
+    """Two groups a step, four steps in flight, K in two ranges, four where N gives fewer
+    than 2 blocks per SM (132), as the groups allow (benchmarks/DECISIONS.md)."""
+    groups, blocks = k // GROUP, n // 64
+    gps = 2 if groups % 2 == 0 else 1
+    splits = 2 if groups % (2 * gps) == 0 else 1
+    if blocks * splits < 264 and groups % (4 * gps) == 0:
+        splits = 4
+    return Int4MgpuConfig(gps=gps, stages=4, splits=splits)
+
+
+def quantized_matmul_mgpu(x, qw: QuantizedWeight, *, cfg: Int4MgpuConfig | None = None,
+                          interpret: bool = False, out_dtype=None):
+    """x [M, K] (M <= 64) @ dequantize(qw) for an "nk" weight -> [M, N] in out_dtype (x's)."""
+    if qw.layout != "nk":
+        raise ValueError(f"quantized_matmul_mgpu: {qw.name} weight is not in the nk layout "
+                         f"(to_nk)")
+    cfg = cfg or default_config(x.shape[0], qw.k, qw.n)
+    return int4_matmul_mgpu(x, qw.planes[0], qw.scale, cfg=cfg, interpret=interpret,
+                            out_dtype=jnp.dtype(out_dtype or x.dtype))
 
 
 def _dequant(w_smem, s_smem, rows, j):
     """Group j of [rows] of the int4 tile -> bf16 [bn, 128] in the wgmma layout, scaled per
-    row."""
-    w = plgpu.load(w_smem, (rows, pl.ds(j * GROUP, GROUP)), layout=_UPCAST_4X)
+    row: in bf16 for bf16 scales, else code * scale in float32 (exact) rounded once to bf16."""
+    w = plgpu.load(w_smem.at[rows, pl.ds(j * GROUP, GROUP)], layout=_UPCAST_4X)
     w = plgpu.layout_cast(w, _WGMMA).astype(jnp.bfloat16)
-    s = plgpu.load(s_smem, (j, rows), layout=_WGMMA_ROW)  # [bn] bf16
-    return w * lax.broadcast_in_dim(s, w.shape, [0])
+    s = plgpu.load(s_smem.at[j, rows], layout=_WGMMA_ROW)  # [bn]
+    if s.dtype == jnp.bfloat16:
+        return w * lax.broadcast_in_dim(s, w.shape, [0])
+    s = lax.broadcast_in_dim(s.astype(jnp.float32), w.shape, [0])
+    return (w.astype(jnp.float32) * s).astype(jnp.bfloat16)
 
 
 def _products(acc_ref, w_smem, x_smem, s_smem, rows, gps):
@@ -81,13 +136,14 @@ def _products(acc_ref, w_smem, x_smem, s_smem, rows, gps):
         plgpu.wgmma_wait(0)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
+@functools.partial(jax.jit, static_argnames=("cfg", "interpret", "out_dtype"))
 def int4_matmul_mgpu(x, codes, scale, *, cfg: Int4MgpuConfig = Int4MgpuConfig(),
-                     interpret: bool = False):
-    """x [M, K] bf16 @ dequantize(codes [N, K] int4, scale [K / 128, N]) -> [M, N] bf16."""
+                     interpret: bool = False, out_dtype=jnp.bfloat16):
+    """x [M, K] bf16 @ dequantize(codes [N, K] int4, scale [K / 128, N]) -> [M, N] out_dtype
+    (float32 sums)."""
     m, k = x.shape
     n, k2 = codes.shape
-    if k2 != k or k % GROUP or scale.shape != (k // GROUP, n):
+    if k2 != k or k % GROUP or scale.shape != (k // GROUP, n) or codes.dtype != jnp.int4:
         raise ValueError(f"int4_matmul_mgpu: x {x.shape}, codes {codes.shape}, scale "
                          f"{scale.shape} do not fit groups of {GROUP}")
     if m > 64:
@@ -185,12 +241,12 @@ def int4_matmul_mgpu(x, codes, scale, *, cfg: Int4MgpuConfig = Int4MgpuConfig(),
         **threads,
     )(x, codes, scale)
     # [splits, N, Mp] f32 -> [M, N] bf16
-    return jnp.sum(out, axis=0)[:, :m].T.astype(jnp.bfloat16)
+    return jnp.sum(out, axis=0)[:, :m].T.astype(out_dtype)
 
 
-def reference(x, codes, scale):
-    """The same in plain jnp (float32): x @ (codes * scale)^T."""
-    n, k = codes.shape
-    w = codes.astype(jnp.float32).reshape(n, k // GROUP, GROUP) * scale.T.astype(
-        jnp.float32)[:, :, None]
-    return jnp.dot(x.astype(jnp.float32), w.reshape(n, k).T).astype(jnp.bfloat16)
+def quantized_matmul_mgpu_reference(x, qw: QuantizedWeight, *, cfg=None, interpret=False,
+                                    out_dtype=None):
+    """The same in plain jnp: x @ dequantize(qw) in float32 -> out_dtype (x's)."""
+    y = jnp.dot(x.astype(jnp.float32), dequantize(qw, jnp.float32).reshape(qw.k, qw.n),
+                precision=lax.Precision.HIGHEST)
+    return y.astype(out_dtype or x.dtype)

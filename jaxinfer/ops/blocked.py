@@ -163,7 +163,7 @@ def linear(x: jax.Array, w, plan: Plan, bias=None, out_dtype=None) -> jax.Array:
     QuantizedWeights (alone or among Parts) dequantized a tile at a time where the plan
     says (dequant_block_bytes), else whole."""
     block = plan_block_bytes(plan)
-    if block and isinstance(w, QuantizedWeight):
+    if block and isinstance(w, QuantizedWeight) and w.layout == "tiles":
         if math.prod(x.shape[:-1]) <= TILED_ROWS:
             y = blocked_matmul(x, w, block)
         else:  # a prefill: the weight whole (see TILED_ROWS), once its input is there, so

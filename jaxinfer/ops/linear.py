@@ -24,7 +24,7 @@ from jaxinfer.ops.stream import (ANY_SUM, ARRAY_ONLY, Deferred, Form, Partials, 
 from jaxinfer.plan import Boundary, Impl, Plan
 from jaxinfer.weights import (Dense, Parts, QuantizedWeight, as_array, is_transposed,
                               kernel_operand)
-from pallas_kernels._common import sum_chunks
+from pallas_kernels._common import on_hopper, sum_chunks
 from pallas_kernels.norm_matmul import default_block_sizes, first_rows_plan
 
 # ---------------------------------------------------------------------------------------------
@@ -81,9 +81,21 @@ def _weight_ok(w, x) -> str | None:
     return None
 
 
+def int4_layout(plan: Plan) -> str:
+    """The layout the plan's int4 matmuls read: "nk" (the Mosaic GPU kernel) or "tiles"."""
+    policy = plan.policy
+    if policy.int4_matmul == "auto":
+        mosaic = (on_hopper() and not policy.interpret and not policy.batch_invariant
+                  and not plan.sharded and kernels_on(plan, plan.config.dtype))
+        return "nk" if mosaic else "tiles"
+    return "nk" if policy.int4_matmul == "mosaic" else "tiles"
+
+
 def _fused_supports(x, w, plan, *, deltas=None, **_) -> str | None:
     if (why := _weight_ok(w, x)) is not None:
         return why
+    if isinstance(w, QuantizedWeight) and w.layout == "nk":
+        return "int4 codes laid out for the Mosaic GPU kernel"
     if not decode_path(x, plan):
         return "not the decode path (rows, query length, dtype or the plan)"
     if deltas is not None and not isinstance(deltas, Partials):
@@ -130,6 +142,32 @@ def _fused_small_m(x, w, plan, *, accept=ARRAY_ONLY, norm_w=None, eps=0.0, delta
     if bias is not None:
         y = (y.astype(jnp.float32) + bias.astype(jnp.float32)).astype(y.dtype)
     return x_new, y
+
+
+def _int4_mosaic_supports(x, w, plan, **_) -> str | None:
+    if not (isinstance(w, QuantizedWeight) and w.layout == "nk"):
+        return "not an int4 weight in the nk layout"
+    if not kernels_on(plan, x.dtype) or plan.sharded or jnp.dtype(x.dtype) != jnp.bfloat16:
+        return "kernels off, a sharded plan or activations not bfloat16"
+    if rows(x) > 64:
+        return f"{rows(x)} rows (the kernel takes decode rows, at most 64)"
+    return None
+
+
+@MATMUL.register("int4_mosaic", _int4_mosaic_supports, kernel=True, before="fused_small_m")
+def _int4_mosaic(x, w, plan, *, accept=ARRAY_ONLY, norm_w=None, eps=0.0, deltas=None,
+                 bias=None, out_dtype=None, prefetch=()):
+    """Symmetric int4 in groups of 128 through the Mosaic GPU kernel; the boundary before it
+    (deltas, the norm) in its own ops."""
+    x = add_deltas(x, deltas)
+    h = x if norm_w is None else norm(x, norm_w, eps, plan)
+    m, k = rows(h), h.shape[-1]
+    y = pk.quantized_matmul_mgpu(h.reshape(m, k), w, interpret=plan.policy.interpret,
+                                 out_dtype=jnp.float32 if bias is not None else out_dtype)
+    y = y.reshape(*h.shape[:-1], *w.out_shape)
+    if bias is not None:
+        y = (y + bias.astype(jnp.float32)).astype(out_dtype or h.dtype)
+    return x, y
 
 
 @MATMUL.register("xla", lambda x, w, plan, **_: _weight_ok(w, x))
@@ -301,8 +339,9 @@ def lm_head(stream: Residual, norm_weight, head, plan: Plan, *, rows_at=None) ->
     sel = jax.ShapeDtypeStruct((b, 1 if rows_at is not None else t, d), stream.aval.dtype)
     # A quantized head always takes the kernel on the decode path: XLA would dequantize the
     # whole [D, V] table every step.
+    picked = MATMUL.pick(sel, head, plan).name
     pallas = ((policy.lm_head is Impl.PALLAS or isinstance(head, QuantizedWeight))
-              and MATMUL.pick(sel, head, plan).name == "fused_small_m")
+              and picked in ("fused_small_m", "int4_mosaic"))
     x, delta = stream.take(ANY_SUM)
     if rows_at is not None:
         x = jnp.take_along_axis(x, rows_at[:, None, None], axis=1)  # [B, 1, D]
@@ -311,8 +350,8 @@ def lm_head(stream: Residual, norm_weight, head, plan: Plan, *, rows_at=None) ->
                                                  axis=2))
         elif delta is not None:
             delta = jnp.take_along_axis(delta, rows_at[:, None, None], axis=1)
-    if pallas and policy.lm_head_boundary is Boundary.CONSUMER and not plan.config.norm_offset \
-            and (delta is None or isinstance(delta, Partials)):
+    if pallas and picked == "fused_small_m" and policy.lm_head_boundary is Boundary.CONSUMER \
+            and not plan.config.norm_offset and (delta is None or isinstance(delta, Partials)):
         return matmul(x, head, plan, norm_w=norm_weight, eps=eps, deltas=delta,
                       out_dtype=jnp.float32)[1]
     _, h = boundary(x, delta, norm_weight, eps, plan, policy.lm_head_boundary)

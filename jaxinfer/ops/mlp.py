@@ -17,7 +17,7 @@ import pallas_kernels as pk
 from jaxinfer.ops import blocked, reference
 from jaxinfer.ops.dispatch import (Layout, Registry, always, batch_axis, decode_path,
                                    kernels_on, rows)
-from jaxinfer.ops.linear import (MATMUL, add_deltas, boundary, linear, prefetch_pairs,
+from jaxinfer.ops.linear import (MATMUL, add_deltas, boundary, linear, norm, prefetch_pairs,
                                  tiles)
 from jaxinfer.ops.stream import ANY_SUM, Deferred, Partials, Residual, resolve
 from jaxinfer.plan import Boundary, Plan
@@ -59,6 +59,8 @@ SWIGLU = Registry("swiglu", layout=_swiglu_layout)
 def _pallas_supports(x, w_gate, w_up, plan, *, biases=(None, None), deltas=None, **_):
     quantized = all(isinstance(w, QuantizedWeight) for w in (w_gate, w_up))
     if quantized:
+        if "nk" in (w_gate.layout, w_up.layout):
+            return "int4 codes laid out for the Mosaic GPU kernel"
         if w_gate.tile != w_up.tile:
             return "quantized gate and up with different K tiles"
     elif not all(isinstance(w, Dense) and not w.transposed for w in (w_gate, w_up)):
@@ -85,6 +87,23 @@ def _pallas_swiglu(x, w_gate, w_up, plan, *, biases=(None, None), norm_w=None, e
                     block_sizes=tiles(plan, m, k, f, 2, x.dtype))
     x_new, act = out if deltas is not None else (x.reshape(m, k), out)
     return x_new.reshape(x.shape), act.reshape(*x.shape[:-1], f)
+
+
+def _int4_mosaic_supports(x, w_gate, w_up, plan, *, deltas=None, **_):
+    return MATMUL.get("int4_mosaic").supports(x, w_gate, plan) or \
+        MATMUL.get("int4_mosaic").supports(x, w_up, plan)
+
+
+@SWIGLU.register("int4_mosaic", _int4_mosaic_supports, kernel=True)
+def _int4_mosaic_swiglu(x, w_gate, w_up, plan, *, biases=(None, None), norm_w=None, eps=0.0,
+                        deltas=None, prefetch=()):
+    """int4 gate and up in the nk layout: each through the Mosaic GPU kernel, then act * up."""
+    x = add_deltas(x, deltas)
+    h = x if norm_w is None else norm(x, norm_w, eps, plan)
+    product = MATMUL.get("int4_mosaic").run
+    gate = product(h, w_gate, plan, bias=biases[0], out_dtype=jnp.float32)[1]
+    up = product(h, w_up, plan, bias=biases[1], out_dtype=jnp.float32)[1]
+    return x, (reference.gate_activation(gate, plan.config.mlp_activation) * up).astype(x.dtype)
 
 
 @SWIGLU.register("reference", always)
