@@ -8,7 +8,8 @@ matchers (the sampler's masks are built there) and checks stop strings. The API 
 detokenization. In one process the engine thread and the event loop took turns on one GIL
 (~234 ms of one core per 1k tokens at 64 rows on the H200, 0.78x the engine's throughput).
 
-They talk over one `multiprocessing` pipe (pickled tuples):
+They talk over one `multiprocessing` pipe (tuples pickled with the pickle module's own
+pickler: multiprocessing's ForkingPickler costs more per message):
     API -> engine: ("add", request id, prompt ids, add_request kwargs) | ("abort", id)
                    | ("close",)
     engine -> API: one message per engine step: (add results, outputs, stats), the step's
@@ -26,12 +27,14 @@ import dataclasses
 import itertools
 import logging
 import multiprocessing
+import pickle
 import signal
 import sys
 import time
 from typing import NamedTuple
 
 log = logging.getLogger("jaxinfer.serve")
+PROTOCOL = pickle.HIGHEST_PROTOCOL
 
 
 class EngineDead(RuntimeError):
@@ -137,8 +140,12 @@ class EngineLoop:
     """The engine process's loop: take the commands that came, step, send the step's results
     in one message. Every Engine call happens here."""
 
+    CPU_EVERY_S = 0.25  # how often the CPU times in Stats are read again
+
     def __init__(self, engine, conn):
         self.engine, self.conn = engine, conn
+        self._cpu = (0.0, 0.0)
+        self._cpu_read = -self.CPU_EVERY_S
 
     def run(self) -> None:
         engine, conn = self.engine, self.conn
@@ -148,7 +155,7 @@ class EngineLoop:
                     conn.poll(None)  # idle: sleep until a command (or the pipe's end)
                 added, changed = [], False
                 while conn.poll():
-                    command = conn.recv()
+                    command = pickle.loads(conn.recv_bytes())
                     if command[0] == "close":
                         return
                     changed = True
@@ -158,10 +165,10 @@ class EngineLoop:
                         engine.abort(command[1])
                 outs = engine.step() if engine.has_unfinished() else []
                 if outs or changed:
-                    conn.send((added, [(o.request_id, o.new_token_ids, o.new_logprobs,
-                                        o.finished, o.finish_reason, o.new_top_logprobs,
-                                        o.draft_tokens, o.accepted_tokens) for o in outs],
-                               self.stats()))
+                    outputs = [(o.request_id, o.new_token_ids, o.new_logprobs, o.finished,
+                                o.finish_reason, o.new_top_logprobs, o.draft_tokens,
+                                o.accepted_tokens) for o in outs]
+                    conn.send_bytes(pickle.dumps((added, outputs, self.stats()), PROTOCOL))
         except (EOFError, OSError):  # the API process is gone
             return
 
@@ -181,9 +188,11 @@ class EngineLoop:
 
     def stats(self) -> Stats:
         e = self.engine
+        now = time.perf_counter()
+        if now - self._cpu_read >= self.CPU_EVERY_S:  # a clock read per step showed up
+            self._cpu, self._cpu_read = (time.thread_time(), time.process_time()), now
         return Stats(len(e.scheduler.running), len(e.scheduler.waiting), e.pool.in_use,
-                     e.prefix_cache_hit_rate(), e.stats["generated_tokens"], time.thread_time(),
-                     time.process_time())
+                     e.prefix_cache_hit_rate(), e.stats["generated_tokens"], *self._cpu)
 
 
 # -------------------------------------------------------------------------------------------
@@ -282,7 +291,7 @@ class EngineClient:
             self._loop.remove_reader(self.conn.fileno())
         if self.error is None:
             try:
-                self.conn.send(("close",))
+                self.conn.send_bytes(pickle.dumps(("close",), PROTOCOL))
             except OSError:
                 pass
         if self.process is not None:
@@ -294,7 +303,7 @@ class EngineClient:
 
     def _send(self, command) -> None:
         try:
-            self.conn.send(command)
+            self.conn.send_bytes(pickle.dumps(command, PROTOCOL))
         except OSError:  # the engine process is gone; _receive says so
             self._died()
 
@@ -302,7 +311,7 @@ class EngineClient:
         """On the event loop, when the pipe has data: every message that came."""
         try:
             while self.conn.poll():
-                added, outputs, stats = self.conn.recv()
+                added, outputs, stats = pickle.loads(self.conn.recv_bytes())
                 self._deliver(added, outputs)
                 self.stats = stats
         except (EOFError, OSError):
