@@ -215,6 +215,10 @@ def start_engine(args, max_pending: int = 256) -> EngineClient:
         process.join(5)
         raise RuntimeError(f"the engine process exited while starting "
                            f"({_exit_status(process.exitcode)})") from None
+    except BaseException:  # Ctrl-C while it loads: it ignores SIGINT, so stop it here
+        process.terminate()
+        process.join(5)
+        raise
     if status == "failed":
         process.join(30)
         raise value
