@@ -38,7 +38,6 @@ import contextlib
 import dataclasses
 import ipaddress
 import json
-import os
 import random
 import signal
 import socket
@@ -198,8 +197,11 @@ class Load:
 
     async def metric(self, name: str) -> float:
         text = (await self.raw.get("/metrics")).text
-        return float(next(line.split()[1] for line in text.splitlines()
-                          if line.startswith(name + " ")))
+        value = next((line.split()[1] for line in text.splitlines()
+                      if line.startswith(name + " ")), None)
+        if value is None:  # (a StopIteration would end the coroutine as a RuntimeError)
+            raise ValueError(f"the server's /metrics has no {name}")
+        return float(value)
 
     async def pages_in_use(self) -> float:
         return await self.metric("jaxinfer_pages_in_use")
@@ -213,18 +215,18 @@ class Load:
             await asyncio.sleep(0.2)
 
 
-async def thread_cpu(load: "Load", pid: int | None) -> dict[str, float]:
-    """CPU seconds so far of the server's engine thread (its /metrics) and, for a server this
-    harness started, its event loop (the main thread, from Linux's /proc)."""
+CPU_METRICS = {"engine_thread": "jaxinfer_engine_thread_cpu_seconds",
+               "engine_process": "jaxinfer_engine_process_cpu_seconds",
+               "event_loop": "jaxinfer_event_loop_cpu_seconds"}
+
+
+async def server_cpu(load: "Load") -> dict[str, float]:
+    """CPU seconds so far of the server's engine thread, its whole engine process and its
+    API process's event loop (from its /metrics)."""
     out = {}
-    with contextlib.suppress(StopIteration, ValueError, httpx.HTTPError):
-        out["engine_thread"] = await load.metric("jaxinfer_engine_thread_cpu_seconds")
-    if pid is not None:
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            with open(f"/proc/{pid}/task/{pid}/stat") as f:
-                stat = f.read()
-            fields = stat[stat.rindex(")") + 2:].split()  # utime, stime: fields 14, 15
-            out["event_loop"] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    for name, metric in CPU_METRICS.items():
+        with contextlib.suppress(ValueError, httpx.HTTPError):
+            out[name] = await load.metric(metric)
     return out
 
 
@@ -267,7 +269,7 @@ def _free_port() -> int:
 @contextlib.contextmanager
 def start_server(serve_args: list[str], api_key: str | None, timeout: float):
     """`jaxinfer serve SERVE_ARGS` on 127.0.0.1 and a free port, until /health answers;
-    yields (url, its pid)."""
+    yields its url."""
     port = _free_port()
     log = tempfile.TemporaryFile("w+")
     cmd = [sys.executable, "-m", "jaxinfer.cli", "serve", *serve_args, "--host", "127.0.0.1",
@@ -291,7 +293,7 @@ def start_server(serve_args: list[str], api_key: str | None, timeout: float):
                     break
             except httpx.TransportError:
                 time.sleep(0.3)
-        yield url, proc.pid
+        yield url
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)  # as a user stops it: drain, then exit
@@ -378,8 +380,9 @@ def table(r: dict) -> list[str]:
              f"  pages in use at the end: {r['pages_in_use_end']:g}"]
     if "engine_thread_cpu_ms_per_1k_tokens" in s:
         lines.append(f"  server host CPU per 1k tokens: engine thread "
-                     f"{s['engine_thread_cpu_ms_per_1k_tokens']:.0f} ms, event loop "
-                     f"{_fmt(s.get('event_loop_cpu_ms_per_1k_tokens'), '.0f')} ms")
+                     f"{s['engine_thread_cpu_ms_per_1k_tokens']:.0f} ms (engine process "
+                     f"{_fmt(s.get('engine_process_cpu_ms_per_1k_tokens'), '.0f')} ms), API "
+                     f"event loop {_fmt(s.get('event_loop_cpu_ms_per_1k_tokens'), '.0f')} ms")
     for what in ("failures", "disconnect_errors", "malformed_errors"):
         lines += [f"  {what[:-1]}: {e}" for e in s[what]]
     if "engine" in r:
@@ -434,7 +437,7 @@ def parse(argv=None):
     return args
 
 
-async def _load_run(args, url: str, pid: int | None = None) -> dict:
+async def _load_run(args, url: str) -> dict:
     model = args.model
     if model is None:
         async with httpx.AsyncClient(timeout=10) as c:
@@ -447,16 +450,16 @@ async def _load_run(args, url: str, pid: int | None = None) -> dict:
         if args.warmup > 0:
             await load.run(args.warmup, warmup=True)
             await load.wait_pages_zero(args.drain_timeout)
-        cpu0 = await thread_cpu(load, pid)
+        cpu0 = await server_cpu(load)
         elapsed = await load.run(args.duration)
-        cpu1 = await thread_cpu(load, pid)
+        cpu1 = await server_cpu(load)
         pages = await load.wait_pages_zero(args.drain_timeout)
     finally:
         await load.client.close()
         await load.raw.aclose()
     timed = [r for r in load.requests if not r.warmup]
     server = summarize(timed, elapsed)
-    for name in cpu1:  # host CPU the server spent per 1k tokens, by thread
+    for name in cpu1:  # host CPU the server spent per 1k tokens, by thread and process
         server[f"{name}_cpu_ms_per_1k_tokens"] = 1e6 * (cpu1[name] - cpu0.get(name, 0.0)) \
             / max(server["output_tokens"], 1)
     return {"model": model, "clients": args.clients, "duration_s": args.duration,
@@ -471,8 +474,8 @@ def main(argv=None) -> int:
     if args.url is not None:
         result = asyncio.run(_load_run(args, args.url.rstrip("/")))
     else:
-        with start_server(args.serve_args, args.api_key, args.start_timeout) as (url, pid):
-            result = asyncio.run(_load_run(args, url, pid))
+        with start_server(args.serve_args, args.api_key, args.start_timeout) as url:
+            result = asyncio.run(_load_run(args, url))
     reqs = result.pop("requests")
     if args.engine_trace:
         result["engine"] = engine_replay(args.serve_args, reqs, args.clients)

@@ -734,47 +734,38 @@ def cmd_serve(args) -> int:
         log.warning("binding %s: reachable from other machines%s", args.host,
                     "" if args.api_key else " and without --api-key (anyone who can reach it "
                     "can use it)")
-    model, engine = serve_engine(args)
-    import jax
     import uvicorn
 
-    from jaxinfer import memory
-    from jaxinfer.server import EngineRunner, create_app
+    from jaxinfer.server import create_app, start_engine
 
-    if jax.default_backend() == "gpu":
-        # Every dispatch shape compiled before the first client: one first met while serving
-        # stalls every row for its compile (~3 s at 8B on the H200).
-        from jaxinfer.sampling import SamplingParams
-
-        t0 = time.perf_counter()
-        n = engine.warmup([SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)],
-                          progress=sys.stderr.isatty())
-        print(f"jaxinfer serve: compiled {n} executables in {time.perf_counter() - t0:.0f} s",
-              file=sys.stderr, flush=True)
-    runner = EngineRunner(engine, max_pending=args.max_pending)
-    name = args.served_model_name or args.preset or args.model
-    app = create_app(runner, name, api_key=args.api_key, max_tokens_limit=args.max_tokens_limit,
-                     request_timeout=args.request_timeout)
-    params_bytes = sum(x.nbytes for x in jax.tree.leaves(model.params))
-    c = model.config
-    url = f"http://{'[' + args.host + ']' if ':' in args.host else args.host}:{args.port}"
-    print(f"jaxinfer serve: {name} ({c.num_layers} layers, {c.dtype}, loaded in "
-          f"{args.load_s:.1f} s) on {jax.devices()[0].device_kind}\n"
-          f"  memory: params {memory.gib(params_bytes)}, KV pool {engine.total_pages} pages of "
-          f"{engine.page_size} tokens = {memory.gib(engine.state.cache.nbytes())}"
-          f"{'' if engine.kv_cache_dtype is None else ' (' + engine.kv_cache_dtype + ')'}; "
-          f"{engine.max_num_seqs} rows, max_model_len {engine.max_model_len}\n"
-          f"  {url}/v1 (OpenAI API), {url}/ (chat page); Ctrl-C drains and stops",
-          file=sys.stderr, flush=True)
-    # Ctrl-C / SIGTERM: uvicorn stops accepting, then waits for the requests under way (streams
-    # included) up to --shutdown-timeout.
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                            timeout_graceful_shutdown=args.shutdown_timeout)
+    # The model, the Engine and JAX live in a process of their own (jaxinfer/server/runner.py
+    # says why); this one serves HTTP and never initialises a JAX backend.
+    runner = start_engine(args, max_pending=args.max_pending)
     try:
-        uvicorn.Server(config).run()
+        name = args.served_model_name or args.preset or args.model
+        app = create_app(runner, name, api_key=args.api_key,
+                         max_tokens_limit=args.max_tokens_limit,
+                         request_timeout=args.request_timeout)
+        i = runner.info
+        url = f"http://{'[' + args.host + ']' if ':' in args.host else args.host}:{args.port}"
+        print(f"jaxinfer serve: {name} ({i['num_layers']} layers, {i['dtype']}, loaded in "
+              f"{i['load_s']:.1f} s) on {i['device']}\n"
+              f"  memory: params {i['params']}, KV pool {i['total_pages']} pages of "
+              f"{i['page_size']} tokens = {i['kv_pool']}"
+              f"{'' if i['kv_cache_dtype'] is None else ' (' + i['kv_cache_dtype'] + ')'}; "
+              f"{i['max_num_seqs']} rows, max_model_len {i['max_model_len']}\n"
+              f"  {url}/v1 (OpenAI API), {url}/ (chat page); Ctrl-C drains and stops",
+              file=sys.stderr, flush=True)
+        # Ctrl-C / SIGTERM: uvicorn stops accepting, then waits for the requests under way
+        # (streams included) up to --shutdown-timeout; the engine process steps on meanwhile.
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                timeout_graceful_shutdown=args.shutdown_timeout)
+        server = uvicorn.Server(config)
+        runner.on_death = lambda: setattr(server, "should_exit", True)
+        server.run()
     finally:
         runner.close()
-    return 0
+    return 1 if runner.error is not None else 0
 
 
 def cmd_models(args) -> int:

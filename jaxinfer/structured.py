@@ -72,6 +72,7 @@ class Grammar:
     kind: str  # "json_schema" | "json_object" | "regex" | "lark"
     source: str  # the schema (as JSON), the regex or the Lark text
     vocab_size: int  # the tokenizer's
+    text: str = dataclasses.field(repr=False)  # llguidance's grammar (what it compiled)
     _template: object = dataclasses.field(repr=False)  # an llguidance.LLMatcher in its start state
 
     @classmethod
@@ -82,7 +83,16 @@ class Grammar:
             what = {"json_schema": "JSON schema", "json_object": "JSON grammar",
                     "regex": "regex", "lark": "grammar"}[kind]
             raise ValueError(f"invalid {what}: {matcher.get_error().strip()}")
-        return cls(kind, source, tokenizer.vocab_size, matcher)
+        return cls(kind, source, tokenizer.vocab_size, grammar, matcher)
+
+    def spec(self) -> tuple[str, str, str]:
+        """What `from_spec` rebuilds this grammar from (plain strings: an llguidance matcher
+        does not pickle; `jaxinfer serve` sends grammars to its engine process so)."""
+        return self.kind, self.source, self.text
+
+    @classmethod
+    def from_spec(cls, tokenizer, spec: tuple[str, str, str]) -> Grammar:
+        return cls._compile(tokenizer, *spec)
 
     @classmethod
     def json_schema(cls, tokenizer, schema: dict | str) -> Grammar:

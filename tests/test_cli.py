@@ -142,11 +142,14 @@ def test_arguments_are_checked_before_loading(argv, match, capsys, monkeypatch):
                                            ("example.org", True), ("127.0.0.2", False),
                                            ("localhost", False), ("::1", False)])
 def test_serve_warns_when_not_loopback(host, warned, caplog, capsys, monkeypatch):
-    """The warning comes before the load (stopped here: nothing is bound)."""
-    def stop(args):
+    """The warning comes before the load (stopped here, before the engine process starts:
+    nothing is bound)."""
+    import jaxinfer.server
+
+    def stop(args, **kwargs):
         raise RuntimeError("stopped before the load")
 
-    monkeypatch.setattr(cli, "_load", stop)
+    monkeypatch.setattr(jaxinfer.server, "start_engine", stop)
     assert cli.main(["serve", "--host", host]) == 2
     said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert bool(said) == warned and all("reachable from other machines" in m and

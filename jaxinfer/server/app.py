@@ -24,11 +24,12 @@ on a worker thread (an invalid one: 400):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -36,6 +37,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.background import BackgroundTask
 
+from jaxinfer import prompts as prompts_lib
 from jaxinfer import structured
 from jaxinfer.generate import StreamText
 from jaxinfer.prompts import check_text
@@ -44,7 +46,7 @@ from jaxinfer.server.idtext import IdText
 from jaxinfer.server.limits import RequestLimits
 from jaxinfer.server.metrics import Metrics
 from jaxinfer.server.page import PAGE_PATHS, add_chat_page
-from jaxinfer.server.runner import EngineRunner
+from jaxinfer.server.runner import EngineClient, EngineDead
 
 MAX_BODY_BYTES = 4 << 20
 RETRY_AFTER_S = 1  # what a 429 asks a client to wait (the openai client honours it)
@@ -257,22 +259,32 @@ def _arguments(arguments):
     return arguments
 
 
-def create_app(runner: EngineRunner, model_name: str, api_key: str | None = None,
+def create_app(runner: EngineClient, model_name: str, api_key: str | None = None,
                max_tokens_limit: int | None = None, request_timeout: float | None = None,
                max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
-    """The API over `runner`'s engine, serving the model as `model_name`. max_tokens_limit:
-    the most a request may ask for (default the engine's max_model_len); request_timeout:
-    seconds a request may take, queue included (None: no limit)."""
-    app = FastAPI(title="jaxinfer", docs_url=None, redoc_url=None)
+    """The API over `runner`'s engine process, serving the model as `model_name`.
+    max_tokens_limit: the most a request may ask for (default the engine's max_model_len);
+    request_timeout: seconds a request may take, queue included (None: no limit)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        runner.attach()  # the engine's messages are read on the server's event loop
+        yield
+
+    app = FastAPI(title="jaxinfer", docs_url=None, redoc_url=None, lifespan=lifespan)
     # The API key, body size and timeout in one plain ASGI middleware: a BaseHTTPMiddleware
     # (@app.middleware) would pass every streamed event through a task and a memory stream.
     app.add_middleware(RequestLimits, max_body_bytes=max_body_bytes, timeout=request_timeout,
                        api_key=api_key, public=("/health", *PAGE_PATHS))
-    engine = runner.engine
-    tokenizer = engine.model.tokenizer or IdText()  # random weights: token ids only
-    token_ids_only = engine.model.tokenizer is None
+    tokenizer = runner.tokenizer or IdText()  # random weights: token ids only
+    token_ids_only = runner.tokenizer is None
+    vocab_size = runner.info["vocab_size"]
     metrics = Metrics(runner)
-    max_tokens_limit = max_tokens_limit or engine.max_model_len
+    max_tokens_limit = max_tokens_limit or runner.info["max_model_len"]
+
+    def engine_dead() -> APIError:
+        return APIError(503, f"{runner.error}; this server is stopping", kind="server_error",
+                        code="engine_dead")
 
     @app.exception_handler(APIError)
     async def _api_error(request, e: APIError):
@@ -295,6 +307,8 @@ def create_app(runner: EngineRunner, model_name: str, api_key: str | None = None
 
     @app.get("/health")
     async def health():
+        if runner.error is not None:
+            return JSONResponse({"status": runner.error}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -346,13 +360,17 @@ def create_app(runner: EngineRunner, model_name: str, api_key: str | None = None
 
     async def submit_all(prompt, req: _Common, sp: SamplingParams, max_tokens: int,
                          param: str, grammar):
+        try:  # tokenized here, in the API process; the engine process checks the ids again
+            (ids,) = prompts_lib.encode(runner.tokenizer, [prompt], False, vocab_size)
+        except ValueError as e:
+            raise APIError(400, str(e), param) from None
+        spec = None if grammar is None else grammar.spec()
         subs = []
         try:
             for i in range(req.n):
                 seed = None if req.seed is None else (req.seed + i) % 2**32
-                subs.append(await runner.submit(prompt, sampling=sp, max_tokens=max_tokens,
-                                                stop=req.stop, seed=seed, chat=False,
-                                                grammar=grammar))
+                subs.append(await runner.submit(ids, sampling=sp, max_tokens=max_tokens,
+                                                stop=req.stop, seed=seed, grammar=spec))
         except OverflowError as e:
             for s in subs:
                 runner.abort(s.request_id)
@@ -367,6 +385,8 @@ def create_app(runner: EngineRunner, model_name: str, api_key: str | None = None
             for s in subs:
                 runner.abort(s.request_id)
             raise APIError(400, str(e), param) from None
+        except EngineDead:
+            raise engine_dead() from None
         return subs
 
     async def choice_events(sub, stops):
@@ -377,6 +397,8 @@ def create_app(runner: EngineRunner, model_name: str, api_key: str | None = None
             out = await sub.queue.get()
             if out is None:
                 return
+            if isinstance(out, EngineDead):
+                raise out
             piece, stopped = "", False
             for i, t in enumerate(out.new_token_ids):
                 last = out.finished and i == len(out.new_token_ids) - 1
@@ -430,7 +452,7 @@ def create_app(runner: EngineRunner, model_name: str, api_key: str | None = None
         if constraint and token_ids_only:
             raise APIError(400, f"{constraint[0]}: structured output needs the model's "
                                 "tokenizer (this server has token ids only)", constraint[0])
-        if constraint and runner.engine.num_speculative_tokens:
+        if constraint and runner.info["num_speculative_tokens"]:
             raise APIError(400, f"{constraint[0]}: structured output is not supported by a "
                                 "speculative server (its drafts would be verified without "
                                 "the grammar's masks); start it without --speculative",
@@ -473,6 +495,8 @@ def create_app(runner: EngineRunner, model_name: str, api_key: str | None = None
                         lps[i] += lp or []
                         tops[i] += top or []
                         reasons[i] = reason or reasons[i]
+            except EngineDead:
+                raise engine_dead() from None
             finally:
                 for sub in subs:
                     runner.abort(sub.request_id)
@@ -506,8 +530,11 @@ def create_app(runner: EngineRunner, model_name: str, api_key: str | None = None
                 merged: asyncio.Queue = asyncio.Queue()
 
                 async def pump(i, sub):
-                    async for event in choice_events(sub, stops):
-                        await merged.put((i, event))
+                    try:
+                        async for event in choice_events(sub, stops):
+                            await merged.put((i, event))
+                    except EngineDead as e:
+                        await merged.put((i, e))
                     await merged.put((i, None))
 
                 tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(subs)]
@@ -529,6 +556,8 @@ def create_app(runner: EngineRunner, model_name: str, api_key: str | None = None
                     if event is None:
                         done += 1
                         continue
+                    if isinstance(event, EngineDead):
+                        raise event
                     piece, toks, lp, top, reason = event
                     generated += len(toks)
                     if first:
@@ -561,6 +590,10 @@ def create_app(runner: EngineRunner, model_name: str, api_key: str | None = None
                                       "usage": usage(generated)})
                 metrics.finished(len(subs), t0, generated)
                 yield "[DONE]"
+            except EngineDead:  # an error event (the openai client raises it), no [DONE]
+                e = engine_dead()
+                yield json.dumps({"error": {"message": e.message, "type": e.kind,
+                                            "param": None, "code": e.code}})
             finally:  # a disconnect cancels this generator: the requests go at once
                 for task in tasks:
                     task.cancel()

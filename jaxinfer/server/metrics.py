@@ -10,8 +10,7 @@ from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, 
 
 class Metrics:
     def __init__(self, runner):
-        self.runner = runner
-        engine = runner.engine
+        """runner: the EngineClient; the engine's figures are those its process last sent."""
         self.registry = r = CollectorRegistry()
         self.requests = Counter("jaxinfer_requests", "requests finished (choices)", registry=r)
         self.tokens = Counter("jaxinfer_generated_tokens", "tokens generated", registry=r)
@@ -21,22 +20,30 @@ class Metrics:
         self.tpot = Histogram("jaxinfer_time_per_output_token_seconds",
                               "request time / its output tokens", registry=r,
                               buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1))
+        total_pages = runner.info["total_pages"]
         gauges = {
             "jaxinfer_requests_running": ("requests holding a row",
-                                          lambda: len(engine.scheduler.running)),
+                                          lambda: runner.stats.running),
             "jaxinfer_requests_waiting": ("requests queued for a row",
-                                          lambda: len(engine.scheduler.waiting)),
+                                          lambda: runner.stats.waiting),
             "jaxinfer_pages_in_use": ("KV pages held by requests",
-                                      lambda: engine.pool.in_use),
-            "jaxinfer_pages_total": ("KV pages in the pool", lambda: engine.total_pages),
+                                      lambda: runner.stats.pages_in_use),
+            "jaxinfer_pages_total": ("KV pages in the pool", lambda: total_pages),
             "jaxinfer_prefix_cache_hit_rate": ("prompt tokens served from the prefix cache",
-                                               engine.prefix_cache_hit_rate),
+                                               lambda: runner.stats.prefix_cache_hit_rate),
             "jaxinfer_engine_generated_tokens": ("tokens the engine generated (aborted "
                                                  "requests' included)",
-                                                 lambda: engine.stats["generated_tokens"]),
-            "jaxinfer_engine_thread_cpu_seconds": ("CPU time of the thread that steps the "
-                                                   "engine (its host work)",
-                                                   lambda: runner.thread_cpu_s),
+                                                 lambda: runner.stats.generated_tokens),
+            "jaxinfer_engine_thread_cpu_seconds": ("CPU time of the engine process's thread "
+                                                   "that steps the engine (its host work)",
+                                                   lambda: runner.stats.thread_cpu_s),
+            "jaxinfer_engine_process_cpu_seconds": ("CPU time of the engine process (JAX's "
+                                                    "threads included)",
+                                                    lambda: runner.stats.process_cpu_s),
+            # /metrics is served on the event loop, so this is the loop's own thread.
+            "jaxinfer_event_loop_cpu_seconds": ("CPU time of the API process's event loop "
+                                                "(HTTP, SSE, detokenization)",
+                                                time.thread_time),
         }
         for name, (doc, fn) in gauges.items():
             Gauge(name, doc, registry=r).set_function(fn)
