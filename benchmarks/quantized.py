@@ -8,7 +8,10 @@ then the median time of the bf16 kernel (norm_matmul, the decode path's matmul),
 dot, and the quantized kernel for int8 g128, int4 g128 (symmetric and with offsets), fp8
 (one scale per column), and the GGUF Q4_K and Q6_K layouts, each as TB/s of its bytes, the
 fraction of the 4.27 TB/s floor and the speed-up over the bf16 kernel. Tile variants of the
-int4 kernel are timed beside the defaults. At M = 2048 (prefill) the kernel is timed against
+int4 kernel are timed beside the defaults; int4 and int8 g128 also through the Mosaic GPU kernel
+the decode path takes on Hopper (`mosaic`: the weight in the "nk" layout), and int4 g128
+through torch's tinygemm (`_weight_int4pack_mm`, the gpt-fast peer; skipped with a note where
+torch or CUDA is missing), with each row's speed-up over tinygemm. At M = 2048 (prefill) the kernel is timed against
 dequantize-then-GEMM through XLA and the bf16 GEMM (TFLOP/s). Timing as benchmarks/kernels.py.
 """
 
@@ -89,12 +92,52 @@ def bench_decode(k: int, n: int, m: int, iters: int, sets: int, rng, variants: b
             record(op="decode", k=k, n=n, m=m, weights=name, tiles=tname, err=err, ms=t * 1e3,
                    tbs=nbytes / t / 1e12, floor=nbytes / t / 1e12 / PEAK_TBS,
                    vs_bf16_kernel=t_dense / t, bytes_ratio=bf16_bytes / nbytes)
+        if name in ("int4_g128", "int8_g128"):  # the decode path on Hopper
+            nks = [pk.to_nk(q) for q in qs]
+            e = rel_err(pk.quantized_matmul_mgpu(xs[0], nks[0]),
+                        pk.quantized_matmul_reference(xs[0], qs[0]))
+            t = time_fn(jax.jit(pk.quantized_matmul_mgpu), list(zip(xs, nks)), iters=iters)
+            record(op="decode", k=k, n=n, m=m, weights=name, tiles="mosaic", err=e,
+                   ms=t * 1e3, tbs=nbytes / t / 1e12, floor=nbytes / t / 1e12 / PEAK_TBS,
+                   vs_bf16_kernel=t_dense / t, bytes_ratio=bf16_bytes / nbytes)
+        if name == "int4_g128" and TORCH is not None:  # the gpt-fast peer: tinygemm
+            tiny = tinygemm(qs, xs, m, k, n, iters)
+            if tiny is not None:
+                t, e = tiny
+                record(op="decode", k=k, n=n, m=m, weights="int4_g128 torch tinygemm", err=e,
+                       ms=t * 1e3, tbs=nbytes / t / 1e12, floor=nbytes / t / 1e12 / PEAK_TBS,
+                       vs_bf16_kernel=t_dense / t)
         if name == "int4_g128":  # the peer a plain JAX user writes: dequantize, then dot
             fn = jax.jit(lambda x, q: jnp.dot(x, dequantize(q, x.dtype),
                                               preferred_element_type=jnp.float32).astype(x.dtype))
             t = time_fn(fn, list(zip(xs, qs)), iters=iters)
             record(op="decode", k=k, n=n, m=m, weights="int4_g128 xla dequant+dot", ms=t * 1e3,
                    tbs=nbytes / t / 1e12, vs_bf16_kernel=t_dense / t)
+
+
+TORCH = None  # torch with CUDA, set in main (None: no tinygemm rows)
+
+
+def tinygemm(qs, xs, m: int, k: int, n: int, iters: int):
+    """(seconds, rel err) of torch's tinygemm on the same codes and scales, or None."""
+    from benchmarks.quant_designs import GROUP, tinygemm_pack, time_torch
+    from pallas_kernels.quantized import codes_of
+
+    try:
+        packed = [tinygemm_pack(TORCH, dict(q=q, u8=(codes_of(q) + q.code_offset).astype(
+            jnp.uint8))) for q in qs]
+        txs = [TORCH.from_numpy(np.array(x.astype(jnp.float32))).cuda().to(TORCH.bfloat16)
+               for x in xs]
+        call = lambda x, w, sz: TORCH.ops.aten._weight_int4pack_mm(x, w, GROUP, sz)  # noqa
+        arg_sets = [(tx, w, sz) for tx, (w, sz) in zip(txs, packed)]
+        y = jnp.asarray(call(*arg_sets[0]).float().cpu().numpy())
+        err = rel_err(y, pk.quantized_matmul_reference(xs[0], qs[0]))
+        t, _ = time_torch(TORCH, call, arg_sets, iters=iters, link=True)
+        return t, err
+    except Exception as exc:  # noqa: BLE001 -- the peer failing must not end the run
+        print(f"tinygemm {k}x{n} M={m} failed: {type(exc).__name__}: {str(exc)[:500]}",
+              flush=True)
+        return None
 
 
 def bench_prefill(k: int, n: int, m: int, iters: int, rng) -> None:
@@ -140,6 +183,13 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
+    global TORCH
+    if jax.default_backend() == "gpu":
+        from benchmarks.quant_designs import torch_setup
+        notes = []
+        TORCH = torch_setup(notes)
+        for note in notes:
+            print(f"# {note}", flush=True)
     check_odd_shapes(rng)
     shapes = [(4096, 14336)] if args.quick else [(4096, 14336), (8192, 28672)]
     for k, n in shapes:
@@ -150,11 +200,15 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(RESULTS, f, indent=1)
-    print("\nop       K     N      M  weights                        ms     TB/s  x bf16")
+    print("\nop       K     N      M  weights                        ms     TB/s  x bf16  x tiny")
+    tiny = {(r["k"], r["n"], r["m"]): r["ms"] for r in RESULTS
+            if r["op"] == "decode" and r["weights"] == "int4_g128 torch tinygemm"}
     for r in RESULTS:
         if r["op"] == "decode":
+            t = tiny.get((r["k"], r["n"], r["m"]))
+            vt = f"{t / r['ms']:6.2f}" if t else ""
             print(f"decode {r['k']:5d} {r['n']:6d} {r['m']:3d}  {r['weights'] + ' ' + r.get('tiles', ''):30s}"
-                  f" {r['ms']:7.4f} {r['tbs']:6.2f}  {r['vs_bf16_kernel']:5.2f}")
+                  f" {r['ms']:7.4f} {r['tbs']:6.2f}  {r['vs_bf16_kernel']:5.2f}  {vt}")
         elif r["op"] == "prefill":
             print(f"prefill {r['k']:4d} {r['n']:6d} {r['m']:5d} {r['weights']:30s} {r['ms']:7.3f} "
                   f"{r['tflops']:6.1f} TFLOP/s")

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from jaxinfer import memory
 from jaxinfer.configs import PRESETS, Config
 from jaxinfer.generate import (CACHE_ROUND, PROMPT_BUCKETS, bucket, decode_loop, decode_step,
-                               init_state, int4_layout_params, prefill, run_params)
+                               init_state, int_layout_params, prefill, run_params)
 from jaxinfer.model import Model, default_dtype, load
 from jaxinfer.models import registry
 from jaxinfer.ops.blocked import dequant_block_bytes
@@ -181,7 +181,7 @@ def random_model(preset: str, dtype: str, seed: int = 0,
                                   specs, sharding)
     policy = policy or KernelPolicy()
     if quantize:  # int4 weights in the layout the model's kernels read (as a load does)
-        params = int4_layout_params(params, Plan(config, policy, sharding))
+        params = int_layout_params(params, Plan(config, policy, sharding))
     return Model(config=config, params=params, tokenizer=None, policy=policy,
                  sharding=sharding)
 

@@ -29,7 +29,7 @@ from jaxinfer import sharding as sharding_lib
 from jaxinfer.cache import KVCache, check_kv_dtype
 from jaxinfer.models import registry
 from jaxinfer.ops.dispatch import kernels_on
-from jaxinfer.ops.linear import int4_layout
+from jaxinfer.ops.linear import int_layout
 from jaxinfer.plan import KernelPolicy, Plan
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.ops.blocked import plan_block_bytes
@@ -378,11 +378,11 @@ def has_quantized(params) -> bool:
         params, is_leaf=lambda a: isinstance(a, QuantizedWeight | Parts)))
 
 
-def int4_layout_params(params, plan: Plan):
-    """params with their int4 matmul weights in the layout the plan's kernels read
-    (jaxinfer/ops/linear.int4_layout): "nk" for the Mosaic GPU kernel where a weight fits it
+def int_layout_params(params, plan: Plan):
+    """params with their int4 / int8 matmul weights in the layout the plan's kernels read
+    (jaxinfer/ops/linear.int_layout): "nk" for the Mosaic GPU kernel where a weight fits it
     (pk.nk_unfit), else the tiles the Triton kernels read. Embedding tables keep theirs."""
-    layout = int4_layout(plan)
+    layout = int_layout(plan)
     specs = registry.family(plan.config).param_specs(plan.config)
 
     def one(spec, p):
@@ -409,7 +409,7 @@ def run_params(model, plan: Plan):
     step-by-step stream does not dequantize per token."""
     params = model.params
     if has_quantized(params):
-        params = int4_layout_params(params, plan)
+        params = int_layout_params(params, plan)
     if has_quantized(params) and not kernels_on(plan, plan.config.dtype):
         blocked = plan_block_bytes(plan) > 0
         specs = registry.family(plan.config).param_specs(plan.config)

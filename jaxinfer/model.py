@@ -12,7 +12,7 @@ import numpy as np
 from jaxinfer.configs import DTYPES, Config
 from jaxinfer.models import registry
 from jaxinfer.plan import KernelPolicy, Plan
-from jaxinfer.generate import has_quantized, int4_layout_params
+from jaxinfer.generate import has_quantized, int_layout_params
 from jaxinfer.sharding import Sharding
 from jaxinfer.weights import (BYTES_PER_PARAM, QUANTIZATIONS, cast_floating, check_params,
                               dequantize_params, place_on_read, quantize_on_read,
@@ -131,7 +131,7 @@ def from_params(config: Config, params, tokenizer=None, dtype: str | None = None
     params = cast_floating(params, dtype, specs)
     policy = _check_policy(policy)
     if has_quantized(params):  # int4 weights once in the layout the model's kernels read
-        params = int4_layout_params(params, Plan(config, policy, sharding))
+        params = int_layout_params(params, Plan(config, policy, sharding))
     return Model(config=config, params=params, tokenizer=tokenizer, policy=policy,
                  sharding=sharding)
 

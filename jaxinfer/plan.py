@@ -118,11 +118,11 @@ class KernelPolicy:
     # size, the other rows or how a prompt is chunked (KernelPolicy.deterministic says what
     # else does).
     batch_invariant: bool = False
-    # Symmetric int4 weights in groups of 128 at decode rows (<= 64): "mosaic" repacks them
-    # K-contiguous per output column for the Mosaic GPU kernel (pallas_kernels/quantized_mgpu.py),
-    # "triton" keeps the fused Triton kernels' tiles; "auto": mosaic on Hopper GPUs (kernels
+    # Symmetric int4 and int8 weights in groups of 128 at decode rows (<= 64): "mosaic"
+    # repacks them K-contiguous per output column for the Mosaic GPU kernel
+    # (pallas_kernels/quantized_mgpu.py), "triton" keeps the fused Triton kernels' tiles; "auto": mosaic on Hopper GPUs (kernels
     # on, not batch_invariant, not sharded), else triton.
-    int4_matmul: str = "auto"
+    quant_matmul: str = "auto"
     attention_chunk: int = 512
     # Tile overrides for sweeps: ((K, N, weights), MatmulBlockSizes) pairs for the fused
     # matmuls, and the decode attention kernels' block sizes.
@@ -171,8 +171,8 @@ class KernelPolicy:
             value = getattr(self, name)
             if value is not None and not isinstance(value, Prefetch):
                 raise ValueError(f"KernelPolicy.{name}={value!r}: must be a Prefetch or None")
-        if self.int4_matmul not in ("auto", "mosaic", "triton"):
-            raise ValueError(f"KernelPolicy.int4_matmul={self.int4_matmul!r}: one of 'auto', "
+        if self.quant_matmul not in ("auto", "mosaic", "triton"):
+            raise ValueError(f"KernelPolicy.quant_matmul={self.quant_matmul!r}: one of 'auto', "
                              f"'mosaic', 'triton'")
         _check_int("fused_rows", self.fused_rows, 0)
         _check_int("one_kernel_mlp_rows", self.one_kernel_mlp_rows, 0)

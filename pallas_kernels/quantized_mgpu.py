@@ -1,16 +1,16 @@
-"""int4 decode matmul for Hopper on the Pallas Mosaic GPU backend (issue 37's design study).
+"""int4 / int8 decode matmul for Hopper on the Pallas Mosaic GPU backend.
 
-    y [M, N] = x [M, K] @ (codes [N, K] * scale[g, n])     codes int4 in [-8, 7], groups of 128
+    y [M, N] = x [M, K] @ (codes [N, K] * scale[g, n])     codes int4 or int8, groups of 128
 
 Swapped operands: the weight is wgmma's A operand (its N rows are the MMA's M side, 64 per
 warpgroup) and x^T its B operand (M <= 64 rows padded to a multiple of 8 are the MMA's N side),
 so one decode row costs an m64n8 product, not an m64 tile of padding. Per K step of one group:
-TMA brings the [bn, 128] int4 tile (K contiguous per output column), x's [Mp, 128] tile and the
+TMA brings the [bn, 128] code tile (K contiguous per output column), x's [Mp, 128] tile and the
 group's scales into shared memory; the warpgroup loads the codes in the upcast layout, converts
-them to bf16 (Mosaic's lop3 path, two codes per instruction), scales them per row and issues the
+them to bf16 (int4: Mosaic's lop3 path, two codes per instruction), scales them per row and issues the
 wgmma with A from registers. The accumulator [bn, Mp] f32 goes out transposed ([N, Mp]).
 
-Two schedules (`Int4MgpuConfig.schedule`):
+Two schedules (`MgpuMatmulConfig.schedule`):
   * "pipe": one warpgroup per block, `plgpu.emit_pipeline` keeps `stages` TMA steps in flight;
     small blocks, several per SM.
   * "ws": warp-specialized, as JAX's Hopper mixed-type matmul: two compute warpgroups (bn rows
@@ -36,11 +36,14 @@ GROUP = 128  # the K step: one scale row per step
 
 _WGMMA = plgpu.Layout.WGMMA
 _WGMMA_ROW = plgpu.Layout.WGMMA.reduce(1)
-_UPCAST_4X = plgpu.Layout.WGMMA_UPCAST_4X
+# The register layout a code tile is loaded in, by code bits: one that converts to the wgmma
+# layout with few shuffles once upcast to 16 bits.
+_UPCAST = {4: plgpu.Layout.WGMMA_UPCAST_4X, 8: plgpu.Layout.WGMMA_UPCAST_2X}
+_CODES = {4: jnp.int4, 8: jnp.int8}
 
 
 @dataclasses.dataclass(frozen=True)
-class Int4MgpuConfig:
+class MgpuMatmulConfig:
     """bn: weight rows (output columns) per compute warpgroup (64); gps: groups of 128 per K
     step (one TMA tile); stages: K steps in flight; splits: K ranges (grid axis, float32
     partial sums); schedule: "pipe" or "ws"."""
@@ -62,13 +65,14 @@ def _smem_transforms(row_bits: int, dtype_bits: int):
 
 
 def nk_unfit(qw: QuantizedWeight) -> str | None:
-    """Why qw cannot take the "nk" layout (None: it can): symmetric int4 in groups of 128 of
-    one [K, N] matrix, N a multiple of 64."""
+    """Why qw cannot take the "nk" layout (None: it can): symmetric int4 or int8 in groups of
+    128 of one [K, N] matrix, N a multiple of 64."""
     if qw.layout == "nk":
         return None
-    if qw.bits != (4,) or qw.float8 or qw.group != GROUP or qw.offset is not None \
+    signed8 = qw.bits == (8,) and qw.planes[0].dtype == jnp.int8
+    if not (qw.bits == (4,) or signed8) or qw.group != GROUP or qw.offset is not None \
             or qw.super_scale is not None:
-        return f"{qw.name}: not symmetric int4 in groups of {GROUP}"
+        return f"{qw.name}: not symmetric int4 / int8 in groups of {GROUP}"
     if num_experts(qw):
         return "stacked experts"
     if qw.k % GROUP or qw.n % 64:
@@ -77,24 +81,26 @@ def nk_unfit(qw: QuantizedWeight) -> str | None:
 
 
 def to_nk(qw: QuantizedWeight) -> QuantizedWeight:
-    """The same weight in the "nk" layout (pallas_kernels/quantized.py): codes [N, K] int4."""
+    """The same weight in the "nk" layout (pallas_kernels/quantized.py): codes [N, K] int4 or
+    int8."""
     if qw.layout == "nk":
         return qw
     if (why := nk_unfit(qw)) is not None:
         raise ValueError(f"to_nk: {why}")
-    codes = jnp.asarray(codes_of(qw)).reshape(qw.k, qw.n)  # [K, N] int32 in [-8, 7]
-    return qw.replace(planes=(codes.T.astype(jnp.int4),), layout="nk")
+    codes = jnp.asarray(codes_of(qw)).reshape(qw.k, qw.n)  # [K, N] int32, signed
+    return qw.replace(planes=(codes.T.astype(_CODES[qw.bits[0]]),), layout="nk")
 
 
 def to_tiles(qw: QuantizedWeight) -> QuantizedWeight:
     """An "nk" weight back in the tiles layout the Triton kernels read (the planes it had)."""
     if qw.layout != "nk":
         return qw
-    codes = codes_of(qw) + qw.code_offset  # [K, N] stored codes in [0, 16)
-    return qw.replace(planes=(pack_plane(codes, 4, qw.tile),), layout="tiles")
+    codes = codes_of(qw) + qw.code_offset  # [K, N] as stored
+    plane = codes.astype(jnp.int8) if qw.bits == (8,) else pack_plane(codes, 4, qw.tile)
+    return qw.replace(planes=(plane,), layout="tiles")
 
 
-def default_config(m: int, k: int, n: int) -> Int4MgpuConfig:
+def default_config(m: int, k: int, n: int) -> MgpuMatmulConfig:
     """Two groups a step, four steps in flight, K in two ranges, four where N gives fewer
     than 2 blocks per SM (132), as the groups allow (benchmarks/DECISIONS.md)."""
     groups, blocks = k // GROUP, n // 64
@@ -102,24 +108,25 @@ def default_config(m: int, k: int, n: int) -> Int4MgpuConfig:
     splits = 2 if groups % (2 * gps) == 0 else 1
     if blocks * splits < 264 and groups % (4 * gps) == 0:
         splits = 4
-    return Int4MgpuConfig(gps=gps, stages=4, splits=splits)
+    return MgpuMatmulConfig(gps=gps, stages=4, splits=splits)
 
 
-def quantized_matmul_mgpu(x, qw: QuantizedWeight, *, cfg: Int4MgpuConfig | None = None,
+def quantized_matmul_mgpu(x, qw: QuantizedWeight, *, cfg: MgpuMatmulConfig | None = None,
                           interpret: bool = False, out_dtype=None):
     """x [M, K] (M <= 64) @ dequantize(qw) for an "nk" weight -> [M, N] in out_dtype (x's)."""
     if qw.layout != "nk":
         raise ValueError(f"quantized_matmul_mgpu: {qw.name} weight is not in the nk layout "
                          f"(to_nk)")
     cfg = cfg or default_config(x.shape[0], qw.k, qw.n)
-    return int4_matmul_mgpu(x, qw.planes[0], qw.scale, cfg=cfg, interpret=interpret,
-                            out_dtype=jnp.dtype(out_dtype or x.dtype))
+    return int_matmul_mgpu(x, qw.planes[0], qw.scale, cfg=cfg, interpret=interpret,
+                           out_dtype=jnp.dtype(out_dtype or x.dtype))
 
 
 def _dequant(w_smem, s_smem, rows, j):
-    """Group j of [rows] of the int4 tile -> bf16 [bn, 128] in the wgmma layout, scaled per
+    """Group j of [rows] of the code tile -> bf16 [bn, 128] in the wgmma layout, scaled per
     row: in bf16 for bf16 scales, else code * scale in float32 (exact) rounded once to bf16."""
-    w = plgpu.load(w_smem.at[rows, pl.ds(j * GROUP, GROUP)], layout=_UPCAST_4X)
+    bits = jnp.iinfo(w_smem.dtype).bits
+    w = plgpu.load(w_smem.at[rows, pl.ds(j * GROUP, GROUP)], layout=_UPCAST[bits])
     w = plgpu.layout_cast(w, _WGMMA).astype(jnp.bfloat16)
     s = plgpu.load(s_smem.at[j, rows], layout=_WGMMA_ROW)  # [bn]
     if s.dtype == jnp.bfloat16:
@@ -137,22 +144,23 @@ def _products(acc_ref, w_smem, x_smem, s_smem, rows, gps):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "interpret", "out_dtype"))
-def int4_matmul_mgpu(x, codes, scale, *, cfg: Int4MgpuConfig = Int4MgpuConfig(),
-                     interpret: bool = False, out_dtype=jnp.bfloat16):
-    """x [M, K] bf16 @ dequantize(codes [N, K] int4, scale [K / 128, N]) -> [M, N] out_dtype
-    (float32 sums)."""
+def int_matmul_mgpu(x, codes, scale, *, cfg: MgpuMatmulConfig = MgpuMatmulConfig(),
+                    interpret: bool = False, out_dtype=jnp.bfloat16):
+    """x [M, K] bf16 @ dequantize(codes [N, K] int4 / int8, scale [K / 128, N]) -> [M, N]
+    out_dtype (float32 sums)."""
     m, k = x.shape
     n, k2 = codes.shape
-    if k2 != k or k % GROUP or scale.shape != (k // GROUP, n) or codes.dtype != jnp.int4:
-        raise ValueError(f"int4_matmul_mgpu: x {x.shape}, codes {codes.shape}, scale "
+    if k2 != k or k % GROUP or scale.shape != (k // GROUP, n) or codes.dtype not in (
+            jnp.int4, jnp.int8):
+        raise ValueError(f"int_matmul_mgpu: x {x.shape}, codes {codes.shape}, scale "
                          f"{scale.shape} do not fit groups of {GROUP}")
     if m > 64:
-        raise ValueError(f"int4_matmul_mgpu is a decode kernel: M = {m} > 64")
+        raise ValueError(f"int_matmul_mgpu is a decode kernel: M = {m} > 64")
     wgs = 2 if cfg.schedule == "ws" else 1
     bn, rows = cfg.bn, cfg.bn * wgs
     gps = cfg.gps
     if n % rows or (k // GROUP) % (cfg.splits * gps):
-        raise ValueError(f"int4_matmul_mgpu: N {n} not a multiple of {rows} or K groups "
+        raise ValueError(f"int_matmul_mgpu: N {n} not a multiple of {rows} or K groups "
                          f"{k // GROUP} not a multiple of splits x gps {cfg.splits * gps}")
     mp = max(8, -(-m // 8) * 8)
     x = x.astype(jnp.bfloat16)
@@ -160,7 +168,8 @@ def int4_matmul_mgpu(x, codes, scale, *, cfg: Int4MgpuConfig = Int4MgpuConfig(),
         x = jnp.pad(x, ((0, mp - m), (0, 0)))
     bk = gps * GROUP
     steps = k // bk // cfg.splits
-    w_tr = _smem_transforms(GROUP * 4, 4)  # tiles of one group: a group is a slice of them
+    bits = jnp.iinfo(codes.dtype).bits
+    w_tr = _smem_transforms(GROUP * bits, bits)  # one group wide: a group is a slice of them
     x_tr = _smem_transforms(bk * 16, 16)
     in_specs = [
         plgpu.BlockSpec((rows, bk), lambda i: (0, i), transforms=w_tr),

@@ -1,6 +1,6 @@
 """The Mosaic GPU int4 matmul (pallas_kernels/quantized_mgpu.py): its "nk" layout against the
 tiles layout, the kernel against its reference in interpret mode, and the model's decode path
-taking it (policy int4_matmul="mosaic") against the reference path."""
+taking it (policy quant_matmul="mosaic") against the reference path."""
 
 from __future__ import annotations
 
@@ -11,30 +11,32 @@ import pytest
 
 import pallas_kernels as pk
 from jaxinfer.plan import Plan
-from jaxinfer.generate import int4_layout_params
+from jaxinfer.generate import int_layout_params
 from jaxinfer.models import llama
 from jaxinfer.weights import quantize_params, typed
 from kernel_testing import normal, rel_err
 from pallas_kernels.quantized import dequantize, quantize_weight
-from pallas_kernels.quantized_mgpu import Int4MgpuConfig
+from pallas_kernels.quantized_mgpu import MgpuMatmulConfig
 from test_kernel_wiring import INTERPRET, assert_close_to_reference, decode_steps, random_params, tiny_config
 
 
-def _int4(seed, k, n, bf16_scales=False):
+def _int4(seed, k, n, bf16_scales=False, bits=4):
     qw = jax.tree.map(jnp.asarray, quantize_weight(
-        np.asarray(normal(seed, (k, n), jnp.float32)), bits=4, group_size=128))
+        np.asarray(normal(seed, (k, n), jnp.float32)), bits=bits, group_size=128))
     return qw.replace(scale=qw.scale.astype(jnp.bfloat16)) if bf16_scales else qw
 
 
-def test_nk_layout_dequantizes_bit_for_bit_and_converts_back():
-    qw = _int4(0, 384, 192)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_nk_layout_dequantizes_bit_for_bit_and_converts_back(bits):
+    qw = _int4(0, 384, 192, bits=bits)
     nk = pk.to_nk(qw)
-    assert nk.layout == "nk" and nk.planes[0].dtype == jnp.int4 and nk.planes[0].shape == (192, 384)
+    assert nk.layout == "nk" and nk.planes[0].shape == (192, 384)
+    assert nk.planes[0].dtype == {4: jnp.int4, 8: jnp.int8}[bits]
     np.testing.assert_array_equal(dequantize(nk), dequantize(qw))
     back = pk.to_tiles(nk)
-    assert back.layout == "tiles"
+    assert back.layout == "tiles" and back.planes[0].dtype == qw.planes[0].dtype
     np.testing.assert_array_equal(back.planes[0], qw.planes[0])
-    assert nk.nbytes() == 192 * 384 // 2 + qw.scale.nbytes
+    assert nk.nbytes() == 192 * 384 * bits // 8 + qw.scale.nbytes
     for bad, why in ((quantize_weight(np.ones((256, 128), np.float32), bits=4, group_size=32),
                       "groups of 128"),
                      (quantize_weight(np.ones((256, 96), np.float32), bits=4), "multiple of 64")):
@@ -43,18 +45,19 @@ def test_nk_layout_dequantizes_bit_for_bit_and_converts_back():
             pk.to_nk(bad)
 
 
-@pytest.mark.parametrize("cfg", [Int4MgpuConfig(), Int4MgpuConfig(gps=2, splits=2, stages=2),
+@pytest.mark.parametrize("cfg", [MgpuMatmulConfig(), MgpuMatmulConfig(gps=2, splits=2, stages=2),
                                  None], ids=["g1", "g2k2", "default"])
-@pytest.mark.parametrize("m, bf16_scales", [(1, False), (3, True), (16, False)])
-def test_kernel_matches_reference_interpret(cfg, m, bf16_scales):
-    nk = pk.to_nk(_int4(1, 512, 128, bf16_scales))
+@pytest.mark.parametrize("m, bf16_scales, bits", [(1, False, 4), (3, True, 4), (16, False, 4),
+                                                   (2, False, 8)])
+def test_kernel_matches_reference_interpret(cfg, m, bf16_scales, bits):
+    nk = pk.to_nk(_int4(1, 512, 128, bf16_scales, bits))
     x = normal(2, (m, 512), jnp.bfloat16)
     want = pk.quantized_matmul_mgpu_reference(x, nk, out_dtype=jnp.float32)
     got = pk.quantized_matmul_mgpu(x, nk, cfg=cfg, interpret=True, out_dtype=jnp.float32)
     assert got.shape == (m, 128) and got.dtype == jnp.float32
     assert rel_err(got, want) < 1e-2
     # The check can fail: the scales of another weight are far off.
-    other = nk.replace(scale=_int4(3, 512, 128, bf16_scales).scale)
+    other = nk.replace(scale=_int4(3, 512, 128, bf16_scales, bits).scale)
     assert rel_err(pk.quantized_matmul_mgpu(x, other, cfg=cfg, interpret=True), want) > 0.1
 
 
@@ -64,8 +67,8 @@ def test_decode_path_takes_the_mosaic_kernel_and_matches_reference(monkeypatch):
     reference path."""
     config = tiny_config(hidden_size=128, intermediate_size=256, num_layers=1, vocab_size=128)
     params = quantize_params(typed(random_params(config), llama.param_specs(config)), "int4", 128)
-    plan = Plan(config, INTERPRET.replace(int4_matmul="mosaic", dequant_block_bytes=0))
-    nk = int4_layout_params(params, plan)
+    plan = Plan(config, INTERPRET.replace(quant_matmul="mosaic", dequant_block_bytes=0))
+    nk = int_layout_params(params, plan)
     assert nk["embed"].layout == "tiles"  # a table's columns are gathered, not multiplied
     layouts = {w.layout for w in jax.tree.leaves(
         {k: v for k, v in nk.items() if k != "embed"},
@@ -84,6 +87,6 @@ def test_decode_path_takes_the_mosaic_kernel_and_matches_reference(monkeypatch):
     assert len(calls) >= 6, calls
     assert_close_to_reference(params, config, ids, fused)
     # And back: a Triton plan gets the tiles layout again.
-    tiles = int4_layout_params(nk, Plan(config, INTERPRET.replace(int4_matmul="triton")))
+    tiles = int_layout_params(nk, Plan(config, INTERPRET.replace(quant_matmul="triton")))
     np.testing.assert_array_equal(tiles["layers"][0]["w_down"].planes[0],
                                   params["layers"][0]["w_down"].planes[0])

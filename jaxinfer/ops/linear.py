@@ -81,21 +81,22 @@ def _weight_ok(w, x) -> str | None:
     return None
 
 
-def int4_layout(plan: Plan) -> str:
-    """The layout the plan's int4 matmuls read: "nk" (the Mosaic GPU kernel) or "tiles"."""
+def int_layout(plan: Plan) -> str:
+    """The layout the plan's int4 / int8 matmuls read: "nk" (the Mosaic GPU kernel) or
+    "tiles"."""
     policy = plan.policy
-    if policy.int4_matmul == "auto":
+    if policy.quant_matmul == "auto":
         mosaic = (on_hopper() and not policy.interpret and not policy.batch_invariant
                   and not plan.sharded and kernels_on(plan, plan.config.dtype))
         return "nk" if mosaic else "tiles"
-    return "nk" if policy.int4_matmul == "mosaic" else "tiles"
+    return "nk" if policy.quant_matmul == "mosaic" else "tiles"
 
 
 def _fused_supports(x, w, plan, *, deltas=None, **_) -> str | None:
     if (why := _weight_ok(w, x)) is not None:
         return why
     if isinstance(w, QuantizedWeight) and w.layout == "nk":
-        return "int4 codes laid out for the Mosaic GPU kernel"
+        return "int4 / int8 codes laid out for the Mosaic GPU kernel"
     if not decode_path(x, plan):
         return "not the decode path (rows, query length, dtype or the plan)"
     if deltas is not None and not isinstance(deltas, Partials):
@@ -144,9 +145,9 @@ def _fused_small_m(x, w, plan, *, accept=ARRAY_ONLY, norm_w=None, eps=0.0, delta
     return x_new, y
 
 
-def _int4_mosaic_supports(x, w, plan, **_) -> str | None:
+def _mosaic_int_supports(x, w, plan, **_) -> str | None:
     if not (isinstance(w, QuantizedWeight) and w.layout == "nk"):
-        return "not an int4 weight in the nk layout"
+        return "not an int4 / int8 weight in the nk layout"
     if not kernels_on(plan, x.dtype) or plan.sharded or jnp.dtype(x.dtype) != jnp.bfloat16:
         return "kernels off, a sharded plan or activations not bfloat16"
     if rows(x) > 64:
@@ -154,11 +155,11 @@ def _int4_mosaic_supports(x, w, plan, **_) -> str | None:
     return None
 
 
-@MATMUL.register("int4_mosaic", _int4_mosaic_supports, kernel=True, before="fused_small_m")
-def _int4_mosaic(x, w, plan, *, accept=ARRAY_ONLY, norm_w=None, eps=0.0, deltas=None,
+@MATMUL.register("mosaic_int", _mosaic_int_supports, kernel=True, before="fused_small_m")
+def _mosaic_int(x, w, plan, *, accept=ARRAY_ONLY, norm_w=None, eps=0.0, deltas=None,
                  bias=None, out_dtype=None, prefetch=()):
-    """Symmetric int4 in groups of 128 through the Mosaic GPU kernel; the boundary before it
-    (deltas, the norm) in its own ops."""
+    """Symmetric int4 / int8 in groups of 128 through the Mosaic GPU kernel; the boundary
+    before it (deltas, the norm) in its own ops."""
     x = add_deltas(x, deltas)
     h = x if norm_w is None else norm(x, norm_w, eps, plan)
     m, k = rows(h), h.shape[-1]
@@ -341,7 +342,7 @@ def lm_head(stream: Residual, norm_weight, head, plan: Plan, *, rows_at=None) ->
     # whole [D, V] table every step.
     picked = MATMUL.pick(sel, head, plan).name
     pallas = ((policy.lm_head is Impl.PALLAS or isinstance(head, QuantizedWeight))
-              and picked in ("fused_small_m", "int4_mosaic"))
+              and picked in ("fused_small_m", "mosaic_int"))
     x, delta = stream.take(ANY_SUM)
     if rows_at is not None:
         x = jnp.take_along_axis(x, rows_at[:, None, None], axis=1)  # [B, 1, D]

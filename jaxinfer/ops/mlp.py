@@ -60,7 +60,7 @@ def _pallas_supports(x, w_gate, w_up, plan, *, biases=(None, None), deltas=None,
     quantized = all(isinstance(w, QuantizedWeight) for w in (w_gate, w_up))
     if quantized:
         if "nk" in (w_gate.layout, w_up.layout):
-            return "int4 codes laid out for the Mosaic GPU kernel"
+            return "int4 / int8 codes laid out for the Mosaic GPU kernel"
         if w_gate.tile != w_up.tile:
             return "quantized gate and up with different K tiles"
     elif not all(isinstance(w, Dense) and not w.transposed for w in (w_gate, w_up)):
@@ -89,18 +89,19 @@ def _pallas_swiglu(x, w_gate, w_up, plan, *, biases=(None, None), norm_w=None, e
     return x_new.reshape(x.shape), act.reshape(*x.shape[:-1], f)
 
 
-def _int4_mosaic_supports(x, w_gate, w_up, plan, *, deltas=None, **_):
-    return MATMUL.get("int4_mosaic").supports(x, w_gate, plan) or \
-        MATMUL.get("int4_mosaic").supports(x, w_up, plan)
+def _mosaic_int_supports(x, w_gate, w_up, plan, *, deltas=None, **_):
+    return MATMUL.get("mosaic_int").supports(x, w_gate, plan) or \
+        MATMUL.get("mosaic_int").supports(x, w_up, plan)
 
 
-@SWIGLU.register("int4_mosaic", _int4_mosaic_supports, kernel=True)
-def _int4_mosaic_swiglu(x, w_gate, w_up, plan, *, biases=(None, None), norm_w=None, eps=0.0,
+@SWIGLU.register("mosaic_int", _mosaic_int_supports, kernel=True)
+def _mosaic_int_swiglu(x, w_gate, w_up, plan, *, biases=(None, None), norm_w=None, eps=0.0,
                         deltas=None, prefetch=()):
-    """int4 gate and up in the nk layout: each through the Mosaic GPU kernel, then act * up."""
+    """int4 / int8 gate and up in the nk layout: each through the Mosaic GPU kernel, then
+    act * up."""
     x = add_deltas(x, deltas)
     h = x if norm_w is None else norm(x, norm_w, eps, plan)
-    product = MATMUL.get("int4_mosaic").run
+    product = MATMUL.get("mosaic_int").run
     gate = product(h, w_gate, plan, bias=biases[0], out_dtype=jnp.float32)[1]
     up = product(h, w_up, plan, bias=biases[1], out_dtype=jnp.float32)[1]
     return x, (reference.gate_activation(gate, plan.config.mlp_activation) * up).astype(x.dtype)
