@@ -28,16 +28,25 @@ untimed (and the engine replays those requests untimed), so compiles stay out of
 
 Only loopback addresses are accepted as targets; the run is bounded by `--duration` plus a
 drain of at most `--drain-timeout` seconds.
+
+`--client-procs N` spreads the clients over N processes (default: one per 16 clients, at most
+half the cores). The official client parses every streamed chunk into pydantic objects: one
+process spent ~0.3 s of CPU per 1k tokens here, so at thousands of tokens a second a single
+client process, not the server, set the pace (its own queueing showed up as the server's time
+to first token). `client_cpu_ms_per_1k_tokens` reports what the clients spent.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import ipaddress
 import json
+import multiprocessing
+import os
 import random
 import signal
 import socket
@@ -182,18 +191,19 @@ class Load:
             raise RuntimeError(f"{what}: {resp.status_code} {resp.text[:200]}")
 
     async def client_loop(self, until: float, warmup: bool) -> None:
-        while time.perf_counter() < until:
+        while time.time() < until:  # wall-clock deadlines: the same in every client process
             r = self.draw()
             r.warmup = warmup
             self.requests.append(r)
             await self.one(r)
 
-    async def run(self, seconds: float, warmup: bool = False) -> float:
-        start = time.perf_counter()
+    async def run(self, seconds: float, warmup: bool = False, clients: int | None = None
+                  ) -> float:
+        start = time.time()
         until = start + seconds
         await asyncio.gather(*(self.client_loop(until, warmup)
-                               for _ in range(self.args.clients)))
-        return time.perf_counter() - start
+                               for _ in range(clients or self.args.clients)))
+        return time.time() - start
 
     async def metric(self, name: str) -> float:
         text = (await self.raw.get("/metrics")).text
@@ -382,7 +392,9 @@ def table(r: dict) -> list[str]:
         lines.append(f"  server host CPU per 1k tokens: engine thread "
                      f"{s['engine_thread_cpu_ms_per_1k_tokens']:.0f} ms (engine process "
                      f"{_fmt(s.get('engine_process_cpu_ms_per_1k_tokens'), '.0f')} ms), API "
-                     f"event loop {_fmt(s.get('event_loop_cpu_ms_per_1k_tokens'), '.0f')} ms")
+                     f"event loop {_fmt(s.get('event_loop_cpu_ms_per_1k_tokens'), '.0f')} ms; "
+                     f"the clients ({r['client_procs']} processes) "
+                     f"{_fmt(s.get('client_cpu_ms_per_1k_tokens'), '.0f')} ms")
     for what in ("failures", "disconnect_errors", "malformed_errors"):
         lines += [f"  {what[:-1]}: {e}" for e in s[what]]
     if "engine" in r:
@@ -406,6 +418,9 @@ def parse(argv=None):
                                                  "first of /v1/models)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--clients", type=int, default=64)
+    p.add_argument("--client-procs", type=int, default=None,
+                   help="processes the clients run in (default: one per 16 clients, at most "
+                        "half the cores)")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of load")
     p.add_argument("--warmup", type=float, default=0.0, help="seconds of untimed load first")
     p.add_argument("--disconnect-fraction", type=float, default=0.10)
@@ -430,11 +445,50 @@ def parse(argv=None):
         p.error(f"--url {args.url}: only loopback addresses (127.0.0.0/8, ::1, localhost)")
     if args.url is not None and args.engine_trace:
         p.error("--engine-trace needs the server's arguments: let the harness start it")
-    if args.clients < 1 or args.duration <= 0:
-        p.error("--clients must be >= 1 and --duration > 0")
+    if args.clients < 1 or args.duration <= 0 or (args.client_procs or 1) < 1:
+        p.error("--clients and --client-procs must be >= 1 and --duration > 0")
     if not 0 <= args.disconnect_fraction + args.malformed_fraction <= 1:
         p.error("the disconnect and malformed fractions must add up to at most 1")
     return args
+
+
+def _proc_phase(args, url: str, model: str, index: int, clients: int, seconds: float,
+                warmup: bool) -> tuple:
+    """One client process's share of one phase -> (requests, start, end wall times, its CPU
+    seconds)."""
+    args = argparse.Namespace(**{**vars(args), "seed": args.seed * 1000 + index * 2 + warmup})
+
+    async def phase():
+        load = Load(args, url, model)
+        try:
+            start = time.time()
+            await load.run(seconds, warmup=warmup, clients=clients)
+            return load.requests, start, time.time()
+        finally:
+            await load.client.close()
+            await load.raw.aclose()
+    cpu = time.process_time()
+    reqs, start, end = asyncio.run(phase())
+    return reqs, start, end, time.process_time() - cpu
+
+
+async def _run_phase(load: "Load", pool, seconds: float, warmup: bool) -> tuple:
+    """A phase of the load, in this process or spread over the pool's processes ->
+    (elapsed wall seconds, the clients' CPU seconds)."""
+    if pool is None:
+        cpu = time.process_time()
+        elapsed = await load.run(seconds, warmup=warmup)
+        return elapsed, time.process_time() - cpu
+    procs = pool._max_workers
+    shares = [load.args.clients // procs + (i < load.args.clients % procs)
+              for i in range(procs)]
+    loop = asyncio.get_running_loop()
+    done = await asyncio.gather(*(loop.run_in_executor(
+        pool, _proc_phase, load.args, load.url, load.model, i, n, seconds, warmup)
+        for i, n in enumerate(shares) if n))
+    for reqs, *_ in done:
+        load.requests += reqs
+    return (max(d[2] for d in done) - min(d[1] for d in done), sum(d[3] for d in done))
 
 
 async def _load_run(args, url: str) -> dict:
@@ -446,23 +500,30 @@ async def _load_run(args, url: str) -> dict:
             resp.raise_for_status()
             model = resp.json()["data"][0]["id"]
     load = Load(args, url, model)
+    procs = args.client_procs or max(1, min(args.clients // 16, (os.cpu_count() or 2) // 2))
+    pool = None if procs == 1 else concurrent.futures.ProcessPoolExecutor(
+        procs, mp_context=multiprocessing.get_context("spawn"))
     try:
         if args.warmup > 0:
-            await load.run(args.warmup, warmup=True)
+            await _run_phase(load, pool, args.warmup, warmup=True)
             await load.wait_pages_zero(args.drain_timeout)
         cpu0 = await server_cpu(load)
-        elapsed = await load.run(args.duration)
+        elapsed, client_cpu = await _run_phase(load, pool, args.duration, warmup=False)
         cpu1 = await server_cpu(load)
         pages = await load.wait_pages_zero(args.drain_timeout)
     finally:
         await load.client.close()
         await load.raw.aclose()
+        if pool is not None:
+            pool.shutdown()
     timed = [r for r in load.requests if not r.warmup]
     server = summarize(timed, elapsed)
     for name in cpu1:  # host CPU the server spent per 1k tokens, by thread and process
         server[f"{name}_cpu_ms_per_1k_tokens"] = 1e6 * (cpu1[name] - cpu0.get(name, 0.0)) \
             / max(server["output_tokens"], 1)
-    return {"model": model, "clients": args.clients, "duration_s": args.duration,
+    server["client_cpu_ms_per_1k_tokens"] = 1e6 * client_cpu / max(server["output_tokens"], 1)
+    return {"model": model, "clients": args.clients, "client_procs": procs,
+            "duration_s": args.duration,
             "mode": "token ids, /v1/completions" if args.token_ids
             else "chat, /v1/chat/completions", "server": server, "pages_in_use_end": pages,
             "requests": load.requests,
