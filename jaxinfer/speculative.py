@@ -448,7 +448,7 @@ _KINDS = ("speculative must be 'ngram', 'head' (the EAGLE head saved beside the 
           "draft_head.FeatureHead")
 
 
-def _drafter(speculative, model):
+def resolve_drafter(speculative, model):
     """speculative argument -> (NGram | DraftModel | FeatureHead); a head's file and its
     target are checked here, before anything compiles."""
     if isinstance(speculative, str):
@@ -506,7 +506,7 @@ class _SpecRequest:
 def _prepare(model, prompts, max_new_tokens, sampling_params, seed, chat, stop, max_seq_len,
              policy, kv_cache_dtype, mesh, speculative, num_speculative_tokens) -> _SpecRequest:
     """Every check on the host, before anything is allocated or compiled."""
-    drafter = _drafter(speculative, model)
+    drafter = resolve_drafter(speculative, model)
     if mesh is not None or model.sharding is not None:
         raise ValueError("speculative decoding runs on one device for now; drop mesh= (or load "
                          "the model without a mesh)")
