@@ -30,13 +30,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+# The loader of a model's weights skips files of this format (a head saved beside them).
+from checkpoints.hf import DRAFT_HEAD_FORMAT as HEAD_FORMAT
 from jaxinfer import ops
 from jaxinfer.configs import Config
 from jaxinfer.models import registry
 from jaxinfer.plan import Plan
 from jaxinfer.weights import Dense, Kind, ParamSpec, cast_floating, check_params, init_params, typed
 
-HEAD_FORMAT = "jaxinfer-eagle-head-1"
 
 
 @dataclasses.dataclass(frozen=True)
