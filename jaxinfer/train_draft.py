@@ -129,7 +129,7 @@ def train(model, data: np.ndarray, steps: int, *, lr: float = 1e-3, seq_len: int
     rng = np.random.default_rng(seed)
     head_params, losses, accuracy = head.params, [], []
     with tqdm(total=steps, desc="train-draft", disable=not progress, unit="step") as bar:
-        for _ in range(steps):
+        for i in range(steps):
             starts = rng.integers(0, len(data) - seq_len, size=batch)
             windows = np.stack([data[s:s + seq_len] for s in starts])  # [B, T]
             head_params, opt_state, loss, (reg, cls, agree) = step(head_params, opt_state,
@@ -139,6 +139,9 @@ def train(model, data: np.ndarray, steps: int, *, lr: float = 1e-3, seq_len: int
             bar.set_postfix(loss=f"{losses[-1]:.3f}", reg=f"{float(reg):.3f}",
                             cls=f"{float(cls):.3f}", top1=f"{accuracy[-1]:.2f}")
             bar.update(1)
+            if not progress and (i + 1) % max(1, steps // 10) == 0:  # no bar: a log line
+                log.info("step %d/%d: loss %.4f, top-1 agreement %.3f", i + 1, steps,
+                         losses[-1], accuracy[-1])
     return TrainResult(dataclasses.replace(head, params=head_params), losses, accuracy)
 
 
