@@ -16,8 +16,9 @@ One round, for every row (jitted, `spec_round`; `spec_loop` runs rounds in a whi
 Greedy rows take the argmax and sampled rows a Gumbel-max draw keyed by (request, position)
 only (sampling.py), so y_j is what plain decoding would sample at that position given the same
 prefix: accepting while the drafts equal it ("coupled" acceptance) gives plain `generate`'s
-tokens exactly, for any drafter. A draft model (and a head) also drafts with the target's Gumbel noise
-of each position, so its draft equals the target's token whenever their perturbed argmaxes agree.
+tokens exactly, for any drafter. A draft model (and a head) also drafts with the target's
+Gumbel noise of each position, so its draft equals the target's token whenever their perturbed
+argmaxes agree.
 `DraftModel(..., rejection=True)` instead accepts d_j with probability min(1, p(d_j) / q(d_j))
 and on the first rejection samples from max(0, p - q) (Leviathan et al.): the target's law,
 not plain generate's tokens. Rejected drafts need no cache work: their slots lie past the row's
