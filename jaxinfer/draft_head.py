@@ -120,6 +120,7 @@ def check_fingerprint(head_fp: dict, model, where: str) -> None:
 
 
 def spec_for(model, kind: str) -> HeadSpec:
+    """The HeadSpec of a `kind` head over `model` (its plan, one layer)."""
     return HeadSpec(kind, dataclasses.replace(model.plan, config=head_config(model.config, kind)))
 
 
