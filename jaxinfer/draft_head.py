@@ -39,7 +39,6 @@ from jaxinfer.plan import Plan
 from jaxinfer.weights import Dense, Kind, ParamSpec, cast_floating, check_params, init_params, typed
 
 
-
 @dataclasses.dataclass(frozen=True)
 class HeadSpec:
     """The static part of a head (a jit key): which kind, and the plan of its one layer (the
@@ -90,8 +89,8 @@ def head_specs(spec: HeadSpec) -> dict:
 
 def target_fingerprint(model) -> dict:
     """What identifies the target a head belongs to: its architecture, sizes, and the sum of
-    |embedding| (float64, over the dequantized table: the same for its float32, bf16 and
-    quantized loads to ~1e-3)."""
+    |embedding| over the dequantized table (the same for its float32, bf16 and quantized
+    loads to ~1e-3; another model's differs far more)."""
     config = model.config
     embed = model.params["embed"]
     v = config.vocab_size
