@@ -8,14 +8,21 @@ is no one answer to match), GQA (num_key_value_heads != num_attention_heads).
 
 from __future__ import annotations
 
+import json
 import pathlib
 import re
 
 from jaxinfer.configs import Config, MLAConfig, MoEConfig
 
 # DeepSeek-V3 checkpoints carry num_nextn_predict_layers multi-token-prediction modules as
-# layers past num_hidden_layers; transformers does not build them for plain decoding.
+# layers past num_hidden_layers: the model's load skips them (transformers does not build them
+# either); `read_mtp` reads the first as a speculative draft head (--speculative mtp).
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
+# An MTP module's own tensors under model.layers.{num_layers}. (read_mtp): our name in a draft
+# head (jaxinfer/draft_head.py) -> (the name, whether to transpose it to [in, out]).
+MTP_TENSORS = {"enorm": ("enorm.weight", False), "hnorm": ("hnorm.weight", False),
+               "fc": ("eh_proj.weight", True), "norm": ("shared_head.norm.weight", False),
+               "head": ("shared_head.head.weight", True)}
 
 
 def is_mtp_tensor(name: str, config: Config) -> bool:
@@ -123,3 +130,48 @@ def config_from_hf(cfg: dict, arch: str, path: pathlib.Path) -> Config:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         family="deepseek", architecture=arch,
         bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos, mla=mla, moe=moe)
+
+
+def read_mtp(source: str, config: Config, block_config: Config) -> dict:
+    """The first MTP module of a DeepSeek-V3 HF checkpoint directory -> a draft head's params
+    (jaxinfer/draft_head.py): enorm, hnorm [D]; fc [2D, D] (eh_proj, over [embedding |
+    hidden]); the block as a layer of block_config (a one-layer config); norm [D] and head
+    [D, V] (shared_head). ValueError when the checkpoint has none."""
+    from checkpoints import fp8_blocks
+    from checkpoints.hf import LazyTensors, _read_experts, _safetensors_files
+    from jaxinfer.models import registry
+
+    path = pathlib.Path(source)
+    prefix = f"model.layers.{config.num_layers}."
+    if not path.is_dir():
+        raise ValueError(f"{path}: MTP weights are read from an HF safetensors checkpoint "
+                         "directory, not a single file")
+    files = _safetensors_files(path)
+    cfg = json.loads((path / "config.json").read_text())
+    block = fp8_blocks.block_size(cfg, path / "config.json")
+    tensors = fp8_blocks.Fp8BlockTensors(files, block) if block is not None \
+        else LazyTensors(files)
+    if prefix + "eh_proj.weight" not in tensors:
+        raise ValueError(f"{path} has no MTP weights ({prefix}eh_proj.weight is absent; "
+                         f"config.json num_nextn_predict_layers="
+                         f"{cfg.get('num_nextn_predict_layers', 0)}); --speculative mtp needs "
+                         "a DeepSeek-V3 checkpoint that keeps them")
+    where = f"{path}: the MTP module {prefix[:-1]}"
+
+    def take(name: str, transpose: bool):
+        t = tensors[name]
+        return t.T if transpose else t
+
+    out = {}
+    for ours, (name, transpose) in MTP_TENSORS.items():
+        if prefix + name not in tensors:
+            raise ValueError(f"{where}: missing {prefix + name}")
+        out[ours] = take(prefix + name, transpose)
+    family = registry.family(block_config)
+    layer = {ours: take(prefix + hf, tr) for ours, (hf, tr) in family.hf_tensors.layer.items()
+             if prefix + hf in tensors}
+    if block_config.is_moe_layer(0):
+        layer.update(_read_experts(tensors, prefix, family.hf_tensors.experts, block_config,
+                                   take, where))
+    out["layer"] = family.assemble_layer(layer, block_config, where)
+    return out

@@ -32,6 +32,9 @@ LLAMA_VARIANTS = {
 }
 # Buffers some exporters write that carry no weights.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# The metadata format of a draft head saved beside a model's weights (jaxinfer/draft_head.py):
+# such a file is not one of the weights' shards.
+DRAFT_HEAD_FORMAT = "jaxinfer-eagle-head-1"
 
 
 def _require(cfg: dict, key: str, path: pathlib.Path):
@@ -342,10 +345,22 @@ def _safetensors_files(path: pathlib.Path) -> list[pathlib.Path]:
             raise FileNotFoundError(f"{index} lists shards that are not in {path}: "
                                     f"{', '.join(missing)}; download the missing shards")
         return files
-    files = sorted(path.glob("*.safetensors"))
+    files = sorted(f for f in path.glob("*.safetensors") if not _is_draft_head(f))
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors weights found")
     return files
+
+
+def _is_draft_head(file: pathlib.Path) -> bool:
+    """Whether a safetensors file is a draft head `jaxinfer train-draft` wrote beside the
+    weights (jaxinfer/draft_head.py), not a shard of them (its header only is read)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(file, framework="numpy") as f:
+            return (f.metadata() or {}).get("format") == DRAFT_HEAD_FORMAT
+    except Exception:  # a bad shard: the reader reports it, naming the file
+        return False
 
 
 def read_safetensors(files: list[pathlib.Path]) -> dict[str, jnp.ndarray]:

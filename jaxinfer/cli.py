@@ -157,15 +157,19 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def _add_speculative_args(p: argparse.ArgumentParser, bench: bool = False) -> None:
     s = p.add_argument_group("speculative decoding (the same tokens, fewer target steps)")
-    s.add_argument("--speculative", choices=("ngram", "draft"), default=None,
-                   help="draft tokens by prompt lookup (ngram) or with --draft-model, and "
-                        "verify them in one forward of the model")
+    s.add_argument("--speculative", choices=("ngram", "draft", "head", "mtp"), default=None,
+                   help="draft tokens by prompt lookup (ngram), with --draft-model, with an "
+                        "EAGLE head (`jaxinfer train-draft`; --draft-head) or DeepSeek-V3's "
+                        "MTP module, and verify them in one forward of the model")
     s.add_argument("--num-speculative-tokens", type=_positive("--num-speculative-tokens"),
                    default=None, metavar="K", nargs="+" if bench else None,
                    help="drafts per step (default 4)" + (", one run per K" if bench else ""))
     s.add_argument("--draft-model", default=None, metavar="MODEL",
                    help="the draft model for --speculative draft (registered name, HF "
                         "directory or .gguf; the model's tokenizer)")
+    s.add_argument("--draft-head", default=None, metavar="PATH",
+                   help="the head for --speculative head (default: the one train-draft "
+                        "wrote beside the model)")
     if bench:  # jaxinfer/speculative_bench.py's TASKS (not imported here: it imports jax)
         s.add_argument("--tasks", nargs="+", choices=("edit", "summarize"), default=["edit"],
                        help="input-grounded prompts the acceptance is measured on")
@@ -251,6 +255,25 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--group-size", type=_positive("--group-size"), default=None, metavar="G",
                    help="rows of K per scale (int8/int4 default 128; fp8 default per column)")
     q.set_defaults(func=cmd_quantize)
+
+    t = sub.add_parser("train-draft", help="train an EAGLE draft head for a model on a text "
+                                           "file (then: --speculative head)")
+    _add_verbose(t)
+    t.add_argument("model", help="registered name, HF directory or .gguf file")
+    t.add_argument("--data", required=True, metavar="FILE",
+                   help="a text file, or .jsonl with a \"text\" field per line")
+    t.add_argument("--steps", type=_positive("--steps"), default=500, metavar="N",
+                   help="optimizer steps (default 500)")
+    t.add_argument("--out", default=None, metavar="PATH",
+                   help="the head's safetensors file (default beside the model; the loss "
+                        "curve goes beside it as .png)")
+    t.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate")
+    t.add_argument("--seq-len", type=_positive("--seq-len"), default=128,
+                   help="tokens per training window (default 128)")
+    t.add_argument("--batch", type=_positive("--batch"), default=8,
+                   help="windows per step (default 8)")
+    t.add_argument("--seed", type=_seed, default=0)
+    t.set_defaults(func=cmd_train_draft)
 
     m = sub.add_parser("models", help="list the registered models and what is cached")
     _add_verbose(m)
@@ -446,12 +469,16 @@ def _load(args):
 def _check_speculative_args(args) -> None:
     """--speculative, --num-speculative-tokens and --draft-model agree (before any load)."""
     if args.speculative is None:
-        if args.num_speculative_tokens is not None or args.draft_model is not None:
-            raise UsageError("--num-speculative-tokens and --draft-model need --speculative")
+        if args.num_speculative_tokens is not None or args.draft_model is not None \
+                or args.draft_head is not None:
+            raise UsageError("--num-speculative-tokens, --draft-model and --draft-head need "
+                             "--speculative")
         return
     if (args.speculative == "draft") != (args.draft_model is not None):
         raise UsageError("--speculative draft needs --draft-model MODEL, and --draft-model "
                          "needs --speculative draft")
+    if args.draft_head is not None and args.speculative != "head":
+        raise UsageError("--draft-head needs --speculative head")
     if args.mesh is not None:
         raise UsageError("--speculative runs on one device for now; drop --tp/--dp/--ep")
     if args.draft_model is not None:
@@ -461,7 +488,12 @@ def _check_speculative_args(args) -> None:
 
 
 def _speculative(args, model):
-    """The `speculative=` argument for generate/stream: None, "ngram" or the draft model."""
+    """The `speculative=` argument for generate/stream: None, "ngram", "head" (beside the
+    model), "mtp", the head at --draft-head or the draft model."""
+    if args.speculative == "head" and args.draft_head is not None:
+        from jaxinfer import draft_head
+
+        return draft_head.load(args.draft_head, model)
     if args.speculative != "draft":
         return args.speculative
     import jaxinfer
@@ -801,6 +833,33 @@ def cmd_quantize(args) -> int:
                           group_size=args.group_size)
     dst = save_quantized(args.dst, model.params, src)
     print(f"wrote {dst} ({args.to}; load it with jaxinfer.load({str(dst)!r}))")
+    return 0
+
+
+def cmd_train_draft(args) -> int:
+    import pathlib
+
+    if not args.lr > 0:
+        raise UsageError(f"--lr must be positive, got {args.lr}")
+    _check_model_arg(args.model)
+    from jaxinfer import draft_head, train_draft
+
+    texts = train_draft.read_texts(args.data)  # a bad file is refused before the load
+    import jaxinfer
+
+    model = jaxinfer.load(args.model)
+    data = train_draft.tokenize(model, texts, args.seq_len)
+    out = pathlib.Path(args.out) if args.out else draft_head.default_path(model.source)
+    log.info("training on %d tokens of %s; the head goes to %s", len(data), args.data, out)
+    result = train_draft.train(model, data, args.steps, lr=args.lr, seq_len=args.seq_len,
+                               batch=args.batch, seed=args.seed, progress=sys.stderr.isatty())
+    draft_head.save(result.head, out)
+    png = train_draft.plot_losses(result.losses, result.accuracy, out.with_suffix(".png"))
+    tail = max(1, len(result.losses) // 10)
+    loss, top1 = (sum(x[-tail:]) / tail for x in (result.losses, result.accuracy))
+    print(f"wrote {out} (loss {result.losses[0]:.4f} -> {loss:.4f}, top-1 agreement with the "
+          f"model {top1:.3f}, means of the last {tail} steps) and the loss curve {png}; use it "
+          "with --speculative head")
     return 0
 
 

@@ -44,13 +44,16 @@ def _expert_load(params, tokens, plan: Plan):
 @dataclasses.dataclass(frozen=True)
 class Model:
     """A loaded model: `model(token_ids)` is the full causal forward [B, T] -> [B, T, V] float32.
-    sharding: the mesh its params are placed on and the rules (None: one device)."""
+    sharding: the mesh its params are placed on and the rules (None: one device). source: the
+    checkpoint directory or file it was loaded from (where a draft head is looked for), None
+    for a model made from params."""
 
     config: Config
     params: dict
     tokenizer: object | None = None
     policy: KernelPolicy = KernelPolicy()
     sharding: Sharding | None = None
+    source: str | None = None
 
     @property
     def plan(self) -> Plan:
@@ -155,6 +158,7 @@ def load(source: str = DEFAULT_MODEL, dtype: str | None = None,
     free memory, before any tensor is read. `model(...)` and `generate` then run sharded.
     """
     from checkpoints import load_checkpoint
+    from checkpoints.registry import resolve as registry_resolve
     from jaxinfer import compilation_cache, memory
     from jaxinfer.ops.blocked import dequant_block_bytes
 
@@ -200,5 +204,6 @@ def load(source: str = DEFAULT_MODEL, dtype: str | None = None,
         source, before_tensors=fits, keep_quantized=quantization is None,
         transform=on_read, host=mesh is not None)
     with memory.reporting_oom(f"loading {source}"):
-        return from_params(config, params, tokenizer, dtype, policy, quantization, group_size,
-                           read.get("sharding"))
+        model = from_params(config, params, tokenizer, dtype, policy, quantization, group_size,
+                            read.get("sharding"))
+    return dataclasses.replace(model, source=str(registry_resolve(source)))

@@ -3,7 +3,9 @@
 One round, for every row (jitted, `spec_round`; `spec_loop` runs rounds in a while loop):
 
     x = the row's last token at position p (not yet in the cache); history = its tokens so far
-    drafts d_1..d_K              n-gram prompt lookup (`NGram`) or a draft model (`DraftModel`)
+    drafts d_1..d_K              n-gram prompt lookup (`NGram`), a draft model (`DraftModel`),
+                                 or a head over the target's features (`draft_head.FeatureHead`:
+                                 an EAGLE head, or DeepSeek-V3's MTP module)
     verify [x, d_1..d_K]         one target forward, T = K + 1 queries at p..p+K, causal among
                                  themselves (attend: verify_attention on a GPU); logits row j
                                  scores position p+1+j
@@ -14,8 +16,9 @@ One round, for every row (jitted, `spec_round`; `spec_loop` runs rounds in a whi
 Greedy rows take the argmax and sampled rows a Gumbel-max draw keyed by (request, position)
 only (sampling.py), so y_j is what plain decoding would sample at that position given the same
 prefix: accepting while the drafts equal it ("coupled" acceptance) gives plain `generate`'s
-tokens exactly, for any drafter. A draft model also drafts with the target's Gumbel noise of
-each position, so its draft equals the target's token whenever their perturbed argmaxes agree.
+tokens exactly, for any drafter. A draft model (and a head) also drafts with the target's
+Gumbel noise of each position, so its draft equals the target's token whenever their perturbed
+argmaxes agree.
 `DraftModel(..., rejection=True)` instead accepts d_j with probability min(1, p(d_j) / q(d_j))
 and on the first rejection samples from max(0, p - q) (Leviathan et al.): the target's law,
 not plain generate's tokens. Rejected drafts need no cache work: their slots lie past the row's
@@ -34,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import memory, pytree, sampling
+from jaxinfer import draft_head, memory, pytree, sampling
 from jaxinfer import sharding as sharding_lib
 from jaxinfer.cache import KVCache
 from jaxinfer.generate import (PROGRESS_STEPS, Completion, DecodeState, StreamText, _bar,
@@ -90,6 +93,17 @@ class _DraftPlan:
 
 
 @pytree.dataclass
+class HeadState:
+    """A feature head's per-row state (draft_head.py): its cache holds the true pairs
+    (t_i, f_{i-1}) through slot pos; the last verification's target features wait to be paired
+    with the tokens after them."""
+
+    cache: KVCache  # the head's one-layer cache (a LatentCache for MTP): [B, S, ...]
+    feats: jax.Array  # [B, K + 1, D]: the target's features f at positions pos..pos + K
+    pos: jax.Array  # [B] int32: the position of feats[:, 0]
+
+
+@pytree.dataclass
 class SpecState:
     """The decode state plus what speculation tracks per row; donated to each round."""
 
@@ -97,6 +111,7 @@ class SpecState:
     count: jax.Array  # [B] int32: new tokens out per row (the row's next output column)
     history: jax.Array  # [B, S] int32: the row's token at each position (prompt + output)
     draft_cache: KVCache | None  # the draft model's cache (None for n-gram lookup)
+    head: HeadState | None  # a feature head's state (None for the other drafters)
     drafted: jax.Array  # [B] int32: drafts proposed to the row
     accepted: jax.Array  # [B] int32: drafts accepted (emitted as they were proposed)
 
@@ -181,6 +196,36 @@ def model_drafts(draft_params, state: SpecState, k: int, draft: _DraftPlan):
         tokens, positions = nxt[:, None], (p + 1 + j)[:, None]
     return (jnp.stack(drafts, axis=1), jnp.stack(laws, axis=1) if draft.rejection else None,
             cache)
+
+
+def head_drafts(params, head_params, state: SpecState, k: int, spec: draft_head.HeadSpec):
+    """K drafts from a feature head -> (drafts [B, K], its HeadState). Its first forward
+    takes the pairs (t_{pos+1+j}, f_{pos+j}) at pos+1+j for j = 0..K, the tokens the last
+    verification scored: those through x (at p) are now known true; those past it are stale,
+    and their slots are written over before any query at or past them reads them (as rejected
+    drafts' target slots). x's output drafts d_1; then one token at a time, each step taking
+    the head's own feature estimate g. Draft j + 1 uses the target's key for position
+    p + 1 + j."""
+    d, hs = state.decode, state.head
+    p, tensors = d.positions, d.sampling  # [B]
+    b, s = state.history.shape
+    rows = jnp.arange(b)
+    positions = hs.pos[:, None] + 1 + jnp.arange(k + 1, dtype=jnp.int32)  # [B, K + 1]
+    tokens = jnp.take_along_axis(state.history, jnp.minimum(positions, s - 1), axis=1)
+    at = jnp.clip(p - hs.pos - 1, 0, k)  # [B]: x's index (done rows: any)
+    logits, cache, g = draft_head.forward(head_params, params, tokens, hs.feats, positions,
+                                          spec, hs.cache, logits_at=at)  # [B, 1, V], [B, T, D]
+    g = g[rows, at][:, None]  # [B, 1, D]
+    drafts = []
+    for j in range(k):
+        masked = _draft_law(logits[:, 0], tensors)  # [B, V]
+        nxt = _draw(masked, sampling.step_keys(d.sampler, p + 1 + j), tensors.greedy,
+                    tensors.flags.all_greedy)  # [B]
+        drafts.append(nxt)
+        if j + 1 < k:
+            logits, cache, g = draft_head.forward(head_params, params, nxt[:, None], g,
+                                                  (p + 1 + j)[:, None], spec, cache)
+    return jnp.stack(drafts, axis=1), hs.replace(cache=cache)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -289,7 +334,8 @@ def _record_round(state: SpecState, tokens: jax.Array, lps: jax.Array, a: jax.Ar
 
 def _verify_round(params, state: SpecState, drafts: jax.Array, draft_laws, plan: Plan
                   ) -> SpecState:
-    """Verify drafts [B, K] (K = 0: a plain decode step), accept, record."""
+    """Verify drafts [B, K] (K = 0: a plain decode step), accept, record (with a feature
+    head: also the target's features at p..p+K, for the head's next round)."""
     d = state.decode
     p, x = d.positions, d.tokens  # [B]
     k = drafts.shape[1]
@@ -297,7 +343,8 @@ def _verify_round(params, state: SpecState, drafts: jax.Array, draft_laws, plan:
     tokens = jnp.concatenate([x[:, None], drafts], axis=1)  # [B, K + 1]
     positions = p[:, None] + jnp.arange(k + 1, dtype=jnp.int32)  # [B, K + 1]
     forward = registry.family(plan.config).forward
-    logits, cache = forward(params, tokens, positions, plan, d.cache)  # [B, K + 1, V]
+    out = forward(params, tokens, positions, plan, d.cache, hidden=state.head is not None)
+    logits, cache = out[:2]  # [B, K + 1, V]
 
     rejection = draft_laws is not None and not d.sampling.flags.all_greedy
     ys, lps, target_laws = _target_tokens(logits, drafts, d, plan, laws=rejection)
@@ -305,11 +352,13 @@ def _verify_round(params, state: SpecState, drafts: jax.Array, draft_laws, plan:
         a, ys, lps = _rejection(drafts, draft_laws, ys, lps, target_laws, d)
     else:  # coupled: accept while the draft is the token plain decoding samples there
         a = _leading(drafts == ys[:, :k])
+    if state.head is not None:  # f [B, K + 1, D] at p..p+K
+        state = state.replace(head=state.head.replace(feats=out[2], pos=p))
     return _record_round(state, ys, lps, a, cache, plan)
 
 
 def _spec_round(params, draft_params, state: SpecState, plan: Plan, k: int,
-                drafter: NGram | _DraftPlan) -> SpecState:
+                drafter: NGram | _DraftPlan | draft_head.HeadSpec) -> SpecState:
     """One round for every row (module docstring): draft, verify, accept, record."""
     if isinstance(drafter, NGram):
         drafts, found = ngram_drafts(state.history, state.decode.positions, k, drafter)
@@ -322,6 +371,9 @@ def _spec_round(params, draft_params, state: SpecState, plan: Plan, k: int,
             return _verify_round(params, s, drafts[:, :0], None, plan)
 
         return jax.lax.cond(jnp.any(found & ~state.decode.done), verify, plain, state)
+    if isinstance(drafter, draft_head.HeadSpec):
+        drafts, head = head_drafts(params, draft_params, state, k, drafter)
+        return _verify_round(params, state.replace(head=head), drafts, None, plan)
     drafts, draft_laws, draft_cache = model_drafts(draft_params, state, k, drafter)
     return _verify_round(params, state.replace(draft_cache=draft_cache), drafts, draft_laws,
                          plan)
@@ -333,7 +385,8 @@ spec_round = jax.jit(_spec_round, static_argnames=("plan", "k", "drafter"),
 
 @functools.partial(jax.jit, static_argnames=("plan", "k", "drafter"), donate_argnames=("state",))
 def spec_loop(params, draft_params, state: SpecState, plan: Plan, k: int,
-              drafter: NGram | _DraftPlan, until: jax.Array | None = None) -> SpecState:
+              drafter: NGram | _DraftPlan | draft_head.HeadSpec,
+              until: jax.Array | None = None) -> SpecState:
     """Rounds until every row is done (or, with `until` [] int32, until every live row has
     that many tokens out), inside one executable."""
     def running(s: SpecState):
@@ -356,6 +409,25 @@ def _draft_prefill(params, tokens: jax.Array, lengths: jax.Array, cache: KVCache
     return cache.replace(lengths=lengths)
 
 
+@functools.partial(jax.jit, static_argnames=("plan", "spec", "k"), donate_argnames=("cache",))
+def _head_prefill(params, head_params, tokens: jax.Array, lengths: jax.Array, cache,
+                  plan: Plan, spec: draft_head.HeadSpec, k: int) -> HeadState:
+    """The prompts into a feature head's cache: the target's features f over the prompts
+    (one more target forward, without a cache: generate's prefill does not keep them), the
+    pairs (t_i, f_{i-1}) at slots 0..T-1 (f_{-1} = 0). The first round pairs x (at L) with
+    f_{L-1}: feats[:, 0] at pos L - 1."""
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    _, _, f = registry.family(plan.config).forward(params, tokens, positions, plan,
+                                                   logits_at=lengths - 1, hidden=True)
+    before = jnp.concatenate([jnp.zeros_like(f[:, :1]), f[:, :-1]], axis=1)  # [B, T, D]
+    _, cache, _ = draft_head.forward(head_params, params, tokens, before, positions, spec,
+                                     cache, logits_at=lengths - 1, fresh=True)
+    feats = jnp.zeros((b, k + 1, f.shape[-1]), f.dtype).at[:, 0].set(
+        f[jnp.arange(b), lengths - 1])
+    return HeadState(cache=cache.replace(lengths=lengths), feats=feats, pos=lengths - 1)
+
+
 @jax.jit
 def _start(state: DecodeState, tokens: jax.Array, lengths: jax.Array):
     """After the target's prefill: each row's history (prompt, then its first token)."""
@@ -372,21 +444,36 @@ def _start(state: DecodeState, tokens: jax.Array, lengths: jax.Array):
 # ---------------------------------------------------------------------------------------------
 
 
-def _drafter(speculative, model):
-    """speculative argument -> (NGram | DraftModel)."""
+_KINDS = ("speculative must be 'ngram', 'head' (the EAGLE head saved beside the model), 'mtp' "
+          "(DeepSeek-V3's MTP module), an NGram, a loaded draft model, a DraftModel or a "
+          "draft_head.FeatureHead")
+
+
+def resolve_drafter(speculative, model):
+    """speculative argument -> (NGram | DraftModel | FeatureHead); a head's file and its
+    target are checked here, before anything compiles."""
     if isinstance(speculative, str):
         if speculative == "ngram":
             return NGram()
-        raise ValueError(f"speculative must be 'ngram', an NGram, a loaded draft model or a "
-                         f"DraftModel, got {speculative!r} (a draft model: load it with "
+        if speculative == "head":
+            if model.source is None:
+                raise ValueError("speculative='head' looks for the head beside the model's "
+                                 "checkpoint, and this model was not loaded from one: pass "
+                                 "draft_head.load(path, model)")
+            return draft_head.load(draft_head.default_path(model.source), model)
+        if speculative == "mtp":
+            return draft_head.load_mtp(model)
+        raise ValueError(f"{_KINDS}, got {speculative!r} (a draft model: load it with "
                          "jaxinfer.load and pass the model)")
     if isinstance(speculative, NGram | DraftModel):
         drafter = speculative
     elif isinstance(speculative, Model):
         drafter = DraftModel(speculative)
+    elif isinstance(speculative, draft_head.FeatureHead):
+        draft_head.check_fingerprint(speculative.fingerprint, model, "the draft head")
+        drafter = speculative
     else:
-        raise ValueError(f"speculative must be 'ngram', an NGram, a loaded draft model or a "
-                         f"DraftModel, got {type(speculative).__name__}")
+        raise ValueError(f"{_KINDS}, got {type(speculative).__name__}")
     if isinstance(drafter, DraftModel):
         check_same_vocabulary(model, drafter.model)
     return drafter
@@ -413,14 +500,14 @@ def check_same_vocabulary(model, draft) -> None:
 class _SpecRequest:
     req: _Request
     k: int
-    drafter: NGram | _DraftPlan
+    drafter: NGram | _DraftPlan | draft_head.HeadSpec
     draft_params: dict | None
 
 
 def _prepare(model, prompts, max_new_tokens, sampling_params, seed, chat, stop, max_seq_len,
              policy, kv_cache_dtype, mesh, speculative, num_speculative_tokens) -> _SpecRequest:
     """Every check on the host, before anything is allocated or compiled."""
-    drafter = _drafter(speculative, model)
+    drafter = resolve_drafter(speculative, model)
     if mesh is not None or model.sharding is not None:
         raise ValueError("speculative decoding runs on one device for now; drop mesh= (or load "
                          "the model without a mesh)")
@@ -433,6 +520,11 @@ def _prepare(model, prompts, max_new_tokens, sampling_params, seed, chat, stop, 
                            max_seq_len, policy, kv_cache_dtype, mesh, reserve=k)
     if isinstance(drafter, NGram):
         return _SpecRequest(req, k, drafter, None)
+    if isinstance(drafter, draft_head.FeatureHead):  # its layer on the request's plan and dtype
+        head = draft_head.for_model(drafter, model)
+        spec = draft_head.HeadSpec(head.spec.kind, dataclasses.replace(
+            req.plan, config=head.spec.plan.config))
+        return _SpecRequest(req, k, spec, head.params)
     need = max(len(p) for p in req.ids) + int(max_new_tokens) + k
     context = drafter.model.config.max_position_embeddings
     if need > context:
@@ -448,15 +540,19 @@ def _run_prefill(model, sreq: _SpecRequest, progress: bool) -> SpecState:
     req = sreq.req
     state = _target_prefill(model, req, progress)
     history, count = _start(state, req.tokens, req.lengths)
-    draft_cache = None
+    b = count.shape[0]
+    draft_cache = head = None
     if isinstance(sreq.drafter, _DraftPlan):
-        b = req.tokens.shape[0]
         draft_cache = KVCache.init(sreq.drafter.plan.config, b, history.shape[1])
         draft_cache = _draft_prefill(sreq.draft_params, req.tokens, req.lengths, draft_cache,
                                      sreq.drafter.plan)
-    b = count.shape[0]
+    elif isinstance(sreq.drafter, draft_head.HeadSpec):
+        cache = KVCache.init(sreq.drafter.plan.config, b, history.shape[1])
+        head = _head_prefill(req.params, sreq.draft_params, req.tokens, req.lengths, cache,
+                             req.plan, sreq.drafter, sreq.k)
     return SpecState(decode=state, count=count, history=history, draft_cache=draft_cache,
-                     drafted=jnp.zeros((b,), jnp.int32), accepted=jnp.zeros((b,), jnp.int32))
+                     head=head, drafted=jnp.zeros((b,), jnp.int32),
+                     accepted=jnp.zeros((b,), jnp.int32))
 
 
 def _results(model, sreq: _SpecRequest, state: SpecState) -> list[Completion]:

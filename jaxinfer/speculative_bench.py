@@ -113,6 +113,12 @@ def main(args, model, name: str) -> int:
         from jaxinfer.model import load
 
         speculative = load(args.draft_model, dtype=args.dtype)
+    elif speculative in ("head", "mtp"):  # read and checked once, not per generate
+        from jaxinfer import draft_head
+        from jaxinfer.speculative import resolve_drafter
+
+        speculative = draft_head.load(args.draft_head, model) if args.draft_head \
+            else resolve_drafter(speculative, model)
     ks = args.num_speculative_tokens or [4]
     rows = []
     for b in args.batch:

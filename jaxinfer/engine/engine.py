@@ -660,10 +660,16 @@ class Engine:
         constructor's arguments."""
         from jaxinfer.generate import _plan, run_params
         from jaxinfer.model import Model
+        from jaxinfer.draft_head import FeatureHead
         from jaxinfer.speculative import DraftModel, NGram, check_same_vocabulary
 
         if speculative is None:
             return None, None, 0
+        if isinstance(speculative, FeatureHead) or speculative in ("head", "mtp"):
+            raise ValueError("the engine drafts by prompt lookup or a draft model only: a "
+                             "feature head (EAGLE head, DeepSeek-V3 MTP) needs the target's "
+                             "features per request slot, which the engine does not keep yet; "
+                             "use jaxinfer.generate / stream with speculative='head' or 'mtp'")
         if speculative == "ngram":
             speculative = NGram()
         if isinstance(speculative, Model):

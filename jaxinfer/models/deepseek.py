@@ -65,8 +65,8 @@ def param_specs(config: Config) -> dict:
 
 def forward(params: dict, tokens: jax.Array, positions: jax.Array, plan: Plan,
             cache: LatentCache | None = None, logits_at: jax.Array | None = None,
-            fresh: bool = False, loads: list | None = None
-            ) -> tuple[jax.Array, LatentCache | None]:
+            fresh: bool = False, loads: list | None = None, embeds: jax.Array | None = None,
+            hidden: bool = False) -> tuple:
     """Causal forward pass, as llama.forward (the same arguments and cache contract; the cache
     is a LatentCache). Returns (logits [B, T or 1, V] float32, cache)."""
     config = plan.config
@@ -74,7 +74,8 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, plan: Plan,
     b, t = tokens.shape
     nq = _q_width(config)
     rope = ops.rope_tables(config, positions)  # cos, sin [B, T, Dr]
-    stream = ops.Residual.start(ops.embed(params["embed"], tokens, plan))  # [B, T, D]
+    x = ops.embed(params["embed"], tokens, plan) if embeds is None else embeds  # [B, T, D]
+    stream = ops.Residual.start(x)
     new_cache = []
     for i, lp in enumerate(params["layers"]):
         with jax.named_scope(f"layer{i}"):
@@ -97,8 +98,11 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, plan: Plan,
                                        lp["w_down"], plan)
             new_cache.append(layer_cache)
     head = params["embed"] if config.tie_word_embeddings else params["lm_head"]
-    logits = ops.lm_head(stream, params["final_norm"], head, plan, rows_at=logits_at)
-    return logits, None if cache is None else cache.with_layers(new_cache)
+    out = ops.lm_head(stream, params["final_norm"], head, plan, rows_at=logits_at,
+                      hidden=hidden)
+    logits, h = out if hidden else (out, None)
+    cache = None if cache is None else cache.with_layers(new_cache)
+    return (logits, cache, h) if hidden else (logits, cache)
 
 
 # ---------------------------------------------------------------------------------------------

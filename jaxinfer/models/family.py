@@ -36,8 +36,9 @@ class TensorMap:
 class Family:
     name: str
     param_specs: Callable  # (Config) -> params pytree of ParamSpec
-    # (params, tokens [B, T], positions [B, T], plan, cache=None, logits_at=None, fresh=False)
-    #   -> (logits float32 [B, T or 1, V], cache)
+    # (params, tokens [B, T], positions [B, T], plan, cache=None, logits_at=None, fresh=False,
+    #  embeds=None, hidden=False) -> (logits float32 [B, T or 1, V], cache), and with
+    #  hidden=True also the final-normed stream [B, T, D] (llama.forward's docstring)
     forward: Callable
     hf_architectures: tuple[str, ...]  # config.json `architectures` names
     hf_tensors: TensorMap  # names under "model.layers.{i}." and at the top

@@ -51,15 +51,16 @@ def local_rope_config(config: Config) -> Config:
 
 def forward(params: dict, tokens: jax.Array, positions: jax.Array, plan: Plan,
             cache: KVCache | None = None, logits_at: jax.Array | None = None,
-            fresh: bool = False) -> tuple[jax.Array, KVCache | None]:
+            fresh: bool = False, embeds: jax.Array | None = None,
+            hidden: bool = False) -> tuple:
     """Causal forward pass; arguments and results as llama.forward's."""
     config = plan.config
     b, t = tokens.shape
     rope_global = ops.rope_tables(config, positions)  # cos, sin [B, T, hd]
     rope_local = rope_global if config.rope_local_theta is None else ops.rope_tables(
         local_rope_config(config), positions)
-    x = ops.embed(params["embed"], tokens, plan)  # [B, T, D]
-    if config.embed_scale is not None:
+    x = ops.embed(params["embed"], tokens, plan) if embeds is None else embeds  # [B, T, D]
+    if config.embed_scale is not None and embeds is None:
         x = x * jnp.asarray(config.embed_scale, x.dtype)  # the normalizer rounded first (HF)
     stream = ops.Residual.start(x)
     new_cache = []
@@ -78,9 +79,12 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, plan: Plan,
                                    lp["w_down"], plan, post_norm=lp["post_mlp_norm"])
             new_cache.append(layer_cache)
     head = params["embed"] if config.tie_word_embeddings else params["lm_head"]
-    logits = ops.lm_head(stream, params["final_norm"], head, plan, rows_at=logits_at)
+    out = ops.lm_head(stream, params["final_norm"], head, plan, rows_at=logits_at,
+                      hidden=hidden)
+    logits, h = out if hidden else (out, None)
     logits = reference.soft_cap(logits, config.final_softcap)  # [B, T or 1, V] float32
-    return logits, None if cache is None else cache.with_layers(new_cache)
+    cache = None if cache is None else cache.with_layers(new_cache)
+    return (logits, cache, h) if hidden else (logits, cache)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -68,8 +68,8 @@ def param_specs(config: Config) -> dict:
 
 def forward(params: dict, tokens: jax.Array, positions: jax.Array, plan: Plan,
             cache: KVCache | None = None, logits_at: jax.Array | None = None,
-            fresh: bool = False, loads: list | None = None
-            ) -> tuple[jax.Array, KVCache | None]:
+            fresh: bool = False, loads: list | None = None, embeds: jax.Array | None = None,
+            hidden: bool = False) -> tuple:
     """Causal forward pass.
 
     tokens, positions: [B, T] int32. Without a cache, the T tokens attend among themselves
@@ -78,12 +78,17 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, plan: Plan,
     nothing before them (a prefill from position 0). `cache.lengths` is left for the caller.
     logits_at: optional [B] index into T; then only those rows get logits ([B, 1, V]).
     loads: a list each MoE layer appends its expert_counts [E] to (Model.expert_load).
-    Returns (logits [B, T or 1, V] float32, cache).
+    embeds: [B, T, D] inputs instead of the tokens' embeddings (a speculative draft head runs
+    one layer of the family on its own inputs, jaxinfer/draft_head.py).
+    Returns (logits [B, T or 1, V] float32, cache); hidden=True (static): (logits, cache, h)
+    with h [B, T, D] the final-normed stream, the LM head's input (ops.lm_head), at every
+    position.
     """
     config = plan.config
     b, t = tokens.shape
     rope = ops.rope_tables(config, positions)  # cos, sin [B, T, R]
-    stream = ops.Residual.start(ops.embed(params["embed"], tokens, plan))  # [B, T, D]
+    x = ops.embed(params["embed"], tokens, plan) if embeds is None else embeds  # [B, T, D]
+    stream = ops.Residual.start(x)
     new_cache = []
     for i, lp in enumerate(params["layers"]):
         with jax.named_scope(f"layer{i}"):
@@ -103,8 +108,11 @@ def forward(params: dict, tokens: jax.Array, positions: jax.Array, plan: Plan,
                                        lp["w_down"], plan, biases=biases)
             new_cache.append(layer_cache)
     head = params["embed"] if config.tie_word_embeddings else params["lm_head"]
-    logits = ops.lm_head(stream, params["final_norm"], head, plan, rows_at=logits_at)
-    return logits, None if cache is None else cache.with_layers(new_cache)
+    out = ops.lm_head(stream, params["final_norm"], head, plan, rows_at=logits_at,
+                      hidden=hidden)
+    logits, h = out if hidden else (out, None)
+    cache = None if cache is None else cache.with_layers(new_cache)
+    return (logits, cache, h) if hidden else (logits, cache)
 
 
 # ---------------------------------------------------------------------------------------------

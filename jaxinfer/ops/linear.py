@@ -331,10 +331,14 @@ def norm_linear(stream: Residual, norm_weight, w, plan: Plan, *, bias=None):
     return out, Projection(call.part(1), (*aval.shape[:-1], *w.out_shape), aval.dtype)
 
 
-def lm_head(stream: Residual, norm_weight, head, plan: Plan, *, rows_at=None) -> jax.Array:
+def lm_head(stream: Residual, norm_weight, head, plan: Plan, *, rows_at=None,
+            hidden: bool = False):
     """The final boundary and the logits: rms_norm(x + pending) @ head -> float32
     [B, T, V], or [B, 1, V] at rows_at [B] (one position per row, e.g. a prompt's last).
-    head: the LM head [D, V], or the tied embedding table [V, D]."""
+    head: the LM head [D, V], or the tied embedding table [V, D].
+    hidden=True -> (logits, h): also the normed stream h [B, T, D] of every position (what
+    the head reads: the feature speculative drafters take); the norm then runs on its own,
+    never fused into the head's matmul (h must exist)."""
     policy, eps = plan.policy, plan.config.rms_norm_eps
     b, t, d = stream.aval.shape
     sel = jax.ShapeDtypeStruct((b, 1 if rows_at is not None else t, d), stream.aval.dtype)
@@ -344,6 +348,11 @@ def lm_head(stream: Residual, norm_weight, head, plan: Plan, *, rows_at=None) ->
     pallas = ((policy.lm_head is Impl.PALLAS or isinstance(head, QuantizedWeight))
               and picked in ("fused_small_m", "mosaic_int"))
     x, delta = stream.take(ANY_SUM)
+    if hidden:
+        _, h = boundary(x, delta, norm_weight, eps, plan, policy.lm_head_boundary)  # [B, T, D]
+        rows = h if rows_at is None else jnp.take_along_axis(h, rows_at[:, None, None], axis=1)
+        impl = matmul if pallas else MATMUL.get("xla").run
+        return impl(rows, head, plan, out_dtype=jnp.float32)[1], h
     if rows_at is not None:
         x = jnp.take_along_axis(x, rows_at[:, None, None], axis=1)  # [B, 1, D]
         if isinstance(delta, Partials):

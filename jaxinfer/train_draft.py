@@ -1,0 +1,167 @@
+"""`jaxinfer train-draft`: an EAGLE head (jaxinfer/draft_head.py) for a model, trained with
+optax on the target's features computed on the fly.
+
+Each step takes `batch` random windows of `seq_len` tokens from the tokenized data, runs the
+frozen target over them (jitted, no cache) for its features f [B, T, D] and its next-token
+law p = softmax(head(f)), then the head over the pairs (t_i, f_{i-1}), and minimises EAGLE-1's
+loss: smooth L1 between the head's feature estimate g_i and f_i (the regression), plus
+CLS_WEIGHT x the cross-entropy of the head's logits against p (the distribution the target
+draws token i+1 from: greedy drafting wants its argmax). AdamW with warmup and cosine decay,
+gradients clipped to norm 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxinfer import draft_head
+from jaxinfer.models import registry
+from jaxinfer.plan import Plan
+
+log = logging.getLogger(__name__)
+
+CLS_WEIGHT = 0.1  # EAGLE-1's weight of the classification loss beside the regression
+
+
+@dataclasses.dataclass
+class TrainResult:
+    head: draft_head.FeatureHead
+    losses: list[float]  # per step: the total loss
+    accuracy: list[float]  # per step: how often the head's argmax is the target's
+
+
+def read_texts(path) -> list[str]:
+    """A text file (one text), or JSONL whose lines are objects with a "text" field."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise ValueError(f"--data {path}: no such file")
+    raw = path.read_text(encoding="utf-8", errors="replace")
+    if path.suffix != ".jsonl":
+        return [raw]
+    texts = []
+    for n, line in enumerate(raw.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not JSON ({e})") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+            raise ValueError(f"{path}:{n}: a JSONL line must be an object with a \"text\" "
+                             "string")
+        texts.append(obj["text"])
+    return texts
+
+
+def tokenize(model, texts: list[str], seq_len: int) -> np.ndarray:
+    """The texts' tokens, one stream (each text as the tokenizer encodes it, BOS included)."""
+    if model.tokenizer is None:
+        raise ValueError("train-draft needs the model's tokenizer to read --data")
+    ids = np.asarray([t for text in texts for t in model.tokenizer.encode(text)], np.int32)
+    if len(ids) < seq_len + 1:
+        raise ValueError(f"--data holds {len(ids)} tokens, fewer than one window of --seq-len "
+                         f"{seq_len}; give more text or a shorter --seq-len")
+    return ids
+
+
+@functools.partial(jax.jit, static_argnames=("plan",))
+def target_features(params, tokens: jax.Array, plan: Plan):
+    """The frozen target over windows [B, T]: (features f [B, T, D], its next-token law p
+    [B, T, V])."""
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    logits, _, f = registry.family(plan.config).forward(params, tokens, positions, plan,
+                                                        hidden=True)
+    return f, jax.nn.softmax(logits, axis=-1)
+
+
+def head_loss(head_params, target_params, tokens, f, p, spec: draft_head.HeadSpec):
+    """EAGLE-1's loss of the head over windows tokens [B, T] given the target's f [B, T, D]
+    and p [B, T, V] -> (loss, (regression, classification, argmax agreement))."""
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    before = jnp.concatenate([jnp.zeros_like(f[:, :1]), f[:, :-1]], axis=1)  # f_{i-1}
+    logits, _, g = draft_head.forward(head_params, target_params, tokens, before, positions,
+                                      spec)
+    reg = jnp.mean(optax.huber_loss(g.astype(jnp.float32), f.astype(jnp.float32)))  # smooth L1
+    cls = -jnp.mean(jnp.sum(p * jax.nn.log_softmax(logits, axis=-1), axis=-1))
+    agree = jnp.mean(jnp.argmax(logits, -1) == jnp.argmax(p, -1))
+    return reg + CLS_WEIGHT * cls, (reg, cls, agree)
+
+
+def train(model, data: np.ndarray, steps: int, *, lr: float = 1e-3, seq_len: int = 128,
+          batch: int = 8, seed: int = 0, progress: bool = True) -> TrainResult:
+    """Train a fresh EAGLE head for `model` on token stream `data` for `steps` steps."""
+    from tqdm.auto import tqdm
+
+    from jaxinfer.generate import run_params
+
+    if model.sharding is not None:
+        raise ValueError("train-draft runs on one device; load the model without a mesh")
+    head = draft_head.init_eagle(model, seed)
+    spec = head.spec
+    plan = model.plan
+    params = run_params(model, plan)
+    warmup = max(1, min(100, steps // 10))
+    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1),
+                                                  end_value=lr / 10)
+    optimizer = optax.chain(optax.clip_by_global_norm(1.0),
+                            optax.adamw(schedule, weight_decay=0.01))
+    opt_state = optimizer.init(head.params)
+
+    @jax.jit
+    def step(head_params, opt_state, tokens):
+        f, p = target_features(params, tokens, plan)
+        (loss, aux), grads = jax.value_and_grad(head_loss, has_aux=True)(
+            head_params, params, tokens, f.astype(jnp.float32), p, spec)
+        updates, opt_state = optimizer.update(grads, opt_state, head_params)
+        return optax.apply_updates(head_params, updates), opt_state, loss, aux
+
+    rng = np.random.default_rng(seed)
+    head_params, losses, accuracy = head.params, [], []
+    with tqdm(total=steps, desc="train-draft", disable=not progress, unit="step") as bar:
+        for i in range(steps):
+            starts = rng.integers(0, len(data) - seq_len, size=batch)
+            windows = np.stack([data[s:s + seq_len] for s in starts])  # [B, T]
+            head_params, opt_state, loss, (reg, cls, agree) = step(head_params, opt_state,
+                                                                   jnp.asarray(windows))
+            losses.append(float(loss))
+            accuracy.append(float(agree))
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", reg=f"{float(reg):.3f}",
+                            cls=f"{float(cls):.3f}", top1=f"{accuracy[-1]:.2f}")
+            bar.update(1)
+            if not progress and (i + 1) % max(1, steps // 10) == 0:  # no bar: a log line
+                log.info("step %d/%d: loss %.4f, top-1 agreement %.3f", i + 1, steps,
+                         losses[-1], accuracy[-1])
+    return TrainResult(dataclasses.replace(head, params=head_params), losses, accuracy)
+
+
+def plot_losses(losses: list[float], accuracy: list[float], path) -> pathlib.Path:
+    """The loss curve (and the head's top-1 agreement with the target) as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display: files only
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 4))
+    steps = np.arange(1, len(losses) + 1)
+    ax.plot(steps, losses)
+    ax.set(xlabel="step", ylabel="loss (smooth L1 + 0.1 CE)", title="train-draft loss",
+           yscale="log")
+    bx.plot(steps, accuracy)
+    bx.set(xlabel="step", ylabel="top-1 agreement", title="head argmax == target argmax",
+           ylim=(0, 1))
+    fig.tight_layout()
+    path = pathlib.Path(path)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

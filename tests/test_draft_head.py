@@ -1,0 +1,202 @@
+"""Feature draft heads (jaxinfer/draft_head.py): an EAGLE head (random, and trained by
+`jaxinfer train-draft`) and DeepSeek-V3's MTP module draft for speculative decoding without
+changing plain generate's tokens; heads for other models and `mtp` without MTP weights are
+refused before anything compiles."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+import jaxinfer
+from jaxinfer import draft_head
+from jaxinfer.cache import KVCache
+from jaxinfer.models import llama, registry
+from jaxinfer.model import from_params
+from jaxinfer.sampling import SamplingParams
+from jaxinfer.weights import init_params
+
+HF = pathlib.Path(__file__).parent / "fixtures" / "data" / "hf"
+PROMPTS = ["x", "the cat sat on the mat and the cat sat on", "hello world", "a b c a b c a b",
+           "one two three four five six seven eight nine ten one two three", "zz",
+           "the the the", "to be or not to be, that is"]
+MIXED = [SamplingParams(temperature=0.8), SamplingParams(temperature=0.0),
+         SamplingParams(temperature=1.0, top_k=20, top_p=0.9, logprobs=True),
+         SamplingParams(temperature=0.7, repetition_penalty=1.3, seed=123),
+         SamplingParams(temperature=0.9, presence_penalty=0.5, frequency_penalty=0.4),
+         SamplingParams(temperature=0.6, min_p=0.05),
+         SamplingParams(temperature=0.0, repetition_penalty=1.2),
+         SamplingParams(temperature=1.2, seed=7)]
+
+
+@pytest.fixture(scope="module")
+def looping(tiny_chat):
+    """tiny_chat with unscaled random weights: its greedy text loops (as test_speculative's)."""
+    params = init_params(llama.param_specs(tiny_chat.config), jax.random.key(3), jnp.float32)
+    return from_params(tiny_chat.config, params, tiny_chat.tokenizer, dtype="float32")
+
+
+def test_random_head_is_lossless_greedy_and_sampled(looping):
+    """A head with random weights drafts badly, but greedy rows (batches of 1 and 8, a stop
+    token mid-round) and coupled sampled rows get plain generate's tokens exactly; the engine
+    refuses a head with a clear error."""
+    head = draft_head.init_eagle(looping, 1)
+    for batch in (1, 8):
+        plain = jaxinfer.generate(looping, PROMPTS[:batch], max_new_tokens=20, chat=False)
+        stop = plain[0].token_ids[12]
+        plain = jaxinfer.generate(looping, PROMPTS[:batch], max_new_tokens=20, chat=False,
+                                  stop=[stop])
+        spec = jaxinfer.generate(looping, PROMPTS[:batch], max_new_tokens=20, chat=False,
+                                 stop=[stop], speculative=head, num_speculative_tokens=3)
+        assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
+        assert [s.finish_reason for s in spec] == [p.finish_reason for p in plain]
+        assert all(0 <= s.accepted_tokens <= s.draft_tokens for s in spec)
+    kw = dict(max_new_tokens=16, chat=False, sampling=MIXED, seed=5)
+    plain = jaxinfer.generate(looping, PROMPTS, **kw)
+    spec = jaxinfer.generate(looping, PROMPTS, speculative=head, num_speculative_tokens=3, **kw)
+    assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
+    with pytest.raises(ValueError, match="feature head"):
+        jaxinfer.Engine(looping, speculative=head)
+
+
+def test_trained_head_drafts_and_train_draft_cli(looping, tiny_chat, tiny_chat_dir, tmp_path,
+                                                 capsys):
+    """A head trained on the target's own greedy text (looping with a peaked LM head: its
+    argmax is learnable) lowers its loss, saves and loads, and gets drafts accepted with plain
+    generate's tokens; a head for another model is refused. `jaxinfer train-draft` writes the
+    head and the loss curve beside the model, and `--speculative head` loads it."""
+    from jaxinfer import cli, train_draft
+
+    peaked = from_params(looping.config, {**looping.params, "embed": looping.params["embed"]
+                                          .replace(w=8 * looping.params["embed"].w)},
+                         looping.tokenizer, dtype="float32")
+    outs = jaxinfer.generate(peaked, PROMPTS, max_new_tokens=48, chat=False)
+    data = np.asarray([t for p, o in zip(PROMPTS, outs)
+                       for t in peaked.tokenizer.encode(p) + o.token_ids], np.int32)
+    result = train_draft.train(peaked, data, 150, lr=3e-3, seq_len=32, batch=8,
+                               progress=False)
+    assert np.mean(result.losses[-15:]) < 0.5 * result.losses[0]
+    path = draft_head.save(result.head, tmp_path / "head.safetensors")
+    assert train_draft.plot_losses(result.losses, result.accuracy,
+                                   tmp_path / "head.png").stat().st_size > 1000
+    head = draft_head.load(path, peaked)
+    plain = jaxinfer.generate(peaked, PROMPTS[:4], max_new_tokens=24, chat=False)
+    spec = jaxinfer.generate(peaked, PROMPTS[:4], max_new_tokens=24, chat=False,
+                             speculative=head, num_speculative_tokens=3)
+    assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
+    accepted, drafted = sum(s.accepted_tokens for s in spec), sum(s.draft_tokens for s in spec)
+    assert accepted > 0.3 * drafted, (accepted, drafted)  # a random head: ~0
+    with pytest.raises(ValueError, match="made for another model"):
+        draft_head.load(path, looping)
+    with pytest.raises(ValueError, match="made for another model"):
+        jaxinfer.generate(looping, "x", max_new_tokens=4, speculative=head)
+
+    text = tmp_path / "data.jsonl"
+    text.write_text("\n".join(json.dumps({"text": p + o.text}) for p, o in zip(PROMPTS, outs)))
+    assert cli.main(["train-draft", str(tiny_chat_dir), "--data", str(text), "--steps", "10",
+                     "--seq-len", "32", "--batch", "4"]) == 0
+    assert "wrote" in capsys.readouterr().out
+    assert (tiny_chat_dir / "eagle_head.png").is_file()
+    assert (tiny_chat_dir / "eagle_head.safetensors").is_file()
+    base = ["generate", PROMPTS[1], "--no-chat", "-n", "12", "--model", str(tiny_chat_dir),
+            "--json"]
+    assert cli.main(base) == 0
+    want = json.loads(capsys.readouterr().out)
+    assert cli.main(base + ["--speculative", "head", "--num-speculative-tokens", "3"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["token_ids"] == want["token_ids"] and got["speculative"]["draft_tokens"] > 0
+    assert cli.main(base + ["--speculative", "head", "--draft-head", str(path)]) == 2
+    assert "made for another model" in capsys.readouterr().err
+    assert cli.main(base + ["--speculative", "ngram", "--draft-head", str(path)]) == 2
+    assert "--draft-head needs --speculative head" in capsys.readouterr().err
+
+
+def _with_mtp(tmp_path) -> pathlib.Path:
+    """The DeepSeek-V3 fixture with an MTP module as layer 3 (as V3 checkpoints store it):
+    its block a copy of layer 2 (an MoE layer), random enorm / hnorm / eh_proj /
+    shared_head."""
+    d = tmp_path / "deepseek_v3_mtp"
+    shutil.copytree(HF / "deepseek_v3", d)
+    tensors = load_file(d / "model.safetensors")
+    rng = np.random.default_rng(0)
+    v, dim = tensors["model.embed_tokens.weight"].shape
+    mtp = {k.replace("model.layers.2.", "model.layers.3."): v for k, v in tensors.items()
+           if k.startswith("model.layers.2.")}
+    for name in ("enorm", "hnorm", "shared_head.norm"):
+        mtp[f"model.layers.3.{name}.weight"] = (1 + 0.3 * rng.standard_normal(dim)).astype(
+            np.float32)
+    mtp["model.layers.3.eh_proj.weight"] = (rng.standard_normal((dim, 2 * dim))
+                                            / np.sqrt(2 * dim)).astype(np.float32)
+    mtp["model.layers.3.shared_head.head.weight"] = tensors["lm_head.weight"]
+    mtp["model.layers.3.embed_tokens.weight"] = tensors["model.embed_tokens.weight"]
+    save_file({**tensors, **mtp}, d / "model.safetensors")
+    return d
+
+
+def _rms(x, w, eps):
+    return x / jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def test_mtp_matches_its_definition_and_is_lossless(tmp_path, tiny_chat):
+    """The MTP module read from the checkpoint, run incrementally on its cache (a prefill,
+    then a token at a time), gives the logits of its published definition written out here
+    from the raw tensors: shared_head(norm(block(eh_proj([enorm(emb t_i), hnorm(f_{i-1})]))));
+    greedy mtp-speculative equals plain greedy (batches 1 and 3); a checkpoint without MTP
+    weights, and a Llama model, are refused before anything compiles."""
+    d = _with_mtp(tmp_path)
+    model = jaxinfer.load(str(d), dtype="float32")
+    head = draft_head.load_mtp(model)
+    raw = load_file(d / "model.safetensors")
+    eps = model.config.rms_norm_eps
+    ref = np.load(d / "ref.npz")
+    tokens = jnp.asarray(ref["input_ids"][:1, :12], jnp.int32)  # [1, T]
+    t = tokens.shape[1]
+    positions = jnp.arange(t, dtype=jnp.int32)[None]
+    fwd = registry.family(model.config).forward
+    logits, _, f = fwd(model.params, tokens, positions, model.plan, hidden=True)
+    np.testing.assert_allclose(logits, model(np.asarray(tokens)), rtol=1e-5, atol=1e-5)
+    before = jnp.concatenate([jnp.zeros_like(f[:, :1]), f[:, :-1]], axis=1)  # f_{i-1}
+
+    # The definition: plain jnp on the checkpoint's tensors; the block is the target's own
+    # layer 2 (the module's block is a copy of it) through the family's layer code.
+    emb = jnp.asarray(raw["model.embed_tokens.weight"])[tokens]
+    x = jnp.concatenate([_rms(emb, raw["model.layers.3.enorm.weight"], eps),
+                         _rms(before, raw["model.layers.3.hnorm.weight"], eps)], -1)
+    x = x @ jnp.asarray(raw["model.layers.3.eh_proj.weight"]).T
+    block = {"embed": model.params["embed"], "layers": [model.params["layers"][2]],
+             "final_norm": jnp.ones(x.shape[-1]), "lm_head": model.params["lm_head"]}
+    _, _, normed = fwd(block, tokens, positions, head.spec.plan, embeds=x, hidden=True)
+    want = (normed * raw["model.layers.3.shared_head.norm.weight"]) \
+        @ jnp.asarray(raw["model.layers.3.shared_head.head.weight"]).T  # [1, T, V]
+
+    cache = KVCache.init(head.spec.plan.config, 1, 16)
+    got, cache, _ = draft_head.forward(head.params, model.params, tokens[:, :6], before[:, :6],
+                                       positions[:, :6], head.spec, cache, fresh=True)
+    steps = [got]
+    for i in range(6, t):
+        got, cache, _ = draft_head.forward(head.params, model.params, tokens[:, i:i + 1],
+                                           before[:, i:i + 1], positions[:, i:i + 1],
+                                           head.spec, cache)
+        steps.append(got)
+    np.testing.assert_allclose(jnp.concatenate(steps, 1), want, rtol=1e-4, atol=1e-4)
+
+    prompts = [list(map(int, p)) for p in ref["greedy_prompt"]]
+    for batch in (prompts[:1], (prompts * 3)[:3]):
+        plain = jaxinfer.generate(model, batch, max_new_tokens=16)
+        spec = jaxinfer.generate(model, batch, max_new_tokens=16, speculative="mtp",
+                                 num_speculative_tokens=2)
+        assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
+        assert all(s.draft_tokens > 0 for s in spec)
+
+    plain_v3 = jaxinfer.load(str(HF / "deepseek_v3"), dtype="float32")
+    with pytest.raises(ValueError, match="has no MTP weights"):
+        jaxinfer.generate(plain_v3, prompts[0], max_new_tokens=4, speculative="mtp")
+    with pytest.raises(ValueError, match="needs a DeepSeek-V3 checkpoint with MTP weights"):
+        jaxinfer.generate(tiny_chat, "x", max_new_tokens=4, speculative="mtp")
