@@ -114,7 +114,7 @@ tests2() {
 tests3() {
   gpu_tests tests/test_gpu.py tests/test_kernel_wiring.py tests/test_determinism.py
 }
-tests4() { gpu_tests tests/test_quantized.py tests/test_kv_cache_quant.py; }
+tests4() { gpu_tests tests/test_quantized.py tests/test_quantized_mgpu.py tests/test_kv_cache_quant.py; }
 tests() { tests1; tests2; tests3; tests4; }
 profile() {  # where the B=1 decode step's time goes
   timeout 150 python3 benchmarks/profile_decode.py --preset llama3-8b --batch 1 \

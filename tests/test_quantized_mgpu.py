@@ -90,3 +90,32 @@ def test_decode_path_takes_the_mosaic_kernel_and_matches_reference(monkeypatch):
     tiles = int_layout_params(nk, Plan(config, INTERPRET.replace(quant_matmul="triton")))
     np.testing.assert_array_equal(tiles["layers"][0]["w_down"].planes[0],
                                   params["layers"][0]["w_down"].planes[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("m, k, n, cfg", [
+    (1, 4096, 1024, None), (16, 2048, 512, None), (64, 1024, 256, None),
+    (3, 1024, 256, MgpuMatmulConfig(schedule="ws", gps=2, stages=3, splits=2))])
+def test_kernel_matches_reference_gpu(bits, m, k, n, cfg):
+    """The compiled kernel on the H200 (default configurations and the warp-specialized one)."""
+    nk = pk.to_nk(_int4(4, k, n, bits=bits))
+    x = normal(5, (m, k), jnp.bfloat16)
+    want = pk.quantized_matmul_mgpu_reference(x, nk, out_dtype=jnp.float32)
+    assert rel_err(pk.quantized_matmul_mgpu(x, nk, cfg=cfg, out_dtype=jnp.float32), want) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
+def test_decode_path_takes_the_mosaic_kernel_gpu():
+    """On the H200 the default policy repacks int4 g128 weights and decodes through the
+    kernel; logits against the reference path."""
+    config = tiny_config(hidden_size=128, intermediate_size=256, num_layers=2, vocab_size=128)
+    params = quantize_params(typed(random_params(config), llama.param_specs(config)), "int4", 128)
+    plan = Plan(config)
+    nk = int_layout_params(params, plan)
+    assert nk["layers"][0]["w_down"].layout == "nk"
+    ids = jax.random.randint(jax.random.key(2), (2, 13), 0, config.vocab_size)
+    fused, _ = decode_steps(nk, plan, ids)
+    assert_close_to_reference(params, config, ids, fused)
