@@ -344,9 +344,9 @@ def lm_head(stream: Residual, norm_weight, head, plan: Plan, *, rows_at=None,
     sel = jax.ShapeDtypeStruct((b, 1 if rows_at is not None else t, d), stream.aval.dtype)
     # A quantized head always takes the kernel on the decode path: XLA would dequantize the
     # whole [D, V] table every step.
-    picked = MATMUL.pick(sel, head, plan).name
-    pallas = ((policy.lm_head is Impl.PALLAS or isinstance(head, QuantizedWeight))
-              and picked in ("fused_small_m", "mosaic_int"))
+    picked = (MATMUL.pick(sel, head, plan).name
+              if policy.lm_head is Impl.PALLAS or isinstance(head, QuantizedWeight) else None)
+    pallas = picked in ("fused_small_m", "mosaic_int")
     x, delta = stream.take(ANY_SUM)
     if hidden:
         _, h = boundary(x, delta, norm_weight, eps, plan, policy.lm_head_boundary)  # [B, T, D]
