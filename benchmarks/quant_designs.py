@@ -23,8 +23,7 @@ Variants:
                      dequantized, then a dot contracting K
   mgpu_<config>      pallas_kernels/quantized_mgpu.py (Mosaic GPU: TMA tiles of codes [N, K] int4,
                      swapped-operand wgmma with the dequantized weight from registers), one
-                     variant per entry of MGPU_CONFIGS that fits the shape ("ws" schedules are
-                     not run in interpret mode)
+                     variant per entry of MGPU_CONFIGS that fits the shape
   torch_tinygemm     torch.ops.aten._weight_int4pack_mm on _convert_weight_to_int4pack(inner k
                      tiles 8); the same codes and scales (zeros 0); skipped with a note without
                      torch or CUDA. Timed in a CUDA graph of calls, each call's x first passed
@@ -119,17 +118,16 @@ def xla_int4_nk(x, c4t, st):
                                preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-# Run 1 (2026-12-03: DECISIONS) compared pipe/ws schedules at gps 1-4, stages 3-8, splits 1-2;
-# pipe gps 2 stages 4 splits 2 won at every shape. These are its neighbours.
-MGPU_CONFIGS = [MgpuMatmulConfig(schedule="pipe", gps=g, stages=st, splits=sp)
+# Run 1 (2026-12-03: DECISIONS) compared a pipelined and a warp-specialized schedule at gps
+# 1-4, stages 3-8, splits 1-2; the pipelined gps 2 stages 4 splits 2 won at every shape (the
+# warp-specialized schedule was removed). These are its neighbours.
+MGPU_CONFIGS = [MgpuMatmulConfig(gps=g, stages=st, splits=sp)
                 for g, st, sp in ((2, 4, 2), (2, 3, 2), (2, 6, 2), (2, 8, 2), (2, 4, 4),
                                   (4, 2, 2), (4, 3, 2), (1, 6, 2))]
 
 
-def mgpu_fits(cfg: MgpuMatmulConfig, k: int, n: int, interpret: bool) -> bool:
-    rows = cfg.bn * (2 if cfg.schedule == "ws" else 1)
-    return (n % rows == 0 and k % GROUP == 0 and (k // GROUP) % (cfg.splits * cfg.gps) == 0
-            and not (interpret and cfg.schedule == "ws"))
+def mgpu_fits(cfg: MgpuMatmulConfig, k: int, n: int) -> bool:
+    return n % 64 == 0 and k % GROUP == 0 and (k // GROUP) % (cfg.splits * cfg.gps) == 0
 
 
 def jax_variants(m: int, k: int, n: int, interpret: bool) -> list[tuple]:
@@ -148,7 +146,7 @@ def jax_variants(m: int, k: int, n: int, interpret: bool) -> list[tuple]:
         ("xla_int4_nk", jax.jit(xla_int4_nk), lambda s: (s["x"], s["c4t"], s["st"]), ib),
     ]
     for cfg in MGPU_CONFIGS:
-        if mgpu_fits(cfg, k, n, interpret):
+        if mgpu_fits(cfg, k, n):
             out.append((f"mgpu_{cfg}", jax.jit(functools.partial(
                 int_matmul_mgpu, cfg=cfg, interpret=interpret)),
                 lambda s: (s["x"], s["c4t"], s["s"]), ib))

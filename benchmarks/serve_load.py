@@ -472,14 +472,13 @@ def _proc_phase(args, url: str, model: str, index: int, clients: int, seconds: f
     return reqs, start, end, time.process_time() - cpu
 
 
-async def _run_phase(load: "Load", pool, seconds: float, warmup: bool) -> tuple:
+async def _run_phase(load: "Load", pool, procs: int, seconds: float, warmup: bool) -> tuple:
     """A phase of the load, in this process or spread over the pool's processes ->
     (elapsed wall seconds, the clients' CPU seconds)."""
     if pool is None:
         cpu = time.process_time()
         elapsed = await load.run(seconds, warmup=warmup)
         return elapsed, time.process_time() - cpu
-    procs = pool._max_workers
     shares = [load.args.clients // procs + (i < load.args.clients % procs)
               for i in range(procs)]
     loop = asyncio.get_running_loop()
@@ -505,10 +504,10 @@ async def _load_run(args, url: str) -> dict:
         procs, mp_context=multiprocessing.get_context("spawn"))
     try:
         if args.warmup > 0:
-            await _run_phase(load, pool, args.warmup, warmup=True)
+            await _run_phase(load, pool, procs, args.warmup, warmup=True)
             await load.wait_pages_zero(args.drain_timeout)
         cpu0 = await server_cpu(load)
-        elapsed, client_cpu = await _run_phase(load, pool, args.duration, warmup=False)
+        elapsed, client_cpu = await _run_phase(load, pool, procs, args.duration, warmup=False)
         cpu1 = await server_cpu(load)
         pages = await load.wait_pages_zero(args.drain_timeout)
     finally:

@@ -3,19 +3,16 @@
     y [M, N] = x [M, K] @ (codes [N, K] * scale[g, n])     codes int4 or int8, groups of 128
 
 Swapped operands: the weight is wgmma's A operand (its N rows are the MMA's M side, 64 per
-warpgroup) and x^T its B operand (M <= 64 rows padded to a multiple of 8 are the MMA's N side),
+block) and x^T its B operand (M <= 64 rows padded to a multiple of 8 are the MMA's N side),
 so one decode row costs an m64n8 product, not an m64 tile of padding. Per K step of one group:
 TMA brings the [bn, 128] code tile (K contiguous per output column), x's [Mp, 128] tile and the
-group's scales into shared memory; the warpgroup loads the codes in the upcast layout, converts
-them to bf16 (int4: Mosaic's lop3 path, two codes per instruction), scales them per row and issues the
-wgmma with A from registers. The accumulator [bn, Mp] f32 goes out transposed ([N, Mp]).
-
-Two schedules (`MgpuMatmulConfig.schedule`):
-  * "pipe": one warpgroup per block, `plgpu.emit_pipeline` keeps `stages` TMA steps in flight;
-    small blocks, several per SM.
-  * "ws": warp-specialized, as JAX's Hopper mixed-type matmul: two compute warpgroups (bn rows
-    each) and a memory warpgroup issuing the TMA copies `stages` ahead.
-`splits` cuts K into that many ranges (a grid axis), summed in float32 by the wrapper.
+group's scales into shared memory; the block's one warpgroup loads the codes in the upcast
+layout, converts them to bf16 (int4: Mosaic's lop3 path, two codes per instruction), scales
+them per row and issues the wgmma with A from registers, while `plgpu.emit_pipeline` keeps
+`stages` TMA steps in flight (small blocks, several per SM; a warp-specialized schedule lost
+at every shape: benchmarks/DECISIONS.md). The accumulator [bn, Mp] f32 goes out transposed
+([N, Mp]). `splits` cuts K into that many ranges (a grid axis), summed in float32 by the
+wrapper.
 """
 
 from __future__ import annotations
@@ -33,6 +30,7 @@ from pallas_kernels.quantized import (QuantizedWeight, codes_of, dequantize, num
                                       pack_plane)
 
 GROUP = 128  # the K step: one scale row per step
+BN = 64  # weight rows (output columns) per block: one wgmma M
 
 _WGMMA = plgpu.Layout.WGMMA
 _WGMMA_ROW = plgpu.Layout.WGMMA.reduce(1)
@@ -44,17 +42,14 @@ _CODES = {4: jnp.int4, 8: jnp.int8}
 
 @dataclasses.dataclass(frozen=True)
 class MgpuMatmulConfig:
-    """bn: weight rows (output columns) per compute warpgroup (64); gps: groups of 128 per K
-    step (one TMA tile); stages: K steps in flight; splits: K ranges (grid axis, float32
-    partial sums); schedule: "pipe" or "ws"."""
-    bn: int = 64
+    """gps: groups of 128 per K step (one TMA tile); stages: K steps in flight; splits: K
+    ranges (grid axis, float32 partial sums). A block takes BN = 64 weight rows (one wgmma M)."""
     gps: int = 1
     stages: int = 4
     splits: int = 1
-    schedule: str = "pipe"
 
     def __str__(self):
-        return f"{self.schedule}_g{self.gps}_s{self.stages}_k{self.splits}"
+        return f"g{self.gps}_s{self.stages}_k{self.splits}"
 
 
 def _smem_transforms(row_bits: int, dtype_bits: int):
@@ -122,25 +117,17 @@ def quantized_matmul_mgpu(x, qw: QuantizedWeight, *, cfg: MgpuMatmulConfig | Non
                            out_dtype=jnp.dtype(out_dtype or x.dtype))
 
 
-def _dequant(w_smem, s_smem, rows, j):
-    """Group j of [rows] of the code tile -> bf16 [bn, 128] in the wgmma layout, scaled per
-    row: in bf16 for bf16 scales, else code * scale in float32 (exact) rounded once to bf16."""
+def _dequant(w_smem, s_smem, j):
+    """Group j of the code tile -> bf16 [BN, 128] in the wgmma layout, scaled per row: in
+    bf16 for bf16 scales, else code * scale in float32 (exact) rounded once to bf16."""
     bits = jnp.iinfo(w_smem.dtype).bits
-    w = plgpu.load(w_smem.at[rows, pl.ds(j * GROUP, GROUP)], layout=_UPCAST[bits])
+    w = plgpu.load(w_smem.at[:, pl.ds(j * GROUP, GROUP)], layout=_UPCAST[bits])
     w = plgpu.layout_cast(w, _WGMMA).astype(jnp.bfloat16)
-    s = plgpu.load(s_smem.at[j, rows], layout=_WGMMA_ROW)  # [bn]
+    s = plgpu.load(s_smem.at[j], layout=_WGMMA_ROW)  # [BN]
     if s.dtype == jnp.bfloat16:
         return w * lax.broadcast_in_dim(s, w.shape, [0])
     s = lax.broadcast_in_dim(s.astype(jnp.float32), w.shape, [0])
     return (w.astype(jnp.float32) * s).astype(jnp.bfloat16)
-
-
-def _products(acc_ref, w_smem, x_smem, s_smem, rows, gps):
-    """acc [bn, Mp] += the step's gps groups: dequantized weight (registers) @ x^T (smem)."""
-    for j in range(gps):
-        plgpu.wgmma(acc_ref, _dequant(w_smem, s_smem, rows, j),
-                    x_smem.at[:, pl.ds(j * GROUP, GROUP)].T)
-        plgpu.wgmma_wait(0)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "interpret", "out_dtype"))
@@ -156,11 +143,9 @@ def int_matmul_mgpu(x, codes, scale, *, cfg: MgpuMatmulConfig = MgpuMatmulConfig
                          f"{scale.shape} do not fit groups of {GROUP}")
     if m > 64:
         raise ValueError(f"int_matmul_mgpu is a decode kernel: M = {m} > 64")
-    wgs = 2 if cfg.schedule == "ws" else 1
-    bn, rows = cfg.bn, cfg.bn * wgs
     gps = cfg.gps
-    if n % rows or (k // GROUP) % (cfg.splits * gps):
-        raise ValueError(f"int_matmul_mgpu: N {n} not a multiple of {rows} or K groups "
+    if n % BN or (k // GROUP) % (cfg.splits * gps):
+        raise ValueError(f"int_matmul_mgpu: N {n} not a multiple of {BN} or K groups "
                          f"{k // GROUP} not a multiple of splits x gps {cfg.splits * gps}")
     mp = max(8, -(-m // 8) * 8)
     x = x.astype(jnp.bfloat16)
@@ -172,82 +157,50 @@ def int_matmul_mgpu(x, codes, scale, *, cfg: MgpuMatmulConfig = MgpuMatmulConfig
     w_tr = _smem_transforms(GROUP * bits, bits)  # one group wide: a group is a slice of them
     x_tr = _smem_transforms(bk * 16, 16)
     in_specs = [
-        plgpu.BlockSpec((rows, bk), lambda i: (0, i), transforms=w_tr),
+        plgpu.BlockSpec((BN, bk), lambda i: (0, i), transforms=w_tr),
         plgpu.BlockSpec((mp, bk), lambda i: (0, i), transforms=x_tr),
-        plgpu.BlockSpec((gps, rows), lambda i: (i, 0)),
+        plgpu.BlockSpec((gps, BN), lambda i: (i, 0)),
     ]
 
-    def operands(w_gmem, x_gmem, s_gmem, nb, sp):
+    def kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem):
+        nb, sp = lax.axis_index("n"), lax.axis_index("s")
         k0 = sp * steps * bk  # the split's first K
-        return (w_gmem.at[pl.ds(nb * rows, rows), pl.ds(k0, steps * bk)],
-                x_gmem.at[:, pl.ds(k0, steps * bk)],
-                s_gmem.at[pl.ds(k0 // GROUP, steps * gps), pl.ds(nb * rows, rows)])
-
-    def store(acc, o_smem, o_gmem, nb, sp, wg):
-        o_smem[...] = acc  # [bn, Mp] f32
+        ops = (w_gmem.at[pl.ds(nb * BN, BN), pl.ds(k0, steps * bk)],
+               x_gmem.at[:, pl.ds(k0, steps * bk)],
+               s_gmem.at[pl.ds(k0 // GROUP, steps * gps), pl.ds(nb * BN, BN)])
+        pipe = functools.partial(plgpu.emit_pipeline, grid=(steps,), in_specs=in_specs,
+                                 max_concurrent_steps=cfg.stages)
+        if interpret:  # the GPU interpreter takes no register operand for wgmma
+            def body_i(_, w_smem, x_smem, s_smem, acc):
+                for j in range(gps):
+                    xj = x_smem[:, pl.ds(j * GROUP, GROUP)]
+                    acc = acc + jnp.dot(_dequant(w_smem, s_smem, j), xj.T,
+                                        preferred_element_type=jnp.float32)
+                return acc
+            acc = pipe(body_i, init_carry=jnp.zeros((BN, mp), jnp.float32))(*ops)
+        else:
+            def scope(acc_ref):
+                def body(_, w_smem, x_smem, s_smem):
+                    for j in range(gps):  # acc [BN, Mp] += dequantized (registers) @ x^T
+                        plgpu.wgmma(acc_ref, _dequant(w_smem, s_smem, j),
+                                    x_smem.at[:, pl.ds(j * GROUP, GROUP)].T)
+                        plgpu.wgmma_wait(0)
+                pipe(body)(*ops)
+                return acc_ref[...]
+            acc = pl.run_scoped(scope, plgpu.ACC((BN, mp), jnp.float32))
+        o_smem[...] = acc  # [BN, Mp] f32
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[sp, pl.ds(nb * rows + wg * bn, bn)])
+        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[sp, pl.ds(nb * BN, BN)])
         plgpu.wait_smem_to_gmem(0)
 
-    if cfg.schedule == "pipe":
-        def kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem):
-            nb, sp = lax.axis_index("n"), lax.axis_index("s")
-
-            pipe = functools.partial(plgpu.emit_pipeline, grid=(steps,), in_specs=in_specs,
-                                     max_concurrent_steps=cfg.stages)
-            ops = operands(w_gmem, x_gmem, s_gmem, nb, sp)
-            if interpret:  # the GPU interpreter takes no register operand for wgmma
-                def body_i(_, w_smem, x_smem, s_smem, acc):
-                    for j in range(gps):
-                        w = _dequant(w_smem, s_smem, pl.ds(0, bn), j)
-                        xj = x_smem[:, pl.ds(j * GROUP, GROUP)]
-                        acc = acc + jnp.dot(w, xj.T, preferred_element_type=jnp.float32)
-                    return acc
-                acc = pipe(body_i, init_carry=jnp.zeros((bn, mp), jnp.float32))(*ops)
-            else:
-                def scope(acc_ref):
-                    def body(_, w_smem, x_smem, s_smem):
-                        _products(acc_ref, w_smem, x_smem, s_smem, pl.ds(0, bn), gps)
-                    pipe(body)(*ops)
-                    return acc_ref[...]
-                acc = pl.run_scoped(scope, plgpu.ACC((bn, mp), jnp.float32))
-            store(acc, o_smem, o_gmem, nb, sp, 0)
-
-        threads = {}
-    elif cfg.schedule == "ws":
-        def kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem):
-            nb, sp = lax.axis_index("n"), lax.axis_index("s")
-            wg = lax.axis_index("wg")
-
-            def body(_, w_smem, x_smem, s_smem, acc):
-                _products(acc, w_smem, x_smem, s_smem, pl.ds(wg * bn, bn), gps)
-                return acc
-
-            def context(run):
-                def scope(acc_ref):
-                    run(acc_ref)
-                    store(acc_ref[...], o_smem.at[wg], o_gmem, nb, sp, wg)
-                pl.run_scoped(scope, plgpu.ACC((bn, mp), jnp.float32))
-
-            plgpu.emit_pipeline_warp_specialized(
-                body, grid=(steps,), memory_registers=40, in_specs=in_specs, wg_axis="wg",
-                num_compute_wgs=2, max_concurrent_steps=cfg.stages, compute_context=context,
-            )(*operands(w_gmem, x_gmem, s_gmem, nb, sp))
-
-        threads = dict(num_threads=3, thread_name="wg")
-    else:
-        raise ValueError(f"unknown schedule {cfg.schedule!r}")
-
-    o_shape = (bn, mp) if cfg.schedule == "pipe" else (2, bn, mp)
     out = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((cfg.splits, n, mp), jnp.float32),
-        scratch_types=[plgpu.SMEM(o_shape, jnp.float32)],
-        grid=(n // rows, cfg.splits),
+        scratch_types=[plgpu.SMEM((BN, mp), jnp.float32)],
+        grid=(n // BN, cfg.splits),
         grid_names=("n", "s"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
-        **threads,
     )(x, codes, scale)
     # [splits, N, Mp] f32 -> [M, N] bf16
     return jnp.sum(out, axis=0)[:, :m].T.astype(out_dtype)

@@ -44,6 +44,22 @@ def _count(jaxpr, counts: collections.Counter) -> collections.Counter:
     return counts
 
 
+def _count_jits(jaxpr, counts: collections.Counter) -> collections.Counter:
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("jit", "pjit"):
+            counts[eqn.params["name"]] += 1
+        for v in eqn.params.values():
+            for sub in _jaxprs(v):
+                _count_jits(sub, counts)
+    return counts
+
+
+def jitted_calls_in(fn, *args) -> collections.Counter:
+    """Names of the jitted functions fn(*args) calls, nested ones included (traced, not run):
+    what a kernel whose lowering is not a pallas_call here (Mosaic GPU) is counted by."""
+    return _count_jits(jax.make_jaxpr(fn)(*args).jaxpr, collections.Counter())
+
+
 def pallas_kernels_in(fn, *args) -> collections.Counter:
     """Names of the Pallas kernels fn(*args) calls, one count per call (traced, not run)."""
     return _count(jax.make_jaxpr(fn)(*args).jaxpr, collections.Counter())

@@ -204,7 +204,7 @@ for _name, _n, (_d, _f, _e, _k) in (("decode mixtral", 1, (4096, 14336, 8, 2)),
 
 
 # The Mosaic GPU int4 matmul (codes [N, K] int4, fp16 scales [K / 128, N]) at decode rows, in
-# its default configuration for each shape and in both schedules.
+# its default configuration for each shape.
 for _m, _k, _n in ((1, 4096, 14336), (16, 14336, 4096), (1, 4096, 6144)):
     KERNEL_CASES[f"int4 mosaic {_m}x{_k}x{_n}"] = (
         lambda x, c, s: pk.quantized_matmul_mgpu(
@@ -216,12 +216,6 @@ KERNEL_CASES["int8 mosaic"] = (
         x, pk.QuantizedWeight(planes=(c,), scale=s, k=4096, out_shape=(14336,), bits=(8,),
                               group=128, layout="nk")),
     (S((1, 4096), BF16), S((14336, 4096), jnp.int8), S((32, 14336), jnp.float16)))
-KERNEL_CASES["int4 mosaic ws"] = (
-    lambda x, c, s: pk.quantized_matmul_mgpu(
-        x, pk.QuantizedWeight(planes=(c,), scale=s, k=4096, out_shape=(14336,), bits=(4,),
-                              group=128, code_offset=8, layout="nk"),
-        cfg=pk.MgpuMatmulConfig(schedule="ws", gps=2, stages=4, splits=2)),
-    (S((1, 4096), BF16), S((14336, 4096), jnp.int4), S((32, 14336), jnp.bfloat16)))
 
 
 @pytest.mark.parametrize("name", list(KERNEL_CASES))
