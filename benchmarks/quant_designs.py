@@ -63,7 +63,8 @@ import numpy as np  # noqa: E402
 import pallas_kernels as pk  # noqa: E402
 from benchmarks.kernels import PEAK_TBS, rel_err, time_fn  # noqa: E402
 from pallas_kernels.quantized import codes_of, dequantize, quantize_weight  # noqa: E402
-from pallas_kernels.quantized_mgpu import MgpuMatmulConfig, int_matmul_mgpu  # noqa: E402
+from pallas_kernels.quantized_mgpu import (MgpuMatmulConfig, default_config,  # noqa: E402
+                                           int_matmul_mgpu)
 
 TOL = 2e-2  # relative error (Frobenius) against x @ dequantize(qw) in float32
 GROUP = 128
@@ -121,13 +122,16 @@ def xla_int4_nk(x, c4t, st):
 # Run 1 (2026-12-03: DECISIONS) compared a pipelined and a warp-specialized schedule at gps
 # 1-4, stages 3-8, splits 1-2; the pipelined gps 2 stages 4 splits 2 won at every shape (the
 # warp-specialized schedule was removed). These are its neighbours.
-MGPU_CONFIGS = [MgpuMatmulConfig(gps=g, stages=st, splits=sp)
-                for g, st, sp in ((2, 4, 2), (2, 3, 2), (2, 6, 2), (2, 8, 2), (2, 4, 4),
-                                  (4, 2, 2), (4, 3, 2), (1, 6, 2))]
+MGPU_CONFIGS = [MgpuMatmulConfig(gps=g, stages=st, splits=sp, bn=bn, wait=w)
+                for g, st, sp, bn, w in (
+                    (2, 4, 2, 64, "group"), (2, 4, 2, 64, "step"), (2, 4, 4, 64, "group"),
+                    (2, 6, 2, 64, "group"), (4, 4, 2, 64, "step"), (2, 4, 1, 128, "group"),
+                    (2, 4, 2, 128, "group"), (2, 4, 2, 128, "step"), (4, 3, 2, 128, "step"),
+                    (1, 8, 2, 64, "group"))]
 
 
 def mgpu_fits(cfg: MgpuMatmulConfig, k: int, n: int) -> bool:
-    return n % 64 == 0 and k % GROUP == 0 and (k // GROUP) % (cfg.splits * cfg.gps) == 0
+    return n % cfg.bn == 0 and k % GROUP == 0 and (k // GROUP) % (cfg.splits * cfg.gps) == 0
 
 
 def jax_variants(m: int, k: int, n: int, interpret: bool) -> list[tuple]:
@@ -150,6 +154,17 @@ def jax_variants(m: int, k: int, n: int, interpret: bool) -> list[tuple]:
             out.append((f"mgpu_{cfg}", jax.jit(functools.partial(
                 int_matmul_mgpu, cfg=cfg, interpret=interpret)),
                 lambda s: (s["x"], s["c4t"], s["s"]), ib))
+    # The model's weights carry quantize_weight's fp16 scales (multiplied in float32 in the
+    # kernel); the rows above feed bf16 scales.
+    cfg = default_config(m, k, n)
+    if not mgpu_fits(cfg, k, n):
+        return out
+    out.append((f"mgpu_default_{cfg}_f16scale", jax.jit(functools.partial(
+        int_matmul_mgpu, cfg=cfg, interpret=interpret)),
+        lambda s: (s["x"], s["c4t"], s["q"].scale), ib))
+    out.append((f"mgpu_default_{cfg}", jax.jit(functools.partial(
+        int_matmul_mgpu, cfg=cfg, interpret=interpret)),
+        lambda s: (s["x"], s["c4t"], s["s"]), ib))
     return out
 
 
@@ -407,6 +422,9 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=420.0,
                     help="seconds after which the remaining timings are skipped (noted)")
     ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--shapes", default=None, metavar="KxN,...",
+                    help="these shapes instead (e.g. 4096x6144,14336x4096)")
+    ap.add_argument("--ms", default="1,16", help="rows M to run, comma-separated")
     args = ap.parse_args()
     print(f"# jax {jax.__version__}, devices {jax.devices()}", flush=True)
     if args.cpu_check:
@@ -421,9 +439,13 @@ def main() -> int:
         for note in NOTES:
             print(f"# {note}", flush=True)
         shapes = [(4096, 14336)] if args.quick else [(4096, 14336), (8192, 28672)]
+        if args.shapes:
+            shapes = [tuple(int(v) for v in sh.split("x")) for sh in args.shapes.split(",")]
         for k, n in shapes:
-            run_shape(k, n, (1, 16), iters=20 if args.quick else 50,
-                      sets_n=4 if k * n <= 10 ** 8 else 2, interpret=False, torch=torch,
+            # enough sets that one round's int4 bytes pass the 60 MB L2 twice over
+            sets_n = max(2, -(-120 * 2 ** 20 // int4_bytes(1, k, n)))
+            run_shape(k, n, tuple(int(m) for m in args.ms.split(",")),
+                      iters=20 if args.quick else 50, sets_n=sets_n, interpret=False, torch=torch,
                       repeats=3 if args.quick else 5, only=args.only, budget=args.budget,
                       json_path=args.json)
     summary()

@@ -43,13 +43,19 @@ _CODES = {4: jnp.int4, 8: jnp.int8}
 @dataclasses.dataclass(frozen=True)
 class MgpuMatmulConfig:
     """gps: groups of 128 per K step (one TMA tile); stages: K steps in flight; splits: K
-    ranges (grid axis, float32 partial sums). A block takes BN = 64 weight rows (one wgmma M)."""
+    ranges (grid axis, float32 partial sums); bn: weight rows per block (64 or 128: one or two
+    wgmma M); wait: "group" waits for each group's wgmma before the next group's dequantize,
+    "step" issues a step's groups back to back and waits once."""
     gps: int = 1
     stages: int = 4
     splits: int = 1
+    bn: int = BN
+    wait: str = "group"
 
     def __str__(self):
-        return f"g{self.gps}_s{self.stages}_k{self.splits}"
+        extra = ("" if self.bn == BN else f"_n{self.bn}") + ("" if self.wait == "group"
+                                                                else "_w" + self.wait)
+        return f"g{self.gps}_s{self.stages}_k{self.splits}{extra}"
 
 
 def _smem_transforms(row_bits: int, dtype_bits: int):
@@ -118,12 +124,12 @@ def quantized_matmul_mgpu(x, qw: QuantizedWeight, *, cfg: MgpuMatmulConfig | Non
 
 
 def _dequant(w_smem, s_smem, j):
-    """Group j of the code tile -> bf16 [BN, 128] in the wgmma layout, scaled per row: in
+    """Group j of the code tile -> bf16 [bn, 128] in the wgmma layout, scaled per row: in
     bf16 for bf16 scales, else code * scale in float32 (exact) rounded once to bf16."""
     bits = jnp.iinfo(w_smem.dtype).bits
     w = plgpu.load(w_smem.at[:, pl.ds(j * GROUP, GROUP)], layout=_UPCAST[bits])
     w = plgpu.layout_cast(w, _WGMMA).astype(jnp.bfloat16)
-    s = plgpu.load(s_smem.at[j], layout=_WGMMA_ROW)  # [BN]
+    s = plgpu.load(s_smem.at[j], layout=_WGMMA_ROW)  # [bn]
     if s.dtype == jnp.bfloat16:
         return w * lax.broadcast_in_dim(s, w.shape, [0])
     s = lax.broadcast_in_dim(s.astype(jnp.float32), w.shape, [0])
@@ -143,9 +149,12 @@ def int_matmul_mgpu(x, codes, scale, *, cfg: MgpuMatmulConfig = MgpuMatmulConfig
                          f"{scale.shape} do not fit groups of {GROUP}")
     if m > 64:
         raise ValueError(f"int_matmul_mgpu is a decode kernel: M = {m} > 64")
-    gps = cfg.gps
-    if n % BN or (k // GROUP) % (cfg.splits * gps):
-        raise ValueError(f"int_matmul_mgpu: N {n} not a multiple of {BN} or K groups "
+    gps, bn = cfg.gps, cfg.bn
+    if bn not in (64, 128) or cfg.wait not in ("group", "step"):
+        raise ValueError(f"int_matmul_mgpu: bn {bn} (64 or 128), wait {cfg.wait!r} "
+                         f"(group or step)")
+    if n % bn or (k // GROUP) % (cfg.splits * gps):
+        raise ValueError(f"int_matmul_mgpu: N {n} not a multiple of {bn} or K groups "
                          f"{k // GROUP} not a multiple of splits x gps {cfg.splits * gps}")
     mp = max(8, -(-m // 8) * 8)
     x = x.astype(jnp.bfloat16)
@@ -157,17 +166,17 @@ def int_matmul_mgpu(x, codes, scale, *, cfg: MgpuMatmulConfig = MgpuMatmulConfig
     w_tr = _smem_transforms(GROUP * bits, bits)  # one group wide: a group is a slice of them
     x_tr = _smem_transforms(bk * 16, 16)
     in_specs = [
-        plgpu.BlockSpec((BN, bk), lambda i: (0, i), transforms=w_tr),
+        plgpu.BlockSpec((bn, bk), lambda i: (0, i), transforms=w_tr),
         plgpu.BlockSpec((mp, bk), lambda i: (0, i), transforms=x_tr),
-        plgpu.BlockSpec((gps, BN), lambda i: (i, 0)),
+        plgpu.BlockSpec((gps, bn), lambda i: (i, 0)),
     ]
 
     def kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem):
         nb, sp = lax.axis_index("n"), lax.axis_index("s")
         k0 = sp * steps * bk  # the split's first K
-        ops = (w_gmem.at[pl.ds(nb * BN, BN), pl.ds(k0, steps * bk)],
+        ops = (w_gmem.at[pl.ds(nb * bn, bn), pl.ds(k0, steps * bk)],
                x_gmem.at[:, pl.ds(k0, steps * bk)],
-               s_gmem.at[pl.ds(k0 // GROUP, steps * gps), pl.ds(nb * BN, BN)])
+               s_gmem.at[pl.ds(k0 // GROUP, steps * gps), pl.ds(nb * bn, bn)])
         pipe = functools.partial(plgpu.emit_pipeline, grid=(steps,), in_specs=in_specs,
                                  max_concurrent_steps=cfg.stages)
         if interpret:  # the GPU interpreter takes no register operand for wgmma
@@ -177,27 +186,30 @@ def int_matmul_mgpu(x, codes, scale, *, cfg: MgpuMatmulConfig = MgpuMatmulConfig
                     acc = acc + jnp.dot(_dequant(w_smem, s_smem, j), xj.T,
                                         preferred_element_type=jnp.float32)
                 return acc
-            acc = pipe(body_i, init_carry=jnp.zeros((BN, mp), jnp.float32))(*ops)
+            acc = pipe(body_i, init_carry=jnp.zeros((bn, mp), jnp.float32))(*ops)
         else:
             def scope(acc_ref):
                 def body(_, w_smem, x_smem, s_smem):
-                    for j in range(gps):  # acc [BN, Mp] += dequantized (registers) @ x^T
+                    for j in range(gps):  # acc [bn, Mp] += dequantized (registers) @ x^T
                         plgpu.wgmma(acc_ref, _dequant(w_smem, s_smem, j),
                                     x_smem.at[:, pl.ds(j * GROUP, GROUP)].T)
+                        if cfg.wait == "group":
+                            plgpu.wgmma_wait(0)
+                    if cfg.wait == "step":
                         plgpu.wgmma_wait(0)
                 pipe(body)(*ops)
                 return acc_ref[...]
-            acc = pl.run_scoped(scope, plgpu.ACC((BN, mp), jnp.float32))
-        o_smem[...] = acc  # [BN, Mp] f32
+            acc = pl.run_scoped(scope, plgpu.ACC((bn, mp), jnp.float32))
+        o_smem[...] = acc  # [bn, Mp] f32
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[sp, pl.ds(nb * BN, BN)])
+        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[sp, pl.ds(nb * bn, bn)])
         plgpu.wait_smem_to_gmem(0)
 
     out = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((cfg.splits, n, mp), jnp.float32),
-        scratch_types=[plgpu.SMEM((BN, mp), jnp.float32)],
-        grid=(n // BN, cfg.splits),
+        scratch_types=[plgpu.SMEM((bn, mp), jnp.float32)],
+        grid=(n // bn, cfg.splits),
         grid_names=("n", "s"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
