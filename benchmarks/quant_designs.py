@@ -64,7 +64,7 @@ import pallas_kernels as pk  # noqa: E402
 from benchmarks.kernels import PEAK_TBS, rel_err, time_fn  # noqa: E402
 from pallas_kernels.quantized import codes_of, dequantize, quantize_weight  # noqa: E402
 from pallas_kernels.quantized_mgpu import (MgpuMatmulConfig, default_config,  # noqa: E402
-                                           int_matmul_mgpu)
+                                           int_matmul_mgpu, to_nk)
 
 TOL = 2e-2  # relative error (Frobenius) against x @ dequantize(qw) in float32
 GROUP = 128
@@ -122,12 +122,14 @@ def xla_int4_nk(x, c4t, st):
 # Run 1 (2026-12-03: DECISIONS) compared a pipelined and a warp-specialized schedule at gps
 # 1-4, stages 3-8, splits 1-2; the pipelined gps 2 stages 4 splits 2 won at every shape (the
 # warp-specialized schedule was removed). These are its neighbours.
-MGPU_CONFIGS = [MgpuMatmulConfig(gps=g, stages=st, splits=sp, bn=bn, wait=w)
-                for g, st, sp, bn, w in (
-                    (2, 4, 2, 64, "group"), (2, 4, 2, 64, "step"), (2, 4, 4, 64, "group"),
-                    (2, 6, 2, 64, "group"), (4, 4, 2, 64, "step"), (2, 4, 1, 128, "group"),
-                    (2, 4, 2, 128, "group"), (2, 4, 2, 128, "step"), (4, 3, 2, 128, "step"),
-                    (1, 8, 2, 64, "group"))]
+MGPU_CONFIGS = [MgpuMatmulConfig(gps=g, stages=st, splits=sp, bn=bn, wait=w, scale=sc)
+                for g, st, sp, bn, w, sc in (
+                    (2, 4, 2, 64, "group", "before"), (2, 4, 4, 64, "group", "before"),
+                    (2, 4, 2, 64, "step", "before"), (2, 4, 2, 64, "group", "after"),
+                    (2, 4, 4, 64, "group", "after"), (2, 4, 2, 64, "step", "after"),
+                    (2, 4, 4, 64, "step", "after"), (4, 4, 2, 64, "step", "after"),
+                    (2, 6, 4, 64, "step", "after"), (2, 4, 2, 128, "step", "after"),
+                    (2, 4, 1, 128, "step", "after"), (1, 8, 4, 64, "group", "after"))]
 
 
 def mgpu_fits(cfg: MgpuMatmulConfig, k: int, n: int) -> bool:
@@ -149,22 +151,27 @@ def jax_variants(m: int, k: int, n: int, interpret: bool) -> list[tuple]:
         ("xla_int4_einsum", jax.jit(xla_int4_einsum), lambda s: (s["x"], s["c4"], s["s"]), ib),
         ("xla_int4_nk", jax.jit(xla_int4_nk), lambda s: (s["x"], s["c4t"], s["st"]), ib),
     ]
+    # The model's dequantize on the nk layout, then XLA's dot (what prefill rows take).
+    out.append(("nk_deq_dot", jax.jit(lambda x, q: jnp.dot(
+        x, dequantize(q, x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)),
+        lambda s: (s["x"], s["q_nk"]), ib))
+    if m > 64:
+        return out
+    # quantize_weight's fp16 scales, as the model's weights carry them (the "before" schedule
+    # multiplies those in float32); one row with bf16 scales beside them.
     for cfg in MGPU_CONFIGS:
         if mgpu_fits(cfg, k, n):
             out.append((f"mgpu_{cfg}", jax.jit(functools.partial(
                 int_matmul_mgpu, cfg=cfg, interpret=interpret)),
-                lambda s: (s["x"], s["c4t"], s["s"]), ib))
-    # The model's weights carry quantize_weight's fp16 scales (multiplied in float32 in the
-    # kernel); the rows above feed bf16 scales.
+                lambda s: (s["x"], s["c4t"], s["q"].scale), ib))
     cfg = default_config(m, k, n)
-    if not mgpu_fits(cfg, k, n):
-        return out
-    out.append((f"mgpu_default_{cfg}_f16scale", jax.jit(functools.partial(
-        int_matmul_mgpu, cfg=cfg, interpret=interpret)),
-        lambda s: (s["x"], s["c4t"], s["q"].scale), ib))
-    out.append((f"mgpu_default_{cfg}", jax.jit(functools.partial(
-        int_matmul_mgpu, cfg=cfg, interpret=interpret)),
-        lambda s: (s["x"], s["c4t"], s["s"]), ib))
+    if mgpu_fits(cfg, k, n):
+        out.append((f"mgpu_default_{cfg}", jax.jit(functools.partial(
+            int_matmul_mgpu, cfg=cfg, interpret=interpret)),
+            lambda s: (s["x"], s["c4t"], s["q"].scale), ib))
+        out.append((f"mgpu_default_{cfg}_bf16scale", jax.jit(functools.partial(
+            int_matmul_mgpu, cfg=cfg, interpret=interpret)),
+            lambda s: (s["x"], s["c4t"], s["s"]), ib))
     return out
 
 
@@ -180,7 +187,8 @@ def make_sets(k: int, n: int, sets: int) -> list[dict]:
         out.append(dict(
             q=q, w=dequantize(q, jnp.bfloat16),
             c4=c.reshape(k // GROUP, GROUP, n).astype(jnp.int4), s=s,
-            c4t=c.T.astype(jnp.int4), st=s.T,
+            c4t=c.T.astype(jnp.int4), st=s.T, q_nk=to_nk(q) if k % GROUP == 0 and n % 64 == 0
+            else q,
             u8=(c + q.code_offset).astype(jnp.uint8)))  # codes 0..15 [K, N], for torch
         del c
         jax.block_until_ready(out[-1])

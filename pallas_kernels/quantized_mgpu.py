@@ -45,16 +45,20 @@ class MgpuMatmulConfig:
     """gps: groups of 128 per K step (one TMA tile); stages: K steps in flight; splits: K
     ranges (grid axis, float32 partial sums); bn: weight rows per block (64 or 128: one or two
     wgmma M); wait: "group" waits for each group's wgmma before the next group's dequantize,
-    "step" issues a step's groups back to back and waits once."""
+    "step" issues a step's groups back to back and waits once; scale: "before" multiplies the
+    weight tile by its scales (bf16, or float32 for fp16 scales) before the product, "after"
+    multiplies the codes' product (a fresh float32 accumulator per group) by them."""
     gps: int = 1
     stages: int = 4
     splits: int = 1
     bn: int = BN
     wait: str = "group"
+    scale: str = "before"
 
     def __str__(self):
         extra = ("" if self.bn == BN else f"_n{self.bn}") + ("" if self.wait == "group"
-                                                                else "_w" + self.wait)
+                                                                else "_w" + self.wait) + \
+            ("" if self.scale == "before" else "_s" + self.scale)
         return f"g{self.gps}_s{self.stages}_k{self.splits}{extra}"
 
 
@@ -123,17 +127,27 @@ def quantized_matmul_mgpu(x, qw: QuantizedWeight, *, cfg: MgpuMatmulConfig | Non
                            out_dtype=jnp.dtype(out_dtype or x.dtype))
 
 
+def _codes(w_smem, j):
+    """Group j of the code tile -> bf16 [bn, 128] codes (exact) in the wgmma layout."""
+    bits = jnp.iinfo(w_smem.dtype).bits
+    w = plgpu.load(w_smem.at[:, pl.ds(j * GROUP, GROUP)], layout=_UPCAST[bits])
+    return plgpu.layout_cast(w, _WGMMA).astype(jnp.bfloat16)
+
+
+def _row_scale(s_smem, j, shape):
+    """Group j's scales [bn] as float32, broadcast along the rows of shape (wgmma layout)."""
+    s = plgpu.load(s_smem.at[j], layout=_WGMMA_ROW).astype(jnp.float32)
+    return lax.broadcast_in_dim(s, shape, [0])
+
+
 def _dequant(w_smem, s_smem, j):
     """Group j of the code tile -> bf16 [bn, 128] in the wgmma layout, scaled per row: in
     bf16 for bf16 scales, else code * scale in float32 (exact) rounded once to bf16."""
-    bits = jnp.iinfo(w_smem.dtype).bits
-    w = plgpu.load(w_smem.at[:, pl.ds(j * GROUP, GROUP)], layout=_UPCAST[bits])
-    w = plgpu.layout_cast(w, _WGMMA).astype(jnp.bfloat16)
-    s = plgpu.load(s_smem.at[j], layout=_WGMMA_ROW)  # [bn]
-    if s.dtype == jnp.bfloat16:
+    w = _codes(w_smem, j)
+    if s_smem.dtype == jnp.bfloat16:
+        s = plgpu.load(s_smem.at[j], layout=_WGMMA_ROW)  # [bn]
         return w * lax.broadcast_in_dim(s, w.shape, [0])
-    s = lax.broadcast_in_dim(s.astype(jnp.float32), w.shape, [0])
-    return (w.astype(jnp.float32) * s).astype(jnp.bfloat16)
+    return (w.astype(jnp.float32) * _row_scale(s_smem, j, w.shape)).astype(jnp.bfloat16)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "interpret", "out_dtype"))
@@ -150,9 +164,10 @@ def int_matmul_mgpu(x, codes, scale, *, cfg: MgpuMatmulConfig = MgpuMatmulConfig
     if m > 64:
         raise ValueError(f"int_matmul_mgpu is a decode kernel: M = {m} > 64")
     gps, bn = cfg.gps, cfg.bn
-    if bn not in (64, 128) or cfg.wait not in ("group", "step"):
+    if bn not in (64, 128) or cfg.wait not in ("group", "step") or cfg.scale not in (
+            "before", "after"):
         raise ValueError(f"int_matmul_mgpu: bn {bn} (64 or 128), wait {cfg.wait!r} "
-                         f"(group or step)")
+                         f"(group or step), scale {cfg.scale!r} (before or after)")
     if n % bn or (k // GROUP) % (cfg.splits * gps):
         raise ValueError(f"int_matmul_mgpu: N {n} not a multiple of {bn} or K groups "
                          f"{k // GROUP} not a multiple of splits x gps {cfg.splits * gps}")
@@ -179,7 +194,30 @@ def int_matmul_mgpu(x, codes, scale, *, cfg: MgpuMatmulConfig = MgpuMatmulConfig
                s_gmem.at[pl.ds(k0 // GROUP, steps * gps), pl.ds(nb * bn, bn)])
         pipe = functools.partial(plgpu.emit_pipeline, grid=(steps,), in_specs=in_specs,
                                  max_concurrent_steps=cfg.stages)
-        if interpret:  # the GPU interpreter takes no register operand for wgmma
+        if cfg.scale == "after":
+            # acc [bn, Mp] += (codes_j @ x_j^T) * scale_j per group: no per-code multiply
+            def product(w_smem, x_smem, js):
+                if interpret:
+                    return [jnp.dot(_codes(w_smem, j), x_smem[:, pl.ds(j * GROUP, GROUP)].T,
+                                    preferred_element_type=jnp.float32) for j in js]
+
+                def scope(*refs):
+                    for j, ref in zip(js, refs):
+                        plgpu.wgmma(ref, _codes(w_smem, j),
+                                    x_smem.at[:, pl.ds(j * GROUP, GROUP)].T)
+                    return [ref[...] for ref in refs]
+                return pl.run_scoped(scope, *[plgpu.ACC((bn, mp), jnp.float32)] * len(js))
+
+            def body_a(_, w_smem, x_smem, s_smem, acc):
+                batches = [range(gps)] if cfg.wait == "step" else [[j] for j in range(gps)]
+                for js in batches:
+                    for j, part in zip(js, product(w_smem, x_smem, js)):
+                        acc = acc + part * _row_scale(s_smem, j, part.shape)
+                return acc
+            zero = jnp.zeros((bn, mp), jnp.float32)
+            acc = pipe(body_a, init_carry=zero if interpret else
+                       plgpu.layout_cast(zero, _WGMMA))(*ops)
+        elif interpret:  # the GPU interpreter takes no register operand for wgmma
             def body_i(_, w_smem, x_smem, s_smem, acc):
                 for j in range(gps):
                     xj = x_smem[:, pl.ds(j * GROUP, GROUP)]
