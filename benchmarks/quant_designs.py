@@ -119,21 +119,15 @@ def xla_int4_nk(x, c4t, st):
                                preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-# Run 1 (2026-12-03: DECISIONS) compared a pipelined and a warp-specialized schedule at gps
-# 1-4, stages 3-8, splits 1-2; the pipelined gps 2 stages 4 splits 2 won at every shape (the
-# warp-specialized schedule was removed). These are its neighbours.
-MGPU_CONFIGS = [MgpuMatmulConfig(gps=g, stages=st, splits=sp, bn=bn, wait=w, scale=sc)
-                for g, st, sp, bn, w, sc in (
-                    (2, 4, 2, 64, "group", "before"), (2, 4, 4, 64, "group", "before"),
-                    (2, 4, 2, 64, "step", "before"), (2, 4, 2, 64, "group", "after"),
-                    (2, 4, 4, 64, "group", "after"), (2, 4, 2, 64, "step", "after"),
-                    (2, 4, 4, 64, "step", "after"), (4, 4, 2, 64, "step", "after"),
-                    (2, 6, 4, 64, "step", "after"), (2, 4, 2, 128, "step", "after"),
-                    (2, 4, 1, 128, "step", "after"), (1, 8, 4, 64, "group", "after"))]
+# Runs 1-3 (2026-12-03: DECISIONS) compared schedules (warp-specialized, scales before the
+# product, a wait per group, 128-row blocks: all removed) at gps 1-4, stages 3-8, splits 1-4.
+# These are the default's neighbours.
+MGPU_CONFIGS = [MgpuMatmulConfig(gps=g, stages=st, splits=sp)
+                for g, st, sp in ((2, 4, 4), (2, 4, 2), (2, 6, 4), (4, 4, 2), (1, 8, 4))]
 
 
 def mgpu_fits(cfg: MgpuMatmulConfig, k: int, n: int) -> bool:
-    return n % cfg.bn == 0 and k % GROUP == 0 and (k // GROUP) % (cfg.splits * cfg.gps) == 0
+    return n % 64 == 0 and k % GROUP == 0 and (k // GROUP) % (cfg.splits * cfg.gps) == 0
 
 
 def jax_variants(m: int, k: int, n: int, interpret: bool) -> list[tuple]:

@@ -4,15 +4,19 @@
 
 Swapped operands: the weight is wgmma's A operand (its N rows are the MMA's M side, 64 per
 block) and x^T its B operand (M <= 64 rows padded to a multiple of 8 are the MMA's N side),
-so one decode row costs an m64n8 product, not an m64 tile of padding. Per K step of one group:
-TMA brings the [bn, 128] code tile (K contiguous per output column), x's [Mp, 128] tile and the
-group's scales into shared memory; the block's one warpgroup loads the codes in the upcast
-layout, converts them to bf16 (int4: Mosaic's lop3 path, two codes per instruction), scales
-them per row and issues the wgmma with A from registers, while `plgpu.emit_pipeline` keeps
-`stages` TMA steps in flight (small blocks, several per SM; a warp-specialized schedule lost
-at every shape: benchmarks/DECISIONS.md). The accumulator [bn, Mp] f32 goes out transposed
-([N, Mp]). `splits` cuts K into that many ranges (a grid axis), summed in float32 by the
-wrapper.
+so one decode row costs an m64n8 product, not an m64 tile of padding. Per K step of `gps`
+groups: TMA brings the [64, gps * 128] code tile (K contiguous per output column), x's
+[Mp, gps * 128] tile and the groups' scales into shared memory; the block's one warpgroup
+loads each group's codes in the upcast layout and converts them to bf16 (exact; int4: Mosaic's
+lop3 path, two codes per instruction), issues one wgmma per group with A from registers into
+a fresh float32 accumulator, waits once for the step, and adds each group's product times its
+scales (a row each) to the running sum in registers, while `plgpu.emit_pipeline` keeps
+`stages` TMA steps in flight (small blocks, several per SM). Scaling the [64, Mp] products
+instead of the [64, 128] code tiles leaves the codes unrounded and costs 1.4-1.5x less with
+fp16 scales (benchmarks/DECISIONS.md, with the schedules that lost: scales before the product,
+a wait per group, 128-row blocks, warp specialization). The sum [64, Mp] f32 goes out
+transposed ([N, Mp]); `splits` cuts K into that many ranges (a grid axis), summed in float32
+by the wrapper.
 """
 
 from __future__ import annotations
@@ -43,23 +47,13 @@ _CODES = {4: jnp.int4, 8: jnp.int8}
 @dataclasses.dataclass(frozen=True)
 class MgpuMatmulConfig:
     """gps: groups of 128 per K step (one TMA tile); stages: K steps in flight; splits: K
-    ranges (grid axis, float32 partial sums); bn: weight rows per block (64 or 128: one or two
-    wgmma M); wait: "group" waits for each group's wgmma before the next group's dequantize,
-    "step" issues a step's groups back to back and waits once; scale: "before" multiplies the
-    weight tile by its scales (bf16, or float32 for fp16 scales) before the product, "after"
-    multiplies the codes' product (a fresh float32 accumulator per group) by them."""
-    gps: int = 1
+    ranges (grid axis, float32 partial sums). A block takes BN = 64 weight rows (one wgmma M)."""
+    gps: int = 2
     stages: int = 4
     splits: int = 1
-    bn: int = BN
-    wait: str = "group"
-    scale: str = "before"
 
     def __str__(self):
-        extra = ("" if self.bn == BN else f"_n{self.bn}") + ("" if self.wait == "group"
-                                                                else "_w" + self.wait) + \
-            ("" if self.scale == "before" else "_s" + self.scale)
-        return f"g{self.gps}_s{self.stages}_k{self.splits}{extra}"
+        return f"g{self.gps}_s{self.stages}_k{self.splits}"
 
 
 def _smem_transforms(row_bits: int, dtype_bits: int):
@@ -106,13 +100,11 @@ def to_tiles(qw: QuantizedWeight) -> QuantizedWeight:
 
 
 def default_config(m: int, k: int, n: int) -> MgpuMatmulConfig:
-    """Two groups a step, four steps in flight, K in two ranges, four where N gives fewer
-    than 2 blocks per SM (132), as the groups allow (benchmarks/DECISIONS.md)."""
-    groups, blocks = k // GROUP, n // 64
+    """Two groups a step, four steps in flight, K in four ranges, as the groups allow (the
+    best or within 5% of it at every decode shape of Llama-3-8B: benchmarks/DECISIONS.md)."""
+    groups = k // GROUP
     gps = 2 if groups % 2 == 0 else 1
-    splits = 2 if groups % (2 * gps) == 0 else 1
-    if blocks * splits < 264 and groups % (4 * gps) == 0:
-        splits = 4
+    splits = next(sp for sp in (4, 2, 1) if groups % (sp * gps) == 0)
     return MgpuMatmulConfig(gps=gps, stages=4, splits=splits)
 
 
@@ -135,19 +127,9 @@ def _codes(w_smem, j):
 
 
 def _row_scale(s_smem, j, shape):
-    """Group j's scales [bn] as float32, broadcast along the rows of shape (wgmma layout)."""
+    """Group j's scales [64] as float32, broadcast along the rows of shape (wgmma layout)."""
     s = plgpu.load(s_smem.at[j], layout=_WGMMA_ROW).astype(jnp.float32)
     return lax.broadcast_in_dim(s, shape, [0])
-
-
-def _dequant(w_smem, s_smem, j):
-    """Group j of the code tile -> bf16 [bn, 128] in the wgmma layout, scaled per row: in
-    bf16 for bf16 scales, else code * scale in float32 (exact) rounded once to bf16."""
-    w = _codes(w_smem, j)
-    if s_smem.dtype == jnp.bfloat16:
-        s = plgpu.load(s_smem.at[j], layout=_WGMMA_ROW)  # [bn]
-        return w * lax.broadcast_in_dim(s, w.shape, [0])
-    return (w.astype(jnp.float32) * _row_scale(s_smem, j, w.shape)).astype(jnp.bfloat16)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "interpret", "out_dtype"))
@@ -163,11 +145,7 @@ def int_matmul_mgpu(x, codes, scale, *, cfg: MgpuMatmulConfig = MgpuMatmulConfig
                          f"{scale.shape} do not fit groups of {GROUP}")
     if m > 64:
         raise ValueError(f"int_matmul_mgpu is a decode kernel: M = {m} > 64")
-    gps, bn = cfg.gps, cfg.bn
-    if bn not in (64, 128) or cfg.wait not in ("group", "step") or cfg.scale not in (
-            "before", "after"):
-        raise ValueError(f"int_matmul_mgpu: bn {bn} (64 or 128), wait {cfg.wait!r} "
-                         f"(group or step), scale {cfg.scale!r} (before or after)")
+    gps, bn = cfg.gps, BN
     if n % bn or (k // GROUP) % (cfg.splits * gps):
         raise ValueError(f"int_matmul_mgpu: N {n} not a multiple of {bn} or K groups "
                          f"{k // GROUP} not a multiple of splits x gps {cfg.splits * gps}")
@@ -194,50 +172,25 @@ def int_matmul_mgpu(x, codes, scale, *, cfg: MgpuMatmulConfig = MgpuMatmulConfig
                s_gmem.at[pl.ds(k0 // GROUP, steps * gps), pl.ds(nb * bn, bn)])
         pipe = functools.partial(plgpu.emit_pipeline, grid=(steps,), in_specs=in_specs,
                                  max_concurrent_steps=cfg.stages)
-        if cfg.scale == "after":
-            # acc [bn, Mp] += (codes_j @ x_j^T) * scale_j per group: no per-code multiply
-            def product(w_smem, x_smem, js):
-                if interpret:
-                    return [jnp.dot(_codes(w_smem, j), x_smem[:, pl.ds(j * GROUP, GROUP)].T,
-                                    preferred_element_type=jnp.float32) for j in js]
 
-                def scope(*refs):
-                    for j, ref in zip(js, refs):
-                        plgpu.wgmma(ref, _codes(w_smem, j),
-                                    x_smem.at[:, pl.ds(j * GROUP, GROUP)].T)
-                    return [ref[...] for ref in refs]
-                return pl.run_scoped(scope, *[plgpu.ACC((bn, mp), jnp.float32)] * len(js))
+        def products(w_smem, x_smem):  # [codes_j @ x_j^T for the step's groups j], [bn, Mp] f32
+            if interpret:  # the GPU interpreter takes no register operand for wgmma
+                return [jnp.dot(_codes(w_smem, j), x_smem[:, pl.ds(j * GROUP, GROUP)].T,
+                                preferred_element_type=jnp.float32) for j in range(gps)]
 
-            def body_a(_, w_smem, x_smem, s_smem, acc):
-                batches = [range(gps)] if cfg.wait == "step" else [[j] for j in range(gps)]
-                for js in batches:
-                    for j, part in zip(js, product(w_smem, x_smem, js)):
-                        acc = acc + part * _row_scale(s_smem, j, part.shape)
-                return acc
-            zero = jnp.zeros((bn, mp), jnp.float32)
-            acc = pipe(body_a, init_carry=zero if interpret else
-                       plgpu.layout_cast(zero, _WGMMA))(*ops)
-        elif interpret:  # the GPU interpreter takes no register operand for wgmma
-            def body_i(_, w_smem, x_smem, s_smem, acc):
-                for j in range(gps):
-                    xj = x_smem[:, pl.ds(j * GROUP, GROUP)]
-                    acc = acc + jnp.dot(_dequant(w_smem, s_smem, j), xj.T,
-                                        preferred_element_type=jnp.float32)
-                return acc
-            acc = pipe(body_i, init_carry=jnp.zeros((bn, mp), jnp.float32))(*ops)
-        else:
-            def scope(acc_ref):
-                def body(_, w_smem, x_smem, s_smem):
-                    for j in range(gps):  # acc [bn, Mp] += dequantized (registers) @ x^T
-                        plgpu.wgmma(acc_ref, _dequant(w_smem, s_smem, j),
-                                    x_smem.at[:, pl.ds(j * GROUP, GROUP)].T)
-                        if cfg.wait == "group":
-                            plgpu.wgmma_wait(0)
-                    if cfg.wait == "step":
-                        plgpu.wgmma_wait(0)
-                pipe(body)(*ops)
-                return acc_ref[...]
-            acc = pl.run_scoped(scope, plgpu.ACC((bn, mp), jnp.float32))
+            def scope(*accs):
+                for j, acc_ref in enumerate(accs):
+                    plgpu.wgmma(acc_ref, _codes(w_smem, j),
+                                x_smem.at[:, pl.ds(j * GROUP, GROUP)].T)
+                return [acc_ref[...] for acc_ref in accs]  # one wait for the step's groups
+            return pl.run_scoped(scope, *[plgpu.ACC((bn, mp), jnp.float32)] * gps)
+
+        def body(_, w_smem, x_smem, s_smem, acc):  # acc [bn, Mp] += product_j * scale_j
+            for j, part in enumerate(products(w_smem, x_smem)):
+                acc = acc + part * _row_scale(s_smem, j, part.shape)
+            return acc
+        zero = jnp.zeros((bn, mp), jnp.float32)
+        acc = pipe(body, init_carry=zero if interpret else plgpu.layout_cast(zero, _WGMMA))(*ops)
         o_smem[...] = acc  # [bn, Mp] f32
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[sp, pl.ds(nb * bn, bn)])
