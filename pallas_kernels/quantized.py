@@ -30,10 +30,11 @@ b bits holds r = 8 // b tiles per byte row: tile t of K is stored at byte rows
 loads a [tile, block_n] byte tile and one shift and mask give the codes: no interleaved rows
 to untangle in registers. Rows past K are zero codes.
 
-`layout="nk"` (int4 groups of 128 only, pallas_kernels/quantized_mgpu.py): the one plane is the
-codes minus code_offset as a signed int4 array [N, K] (K contiguous per output column, what the
-Mosaic GPU kernel's TMA tiles read); the scales and every static field stay as they were, so
-`dequantize` gives the same values bit for bit and `to_tiles` restores the planes.
+`layout="nk"` (symmetric int4 / int8 / fp8 in groups of 128, pallas_kernels/quantized_mgpu.py):
+the one plane is the codes minus code_offset as a signed int4 / int8 array (or the fp8 values)
+[N, K] (K contiguous per output column, what the Mosaic GPU kernel's TMA tiles read); the scales
+and every static field stay as they were (an fp8 scale per column is repeated per group of
+128), so `dequantize` gives the same values bit for bit and `to_tiles` restores the planes.
 
 A MoE layer's stacked experts are one QuantizedWeight whose every array has a leading expert
 axis ([E, rows, N]); its static fields describe one expert's [K, N] (`stack_experts`). The
@@ -204,8 +205,8 @@ def codes_of(qw: QuantizedWeight):
     """The codes [..., K, N] as int32 minus code_offset (float32 for fp8), numpy or jnp as
     stored (leading axes: a stacked weight's experts)."""
     xp = _xp(qw.planes[0])
-    if qw.layout == "nk":  # signed codes [..., N, K], code_offset already taken off
-        return xp.swapaxes(qw.planes[0].astype(xp.int32), -1, -2)
+    if qw.layout == "nk":  # signed codes (or fp8 values) [..., N, K], no code_offset
+        return xp.swapaxes(qw.planes[0].astype(xp.float32 if qw.float8 else xp.int32), -1, -2)
     if qw.float8:
         return qw.planes[0][..., :qw.k, :].astype(xp.float32)
     c = None

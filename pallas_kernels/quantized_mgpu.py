@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.quantized import (QuantizedWeight, codes_of, dequantize, num_experts,
-                                      pack_plane)
+                                      pack_plane, tile_for)
 
 GROUP = 128  # the K step: one scale row per step
 BN = 64  # weight rows (output columns) per block: one wgmma M
@@ -68,10 +68,11 @@ def nk_unfit(qw: QuantizedWeight) -> str | None:
     128 of one [K, N] matrix, N a multiple of 64."""
     if qw.layout == "nk":
         return None
-    signed8 = qw.bits == (8,) and qw.planes[0].dtype == jnp.int8
-    if not (qw.bits == (4,) or signed8) or qw.group != GROUP or qw.offset is not None \
+    signed8 = qw.bits == (8,) and qw.planes[0].dtype in (jnp.int8, jnp.float8_e4m3fn)
+    group_ok = qw.group == GROUP or (qw.float8 and qw.group == qw.k)  # fp8: or per column
+    if not (qw.bits == (4,) or signed8) or not group_ok or qw.offset is not None \
             or qw.super_scale is not None:
-        return f"{qw.name}: not symmetric int4 / int8 in groups of {GROUP}"
+        return f"{qw.name}: not symmetric int4 / int8 / fp8 e4m3 in groups of {GROUP}"
     if num_experts(qw):
         return "stacked experts"
     if qw.k % GROUP or qw.n % 64:
@@ -80,12 +81,18 @@ def nk_unfit(qw: QuantizedWeight) -> str | None:
 
 
 def to_nk(qw: QuantizedWeight) -> QuantizedWeight:
-    """The same weight in the "nk" layout (pallas_kernels/quantized.py): codes [N, K] int4 or
-    int8."""
+    """The same weight in the "nk" layout (pallas_kernels/quantized.py): codes [N, K] int4,
+    int8 or fp8 e4m3. One fp8 scale per column becomes the same scale per group of 128."""
     if qw.layout == "nk":
         return qw
     if (why := nk_unfit(qw)) is not None:
         raise ValueError(f"to_nk: {why}")
+    if qw.float8:
+        if qw.group != GROUP:  # [1, N] -> [K / 128, N], the same values
+            qw = qw.replace(scale=jnp.repeat(qw.scale, qw.k // GROUP, axis=0), group=GROUP,
+                            tile=tile_for(GROUP, qw.k))
+        return qw.replace(planes=(jnp.asarray(qw.planes[0]).reshape(qw.k, qw.n).T,),
+                          layout="nk")
     codes = jnp.asarray(codes_of(qw)).reshape(qw.k, qw.n)  # [K, N] int32, signed
     return qw.replace(planes=(codes.T.astype(_CODES[qw.bits[0]]),), layout="nk")
 
@@ -94,6 +101,8 @@ def to_tiles(qw: QuantizedWeight) -> QuantizedWeight:
     """An "nk" weight back in the tiles layout the Triton kernels read (the planes it had)."""
     if qw.layout != "nk":
         return qw
+    if qw.float8:
+        return qw.replace(planes=(qw.planes[0].T,), layout="tiles")
     codes = codes_of(qw) + qw.code_offset  # [K, N] as stored
     plane = codes.astype(jnp.int8) if qw.bits == (8,) else pack_plane(codes, 4, qw.tile)
     return qw.replace(planes=(plane,), layout="tiles")
@@ -119,11 +128,19 @@ def quantized_matmul_mgpu(x, qw: QuantizedWeight, *, cfg: MgpuMatmulConfig | Non
                            out_dtype=jnp.dtype(out_dtype or x.dtype))
 
 
+def _bits(dtype) -> int:
+    return 4 if dtype == jnp.int4 else 8  # int8, fp8 e4m3
+
+
 def _codes(w_smem, j):
-    """Group j of the code tile -> bf16 [bn, 128] codes (exact) in the wgmma layout."""
-    bits = jnp.iinfo(w_smem.dtype).bits
+    """Group j of the code tile -> bf16 [bn, 128] codes (exact: int4, int8, fp8 e4m3) in the
+    wgmma layout."""
+    bits = _bits(w_smem.dtype)
     w = plgpu.load(w_smem.at[:, pl.ds(j * GROUP, GROUP)], layout=_UPCAST[bits])
-    return plgpu.layout_cast(w, _WGMMA).astype(jnp.bfloat16)
+    w = plgpu.layout_cast(w, _WGMMA)
+    if w.dtype == jnp.float8_e4m3fn:  # Hopper converts e4m3 to f16 only; both exact here
+        w = w.astype(jnp.float16)
+    return w.astype(jnp.bfloat16)
 
 
 def _row_scale(s_smem, j, shape):
@@ -140,7 +157,7 @@ def int_matmul_mgpu(x, codes, scale, *, cfg: MgpuMatmulConfig = MgpuMatmulConfig
     m, k = x.shape
     n, k2 = codes.shape
     if k2 != k or k % GROUP or scale.shape != (k // GROUP, n) or codes.dtype not in (
-            jnp.int4, jnp.int8):
+            jnp.int4, jnp.int8, jnp.float8_e4m3fn):
         raise ValueError(f"int_matmul_mgpu: x {x.shape}, codes {codes.shape}, scale "
                          f"{scale.shape} do not fit groups of {GROUP}")
     if m > 64:
@@ -155,7 +172,7 @@ def int_matmul_mgpu(x, codes, scale, *, cfg: MgpuMatmulConfig = MgpuMatmulConfig
     x = x.astype(jnp.bfloat16)
     bk = gps * GROUP
     steps = k // bk // cfg.splits
-    bits = jnp.iinfo(codes.dtype).bits
+    bits = _bits(codes.dtype)
     w_tr = _smem_transforms(GROUP * bits, bits)  # one group wide: a group is a slice of them
     x_tr = _smem_transforms(bk * 16, 16)
     in_specs = [

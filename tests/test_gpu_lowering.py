@@ -216,6 +216,11 @@ KERNEL_CASES["int8 mosaic"] = (
         x, pk.QuantizedWeight(planes=(c,), scale=s, k=4096, out_shape=(14336,), bits=(8,),
                               group=128, layout="nk")),
     (S((1, 4096), BF16), S((14336, 4096), jnp.int8), S((32, 14336), jnp.float16)))
+KERNEL_CASES["fp8 mosaic"] = (  # e4m3 -> f16 -> bf16 in registers (no direct e4m3 -> bf16)
+    lambda x, c, s: pk.quantized_matmul_mgpu(
+        x, pk.QuantizedWeight(planes=(c,), scale=s, k=4096, out_shape=(14336,), bits=(8,),
+                              group=128, layout="nk")),
+    (S((1, 4096), BF16), S((14336, 4096), jnp.float8_e4m3fn), S((32, 14336), jnp.float32)))
 
 
 @pytest.mark.parametrize("name", list(KERNEL_CASES))

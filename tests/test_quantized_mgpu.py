@@ -1,4 +1,4 @@
-"""The Mosaic GPU int4 matmul (pallas_kernels/quantized_mgpu.py): its "nk" layout against the
+"""The Mosaic GPU int4 / int8 / fp8 matmul (pallas_kernels/quantized_mgpu.py): its "nk" layout against the
 tiles layout, the kernel against its reference in interpret mode, and the model's decode path
 taking it (policy quant_matmul="mosaic") against the reference path."""
 
@@ -22,8 +22,12 @@ from test_kernel_wiring import INTERPRET, assert_close_to_reference, decode_step
 
 
 def _int4(seed, k, n, bf16_scales=False, bits=4):
+    """bits 4 or 8 (int, groups of 128), "fp8" (e4m3, groups of 128) or "fp8_col" (e4m3, one
+    scale per column)."""
+    fp8 = bits in ("fp8", "fp8_col")
     qw = jax.tree.map(jnp.asarray, quantize_weight(
-        np.asarray(normal(seed, (k, n), jnp.float32)), bits=bits, group_size=128))
+        np.asarray(normal(seed, (k, n), jnp.float32)), bits=8 if fp8 else bits,
+        group_size=None if bits == "fp8_col" else 128, float8=fp8))
     return qw.replace(scale=qw.scale.astype(jnp.bfloat16)) if bf16_scales else qw
 
 
@@ -46,11 +50,23 @@ def test_nk_layout_dequantizes_bit_for_bit_and_converts_back(bits):
             pk.to_nk(bad)
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_col"])
+def test_nk_layout_takes_fp8_bit_for_bit(fmt):
+    """fp8 e4m3 values [N, K] as they are; a scale per column repeated per group of 128."""
+    qw = _int4(0, 384, 192, bits=fmt)
+    nk = pk.to_nk(qw)
+    assert nk.planes[0].dtype == jnp.float8_e4m3fn and nk.scale.shape == (3, 192)
+    np.testing.assert_array_equal(dequantize(nk), dequantize(qw))
+    np.testing.assert_array_equal(pk.to_tiles(nk).planes[0].view(jnp.uint8),
+                                  qw.planes[0].view(jnp.uint8))
+
+
 @pytest.mark.parametrize("cfg", [
     MgpuMatmulConfig(gps=1), MgpuMatmulConfig(gps=2, splits=2, stages=2), None],
     ids=["g1", "g2k2", "default"])
 @pytest.mark.parametrize("m, bf16_scales, bits", [(1, False, 4), (3, True, 4), (16, False, 4),
-                                                   (2, False, 8)])
+                                                   (2, False, 8), (1, False, "fp8"),
+                                                   (5, False, "fp8_col")])
 def test_kernel_matches_reference_interpret(cfg, m, bf16_scales, bits):
     nk = pk.to_nk(_int4(1, 512, 128, bf16_scales, bits))
     x = normal(2, (m, 512), jnp.bfloat16)
@@ -60,7 +76,7 @@ def test_kernel_matches_reference_interpret(cfg, m, bf16_scales, bits):
     # Exact codes, each group's float32 product times its scale: float32 rounding only.
     assert rel_err(got, want) < 1e-5
     # The check can fail: the scales of another weight are far off.
-    other = nk.replace(scale=_int4(3, 512, 128, bf16_scales, bits).scale)
+    other = nk.replace(scale=pk.to_nk(_int4(3, 512, 128, bf16_scales, bits)).scale)
     assert rel_err(pk.quantized_matmul_mgpu(x, other, cfg=cfg, interpret=True), want) > 0.1
 
 
@@ -92,7 +108,7 @@ def test_decode_path_takes_the_mosaic_kernel_and_matches_reference():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 8, "fp8"])
 @pytest.mark.parametrize("m, k, n, cfg", [
     (1, 4096, 1024, None), (16, 2048, 512, None), (64, 1024, 256, None),
     (3, 1024, 256, MgpuMatmulConfig(gps=1, stages=3, splits=2))])
