@@ -49,7 +49,6 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
 
 import argparse  # noqa: E402
-import functools  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
@@ -126,6 +125,11 @@ MGPU_CONFIGS = [MgpuMatmulConfig(gps=g, stages=st, splits=sp)
                 for g, st, sp in ((2, 4, 4), (2, 4, 2), (2, 6, 4), (4, 4, 2), (1, 8, 4))]
 
 
+def mgpu_call(cfg: MgpuMatmulConfig, interpret: bool):
+    return jax.jit(lambda x, c, sc: int_matmul_mgpu(x, (c,), (sc,), cfg=cfg,
+                                                    interpret=interpret)[0])
+
+
 def mgpu_fits(cfg: MgpuMatmulConfig, k: int, n: int) -> bool:
     return n % 64 == 0 and k % GROUP == 0 and (k // GROUP) % (cfg.splits * cfg.gps) == 0
 
@@ -151,21 +155,34 @@ def jax_variants(m: int, k: int, n: int, interpret: bool) -> list[tuple]:
         lambda s: (s["x"], s["q_nk"]), ib))
     if m > 64:
         return out
-    # quantize_weight's fp16 scales, as the model's weights carry them (the "before" schedule
-    # multiplies those in float32); one row with bf16 scales beside them.
+    # quantize_weight's fp16 scales, as the model's weights carry them; one row with bf16
+    # scales beside them.
     for cfg in MGPU_CONFIGS:
         if mgpu_fits(cfg, k, n):
-            out.append((f"mgpu_{cfg}", jax.jit(functools.partial(
-                int_matmul_mgpu, cfg=cfg, interpret=interpret)),
-                lambda s: (s["x"], s["c4t"], s["q"].scale), ib))
+            out.append((f"mgpu_{cfg}", mgpu_call(cfg, interpret),
+                        lambda s: (s["x"], s["c4t"], s["q"].scale), ib))
     cfg = default_config(m, k, n)
     if mgpu_fits(cfg, k, n):
-        out.append((f"mgpu_default_{cfg}", jax.jit(functools.partial(
-            int_matmul_mgpu, cfg=cfg, interpret=interpret)),
-            lambda s: (s["x"], s["c4t"], s["q"].scale), ib))
-        out.append((f"mgpu_default_{cfg}_bf16scale", jax.jit(functools.partial(
-            int_matmul_mgpu, cfg=cfg, interpret=interpret)),
-            lambda s: (s["x"], s["c4t"], s["s"]), ib))
+        out.append((f"mgpu_default_{cfg}", mgpu_call(cfg, interpret),
+                    lambda s: (s["x"], s["c4t"], s["q"].scale), ib))
+        out.append((f"mgpu_default_{cfg}_bf16scale", mgpu_call(cfg, interpret),
+                    lambda s: (s["x"], s["c4t"], s["s"]), ib))
+        # gate and up: two weights of this shape (the second one this weight's columns in
+        # reverse: other bytes) in one launch, against two launches; the outputs averaged
+        # back into one (checked against the one reference)
+        pair = default_config(m, k, 2 * n)
+
+        def mean(a, b):
+            return ((a.astype(jnp.float32) + b[:, ::-1]) * 0.5).astype(a.dtype)
+        out.append((f"mgpu_pair_{pair}", jax.jit(lambda x, c, sc, cr, scr: mean(
+            *int_matmul_mgpu(x, (c, cr), (sc, scr), cfg=pair, interpret=interpret))),
+            lambda s: (s["x"], s["c4t"], s["q"].scale, s["c4t_r"], s["scale_r"]),
+            2 * ib - m * k * 2))
+        out.append(("mgpu_two_calls", jax.jit(lambda x, c, sc, cr, scr: mean(*[
+            int_matmul_mgpu(x, (c_,), (sc_,), cfg=cfg, interpret=interpret)[0]
+            for c_, sc_ in ((c, sc), (cr, scr))])),
+            lambda s: (s["x"], s["c4t"], s["q"].scale, s["c4t_r"], s["scale_r"]),
+            2 * ib - m * k * 2))
     return out
 
 
@@ -181,7 +198,8 @@ def make_sets(k: int, n: int, sets: int) -> list[dict]:
         out.append(dict(
             q=q, w=dequantize(q, jnp.bfloat16),
             c4=c.reshape(k // GROUP, GROUP, n).astype(jnp.int4), s=s,
-            c4t=c.T.astype(jnp.int4), st=s.T, q_nk=to_nk(q) if k % GROUP == 0 and n % 64 == 0
+            c4t=c.T.astype(jnp.int4), c4t_r=c.T[::-1].astype(jnp.int4),
+            scale_r=q.scale[:, ::-1], st=s.T, q_nk=to_nk(q) if k % GROUP == 0 and n % 64 == 0
             else q,
             u8=(c + q.code_offset).astype(jnp.uint8)))  # codes 0..15 [K, N], for torch
         del c

@@ -117,15 +117,20 @@ def default_config(m: int, k: int, n: int) -> MgpuMatmulConfig:
     return MgpuMatmulConfig(gps=gps, stages=4, splits=splits)
 
 
-def quantized_matmul_mgpu(x, qw: QuantizedWeight, *, cfg: MgpuMatmulConfig | None = None,
+def quantized_matmul_mgpu(x, qw, *, cfg: MgpuMatmulConfig | None = None,
                           interpret: bool = False, out_dtype=None):
-    """x [M, K] (M <= 64) @ dequantize(qw) for an "nk" weight -> [M, N] in out_dtype (x's)."""
-    if qw.layout != "nk":
-        raise ValueError(f"quantized_matmul_mgpu: {qw.name} weight is not in the nk layout "
-                         f"(to_nk)")
-    cfg = cfg or default_config(x.shape[0], qw.k, qw.n)
-    return int_matmul_mgpu(x, qw.planes[0], qw.scale, cfg=cfg, interpret=interpret,
-                           out_dtype=jnp.dtype(out_dtype or x.dtype))
+    """x [M, K] (M <= 64) @ dequantize(qw) for an "nk" weight -> [M, N] in out_dtype (x's).
+    qw a tuple of nk weights with the same K and code dtype (gate and up): one launch, a
+    tuple of outputs."""
+    qws = qw if isinstance(qw, tuple) else (qw,)
+    for w in qws:
+        if w.layout != "nk":
+            raise ValueError(f"quantized_matmul_mgpu: {w.name} weight is not in the nk layout "
+                             f"(to_nk)")
+    cfg = cfg or default_config(x.shape[0], qws[0].k, sum(w.n for w in qws))
+    out = int_matmul_mgpu(x, tuple(w.planes[0] for w in qws), tuple(w.scale for w in qws),
+                          cfg=cfg, interpret=interpret, out_dtype=jnp.dtype(out_dtype or x.dtype))
+    return out if isinstance(qw, tuple) else out[0]
 
 
 def _bits(dtype) -> int:
@@ -150,29 +155,38 @@ def _row_scale(s_smem, j, shape):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "interpret", "out_dtype"))
-def int_matmul_mgpu(x, codes, scale, *, cfg: MgpuMatmulConfig = MgpuMatmulConfig(),
-                    interpret: bool = False, out_dtype=jnp.bfloat16):
-    """x [M, K] bf16 @ dequantize(codes [N, K] int4 / int8, scale [K / 128, N]) -> [M, N]
-    out_dtype (float32 sums)."""
+def int_matmul_mgpu(x, codes: tuple, scale: tuple, *,
+                    cfg: MgpuMatmulConfig = MgpuMatmulConfig(), interpret: bool = False,
+                    out_dtype=jnp.bfloat16):
+    """x [M, K] bf16 @ dequantize(codes_i [N_i, K] int4 / int8 / fp8, scale_i [K / 128, N_i])
+    for each weight i -> a tuple of [M, N_i] out_dtype (float32 sums). The weights' blocks
+    share one grid: one launch, the blocks of weight i where the grid's index falls in its
+    range."""
     m, k = x.shape
-    n, k2 = codes.shape
-    if k2 != k or k % GROUP or scale.shape != (k // GROUP, n) or codes.dtype not in (
-            jnp.int4, jnp.int8, jnp.float8_e4m3fn):
-        raise ValueError(f"int_matmul_mgpu: x {x.shape}, codes {codes.shape}, scale "
-                         f"{scale.shape} do not fit groups of {GROUP}")
+    if not codes or len(codes) != len(scale) or len({c.dtype for c in codes}) != 1:
+        raise ValueError("int_matmul_mgpu: codes and scales: one of each per weight, one code "
+                         "dtype")
+    for c, sc in zip(codes, scale):
+        n, k2 = c.shape
+        if k2 != k or k % GROUP or sc.shape != (k // GROUP, n) or c.dtype not in (
+                jnp.int4, jnp.int8, jnp.float8_e4m3fn):
+            raise ValueError(f"int_matmul_mgpu: x {x.shape}, codes {c.shape}, scale "
+                             f"{sc.shape} do not fit groups of {GROUP}")
+        if n % BN:
+            raise ValueError(f"int_matmul_mgpu: N {n} not a multiple of {BN}")
     if m > 64:
         raise ValueError(f"int_matmul_mgpu is a decode kernel: M = {m} > 64")
     gps, bn = cfg.gps, BN
-    if n % bn or (k // GROUP) % (cfg.splits * gps):
-        raise ValueError(f"int_matmul_mgpu: N {n} not a multiple of {bn} or K groups "
-                         f"{k // GROUP} not a multiple of splits x gps {cfg.splits * gps}")
+    if (k // GROUP) % (cfg.splits * gps):
+        raise ValueError(f"int_matmul_mgpu: K groups {k // GROUP} not a multiple of splits x "
+                         f"gps {cfg.splits * gps}")
     # x's tiles are Mp rows: TMA fills the rows past M with zeros (no pad op before the
     # kernel); they only reach output columns that are sliced off.
     mp = max(8, -(-m // 8) * 8)
     x = x.astype(jnp.bfloat16)
     bk = gps * GROUP
     steps = k // bk // cfg.splits
-    bits = _bits(codes.dtype)
+    bits = _bits(codes[0].dtype)
     w_tr = _smem_transforms(GROUP * bits, bits)  # one group wide: a group is a slice of them
     x_tr = _smem_transforms(bk * 16, 16)
     in_specs = [
@@ -180,50 +194,63 @@ def int_matmul_mgpu(x, codes, scale, *, cfg: MgpuMatmulConfig = MgpuMatmulConfig
         plgpu.BlockSpec((mp, bk), lambda i: (0, i), transforms=x_tr),
         plgpu.BlockSpec((gps, bn), lambda i: (i, 0)),
     ]
+    ns = [c.shape[0] for c in codes]
+    starts = [sum(ns[:i]) // bn for i in range(len(ns) + 1)]  # each weight's first block
+    nw = len(codes)
 
-    def kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem):
+    def kernel(x_gmem, *refs):
+        w_refs, s_refs, (o_gmem, o_smem) = refs[:nw], refs[nw:2 * nw], refs[2 * nw:]
         nb, sp = lax.axis_index("n"), lax.axis_index("s")
         k0 = sp * steps * bk  # the split's first K
-        ops = (w_gmem.at[pl.ds(nb * bn, bn), pl.ds(k0, steps * bk)],
-               x_gmem.at[:, pl.ds(k0, steps * bk)],
-               s_gmem.at[pl.ds(k0 // GROUP, steps * gps), pl.ds(nb * bn, bn)])
-        pipe = functools.partial(plgpu.emit_pipeline, grid=(steps,), in_specs=in_specs,
-                                 max_concurrent_steps=cfg.stages)
 
-        def products(w_smem, x_smem):  # [codes_j @ x_j^T for the step's groups j], [bn, Mp] f32
-            if interpret:  # the GPU interpreter takes no register operand for wgmma
-                return [jnp.dot(_codes(w_smem, j), x_smem[:, pl.ds(j * GROUP, GROUP)].T,
-                                preferred_element_type=jnp.float32) for j in range(gps)]
+        def block(w_gmem, s_gmem, wb):  # block wb of one weight -> out rows from nb * bn
+            ops = (w_gmem.at[pl.ds(wb * bn, bn), pl.ds(k0, steps * bk)],
+                   x_gmem.at[:, pl.ds(k0, steps * bk)],
+                   s_gmem.at[pl.ds(k0 // GROUP, steps * gps), pl.ds(wb * bn, bn)])
+            pipe = functools.partial(plgpu.emit_pipeline, grid=(steps,), in_specs=in_specs,
+                                     max_concurrent_steps=cfg.stages)
 
-            def scope(*accs):
-                for j, acc_ref in enumerate(accs):
-                    plgpu.wgmma(acc_ref, _codes(w_smem, j),
-                                x_smem.at[:, pl.ds(j * GROUP, GROUP)].T)
-                return [acc_ref[...] for acc_ref in accs]  # one wait for the step's groups
-            return pl.run_scoped(scope, *[plgpu.ACC((bn, mp), jnp.float32)] * gps)
+            def products(w_smem, x_smem):  # [codes_j @ x_j^T for the step's groups j]
+                if interpret:  # the GPU interpreter takes no register operand for wgmma
+                    return [jnp.dot(_codes(w_smem, j), x_smem[:, pl.ds(j * GROUP, GROUP)].T,
+                                    preferred_element_type=jnp.float32) for j in range(gps)]
 
-        def body(_, w_smem, x_smem, s_smem, acc):  # acc [bn, Mp] += product_j * scale_j
-            for j, part in enumerate(products(w_smem, x_smem)):
-                acc = acc + part * _row_scale(s_smem, j, part.shape)
-            return acc
-        zero = jnp.zeros((bn, mp), jnp.float32)
-        acc = pipe(body, init_carry=zero if interpret else plgpu.layout_cast(zero, _WGMMA))(*ops)
-        o_smem[...] = acc  # [bn, Mp] f32
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[sp, pl.ds(nb * bn, bn)])
-        plgpu.wait_smem_to_gmem(0)
+                def scope(*accs):
+                    for j, acc_ref in enumerate(accs):
+                        plgpu.wgmma(acc_ref, _codes(w_smem, j),
+                                    x_smem.at[:, pl.ds(j * GROUP, GROUP)].T)
+                    return [acc_ref[...] for acc_ref in accs]  # one wait for the step's groups
+                return pl.run_scoped(scope, *[plgpu.ACC((bn, mp), jnp.float32)] * gps)
+
+            def body(_, w_smem, x_smem, s_smem, acc):  # acc [bn, Mp] += product_j * scale_j
+                for j, part in enumerate(products(w_smem, x_smem)):
+                    acc = acc + part * _row_scale(s_smem, j, part.shape)
+                return acc
+            zero = jnp.zeros((bn, mp), jnp.float32)
+            acc = pipe(body, init_carry=zero if interpret else
+                       plgpu.layout_cast(zero, _WGMMA))(*ops)
+            o_smem[...] = acc  # [bn, Mp] f32
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[sp, pl.ds(nb * bn, bn)])
+            plgpu.wait_smem_to_gmem(0)
+
+        if nw == 1:
+            block(w_refs[0], s_refs[0], nb)
+        for i in range(nw if nw > 1 else 0):
+            pl.when((nb >= starts[i]) & (nb < starts[i + 1]))(
+                functools.partial(block, w_refs[i], s_refs[i], nb - starts[i]))
 
     out = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((cfg.splits, n, mp), jnp.float32),
+        out_type=jax.ShapeDtypeStruct((cfg.splits, starts[-1] * bn, mp), jnp.float32),
         scratch_types=[plgpu.SMEM((bn, mp), jnp.float32)],
-        grid=(n // bn, cfg.splits),
+        grid=(starts[-1], cfg.splits),
         grid_names=("n", "s"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
-    )(x, codes, scale)
-    # [splits, N, Mp] f32 -> [M, N] bf16
-    return jnp.sum(out, axis=0)[:, :m].T.astype(out_dtype)
+    )(x, *codes, *scale)
+    y = jnp.sum(out, axis=0)[:, :m].T.astype(out_dtype)  # [splits, N, Mp] f32 -> [M, N]
+    return tuple(y[:, starts[i] * bn:starts[i + 1] * bn] for i in range(nw))
 
 
 def quantized_matmul_mgpu_reference(x, qw: QuantizedWeight, *, cfg=None, interpret=False,

@@ -80,6 +80,20 @@ def test_kernel_matches_reference_interpret(cfg, m, bf16_scales, bits):
     assert rel_err(pk.quantized_matmul_mgpu(x, other, cfg=cfg, interpret=True), want) > 0.1
 
 
+@pytest.mark.parametrize("interpret", [
+    True, pytest.param(False, marks=[pytest.mark.gpu, pytest.mark.skipif(
+        jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")])], ids=["interpret", "gpu"])
+def test_two_weights_in_one_launch(interpret):
+    """Gate and up as the SwiGLU takes them: one grid over both weights' blocks (N 128 and
+    192), each output against its own reference."""
+    a, b = pk.to_nk(_int4(6, 512, 128)), pk.to_nk(_int4(7, 512, 192))
+    x = normal(8, (2, 512), jnp.bfloat16)
+    ya, yb = pk.quantized_matmul_mgpu(x, (a, b), interpret=interpret, out_dtype=jnp.float32)
+    assert ya.shape == (2, 128) and yb.shape == (2, 192)
+    for y, w in ((ya, a), (yb, b)):
+        assert rel_err(y, pk.quantized_matmul_mgpu_reference(x, w, out_dtype=jnp.float32)) < 1e-4
+
+
 def test_decode_path_takes_the_mosaic_kernel_and_matches_reference():
     """int4 g128 everywhere (q/k/v, o, gate/up, down, the LM head): each decode-path product
     through the kernel (counted in the traced step); logits against the reference path."""
@@ -96,8 +110,8 @@ def test_decode_path_takes_the_mosaic_kernel_and_matches_reference():
     cache = KVCache.init(config, 2, 16)
     tokens = jnp.ones((2, 1), jnp.int32)
     calls = jitted_calls_in(lambda p, c: llama.forward(p, tokens, tokens, plan, c), nk, cache)
-    # one decode step: q/k/v, o, gate, up, down and the head, each through the kernel
-    assert calls["int_matmul_mgpu"] == 6, calls
+    # one decode step through the kernel: q/k/v, o, gate and up (one launch), down, the head
+    assert calls["int_matmul_mgpu"] == 5, calls
     fused, _ = decode_steps(nk, plan, ids)
     assert_close_to_reference(params, config, ids, fused)
     # And back: a Triton plan gets the tiles layout again.

@@ -97,13 +97,24 @@ def _mosaic_int_supports(x, w_gate, w_up, plan, *, deltas=None, **_):
 @SWIGLU.register("mosaic_int", _mosaic_int_supports, kernel=True)
 def _mosaic_int_swiglu(x, w_gate, w_up, plan, *, biases=(None, None), norm_w=None, eps=0.0,
                         deltas=None, prefetch=()):
-    """int4 / int8 gate and up in the nk layout: each through the Mosaic GPU kernel, then
-    act * up."""
+    """int4 / int8 / fp8 gate and up in the nk layout: both through one launch of the Mosaic
+    GPU kernel (each through its own where their codes differ in dtype), then act * up."""
     x = add_deltas(x, deltas)
     h = x if norm_w is None else norm(x, norm_w, eps, plan)
-    product = MATMUL.get("mosaic_int").run
-    gate = product(h, w_gate, plan, bias=biases[0], out_dtype=jnp.float32)[1]
-    up = product(h, w_up, plan, bias=biases[1], out_dtype=jnp.float32)[1]
+    if w_gate.planes[0].dtype == w_up.planes[0].dtype:
+        m, k = rows(h), h.shape[-1]
+        ys = pk.quantized_matmul_mgpu(h.reshape(m, k), (w_gate, w_up),
+                                      interpret=plan.policy.interpret, out_dtype=jnp.float32)
+        gate, up = (y.reshape(*h.shape[:-1], *w.out_shape) for y, w in
+                    zip(ys, (w_gate, w_up)))
+    else:
+        product = MATMUL.get("mosaic_int").run
+        gate = product(h, w_gate, plan, out_dtype=jnp.float32)[1]
+        up = product(h, w_up, plan, out_dtype=jnp.float32)[1]
+    if biases[0] is not None:
+        gate = gate + biases[0].astype(jnp.float32)
+    if biases[1] is not None:
+        up = up + biases[1].astype(jnp.float32)
     return x, (reference.gate_activation(gate, plan.config.mlp_activation) * up).astype(x.dtype)
 
 
