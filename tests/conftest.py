@@ -19,10 +19,12 @@ def _cuda_plugin_installed() -> bool:
 # here; subprocesses inherit it): most CPU test time is compiling tiny models and interpret-mode
 # kernels, whose LLVM passes cost more than they save. Not on a GPU host, where the flag would
 # slow the compiled kernels that the GPU tests time.
+# (A subprocess running the embedded model for many steps takes tests/xla_env.optimized_env.)
+from tests.xla_env import FAST_COMPILE_FLAGS  # noqa: E402
+
 _flags = os.environ.get("XLA_FLAGS", "")
 if not _cuda_plugin_installed() and "xla_backend_optimization_level" not in _flags:
-    os.environ["XLA_FLAGS"] = (_flags + " --xla_backend_optimization_level=0"
-                               " --xla_llvm_disable_expensive_passes=true").strip()
+    os.environ["XLA_FLAGS"] = " ".join((_flags, *FAST_COMPILE_FLAGS)).strip()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
