@@ -181,9 +181,12 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, *,
         raise ValueError(f"int_matmul_mgpu: K groups {k // GROUP} not a multiple of splits x "
                          f"gps {cfg.splits * gps}")
     # x's tiles are Mp rows: TMA fills the rows past M with zeros (no pad op before the
-    # kernel); they only reach output columns that are sliced off.
+    # kernel); they only reach output columns that are sliced off. The interpreter takes no
+    # out-of-bounds read: it gets x padded.
     mp = max(8, -(-m // 8) * 8)
     x = x.astype(jnp.bfloat16)
+    if interpret and mp != m:
+        x = jnp.pad(x, ((0, mp - m), (0, 0)))
     bk = gps * GROUP
     steps = k // bk // cfg.splits
     bits = _bits(codes[0].dtype)

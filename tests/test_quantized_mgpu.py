@@ -61,13 +61,12 @@ def test_nk_layout_takes_fp8_bit_for_bit(fmt):
                                   qw.planes[0].view(jnp.uint8))
 
 
-@pytest.mark.parametrize("cfg", [
-    MgpuMatmulConfig(gps=1), MgpuMatmulConfig(gps=2, splits=2, stages=2), None],
-    ids=["g1", "g2k2", "default"])
-@pytest.mark.parametrize("m, bf16_scales, bits", [(1, False, 4), (3, True, 4), (16, False, 4),
-                                                   (2, False, 8), (1, False, "fp8"),
-                                                   (5, False, "fp8_col")])
-def test_kernel_matches_reference_interpret(cfg, m, bf16_scales, bits):
+@pytest.mark.parametrize("m, bf16_scales, bits, cfg", [
+    (1, False, 4, None), (3, True, 4, None), (16, False, 4, None), (2, False, 8, None),
+    (1, False, "fp8", None), (5, False, "fp8_col", None),
+    (3, False, 4, MgpuMatmulConfig(gps=1)), (2, False, 8, MgpuMatmulConfig(gps=2, splits=2,
+                                                                            stages=2))])
+def test_kernel_matches_reference_interpret(m, bf16_scales, bits, cfg):
     nk = pk.to_nk(_int4(1, 512, 128, bf16_scales, bits))
     x = normal(2, (m, 512), jnp.bfloat16)
     want = pk.quantized_matmul_mgpu_reference(x, nk, out_dtype=jnp.float32)
