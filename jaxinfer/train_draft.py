@@ -84,14 +84,23 @@ def target_features(params, tokens: jax.Array, plan: Plan):
     return f, jax.nn.softmax(logits, axis=-1)
 
 
-def head_loss(head_params, target_params, tokens, f, p, spec: draft_head.HeadSpec):
-    """EAGLE-1's loss of the head over windows tokens [B, T] given the target's f [B, T, D]
-    and p [B, T, V] -> (loss, (regression, classification, argmax agreement))."""
+def teacher_forced(head_params, target_params, tokens, f, spec: draft_head.HeadSpec):
+    """The head over windows tokens [B, T] (from position 0) with the target's features f
+    [B, T, D], each token t_i paired with f_{i-1} (f_{-1} = 0) -> (logits [B, T, V]: row i
+    drafts token i + 1, g [B, T, D]: the estimates of f). What training fits; drafting must
+    give the same logits at the same positions (tests/test_draft_head.py)."""
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     before = jnp.concatenate([jnp.zeros_like(f[:, :1]), f[:, :-1]], axis=1)  # f_{i-1}
     logits, _, g = draft_head.forward(head_params, target_params, tokens, before, positions,
                                       spec)
+    return logits, g
+
+
+def head_loss(head_params, target_params, tokens, f, p, spec: draft_head.HeadSpec):
+    """EAGLE-1's loss of the head over windows tokens [B, T] given the target's f [B, T, D]
+    and p [B, T, V] -> (loss, (regression, classification, argmax agreement))."""
+    logits, g = teacher_forced(head_params, target_params, tokens, f, spec)
     reg = jnp.mean(optax.huber_loss(g.astype(jnp.float32), f.astype(jnp.float32)))  # smooth L1
     cls = -jnp.mean(jnp.sum(p * jax.nn.log_softmax(logits, axis=-1), axis=-1))
     agree = jnp.mean(jnp.argmax(logits, -1) == jnp.argmax(p, -1))
