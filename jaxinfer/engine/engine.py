@@ -793,9 +793,8 @@ class Engine:
                 drafted = accepted = 0
                 if self.num_speculative_tokens:
                     req.scheduled = len(req.output)  # the scheduler counted K + 1
-                if kind == "verify":  # as generate: accepted drafts cut by a stop or budget
-                    # do not count (min(a, emitted))
-                    drafted = self.num_speculative_tokens
+                if kind == "verify":  # as generate: drafts cut by a stop or the budget
+                    drafted = self.num_speculative_tokens  # do not count (min(a, emitted))
                     accepted = min(int(kept.sum()) - 1, len(got))
                     self.stats["draft_tokens"] += drafted
                     self.stats["accepted_tokens"] += accepted

@@ -120,16 +120,17 @@ def prefill_step(params: dict, state: EngineState, tokens: jax.Array, rows: Rows
     positions = jnp.where(offsets < rows.count[:, None], rows.position[:, None] + offsets, -1)
     forward = registry.family(plan.config).forward
     cache = state.cache.with_tables(rows.block_tables)
-    out = forward(params, tokens, positions, plan, cache,
-                  logits_at=jnp.maximum(rows.count - 1, 0), hidden=state.head is not None)
-    logits, cache = out[:2]  # [B, 1, V]
+    # logits [B, 1, V]; with a head also its features f [B, C, D]
+    logits, cache, *f = forward(params, tokens, positions, plan, cache,
+                                logits_at=jnp.maximum(rows.count - 1, 0),
+                                hidden=state.head is not None)
     counts, seen = _penalty_rows(state, rows)
     new, logprobs, top, counts, seen = _sample(logits[:, 0], rows, rows.position + rows.count,
                                                counts, seen, plan)
     state = _store(state, rows, cache, new, counts, seen)
-    if state.head is not None:  # f [B, C, D]
+    if state.head is not None:
         state = state.replace(head=_head_prefill(head_params, params, state.head, tokens,
-                                                 positions, out[2], rows, head_spec))
+                                                 positions, f[0], rows, head_spec))
     return state, new, logprobs, top
 
 
@@ -184,9 +185,10 @@ def verify_step(params: dict, state: EngineState, tokens: jax.Array | None, rows
                                                            < end),
                           rows.position[:, None] + offsets, -1)  # [B, K + 1]
     forward = registry.family(plan.config).forward
+    # logits [B, K + 1, V]; with a head also its features f [B, K + 1, D]
     logits, cache, *f = forward(params, tokens, positions, plan,
                                 state.cache.with_tables(rows.block_tables),
-                                hidden=state.head is not None)  # [B, K + 1, V], f: [B, K + 1, D]
+                                hidden=state.head is not None)
     counts0, seen0 = _penalty_rows(state, rows)
     counts, seen = counts0, seen0
     ys, lps, top_ids, top_lps = [], [], [], []
@@ -249,9 +251,11 @@ def _head_prefill(head_params, params, head: HeadPages, tokens, positions, f, ro
     """A prefill chunk into the head's pages: the features f [B, C, D] at positions [B, C],
     and the pairs (t_i, f_{i-1}) at the head's slots i, f_{c-1} before the chunk read from
     its page (written by the chunk before, or a cached page's)."""
-    prev = _read_feats(head.feats, rows.position - 1, rows.block_tables)  # [B, D]
-    before = jnp.concatenate([prev[:, None].astype(f.dtype), f[:, :-1]], axis=1)  # f_{i-1}
+    # Written before read: a row may start on a prefix page another row of this step fills
+    # (the scheduler registers pages as it schedules them).
     feats = _write_feats(head.feats, f, positions, rows.block_tables)
+    prev = _read_feats(feats, rows.position - 1, rows.block_tables)  # [B, D]
+    before = jnp.concatenate([prev[:, None].astype(f.dtype), f[:, :-1]], axis=1)  # f_{i-1}
     _, cache, _ = draft_head.forward(head_params, params, tokens, before, positions, spec,
                                      head.cache.with_tables(rows.block_tables),
                                      logits_at=jnp.maximum(rows.count - 1, 0))
