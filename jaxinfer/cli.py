@@ -877,7 +877,8 @@ def cmd_bench(args) -> int:
         _check_checkpoint(args)
     _check_mesh_args(args)
     if args.speculative is not None and getattr(args, "engine", False):
-        raise UsageError("--speculative measures generate(); the engine has no speculation yet")
+        raise UsageError("bench --speculative measures generate()'s acceptance; drop --engine "
+                         "(the Engine's speculation runs in serve --speculative)")
     _check_speculative_args(args)
     from jaxinfer import bench
 
