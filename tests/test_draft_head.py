@@ -183,7 +183,8 @@ def test_engine_with_a_head_equals_generate(looping):
     """The engine drafting with a (random) EAGLE head: requests arriving at random steps,
     shared prefixes (prefix-cache hits carry the head's pages), chunked prompts, a pool small
     enough to preempt, greedy and seeded sampled rows with logprobs: each request's tokens are
-    generate()'s, and every page comes back. Bad arguments are refused before any compile."""
+    generate()'s, and every page comes back (an aborted request's too). Bad arguments are
+    refused before any compile."""
     from test_engine import _engine, _reference, _requests, _serve
 
     reqs = _requests(looping, 16, seed=6)
@@ -199,6 +200,11 @@ def test_engine_with_a_head_equals_generate(looping):
         assert (got[i][0], reasons[i]) == (toks, reason), i
         if reqs[i][1].logprobs:
             np.testing.assert_allclose(got[i][1], lps, atol=1e-4)
+    rid = engine.add_request(reqs[0][0], max_tokens=40)  # aborted mid-decode
+    while not engine.requests[rid].output:
+        engine.step()
+    engine.abort(rid)
+    assert engine.free_pages == engine.total_pages
     with pytest.raises(ValueError, match="made for another model"):
         _engine(looping, speculative=draft_head.init_eagle(
             from_params(looping.config, init_params(llama.param_specs(looping.config),
