@@ -83,8 +83,8 @@ def test_trained_head_drafts_and_train_draft_cli(looping, trained, tiny_chat, ti
                                                  tmp_path, capsys):
     """A head trained on the target's own greedy text lowers its loss, saves and loads, and
     gets drafts accepted with plain generate's tokens; a head for another model is refused.
-    `jaxinfer train-draft` writes the head and the loss curve beside the model, and
-    `--speculative head` loads it."""
+    `jaxinfer train-draft` (windows at the texts' starts) writes the head and the loss curve
+    beside the model, and `--speculative head` loads it."""
     from jaxinfer import cli, train_draft
 
     peaked, outs, result = trained
@@ -107,7 +107,7 @@ def test_trained_head_drafts_and_train_draft_cli(looping, trained, tiny_chat, ti
     text = tmp_path / "data.jsonl"
     text.write_text("\n".join(json.dumps({"text": p + o.text}) for p, o in zip(PROMPTS, outs)))
     assert cli.main(["train-draft", str(tiny_chat_dir), "--data", str(text), "--steps", "10",
-                     "--seq-len", "32", "--batch", "4"]) == 0
+                     "--seq-len", "32", "--batch", "4", "--windows", "texts"]) == 0
     assert "wrote" in capsys.readouterr().out
     assert (tiny_chat_dir / "eagle_head.png").is_file()
     assert (tiny_chat_dir / "eagle_head.safetensors").is_file()
