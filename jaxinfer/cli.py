@@ -272,6 +272,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per training window (default 128)")
     t.add_argument("--batch", type=_positive("--batch"), default=8,
                    help="windows per step (default 8)")
+    t.add_argument("--windows", choices=("any", "texts"), default="any",
+                   help="where training windows start: anywhere in the data (default), or "
+                        "where a text (a JSONL line) starts, so the model's features over a "
+                        "window have the context they have when drafting (a window cut "
+                        "mid-text lacks the text's beginning: an answer without its prompt)")
     t.add_argument("--seed", type=_seed, default=0)
     t.set_defaults(func=cmd_train_draft)
 
@@ -848,11 +853,12 @@ def cmd_train_draft(args) -> int:
     import jaxinfer
 
     model = jaxinfer.load(args.model)
-    data = train_draft.tokenize(model, texts, args.seq_len)
+    data, starts = train_draft.tokenize_texts(model, texts, args.seq_len)
     out = pathlib.Path(args.out) if args.out else draft_head.default_path(model.source)
     log.info("training on %d tokens of %s; the head goes to %s", len(data), args.data, out)
     result = train_draft.train(model, data, args.steps, lr=args.lr, seq_len=args.seq_len,
-                               batch=args.batch, seed=args.seed, progress=sys.stderr.isatty())
+                               batch=args.batch, seed=args.seed, progress=sys.stderr.isatty(),
+                               starts=starts if args.windows == "texts" else None)
     draft_head.save(result.head, out)
     png = train_draft.plot_losses(result.losses, result.accuracy, out.with_suffix(".png"))
     tail = max(1, len(result.losses) // 10)
@@ -877,7 +883,8 @@ def cmd_bench(args) -> int:
         _check_checkpoint(args)
     _check_mesh_args(args)
     if args.speculative is not None and getattr(args, "engine", False):
-        raise UsageError("--speculative measures generate(); the engine has no speculation yet")
+        raise UsageError("bench --speculative measures generate()'s acceptance; drop --engine "
+                         "(the Engine's speculation runs in serve --speculative)")
     _check_speculative_args(args)
     from jaxinfer import bench
 

@@ -64,13 +64,20 @@ def read_texts(path) -> list[str]:
 
 def tokenize(model, texts: list[str], seq_len: int) -> np.ndarray:
     """The texts' tokens, one stream (each text as the tokenizer encodes it, BOS included)."""
+    return tokenize_texts(model, texts, seq_len)[0]
+
+
+def tokenize_texts(model, texts: list[str], seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """(the texts' tokens as one stream, the offset [N] where each text starts in it)."""
     if model.tokenizer is None:
         raise ValueError("train-draft needs the model's tokenizer to read --data")
-    ids = np.asarray([t for text in texts for t in model.tokenizer.encode(text)], np.int32)
+    encoded = [model.tokenizer.encode(text) for text in texts]
+    ids = np.asarray([t for e in encoded for t in e], np.int32)
     if len(ids) < seq_len + 1:
         raise ValueError(f"--data holds {len(ids)} tokens, fewer than one window of --seq-len "
                          f"{seq_len}; give more text or a shorter --seq-len")
-    return ids
+    starts = np.cumsum([0] + [len(e) for e in encoded[:-1]]).astype(np.int64)
+    return ids, starts
 
 
 @functools.partial(jax.jit, static_argnames=("plan",))
@@ -84,14 +91,23 @@ def target_features(params, tokens: jax.Array, plan: Plan):
     return f, jax.nn.softmax(logits, axis=-1)
 
 
-def head_loss(head_params, target_params, tokens, f, p, spec: draft_head.HeadSpec):
-    """EAGLE-1's loss of the head over windows tokens [B, T] given the target's f [B, T, D]
-    and p [B, T, V] -> (loss, (regression, classification, argmax agreement))."""
+def teacher_forced(head_params, target_params, tokens, f, spec: draft_head.HeadSpec):
+    """The head over windows tokens [B, T] (from position 0) with the target's features f
+    [B, T, D], each token t_i paired with f_{i-1} (f_{-1} = 0) -> (logits [B, T, V]: row i
+    drafts token i + 1, g [B, T, D]: the estimates of f). What training fits; drafting must
+    give the same logits at the same positions (tests/test_draft_head.py)."""
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     before = jnp.concatenate([jnp.zeros_like(f[:, :1]), f[:, :-1]], axis=1)  # f_{i-1}
     logits, _, g = draft_head.forward(head_params, target_params, tokens, before, positions,
                                       spec)
+    return logits, g
+
+
+def head_loss(head_params, target_params, tokens, f, p, spec: draft_head.HeadSpec):
+    """EAGLE-1's loss of the head over windows tokens [B, T] given the target's f [B, T, D]
+    and p [B, T, V] -> (loss, (regression, classification, argmax agreement))."""
+    logits, g = teacher_forced(head_params, target_params, tokens, f, spec)
     reg = jnp.mean(optax.huber_loss(g.astype(jnp.float32), f.astype(jnp.float32)))  # smooth L1
     cls = -jnp.mean(jnp.sum(p * jax.nn.log_softmax(logits, axis=-1), axis=-1))
     agree = jnp.mean(jnp.argmax(logits, -1) == jnp.argmax(p, -1))
@@ -99,8 +115,14 @@ def head_loss(head_params, target_params, tokens, f, p, spec: draft_head.HeadSpe
 
 
 def train(model, data: np.ndarray, steps: int, *, lr: float = 1e-3, seq_len: int = 128,
-          batch: int = 8, seed: int = 0, progress: bool = True) -> TrainResult:
-    """Train a fresh EAGLE head for `model` on token stream `data` for `steps` steps."""
+          batch: int = 8, seed: int = 0, progress: bool = True,
+          starts: np.ndarray | None = None) -> TrainResult:
+    """Train a fresh EAGLE head for `model` on token stream `data` for `steps` steps.
+    starts: the offsets windows may start at (default any). The target's features are
+    computed over the window alone, so a window cut mid-text gives features without the
+    text's beginning (a copy-edit answer without the passage it copies), unlike drafting's:
+    windows at the texts' starts (a chat transcript per text) train on the features drafting
+    reads."""
     from tqdm.auto import tqdm
 
     from jaxinfer.generate import run_params
@@ -127,11 +149,17 @@ def train(model, data: np.ndarray, steps: int, *, lr: float = 1e-3, seq_len: int
         return optax.apply_updates(head_params, updates), opt_state, loss, aux
 
     rng = np.random.default_rng(seed)
+    if starts is not None:
+        starts = np.asarray(starts)[np.asarray(starts) <= len(data) - seq_len]
+        if not len(starts):
+            raise ValueError(f"no text starts {seq_len} tokens before the end of --data; give "
+                             "more text or a shorter --seq-len")
     head_params, losses, accuracy = head.params, [], []
     with tqdm(total=steps, desc="train-draft", disable=not progress, unit="step") as bar:
         for i in range(steps):
-            starts = rng.integers(0, len(data) - seq_len, size=batch)
-            windows = np.stack([data[s:s + seq_len] for s in starts])  # [B, T]
+            at = (rng.integers(0, len(data) - seq_len, size=batch) if starts is None
+                  else rng.choice(starts, size=batch))
+            windows = np.stack([data[s:s + seq_len] for s in at])  # [B, T]
             head_params, opt_state, loss, (reg, cls, agree) = step(head_params, opt_state,
                                                                    jnp.asarray(windows))
             losses.append(float(loss))

@@ -45,8 +45,7 @@ def looping(tiny_chat):
 
 def test_random_head_is_lossless_greedy_and_sampled(looping):
     """A head with random weights drafts badly, but greedy rows (batches of 1 and 8, a stop
-    token mid-round) and coupled sampled rows get plain generate's tokens exactly; the engine
-    refuses a head with a clear error."""
+    token mid-round) and coupled sampled rows get plain generate's tokens exactly."""
     head = draft_head.init_eagle(looping, 1)
     for batch in (1, 8):
         plain = jaxinfer.generate(looping, PROMPTS[:batch], max_new_tokens=20, chat=False)
@@ -62,17 +61,13 @@ def test_random_head_is_lossless_greedy_and_sampled(looping):
     plain = jaxinfer.generate(looping, PROMPTS, **kw)
     spec = jaxinfer.generate(looping, PROMPTS, speculative=head, num_speculative_tokens=3, **kw)
     assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
-    with pytest.raises(ValueError, match="feature head"):
-        jaxinfer.Engine(looping, speculative=head)
 
 
-def test_trained_head_drafts_and_train_draft_cli(looping, tiny_chat, tiny_chat_dir, tmp_path,
-                                                 capsys):
-    """A head trained on the target's own greedy text (looping with a peaked LM head: its
-    argmax is learnable) lowers its loss, saves and loads, and gets drafts accepted with plain
-    generate's tokens; a head for another model is refused. `jaxinfer train-draft` writes the
-    head and the loss curve beside the model, and `--speculative head` loads it."""
-    from jaxinfer import cli, train_draft
+@pytest.fixture(scope="module")
+def trained(looping):
+    """(peaked, its outputs on PROMPTS, the TrainResult): a head trained on the target's own
+    greedy text (looping with a peaked LM head: its argmax is learnable)."""
+    from jaxinfer import train_draft
 
     peaked = from_params(looping.config, {**looping.params, "embed": looping.params["embed"]
                                           .replace(w=8 * looping.params["embed"].w)},
@@ -80,8 +75,19 @@ def test_trained_head_drafts_and_train_draft_cli(looping, tiny_chat, tiny_chat_d
     outs = jaxinfer.generate(peaked, PROMPTS, max_new_tokens=48, chat=False)
     data = np.asarray([t for p, o in zip(PROMPTS, outs)
                        for t in peaked.tokenizer.encode(p) + o.token_ids], np.int32)
-    result = train_draft.train(peaked, data, 150, lr=3e-3, seq_len=32, batch=8,
-                               progress=False)
+    return peaked, outs, train_draft.train(peaked, data, 150, lr=3e-3, seq_len=32, batch=8,
+                                           progress=False)
+
+
+def test_trained_head_drafts_and_train_draft_cli(looping, trained, tiny_chat, tiny_chat_dir,
+                                                 tmp_path, capsys):
+    """A head trained on the target's own greedy text lowers its loss, saves and loads, and
+    gets drafts accepted with plain generate's tokens; a head for another model is refused.
+    `jaxinfer train-draft` (windows at the texts' starts) writes the head and the loss curve
+    beside the model, and `--speculative head` loads it."""
+    from jaxinfer import cli, train_draft
+
+    peaked, outs, result = trained
     assert np.mean(result.losses[-15:]) < 0.5 * result.losses[0]
     path = draft_head.save(result.head, tmp_path / "head.safetensors")
     assert train_draft.plot_losses(result.losses, result.accuracy,
@@ -101,7 +107,7 @@ def test_trained_head_drafts_and_train_draft_cli(looping, tiny_chat, tiny_chat_d
     text = tmp_path / "data.jsonl"
     text.write_text("\n".join(json.dumps({"text": p + o.text}) for p, o in zip(PROMPTS, outs)))
     assert cli.main(["train-draft", str(tiny_chat_dir), "--data", str(text), "--steps", "10",
-                     "--seq-len", "32", "--batch", "4"]) == 0
+                     "--seq-len", "32", "--batch", "4", "--windows", "texts"]) == 0
     assert "wrote" in capsys.readouterr().out
     assert (tiny_chat_dir / "eagle_head.png").is_file()
     assert (tiny_chat_dir / "eagle_head.safetensors").is_file()
@@ -116,6 +122,98 @@ def test_trained_head_drafts_and_train_draft_cli(looping, tiny_chat, tiny_chat_d
     assert "made for another model" in capsys.readouterr().err
     assert cli.main(base + ["--speculative", "ngram", "--draft-head", str(path)]) == 2
     assert "--draft-head needs --speculative head" in capsys.readouterr().err
+
+
+def _first_draft_hits(model, head, prompt: list[int], out: list[int]) -> int:
+    """Drafts a greedy K = 1 loop must get accepted on `out` (prompt's greedy output), if each
+    draft is the argmax of the training forward's logits (train_draft.teacher_forced) at the
+    newest token's position: a round at p with draft argmax_p == out's token at p + 1 emits
+    two tokens, otherwise one (the budget cuts the last round)."""
+    from jaxinfer import train_draft
+    from jaxinfer.generate import run_params
+
+    params = run_params(model, model.plan)
+    seq = jnp.asarray([prompt + out], jnp.int32)
+    f, _ = train_draft.target_features(params, seq, model.plan)
+    logits, _ = train_draft.teacher_forced(head.params, params, seq, f, head.spec)
+    draft = np.asarray(jnp.argmax(logits[0], -1))  # [T]: the draft of token i + 1
+    seq = np.asarray(seq[0])
+    p, count, hits = len(prompt), 1, 0
+    while count < len(out):
+        hit = draft[p] == seq[p + 1]
+        hits += int(hit)
+        step = min(1 + int(hit), len(out) - count)
+        p, count = p + step, count + step
+    return hits
+
+
+def test_drafting_is_the_training_forward_in_generate_and_the_engine(trained):
+    """The first draft of every round, in generate's loop and the engine's, is the argmax of
+    the logits training fits at that position (the pair (t_p, f_{p-1})): with K = 1 the
+    accepted drafts are exactly those the teacher-forced forward predicts, request by request
+    (a shifted pair, a stale feature or a head cache filled from the wrong pairs would change
+    them); with K = 3 the engine accepts what generate accepts."""
+    from test_engine import _engine
+
+    peaked, _, result = trained
+    head = result.head
+    prompts = [peaked.tokenizer.encode(p) for p in PROMPTS[:4]]
+    plain = jaxinfer.generate(peaked, prompts, max_new_tokens=24)
+    want = [_first_draft_hits(peaked, head, p, c.token_ids) for p, c in zip(prompts, plain)]
+    assert sum(want) > 10, want  # a trained head: most first drafts hit
+    spec = jaxinfer.generate(peaked, prompts, max_new_tokens=24, speculative=head,
+                             num_speculative_tokens=1)
+    assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
+    assert [c.accepted_tokens for c in spec] == want
+    for k in (1, 3):
+        engine = _engine(peaked, speculative=head, num_speculative_tokens=k, chunk_size=16)
+        got = engine.run(prompts, max_tokens=24)
+        assert [c.token_ids for c in got] == [c.token_ids for c in plain]
+        if k == 1:
+            assert [c.accepted_tokens for c in got] == want
+        else:
+            spec = jaxinfer.generate(peaked, prompts, max_new_tokens=24, speculative=head,
+                                     num_speculative_tokens=3)
+            assert [c.accepted_tokens for c in got] == [c.accepted_tokens for c in spec]
+            assert sum(c.accepted_tokens for c in got) > 0.3 * sum(c.draft_tokens for c in got)
+        assert engine.free_pages == engine.total_pages
+
+
+def test_engine_with_a_head_equals_generate(looping):
+    """The engine drafting with a (random) EAGLE head: requests arriving at random steps,
+    shared prefixes (prefix-cache hits carry the head's pages), chunked prompts, a pool small
+    enough to preempt, greedy and seeded sampled rows with logprobs: each request's tokens are
+    generate()'s, and every page comes back (an aborted request's too). Bad arguments are
+    refused before any compile."""
+    from test_engine import _engine, _reference, _requests, _serve
+
+    reqs = _requests(looping, 16, seed=6)
+    want = _reference(looping, reqs, batch=16)
+    head = draft_head.init_eagle(looping, 2)
+    engine = _engine(looping, pages=60, max_num_seqs=8, speculative=head,
+                     num_speculative_tokens=3)
+    got, reasons = _serve(engine, reqs, np.random.default_rng(1))
+    assert engine.stats["draft_tokens"] > 0 and engine.prefix_cache_hit_rate() > 0
+    assert engine.stats["preemptions"] > 0
+    assert engine.free_pages == engine.total_pages and not engine.requests
+    for i, (toks, lps, reason) in enumerate(want):
+        assert (got[i][0], reasons[i]) == (toks, reason), i
+        if reqs[i][1].logprobs:
+            np.testing.assert_allclose(got[i][1], lps, atol=1e-4)
+    rid = engine.add_request(reqs[0][0], max_tokens=40)  # aborted mid-decode
+    while not engine.requests[rid].output:
+        engine.step()
+    engine.abort(rid)
+    assert engine.free_pages == engine.total_pages
+    with pytest.raises(ValueError, match="made for another model"):
+        _engine(looping, speculative=draft_head.init_eagle(
+            from_params(looping.config, init_params(llama.param_specs(looping.config),
+                                                    jax.random.key(9), jnp.float32),
+                        looping.tokenizer, dtype="float32")))
+    with pytest.raises(ValueError, match="not loaded from one"):
+        _engine(looping, speculative="head")
+    with pytest.raises(ValueError, match="needs a DeepSeek-V3 checkpoint"):
+        _engine(looping, speculative="mtp")
 
 
 def _with_mtp(tmp_path) -> pathlib.Path:

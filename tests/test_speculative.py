@@ -442,7 +442,7 @@ def test_engine_run_reports_acceptance_per_request(looping):
 def test_engine_bad_speculative_arguments(looping):
     from test_engine import _engine
 
-    for kw, match in (({"speculative": 3}, "None, 'ngram', an NGram"),
+    for kw, match in (({"speculative": 3}, "None, 'ngram', 'head', an NGram"),
                       ({"speculative": speculative.DraftModel(looping, rejection=True)},
                        "coupled acceptance only"),
                       ({"speculative": "ngram", "num_speculative_tokens": 0},
@@ -452,17 +452,20 @@ def test_engine_bad_speculative_arguments(looping):
             _engine(looping, **kw)
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "self"])
+@pytest.mark.parametrize("drafter", ["ngram", "self", "head"])
 def test_engine_speculative_warmup_top_logprobs_and_grammar(looping, drafter):
-    """A speculative engine: warmup() compiles its verifications (and a draft model's steps)
-    so serving compiles nothing new; top_logprobs of verified tokens are the plain engine's;
-    a grammar request is refused (its drafts would be verified without its masks)."""
+    """A speculative engine: warmup() compiles its verifications (and a draft model's steps,
+    a head's prefill and verification) so serving compiles nothing new; top_logprobs of
+    verified tokens are the plain engine's; a grammar request is refused (its drafts would be
+    verified without its masks)."""
     from test_engine import _engine
 
+    from jaxinfer import draft_head
     from jaxinfer.engine import step
     from jaxinfer.structured import Grammar
 
-    spec_arg = {"self": looping}.get(drafter, "ngram")
+    spec_arg = {"self": looping, "head": draft_head.init_eagle(looping, 1)}.get(drafter,
+                                                                               "ngram")
     greedy = SamplingParams(temperature=0.0)
     top = SamplingParams(temperature=0.0, logprobs=True, top_logprobs=3)
     engine = _engine(looping, max_model_len=64, speculative=spec_arg,

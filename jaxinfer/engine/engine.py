@@ -101,11 +101,14 @@ class Engine:
     prefix_caching: share the K/V pages of equal prompt prefixes. kv_cache_dtype: None,
     "int8" or "fp8" (cache.py). policy: the kernel policy (default the model's). seed: the
     seed of requests that give none (their key id is their arrival number).
-    speculative: None, "ngram" / a `speculative.NGram` (prompt lookup) or a draft model with
-    the same tokenizer (its K/V in page pools of its own, at the target's page indices):
-    num_speculative_tokens drafts per decode row, verified in one step (the same tokens as
-    without); a speculative step's tokens are read before the next is dispatched (the next
-    positions depend on them).
+    speculative: None, "ngram" / a `speculative.NGram` (prompt lookup), a draft model with
+    the same tokenizer (its K/V in page pools of its own, at the target's page indices), or a
+    feature head: "head" (the EAGLE head saved beside the model) or a
+    `draft_head.FeatureHead` (its one layer's K/V and the target's features in pages at the
+    target's page indices, step.HeadPages, so prefix-cache hits and chunked prefills carry
+    them): num_speculative_tokens drafts per decode row, verified in one step (the same
+    tokens as without); a speculative step's tokens are read before the next is dispatched
+    (the next positions depend on them).
     """
 
     def __init__(self, model, *, max_num_seqs: int | None = None, page_size: int | None = None,
@@ -150,9 +153,10 @@ class Engine:
         if self.chunk_size != chunk:
             raise ValueError(f"chunk_size must be a power of two, got {chunk}")
         self.decode_steps = positive("decode_steps", decode_steps)
-        # Speculative decoding: prompt lookup (ngram) or a draft model (draft: its plan and
-        # params; its page pools follow the target's block tables), K drafts per decode row.
-        self.ngram, self.draft, self.num_speculative_tokens = self._speculative(
+        # Speculative decoding: prompt lookup (ngram), a draft model (draft: its plan and
+        # params; its page pools follow the target's block tables) or a feature head (head:
+        # its params and HeadSpec; its pages too), K drafts per decode row.
+        self.ngram, self.draft, self.head, self.num_speculative_tokens = self._speculative(
             speculative, num_speculative_tokens, policy)
         budget = positive("max_num_batched_tokens",
                           max_num_batched_tokens or max(2048, self.chunk_size))
@@ -174,6 +178,10 @@ class Engine:
         page_bytes = memory.kv_bytes_per_token(config, kv_cache_dtype) * page_size
         if self.draft is not None:  # a page index holds both models' K/V
             page_bytes += memory.kv_bytes_per_token(self.draft[0].config) * page_size
+        if self.head is not None:  # ... or the head's K/V and the target's features
+            head_config = self.head[1].plan.config
+            page_bytes += (memory.kv_bytes_per_token(head_config) + config.hidden_size
+                           * memory.itemsize(config.dtype)) * page_size
         full = self.max_num_seqs * self.max_pages + 1  # every row at max_model_len
         if kv_memory is None:
             num_pages = min(_kv_budget(0.8 if gpu else 0.25) // page_bytes, full if not gpu
@@ -198,8 +206,17 @@ class Engine:
             cache = PagedKVCache.init(config, num_pages, page_size, kv_dtype=kv_cache_dtype)
             self.draft_cache = None if self.draft is None else PagedKVCache.init(
                 self.draft[0].config, num_pages, page_size)
+            head = None if self.head is None else step_lib.HeadPages(
+                cache=PagedKVCache.init(head_config, num_pages, page_size),
+                feats=jnp.zeros((num_pages, page_size, config.hidden_size), config.dtype))
             self.state = step_lib.EngineState(
-                cache=cache, last_token=jnp.zeros((self.max_num_seqs + 1,), jnp.int32))
+                cache=cache, last_token=jnp.zeros((self.max_num_seqs + 1,), jnp.int32),
+                head=head)
+        # The head's arguments of the prefill and verification steps (none without a head).
+        self._head_args = {} if self.head is None else dict(
+            head_params=self.head[0], head_spec=self.head[1])
+        self._verify_args = {} if self.head is None else dict(self._head_args,
+                                                                k=self.num_speculative_tokens)
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) \
                 or not 0 <= seed < 2**32:
             raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
@@ -393,7 +410,8 @@ class Engine:
                 token_bitmask=jnp.full((b, words), -1, jnp.int32) if mask else None)
             if kind == "prefill":
                 self.state, new, _, _ = step_lib.prefill_step(
-                    self.params, self.state, jnp.zeros((b, c), jnp.int32), rows, self.plan)
+                    self.params, self.state, jnp.zeros((b, c), jnp.int32), rows, self.plan,
+                    **self._head_args)
                 if self.draft is not None and not mask:  # the draft's pages take the chunks
                     _, plan, dparams = self.draft
                     self.draft_cache = step_lib.draft_prefill_step(
@@ -410,8 +428,10 @@ class Engine:
                         dparams, self.draft_cache, jnp.zeros((b, 2), jnp.int32), rows, plan,
                         self.num_speculative_tokens)
                     dispatched += 1
-                self.state, new, _, _ = step_lib.verify_step(self.params, self.state, tokens,
-                                                             rows, self.plan)
+                if self.head is not None:  # the head drafts inside the verification
+                    tokens = None
+                self.state, new, _, _ = step_lib.verify_step(
+                    self.params, self.state, tokens, rows, self.plan, **self._verify_args)
             new.block_until_ready()
             dispatched += 1
         return dispatched
@@ -610,7 +630,7 @@ class Engine:
         final = np.array([row.final for row in rows] + [False] * (b - len(rows)))
         batch = batch.replace(slot=jnp.where(jnp.asarray(final), batch.slot, self.max_num_seqs))
         self.state, new, logprobs, top = step_lib.prefill_step(
-            self.params, self.state, jnp.asarray(tokens), batch, self.plan)
+            self.params, self.state, jnp.asarray(tokens), batch, self.plan, **self._head_args)
         if self.draft is not None:  # the same chunks into the draft model's pages
             _, plan, params = self.draft
             self.draft_cache = step_lib.draft_prefill_step(params, self.draft_cache,
@@ -656,34 +676,45 @@ class Engine:
         return ("decode", reqs, news, lps, tops)
 
     def _speculative(self, speculative, k, policy):
-        """(NGram or None, (draft model, its plan, its params) or None, K or 0) from the
-        constructor's arguments."""
+        """(NGram or None, (draft model, its plan, its params) or None, (head params, its
+        HeadSpec) or None, K or 0) from the constructor's arguments."""
+        from jaxinfer import draft_head
+        from jaxinfer.draft_head import FeatureHead
         from jaxinfer.generate import _plan, run_params
         from jaxinfer.model import Model
-        from jaxinfer.draft_head import FeatureHead
-        from jaxinfer.speculative import DraftModel, NGram, check_same_vocabulary
+        from jaxinfer.speculative import (DraftModel, NGram, check_same_vocabulary,
+                                          resolve_drafter)
 
         if speculative is None:
-            return None, None, 0
-        if isinstance(speculative, FeatureHead) or speculative in ("head", "mtp"):
-            raise ValueError("the engine drafts by prompt lookup or a draft model only: a "
-                             "feature head (EAGLE head, DeepSeek-V3 MTP) needs the target's "
-                             "features per request slot, which the engine does not keep yet; "
-                             "use jaxinfer.generate / stream with speculative='head' or 'mtp'")
-        if speculative == "ngram":
+            return None, None, None, 0
+        head = None
+        if isinstance(speculative, FeatureHead) or (isinstance(speculative, str)
+                                                    and speculative in ("head", "mtp")):
+            # The head's file and its target are checked here, before anything compiles.
+            head = resolve_drafter(speculative, self.model)
+        elif speculative == "ngram":
             speculative = NGram()
         if isinstance(speculative, Model):
             speculative = DraftModel(speculative)
-        if not isinstance(speculative, NGram | DraftModel):
-            raise ValueError(f"the engine's speculative must be None, 'ngram', an NGram, a "
-                             f"loaded draft model or a DraftModel, got {speculative!r}")
+        if head is None and not isinstance(speculative, NGram | DraftModel):
+            raise ValueError(f"the engine's speculative must be None, 'ngram', 'head', an "
+                             f"NGram, a loaded draft model, a DraftModel or a "
+                             f"draft_head.FeatureHead, got {speculative!r}")
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
             raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
         if self.decode_steps != 1:
             raise ValueError("speculative decoding takes decode_steps=1 (a verification "
                              "already yields several tokens per step)")
+        if head is not None:
+            if head.spec.plan.config.mla is not None:
+                raise ValueError("this head's layer attends through an MLA latent cache, "
+                                 "which the engine does not page; use jaxinfer.generate")
+            head = draft_head.for_model(head, self.model)  # its layer in the model's dtype
+            spec = draft_head.HeadSpec(head.spec.kind, dataclasses.replace(
+                self.plan, config=head.spec.plan.config))
+            return None, None, (head.params, spec), int(k)
         if isinstance(speculative, NGram):
-            return speculative, None, int(k)
+            return speculative, None, None, int(k)
         draft = speculative.model
         if speculative.rejection:
             raise ValueError("the engine verifies drafts by coupled acceptance only (the same "
@@ -693,11 +724,12 @@ class Engine:
             raise ValueError("an MLA draft model has no paged cache yet; use a GQA draft model")
         check_same_vocabulary(self.model, draft)
         plan = _plan(draft, policy)
-        return None, (draft, plan, run_params(draft, plan)), int(k)
+        return None, (draft, plan, run_params(draft, plan)), None, int(k)
 
     def _dispatch_verify(self, rows):
         """Decode rows as verifications: each row's newest token and K drafts (prompt
-        lookup over its tokens, on the host, where a step's tokens are read before the next)."""
+        lookup over its tokens, on the host, where a step's tokens are read before the next;
+        a draft model's steps; or the head's, inside the verification step)."""
         from jaxinfer.speculative import ngram_drafts_host
 
         reqs = [row.request for row in rows]
@@ -706,6 +738,7 @@ class Engine:
         width = self._width(len(r.pages) for r in reqs)
         positions = np.array([row.position for row in rows] + [-1] * (b - len(rows)), np.int32)
         batch = self._rows(reqs, positions, [k + 1] * len(rows), b, width)
+        tokens = None  # a head drafts on the device inside the verification step
         if self.draft is not None:  # drafted on the device by the draft model
             last_two = np.zeros((b, 2), np.int32)
             for i, req in enumerate(reqs):
@@ -713,7 +746,7 @@ class Engine:
             _, plan, params = self.draft
             self.draft_cache, tokens = step_lib.draft_step(params, self.draft_cache,
                                                            jnp.asarray(last_two), batch, plan, k)
-        else:
+        elif self.ngram is not None:
             drafts = [ngram_drafts_host(req.tokens(), k, self.ngram) for req in reqs]
             if not any(found for _, found in drafts):
                 return self._dispatch_plain(rows)  # one token per row: no guesses to verify
@@ -721,8 +754,8 @@ class Engine:
             for i, (req, (draft, _)) in enumerate(zip(reqs, drafts)):
                 tokens[i] = [req.tokens()[-1]] + draft
             tokens = jnp.asarray(tokens)
-        self.state, new, logprobs, top = step_lib.verify_step(self.params, self.state, tokens,
-                                                              batch, self.plan)
+        self.state, new, logprobs, top = step_lib.verify_step(
+            self.params, self.state, tokens, batch, self.plan, **self._verify_args)
         for req in reqs:
             req.inflight += 1
         tops = [None] * (k + 1) if top is None else [(top[0][:, j], top[1][:, j])
@@ -760,8 +793,9 @@ class Engine:
                 drafted = accepted = 0
                 if self.num_speculative_tokens:
                     req.scheduled = len(req.output)  # the scheduler counted K + 1
-                if kind == "verify":
-                    drafted, accepted = self.num_speculative_tokens, int(kept.sum()) - 1
+                if kind == "verify":  # as generate: drafts cut by a stop or the budget
+                    drafted = self.num_speculative_tokens  # do not count (min(a, emitted))
+                    accepted = min(int(kept.sum()) - 1, len(got))
                     self.stats["draft_tokens"] += drafted
                     self.stats["accepted_tokens"] += accepted
                 if req.first_token_time is None and got:

@@ -6,6 +6,10 @@ the tokens they sampled. A decode row's input token is read from `last_token[slo
 device, where the step before wrote it: the host never has to wait for a token's value to
 dispatch the next step (it reads step n while step n + 1 runs).
 
+With a feature head (an EAGLE head, jaxinfer/draft_head.py) the state also holds the head's
+pages (`HeadPages`): the prefill and verification steps write the target's features and the
+head's K/V under the rows' block tables, and a verification first drafts with the head.
+
 Sampling keys are those of `generate`: row b's token at position p is drawn with
 fold_in(fold_in(key(seed_b), key_id_b), p), so a request's draws depend on nothing but its own
 seed, its id and the position, whatever batch, row or chunking it is computed in.
@@ -18,10 +22,23 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxinfer import pytree, sampling
+from jaxinfer import draft_head, pytree, sampling
 from jaxinfer.cache import PagedKVCache
 from jaxinfer.models import registry
 from jaxinfer.plan import Plan
+
+
+@pytree.dataclass
+class HeadPages:
+    """A feature head's pages, indexed by the target's page ids (the rows' block tables): the
+    head's one-layer K/V, slot i holding the pair (t_i, f_{i-1}), and the target's feature f_i
+    (its final-normed hidden state) at slot i. Both are functions of the tokens through i only,
+    so a prefix-cached page carries them as it carries the target's K/V; a chunk or a prefix
+    hit starting at c reads f_{c-1} from the page before it, and a verification of the newest
+    token at p reads f_{p-1}."""
+
+    cache: PagedKVCache  # the head's layer: [P, page_size, Hkv, hd] (tables: a placeholder)
+    feats: jax.Array  # [P, page_size, D]: the target's feature at each page slot
 
 
 @pytree.dataclass
@@ -32,6 +49,7 @@ class EngineState:
     last_token: jax.Array  # [R + 1] int32: each request slot's newest token; R: padding rows'
     token_counts: jax.Array | None = None  # [R + 1, V] int32: generated-token counts
     seen_mask: jax.Array | None = None  # [R + 1, V] bool: prompt + generated tokens
+    head: HeadPages | None = None  # a feature head's pages (None: no head)
 
 
 @pytree.dataclass
@@ -87,24 +105,33 @@ def _store(state: EngineState, rows: Rows, cache, tokens, counts, seen) -> Engin
     return state
 
 
-@functools.partial(jax.jit, static_argnames=("plan",), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("plan", "head_spec"), donate_argnames=("state",))
 def prefill_step(params: dict, state: EngineState, tokens: jax.Array, rows: Rows,
-                 plan: Plan):
+                 plan: Plan, head_params: dict | None = None,
+                 head_spec: draft_head.HeadSpec | None = None):
     """One chunk per row: tokens [B, C] at positions position..position + count - 1 (the rest
     padding) written to the pages, attending to everything before them; the token after each
     row's chunk is sampled (kept by the host for rows whose chunk ends their prompt: those
-    rows carry their slot, the others slot R). -> (state, tokens [B], logprobs [B], top)."""
+    rows carry their slot, the others slot R). With a feature head (state.head, head_params,
+    head_spec): the chunk's features and the head's pairs into its pages too.
+    -> (state, tokens [B], logprobs [B], top)."""
     b, c = tokens.shape
     offsets = jnp.arange(c, dtype=jnp.int32)[None, :]  # [1, C]
     positions = jnp.where(offsets < rows.count[:, None], rows.position[:, None] + offsets, -1)
     forward = registry.family(plan.config).forward
     cache = state.cache.with_tables(rows.block_tables)
-    logits, cache = forward(params, tokens, positions, plan, cache,
-                            logits_at=jnp.maximum(rows.count - 1, 0))  # [B, 1, V]
+    # logits [B, 1, V]; with a head also its features f [B, C, D]
+    logits, cache, *f = forward(params, tokens, positions, plan, cache,
+                                logits_at=jnp.maximum(rows.count - 1, 0),
+                                hidden=state.head is not None)
     counts, seen = _penalty_rows(state, rows)
     new, logprobs, top, counts, seen = _sample(logits[:, 0], rows, rows.position + rows.count,
                                                counts, seen, plan)
-    return _store(state, rows, cache, new, counts, seen), new, logprobs, top
+    state = _store(state, rows, cache, new, counts, seen)
+    if state.head is not None:
+        state = state.replace(head=_head_prefill(head_params, params, state.head, tokens,
+                                                 positions, f[0], rows, head_spec))
+    return state, new, logprobs, top
 
 
 @functools.partial(jax.jit, static_argnames=("plan",), donate_argnames=("state",))
@@ -130,18 +157,25 @@ def set_penalty_rows(state: EngineState, slots: jax.Array, counts: jax.Array,
                          seen_mask=state.seen_mask.at[slots].set(seen))
 
 
-@functools.partial(jax.jit, static_argnames=("plan",), donate_argnames=("state",))
-def verify_step(params: dict, state: EngineState, tokens: jax.Array, rows: Rows, plan: Plan):
+@functools.partial(jax.jit, static_argnames=("plan", "head_spec", "k"),
+                   donate_argnames=("state",))
+def verify_step(params: dict, state: EngineState, tokens: jax.Array | None, rows: Rows,
+                plan: Plan, head_params: dict | None = None,
+                head_spec: draft_head.HeadSpec | None = None, k: int = 0):
     """Speculative decoding's step (jaxinfer/speculative.py): tokens [B, K + 1] per row, its
     newest token then K drafts, at position..position + K in one forward; the target's token
     at each position as `decode_step` would sample it if the drafts before it were accepted;
-    the drafts accepted while they equal it. -> (state, tokens [B, K + 1]: the accepted
+    the drafts accepted while they equal it. With a feature head (head_spec; tokens None):
+    the head drafts the k tokens first (`_head_drafts`), and the verified positions' features
+    and the accepted drafts' pairs go to its pages. -> (state, tokens [B, K + 1]: the accepted
     drafts then the target's next token, -1 after them; logprobs [B, K + 1]; top: (ids
     [B, K + 1, N], logprobs [B, K + 1, N]) of each position's most likely tokens when some
     row asked for top_logprobs, else None). Rows carry no token bitmask: the engine refuses
     grammars when it speculates."""
     from jaxinfer.speculative import _leading
 
+    if head_spec is not None:
+        state, tokens = _head_drafts(head_params, params, state, rows, head_spec, k)
     b, t = tokens.shape
     # Positions past the block table never yield a kept token (max_model_len ends the row
     # first): padding (-1), so no kernel reads or writes past a row's table.
@@ -151,8 +185,10 @@ def verify_step(params: dict, state: EngineState, tokens: jax.Array, rows: Rows,
                                                            < end),
                           rows.position[:, None] + offsets, -1)  # [B, K + 1]
     forward = registry.family(plan.config).forward
-    logits, cache = forward(params, tokens, positions, plan,
-                            state.cache.with_tables(rows.block_tables))  # [B, K + 1, V]
+    # logits [B, K + 1, V]; with a head also its features f [B, K + 1, D]
+    logits, cache, *f = forward(params, tokens, positions, plan,
+                                state.cache.with_tables(rows.block_tables),
+                                hidden=state.head is not None)
     counts0, seen0 = _penalty_rows(state, rows)
     counts, seen = counts0, seen0
     ys, lps, top_ids, top_lps = [], [], [], []
@@ -176,8 +212,104 @@ def verify_step(params: dict, state: EngineState, tokens: jax.Array, rows: Rows,
         counts0, seen0 = sampling.update_penalty_state(counts0, seen0, ys[:, j], kept[:, j])
     last = jnp.take_along_axis(ys, a[:, None], axis=1)[:, 0]
     state = _store(state, rows, cache, last, counts0, seen0)
+    if state.head is not None:
+        state = state.replace(head=_head_verified(head_params, params, state.head, tokens,
+                                                  positions, f[0], a, rows, head_spec))
     top = (jnp.stack(top_ids, 1), jnp.stack(top_lps, 1)) if top_ids else None
     return state, jnp.where(kept, ys, -1), lps, top
+
+
+# -- a feature head's work (speculative decoding with an EAGLE head; jaxinfer/draft_head.py) --
+
+
+def _page_slots(positions: jax.Array, block_tables: jax.Array, num_pages: int,
+                page_size: int):
+    """Pool coordinates (page, offset) of positions [B, T] under block_tables [B, W]; padding
+    (-1) gets page num_pages, which scatters drop."""
+    idx = jnp.clip(positions // page_size, 0, block_tables.shape[1] - 1)
+    page = jnp.take_along_axis(block_tables, idx, axis=1)
+    return jnp.where(positions >= 0, page, num_pages), positions % page_size
+
+
+def _write_feats(feats: jax.Array, f: jax.Array, positions: jax.Array,
+                 block_tables: jax.Array) -> jax.Array:
+    """f [B, T, D] into the feature pages feats [P, page_size, D] at positions [B, T]."""
+    page, off = _page_slots(positions, block_tables, *feats.shape[:2])
+    return feats.at[page, off].set(f.astype(feats.dtype), mode="drop")
+
+
+def _read_feats(feats: jax.Array, positions: jax.Array, block_tables: jax.Array):
+    """The features at positions [B] -> [B, D]; zeros where the position is < 0 (f_{-1} = 0,
+    as in training)."""
+    page, off = _page_slots(positions[:, None], block_tables, *feats.shape[:2])
+    f = feats[jnp.minimum(page, feats.shape[0] - 1), off][:, 0]
+    return jnp.where((positions >= 0)[:, None], f, 0)
+
+
+def _head_prefill(head_params, params, head: HeadPages, tokens, positions, f, rows: Rows,
+                  spec: draft_head.HeadSpec) -> HeadPages:
+    """A prefill chunk into the head's pages: the features f [B, C, D] at positions [B, C],
+    and the pairs (t_i, f_{i-1}) at the head's slots i, f_{c-1} before the chunk read from
+    its page (written by the chunk before, or a cached page's)."""
+    # Written before read: a row may start on a prefix page another row of this step fills
+    # (the scheduler registers pages as it schedules them).
+    feats = _write_feats(head.feats, f, positions, rows.block_tables)
+    prev = _read_feats(feats, rows.position - 1, rows.block_tables)  # [B, D]
+    before = jnp.concatenate([prev[:, None].astype(f.dtype), f[:, :-1]], axis=1)  # f_{i-1}
+    _, cache, _ = draft_head.forward(head_params, params, tokens, before, positions, spec,
+                                     head.cache.with_tables(rows.block_tables),
+                                     logits_at=jnp.maximum(rows.count - 1, 0))
+    return HeadPages(cache=cache.with_tables(head.cache.block_tables), feats=feats)
+
+
+def _head_drafts(head_params, params, state: EngineState, rows: Rows,
+                 spec: draft_head.HeadSpec, k: int):
+    """K drafts per row from the head, as speculative.head_drafts: the pair (x, f_{p-1}) of the
+    row's newest token x (last_token) at p into the head's slot p, whose output drafts d_1;
+    then one draft at a time, each step taking the head's own feature estimate g. Draft j is
+    drawn with the target's key of its position (coupled drafting). Slots past p hold
+    estimates until the verification rewrites the accepted ones (`_head_verified`).
+    -> (state, tokens [B, K + 1]: x, then K drafts)."""
+    from jaxinfer.speculative import _draft_law, _draw
+
+    head = state.head
+    page_size = head.feats.shape[1]
+    p = rows.position  # [B]; -1: padding
+    live = p >= 0
+    x = state.last_token[rows.slot]  # [B]
+    feat = _read_feats(head.feats, p - 1, rows.block_tables)[:, None]  # f_{p-1}: [B, 1, D]
+    cache = head.cache.with_tables(rows.block_tables)
+    tok, pos = x[:, None], jnp.where(live, p, -1)[:, None]
+    drafts = []
+    for j in range(k):
+        logits, cache, feat = draft_head.forward(
+            head_params, params, tok, feat, _in_table(pos, rows.block_tables, page_size), spec,
+            cache)  # [B, 1, V], g [B, 1, D]
+        masked = _draft_law(logits[:, 0], rows.sampling)  # [B, V]
+        nxt = _draw(masked, _keys(rows, p + 1 + j), rows.sampling.greedy,
+                    rows.sampling.flags.all_greedy)  # [B]
+        drafts.append(nxt)
+        tok, pos = nxt[:, None], jnp.where(live, p + 1 + j, -1)[:, None]
+    state = state.replace(head=head.replace(cache=cache.with_tables(head.cache.block_tables)))
+    return state, jnp.concatenate([x[:, None], jnp.stack(drafts, axis=1)], axis=1)
+
+
+def _head_verified(head_params, params, head: HeadPages, tokens, positions, f, a, rows: Rows,
+                   spec: draft_head.HeadSpec) -> HeadPages:
+    """After a verification of tokens [B, K + 1] at positions [B, K + 1] with features f
+    [B, K + 1, D] and a [B] drafts accepted: the kept positions' features (p..p + a) into the
+    feature pages, and the accepted drafts' true pairs (d_j, f_{p+j-1}), j = 1..a, over the
+    estimates drafting left in the head's slots p + 1..p + a. The head's slots then hold true
+    pairs wherever the target's slots hold verified tokens (a page cached later carries no
+    estimate); slot p + a + 1, the next newest token's, is the next drafting's."""
+    t = tokens.shape[1]
+    kept = jnp.arange(t, dtype=jnp.int32)[None, :] <= a[:, None]  # [B, K + 1]
+    feats = _write_feats(head.feats, f, jnp.where(kept, positions, -1), rows.block_tables)
+    accepted = jnp.where(kept[:, 1:] & (positions[:, 1:] >= 0), positions[:, 1:], -1)
+    _, cache, _ = draft_head.forward(head_params, params, tokens[:, 1:], f[:, :-1], accepted,
+                                     spec, head.cache.with_tables(rows.block_tables),
+                                     logits_at=jnp.zeros_like(a))
+    return HeadPages(cache=cache.with_tables(head.cache.block_tables), feats=feats)
 
 
 # -- a draft model's steps (speculative decoding with a draft model; jaxinfer/speculative.py) --
