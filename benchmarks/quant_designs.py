@@ -21,9 +21,13 @@ Variants:
                      then the scales and a sum over g
   xla_int4_nk        codes [N, K] and scales [N, G] (the torch Linear orientation, K contiguous),
                      dequantized, then a dot contracting K
+  nk_deq_dot         the nk weight dequantized by XLA, then XLA's dot (what prefill rows take)
   mgpu_<config>      pallas_kernels/quantized_mgpu.py (Mosaic GPU: TMA tiles of codes [N, K] int4,
-                     swapped-operand wgmma with the dequantized weight from registers), one
-                     variant per entry of MGPU_CONFIGS that fits the shape
+                     swapped-operand wgmma with the codes from registers, scales after each
+                     group's product), with the model's fp16 scales: one variant per entry of
+                     MGPU_CONFIGS that fits the shape, the default config (and with bf16 scales)
+  mgpu_pair_<cfg>,   two weights of the shape (gate and up) in one launch, and in two
+  mgpu_two_calls
   torch_tinygemm     torch.ops.aten._weight_int4pack_mm on _convert_weight_to_int4pack(inner k
                      tiles 8); the same codes and scales (zeros 0); skipped with a note without
                      torch or CUDA. Timed in a CUDA graph of calls, each call's x first passed

@@ -118,7 +118,7 @@ class KernelPolicy:
     # size, the other rows or how a prompt is chunked (KernelPolicy.deterministic says what
     # else does).
     batch_invariant: bool = False
-    # Symmetric int4 and int8 weights in groups of 128 at decode rows (<= 64): "mosaic"
+    # Symmetric int4 / int8 / fp8 weights in groups of 128 at decode rows (<= 64): "mosaic"
     # repacks them K-contiguous per output column for the Mosaic GPU kernel
     # (pallas_kernels/quantized_mgpu.py), "triton" keeps the fused Triton kernels' tiles; "auto": mosaic on Hopper GPUs (kernels
     # on, not batch_invariant, not sharded), else triton.

@@ -1,6 +1,7 @@
-"""int4 / int8 decode matmul for Hopper on the Pallas Mosaic GPU backend.
+"""int4 / int8 / fp8 decode matmul for Hopper on the Pallas Mosaic GPU backend.
 
-    y [M, N] = x [M, K] @ (codes [N, K] * scale[g, n])     codes int4 or int8, groups of 128
+    y [M, N] = x [M, K] @ (codes [N, K] * scale[g, n])     codes int4, int8 or fp8 e4m3,
+                                                           groups of 128
 
 Swapped operands: the weight is wgmma's A operand (its N rows are the MMA's M side, 64 per
 block) and x^T its B operand (M <= 64 rows padded to a multiple of 8 are the MMA's N side),
@@ -64,8 +65,8 @@ def _smem_transforms(row_bits: int, dtype_bits: int):
 
 
 def nk_unfit(qw: QuantizedWeight) -> str | None:
-    """Why qw cannot take the "nk" layout (None: it can): symmetric int4 or int8 in groups of
-    128 of one [K, N] matrix, N a multiple of 64."""
+    """Why qw cannot take the "nk" layout (None: it can): symmetric int4, int8 or fp8 e4m3 in
+    groups of 128 (fp8 also one scale per column) of one [K, N] matrix, N a multiple of 64."""
     if qw.layout == "nk":
         return None
     signed8 = qw.bits == (8,) and qw.planes[0].dtype in (jnp.int8, jnp.float8_e4m3fn)
@@ -239,9 +240,10 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, *,
 
         if nw == 1:
             block(w_refs[0], s_refs[0], nb)
-        for i in range(nw if nw > 1 else 0):
-            pl.when((nb >= starts[i]) & (nb < starts[i + 1]))(
-                functools.partial(block, w_refs[i], s_refs[i], nb - starts[i]))
+        else:  # the weight whose blocks hold grid index nb
+            for i in range(nw):
+                pl.when((nb >= starts[i]) & (nb < starts[i + 1]))(
+                    functools.partial(block, w_refs[i], s_refs[i], nb - starts[i]))
 
     out = plgpu.kernel(
         kernel,
