@@ -126,7 +126,8 @@ def xla_int4_nk(x, c4t, st):
 # product, a wait per group, 128-row blocks: all removed) at gps 1-4, stages 3-8, splits 1-4.
 # These are the default's neighbours.
 MGPU_CONFIGS = [MgpuMatmulConfig(gps=g, stages=st, splits=sp)
-                for g, st, sp in ((2, 4, 4), (2, 4, 2), (2, 6, 4), (4, 4, 2), (1, 8, 4))]
+                for g, st, sp in ((2, 4, 4), (2, 4, 2), (2, 6, 4), (4, 4, 2), (1, 8, 4), (2, 4, 1),
+                                   (4, 4, 1))]
 
 
 def mgpu_call(cfg: MgpuMatmulConfig, interpret: bool):

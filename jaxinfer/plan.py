@@ -123,6 +123,9 @@ class KernelPolicy:
     # (pallas_kernels/quantized_mgpu.py), "triton" keeps the fused Triton kernels' tiles; "auto": mosaic on Hopper GPUs (kernels
     # on, not batch_invariant, not sharded), else triton.
     quant_matmul: str = "auto"
+    # The most rows (B * T) an nk weight's matmul takes through the Mosaic GPU kernel (at most
+    # its 64); more dequantize the weight and take XLA's dot (prefill).
+    mosaic_int_rows: int = 64
     attention_chunk: int = 512
     # Tile overrides for sweeps: ((K, N, weights), MatmulBlockSizes) pairs for the fused
     # matmuls, and the decode attention kernels' block sizes.
@@ -175,6 +178,10 @@ class KernelPolicy:
             raise ValueError(f"KernelPolicy.quant_matmul={self.quant_matmul!r}: one of 'auto', "
                              f"'mosaic', 'triton'")
         _check_int("fused_rows", self.fused_rows, 0)
+        _check_int("mosaic_int_rows", self.mosaic_int_rows, 0)
+        if self.mosaic_int_rows > 64:
+            raise ValueError(f"KernelPolicy.mosaic_int_rows={self.mosaic_int_rows}: the Mosaic "
+                             f"GPU kernel takes at most 64 rows")
         _check_int("one_kernel_mlp_rows", self.one_kernel_mlp_rows, 0)
         _check_int("attention_chunk", self.attention_chunk, 16)
         _check_int("steps_per_sync", self.steps_per_sync, 1)

@@ -150,8 +150,9 @@ def _mosaic_int_supports(x, w, plan, **_) -> str | None:
         return "not an int4 / int8 weight in the nk layout"
     if not kernels_on(plan, x.dtype) or plan.sharded or jnp.dtype(x.dtype) != jnp.bfloat16:
         return "kernels off, a sharded plan or activations not bfloat16"
-    if rows(x) > 64:
-        return f"{rows(x)} rows (the kernel takes decode rows, at most 64)"
+    if rows(x) > plan.policy.mosaic_int_rows:
+        return (f"{rows(x)} rows (more than KernelPolicy.mosaic_int_rows = "
+                f"{plan.policy.mosaic_int_rows})")
     return None
 
 
