@@ -380,13 +380,14 @@ def has_quantized(params) -> bool:
 
 def int_layout_params(params, plan: Plan):
     """params with their int4 / int8 matmul weights in the layout the plan's kernels read
-    (jaxinfer/ops/linear.int_layout): "nk" for the Mosaic GPU kernel where a weight fits it
-    (pk.nk_unfit), else the tiles the Triton kernels read. Embedding tables keep theirs."""
+    (jaxinfer/ops/linear.int_layout): "nk" for the Mosaic GPU kernel where a weight (or a
+    layer's stacked experts) fits it (pk.nk_unfit), else the tiles the Triton kernels read.
+    Embedding tables keep theirs."""
     layout = int_layout(plan)
     specs = registry.family(plan.config).param_specs(plan.config)
 
     def one(spec, p):
-        if spec.kind is not Kind.DENSE or not isinstance(p, QuantizedWeight) \
+        if spec.kind not in (Kind.DENSE, Kind.EXPERTS) or not isinstance(p, QuantizedWeight) \
                 or p.layout == layout:
             return p
         if layout == "tiles":

@@ -176,12 +176,14 @@ def _pallas_reason(x, w_gate, plan) -> str | None:
 
 
 def _weights_reason(dtype, w_gate, w_up, w_down) -> str | None:
-    """Why the kernels do not take these stacked weights, or None: plain ones must be in
-    the activations' dtype; a quantized gate and up share one K loop, so one K tile."""
+    """Why the Triton kernels do not take these stacked weights, or None: plain ones must be
+    in the activations' dtype; a quantized gate and up share one K loop, so one K tile."""
     for w in (w_gate, w_up, w_down):
         if not isinstance(w, QuantizedWeight) and getattr(w, "dtype", None) != dtype:
             return (f"expert weights {getattr(w, 'dtype', type(w).__name__)} differ "
                     f"from the activations' {dtype}")
+        if isinstance(w, QuantizedWeight) and w.layout == "nk":
+            return "experts laid out for the Mosaic GPU kernel (nk)"
     tiles = {w.tile for w in (w_gate, w_up) if isinstance(w, QuantizedWeight)}
     if len(tiles) > 1:
         return f"quantized gate and up weights with different K tiles {sorted(tiles)}"
@@ -201,6 +203,35 @@ def _pallas_experts(kernel, x, weights, experts, w_gate, w_up, w_down, plan):
     out = kernel(x.reshape(-1, d), weights, experts, w_gate, w_up, w_down,
                  interpret=plan.policy.interpret, block_sizes=blocks)  # [N, D] float32
     return out.reshape(*lead, d)
+
+
+def _mosaic_decode_supports(x, weights, experts, w_gate, w_up, w_down, plan) -> str | None:
+    if not all(isinstance(w, QuantizedWeight) and w.layout == "nk"
+               for w in (w_gate, w_up, w_down)):
+        return "not int4 / int8 / fp8 experts in the nk layout"
+    if plan.sharded or jnp.dtype(x.dtype) != jnp.bfloat16:
+        return "a sharded plan or activations not bfloat16"
+    assignments = rows(x) * plan.config.moe.experts_per_token
+    if assignments > min(64, plan.policy.mosaic_int_rows):
+        return (f"{assignments} token-expert assignments (the kernel takes at most 64, the "
+                f"plan's mosaic_int_rows)")
+    return _pallas_reason(x, w_gate, plan) or _decode_rows_reason(x, w_gate, plan)
+
+
+@EXPERTS.register("mosaic_decode", _mosaic_decode_supports)
+def _mosaic_decode(x, weights, experts, w_gate, w_up, w_down, plan):
+    """pallas_kernels.quantized_mgpu's kernel with stacked experts: gate and up of every
+    token-expert assignment in one launch (each reads only its expert's codes), the SwiGLU,
+    the down projection in a second launch, the k experts weighted."""
+    lead, d = x.shape[:-1], x.shape[-1]
+    n, k = experts.shape
+    ids = experts.reshape(-1)  # [A = N k]
+    interpret, f32 = plan.policy.interpret, jnp.float32
+    g, u = pk.quantized_matmul_mgpu(x.reshape(n, d), (w_gate, w_up), experts=(
+        ids, jnp.arange(n * k) // k), interpret=interpret, out_dtype=f32)  # [A, F] each
+    y = pk.quantized_matmul_mgpu(_swiglu_act(g, u, x.dtype), w_down, experts=(
+        ids, jnp.arange(n * k)), interpret=interpret, out_dtype=f32)  # [A, D]
+    return jnp.einsum("nkd,nk->nd", y.reshape(n, k, d), weights).reshape(*lead, d)
 
 
 @EXPERTS.register("pallas_decode", _pallas_decode_supports)
