@@ -46,6 +46,7 @@ class HeadSpec:
 
     kind: str  # "eagle" | "mtp"
     plan: Plan
+    rejection: bool = False  # rejection sampling for sampled rows (speculative.py)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -56,6 +57,9 @@ class FeatureHead:
     spec: HeadSpec
     params: dict
     fingerprint: dict  # target_fingerprint() of the model it belongs to
+    # Sampled rows accept by rejection sampling (min(1, p/q), the head's law q) instead of
+    # the coupled rule: dataclasses.replace(head, rejection=True).
+    rejection: bool = False
 
 
 def head_config(config: Config, kind: str) -> Config:
@@ -141,7 +145,7 @@ def for_model(head: FeatureHead, model) -> FeatureHead:
     config = head.spec.plan.config.replace(dtype=model.config.dtype)
     spec = HeadSpec(head.spec.kind, dataclasses.replace(model.plan, config=config))
     params = cast_floating(head.params, config.dtype, head_specs(spec))
-    return FeatureHead(spec, params, head.fingerprint)
+    return FeatureHead(spec, params, head.fingerprint, head.rejection)
 
 
 # ---------------------------------------------------------------------------------------------

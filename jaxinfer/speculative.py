@@ -199,7 +199,8 @@ def model_drafts(draft_params, state: SpecState, k: int, draft: _DraftPlan):
 
 
 def head_drafts(params, head_params, state: SpecState, k: int, spec: draft_head.HeadSpec):
-    """K drafts from a feature head -> (drafts [B, K], its HeadState). Its first forward
+    """K drafts from a feature head -> (drafts [B, K], with spec.rejection their laws
+    [B, K, V] else None, its HeadState). Its first forward
     takes the pairs (t_{pos+1+j}, f_{pos+j}) at pos+1+j for j = 0..K, the tokens the last
     verification scored: those through x (at p) are now known true; those past it are stale,
     and their slots are written over before any query at or past them reads them (as rejected
@@ -216,16 +217,18 @@ def head_drafts(params, head_params, state: SpecState, k: int, spec: draft_head.
     logits, cache, g = draft_head.forward(head_params, params, tokens, hs.feats, positions,
                                           spec, hs.cache, logits_at=at)  # [B, 1, V], [B, T, D]
     g = g[rows, at][:, None]  # [B, 1, D]
-    drafts = []
+    drafts, laws = [], []
     for j in range(k):
         masked = _draft_law(logits[:, 0], tensors)  # [B, V]
         nxt = _draw(masked, sampling.step_keys(d.sampler, p + 1 + j), tensors.greedy,
                     tensors.flags.all_greedy)  # [B]
         drafts.append(nxt)
+        laws.append(masked)
         if j + 1 < k:
             logits, cache, g = draft_head.forward(head_params, params, nxt[:, None], g,
                                                   (p + 1 + j)[:, None], spec, cache)
-    return jnp.stack(drafts, axis=1), hs.replace(cache=cache)
+    return (jnp.stack(drafts, axis=1), jnp.stack(laws, axis=1) if spec.rejection else None,
+            hs.replace(cache=cache))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -372,8 +375,8 @@ def _spec_round(params, draft_params, state: SpecState, plan: Plan, k: int,
 
         return jax.lax.cond(jnp.any(found & ~state.decode.done), verify, plain, state)
     if isinstance(drafter, draft_head.HeadSpec):
-        drafts, head = head_drafts(params, draft_params, state, k, drafter)
-        return _verify_round(params, state.replace(head=head), drafts, None, plan)
+        drafts, draft_laws, head = head_drafts(params, draft_params, state, k, drafter)
+        return _verify_round(params, state.replace(head=head), drafts, draft_laws, plan)
     drafts, draft_laws, draft_cache = model_drafts(draft_params, state, k, drafter)
     return _verify_round(params, state.replace(draft_cache=draft_cache), drafts, draft_laws,
                          plan)
@@ -523,7 +526,7 @@ def _prepare(model, prompts, max_new_tokens, sampling_params, seed, chat, stop, 
     if isinstance(drafter, draft_head.FeatureHead):  # its layer on the request's plan and dtype
         head = draft_head.for_model(drafter, model)
         spec = draft_head.HeadSpec(head.spec.kind, dataclasses.replace(
-            req.plan, config=head.spec.plan.config))
+            req.plan, config=head.spec.plan.config), drafter.rejection)
         return _SpecRequest(req, k, spec, head.params)
     need = max(len(p) for p in req.ids) + int(max_new_tokens) + k
     context = drafter.model.config.max_position_embeddings

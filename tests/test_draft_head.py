@@ -5,6 +5,7 @@ refused before anything compiles."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import shutil
@@ -212,6 +213,8 @@ def test_engine_with_a_head_equals_generate(looping):
                         looping.tokenizer, dtype="float32")))
     with pytest.raises(ValueError, match="not loaded from one"):
         _engine(looping, speculative="head")
+    with pytest.raises(ValueError, match="coupled acceptance only"):
+        _engine(looping, speculative=dataclasses.replace(head, rejection=True))
     with pytest.raises(ValueError, match="needs a DeepSeek-V3 checkpoint"):
         _engine(looping, speculative="mtp")
 

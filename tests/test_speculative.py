@@ -68,7 +68,7 @@ def test_verification_forward_runs_a_kernel_and_matches_decode_steps(verify_quer
 import pathlib  # noqa: E402
 
 import jaxinfer  # noqa: E402
-from jaxinfer import speculative  # noqa: E402
+from jaxinfer import draft_head, speculative  # noqa: E402
 from jaxinfer.model import from_params  # noqa: E402
 from jaxinfer.sampling import SamplingParams  # noqa: E402
 
@@ -253,12 +253,14 @@ def _chi_square_p(counts: np.ndarray, law: np.ndarray) -> float:
     return float(stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue)
 
 
-def test_rejection_sampling_follows_the_target_law():
-    """DraftModel(rejection=True) with a draft whose law differs from the target's: the first
-    two tokens of the first round (one of an accepted draft, a residual draw, or the bonus
-    token) follow the target's marginal laws, computed exactly from its full forward over all
-    V and V * V continuations (V = 16). The same counts against the law an always-accepting
-    rule would give are refused, so the sample size can tell the two apart."""
+@pytest.mark.parametrize("drafter", ["draft", "head"])
+def test_rejection_sampling_follows_the_target_law(drafter, monkeypatch):
+    """DraftModel(rejection=True), or a random feature head with rejection=True, whose law
+    differs from the target's: the first two tokens of the first round (one of an accepted
+    draft, a residual draw, or the bonus token) follow the target's marginal laws, computed
+    exactly from its full forward over all V and V * V continuations (V = 16). For the draft
+    model, the same counts against the law an always-accepting rule would give are refused,
+    so the sample size can tell the two apart."""
     config = Config(vocab_size=16, hidden_size=32, intermediate_size=64, num_layers=2,
                     num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=16,
                     eos_token_ids=())
@@ -271,13 +273,17 @@ def test_rejection_sampling_follows_the_target_law():
 
     target, draft = model(1), model(2)
     prompt, n, v = [3, 1, 4], 6000, config.vocab_size
+    spec_arg = speculative.DraftModel(draft, rejection=True) if drafter == "draft" else \
+        dataclasses.replace(draft_head.init_eagle(target, 3), rejection=True)
+    traced = []  # the rounds take the rejection rule (the coupled one gives the target's law too)
+    real = speculative._rejection
+    monkeypatch.setattr(speculative, "_rejection", lambda *a: traced.append(1) or real(*a))
     out = jaxinfer.generate(target, [prompt] * n, max_new_tokens=3,
                             sampling=SamplingParams(temperature=1.0), seed=11,
-                            speculative=speculative.DraftModel(draft, rejection=True),
-                            num_speculative_tokens=2)
+                            speculative=spec_arg, num_speculative_tokens=2)
     tokens = np.array([c.token_ids for c in out])  # [N, 3]: prefill's token, then the round's
     accepted = sum(c.accepted_tokens for c in out)
-    assert 0.1 * n < accepted < 1.9 * n  # drafts are accepted and rejected
+    assert traced and 0.1 * n < accepted < 1.9 * n  # drafts are accepted and rejected
 
     def laws(m, prefix_len):  # p(next | prompt + every prefix of that length) [V] * len, V
         prefixes = np.array(list(itertools.product(range(v), repeat=prefix_len)),
@@ -295,8 +301,9 @@ def test_rejection_sampling_follows_the_target_law():
     assert _chi_square_p(np.bincount(tokens[:, 0], minlength=v), p1) > 1e-3
     assert _chi_square_p(count2, marginal2) > 1e-3
     assert _chi_square_p(count3, marginal3) > 1e-3
-    always_accept = p1 @ laws(draft, 1)  # t2's law if every first draft were accepted
-    assert _chi_square_p(count2, always_accept) < 1e-6
+    if drafter == "draft":
+        always_accept = p1 @ laws(draft, 1)  # t2's law if every first draft were accepted
+        assert _chi_square_p(count2, always_accept) < 1e-6
 
 
 def test_cli_speculative(tiny_chat, tiny_chat_dir, capsys):

@@ -705,6 +705,10 @@ class Engine:
         if self.decode_steps != 1:
             raise ValueError("speculative decoding takes decode_steps=1 (a verification "
                              "already yields several tokens per step)")
+        if getattr(speculative, "rejection", False):
+            raise ValueError("the engine verifies drafts by coupled acceptance only (the same "
+                             "tokens as without speculation); rejection sampling: use "
+                             "jaxinfer.generate")
         if head is not None:
             if head.spec.plan.config.mla is not None:
                 raise ValueError("this head's layer attends through an MLA latent cache, "
@@ -716,10 +720,6 @@ class Engine:
         if isinstance(speculative, NGram):
             return speculative, None, None, int(k)
         draft = speculative.model
-        if speculative.rejection:
-            raise ValueError("the engine verifies drafts by coupled acceptance only (the same "
-                             "tokens as without speculation); rejection sampling: use "
-                             "jaxinfer.generate")
         if draft.config.mla is not None:
             raise ValueError("an MLA draft model has no paged cache yet; use a GQA draft model")
         check_same_vocabulary(self.model, draft)
