@@ -14,6 +14,7 @@ import pytest
 import pallas_kernels as pk
 from jaxinfer.plan import Plan
 from jaxinfer.generate import int_layout_params
+from jaxinfer.model import from_params
 from jaxinfer.models import llama
 from jaxinfer.weights import quantize_params, typed
 from jaxinfer.cache import KVCache
@@ -22,7 +23,7 @@ from checkpoints import gguf_blocks
 from kernel_testing import jitted_calls_in, normal, rel_err
 from pallas_kernels.quantized import dequantize, quantize_weight
 from pallas_kernels.quantized_mgpu import MgpuMatmulConfig
-from test_gguf_blocks import QT, assert_bits_equal, random_blocks, tiny_llama
+from test_gguf_blocks import QT, assert_bits_equal, mixed, random_blocks, tiny_llama
 from test_kernel_wiring import INTERPRET, assert_close_to_reference, decode_steps, random_params, tiny_config
 
 GGUF = gguf_blocks.BLOCK_TYPES  # Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K
@@ -169,12 +170,15 @@ def test_decode_path_takes_the_mosaic_kernel_and_matches_reference():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
-@pytest.mark.parametrize("bits", [4, 8, "fp8"])
+@pytest.mark.parametrize("bits", [4, 8, "fp8", "int4_g32", "int4_asym_g32", "int4_asym_g64",
+                                  *GGUF])
 @pytest.mark.parametrize("m, k, n, cfg", [
     (1, 4096, 1024, None), (16, 2048, 512, None), (64, 1024, 256, None),
-    (3, 1024, 256, MgpuMatmulConfig(gps=1, stages=3, splits=2))])
+    (3, 1024, 256, MgpuMatmulConfig(gps=1, stages=3, splits=2)),
+    (5, 2048, 256, MgpuMatmulConfig(gps=4, stages=2, splits=2, batch=3))])
 def test_kernel_matches_reference_gpu(bits, m, k, n, cfg):
-    """The compiled kernel on the H200 (default configurations and a one-group step)."""
+    """The compiled kernel on the H200 (default configurations, a one-unit step with K-quants'
+    super rows over two steps, a four-unit step in batches of 3 groups)."""
     nk = pk.to_nk(_int4(4, k, n, bits=bits))
     x = normal(5, (m, k), jnp.bfloat16)
     want = pk.quantized_matmul_mgpu_reference(x, nk, out_dtype=jnp.float32)
@@ -194,3 +198,30 @@ def test_decode_path_takes_the_mosaic_kernel_gpu():
     ids = jax.random.randint(jax.random.key(2), (2, 13), 0, config.vocab_size)
     fused, _ = decode_steps(nk, plan, ids)
     assert_close_to_reference(params, config, ids, fused)
+
+
+@pytest.mark.parametrize("on_gpu", [False, pytest.param(True, marks=[
+    pytest.mark.gpu, pytest.mark.skipif(jax.default_backend() != "gpu",
+                                        reason="needs an NVIDIA GPU")])], ids=["traced", "gpu"])
+def test_gguf_model_takes_the_mosaic_kernel(tmp_path, on_gpu):
+    """A GGUF of Q4_K_M's mix (Q4_K; attn_v in Q6_K: q, k, v as Parts) loaded kept quantized:
+    every matmul weight (each part) goes nk on load, and each decode-path product takes the
+    kernel (counted in the traced step: per layer q, k, v, o, gate and up in one launch,
+    down; the head). On the H200, with the default policy: logits against the reference
+    path."""
+    config, params, _ = G.load_gguf(tiny_llama(tmp_path / "q4_k_m.gguf", mixed))
+    policy = None if on_gpu else INTERPRET.replace(quant_matmul="mosaic", dequant_block_bytes=0)
+    model = from_params(config, params, dtype="bfloat16", policy=policy)
+    plan = Plan(model.config, model.policy)
+    layer = model.params["layers"][0]
+    assert [p.layout for p in layer["wqkv"].parts] == ["nk"] * 3
+    assert {layer[w].layout for w in ("wo", "w_gate", "w_up", "w_down")} == {"nk"}
+    assert model.params["lm_head"].layout == "nk" and model.params["embed"].layout == "tiles"
+    tokens = jnp.ones((2, 1), jnp.int32)
+    calls = jitted_calls_in(lambda p, c: llama.forward(p, tokens, tokens, plan, c),
+                            model.params, KVCache.init(model.config, 2, 16))
+    assert calls["int_matmul_mgpu"] == 6 * config.num_layers + 1, calls
+    if on_gpu:
+        ids = jax.random.randint(jax.random.key(2), (2, 13), 0, config.vocab_size)
+        fused, _ = decode_steps(model.params, plan, ids)
+        assert_close_to_reference(model.params, model.config, ids, fused)
