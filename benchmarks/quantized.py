@@ -12,8 +12,8 @@ each as TB/s of its bytes, the fraction of the 4.27 TB/s floor and the speed-up 
 kernel. Tile variants of the int4 kernel are timed beside the defaults; every format the
 Mosaic GPU kernel takes (all of the above) also through it, as the decode path does on Hopper
 (`mosaic`: the weight in the "nk" layout, its bytes: 5- and 6-bit codes take a byte there; at
-4096 x 14336, M = 1, Q4_K and Q6_K also in other kernel configurations), and int4 g128
-through torch's tinygemm (`_weight_int4pack_mm`, the gpt-fast peer; skipped with a note where
+4096 x 14336, M = 1, int4 g32, Q4_0, Q8_0, Q4_K and Q6_K also in other kernel configurations),
+and int4 g128 through torch's tinygemm (`_weight_int4pack_mm`, the gpt-fast peer; skipped with a note where
 torch or CUDA is missing), with each row's speed-up over tinygemm. At M = 2048 (prefill) the kernel is timed against
 dequantize-then-GEMM through XLA and the bf16 GEMM (TFLOP/s). Timing as benchmarks/kernels.py.
 """
@@ -69,10 +69,13 @@ def formats(w, k: int, n: int, rng) -> dict:
     return {name: f() for name, f in make.items() if FORMATS is None or name in FORMATS}
 
 
-# Kernel configurations timed beside the default for the K-quants at 4096 x 14336, M = 1.
-MOSAIC_VARIANTS = [MgpuMatmulConfig(gps=g, stages=st, splits=sp, batch=b)
-                   for g, st, sp, b in ((2, 4, 2, 0), (4, 4, 2, 0), (2, 6, 4, 0),
-                                        (1, 8, 4, 0), (2, 4, 4, 4))]
+# Kernel configurations timed beside the default for groups under 128 at 4096 x 14336, M = 1
+# (wide: 128-code tiles sliced per group in registers).
+MOSAIC_VARIANTS = [MgpuMatmulConfig(gps=g, stages=st, splits=sp, batch=b, wide=w)
+                   for g, st, sp, b, w in ((2, 4, 2, 0, False), (4, 4, 2, 0, False),
+                                           (2, 6, 4, 0, False), (1, 8, 4, 0, False),
+                                           (2, 4, 4, 4, False), (2, 4, 4, 0, True),
+                                           (4, 4, 2, 0, True), (2, 6, 4, 0, True))]
 
 
 def record(**row) -> None:
@@ -117,7 +120,7 @@ def bench_decode(k: int, n: int, m: int, iters: int, sets: int, rng, variants: b
             e = rel_err(pk.quantized_matmul_mgpu(xs[0], nks[0]),
                         pk.quantized_matmul_reference(xs[0], qs[0]))
             cfgs = {"mosaic": None}
-            if variants and name in ("q4_k", "q6_k"):
+            if variants and name in ("int4_g32_asym", "q4_0", "q8_0", "q4_k", "q6_k"):
                 cfgs.update({f"mosaic_{c}": c for c in MOSAIC_VARIANTS})
             for tname, cfg in cfgs.items():
                 fn = jax.jit(lambda x, q, c=cfg: pk.quantized_matmul_mgpu(x, q, cfg=c))

@@ -60,15 +60,18 @@ _ACC_REGS = 64  # float32 registers a thread gives the products in flight ([64, 
 class MgpuMatmulConfig:
     """gps: 128-wide units of K per step (one TMA tile); stages: K steps in flight; splits: K
     ranges (grid axis, float32 partial sums); batch: groups whose products share one wgmma
-    wait (0: all of the step's). A block takes BN = 64 weight rows (one wgmma M)."""
+    wait (0: all of the step's); wide (groups under 128): code tiles 128 codes wide, loaded
+    once per batch and sliced per group in registers, not one group wide (16-byte rows are
+    unswizzled) and loaded per group. A block takes BN = 64 weight rows (one wgmma M)."""
     gps: int = 2
     stages: int = 4
     splits: int = 1
     batch: int = 0
+    wide: bool = False
 
     def __str__(self):
-        return f"g{self.gps}_s{self.stages}_k{self.splits}" + (f"_b{self.batch}"
-                                                                 if self.batch else "")
+        return (f"g{self.gps}_s{self.stages}_k{self.splits}"
+                + (f"_b{self.batch}" if self.batch else "") + ("_w" if self.wide else ""))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,11 +213,11 @@ def _bits(dtype) -> int:
     return 4 if dtype == jnp.int4 else 8  # int8, fp8 e4m3
 
 
-def _codes(w_smem, j, group):
-    """Group j of the code tile -> bf16 [bn, group] codes (exact: int4, int8, fp8 e4m3) in
-    the wgmma layout."""
+def _codes(w_smem, u, unit):
+    """Codes u * unit .. + unit - 1 of the code tile -> bf16 [bn, unit] (exact: int4, int8,
+    fp8 e4m3) in the wgmma layout."""
     bits = _bits(w_smem.dtype)
-    w = plgpu.load(w_smem.at[:, pl.ds(j * group, group)], layout=_UPCAST[bits])
+    w = plgpu.load(w_smem.at[:, pl.ds(u * unit, unit)], layout=_UPCAST[bits])
     w = plgpu.layout_cast(w, _WGMMA)
     if w.dtype == jnp.float8_e4m3fn:  # Hopper converts e4m3 to f16 only; both exact here
         w = w.astype(jnp.float16)
@@ -284,8 +287,10 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_sca
     gst = bk // group  # groups per step
     batch = cfg.batch or gst
     bits = _bits(codes[0].dtype)
-    # one group wide (a group is a slice of them), at least 16 bytes (TMA's least box row)
-    w_tr = _smem_transforms(max(group * bits, 128), bits)
+    # A load's codes: a whole tile column of the smem layout (Mosaic slices whole tiles), of
+    # at least 16 bytes (TMA's least box row).
+    unit = max(group, GROUP) if cfg.wide else group
+    w_tr = _smem_transforms(max(unit * bits, 128), bits)
     x_tr = _smem_transforms(group * 16, 16)
     srows = max(1, bk // sg) if sg else 0  # super rows per step
     per = sg // bk if sg and sg > bk else 1  # steps per super row
@@ -326,13 +331,21 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_sca
             def products(w_smem, x_smem, js):  # [codes_j @ x_j^T for groups j]
                 def xj(j):  # x [Mp, group] of group j
                     return x_smem.at[:, pl.ds(j * group, group)]
+
+                def codes_of_groups():  # group j's bf16 [bn, group] codes, a load per unit
+                    units = {}
+                    for j in js:
+                        u, r = divmod(j * group, unit)
+                        if u not in units:
+                            units[u] = _codes(w_smem, u, unit)
+                        yield j, units[u] if unit == group else units[u][:, r:r + group]
                 if interpret:  # the GPU interpreter takes no register operand for wgmma
-                    return [jnp.dot(_codes(w_smem, j, group), xj(j)[...].T,
-                                    preferred_element_type=jnp.float32) for j in js]
+                    return [jnp.dot(c, xj(j)[...].T, preferred_element_type=jnp.float32)
+                            for j, c in codes_of_groups()]
 
                 def scope(*accs):
-                    for j, acc_ref in zip(js, accs):
-                        plgpu.wgmma(acc_ref, _codes(w_smem, j, group), xj(j).T)
+                    for (j, c), acc_ref in zip(codes_of_groups(), accs):
+                        plgpu.wgmma(acc_ref, c, xj(j).T)
                     return [acc_ref[...] for acc_ref in accs]  # one wait for the batch
                 return pl.run_scoped(scope, *[plgpu.ACC((bn, mp), jnp.float32)] * len(js))
 

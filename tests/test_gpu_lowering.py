@@ -240,9 +240,9 @@ NK_FORMATS = {
 }
 
 
-def nk_case(fmt: str, m: int, k: int, ns: tuple):
+def nk_case(fmt: str, m: int, k: int, ns: tuple, cfg=None):
     """(fn, abstract args): x [m, k] @ one weight per N in ns of format fmt (several: one
-    launch, as gate and up)."""
+    launch, as gate and up), in configuration cfg (None: the default)."""
     codes, bits, group, sg, code_offset, *dtypes = NK_FORMATS[fmt]
     rows = (k // group, k // group, k // max(sg, 1), k // max(sg, 1))
     fields = ("scale", "offset", "super_scale", "super_offset")
@@ -258,7 +258,7 @@ def nk_case(fmt: str, m: int, k: int, ns: tuple):
             planes=(arrays[i],), **dict(zip(have, arrays[i + 1:i + per])), k=k,
             out_shape=(arrays[i].shape[0],), bits=bits, group=group, super_group=sg,
             code_offset=code_offset, layout="nk") for i in range(0, len(arrays), per))
-        return pk.quantized_matmul_mgpu(x, ws)
+        return pk.quantized_matmul_mgpu(x, ws, cfg=cfg)
     return fn, tuple(args)
 
 
@@ -267,6 +267,9 @@ for _fmt in NK_FORMATS:
 for _fmt, _m in (("Q4_K", 16), ("Q6_K", 16), ("int4 asym g64", 64)):  # M 64: waits per 2
     KERNEL_CASES[f"{_fmt} mosaic {_m}x14336x4096"] = nk_case(_fmt, _m, 14336, (4096,))
 KERNEL_CASES["Q4_K mosaic gate+up 1x4096x2x14336"] = nk_case("Q4_K", 1, 4096, (14336, 14336))
+for _fmt in ("Q4_0", "Q6_K"):  # 128-code tiles, each group's codes sliced in registers
+    KERNEL_CASES[f"{_fmt} mosaic wide 16x4096x14336"] = nk_case(
+        _fmt, 16, 4096, (14336,), pk.MgpuMatmulConfig(gps=2, stages=4, splits=4, wide=True))
 
 
 @pytest.mark.parametrize("name", list(KERNEL_CASES))
