@@ -54,6 +54,7 @@ _WGMMA_COL = plgpu.Layout.WGMMA.reduce(0)  # [Mp]: one value per column
 _UPCAST = {4: plgpu.Layout.WGMMA_UPCAST_4X, 8: plgpu.Layout.WGMMA_UPCAST_2X}
 _CODES = {4: jnp.int4, 8: jnp.int8}
 _ACC_REGS = 64  # float32 registers a thread gives the products in flight ([64, Mp]: Mp / 2)
+_SMEM = 216 * 1024  # shared memory the stages and the output may take (H200: 227 KB)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,11 +169,13 @@ def to_tiles(qw: QuantizedWeight) -> QuantizedWeight:
     return qw.replace(planes=tuple(planes), layout="tiles")
 
 
-def default_config(m: int, k: int, n: int, fmt: NkFormat = NkFormat()) -> MgpuMatmulConfig:
+def default_config(m: int, k: int, n: int, fmt: NkFormat = NkFormat(),
+                   code_bits: int = 4) -> MgpuMatmulConfig:
     """Two 128-wide units a step, four steps in flight, K in four ranges, as K allows (the
     best or within 5% of it at every decode shape of Llama-3-8B, groups of 128:
     benchmarks/DECISIONS.md); a split holds whole super-groups; the products of as many
-    groups in flight as _ACC_REGS registers hold."""
+    groups in flight as _ACC_REGS registers hold; fewer stages where four would pass _SMEM
+    (8-bit codes at 64 rows)."""
     units = k // GROUP
     gps = 2 if units % 2 == 0 else 1
     whole = max(gps, fmt.super_group // GROUP)  # units a split must hold whole
@@ -180,7 +183,13 @@ def default_config(m: int, k: int, n: int, fmt: NkFormat = NkFormat()) -> MgpuMa
     mp = max(8, -(-m // 8) * 8)
     per_step = gps * GROUP // fmt.group
     batch = max(1, min(per_step, 2 * _ACC_REGS // mp))
-    return MgpuMatmulConfig(gps=gps, stages=4, splits=splits,
+    # A stage's bytes: codes, x, then per group a scale (and offset) row and x's sum, and
+    # the super rows, counted at 4 bytes an element (at most).
+    bk = gps * GROUP
+    stage = (BN * bk * code_bits // 8 + mp * bk * 2
+             + per_step * 4 * (BN * (1 + fmt.offset) + mp * fmt.x_sums) + 2 * BN * 4)
+    stages = max(2, min(4, (_SMEM - BN * mp * 4) // stage))
+    return MgpuMatmulConfig(gps=gps, stages=stages, splits=splits,
                             batch=0 if batch == per_step else batch)
 
 
@@ -198,7 +207,8 @@ def quantized_matmul_mgpu(x, qw, *, cfg: MgpuMatmulConfig | None = None,
     if any(nk_format(w) != fmt for w in qws):
         raise ValueError(f"quantized_matmul_mgpu: weights of different formats "
                          f"({', '.join(w.name for w in qws)}) take one launch each")
-    cfg = cfg or default_config(x.shape[0], qws[0].k, sum(w.n for w in qws), fmt)
+    cfg = cfg or default_config(x.shape[0], qws[0].k, sum(w.n for w in qws), fmt,
+                                _bits(qws[0].planes[0].dtype))
 
     def arrays(name):
         return tuple(getattr(w, name) for w in qws) if getattr(fmt, name) else ()
