@@ -37,6 +37,7 @@ from pallas_kernels.quantized import QuantizedWeight, dequantize, quantize_weigh
 from pallas_kernels.quantized_mgpu import MgpuMatmulConfig
 
 RESULTS: list[dict] = []
+FAILED: list[str] = []  # formats whose kernel raised (printed; the run goes on)
 FORMATS = None  # the --formats names to run (None: all)
 # Byte offsets of each block's fp16 fields (d, and m / dmin) in ggml's block_* structs.
 FP16_AT = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2),
@@ -78,6 +79,15 @@ MOSAIC_VARIANTS = [MgpuMatmulConfig(gps=g, stages=st, splits=sp, batch=b, wide=w
                                            (4, 4, 2, 0, True), (2, 6, 4, 0, True))]
 
 
+def guarded(what: str, fn) -> None:
+    """fn() (one format's rows); an exception is printed and kept in FAILED, not fatal."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 -- one format failing must not end the run
+        print(f"FAILED {what}: {type(exc).__name__}: {str(exc)[:1500]}", flush=True)
+        FAILED.append(what)
+
+
 def record(**row) -> None:
     RESULTS.append(row)
     print(json.dumps(row), flush=True)
@@ -98,23 +108,29 @@ def bench_decode(k: int, n: int, m: int, iters: int, sets: int, rng, variants: b
     qsets = [formats(w, k, n, rng) for w in ws]
     for name in qsets[0]:
         qs = [q[name] for q in qsets]
-        err = rel_err(pk.quantized_matmul(xs[0], qs[0]), pk.quantized_matmul_reference(xs[0], qs[0]))
         nbytes = qs[0].nbytes() + m * k * 2
-        tiles = {"default": None}
-        if variants and name in ("int4_g128", "int8_g128", "q4_k"):
-            base = default_block_sizes(m, n, k, 2)
-            tiles.update({f"bn{bn}_s{s}_w{w_}_st{st}": MatmulBlockSizes(
-                block_m=16, block_n=bn, block_k=128, num_warps=w_, num_stages=st, split_k=s)
-                for bn, s, w_, st in ((128, base.split_k, 4, 3), (64, 2 * base.split_k, 4, 3),
-                                      (64, 4 * base.split_k, 4, 3), (128, 2 * base.split_k, 4, 3),
-                                      (64, 2 * base.split_k, 4, 5), (32, base.split_k, 4, 3))})
-        for tname, blocks in tiles.items():
-            fn = jax.jit(lambda x, q, b=blocks: pk.quantized_matmul(x, q, block_sizes=b))
-            t = time_fn(fn, list(zip(xs, qs)), iters=iters)
-            record(op="decode", k=k, n=n, m=m, weights=name, tiles=tname, err=err, ms=t * 1e3,
-                   tbs=nbytes / t / 1e12, floor=nbytes / t / 1e12 / PEAK_TBS,
-                   vs_bf16_kernel=t_dense / t, bytes_ratio=bf16_bytes / nbytes)
-        if pk.nk_unfit(qs[0]) is None:  # the decode path on Hopper
+
+        def triton(name=name, qs=qs, nbytes=nbytes):
+            err = rel_err(pk.quantized_matmul(xs[0], qs[0]),
+                          pk.quantized_matmul_reference(xs[0], qs[0]))
+            tiles = {"default": None}
+            if variants and name in ("int4_g128", "int8_g128", "q4_k"):
+                base = default_block_sizes(m, n, k, 2)
+                tiles.update({f"bn{bn}_s{s}_w{w_}_st{st}": MatmulBlockSizes(
+                    block_m=16, block_n=bn, block_k=128, num_warps=w_, num_stages=st, split_k=s)
+                    for bn, s, w_, st in ((128, base.split_k, 4, 3), (64, 2 * base.split_k, 4, 3),
+                                          (64, 4 * base.split_k, 4, 3),
+                                          (128, 2 * base.split_k, 4, 3),
+                                          (64, 2 * base.split_k, 4, 5), (32, base.split_k, 4, 3))})
+            for tname, blocks in tiles.items():
+                fn = jax.jit(lambda x, q, b=blocks: pk.quantized_matmul(x, q, block_sizes=b))
+                t = time_fn(fn, list(zip(xs, qs)), iters=iters)
+                record(op="decode", k=k, n=n, m=m, weights=name, tiles=tname, err=err,
+                       ms=t * 1e3, tbs=nbytes / t / 1e12, floor=nbytes / t / 1e12 / PEAK_TBS,
+                       vs_bf16_kernel=t_dense / t, bytes_ratio=bf16_bytes / nbytes)
+        guarded(f"{name} {k}x{n} M={m} triton", triton)
+
+        def mosaic(name=name, qs=qs):  # the decode path on Hopper
             nks = [pk.to_nk(q) for q in qs]
             nk_bytes = nks[0].nbytes() + m * k * 2
             e = rel_err(pk.quantized_matmul_mgpu(xs[0], nks[0]),
@@ -129,6 +145,8 @@ def bench_decode(k: int, n: int, m: int, iters: int, sets: int, rng, variants: b
                        ms=t * 1e3, tbs=nk_bytes / t / 1e12,
                        floor=nk_bytes / t / 1e12 / PEAK_TBS, vs_bf16_kernel=t_dense / t,
                        bytes_ratio=bf16_bytes / nk_bytes)
+        if pk.nk_unfit(qs[0]) is None:
+            guarded(f"{name} {k}x{n} M={m} mosaic", mosaic)
         if name == "int4_g128" and TORCH is not None:  # the gpt-fast peer: tinygemm
             tiny = tinygemm(qs, xs, m, k, n, iters)
             if tiny is not None:
@@ -248,7 +266,9 @@ def main() -> int:
                   f"{r['tflops']:6.1f} TFLOP/s")
     bad = [r for r in RESULTS if r["op"] == "check" and not r["ok"]]
     print(f"\nchecks: {sum(r['op'] == 'check' for r in RESULTS) - len(bad)} ok, {len(bad)} bad")
-    return 1 if bad else 0
+    if FAILED:
+        print(f"{len(FAILED)} failed: {FAILED}")
+    return 1 if bad or FAILED else 0
 
 
 if __name__ == "__main__":
