@@ -266,7 +266,8 @@ for _fmt in NK_FORMATS:
     KERNEL_CASES[f"{_fmt} mosaic 1x4096x14336"] = nk_case(_fmt, 1, 4096, (14336,))
 for _fmt, _m in (("Q4_K", 16), ("Q6_K", 16), ("int4 asym g64", 64)):  # M 64: waits per 2
     KERNEL_CASES[f"{_fmt} mosaic {_m}x14336x4096"] = nk_case(_fmt, _m, 14336, (4096,))
-KERNEL_CASES["Q4_K mosaic gate+up 1x4096x2x14336"] = nk_case("Q4_K", 1, 4096, (14336, 14336))
+KERNEL_CASES["int4 asym g64 mosaic gate+up 1x4096x2x14336"] = nk_case("int4 asym g64", 1, 4096,
+                                                              (14336, 14336))
 for _fmt in ("Q4_0", "Q6_K"):  # 128-code tiles, each group's codes sliced in registers
     KERNEL_CASES[f"{_fmt} mosaic wide 16x4096x14336"] = nk_case(
         _fmt, 16, 4096, (14336,), pk.MgpuMatmulConfig(gps=2, stages=4, splits=4, wide=True))
