@@ -14,10 +14,10 @@ block) and x^T its B operand (M <= 64 rows padded to a multiple of 8 are the MMA
 so one decode row costs an m64n8 product, not an m64 tile of padding. Per K step of `gps`
 * 128: TMA brings the [64, gps * 128] code tile (K contiguous per output column), x's
 [Mp, gps * 128] tile and the groups' scale rows (offset rows, super rows, x's group sums) into
-shared memory; the block's one warpgroup loads each group's codes in the upcast layout and
-converts them to bf16 (exact; int4: Mosaic's lop3 path, two codes per instruction), issues one
-wgmma per group with A from registers into a fresh float32 accumulator, waits once per `batch`
-groups, and adds each group's product times its scales (a row each, computed in float32 from
+shared memory; the block's one warpgroup loads each group's codes in the upcast layout (or
+128 codes at a time, sliced per group in registers: `wide`) and converts them to bf16 (exact;
+int4: Mosaic's lop3 path, two codes per instruction), issues one wgmma per group with A from
+registers into a fresh float32 accumulator, waits once per `batch` groups, and adds each group's product times its scales (a row each, computed in float32 from
 the compact arrays as `dequantize` does) to the running sum in registers, plus the offsets
 (a row) times x's sums over the group (X [G, Mp], reduced by XLA before the launch; a column),
 while `plgpu.emit_pipeline` keeps `stages` TMA steps in flight (small blocks, several per SM).
