@@ -1,16 +1,19 @@
 """Quantized decode matmuls vs our bf16 decode matmul, in one run: correctness, then speed.
 
-    PYTHONPATH=. python3 benchmarks/quantized.py --json out.json [--quick]
+    PYTHONPATH=. python3 benchmarks/quantized.py --json out.json [--quick] [--formats q4_k,q6_k]
 
 For each shape K x N (Llama-3-8B's MLP 4096 x 14336, Llama-3-70B's 8192 x 28672) and rows M
 (1, 16): the relative error of each weight format's compiled kernel against its jnp reference,
 then the median time of the bf16 kernel (norm_matmul, the decode path's matmul), XLA's bf16
-dot, and the quantized kernel for int8 g128, int4 g128 (symmetric and with offsets), fp8
-(one scale per column), and the GGUF Q4_K and Q6_K layouts, each as TB/s of its bytes, the
-fraction of the 4.27 TB/s floor and the speed-up over the bf16 kernel. Tile variants of the
-int4 kernel are timed beside the defaults; int4 and int8 g128 also through the Mosaic GPU kernel
-the decode path takes on Hopper (`mosaic`: the weight in the "nk" layout), and int4 g128
-through torch's tinygemm (`_weight_int4pack_mm`, the gpt-fast peer; skipped with a note where
+dot, and the quantized kernel for int8 g128, int4 g128 (symmetric and with offsets), int4 g32
+with offsets, fp8 (one scale per column), and every GGUF block type kept quantized (Q8_0,
+Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K: random blocks through checkpoints/gguf_blocks.repack),
+each as TB/s of its bytes, the fraction of the 4.27 TB/s floor and the speed-up over the bf16
+kernel. Tile variants of the int4 kernel are timed beside the defaults; every format the
+Mosaic GPU kernel takes (all of the above) also through it, as the decode path does on Hopper
+(`mosaic`: the weight in the "nk" layout, its bytes: 5- and 6-bit codes take a byte there; at
+4096 x 14336, M = 1, int4 g32, Q4_0, Q8_0, Q4_K and Q6_K also in other kernel configurations),
+and int4 g128 through torch's tinygemm (`_weight_int4pack_mm`, the gpt-fast peer; skipped with a note where
 torch or CUDA is missing), with each row's speed-up over tinygemm. At M = 2048 (prefill) the kernel is timed against
 dequantize-then-GEMM through XLA and the bf16 GEMM (TFLOP/s). Timing as benchmarks/kernels.py.
 """
@@ -18,6 +21,7 @@ dequantize-then-GEMM through XLA and the bf16 GEMM (TFLOP/s). Timing as benchmar
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 
@@ -28,32 +32,60 @@ import numpy as np
 import pallas_kernels as pk
 from benchmarks.kernels import PEAK_TBS, PEAK_TFLOPS, rel_err, time_fn
 from pallas_kernels.norm_matmul import MatmulBlockSizes, default_block_sizes
-from pallas_kernels.quantized import QuantizedWeight, dequantize, plane_rows, quantize_weight
+from checkpoints import gguf_blocks
+from pallas_kernels.quantized import QuantizedWeight, dequantize, quantize_weight
+from pallas_kernels.quantized_mgpu import MgpuMatmulConfig
 
 RESULTS: list[dict] = []
+FAILED: list[str] = []  # formats whose kernel raised (printed; the run goes on)
+FORMATS = None  # the --formats names to run (None: all)
+# Byte offsets of each block's fp16 fields (d, and m / dmin) in ggml's block_* structs.
+FP16_AT = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2),
+           "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
 
-def gguf_like(kind: str, k: int, n: int, rng) -> QuantizedWeight:
-    """A random weight in the Q4_K or Q6_K repacked layout (checkpoints/gguf_blocks.py)."""
-    u8 = lambda shape, hi=256: jnp.asarray(rng.integers(0, hi, shape, dtype=np.uint8))  # noqa
-    f16 = lambda shape: jnp.asarray((rng.random(shape) * 1e-3).astype(np.float16))  # noqa
-    if kind == "q4_k":
-        return QuantizedWeight((u8((plane_rows(k, 32, 4), n)),), u8((k // 32, n), 64),
-                               u8((k // 32, n), 64), f16((k // 256, n)), f16((k // 256, n)),
-                               k=k, out_shape=(n,), bits=(4,), group=32, super_group=256,
-                               tile=32, name="q4_k")
-    return QuantizedWeight((u8((plane_rows(k, 16, 4), n)), u8((plane_rows(k, 16, 2), n))),
-                           jnp.asarray(rng.integers(-64, 64, (k // 16, n), dtype=np.int8)),
-                           None, f16((k // 256, n)), k=k, out_shape=(n,), bits=(4, 2),
-                           group=16, super_group=256, tile=16, code_offset=32, name="q6_k")
+def gguf_weight(kind: str, k: int, n: int, rng) -> QuantizedWeight:
+    """A random [K, N] weight of GGUF block type kind as a file's is repacked on load
+    (checkpoints/gguf_blocks.repack): random codes and sub-scales, small fp16 d / dmin."""
+    block, size = gguf_blocks.BLOCK_SIZES[kind]
+    raw = rng.integers(0, 256, (n * k // block, size), dtype=np.uint8)
+    for off in FP16_AT[kind]:
+        raw[:, off:off + 2] = (rng.random(raw.shape[0]) * 1e-3).astype(np.float16).view(
+            np.uint8).reshape(-1, 2)
+    return jax.tree.map(jnp.asarray, gguf_blocks.repack(raw.reshape(n, -1), kind, k, n))
 
 
 def formats(w, k: int, n: int, rng) -> dict:
-    return {"int8_g128": quantize_weight(w, bits=8, group_size=128),
-            "int4_g128": quantize_weight(w, bits=4, group_size=128),
-            "int4_g128_asym": quantize_weight(w, bits=4, group_size=128, symmetric=False),
-            "fp8": quantize_weight(w, bits=8, float8=True, group_size=None),
-            "q4_k": gguf_like("q4_k", k, n, rng), "q6_k": gguf_like("q6_k", k, n, rng)}
+    """name -> the weight in that format (the --formats ones; K-quants where K allows)."""
+    make = {"int8_g128": lambda: quantize_weight(w, bits=8, group_size=128),
+            "int4_g128": lambda: quantize_weight(w, bits=4, group_size=128),
+            "int4_g128_asym": lambda: quantize_weight(w, bits=4, group_size=128,
+                                                      symmetric=False),
+            "int4_g32_asym": lambda: quantize_weight(w, bits=4, group_size=32,
+                                                     symmetric=False),
+            "fp8": lambda: quantize_weight(w, bits=8, float8=True, group_size=None)}
+    for kind, (block, _) in gguf_blocks.BLOCK_SIZES.items():
+        if k % block == 0:
+            make[kind.lower()] = functools.partial(gguf_weight, kind, k, n, rng)
+    return {name: f() for name, f in make.items() if FORMATS is None or name in FORMATS}
+
+
+# Kernel configurations timed beside the default for groups under 128 at 4096 x 14336, M = 1
+# (wide: 128-code tiles sliced per group in registers).
+MOSAIC_VARIANTS = [MgpuMatmulConfig(gps=g, stages=st, splits=sp, batch=b, wide=w)
+                   for g, st, sp, b, w in ((2, 4, 2, 0, False), (4, 4, 2, 0, False),
+                                           (2, 6, 4, 0, False), (1, 8, 4, 0, False),
+                                           (2, 4, 4, 4, False), (2, 4, 4, 0, True),
+                                           (4, 4, 2, 0, True), (2, 6, 4, 0, True))]
+
+
+def guarded(what: str, fn) -> None:
+    """fn() (one format's rows); an exception is printed and kept in FAILED, not fatal."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 -- one format failing must not end the run
+        print(f"FAILED {what}: {type(exc).__name__}: {str(exc)[:1500]}", flush=True)
+        FAILED.append(what)
 
 
 def record(**row) -> None:
@@ -76,30 +108,45 @@ def bench_decode(k: int, n: int, m: int, iters: int, sets: int, rng, variants: b
     qsets = [formats(w, k, n, rng) for w in ws]
     for name in qsets[0]:
         qs = [q[name] for q in qsets]
-        err = rel_err(pk.quantized_matmul(xs[0], qs[0]), pk.quantized_matmul_reference(xs[0], qs[0]))
         nbytes = qs[0].nbytes() + m * k * 2
-        tiles = {"default": None}
-        if variants and name in ("int4_g128", "int8_g128", "q4_k"):
-            base = default_block_sizes(m, n, k, 2)
-            tiles.update({f"bn{bn}_s{s}_w{w_}_st{st}": MatmulBlockSizes(
-                block_m=16, block_n=bn, block_k=128, num_warps=w_, num_stages=st, split_k=s)
-                for bn, s, w_, st in ((128, base.split_k, 4, 3), (64, 2 * base.split_k, 4, 3),
-                                      (64, 4 * base.split_k, 4, 3), (128, 2 * base.split_k, 4, 3),
-                                      (64, 2 * base.split_k, 4, 5), (32, base.split_k, 4, 3))})
-        for tname, blocks in tiles.items():
-            fn = jax.jit(lambda x, q, b=blocks: pk.quantized_matmul(x, q, block_sizes=b))
-            t = time_fn(fn, list(zip(xs, qs)), iters=iters)
-            record(op="decode", k=k, n=n, m=m, weights=name, tiles=tname, err=err, ms=t * 1e3,
-                   tbs=nbytes / t / 1e12, floor=nbytes / t / 1e12 / PEAK_TBS,
-                   vs_bf16_kernel=t_dense / t, bytes_ratio=bf16_bytes / nbytes)
-        if name in ("int4_g128", "int8_g128"):  # the decode path on Hopper
+
+        def triton(name=name, qs=qs, nbytes=nbytes):
+            err = rel_err(pk.quantized_matmul(xs[0], qs[0]),
+                          pk.quantized_matmul_reference(xs[0], qs[0]))
+            tiles = {"default": None}
+            if variants and name in ("int4_g128", "int8_g128", "q4_k"):
+                base = default_block_sizes(m, n, k, 2)
+                tiles.update({f"bn{bn}_s{s}_w{w_}_st{st}": MatmulBlockSizes(
+                    block_m=16, block_n=bn, block_k=128, num_warps=w_, num_stages=st, split_k=s)
+                    for bn, s, w_, st in ((128, base.split_k, 4, 3), (64, 2 * base.split_k, 4, 3),
+                                          (64, 4 * base.split_k, 4, 3),
+                                          (128, 2 * base.split_k, 4, 3),
+                                          (64, 2 * base.split_k, 4, 5), (32, base.split_k, 4, 3))})
+            for tname, blocks in tiles.items():
+                fn = jax.jit(lambda x, q, b=blocks: pk.quantized_matmul(x, q, block_sizes=b))
+                t = time_fn(fn, list(zip(xs, qs)), iters=iters)
+                record(op="decode", k=k, n=n, m=m, weights=name, tiles=tname, err=err,
+                       ms=t * 1e3, tbs=nbytes / t / 1e12, floor=nbytes / t / 1e12 / PEAK_TBS,
+                       vs_bf16_kernel=t_dense / t, bytes_ratio=bf16_bytes / nbytes)
+        guarded(f"{name} {k}x{n} M={m} triton", triton)
+
+        def mosaic(name=name, qs=qs):  # the decode path on Hopper
             nks = [pk.to_nk(q) for q in qs]
+            nk_bytes = nks[0].nbytes() + m * k * 2
             e = rel_err(pk.quantized_matmul_mgpu(xs[0], nks[0]),
                         pk.quantized_matmul_reference(xs[0], qs[0]))
-            t = time_fn(jax.jit(pk.quantized_matmul_mgpu), list(zip(xs, nks)), iters=iters)
-            record(op="decode", k=k, n=n, m=m, weights=name, tiles="mosaic", err=e,
-                   ms=t * 1e3, tbs=nbytes / t / 1e12, floor=nbytes / t / 1e12 / PEAK_TBS,
-                   vs_bf16_kernel=t_dense / t, bytes_ratio=bf16_bytes / nbytes)
+            cfgs = {"mosaic": None}
+            if variants and name in ("int4_g32_asym", "q4_0", "q8_0", "q4_k", "q6_k"):
+                cfgs.update({f"mosaic_{c}": c for c in MOSAIC_VARIANTS})
+            for tname, cfg in cfgs.items():
+                fn = jax.jit(lambda x, q, c=cfg: pk.quantized_matmul_mgpu(x, q, cfg=c))
+                t = time_fn(fn, list(zip(xs, nks)), iters=iters)
+                record(op="decode", k=k, n=n, m=m, weights=name, tiles=tname, err=e,
+                       ms=t * 1e3, tbs=nk_bytes / t / 1e12,
+                       floor=nk_bytes / t / 1e12 / PEAK_TBS, vs_bf16_kernel=t_dense / t,
+                       bytes_ratio=bf16_bytes / nk_bytes)
+        if pk.nk_unfit(qs[0]) is None:
+            guarded(f"{name} {k}x{n} M={m} mosaic", mosaic)
         if name == "int4_g128" and TORCH is not None:  # the gpt-fast peer: tinygemm
             tiny = tinygemm(qs, xs, m, k, n, iters)
             if tiny is not None:
@@ -181,7 +228,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", default=None)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--formats", default=None,
+                    help="comma-separated format names (int8_g128, int4_g128, int4_g128_asym, "
+                         "int4_g32_asym, fp8, q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k)")
     args = ap.parse_args()
+    global FORMATS
+    FORMATS = None if args.formats is None else set(args.formats.split(","))
     rng = np.random.default_rng(0)
     global TORCH
     if jax.default_backend() == "gpu":
@@ -214,7 +266,9 @@ def main() -> int:
                   f"{r['tflops']:6.1f} TFLOP/s")
     bad = [r for r in RESULTS if r["op"] == "check" and not r["ok"]]
     print(f"\nchecks: {sum(r['op'] == 'check' for r in RESULTS) - len(bad)} ok, {len(bad)} bad")
-    return 1 if bad else 0
+    if FAILED:
+        print(f"{len(FAILED)} failed: {FAILED}")
+    return 1 if bad or FAILED else 0
 
 
 if __name__ == "__main__":

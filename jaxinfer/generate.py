@@ -379,20 +379,26 @@ def has_quantized(params) -> bool:
 
 
 def int_layout_params(params, plan: Plan):
-    """params with their int4 / int8 matmul weights in the layout the plan's kernels read
-    (jaxinfer/ops/linear.int_layout): "nk" for the Mosaic GPU kernel where a weight (or a
-    layer's stacked experts) fits it (pk.nk_unfit), else the tiles the Triton kernels read.
-    Embedding tables keep theirs."""
+    """params with their quantized matmul weights (alone, among Parts, or a layer's stacked
+    experts) in the layout the plan's kernels read (jaxinfer/ops/linear.int_layout): "nk" for
+    the Mosaic GPU kernel where a weight fits it (pk.nk_unfit: int4 / int8 / fp8, GGUF's block
+    types), else the tiles the Triton kernels read. Embedding tables keep theirs."""
     layout = int_layout(plan)
     specs = registry.family(plan.config).param_specs(plan.config)
 
-    def one(spec, p):
-        if spec.kind not in (Kind.DENSE, Kind.EXPERTS) or not isinstance(p, QuantizedWeight) \
-                or p.layout == layout:
+    def convert(p):
+        if not isinstance(p, QuantizedWeight) or p.layout == layout:
             return p
         if layout == "tiles":
             return _to_tiles(p)
         return p if pk.nk_unfit(p) is not None else _to_nk(p)
+
+    def one(spec, p):
+        if spec.kind not in (Kind.DENSE, Kind.EXPERTS):
+            return p
+        if isinstance(p, Parts):  # a Q4_K_M layer's q, k (Q4_K) and v (Q6_K): each its own
+            return dataclasses.replace(p, parts=tuple(convert(q) for q in p.parts))
+        return convert(p)
     return jax.tree.map(one, specs, params, is_leaf=lambda s: isinstance(s, ParamSpec))
 
 

@@ -118,10 +118,11 @@ class KernelPolicy:
     # size, the other rows or how a prompt is chunked (KernelPolicy.deterministic says what
     # else does).
     batch_invariant: bool = False
-    # Symmetric int4 / int8 / fp8 weights in groups of 128 at decode rows (<= 64): "mosaic"
-    # repacks them K-contiguous per output column for the Mosaic GPU kernel
-    # (pallas_kernels/quantized_mgpu.py), "triton" keeps the fused Triton kernels' tiles; "auto": mosaic on Hopper GPUs (kernels
-    # on, not batch_invariant, not sharded), else triton.
+    # Quantized weights the Mosaic GPU kernel takes (int4 / int8 / fp8 and GGUF's Q4_0 ... Q6_K,
+    # groups of 16 to 128: pallas_kernels/quantized_mgpu.nk_unfit) at decode rows (<= 64):
+    # "mosaic" repacks them K-contiguous per output column for that kernel, "triton" keeps the
+    # fused Triton kernels' tiles; "auto": mosaic on Hopper GPUs (kernels on, not
+    # batch_invariant, not sharded), else triton.
     quant_matmul: str = "auto"
     # The most rows (B * T) an nk weight's matmul takes through the Mosaic GPU kernel (at most
     # its 64); more dequantize the weight and take XLA's dot (prefill).

@@ -31,7 +31,7 @@ _MODULES = {
     "quantized": ("QuantizedWeight", "dequantize", "num_experts", "quantize_weight",
                   "stack_experts"),
     "quantized_matmul": ("quantized_matmul", "quantized_matmul_reference"),
-    "quantized_mgpu": ("MgpuMatmulConfig", "nk_unfit", "quantized_matmul_mgpu",
+    "quantized_mgpu": ("MgpuMatmulConfig", "nk_format", "nk_unfit", "quantized_matmul_mgpu",
                        "quantized_matmul_mgpu_reference", "to_nk", "to_tiles"),
     "rms_norm": ("add_rms_norm", "add_rms_norm_reference", "rms_norm", "rms_norm_reference"),
     "rope": ("rope", "rope_reference"),

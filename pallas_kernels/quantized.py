@@ -30,11 +30,14 @@ b bits holds r = 8 // b tiles per byte row: tile t of K is stored at byte rows
 loads a [tile, block_n] byte tile and one shift and mask give the codes: no interleaved rows
 to untangle in registers. Rows past K are zero codes.
 
-`layout="nk"` (symmetric int4 / int8 / fp8 in groups of 128, pallas_kernels/quantized_mgpu.py):
-the one plane is the codes minus code_offset as a signed int4 / int8 array (or the fp8 values)
-[N, K] (K contiguous per output column, what the Mosaic GPU kernel's TMA tiles read); the scales
-and every static field stay as they were (an fp8 scale per column is repeated per group of
-128), so `dequantize` gives the same values bit for bit and `to_tiles` restores the planes.
+`layout="nk"` (pallas_kernels/quantized_mgpu.py: 4-, 5-, 6- and 8-bit codes or fp8 in groups of
+16 to 128, with or without offsets and two-level scales): the one plane is the stored codes
+(code_offset not taken off) centred by nk_bias(bits) (2 ** (b - 1) for b < 8 bits, else 0): int4
+for 4-bit codes, int8 for 5- to 8-bit ones (or the fp8 values), [N, K] (K contiguous per output
+column, what the Mosaic GPU kernel's TMA tiles read); codes_of adds back nk_bias - code_offset.
+The scales, offsets and every static field stay as they were (an fp8 scale per column is
+repeated per group of 128), so `dequantize` gives the same values bit for bit and `to_tiles`
+restores the planes.
 
 A MoE layer's stacked experts are one QuantizedWeight whose every array has a leading expert
 axis ([E, rows, N]); its static fields describe one expert's [K, N] (`stack_experts`). The
@@ -205,8 +208,12 @@ def codes_of(qw: QuantizedWeight):
     """The codes [..., K, N] as int32 minus code_offset (float32 for fp8), numpy or jnp as
     stored (leading axes: a stacked weight's experts)."""
     xp = _xp(qw.planes[0])
-    if qw.layout == "nk":  # signed codes (or fp8 values) [..., N, K], no code_offset
-        return xp.swapaxes(qw.planes[0].astype(xp.float32 if qw.float8 else xp.int32), -1, -2)
+    if qw.layout == "nk":  # centred codes (or fp8 values) [..., N, K]
+        if qw.float8:
+            return xp.swapaxes(qw.planes[0].astype(xp.float32), -1, -2)
+        c = xp.swapaxes(qw.planes[0].astype(xp.int32), -1, -2)
+        shift = nk_bias(qw.bits) - qw.code_offset
+        return c + shift if shift else c
     if qw.float8:
         return qw.planes[0][..., :qw.k, :].astype(xp.float32)
     c = None
@@ -216,6 +223,13 @@ def codes_of(qw: QuantizedWeight):
         c = v if c is None else c | (v << shift)
         shift += b
     return c - qw.code_offset if qw.code_offset else c
+
+
+def nk_bias(bits: tuple) -> int:
+    """What the "nk" plane's codes are centred by: 2 ** (b - 1) for b-bit codes below 8 (4-bit
+    codes 0..15 become int4 -8..7), 0 for 8-bit ones (stored signed)."""
+    b = sum(bits)
+    return 1 << (b - 1) if b < 8 else 0
 
 
 def group_scales(qw: QuantizedWeight):

@@ -1,23 +1,31 @@
-"""int4 / int8 / fp8 decode matmul for Hopper on the Pallas Mosaic GPU backend.
+"""Quantized decode matmul for Hopper on the Pallas Mosaic GPU backend.
 
-    y [M, N] = x [M, K] @ (codes [N, K] * scale[g, n])     codes int4, int8 or fp8 e4m3,
-                                                           groups of 128
+    y [M, N] = x [M, K] @ w,   w[k, n] = s[g, n] * c[n, k] + o[g, n]    g = k // group
+
+codes c [N, K] int4 (4-bit codes), int8 (5- to 8-bit codes) or fp8 e4m3, in groups of 16, 32,
+64 or 128 (int4 from 32); s a scale per group (float, or int8 / uint8 sub-scales times float
+super-scales per super-group: the K-quants), o an optional offset per group (float, or uint8
+sub-mins times -super-offsets), plus code_shift * s where the stored codes are centred (Q4_1's
+0..15 kept as int4 c - 8: s * (c - 8 + 8) + o). GGUF's Q4_0 ... Q6_K and our int4 / int8 / fp8
+all fit (pallas_kernels/quantized.py's "nk" layout, `to_nk`).
 
 Swapped operands: the weight is wgmma's A operand (its N rows are the MMA's M side, 64 per
 block) and x^T its B operand (M <= 64 rows padded to a multiple of 8 are the MMA's N side),
 so one decode row costs an m64n8 product, not an m64 tile of padding. Per K step of `gps`
-groups: TMA brings the [64, gps * 128] code tile (K contiguous per output column), x's
-[Mp, gps * 128] tile and the groups' scales into shared memory; the block's one warpgroup
-loads each group's codes in the upcast layout and converts them to bf16 (exact; int4: Mosaic's
-lop3 path, two codes per instruction), issues one wgmma per group with A from registers into
-a fresh float32 accumulator, waits once for the step, and adds each group's product times its
-scales (a row each) to the running sum in registers, while `plgpu.emit_pipeline` keeps
-`stages` TMA steps in flight (small blocks, several per SM). Scaling the [64, Mp] products
-instead of the [64, 128] code tiles leaves the codes unrounded and costs 1.4-1.5x less with
-fp16 scales (benchmarks/DECISIONS.md, with the schedules that lost: scales before the product,
-a wait per group, 128-row blocks, warp specialization). The sum [64, Mp] f32 goes out
-transposed ([N, Mp]); `splits` cuts K into that many ranges (a grid axis), summed in float32
-by the wrapper.
+* 128: TMA brings the [64, gps * 128] code tile (K contiguous per output column), x's
+[Mp, gps * 128] tile and the groups' scale rows (offset rows, super rows, x's group sums) into
+shared memory; the block's one warpgroup loads each group's codes in the upcast layout (or
+128 codes at a time, sliced per group in registers: `wide`) and converts them to bf16 (exact;
+int4: Mosaic's lop3 path, two codes per instruction), issues one wgmma per group with A from
+registers into a fresh float32 accumulator, waits once per `batch` groups, and adds each group's product times its scales (a row each, computed in float32 from
+the compact arrays as `dequantize` does) to the running sum in registers, plus the offsets
+(a row) times x's sums over the group (X [G, Mp], reduced by XLA before the launch; a column),
+while `plgpu.emit_pipeline` keeps `stages` TMA steps in flight (small blocks, several per SM).
+Scaling the [64, Mp] products instead of the [64, group] code tiles leaves the codes unrounded
+and costs 1.4-1.5x less with fp16 scales at groups of 128 (benchmarks/DECISIONS.md, with the
+schedules that lost: scales before the product, a wait per group, 128-row blocks, warp
+specialization). The sum [64, Mp] f32 goes out transposed ([N, Mp]); `splits` cuts K into that
+many ranges (a grid axis), summed in float32 by the wrapper.
 """
 
 from __future__ import annotations
@@ -31,50 +39,93 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.quantized import (QuantizedWeight, codes_of, dequantize, pack_plane,
-                                      tile_for)
+from pallas_kernels.quantized import (QuantizedWeight, codes_of, dequantize, nk_bias,
+                                      pack_plane, tile_for)
 
-GROUP = 128  # the K step: one scale row per step
+GROUP = 128  # the unit of the K step (gps of them); K a multiple of it
+GROUPS = (16, 32, 64, 128)  # group sizes the kernel takes (int4 from 32: its upcast tile)
 BN = 64  # weight rows (output columns) per block: one wgmma M
 
 _WGMMA = plgpu.Layout.WGMMA
-_WGMMA_ROW = plgpu.Layout.WGMMA.reduce(1)
+_WGMMA_ROW = plgpu.Layout.WGMMA.reduce(1)  # [64]: one value per row of a [64, Mp] tile
+_WGMMA_COL = plgpu.Layout.WGMMA.reduce(0)  # [Mp]: one value per column
 # The register layout a code tile is loaded in, by code bits: one that converts to the wgmma
 # layout with few shuffles once upcast to 16 bits.
 _UPCAST = {4: plgpu.Layout.WGMMA_UPCAST_4X, 8: plgpu.Layout.WGMMA_UPCAST_2X}
 _CODES = {4: jnp.int4, 8: jnp.int8}
+_ACC_REGS = 64  # float32 registers a thread gives the products in flight ([64, Mp]: Mp / 2)
+_SMEM = 216 * 1024  # shared memory the stages and the output may take (H200: 227 KB)
 
 
 @dataclasses.dataclass(frozen=True)
 class MgpuMatmulConfig:
-    """gps: groups of 128 per K step (one TMA tile); stages: K steps in flight; splits: K
-    ranges (grid axis, float32 partial sums). A block takes BN = 64 weight rows (one wgmma M)."""
+    """gps: 128-wide units of K per step (one TMA tile); stages: K steps in flight; splits: K
+    ranges (grid axis, float32 partial sums); batch: groups whose products share one wgmma
+    wait (0: all of the step's); wide (groups under 128): code tiles 128 codes wide, loaded
+    once per batch and sliced per group in registers, not one group wide (16-byte rows are
+    unswizzled) and loaded per group. A block takes BN = 64 weight rows (one wgmma M)."""
     gps: int = 2
     stages: int = 4
     splits: int = 1
+    batch: int = 0
+    wide: bool = False
 
     def __str__(self):
-        return f"g{self.gps}_s{self.stages}_k{self.splits}"
+        return (f"g{self.gps}_s{self.stages}_k{self.splits}"
+                + (f"_b{self.batch}" if self.batch else "") + ("_w" if self.wide else ""))
+
+
+@dataclasses.dataclass(frozen=True)
+class NkFormat:
+    """The static half of an nk weight as the kernel reads it: w = s * (c + code_shift) + o
+    per group of `group` rows of K; s = scale (x super_scale per super_group: two-level),
+    o = offset (or -(super_offset * offset)); the flags say which arrays come."""
+    group: int = GROUP
+    super_group: int = 0
+    code_shift: int = 0
+    offset: bool = False
+    super_scale: bool = False
+    super_offset: bool = False
+
+    @property
+    def x_sums(self) -> bool:  # an offset term: x's sums per group are an input
+        return self.offset or self.code_shift != 0
+
+
+def nk_format(qw: QuantizedWeight) -> NkFormat:
+    """The kernel's static format of an nk weight (nk_bias - code_offset: the codes' shift)."""
+    return NkFormat(group=GROUP if qw.float8 and qw.group == qw.k else qw.group,
+                    super_group=qw.super_group if qw.super_scale is not None else 0,
+                    code_shift=0 if qw.float8 else nk_bias(qw.bits) - qw.code_offset,
+                    offset=qw.offset is not None, super_scale=qw.super_scale is not None,
+                    super_offset=qw.super_offset is not None)
 
 
 def _smem_transforms(row_bits: int, dtype_bits: int):
-    """Tiling + swizzle for a tile whose rows are row_bits wide (TMA and wgmma both read it)."""
+    """Tiling + swizzle for a tile whose rows are row_bits wide (TMA and wgmma both read it);
+    16-byte rows are tiled unswizzled (Mosaic swizzles 32 to 128 bytes)."""
     swizzle = min(128, row_bits // 8)
-    return (plgpu.TilingTransform((8, swizzle * 8 // dtype_bits)),
-            plgpu.SwizzleTransform(swizzle))
+    tiling = plgpu.TilingTransform((8, swizzle * 8 // dtype_bits))
+    return (tiling, plgpu.SwizzleTransform(swizzle)) if swizzle >= 32 else (tiling,)
 
 
 def nk_unfit(qw: QuantizedWeight) -> str | None:
-    """Why qw cannot take the "nk" layout (None: it can): symmetric int4, int8 or fp8 e4m3 in
-    groups of 128 (fp8 also one scale per column) of a [K, N] matrix or a stack of experts'
-    [E, K, N], N a multiple of 64."""
+    """Why qw cannot take the "nk" layout (None: it can): 4-bit codes (groups of 32, 64, 128),
+    5- / 6-bit codes, int8 or fp8 e4m3 (groups of 16 to 128; fp8 also one scale per column),
+    with or without offsets and two-level scales (super-groups of 128 * 2^i), of a [K, N]
+    matrix or a stack of experts' [E, K, N], K a multiple of 128 and N of 64."""
     if qw.layout == "nk":
         return None
     signed8 = qw.bits == (8,) and qw.planes[0].dtype in (jnp.int8, jnp.float8_e4m3fn)
-    group_ok = qw.group == GROUP or (qw.float8 and qw.group == qw.k)  # fp8: or per column
-    if not (qw.bits == (4,) or signed8) or not group_ok or qw.offset is not None \
-            or qw.super_scale is not None:
-        return f"{qw.name}: not symmetric int4 / int8 / fp8 e4m3 in groups of {GROUP}"
+    codes_ok = signed8 or qw.bits in ((4,), (4, 1), (4, 2))
+    group_ok = (qw.group in GROUPS and not (qw.bits == (4,) and qw.group < 32)) or (
+        qw.float8 and qw.group == qw.k)
+    sg = qw.super_group // GROUP
+    super_ok = qw.super_scale is None or (
+        qw.super_group % GROUP == 0 and sg & (sg - 1) == 0 and qw.super_group % qw.group == 0)
+    if not (codes_ok and group_ok and super_ok):
+        return (f"{qw.name}: not 4- to 8-bit codes (int8, not uint8) or fp8 in groups of "
+                f"{GROUPS} (int4 from 32) with super-groups of 128 * 2^i")
     if qw.k % GROUP or qw.n % 64:
         return f"K={qw.k} not a multiple of {GROUP} or N={qw.n} not a multiple of 64"
     return None
@@ -85,9 +136,9 @@ def _t(a):
 
 
 def to_nk(qw: QuantizedWeight) -> QuantizedWeight:
-    """The same weight in the "nk" layout (pallas_kernels/quantized.py): codes [N, K] int4,
-    int8 or fp8 e4m3 ([E, N, K] for stacked experts). One fp8 scale per column becomes the
-    same scale per group of 128."""
+    """The same weight in the "nk" layout (pallas_kernels/quantized.py): codes [N, K] int4
+    (4-bit codes), int8 (5- to 8-bit) or fp8 e4m3, centred by nk_bias ([E, N, K] for stacked
+    experts). One fp8 scale per column becomes the same scale per group of 128."""
     if qw.layout == "nk":
         return qw
     if (why := nk_unfit(qw)) is not None:
@@ -99,8 +150,11 @@ def to_nk(qw: QuantizedWeight) -> QuantizedWeight:
                             tile=tile_for(GROUP, qw.k))
         return qw.replace(planes=(_t(jnp.asarray(qw.planes[0]).reshape(*lead, qw.k, qw.n)),),
                           layout="nk")
-    codes = jnp.asarray(codes_of(qw)).reshape(*lead, qw.k, qw.n)  # [.., K, N] int32, signed
-    return qw.replace(planes=(_t(codes).astype(_CODES[qw.bits[0]]),), layout="nk")
+    # [..., K, N] int32: the stored codes, centred
+    codes = jnp.asarray(codes_of(qw)).reshape(*lead, qw.k, qw.n) + (
+        qw.code_offset - nk_bias(qw.bits))
+    return qw.replace(planes=(_t(codes).astype(_CODES[4 if sum(qw.bits) == 4 else 8]),),
+                      layout="nk")
 
 
 def to_tiles(qw: QuantizedWeight) -> QuantizedWeight:
@@ -110,45 +164,73 @@ def to_tiles(qw: QuantizedWeight) -> QuantizedWeight:
     if qw.float8:
         return qw.replace(planes=(_t(qw.planes[0]),), layout="tiles")
     codes = codes_of(qw) + qw.code_offset  # [..., K, N] as stored
-    pack = functools.partial(pack_plane, bits=4, tile=qw.tile)
-    for _ in codes.shape[:-2]:  # one plane per expert
-        pack = jax.vmap(pack)
-    plane = codes.astype(jnp.int8) if qw.bits == (8,) else pack(codes)
-    return qw.replace(planes=(plane,), layout="tiles")
+    if qw.bits == (8,):
+        return qw.replace(planes=(codes.astype(jnp.int8),), layout="tiles")
+    planes, shift = [], 0
+    for b in qw.bits:  # low bits first
+        pack = functools.partial(pack_plane, bits=b, tile=qw.tile)
+        for _ in codes.shape[:-2]:  # one plane per expert
+            pack = jax.vmap(pack)
+        planes.append(pack((codes >> shift) & ((1 << b) - 1)))
+        shift += b
+    return qw.replace(planes=tuple(planes), layout="tiles")
 
 
 MIN_BLOCKS = 128  # about one block per SM (the H200 has 132)
 
 
-def default_config(m: int, k: int, n: int) -> MgpuMatmulConfig:
-    """Two groups a step, four steps in flight, K in four ranges, as the groups allow (the
-    best or within 5% of it at every decode shape of Llama-3-8B at M = 1 and 16). Above 16
-    rows each block's x tile costs as much as its codes: the fewest K ranges that still give
-    about every SM a block (M = 64: 1.1-1.2x faster than four ranges; benchmarks/DECISIONS.md)."""
-    groups = k // GROUP
-    gps = 2 if groups % 2 == 0 else 1
-    fits = [sp for sp in (4, 2, 1) if groups % (sp * gps) == 0]
+def default_config(m: int, k: int, n: int, fmt: NkFormat = NkFormat(),
+                   code_bits: int = 4) -> MgpuMatmulConfig:
+    """Two 128-wide units a step, four steps in flight, K in four ranges, as K allows (the
+    best or within 5% of it at every decode shape of Llama-3-8B at M = 1 and 16, groups of
+    128: benchmarks/DECISIONS.md); above 16 rows the fewest ranges that still give about every
+    SM a block (M = 64: 1.1-1.2x faster than four); a split holds whole super-groups; the products of as many
+    groups in flight as _ACC_REGS registers hold; fewer stages where four would pass _SMEM
+    (8-bit codes at 64 rows)."""
+    units = k // GROUP
+    gps = 2 if units % 2 == 0 else 1
+    whole = max(gps, fmt.super_group // GROUP)  # units a split must hold whole
+    fits = [sp for sp in (4, 2, 1) if units % (sp * whole) == 0]
     splits = fits[0]
-    if m > 16:
+    if m > 16:  # x's tile costs as much as the codes: fewer K ranges, still a block per SM
         splits = min((sp for sp in fits if n // BN * sp >= MIN_BLOCKS), default=splits)
-    return MgpuMatmulConfig(gps=gps, stages=4, splits=splits)
+    mp = max(8, -(-m // 8) * 8)
+    per_step = gps * GROUP // fmt.group
+    batch = max(1, min(per_step, 2 * _ACC_REGS // mp))
+    # A stage's bytes: codes, x, then per group a scale (and offset) row and x's sum, and
+    # the super rows, counted at 4 bytes an element (at most).
+    bk = gps * GROUP
+    stage = (BN * bk * code_bits // 8 + mp * bk * 2
+             + per_step * 4 * (BN * (1 + fmt.offset) + mp * fmt.x_sums) + 2 * BN * 4)
+    stages = max(2, min(4, (_SMEM - BN * mp * 4) // stage))
+    return MgpuMatmulConfig(gps=gps, stages=stages, splits=splits,
+                            batch=0 if batch == per_step else batch)
 
 
 def quantized_matmul_mgpu(x, qw, *, experts=None, cfg: MgpuMatmulConfig | None = None,
                           interpret: bool = False, out_dtype=None):
     """x [M, K] (M <= 64) @ dequantize(qw) for an "nk" weight -> [M, N] in out_dtype (x's).
-    qw a tuple of nk weights with the same K and code dtype (gate and up): one launch, a
-    tuple of outputs. experts = (ids [A], rows [A]) for stacked experts' weights: assignment
-    a's x row rows[a] times expert ids[a] -> [A, N] (int_matmul_mgpu)."""
+    qw a tuple of nk weights with the same K, format and code dtype (gate and up): one launch,
+    a tuple of outputs. experts = (ids [A], rows [A]) for stacked experts' weights:
+    assignment a's x row rows[a] times expert ids[a] -> [A, N] (int_matmul_mgpu)."""
     qws = qw if isinstance(qw, tuple) else (qw,)
     for w in qws:
         if w.layout != "nk":
             raise ValueError(f"quantized_matmul_mgpu: {w.name} weight is not in the nk layout "
                              f"(to_nk)")
+    fmt = nk_format(qws[0])
+    if any(nk_format(w) != fmt for w in qws):
+        raise ValueError(f"quantized_matmul_mgpu: weights of different formats "
+                         f"({', '.join(w.name for w in qws)}) take one launch each")
     rows = x.shape[0] if experts is None else experts[0].shape[0]
-    cfg = cfg or default_config(rows, qws[0].k, sum(w.n for w in qws))
+    cfg = cfg or default_config(rows, qws[0].k, sum(w.n for w in qws), fmt,
+                                _bits(qws[0].planes[0].dtype))
+
+    def arrays(name):
+        return tuple(getattr(w, name) for w in qws) if getattr(fmt, name) else ()
     out = int_matmul_mgpu(x, tuple(w.planes[0] for w in qws), tuple(w.scale for w in qws),
-                          experts, cfg=cfg, interpret=interpret,
+                          arrays("offset"), arrays("super_scale"), arrays("super_offset"),
+                          experts, fmt=fmt, cfg=cfg, interpret=interpret,
                           out_dtype=jnp.dtype(out_dtype or x.dtype))
     return out if isinstance(qw, tuple) else out[0]
 
@@ -157,122 +239,201 @@ def _bits(dtype) -> int:
     return 4 if dtype == jnp.int4 else 8  # int8, fp8 e4m3
 
 
-def _codes(w_smem, j):
-    """Group j of the code tile -> bf16 [bn, 128] codes (exact: int4, int8, fp8 e4m3) in the
-    wgmma layout."""
+def _codes(w_smem, u, unit):
+    """Codes u * unit .. + unit - 1 of the code tile -> bf16 [bn, unit] (exact: int4, int8,
+    fp8 e4m3) in the wgmma layout."""
     bits = _bits(w_smem.dtype)
-    w = plgpu.load(w_smem.at[:, pl.ds(j * GROUP, GROUP)], layout=_UPCAST[bits])
+    w = plgpu.load(w_smem.at[:, pl.ds(u * unit, unit)], layout=_UPCAST[bits])
     w = plgpu.layout_cast(w, _WGMMA)
     if w.dtype == jnp.float8_e4m3fn:  # Hopper converts e4m3 to f16 only; both exact here
         w = w.astype(jnp.float16)
     return w.astype(jnp.bfloat16)
 
 
-def _row_scale(s_smem, j, shape):
-    """Group j's scales [64] as float32, broadcast along the rows of shape (wgmma layout)."""
-    s = plgpu.load(s_smem.at[j], layout=_WGMMA_ROW).astype(jnp.float32)
-    return lax.broadcast_in_dim(s, shape, [0])
+def _row(ref, j):
+    """Row j of a [rows, 64] scale / offset tile as float32 [64] (one value per wgmma row)."""
+    return plgpu.load(ref.at[j], layout=_WGMMA_ROW).astype(jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "interpret", "out_dtype"))
-def int_matmul_mgpu(x, codes: tuple, scale: tuple, experts=None, *,
+@functools.partial(jax.jit, static_argnames=("fmt", "cfg", "interpret", "out_dtype"))
+def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_scale: tuple = (),
+                    super_offset: tuple = (), experts=None, *, fmt: NkFormat = NkFormat(),
                     cfg: MgpuMatmulConfig = MgpuMatmulConfig(), interpret: bool = False,
                     out_dtype=jnp.bfloat16):
-    """x [M, K] bf16 @ dequantize(codes_i [N_i, K] int4 / int8 / fp8, scale_i [K / 128, N_i])
-    for each weight i -> a tuple of [M, N_i] out_dtype (float32 sums). The weights' blocks
-    share one grid: one launch, the blocks of weight i where the grid's index falls in its
-    range.
+    """x [M, K] bf16 @ w_i for each weight i -> a tuple of [M, N_i] out_dtype (float32 sums):
+    w_i[k, n] = s[g, n] * (codes_i[n, k] + fmt.code_shift) + o[g, n], g = k // fmt.group,
+    codes_i [N_i, K] int4 / int8 / fp8; scale_i, offset_i [K / group, N_i]; super_scale_i,
+    super_offset_i [K / super_group, N_i] (each tuple empty where fmt says the array is
+    absent; s and o as NkFormat says). The weights' blocks share one grid: one launch, the
+    blocks of weight i where the grid's index falls in its range.
 
-    experts = (ids [A], rows [A]) int32: stacked experts' weights (codes_i [E, N_i, K],
-    scale_i [E, K / 128, N_i]); assignment a multiplies x's row rows[a] by expert ids[a]'s
-    weight -> a tuple of [A, N_i] (a MoE layer's decode: only the chosen experts' codes are
-    read). Each assignment's blocks multiply all M rows of x (the MMA's N side is 8 rows at
-    least anyway) and keep row rows[a]'s column."""
+    experts = (ids [A], rows [A]) int32: stacked experts' weights (every array [E, ...]);
+    assignment a multiplies x's row rows[a] by expert ids[a]'s weight -> a tuple of [A, N_i]
+    (a MoE layer's decode: only the chosen experts' codes are read). Each assignment's blocks
+    multiply all M rows of x (the MMA's N side is 8 rows at least anyway) and keep row
+    rows[a]'s column."""
     m, k = x.shape
-    if not codes or len(codes) != len(scale) or len({c.dtype for c in codes}) != 1 \
-            or len({c.shape[:-2] for c in codes}) != 1:
-        raise ValueError("int_matmul_mgpu: codes and scales: one of each per weight, one code "
-                         "dtype, one expert count")
-    lead = codes[0].shape[:-2]  # (E,) for stacked experts, else ()
+    nw = len(codes)
+    lead = codes[0].shape[:-2] if codes else ()  # (E,) for stacked experts, else ()
     if (experts is None) != (lead == ()) or len(lead) > 1:
         raise ValueError(f"int_matmul_mgpu: codes {codes[0].shape} need experts=(ids, rows) "
                          f"exactly when they are stacked [E, N, K]")
-    for c, sc in zip(codes, scale):
-        n, k2 = c.shape[-2:]
-        if k2 != k or k % GROUP or sc.shape != (*lead, k // GROUP, n) or c.dtype not in (
-                jnp.int4, jnp.int8, jnp.float8_e4m3fn):
-            raise ValueError(f"int_matmul_mgpu: x {x.shape}, codes {c.shape}, scale "
-                             f"{sc.shape} do not fit groups of {GROUP}")
-        if n % BN:
-            raise ValueError(f"int_matmul_mgpu: N {n} not a multiple of {BN}")
-    if experts is not None:  # the experts' arrays as one [E * N_i, K] / [E * G, N_i] each
-        codes = tuple(c.reshape(-1, k) for c in codes)
-        scale = tuple(sc.reshape(-1, sc.shape[-1]) for sc in scale)
+    if experts is not None:  # the experts' arrays as one [E * rows, N] each (codes [E * N, K])
+        codes, scale, offset, super_scale, super_offset = (
+            tuple(a.reshape(-1, a.shape[-1]) for a in arrays)
+            for arrays in (codes, scale, offset, super_scale, super_offset))
         ids, rows = (jnp.asarray(v, jnp.int32).reshape(-1) for v in experts)
         assignments = ids.shape[0]
     else:
         ids, rows, assignments = None, None, 1
+    group, sg = fmt.group, fmt.super_group
+    given = {"scale": scale, "offset": offset, "super_scale": super_scale,
+             "super_offset": super_offset}
+    wanted = {"scale": True, "offset": fmt.offset, "super_scale": fmt.super_scale,
+              "super_offset": fmt.super_offset}
+    if not codes or len({c.dtype for c in codes}) != 1 or any(
+            len(a) != (nw if wanted[f] else 0) for f, a in given.items()):
+        raise ValueError(f"int_matmul_mgpu: codes and the arrays {fmt} names: one of each per "
+                         f"weight, one code dtype")
+    if group not in GROUPS or k % GROUP or (codes[0].dtype == jnp.int4 and group < 32) or (
+            (fmt.super_scale or fmt.super_offset) and (not sg or sg % GROUP or sg % group)):
+        raise ValueError(f"int_matmul_mgpu: K {k} not a multiple of {GROUP}, or groups of "
+                         f"{group} / super-groups of {sg} that the kernel does not take")
+    e_n = lead[0] if lead else 1  # experts stacked in each array's rows
+    for i, c in enumerate(codes):
+        n, k2 = c.shape
+        n //= e_n
+        shapes = {"scale": (e_n * k // group, n), "offset": (e_n * k // group, n),
+                  "super_scale": (e_n * k // max(sg, 1), n),
+                  "super_offset": (e_n * k // max(sg, 1), n)}
+        if k2 != k or c.dtype not in (jnp.int4, jnp.int8, jnp.float8_e4m3fn) or any(
+                a[i].shape != shapes[f] for f, a in given.items() if a):
+            raise ValueError(f"int_matmul_mgpu: x {x.shape}, codes {c.shape}, "
+                             f"{ {f: a[i].shape for f, a in given.items() if a} } do not fit "
+                             f"{fmt}")
+        if n % BN:
+            raise ValueError(f"int_matmul_mgpu: N {n} not a multiple of {BN}")
     if m > 64:
         raise ValueError(f"int_matmul_mgpu is a decode kernel: M = {m} > 64")
     gps, bn = cfg.gps, BN
-    if (k // GROUP) % (cfg.splits * gps):
-        raise ValueError(f"int_matmul_mgpu: K groups {k // GROUP} not a multiple of splits x "
-                         f"gps {cfg.splits * gps}")
+    bk = gps * GROUP
+    kr = k // cfg.splits  # K per split
+    if k % (cfg.splits * bk) or (sg and (kr % sg or (bk % sg and sg % bk))):
+        raise ValueError(f"int_matmul_mgpu: K {k} not {cfg.splits} splits of whole steps of "
+                         f"{bk}" + (f" and super-groups of {sg}" if sg else ""))
     # x's tiles are Mp rows: TMA fills the rows past M with zeros (no pad op before the
     # kernel); they only reach output columns that are sliced off. The interpreter takes no
     # out-of-bounds read: it gets x padded.
     mp = max(8, -(-m // 8) * 8)
     x = x.astype(jnp.bfloat16)
-    if interpret and mp != m:
-        x = jnp.pad(x, ((0, mp - m), (0, 0)))
-    bk = gps * GROUP
-    steps = k // bk // cfg.splits
+    xin = [jnp.pad(x, ((0, mp - m), (0, 0))) if interpret and mp != m else x]
+    if fmt.x_sums:  # X [G, Mp] float32: x's sum over each group (rows past M zero)
+        xs = jnp.sum(x.astype(jnp.float32).reshape(m, k // group, group), axis=2)
+        xin.append(jnp.pad(xs, ((0, mp - m), (0, 0))).T)
+    steps = kr // bk
+    gst = bk // group  # groups per step
+    batch = cfg.batch or gst
     bits = _bits(codes[0].dtype)
-    w_tr = _smem_transforms(GROUP * bits, bits)  # one group wide: a group is a slice of them
-    x_tr = _smem_transforms(bk * 16, 16)
-    in_specs = [
-        plgpu.BlockSpec((bn, bk), lambda i: (0, i), transforms=w_tr),
-        plgpu.BlockSpec((mp, bk), lambda i: (0, i), transforms=x_tr),
-        plgpu.BlockSpec((gps, bn), lambda i: (i, 0)),
-    ]
-    ns = [sc.shape[-1] for sc in scale]  # each weight's N
+    # A load's codes: a whole tile column of the smem layout (Mosaic slices whole tiles), of
+    # at least 16 bytes (TMA's least box row).
+    unit = max(group, GROUP) if cfg.wide else group
+    w_tr = _smem_transforms(max(unit * bits, 128), bits)
+    x_tr = _smem_transforms(group * 16, 16)
+    srows = max(1, bk // sg) if sg else 0  # super rows per step
+    per = sg // bk if sg and sg > bk else 1  # steps per super row
+    row_spec = plgpu.BlockSpec((gst, bn), lambda i: (i, 0))
+    specs = {"scale": row_spec, "offset": row_spec,
+             "super_scale": plgpu.BlockSpec((srows, bn), lambda i: (i // per, 0)),
+             "super_offset": plgpu.BlockSpec((srows, bn), lambda i: (i // per, 0))}
+    fields = [f for f in given if wanted[f]]
+    in_specs = [plgpu.BlockSpec((bn, bk), lambda i: (0, i), transforms=w_tr),
+                plgpu.BlockSpec((mp, bk), lambda i: (0, i), transforms=x_tr)]
+    if fmt.x_sums:
+        in_specs.append(plgpu.BlockSpec((gst, mp), lambda i: (i, 0)))
+    in_specs += [specs[f] for f in fields]
+    ns = [c.shape[0] // e_n for c in codes]  # each weight's N
     starts = [sum(ns[:i]) // bn for i in range(len(ns) + 1)]  # each weight's first block
-    nw = len(codes)
-    groups = k // GROUP
+    na = 1 + len(fields)  # arrays per weight: codes, then fields'
 
     def kernel(*refs):
         if experts is not None:
             ids_gmem, refs = refs[0], refs[1:]
         x_gmem, refs = refs[0], refs[1:]
-        w_refs, s_refs, (o_gmem, o_smem) = refs[:nw], refs[nw:2 * nw], refs[2 * nw:]
+        xs_gmem, refs = (refs[0], refs[1:]) if fmt.x_sums else (None, refs)
+        weights = [refs[i * na:(i + 1) * na] for i in range(nw)]
+        o_gmem, o_smem = refs[nw * na:]
         nb, sp = lax.axis_index("n"), lax.axis_index("s")
-        k0 = sp * steps * bk  # the split's first K
+        k0 = sp * kr  # the split's first K
         # an assignment's blocks are consecutive: block j of its expert's weights
         e = ids_gmem[nb // starts[-1]] if experts is not None else 0
         j = nb % starts[-1] if experts is not None else nb
 
-        def block(w_gmem, s_gmem, n_w, wb):  # block wb of one weight -> out rows from nb * bn
-            ops = (w_gmem.at[pl.ds(e * n_w + wb * bn, bn), pl.ds(k0, steps * bk)],
-                   x_gmem.at[:, pl.ds(k0, steps * bk)],
-                   s_gmem.at[pl.ds(e * groups + k0 // GROUP, steps * gps), pl.ds(wb * bn, bn)])
+        def block(arrays, n_w, wb):  # block wb of one weight -> out rows from nb * bn
+            cols = pl.ds(wb * bn, bn)
+            ops = [arrays[0].at[pl.ds(e * n_w + wb * bn, bn), pl.ds(k0, kr)],
+                   x_gmem.at[:, pl.ds(k0, kr)]]
+            if fmt.x_sums:
+                ops.append(xs_gmem.at[pl.ds(k0 // group, kr // group)])
+            for f, a in zip(fields, arrays[1:]):
+                rows = pl.ds(e * (k // sg) + k0 // sg, kr // sg) if f.startswith("super") \
+                    else pl.ds(e * (k // group) + k0 // group, kr // group)
+                ops.append(a.at[rows, cols])
             pipe = functools.partial(plgpu.emit_pipeline, grid=(steps,), in_specs=in_specs,
                                      max_concurrent_steps=cfg.stages)
 
-            def products(w_smem, x_smem):  # [codes_j @ x_j^T for the step's groups j]
+            def products(w_smem, x_smem, js):  # [codes_j @ x_j^T for groups j]
+                def xj(j):  # x [Mp, group] of group j
+                    return x_smem.at[:, pl.ds(j * group, group)]
+
+                def codes_of_groups():  # group j's bf16 [bn, group] codes, a load per unit
+                    units = {}
+                    for j in js:
+                        u, r = divmod(j * group, unit)
+                        if u not in units:
+                            units[u] = _codes(w_smem, u, unit)
+                        yield j, units[u] if unit == group else units[u][:, r:r + group]
                 if interpret:  # the GPU interpreter takes no register operand for wgmma
-                    return [jnp.dot(_codes(w_smem, j), x_smem[:, pl.ds(j * GROUP, GROUP)].T,
-                                    preferred_element_type=jnp.float32) for j in range(gps)]
+                    return [jnp.dot(c, xj(j)[...].T, preferred_element_type=jnp.float32)
+                            for j, c in codes_of_groups()]
 
                 def scope(*accs):
-                    for j, acc_ref in enumerate(accs):
-                        plgpu.wgmma(acc_ref, _codes(w_smem, j),
-                                    x_smem.at[:, pl.ds(j * GROUP, GROUP)].T)
-                    return [acc_ref[...] for acc_ref in accs]  # one wait for the step's groups
-                return pl.run_scoped(scope, *[plgpu.ACC((bn, mp), jnp.float32)] * gps)
+                    for (j, c), acc_ref in zip(codes_of_groups(), accs):
+                        plgpu.wgmma(acc_ref, c, xj(j).T)
+                    return [acc_ref[...] for acc_ref in accs]  # one wait for the batch
+                return pl.run_scoped(scope, *[plgpu.ACC((bn, mp), jnp.float32)] * len(js))
 
-            def body(_, w_smem, x_smem, s_smem, acc):  # acc [bn, Mp] += product_j * scale_j
-                for j, part in enumerate(products(w_smem, x_smem)):
-                    acc = acc + part * _row_scale(s_smem, j, part.shape)
+            def body(_, w_smem, x_smem, *rest):  # acc [bn, Mp] += product_j * s_j + o_j X_j
+                *tiles, acc = rest
+                t = dict(zip(fields, tiles[fmt.x_sums:]))
+                sup = {}
+
+                def super_row(f, j):  # super-group row of group j, loaded once a step
+                    r = j * group // sg if srows > 1 else 0
+                    if (f, r) not in sup:
+                        sup[f, r] = _row(t[f], r)
+                    return sup[f, r]
+
+                def bcast(v, dim):  # a row [64] or column [Mp] over [bn, Mp]
+                    return lax.broadcast_in_dim(v, (bn, mp), [dim])
+
+                for j0 in range(0, gst, batch):
+                    js = range(j0, min(j0 + batch, gst))
+                    for j, part in zip(js, products(w_smem, x_smem, js)):
+                        s = _row(t["scale"], j)  # as dequantize: super * sub in float32
+                        if fmt.super_scale:
+                            s = super_row("super_scale", j) * s
+                        acc = acc + part * bcast(s, 0)
+                        if not fmt.x_sums:
+                            continue
+                        o = None
+                        if fmt.offset:
+                            o = _row(t["offset"], j)
+                            if fmt.super_offset:
+                                o = -(super_row("super_offset", j) * o)
+                        if fmt.code_shift:
+                            o = fmt.code_shift * s if o is None else o + fmt.code_shift * s
+                        xsum = plgpu.load(tiles[0].at[j], layout=_WGMMA_COL)  # [Mp]
+                        acc = acc + bcast(o, 0) * bcast(xsum, 1)
                 return acc
             zero = jnp.zeros((bn, mp), jnp.float32)
             acc = pipe(body, init_carry=zero if interpret else
@@ -283,12 +444,13 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, experts=None, *,
             plgpu.wait_smem_to_gmem(0)
 
         if nw == 1:
-            block(w_refs[0], s_refs[0], ns[0], j)
+            block(weights[0], ns[0], j)
         else:  # the weight whose blocks hold index j
             for i in range(nw):
                 pl.when((j >= starts[i]) & (j < starts[i + 1]))(
-                    functools.partial(block, w_refs[i], s_refs[i], ns[i], j - starts[i]))
+                    functools.partial(block, weights[i], ns[i], j - starts[i]))
 
+    arrays = [a for i in range(nw) for a in (codes[i], *(given[f][i] for f in fields))]
     out = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((cfg.splits, assignments * starts[-1] * bn, mp),
@@ -298,7 +460,7 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, experts=None, *,
         grid_names=("n", "s"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
-    )(*(() if ids is None else (ids,)), x, *codes, *scale)
+    )(*(() if ids is None else (ids,)), *xin, *arrays)
     y = jnp.sum(out, axis=0)  # [splits, A * N, Mp] f32 -> [A * N, Mp]
     if experts is None:
         y = y[:, :m].T  # [M, N]

@@ -222,6 +222,66 @@ KERNEL_CASES["fp8 mosaic"] = (  # e4m3 -> f16 -> bf16 in registers (no direct e4
                               group=128, layout="nk")),
     (S((1, 4096), BF16), S((14336, 4096), jnp.float8_e4m3fn), S((32, 14336), jnp.float32)))
 
+# The same kernel for the other formats the nk layout takes (quantized_mgpu.nk_unfit): groups
+# of 16 to 64, offsets (x's group sums, a column broadcast), two-level scales computed in the
+# kernel, 5- / 6-bit codes as int8. name: (codes, bits, group, super_group, code_offset, scale,
+# offset, super_scale, super_offset dtypes), as checkpoints/gguf_blocks.repack makes them.
+F16, U8, I8 = jnp.float16, jnp.uint8, jnp.int8
+NK_FORMATS = {
+    "Q8_0": (I8, (8,), 32, 0, 0, F16, None, None, None),
+    "Q4_0": (jnp.int4, (4,), 32, 0, 8, F16, None, None, None),
+    "Q4_1": (jnp.int4, (4,), 32, 0, 0, F16, F16, None, None),
+    "Q5_0": (I8, (4, 1), 32, 0, 16, F16, None, None, None),
+    "Q5_1": (I8, (4, 1), 32, 0, 0, F16, F16, None, None),
+    "Q4_K": (jnp.int4, (4,), 32, 256, 0, U8, U8, F16, F16),
+    "Q5_K": (I8, (4, 1), 32, 256, 0, U8, U8, F16, F16),
+    "Q6_K": (I8, (4, 2), 16, 256, 32, I8, None, F16, None),
+    "int4 asym g64": (jnp.int4, (4,), 64, 0, 0, F16, F16, None, None),
+    "int4 g128": (jnp.int4, (4,), 128, 0, 8, F16, None, None, None),
+}
+
+
+def nk_case(fmt: str, m: int, k: int, ns: tuple, cfg=None, experts: tuple = ()):
+    """(fn, abstract args): x [m, k] @ one weight per N in ns of format fmt (several: one
+    launch, as gate and up), in configuration cfg (None: the default). experts = (E, A): each
+    weight E stacked experts, A token-expert assignments (a MoE decode)."""
+    codes, bits, group, sg, code_offset, *dtypes = NK_FORMATS[fmt]
+    rows = (k // group, k // group, k // max(sg, 1), k // max(sg, 1))
+    fields = ("scale", "offset", "super_scale", "super_offset")
+    have = [f for f, dt in zip(fields, dtypes) if dt is not None]
+    lead = experts[:1]
+    args = [S((m, k), BF16)] + ([S((experts[1],), I32)] * 2 if experts else [])
+    for n in ns:
+        args += [S((*lead, n, k), codes)] + [S((*lead, r, n), dt)
+                                             for r, dt in zip(rows, dtypes) if dt is not None]
+
+    def fn(x, *arrays):
+        routing, arrays = (arrays[:2], arrays[2:]) if experts else (None, arrays)
+        per = 1 + len(have)
+        ws = tuple(pk.QuantizedWeight(
+            planes=(arrays[i],), **dict(zip(have, arrays[i + 1:i + per])), k=k,
+            out_shape=(arrays[i].shape[-2],), bits=bits, group=group, super_group=sg,
+            code_offset=code_offset, layout="nk") for i in range(0, len(arrays), per))
+        return pk.quantized_matmul_mgpu(x, ws, cfg=cfg, experts=routing)
+    return fn, tuple(args)
+
+
+for _fmt in NK_FORMATS:
+    KERNEL_CASES[f"{_fmt} mosaic 1x4096x14336"] = nk_case(_fmt, 1, 4096, (14336,))
+for _fmt, _m in (("Q4_K", 16), ("Q6_K", 16), ("int4 asym g64", 64)):  # M 64: waits per 2
+    KERNEL_CASES[f"{_fmt} mosaic {_m}x14336x4096"] = nk_case(_fmt, _m, 14336, (4096,))
+KERNEL_CASES["int4 asym g64 mosaic gate+up 1x4096x2x14336"] = nk_case("int4 asym g64", 1, 4096,
+                                                              (14336, 14336))
+# MoE decode: each block reads its assignment's expert id, then that expert's rows (Mixtral's
+# gate + up for one token's two experts; Qwen3-30B-A3B's down for 4 tokens x 8 experts).
+KERNEL_CASES["int4 g128 mosaic experts gate+up 1x4096x2x14336"] = nk_case(
+    "int4 g128", 1, 4096, (14336, 14336), experts=(8, 2))
+KERNEL_CASES["Q4_K mosaic experts down 32x768x2048"] = nk_case(
+    "Q4_K", 32, 768, (2048,), experts=(128, 32))
+for _fmt in ("Q4_0", "Q6_K"):  # 128-code tiles, each group's codes sliced in registers
+    KERNEL_CASES[f"{_fmt} mosaic wide 16x4096x14336"] = nk_case(
+        _fmt, 16, 4096, (14336,), pk.MgpuMatmulConfig(gps=2, stages=4, splits=4, wide=True))
+
 
 @pytest.mark.parametrize("name", list(KERNEL_CASES))
 def test_kernel_lowers_for_h200(name):

@@ -1,33 +1,48 @@
-"""The Mosaic GPU int4 / int8 / fp8 matmul (pallas_kernels/quantized_mgpu.py): its "nk" layout against the
-tiles layout, the kernel against its reference in interpret mode, and the model's decode path
-taking it (policy quant_matmul="mosaic") against the reference path."""
+"""The Mosaic GPU quantized matmul (pallas_kernels/quantized_mgpu.py: int4 / int8 / fp8, groups of
+16 to 128, zero points, GGUF's block types): its "nk" layout against the tiles layout (and
+gguf.quants) bit for bit, the kernel against its reference in interpret mode, and the model's
+decode path taking it (policy quant_matmul="mosaic") against the reference path."""
 
 from __future__ import annotations
 
+import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import pallas_kernels as pk
-from jaxinfer.plan import Plan
+from jaxinfer.plan import KernelPolicy, Plan
 from jaxinfer.generate import int_layout_params
+from jaxinfer.model import from_params
 from jaxinfer.models import llama
 from jaxinfer.weights import quantize_params, typed
 from jaxinfer.cache import KVCache
+from checkpoints import gguf as G
+from checkpoints import gguf_blocks
 from kernel_testing import jitted_calls_in, normal, rel_err
 from pallas_kernels.quantized import dequantize, quantize_weight
 from pallas_kernels.quantized_mgpu import MgpuMatmulConfig
+from test_gguf_blocks import QT, assert_bits_equal, mixed, random_blocks, tiny_llama
 from test_kernel_wiring import INTERPRET, assert_close_to_reference, decode_steps, random_params, tiny_config
+
+GGUF = gguf_blocks.BLOCK_TYPES  # Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K
 
 
 def _int4(seed, k, n, bf16_scales=False, bits=4):
-    """bits 4 or 8 (int, groups of 128), "fp8" (e4m3, groups of 128) or "fp8_col" (e4m3, one
-    scale per column)."""
-    fp8 = bits in ("fp8", "fp8_col")
+    """bits 4 or 8 (int, groups of 128), "fp8" (e4m3, groups of 128), "fp8_col" (e4m3, one
+    scale per column), "int4_g32" / "int4_asym_g64" ... (int4 in groups of 32 / 64,
+    symmetric or with zero points) or a GGUF block type (random valid blocks, repacked)."""
+    if bits in GGUF:
+        raw = random_blocks(bits, n, k, np.random.default_rng(seed))
+        return jax.tree.map(jnp.asarray, gguf_blocks.repack(raw, bits, k, n))
+    fp8, symmetric = bits in ("fp8", "fp8_col"), "asym" not in str(bits)
+    group = None if bits == "fp8_col" else 128
+    if str(bits).startswith("int4"):
+        bits, group = 4, int(bits.rsplit("_g", 1)[1])
     qw = jax.tree.map(jnp.asarray, quantize_weight(
         np.asarray(normal(seed, (k, n), jnp.float32)), bits=8 if fp8 else bits,
-        group_size=None if bits == "fp8_col" else 128, float8=fp8))
+        group_size=group, float8=fp8, symmetric=symmetric))
     return qw.replace(scale=qw.scale.astype(jnp.bfloat16)) if bf16_scales else qw
 
 
@@ -42,12 +57,36 @@ def test_nk_layout_dequantizes_bit_for_bit_and_converts_back(bits):
     assert back.layout == "tiles" and back.planes[0].dtype == qw.planes[0].dtype
     np.testing.assert_array_equal(back.planes[0], qw.planes[0])
     assert nk.nbytes() == 192 * 384 * bits // 8 + qw.scale.nbytes
-    for bad, why in ((quantize_weight(np.ones((256, 128), np.float32), bits=4, group_size=32),
-                      "groups of 128"),
+    for bad, why in ((quantize_weight(np.ones((256, 128), np.float32), bits=4, group_size=16),
+                      "int4 from 32"),
+                     (quantize_weight(np.ones((256, 128), np.float32), bits=8, symmetric=False),
+                      "not uint8"),
                      (quantize_weight(np.ones((256, 96), np.float32), bits=4), "multiple of 64")):
         assert why in pk.nk_unfit(bad)
         with pytest.raises(ValueError, match=why):
             pk.to_nk(bad)
+
+
+@pytest.mark.parametrize("fmt", ["int4_g32", "int4_asym_g32", "int4_asym_g64", *GGUF])
+def test_nk_layout_takes_small_groups_offsets_and_gguf_blocks_bit_for_bit(fmt):
+    """Codes centred (4-bit: int4 c - 8 beside an offset of 8 s; 5- / 6- / 8-bit: int8), the
+    scales, offsets and super-scales as they were: dequantize equals the tiles weight's and
+    gguf.quants' bit for bit, to_tiles gives the planes back."""
+    k, n = 512, 128
+    qw = _int4(0, k, n, bits=fmt)
+    nk = pk.to_nk(qw)
+    four = sum(qw.bits) == 4
+    assert nk.planes[0].shape == (n, k) and nk.planes[0].dtype == (jnp.int4 if four
+                                                                   else jnp.int8)
+    assert_bits_equal(np.asarray(dequantize(nk)), np.asarray(dequantize(qw)))
+    if fmt in GGUF:
+        raw = random_blocks(fmt, n, k, np.random.default_rng(0))
+        assert_bits_equal(np.asarray(dequantize(nk)), gguf.quants.dequantize(raw, QT[fmt]).T)
+    for a, b in zip(pk.to_tiles(nk).planes, qw.planes, strict=True):
+        np.testing.assert_array_equal(a, b)
+    rest = sum(a.nbytes for a in (qw.scale, qw.offset, qw.super_scale, qw.super_offset)
+               if a is not None)
+    assert nk.nbytes() == n * k * (4 if four else 8) // 8 + rest
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "fp8_col"])
@@ -65,7 +104,14 @@ def test_nk_layout_takes_fp8_bit_for_bit(fmt):
     (1, False, 4, None), (3, True, 4, None), (16, False, 4, None), (2, False, 8, None),
     (1, False, "fp8", None), (5, False, "fp8_col", None),
     (3, False, 4, MgpuMatmulConfig(gps=1)), (2, False, 8, MgpuMatmulConfig(gps=2, splits=2,
-                                                                            stages=2))])
+                                                                            stages=2)),
+    # groups of 32 / 64 with zero points (the last batch of products shorter), GGUF blocks:
+    # Q4_K a super row over two steps in two splits, Q6_K two super rows a step (groups of 16)
+    # from 128-code tiles sliced in registers (wide)
+    (2, False, "int4_asym_g32", None), (1, False, "int4_asym_g64", MgpuMatmulConfig(batch=3)),
+    (3, False, "Q4_0", None), (1, False, "Q8_0", None),
+    (5, False, "Q4_K", MgpuMatmulConfig(gps=1, splits=2, stages=2)),
+    (2, False, "Q6_K", MgpuMatmulConfig(gps=4, batch=5, wide=True))])
 def test_kernel_matches_reference_interpret(m, bf16_scales, bits, cfg):
     nk = pk.to_nk(_int4(1, 512, 128, bf16_scales, bits))
     x = normal(2, (m, 512), jnp.bfloat16)
@@ -82,15 +128,19 @@ def test_kernel_matches_reference_interpret(m, bf16_scales, bits, cfg):
 @pytest.mark.parametrize("interpret", [
     True, pytest.param(False, marks=[pytest.mark.gpu, pytest.mark.skipif(
         jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")])], ids=["interpret", "gpu"])
-def test_two_weights_in_one_launch(interpret):
+@pytest.mark.parametrize("fmt", [4, "Q4_K"])
+def test_two_weights_in_one_launch(interpret, fmt):
     """Gate and up as the SwiGLU takes them: one grid over both weights' blocks (N 128 and
-    192), each output against its own reference."""
-    a, b = pk.to_nk(_int4(6, 512, 128)), pk.to_nk(_int4(7, 512, 192))
+    192), each output against its own reference; weights of two formats are refused."""
+    a, b = pk.to_nk(_int4(6, 512, 128, bits=fmt)), pk.to_nk(_int4(7, 512, 192, bits=fmt))
     x = normal(8, (2, 512), jnp.bfloat16)
     ya, yb = pk.quantized_matmul_mgpu(x, (a, b), interpret=interpret, out_dtype=jnp.float32)
     assert ya.shape == (2, 128) and yb.shape == (2, 192)
     for y, w in ((ya, a), (yb, b)):
         assert rel_err(y, pk.quantized_matmul_mgpu_reference(x, w, out_dtype=jnp.float32)) < 1e-4
+    other = pk.to_nk(_int4(7, 512, 192, bits="Q6_K" if fmt == 4 else 4))
+    with pytest.raises(ValueError, match="different formats"):
+        pk.quantized_matmul_mgpu(x, (a, other), interpret=interpret)
 
 
 def test_decode_path_takes_the_mosaic_kernel_and_matches_reference():
@@ -121,12 +171,16 @@ def test_decode_path_takes_the_mosaic_kernel_and_matches_reference():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
-@pytest.mark.parametrize("bits", [4, 8, "fp8"])
+@pytest.mark.parametrize("bits", [4, 8, "fp8", "int4_g32", "int4_asym_g32", "int4_asym_g64",
+                                  *GGUF])
 @pytest.mark.parametrize("m, k, n, cfg", [
     (1, 4096, 1024, None), (16, 2048, 512, None), (64, 1024, 256, None),
-    (3, 1024, 256, MgpuMatmulConfig(gps=1, stages=3, splits=2))])
+    (3, 1024, 256, MgpuMatmulConfig(gps=1, stages=3, splits=2)),
+    (5, 2048, 256, MgpuMatmulConfig(gps=4, stages=2, splits=2, batch=3)),
+    (16, 2048, 512, MgpuMatmulConfig(wide=True))])
 def test_kernel_matches_reference_gpu(bits, m, k, n, cfg):
-    """The compiled kernel on the H200 (default configurations and a one-group step)."""
+    """The compiled kernel on the H200 (default configurations, a one-unit step with K-quants'
+    super rows over two steps, a four-unit step in batches of 3 groups, 128-code tiles)."""
     nk = pk.to_nk(_int4(4, k, n, bits=bits))
     x = normal(5, (m, k), jnp.bfloat16)
     want = pk.quantized_matmul_mgpu_reference(x, nk, out_dtype=jnp.float32)
@@ -146,3 +200,35 @@ def test_decode_path_takes_the_mosaic_kernel_gpu():
     ids = jax.random.randint(jax.random.key(2), (2, 13), 0, config.vocab_size)
     fused, _ = decode_steps(nk, plan, ids)
     assert_close_to_reference(params, config, ids, fused)
+
+
+@pytest.mark.parametrize("on_gpu", [False, pytest.param(True, marks=[
+    pytest.mark.gpu, pytest.mark.skipif(jax.default_backend() != "gpu",
+                                        reason="needs an NVIDIA GPU")])], ids=["traced", "gpu"])
+def test_gguf_model_takes_the_mosaic_kernel(tmp_path, on_gpu):
+    """A GGUF of Q4_K_M's mix (Q4_K; attn_v in Q6_K: q, k, v as Parts) loaded kept quantized:
+    every matmul weight (each part) goes nk on load, and each decode-path product takes the
+    kernel (counted in the traced step: per layer q, k, v, o, gate and up in one launch,
+    down; the head). On the H200, with the default policy: logits against the reference
+    path."""
+    config, params, _ = G.load_gguf(tiny_llama(tmp_path / "q4_k_m.gguf", mixed))
+    policy = None if on_gpu else INTERPRET.replace(quant_matmul="mosaic", dequant_block_bytes=0)
+    model = from_params(config, params, dtype="bfloat16", policy=policy)
+    plan = Plan(model.config, model.policy)
+    layer = model.params["layers"][0]
+    assert [p.layout for p in layer["wqkv"].parts] == ["nk"] * 3
+    assert {layer[w].layout for w in ("wo", "w_gate", "w_up", "w_down")} == {"nk"}
+    assert model.params["lm_head"].layout == "nk" and model.params["embed"].layout == "tiles"
+    tokens = jnp.ones((2, 1), jnp.int32)
+    calls = jitted_calls_in(lambda p, c: llama.forward(p, tokens, tokens, plan, c),
+                            model.params, KVCache.init(model.config, 2, 16))
+    assert calls["int_matmul_mgpu"] == 6 * config.num_layers + 1, calls
+    if on_gpu:
+        # Random K-quant blocks make weights up to ~9 in size: a chaotic model where one
+        # position's rounding order can move an attention peak (interpret mode: one position
+        # of five at 0.19, every product exact to 3e-7), so the median position is checked.
+        ids = jax.random.randint(jax.random.key(2), (2, 13), 0, config.vocab_size)
+        fused, _ = decode_steps(model.params, plan, ids)
+        ref, _ = decode_steps(model.params, Plan(model.config, KernelPolicy.reference()), ids)
+        assert np.median([rel_err(fused[:, i], ref[:, i]) for i in range(13)]) < 3e-2
+        assert np.mean(fused.argmax(-1) == ref.argmax(-1)) >= 0.9

@@ -82,8 +82,8 @@ def _weight_ok(w, x) -> str | None:
 
 
 def int_layout(plan: Plan) -> str:
-    """The layout the plan's int4 / int8 matmuls read: "nk" (the Mosaic GPU kernel) or
-    "tiles"."""
+    """The layout the plan's quantized matmuls read: "nk" (the Mosaic GPU kernel, for the
+    weights pk.nk_unfit passes) or "tiles"."""
     policy = plan.policy
     if policy.quant_matmul == "auto":
         mosaic = (on_hopper() and not policy.interpret and not policy.batch_invariant
@@ -96,7 +96,7 @@ def _fused_supports(x, w, plan, *, deltas=None, **_) -> str | None:
     if (why := _weight_ok(w, x)) is not None:
         return why
     if isinstance(w, QuantizedWeight) and w.layout == "nk":
-        return "int4 / int8 codes laid out for the Mosaic GPU kernel"
+        return "codes laid out for the Mosaic GPU kernel (nk)"
     if not decode_path(x, plan):
         return "not the decode path (rows, query length, dtype or the plan)"
     if deltas is not None and not isinstance(deltas, Partials):
@@ -147,7 +147,7 @@ def _fused_small_m(x, w, plan, *, accept=ARRAY_ONLY, norm_w=None, eps=0.0, delta
 
 def _mosaic_int_supports(x, w, plan, **_) -> str | None:
     if not (isinstance(w, QuantizedWeight) and w.layout == "nk"):
-        return "not an int4 / int8 weight in the nk layout"
+        return "not a quantized weight in the nk layout"
     if not kernels_on(plan, x.dtype) or plan.sharded or jnp.dtype(x.dtype) != jnp.bfloat16:
         return "kernels off, a sharded plan or activations not bfloat16"
     if rows(x) > plan.policy.mosaic_int_rows:
@@ -159,8 +159,8 @@ def _mosaic_int_supports(x, w, plan, **_) -> str | None:
 @MATMUL.register("mosaic_int", _mosaic_int_supports, kernel=True, before="fused_small_m")
 def _mosaic_int(x, w, plan, *, accept=ARRAY_ONLY, norm_w=None, eps=0.0, deltas=None,
                  bias=None, out_dtype=None, prefetch=()):
-    """Symmetric int4 / int8 in groups of 128 through the Mosaic GPU kernel; the boundary
-    before it (deltas, the norm) in its own ops."""
+    """An nk weight (int4 / int8 / fp8, GGUF's block types) through the Mosaic GPU kernel;
+    the boundary before it (deltas, the norm) in its own ops."""
     x = add_deltas(x, deltas)
     h = x if norm_w is None else norm(x, norm_w, eps, plan)
     m, k = rows(h), h.shape[-1]

@@ -60,7 +60,7 @@ def _pallas_supports(x, w_gate, w_up, plan, *, biases=(None, None), deltas=None,
     quantized = all(isinstance(w, QuantizedWeight) for w in (w_gate, w_up))
     if quantized:
         if "nk" in (w_gate.layout, w_up.layout):
-            return "int4 / int8 codes laid out for the Mosaic GPU kernel"
+            return "codes laid out for the Mosaic GPU kernel (nk)"
         if w_gate.tile != w_up.tile:
             return "quantized gate and up with different K tiles"
     elif not all(isinstance(w, Dense) and not w.transposed for w in (w_gate, w_up)):
@@ -97,11 +97,12 @@ def _mosaic_int_supports(x, w_gate, w_up, plan, *, deltas=None, **_):
 @SWIGLU.register("mosaic_int", _mosaic_int_supports, kernel=True)
 def _mosaic_int_swiglu(x, w_gate, w_up, plan, *, biases=(None, None), norm_w=None, eps=0.0,
                         deltas=None, prefetch=()):
-    """int4 / int8 / fp8 gate and up in the nk layout: both through one launch of the Mosaic
-    GPU kernel (each through its own where their codes differ in dtype), then act * up."""
+    """Gate and up in the nk layout: both through one launch of the Mosaic GPU kernel (each
+    through its own where their formats or code dtypes differ), then act * up."""
     x = add_deltas(x, deltas)
     h = x if norm_w is None else norm(x, norm_w, eps, plan)
-    if w_gate.planes[0].dtype == w_up.planes[0].dtype:
+    if w_gate.planes[0].dtype == w_up.planes[0].dtype and \
+            pk.nk_format(w_gate) == pk.nk_format(w_up):
         m, k = rows(h), h.shape[-1]
         ys = pk.quantized_matmul_mgpu(h.reshape(m, k), (w_gate, w_up),
                                       interpret=plan.policy.interpret, out_dtype=jnp.float32)
