@@ -128,6 +128,8 @@ def nk_unfit(qw: QuantizedWeight) -> str | None:
                 f"{GROUPS} (int4 from 32) with super-groups of 128 * 2^i")
     if qw.k % GROUP or qw.n % 64:
         return f"K={qw.k} not a multiple of {GROUP} or N={qw.n} not a multiple of 64"
+    if qw.group == 64 and (qw.k // GROUP) % 2:  # it would take one unit a step (below)
+        return f"K={qw.k}: an odd number of 128-row units with groups of 64"
     return None
 
 
@@ -316,6 +318,11 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_sca
     if m > 64:
         raise ValueError(f"int_matmul_mgpu is a decode kernel: M = {m} > 64")
     gps, bn = cfg.gps, BN
+    if gps == 1 and group == 64:
+        # One 128-wide unit a step in groups of 64 crashed the H200 test process (illegal
+        # access, 2026-12-03; groups of 32 and 128 ran there); not yet found.
+        raise ValueError("int_matmul_mgpu: groups of 64 take at least two 128-wide units a "
+                         "step (gps >= 2)")
     bk = gps * GROUP
     kr = k // cfg.splits  # K per split
     if k % (cfg.splits * bk) or (sg and (kr % sg or (bk % sg and sg % bk))):
