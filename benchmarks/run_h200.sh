@@ -22,6 +22,9 @@
 #                                        # ($KV_ARGS: e.g. --skip greedy where it is absent)
 #   bash benchmarks/run_h200.sh quant    # jaxinfer bench, bf16 vs int8 vs int4 weights
 #   bash benchmarks/run_h200.sh qkernels # benchmarks/quantized.py (quantized decode matmuls)
+#   bash benchmarks/run_h200.sh ggufmix  # a random Llama-3-8B-shaped GGUF in $GGUF_TYPES (q4_k_m)
+#                                        # through the real loader, B=1 128 + 256, beside bf16
+#                                        # (needs the gguf wheel: carry it, README of the tool)
 #   bash benchmarks/run_h200.sh moe      # benchmarks/moe.py: MoE experts, our Pallas kernels vs
 #                                        # ragged_dot vs a dense per-expert loop vs gather
 #                                        # (Mixtral, Qwen3-30B-A3B; $MOE_ARGS: e.g. --tokens ...;
@@ -140,6 +143,16 @@ quant() {  # jaxinfer bench with bf16 and quantized weights in one call ($QUANT:
       bench . "w-$q" ${!cfg} --quantization "$q"
     done
   done
+}
+ggufmix() {  # benchmarks/random_gguf.py's file through `jaxinfer bench --model`, then bf16
+  for t in ${GGUF_TYPES:-q4_k_m}; do
+    python3 benchmarks/random_gguf.py "/tmp/l8-$t.gguf" --shapes llama3-8b --types "$t" &&
+      timeout 200 python3 benchmarks/decode.py --model "/tmp/l8-$t.gguf" $B1 --json \
+        2> >(grep -v '^bench' | tail -5 >&2) | sed "s/^{/{\"checkout\": \"gguf-$t\", /" \
+        | tee -a "$out/bench-gguf.jsonl"
+    rm -f "/tmp/l8-$t.gguf"
+  done
+  bench . w-none $B1
 }
 qkernels() {  # benchmarks/quantized.py: the quantized decode matmuls vs the bf16 kernel
   timeout "${KERNELS_TIMEOUT:-400}" python3 benchmarks/quantized.py ${QUICK:+--quick} \
