@@ -53,11 +53,18 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 out=${OUT:-.}
+# The machine lacks some of our packages (gguf, the server's): wheels carried in .whl (the
+# device tool's README says how) are installed outside the checkout and put on the path.
+site=
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && site=:/tmp/site && export PYTHONPATH=.$site
+fi
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
 bench() {  # bench ROOT LABEL ARGS...: benchmarks/decode.py of the checkout at ROOT
   local root=$1 label=$2
   shift 2
-  PYTHONPATH=$root timeout 200 python3 "$root/benchmarks/decode.py" --preset llama3-8b \
+  PYTHONPATH=$root$site timeout 200 python3 "$root/benchmarks/decode.py" --preset llama3-8b \
     --random-weights --json "$@" 2> >(grep -v '^bench' | tail -5 >&2) \
     | sed "s/^{/{\"checkout\": \"$label\", /" | tee -a "$out/bench-$label.jsonl"
 }
