@@ -22,6 +22,9 @@
 #                                        # ($KV_ARGS: e.g. --skip greedy where it is absent)
 #   bash benchmarks/run_h200.sh quant    # jaxinfer bench, bf16 vs int8 vs int4 weights
 #   bash benchmarks/run_h200.sh qkernels # benchmarks/quantized.py (quantized decode matmuls)
+#   bash benchmarks/run_h200.sh head     # benchmarks/head_selfdistill.py: an EAGLE head trained on
+#                                        # the model's own answers, then its acceptance beside
+#                                        # n-gram (HEAD_MODEL=the embedded GGUF, carried in)
 #   bash benchmarks/run_h200.sh ggufmix  # a random Llama-3-8B-shaped GGUF in $GGUF_TYPES (q4_k_m)
 #                                        # through the real loader, B=1 128 + 256, beside bf16
 #                                        # (needs the gguf wheel: carry it, README of the tool)
@@ -150,6 +153,10 @@ quant() {  # jaxinfer bench with bf16 and quantized weights in one call ($QUANT:
       bench . "w-$q" ${!cfg} --quantization "$q"
     done
   done
+}
+head() {  # self-distilled EAGLE head for $HEAD_MODEL (a path: the machine cannot download)
+  timeout "${HEAD_TIMEOUT:-500}" python3 benchmarks/head_selfdistill.py --model "$HEAD_MODEL" \
+    --out /tmp/head.safetensors --json "$out/head.json" ${HEAD_ARGS:-} 2>&1 | grep -v '^I'
 }
 ggufmix() {  # benchmarks/random_gguf.py's file through `jaxinfer bench --model`, then bf16
   for t in ${GGUF_TYPES:-q4_k_m}; do
