@@ -34,7 +34,8 @@ import numpy as np
 
 
 def paragraphs(limit: int, rng) -> list[str]:
-    """Prose paragraphs of 50-140 words (no tables, code or headings), shuffled."""
+    """Prose paragraphs of 50-140 words, mostly words, several sentences (no tables, lists,
+    code or headings), shuffled."""
     files = sorted(glob.glob("*.md") + glob.glob("benchmarks/*.md"))
     for site in sys.path:
         files += sorted(glob.glob(os.path.join(site, "*.dist-info", "METADATA")))
@@ -46,8 +47,10 @@ def paragraphs(limit: int, rng) -> list[str]:
             continue
         for p in text.split("\n\n"):
             p = re.sub(r"\s+", " ", p).strip()
-            if 50 <= len(p.split()) <= 140 and not p.startswith(("|", "```", "#", "    ")) \
-                    and p not in seen:
+            words = p.split()
+            prose = sum(w.isalpha() for w in words) > 0.7 * len(words) and p.count(". ") >= 2
+            if 50 <= len(words) <= 140 and prose and p not in seen \
+                    and not p.startswith(("|", "```", "#", "*", "-", "+", "..", ">")):
                 seen.add(p)
                 out.append(p)
     return [out[i] for i in rng.permutation(len(out))[:limit]]
