@@ -48,7 +48,8 @@ def paragraphs(limit: int, rng) -> list[str]:
         for p in text.split("\n\n"):
             p = re.sub(r"\s+", " ", p).strip()
             words = p.split()
-            prose = sum(w.isalpha() for w in words) > 0.7 * len(words) and p.count(". ") >= 2
+            prose = sum(bool(re.fullmatch(r"\(?[A-Za-z][a-z'-]*[.,;:!?)]*", w))
+                        for w in words) > 0.75 * len(words) and p.count(". ") >= 2
             if 50 <= len(words) <= 140 and prose and p not in seen \
                     and not p.startswith(("|", "```", "#", "*", "-", "+", "..", ">")):
                 seen.add(p)
