@@ -52,17 +52,18 @@ def random_params(config: Config, seed: int = 0):
     return init_params(llama.param_specs(config), jax.random.key(seed), jnp.bfloat16)
 
 
-def decode_steps(params, plan: Plan, ids, cache_len=None):
-    """Prefill a third of ids [B, T] (fresh), then one token per step -> logits [B, T, V]."""
+def decode_steps(params, plan: Plan, ids, cache_len=None, forward=llama.forward):
+    """Prefill a third of ids [B, T] (fresh), then one token per step -> logits [B, T, V].
+    forward: llama.forward's signature (op by op by default: its compiles are shared by the
+    tests around it)."""
     b, t = ids.shape
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     split = t // 3
     cache = KVCache.init(plan.config, b, cache_len or t + 3)
-    logits, cache = llama.forward(params, ids[:, :split], pos[:, :split], plan, cache,
-                                  fresh=True)
+    logits, cache = forward(params, ids[:, :split], pos[:, :split], plan, cache, fresh=True)
     out = [logits]
     for i in range(split, t):
-        logits, cache = llama.forward(params, ids[:, i:i + 1], pos[:, i:i + 1], plan, cache)
+        logits, cache = forward(params, ids[:, i:i + 1], pos[:, i:i + 1], plan, cache)
         out.append(logits)
     return np.asarray(jnp.concatenate(out, axis=1)), cache
 

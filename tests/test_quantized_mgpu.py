@@ -161,7 +161,14 @@ def test_decode_path_takes_the_mosaic_kernel_and_matches_reference():
     calls = jitted_calls_in(lambda p, c: llama.forward(p, tokens, tokens, plan, c), nk, cache)
     # one decode step through the kernel: q/k/v, o, gate and up (one launch), down, the head
     assert calls["int_matmul_mgpu"] == 5, calls
-    fused, _ = decode_steps(nk, plan, ids)
+    # Each forward one jitted program, awaited: op-by-op dispatch beside the GPU interpreter's
+    # callbacks hung twice on this 2-core machine (the main thread on a lock in the next op's
+    # dispatch), once a session.
+    forward = jax.jit(llama.forward, static_argnames=("plan", "fresh"))
+
+    def step(*args, **kwargs):
+        return jax.block_until_ready(forward(*args, **kwargs))
+    fused = decode_steps(nk, plan, ids, forward=step)[0]
     assert_close_to_reference(params, config, ids, fused)
     # And back: a Triton plan gets the tiles layout again.
     tiles = int_layout_params(nk, Plan(config, INTERPRET.replace(quant_matmul="triton")))
