@@ -468,8 +468,12 @@ def test_engine_speculative_warmup_top_logprobs_and_grammar(looping, drafter):
                                                                                "ngram")
     greedy = SamplingParams(temperature=0.0)
     top = SamplingParams(temperature=0.0, logprobs=True, top_logprobs=3)
-    engine = _engine(looping, max_model_len=64, speculative=spec_arg,
-                     num_speculative_tokens=2)
+    # Two requests: rows of 1 and 2 are every shape serving them takes (4 would be warmed up
+    # and never met). A draft model's pages take as many bytes again: twice the memory keeps
+    # the target's pool (and so its prefill and decode programs) the plain engine's.
+    small = dict(max_model_len=64, max_num_seqs=2, max_prefill_rows=2)
+    engine = _engine(looping, speculative=spec_arg, num_speculative_tokens=2,
+                     pages=128 if drafter == "self" else 64, **small)
     engine.warmup([greedy, top])
     steps = (step.prefill_step, step.decode_step, step.verify_step, step.draft_step,
              step.draft_prefill_step)
@@ -484,7 +488,9 @@ def test_engine_speculative_warmup_top_logprobs_and_grammar(looping, drafter):
             got[out.request_id][1].extend(out.new_top_logprobs or [])
     assert [f._cache_size() for f in steps] == compiled
     assert engine.stats["draft_tokens"] > 0
-    plain = _engine(looping, max_model_len=64)
+    plain = _engine(looping, **small)
+    if drafter == "self":
+        assert engine.total_pages == plain.total_pages
     ids2 = [plain.add_request(p, sampling=sp, max_tokens=12)
             for p, sp in zip(prompts, [greedy, top])]
     want = {i: ([], []) for i in ids2}
