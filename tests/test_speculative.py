@@ -37,11 +37,12 @@ def test_verification_forward_runs_a_kernel_and_matches_decode_steps(verify_quer
     params = init_params(llama.param_specs(config), jax.random.key(0), jnp.bfloat16)
     ids = jax.random.randint(jax.random.key(1), (2, 12), 0, config.vocab_size)
     lengths = jnp.array([5, 8], jnp.int32)  # rows hold prompts of different lengths
+    # jitted: one program per shape (eagerly each op compiled alone); the same computations
+    forward = jax.jit(llama.forward, static_argnames=("plan", "fresh"))
 
     def prompt_cache(plan):
         pos = jnp.broadcast_to(jnp.arange(12, dtype=jnp.int32), (2, 12))
-        _, cache = llama.forward(params, ids, pos, plan, KVCache.init(config, 2, 16),
-                                 fresh=True)
+        _, cache = forward(params, ids, pos, plan, KVCache.init(config, 2, 16), fresh=True)
         return cache  # slots past a row's length hold stale tokens, as after rejected drafts
 
     verify_pos = lengths[:, None] + jnp.arange(3, dtype=jnp.int32)  # [B, 3]
@@ -52,11 +53,11 @@ def test_verification_forward_runs_a_kernel_and_matches_decode_steps(verify_quer
                                                       kernel_plan, c),
                               prompt_cache(ref_plan))
     assert names[kernel] == config.num_layers, names
-    got, _ = llama.forward(params, verify_ids, verify_pos, kernel_plan, prompt_cache(ref_plan))
+    got, _ = forward(params, verify_ids, verify_pos, kernel_plan, prompt_cache(ref_plan))
     cache = prompt_cache(ref_plan)
     for t in range(3):  # one token at a time through the reference
-        want, cache = llama.forward(params, verify_ids[:, t:t + 1], verify_pos[:, t:t + 1],
-                                    ref_plan, cache)
+        want, cache = forward(params, verify_ids[:, t:t + 1], verify_pos[:, t:t + 1],
+                              ref_plan, cache)
         assert rel_err(got[:, t], want[:, 0]) < 3e-2, t
         assert np.mean(np.asarray(got[:, t].argmax(-1) == want[:, 0].argmax(-1))) == 1.0
 
