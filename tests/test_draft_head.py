@@ -136,7 +136,9 @@ def _first_draft_hits(model, head, prompt: list[int], out: list[int]) -> int:
     params = run_params(model, model.plan)
     seq = jnp.asarray([prompt + out], jnp.int32)
     f, _ = train_draft.target_features(params, seq, model.plan)
-    logits, _ = train_draft.teacher_forced(head.params, params, seq, f, head.spec)
+    # jitted, as training runs it (one program per length instead of each op compiled alone)
+    logits, _ = jax.jit(train_draft.teacher_forced, static_argnames="spec")(
+        head.params, params, seq, f, spec=head.spec)
     draft = np.asarray(jnp.argmax(logits[0], -1))  # [T]: the draft of token i + 1
     seq = np.asarray(seq[0])
     p, count, hits = len(prompt), 1, 0
@@ -260,31 +262,37 @@ def test_mtp_matches_its_definition_and_is_lossless(tmp_path, tiny_chat):
     tokens = jnp.asarray(ref["input_ids"][:1, :12], jnp.int32)  # [1, T]
     t = tokens.shape[1]
     positions = jnp.arange(t, dtype=jnp.int32)[None]
-    fwd = registry.family(model.config).forward
+    # Each forward below jitted: one program each (run eagerly, each of the MoE layers' ops
+    # compiled alone took most of this test's time); the same computations.
+    fwd = jax.jit(registry.family(model.config).forward, static_argnames=("plan", "hidden"))
     logits, _, f = fwd(model.params, tokens, positions, model.plan, hidden=True)
     np.testing.assert_allclose(logits, model(np.asarray(tokens)), rtol=1e-5, atol=1e-5)
     before = jnp.concatenate([jnp.zeros_like(f[:, :1]), f[:, :-1]], axis=1)  # f_{i-1}
 
-    # The definition: plain jnp on the checkpoint's tensors; the block is the target's own
-    # layer 2 (the module's block is a copy of it) through the family's layer code.
-    emb = jnp.asarray(raw["model.embed_tokens.weight"])[tokens]
-    x = jnp.concatenate([_rms(emb, raw["model.layers.3.enorm.weight"], eps),
-                         _rms(before, raw["model.layers.3.hnorm.weight"], eps)], -1)
-    x = x @ jnp.asarray(raw["model.layers.3.eh_proj.weight"]).T
-    block = {"embed": model.params["embed"], "layers": [model.params["layers"][2]],
-             "final_norm": jnp.ones(x.shape[-1]), "lm_head": model.params["lm_head"]}
-    _, _, normed = fwd(block, tokens, positions, head.spec.plan, embeds=x, hidden=True)
-    want = (normed * raw["model.layers.3.shared_head.norm.weight"]) \
-        @ jnp.asarray(raw["model.layers.3.shared_head.head.weight"]).T  # [1, T, V]
+    @jax.jit
+    def definition(before):
+        """Plain jnp on the checkpoint's tensors; the block is the target's own layer 2 (the
+        module's block is a copy of it) through the family's layer code."""
+        emb = jnp.asarray(raw["model.embed_tokens.weight"])[tokens]
+        x = jnp.concatenate([_rms(emb, raw["model.layers.3.enorm.weight"], eps),
+                             _rms(before, raw["model.layers.3.hnorm.weight"], eps)], -1)
+        x = x @ jnp.asarray(raw["model.layers.3.eh_proj.weight"]).T
+        block = {"embed": model.params["embed"], "layers": [model.params["layers"][2]],
+                 "final_norm": jnp.ones(x.shape[-1]), "lm_head": model.params["lm_head"]}
+        _, _, normed = fwd(block, tokens, positions, head.spec.plan, embeds=x, hidden=True)
+        return (normed * raw["model.layers.3.shared_head.norm.weight"]) \
+            @ jnp.asarray(raw["model.layers.3.shared_head.head.weight"]).T  # [1, T, V]
 
+    want = definition(before)
+    head_forward = jax.jit(draft_head.forward, static_argnames=("spec", "fresh"))
     cache = KVCache.init(head.spec.plan.config, 1, 16)
-    got, cache, _ = draft_head.forward(head.params, model.params, tokens[:, :6], before[:, :6],
-                                       positions[:, :6], head.spec, cache, fresh=True)
+    got, cache, _ = head_forward(head.params, model.params, tokens[:, :6], before[:, :6],
+                                 positions[:, :6], head.spec, cache, fresh=True)
     steps = [got]
     for i in range(6, t):
-        got, cache, _ = draft_head.forward(head.params, model.params, tokens[:, i:i + 1],
-                                           before[:, i:i + 1], positions[:, i:i + 1],
-                                           head.spec, cache)
+        got, cache, _ = head_forward(head.params, model.params, tokens[:, i:i + 1],
+                                     before[:, i:i + 1], positions[:, i:i + 1], head.spec,
+                                     cache)
         steps.append(got)
     np.testing.assert_allclose(jnp.concatenate(steps, 1), want, rtol=1e-4, atol=1e-4)
 

@@ -37,11 +37,12 @@ def test_verification_forward_runs_a_kernel_and_matches_decode_steps(verify_quer
     params = init_params(llama.param_specs(config), jax.random.key(0), jnp.bfloat16)
     ids = jax.random.randint(jax.random.key(1), (2, 12), 0, config.vocab_size)
     lengths = jnp.array([5, 8], jnp.int32)  # rows hold prompts of different lengths
+    # jitted: one program per shape (eagerly each op compiled alone); the same computations
+    forward = jax.jit(llama.forward, static_argnames=("plan", "fresh"))
 
     def prompt_cache(plan):
         pos = jnp.broadcast_to(jnp.arange(12, dtype=jnp.int32), (2, 12))
-        _, cache = llama.forward(params, ids, pos, plan, KVCache.init(config, 2, 16),
-                                 fresh=True)
+        _, cache = forward(params, ids, pos, plan, KVCache.init(config, 2, 16), fresh=True)
         return cache  # slots past a row's length hold stale tokens, as after rejected drafts
 
     verify_pos = lengths[:, None] + jnp.arange(3, dtype=jnp.int32)  # [B, 3]
@@ -52,11 +53,11 @@ def test_verification_forward_runs_a_kernel_and_matches_decode_steps(verify_quer
                                                       kernel_plan, c),
                               prompt_cache(ref_plan))
     assert names[kernel] == config.num_layers, names
-    got, _ = llama.forward(params, verify_ids, verify_pos, kernel_plan, prompt_cache(ref_plan))
+    got, _ = forward(params, verify_ids, verify_pos, kernel_plan, prompt_cache(ref_plan))
     cache = prompt_cache(ref_plan)
     for t in range(3):  # one token at a time through the reference
-        want, cache = llama.forward(params, verify_ids[:, t:t + 1], verify_pos[:, t:t + 1],
-                                    ref_plan, cache)
+        want, cache = forward(params, verify_ids[:, t:t + 1], verify_pos[:, t:t + 1],
+                              ref_plan, cache)
         assert rel_err(got[:, t], want[:, 0]) < 3e-2, t
         assert np.mean(np.asarray(got[:, t].argmax(-1) == want[:, 0].argmax(-1))) == 1.0
 
@@ -475,8 +476,12 @@ def test_engine_speculative_warmup_top_logprobs_and_grammar(looping, drafter):
                                                                                "ngram")
     greedy = SamplingParams(temperature=0.0)
     top = SamplingParams(temperature=0.0, logprobs=True, top_logprobs=3)
-    engine = _engine(looping, max_model_len=64, speculative=spec_arg,
-                     num_speculative_tokens=2)
+    # Two requests: rows of 1 and 2 are every shape serving them takes (4 would be warmed up
+    # and never met). A draft model's pages take as many bytes again: twice the memory keeps
+    # the target's pool (and so its prefill and decode programs) the plain engine's.
+    small = dict(max_model_len=64, max_num_seqs=2, max_prefill_rows=2)
+    engine = _engine(looping, speculative=spec_arg, num_speculative_tokens=2,
+                     pages=128 if drafter == "self" else 64, **small)
     engine.warmup([greedy, top])
     steps = (step.prefill_step, step.decode_step, step.verify_step, step.draft_step,
              step.draft_prefill_step)
@@ -491,7 +496,9 @@ def test_engine_speculative_warmup_top_logprobs_and_grammar(looping, drafter):
             got[out.request_id][1].extend(out.new_top_logprobs or [])
     assert [f._cache_size() for f in steps] == compiled
     assert engine.stats["draft_tokens"] > 0
-    plain = _engine(looping, max_model_len=64)
+    plain = _engine(looping, **small)
+    if drafter == "self":
+        assert engine.total_pages == plain.total_pages
     ids2 = [plain.add_request(p, sampling=sp, max_tokens=12)
             for p, sp in zip(prompts, [greedy, top])]
     want = {i: ([], []) for i in ids2}
