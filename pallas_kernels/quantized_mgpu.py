@@ -284,7 +284,10 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_sca
         codes, scale, offset, super_scale, super_offset = (
             tuple(a.reshape(-1, a.shape[-1]) for a in arrays)
             for arrays in (codes, scale, offset, super_scale, super_offset))
-        ids, rows = (jnp.asarray(v, jnp.int32).reshape(-1) for v in experts)
+        ids, rows = (jnp.asarray(v, jnp.int32) for v in experts)
+        if ids.ndim != 1 or ids.shape != rows.shape:
+            raise ValueError(f"int_matmul_mgpu: experts=(ids, rows) must be two [A] arrays, "
+                             f"got {ids.shape} and {rows.shape}")
         assignments = ids.shape[0]
     else:
         ids, rows, assignments = None, None, 1

@@ -208,13 +208,13 @@ def _pallas_experts(kernel, x, weights, experts, w_gate, w_up, w_down, plan):
 def _mosaic_decode_supports(x, weights, experts, w_gate, w_up, w_down, plan) -> str | None:
     if not all(isinstance(w, QuantizedWeight) and w.layout == "nk"
                for w in (w_gate, w_up, w_down)):
-        return "not int4 / int8 / fp8 experts in the nk layout"
+        return "experts not all laid out for the Mosaic GPU kernel (nk)"
     if plan.sharded or jnp.dtype(x.dtype) != jnp.bfloat16:
         return "a sharded plan or activations not bfloat16"
-    assignments = rows(x) * plan.config.moe.experts_per_token
-    if assignments > min(64, plan.policy.mosaic_int_rows):
-        return (f"{assignments} token-expert assignments (the kernel takes at most 64, the "
-                f"plan's mosaic_int_rows)")
+    assignments = rows(x) * plan.config.moe.experts_per_token  # the down projection's rows
+    if assignments > plan.policy.mosaic_int_rows:
+        return (f"{assignments} token-expert assignments (more than KernelPolicy."
+                f"mosaic_int_rows = {plan.policy.mosaic_int_rows})")
     return _pallas_reason(x, w_gate, plan) or _decode_rows_reason(x, w_gate, plan)
 
 
