@@ -188,7 +188,8 @@ def default_config(m: int, k: int, n: int, fmt: NkFormat = NkFormat(),
     128: benchmarks/DECISIONS.md); above 16 rows the fewest ranges that still give about every
     SM a block (M = 64: 1.1-1.2x faster than four); a split holds whole super-groups; the products of as many
     groups in flight as _ACC_REGS registers hold; fewer stages where four would pass _SMEM
-    (8-bit codes at 64 rows)."""
+    (8-bit codes at 64 rows); groups under 128 loaded 128 codes at a time (`wide`), but
+    for Q4_K / Q5_K's super-offsets (wide lost there: benchmarks/DECISIONS.md)."""
     units = k // GROUP
     gps = 2 if units % 2 == 0 else 1
     whole = max(gps, fmt.super_group // GROUP)  # units a split must hold whole
@@ -206,7 +207,8 @@ def default_config(m: int, k: int, n: int, fmt: NkFormat = NkFormat(),
              + per_step * 4 * (BN * (1 + fmt.offset) + mp * fmt.x_sums) + 2 * BN * 4)
     stages = max(2, min(4, (_SMEM - BN * mp * 4) // stage))
     return MgpuMatmulConfig(gps=gps, stages=stages, splits=splits,
-                            batch=0 if batch == per_step else batch)
+                            batch=0 if batch == per_step else batch,
+                            wide=fmt.group < GROUP and not fmt.super_offset)
 
 
 def quantized_matmul_mgpu(x, qw, *, experts=None, cfg: MgpuMatmulConfig | None = None,
@@ -331,12 +333,13 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_sca
     if k % (cfg.splits * bk) or (sg and (kr % sg or (bk % sg and sg % bk))):
         raise ValueError(f"int_matmul_mgpu: K {k} not {cfg.splits} splits of whole steps of "
                          f"{bk}" + (f" and super-groups of {sg}" if sg else ""))
-    # x's tiles are Mp rows: TMA fills the rows past M with zeros (no pad op before the
-    # kernel); they only reach output columns that are sliced off. The interpreter takes no
-    # out-of-bounds read: it gets x padded.
+    # x's tiles are Mp rows: below 8 rows TMA fills the rows past M with zeros (no pad op
+    # before the kernel); they only reach output columns that are sliced off. TMA refuses a
+    # gmem array of more than 8 rows that are not a multiple of 8 (M = 10 failed on the
+    # H200), and the interpreter takes no out-of-bounds read: those get x padded.
     mp = max(8, -(-m // 8) * 8)
     x = x.astype(jnp.bfloat16)
-    xin = [jnp.pad(x, ((0, mp - m), (0, 0))) if interpret and mp != m else x]
+    xin = [jnp.pad(x, ((0, mp - m), (0, 0))) if (interpret or m > 8) and mp != m else x]
     if fmt.x_sums:  # X [G, Mp] float32: x's sum over each group (rows past M zero)
         xs = jnp.sum(x.astype(jnp.float32).reshape(m, k // group, group), axis=2)
         xin.append(jnp.pad(xs, ((0, mp - m), (0, 0))).T)
