@@ -1,6 +1,6 @@
 """Write a GGUF file of a real model's shapes with random weights in llama.cpp's block types.
 
-    PYTHONPATH=. python3 benchmarks/random_gguf.py OUT.gguf [--shapes llama3-8b|qwen2.5-1.5b]
+    PYTHONPATH=. python3 benchmarks/random_gguf.py OUT.gguf [--shapes llama3-8b|qwen2.5-1.5b|tiny]
         [--types q4_k_m|q4_k|q6_k|q8_0|q4_0|q5_k|...] [--layers L]
 
 What `jaxinfer bench --model OUT.gguf` and `jaxinfer generate` then load exactly as a downloaded
@@ -26,6 +26,7 @@ from gguf import GGMLQuantizationType as QT
 SHAPES = {
     "llama3-8b": ("llama", 4096, 14336, 32, 8, 128, 128256, 32, 500000.0, False, False),
     "qwen2.5-1.5b": ("qwen2", 1536, 8960, 12, 2, 128, 151936, 28, 1e6, True, True),
+    "tiny": ("llama", 256, 512, 4, 2, 64, 512, 2, 10000.0, False, False),  # for tests
 }
 # Byte offsets of each block's fp16 fields (d, and dmin / m) in ggml's block structs.
 FP16_AT = {QT.Q8_0: (0,), QT.Q4_0: (0,), QT.Q4_1: (0, 2), QT.Q5_0: (0,), QT.Q5_1: (0, 2),

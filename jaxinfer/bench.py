@@ -420,17 +420,25 @@ def cpu_peak_estimate(model: Model, plan, batch: int, prompt_len: int, gen_len: 
                                  executables=3)
 
 
-def llama_cpp_note() -> str:
-    """What `bench` says of llama.cpp, the CPU peer: it is not run from here, so no figure of
-    its is made up; where its binaries are on PATH, the command that measures it."""
-    import shutil
+def llama_cpp_peer(model: Model, args, ours: BenchResult | None) -> str | None:
+    """On a CPU with a GGUF file: llama.cpp's figures on the same file and cores beside ours
+    (jaxinfer/llama_cpp_peer.py), or why there are none; None elsewhere (GPU peers are
+    benchmarks/ scripts)."""
+    from jaxinfer import llama_cpp_peer
 
-    found = [b for b in ("llama-bench", "llama-cli") if shutil.which(b)]
-    if not found:
-        return ("llama.cpp: not available on this machine (no llama-bench or llama-cli on "
-                "PATH); no peer figure")
-    return (f"llama.cpp: {', '.join(found)} found; for its figures on the same file and "
-            f"cores run: llama-bench -m FILE -t {os.cpu_count()} -p PROMPT_LEN -n GEN_LEN")
+    if jax.default_backend() != "cpu" or not str(model.source or "").endswith(".gguf") \
+            or args.peer == "none":
+        return None
+    if llama_cpp_peer.available() is None:
+        return ("llama.cpp: llama-cpp-python is not installed (pip install llama-cpp-python "
+                "builds it for this machine; then bench runs it on the same file and cores)")
+    try:
+        r = llama_cpp_peer.measure(model.source, args.prompt_len, args.gen_len, args.repeats)
+    except (RuntimeError, OSError, ValueError) as exc:
+        return f"llama.cpp: no figures ({exc})"
+    if args.json:
+        return json.dumps(r)
+    return llama_cpp_peer.row_text(r, ours)
 
 
 def weight_formats(params) -> str:
@@ -492,6 +500,7 @@ def main(args) -> int:
     if args.json:
         for r in results:
             print(json.dumps(dataclasses.asdict(r)))
-    if jax.default_backend() == "cpu" and not args.json:
-        print(llama_cpp_note())
+    peer = llama_cpp_peer(model, args, next((r for r in results if r.batch == 1), None))
+    if peer is not None:
+        print(peer, flush=True)
     return 0

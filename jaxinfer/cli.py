@@ -311,6 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
                    default="default",
                    help="kernel policy: today's fastest, bitwise-repeatable and "
                         "batch-invariant, or the pure-jnp references")
+    b.add_argument("--peer", choices=("llama.cpp", "none"), default="llama.cpp",
+                   help="on a CPU with a GGUF file: also run llama.cpp (llama-cpp-python, "
+                        "where installed) on the same file and cores, and print the ratios")
     _add_speculative_args(b, bench=True)
     e = b.add_argument_group("serving engine (--engine)")
     e.add_argument("--engine", action="store_true",

@@ -70,3 +70,27 @@ def test_compare_peer_puts_ours_beside_the_peer(tmp_path, capsys):
     empty.write_text("no json here\n")
     assert compare_peer.main([str(empty), str(peer)]) == 1
     assert compare_peer.main([str(ours)]) == 2
+
+
+def test_llama_cpp_runs_beside_ours_on_a_gguf_file(tmp_path, capsys):
+    """On a CPU with a GGUF file, bench runs llama.cpp (llama-cpp-python) on the same file and
+    prints its row and our ratios; where it is not installed it says how to get it."""
+    from benchmarks import random_gguf
+    from jaxinfer import llama_cpp_peer
+
+    path = tmp_path / "tiny-q4_k_m.gguf"
+    assert random_gguf.main([str(path), "--shapes", "tiny"]) == 0
+    assert cli.main(["bench", "--model", str(path), "--prompt-len", "8", "--gen-len", "4",
+                     "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "w=q4_k+q6_k" in out
+    if llama_cpp_peer.available() is None:
+        assert "pip install llama-cpp-python" in out
+        return
+    assert "llama.cpp (llama-cpp-python" in out and "ours / llama.cpp: decode" in out
+    r = llama_cpp_peer.measure(str(path), 8, 4, repeats=1)
+    assert r["prefill_tokens_per_s"] > 0 and r["decode_ms_per_token"] > 0
+    assert 0 < r["peak_rss_gb"] < 2 and r["threads"] == llama_cpp_peer.threads()
+    assert cli.main(["bench", "--model", str(path), "--prompt-len", "8", "--gen-len", "4",
+                     "--repeats", "1", "--peer", "none"]) == 0
+    assert "llama.cpp" not in capsys.readouterr().out
