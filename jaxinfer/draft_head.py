@@ -47,6 +47,7 @@ class HeadSpec:
     kind: str  # "eagle" | "mtp"
     plan: Plan
     rejection: bool = False  # rejection sampling for sampled rows (speculative.py)
+    adaptive: bool = True  # plain steps while its drafts are mostly rejected (speculative.py)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -60,6 +61,9 @@ class FeatureHead:
     # Sampled rows accept by rejection sampling (min(1, p/q), the head's law q) instead of
     # the coupled rule: dataclasses.replace(head, rejection=True).
     rejection: bool = False
+    # generate() takes plain decode steps while the head's drafts are mostly rejected
+    # (speculative.py, MIN_GAIN); False: a verification every round.
+    adaptive: bool = True
 
 
 def head_config(config: Config, kind: str) -> Config:
@@ -145,7 +149,7 @@ def for_model(head: FeatureHead, model) -> FeatureHead:
     config = head.spec.plan.config.replace(dtype=model.config.dtype)
     spec = HeadSpec(head.spec.kind, dataclasses.replace(model.plan, config=config))
     params = cast_floating(head.params, config.dtype, head_specs(spec))
-    return FeatureHead(spec, params, head.fingerprint, head.rejection)
+    return dataclasses.replace(head, spec=spec, params=params)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -77,14 +77,25 @@ class DraftModel:
 
     model: Model
     rejection: bool = False
+    adaptive: bool = True  # plain steps while its drafts are mostly rejected (MIN_GAIN)
 
 
 @dataclasses.dataclass(frozen=True)
 class _DraftPlan:
-    """The static part of a DraftModel: its plan and acceptance rule."""
+    """The static part of a DraftModel: its plan, acceptance rule and fallback."""
 
     plan: Plan
     rejection: bool
+    adaptive: bool = True
+
+
+# A draft model's or a head's rounds verify while some live row's recent rounds accepted at
+# least MIN_GAIN drafts on average (an average halving each round); below, rounds are plain
+# decode steps (T = 1), with a verification every PROBE rounds to see whether drafts hit
+# again. A verification costs 1.1-1.4 decode steps on the H200 (Llama-3-8B shapes) and
+# 1.5-1.7 on a CPU (benchmarks/DECISIONS.md): it pays from about half a draft accepted.
+MIN_GAIN = 0.5
+PROBE = 8
 
 
 # ---------------------------------------------------------------------------------------------
@@ -114,6 +125,8 @@ class SpecState:
     head: HeadState | None  # a feature head's state (None for the other drafters)
     drafted: jax.Array  # [B] int32: drafts proposed to the row
     accepted: jax.Array  # [B] int32: drafts accepted (emitted as they were proposed)
+    gain: jax.Array  # [B] float32: drafts accepted per verification, recent rounds weighted
+    idle: jax.Array  # [] int32: plain rounds since the last verification (MIN_GAIN)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,9 +211,10 @@ def model_drafts(draft_params, state: SpecState, k: int, draft: _DraftPlan):
             cache)
 
 
-def head_drafts(params, head_params, state: SpecState, k: int, spec: draft_head.HeadSpec):
-    """K drafts from a feature head -> (drafts [B, K], with spec.rejection their laws
-    [B, K, V] else None, its HeadState). Its first forward
+def head_drafts(params, head_params, state: SpecState, k: int, spec: draft_head.HeadSpec,
+                draws: int | None = None):
+    """K drafts (or the first `draws`) from a feature head -> (drafts [B, draws], with
+    spec.rejection their laws [B, draws, V] else None, its HeadState). Its first forward
     takes the pairs (t_{pos+1+j}, f_{pos+j}) at pos+1+j for j = 0..K, the tokens the last
     verification scored: those through x (at p) are now known true; those past it are stale,
     and their slots are written over before any query at or past them reads them (as rejected
@@ -218,13 +232,14 @@ def head_drafts(params, head_params, state: SpecState, k: int, spec: draft_head.
                                           spec, hs.cache, logits_at=at)  # [B, 1, V], [B, T, D]
     g = g[rows, at][:, None]  # [B, 1, D]
     drafts, laws = [], []
-    for j in range(k):
+    draws = k if draws is None else draws
+    for j in range(draws):
         masked = _draft_law(logits[:, 0], tensors)  # [B, V]
         nxt = _draw(masked, sampling.step_keys(d.sampler, p + 1 + j), tensors.greedy,
                     tensors.flags.all_greedy)  # [B]
         drafts.append(nxt)
         laws.append(masked)
-        if j + 1 < k:
+        if j + 1 < draws:
             logits, cache, g = draft_head.forward(head_params, params, nxt[:, None], g,
                                                   (p + 1 + j)[:, None], spec, cache)
     return (jnp.stack(drafts, axis=1), jnp.stack(laws, axis=1) if spec.rejection else None,
@@ -330,9 +345,12 @@ def _record_round(state: SpecState, tokens: jax.Array, lps: jax.Array, a: jax.Ar
     cache = sharding_lib.constrain_cache(cache.replace(lengths=new_p), plan.sharding)
     decode = d.replace(tokens=last_token(history, new_p), positions=new_p, cache=cache,
                        sampler=sampler, done=done, output=output, logprobs=logprobs)
+    gain = state.gain
+    if t > 1:  # a verification: each live row's accepted drafts into its average
+        gain = jnp.where(d.done, gain, 0.5 * gain + 0.5 * a.astype(jnp.float32))
     return state.replace(decode=decode, count=count, history=history,
                          drafted=state.drafted + jnp.where(d.done, 0, t - 1),
-                         accepted=state.accepted + jnp.minimum(a, emitted))
+                         accepted=state.accepted + jnp.minimum(a, emitted), gain=gain)
 
 
 def _verify_round(params, state: SpecState, drafts: jax.Array, draft_laws, plan: Plan
@@ -355,8 +373,11 @@ def _verify_round(params, state: SpecState, drafts: jax.Array, draft_laws, plan:
         a, ys, lps = _rejection(drafts, draft_laws, ys, lps, target_laws, d)
     else:  # coupled: accept while the draft is the token plain decoding samples there
         a = _leading(drafts == ys[:, :k])
-    if state.head is not None:  # f [B, K + 1, D] at p..p+K
-        state = state.replace(head=state.head.replace(feats=out[2], pos=p))
+    if state.head is not None:  # f [B, K + 1, D] at p..p+K (a plain step's padded to K + 1)
+        f = out[2]
+        f = jnp.pad(f, ((0, 0), (0, state.head.feats.shape[1] - f.shape[1]), (0, 0)))
+        state = state.replace(head=state.head.replace(feats=f.astype(state.head.feats.dtype),
+                                                      pos=p))
     return _record_round(state, ys, lps, a, cache, plan)
 
 
@@ -374,12 +395,36 @@ def _spec_round(params, draft_params, state: SpecState, plan: Plan, k: int,
             return _verify_round(params, s, drafts[:, :0], None, plan)
 
         return jax.lax.cond(jnp.any(found & ~state.decode.done), verify, plain, state)
-    if isinstance(drafter, draft_head.HeadSpec):
-        drafts, draft_laws, head = head_drafts(params, draft_params, state, k, drafter)
-        return _verify_round(params, state.replace(head=head), drafts, draft_laws, plan)
-    drafts, draft_laws, draft_cache = model_drafts(draft_params, state, k, drafter)
-    return _verify_round(params, state.replace(draft_cache=draft_cache), drafts, draft_laws,
-                         plan)
+    is_head = isinstance(drafter, draft_head.HeadSpec)
+
+    def verify(s: SpecState) -> SpecState:
+        if is_head:
+            drafts, draft_laws, head = head_drafts(params, draft_params, s, k, drafter)
+            s = s.replace(head=head)
+        else:
+            drafts, draft_laws, draft_cache = model_drafts(draft_params, s, k, drafter)
+            s = s.replace(draft_cache=draft_cache)
+        return _verify_round(params, s, drafts, draft_laws, plan).replace(
+            idle=jnp.zeros((), jnp.int32))
+
+    if not drafter.adaptive:
+        return verify(state)
+
+    def plain(s: SpecState) -> SpecState:
+        # The drafter's first forward only: it writes this round's true pairs (the head's
+        # (t, f) slots, the draft model's last two tokens), so its cache has no hole when
+        # rounds verify again.
+        if is_head:
+            drafts, _, head = head_drafts(params, draft_params, s, k, drafter, draws=1)
+            s = s.replace(head=head)
+        else:
+            drafts, _, draft_cache = model_drafts(draft_params, s, 1, drafter)
+            s = s.replace(draft_cache=draft_cache)
+        return _verify_round(params, s, drafts[:, :0], None, plan).replace(idle=s.idle + 1)
+
+    live = ~state.decode.done
+    hits = jnp.any(live & (state.gain >= MIN_GAIN)) | (state.idle >= PROBE)
+    return jax.lax.cond(hits, verify, plain, state)
 
 
 spec_round = jax.jit(_spec_round, static_argnames=("plan", "k", "drafter"),
@@ -526,7 +571,7 @@ def _prepare(model, prompts, max_new_tokens, sampling_params, seed, chat, stop, 
     if isinstance(drafter, draft_head.FeatureHead):  # its layer on the request's plan and dtype
         head = draft_head.for_model(drafter, model)
         spec = draft_head.HeadSpec(head.spec.kind, dataclasses.replace(
-            req.plan, config=head.spec.plan.config), drafter.rejection)
+            req.plan, config=head.spec.plan.config), drafter.rejection, drafter.adaptive)
         return _SpecRequest(req, k, spec, head.params)
     need = max(len(p) for p in req.ids) + int(max_new_tokens) + k
     context = drafter.model.config.max_position_embeddings
@@ -535,7 +580,7 @@ def _prepare(model, prompts, max_new_tokens, sampling_params, seed, chat, stop, 
                          f"longest prompt + max_new_tokens + num_speculative_tokens ({need}); "
                          "lower max_new_tokens or use another draft model")
     plan = _plan(drafter.model, policy)
-    return _SpecRequest(req, k, _DraftPlan(plan, drafter.rejection),
+    return _SpecRequest(req, k, _DraftPlan(plan, drafter.rejection, drafter.adaptive),
                         run_params(drafter.model, plan))
 
 
@@ -555,7 +600,9 @@ def _run_prefill(model, sreq: _SpecRequest, progress: bool) -> SpecState:
                              req.plan, sreq.drafter, sreq.k)
     return SpecState(decode=state, count=count, history=history, draft_cache=draft_cache,
                      head=head, drafted=jnp.zeros((b,), jnp.int32),
-                     accepted=jnp.zeros((b,), jnp.int32))
+                     accepted=jnp.zeros((b,), jnp.int32),
+                     gain=jnp.full((b,), float(sreq.k), jnp.float32),
+                     idle=jnp.zeros((), jnp.int32))
 
 
 def _results(model, sreq: _SpecRequest, state: SpecState) -> list[Completion]:
