@@ -68,6 +68,10 @@ def row_text(r: dict, ours=None) -> str:
                  f" its tok/s, prefill {ours.prefill_tokens_per_s / r['prefill_tokens_per_s']:.2f}x")
         if ours.peak_memory_gb is not None:
             text += f", peak RSS {ours.peak_memory_gb / r['peak_rss_gb']:.2f}x its"
+    if r.get("load_average", 0) > r["threads"]:  # its threads wait for each other spinning
+        text += (f"\n  the load average was {r['load_average']:.1f} on {r['threads']} cores: "
+                 f"llama.cpp's threads can slow down by orders of magnitude when they share "
+                 f"cores with other work; compare on a quiet machine")
     return text
 
 
@@ -96,6 +100,7 @@ def _run(path: str, prompt_len: int, gen_len: int, repeats: int, seed: int, n_th
             llm.eval([llm.sample(top_k=1, temp=0.0)])
         decode.append((time.perf_counter() - t0) / (gen_len - 1))
     return {"peer": "llama.cpp", "version": available(), "file": path, "threads": n_threads,
+            "load_average": os.getloadavg()[0],
             "prompt_len": prompt_len, "gen_len": gen_len,
             "prefill_tokens_per_s": prompt_len / prefill_s,
             "decode_ms_per_token": statistics.median(decode) * 1e3,
