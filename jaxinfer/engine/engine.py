@@ -229,7 +229,8 @@ class Engine:
         self._tensors: tuple | None = None
         self._inflight: list = []  # dispatches not read yet: (kind, rows, tokens, logprobs, top)
         self.stats = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "preemptions": 0,
-                      "draft_tokens": 0, "accepted_tokens": 0}
+                      "draft_tokens": 0, "accepted_tokens": 0, "plain_rounds": 0}
+        self._idle = 0  # plain rounds in a row while a draft model's drafts are rejected
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -428,6 +429,11 @@ class Engine:
                         dparams, self.draft_cache, jnp.zeros((b, 2), jnp.int32), rows, plan,
                         self.num_speculative_tokens)
                     dispatched += 1
+                    if self._draft_adaptive:  # a plain round's first draft forward
+                        self.draft_cache, _ = step_lib.draft_step(
+                            dparams, self.draft_cache, jnp.zeros((b, 2), jnp.int32), rows,
+                            plan, 1)
+                        dispatched += 1
                 if self.head is not None:  # the head drafts inside the verification
                     tokens = None
                 self.state, new, _, _ = step_lib.verify_step(
@@ -685,6 +691,7 @@ class Engine:
         from jaxinfer.speculative import (DraftModel, NGram, check_same_vocabulary,
                                           resolve_drafter)
 
+        self._draft_adaptive = False
         if speculative is None:
             return None, None, None, 0
         head = None
@@ -720,6 +727,7 @@ class Engine:
         if isinstance(speculative, NGram):
             return speculative, None, None, int(k)
         draft = speculative.model
+        self._draft_adaptive = speculative.adaptive  # plain rounds while drafts are rejected
         if draft.config.mla is not None:
             raise ValueError("an MLA draft model has no paged cache yet; use a GQA draft model")
         check_same_vocabulary(self.model, draft)
@@ -744,6 +752,18 @@ class Engine:
             for i, req in enumerate(reqs):
                 last_two[i] = req.tokens()[-2:]  # a decode row has >= 1 prompt + 1 output
             _, plan, params = self.draft
+            from jaxinfer.speculative import MIN_GAIN, PROBE
+
+            if self._draft_adaptive and self._idle < PROBE and not any(
+                    r.draft_gain is None or r.draft_gain >= MIN_GAIN for r in reqs):
+                # Drafts mostly rejected (as generate's rounds): a plain step; the draft
+                # model's first forward only, so that its pages hold this step's tokens.
+                self.draft_cache, _ = step_lib.draft_step(
+                    params, self.draft_cache, jnp.asarray(last_two), batch, plan, 1)
+                self._idle += 1
+                self.stats["plain_rounds"] += 1
+                return self._dispatch_plain(rows)
+            self._idle = 0
             self.draft_cache, tokens = step_lib.draft_step(params, self.draft_cache,
                                                            jnp.asarray(last_two), batch, plan, k)
         elif self.ngram is not None:
@@ -796,6 +816,8 @@ class Engine:
                 if kind == "verify":  # as generate: drafts cut by a stop or the budget
                     drafted = self.num_speculative_tokens  # do not count (min(a, emitted))
                     accepted = min(int(kept.sum()) - 1, len(got))
+                    gain = drafted if req.draft_gain is None else req.draft_gain
+                    req.draft_gain = 0.5 * gain + 0.5 * (int(kept.sum()) - 1)
                     self.stats["draft_tokens"] += drafted
                     self.stats["accepted_tokens"] += accepted
                 if req.first_token_time is None and got:
