@@ -199,6 +199,7 @@ def test_engine_with_a_head_equals_generate(looping):
                      num_speculative_tokens=3)
     got, reasons = _serve(engine, reqs, np.random.default_rng(1))
     assert engine.stats["draft_tokens"] > 0 and engine.prefix_cache_hit_rate() > 0
+    assert engine.stats["plain_rounds"] > 0  # a random head's drafts: plain steps (MIN_GAIN)
     assert engine.stats["preemptions"] > 0
     assert engine.free_pages == engine.total_pages and not engine.requests
     for i, (toks, lps, reason) in enumerate(want):

@@ -436,6 +436,12 @@ class Engine:
                         dispatched += 1
                 if self.head is not None:  # the head drafts inside the verification
                     tokens = None
+                    if self._draft_adaptive:  # and its plain step
+                        self.state, new, _, _ = step_lib.verify_step(
+                            self.params, self.state, tokens, rows, self.plan,
+                            **self._verify_args, plain=True)
+                        new.block_until_ready()
+                        dispatched += 1
                 self.state, new, _, _ = step_lib.verify_step(
                     self.params, self.state, tokens, rows, self.plan, **self._verify_args)
             new.block_until_ready()
@@ -720,6 +726,7 @@ class Engine:
             if head.spec.plan.config.mla is not None:
                 raise ValueError("this head's layer attends through an MLA latent cache, "
                                  "which the engine does not page; use jaxinfer.generate")
+            self._draft_adaptive = head.adaptive  # plain rounds while drafts are rejected
             head = draft_head.for_model(head, self.model)  # its layer in the model's dtype
             spec = draft_head.HeadSpec(head.spec.kind, dataclasses.replace(
                 self.plan, config=head.spec.plan.config))
@@ -752,18 +759,12 @@ class Engine:
             for i, req in enumerate(reqs):
                 last_two[i] = req.tokens()[-2:]  # a decode row has >= 1 prompt + 1 output
             _, plan, params = self.draft
-            from jaxinfer.speculative import MIN_GAIN, PROBE
-
-            if self._draft_adaptive and self._idle < PROBE and not any(
-                    r.draft_gain is None or r.draft_gain >= MIN_GAIN for r in reqs):
-                # Drafts mostly rejected (as generate's rounds): a plain step; the draft
-                # model's first forward only, so that its pages hold this step's tokens.
+            if self._rejected(reqs):
+                # A plain step; the draft model's first forward only, so that its pages
+                # hold this step's tokens.
                 self.draft_cache, _ = step_lib.draft_step(
                     params, self.draft_cache, jnp.asarray(last_two), batch, plan, 1)
-                self._idle += 1
-                self.stats["plain_rounds"] += 1
                 return self._dispatch_plain(rows)
-            self._idle = 0
             self.draft_cache, tokens = step_lib.draft_step(params, self.draft_cache,
                                                            jnp.asarray(last_two), batch, plan, k)
         elif self.ngram is not None:
@@ -774,14 +775,30 @@ class Engine:
             for i, (req, (draft, _)) in enumerate(zip(reqs, drafts)):
                 tokens[i] = [req.tokens()[-1]] + draft
             tokens = jnp.asarray(tokens)
+        plain = self.head is not None and self._rejected(reqs)
+        # (plain passed only when set: a jit keyed as warmup's calls)
         self.state, new, logprobs, top = step_lib.verify_step(
-            self.params, self.state, tokens, batch, self.plan, **self._verify_args)
+            self.params, self.state, tokens, batch, self.plan, **self._verify_args,
+            **({"plain": True} if plain else {}))
         for req in reqs:
             req.inflight += 1
-        tops = [None] * (k + 1) if top is None else [(top[0][:, j], top[1][:, j])
-                                                     for j in range(k + 1)]
-        # per column [B], as decode
-        return ("verify", reqs, list(new.T), list(logprobs.T), tops)
+        t = new.shape[1]
+        tops = [None] * t if top is None else [(top[0][:, j], top[1][:, j]) for j in range(t)]
+        # per column [B], as decode (a head's plain step: one column, a decode)
+        return ("decode" if plain else "verify", reqs, list(new.T), list(logprobs.T), tops)
+
+    def _rejected(self, reqs) -> bool:
+        """Whether this round is a plain step: every row's recent drafts mostly rejected (as
+        generate's rounds: speculative.MIN_GAIN), and no probe due. Counts the round."""
+        from jaxinfer.speculative import MIN_GAIN, PROBE
+
+        if not self._draft_adaptive or self._idle >= PROBE or any(
+                r.draft_gain is None or r.draft_gain >= MIN_GAIN for r in reqs):
+            self._idle = 0
+            return False
+        self._idle += 1
+        self.stats["plain_rounds"] += 1
+        return True
 
     # -- outputs ------------------------------------------------------------------------------
 

@@ -157,11 +157,12 @@ def set_penalty_rows(state: EngineState, slots: jax.Array, counts: jax.Array,
                          seen_mask=state.seen_mask.at[slots].set(seen))
 
 
-@functools.partial(jax.jit, static_argnames=("plan", "head_spec", "k"),
+@functools.partial(jax.jit, static_argnames=("plan", "head_spec", "k", "plain"),
                    donate_argnames=("state",))
 def verify_step(params: dict, state: EngineState, tokens: jax.Array | None, rows: Rows,
                 plan: Plan, head_params: dict | None = None,
-                head_spec: draft_head.HeadSpec | None = None, k: int = 0):
+                head_spec: draft_head.HeadSpec | None = None, k: int = 0,
+                plain: bool = False):
     """Speculative decoding's step (jaxinfer/speculative.py): tokens [B, K + 1] per row, its
     newest token then K drafts, at position..position + K in one forward; the target's token
     at each position as `decode_step` would sample it if the drafts before it were accepted;
@@ -171,11 +172,16 @@ def verify_step(params: dict, state: EngineState, tokens: jax.Array | None, rows
     drafts then the target's next token, -1 after them; logprobs [B, K + 1]; top: (ids
     [B, K + 1, N], logprobs [B, K + 1, N]) of each position's most likely tokens when some
     row asked for top_logprobs, else None). Rows carry no token bitmask: the engine refuses
-    grammars when it speculates."""
+    grammars when it speculates. plain (with a head): a decode step, T = 1, that still writes
+    the head's pair at the newest token and its feature (the head's first forward, its draft
+    dropped), so the head's pages have no hole when rounds verify again."""
     from jaxinfer.speculative import _leading
 
     if head_spec is not None:
-        state, tokens = _head_drafts(head_params, params, state, rows, head_spec, k)
+        state, tokens = _head_drafts(head_params, params, state, rows, head_spec,
+                                     1 if plain else k)
+        if plain:
+            tokens = tokens[:, :1]
     b, t = tokens.shape
     # Positions past the block table never yield a kept token (max_model_len ends the row
     # first): padding (-1), so no kernel reads or writes past a row's table.
@@ -305,6 +311,8 @@ def _head_verified(head_params, params, head: HeadPages, tokens, positions, f, a
     t = tokens.shape[1]
     kept = jnp.arange(t, dtype=jnp.int32)[None, :] <= a[:, None]  # [B, K + 1]
     feats = _write_feats(head.feats, f, jnp.where(kept, positions, -1), rows.block_tables)
+    if t == 1:  # a plain step: no drafts, no pairs to rewrite
+        return head.replace(feats=feats)
     accepted = jnp.where(kept[:, 1:] & (positions[:, 1:] >= 0), positions[:, 1:], -1)
     _, cache, _ = draft_head.forward(head_params, params, tokens[:, 1:], f[:, :-1], accepted,
                                      spec, head.cache.with_tables(rows.block_tables),
