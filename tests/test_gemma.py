@@ -99,9 +99,12 @@ def test_kernels_in_interpret_mode_match_the_references():
                               pallas.params, ids[:, :11])
     assert names["flash_attention"] == 4 and names["matmul_swiglu_k64_n64"] == 4, names
     cache = KVCache.init(ref.config, 1, 16, dtype="bfloat16")
-    _, cache = gemma.forward(ref.params, ids[:, :11], pos[:, :11], ref.plan, cache, None, True)
-    steps = {m: np.asarray(gemma.forward(model.params, ids[:, 11:], pos[:, 11:], model.plan,
-                                         cache)[0]) for m, model in (("ref", ref),
+    # jitted: one program per call (op by op, each op compiles alone); the same computations
+    forward = jax.jit(gemma.forward, static_argnames=("plan", "fresh"))
+    _, cache = forward(ref.params, ids[:, :11], pos[:, :11], plan=ref.plan, cache=cache,
+                       fresh=True)
+    steps = {m: np.asarray(forward(model.params, ids[:, 11:], pos[:, 11:], plan=model.plan,
+                                   cache=cache)[0]) for m, model in (("ref", ref),
                                                                      ("pallas", pallas))}
     names = pallas_kernels_in(lambda p, c: gemma.forward(p, ids[:, 11:], pos[:, 11:],
                                                          pallas.plan, c)[0], pallas.params, cache)

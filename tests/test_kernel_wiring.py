@@ -76,8 +76,8 @@ def step_kernels(params, plan: Plan, batch: int) -> collections.Counter:
                              cache)
 
 
-def assert_close_to_reference(params, config, ids, fused):
-    ref, _ = decode_steps(params, Plan(config, KernelPolicy.reference()), ids)
+def assert_close_to_reference(params, config, ids, fused, forward=llama.forward):
+    ref, _ = decode_steps(params, Plan(config, KernelPolicy.reference()), ids, forward=forward)
     for i in range(ids.shape[1]):
         assert rel_err(fused[:, i], ref[:, i]) < 3e-2, f"position {i}"
     assert np.mean(fused.argmax(-1) == ref.argmax(-1)) >= 0.9
@@ -146,11 +146,14 @@ def test_deterministic_policy_is_batch_invariant_in_interpret_mode():
     params = random_params(config)
     plan = Plan(config, KernelPolicy.deterministic(interpret=True, attention_chunk=16))
     ids = jax.random.randint(jax.random.key(3), (4, 7), 0, config.vocab_size)
-    alone, _ = decode_steps(params, plan, ids[1:2], cache_len=24)
+    # jitted: one program per shape (op by op, the interpret-mode kernels' ops each compile
+    # alone, and at two batch shapes); the same computations, as the engine runs them
+    forward = jax.jit(llama.forward, static_argnames=("plan", "fresh"))
+    alone, _ = decode_steps(params, plan, ids[1:2], cache_len=24, forward=forward)
     batch = ids.at[3].set(ids[1])
-    together, _ = decode_steps(params, plan, batch, cache_len=48)
+    together, _ = decode_steps(params, plan, batch, cache_len=48, forward=forward)
     np.testing.assert_array_equal(together[3], alone[0])
-    assert_close_to_reference(params, config, ids[1:2], alone)
+    assert_close_to_reference(params, config, ids[1:2], alone, forward)
     names = step_kernels(params, plan, 1)
     assert "add_norm_matmul_swiglu_down_k64_n96" not in names  # no float atomics
     assert any("matmul_none_k64_n96" in n for n in names), names  # the LM head

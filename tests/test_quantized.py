@@ -77,8 +77,11 @@ def test_kernel_path_on_quantized_weights_matches_reference_path():
     params["lm_head"] = quantize_params(base, "int8", 32)["lm_head"]
     plan = Plan(config, INTERPRET.replace(one_kernel_mlp_rows=0))
     ids = jax.random.randint(jax.random.key(2), (2, 5), 0, config.vocab_size)
-    fused, _ = decode_steps(params, plan, ids)
-    assert_close_to_reference(params, config, ids, fused)
+    # jitted: one program per shape (op by op, the interpret-mode kernels' ops each compile
+    # alone); the same computations
+    forward = jax.jit(llama.forward, static_argnames=("plan", "fresh"))
+    fused, _ = decode_steps(params, plan, ids, forward=forward)
+    assert_close_to_reference(params, config, ids, fused, forward)
     cache = jaxinfer.cache.KVCache.init(config, 2, 16)
     tokens = jnp.ones((2, 1), jnp.int32)
     names = pallas_kernels_in(lambda p, c: llama.forward(p, tokens, tokens, plan, c), params,

@@ -131,7 +131,9 @@ def test_model_verification_takes_the_kernel_and_matches_the_reference(paged):
         cache = PagedKVCache.init(config, 3, 16).with_tables(tables)
     else:
         cache = KVCache.init(config, 2, 16)
-    _, cache = llama.forward(params, ids[:, :9], pos[:, :9], ref_plan, cache)
+    # jitted: one program per shape (op by op, each op compiles alone); the same computations
+    forward = jax.jit(llama.forward, static_argnames=("plan",))
+    _, cache = forward(params, ids[:, :9], pos[:, :9], ref_plan, cache)
     verify_pos = jnp.array([[5, 6, 7], [8, 9, 10]], jnp.int32)
     if paged:
         verify_pos = verify_pos.at[1].set(-1)  # an idle row
@@ -140,7 +142,7 @@ def test_model_verification_takes_the_kernel_and_matches_the_reference(paged):
         lambda c: llama.forward(params, tokens, verify_pos, kernel_plan, c), cache)
     want = "paged_verify_attention" if paged else "verify_attention"
     assert names[want] == config.num_layers, names
-    got, _ = llama.forward(params, tokens, verify_pos, kernel_plan, cache)
-    ref, _ = llama.forward(params, tokens, verify_pos, ref_plan, cache)
+    got, _ = forward(params, tokens, verify_pos, kernel_plan, cache)
+    ref, _ = forward(params, tokens, verify_pos, ref_plan, cache)
     rows = 1 if paged else 2
     assert rel_err(got[:rows], ref[:rows]) < 3e-2
