@@ -12,7 +12,6 @@ import dataclasses
 import functools
 import json
 import logging
-import os
 import statistics
 import time
 import types

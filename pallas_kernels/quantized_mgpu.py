@@ -188,8 +188,8 @@ def default_config(m: int, k: int, n: int, fmt: NkFormat = NkFormat(),
     128: benchmarks/DECISIONS.md); above 16 rows the fewest ranges that still give about every
     SM a block (M = 64: 1.1-1.2x faster than four); a split holds whole super-groups; the products of as many
     groups in flight as _ACC_REGS registers hold; fewer stages where four would pass _SMEM
-    (8-bit codes at 64 rows); groups under 128 loaded 128 codes at a time (`wide`: 1.2-1.5x
-    faster at one row in 2 of 3 calls for Q4_K, every call for the others; DECISIONS.md)."""
+    (8-bit codes at 64 rows); groups under 128 loaded 128 codes at a time (`wide`, faster
+    at one row: benchmarks/DECISIONS.md)."""
     units = k // GROUP
     gps = 2 if units % 2 == 0 else 1
     whole = max(gps, fmt.super_group // GROUP)  # units a split must hold whole

@@ -58,6 +58,9 @@ def test_random_head_is_lossless_greedy_and_sampled(looping):
         assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
         assert [s.finish_reason for s in spec] == [p.finish_reason for p in plain]
         assert all(0 <= s.accepted_tokens <= s.draft_tokens for s in spec)
+        if batch == 1:  # drafts mostly rejected: rounds fell back to plain steps (MIN_GAIN)
+            (s,) = spec
+            assert s.draft_tokens < 3 * (len(s.token_ids) - 1 - s.accepted_tokens)
     kw = dict(max_new_tokens=16, chat=False, sampling=MIXED, seed=5)
     plain = jaxinfer.generate(looping, PROMPTS, **kw)
     spec = jaxinfer.generate(looping, PROMPTS, speculative=head, num_speculative_tokens=3, **kw)

@@ -230,7 +230,7 @@ class Engine:
         self._inflight: list = []  # dispatches not read yet: (kind, rows, tokens, logprobs, top)
         self.stats = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "preemptions": 0,
                       "draft_tokens": 0, "accepted_tokens": 0, "plain_rounds": 0}
-        self._idle = 0  # plain rounds in a row while a draft model's drafts are rejected
+        self._idle = 0  # plain rounds in a row while the drafter's drafts are rejected
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -832,9 +832,10 @@ class Engine:
                     req.scheduled = len(req.output)  # the scheduler counted K + 1
                 if kind == "verify":  # as generate: drafts cut by a stop or the budget
                     drafted = self.num_speculative_tokens  # do not count (min(a, emitted))
-                    accepted = min(int(kept.sum()) - 1, len(got))
+                    hits = int(kept.sum()) - 1  # drafts the verification accepted
+                    accepted = min(hits, len(got))
                     gain = drafted if req.draft_gain is None else req.draft_gain
-                    req.draft_gain = 0.5 * gain + 0.5 * (int(kept.sum()) - 1)
+                    req.draft_gain = 0.5 * gain + 0.5 * hits
                     self.stats["draft_tokens"] += drafted
                     self.stats["accepted_tokens"] += accepted
                 if req.first_token_time is None and got:

@@ -61,7 +61,7 @@ class Request:
     finish_reason: str | None = None
     first_token_time: float | None = None
     matcher: object | None = None  # structured output: its jaxinfer.structured.Matcher
-    # a draft model's accepted drafts per verification, recent ones weighted (None: none yet;
+    # the drafter's accepted drafts per verification, recent ones weighted (None: none yet;
     # speculative.MIN_GAIN)
     draft_gain: float | None = None
     top_logprobs: list = dataclasses.field(default_factory=list)  # per output token, if asked
