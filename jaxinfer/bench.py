@@ -415,8 +415,11 @@ def cpu_peak_estimate(model: Model, plan, batch: int, prompt_len: int, gen_len: 
     request = memory.request_parts(config, batch, padded, cache, padded, kv_cache_dtype,
                                    quantized=quantized)
     # run() compiles the decode step beside generate's two (the prefill and the decode loop)
+    kquants = any(isinstance(w, QuantizedWeight) and w.super_scale is not None
+                  for w in jax.tree.leaves(model.params,
+                                           is_leaf=lambda a: isinstance(a, QuantizedWeight)))
     return memory.cpu_peak_bytes(config, held, load, request, model.tokenizer is not None,
-                                 executables=3)
+                                 executables=3, kquants=kquants)
 
 
 def llama_cpp_peer(model: Model, args, ours: BenchResult | None) -> str | None:

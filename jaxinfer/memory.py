@@ -31,6 +31,9 @@ CPU_RUNTIME_BYTES = 200 * 2**20
 CPU_TOKENIZER_BYTES_PER_TOKEN = 1400
 CPU_COMPILED_BYTES = 140 * 2**20
 CPU_COMPILED_BYTES_PER_LAYER = 12 * 2**20
+# A layer whose weights have two-level scales (GGUF's K-quants) compiles to more: a 1.5B
+# Q4_K_M file's three executables (bench) held 0.25 GB more than a Q4_0 file's (28 layers).
+CPU_COMPILED_BYTES_PER_KQUANT_LAYER = 6 * 2**20
 # Reading a GGUF kept in its blocks: the largest tensor (the embedding) is in flight as the
 # file's pages, its codes unpacked one byte per element while repacked, and the repacked
 # arrays with their device copy: about this many bytes per element of it.
@@ -138,11 +141,14 @@ def params_bytes(config, dtype: str) -> int:
     return sum(math.prod(a.shape) for a in leaves) * itemsize(dtype)
 
 
-def cpu_process_parts(config, tokenizer: bool = True, executables: int = 2) -> dict[str, int]:
+def cpu_process_parts(config, tokenizer: bool = True, executables: int = 2,
+                      kquants: bool = False) -> dict[str, int]:
     """What a CPU process running this model holds besides its params and KV cache (the
     runtime, the tokenizer's tables, its compiled executables of the whole model: measured
-    constants for generate's two, the prefill and the decode loop)."""
-    per_layer = CPU_COMPILED_BYTES_PER_LAYER * config.num_layers * executables // 2
+    constants for generate's two, the prefill and the decode loop; more a layer where the
+    weights are K-quants)."""
+    layer = CPU_COMPILED_BYTES_PER_LAYER + CPU_COMPILED_BYTES_PER_KQUANT_LAYER * kquants
+    per_layer = layer * config.num_layers * executables // 2
     return {"runtime and tokenizer": CPU_RUNTIME_BYTES
             + CPU_TOKENIZER_BYTES_PER_TOKEN * config.vocab_size * tokenizer,
             "compiled executables": CPU_COMPILED_BYTES + per_layer}
@@ -306,11 +312,11 @@ def check_request(config, batch: int, prompt_len: int, cache_len: int, chunk: in
 
 
 def cpu_peak_bytes(config, params: int, load: dict[str, int], request: dict[str, int],
-                   tokenizer: bool = True, executables: int = 2) -> int:
+                   tokenizer: bool = True, executables: int = 2, kquants: bool = False) -> int:
     """The resident memory a CPU process peaks at: the runtime and the params (params: their
     bytes as held), then the larger of what the load adds while reading (load_parts beyond
     the params) and what a request adds (its compiled executables, cache and workspace)."""
-    extra = cpu_process_parts(config, tokenizer, executables)
+    extra = cpu_process_parts(config, tokenizer, executables, kquants)
     reading = sum(v for k, v in load.items() if not k.startswith("params"))
     running = extra["compiled executables"] + sum(request.values())
     return extra["runtime and tokenizer"] + params + max(reading, running)
