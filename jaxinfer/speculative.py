@@ -91,11 +91,14 @@ class _DraftPlan:
 
 # A draft model's or a head's rounds verify while some live row's recent rounds accepted at
 # least MIN_GAIN drafts on average (an average halving each round); below, rounds are plain
-# decode steps (T = 1), with a verification every PROBE rounds to see whether drafts hit
-# again. A verification costs 1.1-1.4 decode steps on the H200 (Llama-3-8B shapes) and
-# 1.5-1.7 on a CPU (benchmarks/DECISIONS.md): it pays from about half a draft accepted.
+# decode steps (T = 1), with a verification after PROBE plain rounds to see whether drafts
+# hit again, the wait doubling after each probe that finds them still rejected (up to
+# MAX_PROBE: a probe every 8 rounds cost ~6% of a useless head's wall time on the H200). A
+# verification costs 1.1-1.4 decode steps on the H200 (Llama-3-8B shapes) and 1.5-1.7 on a
+# CPU (benchmarks/DECISIONS.md): it pays from about half a draft accepted.
 MIN_GAIN = 0.5
 PROBE = 8
+MAX_PROBE = 64
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,6 +130,7 @@ class SpecState:
     accepted: jax.Array  # [B] int32: drafts accepted (emitted as they were proposed)
     gain: jax.Array  # [B] float32: drafts accepted per verification, recent rounds weighted
     idle: jax.Array  # [] int32: plain rounds since the last verification (MIN_GAIN)
+    patience: jax.Array  # [] int32: plain rounds before the next probe (PROBE .. MAX_PROBE)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -405,7 +409,7 @@ def _spec_round(params, draft_params, state: SpecState, plan: Plan, k: int,
             drafts, draft_laws, draft_cache = model_drafts(draft_params, s, k, drafter)
             s = s.replace(draft_cache=draft_cache)
         return _verify_round(params, s, drafts, draft_laws, plan).replace(
-            idle=jnp.zeros((), jnp.int32))
+            idle=jnp.zeros((), jnp.int32), patience=jnp.full((), PROBE, jnp.int32))
 
     if not drafter.adaptive:
         return verify(state)
@@ -423,8 +427,11 @@ def _spec_round(params, draft_params, state: SpecState, plan: Plan, k: int,
         return _verify_round(params, s, drafts[:, :0], None, plan).replace(idle=s.idle + 1)
 
     live = ~state.decode.done
-    hits = jnp.any(live & (state.gain >= MIN_GAIN)) | (state.idle >= PROBE)
-    return jax.lax.cond(hits, verify, plain, state)
+    hitting = jnp.any(live & (state.gain >= MIN_GAIN))
+    # a probe (drafts still rejected) doubles the wait for the next; a hit resets it
+    patience = jnp.where(hitting, PROBE, jnp.minimum(2 * state.patience, MAX_PROBE))
+    return jax.lax.cond(hitting | (state.idle >= state.patience),
+                        lambda s: verify(s).replace(patience=patience), plain, state)
 
 
 spec_round = jax.jit(_spec_round, static_argnames=("plan", "k", "drafter"),
@@ -602,7 +609,7 @@ def _run_prefill(model, sreq: _SpecRequest, progress: bool) -> SpecState:
                      head=head, drafted=jnp.zeros((b,), jnp.int32),
                      accepted=jnp.zeros((b,), jnp.int32),
                      gain=jnp.full((b,), float(sreq.k), jnp.float32),
-                     idle=jnp.zeros((), jnp.int32))
+                     idle=jnp.zeros((), jnp.int32), patience=jnp.full((), PROBE, jnp.int32))
 
 
 def _results(model, sreq: _SpecRequest, state: SpecState) -> list[Completion]:

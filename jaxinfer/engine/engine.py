@@ -231,6 +231,7 @@ class Engine:
         self.stats = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "preemptions": 0,
                       "draft_tokens": 0, "accepted_tokens": 0, "plain_rounds": 0}
         self._idle = 0  # plain rounds in a row while the drafter's drafts are rejected
+        self._patience = 0  # plain rounds before the next probe (speculative.PROBE ...)
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -789,12 +790,16 @@ class Engine:
 
     def _rejected(self, reqs) -> bool:
         """Whether this round is a plain step: every row's recent drafts mostly rejected (as
-        generate's rounds: speculative.MIN_GAIN), and no probe due. Counts the round."""
-        from jaxinfer.speculative import MIN_GAIN, PROBE
+        generate's rounds: speculative.MIN_GAIN), and no probe due (a probe that finds them
+        still rejected doubles the wait for the next, up to MAX_PROBE). Counts the round."""
+        from jaxinfer.speculative import MAX_PROBE, MIN_GAIN, PROBE
 
-        if not self._draft_adaptive or self._idle >= PROBE or any(
+        if not self._draft_adaptive or any(
                 r.draft_gain is None or r.draft_gain >= MIN_GAIN for r in reqs):
-            self._idle = 0
+            self._idle, self._patience = 0, PROBE
+            return False
+        if self._idle >= self._patience:  # a probe
+            self._idle, self._patience = 0, min(2 * self._patience, MAX_PROBE)
             return False
         self._idle += 1
         self.stats["plain_rounds"] += 1
