@@ -25,6 +25,9 @@
 #   bash benchmarks/run_h200.sh head     # benchmarks/head_selfdistill.py: an EAGLE head trained on
 #                                        # the model's own answers, then its acceptance beside
 #                                        # n-gram (HEAD_MODEL=the embedded GGUF, carried in)
+#   bash benchmarks/run_h200.sh specfall # benchmarks/spec_fallback.py: plain greedy vs a random head
+#                                        # (drafts never accepted) with and without the fallback
+#                                        # to plain rounds, and n-gram ($SPECFALL_ARGS)
 #   bash benchmarks/run_h200.sh ggufmix  # a random Llama-3-8B-shaped GGUF in $GGUF_TYPES (q4_k_m)
 #                                        # through the real loader, B=1 128 + 256, beside bf16
 #                                        # (needs the gguf wheel: carry it, README of the tool)
@@ -157,6 +160,10 @@ quant() {  # jaxinfer bench with bf16 and quantized weights in one call ($QUANT:
 head() {  # self-distilled EAGLE head for $HEAD_MODEL (a path: the machine cannot download)
   timeout "${HEAD_TIMEOUT:-500}" python3 benchmarks/head_selfdistill.py --model "$HEAD_MODEL" \
     --out /tmp/head.safetensors --json "$out/head.json" ${HEAD_ARGS:-} 2>&1 | grep -v '^I'
+}
+specfall() {  # what rejected drafts cost (Llama-3-8B shapes, random weights and head)
+  timeout "${SPECFALL_TIMEOUT:-300}" python3 benchmarks/spec_fallback.py ${SPECFALL_ARGS:-} \
+    --json 2>&1 | grep -v '^I' | tee "$out/spec_fallback.txt" | grep -v '^{'
 }
 ggufmix() {  # benchmarks/random_gguf.py's file through `jaxinfer bench --model`, then bf16
   for t in ${GGUF_TYPES:-q4_k_m}; do

@@ -1,0 +1,74 @@
+"""What rejected drafts cost: plain greedy `generate` against speculation whose drafts are
+never accepted (a random, untrained EAGLE head), with the fallback to plain rounds and without
+it, plus prompt lookup, on a random-weights preset (issue 38's "no slowdown when drafts are
+rejected"). Wall time per token of one generate call (median of 3 after a compiling run); the
+speculative runs' acceptance counts, and whether their tokens are plain greedy's (on a GPU
+under the default policy near-tied bf16 logits of a random model may pick another token in a
+T = K + 1 forward than in a T = 1 one; `--policy deterministic` is the bitwise mode).
+
+    PYTHONPATH=. python3 benchmarks/spec_fallback.py --preset llama3-8b [--new 256 --k 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+
+import jax
+
+from jaxinfer import draft_head
+from jaxinfer.bench import POLICIES, random_model
+from jaxinfer.generate import generate
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="llama3-8b")
+    ap.add_argument("--layers", type=int, default=None, help="the preset's first L layers")
+    ap.add_argument("--new", type=int, default=256, help="new tokens per call")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--k", type=int, default=4, help="drafts per verification")
+    ap.add_argument("--policy", default="default", choices=sorted(POLICIES))
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    dtype = "bfloat16" if jax.default_backend() == "gpu" else "float32"
+    model = random_model(args.preset, dtype, policy=POLICIES[args.policy](),
+                         num_layers=args.layers)
+    prompt = [(i * 7919) % 20000 + 100 for i in range(args.prompt_len)]  # token ids
+    head = draft_head.init_eagle(model, 0)
+
+    def timed(**kw):
+        generate(model, [prompt], max_new_tokens=args.new, stop=[], **kw)  # compile
+        runs = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            (out,) = generate(model, [prompt], max_new_tokens=args.new, stop=[], **kw)
+            runs.append(time.perf_counter() - t0)
+        return statistics.median(runs), out
+
+    plain_s, plain = timed()
+    rows = [{"method": "plain", "ms_per_token": plain_s * 1e3 / args.new}]
+    print(f"{args.preset} plain: {rows[0]['ms_per_token']:.3f} ms/token", flush=True)
+    for name, spec in (("head, fallback", head),
+                       ("head, every round verifies", dataclasses.replace(head, adaptive=False)),
+                       ("ngram", "ngram")):
+        s, out = timed(speculative=spec, num_speculative_tokens=args.k)
+        row = {"method": name, "ms_per_token": s * 1e3 / args.new, "vs_plain": plain_s / s,
+               "drafted": out.draft_tokens, "accepted": out.accepted_tokens,
+               "same_tokens": out.token_ids == plain.token_ids}
+        rows.append(row)
+        print(f"{args.preset} {name}: {row['ms_per_token']:.3f} ms/token = "
+              f"{row['vs_plain']:.3f}x plain; {out.accepted_tokens}/{out.draft_tokens} drafts "
+              f"accepted; plain greedy's tokens: {row['same_tokens']}", flush=True)
+    if args.json:
+        for r in rows:
+            print(json.dumps({"preset": args.preset, "k": args.k, "policy": args.policy, **r}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
