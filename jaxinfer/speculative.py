@@ -215,35 +215,41 @@ def model_drafts(draft_params, state: SpecState, k: int, draft: _DraftPlan):
             cache)
 
 
-def head_drafts(params, head_params, state: SpecState, k: int, spec: draft_head.HeadSpec,
-                draws: int | None = None):
-    """K drafts (or the first `draws`) from a feature head -> (drafts [B, draws], with
-    spec.rejection their laws [B, draws, V] else None, its HeadState). Its first forward
-    takes the pairs (t_{pos+1+j}, f_{pos+j}) at pos+1+j for j = 0..K, the tokens the last
-    verification scored: those through x (at p) are now known true; those past it are stale,
-    and their slots are written over before any query at or past them reads them (as rejected
-    drafts' target slots). x's output drafts d_1; then one token at a time, each step taking
+def head_drafts(params, head_params, state: SpecState, k: int, spec: draft_head.HeadSpec):
+    """K drafts from a feature head -> (drafts [B, K], with spec.rejection their laws
+    [B, K, V] else None, its HeadState). Its first forward takes the pairs (t_{pos+1+j},
+    f_{pos+j}) at pos+1+j for j = 0..K, the tokens the last verification scored (after plain
+    rounds, which skip the head: j up to K + MAX_PROBE, theirs too): those through x (at p)
+    are now known true; those past it are stale, and their slots are written over before any
+    query at or past them reads them (as rejected drafts' target slots). x's output drafts d_1; then one token at a time, each step taking
     the head's own feature estimate g. Draft j + 1 uses the target's key for position
     p + 1 + j."""
     d, hs = state.decode, state.head
     p, tensors = d.positions, d.sampling  # [B]
     b, s = state.history.shape
     rows = jnp.arange(b)
-    positions = hs.pos[:, None] + 1 + jnp.arange(k + 1, dtype=jnp.int32)  # [B, K + 1]
-    tokens = jnp.take_along_axis(state.history, jnp.minimum(positions, s - 1), axis=1)
-    at = jnp.clip(p - hs.pos - 1, 0, k)  # [B]: x's index (done rows: any)
-    logits, cache, g = draft_head.forward(head_params, params, tokens, hs.feats, positions,
-                                          spec, hs.cache, logits_at=at)  # [B, 1, V], [B, T, D]
-    g = g[rows, at][:, None]  # [B, 1, D]
+
+    def first(t: int):  # the first forward over pairs pos+1 .. pos+t -> logits, cache, g
+        positions = hs.pos[:, None] + 1 + jnp.arange(t, dtype=jnp.int32)  # [B, T]
+        tokens = jnp.take_along_axis(state.history, jnp.minimum(positions, s - 1), axis=1)
+        at = jnp.clip(p - hs.pos - 1, 0, t - 1)  # [B]: x's index (done rows: any)
+        logits, cache, g = draft_head.forward(head_params, params, tokens, hs.feats[:, :t],
+                                              positions, spec, hs.cache, logits_at=at)
+        return logits, cache, g[rows, at][:, None]  # [B, 1, V], cache, [B, 1, D]
+    width = hs.feats.shape[1]
+    if width == k + 1:
+        logits, cache, g = first(k + 1)
+    else:  # after plain rounds (they skip the head): their pairs too, in the same forward
+        behind = jnp.any(~d.done & (p - hs.pos - 1 > k))
+        logits, cache, g = jax.lax.cond(behind, lambda: first(width), lambda: first(k + 1))
     drafts, laws = [], []
-    draws = k if draws is None else draws
-    for j in range(draws):
+    for j in range(k):
         masked = _draft_law(logits[:, 0], tensors)  # [B, V]
         nxt = _draw(masked, sampling.step_keys(d.sampler, p + 1 + j), tensors.greedy,
                     tensors.flags.all_greedy)  # [B]
         drafts.append(nxt)
         laws.append(masked)
-        if j + 1 < draws:
+        if j + 1 < k:
             logits, cache, g = draft_head.forward(head_params, params, nxt[:, None], g,
                                                   (p + 1 + j)[:, None], spec, cache)
     return (jnp.stack(drafts, axis=1), jnp.stack(laws, axis=1) if spec.rejection else None,
@@ -357,10 +363,11 @@ def _record_round(state: SpecState, tokens: jax.Array, lps: jax.Array, a: jax.Ar
                          accepted=state.accepted + jnp.minimum(a, emitted), gain=gain)
 
 
-def _verify_round(params, state: SpecState, drafts: jax.Array, draft_laws, plan: Plan
-                  ) -> SpecState:
+def _verify_round(params, state: SpecState, drafts: jax.Array, draft_laws, plan: Plan,
+                  append: bool = False) -> SpecState:
     """Verify drafts [B, K] (K = 0: a plain decode step), accept, record (with a feature
-    head: also the target's features at p..p+K, for the head's next round)."""
+    head: also the target's features at p..p+K, for the head's next round; append: a plain
+    step's feature joins those kept since the head's last forward)."""
     d = state.decode
     p, x = d.positions, d.tokens  # [B]
     k = drafts.shape[1]
@@ -377,11 +384,15 @@ def _verify_round(params, state: SpecState, drafts: jax.Array, draft_laws, plan:
         a, ys, lps = _rejection(drafts, draft_laws, ys, lps, target_laws, d)
     else:  # coupled: accept while the draft is the token plain decoding samples there
         a = _leading(drafts == ys[:, :k])
-    if state.head is not None:  # f [B, K + 1, D] at p..p+K (a plain step's padded to K + 1)
+    hs = state.head
+    if hs is not None and append:  # f_p at its place after pos (plain rounds <= MAX_PROBE)
+        feats = hs.feats.at[jnp.arange(p.shape[0]), p - hs.pos].set(
+            out[2][:, 0].astype(hs.feats.dtype), mode="drop")
+        state = state.replace(head=hs.replace(feats=feats))
+    elif hs is not None:  # f [B, K + 1, D] at p..p+K, padded to the kept width
         f = out[2]
-        f = jnp.pad(f, ((0, 0), (0, state.head.feats.shape[1] - f.shape[1]), (0, 0)))
-        state = state.replace(head=state.head.replace(feats=f.astype(state.head.feats.dtype),
-                                                      pos=p))
+        f = jnp.pad(f, ((0, 0), (0, hs.feats.shape[1] - f.shape[1]), (0, 0)))
+        state = state.replace(head=hs.replace(feats=f.astype(hs.feats.dtype), pos=p))
     return _record_round(state, ys, lps, a, cache, plan)
 
 
@@ -415,15 +426,15 @@ def _spec_round(params, draft_params, state: SpecState, plan: Plan, k: int,
         return verify(state)
 
     def plain(s: SpecState) -> SpecState:
-        # The drafter's first forward only: it writes this round's true pairs (the head's
-        # (t, f) slots, the draft model's last two tokens), so its cache has no hole when
-        # rounds verify again.
+        # No head forward: the step's feature is kept, and the next verification's first
+        # forward writes every pair since (no hole in its cache). A draft model's first
+        # forward writes this round's last two tokens.
+        none = jnp.zeros((s.count.shape[0], 0), jnp.int32)
         if is_head:
-            drafts, _, head = head_drafts(params, draft_params, s, k, drafter, draws=1)
-            s = s.replace(head=head)
-        else:
-            drafts, _, draft_cache = model_drafts(draft_params, s, 1, drafter)
-            s = s.replace(draft_cache=draft_cache)
+            return _verify_round(params, s, none, None, plan, append=True).replace(
+                idle=s.idle + 1)
+        drafts, _, draft_cache = model_drafts(draft_params, s, 1, drafter)
+        s = s.replace(draft_cache=draft_cache)
         return _verify_round(params, s, drafts[:, :0], None, plan).replace(idle=s.idle + 1)
 
     live = ~state.decode.done
@@ -478,9 +489,16 @@ def _head_prefill(params, head_params, tokens: jax.Array, lengths: jax.Array, ca
     before = jnp.concatenate([jnp.zeros_like(f[:, :1]), f[:, :-1]], axis=1)  # [B, T, D]
     _, cache, _ = draft_head.forward(head_params, params, tokens, before, positions, spec,
                                      cache, logits_at=lengths - 1, fresh=True)
-    feats = jnp.zeros((b, k + 1, f.shape[-1]), f.dtype).at[:, 0].set(
+    feats = jnp.zeros((b, head_width(spec, k), f.shape[-1]), f.dtype).at[:, 0].set(
         f[jnp.arange(b), lengths - 1])
     return HeadState(cache=cache.replace(lengths=lengths), feats=feats, pos=lengths - 1)
+
+
+def head_width(spec: draft_head.HeadSpec, k: int) -> int:
+    """Features a head's state keeps: the K + 1 a verification scores, and with the fallback
+    the MAX_PROBE plain rounds' more (they skip the head; the next verification's first
+    forward takes their pairs all at once)."""
+    return k + 1 + (MAX_PROBE if spec.adaptive else 0)
 
 
 @jax.jit
@@ -602,7 +620,9 @@ def _run_prefill(model, sreq: _SpecRequest, progress: bool) -> SpecState:
         draft_cache = _draft_prefill(sreq.draft_params, req.tokens, req.lengths, draft_cache,
                                      sreq.drafter.plan)
     elif isinstance(sreq.drafter, draft_head.HeadSpec):
-        cache = KVCache.init(sreq.drafter.plan.config, b, history.shape[1])
+        # its first forward writes head_width pairs from its last true one
+        cache = KVCache.init(sreq.drafter.plan.config, b,
+                             history.shape[1] + head_width(sreq.drafter, sreq.k))
         head = _head_prefill(req.params, sreq.draft_params, req.tokens, req.lengths, cache,
                              req.plan, sreq.drafter, sreq.k)
     return SpecState(decode=state, count=count, history=history, draft_cache=draft_cache,

@@ -193,6 +193,48 @@ def test_drafting_is_the_training_forward_in_generate_and_the_engine(trained):
         assert engine.free_pages == engine.total_pages
 
 
+def test_plain_rounds_skip_the_head_and_its_probe_catches_up(trained, monkeypatch):
+    """Plain rounds (forced: MIN_GAIN out of reach) run no head forward; a probe's first
+    forward writes every pair since the head's last one, so its draft is the training
+    forward's at that position, as if the head had run every round (a hole or a shifted
+    feature in its cache would change the trained head's drafts)."""
+    from jaxinfer import speculative, train_draft
+    from jaxinfer.generate import run_params
+
+    peaked, _, result = trained
+    prompts = [peaked.tokenizer.encode(p) for p in PROMPTS[:4]]
+    plain = jaxinfer.generate(peaked, prompts, max_new_tokens=40)
+    monkeypatch.setattr(speculative, "MIN_GAIN", 1e9)
+    speculative.spec_loop.clear_cache()  # traced with MIN_GAIN baked in
+    try:
+        spec = jaxinfer.generate(peaked, prompts, max_new_tokens=40, speculative=result.head,
+                                 num_speculative_tokens=1)
+    finally:
+        speculative.spec_loop.clear_cache()
+    assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
+    params = run_params(peaked, peaked.plan)
+    want = []
+    for prompt, c in zip(prompts, plain):
+        seq = jnp.asarray([prompt + c.token_ids], jnp.int32)
+        f, _ = train_draft.target_features(params, seq, peaked.plan)
+        logits, _ = train_draft.teacher_forced(result.head.params, params, seq, f,
+                                               spec=result.head.spec)
+        draft, seq = np.asarray(jnp.argmax(logits[0], -1)), np.asarray(seq[0])
+        # the batch's rounds: probes after 8, 16, 32 plain rounds (a hit: two tokens)
+        p, count, idle, patience, hits, probes = len(prompt), 1, 0, speculative.PROBE, 0, 0
+        while count < len(c.token_ids):
+            if idle < patience:
+                p, count, idle = p + 1, count + 1, idle + 1
+                continue
+            hit = int(draft[p] == seq[p + 1])
+            hits, probes = hits + hit, probes + 1
+            p, count = p + 1 + hit, count + 1 + hit
+            idle, patience = 0, min(2 * patience, speculative.MAX_PROBE)
+        want.append((hits, probes))
+    assert [(c.accepted_tokens, c.draft_tokens) for c in spec] == want
+    assert sum(h for h, _ in want) >= 3  # the trained head's probes hit
+
+
 def test_engine_with_a_head_equals_generate(looping):
     """The engine drafting with a (random) EAGLE head: requests arriving at random steps,
     shared prefixes (prefix-cache hits carry the head's pages), chunked prompts, a pool small
