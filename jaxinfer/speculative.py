@@ -221,9 +221,9 @@ def head_drafts(params, head_params, state: SpecState, k: int, spec: draft_head.
     f_{pos+j}) at pos+1+j for j = 0..K, the tokens the last verification scored (after plain
     rounds, which skip the head: j up to K + MAX_PROBE, theirs too): those through x (at p)
     are now known true; those past it are stale, and their slots are written over before any
-    query at or past them reads them (as rejected drafts' target slots). x's output drafts d_1; then one token at a time, each step taking
-    the head's own feature estimate g. Draft j + 1 uses the target's key for position
-    p + 1 + j."""
+    query at or past them reads them (as rejected drafts' target slots). x's output drafts
+    d_1; then one token at a time, each step taking the head's own feature estimate g. Draft
+    j + 1 uses the target's key for position p + 1 + j."""
     d, hs = state.decode, state.head
     p, tensors = d.positions, d.sampling  # [B]
     b, s = state.history.shape
@@ -420,7 +420,7 @@ def _spec_round(params, draft_params, state: SpecState, plan: Plan, k: int,
             drafts, draft_laws, draft_cache = model_drafts(draft_params, s, k, drafter)
             s = s.replace(draft_cache=draft_cache)
         return _verify_round(params, s, drafts, draft_laws, plan).replace(
-            idle=jnp.zeros((), jnp.int32), patience=jnp.full((), PROBE, jnp.int32))
+            idle=jnp.zeros((), jnp.int32))
 
     if not drafter.adaptive:
         return verify(state)
@@ -429,8 +429,8 @@ def _spec_round(params, draft_params, state: SpecState, plan: Plan, k: int,
         # No head forward: the step's feature is kept, and the next verification's first
         # forward writes every pair since (no hole in its cache). A draft model's first
         # forward writes this round's last two tokens.
-        none = jnp.zeros((s.count.shape[0], 0), jnp.int32)
         if is_head:
+            none = jnp.zeros((s.count.shape[0], 0), jnp.int32)
             return _verify_round(params, s, none, None, plan, append=True).replace(
                 idle=s.idle + 1)
         drafts, _, draft_cache = model_drafts(draft_params, s, 1, drafter)
