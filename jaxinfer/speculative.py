@@ -292,17 +292,16 @@ def _leading(ok: jax.Array) -> jax.Array:
     return jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
 
 
-def _rejection(drafts, draft_laws, ys, lps, target_laws, d: DecodeState):
+def _rejection(drafts, draft_laws, ys, lps, target_laws, keys,
+               tensors: sampling.SamplingTensors):
     """Rejection sampling for sampled rows (greedy rows keep the coupled rule): draft d_j is
-    accepted with probability min(1, p(d_j) / q(d_j)) (u keyed by its position), the first
-    rejected one replaced by a draw from max(0, p - q), after K acceptances the plain draw
-    y_K. -> (accepted count a [B], tokens [B, K + 1], logprobs [B, K + 1])."""
+    accepted with probability min(1, p(d_j) / q(d_j)) (u keyed by its position: keys
+    [B, K + 1], the key of each scored position), the first rejected one replaced by a draw
+    from max(0, p - q), after K acceptances the plain draw y_K. -> (accepted count a [B],
+    tokens [B, K + 1], logprobs [B, K + 1])."""
     b, k = drafts.shape
     rows = jnp.arange(b)
-    tensors, p = d.sampling, d.positions
     scaled, masked = target_laws  # [B, K + 1, V] each
-    keys = jax.vmap(sampling.step_keys, in_axes=(None, 1), out_axes=1)(
-        d.sampler, p[:, None] + 1 + jnp.arange(k + 1))  # [B, K + 1]: key of each position
     logp = jax.nn.log_softmax(masked[:, :k], axis=-1)  # [B, K, V]
     logq = jax.nn.log_softmax(draft_laws, axis=-1)  # [B, K, V]
     pick = drafts[:, :, None]
@@ -381,7 +380,9 @@ def _verify_round(params, state: SpecState, drafts: jax.Array, draft_laws, plan:
     rejection = draft_laws is not None and not d.sampling.flags.all_greedy
     ys, lps, target_laws = _target_tokens(logits, drafts, d, plan, laws=rejection)
     if rejection:
-        a, ys, lps = _rejection(drafts, draft_laws, ys, lps, target_laws, d)
+        keys = jax.vmap(sampling.step_keys, in_axes=(None, 1), out_axes=1)(
+            d.sampler, p[:, None] + 1 + jnp.arange(k + 1))  # [B, K + 1]
+        a, ys, lps = _rejection(drafts, draft_laws, ys, lps, target_laws, keys, d.sampling)
     else:  # coupled: accept while the draft is the token plain decoding samples there
         a = _leading(drafts == ys[:, :k])
     hs = state.head

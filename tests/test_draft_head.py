@@ -269,8 +269,6 @@ def test_engine_with_a_head_equals_generate(looping):
                         looping.tokenizer, dtype="float32")))
     with pytest.raises(ValueError, match="not loaded from one"):
         _engine(looping, speculative="head")
-    with pytest.raises(ValueError, match="coupled acceptance only"):
-        _engine(looping, speculative=dataclasses.replace(head, rejection=True))
     with pytest.raises(ValueError, match="needs a DeepSeek-V3 checkpoint"):
         _engine(looping, speculative="mtp")
 

@@ -265,14 +265,15 @@ def _chi_square_p(counts: np.ndarray, law: np.ndarray) -> float:
     return float(stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue)
 
 
-@pytest.mark.parametrize("drafter", ["draft", "head"])
-def test_rejection_sampling_follows_the_target_law(drafter):
+@pytest.mark.parametrize("drafter,where", [("draft", "generate"), ("head", "generate"),
+                                           ("draft", "engine"), ("head", "engine")])
+def test_rejection_sampling_follows_the_target_law(drafter, where):
     """DraftModel(rejection=True), or a random feature head with rejection=True, whose law
-    differs from the target's: the first two tokens of the first round (one of an accepted
-    draft, a residual draw, or the bonus token) follow the target's marginal laws, computed
-    exactly from its full forward over all V and V * V continuations (V = 16). For the draft
-    model, the same counts against the law an always-accepting rule would give are refused,
-    so the sample size can tell the two apart."""
+    differs from the target's, in generate or the engine: the first two tokens of the first
+    round (one of an accepted draft, a residual draw, or the bonus token) follow the target's
+    marginal laws, computed exactly from its full forward over all V and V * V continuations
+    (V = 16). For the draft model, the same counts against the law an always-accepting rule
+    would give are refused, so the sample size can tell the two apart."""
     config = Config(vocab_size=16, hidden_size=32, intermediate_size=64, num_layers=2,
                     num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=16,
                     eos_token_ids=())
@@ -287,16 +288,26 @@ def test_rejection_sampling_follows_the_target_law(drafter):
     prompt, n, v = [3, 1, 4], 6000, config.vocab_size
     spec_arg = speculative.DraftModel(draft, rejection=True) if drafter == "draft" else \
         dataclasses.replace(draft_head.init_eagle(target, 3), rejection=True)
-    out = jaxinfer.generate(target, [prompt] * n, max_new_tokens=3,
-                            sampling=SamplingParams(temperature=1.0), seed=11,
-                            speculative=spec_arg, num_speculative_tokens=2)
+    if where == "generate":
+        out = jaxinfer.generate(target, [prompt] * n, max_new_tokens=3,
+                                sampling=SamplingParams(temperature=1.0), seed=11,
+                                speculative=spec_arg, num_speculative_tokens=2)
+    else:  # request i's seed 11 + i; rows of one verification drawn apart
+        engine = jaxinfer.Engine(target, max_num_seqs=512, page_size=8, max_model_len=16,
+                                 speculative=spec_arg, num_speculative_tokens=2)
+        out = engine.run([prompt] * n, sampling=SamplingParams(temperature=1.0),
+                         max_tokens=3, seed=11)
     tokens = np.array([c.token_ids for c in out])  # [N, 3]: prefill's token, then the round's
     accepted = sum(c.accepted_tokens for c in out)
     assert 0.1 * n < accepted < 1.9 * n  # drafts are accepted and rejected
     # The coupled rule would give plain sampling's very tokens (the target's law too): the
     # rejection rule draws others.
-    plain = jaxinfer.generate(target, [prompt] * 64, max_new_tokens=3,
-                              sampling=SamplingParams(temperature=1.0), seed=11)
+    if where == "generate":
+        plain = jaxinfer.generate(target, [prompt] * 64, max_new_tokens=3,
+                                  sampling=SamplingParams(temperature=1.0), seed=11)
+    else:
+        plain = jaxinfer.Engine(target, max_num_seqs=64, page_size=8, max_model_len=16).run(
+            [prompt] * 64, sampling=SamplingParams(temperature=1.0), max_tokens=3, seed=11)
     assert (np.array([c.token_ids for c in plain]) != tokens[:64]).any()
 
     def laws(m, prefix_len):  # p(next | prompt + every prefix of that length) [V] * len, V
@@ -466,8 +477,6 @@ def test_engine_bad_speculative_arguments(looping):
     from test_engine import _engine
 
     for kw, match in (({"speculative": 3}, "None, 'ngram', 'head', an NGram"),
-                      ({"speculative": speculative.DraftModel(looping, rejection=True)},
-                       "coupled acceptance only"),
                       ({"speculative": "ngram", "num_speculative_tokens": 0},
                        "num_speculative_tokens must be an integer >= 1"),
                       ({"speculative": "ngram", "decode_steps": 2}, "decode_steps=1")):

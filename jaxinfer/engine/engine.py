@@ -426,12 +426,12 @@ class Engine:
                 tokens = jnp.zeros((b, c), jnp.int32)
                 if self.draft is not None:
                     _, plan, dparams = self.draft
-                    self.draft_cache, tokens = step_lib.draft_step(
+                    self.draft_cache, tokens, laws = step_lib.draft_step(
                         dparams, self.draft_cache, jnp.zeros((b, 2), jnp.int32), rows, plan,
-                        self.num_speculative_tokens)
+                        self.num_speculative_tokens, self._draft_laws)
                     dispatched += 1
                     if self._draft_adaptive:  # a plain round's first draft forward
-                        self.draft_cache, _ = step_lib.draft_step(
+                        self.draft_cache, _, _ = step_lib.draft_step(
                             dparams, self.draft_cache, jnp.zeros((b, 2), jnp.int32), rows,
                             plan, 1)
                         dispatched += 1
@@ -444,7 +444,8 @@ class Engine:
                         new.block_until_ready()
                         dispatched += 1
                 self.state, new, _, _ = step_lib.verify_step(
-                    self.params, self.state, tokens, rows, self.plan, **self._verify_args)
+                    self.params, self.state, tokens, rows, self.plan, **self._verify_args,
+                    **self._laws_arg(laws if self.draft is not None else None))
             new.block_until_ready()
             dispatched += 1
         return dispatched
@@ -698,7 +699,7 @@ class Engine:
         from jaxinfer.speculative import (DraftModel, NGram, check_same_vocabulary,
                                           resolve_drafter)
 
-        self._draft_adaptive = False
+        self._draft_adaptive = self._draft_laws = False
         if speculative is None:
             return None, None, None, 0
         head = None
@@ -719,10 +720,6 @@ class Engine:
         if self.decode_steps != 1:
             raise ValueError("speculative decoding takes decode_steps=1 (a verification "
                              "already yields several tokens per step)")
-        if getattr(speculative, "rejection", False):
-            raise ValueError("the engine verifies drafts by coupled acceptance only (the same "
-                             "tokens as without speculation); rejection sampling: use "
-                             "jaxinfer.generate")
         if head is not None:
             if head.spec.plan.config.mla is not None:
                 raise ValueError("this head's layer attends through an MLA latent cache, "
@@ -730,12 +727,13 @@ class Engine:
             self._draft_adaptive = head.adaptive  # plain rounds while drafts are rejected
             head = draft_head.for_model(head, self.model)  # its layer in the model's dtype
             spec = draft_head.HeadSpec(head.spec.kind, dataclasses.replace(
-                self.plan, config=head.spec.plan.config))
+                self.plan, config=head.spec.plan.config), head.rejection)
             return None, None, (head.params, spec), int(k)
         if isinstance(speculative, NGram):
             return speculative, None, None, int(k)
         draft = speculative.model
         self._draft_adaptive = speculative.adaptive  # plain rounds while drafts are rejected
+        self._draft_laws = speculative.rejection  # sampled rows: rejection sampling
         if draft.config.mla is not None:
             raise ValueError("an MLA draft model has no paged cache yet; use a GQA draft model")
         check_same_vocabulary(self.model, draft)
@@ -754,7 +752,7 @@ class Engine:
         width = self._width(len(r.pages) for r in reqs)
         positions = np.array([row.position for row in rows] + [-1] * (b - len(rows)), np.int32)
         batch = self._rows(reqs, positions, [k + 1] * len(rows), b, width)
-        tokens = None  # a head drafts on the device inside the verification step
+        tokens = laws = None  # a head drafts on the device inside the verification step
         if self.draft is not None:  # drafted on the device by the draft model
             last_two = np.zeros((b, 2), np.int32)
             for i, req in enumerate(reqs):
@@ -763,11 +761,12 @@ class Engine:
             if self._rejected(reqs):
                 # A plain step; the draft model's first forward only, so that its pages
                 # hold this step's tokens.
-                self.draft_cache, _ = step_lib.draft_step(
+                self.draft_cache, _, _ = step_lib.draft_step(
                     params, self.draft_cache, jnp.asarray(last_two), batch, plan, 1)
                 return self._dispatch_plain(rows)
-            self.draft_cache, tokens = step_lib.draft_step(params, self.draft_cache,
-                                                           jnp.asarray(last_two), batch, plan, k)
+            self.draft_cache, tokens, laws = step_lib.draft_step(
+                params, self.draft_cache, jnp.asarray(last_two), batch, plan, k,
+                self._draft_laws)
         elif self.ngram is not None:
             drafts = [ngram_drafts_host(req.tokens(), k, self.ngram) for req in reqs]
             if not any(found for _, found in drafts):
@@ -780,13 +779,18 @@ class Engine:
         # (plain passed only when set: a jit keyed as warmup's calls)
         self.state, new, logprobs, top = step_lib.verify_step(
             self.params, self.state, tokens, batch, self.plan, **self._verify_args,
-            **({"plain": True} if plain else {}))
+            **({"plain": True} if plain else {}), **self._laws_arg(laws))
         for req in reqs:
             req.inflight += 1
         t = new.shape[1]
         tops = [None] * t if top is None else [(top[0][:, j], top[1][:, j]) for j in range(t)]
         # per column [B], as decode (a head's plain step: one column, a decode)
         return ("decode" if plain else "verify", reqs, list(new.T), list(logprobs.T), tops)
+
+    @staticmethod
+    def _laws_arg(laws) -> dict:
+        """verify_step's draft_laws, passed only when set (a jit keyed as warmup's calls)."""
+        return {} if laws is None else {"draft_laws": laws}
 
     def _rejected(self, reqs) -> bool:
         """Whether this round is a plain step: every row's recent drafts mostly rejected (as

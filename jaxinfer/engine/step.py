@@ -162,7 +162,7 @@ def set_penalty_rows(state: EngineState, slots: jax.Array, counts: jax.Array,
 def verify_step(params: dict, state: EngineState, tokens: jax.Array | None, rows: Rows,
                 plan: Plan, head_params: dict | None = None,
                 head_spec: draft_head.HeadSpec | None = None, k: int = 0,
-                plain: bool = False):
+                plain: bool = False, draft_laws: jax.Array | None = None):
     """Speculative decoding's step (jaxinfer/speculative.py): tokens [B, K + 1] per row, its
     newest token then K drafts, at position..position + K in one forward; the target's token
     at each position as `decode_step` would sample it if the drafts before it were accepted;
@@ -174,14 +174,16 @@ def verify_step(params: dict, state: EngineState, tokens: jax.Array | None, rows
     row asked for top_logprobs, else None). Rows carry no token bitmask: the engine refuses
     grammars when it speculates. plain (with a head): a decode step, T = 1, that still writes
     the head's pair at the newest token and its feature (the head's first forward, its draft
-    dropped), so the head's pages have no hole when rounds verify again."""
-    from jaxinfer.speculative import _leading
+    dropped), so the head's pages have no hole when rounds verify again. draft_laws [B, K, V]
+    (a draft model's, from draft_step; a head with head_spec.rejection makes its own): sampled
+    rows accept by rejection sampling (speculative._rejection), greedy rows as above."""
+    from jaxinfer.speculative import _leading, _rejection
 
     if head_spec is not None:
-        state, tokens = _head_drafts(head_params, params, state, rows, head_spec,
-                                     1 if plain else k)
+        state, tokens, draft_laws = _head_drafts(head_params, params, state, rows, head_spec,
+                                                 1 if plain else k)
         if plain:
-            tokens = tokens[:, :1]
+            tokens, draft_laws = tokens[:, :1], None
     b, t = tokens.shape
     # Positions past the block table never yield a kept token (max_model_len ends the row
     # first): padding (-1), so no kernel reads or writes past a row's table.
@@ -197,22 +199,30 @@ def verify_step(params: dict, state: EngineState, tokens: jax.Array | None, rows
                                 hidden=state.head is not None)
     counts0, seen0 = _penalty_rows(state, rows)
     counts, seen = counts0, seen0
-    ys, lps, top_ids, top_lps = [], [], [], []
+    rejection = draft_laws is not None and not rows.sampling.flags.all_greedy
+    ys, lps, top_ids, top_lps, keys, laws = [], [], [], [], [], []
     for j in range(t):
-        out = sampling.sample_with_logprobs(logits[:, j], _keys(rows, rows.position + 1 + j),
-                                            rows.sampling, token_counts=counts,
-                                            seen_mask=seen,
-                                            batch_invariant=plan.policy.batch_invariant)
+        keys.append(_keys(rows, rows.position + 1 + j))
+        pen = dict(token_counts=counts, seen_mask=seen,
+                   batch_invariant=plan.policy.batch_invariant)
+        out = sampling.sample_with_logprobs(logits[:, j], keys[-1], rows.sampling, **pen)
         ys.append(out.tokens)
         lps.append(out.logprobs if rows.sampling.flags.logprobs
                    else jnp.zeros_like(out.logprobs))
         if out.top_ids is not None:
             top_ids.append(out.top_ids)
             top_lps.append(out.top_logprobs)
+        if rejection:  # the target's law at this position: (scaled, masked) [B, V]
+            laws.append(sampling.processed_logits(logits[:, j], rows.sampling, **pen))
         if j + 1 < t:  # the penalties of position j + 1 count draft j + 1
             counts, seen = sampling.update_penalty_state(counts, seen, tokens[:, j + 1])
     ys, lps = jnp.stack(ys, 1), jnp.stack(lps, 1)  # [B, K + 1]
-    a = _leading(tokens[:, 1:] == ys[:, :-1])  # [B] drafts accepted
+    if rejection:
+        target_laws = tuple(jnp.stack(x, 1) for x in zip(*laws))  # [B, K + 1, V] each
+        a, ys, lps = _rejection(tokens[:, 1:], draft_laws, ys, lps, target_laws,
+                                jnp.stack(keys, 1), rows.sampling)
+    else:  # coupled: accepted while each draft is the token plain decoding samples there
+        a = _leading(tokens[:, 1:] == ys[:, :-1])  # [B] drafts accepted
     kept = offsets <= a[:, None]  # [B, K + 1]
     for j in range(t):  # the statistics count the kept tokens only
         counts0, seen0 = sampling.update_penalty_state(counts0, seen0, ys[:, j], kept[:, j])
@@ -275,7 +285,8 @@ def _head_drafts(head_params, params, state: EngineState, rows: Rows,
     then one draft at a time, each step taking the head's own feature estimate g. Draft j is
     drawn with the target's key of its position (coupled drafting). Slots past p hold
     estimates until the verification rewrites the accepted ones (`_head_verified`).
-    -> (state, tokens [B, K + 1]: x, then K drafts)."""
+    -> (state, tokens [B, K + 1]: x, then K drafts, with spec.rejection the drafts' laws'
+    masked logits [B, K, V] else None)."""
     from jaxinfer.speculative import _draft_law, _draw
 
     head = state.head
@@ -286,7 +297,7 @@ def _head_drafts(head_params, params, state: EngineState, rows: Rows,
     feat = _read_feats(head.feats, p - 1, rows.block_tables)[:, None]  # f_{p-1}: [B, 1, D]
     cache = head.cache.with_tables(rows.block_tables)
     tok, pos = x[:, None], jnp.where(live, p, -1)[:, None]
-    drafts = []
+    drafts, laws = [], []
     for j in range(k):
         logits, cache, feat = draft_head.forward(
             head_params, params, tok, feat, _in_table(pos, rows.block_tables, page_size), spec,
@@ -295,9 +306,11 @@ def _head_drafts(head_params, params, state: EngineState, rows: Rows,
         nxt = _draw(masked, _keys(rows, p + 1 + j), rows.sampling.greedy,
                     rows.sampling.flags.all_greedy)  # [B]
         drafts.append(nxt)
+        laws.append(masked)
         tok, pos = nxt[:, None], jnp.where(live, p + 1 + j, -1)[:, None]
     state = state.replace(head=head.replace(cache=cache.with_tables(head.cache.block_tables)))
-    return state, jnp.concatenate([x[:, None], jnp.stack(drafts, axis=1)], axis=1)
+    return (state, jnp.concatenate([x[:, None], jnp.stack(drafts, axis=1)], axis=1),
+            jnp.stack(laws, axis=1) if spec.rejection else None)
 
 
 def _head_verified(head_params, params, head: HeadPages, tokens, positions, f, a, rows: Rows,
@@ -343,14 +356,15 @@ def draft_prefill_step(params: dict, cache: PagedKVCache, tokens: jax.Array, row
     return out.with_tables(cache.block_tables)  # its placeholder tables, as _store's
 
 
-@functools.partial(jax.jit, static_argnames=("plan", "k"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("plan", "k", "laws"), donate_argnames=("cache",))
 def draft_step(params: dict, cache: PagedKVCache, last_two: jax.Array, rows: Rows, plan: Plan,
-               k: int):
+               k: int, laws: bool = False):
     """K drafts per row from the draft model: its first forward takes the row's token before
     its newest and the newest, last_two [B, 2] at position - 1, position (rewriting the first
     is idempotent; it is missing when the last round accepted every draft), then one token at
     a time; draft j is drawn with the target's key of its position (coupled drafting, as
-    speculative.model_drafts). -> (cache, tokens [B, K + 1]: the newest token, then K drafts)."""
+    speculative.model_drafts). -> (cache, tokens [B, K + 1]: the newest token, then K drafts,
+    with `laws` the drafts' laws' masked logits [B, K, V] for rejection sampling, else None)."""
     from jaxinfer.speculative import _draft_law, _draw
 
     forward = registry.family(plan.config).forward
@@ -360,7 +374,7 @@ def draft_step(params: dict, cache: PagedKVCache, last_two: jax.Array, rows: Row
     live = (p >= 0)[:, None]
     tokens = last_two
     positions = jnp.where(live, jnp.stack([p - 1, p], axis=1), -1)
-    drafts = []
+    drafts, masks = [], []
     for j in range(k):
         logits, cache = forward(params, tokens, _in_table(positions, rows.block_tables,
                                                           page_size), plan,
@@ -369,7 +383,9 @@ def draft_step(params: dict, cache: PagedKVCache, last_two: jax.Array, rows: Row
         nxt = _draw(masked, _keys(rows, p + 1 + j), rows.sampling.greedy,
                     rows.sampling.flags.all_greedy)  # [B]
         drafts.append(nxt)
+        masks.append(masked)
         tokens, positions = nxt[:, None], jnp.where(live, (p + 1 + j)[:, None], -1)
     # The placeholder tables it came with (as _store's): the next step's shapes stay its own.
     return (cache.with_tables(placeholder),
-            jnp.concatenate([last_two[:, 1:], jnp.stack(drafts, axis=1)], axis=1))
+            jnp.concatenate([last_two[:, 1:], jnp.stack(drafts, axis=1)], axis=1),
+            jnp.stack(masks, axis=1) if laws else None)
