@@ -170,6 +170,11 @@ def _add_speculative_args(p: argparse.ArgumentParser, bench: bool = False) -> No
     s.add_argument("--draft-head", default=None, metavar="PATH",
                    help="the head for --speculative head (default: the one train-draft "
                         "wrote beside the model)")
+    s.add_argument("--rejection-sampling", action="store_true",
+                   help="sampled rows accept a draft model's or head's drafts with probability "
+                        "min(1, p/q), resampling from max(0, p - q): more drafts accepted, the "
+                        "model's distribution, but not plain sampling's very tokens (default: "
+                        "kept while they equal them; greedy rows either way)")
     if bench:  # jaxinfer/speculative_bench.py's TASKS (not imported here: it imports jax)
         s.add_argument("--tasks", nargs="+", choices=("edit", "summarize"), default=["edit"],
                        help="input-grounded prompts the acceptance is measured on")
@@ -487,6 +492,9 @@ def _check_speculative_args(args) -> None:
                          "needs --speculative draft")
     if args.draft_head is not None and args.speculative != "head":
         raise UsageError("--draft-head needs --speculative head")
+    if args.rejection_sampling and args.speculative not in ("draft", "head", "mtp"):
+        raise UsageError("--rejection-sampling needs --speculative draft, head or mtp (a "
+                         "drafter with a distribution over its drafts)")
     if args.mesh is not None:
         raise UsageError("--speculative runs on one device for now; drop --tp/--dp/--ep")
     if args.draft_model is not None:
@@ -496,21 +504,29 @@ def _check_speculative_args(args) -> None:
 
 
 def _speculative(args, model):
-    """The `speculative=` argument for generate/stream: None, "ngram", "head" (beside the
-    model), "mtp", the head at --draft-head or the draft model."""
-    if args.speculative == "head" and args.draft_head is not None:
-        from jaxinfer import draft_head
+    """The `speculative=` argument for generate/stream and the Engine: None, "ngram", "head"
+    (beside the model), "mtp", the head at --draft-head or the draft model; with
+    --rejection-sampling the head or a DraftModel that asks for it."""
+    rejection = getattr(args, "rejection_sampling", False)
+    if args.speculative in ("head", "mtp") and (args.draft_head is not None or rejection):
+        import dataclasses
 
-        return draft_head.load(args.draft_head, model)
+        from jaxinfer import draft_head
+        from jaxinfer.speculative import resolve_drafter
+
+        head = draft_head.load(args.draft_head, model) if args.draft_head is not None \
+            else resolve_drafter(args.speculative, model)
+        return dataclasses.replace(head, rejection=rejection)
     if args.speculative != "draft":
         return args.speculative
     import jaxinfer
+    from jaxinfer.speculative import DraftModel
 
     t0 = time.perf_counter()  # its vocabulary is checked against the model's by stream()
     draft = jaxinfer.load(args.draft_model, dtype=args.dtype, quantization=args.quantization,
                           group_size=args.group_size)
     log.info("loaded the draft model %s in %.2f s", args.draft_model, time.perf_counter() - t0)
-    return draft
+    return DraftModel(draft, rejection=True) if rejection else draft
 
 
 def _kv_cache_dtype(args) -> str | None:
@@ -888,6 +904,9 @@ def cmd_bench(args) -> int:
     if args.speculative is not None and getattr(args, "engine", False):
         raise UsageError("bench --speculative measures generate()'s acceptance; drop --engine "
                          "(the Engine's speculation runs in serve --speculative)")
+    if getattr(args, "rejection_sampling", False):
+        raise UsageError("bench --speculative measures greedy decoding, which rejection "
+                         "sampling leaves as it is; drop --rejection-sampling")
     _check_speculative_args(args)
     from jaxinfer import bench
 

@@ -331,7 +331,7 @@ def test_rejection_sampling_follows_the_target_law(drafter, where):
         assert _chi_square_p(count2, always_accept) < 1e-6
 
 
-def test_cli_speculative(tiny_chat, tiny_chat_dir, capsys):
+def test_cli_speculative(tiny_chat, tiny_chat_dir, capsys, tmp_path):
     """--speculative draft / ngram print the API's plain tokens and the acceptance counts;
     inconsistent flags are usage errors before anything loads."""
     import json
@@ -351,9 +351,21 @@ def test_cli_speculative(tiny_chat, tiny_chat_dir, capsys):
         counts = got["speculative"]
         assert 0 <= counts["accepted_tokens"] <= counts["draft_tokens"]
     assert counts["draft_tokens"] % 2 == 0
+    # --rejection-sampling: a head's rejection=True run's tokens (not plain sampling's)
+    head = draft_head.init_eagle(tiny_chat, 5)
+    path = draft_head.save(head, tmp_path / "head.safetensors")
+    (rej,) = jaxinfer.generate(tiny_chat, PROMPTS[1], max_new_tokens=12, chat=False,
+                               sampling=sp, seed=3,
+                               speculative=dataclasses.replace(head, rejection=True))
+    assert rej.token_ids != ref.token_ids
+    assert cli.main(base + ["--speculative", "head", "--draft-head", str(path),
+                            "--rejection-sampling"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == rej.token_ids
     for flags, match in ((["--speculative", "draft"], "needs --draft-model"),
                          (["--draft-model", str(tiny_chat_dir)], "need --speculative"),
-                         (["--num-speculative-tokens", "3"], "need --speculative")):
+                         (["--num-speculative-tokens", "3"], "need --speculative"),
+                         (["--speculative", "ngram", "--rejection-sampling"],
+                          "--rejection-sampling needs --speculative draft")):
         assert cli.main(base + flags) == 2
         assert match in capsys.readouterr().err
 
