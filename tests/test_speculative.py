@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -499,9 +500,10 @@ def test_engine_bad_speculative_arguments(looping):
 @pytest.mark.parametrize("drafter", ["ngram", "self", "head"])
 def test_engine_speculative_warmup_top_logprobs_and_grammar(looping, drafter):
     """A speculative engine: warmup() compiles its verifications (and a draft model's steps,
-    a head's prefill and verification) so serving compiles nothing new; top_logprobs of
-    verified tokens are the plain engine's; a grammar request is refused (its drafts would be
-    verified without its masks)."""
+    a head's prefill and verification, and with structured=True the drafter's plain rounds
+    under a grammar's mask) so serving compiles nothing new; top_logprobs of verified tokens
+    are the plain engine's; a grammar request beside them takes plain rounds under its masks:
+    the plain engine's tokens, in its language."""
     from test_engine import _engine
 
     from jaxinfer import draft_head
@@ -518,13 +520,16 @@ def test_engine_speculative_warmup_top_logprobs_and_grammar(looping, drafter):
     small = dict(max_model_len=64, max_num_seqs=2, max_prefill_rows=2)
     engine = _engine(looping, speculative=spec_arg, num_speculative_tokens=2,
                      pages=128 if drafter == "self" else 64, **small)
-    engine.warmup([greedy, top])
+    engine.warmup([greedy, top], structured=True)
     steps = (step.prefill_step, step.decode_step, step.verify_step, step.draft_step,
              step.draft_prefill_step)
     compiled = [f._cache_size() for f in steps]
     prompts = [list(range(3, 13)) * 2, list(range(40, 47))]
+    regex = "(yes|no), [0-9]{2,4}"
     ids = [engine.add_request(p, sampling=sp, max_tokens=12)
            for p, sp in zip(prompts, [greedy, top])]
+    ids.append(engine.add_request([5, 6, 7], max_tokens=12,
+                                  grammar=Grammar.regex(looping.tokenizer, regex)))
     got = {i: ([], []) for i in ids}
     while engine.has_unfinished():
         for out in engine.step():
@@ -537,6 +542,8 @@ def test_engine_speculative_warmup_top_logprobs_and_grammar(looping, drafter):
         assert engine.total_pages == plain.total_pages
     ids2 = [plain.add_request(p, sampling=sp, max_tokens=12)
             for p, sp in zip(prompts, [greedy, top])]
+    ids2.append(plain.add_request([5, 6, 7], max_tokens=12,
+                                  grammar=Grammar.regex(looping.tokenizer, regex)))
     want = {i: ([], []) for i in ids2}
     while plain.has_unfinished():
         for out in plain.step():
@@ -549,10 +556,7 @@ def test_engine_speculative_warmup_top_logprobs_and_grammar(looping, drafter):
             assert [t for t, _ in x] == [t for t, _ in y]
             np.testing.assert_allclose([lp for _, lp in x], [lp for _, lp in y], atol=1e-4)
     assert len(got[ids[1]][1]) == 12 and all(len(t) == 3 for t in got[ids[1]][1])
-    with pytest.raises(ValueError, match="speculative engine"):
-        engine.add_request([5, 6], max_tokens=4, grammar=Grammar.regex(looping.tokenizer, "a+"))
-    with pytest.raises(ValueError, match="speculative engine refuses grammars"):
-        engine.warmup(structured=True)
+    assert re.fullmatch(regex, looping.tokenizer.decode(got[ids[2]][0]))
 
 
 def test_bench_tasks_match_the_cli_choices():
@@ -581,7 +585,7 @@ def test_rejection_mode_keeps_greedy_rows_plain(looping, tiny_chat):
 def test_serve_speculative_equals_generate(tiny_chat, tiny_chat_dir):
     """`jaxinfer serve --speculative draft` in its own process (the model drafting for
     itself): a greedy completion and a seeded sampled one are generate()'s tokens; a grammar
-    request gets a 400 naming its format parameter."""
+    request is served in its language."""
     import openai
 
     from tests.serving import serve
@@ -602,8 +606,8 @@ def test_serve_speculative_equals_generate(tiny_chat, tiny_chat_dir):
                                           **extra)
             assert r.choices[0].text == want.text
             assert r.usage.completion_tokens == len(want.token_ids)
-        # A grammar is refused, naming the format parameter (not the prompt).
-        with pytest.raises(openai.BadRequestError) as e:
-            client.completions.create(model=str(tiny_chat_dir), prompt=ids, max_tokens=4,
-                                      extra_body={"guided_regex": "a+"})
-        assert e.value.body["param"] == "guided_regex" and "speculative" in str(e.value)
+        # A grammar request takes plain rounds under its masks: its language.
+        regex = "(yes|no), [0-9]{2,4}"
+        r = client.completions.create(model=str(tiny_chat_dir), prompt=ids, max_tokens=20,
+                                      extra_body={"guided_regex": regex})
+        assert re.fullmatch(regex, r.choices[0].text) and r.choices[0].finish_reason == "stop"

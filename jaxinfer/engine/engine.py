@@ -311,10 +311,6 @@ class Engine:
                                  f"{type(grammar).__name__}")
             if model.tokenizer is None or grammar.vocab_size != model.tokenizer.vocab_size:
                 raise ValueError("grammar was compiled for another tokenizer than this model's")
-            if self.num_speculative_tokens:
-                raise ValueError("structured output (grammar=) is not supported by a "
-                                 "speculative engine (its drafts are verified without the "
-                                 "grammar's masks); use an engine without speculative=")
             matcher = grammar.matcher()
         if sampling.seed is not None:
             seed, key_id = sampling.seed, 0
@@ -350,7 +346,7 @@ class Engine:
             if sched.prefill:
                 dispatched.append(self._dispatch_prefill(sched.prefill))
             if sched.decode:
-                dispatched.append(self._dispatch_decode(sched.decode))
+                dispatched.extend(self._dispatch_decode(sched.decode))
         outputs = self._read(self._inflight)
         self._inflight = dispatched
         if self.num_speculative_tokens:  # the next rows' positions and drafts need these
@@ -366,15 +362,13 @@ class Engine:
         Params asking for top_logprobs also warm the programs that search them (a dispatch
         has them when one of its rows asks); a speculative engine also warms its
         verifications (and a draft model's prefill and drafting steps); structured=True also
-        the programs with a grammar's token bitmask (not in a speculative engine, which
-        refuses grammars). -> the number of executables dispatched. Call it before serving;
-        idle engines only."""
+        the programs with a grammar's token bitmask (in a speculative engine: its plain
+        rounds'). -> the number of executables dispatched. Call it before serving; idle
+        engines only."""
         from tqdm.auto import tqdm
 
         if self.has_unfinished():
             raise ValueError("warmup() runs on an idle engine; call it before adding requests")
-        if structured and self.num_speculative_tokens:
-            raise ValueError("warmup(structured=True): a speculative engine refuses grammars")
         params = sampling if isinstance(sampling, (list, tuple)) else \
             [sampling or SamplingParams(temperature=0.0)]
         for sp in params:
@@ -396,8 +390,9 @@ class Engine:
         if self.num_speculative_tokens:
             shapes += [("verify", b, self.num_speculative_tokens + 1, w)
                        for b in self.decode_buckets for w in widths]
+        # Rows with a grammar verify nothing: a head's plain step takes their masks.
         variants = [(shape, top, mask) for shape in shapes for top in tops for mask in masks
-                    if not (mask and shape[0] == "verify")]
+                    if not (mask and shape[0] == "verify" and self.head is None)]
         r = self.max_num_seqs
         words = -(-self.model.config.vocab_size // 32)
         dispatched = 0
@@ -420,8 +415,18 @@ class Engine:
                         dparams, self.draft_cache, jnp.zeros((b, c), jnp.int32), rows, plan)
                     dispatched += 1
             elif kind == "decode":
+                if self.draft is not None and mask:  # a constrained row's draft forward
+                    _, plan, dparams = self.draft
+                    self.draft_cache, _, _ = step_lib.draft_step(
+                        dparams, self.draft_cache, jnp.zeros((b, 2), jnp.int32),
+                        rows.replace(token_bitmask=None), plan, 1)
+                    dispatched += 1
                 self.state, new, _, _ = step_lib.decode_step(self.params, self.state, rows,
                                                              self.plan)
+            elif mask:  # a head's plain step under a grammar's mask
+                self.state, new, _, _ = step_lib.verify_step(
+                    self.params, self.state, None, rows, self.plan, **self._verify_args,
+                    plain=True)
             else:
                 tokens = jnp.zeros((b, c), jnp.int32)
                 if self.draft is not None:
@@ -647,8 +652,9 @@ class Engine:
             self.params, self.state, jnp.asarray(tokens), batch, self.plan, **self._head_args)
         if self.draft is not None:  # the same chunks into the draft model's pages
             _, plan, params = self.draft
-            self.draft_cache = step_lib.draft_prefill_step(params, self.draft_cache,
-                                                           jnp.asarray(tokens), batch, plan)
+            self.draft_cache = step_lib.draft_prefill_step(
+                params, self.draft_cache, jnp.asarray(tokens), batch.replace(token_bitmask=None),
+                plan)
         for row in rows:
             if row.final:
                 row.request.inflight += 1
@@ -656,10 +662,15 @@ class Engine:
         return ("prefill", [row.request if row.final else None for row in rows], [new],
                 [logprobs], [top])
 
-    def _dispatch_decode(self, rows):
-        if self.num_speculative_tokens:
-            return self._dispatch_verify(rows)
-        return self._dispatch_plain(rows)
+    def _dispatch_decode(self, rows) -> list:
+        if not self.num_speculative_tokens:
+            return [self._dispatch_plain(rows)]
+        # Rows with a grammar take the drafter's plain round, under their masks (drafts are
+        # not verified under a grammar): a dispatch of their own.
+        free = [row for row in rows if row.request.matcher is None]
+        bound = [row for row in rows if row.request.matcher is not None]
+        return [self._dispatch_verify(part, plain=part is bound)
+                for part in (free, bound) if part]
 
     def _dispatch_plain(self, rows):
         reqs = [row.request for row in rows]
@@ -740,10 +751,11 @@ class Engine:
         plan = _plan(draft, policy)
         return None, (draft, plan, run_params(draft, plan)), None, int(k)
 
-    def _dispatch_verify(self, rows):
+    def _dispatch_verify(self, rows, plain: bool = False):
         """Decode rows as verifications: each row's newest token and K drafts (prompt
         lookup over its tokens, on the host, where a step's tokens are read before the next;
-        a draft model's steps; or the head's, inside the verification step)."""
+        a draft model's steps; or the head's, inside the verification step). plain: the
+        drafter's plain round (rows with a grammar), else when drafts are mostly rejected."""
         from jaxinfer.speculative import ngram_drafts_host
 
         reqs = [row.request for row in rows]
@@ -758,16 +770,19 @@ class Engine:
             for i, req in enumerate(reqs):
                 last_two[i] = req.tokens()[-2:]  # a decode row has >= 1 prompt + 1 output
             _, plan, params = self.draft
-            if self._rejected(reqs):
+            if plain or self._rejected(reqs):
                 # A plain step; the draft model's first forward only, so that its pages
                 # hold this step's tokens.
                 self.draft_cache, _, _ = step_lib.draft_step(
-                    params, self.draft_cache, jnp.asarray(last_two), batch, plan, 1)
+                    params, self.draft_cache, jnp.asarray(last_two),
+                    batch.replace(token_bitmask=None), plan, 1)
                 return self._dispatch_plain(rows)
             self.draft_cache, tokens, laws = step_lib.draft_step(
                 params, self.draft_cache, jnp.asarray(last_two), batch, plan, k,
                 self._draft_laws)
         elif self.ngram is not None:
+            if plain:
+                return self._dispatch_plain(rows)
             drafts = [ngram_drafts_host(req.tokens(), k, self.ngram) for req in reqs]
             if not any(found for _, found in drafts):
                 return self._dispatch_plain(rows)  # one token per row: no guesses to verify
@@ -775,7 +790,7 @@ class Engine:
             for i, (req, (draft, _)) in enumerate(zip(reqs, drafts)):
                 tokens[i] = [req.tokens()[-1]] + draft
             tokens = jnp.asarray(tokens)
-        plain = self.head is not None and self._rejected(reqs)
+        plain = self.head is not None and (plain or self._rejected(reqs))
         # (plain passed only when set: a jit keyed as warmup's calls)
         self.state, new, logprobs, top = step_lib.verify_step(
             self.params, self.state, tokens, batch, self.plan, **self._verify_args,

@@ -171,8 +171,9 @@ def verify_step(params: dict, state: EngineState, tokens: jax.Array | None, rows
     and the accepted drafts' pairs go to its pages. -> (state, tokens [B, K + 1]: the accepted
     drafts then the target's next token, -1 after them; logprobs [B, K + 1]; top: (ids
     [B, K + 1, N], logprobs [B, K + 1, N]) of each position's most likely tokens when some
-    row asked for top_logprobs, else None). Rows carry no token bitmask: the engine refuses
-    grammars when it speculates. plain (with a head): a decode step, T = 1, that still writes
+    row asked for top_logprobs, else None). Rows carry a token bitmask only in a plain step
+    (rows with a grammar: their drafter's plain round). plain (with a head): a decode step,
+    T = 1, that still writes
     the head's pair at the newest token and its feature (the head's first forward, its draft
     dropped), so the head's pages have no hole when rounds verify again. draft_laws [B, K, V]
     (a draft model's, from draft_step; a head with head_spec.rejection makes its own): sampled
@@ -185,6 +186,8 @@ def verify_step(params: dict, state: EngineState, tokens: jax.Array | None, rows
         if plain:
             tokens, draft_laws = tokens[:, :1], None
     b, t = tokens.shape
+    if rows.token_bitmask is not None and t != 1:
+        raise ValueError("verify_step: a grammar's token bitmask takes a plain step (T = 1)")
     # Positions past the block table never yield a kept token (max_model_len ends the row
     # first): padding (-1), so no kernel reads or writes past a row's table.
     end = rows.block_tables.shape[1] * state.cache.k[0].shape[1]  # W * page_size
@@ -205,7 +208,8 @@ def verify_step(params: dict, state: EngineState, tokens: jax.Array | None, rows
         keys.append(_keys(rows, rows.position + 1 + j))
         pen = dict(token_counts=counts, seen_mask=seen,
                    batch_invariant=plan.policy.batch_invariant)
-        out = sampling.sample_with_logprobs(logits[:, j], keys[-1], rows.sampling, **pen)
+        out = sampling.sample_with_logprobs(logits[:, j], keys[-1], rows.sampling, **pen,
+                                            token_bitmask=rows.token_bitmask)
         ys.append(out.tokens)
         lps.append(out.logprobs if rows.sampling.flags.logprobs
                    else jnp.zeros_like(out.logprobs))

@@ -452,11 +452,6 @@ def create_app(runner: EngineClient, model_name: str, api_key: str | None = None
         if constraint and token_ids_only:
             raise APIError(400, f"{constraint[0]}: structured output needs the model's "
                                 "tokenizer (this server has token ids only)", constraint[0])
-        if constraint and runner.info["num_speculative_tokens"]:
-            raise APIError(400, f"{constraint[0]}: structured output is not supported by a "
-                                "speculative server (its drafts would be verified without "
-                                "the grammar's masks); start it without --speculative",
-                           constraint[0])
         grammar = await compile_grammar(*constraint) if constraint else None
         if req.logprobs and not token_ids_only:  # token bytes come from llguidance's
             # tokenizer (~1 s to build once)

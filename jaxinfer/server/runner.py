@@ -117,7 +117,7 @@ def _build(args):
         print(f"jaxinfer serve: compiled {n} executables in {time.perf_counter() - t0:.0f} s",
               file=sys.stderr, flush=True)
     tokenizer = model.tokenizer
-    if tokenizer is not None and not engine.num_speculative_tokens:
+    if tokenizer is not None:
         # llguidance's tokenizer (~1 s for a large vocabulary) now, not at the first grammar
         # with every row waiting.
         from jaxinfer import structured
