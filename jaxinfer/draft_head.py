@@ -49,6 +49,7 @@ class HeadSpec:
     plan: Plan
     rejection: bool = False  # rejection sampling for sampled rows (speculative.py)
     adaptive: bool = True  # plain steps while its drafts are mostly rejected (speculative.py)
+    min_gain: float | None = None  # ... below this many accepted (None: speculative.MIN_GAIN)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -65,6 +66,9 @@ class FeatureHead:
     # generate() takes plain decode steps while the head's drafts are mostly rejected
     # (speculative.py, MIN_GAIN); False: a verification every round.
     adaptive: bool = True
+    # The accepted drafts per verification (a recent average) below which rounds are plain
+    # steps; None: speculative.MIN_GAIN.
+    min_gain: float | None = None
 
 
 def head_config(config: Config, kind: str) -> Config:

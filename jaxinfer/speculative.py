@@ -78,6 +78,7 @@ class DraftModel:
     model: Model
     rejection: bool = False
     adaptive: bool = True  # plain steps while its drafts are mostly rejected (MIN_GAIN)
+    min_gain: float | None = None  # that threshold for this drafter (None: MIN_GAIN)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +88,7 @@ class _DraftPlan:
     plan: Plan
     rejection: bool
     adaptive: bool = True
+    min_gain: float | None = None
 
 
 # A draft model's or a head's rounds verify while some live row's recent rounds accepted at
@@ -439,11 +441,16 @@ def _spec_round(params, draft_params, state: SpecState, plan: Plan, k: int,
         return _verify_round(params, s, drafts[:, :0], None, plan).replace(idle=s.idle + 1)
 
     live = ~state.decode.done
-    hitting = jnp.any(live & (state.gain >= MIN_GAIN))
+    hitting = jnp.any(live & (state.gain >= min_gain(drafter)))
     # a probe (drafts still rejected) doubles the wait for the next; a hit resets it
     patience = jnp.where(hitting, PROBE, jnp.minimum(2 * state.patience, MAX_PROBE))
     return jax.lax.cond(hitting | (state.idle >= state.patience),
                         lambda s: verify(s).replace(patience=patience), plain, state)
+
+
+def min_gain(drafter) -> float:
+    """The drafter's threshold of accepted drafts per verification (MIN_GAIN by default)."""
+    return MIN_GAIN if drafter.min_gain is None else float(drafter.min_gain)
 
 
 spec_round = jax.jit(_spec_round, static_argnames=("plan", "k", "drafter"),
@@ -597,7 +604,8 @@ def _prepare(model, prompts, max_new_tokens, sampling_params, seed, chat, stop, 
     if isinstance(drafter, draft_head.FeatureHead):  # its layer on the request's plan and dtype
         head = draft_head.for_model(drafter, model)
         spec = draft_head.HeadSpec(head.spec.kind, dataclasses.replace(
-            req.plan, config=head.spec.plan.config), drafter.rejection, drafter.adaptive)
+            req.plan, config=head.spec.plan.config), drafter.rejection, drafter.adaptive,
+            drafter.min_gain)
         return _SpecRequest(req, k, spec, head.params)
     need = max(len(p) for p in req.ids) + int(max_new_tokens) + k
     context = drafter.model.config.max_position_embeddings
@@ -606,7 +614,8 @@ def _prepare(model, prompts, max_new_tokens, sampling_params, seed, chat, stop, 
                          f"longest prompt + max_new_tokens + num_speculative_tokens ({need}); "
                          "lower max_new_tokens or use another draft model")
     plan = _plan(drafter.model, policy)
-    return _SpecRequest(req, k, _DraftPlan(plan, drafter.rejection, drafter.adaptive),
+    return _SpecRequest(req, k, _DraftPlan(plan, drafter.rejection, drafter.adaptive,
+                                           drafter.min_gain),
                         run_params(drafter.model, plan))
 
 

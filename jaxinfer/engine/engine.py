@@ -707,10 +707,11 @@ class Engine:
         from jaxinfer.draft_head import FeatureHead
         from jaxinfer.generate import _plan, run_params
         from jaxinfer.model import Model
-        from jaxinfer.speculative import (DraftModel, NGram, check_same_vocabulary,
+        from jaxinfer.speculative import (DraftModel, NGram, check_same_vocabulary, min_gain,
                                           resolve_drafter)
 
         self._draft_adaptive = self._draft_laws = False
+        self._min_gain = 0.0
         if speculative is None:
             return None, None, None, 0
         head = None
@@ -736,6 +737,7 @@ class Engine:
                 raise ValueError("this head's layer attends through an MLA latent cache, "
                                  "which the engine does not page; use jaxinfer.generate")
             self._draft_adaptive = head.adaptive  # plain rounds while drafts are rejected
+            self._min_gain = min_gain(head)
             head = draft_head.for_model(head, self.model)  # its layer in the model's dtype
             spec = draft_head.HeadSpec(head.spec.kind, dataclasses.replace(
                 self.plan, config=head.spec.plan.config), head.rejection)
@@ -744,6 +746,7 @@ class Engine:
             return speculative, None, None, int(k)
         draft = speculative.model
         self._draft_adaptive = speculative.adaptive  # plain rounds while drafts are rejected
+        self._min_gain = min_gain(speculative)
         self._draft_laws = speculative.rejection  # sampled rows: rejection sampling
         if draft.config.mla is not None:
             raise ValueError("an MLA draft model has no paged cache yet; use a GQA draft model")
@@ -809,12 +812,12 @@ class Engine:
 
     def _rejected(self, reqs) -> bool:
         """Whether this round is a plain step: every row's recent drafts mostly rejected (as
-        generate's rounds: speculative.MIN_GAIN), and no probe due (a probe that finds them
+        generate's rounds: the drafter's min_gain), and no probe due (a probe that finds them
         still rejected doubles the wait for the next, up to MAX_PROBE). Counts the round."""
-        from jaxinfer.speculative import MAX_PROBE, MIN_GAIN, PROBE
+        from jaxinfer.speculative import MAX_PROBE, PROBE
 
         if not self._draft_adaptive or any(
-                r.draft_gain is None or r.draft_gain >= MIN_GAIN for r in reqs):
+                r.draft_gain is None or r.draft_gain >= self._min_gain for r in reqs):
             self._idle, self._patience = 0, PROBE
             return False
         if self._idle >= self._patience:  # a probe
