@@ -12,6 +12,13 @@ import httpx
 import pytest
 
 
+# The engine arguments of the tests that serve tiny_chat_dir in float32 (test_server,
+# test_server_load, test_server_runner): one pool and one set of shapes, so that the programs
+# one server compiled load from the session's compilation cache (tests/conftest.py) in the next.
+TINY_ENGINE = ("--dtype", "float32", "--max-num-seqs", "4", "--max-model-len", "512",
+               "--kv-memory", "64MB")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
