@@ -8,6 +8,21 @@ os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 # `jaxinfer.load` turns on JAX's persistent compilation cache; tests that want it say so
 # (tests/test_cli.py), the rest do not write to the user's cache.
 os.environ.setdefault("JAXINFER_COMPILATION_CACHE", "0")
+# Instead, one JAX compilation cache for the session, in a fresh temporary directory that the
+# xdist workers and every process a test starts inherit (set before jax is imported): a
+# program another process (or this one, before its programs were dropped: MAX_MAPS) compiled
+# with the same HLO, flags and devices loads instead of compiling again. Nothing is read from
+# an earlier run; the directory goes when the process that made it exits.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    _xla_cache = tempfile.mkdtemp(prefix="jaxinfer-tests-xla-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _xla_cache
+    atexit.register(shutil.rmtree, _xla_cache, ignore_errors=True)
+# JAX's default (1 s) would leave out nearly every tiny test program.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
 
 
 def _cuda_plugin_installed() -> bool:

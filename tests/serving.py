@@ -12,6 +12,13 @@ import httpx
 import pytest
 
 
+# The engine arguments of the tests that serve tiny_chat_dir in float32 (test_server,
+# test_server_load, test_server_runner): one pool and one set of shapes, so that the programs
+# one server compiled load from the session's compilation cache (tests/conftest.py) in the next.
+TINY_ENGINE = ("--dtype", "float32", "--max-num-seqs", "4", "--max-model-len", "512",
+               "--kv-memory", "64MB")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -19,14 +26,16 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve(*args: str, timeout: float = 180.0):
+def serve(*args: str, timeout: float = 180.0, env: dict | None = None):
     """Start `jaxinfer serve ARGS --port P` and yield (url, process, a function returning its stderr so far) once /health answers;
-    stopped at the end (SIGTERM, then killed)."""
+    stopped at the end (SIGTERM, then killed). env: the process's environment (default
+    os.environ)."""
     port = free_port()
     log = tempfile.TemporaryFile("w+")  # a file, not a pipe nobody reads that could fill up
     proc = subprocess.Popen([sys.executable, "-m", "jaxinfer.cli", "serve", *args,
                              "--port", str(port)], stdout=subprocess.DEVNULL, stderr=log,
-                            text=True, env={**os.environ, "JAXINFER_API_KEY": ""})
+                            text=True, env={**(os.environ if env is None else env),
+                                            "JAXINFER_API_KEY": ""})
 
     def stderr() -> str:
         log.seek(0)

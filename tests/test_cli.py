@@ -335,6 +335,9 @@ def test_compilation_cache_is_reused_across_processes(tiny_chat_dir, tmp_path):
 
     def run(*extra):
         env = {**os.environ, "JAXINFER_CACHE": str(tmp_path), "JAXINFER_COMPILATION_CACHE": "1"}
+        # the suite's own cache (tests/conftest.py) would win over $JAXINFER_CACHE/xla
+        env.pop("JAX_COMPILATION_CACHE_DIR", None)
+        env.pop("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", None)
         proc = subprocess.run([sys.executable, "-m", "jaxinfer.cli", "generate", "Say hi.",
                                "--model", str(tiny_chat_dir), *extra], env=env,
                               capture_output=True, text=True, timeout=120)

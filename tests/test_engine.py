@@ -121,7 +121,7 @@ def test_prefix_cache_prefills_only_the_suffix(tiny_chat):
 def test_bad_requests_are_refused_alone(tiny_chat):
     """Each bad request raises ValueError naming the problem; the engine keeps serving the
     others, loses none of their tokens and leaks no page."""
-    engine = _engine(tiny_chat, pages=40)
+    engine = _engine(tiny_chat)
     good = engine.add_request([5, 6, 7], max_tokens=6)
     engine.step()
     bad = [
@@ -235,7 +235,7 @@ def test_stream_and_chat_turns_reuse_the_cache(tiny_chat):
     """Engine.stream gives jaxinfer.stream's pieces; the next chat turn (the conversation so
     far + a new message) prefills only what its cached pages do not hold; closing a stream
     early aborts its request."""
-    engine = _engine(tiny_chat, pages=60)
+    engine = _engine(tiny_chat)
     turn = [{"role": "user", "content": "Name three famous painters and one painting."}]
     s = engine.stream(turn, max_tokens=12, stop=["e"])
     pieces = list(s)

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 import jaxinfer
-from tests.serving import serve
+from tests.serving import TINY_ENGINE, serve
 
 KEY = "test-key"
 CHAT = [{"role": "user", "content": "Name three painters."}]
@@ -44,8 +44,7 @@ def server(tiny_chat_dir, tmp_path_factory):
     config = json.loads((model_dir / "tokenizer_config.json").read_text())
     config["chat_template"] = TOOLS_TEMPLATE + config["chat_template"]
     (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
-    with serve("--model", str(model_dir), "--dtype", "float32", "--api-key", KEY,
-               "--max-num-seqs", "4", "--max-model-len", "512", "--kv-memory", "64MB",
+    with serve("--model", str(model_dir), *TINY_ENGINE, "--api-key", KEY,
                "--served-model-name", "tiny") as (url, _, _):
         yield url
 

@@ -3,9 +3,10 @@ timeout (408, or an error event ending a stream) with the pages given back, 429 
 Retry-After, the max_tokens limit, the body size limit (said or chunked), and Ctrl-C draining
 the streams under way before the process stops.
 
-One `jaxinfer serve --preset smollm2-135m --random-weights` (30 layers, random weights, no
-tokenizer: token-id prompts): about 0.1 s a token on the CPU, slow enough that 240 tokens
-always outlast a 4 s timeout and 8 always fit in it; random weights never stop early."""
+One `jaxinfer serve --preset smollm2-135m --random-weights --num-layers 6` (random weights, no
+tokenizer: token-id prompts): about 0.04 s a token on the CPU (its 49k-token head is most of
+a step), so LONG tokens always outlast a 4 s timeout and 8 always fit in it; random weights
+never stop early. Six layers, not the preset's 30: the engine's programs compile ~3x faster."""
 
 import signal
 import time
@@ -19,18 +20,19 @@ from tests.serving import serve
 MODEL = "smollm2-135m"
 TIMEOUT_S = 4
 PROMPT = [1, 2, 3, 4]
+LONG = 960  # the server's --max-tokens-limit: ~40 s of tokens here, ~10x the timeout
 
 
 @pytest.fixture(scope="module")
 def server():
-    with serve("--preset", MODEL, "--random-weights", "--max-num-seqs", "1",
-               "--max-pending", "1", "--max-model-len", "256", "--kv-memory", "32MB",
-               "--request-timeout", str(TIMEOUT_S), "--max-tokens-limit", "240",
+    with serve("--preset", MODEL, "--random-weights", "--num-layers", "6", "--max-num-seqs",
+               "1", "--max-pending", "1", "--max-model-len", "1024", "--kv-memory", "32MB",
+               "--request-timeout", str(TIMEOUT_S), "--max-tokens-limit", str(LONG),
                "--shutdown-timeout", "30") as (url, proc, stderr):
         # The first request compiles the prefill and decode steps (tens of seconds here): it
         # times out, and the engine goes on compiling; wait until its pages are back.
         r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": PROMPT,
-                                                      "max_tokens": 240}, timeout=60)
+                                                      "max_tokens": LONG}, timeout=60)
         assert r.status_code == 408, r.text
         _wait_idle(url, 180)
         yield url, proc, stderr
@@ -64,12 +66,12 @@ def test_timeout_ends_a_request_and_frees_its_pages(server, client):
     url = server[0]
     t0 = time.time()
     with pytest.raises(openai.APIStatusError) as e:
-        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=240)
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=LONG)
     assert e.value.status_code == 408 and e.value.code == "timeout"
     assert TIMEOUT_S <= time.time() - t0 < TIMEOUT_S + 3
     _wait_idle(url)
     # A stream under way: its last event is an error, which the client raises.
-    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=240,
+    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=LONG,
                                        stream=True)
     pieces = []
     with pytest.raises(openai.APIError, match="longer than this server's limit"):
@@ -81,7 +83,7 @@ def test_timeout_ends_a_request_and_frees_its_pages(server, client):
 
 def test_429_says_when_to_retry(server, client):
     url = server[0]
-    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=240,
+    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=LONG,
                                        stream=True)
     next(iter(stream))  # the one request --max-pending allows is running
     with pytest.raises(openai.RateLimitError) as e:
@@ -93,7 +95,7 @@ def test_429_says_when_to_retry(server, client):
 
 
 @pytest.mark.parametrize("body, headers, status, words", [
-    ({"model": MODEL, "prompt": PROMPT, "max_tokens": 241}, {}, 400, "limit of 240"),
+    ({"model": MODEL, "prompt": PROMPT, "max_tokens": LONG + 1}, {}, 400, f"limit of {LONG}"),
     (b'{"model": "' + MODEL.encode() + b'", "prompt": "' + b"x" * (5 << 20) + b'"}',
      {"Content-Type": "application/json"}, 413, "larger than"),
     # the same body in chunks, without a Content-Length

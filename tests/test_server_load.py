@@ -5,6 +5,7 @@ well-formed request fails and the pages in use go back to zero."""
 import json
 
 from benchmarks import serve_load
+from tests.serving import TINY_ENGINE
 
 
 def _run(capsys, *argv):
@@ -17,8 +18,7 @@ def test_load_chat_with_disconnects_and_malformed(tiny_chat_dir, capsys):
     code, r, out = _run(
         capsys, "--clients", "4", "--duration", "4", "--warmup", "2", "--output-lens", "4", "24",
         "--disconnect-fraction", "0.25", "--malformed-fraction", "0.2", "--json", "--",
-        "--model", str(tiny_chat_dir), "--dtype", "float32", "--max-num-seqs", "4",
-        "--max-model-len", "256", "--kv-memory", "64MB")
+        "--model", str(tiny_chat_dir), *TINY_ENGINE)
     s = r["server"]
     assert code == 0 and r["ok"], out
     assert s["failed"] == 0 and s["malformed_wrong"] == 0 and r["pages_in_use_end"] == 0
@@ -32,8 +32,7 @@ def test_load_token_ids_against_the_engine(tiny_chat_dir, capsys):
     code, r, out = _run(
         capsys, "--clients", "3", "--duration", "3", "--token-ids", "--vocab", "200",
         "--output-lens", "4", "16", "--disconnect-fraction", "0", "--malformed-fraction", "0",
-        "--engine-trace", "--json", "--", "--model", str(tiny_chat_dir), "--dtype", "float32",
-        "--max-num-seqs", "4", "--max-model-len", "256", "--kv-memory", "64MB")
+        "--engine-trace", "--json", "--", "--model", str(tiny_chat_dir), *TINY_ENGINE)
     assert code == 0 and r["ok"], out
     s, e = r["server"], r["engine"]
     # The engine served the same completed requests, greedy: the same tokens (stop tokens

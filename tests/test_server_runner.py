@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from jaxinfer.server.runner import EngineClient, EngineLoop
-from tests.serving import serve
+from tests.serving import TINY_ENGINE, serve
 
 
 class HeldEngine:
@@ -128,8 +128,7 @@ def test_a_client_gone_while_its_request_is_added():
 def test_engine_process_killed_mid_stream(tiny_chat_dir):
     """The stream under way ends with an error event naming the cause (no hang), the server
     logs it and exits 1."""
-    with serve("--model", str(tiny_chat_dir), "--dtype", "float32", "--max-num-seqs", "2",
-               "--max-model-len", "256", "--kv-memory", "16MB",
+    with serve("--model", str(tiny_chat_dir), *TINY_ENGINE,
                "--served-model-name", "tiny") as (url, proc, stderr):
         with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
             children = [int(c) for c in f.read().split()]
