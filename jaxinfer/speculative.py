@@ -450,7 +450,13 @@ def _spec_round(params, draft_params, state: SpecState, plan: Plan, k: int,
 
 def min_gain(drafter) -> float:
     """The drafter's threshold of accepted drafts per verification (MIN_GAIN by default)."""
-    return MIN_GAIN if drafter.min_gain is None else float(drafter.min_gain)
+    value = drafter.min_gain
+    if value is None:
+        return MIN_GAIN
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise ValueError(f"min_gain must be a number >= 0 (accepted drafts per verification), "
+                         f"got {value!r}")
+    return float(value)
 
 
 spec_round = jax.jit(_spec_round, static_argnames=("plan", "k", "drafter"),
@@ -589,6 +595,8 @@ def _prepare(model, prompts, max_new_tokens, sampling_params, seed, chat, stop, 
              policy, kv_cache_dtype, mesh, speculative, num_speculative_tokens) -> _SpecRequest:
     """Every check on the host, before anything is allocated or compiled."""
     drafter = resolve_drafter(speculative, model)
+    if not isinstance(drafter, NGram):
+        min_gain(drafter)  # a bad threshold named before anything compiles
     if mesh is not None or model.sharding is not None:
         raise ValueError("speculative decoding runs on one device for now; drop mesh= (or load "
                          "the model without a mesh)")

@@ -248,6 +248,8 @@ def test_bad_speculative_arguments(looping, tiny_chat, tmp_path):
     swapped = dataclasses.replace(looping, tokenizer=_other_tokenizer(tiny_chat, tmp_path))
     with pytest.raises(ValueError, match="tokenizer differs from the target's"):
         run(speculative=speculative.DraftModel(swapped))
+    with pytest.raises(ValueError, match="min_gain must be a number >= 0"):
+        run(speculative=speculative.DraftModel(looping, min_gain=-1.0))
     with pytest.raises(ValueError, match="min_n <= max_n"):
         speculative.NGram(max_n=1, min_n=2)
 
