@@ -356,6 +356,14 @@ def mla_decode_attention_reference(q, latent, lengths, *, sm_scale: float,
     del interpret, block_sizes
     rank, _ = _validate(q, latent, lengths, sm_scale, latent_scale, rope_dim)
     tq, s = q.shape[1], latent.shape[1]
+    limit = lengths[:, None] - (tq - 1 - jnp.arange(tq))[None, :]  # [B, Tq]
+    visible = jnp.arange(s)[None, None, :] < limit[:, :, None]  # [B, Tq, S]
+    return _latent_attention(q, latent, latent_scale, visible, rank, sm_scale)
+
+
+def _latent_attention(q, latent, latent_scale, visible, rank: int, sm_scale: float):
+    """The references' math: q [B, Tq, H, R + Dr] over latent [B, S, R + Dr] (codes with
+    latent_scale [B, S, 2]: dequantized to float32 first) at the slots visible [B, Tq, S]."""
     if latent_scale is not None:
         latent = dequantize_latent(latent, latent_scale, rank)  # [B, S, R + Dr] float32
         precision = ref_precision(jnp.float32)
@@ -363,8 +371,6 @@ def mla_decode_attention_reference(q, latent, lengths, *, sm_scale: float,
         precision = ref_precision(q.dtype)
     scores = jnp.einsum("bthd,bsd->bths", q, latent, preferred_element_type=jnp.float32,
                         precision=precision) * sm_scale  # [B, Tq, H, S]
-    limit = lengths[:, None] - (tq - 1 - jnp.arange(tq))[None, :]  # [B, Tq]
-    visible = jnp.arange(s)[None, None, :] < limit[:, :, None]  # [B, Tq, S]
     scores = jnp.where(visible[:, :, None, :], scores, -jnp.inf)
     m = jnp.max(scores, axis=-1, keepdims=True)
     p = jnp.exp(scores - jnp.where(jnp.isfinite(m), m, 0.0))
@@ -372,3 +378,87 @@ def mla_decode_attention_reference(q, latent, lengths, *, sm_scale: float,
     o = jnp.einsum("bths,bsr->bthr", p.astype(latent.dtype), latent[..., :rank],
                    preferred_element_type=jnp.float32, precision=precision)
     return o.astype(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Paged: the serving engine's latent page pools
+# ---------------------------------------------------------------------------------------------
+
+PAGED_OP = "paged_mla_attention"
+
+
+def _validate_paged(q, latent_pages, block_tables, positions, sm_scale, latent_scale,
+                    rope_dim) -> tuple[int, int]:
+    """Shapes and dtypes of the paged form (block tables' entries when concrete); -> (R, Dr)."""
+    op = PAGED_OP
+    check_array(op, "q", q, 4)
+    b, tq, h, d = q.shape
+    dtypes = CODE_DTYPES if latent_scale is not None else FLOAT_DTYPES
+    check_array(op, "latent_pages", latent_pages, 3, dtypes)
+    check_array(op, "block_tables", block_tables, 2, dtypes=(jnp.dtype(jnp.int32),))
+    check_array(op, "positions", positions, 2, dtypes=(jnp.dtype(jnp.int32),))
+    pages, page_size, dl = latent_pages.shape
+    if block_tables.shape[0] != b or tuple(positions.shape) != (b, tq):
+        raise ValueError(f"{op}: block_tables {tuple(block_tables.shape)} must be [B, W] and "
+                         f"positions {tuple(positions.shape)} [B, Tq] = {(b, tq)} for q "
+                         f"{tuple(q.shape)}")
+    if not is_pow2(page_size) or page_size < 16:
+        raise ValueError(f"{op}: page_size {page_size} (latent_pages [P, page_size, R + Dr]) "
+                         f"must be a power of two >= 16")
+    if dl != d:
+        raise ValueError(f"{op}: q's last dim ({d}) and latent_pages' ({dl}) must both be "
+                         f"R + Dr")
+    rope_dim = int(rope_dim)
+    if not 0 <= rope_dim < d:
+        raise ValueError(f"{op}: rope_dim={rope_dim} must lie in [0, {d}) (q's last dim "
+                         f"{d} = R + Dr)")
+    if latent_scale is None:
+        if latent_pages.dtype != q.dtype:
+            raise ValueError(f"{op}: q {q.dtype} and latent_pages {latent_pages.dtype} must "
+                             f"share one dtype (or pass latent_scale with int8 / fp8 codes)")
+    else:
+        if tuple(getattr(latent_scale, "shape", ())) != (pages, page_size, 2):
+            raise ValueError(f"{op}: latent_scale must be [P, page_size, 2] = "
+                             f"{(pages, page_size, 2)}, got "
+                             f"{tuple(getattr(latent_scale, 'shape', ()))}")
+        if jnp.dtype(latent_scale.dtype) not in SCALE_DTYPES:
+            raise ValueError(f"{op}: latent_scale has dtype {latent_scale.dtype}, expected "
+                             f"float32 or float16")
+    if sm_scale is None or not float(sm_scale) > 0:
+        raise ValueError(f"{op}: sm_scale must be a positive number, got {sm_scale}")
+    if not is_tracer(block_tables) and block_tables.size:
+        bt = jax.device_get(block_tables)
+        if bt.min() < 0 or bt.max() >= pages:
+            raise ValueError(f"{op}: block_tables entries must lie in [0, {pages}) (the pool "
+                             f"holds {pages} pages), got min {bt.min()} max {bt.max()}")
+    if not is_tracer(positions) and positions.size:
+        pos = jax.device_get(positions)
+        if pos.min() < -1 or pos.max() >= block_tables.shape[1] * page_size:
+            raise ValueError(f"{op}: positions must lie in [-1, {block_tables.shape[1] * page_size})"
+                             f" (-1: a padding query; the tables hold "
+                             f"{block_tables.shape[1] * page_size} slots), got min {pos.min()} "
+                             f"max {pos.max()}")
+    return d - rope_dim, rope_dim
+
+
+def paged_mla_attention_reference(q, latent_pages, block_tables, positions, *,
+                                  sm_scale: float, interpret: bool = False, block_sizes=None,
+                                  latent_scale=None, rope_dim: int = 64):
+    """The absorbed queries q [B, Tq, H, R + Dr] against a paged latent: latent_pages
+    [P, page_size, R + Dr] (or codes with latent_scale [P, page_size, 2]); logical slot i of
+    row b lives at (block_tables[b, i // page_size], i % page_size). Query t of row b sees the
+    slots <= positions[b, t] (its own token's, written before the call, and every earlier
+    one); position -1 is a padding query (zeros). -> [B, Tq, H, R] in q's dtype. Plain jnp:
+    the rows' pages gathered end to end (interpret and block_sizes are ignored)."""
+    del interpret, block_sizes
+    rank, _ = _validate_paged(q, latent_pages, block_tables, positions, sm_scale,
+                              latent_scale, rope_dim)
+    b, w = block_tables.shape
+
+    def rows(pool):  # [P, page_size, ...] -> [B, W * page_size, ...]
+        return pool[block_tables].reshape(b, w * pool.shape[1], *pool.shape[2:])
+    latent = rows(latent_pages)
+    scale = None if latent_scale is None else rows(latent_scale)
+    slots = jnp.arange(latent.shape[1])
+    visible = slots[None, None, :] <= positions[:, :, None]  # [B, Tq, W * page_size]
+    return _latent_attention(q, latent, scale, visible, rank, sm_scale)
