@@ -19,7 +19,7 @@ _MODULES = {
     "flash_attention_mgpu": ("MosaicFlashConfig",),
     "kv_quant": ("dequantize_kv", "quantize_kv"),
     "mla": ("MLABlockSizes", "mla_decode_attention", "mla_decode_attention_reference",
-            "paged_mla_attention_reference"),
+            "paged_mla_attention", "paged_mla_attention_reference"),
     "moe": ("MoEBlockSizes", "grouped_down", "grouped_down_reference", "grouped_swiglu",
             "grouped_swiglu_reference", "group_by_expert", "moe_decode", "moe_decode_reference",
             "moe_experts_reference", "moe_grouped", "moe_grouped_reference"),

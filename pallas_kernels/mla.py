@@ -28,6 +28,15 @@ converted to the query's dtype in registers (exactly), and the scales never touc
     out[h]       = sum_s (p[h, s] * scale_R[s]) codes_R[s]
 
 so each scale multiplies a score column, and c_KV's again the probabilities before P @ codes.
+
+Paged (paged_mla_attention, the serving engine's pools): latent_pages [P, page_size, R + Dr]
+(scales [P, page_size, 2]); logical slot i of row b at (block_tables[b, i // page_size],
+i % page_size); query t sees the slots <= positions[b, t] (-1: a padding query, zeros). The
+same kernel with per-query limits positions + 1 instead of lengths - (Tq - 1 - t), given the
+whole pool as rows [P * page_size, R + Dr] and the row's table: a tile (block_s <= page_size,
+so it lies in one page) is read at the row its page index, loaded from the table, gives
+(paged_attention.py's pattern). Chunks run over W * page_size logical slots; a program's tiles
+end at the last slot its queries see, so stale slots and the null page are never loaded.
 """
 
 from __future__ import annotations
@@ -132,29 +141,45 @@ class MLABlockSizes:
 # ---------------------------------------------------------------------------------------------
 
 
-def mla_decode_kernel(len_ref, q_ref, lat_ref, *refs, qk_scale: float, chunk: int,
-                      block_s: int, rank: int, rope_dim: int, block_r: int, r_blocks: int,
-                      rows: int, heads: int, tq: int, quantized: bool, split: bool):
-    # len_ref [B] int32 (whole array; this program reads lengths[b])
+def mla_decode_kernel(lim_ref, *refs, qk_scale: float, chunk: int, block_s: int, rank: int,
+                      rope_dim: int, block_r: int, r_blocks: int, rows: int, heads: int,
+                      tq: int, quantized: bool, split: bool, page_size: int | None = None):
+    # Contiguous (page_size None):
+    #   lim_ref [B] int32 (whole array; this program reads lengths[b])
+    #   lat_ref [S_pad, R + Dr]: the sequence's latent rows (codes when quantized); slot i at
+    #     row i; rows >= lengths[b] are never read
+    # Paged (page_size given):
+    #   lim_ref [Tq] int32: this sequence's positions (query t sees slots <= positions[t])
+    #   bt_ref [W] int32: its block table
+    #   lat_ref [P * page_size, R + Dr]: the whole page pool, slot i at row
+    #     bt_ref[i // page_size] * page_size + i % page_size; slots past the largest position
+    #     of this program's queries are never read (nor the null page they point at)
     # q_ref [block_m, R + Dr]: query rows (t-major over Tq x H) of one sequence; rows >= Tq x H
     #   lie past the array and are masked to zero on load
-    # lat_ref [S_pad, R + Dr]: the sequence's latent rows (codes when quantized); rows >=
-    #   lengths[b] are never read
-    # sc_ref [S_pad, 2] (quantized): the rows' scales, c_KV's then k_rope's
+    # sc_ref [S_pad or P * page_size, 2] (quantized): the rows' scales, c_KV's then k_rope's,
+    #   read at the codes' rows
     # split: acc_ref [block_m, block_r] (float32, or q's dtype normalized), m_ref, l_ref
     #   [block_m] (float32): this chunk's partials; else o_ref [block_m, block_r] in q's dtype
+    paged = page_size is not None
+    if paged:
+        bt_ref, *refs = refs
+    q_ref, lat_ref, *refs = refs
     if quantized:
         sc_ref, *refs = refs
     prog, b, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     i, j = prog // r_blocks, prog % r_blocks  # row block, R column block
-    length = len_ref[b]
-    start = c * chunk
-    end = jnp.minimum(start + chunk, length)
     block_m = q_ref.shape[0]
     row = i * block_m + jnp.arange(block_m)  # [block_m] index into Tq x H
     row_ok = row < rows
-    # Query t sees slots < length - (Tq - 1 - t): the new tokens after it are in the cache too.
-    limit = length - (tq - 1 - row // heads)  # [block_m]
+    t = jnp.minimum(row // heads, tq - 1)  # [block_m] each row's query (rows past Tq x H: any)
+    if paged:  # query t sees slots <= positions[t] (-1, a padding query: none)
+        limit = plgpu.load(lim_ref.at[t], mask=row_ok, other=-1) + 1  # [block_m]
+    else:  # slots < length - (Tq - 1 - t): the new tokens after it are in the cache too
+        limit = lim_ref[b] - (tq - 1 - t)  # [block_m]
+    # The chunk's tiles end at the last slot any of this program's rows sees (contiguous:
+    # lengths[b] when the block holds query Tq - 1); no slot past it is loaded.
+    start = c * chunk
+    end = jnp.minimum(start + chunk, jnp.max(jnp.where(row_ok, limit, 0)))
     q_lat = plgpu.load(q_ref.at[:, pl.ds(0, rank)], mask=row_ok[:, None], other=0)  # [bm, R]
     q_rope = plgpu.load(q_ref.at[:, pl.ds(rank, rope_dim)], mask=row_ok[:, None],
                         other=0)  # [bm, Dr]
@@ -165,23 +190,28 @@ def mla_decode_kernel(len_ref, q_ref, lat_ref, *refs, qk_scale: float, chunk: in
     def tile(k, carry):
         acc, m, l = carry  # [bm, block_r], [bm], [bm] float32
         base = multiple_of(start + k * block_s, block_s)
-        pos = base + jnp.arange(block_s)  # [block_s] cache slot
+        pos = base + jnp.arange(block_s)  # [block_s] logical slot
         in_chunk = pos < end
-        lat = plgpu.load(lat_ref.at[pl.ds(base, block_s), pl.ds(0, rank)],
+        if paged:  # block_s <= page_size (both powers of two): the tile lies in one page
+            at = bt_ref[base // page_size] * page_size + base % page_size
+            at = multiple_of(at, block_s)
+        else:
+            at = base
+        lat = plgpu.load(lat_ref.at[pl.ds(at, block_s), pl.ds(0, rank)],
                          mask=in_chunk[:, None], other=fill)  # [block_s, R]
-        rope = plgpu.load(lat_ref.at[pl.ds(base, block_s), pl.ds(rank, rope_dim)],
+        rope = plgpu.load(lat_ref.at[pl.ds(at, block_s), pl.ds(rank, rope_dim)],
                           mask=in_chunk[:, None], other=fill)  # [block_s, Dr]
         if block_r == rank:
             val = lat
         else:  # this program's R columns: a second read of the tile (from L1/L2)
-            val = plgpu.load(lat_ref.at[pl.ds(base, block_s), pl.ds(col0, block_r)],
+            val = plgpu.load(lat_ref.at[pl.ds(at, block_s), pl.ds(col0, block_r)],
                              mask=in_chunk[:, None], other=fill)  # [block_s, block_r]
         if quantized:
             lat, rope, val = (codes_as(x, dtype) for x in (lat, rope, val))
         s_lat = dot_f32(q_lat, lat, trans_b=True)  # [bm, block_s]
         s_rope = dot_f32(q_rope, rope, trans_b=True)  # [bm, block_s]
         if quantized:  # the codes' scores column-scaled: each part by its own scale
-            scale, scale_rope = (plgpu.load(sc_ref.at[pl.ds(base, block_s), jnp.int32(part)],
+            scale, scale_rope = (plgpu.load(sc_ref.at[pl.ds(at, block_s), jnp.int32(part)],
                                             mask=in_chunk, other=0.0).astype(jnp.float32)
                                  for part in (0, 1))  # [block_s] each
             s = s_lat * scale[None, :] + s_rope * scale_rope[None, :]
@@ -273,11 +303,7 @@ def mla_decode_attention(q, latent, lengths, *, sm_scale: float, interpret: bool
     the last Dr: kv_quant.quantize_latent). Returns softmax(q . latent * sm_scale) @ latent[..., :R]
     [B, Tq, H, R] in q's dtype (float32 softmax statistics)."""
     rank, rope_dim = _validate(q, latent, lengths, sm_scale, latent_scale, rope_dim)
-    for name, val in (("R (latent rank)", rank), ("Dr (rope_dim)", rope_dim)):
-        if not is_pow2(val) or not 16 <= val <= 1024:
-            raise ValueError(f"{OP}: {name} = {val} cannot be tiled by the Pallas kernel "
-                             f"(need a power of two in [16, 1024]); use "
-                             f"mla_decode_attention_reference")
+    _check_tileable(OP, rank, rope_dim)
     b, tq, h, _ = q.shape
     tiling = (block_sizes or MLABlockSizes()).resolve(
         b, tq * h, rank, latent.shape[1], jnp.dtype(q.dtype).itemsize,
@@ -286,30 +312,56 @@ def mla_decode_attention(q, latent, lengths, *, sm_scale: float, interpret: bool
                        rank=rank, tiling=tiling, interpret=interpret)
 
 
+def _check_tileable(op: str, rank: int, rope_dim: int) -> None:
+    """R and Dr as the kernel tiles them (each a power of two in [16, 1024])."""
+    for name, val in (("R (latent rank)", rank), ("Dr (rope_dim)", rope_dim)):
+        if not is_pow2(val) or not 16 <= val <= 1024:
+            raise ValueError(f"{op}: {name} = {val} cannot be tiled by the Pallas kernel "
+                             f"(need a power of two in [16, 1024]); use {op}_reference")
+
+
 @functools.partial(jax.jit, static_argnames=("qk_scale", "rank", "tiling", "interpret"))
-def _mla_triton(q, latent, lengths, latent_scale, *, qk_scale, rank, tiling: MLATiling,
-                interpret):
+def _mla_triton(q, latent, limits, latent_scale, block_tables=None, *, qk_scale, rank,
+                tiling: MLATiling, interpret):
+    # Contiguous: latent [B, S, R + Dr] (scales [B, S, 2]), limits = lengths [B].
+    # Paged (block_tables [B, W] given): latent the pool [P, page_size, R + Dr] (scales
+    # [P, page_size, 2]), limits = positions [B, Tq]; tiling.block_s <= page_size.
     b, tq, h, d = q.shape
     block_m, block_r, chunk, num_splits = (tiling.block_m, tiling.block_r, tiling.chunk,
                                            tiling.num_splits)
     rows = tq * h
-    s_pad = num_splits * chunk  # whole chunks (slots >= S are masked, never read)
     m_blocks, r_blocks = pl.cdiv(rows, block_m), rank // block_r
     quantized = latent_scale is not None
     split = num_splits > 1
+    paged = block_tables is not None
+    page_size = latent.shape[1] if paged else None
     kernel = functools.partial(
         mla_decode_kernel, qk_scale=qk_scale, chunk=chunk, block_s=tiling.block_s, rank=rank,
         rope_dim=d - rank, block_r=block_r, r_blocks=r_blocks, rows=rows, heads=h, tq=tq,
-        quantized=quantized, split=split)
+        quantized=quantized, split=split, page_size=page_size)
     # Grid (row block x R block, sequence, chunk): the programs sharing a chunk's latent tiles
     # are adjacent in launch order (axis 0 varies fastest), so their reads meet in L2.
-    in_specs = [pl.BlockSpec((b,), lambda p, i, c: (0,)),
-                pl.BlockSpec((None, block_m, d), lambda p, i, c: (i, p // r_blocks, 0)),
-                pl.BlockSpec((None, s_pad, d), lambda p, i, c: (i, 0, 0))]
-    args = [lengths, q.reshape(b, rows, d), latent]  # q [B, Tq x H, R + Dr]: a bitcast
-    if quantized:
-        in_specs.append(pl.BlockSpec((None, s_pad, 2), lambda p, i, c: (i, 0, 0)))
-        args.append(latent_scale)
+    q_spec = pl.BlockSpec((None, block_m, d), lambda p, i, c: (i, p // r_blocks, 0))
+    q = q.reshape(b, rows, d)  # [B, Tq x H, R + Dr]: a bitcast
+    if paged:
+        # The row's positions and block table; the whole pool as rows [P * page_size, R + Dr]
+        # (a bitcast), each tile read at the row its page index gives.
+        pool_rows = latent.shape[0] * page_size
+        in_specs = [pl.BlockSpec((None, tq), lambda p, i, c: (i, 0)),
+                    pl.BlockSpec((None, block_tables.shape[1]), lambda p, i, c: (i, 0)),
+                    q_spec, pl.BlockSpec((pool_rows, d), lambda p, i, c: (0, 0))]
+        args = [limits, block_tables, q, latent.reshape(pool_rows, d)]
+        if quantized:
+            in_specs.append(pl.BlockSpec((pool_rows, 2), lambda p, i, c: (0, 0)))
+            args.append(latent_scale.reshape(pool_rows, 2))
+    else:
+        s_pad = num_splits * chunk  # whole chunks (slots >= S are masked, never read)
+        in_specs = [pl.BlockSpec((b,), lambda p, i, c: (0,)), q_spec,
+                    pl.BlockSpec((None, s_pad, d), lambda p, i, c: (i, 0, 0))]
+        args = [limits, q, latent]
+        if quantized:
+            in_specs.append(pl.BlockSpec((None, s_pad, 2), lambda p, i, c: (i, 0, 0)))
+            args.append(latent_scale)
     row_block = lambda p, i, c: (i, c, p // r_blocks)  # noqa: E731
     if split:
         out_specs = [pl.BlockSpec((None, None, block_m, block_r),
@@ -333,7 +385,7 @@ def _mla_triton(q, latent, lengths, latent_scale, *, qk_scale, rank, tiling: MLA
         compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps,
                                              num_stages=tiling.num_stages),
         interpret=interpret,
-        name="mla_decode_attention_quantized" if quantized else "mla_decode_attention",
+        name=(PAGED_OP if paged else OP) + ("_quantized" if quantized else ""),
     )(*args)
     if split:  # the R blocks of a row wrote the same m and l (one computation of the scores)
         acc, m, l = out
@@ -439,6 +491,33 @@ def _validate_paged(q, latent_pages, block_tables, positions, sm_scale, latent_s
                              f"{block_tables.shape[1] * page_size} slots), got min {pos.min()} "
                              f"max {pos.max()}")
     return d - rope_dim, rope_dim
+
+
+def paged_mla_attention(q, latent_pages, block_tables, positions, *, sm_scale: float,
+                        interpret: bool = False, block_sizes: MLABlockSizes | None = None,
+                        latent_scale=None, rope_dim: int = 64):
+    """mla_decode_attention over a paged latent: q [B, Tq, H, R + Dr] against latent_pages
+    [P, page_size, R + Dr] (or int8 / fp8 codes with latent_scale [P, page_size, 2]); logical
+    slot i of row b lives at (block_tables[b, i // page_size], i % page_size) (block_tables
+    [B, W] int32). Query t of row b sees the slots <= positions[b, t] ([B, Tq] int32 in
+    [-1, W * page_size); -1: a padding query, zeros). Returns [B, Tq, H, R] in q's dtype.
+    The contiguous kernel reading each tile through the table: block_sizes as its, block_s
+    clamped to page_size (a tile then lies in one page), chunks over W * page_size slots;
+    slots past a row's largest position (and the null page) are never read."""
+    rank, rope_dim = _validate_paged(q, latent_pages, block_tables, positions, sm_scale,
+                                     latent_scale, rope_dim)
+    _check_tileable(PAGED_OP, rank, rope_dim)
+    b, tq, h, _ = q.shape
+    page_size = latent_pages.shape[1]
+    blocks = block_sizes or MLABlockSizes()
+    if blocks.block_s > page_size:
+        blocks = dataclasses.replace(blocks, block_s=page_size)
+    tiling = blocks.resolve(b, tq * h, rank, block_tables.shape[1] * page_size,
+                            jnp.dtype(q.dtype).itemsize, jnp.dtype(latent_pages.dtype).itemsize,
+                            rope_dim)
+    return _mla_triton(q, latent_pages, positions, latent_scale, block_tables,
+                       qk_scale=float(sm_scale) * LOG2_E, rank=rank, tiling=tiling,
+                       interpret=interpret)
 
 
 def paged_mla_attention_reference(q, latent_pages, block_tables, positions, *,

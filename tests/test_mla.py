@@ -5,7 +5,9 @@ multiples (ragged lengths, 0, 1 and S; Tq 1 and 3; several row and R blocks; spl
 off; float32 and bfloat16; int8 and fp8 latents); the reference against an independent
 formulation (non-absorbed MLA: K and V expanded from the latent per head with random W_UK /
 W_UV, in numpy float64); stale slots never read; bad input refused before compiling; the
-kernel lowered for an H200. GPU (marked `gpu`): the compiled kernel against the reference at
+kernel lowered for an H200. The paged form likewise (shuffled page tables over the null page,
+padding queries, page sizes 16 and 32), its reference against the contiguous one on the rows
+laid end to end. GPU (marked `gpu`): the compiled kernel against the reference at
 DeepSeek-V2-Lite and V3 head counts.
 """
 
@@ -17,7 +19,8 @@ import numpy as np
 import pytest
 
 from kernel_testing import rel_err
-from pallas_kernels import MLABlockSizes, mla_decode_attention, mla_decode_attention_reference
+from pallas_kernels import (MLABlockSizes, mla_decode_attention, mla_decode_attention_reference,
+                            paged_mla_attention, paged_mla_attention_reference)
 from pallas_kernels.kv_quant import quantize_kv, quantize_latent
 from test_gpu_lowering import BF16, F32, I32, S, lower_for_h200
 from test_gpu_lowering import verify_triton_modules  # noqa: F401 -- autouse: verify lowerings
@@ -315,6 +318,205 @@ def test_kernel_lowers_for_h200(name):
 
     module = lower_for_h200(call, *args)
     assert "mla_decode_attention" in module  # the kernel, not an XLA fallback
+
+
+# ---------------------------------------------------------------------------------------------
+# Paged latent (paged_mla_attention)
+# ---------------------------------------------------------------------------------------------
+
+
+def paged_pool(latent, positions, page_size, pages, seed=0, fill=None):
+    """Contiguous latent rows [B, W * page_size, D] (numpy) scattered into a pool
+    [pages, page_size, D]: the pages of row b holding a slot <= its largest position go to
+    distinct pool pages >= 1 in shuffled order, its other table entries to the null page 0.
+    Pool slots nothing was scattered to hold `fill` (None: random draws). -> (pool, tables)."""
+    rng = np.random.default_rng(seed)
+    b, s, d = latent.shape
+    w = s // page_size
+    pool = rng.standard_normal((pages, page_size, d)).astype(np.float32)  # drawn either way:
+    if fill is not None:  # one seed gives one table
+        pool[:] = fill
+    free = list(rng.permutation(np.arange(1, pages)))
+    tables = np.zeros((b, w), np.int32)
+    for i in range(b):
+        for j in range(-(-(int(positions[i].max()) + 1) // page_size)):
+            tables[i, j] = free.pop()
+            pool[tables[i, j]] = latent[i, j * page_size:(j + 1) * page_size]
+    return pool, jnp.asarray(tables)
+
+
+paged_reference = jax.jit(paged_mla_attention_reference,
+                          static_argnames=("sm_scale", "rope_dim", "interpret", "block_sizes"))
+
+# (B, Tq, H, R, Dr, page_size, W, pages, positions, blocks, dtype): -1 a padding query; row
+# 2 of the Tq-3 cases all padding (its table all null page)
+PAGED_CASES = {
+    "ps16 tq1 unsplit bf16": (3, 1, 4, 64, 16, 16, 5, 12, [[70], [0], [-1]], None, BF16_),
+    "ps32 tq3 split f32": (3, 3, 4, 64, 16, 32, 4, 10, [[100, 101, -1], [5, 6, 7],
+                                                         [-1, -1, -1]],
+                           MLABlockSizes(num_splits=3), F32_),
+    "ps32 tq3 two tiles a page, row and R blocks, split bf16": (
+        3, 3, 16, 64, 16, 32, 4, 10, [[50, 51, 52], [127, -1, -1], [-1, -1, -1]],
+        MLABlockSizes(block_s=16, block_m=16, block_r=32, num_splits=2), BF16_),
+    "ps16 tq3 block_s clamped, unsplit f32": (2, 3, 4, 64, 16, 16, 6, 10,
+                                              [[93, 94, 95], [17, 18, -1]],
+                                              MLABlockSizes(block_s=64, num_splits=1), F32_),
+}
+
+
+@pytest.mark.parametrize("case", list(PAGED_CASES))
+def test_paged_kernel_matches_reference_interpret(case):
+    """Shuffled page tables, unused entries on the null page, padding queries (and a row all
+    padding) get zeros."""
+    b, tq, h, rank, rope, ps, w, pages, positions, blocks, dtype = PAGED_CASES[case]
+    positions = np.asarray(positions, np.int32)
+    q, latent = inputs(b, w * ps, tq, h, rank, rope, jnp.float32, seed=7)
+    pool, tables = paged_pool(np.asarray(latent), positions, ps, pages)
+    q, pool = q.astype(dtype), jnp.asarray(pool, dtype)
+    kw = dict(sm_scale=0.125, rope_dim=rope)
+    out = paged_mla_attention(q, pool, tables, jnp.asarray(positions), interpret=True,
+                              block_sizes=blocks, **kw)
+    ref = paged_reference(q, pool, tables, jnp.asarray(positions), **kw)
+    assert out.shape == (b, tq, h, rank) and out.dtype == dtype
+    assert rel_err(out, ref) < TOL[dtype.type]
+    assert np.all(np.asarray(out, np.float32)[positions < 0] == 0)
+    assert np.all(np.abs(np.asarray(ref, np.float32)[positions >= 0]).sum(-1) > 0)
+
+
+def test_paged_quantized_latent_matches_reference_interpret():
+    """int8 codes with per-slot scales read through the table (split, R in two blocks, page
+    of two tiles), k_rope at 20x c_KV's magnitude (a shared or misplaced scale would show)."""
+    b, tq, h, rank, rope, ps, w = 3, 3, 4, 64, 16, 32, 4
+    positions = np.asarray([[90, 91, 92], [3, -1, -1], [-1, -1, -1]], np.int32)
+    q, latent = inputs(b, w * ps, tq, h, rank, rope, jnp.float32, seed=9)
+    latent = np.asarray(latent.at[..., rank:].multiply(20.0))
+    pool, tables = paged_pool(latent, positions, ps, 9)
+    codes, scale = quantize(jnp.asarray(pool), rank, jnp.int8)  # [P, ps, 80], [P, ps, 2]
+    kw = dict(sm_scale=0.125, rope_dim=rope, latent_scale=scale)
+    ref = paged_reference(q, codes, tables, jnp.asarray(positions), **kw)
+    for blocks in (MLABlockSizes(num_splits=1),
+                   MLABlockSizes(block_s=16, block_r=32, num_splits=3)):
+        out = paged_mla_attention(q, codes, tables, jnp.asarray(positions), interpret=True,
+                                  block_sizes=blocks, **kw)
+        assert rel_err(out, ref) < TOL[jnp.float32], blocks
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["f32", "int8"])
+def test_paged_reference_matches_contiguous_reference(quantized):
+    """The paged reference on a shuffled pool equals the contiguous one on the rows laid end
+    to end (query t at position lengths[b] - Tq + t, -1 where that is < 0): the reference's
+    gather and mask checked against the one whose tests are above."""
+    b, tq, h, rank, rope, ps, w = 3, 3, 4, 32, 16, 16, 4
+    lengths = np.asarray([64, 20, 1], np.int32)
+    positions = np.maximum(lengths[:, None] - tq + np.arange(tq)[None, :], -1).astype(np.int32)
+    q, latent = inputs(b, w * ps, tq, h, rank, rope, jnp.float32, seed=13)
+    pool, tables = paged_pool(np.asarray(latent), positions, ps, 12)
+    pool = jnp.asarray(pool)
+    kw = dict(sm_scale=0.2, rope_dim=rope)
+    scale = cscale = None
+    if quantized:  # per-slot scales: quantizing the pool or the rows gives the same codes
+        (pool, scale), (latent, cscale) = (quantize(x, rank, jnp.int8) for x in (pool, latent))
+    out = paged_reference(q, pool, tables, jnp.asarray(positions), latent_scale=scale, **kw)
+    want = reference(q, latent, jnp.asarray(lengths), latent_scale=cscale, **kw)
+    assert rel_err(out, want) < 1e-6
+    # and the table matters: the pool's pages in order are a different answer
+    wrong = jnp.asarray(np.tile(np.arange(w, dtype=np.int32), (b, 1)))
+    assert rel_err(paged_reference(q, pool, wrong, jnp.asarray(positions),
+                                   latent_scale=scale, **kw), want) > 0.1
+
+
+def test_paged_stale_slots_and_null_page_are_never_read():
+    """NaN (float) or 127 codes with NaN scales (int8) in every pool slot past a row's largest
+    position, in unused pages and in the null page change no bit of the output, split or not;
+    moving one slot the last query sees does (the check can fail)."""
+    b, tq, h, rank, rope, ps, w = 2, 3, 4, 64, 16, 16, 5
+    positions = np.asarray([[36, 37, -1], [60, 61, 62]], np.int32)
+    q, latent = inputs(b, w * ps, tq, h, rank, rope, jnp.float32, seed=17)
+    latent = np.asarray(latent)
+    clean, tables = paged_pool(latent, positions, ps, 12, seed=4)
+    stale = latent.copy()
+    for i in range(b):
+        stale[i, positions[i].max() + 1:] = np.nan
+    poisoned, same = paged_pool(stale, positions, ps, 12, seed=4, fill=np.nan)
+    assert np.array_equal(tables, same) and np.isnan(poisoned[0]).all()
+    pos = jnp.asarray(positions)
+    kw = dict(sm_scale=0.125, rope_dim=rope, interpret=True)
+    ref = paged_reference(q, jnp.asarray(clean), tables, pos, sm_scale=0.125, rope_dim=rope)
+    codes, scale = quantize(jnp.asarray(clean), rank, jnp.int8)
+    bad = np.isnan(poisoned[..., 0])  # [P, ps] the slots no query may read
+    bad_codes = jnp.where(bad[..., None], jnp.int8(127), codes)
+    bad_scale = jnp.where(bad[..., None], jnp.nan, scale)
+    for blocks in (MLABlockSizes(num_splits=1), MLABlockSizes(num_splits=3)):
+        out = paged_mla_attention(q, jnp.asarray(poisoned), tables, pos, block_sizes=blocks,
+                                  **kw)
+        assert np.array_equal(out, paged_mla_attention(q, jnp.asarray(clean), tables, pos,
+                                                       block_sizes=blocks, **kw))
+        assert rel_err(out, ref) < TOL[jnp.float32]
+        qout = paged_mla_attention(q, bad_codes, tables, pos, block_sizes=blocks,
+                                   latent_scale=bad_scale, **kw)
+        assert np.array_equal(qout, paged_mla_attention(q, codes, tables, pos,
+                                                        block_sizes=blocks,
+                                                        latent_scale=scale, **kw))
+        assert np.all(np.isfinite(np.asarray(qout)))
+    page, slot = int(tables[1, 61 // ps]), 61 % ps  # row 1's query 1 sees it, query 0 not
+    moved = jnp.asarray(clean).at[page, slot].multiply(3.0)
+    other = paged_mla_attention(q, moved, tables, pos, **kw)
+    assert rel_err(other[1, 1], ref[1, 1]) > 1e-3
+    assert rel_err(other[1, 0], ref[1, 0]) < TOL[jnp.float32]
+
+
+@pytest.mark.parametrize("fn", [paged_mla_attention, paged_mla_attention_reference],
+                         ids=["kernel", "reference"])
+def test_paged_bad_input_is_refused_before_compiling(fn):
+    q, latent = inputs(2, 64, 2, 4, 64, 16, jnp.float32)
+    pool = latent.reshape(8, 16, 80)  # [P, page_size, R + Dr]
+    tables = jnp.asarray([[1, 2, 0], [3, 0, 0]], jnp.int32)
+    pos = jnp.asarray([[5, 6], [7, -1]], jnp.int32)
+    kw = dict(sm_scale=0.1, rope_dim=16)
+    cases = [
+        (lambda: fn(q, pool, tables, pos[:, :1], **kw), r"positions \(2, 1\) \[B, Tq\]"),
+        (lambda: fn(q, pool, tables, pos[0], **kw), "positions must have rank 2"),
+        (lambda: fn(q, latent.reshape(16, 8, 80), tables, pos, **kw),
+         "page_size 8 .* power of two >= 16"),
+        (lambda: fn(q, latent[:, :48].reshape(4, 24, 80), tables, pos, **kw),
+         "page_size 24 .* power of two >= 16"),
+        (lambda: fn(q, pool, tables.at[0, 0].set(8), pos, **kw), r"entries must lie in \[0, 8\)"),
+        (lambda: fn(q, pool, tables, pos.at[0, 1].set(48), **kw), r"positions must lie in"),
+        (lambda: fn(q, pool, tables, pos.at[0, 1].set(-2), **kw), r"positions must lie in"),
+    ]
+    if fn is paged_mla_attention:  # what only the kernel cannot tile
+        q48, lat48 = inputs(2, 64, 2, 4, 48, 16, jnp.float32)
+        cases.append((lambda: fn(q48, lat48.reshape(8, 16, 64), tables, pos, **kw),
+                      r"R \(latent rank\) = 48 .* use paged_mla_attention_reference"))
+    for call, match in cases:
+        with pytest.raises(ValueError, match=match):
+            call()
+
+
+PAGED_LOWERING_CASES = {
+    # name: abstract (q, latent_pages, block_tables, positions[, latent_scale]), bf16 queries
+    "v2-lite B8 ps64 4k slots": (S((8, 1, 16, 576), BF16), S((600, 64, 576), BF16),
+                                 S((8, 64), I32), S((8, 1), I32)),
+    "v2-lite B1 ps16 32k slots split, Tq3": (S((1, 3, 16, 576), BF16),
+                                             S((2100, 16, 576), BF16), S((1, 2048), I32),
+                                             S((1, 3), I32)),
+    "v3 Tq2 H128 int8 ps32 row and R blocks": (S((4, 2, 128, 576), BF16),
+                                               S((1100, 32, 576), jnp.int8), S((4, 256), I32),
+                                               S((4, 2), I32), S((1100, 32, 2), F32)),
+    "v2-lite fp8 ps16, f16 scales": (S((8, 1, 16, 576), BF16),
+                                     S((2100, 16, 576), jnp.float8_e4m3fn), S((8, 256), I32),
+                                     S((8, 1), I32), S((2100, 16, 2), jnp.float16)),
+}
+
+
+@pytest.mark.parametrize("name", list(PAGED_LOWERING_CASES))
+def test_paged_kernel_lowers_for_h200(name):
+    def call(q, pool, tables, positions, scale=None):
+        return paged_mla_attention(q, pool, tables, positions, sm_scale=0.1,
+                                   latent_scale=scale)
+
+    module = lower_for_h200(call, *PAGED_LOWERING_CASES[name])
+    assert "paged_mla_attention" in module  # the kernel, not an XLA fallback
 
 
 # ---------------------------------------------------------------------------------------------
