@@ -10,7 +10,9 @@ per-layer slice copies that indexing a stacked array makes XLA emit (benchmarks/
 a 16-bit cache: the decode kernels read the codes and dequantize in registers), or for MLA
 models (config.mla) `LatentLayer`: one latent per token instead of per-head K/V (`LatentCache`,
 which `KVCache.init` builds for those configs), or `QuantizedLatentLayer`: its int8 / fp8 codes
-with a scale per token for each of its two parts.
+with a scale per token for each of its two parts. The serving engine's caches are page pools
+shared by its requests, slot i of a row at (block_tables[i // page_size], i % page_size):
+`PagedKVCache`, and `PagedLatentCache` for MLA models (which `PagedKVCache.init` builds).
 """
 
 from __future__ import annotations
@@ -350,13 +352,12 @@ class PagedKVCache:
     def init(cls, config: Config, num_pages: int, page_size: int, dtype=None,
              kv_dtype: str | None = None, scale_dtype=jnp.float32) -> PagedKVCache:
         """Zeroed pools of num_pages pages (page 0, the null page, included) of page_size
-        tokens, in `dtype` (default the model's), or int8 / fp8 codes with scales."""
-        if config.mla is not None:
-            raise ValueError("the paged cache holds per-head K/V; MLA models (DeepSeek) keep "
-                             "their latent cache, which is not paged yet: use generate()")
-        if num_pages < 2 or page_size < 1 or page_size & (page_size - 1):
-            raise ValueError(f"PagedKVCache needs num_pages >= 2 (page 0 is the null page) and "
-                             f"a power-of-two page_size, got {num_pages} and {page_size}")
+        tokens, in `dtype` (default the model's), or int8 / fp8 codes with scales; for an MLA
+        config a PagedLatentCache."""
+        if config.mla is not None:  # MLA pages its latent, not per-head K/V
+            return PagedLatentCache.init(config, num_pages, page_size, dtype, kv_dtype,
+                                         scale_dtype)
+        _check_pages("PagedKVCache", num_pages, page_size)
         check_kv_dtype(kv_dtype)
         shape = (num_pages, page_size, config.num_kv_heads, config.head_dim)
         dtype = KV_DTYPES[kv_dtype] if kv_dtype else jnp.dtype(dtype or config.dtype)
@@ -390,3 +391,98 @@ class PagedKVCache:
             return QuantizedPagedKVLayer(self.k[i], self.v[i], self.k_scale[i], self.v_scale[i],
                                          self.block_tables)
         return PagedKVLayer(self.k[i], self.v[i], self.block_tables)
+
+
+def _check_pages(cls: str, num_pages: int, page_size: int) -> None:
+    if num_pages < 2 or page_size < 1 or page_size & (page_size - 1):
+        raise ValueError(f"{cls} needs num_pages >= 2 (page 0 is the null page) and a "
+                         f"power-of-two page_size, got {num_pages} and {page_size}")
+
+
+@pytree.dataclass
+class PagedLatentLayer:
+    """One MLA layer's latent page pool and the rows' block tables (PagedKVLayer's layout,
+    one latent row per slot instead of per-head K/V)."""
+
+    latent: jax.Array  # [P, page_size, R + Dr]
+    block_tables: jax.Array  # [B, W] int32
+
+    def append(self, latent: jax.Array, positions: jax.Array) -> PagedLatentLayer:
+        """New latents [B, T, R + Dr] written at positions [B, T] (negative: dropped)."""
+        slots = _page_slots(self.block_tables, positions, self.latent.shape[1],
+                            self.latent.shape[0])
+        return self.replace(latent=_scatter_pages(self.latent, slots, latent))
+
+
+@pytree.dataclass
+class QuantizedPagedLatentLayer:
+    """PagedLatentLayer of int8 / fp8 codes with two scales per slot, as QuantizedLatentLayer."""
+
+    latent: jax.Array  # [P, page_size, R + Dr] int8 or float8_e4m3fn
+    scale: jax.Array  # [P, page_size, 2]: c_kv's, then k_pe's
+    block_tables: jax.Array  # [B, W] int32
+    rank: int = pytree.static_field(0)
+
+    def append(self, latent: jax.Array, positions: jax.Array) -> QuantizedPagedLatentLayer:
+        """New latents [B, T, R + Dr] quantized and written at positions [B, T]."""
+        slots = _page_slots(self.block_tables, positions, self.latent.shape[1],
+                            self.latent.shape[0])
+        codes, scale = quantize_latent(latent, self.rank, self.latent.dtype, self.scale.dtype)
+        return self.replace(latent=_scatter_pages(self.latent, slots, codes),
+                            scale=_scatter_pages(self.scale, slots, scale))
+
+
+@pytree.dataclass
+class PagedLatentCache:
+    """An MLA model's latent page pools (the serving engine's cache for DeepSeek V2 / V3):
+    PagedKVCache's pages and tables with LatentCache's per-slot contents."""
+
+    latent: tuple[jax.Array, ...]  # per layer [P, page_size, R + Dr]: values, or codes
+    block_tables: jax.Array  # [B, W] int32: the step's rows' pages (0: the null page)
+    scale: tuple[jax.Array, ...] = ()  # per layer [P, page_size, 2] when quantized
+    rank: int = pytree.static_field(0)  # R (kv_lora_rank)
+
+    @classmethod
+    def init(cls, config: Config, num_pages: int, page_size: int, dtype=None,
+             kv_dtype: str | None = None, scale_dtype=jnp.float32) -> PagedLatentCache:
+        """Zeroed latent pools (page 0, the null page, included), as LatentCache.init."""
+        if config.mla is None:
+            raise ValueError("PagedLatentCache is the paged cache of MLA models (config.mla)")
+        _check_pages("PagedLatentCache", num_pages, page_size)
+        kv_dtype = check_kv_dtype(kv_dtype)
+        shape = (num_pages, page_size, config.mla.latent_dim)
+        dtype = KV_DTYPES[kv_dtype] if kv_dtype else jnp.dtype(dtype or config.dtype)
+        scale = ()
+        if kv_dtype:
+            scale_dtype = _scale_dtype(scale_dtype, "PagedLatentCache")
+            scale = tuple(jnp.zeros((*shape[:2], 2), scale_dtype)
+                          for _ in range(config.num_layers))
+        return cls(latent=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
+                   block_tables=jnp.zeros((1, 1), jnp.int32), scale=scale,
+                   rank=config.mla.kv_lora_rank)
+
+    quantized = LatentCache.quantized
+    nbytes = LatentCache.nbytes
+
+    @property
+    def num_pages(self) -> int:
+        return self.latent[0].shape[0]
+
+    @property
+    def page_size(self) -> int:
+        return self.latent[0].shape[1]
+
+    def with_tables(self, block_tables: jax.Array) -> PagedLatentCache:
+        return self.replace(block_tables=block_tables)
+
+    def layer(self, i: int) -> PagedLatentLayer | QuantizedPagedLatentLayer:
+        if self.quantized:
+            return QuantizedPagedLatentLayer(self.latent[i], self.scale[i], self.block_tables,
+                                             self.rank)
+        return PagedLatentLayer(self.latent[i], self.block_tables)
+
+    def with_layers(self, layers) -> PagedLatentCache:
+        new = self.replace(latent=tuple(c.latent for c in layers))
+        if self.quantized:
+            new = new.replace(scale=tuple(c.scale for c in layers))
+        return new

@@ -647,7 +647,7 @@ def cmd_chat(args) -> int:
     from jaxinfer.prompts import check_text
 
     engine = None
-    if model.config.mla is None and getattr(model, "sharding", None) is None:
+    if getattr(model, "sharding", None) is None:
         from jaxinfer.engine import Engine
 
         # One row, and the conversation's pages kept: a turn prefills only the new messages.

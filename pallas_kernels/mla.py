@@ -454,9 +454,9 @@ def _validate_paged(q, latent_pages, block_tables, positions, sm_scale, latent_s
         raise ValueError(f"{op}: block_tables {tuple(block_tables.shape)} must be [B, W] and "
                          f"positions {tuple(positions.shape)} [B, Tq] = {(b, tq)} for q "
                          f"{tuple(q.shape)}")
-    if not is_pow2(page_size) or page_size < 16:
+    if not is_pow2(page_size):
         raise ValueError(f"{op}: page_size {page_size} (latent_pages [P, page_size, R + Dr]) "
-                         f"must be a power of two >= 16")
+                         f"must be a power of two")
     if dl != d:
         raise ValueError(f"{op}: q's last dim ({d}) and latent_pages' ({dl}) must both be "
                          f"R + Dr")
@@ -509,6 +509,9 @@ def paged_mla_attention(q, latent_pages, block_tables, positions, *, sm_scale: f
     _check_tileable(PAGED_OP, rank, rope_dim)
     b, tq, h, _ = q.shape
     page_size = latent_pages.shape[1]
+    if page_size < 16:  # a tile lies in one page, and a tile is >= 16 rows (tensor cores)
+        raise ValueError(f"{PAGED_OP}: page_size {page_size} must be >= 16 for the kernel; "
+                         f"use paged_mla_attention_reference")
     blocks = block_sizes or MLABlockSizes()
     if blocks.block_s > page_size:
         blocks = dataclasses.replace(blocks, block_s=page_size)

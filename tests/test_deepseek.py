@@ -531,8 +531,9 @@ def test_quantized_latent_cache_through_the_kernel_gpu():
 
 
 def test_absorbed_core_takes_the_kernel_where_its_tiles_fit():
-    """MLA_CORE: the Pallas kernel (interpret, bf16) where R and Dr are powers of two >= 16,
-    matching its reference; the fixtures' Dr = 8 falls back to the reference."""
+    """MLA_CORE and MLA_PAGED_CORE: the Pallas kernels (interpret, bf16) where R and Dr are
+    powers of two >= 16 (and pages hold >= 16 slots), matching their references; the
+    fixtures' Dr = 8 falls back to the reference."""
     from jaxinfer.configs import PRESETS
     from jaxinfer.plan import KernelPolicy, Plan
 
@@ -558,3 +559,13 @@ def test_absorbed_core_takes_the_kernel_where_its_tiles_fit():
     small = latent[..., : 16 + 8]
     assert mla.MLA_CORE.pick(q[..., :24], small, lengths, plan, sm_scale=0.2,
                              kv_lora_rank=16).name == "reference"
+    # the engine's pages: the paged kernel from pages of 16 slots (its tiles), as its reference
+    rows, positions = latent[:, :32], jnp.array([[16], [31]], jnp.int32)  # [B, 32, R + Dr]
+    pages, tables = rows.reshape(8, 8, r + dr), jnp.arange(8, dtype=jnp.int32).reshape(b, 4)
+    assert mla.MLA_PAGED_CORE.pick(q, pages, tables, positions, plan, **kw).name == "reference"
+    pages, tables = rows.reshape(4, 16, r + dr), jnp.arange(4, dtype=jnp.int32).reshape(b, 2)
+    assert mla.MLA_PAGED_CORE.pick(q, pages, tables, positions, plan, **kw).name == "pallas"
+    got = mla.MLA_PAGED_CORE(q, pages, tables, positions, plan, **kw).astype(jnp.float32)
+    want = pk.mla_decode_attention_reference(q, rows, positions[:, 0] + 1, sm_scale=0.2,
+                                             rope_dim=dr)
+    np.testing.assert_allclose(got, want.astype(jnp.float32), rtol=2e-2, atol=2e-2)

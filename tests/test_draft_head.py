@@ -268,11 +268,12 @@ def test_engine_with_a_head_equals_generate(looping):
         _engine(looping, speculative="mtp")
 
 
-def _with_mtp(tmp_path) -> pathlib.Path:
+@pytest.fixture(scope="module")
+def with_mtp(tmp_path_factory) -> pathlib.Path:
     """The DeepSeek-V3 fixture with an MTP module as layer 3 (as V3 checkpoints store it):
     its block a copy of layer 2 (an MoE layer), random enorm / hnorm / eh_proj /
     shared_head."""
-    d = tmp_path / "deepseek_v3_mtp"
+    d = tmp_path_factory.mktemp("mtp") / "deepseek_v3_mtp"
     shutil.copytree(HF / "deepseek_v3", d)
     tensors = load_file(d / "model.safetensors")
     rng = np.random.default_rng(0)
@@ -294,13 +295,13 @@ def _rms(x, w, eps):
     return x / jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
-def test_mtp_matches_its_definition_and_is_lossless(tmp_path, tiny_chat):
+def test_mtp_matches_its_definition_and_is_lossless(with_mtp, tiny_chat):
     """The MTP module read from the checkpoint, run incrementally on its cache (a prefill,
     then a token at a time), gives the logits of its published definition written out here
     from the raw tensors: shared_head(norm(block(eh_proj([enorm(emb t_i), hnorm(f_{i-1})]))));
     greedy mtp-speculative equals plain greedy (batches 1 and 3); a checkpoint without MTP
     weights, and a Llama model, are refused before anything compiles."""
-    d = _with_mtp(tmp_path)
+    d = with_mtp
     model = jaxinfer.load(str(d), dtype="float32")
     head = draft_head.load_mtp(model)
     raw = load_file(d / "model.safetensors")
@@ -356,3 +357,32 @@ def test_mtp_matches_its_definition_and_is_lossless(tmp_path, tiny_chat):
         jaxinfer.generate(plain_v3, prompts[0], max_new_tokens=4, speculative="mtp")
     with pytest.raises(ValueError, match="needs a DeepSeek-V3 checkpoint with MTP weights"):
         jaxinfer.generate(tiny_chat, "x", max_new_tokens=4, speculative="mtp")
+
+
+def test_engine_with_mtp_equals_generate(with_mtp):
+    """DeepSeek-V3's MTP module drafting in the engine (its MLA layer's latent in pages at the
+    target's page indices): requests arriving at random steps, sharing prefixes, chunked, in
+    a pool small enough to preempt, greedy and seeded sampled rows: each request's tokens are
+    generate()'s, drafts are accepted, and every page comes back."""
+    from test_engine import _engine, _serve
+
+    model = jaxinfer.load(str(with_mtp), dtype="float32")
+    rng = np.random.default_rng(2)
+    shared = rng.integers(3, 256, 24).tolist()
+    reqs = []
+    for i in range(8):
+        prompt = rng.integers(3, 256, int(rng.integers(1, 30))).tolist()
+        if i % 3 == 0:
+            prompt = shared[:int(rng.integers(8, 25))] + prompt
+        sp = SamplingParams(temperature=0.0) if i % 2 else SamplingParams(temperature=0.9,
+                                                                          seed=1000 + i)
+        reqs.append((prompt, sp, int(rng.integers(4, 13))))
+    engine = _engine(model, pages=24, max_model_len=64, chunk_size=16, speculative="mtp",
+                     num_speculative_tokens=2)
+    got, _ = _serve(engine, reqs, np.random.default_rng(1))
+    assert engine.stats["accepted_tokens"] > 0 and engine.stats["preemptions"] > 0
+    assert engine.free_pages == engine.total_pages and not engine.requests
+    want = jaxinfer.generate(model, [p for p, _, _ in reqs], max_new_tokens=12,
+                             sampling=[sp for _, sp, _ in reqs])
+    for i, ((_, _, n), ref) in enumerate(zip(reqs, want)):
+        assert got[i][0] == ref.token_ids[:n], i

@@ -1,5 +1,7 @@
 """The serving engine against `generate` alone, token for token (CPU, float32, tiny model)."""
 
+import dataclasses
+import pathlib
 import re
 
 import numpy as np
@@ -229,6 +231,43 @@ def test_int8_page_pool_equals_generate_with_an_int8_cache(tiny_chat):
         ref = jaxinfer.generate(tiny_chat, [p], max_new_tokens=8, sampling=sp,
                                 kv_cache_dtype="int8")[0]
         assert out.token_ids == ref.token_ids
+
+
+HF = pathlib.Path(__file__).parent / "fixtures" / "data" / "hf"
+
+
+@pytest.mark.parametrize("name, kv", [("deepseek_v3", None), ("deepseek_v2", "int8")])
+def test_mla_engine_equals_generate(name, kv):
+    """DeepSeek models page their latent (cache.PagedLatentCache): requests arriving at
+    random steps, sharing prefixes, chunked, in a pool small enough to preempt, get
+    generate()'s tokens (V3: q_lora, MoE, interleaved RoPE; V2 with an int8 latent pool
+    against generate's int8 latent cache), and every page comes back."""
+    model = jaxinfer.load(str(HF / name), dtype="float32")
+    ctx = 64  # the V3 fixture's context
+    rng = np.random.default_rng(0)
+    shared = rng.integers(3, model.config.vocab_size, 24).tolist()
+    reqs = []
+    for i in range(10):
+        prompt = rng.integers(3, model.config.vocab_size, int(rng.integers(1, 30))).tolist()
+        if i % 3 == 0:
+            prompt = shared[:int(rng.integers(8, 25))] + prompt
+        sp = SamplingParams(temperature=0.0) if i % 2 else SamplingParams(temperature=0.9,
+                                                                          seed=1000 + i)
+        reqs.append((prompt, sp, int(rng.integers(1, min(13, ctx - len(prompt))))))
+    pool = 10 * 8 * jaxinfer.memory.kv_bytes_per_token(model.config, kv)  # 10 pages of 8
+    engine = _engine(model, kv_memory=pool, max_model_len=ctx, chunk_size=16,
+                     kv_cache_dtype=kv)
+    got, reasons = _serve(engine, reqs, np.random.default_rng(1))
+    assert engine.stats["preemptions"] > 0 and engine.prefix_cache_hit_rate() > 0
+    assert engine.free_pages == engine.total_pages and not engine.requests
+    # generate's prompts in chunks: they attend to the cache's codes, as the engine's do (one
+    # shot, a prompt attends to its float latents)
+    policy = dataclasses.replace(model.plan.policy, prefill_chunk=16)
+    want = jaxinfer.generate(model, [p for p, _, _ in reqs], max_new_tokens=12,
+                             sampling=[sp for _, sp, _ in reqs], kv_cache_dtype=kv,
+                             policy=policy)
+    for i, ((_, _, n), ref) in enumerate(zip(reqs, want)):
+        assert got[i][0] == ref.token_ids[:n], i
 
 
 def test_stream_and_chat_turns_reuse_the_cache(tiny_chat):

@@ -87,7 +87,7 @@ def _kv_budget(kv_memory) -> int:
 class Engine:
     """Continuous batching over a paged KV cache with prefix caching and chunked prefill.
 
-    model: a loaded `jaxinfer.Model` (GQA families; MLA models keep generate() for now).
+    model: a loaded `jaxinfer.Model` (MLA models page their latent: cache.PagedLatentCache).
     max_num_seqs: requests running at once (rows of a decode step). page_size: tokens per
     page (a power of two; default 64 on a GPU, the kernels' key tile, 16 on CPU).
     kv_memory: the page pools' size: a fraction of the free memory after the params (default
@@ -103,10 +103,10 @@ class Engine:
     seed of requests that give none (their key id is their arrival number).
     speculative: None, "ngram" / a `speculative.NGram` (prompt lookup), a draft model with
     the same tokenizer (its K/V in page pools of its own, at the target's page indices), or a
-    feature head: "head" (the EAGLE head saved beside the model) or a
-    `draft_head.FeatureHead` (its one layer's K/V and the target's features in pages at the
-    target's page indices, step.HeadPages, so prefix-cache hits and chunked prefills carry
-    them): num_speculative_tokens drafts per decode row, verified in one step (the same
+    feature head: "head" (the EAGLE head saved beside the model), "mtp" (DeepSeek-V3's
+    module from its checkpoint) or a `draft_head.FeatureHead` (its one layer's K/V or latent
+    and the target's features in pages at the target's page indices, step.HeadPages, so
+    prefix-cache hits and chunked prefills carry them): num_speculative_tokens drafts per decode row, verified in one step (the same
     tokens as without); a speculative step's tokens are read before the next is dispatched
     (the next positions depend on them).
     """
@@ -120,9 +120,6 @@ class Engine:
         from jaxinfer.generate import _plan, run_params
 
         config = model.config
-        if config.mla is not None:
-            raise ValueError("the engine pages per-head K/V caches; MLA models (DeepSeek "
-                             "V2/V3) are not paged yet: use jaxinfer.generate()")
         check_kv_dtype(kv_cache_dtype, "kv_cache_dtype")
         gpu = jax.default_backend() == "gpu"
         self.model = model
@@ -724,8 +721,8 @@ class Engine:
         if isinstance(speculative, Model):
             speculative = DraftModel(speculative)
         if head is None and not isinstance(speculative, NGram | DraftModel):
-            raise ValueError(f"the engine's speculative must be None, 'ngram', 'head', an "
-                             f"NGram, a loaded draft model, a DraftModel or a "
+            raise ValueError(f"the engine's speculative must be None, 'ngram', 'head', 'mtp', "
+                             f"an NGram, a loaded draft model, a DraftModel or a "
                              f"draft_head.FeatureHead, got {speculative!r}")
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
             raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
@@ -733,9 +730,6 @@ class Engine:
             raise ValueError("speculative decoding takes decode_steps=1 (a verification "
                              "already yields several tokens per step)")
         if head is not None:
-            if head.spec.plan.config.mla is not None:
-                raise ValueError("this head's layer attends through an MLA latent cache, "
-                                 "which the engine does not page; use jaxinfer.generate")
             self._draft_adaptive = head.adaptive  # plain rounds while drafts are rejected
             self._min_gain = min_gain(head)
             head = draft_head.for_model(head, self.model)  # its layer in the model's dtype
@@ -748,8 +742,6 @@ class Engine:
         self._draft_adaptive = speculative.adaptive  # plain rounds while drafts are rejected
         self._min_gain = min_gain(speculative)
         self._draft_laws = speculative.rejection  # sampled rows: rejection sampling
-        if draft.config.mla is not None:
-            raise ValueError("an MLA draft model has no paged cache yet; use a GQA draft model")
         check_same_vocabulary(self.model, draft)
         plan = _plan(draft, policy)
         return None, (draft, plan, run_params(draft, plan)), None, int(k)

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer import draft_head, pytree, sampling
-from jaxinfer.cache import PagedKVCache
+from jaxinfer.cache import PagedKVCache, PagedLatentCache
 from jaxinfer.models import registry
 from jaxinfer.plan import Plan
 
@@ -37,7 +37,7 @@ class HeadPages:
     hit starting at c reads f_{c-1} from the page before it, and a verification of the newest
     token at p reads f_{p-1}."""
 
-    cache: PagedKVCache  # the head's layer: [P, page_size, Hkv, hd] (tables: a placeholder)
+    cache: PagedKVCache | PagedLatentCache  # the head's layer (tables: a placeholder)
     feats: jax.Array  # [P, page_size, D]: the target's feature at each page slot
 
 
@@ -190,7 +190,7 @@ def verify_step(params: dict, state: EngineState, tokens: jax.Array | None, rows
         raise ValueError("verify_step: a grammar's token bitmask takes a plain step (T = 1)")
     # Positions past the block table never yield a kept token (max_model_len ends the row
     # first): padding (-1), so no kernel reads or writes past a row's table.
-    end = rows.block_tables.shape[1] * state.cache.k[0].shape[1]  # W * page_size
+    end = rows.block_tables.shape[1] * state.cache.page_size  # W * page_size
     offsets = jnp.arange(t, dtype=jnp.int32)[None, :]  # [1, K + 1]
     positions = jnp.where((rows.position[:, None] >= 0) & (rows.position[:, None] + offsets
                                                            < end),
@@ -372,7 +372,7 @@ def draft_step(params: dict, cache: PagedKVCache, last_two: jax.Array, rows: Row
     from jaxinfer.speculative import _draft_law, _draw
 
     forward = registry.family(plan.config).forward
-    page_size = cache.k[0].shape[1]
+    page_size = cache.page_size
     placeholder = cache.block_tables
     p = rows.position  # [B]; -1: padding
     live = (p >= 0)[:, None]

@@ -4,6 +4,8 @@
         -> (out [B, T, H, Dv], the layer's cache with the new tokens' latents)
     MLA_CORE(q, latent, lengths, plan, *, sm_scale, kv_lora_rank, latent_scale=None)
         the absorbed core: pallas_kernels.mla_decode_attention (the kernel) or its reference
+    MLA_PAGED_CORE(q, pages, block_tables, positions, plan, *, sm_scale, kv_lora_rank, ...)
+        the same over the engine's latent pages (pallas_kernels.paged_mla_attention)
     softmax_scale(config)                                qk_head_dim^-0.5, YaRN's mscale^2 in
 
 Per token, kv_a = [c_kv (R), k_pe (Dr)] (kv_a_proj_with_mqa's output): c_kv is RMS-normed, k_pe
@@ -37,7 +39,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.cache import LatentLayer, QuantizedLatentLayer
+from jaxinfer.cache import (LatentLayer, PagedLatentLayer, QuantizedLatentLayer,
+                            QuantizedPagedLatentLayer)
 from jaxinfer.configs import Config
 from jaxinfer.ops import reference
 from jaxinfer.ops.dispatch import Layout, Registry, always, kernels_on
@@ -68,6 +71,8 @@ def _prefill_layout(sharding, q, k, v, plan, *, positions, **_):
 MLA_ATTEND = Registry("mla_attend")
 MLA_PREFILL = Registry("mla_prefill", layout=_prefill_layout)
 MLA_CORE = Registry("mla_core", layout=_core_layout)
+# The engine's paged latent (one device: no layout, so the kernel never runs sharded).
+MLA_PAGED_CORE = Registry("mla_paged_core")
 
 
 def softmax_scale(config: Config) -> float:
@@ -133,6 +138,35 @@ def _reference_core(q, latent, lengths, plan, *, sm_scale, kv_lora_rank, latent_
     return pk.mla_decode_attention_reference(q, latent, lengths, sm_scale=sm_scale,
                                              rope_dim=latent.shape[-1] - kv_lora_rank,
                                              latent_scale=latent_scale)
+
+
+def _paged_kernel_supports(q, pages, block_tables, positions, plan, *, sm_scale,
+                           kv_lora_rank, latent_scale=None) -> str | None:
+    if pages.shape[1] < 16:
+        return f"page_size {pages.shape[1]}: the kernel's tiles are >= 16 slots of one page"
+    return _kernel_supports(q, pages, None, plan, sm_scale=sm_scale, kv_lora_rank=kv_lora_rank)
+
+
+@MLA_PAGED_CORE.register("pallas", _paged_kernel_supports, kernel=True)
+def _paged_kernel_core(q, pages, block_tables, positions, plan, *, sm_scale, kv_lora_rank,
+                       latent_scale=None):
+    import pallas_kernels as pk
+
+    return pk.paged_mla_attention(q, pages, block_tables, positions, sm_scale=sm_scale,
+                                  rope_dim=pages.shape[-1] - kv_lora_rank,
+                                  latent_scale=latent_scale, block_sizes=plan.policy.mla_blocks,
+                                  interpret=plan.policy.interpret)
+
+
+@MLA_PAGED_CORE.register("reference", always)
+def _paged_reference_core(q, pages, block_tables, positions, plan, *, sm_scale, kv_lora_rank,
+                          latent_scale=None):
+    import pallas_kernels as pk
+
+    return pk.paged_mla_attention_reference(q, pages, block_tables, positions,
+                                            sm_scale=sm_scale,
+                                            rope_dim=pages.shape[-1] - kv_lora_rank,
+                                            latent_scale=latent_scale)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -226,22 +260,34 @@ def _expanded(q, latent, cache, plan, *, positions, w_kv_b, fresh=False):
     return MLA_PREFILL(q, k, v, plan, positions=positions, sm_scale=sm_scale)
 
 
+_LATENT_LAYERS = LatentLayer | QuantizedLatentLayer
+_PAGED_LAYERS = PagedLatentLayer | QuantizedPagedLatentLayer
+
+
 @MLA_ATTEND.register("absorbed", lambda q, latent, cache, plan, **_: None
-                     if isinstance(cache, LatentLayer | QuantizedLatentLayer)
-                     else "needs a LatentLayer or QuantizedLatentLayer")
+                     if isinstance(cache, _LATENT_LAYERS | _PAGED_LAYERS)
+                     else "needs a (paged) LatentLayer or QuantizedLatentLayer")
 def _absorbed(q, latent, cache, plan, *, positions, w_kv_b, fresh=False):
-    """W_UK folded into the query, attention over the latent cache, W_UV after it. The T new
-    tokens' positions are consecutive per row (the decode step, a chunk of a prefill)."""
+    """W_UK folded into the query, attention over the latent cache, W_UV after it. A
+    contiguous cache's T new tokens are consecutive per row (the decode step, a chunk of a
+    prefill); a paged cache's queries each see the slots through their own position (the
+    engine's rows: padding queries at -1)."""
     mla = plan.config.mla
     r, dn = mla.kv_lora_rank, mla.qk_nope_head_dim
     w_uk, w_uv = _split_w_kv_b(w_kv_b, dn, q.dtype)
     q_lat = jnp.einsum("bthn,rhn->bthr", q[..., :dn], w_uk,
                        preferred_element_type=jnp.float32).astype(q.dtype)  # [B, T, H, R]
     q_abs = jnp.concatenate([q_lat, q[..., dn:]], axis=-1)  # [B, T, H, R + Dr]
-    lengths = positions[:, -1] + 1  # [B]: the last new token's slot, plus one
-    scale = cache.scale if isinstance(cache, QuantizedLatentLayer) else None  # [B, S, 2]
-    o_lat = MLA_CORE(q_abs, cache.latent, lengths, plan, sm_scale=softmax_scale(plan.config),
-                     kv_lora_rank=r, latent_scale=scale)  # [B, T, H, R]
+    scale = getattr(cache, "scale", None)  # codes' scales [B, S, 2] / [P, page_size, 2]
+    sm_scale = softmax_scale(plan.config)
+    if isinstance(cache, _PAGED_LAYERS):
+        o_lat = MLA_PAGED_CORE(q_abs, cache.latent, cache.block_tables, positions, plan,
+                               sm_scale=sm_scale, kv_lora_rank=r,
+                               latent_scale=scale)  # [B, T, H, R]
+    else:
+        lengths = positions[:, -1] + 1  # [B]: the last new token's slot, plus one
+        o_lat = MLA_CORE(q_abs, cache.latent, lengths, plan, sm_scale=sm_scale,
+                         kv_lora_rank=r, latent_scale=scale)  # [B, T, H, R]
     return jnp.einsum("bthr,rhv->bthv", o_lat, w_uv,
                       preferred_element_type=jnp.float32).astype(q.dtype)  # [B, T, H, Dv]
 
