@@ -246,8 +246,9 @@ class KernelPolicy:
         the paged chunk kernel, a contiguous cache read as pages of 64 (so generate() and
         the engine at its default page size give a request the same bits); not covered: a
         contiguous cache not a multiple of 64 slots (a max_seq_len such), MoE experts
-        above fused_rows rows or at T > 1 (the grouped kernel), norm_offset (Gemma) norms
-        (jnp), and sharded plans (XLA's GEMMs). Costs: benchmarks/DECISIONS.md."""
+        above fused_rows rows or at T > 1 (the grouped kernel), MLA attention (its kernel's
+        split-K count follows the batch), norm_offset (Gemma) norms (jnp), and sharded
+        plans (XLA's GEMMs). Costs: benchmarks/DECISIONS.md."""
         return cls(**{"one_kernel_mlp_rows": 0, "lm_head": Impl.PALLAS,
                       "flash": Flash.TRITON, "batch_invariant": True, **changes})
 
