@@ -282,6 +282,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "where a text (a JSONL line) starts, so the model's features over a "
                         "window have the context they have when drafting (a window cut "
                         "mid-text lacks the text's beginning: an answer without its prompt)")
+    t.add_argument("--draft-vocab", type=_positive("--draft-vocab"), default=32768,
+                   metavar="N",
+                   help="the head drafts from the data's N most frequent tokens, with a "
+                        "readout of its own (EAGLE-3's d2t: Llama-3's LM head read per draft "
+                        "shrinks 4x); default 32768, the whole vocabulary when it has no more")
     t.add_argument("--seed", type=_seed, default=0)
     t.set_defaults(func=cmd_train_draft)
 
@@ -877,7 +882,8 @@ def cmd_train_draft(args) -> int:
     log.info("training on %d tokens of %s; the head goes to %s", len(data), args.data, out)
     result = train_draft.train(model, data, args.steps, lr=args.lr, seq_len=args.seq_len,
                                batch=args.batch, seed=args.seed, progress=sys.stderr.isatty(),
-                               starts=starts if args.windows == "texts" else None)
+                               starts=starts if args.windows == "texts" else None,
+                               draft_vocab=args.draft_vocab)
     draft_head.save(result.head, out)
     png = train_draft.plot_losses(result.losses, result.accuracy, out.with_suffix(".png"))
     tail = max(1, len(result.losses) // 10)

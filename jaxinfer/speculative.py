@@ -611,9 +611,9 @@ def _prepare(model, prompts, max_new_tokens, sampling_params, seed, chat, stop, 
         return _SpecRequest(req, k, drafter, None)
     if isinstance(drafter, draft_head.FeatureHead):  # its layer on the request's plan and dtype
         head = draft_head.for_model(drafter, model)
-        spec = draft_head.HeadSpec(head.spec.kind, dataclasses.replace(
-            req.plan, config=head.spec.plan.config), drafter.rejection, drafter.adaptive,
-            drafter.min_gain)
+        spec = dataclasses.replace(
+            head.spec, plan=dataclasses.replace(req.plan, config=head.spec.plan.config),
+            rejection=drafter.rejection, adaptive=drafter.adaptive, min_gain=drafter.min_gain)
         return _SpecRequest(req, k, spec, head.params)
     need = max(len(p) for p in req.ids) + int(max_new_tokens) + k
     context = drafter.model.config.max_position_embeddings

@@ -7,7 +7,9 @@ law p = softmax(head(f)), then the head over the pairs (t_i, f_{i-1}), and minim
 loss: smooth L1 between the head's feature estimate g_i and f_i (the regression), plus
 CLS_WEIGHT x the cross-entropy of the head's logits against p (the distribution the target
 draws token i+1 from: greedy drafting wants its argmax). AdamW with warmup and cosine decay,
-gradients clipped to norm 1.
+gradients clipped to norm 1. With a draft vocabulary (`draft_vocab`: the data's most frequent
+tokens, EAGLE-3's d2t) the head's own readout over them is trained too, and the
+cross-entropy takes the target's law on those tokens.
 """
 
 from __future__ import annotations
@@ -91,7 +93,8 @@ def target_features(params, tokens: jax.Array, plan: Plan):
     return f, jax.nn.softmax(logits, axis=-1)
 
 
-def teacher_forced(head_params, target_params, tokens, f, spec: draft_head.HeadSpec):
+def teacher_forced(head_params, target_params, tokens, f, spec: draft_head.HeadSpec,
+                   compact: bool = False):
     """The head over windows tokens [B, T] (from position 0) with the target's features f
     [B, T, D], each token t_i paired with f_{i-1} (f_{-1} = 0) -> (logits [B, T, V]: row i
     drafts token i + 1, g [B, T, D]: the estimates of f). What training fits; drafting must
@@ -100,24 +103,31 @@ def teacher_forced(head_params, target_params, tokens, f, spec: draft_head.HeadS
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     before = jnp.concatenate([jnp.zeros_like(f[:, :1]), f[:, :-1]], axis=1)  # f_{i-1}
     logits, _, g = draft_head.forward(head_params, target_params, tokens, before, positions,
-                                      spec)
+                                      spec, compact=compact)
     return logits, g
 
 
 def head_loss(head_params, target_params, tokens, f, p, spec: draft_head.HeadSpec):
     """EAGLE-1's loss of the head over windows tokens [B, T] given the target's f [B, T, D]
     and p [B, T, V] -> (loss, (regression, classification, argmax agreement))."""
-    logits, g = teacher_forced(head_params, target_params, tokens, f, spec)
+    # compact: a draft vocabulary's N columns (the -inf elsewhere would make 0 * -inf)
+    logits, g = teacher_forced(head_params, target_params, tokens, f, spec,
+                               compact=True)  # [B, T, N or V]
+    drafted, wanted = jnp.argmax(logits, -1), jnp.argmax(p, -1)  # [B, T]
+    if spec.draft_vocab:  # the target's law on the head's tokens; the ids back to the target's
+        p, drafted = p[..., head_params["d2t"]], head_params["d2t"][drafted]
     reg = jnp.mean(optax.huber_loss(g.astype(jnp.float32), f.astype(jnp.float32)))  # smooth L1
     cls = -jnp.mean(jnp.sum(p * jax.nn.log_softmax(logits, axis=-1), axis=-1))
-    agree = jnp.mean(jnp.argmax(logits, -1) == jnp.argmax(p, -1))
+    agree = jnp.mean(drafted == wanted)
     return reg + CLS_WEIGHT * cls, (reg, cls, agree)
 
 
 def train(model, data: np.ndarray, steps: int, *, lr: float = 1e-3, seq_len: int = 128,
           batch: int = 8, seed: int = 0, progress: bool = True,
-          starts: np.ndarray | None = None) -> TrainResult:
+          starts: np.ndarray | None = None, draft_vocab: int = 0) -> TrainResult:
     """Train a fresh EAGLE head for `model` on token stream `data` for `steps` steps.
+    draft_vocab: the head drafts from the data's that many most frequent tokens (0, or the
+    model's vocabulary or more: all of them).
     starts: the offsets windows may start at (default any). The target's features are
     computed over the window alone, so a window cut mid-text gives features without the
     text's beginning (a copy-edit answer without the passage it copies), unlike drafting's:
@@ -129,7 +139,12 @@ def train(model, data: np.ndarray, steps: int, *, lr: float = 1e-3, seq_len: int
 
     if model.sharding is not None:
         raise ValueError("train-draft runs on one device; load the model without a mesh")
-    head = draft_head.init_eagle(model, seed)
+    v = model.config.vocab_size
+    if isinstance(draft_vocab, bool) or not isinstance(draft_vocab, (int, np.integer)) \
+            or draft_vocab < 0:
+        raise ValueError(f"draft_vocab must be an integer >= 0, got {draft_vocab!r}")
+    d2t = draft_head.frequent_tokens(data, draft_vocab, v) if 0 < draft_vocab < v else None
+    head = draft_head.init_eagle(model, seed, d2t=d2t)
     spec = head.spec
     plan = model.plan
     params = run_params(model, plan)
@@ -138,15 +153,20 @@ def train(model, data: np.ndarray, steps: int, *, lr: float = 1e-3, seq_len: int
                                                   end_value=lr / 10)
     optimizer = optax.chain(optax.clip_by_global_norm(1.0),
                             optax.adamw(schedule, weight_decay=0.01))
-    opt_state = optimizer.init(head.params)
+    trained = {k: w for k, w in head.params.items() if k != "d2t"}  # the ids stay as they are
+    ids = {k: w for k, w in head.params.items() if k == "d2t"}
+    opt_state = optimizer.init(trained)
+
+    def loss_of(trained, tokens, f, p):
+        return head_loss({**trained, **ids}, params, tokens, f, p, spec)
 
     @jax.jit
-    def step(head_params, opt_state, tokens):
+    def step(trained, opt_state, tokens):
         f, p = target_features(params, tokens, plan)
-        (loss, aux), grads = jax.value_and_grad(head_loss, has_aux=True)(
-            head_params, params, tokens, f.astype(jnp.float32), p, spec)
-        updates, opt_state = optimizer.update(grads, opt_state, head_params)
-        return optax.apply_updates(head_params, updates), opt_state, loss, aux
+        (loss, aux), grads = jax.value_and_grad(loss_of, has_aux=True)(
+            trained, tokens, f.astype(jnp.float32), p)
+        updates, opt_state = optimizer.update(grads, opt_state, trained)
+        return optax.apply_updates(trained, updates), opt_state, loss, aux
 
     rng = np.random.default_rng(seed)
     if starts is not None:
@@ -154,14 +174,14 @@ def train(model, data: np.ndarray, steps: int, *, lr: float = 1e-3, seq_len: int
         if not len(starts):
             raise ValueError(f"no text starts {seq_len} tokens before the end of --data; give "
                              "more text or a shorter --seq-len")
-    head_params, losses, accuracy = head.params, [], []
+    losses, accuracy = [], []
     with tqdm(total=steps, desc="train-draft", disable=not progress, unit="step") as bar:
         for i in range(steps):
             at = (rng.integers(0, len(data) - seq_len, size=batch) if starts is None
                   else rng.choice(starts, size=batch))
             windows = np.stack([data[s:s + seq_len] for s in at])  # [B, T]
-            head_params, opt_state, loss, (reg, cls, agree) = step(head_params, opt_state,
-                                                                   jnp.asarray(windows))
+            trained, opt_state, loss, (reg, cls, agree) = step(trained, opt_state,
+                                                               jnp.asarray(windows))
             losses.append(float(loss))
             accuracy.append(float(agree))
             bar.set_postfix(loss=f"{losses[-1]:.3f}", reg=f"{float(reg):.3f}",
@@ -170,7 +190,7 @@ def train(model, data: np.ndarray, steps: int, *, lr: float = 1e-3, seq_len: int
             if not progress and (i + 1) % max(1, steps // 10) == 0:  # no bar: a log line
                 log.info("step %d/%d: loss %.4f, top-1 agreement %.3f", i + 1, steps,
                          losses[-1], accuracy[-1])
-    return TrainResult(dataclasses.replace(head, params=head_params), losses, accuracy)
+    return TrainResult(dataclasses.replace(head, params={**trained, **ids}), losses, accuracy)
 
 
 def plot_losses(losses: list[float], accuracy: list[float], path) -> pathlib.Path:

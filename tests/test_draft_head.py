@@ -117,10 +117,12 @@ def test_trained_head_drafts_and_train_draft_cli(looping, trained, tiny_chat, ti
     text = tmp_path / "data.jsonl"
     text.write_text("\n".join(json.dumps({"text": p + o.text}) for p, o in zip(PROMPTS, outs)))
     assert cli.main(["train-draft", str(tiny_chat_dir), "--data", str(text), "--steps", "10",
-                     "--seq-len", "32", "--batch", "4", "--windows", "texts"]) == 0
+                     "--seq-len", "32", "--batch", "4", "--windows", "texts",
+                     "--draft-vocab", "300"]) == 0
     assert "wrote" in capsys.readouterr().out
     assert (tiny_chat_dir / "eagle_head.png").is_file()
-    assert (tiny_chat_dir / "eagle_head.safetensors").is_file()
+    assert draft_head.load(tiny_chat_dir / "eagle_head.safetensors",
+                           tiny_chat).spec.draft_vocab == 300
     base = ["generate", PROMPTS[1], "--no-chat", "-n", "12", "--model", str(tiny_chat_dir),
             "--json"]
     assert cli.main(base) == 0
@@ -132,6 +134,47 @@ def test_trained_head_drafts_and_train_draft_cli(looping, trained, tiny_chat, ti
     assert "made for another model" in capsys.readouterr().err
     assert cli.main(base + ["--speculative", "ngram", "--draft-head", str(path)]) == 2
     assert "--draft-head needs --speculative head" in capsys.readouterr().err
+
+
+def test_draft_vocabulary_head(trained, tmp_path):
+    """A head with a draft vocabulary (the data's 48 most frequent tokens, EAGLE-3's d2t)
+    trained on the same text: its logits are -inf past those tokens, it saves and loads with
+    its readout and ids, and its drafts are accepted with plain generate's tokens in generate
+    and the engine, each round's first draft the training forward's argmax (K = 1)."""
+    from jaxinfer import train_draft
+    from test_engine import _engine
+
+    peaked, outs, _ = trained
+    data = np.asarray([t for p, o in zip(PROMPTS, outs)
+                       for t in peaked.tokenizer.encode(p) + o.token_ids], np.int32)
+    result = train_draft.train(peaked, data, 150, lr=3e-3, seq_len=32, batch=8,
+                               progress=False, draft_vocab=48)
+    d2t = np.asarray(result.head.params["d2t"])
+    assert result.head.spec.draft_vocab == 48 and np.all(np.diff(d2t) > 0)
+    assert set(np.unique(data, return_counts=True)[0][
+        np.argsort(-np.unique(data, return_counts=True)[1], kind="stable")[:10]]) <= set(d2t)
+    assert np.mean(result.losses[-15:]) < 0.5 * result.losses[0]
+    head = draft_head.load(draft_head.save(result.head, tmp_path / "h.safetensors"), peaked)
+    assert head.spec.draft_vocab == 48 and np.array_equal(np.asarray(head.params["d2t"]), d2t)
+    prompts = [peaked.tokenizer.encode(p) for p in PROMPTS[:4]]
+    plain = jaxinfer.generate(peaked, prompts, max_new_tokens=24)
+    want = [_first_draft_hits(peaked, head, p, c.token_ids) for p, c in zip(prompts, plain)]
+    assert sum(want) > 10, want
+    head = dataclasses.replace(head, adaptive=False)
+    spec = jaxinfer.generate(peaked, prompts, max_new_tokens=24, speculative=head,
+                             num_speculative_tokens=1)
+    assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
+    assert [c.accepted_tokens for c in spec] == want
+    engine = _engine(peaked, speculative=head, num_speculative_tokens=1, chunk_size=16)
+    got = engine.run(prompts, max_tokens=24)
+    assert [c.token_ids for c in got] == [c.token_ids for c in plain]
+    assert [c.accepted_tokens for c in got] == want
+    logits, _, _ = draft_head.forward(head.params, peaked.params, jnp.asarray([prompts[0]]),
+                                      jnp.zeros((1, len(prompts[0]), 64)),
+                                      jnp.arange(len(prompts[0]))[None], head.spec)
+    outside = np.setdiff1d(np.arange(peaked.config.vocab_size), d2t)
+    assert np.all(np.isneginf(np.asarray(logits)[..., outside]))
+    assert np.all(np.isfinite(np.asarray(logits)[..., d2t]))
 
 
 def _first_draft_hits(model, head, prompt: list[int], out: list[int]) -> int:

@@ -491,7 +491,7 @@ def test_engine_run_reports_acceptance_per_request(looping):
 def test_engine_bad_speculative_arguments(looping):
     from test_engine import _engine
 
-    for kw, match in (({"speculative": 3}, "None, 'ngram', 'head', an NGram"),
+    for kw, match in (({"speculative": 3}, "None, 'ngram', 'head', 'mtp', an NGram"),
                       ({"speculative": "ngram", "num_speculative_tokens": 0},
                        "num_speculative_tokens must be an integer >= 1"),
                       ({"speculative": "ngram", "decode_steps": 2}, "decode_steps=1")):

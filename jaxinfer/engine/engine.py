@@ -733,8 +733,9 @@ class Engine:
             self._draft_adaptive = head.adaptive  # plain rounds while drafts are rejected
             self._min_gain = min_gain(head)
             head = draft_head.for_model(head, self.model)  # its layer in the model's dtype
-            spec = draft_head.HeadSpec(head.spec.kind, dataclasses.replace(
-                self.plan, config=head.spec.plan.config), head.rejection)
+            spec = dataclasses.replace(
+                head.spec, plan=dataclasses.replace(self.plan, config=head.spec.plan.config),
+                rejection=head.rejection)
             return None, None, (head.params, spec), int(k)
         if isinstance(speculative, NGram):
             return speculative, None, None, int(k)
