@@ -1,6 +1,6 @@
 """What rejected drafts cost: plain greedy `generate` against speculation whose drafts are
-never accepted (a random, untrained EAGLE head), with the fallback to plain rounds and without
-it, plus prompt lookup, on a random-weights preset (issue 38's "no slowdown when drafts are
+never accepted (a random, untrained EAGLE head, over the whole vocabulary and over a draft
+vocabulary), with the fallback to plain rounds and without it, plus prompt lookup, on a random-weights preset (issue 38's "no slowdown when drafts are
 rejected"). Wall time per token of one generate call (median of 3 after a compiling run); the
 speculative runs' acceptance counts, and whether their tokens are plain greedy's (on a GPU
 under the default policy near-tied bf16 logits of a random model may pick another token in a
@@ -19,6 +19,7 @@ import sys
 import time
 
 import jax
+import numpy as np
 
 from jaxinfer import draft_head
 from jaxinfer.bench import POLICIES, random_model
@@ -33,6 +34,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--k", type=int, default=4, help="drafts per verification")
     ap.add_argument("--policy", default="default", choices=sorted(POLICIES))
+    ap.add_argument("--draft-vocab", type=int, default=32768,
+                    help="the draft-vocabulary head's tokens")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     dtype = "bfloat16" if jax.default_backend() == "gpu" else "float32"
@@ -40,6 +43,9 @@ def main(argv=None) -> int:
                          num_layers=args.layers)
     prompt = [(i * 7919) % 20000 + 100 for i in range(args.prompt_len)]  # token ids
     head = draft_head.init_eagle(model, 0)
+    # with a draft vocabulary of the first N ids (EAGLE-3's 32k): a draft reads D x N
+    n = min(args.draft_vocab, model.config.vocab_size)
+    small = draft_head.init_eagle(model, 0, d2t=np.arange(n))
 
     def timed(**kw):
         generate(model, [prompt], max_new_tokens=args.new, stop=[], **kw)  # compile
@@ -55,6 +61,9 @@ def main(argv=None) -> int:
     print(f"{args.preset} plain: {rows[0]['ms_per_token']:.3f} ms/token", flush=True)
     for name, spec in (("head, fallback", head),
                        ("head, every round verifies", dataclasses.replace(head, adaptive=False)),
+                       (f"head {n} tokens, fallback", small),
+                       (f"head {n} tokens, every round verifies",
+                        dataclasses.replace(small, adaptive=False)),
                        ("ngram", "ngram")):
         s, out = timed(speculative=spec, num_speculative_tokens=args.k)
         row = {"method": name, "ms_per_token": s * 1e3 / args.new, "vs_plain": plain_s / s,
