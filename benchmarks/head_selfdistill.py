@@ -4,8 +4,8 @@
         [--prompts 4096] [--generated 1024] [--gen-len 192] [--steps 2000] [--batch 16] \
         [--seq-len 512] [--out head.safetensors] [--json F]
 
-1. Passages: prose paragraphs of this checkout's Markdown and of the installed Python
-   packages' long descriptions, plus `--generated` paragraphs the model writes itself (a
+1. Passages: prose paragraphs of this checkout's Markdown, of the installed Python
+   packages' long descriptions and of Python's reference manual (pydoc_data), plus `--generated` paragraphs the model writes itself (a
    sampled answer to "Write a short paragraph about WORD." for words of its own vocabulary:
    a GPU machine's prose gave only 174 paragraphs, and a head trained ~118 times over their
    transcripts memorized them, 1.2 tokens per verification on unseen text). Each passage is
@@ -38,18 +38,27 @@ import time
 import numpy as np
 
 
-def paragraphs(limit: int, rng) -> list[str]:
-    """Prose paragraphs of 50-140 words, mostly words, several sentences (no tables, lists,
-    code or headings), shuffled."""
+def _texts():
+    """This checkout's Markdown, the installed packages' long descriptions and Python's own
+    reference manual (pydoc_data's topics: ~0.5 MB of prose wherever Python is)."""
+    import pydoc_data.topics
+
     files = sorted(glob.glob("*.md") + glob.glob("benchmarks/*.md"))
     for site in sys.path:
         files += sorted(glob.glob(os.path.join(site, "*.dist-info", "METADATA")))
-    out, seen = [], set()
     for f in files:
         try:
-            text = open(f, encoding="utf-8", errors="replace").read()
+            yield open(f, encoding="utf-8", errors="replace").read()
         except OSError:
             continue
+    yield from pydoc_data.topics.topics.values()
+
+
+def paragraphs(limit: int, rng) -> list[str]:
+    """Prose paragraphs of 50-140 words, mostly words, several sentences (no tables, lists,
+    code or headings), shuffled."""
+    out, seen = [], set()
+    for text in _texts():
         for p in text.split("\n\n"):
             p = re.sub(r"\s+", " ", p).strip()
             words = p.split()
@@ -116,6 +125,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--draft-vocab", type=int, default=32768,
+                    help="the head's draft vocabulary (the data's most frequent tokens)")
     ap.add_argument("--out", default="head.safetensors")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -143,7 +154,8 @@ def main(argv=None) -> int:
           f"{len(data)} tokens of transcripts (longest {max(lens)}) in {t_data:.0f} s; "
           f"training reads ~{passes:.1f} passes over them", flush=True)
     res = train_draft.train(model, data, args.steps, lr=args.lr, seq_len=args.seq_len,
-                            batch=args.batch, progress=False, starts=starts)
+                            batch=args.batch, progress=False, starts=starts,
+                            draft_vocab=args.draft_vocab)
     draft_head.save(res.head, args.out)
     tail = max(1, args.steps // 10)
     t_train = time.perf_counter() - t0 - t_data
