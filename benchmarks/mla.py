@@ -15,6 +15,8 @@ token for c_KV and one for k_rope), in one call:
   stages, splits, an R split), so one run says which is best; with --tune (bf16) also the
   candidates for the B8 / B32 goal (`tune_variants`: more splits with 16-bit partials, 64-slot
   tiles, 8 warps, more stages) and the split merge alone (its share of the call);
+- ours paged: `paged_mla_attention` (the engine's form) on the same latents laid out as
+  shuffled pages of 64 (a row's tiles read through its block table), default blocks;
 - xla absorbed: `mla_decode_attention_reference` compiled by XLA (the same math in einsums; on
   codes it dequantizes to float32 first);
 - xla expanded (bf16 only): the non-absorbed path: K = [c_KV @ W_UK ; k_rope], V = c_KV @ W_UV
@@ -53,7 +55,7 @@ TOL_BF16 = 1.5e-2
 HEADS, RANK, ROPE, NOPE, VDIM = 16, 512, 64, 128, 128
 # the issue's targets first, so a run cut short by its timeout still has them
 SHAPES = ((8, 4096), (32, 8192), (1, 32768), (8, 8192), (32, 4096))
-QUICK_SHAPES = ((2, 200),)
+QUICK_SHAPES = ((2, 256),)
 # latent kinds: code dtype (None: the bf16 latent itself)
 KINDS = {"bf16": None, "int8": jnp.dtype(jnp.int8), "fp8": jnp.dtype(jnp.float8_e4m3fn)}
 SCALE_BYTES = 2 * 4  # per token: c_KV's and k_rope's float32 scales
@@ -181,6 +183,26 @@ def emit(row: dict) -> dict:
     return row
 
 
+PAGE = 64  # the engine's page size on a GPU
+
+
+def paged_args(args, b: int, s: int, sm_scale: float, interpret: bool):
+    """`paged_mla_attention` on the sets' latents (and scales) as pages of PAGE in a shuffled
+    pool (row b's pages scattered), each row's one query at its last slot -> (fn, args)."""
+    w = s // PAGE
+    order = jax.random.permutation(jax.random.PRNGKey(s), b * w)  # pool page of (row, page)
+    tables = jnp.argsort(order).astype(jnp.int32).reshape(b, w)  # row b's page j's pool page
+    positions = jnp.full((b, 1), s - 1, jnp.int32)
+
+    def pool(x):  # [B, S, ...] -> [B * W, PAGE, ...] in the shuffled order
+        return x.reshape(b * w, PAGE, *x.shape[2:])[order]
+    fn = jax.jit(lambda q, lat, t, pos, sc=None: pk.paged_mla_attention(
+        q, lat, t, pos, sm_scale=sm_scale, latent_scale=sc, interpret=interpret))
+    out = [(q, pool(lat), tables, positions) + (() if len(a) == 3 else (pool(a[3]),))
+           for a in args for q, lat in [a[:2]]]
+    return fn, out
+
+
 def bench_shape(b: int, s: int, quick: bool, interpret: bool, kinds=("bf16",),
                 tune: bool = False) -> None:
     dtype = jnp.bfloat16
@@ -265,6 +287,9 @@ def bench_shape(b: int, s: int, quick: bool, interpret: bool, kinds=("bf16",),
                      f"{' bf16p' if t.q_dtype_partials else ''}")
             guarded(f"ours {kind} {name} {shape}", measure, f"ours {name} ({tiles})", kind, fn,
                     args, check, nbytes, **extra)
+        if s % PAGE == 0:  # the engine's form: the same latents as shuffled pages of 64
+            guarded(f"ours paged {kind} {shape}", measure, f"ours paged (pages of {PAGE})",
+                    kind, *paged_args(args, b, s, sm_scale, interpret), check, nbytes, **extra)
         del args
     if tune and not quick:  # the merge alone at the default tiling: its share of the call
         splits = pk.MLABlockSizes().resolve(b, HEADS, RANK, s).num_splits
