@@ -96,6 +96,9 @@ class _DraftPlan:
 # decode steps (T = 1), with a verification after PROBE plain rounds to see whether drafts
 # hit again, the wait doubling after each probe that finds them still rejected (up to
 # MAX_PROBE: a probe every 8 rounds cost ~6% of a useless head's wall time on the H200). A
+# probe drafts one token (K = 1): whether the first draft is accepted is all it asks, and a
+# draft costs a head or draft-model forward (the head's K = 4 drafts made a probe ~1.57
+# decode steps on the H200, of which ~0.4 its drafting). A
 # verification costs 1.1-1.4 decode steps on the H200 (Llama-3-8B shapes) and 1.5-1.7 on a
 # CPU (benchmarks/DECISIONS.md): it pays from about half a draft accepted.
 MIN_GAIN = 0.5
@@ -415,7 +418,7 @@ def _spec_round(params, draft_params, state: SpecState, plan: Plan, k: int,
         return jax.lax.cond(jnp.any(found & ~state.decode.done), verify, plain, state)
     is_head = isinstance(drafter, draft_head.HeadSpec)
 
-    def verify(s: SpecState) -> SpecState:
+    def verify(s: SpecState, k: int = k) -> SpecState:
         if is_head:
             drafts, draft_laws, head = head_drafts(params, draft_params, s, k, drafter)
             s = s.replace(head=head)
@@ -440,12 +443,21 @@ def _spec_round(params, draft_params, state: SpecState, plan: Plan, k: int,
         s = s.replace(draft_cache=draft_cache)
         return _verify_round(params, s, drafts[:, :0], None, plan).replace(idle=s.idle + 1)
 
+    def probe(s: SpecState) -> SpecState:
+        # One draft; a hit counts as a round whose K drafts were all accepted (the most a
+        # probe of K could have shown), so any reachable min_gain lets the rows verify again.
+        out = verify(s, 1)
+        hit = out.accepted > s.accepted  # [B]
+        return out.replace(gain=jnp.where(hit, 0.5 * s.gain + 0.5 * k, out.gain),
+                           patience=jnp.minimum(2 * s.patience, MAX_PROBE))
+
     live = ~state.decode.done
     hitting = jnp.any(live & (state.gain >= min_gain(drafter)))
     # a probe (drafts still rejected) doubles the wait for the next; a hit resets it
-    patience = jnp.where(hitting, PROBE, jnp.minimum(2 * state.patience, MAX_PROBE))
-    return jax.lax.cond(hitting | (state.idle >= state.patience),
-                        lambda s: verify(s).replace(patience=patience), plain, state)
+    branch = jnp.where(hitting, 2, jnp.where(state.idle >= state.patience, 1, 0))
+    return jax.lax.switch(branch, (
+        plain, probe, lambda s: verify(s).replace(patience=jnp.full((), PROBE, jnp.int32))),
+        state)
 
 
 def min_gain(drafter) -> float:

@@ -118,11 +118,14 @@ def test_greedy_speculative_equals_plain_greedy(looping, tiny_chat, drafter, bat
         assert accepted > 0  # rounds of several tokens were exercised
     if drafter in ("ngram", "draft") and batch == 1:
         # Rounds without a match (n-gram), or while the drafts were mostly rejected (the
-        # draft model: MIN_GAIN), were plain decode steps; without the fallback every round
-        # verifies (a round cut by the stop token may leave one short).
+        # draft model: MIN_GAIN), were plain decode steps (the draft model's probes draft
+        # one token); without the fallback every round verifies (a round cut by the stop
+        # token may leave one short).
         (c,) = spec
         rounds = len(c.token_ids) - 1 - c.accepted_tokens
-        assert c.draft_tokens % 3 == 0 and 0 < c.draft_tokens < 3 * rounds
+        assert 0 < c.draft_tokens < 3 * rounds
+        if drafter == "ngram":
+            assert c.draft_tokens % 3 == 0
         if drafter == "draft":
             (c,) = jaxinfer.generate(looping, prompts, max_new_tokens=24, chat=False,
                                      stop=[stop], num_speculative_tokens=3,
