@@ -251,6 +251,32 @@ def mla_decode_kernel(lim_ref, *refs, qk_scale: float, chunk: int, block_s: int,
 # ---------------------------------------------------------------------------------------------
 
 
+def _check_latent(op: str, name: str, q, latent, latent_scale, scale_shape: tuple,
+                  scale_dims: str, sm_scale, rope_dim) -> int:
+    """Both forms' rope_dim (-> int), dtypes (the latent's q's, or codes with scales of
+    scale_shape, named scale_dims) and sm_scale."""
+    d = q.shape[-1]
+    rope_dim = int(rope_dim)
+    if not 0 <= rope_dim < d:
+        raise ValueError(f"{op}: rope_dim={rope_dim} must lie in [0, {d}) (q's last dim "
+                         f"{d} = R + Dr)")
+    if latent_scale is None:
+        if latent.dtype != q.dtype:
+            raise ValueError(f"{op}: q {q.dtype} and {name} {latent.dtype} must share one "
+                             f"dtype (or pass latent_scale with int8 / fp8 codes)")
+    else:
+        if tuple(getattr(latent_scale, "shape", ())) != scale_shape:
+            raise ValueError(f"{op}: latent_scale must be {scale_dims} = {scale_shape} (per "
+                             f"token c_KV's and k_rope's scale, kv_quant.quantize_latent), "
+                             f"got {tuple(getattr(latent_scale, 'shape', ()))}")
+        if jnp.dtype(latent_scale.dtype) not in SCALE_DTYPES:
+            raise ValueError(f"{op}: latent_scale has dtype {latent_scale.dtype}, expected "
+                             f"float32 or float16")
+    if sm_scale is None or not float(sm_scale) > 0:
+        raise ValueError(f"{op}: sm_scale must be a positive number, got {sm_scale}")
+    return rope_dim
+
+
 def _validate(q, latent, lengths, sm_scale, latent_scale, rope_dim) -> tuple[int, int]:
     """Shapes, dtypes and lengths (when concrete); returns (R, Dr)."""
     check_array(OP, "q", q, 4)
@@ -264,26 +290,10 @@ def _validate(q, latent, lengths, sm_scale, latent_scale, rope_dim) -> tuple[int
                          f"{lengths.shape[0]}")
     if dl != d:
         raise ValueError(f"{OP}: q's last dim ({d}) and latent's ({dl}) must both be R + Dr")
-    rope_dim = int(rope_dim)
-    if not 0 <= rope_dim < d:
-        raise ValueError(f"{OP}: rope_dim={rope_dim} must lie in [0, {d}) (q's last dim "
-                         f"{d} = R + Dr)")
     if tq < 1 or h < 1 or s < 1:
         raise ValueError(f"{OP}: empty input: q {tuple(q.shape)}, latent {tuple(latent.shape)}")
-    if latent_scale is None:
-        if latent.dtype != q.dtype:
-            raise ValueError(f"{OP}: q {q.dtype} and latent {latent.dtype} must share one "
-                             f"dtype (or pass latent_scale with int8 / fp8 codes)")
-    else:
-        if not hasattr(latent_scale, "shape") or tuple(latent_scale.shape) != (b, s, 2):
-            raise ValueError(f"{OP}: latent_scale must be [B, S, 2] = {(b, s, 2)} (per token "
-                             f"c_KV's and k_rope's scale, kv_quant.quantize_latent), got "
-                             f"{tuple(getattr(latent_scale, 'shape', ()))}")
-        if jnp.dtype(latent_scale.dtype) not in SCALE_DTYPES:
-            raise ValueError(f"{OP}: latent_scale has dtype {latent_scale.dtype}, expected "
-                             f"float32 or float16")
-    if sm_scale is None or not float(sm_scale) > 0:
-        raise ValueError(f"{OP}: sm_scale must be a positive number, got {sm_scale}")
+    rope_dim = _check_latent(OP, "latent", q, latent, latent_scale, (b, s, 2), "[B, S, 2]",
+                             sm_scale, rope_dim)
     if not is_tracer(lengths):  # under jit the caller owns this check
         lens = jax.device_get(lengths)
         if lens.size and (lens.max() > s or lens.min() < 0):
@@ -460,24 +470,8 @@ def _validate_paged(q, latent_pages, block_tables, positions, sm_scale, latent_s
     if dl != d:
         raise ValueError(f"{op}: q's last dim ({d}) and latent_pages' ({dl}) must both be "
                          f"R + Dr")
-    rope_dim = int(rope_dim)
-    if not 0 <= rope_dim < d:
-        raise ValueError(f"{op}: rope_dim={rope_dim} must lie in [0, {d}) (q's last dim "
-                         f"{d} = R + Dr)")
-    if latent_scale is None:
-        if latent_pages.dtype != q.dtype:
-            raise ValueError(f"{op}: q {q.dtype} and latent_pages {latent_pages.dtype} must "
-                             f"share one dtype (or pass latent_scale with int8 / fp8 codes)")
-    else:
-        if tuple(getattr(latent_scale, "shape", ())) != (pages, page_size, 2):
-            raise ValueError(f"{op}: latent_scale must be [P, page_size, 2] = "
-                             f"{(pages, page_size, 2)}, got "
-                             f"{tuple(getattr(latent_scale, 'shape', ()))}")
-        if jnp.dtype(latent_scale.dtype) not in SCALE_DTYPES:
-            raise ValueError(f"{op}: latent_scale has dtype {latent_scale.dtype}, expected "
-                             f"float32 or float16")
-    if sm_scale is None or not float(sm_scale) > 0:
-        raise ValueError(f"{op}: sm_scale must be a positive number, got {sm_scale}")
+    rope_dim = _check_latent(op, "latent_pages", q, latent_pages, latent_scale,
+                             (pages, page_size, 2), "[P, page_size, 2]", sm_scale, rope_dim)
     if not is_tracer(block_tables) and block_tables.size:
         bt = jax.device_get(block_tables)
         if bt.min() < 0 or bt.max() >= pages:
