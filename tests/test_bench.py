@@ -29,6 +29,24 @@ def test_bench_a_checkpoint_on_cpu(capsys):
         assert r["bytes_per_step"] >= 4 * config.num_params()
 
 
+def test_bench_engine_replays_a_trace_on_an_mla_model(capsys):
+    """`jaxinfer bench --engine` on DeepSeek-V3's fixture (latent pages; a 64-token context:
+    the shared-prompt TTFT's system prompt shrinks to fit): the trace's tokens all come out,
+    and the static batches and the shared-prefix TTFT are reported, the prefix cache hit."""
+    assert cli.main(["bench", "--engine", "--model", str(HF / "deepseek_v3"), "--dtype",
+                     "float32", "--requests", "4", "--rate", "50", "--prompt-lens", "8", "24",
+                     "--output-lens", "4", "8", "--shared-len", "8", "--batch", "2",
+                     "--json"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    result = json.loads(out[-1])
+    assert result["trace"]["requests"] == 4 and result["trace"]["output_tokens"] >= 16
+    assert result["static"]["output_tokens"] == result["trace"]["output_tokens"]
+    shared = result["shared_prefix"]
+    assert shared["system_len"] == 48 and shared["on"]["hit_rate"] > 0.5
+    assert shared["off"]["hit_rate"] == 0
+    assert any(line.startswith("TTFT with a 48-token shared system prompt") for line in out)
+
+
 def test_decode_bytes_count_weights_once_and_valid_kv():
     cfg = PRESETS["llama3-8b"]
     one = bench.decode_bytes_per_step(cfg, batch=1, context=0)

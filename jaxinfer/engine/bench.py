@@ -118,10 +118,14 @@ def static_batches(model, trace: Trace, batch: int, progress: bool = True) -> di
 
 
 def shared_prefix_ttft(engine_factory, vocab: int, system_len: int = 2000,
-                       user_len: int = 64, requests: int = 8, seed: int = 1) -> dict:
+                       user_len: int = 64, requests: int = 8, seed: int = 1,
+                       max_model_len: int | None = None) -> dict:
     """Time to first token of requests sharing a system prompt, one at a time, with prefix
     caching on and off (the first request warms the cache and the compiles; the rest are
-    timed)."""
+    timed). A model of a shorter context (max_model_len) gets a system prompt of 3/4 of it."""
+    if max_model_len is not None and system_len + user_len + 1 > max_model_len:
+        system_len = max_model_len * 3 // 4
+        user_len = max(1, min(user_len, max_model_len - system_len - 1))
     rng = np.random.default_rng(seed)
     system = rng.integers(0, vocab, system_len).tolist()
     prompts = [system + rng.integers(0, vocab, user_len).tolist() for _ in range(requests + 1)]
@@ -141,6 +145,7 @@ def shared_prefix_ttft(engine_factory, vocab: int, system_len: int = 2000,
                 engine.step()
         out["on" if caching else "off"] = {"ttft_p50_s": _pct(times, 50),
                                            "hit_rate": engine.prefix_cache_hit_rate()}
+    out["system_len"] = system_len
     return out
 
 
@@ -191,7 +196,7 @@ def main(args, model, name: str) -> int:
         results["speedup"] = results["trace"]["tokens_per_s"] / results["static"]["tokens_per_s"]
         print(json.dumps({"static": results["static"]}), flush=True)
     results["shared_prefix"] = shared_prefix_ttft(
-        lambda **k: Engine(model, **{**kw, **k}), vocab)
+        lambda **k: Engine(model, **{**kw, **k}), vocab, max_model_len=engine.max_model_len)
     for line in report_lines(results):
         print(line)
     if args.json:
@@ -214,7 +219,7 @@ def report_lines(r: dict) -> list[str]:
                      f"{s['ttft_p50_s']:.3f} s p99 {s['ttft_p99_s']:.3f} s; engine / static = "
                      f"{r['speedup']:.2f}x")
     sp = r["shared_prefix"]
-    lines.append(f"TTFT with a 2000-token shared system prompt: prefix caching on "
+    lines.append(f"TTFT with a {sp['system_len']}-token shared system prompt: prefix caching on "
                  f"{sp['on']['ttft_p50_s']:.3f} s (hit rate {sp['on']['hit_rate']:.1%}), off "
                  f"{sp['off']['ttft_p50_s']:.3f} s")
     return lines
