@@ -8,6 +8,7 @@ import dataclasses
 import itertools
 import re
 
+import httpx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -616,3 +617,9 @@ def test_serve_speculative_equals_generate(tiny_chat, tiny_chat_dir):
         r = client.completions.create(model=str(tiny_chat_dir), prompt=ids, max_tokens=20,
                                       extra_body={"guided_regex": regex})
         assert re.fullmatch(regex, r.choices[0].text) and r.choices[0].finish_reason == "stop"
+        metrics = dict(line.split() for line in httpx.get(
+            url + "/metrics", headers={"Authorization": "Bearer test-key"}).text.splitlines()
+            if line.startswith("jaxinfer_spec_"))
+        # the model drafting for itself: its greedy drafts are accepted
+        assert 0 < float(metrics["jaxinfer_spec_accepted_tokens"]) \
+            <= float(metrics["jaxinfer_spec_draft_tokens"])

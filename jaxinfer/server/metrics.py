@@ -34,6 +34,12 @@ class Metrics:
             "jaxinfer_engine_generated_tokens": ("tokens the engine generated (aborted "
                                                  "requests' included)",
                                                  lambda: runner.stats.generated_tokens),
+            # speculative decoding (serve --speculative; zero without)
+            "jaxinfer_spec_draft_tokens": ("drafts verified", lambda: runner.stats.draft_tokens),
+            "jaxinfer_spec_accepted_tokens": ("drafts accepted",
+                                              lambda: runner.stats.accepted_tokens),
+            "jaxinfer_spec_plain_rounds": ("decode rounds without drafts (drafts mostly "
+                                           "rejected)", lambda: runner.stats.plain_rounds),
             "jaxinfer_engine_thread_cpu_seconds": ("CPU time of the engine process's thread "
                                                    "that steps the engine (its host work)",
                                                    lambda: runner.stats.thread_cpu_s),

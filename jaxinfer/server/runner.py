@@ -62,6 +62,9 @@ class Stats(NamedTuple):
     pages_in_use: int = 0
     prefix_cache_hit_rate: float = 0.0
     generated_tokens: int = 0
+    draft_tokens: int = 0  # speculative decoding: drafts verified, accepted, plain rounds
+    accepted_tokens: int = 0
+    plain_rounds: int = 0
     thread_cpu_s: float = 0.0  # the engine loop's thread (its host work)
     process_cpu_s: float = 0.0  # the whole engine process (JAX's threads too)
 
@@ -192,7 +195,9 @@ class EngineLoop:
         if now - self._cpu_read >= self.CPU_EVERY_S:  # a clock read per step showed up
             self._cpu, self._cpu_read = (time.thread_time(), time.process_time()), now
         return Stats(len(e.scheduler.running), len(e.scheduler.waiting), e.pool.in_use,
-                     e.prefix_cache_hit_rate(), e.stats["generated_tokens"], *self._cpu)
+                     e.prefix_cache_hit_rate(), e.stats["generated_tokens"],
+                     e.stats["draft_tokens"], e.stats["accepted_tokens"],
+                     e.stats["plain_rounds"], *self._cpu)
 
 
 # -------------------------------------------------------------------------------------------
