@@ -300,6 +300,13 @@ def test_engine_with_a_head_equals_generate(looping):
         engine.step()
     engine.abort(rid)
     assert engine.free_pages == engine.total_pages
+    # Alone, its rounds are generate's: verifications while the gain decays, then probes of
+    # one draft after 8, 16 and 32 plain rounds.
+    (want,) = jaxinfer.generate(looping, ["x"], max_new_tokens=96, chat=False,
+                                speculative=head, num_speculative_tokens=3)
+    (got,) = engine.run(["x"], max_tokens=96, chat=False)
+    assert got.token_ids == want.token_ids
+    assert (got.draft_tokens, got.accepted_tokens) == (want.draft_tokens, 0) == (3 * 3 + 3, 0)
     with pytest.raises(ValueError, match="made for another model"):
         _engine(looping, speculative=draft_head.init_eagle(
             from_params(looping.config, init_params(llama.param_specs(looping.config),

@@ -387,9 +387,12 @@ class Engine:
         if self.num_speculative_tokens:
             shapes += [("verify", b, self.num_speculative_tokens + 1, w)
                        for b in self.decode_buckets for w in widths]
+        if self._draft_adaptive and self.ngram is None:  # a draft model's or a head's probes
+            shapes += [("probe", b, 2, w) for b in self.decode_buckets for w in widths]
         # Rows with a grammar verify nothing: a head's plain step takes their masks.
         variants = [(shape, top, mask) for shape in shapes for top in tops for mask in masks
-                    if not (mask and shape[0] == "verify" and self.head is None)]
+                    if not (mask and shape[0] in ("verify", "probe")
+                            and (self.head is None or shape[0] == "probe"))]
         r = self.max_num_seqs
         words = -(-self.model.config.vocab_size // 32)
         dispatched = 0
@@ -424,29 +427,29 @@ class Engine:
                 self.state, new, _, _ = step_lib.verify_step(
                     self.params, self.state, None, rows, self.plan, **self._verify_args,
                     plain=True)
-            else:
+            else:  # a verification of c - 1 drafts, or a probe's of one
                 tokens = jnp.zeros((b, c), jnp.int32)
                 if self.draft is not None:
                     _, plan, dparams = self.draft
                     self.draft_cache, tokens, laws = step_lib.draft_step(
                         dparams, self.draft_cache, jnp.zeros((b, 2), jnp.int32), rows, plan,
-                        self.num_speculative_tokens, self._draft_laws)
+                        c - 1, self._draft_laws)
                     dispatched += 1
-                    if self._draft_adaptive:  # a plain round's first draft forward
+                    if self._draft_adaptive and kind == "verify":  # a plain round's
                         self.draft_cache, _, _ = step_lib.draft_step(
                             dparams, self.draft_cache, jnp.zeros((b, 2), jnp.int32), rows,
                             plan, 1)
                         dispatched += 1
                 if self.head is not None:  # the head drafts inside the verification
                     tokens = None
-                    if self._draft_adaptive:  # and its plain step
+                    if self._draft_adaptive and kind == "verify":  # and its plain step
                         self.state, new, _, _ = step_lib.verify_step(
                             self.params, self.state, tokens, rows, self.plan,
                             **self._verify_args, plain=True)
                         new.block_until_ready()
                         dispatched += 1
                 self.state, new, _, _ = step_lib.verify_step(
-                    self.params, self.state, tokens, rows, self.plan, **self._verify_args,
+                    self.params, self.state, tokens, rows, self.plan, **self._head_k(c - 1),
                     **self._laws_arg(laws if self.draft is not None else None))
             new.block_until_ready()
             dispatched += 1
@@ -755,7 +758,9 @@ class Engine:
         from jaxinfer.speculative import ngram_drafts_host
 
         reqs = [row.request for row in rows]
-        k = self.num_speculative_tokens
+        # a draft model's or a head's round: plain, a probe (one draft) or a verification
+        kind = "plain" if plain else (self._round(reqs) if self.ngram is None else "verify")
+        k = 1 if kind == "probe" else self.num_speculative_tokens
         b = _bucket(len(rows), self.decode_buckets)
         width = self._width(len(r.pages) for r in reqs)
         positions = np.array([row.position for row in rows] + [-1] * (b - len(rows)), np.int32)
@@ -766,7 +771,7 @@ class Engine:
             for i, req in enumerate(reqs):
                 last_two[i] = req.tokens()[-2:]  # a decode row has >= 1 prompt + 1 output
             _, plan, params = self.draft
-            if plain or self._rejected(reqs):
+            if kind == "plain":
                 # A plain step; the draft model's first forward only, so that its pages
                 # hold this step's tokens.
                 self.draft_cache, _, _ = step_lib.draft_step(
@@ -786,39 +791,44 @@ class Engine:
             for i, (req, (draft, _)) in enumerate(zip(reqs, drafts)):
                 tokens[i] = [req.tokens()[-1]] + draft
             tokens = jnp.asarray(tokens)
-        plain = self.head is not None and (plain or self._rejected(reqs))
+        plain = self.head is not None and kind == "plain"
         # (plain passed only when set: a jit keyed as warmup's calls)
         self.state, new, logprobs, top = step_lib.verify_step(
-            self.params, self.state, tokens, batch, self.plan, **self._verify_args,
+            self.params, self.state, tokens, batch, self.plan, **self._head_k(k),
             **({"plain": True} if plain else {}), **self._laws_arg(laws))
         for req in reqs:
             req.inflight += 1
         t = new.shape[1]
         tops = [None] * t if top is None else [(top[0][:, j], top[1][:, j]) for j in range(t)]
         # per column [B], as decode (a head's plain step: one column, a decode)
-        return ("decode" if plain else "verify", reqs, list(new.T), list(logprobs.T), tops)
+        return ("decode" if plain else kind, reqs, list(new.T), list(logprobs.T), tops)
+
+    def _head_k(self, k: int) -> dict:
+        """verify_step's head arguments with k drafts (none without a head)."""
+        return dict(self._verify_args, k=k) if self.head is not None else {}
 
     @staticmethod
     def _laws_arg(laws) -> dict:
         """verify_step's draft_laws, passed only when set (a jit keyed as warmup's calls)."""
         return {} if laws is None else {"draft_laws": laws}
 
-    def _rejected(self, reqs) -> bool:
-        """Whether this round is a plain step: every row's recent drafts mostly rejected (as
-        generate's rounds: the drafter's min_gain), and no probe due (a probe that finds them
-        still rejected doubles the wait for the next, up to MAX_PROBE). Counts the round."""
+    def _round(self, reqs) -> str:
+        """This round of a draft model or a head, as generate's: "verify" while some row's
+        recent drafts were accepted (the drafter's min_gain), else "plain", with a "probe"
+        (one draft) when due (a probe that finds them still rejected doubles the wait for the
+        next, up to MAX_PROBE). Counts the round."""
         from jaxinfer.speculative import MAX_PROBE, PROBE
 
         if not self._draft_adaptive or any(
                 r.draft_gain is None or r.draft_gain >= self._min_gain for r in reqs):
             self._idle, self._patience = 0, PROBE
-            return False
-        if self._idle >= self._patience:  # a probe
+            return "verify"
+        if self._idle >= self._patience:
             self._idle, self._patience = 0, min(2 * self._patience, MAX_PROBE)
-            return False
+            return "probe"
         self._idle += 1
         self.stats["plain_rounds"] += 1
-        return True
+        return "plain"
 
     # -- outputs ------------------------------------------------------------------------------
 
@@ -850,12 +860,15 @@ class Engine:
                 drafted = accepted = 0
                 if self.num_speculative_tokens:
                     req.scheduled = len(req.output)  # the scheduler counted K + 1
-                if kind == "verify":  # as generate: drafts cut by a stop or the budget
-                    drafted = self.num_speculative_tokens  # do not count (min(a, emitted))
+                if kind in ("verify", "probe"):  # as generate: drafts cut by a stop or the
+                    k = self.num_speculative_tokens  # budget do not count (min(a, emitted))
+                    drafted = new.shape[1] - 1  # the dispatch's: K, or a probe's one
                     hits = int(kept.sum()) - 1  # drafts the verification accepted
                     accepted = min(hits, len(got))
-                    gain = drafted if req.draft_gain is None else req.draft_gain
-                    req.draft_gain = 0.5 * gain + 0.5 * hits
+                    gain = k if req.draft_gain is None else req.draft_gain
+                    # a probe's hit counts as a round of K accepted drafts (generate's rule)
+                    req.draft_gain = 0.5 * gain + 0.5 * (k if kind == "probe" and hits
+                                                         else hits)
                     self.stats["draft_tokens"] += drafted
                     self.stats["accepted_tokens"] += accepted
                 if req.first_token_time is None and got:
