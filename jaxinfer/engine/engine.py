@@ -106,9 +106,9 @@ class Engine:
     feature head: "head" (the EAGLE head saved beside the model), "mtp" (DeepSeek-V3's
     module from its checkpoint) or a `draft_head.FeatureHead` (its one layer's K/V or latent
     and the target's features in pages at the target's page indices, step.HeadPages, so
-    prefix-cache hits and chunked prefills carry them): num_speculative_tokens drafts per decode row, verified in one step (the same
-    tokens as without); a speculative step's tokens are read before the next is dispatched
-    (the next positions depend on them).
+    prefix-cache hits and chunked prefills carry them): num_speculative_tokens drafts per
+    decode row, verified in one step (the same tokens as without); a speculative step's
+    tokens are read before the next is dispatched (the next positions depend on them).
     """
 
     def __init__(self, model, *, max_num_seqs: int | None = None, page_size: int | None = None,
