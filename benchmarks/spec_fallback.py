@@ -1,7 +1,7 @@
 """What rejected drafts cost: plain greedy `generate` against speculation whose drafts are
 never accepted (a random, untrained EAGLE head, over the whole vocabulary and over a draft
-vocabulary), with the fallback to plain rounds and without it, plus prompt lookup, on a random-weights preset (issue 38's "no slowdown when drafts are
-rejected"). Wall time per token of one generate call (median of 3 after a compiling run); the
+vocabulary), with the fallback to plain rounds and without it, plus prompt lookup, on a
+random-weights preset (issue 38's "no slowdown when drafts are rejected"). Wall time per token of one generate call (median of 3 after a compiling run); the
 speculative runs' acceptance counts, and whether their tokens are plain greedy's (on a GPU
 under the default policy near-tied bf16 logits of a random model may pick another token in a
 T = K + 1 forward than in a T = 1 one; `--policy deterministic` is the bitwise mode).

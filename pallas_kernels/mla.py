@@ -479,11 +479,11 @@ def _validate_paged(q, latent_pages, block_tables, positions, sm_scale, latent_s
                              f"holds {pages} pages), got min {bt.min()} max {bt.max()}")
     if not is_tracer(positions) and positions.size:
         pos = jax.device_get(positions)
-        if pos.min() < -1 or pos.max() >= block_tables.shape[1] * page_size:
-            raise ValueError(f"{op}: positions must lie in [-1, {block_tables.shape[1] * page_size})"
-                             f" (-1: a padding query; the tables hold "
-                             f"{block_tables.shape[1] * page_size} slots), got min {pos.min()} "
-                             f"max {pos.max()}")
+        slots = block_tables.shape[1] * page_size
+        if pos.min() < -1 or pos.max() >= slots:
+            raise ValueError(f"{op}: positions must lie in [-1, {slots}) (-1: a padding query; "
+                             f"the tables hold {slots} slots), got min {pos.min()} max "
+                             f"{pos.max()}")
     return d - rope_dim, rope_dim
 
 
