@@ -6,9 +6,10 @@
 
 1. Passages: prose paragraphs of this checkout's Markdown, of the installed Python
    packages' long descriptions and of Python's reference manual (pydoc_data), plus
-   `--generated` paragraphs the model writes itself (a sampled answer to "Write a short paragraph about WORD." for words of its own vocabulary:
-   a GPU machine's prose gave only 174 paragraphs, and a head trained ~118 times over their
-   transcripts memorized them, 1.2 tokens per verification on unseen text). Each passage is
+   `--generated` paragraphs the model writes itself (a sampled answer to "Write a short
+   paragraph about WORD." for words of its own vocabulary: a GPU machine's prose gave only
+   174 paragraphs, and a head trained ~118 times over their transcripts memorized them, 1.2
+   tokens per verification on unseen text). Each passage is
    wrapped in the bench's kinds of input-grounded asks (copy-edit a word, summarize, rewrite
    for a beginner), `--prompts` of them drawn, chat-templated.
 2. The model answers them greedily (`generate`, batches of 128): the head learns what the
