@@ -521,9 +521,10 @@ def test_engine_speculative_warmup_top_logprobs_and_grammar(looping, drafter):
     greedy = SamplingParams(temperature=0.0)
     top = SamplingParams(temperature=0.0, logprobs=True, top_logprobs=3)
     # Two requests: rows of 1 and 2 are every shape serving them takes (4 would be warmed up
-    # and never met). A draft model's pages take as many bytes again: twice the memory keeps
-    # the target's pool (and so its prefill and decode programs) the plain engine's.
-    small = dict(max_model_len=64, max_num_seqs=2, max_prefill_rows=2)
+    # and never met), and chunks of 16 tokens (the 20-token prompt takes two) the one chunk
+    # length. A draft model's pages take as many bytes again: twice the memory keeps the
+    # target's pool (and so its prefill and decode programs) the plain engine's.
+    small = dict(max_model_len=64, max_num_seqs=2, max_prefill_rows=2, chunk_size=16)
     engine = _engine(looping, speculative=spec_arg, num_speculative_tokens=2,
                      pages=128 if drafter == "self" else 64, **small)
     engine.warmup([greedy, top], structured=True)
