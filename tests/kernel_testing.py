@@ -2,6 +2,8 @@
 Pallas kernels a function runs (read from its jaxpr)."""
 
 import collections
+import functools
+import math
 
 import jax
 import jax.extend  # the jaxpr types below (jax itself does not import jax.extend)
@@ -9,9 +11,24 @@ import jax.numpy as jnp
 import numpy as np
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def _normal_draw(seed: jax.Array, length: int) -> jax.Array:
+    return jax.random.normal(jax.random.PRNGKey(seed), (length,), jnp.float32)
+
+
 def normal(seed: int, shape, dtype, scale=1.0):
-    """Standard normal values (times `scale`) drawn in float32, then cast to `dtype`."""
-    return (scale * jax.random.normal(jax.random.PRNGKey(seed), shape, jnp.float32)).astype(dtype)
+    """Standard normal values (times `scale`) drawn in float32, then cast to `dtype`: the
+    values of (scale * jax.random.normal(PRNGKey(seed), shape)).astype(dtype), bit for bit.
+    Threefry's counters make a shape's draw the first values of a longer flat draw of the
+    same key, so one sampler per power-of-two length is compiled (not one per shape, with a
+    multiply and a cast each); the scale and the cast are numpy's (the same IEEE float32
+    product, the same round-to-nearest-even cast)."""
+    n = math.prod(shape)
+    if not 0 <= seed < 2**31:
+        return (scale * jax.random.normal(jax.random.PRNGKey(seed), shape, jnp.float32)
+                ).astype(dtype)
+    flat = np.asarray(_normal_draw(np.int32(seed), max(1024, 1 << max(n - 1, 0).bit_length())))
+    return jnp.asarray((np.float32(scale) * flat[:n]).astype(jnp.dtype(dtype)).reshape(shape))
 
 
 def rel_err(out, ref) -> float:

@@ -251,12 +251,13 @@ def test_plain_rounds_skip_the_head_and_its_probe_catches_up(trained):
                              speculative=dataclasses.replace(result.head, min_gain=1e9))
     assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
     params = run_params(peaked, peaked.plan)
+    # jitted, as training runs it (one program per length instead of each op compiled alone)
+    teacher_forced = jax.jit(train_draft.teacher_forced, static_argnames="spec")
     want = []
     for prompt, c in zip(prompts, plain):
         seq = jnp.asarray([prompt + c.token_ids], jnp.int32)
         f, _ = train_draft.target_features(params, seq, peaked.plan)
-        logits, _ = train_draft.teacher_forced(result.head.params, params, seq, f,
-                                               spec=result.head.spec)
+        logits, _ = teacher_forced(result.head.params, params, seq, f, spec=result.head.spec)
         draft, seq = np.asarray(jnp.argmax(logits[0], -1)), np.asarray(seq[0])
         # the batch's rounds: probes after 8, 16, 32 plain rounds (a hit: two tokens)
         p, count, idle, patience, hits, probes = len(prompt), 1, 0, speculative.PROBE, 0, 0

@@ -302,8 +302,8 @@ def test_warmup_compiles_every_shape_serving_needs(tiny_chat):
     from jaxinfer.engine import step
 
     model = tiny_chat
-    engine = _engine(model, max_model_len=64)
-    assert engine.warmup() == 9  # prefill rows 1/2/4 x chunks 16/32, decode rows 1/2/4
+    engine = _engine(model, max_model_len=64, chunk_size=16)  # chunks of 16: one length
+    assert engine.warmup() == 6  # prefill rows 1/2/4 x chunks of 16, decode rows 1/2/4
     assert engine.free_pages == engine.total_pages  # padding rows took no page
     compiled = step.prefill_step._cache_size() + step.decode_step._cache_size()
     reqs = [(p, SamplingParams(temperature=0.0), n) for p, _, n in _requests(model, 6, seed=4)
@@ -323,8 +323,8 @@ def test_warmup_structured_compiles_the_masked_programs(tiny_chat):
     from jaxinfer.engine import step
     from jaxinfer.structured import Grammar
 
-    engine = _engine(tiny_chat, max_model_len=64)
-    assert engine.warmup(structured=True) == 18  # each of the 9 shapes with and without
+    engine = _engine(tiny_chat, max_model_len=64, chunk_size=16)  # as the test above
+    assert engine.warmup(structured=True) == 12  # each of the 6 shapes with and without
     compiled = step.prefill_step._cache_size() + step.decode_step._cache_size()
     engine.add_request([5, 6, 7], max_tokens=8,
                        grammar=Grammar.regex(tiny_chat.tokenizer, "(yes|no), [0-9]{2,4}"))

@@ -300,8 +300,11 @@ def test_rejection_sampling_follows_the_target_law(drafter, where):
                                 sampling=SamplingParams(temperature=1.0), seed=11,
                                 speculative=spec_arg, num_speculative_tokens=2)
     else:  # request i's seed 11 + i; rows of one verification drawn apart
+        # Prompts prefilled 64 rows a dispatch (~100 engine steps, not ~1500 of 4 rows): a
+        # request's draws follow its keys alone, so the same tokens.
         engine = jaxinfer.Engine(target, max_num_seqs=512, page_size=8, max_model_len=16,
-                                 speculative=spec_arg, num_speculative_tokens=2)
+                                 max_prefill_rows=64, speculative=spec_arg,
+                                 num_speculative_tokens=2)
         out = engine.run([prompt] * n, sampling=SamplingParams(temperature=1.0),
                          max_tokens=3, seed=11)
     tokens = np.array([c.token_ids for c in out])  # [N, 3]: prefill's token, then the round's
@@ -313,7 +316,8 @@ def test_rejection_sampling_follows_the_target_law(drafter, where):
         plain = jaxinfer.generate(target, [prompt] * 64, max_new_tokens=3,
                                   sampling=SamplingParams(temperature=1.0), seed=11)
     else:
-        plain = jaxinfer.Engine(target, max_num_seqs=64, page_size=8, max_model_len=16).run(
+        plain = jaxinfer.Engine(target, max_num_seqs=64, page_size=8, max_model_len=16,
+                                max_prefill_rows=64).run(
             [prompt] * 64, sampling=SamplingParams(temperature=1.0), max_tokens=3, seed=11)
     assert (np.array([c.token_ids for c in plain]) != tokens[:64]).any()
 
@@ -521,9 +525,10 @@ def test_engine_speculative_warmup_top_logprobs_and_grammar(looping, drafter):
     greedy = SamplingParams(temperature=0.0)
     top = SamplingParams(temperature=0.0, logprobs=True, top_logprobs=3)
     # Two requests: rows of 1 and 2 are every shape serving them takes (4 would be warmed up
-    # and never met). A draft model's pages take as many bytes again: twice the memory keeps
-    # the target's pool (and so its prefill and decode programs) the plain engine's.
-    small = dict(max_model_len=64, max_num_seqs=2, max_prefill_rows=2)
+    # and never met), and chunks of 16 tokens (the 20-token prompt takes two) the one chunk
+    # length. A draft model's pages take as many bytes again: twice the memory keeps the
+    # target's pool (and so its prefill and decode programs) the plain engine's.
+    small = dict(max_model_len=64, max_num_seqs=2, max_prefill_rows=2, chunk_size=16)
     engine = _engine(looping, speculative=spec_arg, num_speculative_tokens=2,
                      pages=128 if drafter == "self" else 64, **small)
     engine.warmup([greedy, top], structured=True)
