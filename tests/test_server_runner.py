@@ -31,7 +31,8 @@ class HeldEngine:
         self.go_add, self.go_step = threading.Event(), threading.Event()
         self.scheduler = types.SimpleNamespace(running=[], waiting=[])
         self.pool = types.SimpleNamespace(in_use=0)
-        self.stats = {"generated_tokens": 0}
+        self.stats = {"generated_tokens": 0, "draft_tokens": 0, "accepted_tokens": 0,
+                      "plain_rounds": 0}
 
     def prefix_cache_hit_rate(self):
         return 0.0
