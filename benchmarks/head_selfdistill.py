@@ -29,6 +29,7 @@ transcripts, not the model.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
 import json
 import os
@@ -84,22 +85,59 @@ def vocabulary_words(tokenizer, limit: int, rng) -> list[str]:
     return [words[i] for i in rng.permutation(len(words))[:limit]]
 
 
-def written_paragraphs(model, limit: int, rng, batch: int = 128) -> list[str]:
+def written_paragraphs(model, limit: int, rng, batch: int = 128):
     """Paragraphs the model writes, sampled (temperature 0.8, top-p 0.95), about `limit` words
-    of its vocabulary; those of 40-160 words kept."""
+    of its vocabulary: (those of 40-160 words, every transcript: prompt + answer ids)."""
     import jaxinfer
+    from jaxinfer import prompts as prompts_lib
 
     topics = vocabulary_words(model.tokenizer, limit, rng)
-    asks_ = [f"Write a short paragraph about {w}." for w in topics]
+    ids = prompts_lib.encode(model.tokenizer, [f"Write a short paragraph about {w}."
+                                               for w in topics], True, model.config.vocab_size)
     sampling = jaxinfer.SamplingParams(temperature=0.8, top_p=0.95)
-    out = []
-    for s in range(0, len(asks_), batch):
-        for c in jaxinfer.generate(model, asks_[s:s + batch], max_new_tokens=160,
-                                   sampling=sampling, seed=s):
+    out, chats = [], []
+    for s in range(0, len(ids), batch):
+        for i, c in zip(ids[s:s + batch], jaxinfer.generate(model, ids[s:s + batch],
+                                                            max_new_tokens=160,
+                                                            sampling=sampling, seed=s)):
+            chats.append(i + c.token_ids)
             text = re.sub(r"\s+", " ", c.text).strip()
             if 40 <= len(text.split()) <= 160:
                 out.append(text)
-    return out
+    return out, chats
+
+
+def held_out_agreement(model, head, chats, prompt_lens, seq_len: int, batch: int = 16):
+    """The head's top-1 agreement with the target on transcripts' answer tokens, teacher-forced
+    as training measures it (its first draft's hit rate): row i drafts token i + 1, and the
+    answer's first token is the target's own, so rows from the prompt's length on count."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxinfer import train_draft
+    from jaxinfer.generate import run_params
+
+    params = run_params(model, model.plan)
+
+    @jax.jit
+    def drafted(tokens):  # [B, T] -> the head's and the target's next tokens [B, T]
+        f, p = train_draft.target_features(params, tokens, model.plan)
+        logits, _ = train_draft.teacher_forced(head.params, params, tokens,
+                                               f.astype(jnp.float32), head.spec)
+        return jnp.argmax(logits, -1), jnp.argmax(p, -1)
+
+    hits = total = 0
+    for s in range(0, len(chats), batch):
+        group = [c[:seq_len] for c in chats[s:s + batch]]
+        tokens = np.zeros((batch, seq_len), np.int32)
+        for r, c in enumerate(group):
+            tokens[r, :len(c)] = c
+        d, w = map(np.asarray, drafted(jnp.asarray(tokens)))
+        for r, (c, n) in enumerate(zip(group, prompt_lens[s:s + batch])):
+            rows = np.arange(n, len(c) - 1)
+            hits += int((d[r, rows] == w[r, rows]).sum())
+            total += len(rows)
+    return hits / max(total, 1)
 
 
 def asks(paras: list[str], limit: int, rng) -> list[str]:
@@ -122,6 +160,8 @@ def main(argv=None) -> int:
     ap.add_argument("--generated", type=int, default=1024,
                     help="paragraphs the model writes (about words of its vocabulary)")
     ap.add_argument("--gen-len", type=int, default=192)
+    ap.add_argument("--gen-batch", type=int, default=128, help="prompts per generate call")
+    ap.add_argument("--ks", default="3,5", help="drafts per verification to measure")
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=512)
@@ -139,37 +179,49 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     model = jaxinfer.load(args.model)
     found = paragraphs(args.prompts, rng)
-    written = written_paragraphs(model, args.generated, rng) if args.generated else []
+    written, chats = (written_paragraphs(model, args.generated, rng, args.gen_batch)
+                      if args.generated else ([], []))
     texts = asks(found + written, args.prompts, rng)
     ids = prompts_lib.encode(model.tokenizer, texts, True, model.config.vocab_size)
-    chats = []
-    for s in range(0, len(ids), 128):
-        outs = jaxinfer.generate(model, ids[s:s + 128], max_new_tokens=args.gen_len)
-        chats += [i + o.token_ids for i, o in zip(ids[s:s + 128], outs)]
+    asked = []
+    for s in range(0, len(ids), args.gen_batch):
+        outs = jaxinfer.generate(model, ids[s:s + args.gen_batch], max_new_tokens=args.gen_len)
+        asked += [i + o.token_ids for i, o in zip(ids[s:s + args.gen_batch], outs)]
+    # held out: the last asks' transcripts (never trained on), for the head's agreement there
+    held = min(64, len(asked) // 20)
+    held_chats, held_lens = asked[len(asked) - held:], [len(i) for i in ids[len(asked) - held:]]
+    chats += asked[:len(asked) - held]  # the written paragraphs' transcripts train too
     lens = [len(c) for c in chats]
     data = np.asarray([t for c in chats for t in c], np.int32)
     starts = np.cumsum([0] + lens[:-1])
     t_data = time.perf_counter() - t0
     passes = args.steps * args.batch * args.seq_len / len(data)
     print(f"{len(found)} paragraphs found, {len(written)} written; {len(texts)} prompts, "
-          f"{len(data)} tokens of transcripts (longest {max(lens)}) in {t_data:.0f} s; "
-          f"training reads ~{passes:.1f} passes over them", flush=True)
+          f"{len(chats)} transcripts, {len(data)} tokens (longest {max(lens)}) in "
+          f"{t_data:.0f} s; {held} held out; training reads ~{passes:.1f} passes", flush=True)
     res = train_draft.train(model, data, args.steps, lr=args.lr, seq_len=args.seq_len,
                             batch=args.batch, progress=False, starts=starts,
                             draft_vocab=args.draft_vocab)
     draft_head.save(res.head, args.out)
     tail = max(1, args.steps // 10)
     t_train = time.perf_counter() - t0 - t_data
+    trained_lens = [len(i) for i in ids[:held]]  # the first asks: trained on
     summary = {"paragraphs": len(found), "written": len(written), "prompts": len(texts),
                "tokens": int(len(data)), "passes": passes, "steps": args.steps,
                "loss_first": res.losses[0], "loss_last": float(np.mean(res.losses[-tail:])),
-               "top1_last": float(np.mean(res.accuracy[-tail:])), "data_s": t_data,
-               "train_s": t_train}
+               "top1_last": float(np.mean(res.accuracy[-tail:])),
+               "answer_top1_trained": held_out_agreement(model, res.head, asked[:held],
+                                                         trained_lens, args.seq_len),
+               "answer_top1_held_out": held_out_agreement(model, res.head, held_chats,
+                                                          held_lens, args.seq_len),
+               "data_s": t_data, "train_s": t_train}
     print(json.dumps(summary), flush=True)
     rows = [summary]
     head = draft_head.load(args.out, model)
-    for name, drafter in (("head", head), ("ngram", "ngram")):
-        for k in (3, 5):
+    # every round verifying: the acceptance length; with the fallback: what a user gets
+    for name, drafter in (("head", dataclasses.replace(head, adaptive=False)),
+                          ("head, fallback", head), ("ngram", "ngram")):
+        for k in (int(k) for k in args.ks.split(",")):
             for task in speculative_bench.TASKS:
                 a = speculative_bench.acceptance(model, drafter, k, task, 160)
                 a.update(method=name)

@@ -36,6 +36,9 @@ def main(argv=None) -> int:
     ap.add_argument("--policy", default="default", choices=sorted(POLICIES))
     ap.add_argument("--draft-vocab", type=int, default=32768,
                     help="the draft-vocabulary head's tokens")
+    ap.add_argument("--verify-ks", default="",
+                    help="more K (e.g. 3,5): the draft-vocabulary head, every round verifying, "
+                         "at each (a verification's cost in decode steps at that K)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     dtype = "bfloat16" if jax.default_backend() == "gpu" else "float32"
@@ -59,14 +62,18 @@ def main(argv=None) -> int:
     plain_s, plain = timed()
     rows = [{"method": "plain", "ms_per_token": plain_s * 1e3 / args.new}]
     print(f"{args.preset} plain: {rows[0]['ms_per_token']:.3f} ms/token", flush=True)
-    for name, spec in (("head, fallback", head),
-                       ("head, every round verifies", dataclasses.replace(head, adaptive=False)),
-                       (f"head {n} tokens, fallback", small),
-                       (f"head {n} tokens, every round verifies",
-                        dataclasses.replace(small, adaptive=False)),
-                       ("ngram", "ngram")):
-        s, out = timed(speculative=spec, num_speculative_tokens=args.k)
-        row = {"method": name, "ms_per_token": s * 1e3 / args.new, "vs_plain": plain_s / s,
+    every = dataclasses.replace(small, adaptive=False)
+    extra = [int(k) for k in args.verify_ks.split(",") if k]
+    for name, spec, k in (("head, fallback", head, args.k),
+                          ("head, every round verifies", dataclasses.replace(head, adaptive=False),
+                           args.k),
+                          (f"head {n} tokens, fallback", small, args.k),
+                          (f"head {n} tokens, every round verifies", every, args.k),
+                          ("ngram", "ngram", args.k),
+                          *((f"head {n} tokens, every round verifies, K={k}", every, k)
+                            for k in extra)):
+        s, out = timed(speculative=spec, num_speculative_tokens=k)
+        row = {"method": name, "k": k, "ms_per_token": s * 1e3 / args.new, "vs_plain": plain_s / s,
                "drafted": out.draft_tokens, "accepted": out.accepted_tokens,
                "same_tokens": out.token_ids == plain.token_ids}
         rows.append(row)

@@ -69,9 +69,11 @@ class Completion:
     finish_reason: str  # "stop" (EOS, stop token or stop string) or "length"
     logprobs: list[float] | None = None
     prompt_tokens: int = 0  # the prompt's length in tokens (after the chat template)
-    # With speculative decoding: drafts proposed to this request, and those accepted.
+    # With speculative decoding: drafts proposed to this request, those accepted, and the
+    # rounds that verified drafts (a probe drafts 1 token, a verification K).
     draft_tokens: int | None = None
     accepted_tokens: int | None = None
+    verifications: int | None = None
 
 
 def bucket(n: int, buckets: Sequence[int]) -> int:

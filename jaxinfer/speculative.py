@@ -133,6 +133,7 @@ class SpecState:
     head: HeadState | None  # a feature head's state (None for the other drafters)
     drafted: jax.Array  # [B] int32: drafts proposed to the row
     accepted: jax.Array  # [B] int32: drafts accepted (emitted as they were proposed)
+    verified: jax.Array  # [B] int32: rounds that verified drafts for the row (probes too)
     gain: jax.Array  # [B] float32: drafts accepted per verification, recent rounds weighted
     idle: jax.Array  # [] int32: plain rounds since the last verification (MIN_GAIN)
     patience: jax.Array  # [] int32: plain rounds before the next probe (PROBE .. MAX_PROBE)
@@ -364,6 +365,7 @@ def _record_round(state: SpecState, tokens: jax.Array, lps: jax.Array, a: jax.Ar
         gain = jnp.where(d.done, gain, 0.5 * gain + 0.5 * a.astype(jnp.float32))
     return state.replace(decode=decode, count=count, history=history,
                          drafted=state.drafted + jnp.where(d.done, 0, t - 1),
+                         verified=state.verified + jnp.where(d.done, 0, int(t > 1)),
                          accepted=state.accepted + jnp.minimum(a, emitted), gain=gain)
 
 
@@ -657,7 +659,7 @@ def _run_prefill(model, sreq: _SpecRequest, progress: bool) -> SpecState:
                              req.plan, sreq.drafter, sreq.k)
     return SpecState(decode=state, count=count, history=history, draft_cache=draft_cache,
                      head=head, drafted=jnp.zeros((b,), jnp.int32),
-                     accepted=jnp.zeros((b,), jnp.int32),
+                     accepted=jnp.zeros((b,), jnp.int32), verified=jnp.zeros((b,), jnp.int32),
                      gain=jnp.full((b,), float(sreq.k), jnp.float32),
                      idle=jnp.zeros((), jnp.int32), patience=jnp.full((), PROBE, jnp.int32))
 
@@ -667,13 +669,15 @@ def _results(model, sreq: _SpecRequest, state: SpecState) -> list[Completion]:
     out = np.asarray(state.decode.output)
     lps = np.asarray(state.decode.logprobs)
     drafted, accepted = np.asarray(state.drafted), np.asarray(state.accepted)
+    verified = np.asarray(state.verified)
     results = []
     for row, sp in enumerate(req.sampling):
         n = int((out[row] >= 0).sum())
         done = _finish(model, out[row, :n].tolist(), lps[row, :n].tolist(), req.stop_ids,
                            req.stop_strings, sp.logprobs, len(req.ids[row]))
         results.append(dataclasses.replace(done, draft_tokens=int(drafted[row]),
-                                           accepted_tokens=int(accepted[row])))
+                                           accepted_tokens=int(accepted[row]),
+                                           verifications=int(verified[row])))
     return results
 
 
@@ -732,7 +736,8 @@ def pieces(model, sreq: _SpecRequest, progress: bool, out, t0: float) -> Iterato
                 out.completion = dataclasses.replace(
                     _finish(model, ids, lps, req.stop_ids, req.stop_strings, want_logprobs,
                             len(req.ids[0])),
-                    draft_tokens=int(state.drafted[0]), accepted_tokens=int(state.accepted[0]))
+                    draft_tokens=int(state.drafted[0]), accepted_tokens=int(state.accepted[0]),
+                    verifications=int(state.verified[0]))
             if piece:
                 yield piece
             if stopped or last:

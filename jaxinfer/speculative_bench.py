@@ -95,9 +95,10 @@ def acceptance(model, speculative, k: int, task: str, gen_len: int) -> dict:
     if spec.token_ids != plain.token_ids:
         raise RuntimeError("speculative greedy tokens differ from plain greedy tokens")
     # The prefill's token is no round's; a verification yields its accepted drafts + 1, a
-    # plain step (no n-gram match) 1, except a last round cut by a stop token or the budget
-    # in its accepted drafts (no + 1): the count of plain steps may be one short.
-    verifications = spec.draft_tokens // k
+    # plain step (no n-gram match, or a fallback round) 1, except a last round cut by a stop
+    # token or the budget in its accepted drafts (no + 1): the count of plain steps may be
+    # one short.
+    verifications = spec.verifications
     plain_steps = max(0, len(spec.token_ids) - 1 - spec.accepted_tokens - verifications)
     return {"task": task, "k": k, "new_tokens": len(spec.token_ids),
             "drafted": spec.draft_tokens, "accepted": spec.accepted_tokens,

@@ -67,6 +67,7 @@ def test_random_head_is_lossless_greedy_and_sampled(looping):
     (s,) = jaxinfer.generate(looping, PROMPTS[:1], max_new_tokens=96, chat=False,
                              speculative=head, num_speculative_tokens=3)
     assert len(s.token_ids) == 96 and (s.draft_tokens, s.accepted_tokens) == (3 * 3 + 3, 0)
+    assert s.verifications == 3 + 3  # the 3 verifications and the 3 probes
     kw = dict(max_new_tokens=16, chat=False, sampling=MIXED, seed=5)
     plain = jaxinfer.generate(looping, PROMPTS, **kw)
     spec = jaxinfer.generate(looping, PROMPTS, speculative=head, num_speculative_tokens=3, **kw)
