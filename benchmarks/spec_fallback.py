@@ -39,6 +39,7 @@ def main(argv=None) -> int:
     ap.add_argument("--verify-ks", default="",
                     help="more K (e.g. 3,5): the draft-vocabulary head, every round verifying, "
                          "at each (a verification's cost in decode steps at that K)")
+    ap.add_argument("--no-ngram", action="store_true", help="skip prompt lookup")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     dtype = "bfloat16" if jax.default_backend() == "gpu" else "float32"
@@ -72,6 +73,8 @@ def main(argv=None) -> int:
                           ("ngram", "ngram", args.k),
                           *((f"head {n} tokens, every round verifies, K={k}", every, k)
                             for k in extra)):
+        if name == "ngram" and args.no_ngram:
+            continue
         s, out = timed(speculative=spec, num_speculative_tokens=k)
         row = {"method": name, "k": k, "ms_per_token": s * 1e3 / args.new, "vs_plain": plain_s / s,
                "drafted": out.draft_tokens, "accepted": out.accepted_tokens,
