@@ -16,6 +16,9 @@
    model itself writes after such prompts, the text it will draft.
 3. `train_draft.train` with windows at each transcript's start (prompt + answer: the features
    drafting reads), AdamW, `--steps` steps of `--batch` windows of `--seq-len` tokens.
+   The asks of some passages are held out whole: the head's teacher-forced agreement with
+   the model on their answers (its first draft's hit rate on unseen text) beside the same
+   on transcripts it trained on.
 4. `speculative_bench.acceptance` on the bench's held-out passage (not among the paragraphs:
    it lives in jaxinfer/speculative_bench.py), edit and summarize, K = 3 and 5, for the head
    and for n-gram lookup: tokens per verification, drafts accepted, the wall-time ratio (the
@@ -181,16 +184,19 @@ def main(argv=None) -> int:
     found = paragraphs(args.prompts, rng)
     written, chats = (written_paragraphs(model, args.generated, rng, args.gen_batch)
                       if args.generated else ([], []))
-    texts = asks(found + written, args.prompts, rng)
-    ids = prompts_lib.encode(model.tokenizer, texts, True, model.config.vocab_size)
+    # held out: every ask of some found passages (never trained on, nor their passage under
+    # another ask), for the head's agreement on unseen text
+    held_paras = found[len(found) - min(16, len(found) // 10):]
+    texts = asks(found[:len(found) - len(held_paras)] + written, args.prompts, rng)
+    held_texts = asks(held_paras, 3 * len(held_paras), rng)
+    ids = prompts_lib.encode(model.tokenizer, texts + held_texts, True, model.config.vocab_size)
     asked = []
     for s in range(0, len(ids), args.gen_batch):
         outs = jaxinfer.generate(model, ids[s:s + args.gen_batch], max_new_tokens=args.gen_len)
         asked += [i + o.token_ids for i, o in zip(ids[s:s + args.gen_batch], outs)]
-    # held out: the last asks' transcripts (never trained on), for the head's agreement there
-    held = min(64, len(asked) // 20)
-    held_chats, held_lens = asked[len(asked) - held:], [len(i) for i in ids[len(asked) - held:]]
-    chats += asked[:len(asked) - held]  # the written paragraphs' transcripts train too
+    held = len(held_texts)
+    held_chats, held_lens = asked[len(texts):], [len(i) for i in ids[len(texts):]]
+    chats += asked[:len(texts)]  # the written paragraphs' transcripts train too
     lens = [len(c) for c in chats]
     data = np.asarray([t for c in chats for t in c], np.int32)
     starts = np.cumsum([0] + lens[:-1])

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 import statistics
 import time
 import types
@@ -29,6 +30,8 @@ from jaxinfer.cache import KVCache
 from jaxinfer.generate import generate, run_params
 from jaxinfer.models import registry
 from jaxinfer.plan import Plan
+
+log = logging.getLogger(__name__)
 
 # Input-grounded tasks: most of the answer is already in the prompt.
 PASSAGE = (
@@ -80,7 +83,8 @@ def verification_cost(model, batch: int, context: int, ks: list[int], repeats: i
 
 def acceptance(model, speculative, k: int, task: str, gen_len: int) -> dict:
     """Greedy generate with and without speculation on TASKS[task]: tokens per verification,
-    acceptance rate, wall times (each run once after a warm-up run that compiles)."""
+    acceptance rate, wall times (each run once after a warm-up run that compiles), and whether
+    the speculative tokens are plain greedy's (a warning where not)."""
     prompt = TASKS[task]
     spec_kw = {"speculative": speculative, "num_speculative_tokens": k}
 
@@ -92,8 +96,12 @@ def acceptance(model, speculative, k: int, task: str, gen_len: int) -> dict:
 
     plain, plain_s = run()
     spec, spec_s = run(**spec_kw)
-    if spec.token_ids != plain.token_ids:
-        raise RuntimeError("speculative greedy tokens differ from plain greedy tokens")
+    same = spec.token_ids == plain.token_ids
+    if not same:  # lossless up to the kernels' numerics: a near-tie may pick the other token
+        log.warning("%s: speculative greedy tokens differ from plain greedy ones (under "
+                    "the default policy a T = K + 1 forward may break a near-tie of logits "
+                    "otherwise than T = 1; KernelPolicy.deterministic() is the bitwise mode)",
+                    task)
     # The prefill's token is no round's; a verification yields its accepted drafts + 1, a
     # plain step (no n-gram match, or a fallback round) 1, except a last round cut by a stop
     # token or the budget in its accepted drafts (no + 1): the count of plain steps may be
@@ -105,7 +113,8 @@ def acceptance(model, speculative, k: int, task: str, gen_len: int) -> dict:
             "acceptance_rate": spec.accepted_tokens / max(spec.draft_tokens, 1),
             "verifications": verifications, "plain_steps": plain_steps,
             "tokens_per_verification": 1 + spec.accepted_tokens / max(verifications, 1),
-            "plain_s": plain_s, "speculative_s": spec_s, "wall_speedup": plain_s / spec_s}
+            "plain_s": plain_s, "speculative_s": spec_s, "wall_speedup": plain_s / spec_s,
+            "same_tokens": same}
 
 
 def main(args, model, name: str) -> int:

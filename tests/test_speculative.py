@@ -400,6 +400,7 @@ def test_bench_speculative(tiny_chat_dir, capsys):
     for r in runs:
         assert r["new_tokens"] == 8 and 1 <= r["tokens_per_verification"] <= r["k"] + 1
         assert r["verifications"] + r["plain_steps"] + r["accepted"] in (7, 8)
+        assert r["same_tokens"]
 
 
 def test_mla_model_speculative_equals_plain():
