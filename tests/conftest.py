@@ -100,7 +100,7 @@ def tiny_chat():
     from jaxinfer.configs import Config
     from jaxinfer.model import from_params
     from jaxinfer.models import llama
-    from jaxinfer.weights import init_params
+    from kernel_testing import init_params  # jaxinfer.weights.init_params's bits, fewer compiles
 
     tokenizer = Tokenizer.from_hf_dir(pathlib.Path(__file__).parent / "fixtures" / "data"
                                       / "tokenizer" / "tiny_hf")

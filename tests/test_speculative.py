@@ -18,8 +18,8 @@ from jaxinfer.cache import KVCache
 from jaxinfer.configs import Config
 from jaxinfer.models import llama
 from jaxinfer.plan import KernelPolicy, Plan
-from jaxinfer.weights import init_params
-from kernel_testing import pallas_kernels_in, rel_err
+# init_params: jaxinfer.weights.init_params's bits, fewer compiles
+from kernel_testing import init_params, pallas_kernels_in, rel_err
 
 
 def tiny_bf16_config() -> Config:
