@@ -73,7 +73,7 @@ import pathlib  # noqa: E402
 import jaxinfer  # noqa: E402
 from jaxinfer import draft_head, speculative  # noqa: E402
 from jaxinfer.model import from_params  # noqa: E402
-from jaxinfer.sampling import SamplingParams, SamplingTensors  # noqa: E402
+from jaxinfer.sampling import SamplingParams  # noqa: E402
 
 PROMPTS = ["x", "the cat sat on the mat and the cat sat on", "hello world", "a b c a b c a b",
            "one two three four five six seven eight nine ten one two three", "zz",
@@ -446,7 +446,7 @@ def test_engine_speculative_equals_generate(looping, tiny_chat, drafter, monkeyp
     nearly every draft is accepted, on the penalized rows too, where each accepted draft must
     count in the next position's penalties. "draft": another model drafts (its pages beside
     the target's), "self": the model drafts for itself (most drafts accepted)."""
-    from test_engine import _engine, _reference, _requests, _serve
+    from test_engine import _engine, _prime, _reference, _requests, _serve
 
     reqs = _requests(looping, 24, seed=4)
     # Penalized greedy rows: this model repeats tokens unless its penalties count each one.
@@ -469,18 +469,9 @@ def test_engine_speculative_equals_generate(looping, tiny_chat, drafter, monkeyp
     engine = _engine(looping, pages=30 if spec_arg == "ngram" else 60, max_num_seqs=8,
                      speculative=spec_arg, num_speculative_tokens=3)
     assert engine.total_pages == 29  # 30 less the null page, whichever drafter
-    # First one 1-token request of each sampling kind, in one dispatch: the engine's sampling
-    # flags (the stages its programs run, which only grow) are then every request's from the
-    # start, so each dispatch shape compiles once (not again as each new kind arrives), and
-    # the four drafters' target programs are the same ones.
-    kinds, flags = [], None
-    for _, sp, _ in reqs:
-        f = SamplingTensors.from_params([sp]).flags
-        if flags is None or flags.union(f) != flags:
-            kinds.append(sp)
-            flags = f if flags is None else flags.union(f)
-    assert len(kinds) <= 4  # max_prefill_rows: one dispatch
-    engine.run([[5]] * len(kinds), sampling=kinds, max_tokens=1)
+    # The engine's flags are every request's from the start: each dispatch shape compiles
+    # once, and the four drafters' target programs are the same ones.
+    _prime(engine, reqs)
     got, reasons = _serve(engine, reqs, np.random.default_rng(5))
     assert engine.stats["preemptions"] > 0
     rate = engine.stats["accepted_tokens"] / engine.stats["draft_tokens"]
