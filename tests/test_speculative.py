@@ -365,9 +365,11 @@ def test_cli_speculative(tiny_chat, tiny_chat_dir, capsys, tmp_path):
     # --rejection-sampling: a head's rejection=True run's tokens (not plain sampling's)
     head = draft_head.init_eagle(tiny_chat, 5)
     path = draft_head.save(head, tmp_path / "head.safetensors")
-    (rej,) = jaxinfer.generate(tiny_chat, PROMPTS[1], max_new_tokens=12, chat=False,
-                               sampling=sp, seed=3,
-                               speculative=dataclasses.replace(head, rejection=True))
+    # streamed, as the CLI runs it: the CLI's run below takes this program
+    pieces = jaxinfer.stream(tiny_chat, PROMPTS[1], max_new_tokens=12, chat=False, sampling=sp,
+                             seed=3, speculative=dataclasses.replace(head, rejection=True))
+    "".join(pieces)
+    rej = pieces.completion
     assert rej.token_ids != ref.token_ids
     assert cli.main(base + ["--speculative", "head", "--draft-head", str(path),
                             "--rejection-sampling"]) == 0
