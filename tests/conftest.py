@@ -21,8 +21,12 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _xla_cache = tempfile.mkdtemp(prefix="jaxinfer-tests-xla-")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _xla_cache
     atexit.register(shutil.rmtree, _xla_cache, ignore_errors=True)
-# JAX's default (1 s) would leave out nearly every tiny test program.
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
+# Every program, however quick to compile: JAX's default (1 s) would leave out nearly every
+# tiny test program, and 0.1 s still left out ~80% of the compiles (eager ops, samplers,
+# small jits: ~10-50 ms each), which the other worker, and this one after MAX_MAPS drops its
+# programs, compiled again. Looking a program up costs the same either way (every compile is
+# looked up); writing the small ones is a few ms.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 
 def _cuda_plugin_installed() -> bool:
