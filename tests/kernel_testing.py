@@ -11,24 +11,69 @@ import jax.numpy as jnp
 import numpy as np
 
 
+# Threefry's counters make a shape's draw the first values of a longer flat draw of the same
+# key: the helpers below take them from one draw of a power-of-two length, so the suite
+# compiles one sampler per length (not one per shape, each with a multiply and a cast), and
+# scale and cast in numpy (the same IEEE float32 product, the same round-to-nearest-even
+# cast): the same bits as the jax.random calls they stand for (checked over seeds, shapes,
+# scales and f32 / bf16 / f16 / fp8).
+
+
 @functools.partial(jax.jit, static_argnums=1)
-def _normal_draw(seed: jax.Array, length: int) -> jax.Array:
+def _seed_draw(seed: jax.Array, length: int) -> jax.Array:
     return jax.random.normal(jax.random.PRNGKey(seed), (length,), jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _key_draw(key: jax.Array, length: int) -> jax.Array:
+    return jax.random.normal(key, (length,), jnp.float32)
+
+
+def _length(n: int) -> int:
+    return max(1024, 1 << max(n - 1, 0).bit_length())
 
 
 def normal(seed: int, shape, dtype, scale=1.0):
     """Standard normal values (times `scale`) drawn in float32, then cast to `dtype`: the
-    values of (scale * jax.random.normal(PRNGKey(seed), shape)).astype(dtype), bit for bit.
-    Threefry's counters make a shape's draw the first values of a longer flat draw of the
-    same key, so one sampler per power-of-two length is compiled (not one per shape, with a
-    multiply and a cast each); the scale and the cast are numpy's (the same IEEE float32
-    product, the same round-to-nearest-even cast)."""
+    values of (scale * jax.random.normal(PRNGKey(seed), shape)).astype(dtype), bit for bit."""
     n = math.prod(shape)
     if not 0 <= seed < 2**31:
         return (scale * jax.random.normal(jax.random.PRNGKey(seed), shape, jnp.float32)
                 ).astype(dtype)
-    flat = np.asarray(_normal_draw(np.int32(seed), max(1024, 1 << max(n - 1, 0).bit_length())))
+    flat = np.asarray(_seed_draw(np.int32(seed), _length(n)))
     return jnp.asarray((np.float32(scale) * flat[:n]).astype(jnp.dtype(dtype)).reshape(shape))
+
+
+def _key_normal(key, shape) -> np.ndarray:
+    n = math.prod(shape)
+    return np.asarray(_key_draw(key, _length(n)))[:n].reshape(shape)
+
+
+def random_normal(key, shape) -> jax.Array:
+    """jax.random.normal(key, shape) (float32), bit for bit."""
+    return jnp.asarray(_key_normal(key, shape))
+
+
+def init_params(specs, key, dtype):
+    """jaxinfer.weights.init_params(specs, key, dtype), bit for bit (ParamSpec.initialize's
+    fan-in scaled normals, ones and zeros) without a compile per parameter shape."""
+    from jaxinfer.weights import Kind, ParamSpec
+
+    leaves, treedef = jax.tree.flatten(specs, is_leaf=lambda x: isinstance(x, ParamSpec))
+    keys = jax.random.split(key, len(leaves))
+    out = []
+    for i, spec in enumerate(leaves):
+        dt = jnp.dtype(spec.dtype or dtype)
+        if spec.init == "ones":
+            value = np.ones(spec.shape, dt)
+        elif spec.init == "zeros":
+            value = np.zeros(spec.shape, dt)
+        else:
+            fan_in = spec.shape[1] if spec.kind is Kind.EXPERTS else spec.shape[0]
+            std = 1.0 / math.sqrt(fan_in) if len(spec.shape) >= 2 else 0.02
+            value = (np.float32(std) * _key_normal(keys[i], spec.shape)).astype(dt)
+        out.append(spec.wrap(jnp.asarray(value)))
+    return jax.tree.unflatten(treedef, out)
 
 
 def rel_err(out, ref) -> float:

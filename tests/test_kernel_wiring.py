@@ -22,8 +22,8 @@ from jaxinfer.cache import KVCache
 from jaxinfer.configs import Config, RopeScaling
 from jaxinfer.models import llama
 from jaxinfer.plan import Boundary, KernelPolicy, Plan
-from jaxinfer.weights import init_params
-from kernel_testing import pallas_kernels_in, rel_err
+# init_params: jaxinfer.weights.init_params's bits, fewer compiles
+from kernel_testing import init_params, pallas_kernels_in, rel_err
 
 C, K, X = Boundary.CONSUMER, Boundary.KERNEL, Boundary.XLA
 # (norm_linear, gated_mlp, lm_head) boundaries: all in XLA, all add_rms_norm kernels, the

@@ -18,7 +18,7 @@ from pallas_kernels.norm_matmul import (MatmulBlockSizes, apply_norm_partials, n
 from pallas_kernels.rms_norm import add_rms_norm_reference
 from pallas_kernels.swiglu import (swiglu, swiglu_down, swiglu_down_reference,
                                    swiglu_reference)
-from kernel_testing import rel_err
+from kernel_testing import random_normal, rel_err  # random_normal: jax.random.normal's bits
 
 EPS = 1e-5
 SMALL = MatmulBlockSizes(block_m=16, block_n=16, block_k=32, num_warps=4, num_stages=1)
@@ -33,10 +33,10 @@ def inputs(seed: int, m: int, k: int, n_dims: tuple[int, ...], dtype):
     # Rows at different scales: a kernel that normalises with the wrong row's (or the block's)
     # statistics is off by the scale ratio.
     scale = jnp.exp(jnp.linspace(-2.0, 2.0, m))[:, None]
-    x = (scale * jax.random.normal(keys[0], (m, k))).astype(dtype)
-    nw = (1.0 + 0.3 * jax.random.normal(keys[1], (k,))).astype(dtype)
-    w = (jax.random.normal(keys[2], (k, *n_dims)) / np.sqrt(k)).astype(dtype)
-    res = jax.random.normal(keys[3], (m, *n_dims)).astype(dtype)
+    x = (scale * random_normal(keys[0], (m, k))).astype(dtype)
+    nw = (1.0 + 0.3 * random_normal(keys[1], (k,))).astype(dtype)
+    w = (random_normal(keys[2], (k, *n_dims)) / np.sqrt(k)).astype(dtype)
+    res = random_normal(keys[3], (m, *n_dims)).astype(dtype)
     return x, nw, w, res
 
 
@@ -97,7 +97,7 @@ def test_swiglu_with_norm_prologue(blocks, dtype):
     # The pre-MLP RMSNorm fused into SwiGLU, against the model's unfused path.
     x, nw, _, _ = inputs(12, 5, 200, (1,), dtype)
     keys = jax.random.split(jax.random.PRNGKey(3), 2)
-    wg, wu = ((jax.random.normal(kk, (200, 40)) / np.sqrt(200)).astype(dtype) for kk in keys)
+    wg, wu = ((random_normal(kk, (200, 40)) / np.sqrt(200)).astype(dtype) for kk in keys)
     out = swiglu(x, wg, wu, norm_weight=nw, eps=EPS, interpret=True, block_sizes=blocks)
     ref = swiglu_reference(x, wg, wu, norm_weight=nw, eps=EPS)
     assert out.shape == (5, 40) and out.dtype == x.dtype
@@ -119,7 +119,7 @@ def test_default_blocks_and_norm_matters():
 
 def deltas_for(seed, x, chunks=2):
     """float32 partial sums [S, *x.shape] at x's scale (a split-K producer's chunks)."""
-    return 0.5 * jax.random.normal(jax.random.PRNGKey(seed), (chunks, *x.shape), jnp.float32)
+    return 0.5 * random_normal(jax.random.PRNGKey(seed), (chunks, *x.shape))
 
 
 # Each of the blocks, the dtype and m (one row: the operand math runs on that row alone) takes
@@ -134,7 +134,7 @@ def test_swiglu_adds_deltas_to_the_residual_in_its_main_loop(blocks, dtype, m):
     x, nw, _, _ = inputs(14, m, 200, (1,), dtype)
     deltas = deltas_for(15, x, chunks=3)
     keys = jax.random.split(jax.random.PRNGKey(4), 2)
-    wg, wu = ((jax.random.normal(kk, (200, 72)) / np.sqrt(200)).astype(dtype) for kk in keys)
+    wg, wu = ((random_normal(kk, (200, 72)) / np.sqrt(200)).astype(dtype) for kk in keys)
     x_new, out = swiglu(x, wg, wu, norm_weight=nw, eps=EPS, deltas=deltas, interpret=True,
                         block_sizes=blocks)
     x_ref, ref = swiglu_reference(x, wg, wu, norm_weight=nw, eps=EPS, deltas=deltas)
@@ -189,8 +189,8 @@ def test_bad_deltas_raise_clear_errors():
 
 def mlp_weights(seed, k, f, d, dtype):
     keys = jax.random.split(jax.random.PRNGKey(seed), 3)
-    wg, wu = ((jax.random.normal(kk, (k, f)) / np.sqrt(k)).astype(dtype) for kk in keys[:2])
-    wd = (jax.random.normal(keys[2], (f, d)) / np.sqrt(f)).astype(dtype)
+    wg, wu = ((random_normal(kk, (k, f)) / np.sqrt(k)).astype(dtype) for kk in keys[:2])
+    wd = (random_normal(keys[2], (f, d)) / np.sqrt(f)).astype(dtype)
     return wg, wu, wd
 
 
@@ -205,8 +205,8 @@ def test_swiglu_down_is_the_two_kernel_mlp(dtype, m, deltas):
     # split-K matmul's chunks summed) and without the accumulator's start value.
     x, nw, _, _ = inputs(20 + m, m, 200, (1,), dtype)
     wg, wu, wd = mlp_weights(21, 200, 72, 96, dtype)
-    acc = jax.random.normal(jax.random.PRNGKey(22), (m, 96), jnp.float32)
-    clear = jax.random.normal(jax.random.PRNGKey(23), (m, 96), jnp.float32)
+    acc = random_normal(jax.random.PRNGKey(22), (m, 96))
+    clear = random_normal(jax.random.PRNGKey(23), (m, 96))
     dl = deltas_for(24, x, chunks=2) if deltas else None
     out = swiglu_down(x, wg, wu, wd, acc, clear, norm_weight=nw, eps=EPS, deltas=dl,
                       interpret=True, block_sizes=SMALL, block_d=32)
@@ -255,7 +255,7 @@ def test_transposed_weight_with_norm_and_deltas(blocks):
     m, k, n = 3, 200, 75
     x, nw, w, _ = inputs(7, m, k, (n,), jnp.bfloat16)
     w_t = w.T  # [N, K]
-    deltas = jax.random.normal(jax.random.PRNGKey(8), (2, m, k), jnp.float32)
+    deltas = random_normal(jax.random.PRNGKey(8), (2, m, k))
     kw = dict(eps=EPS, deltas=deltas, transposed=True, out_dtype=jnp.float32)
     x_new, out = norm_matmul(x, nw, w_t, interpret=True, block_sizes=blocks, **kw)
     x_ref, ref = norm_matmul_reference(x, nw, w_t, **kw)

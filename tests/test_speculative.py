@@ -18,8 +18,8 @@ from jaxinfer.cache import KVCache
 from jaxinfer.configs import Config
 from jaxinfer.models import llama
 from jaxinfer.plan import KernelPolicy, Plan
-from jaxinfer.weights import init_params
-from kernel_testing import pallas_kernels_in, rel_err
+# init_params: jaxinfer.weights.init_params's bits, fewer compiles
+from kernel_testing import init_params, pallas_kernels_in, rel_err
 
 
 def tiny_bf16_config() -> Config:
@@ -365,9 +365,11 @@ def test_cli_speculative(tiny_chat, tiny_chat_dir, capsys, tmp_path):
     # --rejection-sampling: a head's rejection=True run's tokens (not plain sampling's)
     head = draft_head.init_eagle(tiny_chat, 5)
     path = draft_head.save(head, tmp_path / "head.safetensors")
-    (rej,) = jaxinfer.generate(tiny_chat, PROMPTS[1], max_new_tokens=12, chat=False,
-                               sampling=sp, seed=3,
-                               speculative=dataclasses.replace(head, rejection=True))
+    # streamed, as the CLI runs it: the CLI's run below takes this program
+    pieces = jaxinfer.stream(tiny_chat, PROMPTS[1], max_new_tokens=12, chat=False, sampling=sp,
+                             seed=3, speculative=dataclasses.replace(head, rejection=True))
+    "".join(pieces)
+    rej = pieces.completion
     assert rej.token_ids != ref.token_ids
     assert cli.main(base + ["--speculative", "head", "--draft-head", str(path),
                             "--rejection-sampling"]) == 0
@@ -447,7 +449,7 @@ def test_engine_speculative_equals_generate(looping, tiny_chat, drafter, monkeyp
     nearly every draft is accepted, on the penalized rows too, where each accepted draft must
     count in the next position's penalties. "draft": another model drafts (its pages beside
     the target's), "self": the model drafts for itself (most drafts accepted)."""
-    from test_engine import _engine, _reference, _requests, _serve
+    from test_engine import _engine, _prime, _reference, _requests, _serve
 
     reqs = _requests(looping, 24, seed=4)
     # Penalized greedy rows: this model repeats tokens unless its penalties count each one.
@@ -470,6 +472,9 @@ def test_engine_speculative_equals_generate(looping, tiny_chat, drafter, monkeyp
     engine = _engine(looping, pages=30 if spec_arg == "ngram" else 60, max_num_seqs=8,
                      speculative=spec_arg, num_speculative_tokens=3)
     assert engine.total_pages == 29  # 30 less the null page, whichever drafter
+    # The engine's flags are every request's from the start: each dispatch shape compiles
+    # once, and the four drafters' target programs are the same ones.
+    _prime(engine, reqs)
     got, reasons = _serve(engine, reqs, np.random.default_rng(5))
     assert engine.stats["preemptions"] > 0
     rate = engine.stats["accepted_tokens"] / engine.stats["draft_tokens"]

@@ -115,8 +115,8 @@ def test_model_verification_takes_the_kernel_and_matches_the_reference(paged):
     from jaxinfer.configs import Config
     from jaxinfer.models import llama
     from jaxinfer.plan import KernelPolicy, Plan
-    from jaxinfer.weights import init_params
-    from kernel_testing import pallas_kernels_in
+    # init_params: jaxinfer.weights.init_params's bits, fewer compiles
+    from kernel_testing import init_params, pallas_kernels_in
 
     config = Config(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2,
                     num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=64,
