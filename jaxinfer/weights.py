@@ -127,6 +127,13 @@ class ParamSpec:
     # choice of experts does not move with the activations' precision); None: the model's.
     dtype: str | None = None
 
+    @property
+    def init_std(self) -> float:
+        """The normal init's scale: 1/sqrt(fan-in) (the first axis, or the second of stacked
+        experts [E, in, out]) for matrices, 0.02 for vectors."""
+        fan_in = self.shape[1] if self.kind is Kind.EXPERTS else self.shape[0]
+        return 1.0 / math.sqrt(fan_in) if len(self.shape) >= 2 else 0.02
+
     def initialize(self, key: jax.Array, dtype):
         dtype = self.dtype or dtype
         if self.init == "ones":
@@ -134,10 +141,7 @@ class ParamSpec:
         elif self.init == "zeros":
             value = jnp.zeros(self.shape, dtype)
         else:
-            # fan-in: the first axis, or the second of stacked experts [E, in, out]
-            fan_in = self.shape[1] if self.kind is Kind.EXPERTS else self.shape[0]
-            std = 1.0 / math.sqrt(fan_in) if len(self.shape) >= 2 else 0.02
-            value = (std * jax.random.normal(key, self.shape, jnp.float32)).astype(dtype)
+            value = (self.init_std * jax.random.normal(key, self.shape, jnp.float32)).astype(dtype)
         return self.wrap(value)
 
     def wrap(self, value):

@@ -57,7 +57,7 @@ def random_normal(key, shape) -> jax.Array:
 def init_params(specs, key, dtype):
     """jaxinfer.weights.init_params(specs, key, dtype), bit for bit (ParamSpec.initialize's
     fan-in scaled normals, ones and zeros) without a compile per parameter shape."""
-    from jaxinfer.weights import Kind, ParamSpec
+    from jaxinfer.weights import ParamSpec
 
     leaves, treedef = jax.tree.flatten(specs, is_leaf=lambda x: isinstance(x, ParamSpec))
     keys = jax.random.split(key, len(leaves))
@@ -69,9 +69,7 @@ def init_params(specs, key, dtype):
         elif spec.init == "zeros":
             value = np.zeros(spec.shape, dt)
         else:
-            fan_in = spec.shape[1] if spec.kind is Kind.EXPERTS else spec.shape[0]
-            std = 1.0 / math.sqrt(fan_in) if len(spec.shape) >= 2 else 0.02
-            value = (np.float32(std) * _key_normal(keys[i], spec.shape)).astype(dt)
+            value = (np.float32(spec.init_std) * _key_normal(keys[i], spec.shape)).astype(dt)
         out.append(spec.wrap(jnp.asarray(value)))
     return jax.tree.unflatten(treedef, out)
 
