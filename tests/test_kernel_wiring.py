@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from jaxinfer.cache import KVCache
-from jaxinfer.configs import Config, RopeScaling
+from jaxinfer.configs import Config, MoEConfig, RopeScaling
 from jaxinfer.models import llama
 from jaxinfer.plan import Boundary, KernelPolicy, Plan
 # init_params: jaxinfer.weights.init_params's bits, fewer compiles
@@ -50,6 +50,21 @@ def tiny_config(**kw) -> Config:
 
 def random_params(config: Config, seed: int = 0):
     return init_params(llama.param_specs(config), jax.random.key(seed), jnp.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_init_params_helper_draws_the_packages_bits(dtype):
+    """kernel_testing.init_params (the tests' compile-free random weights) is
+    jaxinfer.weights.init_params bit for bit, dense and stacked experts."""
+    from jaxinfer.weights import init_params as package_init
+
+    specs = llama.param_specs(tiny_config(moe=MoEConfig(num_experts=4, experts_per_token=2,
+                                                        expert_intermediate_size=32)))
+    got, want = (jax.tree.leaves(f(specs, jax.random.key(7), dtype))
+                 for f in (init_params, package_init))
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and np.array_equal(np.asarray(g), np.asarray(w))
 
 
 def decode_steps(params, plan: Plan, ids, cache_len=None, forward=llama.forward):
