@@ -613,6 +613,46 @@ def sample_with_logprobs(logits: jax.Array, keys: jax.Array,
                         top_logprobs=top_lps)
 
 
+def sample_positions(logits: jax.Array, keys: jax.Array, params: SamplingTensors, *,
+                     tokens: jax.Array | None = None, active: jax.Array | None = None,
+                     token_counts: jax.Array | None = None,
+                     seen_mask: jax.Array | None = None,
+                     token_bitmask: jax.Array | None = None, batch_invariant: bool = False,
+                     laws: bool = False) -> tuple[SampleOutput, tuple | None]:
+    """`sample_with_logprobs` at T positions of each row (a speculative verification's):
+    logits [B, T, V], keys [B, T]; position j's penalties also count tokens [B, T - 1]'s
+    first j (the drafts before it, as if accepted; rows not `active` [B] count none).
+    -> (SampleOutput of [B, T] tokens and logprobs, [B, T, N] top; with laws the
+    `processed_logits` pair, [B, T, V] each). The B * T rows are sampled in one call, not T:
+    a row's draw depends on nothing but its logits, key and parameters, and one call is one
+    set of kernels (and one program to compile) instead of T."""
+    b, t, v = logits.shape
+    flags = params.flags
+    x = logits.astype(jnp.float32)
+    x = jnp.where(jnp.isnan(x), -jnp.inf, x)  # as sample_with_logprobs, before the penalties
+    if flags.penalties:  # each position's own statistics, then none in the batched call
+        xs, counts, seen = [], token_counts, seen_mask
+        for j in range(t):
+            xs.append(apply_penalties(x[:, j], params, token_counts=counts, seen_mask=seen))
+            if j + 1 < t:
+                counts, seen = update_penalty_state(counts, seen, tokens[:, j], active)
+        x = jnp.stack(xs, axis=1)  # [B, T, V]
+        flags = dataclasses.replace(flags, repetition_penalty=False,
+                                    presence_frequency_penalty=False)
+    # [B * T] rows, row b's T positions together
+    rows = jax.tree.map(lambda a: jnp.repeat(a, t, axis=0), params).replace(flags=flags)
+    x = x.reshape(b * t, v)
+    bitmask = None if token_bitmask is None else jnp.repeat(token_bitmask, t, axis=0)
+    out = sample_with_logprobs(x, keys.reshape(b * t), rows, token_bitmask=bitmask,
+                               batch_invariant=batch_invariant)
+    out = jax.tree.map(lambda a: a.reshape(b, t, *a.shape[1:]), out)
+    law = None
+    if laws:
+        law = tuple(a.reshape(b, t, v) for a in processed_logits(
+            x, rows, batch_invariant=batch_invariant))
+    return out, law
+
+
 def processed_logits(logits: jax.Array, params: SamplingTensors, *,
                      token_counts: jax.Array | None = None, seen_mask: jax.Array | None = None,
                      batch_invariant: bool = False) -> tuple[jax.Array, jax.Array]:

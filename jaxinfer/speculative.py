@@ -267,32 +267,6 @@ def head_drafts(params, head_params, state: SpecState, k: int, spec: draft_head.
 # ---------------------------------------------------------------------------------------------
 
 
-def _target_tokens(logits: jax.Array, drafts: jax.Array, d: DecodeState, plan: Plan,
-                   laws: bool):
-    """The target's token at each of the K + 1 positions p+1..p+K+1, as plain decoding would
-    sample it there if the drafts before it were accepted: the key of that position, penalty
-    counts including d_1..d_j. -> (tokens [B, K + 1], logprobs [B, K + 1], with laws: the
-    processed (scaled, masked) logits [B, K + 1, V] each, for rejection sampling)."""
-    k = drafts.shape[1]
-    sampler, tensors, p = d.sampler, d.sampling, d.positions
-    ys, lps, scaled, masked = [], [], [], []
-    for j in range(k + 1):
-        counts = dict(token_counts=sampler.token_counts, seen_mask=sampler.seen_mask,
-                      batch_invariant=plan.policy.batch_invariant)
-        out = sampling.sample_with_logprobs(logits[:, j], sampling.step_keys(sampler, p + 1 + j),
-                                            tensors, **counts)
-        ys.append(out.tokens)
-        lps.append(out.logprobs)
-        if laws:
-            sc, ma = sampling.processed_logits(logits[:, j], tensors, **counts)
-            scaled.append(sc)
-            masked.append(ma)
-        if j < k:
-            sampler = sampling.observe(sampler, drafts[:, j], ~d.done)
-    laws_out = (jnp.stack(scaled, 1), jnp.stack(masked, 1)) if laws else None
-    return jnp.stack(ys, 1), jnp.stack(lps, 1), laws_out
-
-
 def _leading(ok: jax.Array) -> jax.Array:
     """ok [B, K] bool -> [B] int32: how many leading entries are true."""
     return jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
@@ -385,10 +359,16 @@ def _verify_round(params, state: SpecState, drafts: jax.Array, draft_laws, plan:
     logits, cache = out[:2]  # [B, K + 1, V]
 
     rejection = draft_laws is not None and not d.sampling.flags.all_greedy
-    ys, lps, target_laws = _target_tokens(logits, drafts, d, plan, laws=rejection)
-    if rejection:
-        keys = jax.vmap(sampling.step_keys, in_axes=(None, 1), out_axes=1)(
-            d.sampler, p[:, None] + 1 + jnp.arange(k + 1))  # [B, K + 1]
+    # The target's token at each of p+1..p+K+1, as plain decoding would sample it there if
+    # the drafts before it were accepted: that position's key, penalties counting d_1..d_j.
+    keys = jax.vmap(sampling.step_keys, in_axes=(None, 1), out_axes=1)(
+        d.sampler, p[:, None] + 1 + jnp.arange(k + 1))  # [B, K + 1]
+    sampled, target_laws = sampling.sample_positions(
+        logits, keys, d.sampling, tokens=drafts, active=~d.done,
+        token_counts=d.sampler.token_counts, seen_mask=d.sampler.seen_mask,
+        batch_invariant=plan.policy.batch_invariant, laws=rejection)
+    ys, lps = sampled.tokens, sampled.logprobs  # [B, K + 1]
+    if rejection:  # with the target's laws (scaled, masked) [B, K + 1, V] each
         a, ys, lps = _rejection(drafts, draft_laws, ys, lps, target_laws, keys, d.sampling)
     else:  # coupled: accept while the draft is the token plain decoding samples there
         a = _leading(drafts == ys[:, :k])

@@ -66,8 +66,12 @@ def test_generate_streams_text(embedded_cli):
 
 
 def test_chat_two_turns(embedded_cli):
+    """Two turns through the engine (chat serves with it): the first answer is generate's
+    (the same templated prompt, greedy), on the real GGUF kept quantized."""
     code, stdout = embedded_cli["chat"]
     assert code == 0 and "Paris" in stdout and "Rome" in stdout
+    answer = json.loads(embedded_cli["json"][1])
+    assert answer["finish_reason"] == "stop" and answer["text"].strip() in stdout
 
 
 @pytest.mark.parametrize("argv, match", [

@@ -14,12 +14,16 @@ import jaxinfer.memory
 
 
 def _engine(model, **kw):
-    """A small engine: pages of 8 tokens, chunks of 32, a pool of `pages` pages."""
+    """A small engine: pages of 8 tokens, chunks of 32, a pool of `pages` pages, one batch
+    size (max_num_seqs rows; prefill max_prefill_rows): half the programs to compile of the
+    default sizes, which the warmup tests keep (row_buckets=None)."""
     pages = kw.pop("pages", 64)
     page_bytes = jaxinfer.memory.kv_bytes_per_token(model.config) * 8
     args = dict(max_num_seqs=4, page_size=8, chunk_size=32, max_num_batched_tokens=64,
                 max_model_len=160, kv_memory=pages * page_bytes)
-    return jaxinfer.Engine(model, **{**args, **kw})
+    args.update(kw)
+    args.setdefault("row_buckets", (args["max_num_seqs"],))
+    return jaxinfer.Engine(model, **args)
 
 
 def _requests(model, n, seed):
@@ -200,19 +204,6 @@ def test_penalties_stop_strings_and_text_prompts(tiny_chat):
         assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
 
 
-def test_embedded_model_through_the_engine():
-    """The embedded SmolLM2 (its real GGUF, kept quantized; the references dequantize it
-    once) serves a chat prompt and a plain one through the engine as generate() does."""
-    model = jaxinfer.load("smollm2-135m-instruct", dtype="float32")
-    prompts = ["What is the capital of France?", [1, 504, 3458, 282]]
-    engine = jaxinfer.Engine(model, max_num_seqs=2, max_model_len=256, chunk_size=64)
-    outs = engine.run(prompts, max_tokens=8)
-    ref = jaxinfer.generate(model, prompts, max_new_tokens=8)
-    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
-    assert "Paris" in outs[0].text
-    assert engine.free_pages == engine.total_pages
-
-
 def test_deterministic_engine_rows_are_bitwise_those_alone_and_generates(tiny_chat):
     """KernelPolicy.deterministic() (bf16, the Pallas kernels in interpret mode): requests
     served together, arriving at different steps, chunked and sharing prefixes, give the bits
@@ -317,16 +308,22 @@ def test_stream_and_chat_turns_reuse_the_cache(tiny_chat):
 
 
 def test_warmup_compiles_every_shape_serving_needs(tiny_chat):
-    """After warmup() serving compiles nothing new, and its tokens are still generate()'s."""
+    """After warmup() serving compiles nothing new, and its tokens are still generate()'s;
+    penalties included (warmup allocates their statistics on an idle engine)."""
     from jaxinfer.engine import step
 
     model = tiny_chat
-    engine = _engine(model, max_model_len=64, chunk_size=16)  # chunks of 16: one length
-    assert engine.warmup() == 6  # prefill rows 1/2/4 x chunks of 16, decode rows 1/2/4
+    greedy = SamplingParams(temperature=0.0)
+    penalized = SamplingParams(temperature=0.0, repetition_penalty=1.3)
+    # the default batch sizes; chunks of 16: one length
+    engine = _engine(model, max_model_len=64, chunk_size=16, row_buckets=None)
+    # prefill rows 1/2/4 x chunks of 16, decode rows 1/2/4
+    assert engine.warmup([greedy, penalized]) == 6
     assert engine.free_pages == engine.total_pages  # padding rows took no page
     compiled = step.prefill_step._cache_size() + step.decode_step._cache_size()
-    reqs = [(p, SamplingParams(temperature=0.0), n) for p, _, n in _requests(model, 6, seed=4)
-            if len(p) + n <= 64]
+    reqs = [(p, penalized if i % 2 else greedy, n)
+            for i, (p, _, n) in enumerate(_requests(model, 6, seed=4)) if len(p) + n <= 64]
+    assert penalized in [sp for _, sp, _ in reqs] and greedy in [sp for _, sp, _ in reqs]
     got, _ = _serve(engine, reqs, np.random.default_rng(5))
     assert step.prefill_step._cache_size() + step.decode_step._cache_size() == compiled
     for i, (toks, _, _) in enumerate(_reference(model, reqs)):
@@ -342,8 +339,13 @@ def test_warmup_structured_compiles_the_masked_programs(tiny_chat):
     from jaxinfer.engine import step
     from jaxinfer.structured import Grammar
 
-    engine = _engine(tiny_chat, max_model_len=64, chunk_size=16)  # as the test above
-    assert engine.warmup(structured=True) == 12  # each of the 6 shapes with and without
+    # Batch sizes of 2 and max_num_seqs (4): prefill rows 2/4 x chunks of 16, decode rows 2/4
+    engine = _engine(tiny_chat, max_model_len=64, chunk_size=16, row_buckets=[2])
+    assert engine.warmup(structured=True) == 8  # each of the 4 shapes with and without
+    for bad, match in (((8,), "over max_num_seqs 4"), ((), "non-empty"), ((0,), ">= 1"),
+                       (2, "sequence")):
+        with pytest.raises(ValueError, match=match):
+            _engine(tiny_chat, row_buckets=bad)
     compiled = step.prefill_step._cache_size() + step.decode_step._cache_size()
     engine.add_request([5, 6, 7], max_tokens=8,
                        grammar=Grammar.regex(tiny_chat.tokenizer, "(yes|no), [0-9]{2,4}"))

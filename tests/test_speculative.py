@@ -401,6 +401,7 @@ def test_bench_speculative(tiny_chat_dir, capsys):
     assert [r["k"] for r in runs] == [1, 3]
     for r in runs:
         assert r["new_tokens"] == 8 and 1 <= r["tokens_per_verification"] <= r["k"] + 1
+        assert r["probes"] == 0  # n-gram lookup has no fallback probes: K drafts a round
         assert r["verifications"] + r["plain_steps"] + r["accepted"] in (7, 8)
         assert r["same_tokens"]
 

@@ -97,7 +97,12 @@ class Engine:
     token budget of a step (decode rows count `decode_steps` each); chunk_size: the most
     prompt tokens of one request per step (a power of two). decode_steps: decode steps
     dispatched per engine step before the host reads them (fewer host round trips; a
-    finished request wastes up to that many - 1).
+    finished request wastes up to that many - 1). max_prefill_rows: requests whose prompt
+    chunks share a step. row_buckets: the batch sizes that get compiled programs, a step's
+    rows padded up to the next (prefill rows capped at max_prefill_rows; max_num_seqs always
+    one): default the powers of two (on a GPU 1, then 8 and up: a step reads the weights
+    whatever its rows); fewer sizes, fewer programs to compile, padding rows costing their
+    compute on CPU.
     prefix_caching: share the K/V pages of equal prompt prefixes. kv_cache_dtype: None,
     "int8" or "fp8" (cache.py). policy: the kernel policy (default the model's). seed: the
     seed of requests that give none (their key id is their arrival number).
@@ -116,7 +121,7 @@ class Engine:
                  max_num_batched_tokens: int | None = None, chunk_size: int | None = None,
                  decode_steps: int = 1, max_prefill_rows: int = 4, prefix_caching: bool = True,
                  kv_cache_dtype: str | None = None, policy=None, seed: int = 0,
-                 speculative=None, num_speculative_tokens: int = 4):
+                 speculative=None, num_speculative_tokens: int = 4, row_buckets=None):
         from jaxinfer.generate import _plan, run_params
 
         config = model.config
@@ -166,9 +171,22 @@ class Engine:
         def pow2s(lo: int, hi: int) -> tuple[int, ...]:
             return tuple(1 << i for i in range(hi.bit_length()) if lo <= 1 << i < hi) + (hi,)
 
-        self.decode_buckets = (1, *pow2s(8, self.max_num_seqs)) if gpu and \
-            self.max_num_seqs > 8 else pow2s(1, self.max_num_seqs)
-        self.prefill_rows = pow2s(1, self.max_prefill_rows)
+        if row_buckets is None:
+            self.decode_buckets = (1, *pow2s(8, self.max_num_seqs)) if gpu and \
+                self.max_num_seqs > 8 else pow2s(1, self.max_num_seqs)
+            self.prefill_rows = pow2s(1, self.max_prefill_rows)
+        else:
+            if isinstance(row_buckets, (str, bytes)) or not hasattr(row_buckets, "__iter__") \
+                    or not list(row_buckets):
+                raise ValueError(f"row_buckets must be a non-empty sequence of batch sizes, "
+                                 f"got {row_buckets!r}")
+            sizes = sorted({positive("row_buckets' sizes", n) for n in row_buckets})
+            if sizes[-1] > self.max_num_seqs:
+                raise ValueError(f"row_buckets {tuple(row_buckets)} has a size over "
+                                 f"max_num_seqs {self.max_num_seqs}")
+            self.decode_buckets = tuple(sorted({*sizes, self.max_num_seqs}))
+            self.prefill_rows = tuple(sorted({n for n in sizes if n < self.max_prefill_rows}
+                                             | {self.max_prefill_rows}))
         self.prefill_lengths = pow2s(64 if gpu else 16, self.chunk_size)
         self.kv_cache_dtype = kv_cache_dtype
 
@@ -373,8 +391,8 @@ class Engine:
                 raise ValueError(f"sampling must be SamplingParams, got {type(sp).__name__}")
         tensors = SamplingTensors.from_params(params)
         self._flags = tensors.flags if self._flags is None else self._flags.union(tensors.flags)
-        if self._flags.penalties and self.state.token_counts is None:
-            raise ValueError("warmup() with penalties: add a penalty request first")
+        if self._flags.penalties:  # the programs that take the penalty statistics
+            self._allocate_penalties()
         # As _rows: the flags of every request so far, the top-logprobs search the dispatch's.
         tops = sorted({SamplingTensors.from_params([sp]).flags.top_logprobs for sp in params})
         masks = [False, True] if structured else [False]
@@ -611,6 +629,15 @@ class Engine:
                              key_id=key_id, block_tables=tables, sampling=tensors,
                              token_bitmask=bitmask)
 
+    def _allocate_penalties(self) -> None:
+        """The penalty statistics [R + 1, V] per slot, zero, once (at the first request or
+        warmup that uses penalties; engines without them never hold the two arrays)."""
+        if self.state.token_counts is None:
+            v = self.model.config.vocab_size
+            self.state = self.state.replace(
+                token_counts=jnp.zeros((self.max_num_seqs + 1, v), jnp.int32),
+                seen_mask=jnp.zeros((self.max_num_seqs + 1, v), bool))
+
     def _ensure_penalties(self, reqs: list[Request]) -> None:
         """Penalty statistics on the device for requests that use penalties (allocated at the
         first such request), set for each newly admitted one."""
@@ -620,10 +647,7 @@ class Engine:
         if not fresh:
             return
         v = self.model.config.vocab_size
-        if self.state.token_counts is None:
-            self.state = self.state.replace(
-                token_counts=jnp.zeros((self.max_num_seqs + 1, v), jnp.int32),
-                seen_mask=jnp.zeros((self.max_num_seqs + 1, v), bool))
+        self._allocate_penalties()
         counts = np.zeros((len(fresh), v), np.int32)
         seen = np.zeros((len(fresh), v), bool)
         for i, req in enumerate(fresh):

@@ -201,30 +201,20 @@ def verify_step(params: dict, state: EngineState, tokens: jax.Array | None, rows
                                 state.cache.with_tables(rows.block_tables),
                                 hidden=state.head is not None)
     counts0, seen0 = _penalty_rows(state, rows)
-    counts, seen = counts0, seen0
     rejection = draft_laws is not None and not rows.sampling.flags.all_greedy
-    ys, lps, top_ids, top_lps, keys, laws = [], [], [], [], [], []
-    for j in range(t):
-        keys.append(_keys(rows, rows.position + 1 + j))
-        pen = dict(token_counts=counts, seen_mask=seen,
-                   batch_invariant=plan.policy.batch_invariant)
-        out = sampling.sample_with_logprobs(logits[:, j], keys[-1], rows.sampling, **pen,
-                                            token_bitmask=rows.token_bitmask)
-        ys.append(out.tokens)
-        lps.append(out.logprobs if rows.sampling.flags.logprobs
-                   else jnp.zeros_like(out.logprobs))
-        if out.top_ids is not None:
-            top_ids.append(out.top_ids)
-            top_lps.append(out.top_logprobs)
-        if rejection:  # the target's law at this position: (scaled, masked) [B, V]
-            laws.append(sampling.processed_logits(logits[:, j], rows.sampling, **pen))
-        if j + 1 < t:  # the penalties of position j + 1 count draft j + 1
-            counts, seen = sampling.update_penalty_state(counts, seen, tokens[:, j + 1])
-    ys, lps = jnp.stack(ys, 1), jnp.stack(lps, 1)  # [B, K + 1]
-    if rejection:
-        target_laws = tuple(jnp.stack(x, 1) for x in zip(*laws))  # [B, K + 1, V] each
-        a, ys, lps = _rejection(tokens[:, 1:], draft_laws, ys, lps, target_laws,
-                                jnp.stack(keys, 1), rows.sampling)
+    # the key of each position p + 1 + j: [B, K + 1]
+    keys = jax.vmap(lambda q: _keys(rows, q), in_axes=1, out_axes=1)(
+        rows.position[:, None] + 1 + offsets)
+    # the penalties of position j + 1 count draft j + 1
+    out, target_laws = sampling.sample_positions(
+        logits, keys, rows.sampling, tokens=tokens[:, 1:], token_counts=counts0,
+        seen_mask=seen0, token_bitmask=rows.token_bitmask,
+        batch_invariant=plan.policy.batch_invariant, laws=rejection)
+    ys = out.tokens  # [B, K + 1]
+    lps = out.logprobs if rows.sampling.flags.logprobs else jnp.zeros_like(out.logprobs)
+    if rejection:  # the target's laws (scaled, masked) [B, K + 1, V] each
+        a, ys, lps = _rejection(tokens[:, 1:], draft_laws, ys, lps, target_laws, keys,
+                                rows.sampling)
     else:  # coupled: accepted while each draft is the token plain decoding samples there
         a = _leading(tokens[:, 1:] == ys[:, :-1])  # [B] drafts accepted
     kept = offsets <= a[:, None]  # [B, K + 1]
@@ -235,7 +225,7 @@ def verify_step(params: dict, state: EngineState, tokens: jax.Array | None, rows
     if state.head is not None:
         state = state.replace(head=_head_verified(head_params, params, state.head, tokens,
                                                   positions, f[0], a, rows, head_spec))
-    top = (jnp.stack(top_ids, 1), jnp.stack(top_lps, 1)) if top_ids else None
+    top = None if out.top_ids is None else (out.top_ids, out.top_logprobs)
     return state, jnp.where(kept, ys, -1), lps, top
 
 
