@@ -119,10 +119,12 @@ def test_engine_equals_generate(tiny_chat):
 
 def test_engine_equals_generate_alone(tiny_chat):
     """The same against generate() for each request alone, on fewer requests, with two
-    decode steps dispatched per engine step."""
+    decode steps dispatched per engine step, and pages of 2 tokens: rows past 64 tokens
+    cross from block tables of 32 pages (the narrowest) to 64."""
     model = tiny_chat
     reqs = _requests(model, 10, seed=2)
-    engine = _engine(model, pages=24, decode_steps=2)
+    assert max(len(p) + n for p, _, n in reqs) > 64
+    engine = _engine(model, pages=24, decode_steps=2, page_size=2)
     got, reasons = _serve(engine, reqs, np.random.default_rng(3))
     for i, (toks, lps, reason) in enumerate(_reference(model, reqs)):
         assert (got[i][0], reasons[i]) == (toks, reason), i

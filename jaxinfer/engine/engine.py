@@ -60,6 +60,11 @@ def _pow2(n: int, lo: int = 1) -> int:
     return max(lo, 1 << max(n - 1, 0).bit_length())
 
 
+# The references' narrowest block table (pages; 512 tokens in CPU's pages of 16): a gather of
+# that many slots costs little beside a step's matmuls, and each width is one more program.
+MIN_WIDTH = 32
+
+
 def _bucket(n: int, buckets: tuple[int, ...]) -> int:
     """The smallest bucket >= n (buckets ascending; the last one is the most there is)."""
     return next((b for b in buckets if b >= n), buckets[-1])
@@ -95,7 +100,8 @@ class Engine:
     bytes. max_model_len: the longest prompt + output a request may have (default the
     model's context, at most 32768 on a GPU and 4096 on CPU). max_num_batched_tokens: the
     token budget of a step (decode rows count `decode_steps` each); chunk_size: the most
-    prompt tokens of one request per step (a power of two). decode_steps: decode steps
+    prompt tokens of one request per step (a power of two; default 512, or max_model_len's
+    power of two where less). decode_steps: decode steps
     dispatched per engine step before the host reads them (fewer host round trips; a
     finished request wastes up to that many - 1). max_prefill_rows: requests whose prompt
     chunks share a step. row_buckets: the batch sizes that get compiled programs, a step's
@@ -150,7 +156,9 @@ class Engine:
         if self.max_model_len > context:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's context "
                              f"of {context} tokens")
-        chunk = positive("chunk_size", chunk_size or 512)
+        # (default: 512, or the context's power of two where shorter: a chunk past it never
+        # comes, and each chunk length is a program warmup compiles)
+        chunk = positive("chunk_size", chunk_size or min(512, _pow2(self.max_model_len)))
         self.chunk_size = _pow2(chunk)
         if self.chunk_size != chunk:
             raise ValueError(f"chunk_size must be a power of two, got {chunk}")
@@ -398,7 +406,7 @@ class Engine:
         masks = [False, True] if structured else [False]
         # The references' block-table width grows with the longest row; the kernels' is fixed.
         widths = [self.max_pages] if self.kernels else sorted(
-            {min(self.max_pages, _pow2(n, 16)) for n in range(1, self.max_pages + 1)})
+            {min(self.max_pages, _pow2(n, MIN_WIDTH)) for n in range(1, self.max_pages + 1)})
         shapes = [("prefill", b, c, w) for b in self.prefill_rows for c in self.prefill_lengths
                   for w in widths] + [("decode", b, 1, w) for b in self.decode_buckets
                                       for w in widths]
@@ -579,7 +587,7 @@ class Engine:
         width (one shape); the references gather every entry, so the longest row's, bucketed."""
         if self.kernels:
             return self.max_pages
-        return min(self.max_pages, _pow2(max(rows_pages, default=1), 16))
+        return min(self.max_pages, _pow2(max(rows_pages, default=1), MIN_WIDTH))
 
     def _rows(self, reqs: list[Request], positions, counts, b: int, width: int,
               sampled=None):
