@@ -301,10 +301,11 @@ def test_rejection_sampling_follows_the_target_law(drafter, where):
                                 speculative=spec_arg, num_speculative_tokens=2)
     else:  # request i's seed 11 + i; rows of one verification drawn apart
         # Prompts prefilled 64 rows a dispatch (~100 engine steps, not ~1500 of 4 rows): a
-        # request's draws follow its keys alone, so the same tokens.
+        # request's draws follow its keys alone, so the same tokens. One batch size each
+        # (512 decode rows, 64 prefill rows): two programs, not ten and seven.
         engine = jaxinfer.Engine(target, max_num_seqs=512, page_size=8, max_model_len=16,
                                  max_prefill_rows=64, speculative=spec_arg,
-                                 num_speculative_tokens=2)
+                                 num_speculative_tokens=2, row_buckets=[512])
         out = engine.run([prompt] * n, sampling=SamplingParams(temperature=1.0),
                          max_tokens=3, seed=11)
     tokens = np.array([c.token_ids for c in out])  # [N, 3]: prefill's token, then the round's
@@ -317,7 +318,7 @@ def test_rejection_sampling_follows_the_target_law(drafter, where):
                                   sampling=SamplingParams(temperature=1.0), seed=11)
     else:
         plain = jaxinfer.Engine(target, max_num_seqs=64, page_size=8, max_model_len=16,
-                                max_prefill_rows=64).run(
+                                max_prefill_rows=64, row_buckets=[64]).run(
             [prompt] * 64, sampling=SamplingParams(temperature=1.0), max_tokens=3, seed=11)
     assert (np.array([c.token_ids for c in plain]) != tokens[:64]).any()
 
