@@ -14,12 +14,12 @@ import jaxinfer.memory
 
 
 def _engine(model, **kw):
-    """A small engine: pages of 8 tokens, chunks of 32, a pool of `pages` pages, one batch
+    """A small engine: pages of 8 tokens, chunks of 16, a pool of `pages` pages, one batch
     size (max_num_seqs rows; prefill max_prefill_rows): half the programs to compile of the
     default sizes, which the warmup tests keep (row_buckets=None)."""
     pages = kw.pop("pages", 64)
     page_bytes = jaxinfer.memory.kv_bytes_per_token(model.config) * 8
-    args = dict(max_num_seqs=4, page_size=8, chunk_size=32, max_num_batched_tokens=64,
+    args = dict(max_num_seqs=4, page_size=8, chunk_size=16, max_num_batched_tokens=64,
                 max_model_len=160, kv_memory=pages * page_bytes)
     args.update(kw)
     args.setdefault("row_buckets", (args["max_num_seqs"],))
