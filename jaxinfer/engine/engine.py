@@ -101,10 +101,9 @@ class Engine:
     model's context, at most 32768 on a GPU and 4096 on CPU). max_num_batched_tokens: the
     token budget of a step (decode rows count `decode_steps` each); chunk_size: the most
     prompt tokens of one request per step (a power of two; default 512, or max_model_len's
-    power of two where less). decode_steps: decode steps
-    dispatched per engine step before the host reads them (fewer host round trips; a
-    finished request wastes up to that many - 1). max_prefill_rows: requests whose prompt
-    chunks share a step. row_buckets: the batch sizes that get compiled programs, a step's
+    power of two where less). decode_steps: decode steps dispatched per engine step before
+    the host reads them (fewer host round trips; a finished request wastes up to that many
+    - 1). max_prefill_rows: requests whose prompt chunks share a step. row_buckets: the batch sizes that get compiled programs, a step's
     rows padded up to the next (prefill rows capped at max_prefill_rows; max_num_seqs always
     one): default the powers of two (on a GPU 1, then 8 and up: a step reads the weights
     whatever its rows); fewer sizes, fewer programs to compile, padding rows costing their
