@@ -124,6 +124,11 @@ def test_streaming_n_logprobs_stop_and_seed(client):
     (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
                  "tools": [{"type": "function", "function": {"name": "f"}}],
                  "tool_choice": "auto"}), 400, "tool-call parser"),
+    # output-changing parameters the server does not implement: refused, not ignored
+    (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                 "logit_bias": {"5": 10}}), 400, "logit_bias is not supported"),
+    (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                 "n": 1, "best_of": 3}), 400, "best_of is not supported"),
 ])
 def test_bad_requests_get_openai_errors(server, body, status, words):
     r = httpx.post(server + "/v1/chat/completions", content=body,

@@ -98,6 +98,12 @@ class _Common(BaseModel):
     guided_regex: str | None = None
     guided_grammar: str | None = None
     guided_choice: list[str] | None = None
+    # Parameters that would change the output and are not implemented: refused when set
+    # (`check`), never silently ignored as the unknown fields are.
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
 
 
 class ChatRequest(_Common):
@@ -112,6 +118,7 @@ class CompletionRequest(_Common):
     prompt: str | list[int] | list[str]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
+    suffix: str | None = None
 
 
 # structured_outputs keys (vLLM) -> Grammar constructors
@@ -328,6 +335,14 @@ def create_app(runner: EngineClient, model_name: str, api_key: str | None = None
 
     def check(req: _Common) -> tuple[SamplingParams, int]:
         check_model(req)
+        unsupported = {"logit_bias": bool(req.logit_bias),
+                       "best_of": req.best_of not in (None, req.n),
+                       "min_tokens": req.min_tokens != 0, "ignore_eos": req.ignore_eos,
+                       "suffix": bool(getattr(req, "suffix", None))}
+        for name, given in unsupported.items():
+            if given:
+                raise APIError(400, f"{name} is not supported by this server; send the "
+                                    f"request without it", name)
         max_tokens = req.max_completion_tokens or req.max_tokens or 256
         if max_tokens > max_tokens_limit:
             raise APIError(400, f"max_tokens {max_tokens} exceeds this server's limit of "
