@@ -139,6 +139,15 @@ def test_bad_requests_get_openai_errors(server, body, status, words):
     assert words in err["message"] and set(err) == {"message", "type", "param", "code"}
 
 
+def test_completions_refuse_echo_and_suffix(server):
+    """Output-changing parameters the server does not implement: a 400 naming each."""
+    for extra in ({"echo": True}, {"suffix": " end"}):
+        r = httpx.post(server + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                       json={"model": "tiny", "prompt": [5, 6], "max_tokens": 2, **extra})
+        (name,) = extra
+        assert r.status_code == 400 and r.json()["error"]["param"] == name, r.text
+
+
 def test_api_key_is_required_but_not_for_health(server):
     r = httpx.get(server + "/v1/models")
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"

@@ -102,12 +102,12 @@ class Engine:
     token budget of a step (decode rows count `decode_steps` each); chunk_size: the most
     prompt tokens of one request per step (a power of two; default 512, or max_model_len's
     power of two where less). decode_steps: decode steps dispatched per engine step before
-    the host reads them (fewer host round trips; a finished request wastes up to that many
-    - 1). max_prefill_rows: requests whose prompt chunks share a step. row_buckets: the batch sizes that get compiled programs, a step's
-    rows padded up to the next (prefill rows capped at max_prefill_rows; max_num_seqs always
-    one): default the powers of two (on a GPU 1, then 8 and up: a step reads the weights
-    whatever its rows); fewer sizes, fewer programs to compile, padding rows costing their
-    compute on CPU.
+    the host reads them (fewer host round trips; a finished request wastes up to
+    decode_steps - 1). max_prefill_rows: requests whose prompt chunks share a step.
+    row_buckets: the batch sizes that get compiled programs, a step's rows padded up to the
+    next (prefill rows capped at max_prefill_rows; max_num_seqs always one); default the
+    powers of two (on a GPU 1, then 8 and up: a step reads the weights whatever its rows).
+    Fewer sizes compile fewer programs; on CPU padding rows cost their compute.
     prefix_caching: share the K/V pages of equal prompt prefixes. kv_cache_dtype: None,
     "int8" or "fp8" (cache.py). policy: the kernel policy (default the model's). seed: the
     seed of requests that give none (their key id is their arrival number).

@@ -338,7 +338,8 @@ def create_app(runner: EngineClient, model_name: str, api_key: str | None = None
         unsupported = {"logit_bias": bool(req.logit_bias),
                        "best_of": req.best_of not in (None, req.n),
                        "min_tokens": req.min_tokens != 0, "ignore_eos": req.ignore_eos,
-                       "suffix": bool(getattr(req, "suffix", None))}
+                       "suffix": bool(getattr(req, "suffix", None)),
+                       "echo": getattr(req, "echo", False)}
         for name, given in unsupported.items():
             if given:
                 raise APIError(400, f"{name} is not supported by this server; send the "
@@ -647,8 +648,6 @@ def create_app(runner: EngineClient, model_name: str, api_key: str | None = None
                 raise APIError(400, "give one prompt per request (a string or token ids)",
                                "prompt")
             prompt = prompt[0]
-        if req.echo:
-            raise APIError(400, "echo is not supported", "echo")
         return await run("text", req, prompt, "prompt")
 
     return app
