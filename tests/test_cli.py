@@ -50,7 +50,9 @@ def embedded_cli():
     return run_optimized(_EMBEDDED_CLI, stdin=json.dumps([
         ["json", ["generate", q, "--json", "--max-new-tokens", "16"], ""],
         ["text", ["generate", q, "--max-new-tokens", "16"], ""],
-        ["chat", ["chat", "--max-new-tokens", "24"], q + "\nAnd of Italy?\n"]]))
+        # The second turn's new tokens (over 32) take the first's prefill width: one program.
+        ["chat", ["chat", "--max-new-tokens", "24"], q + "\nAnd what is the capital of "
+         "Italy? Please answer in one short sentence, as you did for France.\n"]]))
 
 
 def test_generate_json(embedded_cli):
