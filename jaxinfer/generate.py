@@ -456,6 +456,7 @@ def _prepare(model, prompts, max_new_tokens, sampling_params, seed, chat, stop, 
     for i, sp in enumerate(sampling_params):
         if not isinstance(sp, SamplingParams):
             raise ValueError(f"sampling[{i}] must be a SamplingParams, got {type(sp).__name__}")
+        sp.check_vocabulary(model.config.vocab_size)
         if sp.top_logprobs:
             raise ValueError("top_logprobs (alternatives per token) are reported by the "
                              "engine (jaxinfer.Engine, jaxinfer serve), not by generate")

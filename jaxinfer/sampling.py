@@ -74,6 +74,7 @@ from jaxinfer import pytree
 GREEDY_TEMPERATURE = 1e-5
 # The most alternatives per token a request may ask for (OpenAI's limit for top_logprobs).
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024  # entries of a request's logit_bias (its [B, L] arrays: L a power of two)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -109,6 +110,8 @@ class SamplingParams:
         (OpenAI's top_logprobs); 0 = off, at most MAX_TOP_LOGPROBS.
     seed: this request's own seed; its draws then depend on (seed, position) only. None = derive
         them from the batch seed and the request's index.
+    logit_bias: {token id: bias in [-100, 100]} added to the logits before every other stage
+        (OpenAI's and vLLM's; at most MAX_LOGIT_BIAS entries), kept as sorted (id, bias) pairs.
     """
 
     temperature: float = 1.0
@@ -121,9 +124,30 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     seed: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         problems = []
+        bias = self.logit_bias
+        if bias is None:
+            bias = ()
+        elif isinstance(bias, dict):
+            bias = tuple(bias.items())
+        try:
+            bias = tuple(sorted((k, v) for k, v in bias))
+        except (TypeError, ValueError):
+            problems.append(f"logit_bias must be a {{token id: bias}} mapping, got {bias!r}")
+            bias = ()
+        bad = [(k, v) for k, v in bias if not (_is_int(k) and k >= 0 and _is_real(v)
+                                                and -100 <= v <= 100)]
+        if bad:
+            problems.append(f"logit_bias must map token ids >= 0 to biases in [-100, 100], got "
+                            f"{dict(bad[:3])!r}")
+        elif len(bias) > MAX_LOGIT_BIAS:
+            problems.append(f"logit_bias has {len(bias)} entries, at most {MAX_LOGIT_BIAS}")
+        else:
+            bias = tuple((int(k), float(v)) for k, v in bias)
+        object.__setattr__(self, "logit_bias", bias)
 
         def check(name, ok, allowed):
             value = getattr(self, name)
@@ -151,6 +175,13 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
 
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """A ValueError naming the first logit_bias id outside [0, vocab_size), if any."""
+        bad = [k for k, _ in self.logit_bias if k >= vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias: token id {bad[0]} is outside the vocabulary "
+                             f"[0, {vocab_size})")
+
 
 # ---------------------------------------------------------------------------------------------
 # Per-row parameters of a batch, as a pytree
@@ -171,6 +202,7 @@ class SamplingFlags:
     presence_frequency_penalty: bool = False
     logprobs: bool = False
     top_logprobs: int = 0  # static k of the alternatives search: 0, or MAX_TOP_LOGPROBS
+    logit_bias: int = 0  # static L of the [B, L] bias arrays (a power of two); 0: no bias
 
     @property
     def penalties(self) -> bool:
@@ -185,9 +217,11 @@ class SamplingFlags:
             all_greedy=self.all_greedy and other.all_greedy,
             top_k_cap=max(self.top_k_cap, other.top_k_cap),
             top_logprobs=max(self.top_logprobs, other.top_logprobs),
+            logit_bias=max(self.logit_bias, other.logit_bias),
             **{f.name: getattr(self, f.name) or getattr(other, f.name)
                for f in dataclasses.fields(self)
-               if f.name not in ("any_greedy", "all_greedy", "top_k_cap", "top_logprobs")})
+               if f.name not in ("any_greedy", "all_greedy", "top_k_cap", "top_logprobs",
+                                 "logit_bias")})
 
 
 @pytree.dataclass
@@ -206,11 +240,24 @@ class SamplingTensors:
     repetition_penalty: jax.Array  # [B] float32, 1.0 = off
     presence_penalty: jax.Array  # [B] float32
     frequency_penalty: jax.Array  # [B] float32
+    bias_ids: jax.Array  # [B, L] int32: logit_bias's token ids, padded with (0, 0.0)
+    bias_values: jax.Array  # [B, L] float32
     flags: SamplingFlags = pytree.static_field(SamplingFlags())
 
     @property
     def batch_size(self) -> int:
         return self.greedy.shape[0]
+
+    def widen(self, flags: SamplingFlags) -> SamplingTensors:
+        """These rows under flags (a union of theirs and others'): the bias arrays padded to
+        flags.logit_bias entries, so the program is the one those flags compiled."""
+        pad = flags.logit_bias - self.bias_ids.shape[1]
+        if pad < 0:
+            raise ValueError(f"flags.logit_bias {flags.logit_bias} < the rows' "
+                             f"{self.bias_ids.shape[1]} entries")
+        return self.replace(bias_ids=jnp.pad(self.bias_ids, ((0, 0), (0, pad))),
+                            bias_values=jnp.pad(self.bias_values, ((0, 0), (0, pad))),
+                            flags=flags)
 
     @classmethod
     def from_params(cls, params: SamplingParams | Sequence[SamplingParams],
@@ -234,6 +281,13 @@ class SamplingTensors:
         top_p = np.array([1.0 if p.greedy else p.top_p for p in params], np.float32)
         min_p = np.array([0.0 if p.greedy else p.min_p for p in params], np.float32)
         max_k = max((p.top_k for p in sampled), default=0)
+        most = max(len(p.logit_bias) for p in params)
+        width = 1 << (most - 1).bit_length() if most else 0  # few distinct programs, as top_k
+        bias_ids = np.zeros((len(params), width), np.int32)
+        bias_values = np.zeros((len(params), width), np.float32)
+        for i, p in enumerate(params):
+            for j, (k, v) in enumerate(p.logit_bias):
+                bias_ids[i, j], bias_values[i, j] = k, v
         flags = SamplingFlags(
             any_greedy=bool(greedy.any()),
             all_greedy=bool(greedy.all()),
@@ -248,6 +302,7 @@ class SamplingTensors:
             logprobs=any(p.logprobs or p.top_logprobs for p in params),
             # One k for every batch that asks (one more program, not one per k).
             top_logprobs=MAX_TOP_LOGPROBS if any(p.top_logprobs for p in params) else 0,
+            logit_bias=width,
         )
 
         def f32(name):
@@ -259,7 +314,8 @@ class SamplingTensors:
             top_k=top_k, top_p=top_p, min_p=min_p,
             repetition_penalty=f32("repetition_penalty"),
             presence_penalty=f32("presence_penalty"),
-            frequency_penalty=f32("frequency_penalty"))
+            frequency_penalty=f32("frequency_penalty"),
+            bias_ids=bias_ids, bias_values=bias_values)
         # One transfer call for all of them (the engine builds these every step it admits or
         # finishes a request).
         return cls(**jax.device_put(arrays), flags=flags)
@@ -373,8 +429,12 @@ def observe(state: SamplerState, tokens: jax.Array, active: jax.Array | None = N
 def apply_penalties(logits: jax.Array, params: SamplingTensors, *,
                     token_counts: jax.Array | None = None,
                     seen_mask: jax.Array | None = None) -> jax.Array:
-    """Repetition (HF), then frequency and presence (vLLM) penalties on logits [B, V]."""
+    """logit_bias (OpenAI's: added first, as vLLM does), then repetition (HF), then frequency
+    and presence (vLLM) penalties on logits [B, V]."""
     flags = params.flags
+    if flags.logit_bias:  # padding entries add 0.0 to token 0: exact, in any order
+        rows = jnp.arange(logits.shape[0])[:, None]  # [B, 1]
+        logits = logits.at[rows, params.bias_ids].add(params.bias_values)
     if flags.repetition_penalty:
         if seen_mask is None:
             raise ValueError("a repetition_penalty != 1 needs seen_mask [B, V] (tokens of the "
@@ -630,7 +690,7 @@ def sample_positions(logits: jax.Array, keys: jax.Array, params: SamplingTensors
     flags = params.flags
     x = logits.astype(jnp.float32)
     x = jnp.where(jnp.isnan(x), -jnp.inf, x)  # as sample_with_logprobs, before the penalties
-    if flags.penalties:  # each position's own statistics, then none in the batched call
+    if flags.penalties:  # each position's own statistics (and bias), then none in the batch
         xs, counts, seen = [], token_counts, seen_mask
         for j in range(t):
             xs.append(apply_penalties(x[:, j], params, token_counts=counts, seen_mask=seen))
@@ -638,7 +698,7 @@ def sample_positions(logits: jax.Array, keys: jax.Array, params: SamplingTensors
                 counts, seen = update_penalty_state(counts, seen, tokens[:, j], active)
         x = jnp.stack(xs, axis=1)  # [B, T, V]
         flags = dataclasses.replace(flags, repetition_penalty=False,
-                                    presence_frequency_penalty=False)
+                                    presence_frequency_penalty=False, logit_bias=0)
     # [B * T] rows, row b's T positions together
     rows = jax.tree.map(lambda a: jnp.repeat(a, t, axis=0), params).replace(flags=flags)
     x = x.reshape(b * t, v)

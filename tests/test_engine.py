@@ -192,11 +192,13 @@ def test_abort_frees_pages_at_once(tiny_chat):
 
 
 def test_penalties_stop_strings_and_text_prompts(tiny_chat):
-    """Per-request penalties (their statistics live in the engine's slots), stop strings and
-    chat-templated text give generate()'s output."""
+    """Per-request penalties (their statistics live in the engine's slots), logit_bias (rows
+    without one beside rows with one or two entries), stop strings and chat-templated text
+    give generate()'s output."""
     sp = [SamplingParams(temperature=0.0, repetition_penalty=1.3),
-          SamplingParams(temperature=0.7, presence_penalty=1.0, frequency_penalty=0.5, seed=4),
-          SamplingParams(temperature=0.0)]
+          SamplingParams(temperature=0.7, presence_penalty=1.0, frequency_penalty=0.5, seed=4,
+                         logit_bias={40: 5.0}),
+          SamplingParams(temperature=0.0, logit_bias={9: 6.0, 12: -100})]
     prompts = ["Hi there", "Name three painters.", [5, 6, 7, 5, 6]]
     engine = _engine(tiny_chat)
     outs = engine.run(prompts, sampling=sp, max_tokens=12, stop=["e"])

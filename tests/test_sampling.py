@@ -9,6 +9,7 @@ stages in the wrong order, ...) would fail the same bound, so the bound has teet
 """
 
 import collections
+import dataclasses
 import functools
 import math
 
@@ -145,6 +146,9 @@ def logits_of(seed, v=16, scale=1.5):
     ("repetition_penalty", float("inf")),
     ("presence_penalty", 2.5), ("frequency_penalty", -2.01), ("frequency_penalty", float("nan")),
     ("logprobs", 1), ("seed", -3), ("seed", 1.5), ("top_logprobs", 21), ("top_logprobs", -1),
+    ("logit_bias", {-1: 1.0}), ("logit_bias", {3: 100.5}), ("logit_bias", {3: float("nan")}),
+    ("logit_bias", {"3": 1.0}), ("logit_bias", [1, 2]),
+    ("logit_bias", {i: 1.0 for i in range(S.MAX_LOGIT_BIAS + 1)}),
 ])
 def test_invalid_params_raise_naming_the_parameter(field, value):
     with pytest.raises(ValueError, match=field):
@@ -376,6 +380,39 @@ def test_penalties_match_numpy_hf_vllm():
                      seen_mask=jnp.asarray(seen))
     np.testing.assert_array_equal(np.asarray(out.tokens), np.argmax(want, axis=-1))
     assert (np.argmax(want, axis=-1) != np.argmax(logits, axis=-1)).any()  # penalties mattered
+
+
+def test_logit_bias_is_added_before_the_penalties():
+    """OpenAI's logit_bias (as vLLM applies it: before the penalties), rows with none, one
+    and two entries in one batch; the greedy pick and the logprobs follow the biased logits;
+    widen pads a row set to wider flags without changing anything; ids past the vocabulary
+    are refused by check_vocabulary."""
+    logits, counts, seen, _ = _penalty_case(b=3, v=12, seed=63)
+    bias = [{}, {4: -100.0}, {2: 30.0, 7: -3.5}]
+    params = [SamplingParams(temperature=0.0, repetition_penalty=1.3, logprobs=True,
+                             logit_bias=b) for b in bias]
+    assert params[2].logit_bias == ((2, 30.0), (7, -3.5))
+    biased = logits.copy()
+    for row, b in enumerate(bias):
+        for k, v in b.items():
+            biased[row, k] += v
+    want = np_penalize(biased, seen, counts, [1.3] * 3, [0.0] * 3, [0.0] * 3)
+    tensors = SamplingTensors.from_params(params)
+    assert tensors.flags.logit_bias == 2 and tensors.bias_ids.shape == (3, 2)
+    wide = tensors.widen(dataclasses.replace(tensors.flags, logit_bias=8))
+    keys = S.request_keys(0, jnp.arange(3), jnp.zeros(3, jnp.int32))
+    for t in (tensors, wide):
+        got = S.apply_penalties(jnp.asarray(logits), t, seen_mask=jnp.asarray(seen))
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-5)
+        out = _sample_lp(jnp.asarray(logits), keys, t, seen_mask=jnp.asarray(seen))
+        tokens = np.asarray(out.tokens)
+        np.testing.assert_array_equal(tokens, np.argmax(want, axis=-1))
+        lse = np.log(np.exp(want - want.max(-1, keepdims=True)).sum(-1)) + want.max(-1)
+        np.testing.assert_allclose(np.asarray(out.logprobs), want[np.arange(3), tokens] - lse,
+                                   rtol=1e-5, atol=1e-5)
+    assert tokens[2] == 2 and np.argmax(logits[2]) != 2  # the bias mattered
+    with pytest.raises(ValueError, match="token id 7 is outside the vocabulary"):
+        params[2].check_vocabulary(7)
 
 
 def test_sampled_distribution_after_penalties():

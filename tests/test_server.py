@@ -75,6 +75,20 @@ def test_chat_and_completions_equal_generate(client, refs):
     assert [m.id for m in models.data] == ["tiny"]
 
 
+def test_logit_bias_equals_generate(client, tiny_chat, refs):
+    """The openai client's logit_bias (string ids) gives generate()'s tokens under the same
+    SamplingParams.logit_bias: greedy text with its first token banned and another pushed."""
+    from jaxinfer.sampling import SamplingParams
+
+    bias = {refs[1].token_ids[0]: -100, 9: 4.5}
+    ref = jaxinfer.generate(tiny_chat, [IDS], max_new_tokens=10,
+                            sampling=SamplingParams(temperature=0, logit_bias=bias))[0]
+    assert ref.token_ids[0] != refs[1].token_ids[0]
+    r = client.completions.create(model="tiny", prompt=IDS, max_tokens=10, temperature=0,
+                                  logit_bias={str(k): v for k, v in bias.items()})
+    assert r.choices[0].text == ref.text
+
+
 def test_streaming_n_logprobs_stop_and_seed(client):
     msgs = [{"role": "user", "content": "Tell me a story."}]
     whole = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=16,
@@ -124,9 +138,13 @@ def test_streaming_n_logprobs_stop_and_seed(client):
     (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
                  "tools": [{"type": "function", "function": {"name": "f"}}],
                  "tool_choice": "auto"}), 400, "tool-call parser"),
-    # output-changing parameters the server does not implement: refused, not ignored
     (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
-                 "logit_bias": {"5": 10}}), 400, "logit_bias is not supported"),
+                 "logit_bias": {"x": 10}}), 400, "logit_bias keys must be token ids"),
+    (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                 "logit_bias": {"5": 101}}), 400, "biases in [-100, 100]"),
+    (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                 "logit_bias": {"99999": 1}}), 400, "outside the vocabulary"),
+    # output-changing parameters the server does not implement: refused, not ignored
     (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
                  "n": 1, "best_of": 3}), 400, "best_of is not supported"),
 ])

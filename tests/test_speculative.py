@@ -139,19 +139,20 @@ def test_greedy_speculative_equals_plain_greedy(looping, tiny_chat, drafter, bat
 
 MIXED = [SamplingParams(temperature=0.8), SamplingParams(temperature=0.0),
          SamplingParams(temperature=1.0, top_k=20, top_p=0.9, logprobs=True),
-         SamplingParams(temperature=0.7, repetition_penalty=1.3, seed=123),
+         SamplingParams(temperature=0.7, repetition_penalty=1.3, seed=123,
+                        logit_bias={5: 3.0, 11: -100}),
          SamplingParams(temperature=0.9, presence_penalty=0.5, frequency_penalty=0.4,
                         logprobs=True),
-         SamplingParams(temperature=0.6, min_p=0.05),
+         SamplingParams(temperature=0.6, min_p=0.05, logit_bias={7: 2.5}),
          SamplingParams(temperature=0.0, repetition_penalty=1.2),
          SamplingParams(temperature=1.2, seed=7)]
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "self"])
 def test_coupled_sampling_equals_plain_sampling(looping, drafter):
-    """Sampled rows (truncation, penalties, own seeds, greedy rows mixed in) get the tokens
-    plain generate samples with the same seed: a row's draw depends only on its key at each
-    position and the penalty counts of the tokens before it."""
+    """Sampled rows (truncation, penalties, logit_bias, own seeds, greedy rows mixed in) get
+    the tokens plain generate samples with the same seed: a row's draw depends only on its
+    key at each position and the penalty counts of the tokens before it."""
     spec_arg = {"ngram": "ngram", "self": looping}[drafter]
     plain = jaxinfer.generate(looping, PROMPTS, max_new_tokens=24, chat=False, sampling=MIXED,
                               seed=5)

@@ -305,6 +305,7 @@ class Engine:
         sampling = SamplingParams(temperature=0.0) if sampling is None else sampling
         if not isinstance(sampling, SamplingParams):
             raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        sampling.check_vocabulary(model.config.vocab_size)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))
                                  or not 0 <= seed < 2**32):
             raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
@@ -427,8 +428,8 @@ class Engine:
                 slot=jnp.full((b,), r, jnp.int32), position=jnp.full((b,), -1, jnp.int32),
                 count=jnp.zeros((b,), jnp.int32), seed=jnp.zeros((b,), jnp.uint32),
                 key_id=jnp.zeros((b,), jnp.int32), block_tables=jnp.zeros((b, w), jnp.int32),
-                sampling=SamplingTensors.from_params([params[0]] * b).replace(
-                    flags=dataclasses.replace(self._flags, top_logprobs=top)),
+                sampling=SamplingTensors.from_params([params[0]] * b).widen(
+                    dataclasses.replace(self._flags, top_logprobs=top)),
                 token_bitmask=jnp.full((b, words), -1, jnp.int32) if mask else None)
             if kind == "prefill":
                 self.state, new, _, _ = step_lib.prefill_step(
@@ -617,7 +618,7 @@ class Engine:
             # The top-logprobs search alone is this dispatch's own (rows that ask are rare).
             self._flags = tensors.flags if self._flags is None else \
                 self._flags.union(tensors.flags)
-            tensors = tensors.replace(flags=dataclasses.replace(
+            tensors = tensors.widen(dataclasses.replace(
                 self._flags, top_logprobs=tensors.flags.top_logprobs))
             self._tensors = (params, self._flags, tensors)
         sampled = [True] * n if sampled is None else sampled

@@ -98,9 +98,9 @@ class _Common(BaseModel):
     guided_regex: str | None = None
     guided_grammar: str | None = None
     guided_choice: list[str] | None = None
+    logit_bias: dict[str, float] | None = None  # {token id as a string: bias in [-100, 100]}
     # Parameters that would change the output and are not implemented: refused when set
     # (`check`), never silently ignored as the unknown fields are.
-    logit_bias: dict[str, float] | None = None
     best_of: int | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
@@ -335,8 +335,7 @@ def create_app(runner: EngineClient, model_name: str, api_key: str | None = None
 
     def check(req: _Common) -> tuple[SamplingParams, int]:
         check_model(req)
-        unsupported = {"logit_bias": bool(req.logit_bias),
-                       "best_of": req.best_of not in (None, req.n),
+        unsupported = {"best_of": req.best_of not in (None, req.n),
                        "min_tokens": req.min_tokens != 0, "ignore_eos": req.ignore_eos,
                        "suffix": bool(getattr(req, "suffix", None)),
                        "echo": getattr(req, "echo", False)}
@@ -354,14 +353,25 @@ def create_app(runner: EngineClient, model_name: str, api_key: str | None = None
             logprobs, top = req.logprobs, (req.top_logprobs or 0) if req.logprobs else 0
         else:
             logprobs, top = req.logprobs is not None, req.logprobs or 0
+        bias = {}
+        for key, value in (req.logit_bias or {}).items():
+            if not key.strip().isdigit():
+                raise APIError(400, f"logit_bias keys must be token ids (integers as strings), "
+                                    f"got {key!r}", "logit_bias")
+            bias[int(key)] = value
         try:
             sp = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                                 min_p=req.min_p, presence_penalty=req.presence_penalty,
                                 frequency_penalty=req.frequency_penalty,
                                 repetition_penalty=req.repetition_penalty,
-                                logprobs=logprobs, top_logprobs=top)
+                                logprobs=logprobs, top_logprobs=top, logit_bias=bias)
         except ValueError as e:
-            raise APIError(400, str(e)) from None
+            raise APIError(400, str(e), "logit_bias" if "logit_bias" in str(e) else None) \
+                from None
+        try:
+            sp.check_vocabulary(vocab_size)
+        except ValueError as e:
+            raise APIError(400, str(e), "logit_bias") from None
         return sp, max_tokens
 
     async def compile_grammar(param: str, make):
