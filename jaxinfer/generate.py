@@ -212,9 +212,12 @@ def prefill_chunk_size(plan: Plan) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-def _stop_ids(model, stop) -> tuple[list[int], list[str]]:
-    ids = set(model.config.eos_token_ids)
-    if model.tokenizer is not None:
+def _stop_ids(model, stop, ignore_eos: bool = False) -> tuple[list[int], list[str]]:
+    """(stop token ids: EOS unless ignore_eos, and stop's ids; stop strings)."""
+    if not isinstance(ignore_eos, bool):
+        raise ValueError(f"ignore_eos must be True or False, got {ignore_eos!r}")
+    ids = set() if ignore_eos else set(model.config.eos_token_ids)
+    if model.tokenizer is not None and not ignore_eos:
         ids |= set(model.tokenizer.eos_token_ids)
     strings = []
     stops = [] if stop is None else [stop] if isinstance(stop, (str, int)) else stop
@@ -434,7 +437,8 @@ def run_params(model, plan: Plan):
 
 
 def _prepare(model, prompts, max_new_tokens, sampling_params, seed, chat, stop, max_seq_len,
-             policy, kv_cache_dtype=None, mesh=None, reserve: int = 0) -> _Request:
+             policy, kv_cache_dtype=None, mesh=None, reserve: int = 0,
+             ignore_eos: bool = False) -> _Request:
     """Every check on the host, before anything is allocated or compiled."""
     check_kv_dtype(kv_cache_dtype, "kv_cache_dtype")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
@@ -460,7 +464,7 @@ def _prepare(model, prompts, max_new_tokens, sampling_params, seed, chat, stop, 
         if sp.top_logprobs:
             raise ValueError("top_logprobs (alternatives per token) are reported by the "
                              "engine (jaxinfer.Engine, jaxinfer serve), not by generate")
-    stop_ids, stop_strings = _stop_ids(model, stop)
+    stop_ids, stop_strings = _stop_ids(model, stop, ignore_eos)
     longest = max(len(p) for p in ids)
     chunk = prefill_chunk_size(plan)
     multiple = chunk if chunk and longest > chunk else 1
@@ -520,16 +524,17 @@ def generate(model, prompts, max_new_tokens: int = 128, sampling: SamplingParams
              seed: int = 0, chat: bool | None = None, stop=None, max_seq_len: int | None = None,
              policy: KernelPolicy | None = None, progress: bool = False,
              kv_cache_dtype: str | None = None, mesh=None, speculative=None,
-             num_speculative_tokens: int = 4) -> list[Completion]:
+             num_speculative_tokens: int = 4, ignore_eos: bool = False) -> list[Completion]:
     """Generate for a prompt or a batch of prompts; returns one `Completion` per prompt.
 
     prompts: a string, token ids, or chat messages ([{"role": ..., "content": ...}], system
     turns included), or a list of those (jaxinfer/prompts.py). chat: strings go through the
     chat template as a user message; None (default) does so when the tokenizer has a template,
     as the CLI does; False feeds them as plain text. sampling: one SamplingParams for all
-    prompts or a list with one per prompt. stop: stop strings and/or stop token ids (EOS always
-    stops). Request i's random stream is derived from (seed, i, position), or from (its own
-    SamplingParams.seed, position) when that is set, so it does not depend on the batch.
+    prompts or a list with one per prompt. stop: stop strings and/or stop token ids (EOS stops
+    too unless ignore_eos: then only max_new_tokens and stop end a row). Request i's random
+    stream is derived from (seed, i, position), or from (its own SamplingParams.seed,
+    position) when that is set, so it does not depend on the batch.
     policy: the kernel choices (default: the model's); `KernelPolicy.deterministic()` gives
     bitwise-repeatable tokens that do not depend on the rest of the batch either.
     progress: show progress bars (stderr, tqdm) for a chunked prefill and the decode.
@@ -548,9 +553,9 @@ def generate(model, prompts, max_new_tokens: int = 128, sampling: SamplingParams
 
         return spec.generate(model, prompts, max_new_tokens, sampling, seed, chat, stop,
                              max_seq_len, policy, progress, kv_cache_dtype, mesh, speculative,
-                             num_speculative_tokens)
+                             num_speculative_tokens, ignore_eos=ignore_eos)
     req = _prepare(model, prompts, max_new_tokens, sampling, seed, chat, stop, max_seq_len,
-                   policy, kv_cache_dtype, mesh)
+                   policy, kv_cache_dtype, mesh, ignore_eos=ignore_eos)
     with memory.reporting_oom(f"generating for {len(req.ids)} prompts"):
         state = _run_prefill(model, req, progress)
         if progress:
@@ -606,7 +611,7 @@ def stream(model, prompt, max_new_tokens: int = 128, sampling: SamplingParams | 
            seed: int = 0, chat: bool | None = None, stop=None,
            policy: KernelPolicy | None = None, progress: bool = False,
            kv_cache_dtype: str | None = None, mesh=None, speculative=None,
-           num_speculative_tokens: int = 4) -> TextStream:
+           num_speculative_tokens: int = 4, ignore_eos: bool = False) -> TextStream:
     """The text of one prompt's completion, yielded piece by piece as tokens are decoded.
 
     Takes one prompt of any form `generate` takes (and the same arguments). Runs the same jitted
@@ -626,11 +631,12 @@ def stream(model, prompt, max_new_tokens: int = 128, sampling: SamplingParams | 
         from jaxinfer import speculative as spec
 
         sreq = spec._prepare(model, prompt, max_new_tokens, sampling, seed, chat, stop, None,
-                             policy, kv_cache_dtype, mesh, speculative, num_speculative_tokens)
+                             policy, kv_cache_dtype, mesh, speculative, num_speculative_tokens,
+                             ignore_eos=ignore_eos)
         out._pieces = spec.pieces(model, sreq, progress, out, t0)
         return out
     req = _prepare(model, prompt, max_new_tokens, sampling, seed, chat, stop, None, policy,
-                   kv_cache_dtype, mesh)
+                   kv_cache_dtype, mesh, ignore_eos=ignore_eos)
     out._pieces = _pieces(model, req, progress, out, t0)
     return out
 

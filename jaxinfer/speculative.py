@@ -586,7 +586,8 @@ class _SpecRequest:
 
 
 def _prepare(model, prompts, max_new_tokens, sampling_params, seed, chat, stop, max_seq_len,
-             policy, kv_cache_dtype, mesh, speculative, num_speculative_tokens) -> _SpecRequest:
+             policy, kv_cache_dtype, mesh, speculative, num_speculative_tokens,
+             ignore_eos: bool = False) -> _SpecRequest:
     """Every check on the host, before anything is allocated or compiled."""
     drafter = resolve_drafter(speculative, model)
     if not isinstance(drafter, NGram):
@@ -600,7 +601,8 @@ def _prepare(model, prompts, max_new_tokens, sampling_params, seed, chat, stop, 
     k = int(k)
     # init_state checks that K slots past the last token fit the target's context.
     req = _prepare_request(model, prompts, max_new_tokens, sampling_params, seed, chat, stop,
-                           max_seq_len, policy, kv_cache_dtype, mesh, reserve=k)
+                           max_seq_len, policy, kv_cache_dtype, mesh, reserve=k,
+                           ignore_eos=ignore_eos)
     if isinstance(drafter, NGram):
         return _SpecRequest(req, k, drafter, None)
     if isinstance(drafter, draft_head.FeatureHead):  # its layer on the request's plan and dtype
@@ -663,10 +665,11 @@ def _results(model, sreq: _SpecRequest, state: SpecState) -> list[Completion]:
 
 def generate(model, prompts, max_new_tokens, sampling, seed, chat, stop, max_seq_len, policy,
              progress, kv_cache_dtype, mesh, speculative,
-             num_speculative_tokens) -> list[Completion]:
+             num_speculative_tokens, ignore_eos: bool = False) -> list[Completion]:
     """`jaxinfer.generate(..., speculative=...)` (see its docstring)."""
     sreq = _prepare(model, prompts, max_new_tokens, sampling, seed, chat, stop, max_seq_len,
-                    policy, kv_cache_dtype, mesh, speculative, num_speculative_tokens)
+                    policy, kv_cache_dtype, mesh, speculative, num_speculative_tokens,
+                    ignore_eos=ignore_eos)
     req = sreq.req
     args = dict(plan=req.plan, k=sreq.k, drafter=sreq.drafter)
     with memory.reporting_oom(f"generating for {len(req.ids)} prompts"):

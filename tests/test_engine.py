@@ -206,6 +206,20 @@ def test_penalties_stop_strings_and_text_prompts(tiny_chat):
            for p, s in zip(prompts, sp)]
     for a, b in zip(outs, ref):
         assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
+    # ignore_eos: EOS (made the greedy pick by a bias) does not end the row, in the engine,
+    # generate and speculative generate alike
+    eos = tiny_chat.config.eos_token_ids[0]
+    sp = SamplingParams(temperature=0.0, logit_bias={eos: 8.0})
+    (out,) = engine.run([[5, 6, 7]], sampling=sp, max_tokens=12, ignore_eos=True)
+    for ref in (jaxinfer.generate(tiny_chat, [[5, 6, 7]], max_new_tokens=12, sampling=sp,
+                                  ignore_eos=ignore, **spec)[0]
+                for ignore, spec in ((True, {}), (True, {"speculative": "ngram"}),
+                                     (False, {}))):
+        if ref.finish_reason == "stop":  # without ignore_eos: the row's first EOS ends it
+            assert ref.token_ids == out.token_ids[:out.token_ids.index(eos) + 1]
+            continue
+        assert (out.token_ids, out.finish_reason) == (ref.token_ids, "length")
+    assert out.token_ids.count(eos) > 1
 
 
 def test_deterministic_engine_rows_are_bitwise_those_alone_and_generates(tiny_chat):

@@ -89,6 +89,25 @@ def test_logit_bias_equals_generate(client, tiny_chat, refs):
     assert r.choices[0].text == ref.text
 
 
+def test_ignore_eos_runs_to_max_tokens(client, tiny_chat):
+    """vLLM's ignore_eos (extra_body): EOS, made the greedy choice by logit_bias, ends the
+    completion at its first token without it and does not with it: generate()'s tokens
+    with ignore_eos, to max_tokens (EOS ids add no text)."""
+    from jaxinfer.sampling import SamplingParams
+
+    eos = tiny_chat.config.eos_token_ids[0]
+    kw = dict(model="tiny", prompt=IDS, max_tokens=6, temperature=0,
+              logit_bias={str(eos): 100})
+    short = client.completions.create(**kw)
+    assert short.choices[0].finish_reason == "stop" and short.usage.completion_tokens == 1
+    whole = client.completions.create(**kw, extra_body={"ignore_eos": True})
+    ref = jaxinfer.generate(tiny_chat, [IDS], max_new_tokens=6, ignore_eos=True,
+                            sampling=SamplingParams(temperature=0, logit_bias={eos: 100}))[0]
+    assert ref.token_ids == [eos] * 6 and ref.finish_reason == "length"
+    assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 6
+    assert whole.choices[0].text == ref.text == ""
+
+
 def test_streaming_n_logprobs_stop_and_seed(client):
     msgs = [{"role": "user", "content": "Tell me a story."}]
     whole = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=16,

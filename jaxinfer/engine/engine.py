@@ -285,13 +285,14 @@ class Engine:
     def add_request(self, prompt, *, sampling: SamplingParams | None = None,
                     max_tokens: int = 128, stop=None, request_id: str | None = None,
                     seed: int | None = None, chat: bool | None = None,
-                    grammar=None) -> str:
+                    grammar=None, ignore_eos: bool = False) -> str:
         """Queue one request (anything `generate` takes for one prompt) -> its id. Every check
         runs here: a bad request raises ValueError and changes nothing. seed: its own seed
         (its draws then equal generate(..., seed=seed) for it alone); default the engine's
         seed and its arrival number. grammar: a `jaxinfer.structured.Grammar` its output must
         follow (structured output; it finishes with "stop" once the grammar is complete);
-        such a request advances every other step (the scheduler's docstring says why)."""
+        such a request advances every other step (the scheduler's docstring says why).
+        ignore_eos: EOS does not end it (vLLM's; max_tokens, stop and the grammar still do)."""
         from jaxinfer.generate import _stop_ids
 
         model = self.model
@@ -317,7 +318,7 @@ class Engine:
         if -(-need // self.page_size) > self.pool.total:
             raise ValueError(f"{need} tokens need {-(-need // self.page_size)} pages, more "
                              f"than the whole pool's {self.pool.total}; raise kv_memory")
-        stop_ids, stop_strings = _stop_ids(model, stop)
+        stop_ids, stop_strings = _stop_ids(model, stop, ignore_eos)
         index = next(self._arrivals)
         if request_id is None:
             request_id = f"req-{index}"
@@ -482,7 +483,8 @@ class Engine:
         return dispatched
 
     def run(self, prompts: Iterable, *, sampling=None, max_tokens: int = 128, stop=None,
-            seed: int | None = None, chat: bool | None = None, progress: bool = False):
+            seed: int | None = None, chat: bool | None = None, progress: bool = False,
+            ignore_eos: bool = False):
         """Serve a list of prompts to the end -> one `Completion` per prompt, in order.
         sampling: one SamplingParams or one per prompt; seed: request i's is seed + i (so
         each equals generate(prompt_i, seed=seed + i) alone), default the engine's. Requests
@@ -498,7 +500,8 @@ class Engine:
         stops = [s for s in ([stop] if isinstance(stop, str) else stop or [])
                  if isinstance(s, str)]
         ids = [self.add_request(p, sampling=sp, max_tokens=max_tokens, stop=stop, chat=chat,
-                                seed=None if seed is None else seed + i)
+                                seed=None if seed is None else seed + i,
+                                ignore_eos=ignore_eos)
                for i, (p, sp) in enumerate(zip(prompts, params))]
         prompt_tokens = {i: len(self.requests[i].prompt) for i in ids}
         got = {i: ([], []) for i in ids}

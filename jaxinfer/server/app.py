@@ -99,11 +99,11 @@ class _Common(BaseModel):
     guided_grammar: str | None = None
     guided_choice: list[str] | None = None
     logit_bias: dict[str, float] | None = None  # {token id as a string: bias in [-100, 100]}
+    ignore_eos: bool = False  # vLLM's: EOS does not end the completion
     # Parameters that would change the output and are not implemented: refused when set
     # (`check`), never silently ignored as the unknown fields are.
     best_of: int | None = None
     min_tokens: int = 0
-    ignore_eos: bool = False
 
 
 class ChatRequest(_Common):
@@ -336,7 +336,7 @@ def create_app(runner: EngineClient, model_name: str, api_key: str | None = None
     def check(req: _Common) -> tuple[SamplingParams, int]:
         check_model(req)
         unsupported = {"best_of": req.best_of not in (None, req.n),
-                       "min_tokens": req.min_tokens != 0, "ignore_eos": req.ignore_eos,
+                       "min_tokens": req.min_tokens != 0,
                        "suffix": bool(getattr(req, "suffix", None)),
                        "echo": getattr(req, "echo", False)}
         for name, given in unsupported.items():
@@ -396,7 +396,8 @@ def create_app(runner: EngineClient, model_name: str, api_key: str | None = None
             for i in range(req.n):
                 seed = None if req.seed is None else (req.seed + i) % 2**32
                 subs.append(await runner.submit(ids, sampling=sp, max_tokens=max_tokens,
-                                                stop=req.stop, seed=seed, grammar=spec))
+                                                stop=req.stop, seed=seed, grammar=spec,
+                                                ignore_eos=req.ignore_eos))
         except OverflowError as e:
             for s in subs:
                 runner.abort(s.request_id)
