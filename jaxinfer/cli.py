@@ -152,7 +152,9 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--seed", type=_seed, default=0)
     p.add_argument("--stop", action="append", default=None, metavar="TEXT",
-                   help="stop when the reply contains TEXT (repeatable); EOS always stops")
+                   help="stop when the reply contains TEXT (repeatable); EOS stops too")
+    p.add_argument("--logit-bias", action="append", default=None, metavar="ID=BIAS",
+                   help="add BIAS (-100 to 100) to token ID's logit (repeatable)")
 
 
 def _add_speculative_args(p: argparse.ArgumentParser, bench: bool = False) -> None:
@@ -199,6 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-chat", action="store_true",
                    help="feed the prompt as plain text; by default a model whose tokenizer has "
                         "a chat template gets the prompt as a user message (as the API does)")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="do not stop at EOS: run to --max-tokens (or a --stop)")
     g.add_argument("--logprobs", action="store_true",
                    help="report each new token's log-probability (in --json, else on stderr)")
     g.add_argument("--json", action="store_true",
@@ -363,11 +367,19 @@ def _check_sampling_args(args):
     from jaxinfer.prompts import check_text
     from jaxinfer.sampling import SamplingParams
 
+    bias = {}
+    for entry in args.logit_bias or []:
+        token, _, value = entry.partition("=")
+        try:
+            bias[int(token)] = float(value)
+        except ValueError:
+            raise UsageError(f"--logit-bias takes ID=BIAS (a token id and a number), got "
+                             f"{entry!r}") from None
     try:
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k,
                                 top_p=args.top_p, min_p=args.min_p,
                                 repetition_penalty=args.repetition_penalty,
-                                logprobs=getattr(args, "logprobs", False))
+                                logprobs=getattr(args, "logprobs", False), logit_bias=bias)
     except ValueError as e:
         raise UsageError(str(e)) from None
     for s in args.stop or []:
@@ -572,7 +584,8 @@ def cmd_generate(args) -> int:
     t0 = time.perf_counter()
     pieces = stream(model, request, max_new_tokens=args.max_new_tokens, sampling=sampling,
                     seed=args.seed, chat=False if args.no_chat else None, stop=args.stop,
-                    progress=sys.stderr.isatty(), kv_cache_dtype=_kv_cache_dtype(args), **spec)
+                    progress=sys.stderr.isatty(), kv_cache_dtype=_kv_cache_dtype(args),
+                    ignore_eos=args.ignore_eos, **spec)
     with _waiting("prefill (and compiles) until the first token"):
         first = next(pieces, None)
     for piece in itertools.chain([] if first is None else [first], pieces):

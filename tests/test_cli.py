@@ -118,6 +118,20 @@ def test_flags_agree_with_the_api(tiny_chat, tiny_chat_dir, capsys):
     assert code == 0 and out == ref.text[:ref.text.index(stop)] + "\n"
 
 
+def test_logit_bias_and_ignore_eos_flags(tiny_chat, tiny_chat_dir, capsys):
+    """--logit-bias ID=BIAS makes EOS the greedy pick: the reply ends at it, or with
+    --ignore-eos runs to -n; token ids past the vocabulary are named."""
+    eos = tiny_chat.config.eos_token_ids[0]
+    for extra, want, reason in (([], [eos], "stop"), (["--ignore-eos"], [eos] * 4, "length")):
+        code, out, _ = _run(capsys, "generate", "Hi", "-n", "4", "--model", str(tiny_chat_dir),
+                            "--logit-bias", f"{eos}=100", "--json", *extra)
+        got = json.loads(out)
+        assert code == 0 and (got["token_ids"], got["finish_reason"]) == (want, reason)
+    code, _, err = _run(capsys, "generate", "Hi", "--model", str(tiny_chat_dir),
+                        "--logit-bias", "999999=1")
+    assert code != 0 and "outside the vocabulary" in err
+
+
 def test_prompt_from_stdin_and_file(tiny_chat, tiny_chat_dir, capsys, monkeypatch, tmp_path):
     (ref,) = jaxinfer.generate(tiny_chat, "Tell me a story.", max_new_tokens=6)
     monkeypatch.setattr(sys, "stdin", types.SimpleNamespace(
@@ -138,6 +152,8 @@ def test_prompt_from_stdin_and_file(tiny_chat, tiny_chat_dir, capsys, monkeypatc
     (["generate", "hi", "-n", "0"], "--max-tokens must be >= 1"),
     (["generate", "hi", "--stop", ""], "--stop needs a non-empty string"),
     (["generate", "hi", "--min-p", "2"], "min_p"),
+    (["generate", "hi", "--logit-bias", "5"], "--logit-bias takes ID=BIAS"),
+    (["generate", "hi", "--logit-bias", "5=300"], "biases in [-100, 100]"),
     (["generate", "caf\udce9"], "not valid Unicode"),
     (["generate", "   "], "the prompt is empty"),
     (["generate", "-f", "/no/such/file"], "cannot read the prompt file"),
