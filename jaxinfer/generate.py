@@ -216,9 +216,11 @@ def _stop_ids(model, stop, ignore_eos: bool = False) -> tuple[list[int], list[st
     """(stop token ids: EOS unless ignore_eos, and stop's ids; stop strings)."""
     if not isinstance(ignore_eos, bool):
         raise ValueError(f"ignore_eos must be True or False, got {ignore_eos!r}")
-    ids = set() if ignore_eos else set(model.config.eos_token_ids)
-    if model.tokenizer is not None and not ignore_eos:
-        ids |= set(model.tokenizer.eos_token_ids)
+    ids = set()
+    if not ignore_eos:
+        ids |= set(model.config.eos_token_ids)
+        if model.tokenizer is not None:
+            ids |= set(model.tokenizer.eos_token_ids)
     strings = []
     stops = [] if stop is None else [stop] if isinstance(stop, (str, int)) else stop
     if not isinstance(stops, (list, tuple)):

@@ -365,13 +365,9 @@ def create_app(runner: EngineClient, model_name: str, api_key: str | None = None
                                 frequency_penalty=req.frequency_penalty,
                                 repetition_penalty=req.repetition_penalty,
                                 logprobs=logprobs, top_logprobs=top, logit_bias=bias)
+            sp.check_vocabulary(vocab_size)  # the message names the parameter
         except ValueError as e:
-            raise APIError(400, str(e), "logit_bias" if "logit_bias" in str(e) else None) \
-                from None
-        try:
-            sp.check_vocabulary(vocab_size)
-        except ValueError as e:
-            raise APIError(400, str(e), "logit_bias") from None
+            raise APIError(400, str(e)) from None
         return sp, max_tokens
 
     async def compile_grammar(param: str, make):
