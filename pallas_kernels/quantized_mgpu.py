@@ -24,9 +24,7 @@ while `plgpu.emit_pipeline` keeps `stages` TMA steps in flight (small blocks, se
 Scaling the [64, Mp] products instead of the [64, group] code tiles leaves the codes unrounded
 and costs 1.4-1.5x less with fp16 scales at groups of 128 (benchmarks/DECISIONS.md, with the
 schedules that lost: scales before the product, a wait per group, 128-row blocks, warp
-specialization). `prefetch`: each block first asks the L2 for all of its codes (a TMA prefetch
-per K step), so that a short block's whole range is in flight at once, not only its `stages`.
-The sum [64, Mp] f32 goes out transposed ([N, Mp]); `splits` cuts K into that
+specialization). The sum [64, Mp] f32 goes out transposed ([N, Mp]); `splits` cuts K into that
 many ranges (a grid axis), summed in float32 by the wrapper.
 """
 
@@ -65,20 +63,16 @@ class MgpuMatmulConfig:
     ranges (grid axis, float32 partial sums); batch: groups whose products share one wgmma
     wait (0: all of the step's); wide (groups under 128): code tiles 128 codes wide, loaded
     once per batch and sliced per group in registers, not one group wide (16-byte rows are
-    unswizzled) and loaded per group; prefetch: a TMA prefetch into the L2 of each of the
-    block's K steps' codes before its pipeline starts. A block takes BN = 64 weight rows
-    (one wgmma M)."""
+    unswizzled) and loaded per group. A block takes BN = 64 weight rows (one wgmma M)."""
     gps: int = 2
     stages: int = 4
     splits: int = 1
     batch: int = 0
     wide: bool = False
-    prefetch: bool = False
 
     def __str__(self):
         return (f"g{self.gps}_s{self.stages}_k{self.splits}"
-                + (f"_b{self.batch}" if self.batch else "") + ("_w" if self.wide else "")
-                + ("_p" if self.prefetch else ""))
+                + (f"_b{self.batch}" if self.batch else "") + ("_w" if self.wide else ""))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -406,9 +400,6 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_sca
                 ops.append(a.at[rows, cols])
             pipe = functools.partial(plgpu.emit_pipeline, grid=(steps,), in_specs=in_specs,
                                      max_concurrent_steps=cfg.stages)
-            if cfg.prefetch and not interpret:  # the whole range requested up front
-                for st in range(steps):
-                    plgpu.async_prefetch(ops[0].at[:, pl.ds(st * bk, bk)])
 
             def products(w_smem, x_smem, js):  # [codes_j @ x_j^T for groups j]
                 def xj(j):  # x [Mp, group] of group j

@@ -218,12 +218,6 @@ for _m, _k, _n in ((1, 4096, 14336), (16, 14336, 4096), (1, 4096, 6144)):
             x, pk.QuantizedWeight(planes=(c,), scale=s, k=c.shape[1], out_shape=(c.shape[0],),
                                   bits=(4,), group=128, code_offset=8, layout="nk")),
         (S((_m, _k), BF16), S((_n, _k), jnp.int4), S((_k // 128, _n), jnp.float16)))
-KERNEL_CASES["int4 mosaic, the L2 prefetch of each block's codes, chunks kept"] = (
-    lambda x, c, s: pk.quantized_matmul_mgpu(
-        x, pk.QuantizedWeight(planes=(c,), scale=s, k=14336, out_shape=(4096,), bits=(4,),
-                              group=128, code_offset=8, layout="nk"),
-        cfg=pk.MgpuMatmulConfig(splits=4, prefetch=True), partials=True),
-    (S((1, 14336), BF16), S((4096, 14336), jnp.int4), S((112, 4096), jnp.float16)))
 KERNEL_CASES["int8 mosaic"] = (
     lambda x, c, s: pk.quantized_matmul_mgpu(
         x, pk.QuantizedWeight(planes=(c,), scale=s, k=4096, out_shape=(14336,), bits=(8,),
