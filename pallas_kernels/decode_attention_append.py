@@ -375,7 +375,7 @@ def decode_attention_append(qkv, k_cache, v_cache, positions, *, k_scale=None, v
                             sliding_window: int | None = None, norm=None,
                             interpret: bool = False,
                             block_sizes: DecodeBlockSizes | None = None,
-                            softcap: float | None = None, columns: bool = False):
+                            softcap: float | None = None):
     """One new token per sequence: rotate its q and k (RoPE, when `rope` is given), write its
     k and v at slot positions[b] of k/v_cache [B, S, Hkv, D], and attend its q to slots
     [0, positions[b]].
@@ -401,16 +401,14 @@ def decode_attention_append(qkv, k_cache, v_cache, positions, *, k_scale=None, v
     are written. dtype: the activations' dtype, that q/k/v round to and `out` has (qkv's; with
     float32 partial sums it must be given). Returns (out, k_cache, v_cache, k_scale, v_scale),
     all four caches aliased. softcap: scores = softcap * tanh(scores / softcap) before the mask
-    (Gemma 2), or None. columns=True: qkv is the chunks as the Mosaic GPU quantized kernel
-    stores them, float32 [S, Hkv, G + 2, D, Mp] with row b in column b (Mp >= B; see
-    qkv_columns), read so by the kernel (no transpose before it).
+    (Gemma 2), or None.
     """
-    _, _, _, _, act = _validate(qkv_rows_view(qkv, positions, columns), k_cache, v_cache,
-                                positions, rope, sliding_window, norm, k_scale, v_scale, dtype)
+    _, _, _, _, act = _validate(qkv, k_cache, v_cache, positions, rope, sliding_window, norm,
+                                k_scale, v_scale, dtype)
     softcap = check_softcap("decode_attention_append", softcap)
     if qkv.ndim == 4:
         qkv = qkv[None]  # [1, B, Hkv, G + 2, D]: one part
-    d = qkv.shape[3 if columns else -1]
+    d = qkv.shape[-1]
     check_head_dim("decode_attention_append", d)
     if rope is not None:
         check_head_dim("decode_attention_append (RoPE halves)", d // 2)
@@ -422,27 +420,8 @@ def decode_attention_append(qkv, k_cache, v_cache, positions, *, k_scale=None, v
     out = _decode_attention_append_triton(
         qkv, k_cache, v_cache, positions, rope, ss, k_scale, v_scale, sm_scale=sm_scale,
         blocks=blocks, chunk=chunk, num_splits=num_splits, window=window, norm=norm_static,
-        dtype=act, softcap=softcap, interpret=interpret, columns=columns)
+        dtype=act, softcap=softcap, interpret=interpret)
     return out if k_scale is not None else out[:3]
-
-
-def qkv_rows_view(qkv, positions, columns: bool):
-    """qkv as the checks see it: column chunks [S, Hkv, G + 2, D, Mp] as a stand-in of their
-    rows form [S, B, Hkv, G + 2, D] (B = positions' rows; Mp >= B checked), else qkv."""
-    if not columns:
-        return qkv
-    op = "decode_attention_append"
-    b = positions.shape[0]
-    if getattr(qkv, "ndim", None) != 5 or qkv.dtype != jnp.float32 or qkv.shape[4] < b:
-        raise ValueError(f"{op}: column qkv must be float32 chunks [S, Hkv, G + 2, D, Mp] with "
-                         f"Mp >= {b} rows, got {getattr(qkv, 'dtype', '?')} "
-                         f"{tuple(getattr(qkv, 'shape', ()))}")
-    return jax.ShapeDtypeStruct((qkv.shape[0], b, *qkv.shape[1:4]), qkv.dtype)
-
-
-def qkv_columns_as_rows(qkv, b: int):
-    """Column chunks [S, Hkv, G + 2, D, Mp] -> [S, B, Hkv, G + 2, D] (the references' form)."""
-    return jnp.moveaxis(qkv, 4, 1)[:, :b]
 
 
 def append_block_sizes(block_sizes: DecodeBlockSizes | None, b: int, hkv: int, s: int, d: int
@@ -469,19 +448,14 @@ def norm_operands(norm) -> tuple:
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "blocks", "chunk", "num_splits",
                                              "window", "norm", "dtype", "softcap",
-                                             "interpret", "columns"))
+                                             "interpret"))
 def _decode_attention_append_triton(qkv, k_cache, v_cache, positions, rope, ss, k_scale,
                                     v_scale, block_tables=None, *, sm_scale, blocks, chunk,
-                                    num_splits, window, norm, dtype, softcap, interpret,
-                                    columns=False):
-    # qkv [P, B, Hkv, G + 2, D]: P parts summed in the kernel (columns: [P, Hkv, G + 2, D,
-    # Mp], row b in column b); dtype: the activations'
+                                    num_splits, window, norm, dtype, softcap, interpret):
+    # qkv [P, B, Hkv, G + 2, D]: P parts summed in the kernel; dtype: the activations'
     # block_tables [B, max_pages] int32: k/v_cache are page pools [P, page_size, Hkv, D]
     # (paged_attention.py), else caches [B, S, Hkv, D]
-    if columns:
-        (parts, hkv, rows, d, _), b = qkv.shape, positions.shape[0]
-    else:
-        parts, b, hkv, rows, d = qkv.shape
+    parts, b, hkv, rows, d = qkv.shape
     g = rows - 2
     paged = block_tables is not None
     page_size = k_cache.shape[1] if paged else None
@@ -508,11 +482,6 @@ def _decode_attention_append_triton(qkv, k_cache, v_cache, positions, rope, ss, 
         scale_row = pl.BlockSpec((None, s_pad, None), lambda i, h, c: (i, 0, h))  # by Hkv
 
     def qkv_spec(p, first_row, n_rows):  # rows [first_row, +n_rows) of part p, KV group h
-        if columns:  # [P, Hkv, G + 2, D, Mp]: row i's values in column i
-            if n_rows is None:
-                return pl.BlockSpec((None, None, None, d, None),
-                                    lambda i, h, c: (p, h, first_row, 0, i))
-            return pl.BlockSpec((None, None, n_rows, d, None), lambda i, h, c: (p, h, 0, 0, i))
         if n_rows is None:  # one row, squeezed
             return pl.BlockSpec((None, None, None, None, d), lambda i, h, c: (p, i, h, first_row, 0))
         return pl.BlockSpec((None, None, None, n_rows, d), lambda i, h, c: (p, i, h, 0, 0))
@@ -601,14 +570,11 @@ def decode_attention_append_reference(qkv, k_cache, v_cache, positions, *, k_sca
                                       sliding_window: int | None = None, norm=None,
                                       interpret: bool = False,
                                       block_sizes: DecodeBlockSizes | None = None,
-                                      softcap: float | None = None, columns: bool = False):
+                                      softcap: float | None = None):
     """Plain jnp: split qkv, rotate q and k, scatter the new K/V (quantized, for a quantized
     cache), then `decode_attention_reference` (interpret and block_sizes are ignored).
     Returns what the kernel does."""
     del interpret, block_sizes
-    if columns:
-        qkv_rows_view(qkv, positions, columns)  # the checks
-        qkv = qkv_columns_as_rows(qkv, positions.shape[0])
     b, s, hkv, d, act = _validate(qkv, k_cache, v_cache, positions, rope, sliding_window, norm,
                                   k_scale, v_scale, dtype)
     if qkv.ndim == 5:  # split-K chunks: summed in float32 (normed), rounded once

@@ -31,7 +31,7 @@ from pallas_kernels.decode_attention import (DecodeBlockSizes, _decode_attention
                                              decode_attention_reference, default_block_sizes)
 from pallas_kernels.decode_attention_append import (
     _decode_attention_append_triton, _validate as _validate_append, append_block_sizes,
-    decode_attention_append_reference, norm_operands, qkv_columns_as_rows, qkv_rows_view)
+    decode_attention_append_reference, norm_operands)
 from pallas_kernels.kv_quant import CODE_DTYPES, check_quantized_cache
 
 I32 = (jnp.dtype(jnp.int32),)
@@ -156,36 +156,36 @@ def paged_decode_attention_append(qkv, k_pages, v_pages, block_tables, positions
                                   sliding_window: int | None = None, norm=None,
                                   softcap: float | None = None,
                                   block_sizes: DecodeBlockSizes | None = None,
-                                  interpret: bool = False, columns: bool = False):
+                                  interpret: bool = False):
     """decode_attention_append on a paged cache: rotate the new token's q and k (`rope`),
     write its k and v at position positions[b] of row b (page block_tables[b, pos //
     page_size], row pos % page_size of k_pages / v_pages [P, page_size, Hkv, D], in place
     when the caller's jit donates the pools) and attend q to positions [0, positions[b]].
 
-    qkv, rope, norm, dtype, sliding_window, softcap, columns, k_scale / v_scale ([P,
-    page_size, Hkv]): as decode_attention_append. A row with positions[b] < 0 is idle: it writes nothing and
+    qkv, rope, norm, dtype, sliding_window, softcap, k_scale / v_scale ([P, page_size, Hkv]):
+    as decode_attention_append. A row with positions[b] < 0 is idle: it writes nothing and
     gets zeros. The page holding a row's new slot must be that row's alone (shared prefix
     pages are read-only here: another program may be reading them). Returns (out [B, Hq, D],
     k_pages, v_pages[, k_scale, v_scale])."""
-    _, s, hkv, _, act = _validate_paged_append(
-        qkv_rows_view(qkv, positions, columns), k_pages, v_pages, block_tables, positions, rope,
-        sliding_window, norm, k_scale, v_scale, dtype)
+    _, s, hkv, _, act = _validate_paged_append(qkv, k_pages, v_pages, block_tables, positions,
+                                               rope, sliding_window, norm, k_scale, v_scale,
+                                               dtype)
     op = "paged_decode_attention_append"
     softcap = check_softcap(op, softcap)
     if qkv.ndim == 4:
         qkv = qkv[None]  # [1, B, Hkv, G + 2, D]: one part
-    d = qkv.shape[3 if columns else -1]
+    d = qkv.shape[-1]
     check_head_dim(op, d)
     if rope is not None:
         check_head_dim(f"{op} (RoPE halves)", d // 2)
     sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(d)
-    blocks, chunk, num_splits = append_block_sizes(block_sizes, positions.shape[0], hkv, s, d)
+    blocks, chunk, num_splits = append_block_sizes(block_sizes, qkv.shape[1], hkv, s, d)
     window = int(sliding_window) if sliding_window is not None else None
     ss, norm_static = norm_operands(norm)
     out = _decode_attention_append_triton(
         qkv, k_pages, v_pages, positions, rope, ss, k_scale, v_scale, block_tables,
         sm_scale=sm_scale, blocks=blocks, chunk=chunk, num_splits=num_splits, window=window,
-        norm=norm_static, dtype=act, softcap=softcap, interpret=interpret, columns=columns)
+        norm=norm_static, dtype=act, softcap=softcap, interpret=interpret)
     return out if k_scale is not None else out[:3]
 
 
@@ -227,14 +227,11 @@ def paged_decode_attention_append_reference(qkv, k_pages, v_pages, block_tables,
                                             sliding_window: int | None = None, norm=None,
                                             softcap: float | None = None,
                                             block_sizes: DecodeBlockSizes | None = None,
-                                            interpret: bool = False, columns: bool = False):
+                                            interpret: bool = False):
     """Plain jnp: decode_attention_append_reference on the rows' gathered views (idle rows
     at slot 0), then its new slots scattered into the pools (idle rows dropped) and idle rows'
     outputs zeroed. Returns what the kernel does."""
     del block_sizes, interpret
-    if columns:
-        qkv_rows_view(qkv, positions, columns)  # the checks
-        qkv = qkv_columns_as_rows(qkv, positions.shape[0])
     _validate_paged_append(qkv, k_pages, v_pages, block_tables, positions, rope,
                            sliding_window, norm, k_scale, v_scale, dtype)
     page_size = k_pages.shape[1]

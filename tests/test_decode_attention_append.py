@@ -251,18 +251,6 @@ def test_partials_input_is_summed_in_the_kernel(splits):
     ref, k_ref, _ = _append_ref(parts, k_cache, v_cache, positions, rope=rope)
     assert rel_err(out, ref) < TOL[dtype]
     assert rel_err(k_out, k_ref) < 2e-3
-    # The same chunks as the Mosaic int kernel stores them ([S, Hkv, G + 2, D, Mp], row b in
-    # column b, the columns past B garbage): bit for bit the same.
-    cols = jnp.concatenate([jnp.moveaxis(parts, 1, 4),
-                            normal(34, (*parts.shape[:1], *parts.shape[2:], 6), jnp.float32)],
-                           axis=4)
-    got = call(cols, k_cache, v_cache, positions, columns=True)
-    for a, w in zip(got, (out, k_out, v_out)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(w))
-    ref_cols = _append_ref(cols, k_cache, v_cache, positions, rope=rope, columns=True)[0]
-    np.testing.assert_array_equal(np.asarray(ref_cols), np.asarray(ref))
-    with pytest.raises(ValueError, match=r"Mp >= 2 rows"):
-        call(cols[..., :1], k_cache, v_cache, positions, columns=True)
 
 
 def test_deferred_norm_scales_the_summed_parts():

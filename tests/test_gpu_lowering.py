@@ -106,11 +106,6 @@ KERNEL_CASES = {
         lambda qkv, k, v, p: pk.decode_attention_append(qkv, k, v, p, sliding_window=4096),
         (S((64, 8, 6, 128), BF16), S((64, 8192, 8, 128), BF16), S((64, 8192, 8, 128), BF16),
          S((64,), I32))),
-    "append column chunks (the Mosaic int kernel's q/k/v)": (
-        lambda qkv, k, v, p, c, s: pk.decode_attention_append(qkv, k, v, p, rope=(c, s),
-                                                              columns=True),
-        (S((4, 8, 6, 128, 8), F32), S((1, 512, 8, 128), BF16), S((1, 512, 8, 128), BF16),
-         S((1,), I32), S((1, 128), F32), S((1, 128), F32))),
     "append chunks, deferred norm": (
         lambda qkv, ss, k, v, p, c, s: pk.decode_attention_append(
             qkv, k, v, p, rope=(c, s), norm=(ss, 4096, 1e-5)),

@@ -27,7 +27,7 @@ from jaxinfer.cache import KVLayer, PagedKVLayer, QuantizedKVLayer, QuantizedPag
 from jaxinfer.ops import reference
 from jaxinfer.ops.dispatch import Layout, Registry, always, kernels_on
 from jaxinfer.ops.linear import norm
-from jaxinfer.ops.stream import Columns, Form, Partials, Projection
+from jaxinfer.ops.stream import Form, Partials, Projection
 from jaxinfer.plan import Plan
 from jaxinfer.sharding import kv_spec
 from pallas_kernels import DecodeBlockSizes, dequantize_kv
@@ -86,26 +86,18 @@ def _fused_supports(qkv: Projection, cache, plan, *, positions, rope, q_norm=Non
     return None
 
 
-# The forms of a one-token projection the fused append kernels read.
-ONE_TOKEN_FORMS = frozenset({Form.ARRAY, Form.PARTIALS, Form.NORMED, Form.COLUMNS})
-
-
 def _one_token(qkv: Projection):
-    """The fused kernels' view of a one-token projection: (value [B, Hkv, G + 2, D], None,
-    False), its split-K chunks [S, B, Hkv, G + 2, D] with their deferred norm's statistics,
-    or the Mosaic int kernel's column chunks [S, Hkv, G + 2, D, Mp] (None, True)."""
-    value = qkv.get(ONE_TOKEN_FORMS)
-    if isinstance(value, Columns):
-        s, _, mp = value.parts.shape
-        return value.parts.reshape(s, *value.shape[2:], mp), None, True
+    """The fused kernels' view of a one-token projection: (value [B, Hkv, G + 2, D], None), or
+    its split-K chunks [S, B, Hkv, G + 2, D] with their deferred norm's statistics."""
+    value = qkv.get(frozenset({Form.ARRAY, Form.PARTIALS, Form.NORMED}))
     if isinstance(value, Partials):
-        return value.parts[:, :, 0], value.norm, False
-    return value[:, 0], None, False
+        return value.parts[:, :, 0], value.norm
+    return value[:, 0], None
 
 
 def _decode_append(qkv: Projection, cache, plan, *, positions, rope, window=None, q_norm=None,
                    k_norm=None, fresh=False, sm_scale=None, softcap=None):
-    value, norm_stats, columns = _one_token(qkv)
+    value, norm_stats = _one_token(qkv)
     cos, sin = rope
     quantized = {}
     if isinstance(cache, QuantizedKVLayer):  # codes and scales, quantized as written
@@ -113,8 +105,7 @@ def _decode_append(qkv: Projection, cache, plan, *, positions, rope, window=None
     out, *layer = pk.decode_attention_append(
         value, cache.k, cache.v, positions[:, 0], rope=(cos[:, 0], sin[:, 0]),
         sliding_window=window, norm=norm_stats, interpret=plan.policy.interpret,
-        block_sizes=decode_blocks(plan), sm_scale=sm_scale, softcap=softcap, columns=columns,
-        **quantized)
+        block_sizes=decode_blocks(plan), sm_scale=sm_scale, softcap=softcap, **quantized)
     return out[:, None], type(cache)(*layer)  # [B, 1, Hq, D]
 
 
@@ -127,7 +118,7 @@ def _paged_fused_supports(qkv: Projection, cache, plan, **kw) -> str | None:
 def _paged_decode_append(qkv: Projection, cache, plan, *, positions, rope, window=None,
                          q_norm=None, k_norm=None, fresh=False, sm_scale=None, softcap=None):
     """_decode_append through the rows' block tables (padding rows: position -1, no write)."""
-    value, norm_stats, columns = _one_token(qkv)
+    value, norm_stats = _one_token(qkv)
     cos, sin = rope
     quantized = {}
     if isinstance(cache, QuantizedPagedKVLayer):
@@ -136,7 +127,7 @@ def _paged_decode_append(qkv: Projection, cache, plan, *, positions, rope, windo
         value, cache.k, cache.v, cache.block_tables, positions[:, 0],
         rope=(cos[:, 0], sin[:, 0]), sliding_window=window, norm=norm_stats,
         interpret=plan.policy.interpret, block_sizes=plan.policy.attention_blocks,
-        sm_scale=sm_scale, softcap=softcap, columns=columns, **quantized)
+        sm_scale=sm_scale, softcap=softcap, **quantized)
     return out[:, None], type(cache)(*pools, cache.block_tables)  # [B, 1, Hq, D]
 
 

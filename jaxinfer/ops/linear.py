@@ -168,7 +168,7 @@ def _mosaic_int(x, w, plan, *, accept=ARRAY_ONLY, norm_w=None, eps=0.0, deltas=N
     if Form.COLUMNS in accept and bias is None and out_dtype is None:
         parts = pk.quantized_matmul_mgpu(h.reshape(m, k), w, interpret=plan.policy.interpret,
                                          partials=True)  # [S, N, Mp]
-        return x, Columns(parts, (*h.shape[:-1], *w.out_shape))
+        return x, Columns(parts, h.shape[:-1])
     y = pk.quantized_matmul_mgpu(h.reshape(m, k), w, interpret=plan.policy.interpret,
                                  out_dtype=jnp.float32 if bias is not None else out_dtype)
     y = y.reshape(*h.shape[:-1], *w.out_shape)

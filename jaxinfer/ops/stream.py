@@ -66,22 +66,21 @@ class Partials(NamedTuple):
 
 
 class Columns(NamedTuple):
-    """A matmul's output [B, T, *N] left as float32 chunks [S, prod(N), Mp] with the rows as
-    columns (Mp >= B * T), as the Mosaic GPU quantized kernel stores them: the kernel after
-    it (a boundary's add_rms_norm, the decode attention) reads them so, with no transpose or
-    sum in between."""
+    """A matmul's output [*lead, N] left as float32 chunks [S, N, Mp] with the rows as
+    columns (Mp >= prod(lead)), as the Mosaic GPU quantized kernel stores them: the boundary
+    kernel after it reads them so, with no transpose or sum in between."""
     parts: jax.Array
-    shape: tuple  # [B, T, *N] of the finished product
+    lead: tuple  # [B, T] of the finished product
 
     @property
     def form(self) -> Form:
         return Form.COLUMNS
 
     def materialize(self, dtype) -> jax.Array:
-        """The finished product [B, T, *N] in dtype."""
-        total = sum_chunks(self.parts)  # [prod(N), Mp]
-        m = math.prod(self.shape[:2])
-        return total[:, :m].T.reshape(self.shape).astype(dtype)
+        """The finished product [*lead, N] in dtype."""
+        total = sum_chunks(self.parts)  # [N, Mp]
+        m = math.prod(self.lead)
+        return total[:, :m].T.reshape(*self.lead, -1).astype(dtype)
 
 
 class Deferred:
