@@ -212,14 +212,11 @@ def default_config(m: int, k: int, n: int, fmt: NkFormat = NkFormat(),
 
 
 def quantized_matmul_mgpu(x, qw, *, experts=None, cfg: MgpuMatmulConfig | None = None,
-                          interpret: bool = False, out_dtype=None, partials: bool = False):
+                          interpret: bool = False, out_dtype=None):
     """x [M, K] (M <= 64) @ dequantize(qw) for an "nk" weight -> [M, N] in out_dtype (x's).
     qw a tuple of nk weights with the same K, format and code dtype (gate and up): one launch,
     a tuple of outputs. experts = (ids [A], rows [A]) for stacked experts' weights:
-    assignment a's x row rows[a] times expert ids[a] -> [A, N] (int_matmul_mgpu).
-    partials=True (one weight, no experts): the kernel's float32 chunks as it stores them,
-    [splits, N, Mp] with row m of the product in column m (Mp >= M), for a consumer kernel to
-    sum (add_rms_norm's columns)."""
+    assignment a's x row rows[a] times expert ids[a] -> [A, N] (int_matmul_mgpu)."""
     qws = qw if isinstance(qw, tuple) else (qw,)
     for w in qws:
         if w.layout != "nk":
@@ -235,12 +232,10 @@ def quantized_matmul_mgpu(x, qw, *, experts=None, cfg: MgpuMatmulConfig | None =
 
     def arrays(name):
         return tuple(getattr(w, name) for w in qws) if getattr(fmt, name) else ()
-    if partials and (isinstance(qw, tuple) or experts is not None):
-        raise ValueError("quantized_matmul_mgpu: partials=True takes one weight, no experts")
     out = int_matmul_mgpu(x, tuple(w.planes[0] for w in qws), tuple(w.scale for w in qws),
                           arrays("offset"), arrays("super_scale"), arrays("super_offset"),
                           experts, fmt=fmt, cfg=cfg, interpret=interpret,
-                          out_dtype=jnp.dtype(out_dtype or x.dtype), partials=partials)
+                          out_dtype=jnp.dtype(out_dtype or x.dtype))
     return out if isinstance(qw, tuple) else out[0]
 
 
@@ -264,12 +259,11 @@ def _row(ref, j):
     return plgpu.load(ref.at[j], layout=_WGMMA_ROW).astype(jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "cfg", "interpret", "out_dtype",
-                                             "partials"))
+@functools.partial(jax.jit, static_argnames=("fmt", "cfg", "interpret", "out_dtype"))
 def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_scale: tuple = (),
                     super_offset: tuple = (), experts=None, *, fmt: NkFormat = NkFormat(),
                     cfg: MgpuMatmulConfig = MgpuMatmulConfig(), interpret: bool = False,
-                    out_dtype=jnp.bfloat16, partials: bool = False):
+                    out_dtype=jnp.bfloat16):
     """x [M, K] bf16 @ w_i for each weight i -> a tuple of [M, N_i] out_dtype (float32 sums):
     w_i[k, n] = s[g, n] * (codes_i[n, k] + fmt.code_shift) + o[g, n], g = k // fmt.group,
     codes_i [N_i, K] int4 / int8 / fp8; scale_i, offset_i [K / group, N_i]; super_scale_i,
@@ -281,8 +275,7 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_sca
     assignment a multiplies x's row rows[a] by expert ids[a]'s weight -> a tuple of [A, N_i]
     (a MoE layer's decode: only the chosen experts' codes are read). Each assignment's blocks
     multiply all M rows of x (the MMA's N side is 8 rows at least anyway) and keep row
-    rows[a]'s column. partials=True (one weight, no experts): (the float32 chunks
-    [splits, N, Mp],), unsummed, row m in column m."""
+    rows[a]'s column."""
     m, k = x.shape
     nw = len(codes)
     lead = codes[0].shape[:-2] if codes else ()  # (E,) for stacked experts, else ()
@@ -481,10 +474,6 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_sca
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
     )(*(() if ids is None else (ids,)), *xin, *arrays)
-    if partials:
-        if nw != 1 or experts is not None:
-            raise ValueError("int_matmul_mgpu: partials=True takes one weight, no experts")
-        return (out,)
     y = jnp.sum(out, axis=0)  # [splits, A * N, Mp] f32 -> [A * N, Mp]
     if experts is None:
         y = y[:, :m].T  # [M, N]

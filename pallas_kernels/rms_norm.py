@@ -85,29 +85,22 @@ def rms_norm_reference(x, weight, *, eps: float, interpret: bool = False):
 # ---------------------------------------------------------------------------------------------
 
 
-def add_rms_norm_kernel(*refs, eps: float, rows: int, dim: int, block_m: int, splits: int,
-                        columns: bool = False):
+def add_rms_norm_kernel(*refs, eps: float, rows: int, dim: int, block_m: int, splits: int):
     # refs: `splits` delta refs [block_m, Dp] (the sublayer's output as partial sums: a split-K
-    # matmul's float32 chunks, the same array passed once per chunk so that every ref is 2-D;
-    # columns: [Dp, block_m], a row per feature), x_ref [block_m, Dp] the residual stream,
-    # w_ref [Dp]; outputs xo_ref, h_ref [block_m, Dp]: x + sum(deltas) in x's dtype, and its
-    # RMSNorm.
+    # matmul's float32 chunks, the same array passed once per chunk so that every ref is 2-D),
+    # x_ref [block_m, Dp] the residual stream, w_ref [Dp]; outputs xo_ref, h_ref [block_m, Dp]:
+    # x + sum(deltas) in x's dtype, and its RMSNorm.
     d_refs, (x_ref, w_ref, xo_ref, h_ref) = refs[:splits], refs[splits:]
     r = pl.program_id(0) * block_m + jnp.arange(block_m)  # [block_m]
     dp = x_ref.shape[-1]
     col_ok = jnp.arange(dp) < dim  # [Dp]
     mask = (r < rows)[:, None] & col_ok[None, :]
-
-    def delta(d_ref):  # [block_m, Dp] float32
-        if columns:
-            return plgpu.load(d_ref, mask=mask.T, other=0).astype(jnp.float32).T
-        return plgpu.load(d_ref, mask=mask, other=0).astype(jnp.float32)
     # Every load is issued before the first use: the weight would otherwise wait for the
     # reduction (one more memory round trip in a latency-bound kernel).
     w = plgpu.load(w_ref, mask=col_ok, other=0)  # [Dp]
-    acc = delta(d_refs[0])  # [block_m, Dp]
+    acc = plgpu.load(d_refs[0], mask=mask, other=0).astype(jnp.float32)  # [block_m, Dp]
     for d_ref in d_refs[1:]:  # the chunks in order, then the residual, as XLA sums them
-        acc += delta(d_ref)
+        acc += plgpu.load(d_ref, mask=mask, other=0).astype(jnp.float32)
     acc += plgpu.load(x_ref, mask=mask, other=0).astype(jnp.float32)
     x_new = acc.astype(xo_ref.dtype)  # the residual stream keeps x's dtype (one rounding)
     plgpu.store(xo_ref, x_new, mask=mask)
@@ -142,61 +135,31 @@ def _validate_add(x, deltas, weight):
 
 
 def add_rms_norm(x, deltas, weight, *, eps: float, interpret: bool = False,
-                 block_m: int | None = None, columns: bool = False):
+                 block_m: int | None = None):
     """x + sum(deltas) and its HF RMSNorm, in one pass: x [..., D] (the residual stream),
     deltas [S, ..., D] (a sublayer's output, e.g. a split-K matmul's float32 partial sums),
-    weight [D]. Returns (x_new in x's dtype, rms_norm(x_new, weight)).
-    columns=True: deltas are [S, D, Mp] float32 instead, row m of x in column m (Mp >= M;
-    the Mosaic GPU quantized kernel's chunks as it stores them: no transpose in between)."""
-    if columns:
-        _validate(x, weight, "add_rms_norm")
-        check_columns("add_rms_norm", x, deltas)
-    else:
-        _validate_add(x, deltas, weight)
+    weight [D]. Returns (x_new in x's dtype, rms_norm(x_new, weight))."""
+    _validate_add(x, deltas, weight)
     d = x.shape[-1]
     if block_m is None:
         block_m = max(1, min(16, 4096 // next_pow2(d)))
     return _add_rms_norm_triton(x, deltas, weight, eps=float(eps), block_m=block_m,
-                                interpret=interpret, columns=columns)
+                                interpret=interpret)
 
 
-def check_columns(op: str, x, deltas) -> None:
-    """deltas must be float32 [S, D, Mp] with Mp >= x's rows (x [..., D])."""
-    m = x.size // x.shape[-1]
-    if getattr(deltas, "ndim", 0) != 3 or deltas.dtype != jnp.float32 or \
-            deltas.shape[1] != x.shape[-1] or deltas.shape[2] < m:
-        raise ValueError(f"{op}: column deltas must be float32 [S, {x.shape[-1]}, Mp >= {m}] "
-                         f"for x {tuple(x.shape)}, got "
-                         f"{getattr(deltas, 'dtype', '?')} {tuple(getattr(deltas, 'shape', ()))}")
-
-
-def columns_reference(deltas, lead: tuple) -> jax.Array:
-    """Column deltas [S, N, Mp] as the usual [S, *lead, N] (the first prod(lead) columns)."""
-    m = 1
-    for v in lead:
-        m *= v
-    return jnp.swapaxes(deltas[:, :, :m], 1, 2).reshape(deltas.shape[0], *lead, -1)
-
-
-@functools.partial(jax.jit, static_argnames=("eps", "block_m", "interpret", "columns"))
-def _add_rms_norm_triton(x, deltas, weight, *, eps, block_m, interpret, columns=False):
+@functools.partial(jax.jit, static_argnames=("eps", "block_m", "interpret"))
+def _add_rms_norm_triton(x, deltas, weight, *, eps, block_m, interpret):
     d = x.shape[-1]
     x2 = x.reshape(-1, d)  # [M, D]
     m = x2.shape[0]
     s = deltas.shape[0]
+    d2 = deltas.reshape(s, m, d)  # [S, M, D]
     dp = next_pow2(d)
     h_dtype = jnp.result_type(weight.dtype, x.dtype)
     kernel = functools.partial(add_rms_norm_kernel, eps=eps, rows=m, dim=d, block_m=block_m,
-                               splits=s, columns=columns)
+                               splits=s)
     row = pl.BlockSpec((block_m, dp), lambda i: (i, 0))
-    if columns:  # [S, D, Mp]: rows i * block_m .. of x are columns there
-        d2 = deltas
-        chunks = [pl.BlockSpec((None, dp, block_m), lambda i, c=c: (c, 0, i))
-                  for c in range(s)]
-    else:
-        d2 = deltas.reshape(s, m, d)  # [S, M, D]
-        chunks = [pl.BlockSpec((None, block_m, dp), lambda i, c=c: (c, i, 0))
-                  for c in range(s)]
+    chunks = [pl.BlockSpec((None, block_m, dp), lambda i, c=c: (c, i, 0)) for c in range(s)]
     x_new, h = pl.pallas_call(
         kernel,
         grid=(pl.cdiv(m, block_m),),
@@ -210,14 +173,9 @@ def _add_rms_norm_triton(x, deltas, weight, *, eps, block_m, interpret, columns=
     return x_new.reshape(x.shape), h.reshape(x.shape)
 
 
-def add_rms_norm_reference(x, deltas, weight, *, eps: float, interpret: bool = False,
-                           columns: bool = False):
-    """x + sum(deltas) (float32 sum, one rounding to x's dtype) and its RMSNorm, in plain jnp
-    (columns: deltas [S, D, Mp] as add_rms_norm takes them)."""
+def add_rms_norm_reference(x, deltas, weight, *, eps: float, interpret: bool = False):
+    """x + sum(deltas) (float32 sum, one rounding to x's dtype) and its RMSNorm, in plain jnp."""
     del interpret
-    if columns:
-        check_columns("add_rms_norm", x, deltas)
-        deltas = columns_reference(deltas, x.shape[:-1])
     _validate_add(x, deltas, weight)
     x_new = add_deltas_reference(x, deltas)
     return x_new, rms_norm_reference(x_new, weight, eps=eps)

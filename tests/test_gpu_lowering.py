@@ -90,8 +90,6 @@ KERNEL_CASES = {
                                                            S((4096,), BF16))),
     "add_rms_norm": (lambda x, d, w: pk.add_rms_norm(x, d, w, eps=1e-5),
                      (S((1, 1, 4096), BF16), S((4, 1, 1, 4096), F32), S((4096,), BF16))),
-    "add_rms_norm columns": (lambda x, d, w: pk.add_rms_norm(x, d, w, eps=1e-5, columns=True),
-                             (S((1, 1, 4096), BF16), S((4, 4096, 8), F32), S((4096,), BF16))),
     "rope": (lambda x, p, f: pk.rope(x, p, f),
              (S((4, 4096, 32, 128), BF16), S((4, 4096), I32), S((64,), F32))),
     "decode_attention B8 S8k": (
@@ -433,29 +431,6 @@ def test_quantized_llama3_8b_decode_lowers(how):
     quantized = {n for n in names if n.endswith(how)}
     assert any("swiglu" in n for n in quantized) and any("n128256" in n for n in quantized)
     assert len(quantized) >= 5, names
-
-
-def test_int4_mosaic_llama3_8b_decode_lowers():
-    """The 8B decode step on int4 g128 weights in the nk layout (two layers): every product
-    on the Mosaic GPU kernel, and the sublayer boundaries after o and down as add_rms_norm
-    kernels reading its float32 chunks as stored (Columns): no rms_norm kernel but the
-    first layer's."""
-    from jaxinfer.generate import int_layout_params
-    from jaxinfer.weights import quantize_params
-
-    config = PRESETS["llama3-8b"].replace(dtype="bfloat16", num_layers=2)
-    plan = Plan(config, ON_GPU.replace(quant_matmul="mosaic"))
-    params = jax.eval_shape(lambda: int_layout_params(quantize_params(jax.tree.map(
-        lambda a: jnp.zeros(a.shape, a.dtype), abstract_params(llama.param_specs(config), BF16)),
-        "int4"), plan))
-    assert params["layers"][0]["w_down"].layout == "nk"
-    cache = jax.eval_shape(lambda: KVCache.init(config, 1, 512))
-    tokens = S((1, 1), I32)
-    module = lower_for_h200(lambda p, t, c: llama.forward(p, t, t, plan, c), params, tokens,
-                            cache)
-    names = kernel_names(module)
-    assert names["add_rms_norm"] >= 1 and names["rms_norm"] == 1, names
-    assert module.count("mosaic_gpu") >= 4, names
 
 
 def test_gguf_block_layouts_lower_for_h200():

@@ -289,26 +289,6 @@ def test_add_rms_norm_interpret(dtype, splits):
     assert rel_err(h, rms_norm_reference(x, w, eps=1e-6)) > 0.1  # the add matters
 
 
-@pytest.mark.parametrize("m,block_m", [(1, 1), (5, 2)])
-def test_add_rms_norm_columns_interpret(m, block_m):
-    """Deltas in the Mosaic quantized kernel's layout ([S, D, Mp], row m of x in column m,
-    the columns past M garbage) give what the rows layout gives."""
-    x = normal(0, (m, 40), jnp.bfloat16, scale=2.0)
-    deltas = normal(1, (3, m, 40), jnp.float32)
-    w = normal(2, (40,), jnp.bfloat16, scale=0.2) + 1
-    cols = jnp.concatenate([jnp.swapaxes(deltas, 1, 2), normal(3, (3, 40, 8 - m), jnp.float32)],
-                           axis=2)  # [3, 40, 8]
-    x_new, h = add_rms_norm(x, cols, w, eps=1e-6, interpret=True, block_m=block_m,
-                            columns=True)
-    x_ref, h_ref = add_rms_norm_reference(x, deltas, w, eps=1e-6)
-    assert rel_err(x_new, x_ref) < TOL[jnp.bfloat16] and rel_err(h, h_ref) < TOL[jnp.bfloat16]
-    x_ref2, h_ref2 = add_rms_norm_reference(x, cols, w, eps=1e-6, columns=True)
-    assert (x_ref2 == x_ref).all() and (h_ref2 == h_ref).all()
-    with pytest.raises(ValueError, match=r"column deltas must be float32 \[S, 40, Mp >= "):
-        add_rms_norm(x, cols[:, :, :m - 1] if m > 1 else cols[:, :20], w, eps=1e-6,
-                     columns=True)
-
-
 def test_add_rms_norm_bad_inputs():
     x = normal(0, (4, 24), jnp.float32)
     w = jnp.ones((24,))

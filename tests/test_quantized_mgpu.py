@@ -161,9 +161,6 @@ def test_decode_path_takes_the_mosaic_kernel_and_matches_reference():
     calls = jitted_calls_in(lambda p, c: llama.forward(p, tokens, tokens, plan, c), nk, cache)
     # one decode step through the kernel: q/k/v, o, gate and up (one launch), down, the head
     assert calls["int_matmul_mgpu"] == 5, calls
-    # o's and down's chunks go to the boundary kernels as the kernel stored them (no XLA
-    # sum, transpose or add between): attention -> MLP and MLP -> head
-    assert calls["_add_rms_norm_triton"] == 2, calls
     # Each forward one jitted program, awaited: op-by-op dispatch beside the GPU interpreter's
     # callbacks hung twice on this 2-core machine (the main thread on a lock in the next op's
     # dispatch), once a session.

@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import pallas_kernels as pk
 from jaxinfer.ops import blocked, reference
 from jaxinfer.ops.dispatch import Registry, decode_path, kernels_on, rows
-from jaxinfer.ops.stream import (ANY_SUM, ARRAY_ONLY, BOUNDARY_SUM, Columns, Deferred, Form,
-                                 Partials, Projection, Residual)
+from jaxinfer.ops.stream import (ANY_SUM, ARRAY_ONLY, Deferred, Form, Partials, Projection,
+                                 Residual)
 from jaxinfer.plan import Boundary, Impl, Plan
 from jaxinfer.weights import (Dense, Parts, QuantizedWeight, as_array, is_transposed,
                               kernel_operand)
@@ -160,15 +160,10 @@ def _mosaic_int_supports(x, w, plan, **_) -> str | None:
 def _mosaic_int(x, w, plan, *, accept=ARRAY_ONLY, norm_w=None, eps=0.0, deltas=None,
                  bias=None, out_dtype=None, prefetch=()):
     """An nk weight (int4 / int8 / fp8, GGUF's block types) through the Mosaic GPU kernel;
-    the boundary before it (deltas, the norm) in its own ops. A consumer that takes Columns
-    gets the kernel's float32 chunks as it stores them (no XLA sum or transpose between)."""
+    the boundary before it (deltas, the norm) in its own ops."""
     x = add_deltas(x, deltas)
     h = x if norm_w is None else norm(x, norm_w, eps, plan)
     m, k = rows(h), h.shape[-1]
-    if Form.COLUMNS in accept and bias is None and out_dtype is None:
-        parts = pk.quantized_matmul_mgpu(h.reshape(m, k), w, interpret=plan.policy.interpret,
-                                         partials=True)  # [S, N, Mp]
-        return x, Columns(parts, h.shape[:-1])
     y = pk.quantized_matmul_mgpu(h.reshape(m, k), w, interpret=plan.policy.interpret,
                                  out_dtype=jnp.float32 if bias is not None else out_dtype)
     y = y.reshape(*h.shape[:-1], *w.out_shape)
@@ -217,8 +212,6 @@ def add_deltas(x, delta):
         return x
     if isinstance(delta, Partials):
         return (sum_chunks(delta.parts) + x.astype(jnp.float32)).astype(x.dtype)
-    if isinstance(delta, Columns):
-        return (delta.materialize(jnp.float32) + x.astype(jnp.float32)).astype(x.dtype)
     return x + delta
 
 
@@ -242,12 +235,10 @@ def norm(x, weight, eps: float, plan: Plan):
 
 def boundary(x, delta, weight, eps: float, plan: Plan, where: Boundary):
     """The pre-norm boundary on its own: (x + delta, rms_norm(x + delta)). Partials go to
-    the add_rms_norm kernel unless the plan puts the boundary in XLA (Columns too: the kernel
-    reads them as the producer stored them)."""
-    if isinstance(delta, (Partials, Columns)) and where is not Boundary.XLA \
-            and kernels_on(plan, x.dtype) and not plan.config.norm_offset:
-        return pk.add_rms_norm(x, delta.parts, weight, eps=eps, interpret=plan.policy.interpret,
-                               columns=isinstance(delta, Columns))
+    the add_rms_norm kernel unless the plan puts the boundary in XLA."""
+    if isinstance(delta, Partials) and where is not Boundary.XLA and kernels_on(plan, x.dtype) \
+            and not plan.config.norm_offset:
+        return pk.add_rms_norm(x, delta.parts, weight, eps=eps, interpret=plan.policy.interpret)
     x = add_deltas(x, delta)
     return x, norm(x, weight, eps, plan)
 
@@ -324,7 +315,7 @@ def norm_linear(stream: Residual, norm_weight, w, plan: Plan, *, bias=None):
     m, d = rows(aval), aval.shape[-1]
 
     def emit(accept, prefetch):
-        x, delta = stream.take(BOUNDARY_SUM, hints)
+        x, delta = stream.take(ANY_SUM, hints)
         in_kernel = (fused and policy.norm_linear_boundary is Boundary.CONSUMER and bias is None
                      and not plan.config.norm_offset
                      and (delta is None or isinstance(delta, Partials)))
@@ -357,7 +348,7 @@ def lm_head(stream: Residual, norm_weight, head, plan: Plan, *, rows_at=None,
     picked = (MATMUL.pick(sel, head, plan).name
               if policy.lm_head is Impl.PALLAS or isinstance(head, QuantizedWeight) else None)
     pallas = picked in ("fused_small_m", "mosaic_int")
-    x, delta = stream.take(BOUNDARY_SUM if rows_at is None else ANY_SUM)
+    x, delta = stream.take(ANY_SUM)
     if hidden:
         _, h = boundary(x, delta, norm_weight, eps, plan, policy.lm_head_boundary)  # [B, T, D]
         rows = h if rows_at is None else jnp.take_along_axis(h, rows_at[:, None, None], axis=1)

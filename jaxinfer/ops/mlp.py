@@ -19,7 +19,7 @@ from jaxinfer.ops.dispatch import (Layout, Registry, always, batch_axis, decode_
                                    kernels_on, rows)
 from jaxinfer.ops.linear import (MATMUL, add_deltas, boundary, linear, norm, prefetch_pairs,
                                  tiles)
-from jaxinfer.ops.stream import BOUNDARY_SUM, Deferred, Partials, Residual, resolve
+from jaxinfer.ops.stream import ANY_SUM, Deferred, Partials, Residual, resolve
 from jaxinfer.plan import Boundary, Plan
 from jaxinfer.sharding import local_weight, weight_specs
 from jaxinfer.weights import Dense, QuantizedWeight, as_array, kernel_operand
@@ -164,7 +164,7 @@ def gated_mlp(stream: Residual, norm_weight, w_gate, w_up, w_down, plan: Plan, *
     kernel = SWIGLU.pick(aval, w_gate, w_up, plan, biases=biases[:2]).name == "pallas"
     hints = prefetch_pairs(policy.prefetch_gated_mlp, (w_gate, w_up), m, plan) \
         if kernel and decode_path(aval, plan) else ()
-    x, delta = stream.take(BOUNDARY_SUM, hints)
+    x, delta = stream.take(ANY_SUM, hints)
     in_kernel = (kernel and policy.gated_mlp_boundary is Boundary.CONSUMER
                  and not plan.config.norm_offset and isinstance(delta, Partials))
     if in_kernel and post_norm is None and _one_kernel(aval, w_gate, w_up, w_down, plan,

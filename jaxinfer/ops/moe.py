@@ -33,7 +33,7 @@ from jaxinfer.ops.dispatch import KERNEL_DTYPES, Registry, always, rows
 from jaxinfer.ops.linear import boundary, matmul
 from jaxinfer.ops.mlp import SWIGLU
 from jaxinfer.ops.sharded import experts_layout
-from jaxinfer.ops.stream import BOUNDARY_SUM, Deferred, Form, Partials, Residual
+from jaxinfer.ops.stream import ANY_SUM, Deferred, Form, Partials, Residual
 from jaxinfer.plan import Kernels, MoEImpl, Plan
 from jaxinfer.weights import Kind, ParamSpec, QuantizedWeight
 from pallas_kernels.moe import take_dequantized
@@ -358,7 +358,7 @@ def moe_mlp(stream: Residual, norm_weight, layer_params: dict, plan: Plan,
     aval = stream.aval
     b, t, d = aval.shape
     _check_layer(lp, moe, d)
-    x, delta = stream.take(BOUNDARY_SUM)
+    x, delta = stream.take(ANY_SUM)
     x, h = boundary(x, delta, norm_weight, config.rms_norm_eps, plan,
                     policy.gated_mlp_boundary)  # h [B, T, D]
     with jax.named_scope("router"):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -29,13 +28,10 @@ class Form(enum.Enum):
     ARRAY = "array"  # [..., *N] in the activation dtype
     PARTIALS = "partials"  # float32 split-K chunks [S, ..., *N], summed by the consumer
     NORMED = "normed"  # chunks of (x * norm_weight) @ w and the deferred norm's statistics
-    COLUMNS = "columns"  # float32 chunks [S, N, Mp], row m in column m (the Mosaic int kernel)
 
 
 ARRAY_ONLY = frozenset({Form.ARRAY})
 ANY_SUM = frozenset({Form.ARRAY, Form.PARTIALS})  # what a residual-add boundary takes
-# What a boundary that runs as its own kernel (ops.linear.boundary) takes.
-BOUNDARY_SUM = ANY_SUM | {Form.COLUMNS}
 
 
 class Partials(NamedTuple):
@@ -63,24 +59,6 @@ class Partials(NamedTuple):
             inv_rms = jax.lax.rsqrt(sum_chunks(ss) / k + eps)  # [B * T]
             total = total * inv_rms.reshape(*total.shape[:2], *(1,) * (total.ndim - 2))
         return total.astype(dtype)
-
-
-class Columns(NamedTuple):
-    """A matmul's output [*lead, N] left as float32 chunks [S, N, Mp] with the rows as
-    columns (Mp >= prod(lead)), as the Mosaic GPU quantized kernel stores them: the boundary
-    kernel after it reads them so, with no transpose or sum in between."""
-    parts: jax.Array
-    lead: tuple  # [B, T] of the finished product
-
-    @property
-    def form(self) -> Form:
-        return Form.COLUMNS
-
-    def materialize(self, dtype) -> jax.Array:
-        """The finished product [*lead, N] in dtype."""
-        total = sum_chunks(self.parts)  # [N, Mp]
-        m = math.prod(self.lead)
-        return total[:, :m].T.reshape(*self.lead, -1).astype(dtype)
 
 
 class Deferred:
