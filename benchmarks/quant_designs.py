@@ -450,7 +450,13 @@ def main() -> int:
     ap.add_argument("--shapes", default=None, metavar="KxN,...",
                     help="these shapes instead (e.g. 4096x6144,14336x4096)")
     ap.add_argument("--ms", default="1,16", help="rows M to run, comma-separated")
+    ap.add_argument("--configs", default=None, metavar="G-S-K,...",
+                    help="the Mosaic configurations to time instead of MGPU_CONFIGS, as gps-"
+                         "stages-splits (e.g. 2-4-4,2-6-8)")
     args = ap.parse_args()
+    if args.configs:
+        MGPU_CONFIGS[:] = [MgpuMatmulConfig(*(int(v) for v in c.split("-")))
+                           for c in args.configs.split(",")]
     print(f"# jax {jax.__version__}, devices {jax.devices()}", flush=True)
     if args.cpu_check:
         for k, n in ((384, 200), (256, 384)):  # 3 and 2 groups of 128; N 200 not a tile multiple
