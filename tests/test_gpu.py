@@ -113,21 +113,32 @@ def test_decode_kernels_match_references_step_by_step(name):
 
 
 @pytest.mark.gpu
-def test_bf16_logits_on_gpu_match_transformers():
+def test_logits_on_gpu_match_transformers():
+    """Every fixture on the GPU against transformers' float32 logits: in float32 at every
+    position; in bfloat16 overall, as on the CPU. A bf16 hidden state can flip a near-tied
+    expert choice (the float32 router sees it rounded), a jump at one position that later
+    positions of the row attend to (deepseek_v3 at position 4 of row 0 on the CPU as on the
+    GPU; mixtral at 16 on an H100, not on the CPU): for MoE fixtures a row's positions from
+    its first error above 0.1 on are left out, in one row at most."""
     for name in VARIANTS:
         ref = np.load(HF / name / "ref.npz")
-        model = jaxinfer.load(str(HF / name), dtype="bfloat16")
-        logits = np.asarray(model(ref["input_ids"]))
-        rel = np.linalg.norm(logits - ref["logits"]) / np.linalg.norm(ref["logits"])
-        if model.config.moe is None:
-            assert rel < 3e-2, (name, rel)
-            continue
-        # A bf16 hidden state can flip a near-tied expert choice (the float32 router sees
-        # it rounded): deepseek_v3's fixture does at one of 64 positions on the CPU as on the
-        # H200 (0.42 there, 0.062 overall; later positions attend to it). The rest must agree.
-        per = np.linalg.norm(logits - ref["logits"], axis=-1) / np.linalg.norm(
-            ref["logits"], axis=-1)  # [B, T]
-        assert np.mean(per < 3e-2) >= 0.85 and np.median(per) < 2e-2, (name, np.sort(per.ravel()))
+        for dtype in ("float32", "bfloat16"):
+            model = jaxinfer.load(str(HF / name), dtype=dtype)
+            logits = np.asarray(model(ref["input_ids"]), np.float32)  # [B, T, V]
+            err = logits - ref["logits"]
+            per = np.linalg.norm(err, axis=-1) / np.linalg.norm(ref["logits"], axis=-1)
+            if dtype == "float32":
+                assert per.max() < 5e-3, (name, dtype, np.round(per, 4))
+                continue
+            keep = np.ones(per.shape, bool)  # [B, T]
+            if model.config.moe is not None:
+                for row in range(per.shape[0]):
+                    flips = np.flatnonzero(per[row] > 0.1)
+                    if flips.size:
+                        keep[row, flips[0]:] = False
+                assert keep.all(axis=1).sum() >= per.shape[0] - 1, (name, np.round(per, 3))
+            rel = np.linalg.norm(err[keep]) / np.linalg.norm(ref["logits"][keep])
+            assert rel < 3e-2, (name, dtype, rel, np.round(per, 3))
 
 
 @pytest.mark.gpu
