@@ -117,16 +117,18 @@ def test_engine_equals_generate(tiny_chat):
             np.testing.assert_allclose(got[i][1], lps, atol=1e-4)
 
 
-def test_engine_equals_generate_alone(tiny_chat):
-    """The same against generate() for each request alone, on fewer requests, with two
-    decode steps dispatched per engine step, and pages of 2 tokens: rows past 64 tokens
-    cross from block tables of 32 pages (the narrowest) to 64."""
+def test_engine_with_two_decode_steps_and_pages_of_2_equals_generate(tiny_chat):
+    """The same on fewer requests, with two decode steps dispatched per engine step, and
+    pages of 2 tokens: rows past 64 tokens cross from block tables of 32 pages (the
+    narrowest) to 64. generate() takes the 10 requests in one batch (its rows do not depend
+    on their batch: test_generate.py); each alone compiled up to 10 prefill and decode
+    programs (4 prompt lengths x the sampling kinds) for the same tokens."""
     model = tiny_chat
     reqs = _requests(model, 10, seed=2)
     assert max(len(p) + n for p, _, n in reqs) > 64
     engine = _engine(model, pages=24, decode_steps=2, page_size=2)
     got, reasons = _serve(engine, reqs, np.random.default_rng(3))
-    for i, (toks, lps, reason) in enumerate(_reference(model, reqs)):
+    for i, (toks, lps, reason) in enumerate(_reference(model, reqs, batch=len(reqs))):
         assert (got[i][0], reasons[i]) == (toks, reason), i
 
 
@@ -202,8 +204,9 @@ def test_penalties_stop_strings_and_text_prompts(tiny_chat):
     prompts = ["Hi there", "Name three painters.", [5, 6, 7, 5, 6]]
     engine = _engine(tiny_chat)
     outs = engine.run(prompts, sampling=sp, max_tokens=12, stop=["e"])
-    ref = [jaxinfer.generate(tiny_chat, [p], max_new_tokens=12, sampling=s, stop=["e"])[0]
-           for p, s in zip(prompts, sp)]
+    # one batch: generate's rows do not depend on their batch (test_generate.py), and a row
+    # without logit_bias beside one with two entries takes padding that adds 0.0 to token 0
+    ref = jaxinfer.generate(tiny_chat, prompts, max_new_tokens=12, sampling=sp, stop=["e"])
     for a, b in zip(outs, ref):
         assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
     # ignore_eos: EOS (made the greedy pick by a bias) does not end the row, in the engine,

@@ -105,8 +105,10 @@ def test_greedy_speculative_equals_plain_greedy(looping, tiny_chat, drafter, bat
     both ends of the acceptance rule."""
     spec_arg = {"ngram": "ngram", "draft": tiny_chat, "self": looping}[drafter]
     prompts = PROMPTS[:batch]
-    plain = jaxinfer.generate(looping, prompts, max_new_tokens=24, chat=False)
-    ids = plain[0].token_ids  # a stop token row 0 emits first mid-way (others may too)
+    # a stop token row 0 emits first mid-way (others may too); row 0 generated alone (its
+    # tokens are its batch's row 0: test_generate.py), one program for both batch sizes
+    (first,) = jaxinfer.generate(looping, PROMPTS[:1], max_new_tokens=24, chat=False)
+    ids = first.token_ids
     stop = next(t for i, t in enumerate(ids) if i >= 12 and t not in ids[:i])
     plain = jaxinfer.generate(looping, prompts, max_new_tokens=24, chat=False, stop=[stop])
     spec = jaxinfer.generate(looping, prompts, max_new_tokens=24, chat=False, stop=[stop],
@@ -443,8 +445,23 @@ def test_host_ngram_equals_device_ngram():
         assert (drafts, found) == (device[0].tolist(), bool(dfound[0])), trial
 
 
+@pytest.fixture(scope="module")
+def engine_requests(looping):
+    """(requests, generate()'s output for each) of test_engine_speculative_equals_generate:
+    the same for its four drafters, so the reference runs once (per worker), not four times."""
+    from test_engine import _reference, _requests
+
+    reqs = _requests(looping, 24, seed=4)
+    # Penalized greedy rows: this model repeats tokens unless its penalties count each one.
+    reqs = [(p, sp if i % 4 != 2 else SamplingParams(temperature=0.0, repetition_penalty=1.2,
+                                                     frequency_penalty=0.4), n * 2)
+            for i, (p, sp, n) in enumerate(reqs)]
+    return reqs, _reference(looping, reqs, batch=24)
+
+
 @pytest.mark.parametrize("drafter", ["ngram", "oracle", "draft", "self"])
-def test_engine_speculative_equals_generate(looping, tiny_chat, drafter, monkeypatch):
+def test_engine_speculative_equals_generate(looping, tiny_chat, drafter, engine_requests,
+                                            monkeypatch):
     """The engine with prompt lookup: requests arriving at random steps, shared prefixes,
     chunked prompts, a pool small enough to preempt, greedy and sampled rows with penalties:
     each request's tokens (and logprobs) are generate()'s, and every page comes back.
@@ -452,14 +469,9 @@ def test_engine_speculative_equals_generate(looping, tiny_chat, drafter, monkeyp
     nearly every draft is accepted, on the penalized rows too, where each accepted draft must
     count in the next position's penalties. "draft": another model drafts (its pages beside
     the target's), "self": the model drafts for itself (most drafts accepted)."""
-    from test_engine import _engine, _prime, _reference, _requests, _serve
+    from test_engine import _engine, _prime, _serve
 
-    reqs = _requests(looping, 24, seed=4)
-    # Penalized greedy rows: this model repeats tokens unless its penalties count each one.
-    reqs = [(p, sp if i % 4 != 2 else SamplingParams(temperature=0.0, repetition_penalty=1.2,
-                                                     frequency_penalty=0.4), n * 2)
-            for i, (p, sp, n) in enumerate(reqs)]
-    want = _reference(looping, reqs, batch=24)
+    reqs, want = engine_requests
     if drafter == "oracle":
         futures = [p + toks for (p, _, _), (toks, _, _) in zip(reqs, want)]
 
