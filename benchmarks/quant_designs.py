@@ -455,8 +455,12 @@ def main() -> int:
                          "stages-splits (e.g. 2-4-4,2-6-8)")
     args = ap.parse_args()
     if args.configs:
-        MGPU_CONFIGS[:] = [MgpuMatmulConfig(*(int(v) for v in c.split("-")))
-                           for c in args.configs.split(",")]
+        try:
+            MGPU_CONFIGS[:] = [MgpuMatmulConfig(*map(int, c.split("-", 2)))
+                               for c in args.configs.split(",")]
+        except ValueError:
+            ap.error(f"--configs {args.configs!r}: comma-separated gps-stages-splits integers, "
+                     f"e.g. 2-4-4,2-6-8")
     print(f"# jax {jax.__version__}, devices {jax.devices()}", flush=True)
     if args.cpu_check:
         for k, n in ((384, 200), (256, 384)):  # 3 and 2 groups of 128; N 200 not a tile multiple
