@@ -22,6 +22,9 @@
 #                                        # ($KV_ARGS: e.g. --skip greedy where it is absent)
 #   bash benchmarks/run_h200.sh quant    # jaxinfer bench, bf16 vs int8 vs int4 weights
 #   bash benchmarks/run_h200.sh qkernels # benchmarks/quantized.py (quantized decode matmuls)
+#   bash benchmarks/run_h200.sh ncuquant # Nsight Compute on the Mosaic int4 kernel alone
+#                                        # (benchmarks/ncu_quant.py): occupancy, its limiters,
+#                                        # stall reasons; $NCU_ARGS: e.g. --configs 2-4-4,1-2-4
 #   bash benchmarks/run_h200.sh head     # benchmarks/head_selfdistill.py: an EAGLE head trained on
 #                                        # the model's own answers, then its acceptance beside
 #                                        # n-gram (HEAD_MODEL=the embedded GGUF, carried in)
@@ -178,6 +181,14 @@ ggufmix() {  # benchmarks/random_gguf.py's file through `jaxinfer bench --model`
 qkernels() {  # benchmarks/quantized.py: the quantized decode matmuls vs the bf16 kernel
   timeout "${KERNELS_TIMEOUT:-400}" python3 benchmarks/quantized.py ${QUICK:+--quick} \
     --json "$out/quantized.json" 2>&1 | grep -v '^{' | tail -"${KERNELS_TAIL:-70}"
+}
+ncuquant() {  # the int4 kernel's occupancy and stalls (ncu reads counters on Firecracker only)
+  XLA_FLAGS=--xla_gpu_autotune_level=0 timeout "${NCU_TIMEOUT:-400}" ncu \
+    --profile-from-start off --clock-control none --section LaunchStats --section Occupancy \
+    --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+    --section MemoryWorkloadAnalysis python3 benchmarks/ncu_quant.py ${NCU_ARGS:-} 2>&1 \
+    | tee "$out/ncu.txt" | grep -E '^(ok|FAIL|skip|profiled)|^  [a-z_]|Block Limit|Registers|Achieved Occ|Theoretical Occ|Duration|Memory Throughput|DRAM Throughput|Stall|Warp Cycles|Issued Warp|No Eligible|Shared Memory Config|Dynamic Shared' \
+    | head -"${NCU_TAIL:-400}"
 }
 kernels() {  # KERNELS="gemv,decode" picks parts of benchmarks/kernels.py
   timeout "${KERNELS_TIMEOUT:-300}" python3 benchmarks/kernels.py --only "${KERNELS:-gemv}" \
