@@ -65,6 +65,7 @@ import numpy as np  # noqa: E402
 
 import pallas_kernels as pk  # noqa: E402
 from benchmarks.kernels import PEAK_TBS, rel_err, time_fn  # noqa: E402
+from benchmarks.ncu_quant import parse_configs  # noqa: E402
 from pallas_kernels.quantized import codes_of, dequantize, quantize_weight  # noqa: E402
 from pallas_kernels.quantized_mgpu import (MgpuMatmulConfig, default_config,  # noqa: E402
                                            int_matmul_mgpu, to_nk)
@@ -450,17 +451,16 @@ def main() -> int:
     ap.add_argument("--shapes", default=None, metavar="KxN,...",
                     help="these shapes instead (e.g. 4096x6144,14336x4096)")
     ap.add_argument("--ms", default="1,16", help="rows M to run, comma-separated")
-    ap.add_argument("--configs", default=None, metavar="G-S-K,...",
+    ap.add_argument("--configs", default=None, metavar="G-S-K[-B],...",
                     help="the Mosaic configurations to time instead of MGPU_CONFIGS, as gps-"
-                         "stages-splits (e.g. 2-4-4,2-6-8)")
+                         "stages-splits[-batch] (e.g. 2-4-4,2-6-8,2-2-4-1)")
     args = ap.parse_args()
     if args.configs:
         try:
-            MGPU_CONFIGS[:] = [MgpuMatmulConfig(*map(int, c.split("-", 2)))
-                               for c in args.configs.split(",")]
+            MGPU_CONFIGS[:] = parse_configs(args.configs)
         except ValueError:
-            ap.error(f"--configs {args.configs!r}: comma-separated gps-stages-splits integers, "
-                     f"e.g. 2-4-4,2-6-8")
+            ap.error(f"--configs {args.configs!r}: comma-separated gps-stages-splits[-batch] "
+                     f"integers, e.g. 2-4-4,2-6-8,2-2-4-1")
     print(f"# jax {jax.__version__}, devices {jax.devices()}", flush=True)
     if args.cpu_check:
         for k, n in ((384, 200), (256, 384)):  # 3 and 2 groups of 128; N 200 not a tile multiple
