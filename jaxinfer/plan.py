@@ -147,8 +147,9 @@ class KernelPolicy:
     prefill_chunk: int | None = None
     # Off the kernels' path (the CPU), a quantized weight's matmul dequantizes it one column
     # tile of about this many float32 bytes at a time, inside the step (jaxinfer/ops/
-    # blocked.py): the model then holds its codes, not every layer's float32 copy. None: 32
-    # MiB on CPU, 0 elsewhere; 0: the whole model dequantized once per request (run_params).
+    # blocked.py): the model then holds its codes, not every layer's float32 copy. None: on
+    # CPU half the last-level cache within 8-32 MiB (blocked.cpu_block_bytes), 0 elsewhere;
+    # 0: the whole model dequantized once per request (run_params).
     dequant_block_bytes: int | None = None
     # MoE experts: the implementation, and the most token rows (B * T) that take the decode
     # path (one kernel row per token-expert assignment: experts that tokens share are read

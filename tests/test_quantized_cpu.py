@@ -53,6 +53,23 @@ def test_tiles_are_gguf_quants_values(type_name, k, n, rows):
     assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
 
 
+@pytest.mark.parametrize("sizes, want_mib", [
+    ({1: "48K", 2: "1024K", 3: "32768K"}, 16),  # a 32 MiB L3 (Zen 4): half of it
+    ({1: "48K", 2: "2048K", 3: "107520K"}, 32),  # 105 MiB: at most 32
+    ({1: "32K", 2: "4M"}, 8),  # no L3, a 4 MiB L2: at least 8
+    ({2: "1536K", 3: "garbage"}, 8),  # an unreadable size is skipped: the L2's
+    ({}, 16),  # nothing to read (not Linux): 16
+])
+def test_cpu_tile_is_half_the_last_level_cache(tmp_path, sizes, want_mib):
+    """The CPU's default tile (blocked.cpu_block_bytes) from a sysfs cache folder."""
+    for i, (level, size) in enumerate(sizes.items()):
+        d = tmp_path / f"index{i}"
+        d.mkdir()
+        (d / "level").write_text(f"{level}\n")
+        (d / "size").write_text(f"{size}\n")
+    assert blocked.cpu_block_bytes(str(tmp_path)) == want_mib << 20
+
+
 def _quantized_model():
     """A tiny float32 llama of 6 layers, its matmul weights int4 (group 32), and the bytes of
     its float32 matmul weights: all layers', and one layer's."""

@@ -2,9 +2,10 @@
 
 Where no Pallas kernel runs (the CPU, float32 activations), x @ w of a `QuantizedWeight` is
 computed as a loop over tiles of w: each tile's codes and scales are dequantized to a float32
-tile of about `dequant_block_bytes(policy)` (32 MiB on a CPU) and multiplied, so
-XLA holds one tile instead of the weight's float copy, and the dequantization cannot be
-hoisted out of the decode loop (an optimization barrier ties the codes to the step's input). The
+tile of about `dequant_block_bytes(policy)` (on a CPU half its last-level cache, 8 to 32 MiB)
+and multiplied, so XLA holds one tile instead of the weight's float copy, and the
+dequantization cannot be hoisted out of the decode loop (an optimization barrier ties the
+codes to the step's input). The
 model's memory is then its codes and scales, about the checkpoint's file size, rather than
 every layer's float32 weights (XLA hoisted those out of the decode loop: 9 GB for a 1 GB
 Q4_K_M file). Tiles are column blocks [K, cols], or for a tall weight (a down projection)
@@ -16,6 +17,7 @@ outputs are each one float32 dot over K, a row tile's partial sums are added in 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -26,10 +28,35 @@ from jaxinfer.plan import KernelPolicy, Plan
 from jaxinfer.weights import Parts, QuantizedWeight, as_array, is_transposed
 from pallas_kernels.quantized import group_scales, unpack_plane
 
-# A float32 tile of 32 MiB: on a quiet 2-core machine decode ran 414 ms/token against 767 at
-# 1 MiB (cache-sized tiles ran on one thread; a large tile's dequantization XLA splits over
-# both cores) and 517 at 64 MiB (benchmarks/DECISIONS.md).
-CPU_BLOCK_BYTES = 32 << 20
+# The CPU's float32 tile: half the last-level cache, so the tile the dequantization writes is
+# still cached when the dot reads it; 8 to 32 MiB, as smaller tiles ran on one thread (a large
+# tile's dequantization XLA splits over both cores). Measured per machine: DECISIONS.md.
+CPU_BLOCK_MIN, CPU_BLOCK_MAX = 8 << 20, 32 << 20
+CPU_BLOCK_UNKNOWN = 16 << 20  # where the cache's size cannot be read
+
+
+@functools.cache
+def cpu_block_bytes(caches: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
+    """The CPU's default tile: half its last-level cache (Linux's sysfs `caches` folder)
+    within [8, 32] MiB, a power of two; 16 MiB where the size cannot be read."""
+    import glob
+
+    best = (0, 0)  # (level, bytes)
+    for d in glob.glob(f"{caches}/index*"):
+        try:
+            with open(f"{d}/level") as f:
+                level = int(f.read())
+            with open(f"{d}/size") as f:
+                text = f.read().strip()  # "32768K"
+            unit = {"K": 10, "M": 20, "G": 30}.get(text[-1:], 0)
+            size = int(text[:-1] if unit else text) << unit
+        except (OSError, ValueError):
+            continue
+        best = max(best, (level, size))
+    if not best[1]:
+        return CPU_BLOCK_UNKNOWN
+    half = 1 << (best[1] // 2).bit_length() - 1  # a power of two at most half the cache
+    return min(max(half, CPU_BLOCK_MIN), CPU_BLOCK_MAX)
 
 
 # At most this many rows (decode steps, small batches) multiply tile by tile; more (a prefill
@@ -42,11 +69,12 @@ TILED_ROWS = 64
 
 
 def dequant_block_bytes(policy: KernelPolicy) -> int:
-    """Float32 bytes of one dequantized tile (the policy's, or its default: 32 MiB on the CPU,
-    0 elsewhere: a GPU's reference path dequantizes once per request, generate.run_params)."""
+    """Float32 bytes of one dequantized tile (the policy's, or its default: cpu_block_bytes()
+    on the CPU, 0 elsewhere: a GPU's reference path dequantizes once per request,
+    generate.run_params)."""
     block = policy.dequant_block_bytes
     if block is None:
-        return CPU_BLOCK_BYTES if jax.default_backend() == "cpu" else 0
+        return cpu_block_bytes() if jax.default_backend() == "cpu" else 0
     return block
 
 
