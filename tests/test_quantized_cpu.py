@@ -57,7 +57,7 @@ def test_tiles_are_gguf_quants_values(type_name, k, n, rows):
     ({1: "48K", 2: "1024K", 3: "32768K"}, 16),  # a 32 MiB L3 (Zen 4): half of it
     ({1: "48K", 2: "2048K", 3: "107520K"}, 32),  # 105 MiB: at most 32
     ({1: "32K", 2: "4M"}, 8),  # no L3, a 4 MiB L2: at least 8
-    ({2: "1536K", 3: "garbage"}, 8),  # an unreadable size is skipped: the L2's
+    ({2: "64M", 3: "garbage"}, 32),  # an unreadable size is skipped: the L2's half
     ({}, 16),  # nothing to read (not Linux): 16
 ])
 def test_cpu_tile_is_half_the_last_level_cache(tmp_path, sizes, want_mib):

@@ -5,11 +5,10 @@ computed as a loop over tiles of w: each tile's codes and scales are dequantized
 tile of about `dequant_block_bytes(policy)` (on a CPU half its last-level cache, 8 to 32 MiB)
 and multiplied, so XLA holds one tile instead of the weight's float copy, and the
 dequantization cannot be hoisted out of the decode loop (an optimization barrier ties the
-codes to the step's input). The
-model's memory is then its codes and scales, about the checkpoint's file size, rather than
-every layer's float32 weights (XLA hoisted those out of the decode loop: 9 GB for a 1 GB
-Q4_K_M file). Tiles are column blocks [K, cols], or for a tall weight (a down projection)
-row blocks [rows, N], which are contiguous slices of the codes.
+codes to the step's input). The model's memory is then its codes and scales, about the
+checkpoint's file size, rather than every layer's float32 weights (XLA hoisted those out of
+the decode loop: 9 GB for a 1 GB Q4_K_M file). Tiles are column blocks [K, cols], or for a
+tall weight (a down projection) row blocks [rows, N], which are contiguous slices of the codes.
 
 The tiles' values are those of `dequantize` (the same float32 products); a column tile's
 outputs are each one float32 dot over K, a row tile's partial sums are added in order.
