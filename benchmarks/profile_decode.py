@@ -28,6 +28,7 @@ import time
 import jax
 import numpy as np
 
+import jaxinfer
 from jaxinfer.bench import random_model
 from jaxinfer.generate import decode_loop, init_state, prefill
 from jaxinfer.plan import At, Boundary, Impl, KernelPolicy, Prefetch
@@ -87,11 +88,14 @@ def _timeline(kernels: list[dict], n: int) -> str:
 
 
 def decode_setup(preset: str, dtype: str, batch: int, prompt_len: int, steps: int, *,
-                 policy: KernelPolicy, logprobs: bool = False, quantization: str | None = None):
-    """(a random-weight model, fresh()): fresh() returns a prefilled DecodeState of `batch` fixed
-    random prompts with room for `steps` greedy decode steps, no stop ids (as `jaxinfer bench`
-    times the loop); a new one each call, since the loop donates it."""
-    model = random_model(preset, dtype, policy=policy, quantization=quantization)
+                 policy: KernelPolicy, logprobs: bool = False, quantization: str | None = None,
+                 path: str | None = None):
+    """(a random-weight model, or the checkpoint at `path`; fresh()): fresh() returns a
+    prefilled DecodeState of `batch` fixed random prompts with room for `steps` greedy decode
+    steps, no stop ids (as `jaxinfer bench` times the loop); a new one each call, since the
+    loop donates it."""
+    model = (jaxinfer.load(path, dtype=dtype, quantization=quantization, policy=policy)
+             if path else random_model(preset, dtype, policy=policy, quantization=quantization))
     cfg = model.config
     rng = np.random.default_rng(0)
     prompts = rng.integers(0, cfg.vocab_size, (batch, prompt_len)).tolist()
@@ -129,6 +133,9 @@ def policy_from_args(args) -> KernelPolicy:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="llama3-8b")
+    p.add_argument("--model", default=None, metavar="PATH",
+                   help="profile this checkpoint (an HF directory or a .gguf file, e.g. "
+                        "benchmarks/random_gguf.py's) instead of the preset's random weights")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=32)
@@ -169,7 +176,7 @@ def main(argv=None) -> int:
     dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
     model, fresh = decode_setup(args.preset, dtype, args.batch, args.prompt_len, args.steps,
                                 policy=policy, logprobs=args.logprobs,
-                                quantization=args.quantization)
+                                quantization=args.quantization, path=args.model)
     s = fresh()
     loop = decode_loop.lower(model.params, s, model.plan).compile()
     jax.block_until_ready(loop(model.params, s))  # warm up
@@ -198,9 +205,9 @@ def main(argv=None) -> int:
         count[g] += 1
     busy = sum(total.values()) / args.steps
     span = (max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)) / args.steps
-    print(f"\n{args.preset} B={args.batch} ctx={args.prompt_len}: wall {wall * 1e3:.3f} ms/step "
-          f"(untraced), traced span {span / 1e3:.3f} ms/step, kernel time {busy / 1e3:.3f} "
-          f"ms/step, {len(kernels) / args.steps:.1f} kernels/step")
+    print(f"\n{args.model or args.preset} B={args.batch} ctx={args.prompt_len}: wall "
+          f"{wall * 1e3:.3f} ms/step (untraced), traced span {span / 1e3:.3f} ms/step, kernel "
+          f"time {busy / 1e3:.3f} ms/step, {len(kernels) / args.steps:.1f} kernels/step")
     print(f"{'us/step':>9s} {'n/step':>7s} {'share':>6s}  kernel")
     rows = []
     for g, t in total.most_common():

@@ -1,6 +1,8 @@
 """Quantized decode matmuls vs our bf16 decode matmul, in one run: correctness, then speed.
 
     PYTHONPATH=. python3 benchmarks/quantized.py --json out.json [--quick] [--formats q4_k,q6_k]
+    PYTHONPATH=. python3 benchmarks/quantized.py --only mosaic --formats int8_g128,int4_g128 \
+        --shapes 4096x28672,14336x4096 --ms 64 --configs 2-4-1,1-4-1-0-128   # configs at M=64
 
 For each shape K x N (Llama-3-8B's MLP 4096 x 14336, Llama-3-70B's 8192 x 28672) and rows M
 (1, 16): the relative error of each weight format's compiled kernel against its jnp reference,
@@ -16,6 +18,8 @@ Mosaic GPU kernel takes (all of the above) also through it, as the decode path d
 and int4 g128 through torch's tinygemm (`_weight_int4pack_mm`, the gpt-fast peer; skipped with a note where
 torch or CUDA is missing), with each row's speed-up over tinygemm. At M = 2048 (prefill) the kernel is timed against
 dequantize-then-GEMM through XLA and the bf16 GEMM (TFLOP/s). Timing as benchmarks/kernels.py.
+--shapes, --ms and --only (parts: odd, triton, mosaic, prefill) narrow the run; --configs
+times those Mosaic configurations beside the default for every format at every shape.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import numpy as np
 
 import pallas_kernels as pk
 from benchmarks.kernels import PEAK_TBS, PEAK_TFLOPS, rel_err, time_fn
+from benchmarks.ncu_quant import parse_configs
 from pallas_kernels.norm_matmul import MatmulBlockSizes, default_block_sizes
 from checkpoints import gguf_blocks
 from pallas_kernels.quantized import QuantizedWeight, dequantize, quantize_weight
@@ -39,6 +44,8 @@ from pallas_kernels.quantized_mgpu import MgpuMatmulConfig
 RESULTS: list[dict] = []
 FAILED: list[str] = []  # formats whose kernel raised (printed; the run goes on)
 FORMATS = None  # the --formats names to run (None: all)
+PARTS = {"odd", "triton", "mosaic", "prefill"}  # --only
+CONFIGS: list[MgpuMatmulConfig] = []  # --configs: for every format at every shape
 # Byte offsets of each block's fp16 fields (d, and m / dmin) in ggml's block_* structs.
 FP16_AT = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2),
            "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
@@ -128,7 +135,8 @@ def bench_decode(k: int, n: int, m: int, iters: int, sets: int, rng, variants: b
                 record(op="decode", k=k, n=n, m=m, weights=name, tiles=tname, err=err,
                        ms=t * 1e3, tbs=nbytes / t / 1e12, floor=nbytes / t / 1e12 / PEAK_TBS,
                        vs_bf16_kernel=t_dense / t, bytes_ratio=bf16_bytes / nbytes)
-        guarded(f"{name} {k}x{n} M={m} triton", triton)
+        if "triton" in PARTS:
+            guarded(f"{name} {k}x{n} M={m} triton", triton)
 
         def mosaic(name=name, qs=qs):  # the decode path on Hopper
             nks = [pk.to_nk(q) for q in qs]
@@ -138,6 +146,8 @@ def bench_decode(k: int, n: int, m: int, iters: int, sets: int, rng, variants: b
             cfgs = {"mosaic": None}
             if variants and name in ("int4_g32_asym", "q4_0", "q8_0", "q4_k", "q6_k"):
                 cfgs.update({f"mosaic_{c}": c for c in MOSAIC_VARIANTS})
+            cfgs.update({f"mosaic_{c}": c for c in CONFIGS  # those that fit the shape
+                         if n % c.rows == 0 and k % (c.splits * c.gps * 128) == 0})
             for tname, cfg in cfgs.items():
                 fn = jax.jit(lambda x, q, c=cfg: pk.quantized_matmul_mgpu(x, q, cfg=c))
                 t = time_fn(fn, list(zip(xs, nks)), iters=iters)
@@ -145,7 +155,7 @@ def bench_decode(k: int, n: int, m: int, iters: int, sets: int, rng, variants: b
                        ms=t * 1e3, tbs=nk_bytes / t / 1e12,
                        floor=nk_bytes / t / 1e12 / PEAK_TBS, vs_bf16_kernel=t_dense / t,
                        bytes_ratio=bf16_bytes / nk_bytes)
-        if pk.nk_unfit(qs[0]) is None:
+        if pk.nk_unfit(qs[0]) is None and "mosaic" in PARTS:
             guarded(f"{name} {k}x{n} M={m} mosaic", mosaic)
         if name == "int4_g128" and TORCH is not None:  # the gpt-fast peer: tinygemm
             tiny = tinygemm(qs, xs, m, k, n, iters)
@@ -225,15 +235,34 @@ def check_odd_shapes(rng) -> None:
 
 
 def main() -> int:
+    global FORMATS, PARTS
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", default=None)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--formats", default=None,
                     help="comma-separated format names (int8_g128, int4_g128, int4_g128_asym, "
                          "int4_g32_asym, fp8, q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k)")
+    ap.add_argument("--shapes", default=None, metavar="KxN,...",
+                    help="decode shapes (default 4096x14336, 8192x28672; --quick: the first)")
+    ap.add_argument("--ms", default="1,16", help="decode rows, comma-separated")
+    ap.add_argument("--only", default=None, metavar="PART,...",
+                    help=f"run only these parts of {sorted(PARTS)}")
+    ap.add_argument("--configs", default=None, metavar="G-S-K[-B[-R]],...",
+                    help="Mosaic configurations timed beside the default for every format "
+                         "(gps-stages-splits[-batch[-rows]])")
     args = ap.parse_args()
-    global FORMATS
     FORMATS = None if args.formats is None else set(args.formats.split(","))
+    try:
+        CONFIGS[:] = parse_configs(args.configs) if args.configs else []
+        shapes = ([tuple(int(v) for v in sh.split("x")) for sh in args.shapes.split(",")]
+                  if args.shapes else None)
+        ms = [int(v) for v in args.ms.split(",")]
+    except ValueError:
+        ap.error("--shapes KxN,..., --ms M,... and --configs G-S-K[-B[-R]],... take integers")
+    if args.only:
+        PARTS = set(args.only.split(","))
+        if PARTS - {"odd", "triton", "mosaic", "prefill"}:
+            ap.error(f"--only: parts of odd, triton, mosaic, prefill; got {args.only}")
     rng = np.random.default_rng(0)
     global TORCH
     if jax.default_backend() == "gpu":
@@ -242,13 +271,15 @@ def main() -> int:
         TORCH = torch_setup(notes)
         for note in notes:
             print(f"# {note}", flush=True)
-    check_odd_shapes(rng)
-    shapes = [(4096, 14336)] if args.quick else [(4096, 14336), (8192, 28672)]
+    if "odd" in PARTS:
+        check_odd_shapes(rng)
+    shapes = shapes or ([(4096, 14336)] if args.quick else [(4096, 14336), (8192, 28672)])
     for k, n in shapes:
-        for m in (1, 16):
+        for m in ms:
             bench_decode(k, n, m, iters=50, sets=2 if k * n > 10 ** 8 else 4, rng=rng,
                          variants=(k, n, m) == (4096, 14336, 1))
-    bench_prefill(4096, 14336, 2048, iters=10, rng=rng)
+    if "prefill" in PARTS:
+        bench_prefill(4096, 14336, 2048, iters=10, rng=rng)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(RESULTS, f, indent=1)

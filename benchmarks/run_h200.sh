@@ -136,8 +136,8 @@ tests3() {
 tests4() { gpu_tests tests/test_quantized.py tests/test_quantized_mgpu.py tests/test_kv_cache_quant.py; }
 tests() { tests1; tests2; tests3; tests4; }
 profile() {  # where the B=1 decode step's time goes
-  timeout 150 python3 benchmarks/profile_decode.py --preset llama3-8b --batch 1 \
-    --prompt-len 128 --steps 32 ${PROFILE_ARGS:-} --json "$out/profile.json" 2>&1 | tail -45
+  timeout "${PROFILE_TIMEOUT:-150}" python3 benchmarks/profile_decode.py --preset llama3-8b --batch 1 \
+    --prompt-len 128 --steps 32 ${PROFILE_ARGS:-} --json "$out/profile.json" 2>&1 | tail -"${PROFILE_TAIL:-45}"
 }
 sweep() {  # the B=1 step profiled under several configurations ($SWEEP: one per line)
   local configs=${SWEEP:-"
@@ -182,12 +182,13 @@ qkernels() {  # benchmarks/quantized.py: the quantized decode matmuls vs the bf1
   timeout "${KERNELS_TIMEOUT:-400}" python3 benchmarks/quantized.py ${QUICK:+--quick} \
     --json "$out/quantized.json" 2>&1 | grep -v '^{' | tail -"${KERNELS_TAIL:-70}"
 }
-ncuquant() {  # the int4 kernel's occupancy and stalls (ncu reads counters on Firecracker only)
-  XLA_FLAGS=--xla_gpu_autotune_level=0 timeout "${NCU_TIMEOUT:-400}" ncu \
+ncuquant() {  # the int4 kernel's occupancy and stalls (ncu reads counters on Firecracker only);
+  # MOSAIC_GPU_DUMP_PTXAS: ptxas's registers and spills per kernel, printed at compile time
+  MOSAIC_GPU_DUMP_PTXAS=1 XLA_FLAGS=--xla_gpu_autotune_level=0 timeout "${NCU_TIMEOUT:-400}" ncu \
     --profile-from-start off --clock-control none --section LaunchStats --section Occupancy \
     --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
     --section MemoryWorkloadAnalysis python3 benchmarks/ncu_quant.py ${NCU_ARGS:-} 2>&1 \
-    | tee "$out/ncu.txt" | grep -E '^(ok|FAIL|skip|profiled)|^  [a-z_]|Block Limit|Registers|Achieved Occ|Theoretical Occ|Duration|Memory Throughput|DRAM Throughput|Stall|Warp Cycles|Issued Warp|No Eligible|Shared Memory Config|Dynamic Shared' \
+    | tee "$out/ncu.txt" | grep -E '^(ok|FAIL|skip|profiled)|^  [a-z_]|ptxas info|Used [0-9]+ registers|Block Limit|Registers|Achieved Occ|Theoretical Occ|Duration|Memory Throughput|DRAM Throughput|Stall|Warp Cycles|Issued Warp|No Eligible|Shared Memory Config|Dynamic Shared' \
     | head -"${NCU_TAIL:-400}"
 }
 kernels() {  # KERNELS="gemv,decode" picks parts of benchmarks/kernels.py
