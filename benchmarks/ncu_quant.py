@@ -33,15 +33,14 @@ TOL = 2e-2  # relative error (Frobenius) against x @ dequantize(w) in float32
 
 
 def parse_configs(text: str) -> list[MgpuMatmulConfig]:
-    """"G-S-K[-B[-R]],...": gps, stages, splits, optionally batch (groups per wgmma wait:
-    fewer products in flight, fewer registers a thread; 0: all of a step's) and rows per
-    block (64 or 128) -> configs; ValueError if malformed."""
+    """"G-S-K[-B],...": gps, stages, splits and optionally batch (groups per wgmma wait: fewer
+    products in flight, fewer registers a thread) -> configs; ValueError if malformed."""
     out = []
     for c in text.split(","):
         fields = [int(v) for v in c.split("-")]
-        if not 3 <= len(fields) <= 5:
+        if not 3 <= len(fields) <= 4:
             raise ValueError(c)
-        out.append(MgpuMatmulConfig(*fields[:4], **({"rows": fields[4]} if fields[4:] else {})))
+        out.append(MgpuMatmulConfig(*fields))
     return out
 
 
@@ -60,9 +59,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default="4096x6144,4096x4096,4096x28672,14336x4096",
                     metavar="KxN,...", help="Llama-3-8B's q/k/v, o, gate + up, down")
-    ap.add_argument("--configs", default=None, metavar="G-S-K[-B[-R]],...",
-                    help="gps-stages-splits[-batch[-rows]] (default: each shape's "
-                         "default_config)")
+    ap.add_argument("--configs", default=None, metavar="G-S-K[-B],...",
+                    help="gps-stages-splits[-batch] (default: each shape's default_config)")
     ap.add_argument("--m", type=int, default=1, help="rows")
     ap.add_argument("--launches", type=int, default=3, help="profiled launches per config")
     ap.add_argument("--cpu-check", action="store_true",
@@ -72,8 +70,8 @@ def main() -> int:
         configs = parse_configs(args.configs) if args.configs else [None]
         shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     except ValueError:
-        ap.error("--shapes KxN,... and --configs gps-stages-splits[-batch[-rows]],... take "
-                 "integers, e.g. --shapes 4096x4096 --configs 2-4-4,1-2-4,2-2-4-1")
+        ap.error("--shapes KxN,... and --configs gps-stages-splits[-batch],... take integers, "
+                 "e.g. --shapes 4096x4096 --configs 2-4-4,1-2-4,2-2-4-1")
     if args.cpu_check:
         shapes = [(512, 128)]
         configs = configs if args.configs else [MgpuMatmulConfig(2, 2, 2),

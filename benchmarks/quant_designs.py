@@ -451,16 +451,16 @@ def main() -> int:
     ap.add_argument("--shapes", default=None, metavar="KxN,...",
                     help="these shapes instead (e.g. 4096x6144,14336x4096)")
     ap.add_argument("--ms", default="1,16", help="rows M to run, comma-separated")
-    ap.add_argument("--configs", default=None, metavar="G-S-K[-B[-R]],...",
+    ap.add_argument("--configs", default=None, metavar="G-S-K[-B],...",
                     help="the Mosaic configurations to time instead of MGPU_CONFIGS, as gps-"
-                         "stages-splits[-batch[-rows]] (e.g. 2-4-4,2-6-8,2-2-4-1,1-4-2-0-128)")
+                         "stages-splits[-batch] (e.g. 2-4-4,2-6-8,2-2-4-1)")
     args = ap.parse_args()
     if args.configs:
         try:
             MGPU_CONFIGS[:] = parse_configs(args.configs)
         except ValueError:
-            ap.error(f"--configs {args.configs!r}: comma-separated "
-                     f"gps-stages-splits[-batch[-rows]] integers, e.g. 2-4-4,2-6-8,2-2-4-1")
+            ap.error(f"--configs {args.configs!r}: comma-separated gps-stages-splits[-batch] "
+                     f"integers, e.g. 2-4-4,2-6-8,2-2-4-1")
     print(f"# jax {jax.__version__}, devices {jax.devices()}", flush=True)
     if args.cpu_check:
         for k, n in ((384, 200), (256, 384)):  # 3 and 2 groups of 128; N 200 not a tile multiple

@@ -44,7 +44,7 @@ from pallas_kernels.quantized import (QuantizedWeight, codes_of, dequantize, nk_
 
 GROUP = 128  # the unit of the K step (gps of them); K a multiple of it
 GROUPS = (16, 32, 64, 128)  # group sizes the kernel takes (int4 from 32: its upcast tile)
-BN = 64  # weight rows (output columns) of one wgmma M; a block takes cfg.rows (64 or 128)
+BN = 64  # weight rows (output columns) per block: one wgmma M
 
 _WGMMA = plgpu.Layout.WGMMA
 _WGMMA_ROW = plgpu.Layout.WGMMA.reduce(1)  # [64]: one value per row of a [64, Mp] tile
@@ -63,20 +63,16 @@ class MgpuMatmulConfig:
     ranges (grid axis, float32 partial sums); batch: groups whose products share one wgmma
     wait (0: all of the step's); wide (groups under 128): code tiles 128 codes wide, loaded
     once per batch and sliced per group in registers, not one group wide (16-byte rows are
-    unswizzled) and loaded per group. rows: weight rows (output columns) a block takes, 64
-    (one wgmma M) or 128 (two, one x tile for both: half x's shared-memory traffic per code,
-    which at many rows costs more than the codes)."""
+    unswizzled) and loaded per group. A block takes BN = 64 weight rows (one wgmma M)."""
     gps: int = 2
     stages: int = 4
     splits: int = 1
     batch: int = 0
     wide: bool = False
-    rows: int = BN
 
     def __str__(self):
         return (f"g{self.gps}_s{self.stages}_k{self.splits}"
-                + (f"_b{self.batch}" if self.batch else "") + ("_w" if self.wide else "")
-                + (f"_r{self.rows}" if self.rows != BN else ""))
+                + (f"_b{self.batch}" if self.batch else "") + ("_w" if self.wide else ""))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -322,16 +318,11 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_sca
             raise ValueError(f"int_matmul_mgpu: x {x.shape}, codes {c.shape}, "
                              f"{ {f: a[i].shape for f, a in given.items() if a} } do not fit "
                              f"{fmt}")
-        if n % cfg.rows:
-            raise ValueError(f"int_matmul_mgpu: N {n} not a multiple of the block's "
-                             f"{cfg.rows} rows")
+        if n % BN:
+            raise ValueError(f"int_matmul_mgpu: N {n} not a multiple of {BN}")
     if m > 64:
         raise ValueError(f"int_matmul_mgpu is a decode kernel: M = {m} > 64")
-    if cfg.rows not in (BN, 2 * BN):
-        raise ValueError(f"int_matmul_mgpu: blocks of {cfg.rows} rows; it takes {BN} or "
-                         f"{2 * BN}")
-    gps, bn = cfg.gps, cfg.rows
-    tiles = bn // BN  # wgmma M tiles a block takes: h covers rows h * BN .. + BN - 1
+    gps, bn = cfg.gps, BN
     if gps == 1 and group == 64:
         # One 128-wide unit a step in groups of 64 crashed the H200 test process (illegal
         # access, 2026-12-03; groups of 32 and 128 ran there); not yet found.
@@ -403,20 +394,17 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_sca
             pipe = functools.partial(plgpu.emit_pipeline, grid=(steps,), in_specs=in_specs,
                                      max_concurrent_steps=cfg.stages)
 
-            # (group j, tile h) pairs of groups js: tile h's product is codes of rows h * BN ..
-            def products(w_smem, x_smem, js):  # [codes_jh @ x_j^T] [BN, Mp] f32 each
+            def products(w_smem, x_smem, js):  # [codes_j @ x_j^T for groups j]
                 def xj(j):  # x [Mp, group] of group j
                     return x_smem.at[:, pl.ds(j * group, group)]
 
-                def codes_of_groups():  # group j's bf16 [BN, group] codes, a load per unit
+                def codes_of_groups():  # group j's bf16 [bn, group] codes, a load per unit
                     units = {}
                     for j in js:
                         u, r = divmod(j * group, unit)
-                        for h in range(tiles):
-                            if (u, h) not in units:
-                                units[u, h] = _codes(w_smem.at[pl.ds(h * BN, BN)], u, unit)
-                            c = units[u, h]
-                            yield j, c if unit == group else c[:, r:r + group]
+                        if u not in units:
+                            units[u] = _codes(w_smem, u, unit)
+                        yield j, units[u] if unit == group else units[u][:, r:r + group]
                 if interpret:  # the GPU interpreter takes no register operand for wgmma
                     return [jnp.dot(c, xj(j)[...].T, preferred_element_type=jnp.float32)
                             for j, c in codes_of_groups()]
@@ -425,53 +413,45 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_sca
                     for (j, c), acc_ref in zip(codes_of_groups(), accs):
                         plgpu.wgmma(acc_ref, c, xj(j).T)
                     return [acc_ref[...] for acc_ref in accs]  # one wait for the batch
-                return pl.run_scoped(scope,
-                                     *[plgpu.ACC((BN, mp), jnp.float32)] * (len(js) * tiles))
+                return pl.run_scoped(scope, *[plgpu.ACC((bn, mp), jnp.float32)] * len(js))
 
-            # accs: a [BN, Mp] sum per tile h; += product_jh * s_jh + o_jh X_j per group j
-            def body(_, w_smem, x_smem, *rest):
-                *tiles_in, accs = rest
-                t = dict(zip(fields, tiles_in[fmt.x_sums:]))
-                accs = list(accs)
+            def body(_, w_smem, x_smem, *rest):  # acc [bn, Mp] += product_j * s_j + o_j X_j
+                *tiles, acc = rest
+                t = dict(zip(fields, tiles[fmt.x_sums:]))
                 sup = {}
 
-                def row(f, r, h):  # [BN] float32 of tile h from row r of a [rows, bn] tile
-                    return _row(t[f].at[:, pl.ds(h * BN, BN)], r)
-
-                def super_row(f, j, h):  # super-group row of group j, loaded once a step
+                def super_row(f, j):  # super-group row of group j, loaded once a step
                     r = j * group // sg if srows > 1 else 0
-                    if (f, r, h) not in sup:
-                        sup[f, r, h] = row(f, r, h)
-                    return sup[f, r, h]
+                    if (f, r) not in sup:
+                        sup[f, r] = _row(t[f], r)
+                    return sup[f, r]
 
-                def bcast(v, dim):  # a row [BN] or column [Mp] over [BN, Mp]
-                    return lax.broadcast_in_dim(v, (BN, mp), [dim])
+                def bcast(v, dim):  # a row [64] or column [Mp] over [bn, Mp]
+                    return lax.broadcast_in_dim(v, (bn, mp), [dim])
 
                 for j0 in range(0, gst, batch):
                     js = range(j0, min(j0 + batch, gst))
-                    pairs = [(j, h) for j in js for h in range(tiles)]
-                    for (j, h), part in zip(pairs, products(w_smem, x_smem, js)):
-                        s = row("scale", j, h)  # as dequantize: super * sub in float32
+                    for j, part in zip(js, products(w_smem, x_smem, js)):
+                        s = _row(t["scale"], j)  # as dequantize: super * sub in float32
                         if fmt.super_scale:
-                            s = super_row("super_scale", j, h) * s
-                        acc = accs[h] + part * bcast(s, 0)
-                        if fmt.x_sums:
-                            o = None
-                            if fmt.offset:
-                                o = row("offset", j, h)
-                                if fmt.super_offset:
-                                    o = -(super_row("super_offset", j, h) * o)
-                            if fmt.code_shift:
-                                o = fmt.code_shift * s if o is None else o + fmt.code_shift * s
-                            xsum = plgpu.load(tiles_in[0].at[j], layout=_WGMMA_COL)  # [Mp]
-                            acc = acc + bcast(o, 0) * bcast(xsum, 1)
-                        accs[h] = acc
-                return tuple(accs)
-            zero = jnp.zeros((BN, mp), jnp.float32)
-            zero = zero if interpret else plgpu.layout_cast(zero, _WGMMA)
-            accs = pipe(body, init_carry=(zero,) * tiles)(*ops)
-            for h, acc in enumerate(accs):
-                o_smem[pl.ds(h * BN, BN)] = acc  # [BN, Mp] f32
+                            s = super_row("super_scale", j) * s
+                        acc = acc + part * bcast(s, 0)
+                        if not fmt.x_sums:
+                            continue
+                        o = None
+                        if fmt.offset:
+                            o = _row(t["offset"], j)
+                            if fmt.super_offset:
+                                o = -(super_row("super_offset", j) * o)
+                        if fmt.code_shift:
+                            o = fmt.code_shift * s if o is None else o + fmt.code_shift * s
+                        xsum = plgpu.load(tiles[0].at[j], layout=_WGMMA_COL)  # [Mp]
+                        acc = acc + bcast(o, 0) * bcast(xsum, 1)
+                return acc
+            zero = jnp.zeros((bn, mp), jnp.float32)
+            acc = pipe(body, init_carry=zero if interpret else
+                       plgpu.layout_cast(zero, _WGMMA))(*ops)
+            o_smem[...] = acc  # [bn, Mp] f32
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[sp, pl.ds(nb * bn, bn)])
             plgpu.wait_smem_to_gmem(0)

@@ -111,12 +111,7 @@ def test_nk_layout_takes_fp8_bit_for_bit(fmt):
     (2, False, "int4_asym_g32", None), (1, False, "int4_asym_g64", MgpuMatmulConfig(batch=3)),
     (3, False, "Q4_0", None), (1, False, "Q8_0", None),
     (5, False, "Q4_K", MgpuMatmulConfig(gps=1, splits=2, stages=2)),
-    (2, False, "Q6_K", MgpuMatmulConfig(gps=4, batch=5, wide=True)),
-    # 128-row blocks (two wgmma M tiles a group): int8, Q4_K's offsets and super rows, Q6_K
-    # wide
-    (16, False, 8, MgpuMatmulConfig(gps=1, rows=128)),
-    (3, False, "Q4_K", MgpuMatmulConfig(splits=2, rows=128)),
-    (2, False, "Q6_K", MgpuMatmulConfig(gps=2, batch=3, wide=True, rows=128))])
+    (2, False, "Q6_K", MgpuMatmulConfig(gps=4, batch=5, wide=True))])
 def test_kernel_matches_reference_interpret(m, bf16_scales, bits, cfg):
     nk = pk.to_nk(_int4(1, 512, 128, bf16_scales, bits))
     x = normal(2, (m, 512), jnp.bfloat16)
@@ -189,12 +184,11 @@ def test_decode_path_takes_the_mosaic_kernel_and_matches_reference():
     (1, 4096, 1024, None), (16, 2048, 512, None), (64, 1024, 256, None),
     (3, 1024, 256, MgpuMatmulConfig(gps=1, stages=3, splits=2)),
     (5, 2048, 256, MgpuMatmulConfig(gps=4, stages=2, splits=2, batch=3)),
-    (10, 2048, 512, None), (64, 1024, 256, MgpuMatmulConfig(gps=1, splits=2, rows=128))])
+    (10, 2048, 512, None)])
 def test_kernel_matches_reference_gpu(bits, m, k, n, cfg):
     """The compiled kernel on the H200 (default configurations, 128-code tiles for groups
     under 128; a one-unit step with K-quants' super rows over two steps and a four-unit step
-    in batches of 3 groups, both group-wide tiles; 10 rows: x padded to 16 for TMA; 64 rows
-    in 128-row blocks)."""
+    in batches of 3 groups, both group-wide tiles; 10 rows: x padded to 16 for TMA)."""
     nk = pk.to_nk(_int4(4, k, n, bits=bits))
     x = normal(5, (m, k), jnp.bfloat16)
     want = pk.quantized_matmul_mgpu_reference(x, nk, out_dtype=jnp.float32)
