@@ -14,7 +14,8 @@
 #   bash benchmarks/run_h200.sh tests1   # (or one part: tests1 flash, tests2 decode kernels,
 #                                        #  tests3 the model, tests4 quantized weights and cache)
 #   bash benchmarks/run_h200.sh profile  # per-kernel time of the B=1 decode step ($PROFILE_ARGS:
-#                                        # more profile_decode.py options)
+#                                        # more profile_decode.py options, e.g. --model FILE;
+#                                        # $PROFILE_TIMEOUT, $PROFILE_TAIL: its limit, lines)
 #   bash benchmarks/run_h200.sh sweep    # the B=1 step profiled under several policies ($SWEEP)
 #   bash benchmarks/run_h200.sh kernels  # benchmarks/kernels.py, parts from $KERNELS
 #   bash benchmarks/run_h200.sh kv       # benchmarks/kv_cache.py: bf16 / int8 / fp8 KV cache at
@@ -136,8 +137,9 @@ tests3() {
 tests4() { gpu_tests tests/test_quantized.py tests/test_quantized_mgpu.py tests/test_kv_cache_quant.py; }
 tests() { tests1; tests2; tests3; tests4; }
 profile() {  # where the B=1 decode step's time goes
-  timeout "${PROFILE_TIMEOUT:-150}" python3 benchmarks/profile_decode.py --preset llama3-8b --batch 1 \
-    --prompt-len 128 --steps 32 ${PROFILE_ARGS:-} --json "$out/profile.json" 2>&1 | tail -"${PROFILE_TAIL:-45}"
+  timeout "${PROFILE_TIMEOUT:-150}" python3 benchmarks/profile_decode.py --preset llama3-8b \
+    --batch 1 --prompt-len 128 --steps 32 ${PROFILE_ARGS:-} --json "$out/profile.json" 2>&1 \
+    | tail -"${PROFILE_TAIL:-45}"
 }
 sweep() {  # the B=1 step profiled under several configurations ($SWEEP: one per line)
   local configs=${SWEEP:-"
