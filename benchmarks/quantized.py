@@ -44,7 +44,8 @@ from pallas_kernels.quantized_mgpu import MgpuMatmulConfig
 RESULTS: list[dict] = []
 FAILED: list[str] = []  # formats whose kernel raised (printed; the run goes on)
 FORMATS = None  # the --formats names to run (None: all)
-PARTS = {"odd", "triton", "mosaic", "prefill"}  # --only
+ALL_PARTS = ("odd", "triton", "mosaic", "prefill")
+PARTS = set(ALL_PARTS)  # --only
 CONFIGS: list[MgpuMatmulConfig] = []  # --configs: for every format at every shape
 # Byte offsets of each block's fp16 fields (d, and m / dmin) in ggml's block_* structs.
 FP16_AT = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2),
@@ -146,8 +147,8 @@ def bench_decode(k: int, n: int, m: int, iters: int, sets: int, rng, variants: b
             cfgs = {"mosaic": None}
             if variants and name in ("int4_g32_asym", "q4_0", "q8_0", "q4_k", "q6_k"):
                 cfgs.update({f"mosaic_{c}": c for c in MOSAIC_VARIANTS})
-            cfgs.update({f"mosaic_{c}": c for c in CONFIGS  # those that fit the shape
-                         if n % 64 == 0 and k % (c.splits * c.gps * 128) == 0})
+            from benchmarks.quant_designs import mgpu_fits
+            cfgs.update({f"mosaic_{c}": c for c in CONFIGS if mgpu_fits(c, k, n)})
             for tname, cfg in cfgs.items():
                 fn = jax.jit(lambda x, q, c=cfg: pk.quantized_matmul_mgpu(x, q, cfg=c))
                 t = time_fn(fn, list(zip(xs, nks)), iters=iters)
@@ -246,7 +247,7 @@ def main() -> int:
                     help="decode shapes (default 4096x14336, 8192x28672; --quick: the first)")
     ap.add_argument("--ms", default="1,16", help="decode rows, comma-separated")
     ap.add_argument("--only", default=None, metavar="PART,...",
-                    help=f"run only these parts of {sorted(PARTS)}")
+                    help=f"run only these parts of {', '.join(ALL_PARTS)}")
     ap.add_argument("--configs", default=None, metavar="G-S-K[-B],...",
                     help="Mosaic configurations timed beside the default for every format "
                          "(gps-stages-splits[-batch])")
@@ -261,8 +262,8 @@ def main() -> int:
         ap.error("--shapes KxN,..., --ms M,... and --configs G-S-K[-B],... take integers")
     if args.only:
         PARTS = set(args.only.split(","))
-        if PARTS - {"odd", "triton", "mosaic", "prefill"}:
-            ap.error(f"--only: parts of odd, triton, mosaic, prefill; got {args.only}")
+        if PARTS - set(ALL_PARTS):
+            ap.error(f"--only: parts of {', '.join(ALL_PARTS)}; got {args.only}")
     rng = np.random.default_rng(0)
     global TORCH
     if jax.default_backend() == "gpu":
