@@ -67,8 +67,7 @@ class MgpuMatmulConfig:
     pdl: "" a plain launch, or a programmatic dependent launch (the kernel may start while
     the one before it in the stream finishes): "start" waits for that kernel first thing,
     "ring" once its first weight tiles are on their way, x then coming through a ring of
-    `stages` tiles of its own, outside the pipeline; after the wait either lets the kernel
-    after it launch (that one waits for this one's end before it reads anything)."""
+    `stages` tiles of its own, outside the pipeline."""
     gps: int = 2
     stages: int = 4
     splits: int = 1
@@ -393,7 +392,6 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_sca
         k0 = sp * kr  # the split's first K
         if cfg.pdl and (experts is not None or not ring) and not interpret:
             plgpu.griddepcontrol_wait()  # x (or the ids, read first) from the kernel before
-            plgpu.griddepcontrol_launch_dependents()  # the next may start (and wait for us)
         # an assignment's blocks are consecutive: block j of its expert's weights
         e = ids_gmem[nb // starts[-1]] if experts is not None else 0
         j = nb % starts[-1] if experts is not None else nb
@@ -446,7 +444,6 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_sca
                 def _():  # the weights' first tiles are loading; now the kernel before
                     if not interpret and experts is None:
                         plgpu.griddepcontrol_wait()
-                        plgpu.griddepcontrol_launch_dependents()
                     for s in range(slots):
                         fetch(s)
                     for a in sums:
