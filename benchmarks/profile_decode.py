@@ -121,8 +121,6 @@ def policy_from_args(args) -> KernelPolicy:
         changes["one_kernel_mlp_rows"] = args.mlp_rows
     if args.lm_head:
         changes["lm_head"] = Impl(args.lm_head)
-    if args.mosaic_pdl is not None:
-        changes["mosaic_pdl"] = "" if args.mosaic_pdl == "off" else args.mosaic_pdl
     if args.blocks:
         changes["matmul_tiles"] = tuple(
             (tuple(int(v) for v in key.split(",")), MatmulBlockSizes(*cfg))
@@ -158,9 +156,6 @@ def main(argv=None) -> int:
                         "(KernelPolicy.one_kernel_mlp_rows; 0: SwiGLU and down apart)")
     p.add_argument("--lm-head", choices=("xla", "pallas"), default=None,
                    help="the LM head through XLA's dot or the fused matmul (KernelPolicy.lm_head)")
-    p.add_argument("--mosaic-pdl", choices=("off", "start", "ring"), default=None,
-                   help="how the Mosaic quantized kernels launch after the kernel before them "
-                        "(KernelPolicy.mosaic_pdl: off, or a programmatic dependent launch)")
     p.add_argument("--blocks", default=None,
                    help='JSON {"K,N,W": [block_m, block_n, block_k, warps, stages, split_k]}: '
                         "block sizes of the fused decode matmuls (W = 1, or 2 for SwiGLU) "

@@ -127,11 +127,6 @@ class KernelPolicy:
     # The most rows (B * T) an nk weight's matmul takes through the Mosaic GPU kernel (at most
     # its 64); more dequantize the weight and take XLA's dot (prefill).
     mosaic_int_rows: int = 64
-    # How the Mosaic kernel starts after the kernel before it (MgpuMatmulConfig.pdl): "" a
-    # plain launch; "start" a programmatic dependent launch that waits for that kernel first
-    # thing; "ring" one that waits after its first weight tiles are on their way (x then
-    # streams through a ring of its own).
-    mosaic_pdl: str = ""
     attention_chunk: int = 512
     # Tile overrides for sweeps: ((K, N, weights), MatmulBlockSizes) pairs for the fused
     # matmuls, and the decode attention kernels' block sizes.
@@ -186,9 +181,6 @@ class KernelPolicy:
                              f"'mosaic', 'triton'")
         _check_int("fused_rows", self.fused_rows, 0)
         _check_int("mosaic_int_rows", self.mosaic_int_rows, 0)
-        if self.mosaic_pdl not in ("", "start", "ring"):
-            raise ValueError(f"KernelPolicy.mosaic_pdl={self.mosaic_pdl!r}: one of '', "
-                             f"'start', 'ring'")
         if self.mosaic_int_rows > 64:
             raise ValueError(f"KernelPolicy.mosaic_int_rows={self.mosaic_int_rows}: the Mosaic "
                              f"GPU kernel takes at most 64 rows")

@@ -63,26 +63,16 @@ class MgpuMatmulConfig:
     ranges (grid axis, float32 partial sums); batch: groups whose products share one wgmma
     wait (0: all of the step's); wide (groups under 128): code tiles 128 codes wide, loaded
     once per batch and sliced per group in registers, not one group wide (16-byte rows are
-    unswizzled) and loaded per group. A block takes BN = 64 weight rows (one wgmma M).
-    pdl: "" a plain launch, or a programmatic dependent launch (the kernel may start while
-    the one before it in the stream finishes): "start" waits for that kernel first thing,
-    "ring" once its first weight tiles are on their way, x then coming through a ring of
-    `stages` tiles of its own, outside the pipeline."""
+    unswizzled) and loaded per group. A block takes BN = 64 weight rows (one wgmma M)."""
     gps: int = 2
     stages: int = 4
     splits: int = 1
     batch: int = 0
     wide: bool = False
-    pdl: str = ""
 
     def __str__(self):
         return (f"g{self.gps}_s{self.stages}_k{self.splits}"
-                + (f"_b{self.batch}" if self.batch else "") + ("_w" if self.wide else "")
-                + (f"_{self.pdl}" if self.pdl else ""))
-
-    def __post_init__(self):
-        if self.pdl not in ("", "start", "ring"):
-            raise ValueError(f"MgpuMatmulConfig.pdl={self.pdl!r}: one of '', 'start', 'ring'")
+                + (f"_b{self.batch}" if self.batch else "") + ("_w" if self.wide else ""))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,12 +212,11 @@ def default_config(m: int, k: int, n: int, fmt: NkFormat = NkFormat(),
 
 
 def quantized_matmul_mgpu(x, qw, *, experts=None, cfg: MgpuMatmulConfig | None = None,
-                          pdl: str = "", interpret: bool = False, out_dtype=None):
+                          interpret: bool = False, out_dtype=None):
     """x [M, K] (M <= 64) @ dequantize(qw) for an "nk" weight -> [M, N] in out_dtype (x's).
     qw a tuple of nk weights with the same K, format and code dtype (gate and up): one launch,
     a tuple of outputs. experts = (ids [A], rows [A]) for stacked experts' weights:
-    assignment a's x row rows[a] times expert ids[a] -> [A, N] (int_matmul_mgpu). pdl: the
-    launch of the default configuration (MgpuMatmulConfig.pdl; cfg has its own)."""
+    assignment a's x row rows[a] times expert ids[a] -> [A, N] (int_matmul_mgpu)."""
     qws = qw if isinstance(qw, tuple) else (qw,)
     for w in qws:
         if w.layout != "nk":
@@ -238,8 +227,8 @@ def quantized_matmul_mgpu(x, qw, *, experts=None, cfg: MgpuMatmulConfig | None =
         raise ValueError(f"quantized_matmul_mgpu: weights of different formats "
                          f"({', '.join(w.name for w in qws)}) take one launch each")
     rows = x.shape[0] if experts is None else experts[0].shape[0]
-    cfg = cfg or dataclasses.replace(default_config(rows, qws[0].k, sum(w.n for w in qws), fmt,
-                                                    _bits(qws[0].planes[0].dtype)), pdl=pdl)
+    cfg = cfg or default_config(rows, qws[0].k, sum(w.n for w in qws), fmt,
+                                _bits(qws[0].planes[0].dtype))
 
     def arrays(name):
         return tuple(getattr(w, name) for w in qws) if getattr(fmt, name) else ()
@@ -341,7 +330,6 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_sca
                          "step (gps >= 2)")
     bk = gps * GROUP
     kr = k // cfg.splits  # K per split
-    mp = max(8, -(-m // 8) * 8)
     if k % (cfg.splits * bk) or (sg and (kr % sg or (bk % sg and sg % bk))):
         raise ValueError(f"int_matmul_mgpu: K {k} not {cfg.splits} splits of whole steps of "
                          f"{bk}" + (f" and super-groups of {sg}" if sg else ""))
@@ -349,6 +337,7 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_sca
     # before the kernel); they only reach output columns that are sliced off. TMA refuses a
     # gmem array of more than 8 rows that are not a multiple of 8 (M = 10 failed on the
     # H200), and the interpreter takes no out-of-bounds read: those get x padded.
+    mp = max(8, -(-m // 8) * 8)
     x = x.astype(jnp.bfloat16)
     xin = [jnp.pad(x, ((0, mp - m), (0, 0))) if (interpret or m > 8) and mp != m else x]
     if fmt.x_sums:  # X [G, Mp] float32: x's sum over each group (rows past M zero)
@@ -370,12 +359,10 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_sca
              "super_scale": plgpu.BlockSpec((srows, bn), lambda i: (i // per, 0)),
              "super_offset": plgpu.BlockSpec((srows, bn), lambda i: (i // per, 0))}
     fields = [f for f in given if wanted[f]]
-    in_specs = [plgpu.BlockSpec((bn, bk), lambda i: (0, i), transforms=w_tr)]
-    ring = cfg.pdl == "ring"
-    if not ring:  # x's tiles stream beside the codes (in a ring: after the wait, its own)
-        in_specs.append(plgpu.BlockSpec((mp, bk), lambda i: (0, i), transforms=x_tr))
-        if fmt.x_sums:
-            in_specs.append(plgpu.BlockSpec((gst, mp), lambda i: (i, 0)))
+    in_specs = [plgpu.BlockSpec((bn, bk), lambda i: (0, i), transforms=w_tr),
+                plgpu.BlockSpec((mp, bk), lambda i: (0, i), transforms=x_tr)]
+    if fmt.x_sums:
+        in_specs.append(plgpu.BlockSpec((gst, mp), lambda i: (i, 0)))
     in_specs += [specs[f] for f in fields]
     ns = [c.shape[0] // e_n for c in codes]  # each weight's N
     starts = [sum(ns[:i]) // bn for i in range(len(ns) + 1)]  # each weight's first block
@@ -387,22 +374,19 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_sca
         x_gmem, refs = refs[0], refs[1:]
         xs_gmem, refs = (refs[0], refs[1:]) if fmt.x_sums else (None, refs)
         weights = [refs[i * na:(i + 1) * na] for i in range(nw)]
-        o_gmem, o_smem, *x_scratch = refs[nw * na:]
+        o_gmem, o_smem = refs[nw * na:]
         nb, sp = lax.axis_index("n"), lax.axis_index("s")
         k0 = sp * kr  # the split's first K
-        if cfg.pdl and (experts is not None or not ring) and not interpret:
-            plgpu.griddepcontrol_wait()  # x (or the ids, read first) from the kernel before
         # an assignment's blocks are consecutive: block j of its expert's weights
         e = ids_gmem[nb // starts[-1]] if experts is not None else 0
         j = nb % starts[-1] if experts is not None else nb
 
         def block(arrays, n_w, wb):  # block wb of one weight -> out rows from nb * bn
             cols = pl.ds(wb * bn, bn)
-            ops = [arrays[0].at[pl.ds(e * n_w + wb * bn, bn), pl.ds(k0, kr)]]
-            if not ring:
-                ops.append(x_gmem.at[:, pl.ds(k0, kr)])
-                if fmt.x_sums:
-                    ops.append(xs_gmem.at[pl.ds(k0 // group, kr // group)])
+            ops = [arrays[0].at[pl.ds(e * n_w + wb * bn, bn), pl.ds(k0, kr)],
+                   x_gmem.at[:, pl.ds(k0, kr)]]
+            if fmt.x_sums:
+                ops.append(xs_gmem.at[pl.ds(k0 // group, kr // group)])
             for f, a in zip(fields, arrays[1:]):
                 rows = pl.ds(e * (k // sg) + k0 // sg, kr // sg) if f.startswith("super") \
                     else pl.ds(e * (k // group) + k0 // group, kr // group)
@@ -431,43 +415,9 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_sca
                     return [acc_ref[...] for acc_ref in accs]  # one wait for the batch
                 return pl.run_scoped(scope, *[plgpu.ACC((bn, mp), jnp.float32)] * len(js))
 
-            def x_ring(step):  # pdl "ring": this step's x [Mp, bk] and X [gst, Mp] (or None)
-                x_all, *sums, bars = x_scratch
-                slots = x_all.shape[0]  # x of steps s, s + slots, ... in slot s % slots
-
-                def fetch(s):  # x of step s into its slot, on the slot's barrier
-                    plgpu.copy_gmem_to_smem(  # rows past M: TMA's zeros, as above
-                        x_gmem.at[pl.ds(0, mp), pl.ds(k0 + s * bk, bk)],
-                        x_all.at[s % slots], bars.at[s % slots])
-
-                @pl.when(step == 0)
-                def _():  # the weights' first tiles are loading; now the kernel before
-                    if not interpret and experts is None:
-                        plgpu.griddepcontrol_wait()
-                    for s in range(slots):
-                        fetch(s)
-                    for a in sums:
-                        plgpu.copy_gmem_to_smem(xs_gmem.at[pl.ds(k0 // group, kr // group)],
-                                                a, bars.at[slots])
-                        plgpu.barrier_wait(bars.at[slots])
-                slot = lax.rem(step, slots)
-                plgpu.barrier_wait(bars.at[slot])
-
-                def refill():  # after this step's products: its slot takes step + slots
-                    if slots < steps:
-                        pl.when(step + slots < steps)(lambda: fetch(step + slots))
-                return (x_all.at[slot], sums[0].at[pl.ds(step * gst, gst)] if sums else None,
-                        refill)
-
-            def body(idx, w_smem, *rest):  # acc [bn, Mp] += product_j * s_j + o_j X_j
+            def body(_, w_smem, x_smem, *rest):  # acc [bn, Mp] += product_j * s_j + o_j X_j
                 *tiles, acc = rest
-                refill = None
-                if ring:
-                    x_smem, xs, refill = x_ring(idx[0])
-                else:
-                    x_smem, *tiles = tiles
-                    xs, tiles = (tiles[0], tiles[1:]) if fmt.x_sums else (None, tiles)
-                t = dict(zip(fields, tiles))
+                t = dict(zip(fields, tiles[fmt.x_sums:]))
                 sup = {}
 
                 def super_row(f, j):  # super-group row of group j, loaded once a step
@@ -495,10 +445,8 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_sca
                                 o = -(super_row("super_offset", j) * o)
                         if fmt.code_shift:
                             o = fmt.code_shift * s if o is None else o + fmt.code_shift * s
-                        xsum = plgpu.load(xs.at[j], layout=_WGMMA_COL)  # [Mp]
+                        xsum = plgpu.load(tiles[0].at[j], layout=_WGMMA_COL)  # [Mp]
                         acc = acc + bcast(o, 0) * bcast(xsum, 1)
-                if refill is not None:  # the step's products are in: its x slot is free
-                    refill()
                 return acc
             zero = jnp.zeros((bn, mp), jnp.float32)
             acc = pipe(body, init_carry=zero if interpret else
@@ -516,18 +464,11 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_sca
                     functools.partial(block, weights[i], ns[i], j - starts[i]))
 
     arrays = [a for i in range(nw) for a in (codes[i], *(given[f][i] for f in fields))]
-    scratch = [plgpu.SMEM((bn, mp), jnp.float32)]
-    if ring:  # x's ring [slots, Mp, bk], X's K range [G, Mp], a barrier a slot (+ X's)
-        slots = min(cfg.stages, steps)
-        scratch.append(plgpu.SMEM((slots, mp, bk), jnp.bfloat16, transforms=x_tr))
-        if fmt.x_sums:
-            scratch.append(plgpu.SMEM((kr // group, mp), jnp.float32))
-        scratch.append(plgpu.Barrier(num_barriers=slots + fmt.x_sums))
     out = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((cfg.splits, assignments * starts[-1] * bn, mp),
                                       jnp.float32),
-        scratch_types=scratch,
+        scratch_types=[plgpu.SMEM((bn, mp), jnp.float32)],
         grid=(assignments * starts[-1], cfg.splits),
         grid_names=("n", "s"),
         compiler_params=plgpu.CompilerParams(approx_math=True),

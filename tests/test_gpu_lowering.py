@@ -283,19 +283,6 @@ for _fmt in ("Q4_0", "Q6_K"):  # 128-code tiles, each group's codes sliced in re
         _fmt, 16, 4096, (14336,), pk.MgpuMatmulConfig(gps=2, stages=4, splits=4, wide=True))
 
 
-@pytest.mark.parametrize("pdl", ["start", "ring"])
-def test_mosaic_pdl_lowers_to_a_dependent_launch(pdl):
-    """KernelPolicy.mosaic_pdl's launches: the kernel waits for the grid before it
-    (griddepcontrol.wait) and is marked for a programmatic dependent launch."""
-    fn, args = nk_case("Q4_K", 1, 4096, (14336, 14336),
-                       pk.MgpuMatmulConfig(gps=2, stages=4, splits=4, wide=True, pdl=pdl))
-    module = lower_for_h200(fn, *args)
-    assert "griddepcontrol.wait" in module and "mosaic_gpu.uses_pdl" in module
-    fn, args = nk_case("Q4_K", 1, 4096, (14336, 14336))
-    plain = lower_for_h200(fn, *args)
-    assert "griddepcontrol" not in plain and "uses_pdl" not in plain
-
-
 @pytest.mark.parametrize("name", list(KERNEL_CASES))
 def test_kernel_lowers_for_h200(name):
     fn, args = KERNEL_CASES[name]

@@ -165,7 +165,7 @@ def _mosaic_int(x, w, plan, *, accept=ARRAY_ONLY, norm_w=None, eps=0.0, deltas=N
     h = x if norm_w is None else norm(x, norm_w, eps, plan)
     m, k = rows(h), h.shape[-1]
     y = pk.quantized_matmul_mgpu(h.reshape(m, k), w, interpret=plan.policy.interpret,
-                                 pdl=plan.policy.mosaic_pdl, out_dtype=jnp.float32 if bias is not None else out_dtype)
+                                 out_dtype=jnp.float32 if bias is not None else out_dtype)
     y = y.reshape(*h.shape[:-1], *w.out_shape)
     if bias is not None:
         y = (y + bias.astype(jnp.float32)).astype(out_dtype or h.dtype)

@@ -105,8 +105,7 @@ def _mosaic_int_swiglu(x, w_gate, w_up, plan, *, biases=(None, None), norm_w=Non
             pk.nk_format(w_gate) == pk.nk_format(w_up):
         m, k = rows(h), h.shape[-1]
         ys = pk.quantized_matmul_mgpu(h.reshape(m, k), (w_gate, w_up),
-                                      interpret=plan.policy.interpret,
-                                      pdl=plan.policy.mosaic_pdl, out_dtype=jnp.float32)
+                                      interpret=plan.policy.interpret, out_dtype=jnp.float32)
         gate, up = (y.reshape(*h.shape[:-1], *w.out_shape) for y, w in
                     zip(ys, (w_gate, w_up)))
     else:

@@ -226,11 +226,11 @@ def _mosaic_decode(x, weights, experts, w_gate, w_up, w_down, plan):
     lead, d = x.shape[:-1], x.shape[-1]
     n, k = experts.shape
     ids = experts.reshape(-1)  # [A = N k]
-    interpret, pdl, f32 = plan.policy.interpret, plan.policy.mosaic_pdl, jnp.float32
+    interpret, f32 = plan.policy.interpret, jnp.float32
     g, u = pk.quantized_matmul_mgpu(x.reshape(n, d), (w_gate, w_up), experts=(
-        ids, jnp.arange(n * k) // k), interpret=interpret, pdl=pdl, out_dtype=f32)  # [A, F]
+        ids, jnp.arange(n * k) // k), interpret=interpret, out_dtype=f32)  # [A, F] each
     y = pk.quantized_matmul_mgpu(_swiglu_act(g, u, x.dtype), w_down, experts=(
-        ids, jnp.arange(n * k)), interpret=interpret, pdl=pdl, out_dtype=f32)  # [A, D]
+        ids, jnp.arange(n * k)), interpret=interpret, out_dtype=f32)  # [A, D]
     return jnp.einsum("nkd,nk->nd", y.reshape(n, k, d), weights).reshape(*lead, d)
 
 
