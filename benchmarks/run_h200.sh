@@ -184,14 +184,16 @@ qkernels() {  # benchmarks/quantized.py: the quantized decode matmuls vs the bf1
   timeout "${KERNELS_TIMEOUT:-400}" python3 benchmarks/quantized.py ${QUICK:+--quick} \
     --json "$out/quantized.json" 2>&1 | grep -v '^{' | tail -"${KERNELS_TAIL:-70}"
 }
-ncuquant() {  # the int4 kernel's occupancy and stalls (ncu reads counters on Firecracker only);
+ncuquant() {  # the int4 kernel's occupancy, stalls, instruction mix (only the Mosaic kernels:
+  # each takes 18+ replay passes, ~1 min a kernel with memory saved; counters on Firecracker only);
   # MOSAIC_GPU_DUMP_PTXAS: ptxas's registers and spills per kernel, printed at compile time
   MOSAIC_GPU_DUMP_PTXAS=1 XLA_FLAGS=--xla_gpu_autotune_level=0 timeout "${NCU_TIMEOUT:-400}" ncu \
-    --profile-from-start off --clock-control none --section LaunchStats --section Occupancy \
-    --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+    --profile-from-start off --clock-control none --kernel-name regex:mosaic \
+    --section LaunchStats --section Occupancy --section SpeedOfLight --section WarpStateStats \
+    --section SchedulerStats --section ComputeWorkloadAnalysis --section InstructionStats \
     --section MemoryWorkloadAnalysis python3 benchmarks/ncu_quant.py ${NCU_ARGS:-} 2>&1 \
-    | tee "$out/ncu.txt" | grep -E '^(ok|FAIL|skip|profiled)|^  [a-z_]|ptxas info|Used [0-9]+ registers|Block Limit|Registers|Achieved Occ|Theoretical Occ|Duration|Memory Throughput|DRAM Throughput|Stall|Warp Cycles|Issued Warp|No Eligible|Shared Memory Config|Dynamic Shared' \
-    | head -"${NCU_TAIL:-400}"
+    | tee "$out/ncu.txt" | grep -E '^(ok|FAIL|skip|profiled)|^  [a-z_]|ptxas info|Used [0-9]+ registers|Block Limit|Registers|Achieved Occ|Theoretical Occ|Duration|Memory Throughput|DRAM Throughput|Stall|Warp Cycles|Issued Warp|No Eligible|Shared Memory Config|Dynamic Shared|Executed Ipc|Issue Slots|Executed Instructions|SM Busy|Pipe' \
+    | command head -"${NCU_TAIL:-400}"  # `head` here is the part below
 }
 kernels() {  # KERNELS="gemv,decode" picks parts of benchmarks/kernels.py
   timeout "${KERNELS_TIMEOUT:-300}" python3 benchmarks/kernels.py --only "${KERNELS:-gemv}" \
