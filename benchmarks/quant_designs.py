@@ -53,6 +53,7 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
@@ -68,7 +69,7 @@ from benchmarks.kernels import PEAK_TBS, rel_err, time_fn  # noqa: E402
 from benchmarks.ncu_quant import parse_configs  # noqa: E402
 from pallas_kernels.quantized import codes_of, dequantize, quantize_weight  # noqa: E402
 from pallas_kernels.quantized_mgpu import (MgpuMatmulConfig, default_config,  # noqa: E402
-                                           int_matmul_mgpu, to_nk)
+                                           int_matmul_mgpu, to_nk, to_frag)
 
 TOL = 2e-2  # relative error (Frobenius) against x @ dequantize(qw) in float32
 GROUP = 128
@@ -173,6 +174,10 @@ def jax_variants(m: int, k: int, n: int, interpret: bool) -> list[tuple]:
                     lambda s: (s["x"], s["c4t"], s["q"].scale), ib))
         out.append((f"mgpu_default_{cfg}_bf16scale", mgpu_call(cfg, interpret),
                     lambda s: (s["x"], s["c4t"], s["s"]), ib))
+        # the same with the codes in fragment order (converted in place, no relayout)
+        frag = dataclasses.replace(cfg, frag=True)
+        out.append((f"mgpu_frag_{frag}", mgpu_call(frag, interpret),
+                    lambda s: (s["x"], s["c4f"], s["q"].scale), ib))
         # gate and up: two weights of this shape (the second one this weight's columns in
         # reverse: other bytes) in one launch, against two launches; the outputs averaged
         # back into one (checked against the one reference)
@@ -205,6 +210,7 @@ def make_sets(k: int, n: int, sets: int) -> list[dict]:
             q=q, w=dequantize(q, jnp.bfloat16),
             c4=c.reshape(k // GROUP, GROUP, n).astype(jnp.int4), s=s,
             c4t=c.T.astype(jnp.int4), c4t_r=c.T[::-1].astype(jnp.int4),
+            c4f=to_frag(c.T.astype(jnp.int4)) if k % 32 == 0 else None,
             scale_r=q.scale[:, ::-1], st=s.T, q_nk=to_nk(q) if k % GROUP == 0 and n % 64 == 0
             else q,
             u8=(c + q.code_offset).astype(jnp.uint8)))  # codes 0..15 [K, N], for torch

@@ -35,6 +35,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -69,10 +70,12 @@ class MgpuMatmulConfig:
     splits: int = 1
     batch: int = 0
     wide: bool = False
+    frag: bool = False  # int4 codes stored in fragment order (to_frag): no relayout
 
     def __str__(self):
         return (f"g{self.gps}_s{self.stages}_k{self.splits}"
-                + (f"_b{self.batch}" if self.batch else "") + ("_w" if self.wide else ""))
+                + (f"_b{self.batch}" if self.batch else "") + ("_w" if self.wide else "")
+                + ("_f" if self.frag else ""))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,15 +246,79 @@ def _bits(dtype) -> int:
     return 4 if dtype == jnp.int4 else 8  # int8, fp8 e4m3
 
 
-def _codes(w_smem, u, unit):
+def _codes(w_smem, u, unit, frag=False, interpret=False):
     """Codes u * unit .. + unit - 1 of the code tile -> bf16 [bn, unit] (exact: int4, int8,
-    fp8 e4m3) in the wgmma layout."""
+    fp8 e4m3) in the wgmma layout (frag: int4 codes stored in fragment order)."""
     bits = _bits(w_smem.dtype)
+    if frag and interpret:  # the interpreter: the tile's codes put back in order
+        return from_frag(w_smem[:, pl.ds(u * unit, unit)]).astype(jnp.bfloat16)
     w = plgpu.load(w_smem.at[:, pl.ds(u * unit, unit)], layout=_UPCAST[bits])
+    if frag:
+        return _frag_convert(w)
     w = plgpu.layout_cast(w, _WGMMA)
     if w.dtype == jnp.float8_e4m3fn:  # Hopper converts e4m3 to f16 only; both exact here
         w = w.astype(jnp.float16)
     return w.astype(jnp.bfloat16)
+
+
+# Fragment order of int4 codes within every 32 of K (MgpuMatmulConfig.frag): code
+# 8a + 2b + c (a, b < 4, c < 2) is stored at 8b + 4c + a. Loaded in WGMMA_UPCAST_4X, lane b of
+# a row then holds, as one 32-bit word, WGMMA's columns 2b, 2b + 1 of its 8-column tiles a,
+# the pair for tile a in nibbles a and 4 + a: each pair converts in place (_frag_convert).
+def to_frag(codes):
+    """codes [..., K] (K a multiple of 32) -> the same codes in fragment order."""
+    lead, k = codes.shape[:-1], codes.shape[-1]
+    c = codes.astype(jnp.int8).reshape(*lead, k // 32, 4, 4, 2)  # [.., a, b, c]
+    return jnp.moveaxis(c, -3, -1).reshape(codes.shape).astype(codes.dtype)  # [.., b, c, a]
+
+
+def from_frag(stored):
+    """The inverse of to_frag."""
+    lead, k = stored.shape[:-1], stored.shape[-1]
+    c = stored.astype(jnp.int8).reshape(*lead, k // 32, 4, 2, 4)  # [.., b, c, a]
+    return jnp.moveaxis(c, -1, -3).reshape(stored.shape).astype(stored.dtype)
+
+
+def _frag_convert(codes):
+    """int4 [64, unit] in WGMMA_UPCAST_4X, stored in fragment order -> bf16 [64, unit] in the
+    WGMMA layout, the registers renamed, not moved: per 32-bit word of 8 codes, pair j is
+    ((q >> 4j) & 0x000F000F) ^ 0x43084308 (the codes offset by 8 under a bf16 exponent of
+    128) minus 136 (as Mosaic's own int4 -> bf16 conversion, without its prmt and shuffles)."""
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu import utils as mu
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import arith, llvm
+
+    shape = codes.shape
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_UPCAST_4X,),
+                       return_type=plgpu.ShapeDtypeStruct(shape, jnp.bfloat16,
+                                                          layout=plgpu.Layout.WGMMA))
+    def convert(_, c):
+        i32 = ir.IntegerType.get_signless(32)
+        bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
+        regs = c.registers  # [1, unit / 32, 1, 1, 2, 1, 1, 1, 1] of vector<8xi4>
+        out = np.empty(fa.WGMMA_LAYOUT.registers_shape(shape), dtype=object)
+        for idx in np.ndindex(regs.shape):
+            q = mu.bitcast(regs[idx], i32)
+            for j in range(4):
+                s = q if j == 0 else arith.shrui(q, arith.constant(i32, 4 * j))
+                v = llvm.inline_asm(
+                    i32, [s],
+                    """
+                    {
+                    .reg .b32 t;
+                    .reg .b32 base;
+                    lop3.b32 t, $1, 0x000F000F, 0x43084308, (0xf0 & 0xcc) ^ 0xaa;
+                    mov.b32 base, 0x43084308;
+                    sub.bf16x2 $0, t, base;
+                    }
+                    """, "=r,r")
+                o = list(idx)
+                o[1] = 4 * idx[1] + j
+                out[tuple(o)] = mu.bitcast(v, bf16x2)
+        return fa.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+    return convert(codes)
 
 
 def _row(ref, j):
@@ -403,7 +470,7 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_sca
                     for j in js:
                         u, r = divmod(j * group, unit)
                         if u not in units:
-                            units[u] = _codes(w_smem, u, unit)
+                            units[u] = _codes(w_smem, u, unit, cfg.frag, interpret)
                         yield j, units[u] if unit == group else units[u][:, r:r + group]
                 if interpret:  # the GPU interpreter takes no register operand for wgmma
                     return [jnp.dot(c, xj(j)[...].T, preferred_element_type=jnp.float32)

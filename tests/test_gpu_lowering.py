@@ -278,6 +278,8 @@ KERNEL_CASES["int4 g128 mosaic experts gate+up 1x4096x2x14336"] = nk_case(
     "int4 g128", 1, 4096, (14336, 14336), experts=(8, 2))
 KERNEL_CASES["Q4_K mosaic experts down 32x768x2048"] = nk_case(
     "Q4_K", 32, 768, (2048,), experts=(128, 32))
+KERNEL_CASES["int4 g128 mosaic fragment order 1x4096x14336"] = nk_case(  # no relayout
+    "int4 g128", 1, 4096, (14336,), pk.MgpuMatmulConfig(gps=2, stages=4, splits=4, frag=True))
 for _fmt in ("Q4_0", "Q6_K"):  # 128-code tiles, each group's codes sliced in registers
     KERNEL_CASES[f"{_fmt} mosaic wide 16x4096x14336"] = nk_case(
         _fmt, 16, 4096, (14336,), pk.MgpuMatmulConfig(gps=2, stages=4, splits=4, wide=True))

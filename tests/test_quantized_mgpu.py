@@ -143,6 +143,23 @@ def test_two_weights_in_one_launch(interpret, fmt):
         pk.quantized_matmul_mgpu(x, (a, other), interpret=interpret)
 
 
+def test_fragment_order_codes_match_reference_interpret():
+    """int4 codes stored in fragment order (to_frag; MgpuMatmulConfig.frag) give the same
+    product; the unpermuted codes under the same config do not (the check can fail)."""
+    from pallas_kernels.quantized_mgpu import from_frag, int_matmul_mgpu, to_frag
+    nk = pk.to_nk(_int4(1, 512, 128))
+    c = nk.planes[0]
+    np.testing.assert_array_equal(from_frag(to_frag(c)), c)
+    x = normal(2, (3, 512), jnp.bfloat16)
+    want = pk.quantized_matmul_mgpu_reference(x, nk, out_dtype=jnp.float32)
+    cfg = MgpuMatmulConfig(gps=1, stages=2, splits=2, frag=True)
+    got = int_matmul_mgpu(x, (to_frag(c),), (nk.scale,), cfg=cfg, interpret=True,
+                          out_dtype=jnp.float32)[0]
+    assert rel_err(got, want) < 1e-5
+    bad = int_matmul_mgpu(x, (c,), (nk.scale,), cfg=cfg, interpret=True, out_dtype=jnp.float32)[0]
+    assert rel_err(bad, want) > 0.1
+
+
 def test_decode_path_takes_the_mosaic_kernel_and_matches_reference():
     """int4 g128 everywhere (q/k/v, o, gate/up, down, the LM head): each decode-path product
     through the kernel (counted in the traced step); logits against the reference path."""
