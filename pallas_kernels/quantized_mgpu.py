@@ -389,6 +389,9 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_sca
             raise ValueError(f"int_matmul_mgpu: N {n} not a multiple of {BN}")
     if m > 64:
         raise ValueError(f"int_matmul_mgpu is a decode kernel: M = {m} > 64")
+    if cfg.frag and codes[0].dtype != jnp.int4:
+        raise ValueError(f"int_matmul_mgpu: fragment order (cfg.frag) is for int4 codes, got "
+                         f"{codes[0].dtype}")
     gps, bn = cfg.gps, BN
     if gps == 1 and group == 64:
         # One 128-wide unit a step in groups of 64 crashed the H200 test process (illegal

@@ -143,9 +143,13 @@ def test_two_weights_in_one_launch(interpret, fmt):
         pk.quantized_matmul_mgpu(x, (a, other), interpret=interpret)
 
 
-def test_fragment_order_codes_match_reference_interpret():
+@pytest.mark.parametrize("interpret", [
+    True, pytest.param(False, marks=[pytest.mark.gpu, pytest.mark.skipif(
+        jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")])], ids=["interpret", "gpu"])
+def test_fragment_order_codes_match_reference(interpret):
     """int4 codes stored in fragment order (to_frag; MgpuMatmulConfig.frag) give the same
-    product; the unpermuted codes under the same config do not (the check can fail)."""
+    product (on the GPU: the in-place conversion's registers); the unpermuted codes under the
+    same config do not (the check can fail)."""
     from pallas_kernels.quantized_mgpu import from_frag, int_matmul_mgpu, to_frag
     nk = pk.to_nk(_int4(1, 512, 128))
     c = nk.planes[0]
@@ -153,11 +157,14 @@ def test_fragment_order_codes_match_reference_interpret():
     x = normal(2, (3, 512), jnp.bfloat16)
     want = pk.quantized_matmul_mgpu_reference(x, nk, out_dtype=jnp.float32)
     cfg = MgpuMatmulConfig(gps=1, stages=2, splits=2, frag=True)
-    got = int_matmul_mgpu(x, (to_frag(c),), (nk.scale,), cfg=cfg, interpret=True,
+    got = int_matmul_mgpu(x, (to_frag(c),), (nk.scale,), cfg=cfg, interpret=interpret,
                           out_dtype=jnp.float32)[0]
     assert rel_err(got, want) < 1e-5
-    bad = int_matmul_mgpu(x, (c,), (nk.scale,), cfg=cfg, interpret=True, out_dtype=jnp.float32)[0]
+    bad = int_matmul_mgpu(x, (c,), (nk.scale,), cfg=cfg, interpret=interpret,
+                          out_dtype=jnp.float32)[0]
     assert rel_err(bad, want) > 0.1
+    with pytest.raises(ValueError, match="fragment order"):
+        int_matmul_mgpu(x, (c.astype(jnp.int8),), (nk.scale,), cfg=cfg, interpret=interpret)
 
 
 def test_decode_path_takes_the_mosaic_kernel_and_matches_reference():
