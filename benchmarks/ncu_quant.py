@@ -27,20 +27,22 @@ import jax.numpy as jnp
 
 from pallas_kernels.quantized import dequantize, quantize_weight
 from pallas_kernels.quantized_mgpu import (MgpuMatmulConfig, default_config, int_matmul_mgpu,
-                                           to_nk)
+                                           to_frag, to_nk)
 
 TOL = 2e-2  # relative error (Frobenius) against x @ dequantize(w) in float32
 
 
 def parse_configs(text: str) -> list[MgpuMatmulConfig]:
-    """"G-S-K[-B],...": gps, stages, splits and optionally batch (groups per wgmma wait: fewer
-    products in flight, fewer registers a thread) -> configs; ValueError if malformed."""
+    """"G-S-K[-B][f],...": gps, stages, splits and optionally batch (groups per wgmma wait:
+    fewer products in flight, fewer registers a thread); a trailing "f": int4 codes in
+    fragment order (to_frag) -> configs; ValueError if malformed."""
     out = []
     for c in text.split(","):
-        fields = [int(v) for v in c.split("-")]
+        frag = c.endswith("f")
+        fields = [int(v) for v in c.removesuffix("f").split("-")]
         if not 3 <= len(fields) <= 4:
             raise ValueError(c)
-        out.append(MgpuMatmulConfig(*fields))
+        out.append(MgpuMatmulConfig(*fields, frag=frag))
     return out
 
 
@@ -52,7 +54,8 @@ def one(k: int, n: int, m: int, cfg: MgpuMatmulConfig, *, interpret: bool):
     ref = jnp.dot(x.astype(jnp.float32), dequantize(q, jnp.float32).reshape(k, n))
     call = jax.jit(lambda x, c, s: int_matmul_mgpu(x, (c,), (s,), cfg=cfg,
                                                    interpret=interpret)[0])
-    return call, (x, q.planes[0], q.scale), ref
+    codes = to_frag(q.planes[0]) if cfg.frag else q.planes[0]
+    return call, (x, codes, q.scale), ref
 
 
 def main() -> int:
@@ -60,7 +63,8 @@ def main() -> int:
     ap.add_argument("--shapes", default="4096x6144,4096x4096,4096x28672,14336x4096",
                     metavar="KxN,...", help="Llama-3-8B's q/k/v, o, gate + up, down")
     ap.add_argument("--configs", default=None, metavar="G-S-K[-B],...",
-                    help="gps-stages-splits[-batch] (default: each shape's default_config)")
+                    help="gps-stages-splits[-batch][f] (f: codes in fragment order; default: "
+                         "each shape's default_config)")
     ap.add_argument("--m", type=int, default=1, help="rows")
     ap.add_argument("--launches", type=int, default=3, help="profiled launches per config")
     ap.add_argument("--cpu-check", action="store_true",

@@ -167,7 +167,8 @@ def jax_variants(m: int, k: int, n: int, interpret: bool) -> list[tuple]:
     for cfg in MGPU_CONFIGS:
         if mgpu_fits(cfg, k, n):
             out.append((f"mgpu_{cfg}", mgpu_call(cfg, interpret),
-                        lambda s: (s["x"], s["c4t"], s["q"].scale), ib))
+                        lambda s, c="c4f" if cfg.frag else "c4t": (s["x"], s[c], s["q"].scale),
+                        ib))
     cfg = default_config(m, k, n)
     if mgpu_fits(cfg, k, n):
         out.append((f"mgpu_default_{cfg}", mgpu_call(cfg, interpret),
@@ -465,7 +466,7 @@ def main() -> int:
         try:
             MGPU_CONFIGS[:] = parse_configs(args.configs)
         except ValueError:
-            ap.error(f"--configs {args.configs!r}: comma-separated gps-stages-splits[-batch] "
+            ap.error(f"--configs {args.configs!r}: comma-separated gps-stages-splits[-batch][f] "
                      f"integers, e.g. 2-4-4,2-6-8,2-2-4-1")
     print(f"# jax {jax.__version__}, devices {jax.devices()}", flush=True)
     if args.cpu_check:

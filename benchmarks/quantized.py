@@ -260,6 +260,10 @@ def main() -> int:
         ms = [int(v) for v in args.ms.split(",")]
     except ValueError:
         ap.error("--shapes KxN,..., --ms M,... and --configs G-S-K[-B],... take integers")
+    if any(c.frag for c in CONFIGS):
+        ap.error("--configs: fragment order (a trailing f) takes int4 codes permuted by "
+                 "to_frag, which the model's weights are not; time it with quant_designs.py "
+                 "or ncu_quant.py")
     if args.only:
         PARTS = set(args.only.split(","))
         if PARTS - set(ALL_PARTS):

@@ -25,7 +25,7 @@
 #   bash benchmarks/run_h200.sh qkernels # benchmarks/quantized.py (quantized decode matmuls)
 #   bash benchmarks/run_h200.sh ncuquant # Nsight Compute on the Mosaic int4 kernel alone
 #                                        # (benchmarks/ncu_quant.py): occupancy, its limiters,
-#                                        # stall reasons; $NCU_ARGS: e.g. --configs 2-4-4,1-2-4
+#                                        # stall reasons; $NCU_ARGS: e.g. --configs 2-4-4,2-4-4f
 #   bash benchmarks/run_h200.sh head     # benchmarks/head_selfdistill.py: an EAGLE head trained on
 #                                        # the model's own answers, then its acceptance beside
 #                                        # n-gram (HEAD_MODEL=the embedded GGUF, carried in)
