@@ -69,7 +69,7 @@ from benchmarks.kernels import PEAK_TBS, rel_err, time_fn  # noqa: E402
 from benchmarks.ncu_quant import parse_configs  # noqa: E402
 from pallas_kernels.quantized import codes_of, dequantize, quantize_weight  # noqa: E402
 from pallas_kernels.quantized_mgpu import (MgpuMatmulConfig, default_config,  # noqa: E402
-                                           int_matmul_mgpu, to_nk, to_frag)
+                                           int_matmul_mgpu, to_frag, to_nk)
 
 TOL = 2e-2  # relative error (Frobenius) against x @ dequantize(qw) in float32
 GROUP = 128

@@ -283,7 +283,8 @@ def _frag_convert(codes):
     """int4 [64, unit] in WGMMA_UPCAST_4X, stored in fragment order -> bf16 [64, unit] in the
     WGMMA layout, the registers renamed, not moved: per 32-bit word of 8 codes, pair j is
     ((q >> 4j) & 0x000F000F) ^ 0x43084308 (the codes offset by 8 under a bf16 exponent of
-    128) minus 136 (as Mosaic's own int4 -> bf16 conversion, without its prmt and shuffles)."""
+    128) minus 136 (as Mosaic's own int4 -> bf16 conversion, without its prmt, its mov and
+    the shuffles)."""
     from jax.experimental.mosaic.gpu import fragmented_array as fa
     from jax.experimental.mosaic.gpu import utils as mu
     from jaxlib.mlir import ir
@@ -299,21 +300,20 @@ def _frag_convert(codes):
         bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
         regs = c.registers  # [1, unit / 32, 1, 1, 2, 1, 1, 1, 1] of vector<8xi4>
         out = np.empty(fa.WGMMA_LAYOUT.registers_shape(shape), dtype=object)
+        base = arith.constant(i32, 0x43084308)  # one register for every pair's lop3 and sub
         for idx in np.ndindex(regs.shape):
             q = mu.bitcast(regs[idx], i32)
             for j in range(4):
                 s = q if j == 0 else arith.shrui(q, arith.constant(i32, 4 * j))
                 v = llvm.inline_asm(
-                    i32, [s],
+                    i32, [s, base],
                     """
                     {
                     .reg .b32 t;
-                    .reg .b32 base;
-                    lop3.b32 t, $1, 0x000F000F, 0x43084308, (0xf0 & 0xcc) ^ 0xaa;
-                    mov.b32 base, 0x43084308;
-                    sub.bf16x2 $0, t, base;
+                    lop3.b32 t, $1, 0x000F000F, $2, (0xf0 & 0xcc) ^ 0xaa;
+                    sub.bf16x2 $0, t, $2;
                     }
-                    """, "=r,r")
+                    """, "=r,r,r")
                 o = list(idx)
                 o[1] = 4 * idx[1] + j
                 out[tuple(o)] = mu.bitcast(v, bf16x2)
