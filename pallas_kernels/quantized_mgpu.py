@@ -46,6 +46,7 @@ from pallas_kernels.quantized import (QuantizedWeight, codes_of, dequantize, nk_
 GROUP = 128  # the unit of the K step (gps of them); K a multiple of it
 GROUPS = (16, 32, 64, 128)  # group sizes the kernel takes (int4 from 32: its upcast tile)
 BN = 64  # weight rows (output columns) per block: one wgmma M
+ROWS_OUT = 16  # up to this many rows of x, the sums stored as [splits, M, N] (int_matmul_mgpu)
 
 _WGMMA = plgpu.Layout.WGMMA
 _WGMMA_ROW = plgpu.Layout.WGMMA.reduce(1)  # [64]: one value per row of a [64, Mp] tile
@@ -521,9 +522,16 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_sca
             zero = jnp.zeros((bn, mp), jnp.float32)
             acc = pipe(body, init_carry=zero if interpret else
                        plgpu.layout_cast(zero, _WGMMA))(*ops)
-            o_smem[...] = acc  # [bn, Mp] f32
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[sp, pl.ds(nb * bn, bn)])
+            if rows_out:  # o [M, 64]: column r of acc, a masked row sum each (a few shuffles)
+                col = lax.broadcasted_iota(jnp.int32, (bn, mp), 1)
+                for r in range(m):
+                    o_smem[r] = jnp.sum(jnp.where(col == r, acc, 0.0), axis=1)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[sp, :, pl.ds(nb * bn, bn)])
+            else:
+                o_smem[...] = acc  # [bn, Mp] f32
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[sp, pl.ds(nb * bn, bn)])
             plgpu.wait_smem_to_gmem(0)
 
         if nw == 1:
@@ -534,18 +542,26 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_sca
                     functools.partial(block, weights[i], ns[i], j - starts[i]))
 
     arrays = [a for i in range(nw) for a in (codes[i], *(given[f][i] for f in fields))]
+    # Up to ROWS_OUT rows, each block stores its [64, Mp] sums' columns of x's rows, [M, 64]
+    # (the rest are TMA's zero rows): the epilogue reads M rows and transposes nothing.
+    rows_out = m <= ROWS_OUT
     out = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((cfg.splits, assignments * starts[-1] * bn, mp),
-                                      jnp.float32),
-        scratch_types=[plgpu.SMEM((bn, mp), jnp.float32)],
+        out_type=jax.ShapeDtypeStruct(
+            (cfg.splits, m, assignments * starts[-1] * bn) if rows_out else
+            (cfg.splits, assignments * starts[-1] * bn, mp), jnp.float32),
+        scratch_types=[plgpu.SMEM((m, bn) if rows_out else (bn, mp), jnp.float32)],
         grid=(assignments * starts[-1], cfg.splits),
         grid_names=("n", "s"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
     )(*(() if ids is None else (ids,)), *xin, *arrays)
-    y = jnp.sum(out, axis=0)  # [splits, A * N, Mp] f32 -> [A * N, Mp]
-    if experts is None:
+    y = jnp.sum(out, axis=0)  # [M, A * N] (rows_out) or [A * N, Mp] f32
+    if rows_out and experts is not None:  # [M, A, N] -> each assignment's row: [A, N]
+        y = y.reshape(m, assignments, -1)[rows, jnp.arange(assignments)]
+    elif rows_out:
+        pass
+    elif experts is None:
         y = y[:, :m].T  # [M, N]
     else:  # [A, N, Mp] -> each assignment's row: [A, N]
         y = y.reshape(assignments, -1, mp)
