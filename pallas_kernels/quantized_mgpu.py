@@ -216,8 +216,10 @@ def default_config(m: int, k: int, n: int, fmt: NkFormat = NkFormat(),
 
 
 def quantized_matmul_mgpu(x, qw, *, experts=None, cfg: MgpuMatmulConfig | None = None,
-                          interpret: bool = False, out_dtype=None):
-    """x [M, K] (M <= 64) @ dequantize(qw) for an "nk" weight -> [M, N] in out_dtype (x's).
+                          interpret: bool = False, out_dtype=None, partials: bool = False):
+    """x [M, K] (M <= 64) @ dequantize(qw) for an "nk" weight -> [M, N] in out_dtype (x's);
+    partials: the float32 sums of the K ranges unreduced, [S, M, N], for a consumer kernel
+    that adds them (S = 1 above ROWS_OUT rows; not with experts).
     qw a tuple of nk weights with the same K, format and code dtype (gate and up): one launch,
     a tuple of outputs. experts = (ids [A], rows [A]) for stacked experts' weights:
     assignment a's x row rows[a] times expert ids[a] -> [A, N] (int_matmul_mgpu)."""
@@ -239,7 +241,7 @@ def quantized_matmul_mgpu(x, qw, *, experts=None, cfg: MgpuMatmulConfig | None =
     out = int_matmul_mgpu(x, tuple(w.planes[0] for w in qws), tuple(w.scale for w in qws),
                           arrays("offset"), arrays("super_scale"), arrays("super_offset"),
                           experts, fmt=fmt, cfg=cfg, interpret=interpret,
-                          out_dtype=jnp.dtype(out_dtype or x.dtype))
+                          out_dtype=jnp.dtype(out_dtype or x.dtype), partials=partials)
     return out if isinstance(qw, tuple) else out[0]
 
 
@@ -327,11 +329,12 @@ def _row(ref, j):
     return plgpu.load(ref.at[j], layout=_WGMMA_ROW).astype(jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "cfg", "interpret", "out_dtype"))
+@functools.partial(jax.jit, static_argnames=("fmt", "cfg", "interpret", "out_dtype",
+                                             "partials"))
 def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_scale: tuple = (),
                     super_offset: tuple = (), experts=None, *, fmt: NkFormat = NkFormat(),
                     cfg: MgpuMatmulConfig = MgpuMatmulConfig(), interpret: bool = False,
-                    out_dtype=jnp.bfloat16):
+                    out_dtype=jnp.bfloat16, partials: bool = False):
     """x [M, K] bf16 @ w_i for each weight i -> a tuple of [M, N_i] out_dtype (float32 sums):
     w_i[k, n] = s[g, n] * (codes_i[n, k] + fmt.code_shift) + o[g, n], g = k // fmt.group,
     codes_i [N_i, K] int4 / int8 / fp8; scale_i, offset_i [K / group, N_i]; super_scale_i,
@@ -343,8 +346,11 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_sca
     assignment a multiplies x's row rows[a] by expert ids[a]'s weight -> a tuple of [A, N_i]
     (a MoE layer's decode: only the chosen experts' codes are read). Each assignment's blocks
     multiply all M rows of x (the MMA's N side is 8 rows at least anyway) and keep row
-    rows[a]'s column."""
+    rows[a]'s column.
+    partials: the K ranges' float32 sums unreduced, a tuple of [S, M, N_i] (no experts)."""
     m, k = x.shape
+    if partials and experts is not None:
+        raise ValueError("int_matmul_mgpu: partials are for one row set, not experts")
     nw = len(codes)
     lead = codes[0].shape[:-2] if codes else ()  # (E,) for stacked experts, else ()
     if (experts is None) != (lead == ()) or len(lead) > 1:
@@ -556,6 +562,8 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_sca
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
     )(*(() if ids is None else (ids,)), *xin, *arrays)
+    if partials and rows_out:  # [S, M, N_i] each
+        return tuple(out[..., starts[i] * bn:starts[i + 1] * bn] for i in range(nw))
     y = jnp.sum(out, axis=0)  # [M, A * N] (rows_out) or [A * N, Mp] f32
     if rows_out and experts is not None:  # [M, A, N] -> each assignment's row: [A, N]
         y = y.reshape(m, assignments, -1)[rows, jnp.arange(assignments)]
@@ -566,6 +574,8 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_sca
     else:  # [A, N, Mp] -> each assignment's row: [A, N]
         y = y.reshape(assignments, -1, mp)
         y = jnp.take_along_axis(y, rows[:, None, None], axis=2)[..., 0]
+    if partials:  # one "K range": the sum [1, M, N_i]
+        return tuple(y[None, :, starts[i] * bn:starts[i + 1] * bn] for i in range(nw))
     y = y.astype(out_dtype)
     return tuple(y[:, starts[i] * bn:starts[i + 1] * bn] for i in range(nw))
 

@@ -5,6 +5,8 @@ decode path taking it (policy quant_matmul="mosaic") against the reference path.
 
 from __future__ import annotations
 
+import collections
+
 import gguf
 import jax
 import jax.numpy as jnp
@@ -20,7 +22,7 @@ from jaxinfer.weights import quantize_params, typed
 from jaxinfer.cache import KVCache
 from checkpoints import gguf as G
 from checkpoints import gguf_blocks
-from kernel_testing import jitted_calls_in, normal, rel_err
+from kernel_testing import _jaxprs, jitted_calls_in, normal, rel_err
 from pallas_kernels.quantized import dequantize, quantize_weight
 from pallas_kernels.quantized_mgpu import MgpuMatmulConfig
 from test_gguf_blocks import QT, assert_bits_equal, mixed, random_blocks, tiny_llama
@@ -185,6 +187,18 @@ def test_decode_path_takes_the_mosaic_kernel_and_matches_reference():
     calls = jitted_calls_in(lambda p, c: llama.forward(p, tokens, tokens, plan, c), nk, cache)
     # one decode step through the kernel: q/k/v, o, gate and up (one launch), down, the head
     assert calls["int_matmul_mgpu"] == 5, calls
+    # q/k/v, o and down hand their K ranges' float32 sums [S, M, N] to the kernels after them
+    # (attention, add_rms_norm); gate / up and the head return [M, N]
+    outs = collections.Counter()
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name in ("jit", "pjit") and eqn.params["name"] == "int_matmul_mgpu":
+                outs[tuple(v.aval.ndim for v in eqn.outvars)] += 1
+            for sub in _jaxprs(tuple(eqn.params.values())):
+                walk(sub)
+    walk(jax.make_jaxpr(lambda p, c: llama.forward(p, tokens, tokens, plan, c))(nk, cache).jaxpr)
+    assert outs == {(3,): 3, (2, 2): 1, (2,): 1}, outs
     # Each forward one jitted program, awaited: op-by-op dispatch beside the GPU interpreter's
     # callbacks hung twice on this 2-core machine (the main thread on a lock in the next op's
     # dispatch), once a session.

@@ -160,12 +160,18 @@ def _mosaic_int_supports(x, w, plan, **_) -> str | None:
 def _mosaic_int(x, w, plan, *, accept=ARRAY_ONLY, norm_w=None, eps=0.0, deltas=None,
                  bias=None, out_dtype=None, prefetch=()):
     """An nk weight (int4 / int8 / fp8, GGUF's block types) through the Mosaic GPU kernel;
-    the boundary before it (deltas, the norm) in its own ops."""
+    the boundary before it (deltas, the norm) in its own ops. Its K ranges' float32 sums go
+    to a consumer that adds them where it accepts them (attention; the next boundary's
+    add_rms_norm kernel): no XLA sum between the kernels."""
     x = add_deltas(x, deltas)
     h = x if norm_w is None else norm(x, norm_w, eps, plan)
     m, k = rows(h), h.shape[-1]
+    partials = Form.PARTIALS in accept and bias is None and out_dtype is None
     y = pk.quantized_matmul_mgpu(h.reshape(m, k), w, interpret=plan.policy.interpret,
-                                 out_dtype=jnp.float32 if bias is not None else out_dtype)
+                                 out_dtype=jnp.float32 if bias is not None else out_dtype,
+                                 partials=partials)
+    if partials:  # [S, M, N] -> [S, B, T, *N]
+        return x, Partials(y.reshape(y.shape[0], *h.shape[:-1], *w.out_shape))
     y = y.reshape(*h.shape[:-1], *w.out_shape)
     if bias is not None:
         y = (y + bias.astype(jnp.float32)).astype(out_dtype or h.dtype)
