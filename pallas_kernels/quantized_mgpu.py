@@ -564,16 +564,15 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_sca
     )(*(() if ids is None else (ids,)), *xin, *arrays)
     if partials and rows_out:  # [S, M, N_i] each
         return tuple(out[..., starts[i] * bn:starts[i + 1] * bn] for i in range(nw))
-    y = jnp.sum(out, axis=0)  # [M, A * N] (rows_out) or [A * N, Mp] f32
-    if rows_out and experts is not None:  # [M, A, N] -> each assignment's row: [A, N]
-        y = y.reshape(m, assignments, -1)[rows, jnp.arange(assignments)]
-    elif rows_out:
-        pass
-    elif experts is None:
+    y = jnp.sum(out, axis=0)  # rows_out: [M, A * N], else [A * N, Mp] f32
+    if experts is not None:  # each assignment's row: [A, N]
+        if rows_out:  # [M, A, N]
+            y = y.reshape(m, assignments, -1)[rows, jnp.arange(assignments)]
+        else:  # [A, N, Mp]
+            y = jnp.take_along_axis(y.reshape(assignments, -1, mp), rows[:, None, None],
+                                    axis=2)[..., 0]
+    elif not rows_out:
         y = y[:, :m].T  # [M, N]
-    else:  # [A, N, Mp] -> each assignment's row: [A, N]
-        y = y.reshape(assignments, -1, mp)
-        y = jnp.take_along_axis(y, rows[:, None, None], axis=2)[..., 0]
     if partials:  # one "K range": the sum [1, M, N_i]
         return tuple(y[None, :, starts[i] * bn:starts[i + 1] * bn] for i in range(nw))
     y = y.astype(out_dtype)

@@ -133,13 +133,19 @@ def test_kernel_matches_reference_interpret(m, bf16_scales, bits, cfg):
 @pytest.mark.parametrize("fmt", [4, "Q4_K"])
 def test_two_weights_in_one_launch(interpret, fmt):
     """Gate and up as the SwiGLU takes them: one grid over both weights' blocks (N 128 and
-    192), each output against its own reference; weights of two formats are refused."""
+    192), each output against its own reference, and as unreduced K-range sums; weights of
+    two formats are refused."""
     a, b = pk.to_nk(_int4(6, 512, 128, bits=fmt)), pk.to_nk(_int4(7, 512, 192, bits=fmt))
     x = normal(8, (2, 512), jnp.bfloat16)
     ya, yb = pk.quantized_matmul_mgpu(x, (a, b), interpret=interpret, out_dtype=jnp.float32)
     assert ya.shape == (2, 128) and yb.shape == (2, 192)
     for y, w in ((ya, a), (yb, b)):
         assert rel_err(y, pk.quantized_matmul_mgpu_reference(x, w, out_dtype=jnp.float32)) < 1e-4
+    # Left as the K ranges' float32 sums [S, M, N] (for a consumer kernel): they add up to it.
+    pa, pb = pk.quantized_matmul_mgpu(x, (a, b), interpret=interpret, partials=True)
+    assert pa.shape[1:] == (2, 128) and pb.shape[1:] == (2, 192) and pa.dtype == jnp.float32
+    np.testing.assert_array_equal(jnp.sum(pa, axis=0), ya)
+    np.testing.assert_array_equal(jnp.sum(pb, axis=0), yb)
     other = pk.to_nk(_int4(7, 512, 192, bits="Q6_K" if fmt == 4 else 4))
     with pytest.raises(ValueError, match="different formats"):
         pk.quantized_matmul_mgpu(x, (a, other), interpret=interpret)
