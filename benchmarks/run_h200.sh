@@ -23,6 +23,8 @@
 #                                        # ($KV_ARGS: e.g. --skip greedy where it is absent)
 #   bash benchmarks/run_h200.sh quant    # jaxinfer bench, bf16 vs int8 vs int4 weights
 #   bash benchmarks/run_h200.sh qkernels # benchmarks/quantized.py (quantized decode matmuls)
+#   bash benchmarks/run_h200.sh int4order # benchmarks/int4_order.py: int4 codes in K order vs
+#                                        # fragment order end to end, B=1, beside bf16
 #   bash benchmarks/run_h200.sh ncuquant # Nsight Compute on the Mosaic int4 kernel alone
 #                                        # (benchmarks/ncu_quant.py): occupancy, its limiters,
 #                                        # stall reasons; $NCU_ARGS: e.g. --configs 2-4-4,2-4-4f
@@ -165,6 +167,10 @@ quant() {  # jaxinfer bench with bf16 and quantized weights in one call ($QUANT:
 head() {  # self-distilled EAGLE head for $HEAD_MODEL (a path: the machine cannot download)
   timeout "${HEAD_TIMEOUT:-500}" python3 benchmarks/head_selfdistill.py --model "$HEAD_MODEL" \
     --out /tmp/head.safetensors --json "$out/head.json" ${HEAD_ARGS:-} 2>&1 | grep -v '^I'
+}
+int4order() {  # KernelPolicy.int4_fragment_order end to end (the same tokens either way)
+  timeout "${INT4ORDER_TIMEOUT:-400}" python3 benchmarks/int4_order.py ${INT4ORDER_ARGS:-} 2>&1 \
+    | grep -v '^I' | tee "$out/int4_order.txt" | grep -v '^{'
 }
 specfall() {  # what rejected drafts cost (Llama-3-8B shapes, random weights and head)
   timeout "${SPECFALL_TIMEOUT:-300}" python3 benchmarks/spec_fallback.py ${SPECFALL_ARGS:-} \

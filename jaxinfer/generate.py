@@ -393,12 +393,15 @@ def int_layout_params(params, plan: Plan):
     layout = int_layout(plan)
     specs = registry.family(plan.config).param_specs(plan.config)
 
+    frag = plan.policy.int4_fragment_order
+
     def convert(p):
-        if not isinstance(p, QuantizedWeight) or p.layout == layout:
+        if not isinstance(p, QuantizedWeight) or p.layout == layout and (
+                layout == "tiles" or p.frag == frag or p.planes[0].dtype != jnp.int4):
             return p
         if layout == "tiles":
             return _to_tiles(p)
-        return p if pk.nk_unfit(p) is not None else _to_nk(p)
+        return p if pk.nk_unfit(p) is not None else _to_nk(p, frag=frag)
 
     def one(spec, p):
         if spec.kind not in (Kind.DENSE, Kind.EXPERTS):
@@ -409,7 +412,7 @@ def int_layout_params(params, plan: Plan):
     return jax.tree.map(one, specs, params, is_leaf=lambda s: isinstance(s, ParamSpec))
 
 
-_to_nk = jax.jit(lambda w: pk.to_nk(w))
+_to_nk = jax.jit(pk.to_nk, static_argnames=("frag",))
 _to_tiles = jax.jit(lambda w: pk.to_tiles(w))
 
 

@@ -76,6 +76,9 @@ class QuantizedWeight:
     code_offset: int = dataclasses.field(default=0, metadata={"static": True})
     name: str = dataclasses.field(default="int8", metadata={"static": True})  # for messages
     layout: str = dataclasses.field(default="tiles", metadata={"static": True})  # or "nk"
+    # "nk" int4 codes stored in fragment order within every 32 of K (to_frag): the Mosaic
+    # kernel converts them in place (KernelPolicy.int4_fragment_order)
+    frag: bool = dataclasses.field(default=False, metadata={"static": True})
 
     # -- what the ops and checks read --------------------------------------------------------
     @property
@@ -204,6 +207,25 @@ def unpack_plane(plane, bits: int, tile: int, k: int):
     return codes.reshape(*lead, rows * r, n)[..., :k, :]
 
 
+# Fragment order of int4 "nk" codes within every 32 of K (QuantizedWeight.frag; the Mosaic
+# kernel's MgpuMatmulConfig.frag): code 8a + 2b + c (a, b < 4, c < 2) is stored at 8b + 4c + a.
+# Loaded in WGMMA_UPCAST_4X, lane b of a row then holds, as one 32-bit word, WGMMA's columns
+# 2b, 2b + 1 of its 8-column tiles a, the pair for tile a in nibbles a and 4 + a: each pair
+# converts in place (quantized_mgpu._frag_convert), with no relayout.
+def to_frag(codes):
+    """codes [..., K] (K a multiple of 32) -> the same codes in fragment order."""
+    xp, lead, k = _xp(codes), codes.shape[:-1], codes.shape[-1]
+    c = codes.astype(xp.int8).reshape(*lead, k // 32, 4, 4, 2)  # [.., a, b, c]
+    return xp.moveaxis(c, -3, -1).reshape(codes.shape).astype(codes.dtype)  # [.., b, c, a]
+
+
+def from_frag(stored):
+    """The inverse of to_frag."""
+    xp, lead, k = _xp(stored), stored.shape[:-1], stored.shape[-1]
+    c = stored.astype(xp.int8).reshape(*lead, k // 32, 4, 2, 4)  # [.., b, c, a]
+    return xp.moveaxis(c, -1, -3).reshape(stored.shape).astype(stored.dtype)
+
+
 def codes_of(qw: QuantizedWeight):
     """The codes [..., K, N] as int32 minus code_offset (float32 for fp8), numpy or jnp as
     stored (leading axes: a stacked weight's experts)."""
@@ -211,7 +233,8 @@ def codes_of(qw: QuantizedWeight):
     if qw.layout == "nk":  # centred codes (or fp8 values) [..., N, K]
         if qw.float8:
             return xp.swapaxes(qw.planes[0].astype(xp.float32), -1, -2)
-        c = xp.swapaxes(qw.planes[0].astype(xp.int32), -1, -2)
+        c = qw.planes[0]
+        c = xp.swapaxes((from_frag(c) if qw.frag else c).astype(xp.int32), -1, -2)
         shift = nk_bias(qw.bits) - qw.code_offset
         return c + shift if shift else c
     if qw.float8:

@@ -40,8 +40,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.quantized import (QuantizedWeight, codes_of, dequantize, nk_bias,
-                                      pack_plane, tile_for)
+from pallas_kernels.quantized import (QuantizedWeight, codes_of, dequantize, from_frag,
+                                      nk_bias, pack_plane, tile_for, to_frag)
 
 GROUP = 128  # the unit of the K step (gps of them); K a multiple of it
 GROUPS = (16, 32, 64, 128)  # group sizes the kernel takes (int4 from 32: its upcast tile)
@@ -141,12 +141,16 @@ def _t(a):
     return jnp.swapaxes(a, -1, -2)
 
 
-def to_nk(qw: QuantizedWeight) -> QuantizedWeight:
+def to_nk(qw: QuantizedWeight, frag: bool = False) -> QuantizedWeight:
     """The same weight in the "nk" layout (pallas_kernels/quantized.py): codes [N, K] int4
     (4-bit codes), int8 (5- to 8-bit) or fp8 e4m3, centred by nk_bias ([E, N, K] for stacked
-    experts). One fp8 scale per column becomes the same scale per group of 128."""
+    experts). One fp8 scale per column becomes the same scale per group of 128. frag: int4
+    codes stored in fragment order (to_frag; other codes as they are)."""
     if qw.layout == "nk":
-        return qw
+        if qw.frag == frag or qw.planes[0].dtype != jnp.int4:
+            return qw
+        c = qw.planes[0]  # the other order
+        return qw.replace(planes=(to_frag(c) if frag else from_frag(c),), frag=frag)
     if (why := nk_unfit(qw)) is not None:
         raise ValueError(f"to_nk: {why}")
     lead = qw.planes[0].shape[:-2]  # (E,) for stacked experts
@@ -159,8 +163,9 @@ def to_nk(qw: QuantizedWeight) -> QuantizedWeight:
     # [..., K, N] int32: the stored codes, centred
     codes = jnp.asarray(codes_of(qw)).reshape(*lead, qw.k, qw.n) + (
         qw.code_offset - nk_bias(qw.bits))
-    return qw.replace(planes=(_t(codes).astype(_CODES[4 if sum(qw.bits) == 4 else 8]),),
-                      layout="nk")
+    codes = _t(codes).astype(_CODES[4 if sum(qw.bits) == 4 else 8])  # [..., N, K]
+    frag = frag and codes.dtype == jnp.int4
+    return qw.replace(planes=(to_frag(codes) if frag else codes,), layout="nk", frag=frag)
 
 
 def to_tiles(qw: QuantizedWeight) -> QuantizedWeight:
@@ -170,6 +175,7 @@ def to_tiles(qw: QuantizedWeight) -> QuantizedWeight:
     if qw.float8:
         return qw.replace(planes=(_t(qw.planes[0]),), layout="tiles")
     codes = codes_of(qw) + qw.code_offset  # [..., K, N] as stored
+    qw = qw.replace(frag=False)
     if qw.bits == (8,):
         return qw.replace(planes=(codes.astype(jnp.int8),), layout="tiles")
     planes, shift = [], 0
@@ -232,9 +238,13 @@ def quantized_matmul_mgpu(x, qw, *, experts=None, cfg: MgpuMatmulConfig | None =
     if any(nk_format(w) != fmt for w in qws):
         raise ValueError(f"quantized_matmul_mgpu: weights of different formats "
                          f"({', '.join(w.name for w in qws)}) take one launch each")
+    if len({w.frag for w in qws}) > 1:
+        raise ValueError(f"quantized_matmul_mgpu: {', '.join(w.name for w in qws)}: codes in "
+                         f"fragment order and in K order take one launch each")
     rows = x.shape[0] if experts is None else experts[0].shape[0]
-    cfg = cfg or default_config(rows, qws[0].k, sum(w.n for w in qws), fmt,
-                                _bits(qws[0].planes[0].dtype))
+    cfg = dataclasses.replace(
+        cfg or default_config(rows, qws[0].k, sum(w.n for w in qws), fmt,
+                              _bits(qws[0].planes[0].dtype)), frag=qws[0].frag)
 
     def arrays(name):
         return tuple(getattr(w, name) for w in qws) if getattr(fmt, name) else ()
@@ -262,24 +272,6 @@ def _codes(w_smem, u, unit, frag=False, interpret=False):
     if w.dtype == jnp.float8_e4m3fn:  # Hopper converts e4m3 to f16 only; both exact here
         w = w.astype(jnp.float16)
     return w.astype(jnp.bfloat16)
-
-
-# Fragment order of int4 codes within every 32 of K (MgpuMatmulConfig.frag): code
-# 8a + 2b + c (a, b < 4, c < 2) is stored at 8b + 4c + a. Loaded in WGMMA_UPCAST_4X, lane b of
-# a row then holds, as one 32-bit word, WGMMA's columns 2b, 2b + 1 of its 8-column tiles a,
-# the pair for tile a in nibbles a and 4 + a: each pair converts in place (_frag_convert).
-def to_frag(codes):
-    """codes [..., K] (K a multiple of 32) -> the same codes in fragment order."""
-    lead, k = codes.shape[:-1], codes.shape[-1]
-    c = codes.astype(jnp.int8).reshape(*lead, k // 32, 4, 4, 2)  # [.., a, b, c]
-    return jnp.moveaxis(c, -3, -1).reshape(codes.shape).astype(codes.dtype)  # [.., b, c, a]
-
-
-def from_frag(stored):
-    """The inverse of to_frag."""
-    lead, k = stored.shape[:-1], stored.shape[-1]
-    c = stored.astype(jnp.int8).reshape(*lead, k // 32, 4, 2, 4)  # [.., b, c, a]
-    return jnp.moveaxis(c, -1, -3).reshape(stored.shape).astype(stored.dtype)
 
 
 def _frag_convert(codes):

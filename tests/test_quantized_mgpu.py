@@ -173,6 +173,19 @@ def test_fragment_order_codes_match_reference(interpret):
     assert rel_err(bad, want) > 0.1
     with pytest.raises(ValueError, match="fragment order"):
         int_matmul_mgpu(x, (c.astype(jnp.int8),), (nk.scale,), cfg=cfg, interpret=interpret)
+    # The weight stored so (to_nk(frag=True), KernelPolicy.int4_fragment_order): the kernel
+    # takes the order from it; its codes read back, and its tiles, are the weight's.
+    qw = _int4(1, 512, 128)
+    fr = pk.to_nk(qw, frag=True)
+    assert fr.frag and not (fr.planes[0] == c).all()
+    np.testing.assert_array_equal(dequantize(fr), dequantize(qw))
+    np.testing.assert_array_equal(pk.to_tiles(fr).planes[0], qw.planes[0])
+    np.testing.assert_array_equal(pk.to_nk(fr, frag=False).planes[0], c)
+    assert rel_err(pk.quantized_matmul_mgpu(x, fr, interpret=interpret, out_dtype=jnp.float32),
+                   want) < 1e-5
+    assert not pk.to_nk(_int4(1, 512, 128, bits=8), frag=True).frag  # int4 codes only
+    with pytest.raises(ValueError, match="fragment order and in K order"):
+        pk.quantized_matmul_mgpu(x, (fr, nk), interpret=interpret)
 
 
 def test_decode_path_takes_the_mosaic_kernel_and_matches_reference():
@@ -214,6 +227,12 @@ def test_decode_path_takes_the_mosaic_kernel_and_matches_reference():
         return jax.block_until_ready(forward(*args, **kwargs))
     fused = decode_steps(nk, plan, ids, forward=step)[0]
     assert_close_to_reference(params, config, ids, fused)
+    # With the int4 codes in fragment order: the same kernels, the same logits.
+    fplan = Plan(config, plan.policy.replace(int4_fragment_order=True))
+    frag = int_layout_params(params, fplan)
+    assert frag["layers"][0]["w_down"].frag
+    np.testing.assert_allclose(step(frag, tokens, tokens, fplan, cache)[0],
+                               step(nk, tokens, tokens, plan, cache)[0], rtol=0, atol=0)
     # And back: a Triton plan gets the tiles layout again.
     tiles = int_layout_params(nk, Plan(config, INTERPRET.replace(quant_matmul="triton")))
     np.testing.assert_array_equal(tiles["layers"][0]["w_down"].planes[0],
