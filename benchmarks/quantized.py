@@ -261,9 +261,9 @@ def main() -> int:
     except ValueError:
         ap.error("--shapes KxN,..., --ms M,... and --configs G-S-K[-B],... take integers")
     if any(c.frag for c in CONFIGS):
-        ap.error("--configs: fragment order (a trailing f) takes int4 codes permuted by "
-                 "to_frag, which the model's weights are not; time it with quant_designs.py "
-                 "or ncu_quant.py")
+        ap.error("--configs: fragment order (a trailing f) is not timed here (the weights "
+                 "are repacked in K order); time it with quant_designs.py, ncu_quant.py or, "
+                 "end to end, int4_order.py")
     if args.only:
         PARTS = set(args.only.split(","))
         if PARTS - set(ALL_PARTS):

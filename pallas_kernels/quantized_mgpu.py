@@ -241,10 +241,13 @@ def quantized_matmul_mgpu(x, qw, *, experts=None, cfg: MgpuMatmulConfig | None =
     if len({w.frag for w in qws}) > 1:
         raise ValueError(f"quantized_matmul_mgpu: {', '.join(w.name for w in qws)}: codes in "
                          f"fragment order and in K order take one launch each")
+    if cfg is not None and cfg.frag != qws[0].frag:
+        raise ValueError(f"quantized_matmul_mgpu: cfg.frag={cfg.frag}, but the codes are stored "
+                         f"in {'fragment' if qws[0].frag else 'K'} order (to_nk(frag=...))")
     rows = x.shape[0] if experts is None else experts[0].shape[0]
-    cfg = dataclasses.replace(
-        cfg or default_config(rows, qws[0].k, sum(w.n for w in qws), fmt,
-                              _bits(qws[0].planes[0].dtype)), frag=qws[0].frag)
+    cfg = cfg or dataclasses.replace(
+        default_config(rows, qws[0].k, sum(w.n for w in qws), fmt,
+                       _bits(qws[0].planes[0].dtype)), frag=qws[0].frag)
 
     def arrays(name):
         return tuple(getattr(w, name) for w in qws) if getattr(fmt, name) else ()

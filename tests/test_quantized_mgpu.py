@@ -186,6 +186,8 @@ def test_fragment_order_codes_match_reference(interpret):
     assert not pk.to_nk(_int4(1, 512, 128, bits=8), frag=True).frag  # int4 codes only
     with pytest.raises(ValueError, match="fragment order and in K order"):
         pk.quantized_matmul_mgpu(x, (fr, nk), interpret=interpret)
+    with pytest.raises(ValueError, match="stored in K order"):  # a config against its codes
+        pk.quantized_matmul_mgpu(x, nk, cfg=cfg, interpret=interpret)
 
 
 def test_decode_path_takes_the_mosaic_kernel_and_matches_reference():
