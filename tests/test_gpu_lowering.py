@@ -261,7 +261,8 @@ def nk_case(fmt: str, m: int, k: int, ns: tuple, cfg=None, experts: tuple = ()):
         ws = tuple(pk.QuantizedWeight(
             planes=(arrays[i],), **dict(zip(have, arrays[i + 1:i + per])), k=k,
             out_shape=(arrays[i].shape[-2],), bits=bits, group=group, super_group=sg,
-            code_offset=code_offset, layout="nk") for i in range(0, len(arrays), per))
+            code_offset=code_offset, layout="nk", frag=bool(cfg and cfg.frag))
+            for i in range(0, len(arrays), per))
         return pk.quantized_matmul_mgpu(x, ws, cfg=cfg, experts=routing)
     return fn, tuple(args)
 
