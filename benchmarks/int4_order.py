@@ -41,11 +41,14 @@ def main(argv=None) -> int:
             runs.append(time.perf_counter() - t0)
         return statistics.median(runs) * 1e3 / args.new, out.token_ids
 
-    base = random_model(args.preset, "bfloat16", quantization="int4", num_layers=args.layers)
-    policy = KernelPolicy(int4_fragment_order=True)
-    # the same weights with their int4 codes in fragment order (a copy on the device)
-    frag = dataclasses.replace(
-        base, params=int_layout_params(base.params, Plan(base.config, policy)), policy=policy)
+    model = random_model(args.preset, "bfloat16", quantization="int4", num_layers=args.layers)
+
+    def ordered(frag: bool):  # the weights with their int4 codes in that order (on the device)
+        policy = KernelPolicy(int4_fragment_order=frag)
+        return dataclasses.replace(model, policy=policy, params=int_layout_params(
+            model.params, Plan(model.config, policy)))
+    base, frag = ordered(False), ordered(True)
+    del model
     rows = []
     for r in range(args.rounds):
         for name, model in (("int4 K order", base), ("int4 fragment order", frag)):
@@ -55,7 +58,7 @@ def main(argv=None) -> int:
     same = all(row["tokens"] == rows[0]["tokens"] for row in rows)
     print(f"int4 tokens the same in every run: {same}")
     if not args.no_bf16:
-        del base, frag
+        del base, frag, ordered
         ms, _ = timed(random_model(args.preset, "bfloat16", num_layers=args.layers))
         rows.append({"variant": "bf16", "round": 0, "ms_per_token": ms})
         print(f"{args.preset} bf16: {ms:.3f} ms/token")

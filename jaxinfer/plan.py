@@ -129,9 +129,9 @@ class KernelPolicy:
     mosaic_int_rows: int = 64
     # 4-bit codes repacked for the Mosaic kernel in fragment order (pallas_kernels/quantized
     # .to_frag): loaded straight into the MMA's registers, converted in place, no shuffles
-    # (21% fewer instructions; on the H100 2.6% faster at gate + up and even end to end:
-    # benchmarks/DECISIONS.md, session 17). Off until an H200 measures it.
-    int4_fragment_order: bool = False
+    # (21% fewer instructions; 4.5% faster end to end at Llama-3-8B B=1 on the H100:
+    # benchmarks/DECISIONS.md, sessions 17-18).
+    int4_fragment_order: bool = True
     attention_chunk: int = 512
     # Tile overrides for sweeps: ((K, N, weights), MatmulBlockSizes) pairs for the fused
     # matmuls, and the decode attention kernels' block sizes.

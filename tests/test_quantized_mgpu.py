@@ -195,8 +195,10 @@ def test_decode_path_takes_the_mosaic_kernel_and_matches_reference():
     through the kernel (counted in the traced step); logits against the reference path."""
     config = tiny_config(hidden_size=128, intermediate_size=256, num_layers=1, vocab_size=128)
     params = quantize_params(typed(random_params(config), llama.param_specs(config)), "int4", 128)
-    plan = Plan(config, INTERPRET.replace(quant_matmul="mosaic", dequant_block_bytes=0))
+    plan = Plan(config, INTERPRET.replace(quant_matmul="mosaic", dequant_block_bytes=0,
+                                          int4_fragment_order=False))
     nk = int_layout_params(params, plan)
+    assert not nk["layers"][0]["w_down"].frag
     assert nk["embed"].layout == "tiles"  # a table's columns are gathered, not multiplied
     layouts = {w.layout for w in jax.tree.leaves(
         {k: v for k, v in nk.items() if k != "embed"},
