@@ -13,13 +13,15 @@ Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K: random blocks through checkpoints/gguf
 each as TB/s of its bytes, the fraction of the 4.27 TB/s floor and the speed-up over the bf16
 kernel. Tile variants of the int4 kernel are timed beside the defaults; every format the
 Mosaic GPU kernel takes (all of the above) also through it, as the decode path does on Hopper
-(`mosaic`: the weight in the "nk" layout, its bytes: 5- and 6-bit codes take a byte there; at
+(`mosaic`: the weight in the "nk" layout, int4 codes in the decode path's order (`mosaic f`:
+fragment order), its bytes: 5- and 6-bit codes take a byte there; at
 4096 x 14336, M = 1, int4 g32, Q4_0, Q8_0, Q4_K and Q6_K also in other kernel configurations),
 and int4 g128 through torch's tinygemm (`_weight_int4pack_mm`, the gpt-fast peer; skipped with a note where
 torch or CUDA is missing), with each row's speed-up over tinygemm. At M = 2048 (prefill) the kernel is timed against
 dequantize-then-GEMM through XLA and the bf16 GEMM (TFLOP/s). Timing as benchmarks/kernels.py.
 --shapes, --ms and --only (parts: odd, triton, mosaic, prefill) narrow the run; --configs
-times those Mosaic configurations beside the default for every format at every shape.
+times those Mosaic configurations beside the default for every format at every shape (a
+trailing "f": int4 codes in fragment order, skipped for other codes; without it, K order).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from benchmarks.kernels import PEAK_TBS, PEAK_TFLOPS, rel_err, time_fn
 from benchmarks.ncu_quant import parse_configs
 from pallas_kernels.norm_matmul import MatmulBlockSizes, default_block_sizes
 from checkpoints import gguf_blocks
+from jaxinfer.plan import KernelPolicy
 from pallas_kernels.quantized import QuantizedWeight, dequantize, quantize_weight
 from pallas_kernels.quantized_mgpu import MgpuMatmulConfig
 
@@ -140,7 +143,10 @@ def bench_decode(k: int, n: int, m: int, iters: int, sets: int, rng, variants: b
             guarded(f"{name} {k}x{n} M={m} triton", triton)
 
         def mosaic(name=name, qs=qs):  # the decode path on Hopper
-            nks = [pk.to_nk(q) for q in qs]
+            # the codes in K order and in fragment order (int4 only; others as they are):
+            # the default row takes the decode path's, a --configs one its own ("f")
+            order = {f: [pk.to_nk(q, frag=f) for q in qs] for f in (False, True)}
+            nks = order[KernelPolicy().int4_fragment_order]
             nk_bytes = nks[0].nbytes() + m * k * 2
             e = rel_err(pk.quantized_matmul_mgpu(xs[0], nks[0]),
                         pk.quantized_matmul_reference(xs[0], qs[0]))
@@ -150,8 +156,13 @@ def bench_decode(k: int, n: int, m: int, iters: int, sets: int, rng, variants: b
             from benchmarks.quant_designs import mgpu_fits
             cfgs.update({f"mosaic_{c}": c for c in CONFIGS if mgpu_fits(c, k, n)})
             for tname, cfg in cfgs.items():
+                ws = nks if cfg is None else order[cfg.frag]
+                if cfg is not None and cfg.frag and not ws[0].frag:
+                    continue  # fragment order is for int4 codes
                 fn = jax.jit(lambda x, q, c=cfg: pk.quantized_matmul_mgpu(x, q, cfg=c))
-                t = time_fn(fn, list(zip(xs, nks)), iters=iters)
+                t = time_fn(fn, list(zip(xs, ws)), iters=iters)
+                if cfg is None and nks[0].frag:
+                    tname += " f"  # the default, codes in fragment order
                 record(op="decode", k=k, n=n, m=m, weights=name, tiles=tname, err=e,
                        ms=t * 1e3, tbs=nk_bytes / t / 1e12,
                        floor=nk_bytes / t / 1e12 / PEAK_TBS, vs_bf16_kernel=t_dense / t,
@@ -248,9 +259,9 @@ def main() -> int:
     ap.add_argument("--ms", default="1,16", help="decode rows, comma-separated")
     ap.add_argument("--only", default=None, metavar="PART,...",
                     help=f"run only these parts of {', '.join(ALL_PARTS)}")
-    ap.add_argument("--configs", default=None, metavar="G-S-K[-B],...",
+    ap.add_argument("--configs", default=None, metavar="G-S-K[-B][f],...",
                     help="Mosaic configurations timed beside the default for every format "
-                         "(gps-stages-splits[-batch])")
+                         "(gps-stages-splits[-batch]; f: int4 codes in fragment order)")
     args = ap.parse_args()
     FORMATS = None if args.formats is None else set(args.formats.split(","))
     try:
@@ -260,10 +271,6 @@ def main() -> int:
         ms = [int(v) for v in args.ms.split(",")]
     except ValueError:
         ap.error("--shapes KxN,..., --ms M,... and --configs G-S-K[-B],... take integers")
-    if any(c.frag for c in CONFIGS):
-        ap.error("--configs: fragment order (a trailing f) is not timed here (the weights "
-                 "are repacked in K order); time it with quant_designs.py, ncu_quant.py or, "
-                 "end to end, int4_order.py")
     if args.only:
         PARTS = set(args.only.split(","))
         if PARTS - set(ALL_PARTS):
