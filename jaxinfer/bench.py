@@ -24,7 +24,8 @@ from tqdm.auto import tqdm
 from jaxinfer import memory
 from jaxinfer.configs import PRESETS, Config
 from jaxinfer.generate import (CACHE_ROUND, PROMPT_BUCKETS, bucket, decode_loop, decode_step,
-                               init_state, int_layout_params, prefill, run_params)
+                               fitting_state, init_state, int_layout_params, prefill,
+                               prefill_chunk_size, prefill_prompts, run_params)
 from jaxinfer.model import Model, default_dtype, load
 from jaxinfer.models import registry
 from jaxinfer.ops.blocked import dequant_block_bytes
@@ -322,15 +323,20 @@ def run(model: Model, name: str, batch: int, prompt_len: int, gen_len: int,
     greedy = [SamplingParams(temperature=0.0)] * batch
 
     def fresh_state():
-        # No stop ids: every row runs its whole budget, so the step count is known.
-        return init_state(model, prompts, gen_len, greedy, seed, stop_ids=[],
-                          kv_cache_dtype=kv_cache_dtype, sharding=plan.sharding)
+        # No stop ids: every row runs its whole budget, so the step count is known. One
+        # shot, or in chunks where that would not fit (fitting_state).
+        return fitting_state(model, prompts, gen_len, greedy, seed, [], model.plan,
+                             kv_cache_dtype=kv_cache_dtype, one_shot=True)
 
     progress = tqdm(total=4, desc=f"bench {name}", leave=False, disable=None)  # terminals only
+    state, tokens, lengths, plan = fresh_state()
     params = run_params(model, plan)  # what generate runs (on CPU: dequantized per request)
-    state, tokens, lengths = fresh_state()
     t0 = time.perf_counter()
-    prefill_exe = _strict(prefill.lower(params, tokens, lengths, state, plan).compile(), plan)
+    chunk = prefill_chunk_size(plan)
+    if chunk and prompt_len > chunk:  # chunk by chunk, compiled at the first call
+        prefill_exe = functools.partial(prefill_prompts, plan=plan)
+    else:
+        prefill_exe = _strict(prefill.lower(params, tokens, lengths, state, plan).compile(), plan)
     state = jax.block_until_ready(prefill_exe(params, tokens, lengths, state))
     loop_exe = _strict(decode_loop.lower(params, state, plan).compile(), plan)
     step_exe = _strict(decode_step.lower(params, state, plan).compile(), plan)
@@ -341,7 +347,7 @@ def run(model: Model, name: str, batch: int, prompt_len: int, gen_len: int,
     progress.update()
 
     def prefill_once():
-        s, t, ln = fresh_state()
+        s, t, ln, _ = fresh_state()
         return jax.block_until_ready(prefill_exe(params, t, ln, s))
 
     prefill_s = _median_time(prefill_once, repeats)

@@ -43,6 +43,9 @@ CACHE_ROUND = 256  # cache lengths are multiples of this, for the same reason
 # The output columns ([B, N] tokens and logprobs) round up to these, then multiples of the
 # largest: max_new_tokens is a traced budget, so -n 8 and -n 50 share one executable.
 NEW_TOKEN_BUCKETS = (64, 256, 1024)
+# Prefill chunks generate tries, largest first, where the default prefill's activations
+# (KernelPolicy.prefill_chunk None: one shot off the CPU) would not fit the device.
+AUTO_PREFILL_CHUNKS = (2048, 1024, 512, 256)
 
 
 @pytree.dataclass
@@ -441,6 +444,68 @@ def run_params(model, plan: Plan):
     return params
 
 
+def fitting_state(model, prompt_ids: list[list[int]], max_new_tokens: int,
+                  sampling_params: list[SamplingParams], seed: int, stop_ids: list[int],
+                  plan: Plan, max_seq_len: int | None = None, kv_cache_dtype: str | None = None,
+                  reserve: int = 0, one_shot: bool = False
+                  ) -> tuple[DecodeState, jax.Array, jax.Array, Plan]:
+    """init_state for the plan's prefill (the prompt padded to whole chunks where it takes
+    more than one) -> (state, tokens, lengths, plan). Where the default prefill's activations
+    (KernelPolicy.prefill_chunk None: one shot off the CPU) would not fit the device, the
+    prompts go in the largest of AUTO_PREFILL_CHUNKS that fits, as a serving engine would,
+    and the plan returned says so; an explicit prefill_chunk is kept (memory.OutOfMemory).
+    one_shot: one shot first wherever the plan's chunk is the default (the plan returned
+    then names the prefill_chunk it took, 0 for one shot)."""
+    longest = max(len(p) for p in prompt_ids)
+    chunk = prefill_chunk_size(plan)
+    if one_shot and plan.policy.prefill_chunk is None:
+        chunk = 0
+        plan = dataclasses.replace(plan, policy=plan.policy.replace(prefill_chunk=0))
+        auto = True
+    else:
+        auto = plan.policy.prefill_chunk is None
+
+    def state_for(chunk):
+        multiple = chunk if chunk and longest > chunk else 1
+        return init_state(model, prompt_ids, max_new_tokens, sampling_params, seed, stop_ids,
+                          max_seq_len, multiple, kv_cache_dtype, plan.sharding, reserve)
+    try:
+        return (*state_for(chunk), plan)
+    except memory.OutOfMemory:
+        chunks = [c for c in AUTO_PREFILL_CHUNKS if c < min(chunk or longest, longest)]
+        if not auto or not chunks:
+            raise
+    for c in chunks:
+        try:
+            out = state_for(c)
+        except memory.OutOfMemory:
+            if c == chunks[-1]:  # the least this request needs
+                raise
+            continue
+        return (*out, dataclasses.replace(plan, policy=plan.policy.replace(prefill_chunk=c)))
+
+
+def prefill_prompts(params, tokens: jax.Array, lengths: jax.Array, state: DecodeState,
+                    plan: Plan, bar=None) -> DecodeState:
+    """The prompts [B, T] into the cache and the first new token: one shot, or where the
+    longest prompt takes more than the plan's prefill chunk, chunk by chunk against the cache
+    (fitting_state padded T to whole chunks), a tick of `bar` (tqdm) per chunk."""
+    chunk = prefill_chunk_size(plan)
+    b, t = tokens.shape
+    longest = int(np.max(lengths))
+    if not chunk or longest <= chunk:
+        return prefill(params, tokens, lengths, state, plan)
+    last = jnp.zeros((b, plan.config.vocab_size), jnp.float32)
+    tokens = np.asarray(tokens)  # sliced on the host: no slicing op compiled per chunk
+    for start in range(0, t, chunk):
+        state, last = prefill_chunk(params, tokens[:, start:start + chunk], jnp.int32(start),
+                                    lengths, state, last, plan)
+        if bar is not None and not bar.disable:  # a tick when the chunk is done
+            jax.block_until_ready(last)
+            bar.update(min(chunk, bar.total - bar.n))
+    return sample_first(last, lengths, state, plan)
+
+
 def _prepare(model, prompts, max_new_tokens, sampling_params, seed, chat, stop, max_seq_len,
              policy, kv_cache_dtype=None, mesh=None, reserve: int = 0,
              ignore_eos: bool = False) -> _Request:
@@ -470,12 +535,9 @@ def _prepare(model, prompts, max_new_tokens, sampling_params, seed, chat, stop, 
             raise ValueError("top_logprobs (alternatives per token) are reported by the "
                              "engine (jaxinfer.Engine, jaxinfer serve), not by generate")
     stop_ids, stop_strings = _stop_ids(model, stop, ignore_eos)
-    longest = max(len(p) for p in ids)
-    chunk = prefill_chunk_size(plan)
-    multiple = chunk if chunk and longest > chunk else 1
-    state, tokens, lengths = init_state(model, ids, int(max_new_tokens), sampling_params,
-                                        int(seed), stop_ids, max_seq_len, multiple,
-                                        kv_cache_dtype, plan.sharding, reserve)
+    state, tokens, lengths, plan = fitting_state(
+        model, ids, int(max_new_tokens), sampling_params, int(seed), stop_ids, plan,
+        max_seq_len, kv_cache_dtype, reserve)
     return _Request(ids, state, tokens, lengths, stop_ids, stop_strings, sampling_params, plan,
                     int(max_new_tokens), run_params(model, plan))
 
@@ -501,24 +563,14 @@ def _bar(progress: bool, total: int, desc: str):
 
 
 def _run_prefill(model, req: _Request, progress: bool) -> DecodeState:
-    """The prompts into the cache and the first new token: one shot, or in chunks (a long
-    prompt on CPU, or KernelPolicy.prefill_chunk) with a progress tick per chunk."""
+    """The prompts into the cache and the first new token (prefill_prompts), with a
+    progress bar where they go in chunks."""
     chunk = prefill_chunk_size(req.plan)
-    b, t = req.tokens.shape
     longest = max(len(p) for p in req.ids)
-    if not chunk or longest <= chunk:  # as _prepare decided (it padded T to whole chunks)
-        return prefill(req.params, req.tokens, req.lengths, req.state, req.plan)
-    state = req.state
-    last = jnp.zeros((b, model.config.vocab_size), jnp.float32)
+    if not chunk or longest <= chunk:  # one shot: no bar
+        return prefill_prompts(req.params, req.tokens, req.lengths, req.state, req.plan)
     with _bar(progress, longest, "prefill") as bar:
-        tokens = np.asarray(req.tokens)  # sliced on the host: no slicing op compiled per chunk
-        for start in range(0, t, chunk):
-            state, last = prefill_chunk(req.params, tokens[:, start:start + chunk],
-                                        jnp.int32(start), req.lengths, state, last, req.plan)
-            if progress:  # a tick when the chunk is done (no wait without a bar)
-                jax.block_until_ready(last)
-                bar.update(min(chunk, bar.total - bar.n))
-    return sample_first(last, req.lengths, state, req.plan)
+        return prefill_prompts(req.params, req.tokens, req.lengths, req.state, req.plan, bar)
 
 
 # Decode steps per host check when a progress bar is shown (one sync each: negligible).

@@ -16,6 +16,9 @@ import re
 
 LOAD_REMEDY = "use dtype='bfloat16' (--dtype bfloat16), or a smaller or quantized model"
 REMEDY = "use a smaller batch, a shorter prompt or max_new_tokens, or " + LOAD_REMEDY[4:]
+# ... where the model is already in 16 bits (dtype='bfloat16' frees nothing)
+HALF_REMEDY = ("use a smaller batch, a shorter prompt or max_new_tokens, or a smaller or "
+               "quantized model")
 # On the CPU bfloat16 is no remedy (its matmuls run ~9x slower there than float32's), while a
 # quantized GGUF kept in its blocks takes about its file size.
 CPU_LOAD_REMEDY = ("use a smaller model, or a quantized GGUF file (Q4_K_M ...), which the CPU "
@@ -308,7 +311,8 @@ def check_request(config, batch: int, prompt_len: int, cache_len: int, chunk: in
                          quantized),
            f"this request (batch {batch}, {prompt_len} prompt tokens padded, cache of "
            f"{cache_len} slots){where}",
-           CPU_REMEDY if jax.devices()[0].platform == "cpu" else REMEDY, devices=devices)
+           CPU_REMEDY if jax.devices()[0].platform == "cpu" else REMEDY if
+           config.dtype == "float32" else HALF_REMEDY, devices=devices)
 
 
 def cpu_peak_bytes(config, params: int, load: dict[str, int], request: dict[str, int],

@@ -29,6 +29,35 @@ def test_bench_a_checkpoint_on_cpu(capsys):
         assert r["bytes_per_step"] >= 4 * config.num_params()
 
 
+def test_bench_prefills_in_chunks_where_one_shot_would_not_fit(capsys, monkeypatch):
+    """A batch whose one-shot prefill the memory check refuses (here: over 64 tokens a row;
+    the fixture's context is 256) is benched with its prompts in chunks, as generate runs
+    it, not refused."""
+    import sys
+
+    from jaxinfer import memory
+
+    check, chunks = memory.check_request, []
+    generate_module = sys.modules["jaxinfer.generate"]
+    prefill_chunk = generate_module.prefill_chunk
+
+    def limited(config, batch, prompt_len, cache_len, chunk, *a, **k):
+        if chunk > 64:
+            raise memory.OutOfMemory(f"a prefill of {chunk} tokens a row does not fit")
+        return check(config, batch, prompt_len, cache_len, chunk, *a, **k)
+    monkeypatch.setattr(memory, "check_request", limited)
+    monkeypatch.setattr(generate_module, "AUTO_PREFILL_CHUNKS", (128, 64))
+    monkeypatch.setattr(generate_module, "prefill_chunk",
+                        lambda params, tokens, *a: chunks.append(tokens.shape[1])
+                        or prefill_chunk(params, tokens, *a))
+    assert cli.main(["bench", "--model", str(HF / "llama_gqa_tied_llama3"), "--batch", "2",
+                     "--prompt-len", "150", "--gen-len", "4", "--repeats", "1", "--json"]) == 0
+    (row,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()
+              if line.startswith("{")]
+    assert row["prefill_tokens_per_s"] > 0 and row["decode_tokens_per_s"] > 0
+    assert set(chunks) == {64} and len(chunks) >= 8  # 4 a prefill: compile, then timed
+
+
 def test_bench_engine_replays_a_trace_on_an_mla_model(capsys):
     """`jaxinfer bench --engine` on DeepSeek-V3's fixture (latent pages; a 64-token context:
     the shared-prompt TTFT's system prompt shrinks to fit): the trace's tokens all come out,

@@ -319,6 +319,42 @@ def test_chunked_prefill_equals_one_shot(tiny_chat):
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
 
 
+def test_prefill_too_large_for_the_device_runs_in_chunks(tiny_chat, monkeypatch):
+    """Where the default prefill's activations would not fit (memory.check_request says so
+    for chunks over 256 here), generate prefills in the largest chunk that fits, with the
+    same tokens; an explicit prefill_chunk is kept, and a request that no chunk fits is
+    refused with the smallest chunk's figures."""
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 600, n).tolist() for n in (300, 40)]
+    sp = SamplingParams(temperature=0.0, logprobs=True)
+    one = jaxinfer.generate(tiny_chat, prompts, max_new_tokens=4, sampling=sp,
+                            policy=KernelPolicy(prefill_chunk=0))
+    check, fits = jaxinfer.memory.check_request, [256]
+    tried = []
+
+    def limited(config, batch, prompt_len, cache_len, chunk, *a, **k):
+        tried.append(chunk)
+        if chunk > fits[0]:
+            raise jaxinfer.memory.OutOfMemory(f"a prefill of {chunk} tokens a row does not fit")
+        return check(config, batch, prompt_len, cache_len, chunk, *a, **k)
+    monkeypatch.setattr(jaxinfer.memory, "check_request", limited)
+    chunks = []
+    prefill_chunk = generate_module.prefill_chunk
+    monkeypatch.setattr(generate_module, "prefill_chunk",
+                        lambda params, tokens, *a: chunks.append(tokens.shape[1])
+                        or prefill_chunk(params, tokens, *a))
+    (got, _) = jaxinfer.generate(tiny_chat, prompts, max_new_tokens=4, sampling=sp)
+    assert tried == [512, 256] and chunks == [256, 256], (tried, chunks)
+    assert got.token_ids == one[0].token_ids
+    np.testing.assert_allclose(got.logprobs, one[0].logprobs, atol=1e-4)
+    with pytest.raises(jaxinfer.memory.OutOfMemory, match="of 512 tokens"):
+        jaxinfer.generate(tiny_chat, prompts, max_new_tokens=4,
+                          policy=KernelPolicy(prefill_chunk=0))
+    fits[0] = 128
+    with pytest.raises(jaxinfer.memory.OutOfMemory, match="of 256 tokens"):
+        jaxinfer.generate(tiny_chat, prompts, max_new_tokens=4)
+
+
 def test_request_too_large_is_refused_before_allocating(tiny_chat, monkeypatch):
     monkeypatch.setenv("JAXINFER_MEMORY_LIMIT", "1MB")
     monkeypatch.setattr(KVCache, "init", lambda *a, **k: pytest.fail("allocated"))
