@@ -23,6 +23,10 @@
 #                                        # ($KV_ARGS: e.g. --skip greedy where it is absent)
 #   bash benchmarks/run_h200.sh quant    # jaxinfer bench, bf16 vs int8 vs int4 weights
 #   bash benchmarks/run_h200.sh qkernels # benchmarks/quantized.py (quantized decode matmuls)
+#   bash benchmarks/run_h200.sh q37      # issue 37's B=1 ratios in one call: jaxinfer bench in
+#                                        # bf16, int4, int8 ($Q37: formats), the gpt-fast int4
+#                                        # peer, then each format's speed-up over bf16 and int4's
+#                                        # over the peer (~6 min)
 #   bash benchmarks/run_h200.sh int4order # benchmarks/int4_order.py: int4 codes in K order vs
 #                                        # fragment order end to end, B=1, beside bf16
 #   bash benchmarks/run_h200.sh ncuquant # Nsight Compute on the Mosaic int4 kernel alone
@@ -185,6 +189,28 @@ ggufmix() {  # benchmarks/random_gguf.py's file through `jaxinfer bench --model`
     rm -f "/tmp/l8-$t.gguf"
   done
   bench . w-none $B1
+}
+q37() {  # ours in bf16 and quantized, the gpt-fast-style tinygemm peer, then the ratios
+  for q in none ${Q37:-int4 int8}; do
+    # shellcheck disable=SC2086
+    bench . "q37-$q" $B1 --quantization "$q"
+  done
+  timeout 300 python3 benchmarks/peer_gptfast.py --preset llama3-8b --quant int4 --batch 1 \
+    --prompt-len 128 --gen-len 256 2> >(tail -5 >&2) | grep '^{' | tee "$out/bench-q37-peer.jsonl"
+  python3 - "$out" <<'PY'
+import glob, json, sys
+rows = {}
+for path in sorted(glob.glob(f"{sys.argv[1]}/bench-q37-*.jsonl")):
+    for line in open(path):
+        if line.startswith("{"):
+            r = json.loads(line)
+            rows[path.rsplit("q37-", 1)[1][:-6]] = r["decode_ms_per_token"]
+bf16, peer = rows.get("none"), rows.get("peer")
+for name, ms in rows.items():
+    vs = f"  {bf16 / ms:.2f}x bf16" if bf16 else ""
+    vp = f"  {peer / ms:.2f}x the int4 peer" if peer and name == "int4" else ""
+    print(f"{name:6s} {ms:7.3f} ms/token{vs}{vp}")
+PY
 }
 qkernels() {  # benchmarks/quantized.py: the quantized decode matmuls vs the bf16 kernel
   timeout "${KERNELS_TIMEOUT:-400}" python3 benchmarks/quantized.py ${QUICK:+--quick} \
