@@ -145,7 +145,9 @@ def bench_decode(k: int, n: int, m: int, iters: int, sets: int, rng, variants: b
         def mosaic(name=name, qs=qs):  # the decode path on Hopper
             # the codes in K order and in fragment order (int4 only; others as they are):
             # the default row takes the decode path's, a --configs one its own ("f")
-            order = {f: [pk.to_nk(q, frag=f) for q in qs] for f in (False, True)}
+            ks = [pk.to_nk(q) for q in qs]
+            # (to_nk gives other codes back as they are: no second copy)
+            order = {False: ks, True: [pk.to_nk(w, frag=True) for w in ks]}
             nks = order[KernelPolicy().int4_fragment_order]
             nk_bytes = nks[0].nbytes() + m * k * 2
             e = rel_err(pk.quantized_matmul_mgpu(xs[0], nks[0]),

@@ -334,7 +334,7 @@ def run(model: Model, name: str, batch: int, prompt_len: int, gen_len: int,
     t0 = time.perf_counter()
     chunk = prefill_chunk_size(plan)
     if chunk and prompt_len > chunk:  # chunk by chunk, compiled at the first call
-        prefill_exe = functools.partial(prefill_prompts, plan=plan)
+        prefill_exe = functools.partial(prefill_prompts, plan=plan, longest=prompt_len)
     else:
         prefill_exe = _strict(prefill.lower(params, tokens, lengths, state, plan).compile(), plan)
     state = jax.block_until_ready(prefill_exe(params, tokens, lengths, state))

@@ -457,13 +457,10 @@ def fitting_state(model, prompt_ids: list[list[int]], max_new_tokens: int,
     one_shot: one shot first wherever the plan's chunk is the default (the plan returned
     then names the prefill_chunk it took, 0 for one shot)."""
     longest = max(len(p) for p in prompt_ids)
-    chunk = prefill_chunk_size(plan)
-    if one_shot and plan.policy.prefill_chunk is None:
-        chunk = 0
+    auto = plan.policy.prefill_chunk is None
+    if one_shot and auto:
         plan = dataclasses.replace(plan, policy=plan.policy.replace(prefill_chunk=0))
-        auto = True
-    else:
-        auto = plan.policy.prefill_chunk is None
+    chunk = prefill_chunk_size(plan)
 
     def state_for(chunk):
         multiple = chunk if chunk and longest > chunk else 1
@@ -486,13 +483,13 @@ def fitting_state(model, prompt_ids: list[list[int]], max_new_tokens: int,
 
 
 def prefill_prompts(params, tokens: jax.Array, lengths: jax.Array, state: DecodeState,
-                    plan: Plan, bar=None) -> DecodeState:
+                    plan: Plan, longest: int, bar=None) -> DecodeState:
     """The prompts [B, T] into the cache and the first new token: one shot, or where the
-    longest prompt takes more than the plan's prefill chunk, chunk by chunk against the cache
-    (fitting_state padded T to whole chunks), a tick of `bar` (tqdm) per chunk."""
+    longest prompt (tokens, known on the host) takes more than the plan's prefill chunk,
+    chunk by chunk against the cache (fitting_state padded T to whole chunks), a tick of
+    `bar` (tqdm) per chunk."""
     chunk = prefill_chunk_size(plan)
     b, t = tokens.shape
-    longest = int(np.max(lengths))
     if not chunk or longest <= chunk:
         return prefill(params, tokens, lengths, state, plan)
     last = jnp.zeros((b, plan.config.vocab_size), jnp.float32)
@@ -568,9 +565,11 @@ def _run_prefill(model, req: _Request, progress: bool) -> DecodeState:
     chunk = prefill_chunk_size(req.plan)
     longest = max(len(p) for p in req.ids)
     if not chunk or longest <= chunk:  # one shot: no bar
-        return prefill_prompts(req.params, req.tokens, req.lengths, req.state, req.plan)
+        return prefill_prompts(req.params, req.tokens, req.lengths, req.state, req.plan,
+                               longest)
     with _bar(progress, longest, "prefill") as bar:
-        return prefill_prompts(req.params, req.tokens, req.lengths, req.state, req.plan, bar)
+        return prefill_prompts(req.params, req.tokens, req.lengths, req.state, req.plan,
+                               longest, bar)
 
 
 # Decode steps per host check when a progress bar is shown (one sync each: negligible).

@@ -15,16 +15,14 @@ import os
 import re
 
 LOAD_REMEDY = "use dtype='bfloat16' (--dtype bfloat16), or a smaller or quantized model"
-REMEDY = "use a smaller batch, a shorter prompt or max_new_tokens, or " + LOAD_REMEDY[4:]
-# ... where the model is already in 16 bits (dtype='bfloat16' frees nothing)
-HALF_REMEDY = ("use a smaller batch, a shorter prompt or max_new_tokens, or a smaller or "
-               "quantized model")
+_SMALLER = "use a smaller batch, a shorter prompt or max_new_tokens, or "
+REMEDY = _SMALLER + LOAD_REMEDY[4:]
+HALF_REMEDY = _SMALLER + "a smaller or quantized model"  # already 16-bit: no dtype advice
 # On the CPU bfloat16 is no remedy (its matmuls run ~9x slower there than float32's), while a
 # quantized GGUF kept in its blocks takes about its file size.
 CPU_LOAD_REMEDY = ("use a smaller model, or a quantized GGUF file (Q4_K_M ...), which the CPU "
                    "runs from its blocks in about its file size")
-CPU_REMEDY = ("use a smaller batch, a shorter prompt or max_new_tokens, or a smaller or "
-              "quantized (GGUF) model")
+CPU_REMEDY = _SMALLER + "a smaller or quantized (GGUF) model"
 
 # What a CPU process holds besides the params and the KV cache, measured with RSS on the
 # 2-core CPU machine (jax 0.11.2; README, "On a CPU"): Python with jax and XLA's CPU runtime

@@ -29,33 +29,27 @@ def test_bench_a_checkpoint_on_cpu(capsys):
         assert r["bytes_per_step"] >= 4 * config.num_params()
 
 
-def test_bench_prefills_in_chunks_where_one_shot_would_not_fit(capsys, monkeypatch):
-    """A batch whose one-shot prefill the memory check refuses (here: over 64 tokens a row;
-    the fixture's context is 256) is benched with its prompts in chunks, as generate runs
-    it, not refused."""
-    import sys
-
+def test_bench_prefills_in_chunks_where_one_shot_would_not_fit(tiny_chat_dir, capsys,
+                                                               monkeypatch):
+    """A batch whose one-shot prefill would not fit (JAXINFER_MEMORY_LIMIT at what chunks of
+    256 need) is benched with its prompts in chunks, as generate runs it, not refused."""
     from jaxinfer import memory
 
-    check, chunks = memory.check_request, []
-    generate_module = sys.modules["jaxinfer.generate"]
-    prefill_chunk = generate_module.prefill_chunk
+    model = load(str(tiny_chat_dir))
 
-    def limited(config, batch, prompt_len, cache_len, chunk, *a, **k):
-        if chunk > 64:
-            raise memory.OutOfMemory(f"a prefill of {chunk} tokens a row does not fit")
-        return check(config, batch, prompt_len, cache_len, chunk, *a, **k)
-    monkeypatch.setattr(memory, "check_request", limited)
-    monkeypatch.setattr(generate_module, "AUTO_PREFILL_CHUNKS", (128, 64))
-    monkeypatch.setattr(generate_module, "prefill_chunk",
-                        lambda params, tokens, *a: chunks.append(tokens.shape[1])
-                        or prefill_chunk(params, tokens, *a))
-    assert cli.main(["bench", "--model", str(HF / "llama_gqa_tied_llama3"), "--batch", "2",
-                     "--prompt-len", "150", "--gen-len", "4", "--repeats", "1", "--json"]) == 0
+    def need(chunk):  # 2 prompts of 300 tokens padded to 512, a cache of 512 slots
+        return sum(memory.request_parts(model.config, 2, 512, 512, chunk).values())
+    assert need(256) < need(512)
+    monkeypatch.setenv("JAXINFER_MEMORY_LIMIT", str(need(256)))
+    args = ["bench", "--model", str(tiny_chat_dir), "--batch", "2", "--prompt-len", "300",
+            "--gen-len", "4", "--repeats", "1", "--json"]
+    assert cli.main(args) == 0
     (row,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()
               if line.startswith("{")]
     assert row["prefill_tokens_per_s"] > 0 and row["decode_tokens_per_s"] > 0
-    assert set(chunks) == {64} and len(chunks) >= 8  # 4 a prefill: compile, then timed
+    monkeypatch.setenv("JAXINFER_MEMORY_LIMIT", str(need(256) - 1))  # no chunk fits: refused
+    assert cli.main(args) != 0
+    assert "needs about" in capsys.readouterr().err
 
 
 def test_bench_engine_replays_a_trace_on_an_mla_model(capsys):

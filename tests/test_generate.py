@@ -320,38 +320,38 @@ def test_chunked_prefill_equals_one_shot(tiny_chat):
 
 
 def test_prefill_too_large_for_the_device_runs_in_chunks(tiny_chat, monkeypatch):
-    """Where the default prefill's activations would not fit (memory.check_request says so
-    for chunks over 256 here), generate prefills in the largest chunk that fits, with the
-    same tokens; an explicit prefill_chunk is kept, and a request that no chunk fits is
-    refused with the smallest chunk's figures."""
+    """Where the default prefill's activations would not fit (JAXINFER_MEMORY_LIMIT at what
+    chunks of 256 need), generate prefills in the largest chunk that fits, with one shot's
+    tokens; an explicit prefill_chunk is kept, and a request that no chunk fits is refused
+    with the smallest chunk's figures."""
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, 600, n).tolist() for n in (300, 40)]
     sp = SamplingParams(temperature=0.0, logprobs=True)
     one = jaxinfer.generate(tiny_chat, prompts, max_new_tokens=4, sampling=sp,
                             policy=KernelPolicy(prefill_chunk=0))
-    check, fits = jaxinfer.memory.check_request, [256]
-    tried = []
 
-    def limited(config, batch, prompt_len, cache_len, chunk, *a, **k):
-        tried.append(chunk)
-        if chunk > fits[0]:
-            raise jaxinfer.memory.OutOfMemory(f"a prefill of {chunk} tokens a row does not fit")
-        return check(config, batch, prompt_len, cache_len, chunk, *a, **k)
-    monkeypatch.setattr(jaxinfer.memory, "check_request", limited)
-    chunks = []
-    prefill_chunk = generate_module.prefill_chunk
-    monkeypatch.setattr(generate_module, "prefill_chunk",
-                        lambda params, tokens, *a: chunks.append(tokens.shape[1])
-                        or prefill_chunk(params, tokens, *a))
-    (got, _) = jaxinfer.generate(tiny_chat, prompts, max_new_tokens=4, sampling=sp)
-    assert tried == [512, 256] and chunks == [256, 256], (tried, chunks)
-    assert got.token_ids == one[0].token_ids
-    np.testing.assert_allclose(got.logprobs, one[0].logprobs, atol=1e-4)
-    with pytest.raises(jaxinfer.memory.OutOfMemory, match="of 512 tokens"):
+    def parts(chunk):  # the prompts padded to 512, a cache of 512 slots
+        return jaxinfer.memory.request_parts(tiny_chat.config, 2, 512, 512, chunk)
+
+    def need(chunk):
+        return sum(parts(chunk).values())
+
+    def workspace(chunk):  # as the refusal prints it
+        return re.escape(f"workspace {jaxinfer.memory.gib(parts(chunk)['workspace'])}")
+    assert need(256) < need(512) and workspace(256) != workspace(512)
+    monkeypatch.setenv("JAXINFER_MEMORY_LIMIT", str(need(256)))
+    state, tokens, _, plan = generate_module.fitting_state(
+        tiny_chat, prompts, 4, [sp] * 2, 0, [], tiny_chat.plan)
+    assert plan.policy.prefill_chunk == 256 and tokens.shape == (2, 512)
+    got = jaxinfer.generate(tiny_chat, prompts, max_new_tokens=4, sampling=sp)
+    for a, b in zip(got, one):
+        assert a.token_ids == b.token_ids
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
+    with pytest.raises(jaxinfer.memory.OutOfMemory, match=workspace(512)):
         jaxinfer.generate(tiny_chat, prompts, max_new_tokens=4,
                           policy=KernelPolicy(prefill_chunk=0))
-    fits[0] = 128
-    with pytest.raises(jaxinfer.memory.OutOfMemory, match="of 256 tokens"):
+    monkeypatch.setenv("JAXINFER_MEMORY_LIMIT", str(need(256) - 1))
+    with pytest.raises(jaxinfer.memory.OutOfMemory, match=workspace(256)):
         jaxinfer.generate(tiny_chat, prompts, max_new_tokens=4)
 
 
