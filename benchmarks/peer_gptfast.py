@@ -54,7 +54,6 @@ try:
 except ImportError as exc:
     sys.exit(f"peer_gptfast: needs torch ({exc})")
 
-HBM_BYTES_PER_S = 4.27e12  # jaxinfer/bench.py: an H200 device-to-device copy
 PRESETS = {  # jaxinfer/configs.py's shapes
     "llama3-8b": dict(vocab=128256, dim=4096, inter=14336, layers=32, heads=32, kv_heads=8,
                       head_dim=128, theta=500000.0, eps=1e-5, tied=False),
@@ -333,6 +332,10 @@ def main() -> int:
         weights = total - embed + (embed if model.head is None else 0) + b * c["dim"] * 2
         nbytes = weights + b * (context + 1) * kv_row
         peer = "gpt-fast-style torch.compile" + (" int4 tinygemm" if args.quant == "int4" else "")
+        bw = None
+        if args.device == "cuda":  # the same floor as `jaxinfer bench` on this card
+            from jaxinfer.bench import hbm_bytes_per_s
+            bw = hbm_bytes_per_s(torch.cuda.get_device_name())
         print(json.dumps({
             "model": args.preset, "backend": "gpu" if args.device == "cuda" else "cpu",
             "device": args.device, "peer": peer + ("" if compiled else " (eager)"),
@@ -342,7 +345,7 @@ def main() -> int:
             "prefill_tokens_per_s": b * args.prompt_len / prefill_s,
             "decode_ms_per_token": decode_s * 1e3, "decode_tokens_per_s": b / decode_s,
             "bytes_per_step": nbytes, "achieved_gb_per_s": nbytes / decode_s / 1e9,
-            "floor_fraction": nbytes / HBM_BYTES_PER_S / decode_s if args.device == "cuda" else None,
+            "floor_fraction": nbytes / bw / decode_s if bw else None,
             "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if args.device == "cuda" else None,
             "kv_cache_bytes": b * max_seq * kv_row,
             "weights": "dense" if args.quant == "none" else "int4",

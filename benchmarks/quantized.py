@@ -50,6 +50,7 @@ FORMATS = None  # the --formats names to run (None: all)
 ALL_PARTS = ("odd", "triton", "mosaic", "prefill")
 PARTS = set(ALL_PARTS)  # --only
 CONFIGS: list[MgpuMatmulConfig] = []  # --configs: for every format at every shape
+JSON_PATH = None  # --json
 # Byte offsets of each block's fp16 fields (d, and m / dmin) in ggml's block_* structs.
 FP16_AT = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2),
            "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
@@ -102,6 +103,9 @@ def guarded(what: str, fn) -> None:
 def record(**row) -> None:
     RESULTS.append(row)
     print(json.dumps(row), flush=True)
+    if JSON_PATH:  # rewritten after each row: a run cut short keeps what it timed
+        with open(JSON_PATH, "w") as f:
+            json.dump(RESULTS, f, indent=1)
 
 
 def bench_decode(k: int, n: int, m: int, iters: int, sets: int, rng, variants: bool) -> None:
@@ -249,7 +253,7 @@ def check_odd_shapes(rng) -> None:
 
 
 def main() -> int:
-    global FORMATS, PARTS
+    global FORMATS, PARTS, JSON_PATH
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", default=None)
     ap.add_argument("--quick", action="store_true")
@@ -266,6 +270,7 @@ def main() -> int:
                          "(gps-stages-splits[-batch]; f: int4 codes in fragment order)")
     args = ap.parse_args()
     FORMATS = None if args.formats is None else set(args.formats.split(","))
+    JSON_PATH = args.json
     try:
         CONFIGS[:] = parse_configs(args.configs) if args.configs else []
         shapes = ([tuple(int(v) for v in sh.split("x")) for sh in args.shapes.split(",")]
@@ -294,9 +299,6 @@ def main() -> int:
                          variants=(k, n, m) == (4096, 14336, 1))
     if "prefill" in PARTS:
         bench_prefill(4096, 14336, 2048, iters=10, rng=rng)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(RESULTS, f, indent=1)
     print("\nop       K     N      M  weights                        ms     TB/s  x bf16  x tiny")
     tiny = {(r["k"], r["n"], r["m"]): r["ms"] for r in RESULTS
             if r["op"] == "decode" and r["weights"] == "int4_g128 torch tinygemm"}

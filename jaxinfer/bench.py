@@ -2,8 +2,9 @@
 
 Bytes a decode step must move: every weight once (the embedding table only for the B rows
 looked up; a tied head reads it whole), the valid K/V positions of every layer, and the new K/V
-written. Floor = bytes / HBM bandwidth (4.27 TB/s: a device-to-device copy measured on the
-H200); the fraction of the floor is floor time / measured time.
+written. Floor = bytes / HBM bandwidth (a device-to-device copy measured on the card: 4.27 TB/s
+on the H200, 3.0 on the H100 80GB; none on other cards); the fraction of the floor is floor
+time / measured time.
 """
 
 from __future__ import annotations
@@ -45,8 +46,14 @@ from jaxinfer.weights import (
 
 log = logging.getLogger(__name__)
 
-# Measured ceilings; on CPU there is no meaningful floor, so none is reported.
-HBM_BYTES_PER_S = types.MappingProxyType({"gpu": 4.27e12})
+# Measured ceilings by the device kind's name (a device-to-device copy, read + write); on CPU
+# and on cards not listed no floor is reported.
+HBM_BYTES_PER_S = types.MappingProxyType({"H200": 4.27e12, "H100": 3.0e12})
+
+
+def hbm_bytes_per_s(device_kind: str) -> float | None:
+    """The copy bandwidth of the card named device_kind ("NVIDIA H100 80GB HBM3"), or None."""
+    return next((bw for name, bw in HBM_BYTES_PER_S.items() if name in device_kind), None)
 
 
 @dataclasses.dataclass
@@ -341,6 +348,7 @@ def run(model: Model, name: str, batch: int, prompt_len: int, gen_len: int,
     loop_exe = _strict(decode_loop.lower(params, state, plan).compile(), plan)
     step_exe = _strict(decode_step.lower(params, state, plan).compile(), plan)
     compile_s = time.perf_counter() - t0
+    del state  # each timing below makes its own: never two KV caches alive at once
     if dump_hlo:  # the optimized decode step, to count its kernels and spot copies
         with open(f"{dump_hlo}.b{batch}.hlo.txt", "w") as f:
             f.write(step_exe.compiled.as_text())
@@ -360,6 +368,7 @@ def run(model: Model, name: str, batch: int, prompt_len: int, gen_len: int,
         s = jax.block_until_ready(loop_exe(params, s))
         loop_times.append(time.perf_counter() - t0)
         assert int(s.step) == gen_len, "decode loop stopped early"
+        del s
     decode_s = statistics.median(loop_times) / (gen_len - 1)
     progress.update()
 
@@ -377,7 +386,7 @@ def run(model: Model, name: str, batch: int, prompt_len: int, gen_len: int,
     backend = jax.default_backend()
     context = prompt_len + gen_len // 2
     nbytes = decode_bytes_per_step(config, batch, context, kv_cache_dtype, params)
-    bw = HBM_BYTES_PER_S.get(backend)
+    bw = hbm_bytes_per_s(jax.devices()[0].device_kind) if backend == "gpu" else None
     peak = None
     stats = jax.devices()[0].memory_stats() or {}
     if "peak_bytes_in_use" in stats:

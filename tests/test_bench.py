@@ -12,7 +12,18 @@ from jaxinfer.model import load
 HF = pathlib.Path(__file__).parent / "fixtures" / "data" / "hf"
 
 
-def test_bench_a_checkpoint_on_cpu(capsys):
+def test_bench_a_checkpoint_on_cpu(capsys, monkeypatch):
+    """...and each timing makes its state with no earlier one alive (two KV caches of a B=64
+    2k batch would not fit the 80 GB card where one does)."""
+    import jax
+
+    live = []  # bytes of live arrays as each state is made
+
+    def fitting_state(*args, **kw):
+        live.append(sum(a.nbytes for a in jax.live_arrays()))
+        return fitting(*args, **kw)
+    fitting = bench.fitting_state
+    monkeypatch.setattr(bench, "fitting_state", fitting_state)
     model = str(HF / "llama_gqa_tied_llama3")
     assert cli.main(["bench", "--model", model, "--batch", "1", "2", "--prompt-len", "16",
                      "--gen-len", "8", "--repeats", "1", "--json"]) == 0
@@ -27,6 +38,10 @@ def test_bench_a_checkpoint_on_cpu(capsys):
         assert r["policy"] == "default"
         # every float32 weight (the tied head reads the embedding table whole), at least
         assert r["bytes_per_step"] >= 4 * config.num_params()
+    assert len(live) == 2 * 4  # per batch: compile, prefill, decode loop, host overhead
+    assert max(live) - min(live) < min(r["kv_cache_bytes"] for r in rows) / 2
+    assert (bench.hbm_bytes_per_s("NVIDIA H100 80GB HBM3"), bench.hbm_bytes_per_s("NVIDIA H200"),
+            bench.hbm_bytes_per_s("NVIDIA A100-SXM4-80GB")) == (3.0e12, 4.27e12, None)
 
 
 def test_bench_prefills_in_chunks_where_one_shot_would_not_fit(tiny_chat_dir, capsys,
