@@ -42,8 +42,11 @@ def _cuda_plugin_installed() -> bool:
 from tests.xla_env import FAST_COMPILE_FLAGS  # noqa: E402
 
 _flags = os.environ.get("XLA_FLAGS", "")
+# And each program's LLVM code made in one piece, not split across threads: the two workers
+# already keep both cores busy (5% less suite time: benchmarks/DECISIONS.md, session 19).
 if not _cuda_plugin_installed() and "xla_backend_optimization_level" not in _flags:
-    os.environ["XLA_FLAGS"] = " ".join((_flags, *FAST_COMPILE_FLAGS)).strip()
+    os.environ["XLA_FLAGS"] = " ".join((_flags, *FAST_COMPILE_FLAGS,
+                                        "--xla_cpu_parallel_codegen_split_count=1")).strip()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
