@@ -47,8 +47,8 @@ from jaxinfer.weights import (
 log = logging.getLogger(__name__)
 
 # Measured ceilings by the device kind's name (a device-to-device copy, read + write); on CPU
-# and on cards not listed no floor is reported.
-HBM_BYTES_PER_S = types.MappingProxyType({"H200": 4.27e12, "H100": 3.0e12})
+# and on cards not listed (the PCIe and NVL H100s have other memory) no floor is reported.
+HBM_BYTES_PER_S = types.MappingProxyType({"H200": 4.27e12, "H100 80GB HBM3": 3.0e12})
 
 
 def hbm_bytes_per_s(device_kind: str) -> float | None:
