@@ -13,8 +13,9 @@ HF = pathlib.Path(__file__).parent / "fixtures" / "data" / "hf"
 
 
 def test_bench_a_checkpoint_on_cpu(capsys, monkeypatch):
-    """...and each timing makes its state with no earlier one alive (two KV caches of a B=64
-    2k batch would not fit the 80 GB card where one does)."""
+    """Bench reports its figures for a checkpoint on CPU (no floor there; the floor's
+    bandwidth is the card's), and each timing makes its state with no earlier one alive (two
+    KV caches of a B=64 2k batch would not fit the 80 GB card where one does)."""
     import jax
 
     live = []  # bytes of live arrays as each state is made
