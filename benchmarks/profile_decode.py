@@ -119,6 +119,10 @@ def policy_from_args(args) -> KernelPolicy:
         changes[f"prefetch_{name}"] = None if spec is None else Prefetch(spec[0], At(spec[1]))
     if args.mlp_rows is not None:
         changes["one_kernel_mlp_rows"] = args.mlp_rows
+    if args.mosaic_norm_rows is not None:
+        changes["mosaic_norm_rows"] = args.mosaic_norm_rows
+    if args.mosaic_mlp_norm_rows is not None:
+        changes["mosaic_mlp_norm_rows"] = args.mosaic_mlp_norm_rows
     if args.lm_head:
         changes["lm_head"] = Impl(args.lm_head)
     if args.blocks:
@@ -154,6 +158,12 @@ def main(argv=None) -> int:
     p.add_argument("--mlp-rows", type=int, default=None,
                    help="decode batches of at most this many rows run the MLP as one kernel "
                         "(KernelPolicy.one_kernel_mlp_rows; 0: SwiGLU and down apart)")
+    p.add_argument("--mosaic-norm-rows", type=int, default=None,
+                   help="decode batches of at most this many rows run the boundary before "
+                        "q/k/v in the Mosaic quantized kernel (KernelPolicy.mosaic_norm_rows; "
+                        "0: never)")
+    p.add_argument("--mosaic-mlp-norm-rows", type=int, default=None,
+                   help="the same before gate / up (KernelPolicy.mosaic_mlp_norm_rows)")
     p.add_argument("--lm-head", choices=("xla", "pallas"), default=None,
                    help="the LM head through XLA's dot or the fused matmul (KernelPolicy.lm_head)")
     p.add_argument("--blocks", default=None,

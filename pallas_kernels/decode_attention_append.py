@@ -320,9 +320,10 @@ def _validate(qkv, k_cache, v_cache, positions, rope, sliding_window, norm=None,
         else:
             ss, k_dim, eps = norm
             check_array(op, "norm sums of squares", ss, 2, (jnp.float32,))
-            if tuple(ss.shape) != tuple(qkv.shape[:2]):
-                raise ValueError(f"{op}: the norm's sums of squares must be [S, B] = "
-                                 f"{tuple(qkv.shape[:2])}, got {tuple(ss.shape)}")
+            if ss.shape[0] != qkv.shape[0] or ss.shape[1] < qkv.shape[1]:
+                raise ValueError(f"{op}: the norm's sums of squares must be [S, B'] with S = "
+                                 f"{qkv.shape[0]} and B' >= B = {qkv.shape[1]} (the first B "
+                                 f"columns read), got {tuple(ss.shape)}")
         if int(k_dim) < 1 or float(eps) < 0:
             raise ValueError(f"{op}: norm K must be >= 1 and eps >= 0, got {k_dim}, {eps}")
     if sliding_window is not None and int(sliding_window) < 1:

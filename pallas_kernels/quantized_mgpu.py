@@ -26,6 +26,11 @@ and costs 1.4-1.5x less with fp16 scales at groups of 128 (benchmarks/DECISIONS.
 schedules that lost: scales before the product, a wait per group, 128-row blocks, warp
 specialization). The sum [64, Mp] f32 goes out transposed ([N, Mp]); `splits` cuts K into that
 many ranges (a grid axis), summed in float32 by the wrapper.
+
+With norm_w (decode rows <= 8), each K step first rewrites x's tile in place: the residual
+add of a producer's K-range sums and the RMSNorm's weight (its scale left to the caller), so
+no add_rms_norm kernel runs before the launch. Every program redoes it for its K range
+(KernelPolicy.mosaic_norm_rows says where that pays; benchmarks/DECISIONS.md, session 20).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import fragmented_array as fa
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.quantized import (QuantizedWeight, codes_of, dequantize, from_frag,
@@ -55,6 +61,13 @@ _WGMMA_COL = plgpu.Layout.WGMMA.reduce(0)  # [Mp]: one value per column
 # layout with few shuffles once upcast to 16 bits.
 _UPCAST = {4: plgpu.Layout.WGMMA_UPCAST_4X, 8: plgpu.Layout.WGMMA_UPCAST_2X}
 _CODES = {4: jnp.int4, 8: jnp.int8}
+# The boundary's [8, bk] tiles (x, its deltas, the normed x): warp w holds rows 2w and 2w + 1,
+# a lane 4 consecutive columns of each 128: one layout for the bf16 and the float32 tiles
+# (16-byte swizzle chunks hold whole vectors of either) whose row sums stay in a warp.
+_BOUNDARY = plgpu.Layout.TILED(fa.Tiling(((8, 128), (2, 128), (4,))), warp_dims=(-5,),
+                               lane_dims=(-2,), vector_dim=-1)
+_BOUNDARY_ROW = _BOUNDARY.reduce((0,))  # [bk]: a column's value (the norm weight, a delta row)
+NORM_ROWS = 8  # the most rows of x the boundary in the kernel takes (one 8-row x tile)
 _ACC_REGS = 64  # float32 registers a thread gives the products in flight ([64, Mp]: Mp / 2)
 _SMEM = 216 * 1024  # shared memory the stages and the output may take (H200: 227 KB)
 
@@ -222,13 +235,20 @@ def default_config(m: int, k: int, n: int, fmt: NkFormat = NkFormat(),
 
 
 def quantized_matmul_mgpu(x, qw, *, experts=None, cfg: MgpuMatmulConfig | None = None,
-                          interpret: bool = False, out_dtype=None, partials: bool = False):
+                          interpret: bool = False, out_dtype=None, partials: bool = False,
+                          norm_weight=None, eps: float = 0.0, deltas=None):
     """x [M, K] (M <= 64) @ dequantize(qw) for an "nk" weight -> [M, N] in out_dtype (x's);
     partials: the float32 sums of the K ranges unreduced, [S, M, N], for a consumer kernel
     that adds them (S = 1 above ROWS_OUT rows; not with experts).
     qw a tuple of nk weights with the same K, format and code dtype (gate and up): one launch,
     a tuple of outputs. experts = (ids [A], rows [A]) for stacked experts' weights:
-    assignment a's x row rows[a] times expert ids[a] -> [A, N] (int_matmul_mgpu)."""
+    assignment a's x row rows[a] times expert ids[a] -> [A, N] (int_matmul_mgpu).
+
+    norm_weight [K] (M <= NORM_ROWS; formats without offsets, `nk_norm_unfit`): the pre-norm
+    boundary in the kernel, x' = x + sum(deltas [S', M, K] float32) (None: x) ->
+    (rms_norm(x', norm_weight, eps) @ w, x' [M, K], the sums of squares of x' [S, Mp]); with
+    partials the K ranges' sums are left unscaled (rms_norm's scale, rsqrt(sum of squares / K
+    + eps), to the consumer)."""
     qws = qw if isinstance(qw, tuple) else (qw,)
     for w in qws:
         if w.layout != "nk":
@@ -251,11 +271,31 @@ def quantized_matmul_mgpu(x, qw, *, experts=None, cfg: MgpuMatmulConfig | None =
 
     def arrays(name):
         return tuple(getattr(w, name) for w in qws) if getattr(fmt, name) else ()
+    norm = norm_weight is not None
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
     out = int_matmul_mgpu(x, tuple(w.planes[0] for w in qws), tuple(w.scale for w in qws),
                           arrays("offset"), arrays("super_scale"), arrays("super_offset"),
-                          experts, fmt=fmt, cfg=cfg, interpret=interpret,
-                          out_dtype=jnp.dtype(out_dtype or x.dtype), partials=partials)
-    return out if isinstance(qw, tuple) else out[0]
+                          experts, norm_weight, deltas, fmt=fmt, cfg=cfg, interpret=interpret,
+                          out_dtype=jnp.float32 if norm and not partials else out_dtype,
+                          partials=partials)
+    if not norm:
+        return out if isinstance(qw, tuple) else out[0]
+    out, (x_new, ss) = out
+    if not partials:  # rms_norm's scale per row
+        inv_rms = lax.rsqrt(jnp.sum(ss[:, :x.shape[0]], axis=0) / x.shape[1] + eps)[:, None]
+        out = tuple((y * inv_rms).astype(out_dtype) for y in out)
+    return (out if isinstance(qw, tuple) else out[0]), x_new, ss
+
+
+def nk_norm_unfit(x_rows: int, qw) -> str | None:
+    """Why the boundary (residual add, RMSNorm) cannot run in the kernel's main loop for x of
+    x_rows rows times qw (an nk weight or a tuple of them); None: it can."""
+    qws = qw if isinstance(qw, tuple) else (qw,)
+    if x_rows > NORM_ROWS:
+        return f"{x_rows} rows (the kernel's boundary takes at most {NORM_ROWS})"
+    if any(nk_format(w).x_sums for w in qws):
+        return "a format with offsets (x's group sums are taken before the kernel)"
+    return None
 
 
 def _bits(dtype) -> int:
@@ -327,7 +367,8 @@ def _row(ref, j):
 @functools.partial(jax.jit, static_argnames=("fmt", "cfg", "interpret", "out_dtype",
                                              "partials"))
 def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_scale: tuple = (),
-                    super_offset: tuple = (), experts=None, *, fmt: NkFormat = NkFormat(),
+                    super_offset: tuple = (), experts=None, norm_w=None, deltas=None, *,
+                    fmt: NkFormat = NkFormat(),
                     cfg: MgpuMatmulConfig = MgpuMatmulConfig(), interpret: bool = False,
                     out_dtype=jnp.bfloat16, partials: bool = False):
     """x [M, K] bf16 @ w_i for each weight i -> a tuple of [M, N_i] out_dtype (float32 sums):
@@ -342,8 +383,29 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_sca
     (a MoE layer's decode: only the chosen experts' codes are read). Each assignment's blocks
     multiply all M rows of x (the MMA's N side is 8 rows at least anyway) and keep row
     rows[a]'s column.
-    partials: the K ranges' float32 sums unreduced, a tuple of [S, M, N_i] (no experts)."""
+    partials: the K ranges' float32 sums unreduced, a tuple of [S, M, N_i] (no experts).
+
+    norm_w [K] (M <= NORM_ROWS, no experts): the sublayer boundary in the main loop. Each K
+    step's x tile becomes x + sum(deltas) (deltas [S', M, K] float32, a producer's K-range
+    sums, added in chunk order and rounded once: the residual stream), then that times norm_w
+    rounded to bf16 (the operand); the float32 sums of squares of x + sum(deltas) gather in
+    registers. The products are rms_norm's without its scale (rms_norm(x) @ w = inv_rms *
+    ((x * norm_w) @ w), as the bf16 path's kernels): the caller scales. Returns (the tuple of
+    outputs, (x + sum(deltas) [M, K] bf16 (x itself without deltas), the sums of squares
+    [S, Mp] float32, rows past M zero)); the programs of the first block of each K range store
+    those."""
     m, k = x.shape
+    if norm_w is None and deltas is not None:
+        raise ValueError("int_matmul_mgpu: deltas go with norm_w (the boundary before a norm)")
+    if norm_w is not None:
+        if experts is not None or m > NORM_ROWS or norm_w.shape != (k,):
+            raise ValueError(f"int_matmul_mgpu: the boundary in the kernel takes x of at most "
+                             f"{NORM_ROWS} rows, no experts and norm_w [K]; got x {x.shape}, "
+                             f"norm_w {norm_w.shape}")
+        if deltas is not None and (deltas.ndim != 3 or deltas.shape[1:] != (m, k)
+                                   or deltas.dtype != jnp.float32):
+            raise ValueError(f"int_matmul_mgpu: deltas must be float32 [S, M, K] = [S, {m}, "
+                             f"{k}], got {deltas.dtype} {deltas.shape}")
     if partials and experts is not None:
         raise ValueError("int_matmul_mgpu: partials are for one row set, not experts")
     nw = len(codes)
@@ -435,6 +497,15 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_sca
                 plgpu.BlockSpec((mp, bk), lambda i: (0, i), transforms=x_tr)]
     if fmt.x_sums:
         in_specs.append(plgpu.BlockSpec((gst, mp), lambda i: (i, 0)))
+    norm = norm_w is not None
+    nd = 0 if deltas is None else deltas.shape[0]
+    if norm and fmt.x_sums:  # x's group sums are taken before the kernel, of x, not the normed x
+        raise ValueError(f"int_matmul_mgpu: the boundary in the kernel takes no format with "
+                         f"offsets ({fmt})")
+    if norm:  # the norm weight's [bk] (then each delta's [S', M, bk]), unswizzled
+        in_specs.append(plgpu.BlockSpec((bk,), lambda i: (i,)))
+        if nd:
+            in_specs.append(plgpu.BlockSpec((nd, m, bk), lambda i: (0, 0, i)))
     in_specs += [specs[f] for f in fields]
     ns = [c.shape[0] // e_n for c in codes]  # each weight's N
     starts = [sum(ns[:i]) // bn for i in range(len(ns) + 1)]  # each weight's first block
@@ -445,8 +516,18 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_sca
             ids_gmem, refs = refs[0], refs[1:]
         x_gmem, refs = refs[0], refs[1:]
         xs_gmem, refs = (refs[0], refs[1:]) if fmt.x_sums else (None, refs)
+        if norm:
+            nw_gmem, *refs = refs
+            d_gmem, *refs = refs if nd else (None, *refs)
         weights = [refs[i * na:(i + 1) * na] for i in range(nw)]
-        o_gmem, o_smem = refs[nw * na:]
+        o_gmem, *refs = refs[nw * na:]
+        if norm:
+            xn_gmem, *refs = refs if nd else (None, *refs)
+            ss_gmem, *refs = refs
+        o_smem, *refs = refs
+        if norm:
+            xn_smem, *refs = refs if nd else (None, *refs)
+            ss_smem, = refs
         nb, sp = lax.axis_index("n"), lax.axis_index("s")
         k0 = sp * kr  # the split's first K
         # an assignment's blocks are consecutive: block j of its expert's weights
@@ -459,6 +540,10 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_sca
                    x_gmem.at[:, pl.ds(k0, kr)]]
             if fmt.x_sums:
                 ops.append(xs_gmem.at[pl.ds(k0 // group, kr // group)])
+            if norm:
+                ops.append(nw_gmem.at[pl.ds(k0, kr)])
+                if nd:
+                    ops.append(d_gmem.at[:, :, pl.ds(k0, kr)])
             for f, a in zip(fields, arrays[1:]):
                 rows = pl.ds(e * (k // sg) + k0 // sg, kr // sg) if f.startswith("super") \
                     else pl.ds(e * (k // group) + k0 // group, kr // group)
@@ -487,8 +572,38 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_sca
                     return [acc_ref[...] for acc_ref in accs]  # one wait for the batch
                 return pl.run_scoped(scope, *[plgpu.ACC((bn, mp), jnp.float32)] * len(js))
 
-            def body(_, w_smem, x_smem, *rest):  # acc [bn, Mp] += product_j * s_j + o_j X_j
+            def boundary(step, x_smem, nw_smem, d_smem, sq):
+                """x_smem <- (x + sum(deltas)) * norm_w in bf16; -> sq + its squares (summed
+                over K once, after the loop). No branch here: a pl.when costs two barriers."""
+                row = lax.broadcasted_iota(jnp.int32, (mp, bk), 0)
+
+                def bcast(ref):  # a [bk] row over the [8, bk] tile, float32
+                    v = plgpu.load(ref, layout=_BOUNDARY_ROW).astype(jnp.float32)
+                    return lax.broadcast_in_dim(v, (mp, bk), [1])
+                xt = plgpu.load(x_smem, layout=_BOUNDARY)
+                if nd:
+                    total = None  # row r of the deltas' sum, in chunk order, on row r only
+                    for r in range(m):
+                        dr = bcast(d_smem.at[0, r])
+                        for c in range(1, nd):
+                            dr = dr + bcast(d_smem.at[c, r])
+                        if m > 1:
+                            dr = jnp.where(row == r, dr, 0.0)
+                        total = dr if total is None else total + dr
+                    xt = (total + xt.astype(jnp.float32)).astype(jnp.bfloat16)
+                    xn_smem.at[step][...] = xt  # the residual stream (the first block's out)
+                xf = xt.astype(jnp.float32)
+                x_smem[...] = (xf * bcast(nw_smem)).astype(jnp.bfloat16)
+                plgpu.commit_smem()  # the stores before the wgmmas read the tile
+                return sq + xf * xf
+
+            def body(idx, w_smem, x_smem, *rest):  # acc [bn, Mp] += product_j * s_j + o_j X_j
                 *tiles, acc = rest
+                if norm:
+                    acc, sq = acc
+                    nw_smem, *tiles = tiles  # (no x sums: refused with norm_w)
+                    d_smem, *tiles = tiles if nd else (None, *tiles)
+                    sq = boundary(idx[0], x_smem, nw_smem, d_smem, sq)
                 t = dict(zip(fields, tiles[fmt.x_sums:]))
                 sup = {}
 
@@ -519,10 +634,24 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_sca
                             o = fmt.code_shift * s if o is None else o + fmt.code_shift * s
                         xsum = plgpu.load(tiles[0].at[j], layout=_WGMMA_COL)  # [Mp]
                         acc = acc + bcast(o, 0) * bcast(xsum, 1)
-                return acc
+                return (acc, sq) if norm else acc
             zero = jnp.zeros((bn, mp), jnp.float32)
-            acc = pipe(body, init_carry=zero if interpret else
-                       plgpu.layout_cast(zero, _WGMMA))(*ops)
+            init = zero if interpret else plgpu.layout_cast(zero, _WGMMA)
+            if norm:
+                sq0 = jnp.zeros((mp, bk), jnp.float32)
+                init = (init, sq0 if interpret else plgpu.layout_cast(sq0, _BOUNDARY))
+            acc = pipe(body, init_carry=init)(*ops)
+            if norm:
+                acc, sq = acc
+
+                @pl.when(nb == 0)
+                def _():  # the first block of each K range: the sums of squares, x + deltas
+                    ss_smem[...] = jnp.sum(sq, axis=1)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(ss_smem, ss_gmem.at[sp])
+                    for st in range(steps if nd else 0):  # TMA boxes of at most 256
+                        plgpu.copy_smem_to_gmem(xn_smem.at[st, pl.ds(0, m)],
+                                                xn_gmem.at[:, pl.ds(k0 + st * bk, bk)])
             if rows_out:  # o [M, 64]: column r of acc, a masked row sum each (a few shuffles)
                 col = lax.broadcasted_iota(jnp.int32, (bn, mp), 1)
                 for r in range(m):
@@ -546,17 +675,38 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_sca
     # Up to ROWS_OUT rows, each block stores its [64, Mp] sums' columns of x's rows, [M, 64]
     # (the rest are TMA's zero rows): the epilogue reads M rows and transposes nothing.
     rows_out = m <= ROWS_OUT
-    out = plgpu.kernel(
+    out_type = [jax.ShapeDtypeStruct(
+        (cfg.splits, m, assignments * starts[-1] * bn) if rows_out else
+        (cfg.splits, assignments * starts[-1] * bn, mp), jnp.float32)]
+    scratch = [plgpu.SMEM((m, bn) if rows_out else (bn, mp), jnp.float32)]
+    extra_in = ()
+    if norm:  # x + deltas [M, K] (stored through [steps, 8, bk] in smem), sums [S, Mp]
+        if nd:
+            out_type.append(jax.ShapeDtypeStruct((m, k), jnp.bfloat16))
+            scratch.append(plgpu.SMEM((steps, mp, bk), jnp.bfloat16))
+        out_type.append(jax.ShapeDtypeStruct((cfg.splits, mp), jnp.float32))
+        scratch.append(plgpu.SMEM((mp,), jnp.float32))
+        extra_in = (norm_w.astype(jnp.bfloat16),) + ((deltas,) if nd else ())
+    out, *normed = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct(
-            (cfg.splits, m, assignments * starts[-1] * bn) if rows_out else
-            (cfg.splits, assignments * starts[-1] * bn, mp), jnp.float32),
-        scratch_types=[plgpu.SMEM((m, bn) if rows_out else (bn, mp), jnp.float32)],
+        out_type=tuple(out_type),
+        scratch_types=scratch,
         grid=(assignments * starts[-1], cfg.splits),
         grid_names=("n", "s"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
-    )(*(() if ids is None else (ids,)), *xin, *arrays)
+    )(*(() if ids is None else (ids,)), *xin, *extra_in, *arrays)
+    if norm:
+        extras = (normed[0] if nd else x, normed[-1])
+        return _int_matmul_outputs(out, m, mp, nw, starts, bn, assignments, rows, experts,
+                                   rows_out, partials, out_dtype), extras
+    return _int_matmul_outputs(out, m, mp, nw, starts, bn, assignments, rows, experts,
+                               rows_out, partials, out_dtype)
+
+
+def _int_matmul_outputs(out, m, mp, nw, starts, bn, assignments, rows, experts, rows_out,
+                        partials, out_dtype):
+    """The kernel's [S, M, A * N] (or [S, A * N, Mp]) sums -> each weight's output."""
     if partials and rows_out:  # [S, M, N_i] each
         return tuple(out[..., starts[i] * bn:starts[i + 1] * bn] for i in range(nw))
     y = jnp.sum(out, axis=0)  # rows_out: [M, A * N], else [A * N, Mp] f32

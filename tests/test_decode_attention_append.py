@@ -282,7 +282,12 @@ def test_deferred_norm_scales_the_summed_parts():
     assert rel_err(out, ref) < TOL[dtype] and rel_err(k_out, k_ref) < 1e-2
     unscaled, _, _ = call(parts, k_cache, v_cache, positions)
     assert rel_err(unscaled, want) > 0.05  # the scale matters
-    for bad, message in (((ss[:1], hidden, 1e-5), r"must be \[S, B\]"),
+    # Sums of squares with more columns than rows (the Mosaic kernel's 8): the first B read.
+    wide = jnp.pad(ss, ((0, 0), (0, 3)), constant_values=1e9)
+    np.testing.assert_array_equal(call(parts, k_cache, v_cache, positions,
+                                       norm=(wide, hidden, 1e-5))[0], out)
+    for bad, message in (((ss[:1], hidden, 1e-5), r"must be \[S, B'\]"),
+                         ((ss[:, :-1], hidden, 1e-5), r"B' >= B"),
                          ((ss, 0, 1e-5), "K must be >= 1"), ((ss,), r"\(sums of squares")):
         with pytest.raises(ValueError, match=message):
             call(parts, k_cache, v_cache, positions, norm=bad)

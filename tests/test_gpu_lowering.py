@@ -281,6 +281,22 @@ KERNEL_CASES["Q4_K mosaic experts down 32x768x2048"] = nk_case(
     "Q4_K", 32, 768, (2048,), experts=(128, 32))
 KERNEL_CASES["int4 g128 mosaic fragment order 1x4096x14336"] = nk_case(  # no relayout
     "int4 g128", 1, 4096, (14336,), pk.MgpuMatmulConfig(gps=2, stages=4, splits=4, frag=True))
+# The sublayer boundary in the kernel's main loop (norm_weight, deltas): x + deltas and the
+# normed x per K step, stored back into x's swizzled tile for the wgmma (gate + up at one row
+# with four K ranges' deltas, q/k/v at 8 rows with two, the norm alone).
+for _m, _nd, _ns in ((1, 4, (14336, 14336)), (8, 2, (6144,)), (3, 0, (4096,))):
+    def _boundary(x, nw, d, *arrays, nd=_nd):
+        return pk.quantized_matmul_mgpu(
+            x, tuple(pk.QuantizedWeight(planes=(c,), scale=s, k=4096, out_shape=(c.shape[0],),
+                                        bits=(4,), group=128, code_offset=8, layout="nk",
+                                        frag=True)
+                     for c, s in zip(arrays[::2], arrays[1::2])),
+            norm_weight=nw, eps=1e-5, deltas=d if nd else None, partials=True)
+    KERNEL_CASES[f"int4 g128 mosaic boundary {_m}x4096x{'+'.join(map(str, _ns))} "
+                 f"{_nd} deltas"] = (_boundary, (
+                     S((_m, 4096), BF16), S((4096,), BF16), S((max(_nd, 1), _m, 4096), F32),
+                     *[a for n in _ns for a in (S((n, 4096), jnp.int4),
+                                                S((32, n), jnp.float16))]))
 for _fmt in ("Q4_0", "Q6_K"):  # 128-code tiles, each group's codes sliced in registers
     KERNEL_CASES[f"{_fmt} mosaic wide 16x4096x14336"] = nk_case(
         _fmt, 16, 4096, (14336,), pk.MgpuMatmulConfig(gps=2, stages=4, splits=4, wide=True))

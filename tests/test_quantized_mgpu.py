@@ -190,6 +190,47 @@ def test_fragment_order_codes_match_reference(interpret):
         pk.quantized_matmul_mgpu(x, nk, cfg=cfg, interpret=interpret)
 
 
+@pytest.mark.parametrize("interpret", [
+    True, pytest.param(False, marks=[pytest.mark.gpu, pytest.mark.skipif(
+        jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")])], ids=["interpret", "gpu"])
+@pytest.mark.parametrize("m, n_deltas, bits", [(1, 4, 4), (3, 2, 8), (2, 0, 4)])
+def test_boundary_in_the_kernel_matches_reference(interpret, m, n_deltas, bits):
+    """norm_weight (and deltas): the residual add and RMSNorm in the kernel's main loop. The
+    residual stream bit for bit the reference's (the deltas summed in chunk order, then x,
+    rounded once), the product the reference's rms_norm(x') @ w within float32 and one bf16
+    rounding of x' * norm_weight, as partials and finished; the check can fail (another norm
+    weight); too many rows and formats with offsets are refused."""
+    k, n = 1024, 256
+    nk = pk.to_nk(_int4(11, k, n, bits=bits))
+    x = normal(12, (m, k), jnp.bfloat16)
+    deltas = normal(13, (n_deltas, m, k), jnp.float32) if n_deltas else None
+    nw = (1 + 0.2 * normal(14, (k,), jnp.float32)).astype(jnp.bfloat16)
+    x_new = x if deltas is None else pk.add_rms_norm_reference(x, deltas, nw, eps=1e-5)[0]
+    want = pk.quantized_matmul_mgpu_reference(
+        pk.rms_norm_reference(x_new, nw, eps=1e-5), nk, out_dtype=jnp.float32)
+    cfg = MgpuMatmulConfig(gps=2, stages=2, splits=2)
+    y, got_x, ss = pk.quantized_matmul_mgpu(x, nk, cfg=cfg, interpret=interpret,
+                                            out_dtype=jnp.float32, norm_weight=nw, eps=1e-5,
+                                            deltas=deltas)
+    np.testing.assert_array_equal(got_x, x_new)
+    xf = x_new.astype(jnp.float32)
+    assert ss.shape == (2, 8) and rel_err(jnp.sum(ss, 0)[:m], jnp.sum(xf * xf, 1)) < 1e-5
+    assert rel_err(y, want) < 5e-3
+    parts, _, _ = pk.quantized_matmul_mgpu(x, nk, cfg=cfg, interpret=interpret, partials=True,
+                                           norm_weight=nw, eps=1e-5, deltas=deltas)
+    inv_rms = jax.lax.rsqrt(jnp.mean(xf * xf, axis=1) + 1e-5)[:, None]
+    assert rel_err(jnp.sum(parts, 0) * inv_rms, want) < 5e-3
+    other, _, _ = pk.quantized_matmul_mgpu(x, nk, cfg=cfg, interpret=interpret,
+                                           out_dtype=jnp.float32, norm_weight=nw[::-1],
+                                           eps=1e-5, deltas=deltas)
+    assert rel_err(other, want) > 0.05
+    assert "rows" in pk.nk_norm_unfit(9, nk)
+    assert "offsets" in pk.nk_norm_unfit(1, pk.to_nk(_int4(11, k, n, bits="Q4_K")))
+    with pytest.raises(ValueError, match="at most 8 rows"):
+        pk.quantized_matmul_mgpu(normal(12, (9, k), jnp.bfloat16), nk, interpret=interpret,
+                                 norm_weight=nw)
+
+
 def test_decode_path_takes_the_mosaic_kernel_and_matches_reference():
     """int4 g128 everywhere (q/k/v, o, gate/up, down, the LM head): each decode-path product
     through the kernel (counted in the traced step); logits against the reference path."""
@@ -231,6 +272,21 @@ def test_decode_path_takes_the_mosaic_kernel_and_matches_reference():
         return jax.block_until_ready(forward(*args, **kwargs))
     fused = decode_steps(nk, plan, ids, forward=step)[0]
     assert_close_to_reference(params, config, ids, fused)
+    # The boundaries in the kernels (KernelPolicy.mosaic_norm_rows, mosaic_mlp_norm_rows):
+    # down's sums go to q/k/v's launch, which adds them with the norm in its main loop and
+    # returns its sums, the residual stream and the sums of squares (for attention); then
+    # o's to gate / up's too, which return their finished products and the same two. The
+    # logits as close to the reference.
+    for changes, want in (({"mosaic_norm_rows": 8}, {(3, 2, 2): 1, (3,): 2, (2, 2): 1, (2,): 1}),
+                          ({"mosaic_norm_rows": 8, "mosaic_mlp_norm_rows": 8},
+                           {(3, 2, 2): 1, (3,): 2, (2, 2, 2, 2): 1, (2,): 1})):
+        other = Plan(config, plan.policy.replace(**changes))
+        outs.clear()
+        walk(jax.make_jaxpr(lambda p, c: llama.forward(p, tokens, tokens, other, c))(
+            nk, cache).jaxpr)
+        assert outs == want, (changes, outs)
+        assert_close_to_reference(params, config, ids,
+                                  decode_steps(nk, other, ids, forward=step)[0])
     # With the int4 codes in fragment order: the same kernels, the same logits.
     fplan = Plan(config, plan.policy.replace(int4_fragment_order=True))
     frag = int_layout_params(params, fplan)

@@ -156,16 +156,38 @@ def _mosaic_int_supports(x, w, plan, **_) -> str | None:
     return None
 
 
+def mosaic_boundary(x_aval, w, plan: Plan, deltas=None, max_rows: int | None = None) -> bool:
+    """Whether the pre-norm boundary before nk weight(s) w runs in the Mosaic kernel's main
+    loop for activations x_aval (at most max_rows rows: KernelPolicy.mosaic_norm_rows, or
+    mosaic_mlp_norm_rows before gate / up)."""
+    m = rows(x_aval)
+    limit = plan.policy.mosaic_norm_rows if max_rows is None else max_rows
+    return (m <= limit and not plan.config.norm_offset
+            and pk.nk_norm_unfit(m, w) is None
+            and (deltas is None or (isinstance(deltas, Partials) and deltas.norm is None)))
+
+
 @MATMUL.register("mosaic_int", _mosaic_int_supports, kernel=True, before="fused_small_m")
 def _mosaic_int(x, w, plan, *, accept=ARRAY_ONLY, norm_w=None, eps=0.0, deltas=None,
                  bias=None, out_dtype=None, prefetch=()):
-    """An nk weight (int4 / int8 / fp8, GGUF's block types) through the Mosaic GPU kernel;
-    the boundary before it (deltas, the norm) in its own ops. Its K ranges' float32 sums go
-    to a consumer that adds them where it accepts them (attention; the next boundary's
-    add_rms_norm kernel): no XLA sum between the kernels."""
+    """An nk weight (int4 / int8 / fp8, GGUF's block types) through the Mosaic GPU kernel.
+    The boundary before it (deltas, the norm) in its main loop where mosaic_boundary says,
+    the norm's scale then left to a consumer that takes NORMED chunks (attention); else in
+    its own ops. Its K ranges' float32 sums go to a consumer that adds them where it accepts
+    them (attention; the next boundary): no XLA sum between the kernels."""
+    m, k = rows(x), x.shape[-1]
+    if norm_w is not None and bias is None and mosaic_boundary(x, w, plan, deltas):
+        dl = None if deltas is None else deltas.parts.reshape(deltas.parts.shape[0], m, k)
+        normed = Form.NORMED in accept and out_dtype is None
+        y, x_new, ss = pk.quantized_matmul_mgpu(
+            x.reshape(m, k), w, interpret=plan.policy.interpret, out_dtype=out_dtype,
+            partials=normed, norm_weight=norm_w, eps=eps, deltas=dl)
+        if normed:  # [S, M, N] -> [S, B, T, *N]; ss [S, 8]: the first M columns the rows'
+            return x_new.reshape(x.shape), Partials(
+                y.reshape(y.shape[0], *x.shape[:-1], *w.out_shape), (ss, k, eps))
+        return x_new.reshape(x.shape), y.reshape(*x.shape[:-1], *w.out_shape)
     x = add_deltas(x, deltas)
     h = x if norm_w is None else norm(x, norm_w, eps, plan)
-    m, k = rows(h), h.shape[-1]
     partials = Form.PARTIALS in accept and bias is None and out_dtype is None
     y = pk.quantized_matmul_mgpu(h.reshape(m, k), w, interpret=plan.policy.interpret,
                                  out_dtype=jnp.float32 if bias is not None else out_dtype,
@@ -316,13 +338,15 @@ def norm_linear(stream: Residual, norm_weight, w, plan: Plan, *, bias=None):
     statistics and streams w, and the norm's scale is left to the consumer (attend)."""
     policy, eps = plan.policy, plan.config.rms_norm_eps
     aval = stream.aval
-    fused = MATMUL.pick(aval, w, plan).name == "fused_small_m"
+    picked = MATMUL.pick(aval, w, plan).name
+    fused = picked == "fused_small_m"
     hints = prefetch_pairs(policy.prefetch_norm_linear, (w,), rows(aval), plan) if fused else ()
     m, d = rows(aval), aval.shape[-1]
 
     def emit(accept, prefetch):
         x, delta = stream.take(ANY_SUM, hints)
-        in_kernel = (fused and policy.norm_linear_boundary is Boundary.CONSUMER and bias is None
+        in_kernel = ((fused or (picked == "mosaic_int" and mosaic_boundary(aval, w, plan, delta)))
+                     and policy.norm_linear_boundary is Boundary.CONSUMER and bias is None
                      and not plan.config.norm_offset
                      and (delta is None or isinstance(delta, Partials)))
         if in_kernel:

@@ -17,8 +17,8 @@ import pallas_kernels as pk
 from jaxinfer.ops import blocked, reference
 from jaxinfer.ops.dispatch import (Layout, Registry, always, batch_axis, decode_path,
                                    kernels_on, rows)
-from jaxinfer.ops.linear import (MATMUL, add_deltas, boundary, linear, norm, prefetch_pairs,
-                                 tiles)
+from jaxinfer.ops.linear import (MATMUL, add_deltas, boundary, linear, mosaic_boundary, norm,
+                                 prefetch_pairs, tiles)
 from jaxinfer.ops.stream import ANY_SUM, Deferred, Partials, Residual, resolve
 from jaxinfer.plan import Boundary, Plan
 from jaxinfer.sharding import local_weight, weight_specs
@@ -94,15 +94,32 @@ def _mosaic_int_supports(x, w_gate, w_up, plan, *, deltas=None, **_):
         MATMUL.get("mosaic_int").supports(x, w_up, plan)
 
 
+def _one_launch(w_gate, w_up) -> bool:
+    """Whether nk gate and up take one launch of the Mosaic kernel (one format, one dtype)."""
+    return w_gate.planes[0].dtype == w_up.planes[0].dtype and \
+        pk.nk_format(w_gate) == pk.nk_format(w_up)
+
+
 @SWIGLU.register("mosaic_int", _mosaic_int_supports, kernel=True)
 def _mosaic_int_swiglu(x, w_gate, w_up, plan, *, biases=(None, None), norm_w=None, eps=0.0,
                         deltas=None, prefetch=()):
     """Gate and up in the nk layout: both through one launch of the Mosaic GPU kernel (each
-    through its own where their formats or code dtypes differ), then act * up."""
+    through its own where their formats or code dtypes differ), then act * up; the boundary
+    before them (deltas, the norm) in that launch's main loop where mosaic_boundary says."""
+    if norm_w is not None and _one_launch(w_gate, w_up) and mosaic_boundary(
+            x, (w_gate, w_up), plan, deltas, plan.policy.mosaic_mlp_norm_rows):
+        m, k = rows(x), x.shape[-1]
+        ys, x_new, _ = pk.quantized_matmul_mgpu(
+            x.reshape(m, k), (w_gate, w_up), interpret=plan.policy.interpret,
+            out_dtype=jnp.float32, norm_weight=norm_w, eps=eps,
+            deltas=None if deltas is None else deltas.parts.reshape(-1, m, k))
+        x, h = x_new.reshape(x.shape), x
+        gate, up = (y.reshape(*h.shape[:-1], *w.out_shape) for y, w in
+                    zip(ys, (w_gate, w_up)))
+        return x, _gate(gate, up, biases, plan).astype(x.dtype)
     x = add_deltas(x, deltas)
     h = x if norm_w is None else norm(x, norm_w, eps, plan)
-    if w_gate.planes[0].dtype == w_up.planes[0].dtype and \
-            pk.nk_format(w_gate) == pk.nk_format(w_up):
+    if _one_launch(w_gate, w_up):
         m, k = rows(h), h.shape[-1]
         ys = pk.quantized_matmul_mgpu(h.reshape(m, k), (w_gate, w_up),
                                       interpret=plan.policy.interpret, out_dtype=jnp.float32)
@@ -112,11 +129,16 @@ def _mosaic_int_swiglu(x, w_gate, w_up, plan, *, biases=(None, None), norm_w=Non
         product = MATMUL.get("mosaic_int").run
         gate = product(h, w_gate, plan, out_dtype=jnp.float32)[1]
         up = product(h, w_up, plan, out_dtype=jnp.float32)[1]
+    return x, _gate(gate, up, biases, plan).astype(x.dtype)
+
+
+def _gate(gate, up, biases, plan):
+    """act(gate + b_gate) * (up + b_up), float32."""
     if biases[0] is not None:
         gate = gate + biases[0].astype(jnp.float32)
     if biases[1] is not None:
         up = up + biases[1].astype(jnp.float32)
-    return x, (reference.gate_activation(gate, plan.config.mlp_activation) * up).astype(x.dtype)
+    return reference.gate_activation(gate, plan.config.mlp_activation) * up
 
 
 @SWIGLU.register("reference", always)
@@ -161,11 +183,15 @@ def gated_mlp(stream: Residual, norm_weight, w_gate, w_up, w_down, plan: Plan, *
     biases = tuple(biases) if biases is not None else (None, None, None)
     aval = stream.aval
     m, d = rows(aval), aval.shape[-1]
-    kernel = SWIGLU.pick(aval, w_gate, w_up, plan, biases=biases[:2]).name == "pallas"
+    picked = SWIGLU.pick(aval, w_gate, w_up, plan, biases=biases[:2]).name
+    kernel = picked == "pallas"
     hints = prefetch_pairs(policy.prefetch_gated_mlp, (w_gate, w_up), m, plan) \
         if kernel and decode_path(aval, plan) else ()
     x, delta = stream.take(ANY_SUM, hints)
-    in_kernel = (kernel and policy.gated_mlp_boundary is Boundary.CONSUMER
+    mosaic = (picked == "mosaic_int" and _one_launch(w_gate, w_up)
+              and mosaic_boundary(aval, (w_gate, w_up), plan, delta,
+                                  policy.mosaic_mlp_norm_rows))
+    in_kernel = ((kernel or mosaic) and policy.gated_mlp_boundary is Boundary.CONSUMER
                  and not plan.config.norm_offset and isinstance(delta, Partials))
     if in_kernel and post_norm is None and _one_kernel(aval, w_gate, w_up, w_down, plan,
                                                        biases):

@@ -37,7 +37,8 @@ ANY_SUM = frozenset({Form.ARRAY, Form.PARTIALS})  # what a residual-add boundary
 class Partials(NamedTuple):
     """A matmul's output left as float32 chunks [S, B, T, *N] for a consumer kernel to sum;
     norm: when the sum still has to be scaled by its input's rsqrt(mean square + eps) (a
-    normed projection whose norm was deferred), (sums of squares [S, B * T] float32, K, eps),
+    normed projection whose norm was deferred), (sums of squares [S, R] float32, R >= B * T
+    (the first B * T columns are the rows'), K, eps),
     or (the input rows [B * T, K], eps) for the consumer to sum their squares itself."""
     parts: jax.Array
     norm: tuple | None = None
@@ -56,7 +57,8 @@ class Partials(NamedTuple):
                 ss, k = jnp.sum(xf * xf, axis=-1)[None], x.shape[-1]
             else:
                 ss, k, eps = self.norm
-            inv_rms = jax.lax.rsqrt(sum_chunks(ss) / k + eps)  # [B * T]
+            rows = total.shape[0] * total.shape[1]
+            inv_rms = jax.lax.rsqrt(sum_chunks(ss)[:rows] / k + eps)  # [B * T]
             total = total * inv_rms.reshape(*total.shape[:2], *(1,) * (total.ndim - 2))
         return total.astype(dtype)
 
