@@ -653,9 +653,9 @@ def norm_matmul(x, norm_weight, w, *, eps: float = 1e-6, residual=None, out_dtyp
 
 def apply_norm_partials(parts, ss, k: int, eps: float):
     """The finished normed matmul from `norm_matmul(..., partials=True)` with a norm:
-    parts [S, M, *N], ss [S, M] -> float32 [M, *N] (what a consumer kernel does in its
-    gather)."""
-    inv_rms = lax.rsqrt(sum_chunks(ss) / k + eps)  # [M]
+    parts [S, M, *N], ss [S, M'] (M' >= M: the first M columns read) -> float32 [M, *N] (what
+    a consumer kernel does in its gather)."""
+    inv_rms = lax.rsqrt(sum_chunks(ss)[:parts.shape[1]] / k + eps)  # [M]
     return sum_chunks(parts) * inv_rms.reshape(-1, *(1,) * (parts.ndim - 2))
 
 

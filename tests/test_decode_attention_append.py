@@ -286,6 +286,9 @@ def test_deferred_norm_scales_the_summed_parts():
     wide = jnp.pad(ss, ((0, 0), (0, 3)), constant_values=1e9)
     np.testing.assert_array_equal(call(parts, k_cache, v_cache, positions,
                                        norm=(wide, hidden, 1e-5))[0], out)
+    wide_ref = _append_ref(parts, k_cache, v_cache, positions, rope=rope,
+                           norm=(wide, hidden, 1e-5))[0]
+    np.testing.assert_array_equal(wide_ref, ref)
     for bad, message in (((ss[:1], hidden, 1e-5), r"must be \[S, B'\]"),
                          ((ss[:, :-1], hidden, 1e-5), r"B' >= B"),
                          ((ss, 0, 1e-5), "K must be >= 1"), ((ss,), r"\(sums of squares")):

@@ -113,10 +113,9 @@ def _mosaic_int_swiglu(x, w_gate, w_up, plan, *, biases=(None, None), norm_w=Non
             x.reshape(m, k), (w_gate, w_up), interpret=plan.policy.interpret,
             out_dtype=jnp.float32, norm_weight=norm_w, eps=eps,
             deltas=None if deltas is None else deltas.parts.reshape(-1, m, k))
-        x, h = x_new.reshape(x.shape), x
-        gate, up = (y.reshape(*h.shape[:-1], *w.out_shape) for y, w in
+        gate, up = (y.reshape(*x.shape[:-1], *w.out_shape) for y, w in
                     zip(ys, (w_gate, w_up)))
-        return x, _gate(gate, up, biases, plan).astype(x.dtype)
+        return x_new.reshape(x.shape), _gate(gate, up, biases, plan).astype(x.dtype)
     x = add_deltas(x, deltas)
     h = x if norm_w is None else norm(x, norm_w, eps, plan)
     if _one_launch(w_gate, w_up):
