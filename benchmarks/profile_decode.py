@@ -26,11 +26,13 @@ import tempfile
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import jaxinfer
 from jaxinfer.bench import random_model
-from jaxinfer.generate import decode_loop, init_state, prefill
+from jaxinfer.generate import decode_loop, init_state, prefill, run_params
+from jaxinfer.speculative_bench import _forward as verification_forward
 from jaxinfer.plan import At, Boundary, Impl, KernelPolicy, Prefetch
 from jaxinfer.sampling import SamplingParams
 from pallas_kernels import DecodeBlockSizes, MatmulBlockSizes
@@ -108,6 +110,36 @@ def decode_setup(preset: str, dtype: str, batch: int, prompt_len: int, steps: in
     return model, fresh
 
 
+def _loop(model, fresh):
+    """() -> runs `steps` decode steps (the jitted loop) from a fresh prefilled state."""
+    loop = decode_loop.lower(model.params, fresh(), model.plan).compile()
+    jax.block_until_ready(loop(model.params, fresh()))  # warm up
+
+    def run():
+        s = fresh()
+        jax.block_until_ready(loop(model.params, s))
+    return run
+
+
+def forwards(model, state, t: int, steps: int):
+    """() -> runs `steps` jitted model forwards of t tokens per row against the state's
+    prefilled cache (positions from each row's length: the slots a verification writes), as
+    `jaxinfer bench --speculative` times a verification (speculative_bench.verification_cost)."""
+    params = run_params(model, model.plan)
+    b = state.positions.shape[0]
+    tokens = jnp.ones((b, t), jnp.int32)
+    positions = state.positions[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
+    logits, cache = verification_forward(params, tokens, positions, state.cache, model.plan)
+    jax.block_until_ready(logits)  # compiled
+
+    def run():
+        nonlocal cache
+        for _ in range(steps):
+            logits, cache = verification_forward(params, tokens, positions, cache, model.plan)
+        jax.block_until_ready(logits)
+    return run
+
+
 def policy_from_args(args) -> KernelPolicy:
     """The policy the options describe (each option one field; benchmarks/README.md)."""
     policy = KernelPolicy.deterministic() if args.policy == "deterministic" else KernelPolicy()
@@ -123,6 +155,8 @@ def policy_from_args(args) -> KernelPolicy:
         changes["mosaic_norm_rows"] = args.mosaic_norm_rows
     if args.mosaic_mlp_norm_rows is not None:
         changes["mosaic_mlp_norm_rows"] = args.mosaic_mlp_norm_rows
+    if getattr(args, "verify_append", None) is not None:
+        changes["verify_append"] = bool(args.verify_append)
     if args.lm_head:
         changes["lm_head"] = Impl(args.lm_head)
     if args.blocks:
@@ -178,6 +212,14 @@ def main(argv=None) -> int:
                         "column write per step; left out of the step otherwise)")
     p.add_argument("--quantization", choices=("none", "int8", "int4", "fp8"), default=None,
                    help="quantize the random weights (as `jaxinfer bench --quantization`)")
+    p.add_argument("--tokens", type=int, default=0,
+                   help="profile `steps` model forwards of this many tokens per row (a "
+                        "speculative verification's T = K + 1; 1: a decode step's forward) "
+                        "against the prefilled cache instead of the decode loop: no sampler, "
+                        "the same cache slots rewritten by each call")
+    p.add_argument("--verify-append", type=int, choices=(0, 1), default=None,
+                   help="with --tokens T > 1: the attention prologue in the kernel (1) or in "
+                        "XLA (0) (KernelPolicy.verify_append)")
     p.add_argument("--timeline", type=int, default=0,
                    help="print this many kernels (start, duration, stream) around a decode "
                         "attention kernel in the middle of the run: what overlaps what")
@@ -187,20 +229,17 @@ def main(argv=None) -> int:
     model, fresh = decode_setup(args.preset, dtype, args.batch, args.prompt_len, args.steps,
                                 policy=policy, logprobs=args.logprobs,
                                 quantization=args.quantization, path=args.model)
-    s = fresh()
-    loop = decode_loop.lower(model.params, s, model.plan).compile()
-    jax.block_until_ready(loop(model.params, s))  # warm up
+    run = (forwards(model, fresh(), args.tokens, args.steps) if args.tokens
+           else _loop(model, fresh))
     wall = float("inf")
     for _ in range(3):  # the best of 3 runs (host-side noise in one run reached ~1.5%)
-        s = fresh()
         t0 = time.perf_counter()
-        jax.block_until_ready(loop(model.params, s))
+        run()
         wall = min(wall, (time.perf_counter() - t0) / args.steps)
 
     log_dir = args.out or tempfile.mkdtemp(prefix="jaxinfer-trace-")
-    s = fresh()
     with jax.profiler.trace(log_dir, create_perfetto_trace=True):
-        jax.block_until_ready(loop(model.params, s))
+        run()
     kernels = device_kernels(load_trace(log_dir))
     if not kernels:
         print("no GPU kernel events in the trace", file=sys.stderr)
