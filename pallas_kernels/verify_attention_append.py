@@ -12,9 +12,10 @@ Here, per (sequence, KV head, chunk of the cache):
   norm's scale per token (one rounding to the activations' dtype), and rotated in float32.
 - The chunk holding slot positions[b, 0] (the owner) writes the T new keys and values (aliased
   caches, in place under a donating jit) and starts each query row's running softmax from the
-  new tokens at or before it, one key at a time from registers (causal among the new tokens);
-  every program then walks its chunk's cache slots < positions[b, 0]. No program reads a slot
-  written here, so the programs need no ordering (as in decode_attention_append.py).
+  new tokens, a [16+, D] tile of keys held in registers, those at or before the row's token
+  unmasked (causal); every program then walks its chunk's cache slots < positions[b, 0]. No
+  program reads a slot written here, so the programs need no ordering (as in
+  decode_attention_append.py).
 - Split-K over the cache and the merge are decode attention's; one chunk per row normalizes in
   the kernel and writes [B, T, Hq, D] itself.
 
@@ -34,8 +35,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import (LOG2_E, MASK_VALUE, check_array,
-                                    check_head_dim, check_softcap, next_pow2, softcap_log2)
+from pallas_kernels._common import (LOG2_E, MASK_VALUE, check_array, check_head_dim,
+                                    check_softcap, dot_f32, next_pow2, softcap_log2)
 from pallas_kernels._jax_private import is_tracer
 from pallas_kernels.chunk_attention import chunk_attention_reference
 from pallas_kernels.decode_attention import DecodeBlockSizes, _merge_splits, attend_tiles
@@ -55,10 +56,11 @@ def verify_attention_append_kernel(pos_ref, *refs, sm_scale: float, chunk: int, 
     # q_refs [Tp, Gq, D] x P: the projection's rows (t, g) of this KV group from each of the P
     #   parts (one 16-bit array, or a split-K matmul's float32 chunks, summed here); t >= T or
     #   g >= G masked
-    # kn_refs, vn_refs [Tp, D] x P: rows G and G + 1 (the new keys before RoPE, the values)
+    # kn_refs, vn_refs [Tk, D] x P: rows G and G + 1 (the new keys before RoPE, the values),
+    #   Tk = max(16, Tp) (rows >= T masked)
     # ss_ref [P, R'] (norm = ("sums", K, eps)): the parts' sums of squares of the projection's
     #   input rows, row b * T + t in column b * T + t
-    # cos_ref, sin_ref [Tp, D] (has_rope): the rows' rotations, halves equal
+    # cos_ref, sin_ref [Tk, D] (has_rope): the rows' rotations, halves equal
     # k_ref, v_ref [S_pad, D]: one KV head's cache row, read at slots < p0 only
     # normalize: o_ref [Tp, Gq, D], the attention output (rows t < T, g < G stored); else
     #   acc_ref [R, D], m_ref [R], l_ref [R] (float32, R = Tp * Gq): this chunk's partials
@@ -88,19 +90,14 @@ def verify_attention_append_kernel(pos_ref, *refs, sm_scale: float, chunk: int, 
     owns = (p0 >= start) & (p0 < start + chunk) & (p0 < seq_len)
 
     def inv_rms(token):
-        """The deferred norm's scale of token (an int, or an index array), or None."""
+        """The deferred norm's scale of each token of an index array, or None."""
         if norm is None:
             return None
         _, norm_dim, eps = norm
-        col = b * t_new + token
-        if isinstance(token, int):
-            total = sum(ss_ref[p, col] for p in range(num_parts))
-        else:
-            ok = token < t_new
-            total = None
-            for p in range(num_parts):
-                x = plgpu.load(ss_ref.at[p, col], mask=ok, other=1.0)
-                total = x if total is None else total + x
+        total = None
+        for p in range(num_parts):
+            x = plgpu.load(ss_ref.at[p, b * t_new + token], mask=token < t_new, other=1.0)
+            total = x if total is None else total + x
         return jax.lax.rsqrt(total / norm_dim + eps)
 
     def finish(total, scale):
@@ -122,10 +119,8 @@ def verify_attention_append_kernel(pos_ref, *refs, sm_scale: float, chunk: int, 
         return finish(total, None if scale_r is None else scale_r[:, None])
 
     def rot(ref, token, col):
-        """The rotation table's columns [col, col + h) for token (an int: [1, h]; an index
-        array [R]: [R, h]), in float32."""
-        if isinstance(token, int):
-            return ref[pl.ds(token, 1), pl.ds(col, h)].astype(jnp.float32)
+        """The rotation table's columns [col, col + h) for each token of an index array [N]:
+        [N, h] float32."""
         return plgpu.load(ref.at[token[:, None], (col + jnp.arange(h))[None, :]],
                           mask=(token < t_new)[:, None], other=0).astype(jnp.float32)
 
@@ -138,49 +133,49 @@ def verify_attention_append_kernel(pos_ref, *refs, sm_scale: float, chunk: int, 
         qs = (query(0, d),)
         q_cols = (0,)
 
-    def new_row(refs, t, col, w, scale):  # token t's [1, w] of the key / value parts
+    # The new tokens as one tile of keys [Tk, D] (rows j < T): rotated, written by the owner
+    # in place, and attended first, causally (query row r sees new key j <= t_r).
+    tk = kn_refs[0].shape[0]
+    j = jnp.arange(tk)
+    key_ok = j < t_new  # [Tk]
+    scale_j = inv_rms(j)
+
+    def new_tile(refs, col, w):  # the parts' [Tk, w] of the new keys / values
         total = None
         for ref in refs:
-            x = ref[pl.ds(t, 1), pl.ds(col, w)].astype(jnp.float32)
+            x = plgpu.load(ref.at[pl.ds(0, tk), pl.ds(col, w)], mask=key_ok[:, None],
+                           other=0).astype(jnp.float32)
             total = x if total is None else total + x
-        return finish(total, scale)
+        return finish(total, None if scale_j is None else scale_j[:, None])
 
-    # The new tokens one at a time: its key rotated, both written by the owner, and every
-    # query row at or after it (within the window) takes it into its running softmax.
-    acc = jnp.zeros((rp, d), jnp.float32)
-    m = jnp.full((rp,), MASK_VALUE, jnp.float32)
-    l = jnp.zeros((rp,), jnp.float32)
-    for t in range(t_new):
-        scale = inv_rms(t)
-        v_t = new_row(vn_refs, t, 0, d, scale)  # [1, D]
-        if has_rope:
-            ct, st = rot(cos_ref, t, 0), rot(sin_ref, t, 0)  # [1, h]
-            lo = new_row(kn_refs, t, 0, h, scale).astype(jnp.float32)
-            hi = new_row(kn_refs, t, h, h, scale).astype(jnp.float32)
-            k_t = ((lo * ct - hi * st).astype(dtype), (hi * ct + lo * st).astype(dtype))
-        else:
-            k_t = (new_row(kn_refs, t, 0, d, scale),)
+    v_new = new_tile(vn_refs, 0, d)  # [Tk, D]
+    if has_rope:
+        cj, sj = rot(cos_ref, j, 0), rot(sin_ref, j, 0)  # [Tk, h]
+        lo, hi = new_tile(kn_refs, 0, h).astype(jnp.float32), new_tile(kn_refs, h, h).astype(
+            jnp.float32)
+        k_new = ((lo * cj - hi * sj).astype(dtype), (hi * cj + lo * sj).astype(dtype))
+    else:
+        k_new = (new_tile(kn_refs, 0, d),)
+    write = (owns & key_ok & (p0 + j < seq_len))[:, None]  # [Tk, 1]
+    col = 0
+    for kp in k_new:
+        plgpu.store(ko_ref.at[pl.ds(p0, tk), pl.ds(col, kp.shape[-1])],
+                    kp.astype(ko_ref.dtype), mask=write)
+        col += kp.shape[-1]
+    plgpu.store(vo_ref.at[pl.ds(p0, tk), pl.ds(0, d)], v_new.astype(vo_ref.dtype), mask=write)
 
-        @pl.when(owns & (p0 + t < seq_len))
-        def _write():
-            col = 0
-            for kp in k_t:
-                ko_ref[pl.ds(p0 + t, 1), pl.ds(col, kp.shape[-1])] = kp.astype(ko_ref.dtype)
-                col += kp.shape[-1]
-            vo_ref[pl.ds(p0 + t, 1), pl.ds(0, d)] = v_t.astype(vo_ref.dtype)
-
-        s_t = sum(jnp.sum(qp.astype(jnp.float32) * kp.astype(jnp.float32), axis=-1)
-                  for qp, kp in zip(qs, k_t))  # [R]
-        keep = owns & row_ok & (t_r >= t)
-        if window is not None:
-            keep &= t_r - t < window
-        s_t = jnp.where(keep, softcap_log2(s_t * qk_scale, softcap), MASK_VALUE)
-        m_new = jnp.maximum(m, s_t)
-        alpha = jnp.exp2(m - m_new)
-        p = jnp.where(keep, jnp.exp2(s_t - m_new), 0.0)
-        l = l * alpha + p
-        acc = acc * alpha[:, None] + p[:, None] * v_t.astype(jnp.float32)
-        m = m_new
+    s_new = None
+    for qp, kp in zip(qs, k_new):
+        part = dot_f32(qp, kp, trans_b=True)  # [R, Tk]
+        s_new = part if s_new is None else s_new + part
+    keep = (owns & row_ok)[:, None] & key_ok[None, :] & (j[None, :] <= t_r[:, None])
+    if window is not None:
+        keep &= t_r[:, None] - j[None, :] < window
+    s_new = jnp.where(keep, softcap_log2(s_new * qk_scale, softcap), MASK_VALUE)
+    m = jnp.max(s_new, axis=-1)  # [R]; MASK_VALUE on rows that see no new key
+    p = jnp.where(keep, jnp.exp2(s_new - m[:, None]), 0.0)
+    l = jnp.sum(p, axis=-1)
+    acc = dot_f32(p.astype(v_new.dtype), v_new)  # [R, D]
 
     # Then the chunk's cache slots < p0 (every query row sees them, the window aside).
     end = jnp.minimum(jnp.minimum(start + chunk, p0), seq_len)
@@ -316,6 +311,7 @@ def _verify_attention_append_triton(qkv, k_cache, v_cache, first, rope, ss, *, s
     g = rows - 2
     s = k_cache.shape[1]
     tp, gq = next_pow2(t), next_pow2(g)
+    tk = max(16, tp)  # the new keys' tile: tl.dot needs >= 16 rows (loads mask rows >= T)
     rp = tp * gq
     s_pad = num_splits * chunk
     # One chunk per row: the kernel writes the output itself; fixed-size chunks always go
@@ -327,9 +323,9 @@ def _verify_attention_append_triton(qkv, k_cache, v_cache, first, rope, ss, *, s
         num_parts=parts, normalize=normalize, norm=norm, dtype=dtype, softcap=softcap)
     row = pl.BlockSpec((None, s_pad, None, d), lambda i, h, c: (i, 0, h, 0))
 
-    def qkv_spec(p, first_row, n_rows):  # part p's [Tp, (n_rows,) D] rows of KV group h
+    def qkv_spec(p, first_row, n_rows):  # part p's [Tp, n_rows, D] / [Tk, D] of KV group h
         if n_rows is None:  # one row (the key, the value), squeezed
-            return pl.BlockSpec((None, None, tp, None, None, d),
+            return pl.BlockSpec((None, None, tk, None, None, d),
                                 lambda i, h, c: (p, i, 0, h, first_row, 0))
         return pl.BlockSpec((None, None, tp, None, n_rows, d),
                             lambda i, h, c: (p, i, 0, h, 0, 0))
@@ -343,7 +339,7 @@ def _verify_attention_append_triton(qkv, k_cache, v_cache, first, rope, ss, *, s
         in_specs.append(pl.BlockSpec(ss.shape, lambda i, h, c: (0, 0)))
         args.append(ss)
     if rope is not None:
-        in_specs += [pl.BlockSpec((None, tp, d), lambda i, h, c: (i, 0, 0))] * 2
+        in_specs += [pl.BlockSpec((None, tk, d), lambda i, h, c: (i, 0, 0))] * 2
         args += list(rope)
     in_specs += [row, row]
     args += [k_cache, v_cache]
