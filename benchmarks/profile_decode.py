@@ -155,8 +155,6 @@ def policy_from_args(args) -> KernelPolicy:
         changes["mosaic_norm_rows"] = args.mosaic_norm_rows
     if args.mosaic_mlp_norm_rows is not None:
         changes["mosaic_mlp_norm_rows"] = args.mosaic_mlp_norm_rows
-    if getattr(args, "verify_append", None) is not None:
-        changes["verify_append"] = bool(args.verify_append)
     if args.lm_head:
         changes["lm_head"] = Impl(args.lm_head)
     if args.blocks:
@@ -217,9 +215,6 @@ def main(argv=None) -> int:
                         "speculative verification's T = K + 1; 1: a decode step's forward) "
                         "against the prefilled cache instead of the decode loop: no sampler, "
                         "the same cache slots rewritten by each call")
-    p.add_argument("--verify-append", type=int, choices=(0, 1), default=None,
-                   help="with --tokens T > 1: the attention prologue in the kernel (1) or in "
-                        "XLA (0) (KernelPolicy.verify_append)")
     p.add_argument("--timeline", type=int, default=0,
                    help="print this many kernels (start, duration, stream) around a decode "
                         "attention kernel in the middle of the run: what overlaps what")

@@ -151,10 +151,6 @@ class KernelPolicy:
     # verify_attention kernels (a speculative verification at a long context), more the
     # chunk kernels (a prefill chunk). Not measured on the H200 yet.
     verify_queries: int = 16
-    # Those T new tokens against a contiguous unquantized cache take one kernel for the
-    # projection's chunks, RoPE, the append and attention (verify_attention_append), as a
-    # decode step's token does; False: that prologue in XLA, then verify_attention.
-    verify_append: bool = True
     # Decode steps per host check of the device loop, with stop tokens and without.
     steps_per_sync: int = 1
     steps_per_sync_no_stop: int = 8

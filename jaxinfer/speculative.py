@@ -7,8 +7,7 @@ One round, for every row (jitted, `spec_round`; `spec_loop` runs rounds in a whi
                                  or a head over the target's features (`draft_head.FeatureHead`:
                                  an EAGLE head, or DeepSeek-V3's MTP module)
     verify [x, d_1..d_K]         one target forward, T = K + 1 queries at p..p+K, causal among
-                                 themselves (attend: verify_attention_append on a GPU,
-                                 which also appends their K/V); logits row j
+                                 themselves (attend: verify_attention on a GPU); logits row j
                                  scores position p+1+j
     target tokens y_0..y_K       the plain sampler at each position, with the key of that
                                  position and the penalty counts as if d_1..d_j were accepted

@@ -40,7 +40,6 @@ _MODULES = {
     "swiglu": ("swiglu", "swiglu_down", "swiglu_down_reference", "swiglu_reference"),
     "verify_attention": ("paged_verify_attention", "paged_verify_attention_reference",
                          "verify_attention", "verify_attention_reference"),
-    "verify_attention_append": ("verify_attention_append", "verify_attention_append_reference"),
 }
 _EXPORTS = {name: module for module, names in _MODULES.items() for name in names}
 

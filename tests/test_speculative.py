@@ -28,13 +28,13 @@ def tiny_bf16_config() -> Config:
                   tie_word_embeddings=False, dtype="bfloat16")
 
 
-@pytest.mark.parametrize("verify_queries, kernel", [(16, "verify_attention_append"),
+@pytest.mark.parametrize("verify_queries, kernel", [(16, "verify_attention"),
                                                      (2, "chunk_attention")])
 def test_verification_forward_runs_a_kernel_and_matches_decode_steps(verify_queries, kernel):
     """T = 3 queries per row (the last token and 2 drafts) at per-row positions against a
-    contiguous cache take the split-K verify kernel with the append (up to
-    KernelPolicy.verify_queries queries; the chunk kernel past it), in interpret mode, and
-    give the logits the reference path gives one token at a time."""
+    contiguous cache take the split-K verify kernel (up to KernelPolicy.verify_queries
+    queries; the chunk kernel past it), in interpret mode, and give the logits the reference
+    path gives one token at a time."""
     config = tiny_bf16_config()
     params = init_params(llama.param_specs(config), jax.random.key(0), jnp.bfloat16)
     ids = jax.random.randint(jax.random.key(1), (2, 12), 0, config.vocab_size)

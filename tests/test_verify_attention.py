@@ -50,12 +50,11 @@ def test_verify_attention_lowers_for_h200():
     assert kernel_names(module)["verify_attention"] == 1
 
 
-@pytest.mark.parametrize("batch, append", [(1, True), (8, False)])
-def test_llama3_8b_verification_forward_lowers_with_the_kernel(batch, append):
+@pytest.mark.parametrize("batch", [1, 8])
+def test_llama3_8b_verification_forward_lowers_with_the_kernel(batch):
     """The model's verification forward (T = 5: the last token and 4 drafts) of one Llama-3-8B
     layer against a 4k cache, the ops forced onto the kernels: the attention is
-    verify_attention_append (the q/k/v matmul's chunks into it), or with
-    KernelPolicy.verify_append off the XLA prologue and verify_attention."""
+    verify_attention."""
     from jaxinfer.cache import KVCache
     from jaxinfer.configs import PRESETS
     from jaxinfer.models import llama
@@ -63,7 +62,7 @@ def test_llama3_8b_verification_forward_lowers_with_the_kernel(batch, append):
     from jaxinfer.weights import abstract_params
 
     config = PRESETS["llama3-8b"].replace(dtype="bfloat16", num_layers=1)
-    plan = Plan(config, KernelPolicy(kernels=Kernels.PALLAS, verify_append=append))
+    plan = Plan(config, KernelPolicy(kernels=Kernels.PALLAS))
     cache = jax.eval_shape(lambda: KVCache.init(config, batch, 4096))
 
     def verify(params, tokens, positions, cache):
@@ -72,9 +71,7 @@ def test_llama3_8b_verification_forward_lowers_with_the_kernel(batch, append):
     module = lower_for_h200(verify, abstract_params(llama.param_specs(config), BF16),
                             S((batch, 5), I32), S((batch, 5), I32), cache)
     names = kernel_names(module)
-    kernel = "verify_attention_append" if append else "verify_attention"
-    assert names[kernel] == 1 and sum(n.endswith("attention") for n in names) == int(
-        not append), names
+    assert names["verify_attention"] == 1 and not names["chunk_attention"], names
 
 
 @pytest.mark.parametrize("dtype, kind, window, blocks", [
@@ -110,14 +107,10 @@ def test_paged_verify_attention_lowers_for_h200():
     assert kernel_names(module)["paged_verify_attention"] == 1
 
 
-@pytest.mark.parametrize("paged, want", [
-    (False, "verify_attention_append"), (False, "verify_attention"),
-    (True, "paged_verify_attention")], ids=["contiguous", "contiguous-prologue", "paged"])
-def test_model_verification_takes_the_kernel_and_matches_the_reference(paged, want):
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_model_verification_takes_the_kernel_and_matches_the_reference(paged):
     """A tiny bf16 model's T = 3 forward at per-row positions (one row idle when paged)
-    against a cache the reference path filled: interpret-mode kernels vs the references
-    (contiguous: one kernel from the projection's chunks, or with verify_append off the
-    XLA prologue and verify_attention); the caches' new slots too."""
+    against a cache the reference path filled: interpret-mode kernels vs the references."""
     from jaxinfer.cache import KVCache, PagedKVCache
     from jaxinfer.configs import Config
     from jaxinfer.models import llama
@@ -131,8 +124,7 @@ def test_model_verification_takes_the_kernel_and_matches_the_reference(paged, wa
     params = init_params(llama.param_specs(config), jax.random.key(0), jnp.bfloat16)
     ids = jax.random.randint(jax.random.key(1), (2, 12), 0, config.vocab_size)
     ref_plan = Plan(config, KernelPolicy.reference())
-    kernel_plan = Plan(config, KernelPolicy(interpret=True,
-                                            verify_append=want == "verify_attention_append"))
+    kernel_plan = Plan(config, KernelPolicy(interpret=True))
     pos = jnp.broadcast_to(jnp.arange(12, dtype=jnp.int32), (2, 12))
     if paged:
         tables = jnp.array([[2, 0], [1, 0]], jnp.int32)  # pages of 16
@@ -148,108 +140,9 @@ def test_model_verification_takes_the_kernel_and_matches_the_reference(paged, wa
     tokens = jnp.take_along_axis(ids, jnp.maximum(verify_pos, 0), axis=1)
     names = pallas_kernels_in(
         lambda c: llama.forward(params, tokens, verify_pos, kernel_plan, c), cache)
+    want = "paged_verify_attention" if paged else "verify_attention"
     assert names[want] == config.num_layers, names
-    got, got_cache = forward(params, tokens, verify_pos, kernel_plan, cache)
-    ref, ref_cache = forward(params, tokens, verify_pos, ref_plan, cache)
+    got, _ = forward(params, tokens, verify_pos, kernel_plan, cache)
+    ref, _ = forward(params, tokens, verify_pos, ref_plan, cache)
     rows = 1 if paged else 2
     assert rel_err(got[:rows], ref[:rows]) < 3e-2
-    if not paged:
-        for a, b in zip(jax.tree.leaves(got_cache), jax.tree.leaves(ref_cache)):
-            assert rel_err(a, b) < 3e-2
-
-
-# verify_attention_append: a KV group of G = 3 query heads (not a power of two), T = 4 new
-# tokens per row at the start, the middle and the end of the cache.
-G3 = 3
-
-
-def _append_operands(dtype, parts: int, norm: bool):
-    """qkv (an array, or `parts` float32 chunks with their norm's sums of squares), caches,
-    RoPE tables [B, T, D] (halves equal)."""
-    shape = (B, T, HKV, G3 + 2, D)
-    if parts:
-        qkv = normal(10, (parts, *shape), jnp.float32, 0.5)
-    else:
-        qkv = normal(10, shape, dtype)
-    k = normal(11, (B, SLOTS, HKV, D), dtype)
-    v = normal(12, (B, SLOTS, HKV, D), dtype)
-    angles = POSITIONS[..., None].astype(jnp.float32) * 0.37 ** jnp.arange(D // 2)  # [B, T, D/2]
-    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)
-    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)
-    norm_arg = None
-    if norm:  # sums of squares with spare columns, as the matmul's [S, R >= B * T]
-        ss = jnp.abs(normal(13, (parts, B * T + 3), jnp.float32)) * 40.0 + 1.0
-        norm_arg = (ss, 64, 1e-5)
-    return qkv, k, v, (cos, sin), norm_arg
-
-
-@pytest.mark.parametrize("dtype, parts, norm, kw", [
-    (jnp.bfloat16, 0, False, {}),
-    (jnp.bfloat16, 3, True, {"sliding_window": 6}),
-    (jnp.float32, 2, False, {"softcap": 20.0, "rope": None}),
-    (jnp.bfloat16, 3, True, {"block_sizes": DecodeBlockSizes(block_k=16, num_splits=3)}),
-    (jnp.float32, 1, True, {"block_sizes": DecodeBlockSizes(block_k=16, split_keys=32),
-                            "sliding_window": 30})],
-    ids=["bf16", "chunks-norm-window", "f32-softcap-norope", "splits", "split_keys-window"])
-def test_verify_attention_append_matches_reference(dtype, parts, norm, kw):
-    """Output and both caches against the reference (sum, norm, RoPE, scatter, then chunk
-    attention); every slot but the new tokens' unchanged."""
-    qkv, k, v, rope, norm_arg = _append_operands(dtype, parts, norm)
-    kw = {"rope": rope, "norm": norm_arg, **kw}
-    out, k2, v2 = pk.verify_attention_append(qkv, k, v, POSITIONS, interpret=True, **kw)
-    kw.pop("block_sizes", None)
-    ref, k_ref, v_ref = pk.verify_attention_append_reference(qkv, k, v, POSITIONS, **kw)
-    assert out.shape == (B, T, HKV * G3, D) and out.dtype == dtype
-    tol = 1e-2 if dtype == jnp.bfloat16 else 1e-5
-    assert rel_err(out, ref) < tol
-    for new, want, old in ((k2, k_ref, k), (v2, v_ref, v)):
-        assert rel_err(new, want) < tol
-        written = jnp.zeros((B, SLOTS), bool).at[jnp.arange(B)[:, None], POSITIONS].set(True)
-        assert jnp.array_equal(jnp.where(written[..., None, None], old, new), old)
-
-
-def test_verify_attention_append_refuses_bad_input():
-    qkv, k, v, rope, _ = _append_operands(jnp.bfloat16, 0, False)
-    with pytest.raises(ValueError, match="consecutive"):
-        pk.verify_attention_append(qkv, k, v, POSITIONS.at[1, 2].set(50), interpret=True)
-    with pytest.raises(ValueError, match=r"positions must lie in \[0, 100\)"):
-        pk.verify_attention_append(qkv, k, v, POSITIONS + 4, interpret=True)
-    with pytest.raises(ValueError, match="k_cache has dtype int8"):  # codes: verify_attention
-        pk.verify_attention_append(qkv, k.astype(jnp.int8), v.astype(jnp.int8), POSITIONS)
-    with pytest.raises(ValueError, match=r"rope cos must be \[B, T, D\]"):
-        pk.verify_attention_append(qkv, k, v, POSITIONS, rope=(rope[0][:, :2], rope[1][:, :2]))
-
-
-@pytest.mark.parametrize("slots", [512, 8192])
-def test_verify_attention_append_lowers_for_h200(slots):
-    """Llama-3-8B shapes, batch 1, 5 new tokens from the q/k/v matmul's 2 normed chunks: one
-    chunk of the cache (the kernel normalizes) and a split 8k cache (merged after)."""
-    module = lower_for_h200(
-        lambda qkv, k, v, p, ss, cos, sin: pk.verify_attention_append(
-            qkv, k, v, p, rope=(cos, sin), norm=(ss, 4096, 1e-5)),
-        S((2, 1, 5, 8, 6, 128), jnp.float32), S((1, slots, 8, 128), BF16),
-        S((1, slots, 8, 128), BF16), S((1, 5), I32), S((2, 5), jnp.float32),
-        S((1, 5, 128), jnp.float32), S((1, 5, 128), jnp.float32))
-    assert kernel_names(module)["verify_attention_append"] == 1
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
-@pytest.mark.parametrize("b, slots, window", [(1, 512, None), (2, 4100, None), (3, 8192, 1000)])
-def test_verify_attention_append_gpu(b, slots, window):
-    """Compiled, Llama-3-8B's heads: 5 new tokens per row from 2 normed float32 chunks with
-    RoPE, one chunk of the cache or several merged, against the reference; caches too."""
-    t, hkv, g, d = 5, 8, 4, 128
-    qkv = normal(20, (2, b, t, hkv, g + 2, d), jnp.float32, 0.5)
-    k = normal(21, (b, slots, hkv, d), jnp.bfloat16)
-    v = normal(22, (b, slots, hkv, d), jnp.bfloat16)
-    starts = jnp.array([slots - t, slots // 2, 7][:b], jnp.int32)
-    pos = starts[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
-    angles = pos[..., None].astype(jnp.float32) * 0.9 ** jnp.arange(d // 2)
-    rope = tuple(jnp.concatenate([f(angles)] * 2, axis=-1) for f in (jnp.cos, jnp.sin))
-    ss = jnp.abs(normal(23, (2, b * t), jnp.float32)) * 2000.0 + 1.0
-    kw = dict(rope=rope, norm=(ss, 4096, 1e-5), sliding_window=window)
-    out, k2, v2 = jax.jit(lambda *a: pk.verify_attention_append(*a, **kw))(qkv, k, v, pos)
-    ref, k_ref, v_ref = pk.verify_attention_append_reference(qkv, k, v, pos, **kw)
-    assert rel_err(out, ref) < 1e-2
-    assert rel_err(k2, k_ref) < 1e-2 and rel_err(v2, v_ref) < 1e-2

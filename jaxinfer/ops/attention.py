@@ -2,9 +2,7 @@
 
 Dispatch is on the cache type and the query length: one new token per row against a
 contiguous cache takes one kernel (pallas_kernels/decode_attention_append.py: it sums the
-projection's chunks, applies the deferred norm and RoPE, writes K/V in place and attends),
-and so do 2..verify_queries new tokens at consecutive positions against a contiguous
-unquantized cache (a speculative verification: verify_attention_append.py);
+projection's chunks, applies the deferred norm and RoPE, writes K/V in place and attends);
 otherwise the prologue runs in XLA and the attention core is picked by `ATTENTION_CORE`:
 flash attention for a fresh prefill, the split-K decode kernel for one token against the
 cache, the masked reference for the rest (T > 1 against a cache: speculative verification
@@ -140,44 +138,6 @@ ATTEND.register("paged_decode_append_quantized", functools.partial(
     _paged_fused_supports, layer_type=QuantizedPagedKVLayer), kernel=True)(_paged_decode_append)
 ATTEND.register("decode_append_quantized", functools.partial(
     _fused_supports, layer_type=QuantizedKVLayer), kernel=True)(_decode_append)
-
-
-def _verify_append_supports(qkv: Projection, cache, plan, *, positions, rope, q_norm=None,
-                            fresh=False, **_) -> str | None:
-    b, t, hkv, rows, d = qkv.shape
-    if type(cache) is not KVLayer or fresh:
-        return "T new tokens against the earlier ones of a contiguous unquantized cache only"
-    if not plan.policy.verify_append or not 1 < t <= plan.policy.verify_queries:
-        return (f"2..{plan.policy.verify_queries} new tokens per row (KernelPolicy."
-                f"verify_queries), with KernelPolicy.verify_append")
-    if plan.policy.batch_invariant:
-        return "batch_invariant: the paged chunk kernel serves every T (one arithmetic)"
-    if not kernels_on(plan, qkv.dtype):
-        return "kernels off for these dtypes"
-    if q_norm is not None:
-        return "q/k norm"
-    if rope[0].shape[-1] != d or not (_kernel_head_dim(d) and _kernel_head_dim(d // 2)):
-        return f"head dim {d} with rotary dim {rope[0].shape[-1]}"
-    return None
-
-
-@ATTEND.register("verify_append", _verify_append_supports, kernel=True)
-def _verify_append(qkv: Projection, cache, plan, *, positions, rope, window=None, q_norm=None,
-                   k_norm=None, fresh=False, sm_scale=None, softcap=None):
-    """A speculative verification's T tokens (consecutive positions per row): the projection's
-    chunks summed and normed, RoPE, the append and attention in one kernel."""
-    value = qkv.get(frozenset({Form.ARRAY, Form.PARTIALS, Form.NORMED}))
-    norm_stats = None
-    if isinstance(value, Partials):
-        if value.norm is not None and len(value.norm) == 2:  # the input rows: not taken
-            value = value.materialize(qkv.dtype)
-        else:
-            value, norm_stats = value.parts, value.norm
-    out, k, v = pk.verify_attention_append(
-        value, cache.k, cache.v, positions, rope=rope, sliding_window=window, norm=norm_stats,
-        interpret=plan.policy.interpret, block_sizes=decode_blocks(plan), sm_scale=sm_scale,
-        softcap=softcap)
-    return out, KVLayer(k, v)  # [B, T, Hq, D]
 
 
 @ATTEND.register("prologue_then_core", always)
