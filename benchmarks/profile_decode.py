@@ -32,9 +32,9 @@ import numpy as np
 import jaxinfer
 from jaxinfer.bench import random_model
 from jaxinfer.generate import decode_loop, init_state, prefill, run_params
-from jaxinfer.speculative_bench import _forward as verification_forward
 from jaxinfer.plan import At, Boundary, Impl, KernelPolicy, Prefetch
 from jaxinfer.sampling import SamplingParams
+from jaxinfer.speculative_bench import _forward as verification_forward
 from pallas_kernels import DecodeBlockSizes, MatmulBlockSizes
 
 
@@ -111,20 +111,18 @@ def decode_setup(preset: str, dtype: str, batch: int, prompt_len: int, steps: in
 
 
 def _loop(model, fresh):
-    """() -> runs `steps` decode steps (the jitted loop) from a fresh prefilled state."""
+    """(prepare, run): run(prepare()) runs `steps` decode steps (the jitted loop) from a fresh
+    prefilled state, made by prepare outside the clock."""
     loop = decode_loop.lower(model.params, fresh(), model.plan).compile()
     jax.block_until_ready(loop(model.params, fresh()))  # warm up
-
-    def run():
-        s = fresh()
-        jax.block_until_ready(loop(model.params, s))
-    return run
+    return fresh, lambda s: jax.block_until_ready(loop(model.params, s))
 
 
 def forwards(model, state, t: int, steps: int):
-    """() -> runs `steps` jitted model forwards of t tokens per row against the state's
-    prefilled cache (positions from each row's length: the slots a verification writes), as
-    `jaxinfer bench --speculative` times a verification (speculative_bench.verification_cost)."""
+    """(prepare, run): run(prepare()) runs `steps` jitted model forwards of t tokens per row
+    against the state's prefilled cache (positions from each row's length: the slots a
+    verification writes), as `jaxinfer bench --speculative` times a verification
+    (speculative_bench.verification_cost)."""
     params = run_params(model, model.plan)
     b = state.positions.shape[0]
     tokens = jnp.ones((b, t), jnp.int32)
@@ -132,12 +130,12 @@ def forwards(model, state, t: int, steps: int):
     logits, cache = verification_forward(params, tokens, positions, state.cache, model.plan)
     jax.block_until_ready(logits)  # compiled
 
-    def run():
+    def run(_):
         nonlocal cache
         for _ in range(steps):
             logits, cache = verification_forward(params, tokens, positions, cache, model.plan)
         jax.block_until_ready(logits)
-    return run
+    return (lambda: None), run
 
 
 def policy_from_args(args) -> KernelPolicy:
@@ -224,17 +222,19 @@ def main(argv=None) -> int:
     model, fresh = decode_setup(args.preset, dtype, args.batch, args.prompt_len, args.steps,
                                 policy=policy, logprobs=args.logprobs,
                                 quantization=args.quantization, path=args.model)
-    run = (forwards(model, fresh(), args.tokens, args.steps) if args.tokens
-           else _loop(model, fresh))
+    prepare, run = (forwards(model, fresh(), args.tokens, args.steps) if args.tokens
+                    else _loop(model, fresh))
     wall = float("inf")
     for _ in range(3):  # the best of 3 runs (host-side noise in one run reached ~1.5%)
+        s = prepare()
         t0 = time.perf_counter()
-        run()
+        run(s)
         wall = min(wall, (time.perf_counter() - t0) / args.steps)
 
     log_dir = args.out or tempfile.mkdtemp(prefix="jaxinfer-trace-")
+    s = prepare()
     with jax.profiler.trace(log_dir, create_perfetto_trace=True):
-        run()
+        run(s)
     kernels = device_kernels(load_trace(log_dir))
     if not kernels:
         print("no GPU kernel events in the trace", file=sys.stderr)
