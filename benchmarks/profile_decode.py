@@ -249,7 +249,8 @@ def main(argv=None) -> int:
         count[g] += 1
     busy = sum(total.values()) / args.steps
     span = (max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)) / args.steps
-    print(f"\n{args.model or args.preset} B={args.batch} ctx={args.prompt_len}: wall "
+    what = f" T={args.tokens} (a step: one forward)" if args.tokens else ""
+    print(f"\n{args.model or args.preset} B={args.batch} ctx={args.prompt_len}{what}: wall "
           f"{wall * 1e3:.3f} ms/step (untraced), traced span {span / 1e3:.3f} ms/step, kernel "
           f"time {busy / 1e3:.3f} ms/step, {len(kernels) / args.steps:.1f} kernels/step")
     print(f"{'us/step':>9s} {'n/step':>7s} {'share':>6s}  kernel")
@@ -262,6 +263,7 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(preset=args.preset, batch=args.batch, prompt_len=args.prompt_len,
+                           tokens=args.tokens,
                            wall_ms=wall * 1e3, span_ms=span / 1e3, kernel_ms=busy / 1e3,
                            kernels_per_step=len(kernels) / args.steps, rows=rows), f, indent=1)
     return 0
