@@ -130,11 +130,11 @@ class KernelPolicy:
     # The most rows (B * T, at most 8) whose pre-norm boundary (residual add, RMSNorm) runs in
     # the Mosaic kernel's main loop (formats without offsets), as the bf16 path's fused
     # kernels do, before q/k/v (mosaic_norm_rows) and before gate / up (mosaic_mlp_norm_rows);
-    # more rows, or 0, take the add_rms_norm kernel before it. Off: each of the launch's
-    # programs redoes the boundary for its K range, and with the deltas (the residual add)
-    # q/k/v's launch took 5 us more and gate / up's 11-15 us, against add_rms_norm's 2.4
-    # (H100, benchmarks/DECISIONS.md, session 20).
-    mosaic_norm_rows: int = 0
+    # more rows, or 0, take the add_rms_norm kernel before it. Each of the launch's programs
+    # redoes the boundary for its K range: before q/k/v (3 stages) a step measured 1.1-2.1%
+    # faster than with add_rms_norm; before gate / up (1792 programs) 7% slower (H100,
+    # benchmarks/DECISIONS.md, sessions 20 and 22).
+    mosaic_norm_rows: int = 8
     mosaic_mlp_norm_rows: int = 0
     # 4-bit codes repacked for the Mosaic kernel in fragment order (pallas_kernels/quantized
     # .to_frag): loaded straight into the MMA's registers, converted in place, no shuffles

@@ -205,14 +205,17 @@ MIN_BLOCKS = 128  # about one block per SM (the H200 has 132)
 
 
 def default_config(m: int, k: int, n: int, fmt: NkFormat = NkFormat(),
-                   code_bits: int = 4) -> MgpuMatmulConfig:
+                   code_bits: int = 4, norm: bool = False) -> MgpuMatmulConfig:
     """Two 128-wide units a step, four steps in flight, K in four ranges, as K allows (the
     best or within 5% of it at every decode shape of Llama-3-8B at M = 1 and 16, groups of
     128: benchmarks/DECISIONS.md); above 16 rows the fewest ranges that still give about every
     SM a block (M = 64: 1.1-1.2x faster than four); a split holds whole super-groups; the products of as many
     groups in flight as _ACC_REGS registers hold; fewer stages where four would pass _SMEM
     (8-bit codes at 64 rows); groups under 128 loaded 128 codes at a time (`wide`, faster
-    at one row: benchmarks/DECISIONS.md)."""
+    at one row: benchmarks/DECISIONS.md). norm (the boundary in the main loop): at most three
+    stages, since its deltas' tiles and the residual stream's staging take a program's shared
+    memory past four programs an SM (session 22: q/k/v's boundary 2.2% slower a step at four
+    stages, 1.1-2.1% faster at three)."""
     units = k // GROUP
     gps = 2 if units % 2 == 0 else 1
     whole = max(gps, fmt.super_group // GROUP)  # units a split must hold whole
@@ -228,7 +231,7 @@ def default_config(m: int, k: int, n: int, fmt: NkFormat = NkFormat(),
     bk = gps * GROUP
     stage = (BN * bk * code_bits // 8 + mp * bk * 2
              + per_step * 4 * (BN * (1 + fmt.offset) + mp * fmt.x_sums) + 2 * BN * 4)
-    stages = max(2, min(4, (_SMEM - BN * mp * 4) // stage))
+    stages = max(2, min(3 if norm else 4, (_SMEM - BN * mp * 4) // stage))
     return MgpuMatmulConfig(gps=gps, stages=stages, splits=splits,
                             batch=0 if batch == per_step else batch,
                             wide=fmt.group < GROUP)
@@ -265,13 +268,13 @@ def quantized_matmul_mgpu(x, qw, *, experts=None, cfg: MgpuMatmulConfig | None =
         raise ValueError(f"quantized_matmul_mgpu: cfg.frag={cfg.frag}, but the codes are stored "
                          f"in {'fragment' if qws[0].frag else 'K'} order (to_nk(frag=...))")
     rows = x.shape[0] if experts is None else experts[0].shape[0]
+    norm = norm_weight is not None
     cfg = cfg or dataclasses.replace(
         default_config(rows, qws[0].k, sum(w.n for w in qws), fmt,
-                       _bits(qws[0].planes[0].dtype)), frag=qws[0].frag)
+                       _bits(qws[0].planes[0].dtype), norm=norm), frag=qws[0].frag)
 
     def arrays(name):
         return tuple(getattr(w, name) for w in qws) if getattr(fmt, name) else ()
-    norm = norm_weight is not None
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     out = int_matmul_mgpu(x, tuple(w.planes[0] for w in qws), tuple(w.scale for w in qws),
                           arrays("offset"), arrays("super_scale"), arrays("super_offset"),

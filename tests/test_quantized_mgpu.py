@@ -24,7 +24,7 @@ from checkpoints import gguf as G
 from checkpoints import gguf_blocks
 from kernel_testing import _jaxprs, jitted_calls_in, normal, rel_err
 from pallas_kernels.quantized import dequantize, quantize_weight
-from pallas_kernels.quantized_mgpu import MgpuMatmulConfig
+from pallas_kernels.quantized_mgpu import MgpuMatmulConfig, default_config
 from test_gguf_blocks import QT, assert_bits_equal, mixed, random_blocks, tiny_llama
 from test_kernel_wiring import INTERPRET, assert_close_to_reference, decode_steps, random_params, tiny_config
 
@@ -216,6 +216,10 @@ def test_boundary_in_the_kernel_matches_reference(interpret, m, n_deltas, bits):
     xf = x_new.astype(jnp.float32)
     assert ss.shape == (2, 8) and rel_err(jnp.sum(ss, 0)[:m], jnp.sum(xf * xf, 1)) < 1e-5
     assert rel_err(y, want) < 5e-3
+    # the default config with the boundary (three stages where it fits)
+    y, _, _ = pk.quantized_matmul_mgpu(x, nk, interpret=interpret, out_dtype=jnp.float32,
+                                       norm_weight=nw, eps=1e-5, deltas=deltas)
+    assert rel_err(y, want) < 5e-3
     parts, _, _ = pk.quantized_matmul_mgpu(x, nk, cfg=cfg, interpret=interpret, partials=True,
                                            norm_weight=nw, eps=1e-5, deltas=deltas)
     inv_rms = jax.lax.rsqrt(jnp.mean(xf * xf, axis=1) + 1e-5)[:, None]
@@ -226,6 +230,10 @@ def test_boundary_in_the_kernel_matches_reference(interpret, m, n_deltas, bits):
     assert rel_err(other, want) > 0.05
     assert "rows" in pk.nk_norm_unfit(9, nk)
     assert "offsets" in pk.nk_norm_unfit(1, pk.to_nk(_int4(11, k, n, bits="Q4_K")))
+    # by default three stages with the boundary (its staging would cap programs an SM), four
+    # without (Llama-3-8B's q/k/v)
+    assert default_config(1, 4096, 6144, norm=True).stages == 3
+    assert default_config(1, 4096, 6144).stages == 4
     with pytest.raises(ValueError, match="at most 8 rows"):
         pk.quantized_matmul_mgpu(normal(12, (9, k), jnp.bfloat16), nk, interpret=interpret,
                                  norm_weight=nw)
@@ -236,8 +244,9 @@ def test_decode_path_takes_the_mosaic_kernel_and_matches_reference():
     through the kernel (counted in the traced step); logits against the reference path."""
     config = tiny_config(hidden_size=128, intermediate_size=256, num_layers=1, vocab_size=128)
     params = quantize_params(typed(random_params(config), llama.param_specs(config)), "int4", 128)
+    # the boundaries apart first (add_rms_norm before each matmul; the default below)
     plan = Plan(config, INTERPRET.replace(quant_matmul="mosaic", dequant_block_bytes=0,
-                                          int4_fragment_order=False))
+                                          int4_fragment_order=False, mosaic_norm_rows=0))
     nk = int_layout_params(params, plan)
     assert not nk["layers"][0]["w_down"].frag
     assert nk["embed"].layout == "tiles"  # a table's columns are gathered, not multiplied
@@ -272,11 +281,13 @@ def test_decode_path_takes_the_mosaic_kernel_and_matches_reference():
         return jax.block_until_ready(forward(*args, **kwargs))
     fused = decode_steps(nk, plan, ids, forward=step)[0]
     assert_close_to_reference(params, config, ids, fused)
-    # The boundaries in the kernels (KernelPolicy.mosaic_norm_rows, mosaic_mlp_norm_rows):
-    # down's sums go to q/k/v's launch, which adds them with the norm in its main loop and
-    # returns its sums, the residual stream and the sums of squares (for attention); then
-    # o's to gate / up's too, which return their finished products and the same two. The
-    # logits as close to the reference.
+    # The boundaries in the kernels (KernelPolicy.mosaic_norm_rows, on by default, and
+    # mosaic_mlp_norm_rows): down's sums go to q/k/v's launch, which adds them with the norm
+    # in its main loop and returns its sums, the residual stream and the sums of squares (for
+    # attention); then o's to gate / up's too, which return their finished products and the
+    # same two. The logits as close to the reference.
+    assert KernelPolicy().mosaic_norm_rows == 8  # NORM_ROWS, all the kernel takes
+    assert KernelPolicy().mosaic_mlp_norm_rows == 0
     for changes, want in (({"mosaic_norm_rows": 8}, {(3, 2, 2): 1, (3,): 2, (2, 2): 1, (2,): 1}),
                           ({"mosaic_norm_rows": 8, "mosaic_mlp_norm_rows": 8},
                            {(3, 2, 2): 1, (3,): 2, (2, 2, 2, 2): 1, (2,): 1})):
