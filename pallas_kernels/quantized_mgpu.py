@@ -30,7 +30,8 @@ many ranges (a grid axis), summed in float32 by the wrapper.
 With norm_w (decode rows <= 8), each K step first rewrites x's tile in place: the residual
 add of a producer's K-range sums and the RMSNorm's weight (its scale left to the caller), so
 no add_rms_norm kernel runs before the launch. Every program redoes it for its K range
-(KernelPolicy.mosaic_norm_rows says where that pays; benchmarks/DECISIONS.md, session 20).
+(KernelPolicy.mosaic_norm_rows says where that pays: before q/k/v, at three stages;
+benchmarks/DECISIONS.md, sessions 20 and 22).
 """
 
 from __future__ import annotations
