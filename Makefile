@@ -15,7 +15,7 @@ PROMPT ?= What is the capital of France?
 # `make run V=1`: also the load time, time to first token and decode speed (jaxinfer -v).
 V ?=
 
-.PHONY: run test venv clean chromium
+.PHONY: run test venv clean test-packages
 
 $(VENV)/.created:
 	@base=$$($(FIND_PYTHON)) || { echo "error: no Python >= 3.12 found (jax >= 0.11 needs it); install one, e.g. 'pyenv install 3.12'" >&2; exit 1; }; \
@@ -36,19 +36,31 @@ venv: $(VENV)/.installed
 run: $(VENV)/.installed
 	$(VENV)/bin/jaxinfer $(if $(V),-v) generate "$(PROMPT)"
 
-# The chat page's browser test drives the distribution's Chromium (Debian's package; no
-# browser download): installed here when missing and we are root with apt-get, else it skips.
-chromium:
-	@if [ ! -x /usr/bin/chromium ] && ! command -v chromium >/dev/null 2>&1; then \
+# Debian packages the tests use, installed here when missing and we are root with apt-get:
+# chromium (the chat page's browser test drives the distribution's Chromium; no browser
+# download; without it that test skips) and libjemalloc2 (the suite runs under jemalloc:
+# XLA's CPU compiles spent ~14% of their time in glibc's malloc; the suite's pytest took 707 s
+# against 752-793 s, benchmarks/DECISIONS.md; without it, glibc's).
+JEMALLOC_LIB := ls /usr/lib/*/libjemalloc.so.2 /usr/lib/libjemalloc.so.2 2>/dev/null | head -1
+test-packages:
+	@missing=""; \
+	[ -x /usr/bin/chromium ] || command -v chromium >/dev/null 2>&1 || missing="chromium"; \
+	[ -n "$$($(JEMALLOC_LIB))" ] || missing="$$missing libjemalloc2"; \
+	if [ -n "$$missing" ]; then \
 	  if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
-	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; \
-	  else echo "note: no chromium (apt-get install chromium); the chat page's test will skip"; fi; \
+	    apt-get update -qq && for pkg in $$missing; do \
+	      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$pkg \
+	        || echo "note: could not install $$pkg"; done; \
+	  else echo "note: missing$$missing (apt-get install$$missing): without chromium the chat \
+	page's test skips, without jemalloc the suite runs slower"; fi; \
 	fi
 
 # Two workers for the two cores. (The worker crashes once seen in XLA CPU compiles were the
 # process running out of memory maps: tests/conftest.py keeps it under vm.max_map_count.)
-test: $(VENV)/.installed-test chromium
-	$(PY) -m pytest -n 2 --dist worksteal -q
+# The suite's processes (and those they start) under jemalloc where it is installed.
+test: $(VENV)/.installed-test test-packages
+	@lib=$$($(JEMALLOC_LIB)); \
+	env $${lib:+LD_PRELOAD="$$lib"} $(PY) -m pytest -n 2 --dist worksteal -q
 
 clean:
 	rm -rf $(VENV)
