@@ -39,7 +39,7 @@ run: $(VENV)/.installed
 # Debian packages the tests use, installed here when missing and we are root with apt-get:
 # chromium (the chat page's browser test drives the distribution's Chromium; no browser
 # download; without it that test skips) and libjemalloc2 (the suite runs under jemalloc:
-# XLA's CPU compiles spent ~14% of their time in glibc's malloc; the suite's pytest took 707 s
+# XLA's CPU compiles spent ~14% of their time in glibc's malloc; the suite's pytest took 707-748 s
 # against 752-793 s, benchmarks/DECISIONS.md; without it, glibc's).
 JEMALLOC_LIB := ls /usr/lib/*/libjemalloc.so.2 /usr/lib/libjemalloc.so.2 2>/dev/null | head -1
 test-packages:
