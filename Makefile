@@ -44,7 +44,7 @@ run: $(VENV)/.installed
 JEMALLOC_LIB := ls /usr/lib/*/libjemalloc.so.2 /usr/lib/libjemalloc.so.2 2>/dev/null | head -1
 test-packages:
 	@missing=""; \
-	[ -x /usr/bin/chromium ] || command -v chromium >/dev/null 2>&1 || missing="chromium"; \
+	[ -x /usr/bin/chromium ] || command -v chromium >/dev/null 2>&1 || missing=" chromium"; \
 	[ -n "$$($(JEMALLOC_LIB))" ] || missing="$$missing libjemalloc2"; \
 	if [ -n "$$missing" ]; then \
 	  if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
