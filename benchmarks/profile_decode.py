@@ -151,8 +151,6 @@ def policy_from_args(args) -> KernelPolicy:
         changes["one_kernel_mlp_rows"] = args.mlp_rows
     if args.mosaic_norm_rows is not None:
         changes["mosaic_norm_rows"] = args.mosaic_norm_rows
-    if args.mosaic_mlp_norm_rows is not None:
-        changes["mosaic_mlp_norm_rows"] = args.mosaic_mlp_norm_rows
     if args.lm_head:
         changes["lm_head"] = Impl(args.lm_head)
     if args.blocks:
@@ -192,8 +190,6 @@ def main(argv=None) -> int:
                    help="decode batches of at most this many rows run the boundary before "
                         "q/k/v in the Mosaic quantized kernel (KernelPolicy.mosaic_norm_rows; "
                         "0: never)")
-    p.add_argument("--mosaic-mlp-norm-rows", type=int, default=None,
-                   help="the same before gate / up (KernelPolicy.mosaic_mlp_norm_rows)")
     p.add_argument("--lm-head", choices=("xla", "pallas"), default=None,
                    help="the LM head through XLA's dot or the fused matmul (KernelPolicy.lm_head)")
     p.add_argument("--blocks", default=None,

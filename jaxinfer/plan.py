@@ -127,15 +127,13 @@ class KernelPolicy:
     # The most rows (B * T) an nk weight's matmul takes through the Mosaic GPU kernel (at most
     # its 64); more dequantize the weight and take XLA's dot (prefill).
     mosaic_int_rows: int = 64
-    # The most rows (B * T, at most 8) whose pre-norm boundary (residual add, RMSNorm) runs in
-    # the Mosaic kernel's main loop (formats without offsets), as the bf16 path's fused
-    # kernels do, before q/k/v (mosaic_norm_rows) and before gate / up (mosaic_mlp_norm_rows);
-    # more rows, or 0, take the add_rms_norm kernel before it. Each of the launch's programs
-    # redoes the boundary for its K range: before q/k/v (3 stages) a step measured 1.1-2.1%
-    # faster than with add_rms_norm; before gate / up (1792 programs) 7% slower (H100,
-    # benchmarks/DECISIONS.md, sessions 20 and 22).
+    # The most rows (B * T, at most 8) whose pre-norm boundary before q/k/v (residual add,
+    # RMSNorm) runs in the Mosaic kernel's main loop (formats without offsets), as the bf16
+    # path's fused kernels do; more rows, or 0, take the add_rms_norm kernel before it. Each
+    # of the launch's programs redoes the boundary for its K range: at 3 stages a step measured
+    # 1.1-2.1% faster than with add_rms_norm (H100, benchmarks/DECISIONS.md, sessions 20-22;
+    # before gate / up, 1792 programs, it was 7% slower and is not offered).
     mosaic_norm_rows: int = 8
-    mosaic_mlp_norm_rows: int = 0
     # 4-bit codes repacked for the Mosaic kernel in fragment order (pallas_kernels/quantized
     # .to_frag): loaded straight into the MMA's registers, converted in place, no shuffles
     # (21% fewer instructions; 4.5% faster end to end at Llama-3-8B B=1 on the H100:
@@ -195,11 +193,10 @@ class KernelPolicy:
                              f"'mosaic', 'triton'")
         _check_int("fused_rows", self.fused_rows, 0)
         _check_int("mosaic_int_rows", self.mosaic_int_rows, 0)
-        for name in ("mosaic_norm_rows", "mosaic_mlp_norm_rows"):
-            _check_int(name, getattr(self, name), 0)
-            if getattr(self, name) > 8:
-                raise ValueError(f"KernelPolicy.{name}={getattr(self, name)}: the Mosaic "
-                                 f"kernel's boundary takes at most 8 rows")
+        _check_int("mosaic_norm_rows", self.mosaic_norm_rows, 0)
+        if self.mosaic_norm_rows > 8:
+            raise ValueError(f"KernelPolicy.mosaic_norm_rows={self.mosaic_norm_rows}: the "
+                             f"Mosaic kernel's boundary takes at most 8 rows")
         if self.mosaic_int_rows > 64:
             raise ValueError(f"KernelPolicy.mosaic_int_rows={self.mosaic_int_rows}: the Mosaic "
                              f"GPU kernel takes at most 64 rows")

@@ -26,7 +26,8 @@ from kernel_testing import _jaxprs, jitted_calls_in, normal, rel_err
 from pallas_kernels.quantized import dequantize, quantize_weight
 from pallas_kernels.quantized_mgpu import MgpuMatmulConfig, default_config
 from test_gguf_blocks import QT, assert_bits_equal, mixed, random_blocks, tiny_llama
-from test_kernel_wiring import INTERPRET, assert_close_to_reference, decode_steps, random_params, tiny_config
+from test_kernel_wiring import (INTERPRET, assert_close, assert_close_to_reference, decode_steps,
+                                random_params, tiny_config)
 
 GGUF = gguf_blocks.BLOCK_TYPES  # Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K
 
@@ -279,25 +280,19 @@ def test_decode_path_takes_the_mosaic_kernel_and_matches_reference():
 
     def step(*args, **kwargs):
         return jax.block_until_ready(forward(*args, **kwargs))
-    fused = decode_steps(nk, plan, ids, forward=step)[0]
-    assert_close_to_reference(params, config, ids, fused)
-    # The boundaries in the kernels (KernelPolicy.mosaic_norm_rows, on by default, and
-    # mosaic_mlp_norm_rows): down's sums go to q/k/v's launch, which adds them with the norm
-    # in its main loop and returns its sums, the residual stream and the sums of squares (for
-    # attention); then o's to gate / up's too, which return their finished products and the
-    # same two. The logits as close to the reference.
+    ref, _ = decode_steps(params, Plan(config, KernelPolicy.reference()), ids, forward=step)
+    assert_close(decode_steps(nk, plan, ids, forward=step)[0], ref)
+    # The boundary before q/k/v in the kernel (KernelPolicy.mosaic_norm_rows, on by default):
+    # down's sums go to q/k/v's launch, which adds them with the norm in its main loop and
+    # returns its sums, the residual stream and the sums of squares (for attention). The
+    # logits as close to the reference.
     assert KernelPolicy().mosaic_norm_rows == 8  # NORM_ROWS, all the kernel takes
-    assert KernelPolicy().mosaic_mlp_norm_rows == 0
-    for changes, want in (({"mosaic_norm_rows": 8}, {(3, 2, 2): 1, (3,): 2, (2, 2): 1, (2,): 1}),
-                          ({"mosaic_norm_rows": 8, "mosaic_mlp_norm_rows": 8},
-                           {(3, 2, 2): 1, (3,): 2, (2, 2, 2, 2): 1, (2,): 1})):
-        other = Plan(config, plan.policy.replace(**changes))
-        outs.clear()
-        walk(jax.make_jaxpr(lambda p, c: llama.forward(p, tokens, tokens, other, c))(
-            nk, cache).jaxpr)
-        assert outs == want, (changes, outs)
-        assert_close_to_reference(params, config, ids,
-                                  decode_steps(nk, other, ids, forward=step)[0])
+    other = Plan(config, plan.policy.replace(mosaic_norm_rows=8))
+    outs.clear()
+    walk(jax.make_jaxpr(lambda p, c: llama.forward(p, tokens, tokens, other, c))(
+        nk, cache).jaxpr)
+    assert outs == {(3, 2, 2): 1, (3,): 2, (2, 2): 1, (2,): 1}, outs
+    assert_close(decode_steps(nk, other, ids, forward=step)[0], ref)
     # With the int4 codes in fragment order: the same kernels, the same logits.
     fplan = Plan(config, plan.policy.replace(int4_fragment_order=True))
     frag = int_layout_params(params, fplan)

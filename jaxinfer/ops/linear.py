@@ -156,13 +156,11 @@ def _mosaic_int_supports(x, w, plan, **_) -> str | None:
     return None
 
 
-def mosaic_boundary(x_aval, w, plan: Plan, deltas=None, max_rows: int | None = None) -> bool:
+def mosaic_boundary(x_aval, w, plan: Plan, deltas=None) -> bool:
     """Whether the pre-norm boundary before nk weight(s) w runs in the Mosaic kernel's main
-    loop for activations x_aval (at most max_rows rows: KernelPolicy.mosaic_norm_rows, or
-    mosaic_mlp_norm_rows before gate / up)."""
+    loop for activations x_aval (at most KernelPolicy.mosaic_norm_rows rows)."""
     m = rows(x_aval)
-    limit = plan.policy.mosaic_norm_rows if max_rows is None else max_rows
-    return (m <= limit and not plan.config.norm_offset
+    return (m <= plan.policy.mosaic_norm_rows and not plan.config.norm_offset
             and pk.nk_norm_unfit(m, w) is None
             and (deltas is None or (isinstance(deltas, Partials) and deltas.norm is None)))
 

@@ -17,8 +17,8 @@ import pallas_kernels as pk
 from jaxinfer.ops import blocked, reference
 from jaxinfer.ops.dispatch import (Layout, Registry, always, batch_axis, decode_path,
                                    kernels_on, rows)
-from jaxinfer.ops.linear import (MATMUL, add_deltas, boundary, linear, mosaic_boundary, norm,
-                                 prefetch_pairs, tiles)
+from jaxinfer.ops.linear import (MATMUL, add_deltas, boundary, linear, norm, prefetch_pairs,
+                                 tiles)
 from jaxinfer.ops.stream import ANY_SUM, Deferred, Partials, Residual, resolve
 from jaxinfer.plan import Boundary, Plan
 from jaxinfer.sharding import local_weight, weight_specs
@@ -104,18 +104,9 @@ def _one_launch(w_gate, w_up) -> bool:
 def _mosaic_int_swiglu(x, w_gate, w_up, plan, *, biases=(None, None), norm_w=None, eps=0.0,
                         deltas=None, prefetch=()):
     """Gate and up in the nk layout: both through one launch of the Mosaic GPU kernel (each
-    through its own where their formats or code dtypes differ), then act * up; the boundary
-    before them (deltas, the norm) in that launch's main loop where mosaic_boundary says."""
-    if norm_w is not None and _one_launch(w_gate, w_up) and mosaic_boundary(
-            x, (w_gate, w_up), plan, deltas, plan.policy.mosaic_mlp_norm_rows):
-        m, k = rows(x), x.shape[-1]
-        ys, x_new, _ = pk.quantized_matmul_mgpu(
-            x.reshape(m, k), (w_gate, w_up), interpret=plan.policy.interpret,
-            out_dtype=jnp.float32, norm_weight=norm_w, eps=eps,
-            deltas=None if deltas is None else deltas.parts.reshape(-1, m, k))
-        gate, up = (y.reshape(*x.shape[:-1], *w.out_shape) for y, w in
-                    zip(ys, (w_gate, w_up)))
-        return x_new.reshape(x.shape), _gate(gate, up, biases, plan).astype(x.dtype)
+    through its own where their formats or code dtypes differ), then act * up. The boundary
+    before them stays apart: in that launch's main loop each of its programs (1792 at
+    Llama-3-8B's) redoes it, 7% slower a step (benchmarks/DECISIONS.md, sessions 20 and 22)."""
     x = add_deltas(x, deltas)
     h = x if norm_w is None else norm(x, norm_w, eps, plan)
     if _one_launch(w_gate, w_up):
@@ -187,10 +178,7 @@ def gated_mlp(stream: Residual, norm_weight, w_gate, w_up, w_down, plan: Plan, *
     hints = prefetch_pairs(policy.prefetch_gated_mlp, (w_gate, w_up), m, plan) \
         if kernel and decode_path(aval, plan) else ()
     x, delta = stream.take(ANY_SUM, hints)
-    mosaic = (picked == "mosaic_int" and _one_launch(w_gate, w_up)
-              and mosaic_boundary(aval, (w_gate, w_up), plan, delta,
-                                  policy.mosaic_mlp_norm_rows))
-    in_kernel = ((kernel or mosaic) and policy.gated_mlp_boundary is Boundary.CONSUMER
+    in_kernel = (kernel and policy.gated_mlp_boundary is Boundary.CONSUMER
                  and not plan.config.norm_offset and isinstance(delta, Partials))
     if in_kernel and post_norm is None and _one_kernel(aval, w_gate, w_up, w_down, plan,
                                                        biases):
