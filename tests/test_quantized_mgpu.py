@@ -256,7 +256,8 @@ def test_decode_path_takes_the_mosaic_kernel_and_matches_reference():
         is_leaf=lambda a: isinstance(a, pk.QuantizedWeight)) if isinstance(w, pk.QuantizedWeight)}
     assert layouts == {"nk"}, layouts
     ids = jax.random.randint(jax.random.key(2), (2, 5), 0, config.vocab_size)
-    cache = KVCache.init(config, 2, 16)
+    # decode_steps' cache length (T + 3): the single steps below reuse its compiled decode step
+    cache = KVCache.init(config, 2, 8)
     tokens = jnp.ones((2, 1), jnp.int32)
     calls = jitted_calls_in(lambda p, c: llama.forward(p, tokens, tokens, plan, c), nk, cache)
     # one decode step through the kernel: q/k/v, o, gate and up (one launch), down, the head
