@@ -135,9 +135,10 @@ def test_kernel_path_matches_reference_path(variant, boundary):
     want = {"xla": (5, 0), "kernel": (1, 4), "swiglu": (1, 2),
             "consumers": (1, 2) if config.qkv_bias else (0, 1)}[boundary]
     assert (names["rms_norm"], names["add_rms_norm"]) == want, names
-    assert_close_to_reference(params, config, ids, fused)
+    # the reference's logits and cache from one run
+    ref, ref_cache = decode_steps(params, Plan(config, KernelPolicy.reference()), ids)
+    assert_close(fused, ref)
     # The kernel wrote the same (rotated) keys and values to the cache.
-    _, ref_cache = decode_steps(params, Plan(config, KernelPolicy.reference()), ids)
     for k, k_ref in zip(cache.k + cache.v, ref_cache.k + ref_cache.v):
         assert rel_err(k[:, :ids.shape[1]], k_ref[:, :ids.shape[1]]) < 1e-2
 
