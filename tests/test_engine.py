@@ -347,7 +347,7 @@ def test_warmup_compiles_every_shape_serving_needs(tiny_chat):
     assert penalized in [sp for _, sp, _ in reqs] and greedy in [sp for _, sp, _ in reqs]
     got, _ = _serve(engine, reqs, np.random.default_rng(5))
     assert step.prefill_step._cache_size() + step.decode_step._cache_size() == compiled
-    for i, (toks, _, _) in enumerate(_reference(model, reqs)):
+    for i, (toks, _, _) in enumerate(_reference(model, reqs, batch=len(reqs))):
         assert got[i][0] == toks, i
     with pytest.raises(ValueError, match="idle engine"):
         engine.add_request([5, 6, 7], max_tokens=2)
@@ -420,7 +420,7 @@ def test_constrained_rows_beside_free_rows(tiny_chat):
             got[out.request_id] = (toks, lps, tops, out.finish_reason)
     assert [r.preemptions for r in held[4:]] == [1, 1]
     plain = [(p, dataclasses.replace(sp, top_logprobs=0), n) for p, sp, n in free]
-    for i, (toks, lps, reason) in zip(ids, _reference(model, plain)):
+    for i, (toks, lps, reason) in zip(ids, _reference(model, plain, batch=len(plain))):
         assert got[i][0] == toks and got[i][3] == reason
         if lps:
             np.testing.assert_allclose(got[i][1], lps, atol=1e-4)
