@@ -70,9 +70,11 @@ def test_cpu_tile_is_half_the_last_level_cache(tmp_path, sizes, want_mib):
     assert blocked.cpu_block_bytes(str(tmp_path)) == want_mib << 20
 
 
-def _quantized_model():
+@pytest.fixture(scope="module")
+def quantized_model():
     """A tiny float32 llama of 6 layers, its matmul weights int4 (group 32), and the bytes of
-    its float32 matmul weights: all layers', and one layer's."""
+    its float32 matmul weights: all layers', and one layer's. Quantized once for the module
+    (op by op, ~2 s)."""
     config = tiny_config(dtype="float32", num_layers=6, hidden_size=256, intermediate_size=1024,
                          head_dim=64, vocab_size=512, max_position_embeddings=512)
     params = random_params(config)
@@ -91,20 +93,21 @@ def _compiled(model, policy, prompt_len: int):
                                         [])
     params = run_params(model, plan)
     first = prefill.lower(params, tokens, lengths, state, plan).compile()
-    loop = decode_loop.lower(params, prefill(params, tokens, lengths, state, plan),
-                             plan).compile()
+    # the loop lowered on prefill's output shapes: nothing run (the same program)
+    after = jax.eval_shape(lambda *a: prefill(*a, plan), params, tokens, lengths, state)
+    loop = decode_loop.lower(params, after, plan).compile()
     return params, first, loop
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU path")
-def test_cpu_decode_holds_the_codes_not_every_layers_float_weights():
+def test_cpu_decode_holds_the_codes_not_every_layers_float_weights(quantized_model):
     """The CPU default keeps a quantized model's codes through a request: the decode loop's
     temporaries stay under one layer's float32 weights and the prefill's (128 tokens, each
     weight dequantized whole after its input) under one layer's plus activations, where
     dequantizing every layer (XLA hoists it out of the decode loop, or schedules it up
     front) would hold all six layers' float copies. The old path (dequant_block_bytes=0:
     the whole model dequantized per request) shows what the measure sees when it does."""
-    model, all_layers, one_layer = _quantized_model()
+    model, all_layers, one_layer = quantized_model
     codes = param_bytes(model.params)
     params, first, loop = _compiled(model, KernelPolicy(), prompt_len=100)
     assert param_bytes(params) == codes < all_layers / 4
@@ -120,12 +123,12 @@ def test_cpu_decode_holds_the_codes_not_every_layers_float_weights():
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU path")
-def test_cpu_tiles_give_the_whole_weights_tokens():
+def test_cpu_tiles_give_the_whole_weights_tokens(quantized_model):
     """Generating from the codes tile by tile gives the tokens (and logprobs to float32
     rounding) of the same model dequantized whole once per request."""
     import jaxinfer
 
-    model, _, _ = _quantized_model()
+    model, _, _ = quantized_model
     prompts = [[5, 6, 7, 8], list(range(1, 101))]  # decode tiles; a prefill of 128 rows
     sampling = SamplingParams(temperature=0.0, logprobs=True)
     tiled = jaxinfer.generate(model, prompts, max_new_tokens=6, sampling=sampling)
