@@ -210,7 +210,7 @@ def check_hlo() -> dict:
     from jaxinfer.models import llama
     from jaxinfer.plan import KernelPolicy
     from jaxinfer.sharding import make_mesh, shard_params
-    from jaxinfer.weights import init_params
+    from kernel_testing import init_params  # the package's bits, fewer compiles
 
     if not _HLO:
         check_models(names=sorted({n for n, _ in HLO_CASES}))
@@ -256,7 +256,7 @@ def check_interpret() -> dict:
     from jaxinfer.models import llama, registry
     from jaxinfer.plan import KernelPolicy, Plan
     from jaxinfer.sharding import Sharding, make_mesh, shard_params
-    from jaxinfer.weights import init_params
+    from kernel_testing import init_params  # the package's bits, fewer compiles
 
     config = Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=1,
                     num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=64,
@@ -310,7 +310,7 @@ def check_errors() -> dict:
     from jaxinfer.model import from_params
     from jaxinfer.models import llama
     from jaxinfer.sharding import Sharding, check_mesh, make_mesh
-    from jaxinfer.weights import init_params
+    from kernel_testing import init_params  # the package's bits, fewer compiles
 
     config = _tiny_config()
     model = from_params(config, init_params(llama.param_specs(config), jax.random.key(0),
@@ -359,7 +359,7 @@ def check_stream() -> dict:
     from jaxinfer.model import from_params
     from jaxinfer.models import llama
     from jaxinfer.sharding import make_mesh
-    from jaxinfer.weights import init_params
+    from kernel_testing import init_params  # the package's bits, fewer compiles
 
     tokenizer = Tokenizer.from_hf_dir(HF.parent / "tokenizer" / "tiny_hf")
     config = _tiny_config(vocab_size=tokenizer.vocab_size, num_layers=2,
