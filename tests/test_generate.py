@@ -166,8 +166,10 @@ def test_steps_per_sync_same_tokens(tiny_chat):
     assert {c.finish_reason for c in one} == {"stop", "length"}
     assert [(c.token_ids, c.finish_reason) for c in five] == \
         [(c.token_ids, c.finish_reason) for c in one]
-    # no stop ids: blocks of 8, no step past the budget
-    ids = tiny_chat.tokenizer.encode(prompts[1])
+    # no stop ids: blocks of 8, no step past the budget (row 1's templated prompt: its tokens
+    # up to the stop are `one`'s row 1, which does not depend on its batch)
+    ids = tiny_chat.tokenizer.apply_chat_template([{"role": "user", "content": prompts[1]}],
+                                                  add_generation_prompt=True)
     state, tokens, lengths = init_state(tiny_chat, [ids], n, [SamplingParams(temperature=0.0)],
                                         0, stop_ids=[])
     state = prefill(tiny_chat.params, tokens, lengths, state, tiny_chat.plan)
@@ -176,7 +178,7 @@ def test_steps_per_sync_same_tokens(tiny_chat):
     assert text.count("while[") == 2
     assert len(re.findall(r"scan\[[^\]]*?length=8\b", text, re.S)) == 1
     state = decode_loop(tiny_chat.params, state, tiny_chat.plan)
-    (plain,) = jaxinfer.generate(tiny_chat, [ids], max_new_tokens=n, stop=[stop_tok])
+    plain = one[1]
     got = np.asarray(state.output)[0].tolist()
     assert int(state.step) == n and got[:len(plain.token_ids)] == plain.token_ids
 
