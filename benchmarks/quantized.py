@@ -21,7 +21,9 @@ torch or CUDA is missing), with each row's speed-up over tinygemm. At M = 2048 (
 dequantize-then-GEMM through XLA and the bf16 GEMM (TFLOP/s). Timing as benchmarks/kernels.py.
 --shapes, --ms and --only (parts: odd, triton, mosaic, prefill) narrow the run; --configs
 times those Mosaic configurations beside the default for every format at every shape (a
-trailing "f": int4 codes in fragment order, skipped for other codes; without it, K order).
+trailing "f": int4 codes in fragment order, skipped for other codes; without it, K order;
+"w": 128-code tiles for groups under 128; "o": x's group sums in the kernel, for formats with
+offsets: e.g. `--formats q4_k,int4_g32_asym --ms 1 --configs 2-4-4fw,2-4-4fwo`).
 """
 
 from __future__ import annotations

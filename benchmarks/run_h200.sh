@@ -22,7 +22,8 @@
 #                                        # B=1 ctx 32k, and the embedded model's int8 tokens
 #                                        # ($KV_ARGS: e.g. --skip greedy where it is absent)
 #   bash benchmarks/run_h200.sh quant    # jaxinfer bench, bf16 vs int8 vs int4 weights
-#   bash benchmarks/run_h200.sh qkernels # benchmarks/quantized.py (quantized decode matmuls)
+#   bash benchmarks/run_h200.sh qkernels # benchmarks/quantized.py (quantized decode matmuls; $QK_ARGS:
+#                                        # more options, e.g. --only mosaic --configs ...)
 #   bash benchmarks/run_h200.sh q37      # issue 37's B=1 ratios in one call: jaxinfer bench in
 #                                        # bf16, int4, int8 ($Q37: formats), the gpt-fast int4
 #                                        # peer, then each format's speed-up over bf16 and int4's
@@ -213,8 +214,9 @@ for name, ms in rows.items():
 PY
 }
 qkernels() {  # benchmarks/quantized.py: the quantized decode matmuls vs the bf16 kernel
+  # shellcheck disable=SC2086
   timeout "${KERNELS_TIMEOUT:-400}" python3 benchmarks/quantized.py ${QUICK:+--quick} \
-    --json "$out/quantized.json" 2>&1 | grep -v '^{' | tail -"${KERNELS_TAIL:-70}"
+    ${QK_ARGS:-} --json "$out/quantized.json" 2>&1 | grep -v '^{' | tail -"${KERNELS_TAIL:-70}"
 }
 ncuquant() {  # the int4 kernel's occupancy, stalls, instruction mix (only the Mosaic kernels:
   # each takes 18+ replay passes, ~1 min a kernel with memory saved; counters on Firecracker only);
