@@ -267,7 +267,7 @@ def main() -> int:
     ap.add_argument("--ms", default="1,16", help="decode rows, comma-separated")
     ap.add_argument("--only", default=None, metavar="PART,...",
                     help=f"run only these parts of {', '.join(ALL_PARTS)}")
-    ap.add_argument("--configs", default=None, metavar="G-S-K[-B][f],...",
+    ap.add_argument("--configs", default=None, metavar="G-S-K[-B][fwo],...",
                     help="Mosaic configurations timed beside the default for every format "
                          "(gps-stages-splits[-batch]; f: int4 codes in fragment order)")
     args = ap.parse_args()
