@@ -269,7 +269,8 @@ def main() -> int:
                     help=f"run only these parts of {', '.join(ALL_PARTS)}")
     ap.add_argument("--configs", default=None, metavar="G-S-K[-B][fwo],...",
                     help="Mosaic configurations timed beside the default for every format "
-                         "(gps-stages-splits[-batch]; f: int4 codes in fragment order)")
+                         "(gps-stages-splits[-batch]; f: int4 codes in fragment order, w: 128-code "
+                         "tiles, o: x's group sums in the kernel)")
     args = ap.parse_args()
     FORMATS = None if args.formats is None else set(args.formats.split(","))
     JSON_PATH = args.json

@@ -626,7 +626,7 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_sca
                 *tiles, acc = rest
                 if norm:
                     acc, sq = acc
-                    nw_smem, *tiles = tiles  # (no x sums: refused with norm_w)
+                    nw_smem, *tiles = tiles  # (no x sums' tile: with norm_w they are made in the kernel)
                     d_smem, *tiles = tiles if nd else (None, *tiles)
                     sq = boundary(idx[0], x_smem, nw_smem, d_smem, sq)
                 t = dict(zip(fields, tiles[xs_in:]))

@@ -6,6 +6,7 @@ decode path taking it (policy quant_matmul="mosaic") against the reference path.
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import gguf
 import jax
@@ -248,7 +249,6 @@ def test_group_sums_in_the_kernel(interpret):
     for formats with offsets (Q4_K's mins, Q4_1's centred codes, int4 with zero points), against
     the reference; with them the boundary in the main loop takes such a format (the sums of the
     normed tile), which is refused without."""
-    import dataclasses
     k, n = 1024, 128
     for fmt, m in (("Q4_K", 1), ("Q4_1", 3), ("int4_asym_g32", 2), ("int4_asym_g64", 1)):
         nk = pk.to_nk(_int4(13, k, n, bits=fmt), frag=True)
