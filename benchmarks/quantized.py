@@ -22,8 +22,8 @@ dequantize-then-GEMM through XLA and the bf16 GEMM (TFLOP/s). Timing as benchmar
 --shapes, --ms and --only (parts: odd, triton, mosaic, prefill) narrow the run; --configs
 times those Mosaic configurations beside the default for every format at every shape (a
 trailing "f": int4 codes in fragment order, skipped for other codes; without it, K order;
-"w": 128-code tiles for groups under 128; "o": x's group sums in the kernel, for formats with
-offsets: e.g. `--formats q4_k,int4_g32_asym --ms 1 --configs 2-4-4fw,2-4-4fwo`).
+"w": 128-code tiles for groups under 128: e.g. `--formats q4_k,int4_g32_asym --ms 1 --configs
+2-4-4fw,2-4-4f`).
 """
 
 from __future__ import annotations
@@ -267,10 +267,10 @@ def main() -> int:
     ap.add_argument("--ms", default="1,16", help="decode rows, comma-separated")
     ap.add_argument("--only", default=None, metavar="PART,...",
                     help=f"run only these parts of {', '.join(ALL_PARTS)}")
-    ap.add_argument("--configs", default=None, metavar="G-S-K[-B][fwo],...",
+    ap.add_argument("--configs", default=None, metavar="G-S-K[-B][fw],...",
                     help="Mosaic configurations timed beside the default for every format "
                          "(gps-stages-splits[-batch]; f: int4 codes in fragment order, w: 128-code "
-                         "tiles, o: x's group sums in the kernel)")
+                         "tiles)")
     args = ap.parse_args()
     FORMATS = None if args.formats is None else set(args.formats.split(","))
     JSON_PATH = args.json

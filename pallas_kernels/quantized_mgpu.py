@@ -19,8 +19,7 @@ shared memory; the block's one warpgroup loads each group's codes in the upcast 
 int4: Mosaic's lop3 path, two codes per instruction), issues one wgmma per group with A from
 registers into a fresh float32 accumulator, waits once per `batch` groups, and adds each group's product times its scales (a row each, computed in float32 from
 the compact arrays as `dequantize` does) to the running sum in registers, plus the offsets
-(a row) times x's sums over the group (X [G, Mp], reduced by XLA before the launch; a column;
-or, cfg.sums, a wgmma of a ones tile against the group's x tile in the kernel),
+(a row) times x's sums over the group (X [G, Mp], reduced by XLA before the launch; a column),
 while `plgpu.emit_pipeline` keeps `stages` TMA steps in flight (small blocks, several per SM).
 Scaling the [64, Mp] products instead of the [64, group] code tiles leaves the codes unrounded
 and costs 1.4-1.5x less with fp16 scales at groups of 128 (benchmarks/DECISIONS.md, with the
@@ -87,16 +86,11 @@ class MgpuMatmulConfig:
     batch: int = 0
     wide: bool = False
     frag: bool = False  # int4 codes stored in fragment order (to_frag): no relayout
-    # formats with offsets: x's group sums in the kernel, a wgmma of a ones tile against each
-    # group's x tile (every row of the product the group's sums), not an XLA reduce before
-    # the launch and a TMA tile of them; with it the boundary in the main loop takes such
-    # formats (the sums are then those of the normed tile). Off: not yet measured on a GPU.
-    sums: bool = False
 
     def __str__(self):
         return (f"g{self.gps}_s{self.stages}_k{self.splits}"
                 + (f"_b{self.batch}" if self.batch else "") + ("_w" if self.wide else "")
-                + ("_f" if self.frag else "") + ("_o" if self.sums else ""))
+                + ("_f" if self.frag else ""))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,8 +248,7 @@ def quantized_matmul_mgpu(x, qw, *, experts=None, cfg: MgpuMatmulConfig | None =
     a tuple of outputs. experts = (ids [A], rows [A]) for stacked experts' weights:
     assignment a's x row rows[a] times expert ids[a] -> [A, N] (int_matmul_mgpu).
 
-    norm_weight [K] (M <= NORM_ROWS; formats with offsets only with cfg.sums, which the
-    model's wiring does not take yet: `nk_norm_unfit`): the pre-norm
+    norm_weight [K] (M <= NORM_ROWS; formats without offsets, `nk_norm_unfit`): the pre-norm
     boundary in the kernel, x' = x + sum(deltas [S', M, K] float32) (None: x) ->
     (rms_norm(x', norm_weight, eps) @ w, x' [M, K], the sums of squares of x' [S, Mp]); with
     partials the K ranges' sums are left unscaled (rms_norm's scale, rsqrt(sum of squares / K
@@ -485,8 +478,7 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_sca
     mp = max(8, -(-m // 8) * 8)
     x = x.astype(jnp.bfloat16)
     xin = [jnp.pad(x, ((0, mp - m), (0, 0))) if (interpret or m > 8) and mp != m else x]
-    xs_in = fmt.x_sums and not cfg.sums  # x's group sums an input (else made in the kernel)
-    if xs_in:  # X [G, Mp] float32: x's sum over each group (rows past M zero), the pad
+    if fmt.x_sums:  # X [G, Mp] float32: x's sum over each group (rows past M zero), the pad
         # and transpose on the reduce's input: one XLA fusion before the launch, not a reduce
         # then a pad (a Q4_K_M step: 96 launches fewer, 1-2% faster; benchmarks/DECISIONS.md)
         xf = jnp.pad(x.astype(jnp.float32), ((0, mp - m), (0, 0)))
@@ -494,8 +486,6 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_sca
     steps = kr // bk
     gst = bk // group  # groups per step
     batch = cfg.batch or gst
-    if fmt.x_sums and cfg.sums and not cfg.batch:  # two accumulators a group: half as many
-        batch = max(1, min(gst, _ACC_REGS // mp))
     bits = _bits(codes[0].dtype)
     # A load's codes: a whole tile column of the smem layout (Mosaic slices whole tiles), of
     # at least 16 bytes (TMA's least box row).
@@ -511,13 +501,13 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_sca
     fields = [f for f in given if wanted[f]]
     in_specs = [plgpu.BlockSpec((bn, bk), lambda i: (0, i), transforms=w_tr),
                 plgpu.BlockSpec((mp, bk), lambda i: (0, i), transforms=x_tr)]
-    if xs_in:
+    if fmt.x_sums:
         in_specs.append(plgpu.BlockSpec((gst, mp), lambda i: (i, 0)))
     norm = norm_w is not None
     nd = 0 if deltas is None else deltas.shape[0]
-    if norm and xs_in:  # x's group sums taken before the kernel are x's, not the normed x's
-        raise ValueError(f"int_matmul_mgpu: the boundary in the kernel takes a format with "
-                         f"offsets ({fmt}) only with its group sums in the kernel (cfg.sums)")
+    if norm and fmt.x_sums:  # x's group sums are taken before the kernel, of x, not the normed x
+        raise ValueError(f"int_matmul_mgpu: the boundary in the kernel takes no format with "
+                         f"offsets ({fmt})")
     if norm:  # the norm weight's [bk] (then each delta's [S', M, bk]), unswizzled
         in_specs.append(plgpu.BlockSpec((bk,), lambda i: (i,)))
         if nd:
@@ -531,7 +521,7 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_sca
         if experts is not None:
             ids_gmem, refs = refs[0], refs[1:]
         x_gmem, refs = refs[0], refs[1:]
-        xs_gmem, refs = (refs[0], refs[1:]) if xs_in else (None, refs)
+        xs_gmem, refs = (refs[0], refs[1:]) if fmt.x_sums else (None, refs)
         if norm:
             nw_gmem, *refs = refs
             d_gmem, *refs = refs if nd else (None, *refs)
@@ -554,7 +544,7 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_sca
             cols = pl.ds(wb * bn, bn)
             ops = [arrays[0].at[pl.ds(e * n_w + wb * bn, bn), pl.ds(k0, kr)],
                    x_gmem.at[:, pl.ds(k0, kr)]]
-            if xs_in:
+            if fmt.x_sums:
                 ops.append(xs_gmem.at[pl.ds(k0 // group, kr // group)])
             if norm:
                 ops.append(nw_gmem.at[pl.ds(k0, kr)])
@@ -578,24 +568,15 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_sca
                         if u not in units:
                             units[u] = _codes(w_smem, u, unit, cfg.frag, interpret)
                         yield j, units[u] if unit == group else units[u][:, r:r + group]
-                in_kernel_sums = fmt.x_sums and cfg.sums
                 if interpret:  # the GPU interpreter takes no register operand for wgmma
-                    parts = [jnp.dot(c, xj(j)[...].T, preferred_element_type=jnp.float32)
-                             for j, c in codes_of_groups()]
-                    ones = jnp.ones((bn, group), jnp.bfloat16)
-                    return parts + [jnp.dot(ones, xj(j)[...].T, preferred_element_type=
-                                            jnp.float32) for j in js if in_kernel_sums]
+                    return [jnp.dot(c, xj(j)[...].T, preferred_element_type=jnp.float32)
+                            for j, c in codes_of_groups()]
 
                 def scope(*accs):
                     for (j, c), acc_ref in zip(codes_of_groups(), accs):
                         plgpu.wgmma(acc_ref, c, xj(j).T)
-                    if in_kernel_sums:  # [bn, Mp], every row x's sums over group j
-                        ones = plgpu.layout_cast(jnp.ones((bn, group), jnp.bfloat16), _WGMMA)
-                        for j, acc_ref in zip(js, accs[len(js):]):
-                            plgpu.wgmma(acc_ref, ones, xj(j).T)
                     return [acc_ref[...] for acc_ref in accs]  # one wait for the batch
-                n_acc = len(js) * (2 if in_kernel_sums else 1)
-                return pl.run_scoped(scope, *[plgpu.ACC((bn, mp), jnp.float32)] * n_acc)
+                return pl.run_scoped(scope, *[plgpu.ACC((bn, mp), jnp.float32)] * len(js))
 
             def boundary(step, x_smem, nw_smem, d_smem, sq):
                 """x_smem <- (x + sum(deltas)) * norm_w in bf16; -> sq + its squares (summed
@@ -626,10 +607,10 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_sca
                 *tiles, acc = rest
                 if norm:
                     acc, sq = acc
-                    nw_smem, *tiles = tiles  # (no x sums' tile: with norm_w they are made in the kernel)
+                    nw_smem, *tiles = tiles  # (no x sums: refused with norm_w)
                     d_smem, *tiles = tiles if nd else (None, *tiles)
                     sq = boundary(idx[0], x_smem, nw_smem, d_smem, sq)
-                t = dict(zip(fields, tiles[xs_in:]))
+                t = dict(zip(fields, tiles[fmt.x_sums:]))
                 sup = {}
 
                 def super_row(f, j):  # super-group row of group j, loaded once a step
@@ -643,8 +624,7 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_sca
 
                 for j0 in range(0, gst, batch):
                     js = range(j0, min(j0 + batch, gst))
-                    prods = products(w_smem, x_smem, js)  # parts, then the sums (cfg.sums)
-                    for i, (j, part) in enumerate(zip(js, prods)):
+                    for j, part in zip(js, products(w_smem, x_smem, js)):
                         s = _row(t["scale"], j)  # as dequantize: super * sub in float32
                         if fmt.super_scale:
                             s = super_row("super_scale", j) * s
@@ -658,11 +638,8 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_sca
                                 o = -(super_row("super_offset", j) * o)
                         if fmt.code_shift:
                             o = fmt.code_shift * s if o is None else o + fmt.code_shift * s
-                        if cfg.sums:
-                            xsum = prods[len(js) + i]  # [bn, Mp]
-                        else:
-                            xsum = bcast(plgpu.load(tiles[0].at[j], layout=_WGMMA_COL), 1)
-                        acc = acc + bcast(o, 0) * xsum
+                        xsum = plgpu.load(tiles[0].at[j], layout=_WGMMA_COL)  # [Mp]
+                        acc = acc + bcast(o, 0) * bcast(xsum, 1)
                 return (acc, sq) if norm else acc
             zero = jnp.zeros((bn, mp), jnp.float32)
             init = zero if interpret else plgpu.layout_cast(zero, _WGMMA)

@@ -300,10 +300,6 @@ for _m, _nd, _ns in ((1, 4, (14336, 14336)), (8, 2, (6144,)), (3, 0, (4096,))):
 for _fmt in ("Q4_0", "Q6_K"):  # 128-code tiles, each group's codes sliced in registers
     KERNEL_CASES[f"{_fmt} mosaic wide 16x4096x14336"] = nk_case(
         _fmt, 16, 4096, (14336,), pk.MgpuMatmulConfig(gps=2, stages=4, splits=4, wide=True))
-# x's group sums in the kernel (MgpuMatmulConfig.sums: a wgmma of a ones tile per group)
-KERNEL_CASES["Q4_K mosaic sums in the kernel 1x4096x14336"] = nk_case(
-    "Q4_K", 1, 4096, (14336,), pk.MgpuMatmulConfig(gps=2, stages=4, splits=4, wide=True,
-                                                  frag=True, sums=True))
 
 
 @pytest.mark.parametrize("name", list(KERNEL_CASES))

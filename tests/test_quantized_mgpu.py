@@ -6,7 +6,6 @@ decode path taking it (policy quant_matmul="mosaic") against the reference path.
 from __future__ import annotations
 
 import collections
-import dataclasses
 
 import gguf
 import jax
@@ -239,44 +238,6 @@ def test_boundary_in_the_kernel_matches_reference(interpret, m, n_deltas, bits):
     with pytest.raises(ValueError, match="at most 8 rows"):
         pk.quantized_matmul_mgpu(normal(12, (9, k), jnp.bfloat16), nk, interpret=interpret,
                                  norm_weight=nw)
-
-
-@pytest.mark.parametrize("interpret", [
-    True, pytest.param(False, marks=[pytest.mark.gpu, pytest.mark.skipif(
-        jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")])], ids=["interpret", "gpu"])
-def test_group_sums_in_the_kernel(interpret):
-    """cfg.sums: x's group sums from a wgmma of a ones tile in the kernel, not an XLA reduce,
-    for formats with offsets (Q4_K's mins, Q4_1's centred codes, int4 with zero points), against
-    the reference; with them the boundary in the main loop takes such a format (the sums of the
-    normed tile), which is refused without."""
-    k, n = 1024, 128
-    for fmt, m in (("Q4_K", 1), ("Q4_1", 3), ("int4_asym_g32", 2), ("int4_asym_g64", 1)):
-        nk = pk.to_nk(_int4(13, k, n, bits=fmt), frag=True)
-        x = normal(14, (m, k), jnp.bfloat16)
-        cfg = dataclasses.replace(default_config(m, k, n, pk.nk_format(nk)), frag=nk.frag,
-                                  sums=True)
-        want = pk.quantized_matmul_mgpu_reference(x, nk, out_dtype=jnp.float32)
-        got = pk.quantized_matmul_mgpu(x, nk, cfg=cfg, interpret=interpret,
-                                       out_dtype=jnp.float32)
-        assert rel_err(got, want) < 1e-5, fmt
-    # the boundary in the kernel on Q4_K: its products against the normed x's reference
-    nk = pk.to_nk(_int4(15, k, n, bits="Q4_K"), frag=True)
-    x = normal(16, (1, k), jnp.bfloat16)
-    nw = (1 + 0.2 * normal(17, (k,), jnp.float32)).astype(jnp.bfloat16)
-    deltas = normal(18, (2, 1, k), jnp.float32)
-    xf = pk.add_rms_norm_reference(x, deltas, nw, eps=1e-5)[0]
-    want = pk.quantized_matmul_mgpu_reference(pk.rms_norm_reference(xf, nw, eps=1e-5), nk,
-                                              out_dtype=jnp.float32)
-    cfg = dataclasses.replace(default_config(1, k, n, pk.nk_format(nk), norm=True),
-                              frag=True, sums=True)
-    got, x_new, _ = pk.quantized_matmul_mgpu(x, nk, cfg=cfg, interpret=interpret,
-                                             out_dtype=jnp.float32, norm_weight=nw, eps=1e-5,
-                                             deltas=deltas)
-    np.testing.assert_array_equal(x_new, xf)
-    assert rel_err(got, want) < 5e-3
-    with pytest.raises(ValueError, match="cfg.sums"):
-        pk.quantized_matmul_mgpu(x, nk, cfg=dataclasses.replace(cfg, sums=False),
-                                 interpret=interpret, norm_weight=nw, eps=1e-5, deltas=deltas)
 
 
 def test_decode_path_takes_the_mosaic_kernel_and_matches_reference():
