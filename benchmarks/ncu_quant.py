@@ -33,17 +33,19 @@ TOL = 2e-2  # relative error (Frobenius) against x @ dequantize(w) in float32
 
 
 def parse_configs(text: str) -> list[MgpuMatmulConfig]:
-    """"G-S-K[-B][fw],...": gps, stages, splits and optionally batch (groups per wgmma wait:
+    """"G-S-K[-B][fwp],...": gps, stages, splits and optionally batch (groups per wgmma wait:
     fewer products in flight, fewer registers a thread); trailing letters: "f" int4 codes in
-    fragment order (to_frag), "w" 128-code tiles for groups under 128 (wide) -> configs;
-    ValueError if malformed."""
+    fragment order (to_frag), "w" 128-code tiles for groups under 128 (wide), "p" scales and
+    offsets applied to the codes before the product (pre) -> configs; ValueError if
+    malformed."""
     out = []
     for c in text.split(","):
-        flags = c[len(c.rstrip("fw")):]
+        flags = c[len(c.rstrip("fwp")):]
         fields = [int(v) for v in c[:len(c) - len(flags)].split("-")]
         if not 3 <= len(fields) <= 4:
             raise ValueError(c)
-        out.append(MgpuMatmulConfig(*fields, frag="f" in flags, wide="w" in flags))
+        out.append(MgpuMatmulConfig(*fields, frag="f" in flags, wide="w" in flags,
+                                    pre="p" in flags))
     return out
 
 

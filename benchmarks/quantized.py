@@ -22,7 +22,8 @@ dequantize-then-GEMM through XLA and the bf16 GEMM (TFLOP/s). Timing as benchmar
 --shapes, --ms and --only (parts: odd, triton, mosaic, prefill) narrow the run; --configs
 times those Mosaic configurations beside the default for every format at every shape (a
 trailing "f": int4 codes in fragment order, skipped for other codes; without it, K order;
-"w": 128-code tiles for groups under 128: e.g. `--formats q4_k,int4_g32_asym --ms 1 --configs
+"w": 128-code tiles for groups under 128; "p": scales and offsets applied to the codes before
+the product; the default's other configurations are then not timed: e.g. `--formats q4_k,int4_g32_asym --ms 1 --configs
 2-4-4fw,2-4-4f`).
 """
 
@@ -156,10 +157,10 @@ def bench_decode(k: int, n: int, m: int, iters: int, sets: int, rng, variants: b
             order = {False: ks, True: [pk.to_nk(w, frag=True) for w in ks]}
             nks = order[KernelPolicy().int4_fragment_order]
             nk_bytes = nks[0].nbytes() + m * k * 2
-            e = rel_err(pk.quantized_matmul_mgpu(xs[0], nks[0]),
-                        pk.quantized_matmul_reference(xs[0], qs[0]))
+            want = pk.quantized_matmul_reference(xs[0], qs[0])
             cfgs = {"mosaic": None}
-            if variants and name in ("int4_g32_asym", "q4_0", "q8_0", "q4_k", "q6_k"):
+            if variants and not CONFIGS and name in ("int4_g32_asym", "q4_0", "q8_0", "q4_k",
+                                                     "q6_k"):
                 cfgs.update({f"mosaic_{c}": c for c in MOSAIC_VARIANTS})
             from benchmarks.quant_designs import mgpu_fits
             cfgs.update({f"mosaic_{c}": c for c in CONFIGS if mgpu_fits(c, k, n)})
@@ -168,6 +169,7 @@ def bench_decode(k: int, n: int, m: int, iters: int, sets: int, rng, variants: b
                 if cfg is not None and cfg.frag and not ws[0].frag:
                     continue  # fragment order is for int4 codes
                 fn = jax.jit(lambda x, q, c=cfg: pk.quantized_matmul_mgpu(x, q, cfg=c))
+                e = rel_err(fn(xs[0], ws[0]), want)  # each configuration checked
                 t = time_fn(fn, list(zip(xs, ws)), iters=iters)
                 if cfg is None and nks[0].frag:
                     tname += " f"  # the default, codes in fragment order
@@ -267,10 +269,10 @@ def main() -> int:
     ap.add_argument("--ms", default="1,16", help="decode rows, comma-separated")
     ap.add_argument("--only", default=None, metavar="PART,...",
                     help=f"run only these parts of {', '.join(ALL_PARTS)}")
-    ap.add_argument("--configs", default=None, metavar="G-S-K[-B][fw],...",
+    ap.add_argument("--configs", default=None, metavar="G-S-K[-B][fwp],...",
                     help="Mosaic configurations timed beside the default for every format "
                          "(gps-stages-splits[-batch]; f: int4 codes in fragment order, w: 128-code "
-                         "tiles)")
+                         "tiles, p: scales before the product)")
     args = ap.parse_args()
     FORMATS = None if args.formats is None else set(args.formats.split(","))
     JSON_PATH = args.json

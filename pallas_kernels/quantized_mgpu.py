@@ -24,8 +24,13 @@ while `plgpu.emit_pipeline` keeps `stages` TMA steps in flight (small blocks, se
 Scaling the [64, Mp] products instead of the [64, group] code tiles leaves the codes unrounded
 and costs 1.4-1.5x less with fp16 scales at groups of 128 (benchmarks/DECISIONS.md, with the
 schedules that lost: scales before the product, a wait per group, 128-row blocks, warp
-specialization). The sum [64, Mp] f32 goes out transposed ([N, Mp]); `splits` cuts K into that
-many ranges (a grid axis), summed in float32 by the wrapper.
+specialization). The exception is int4 codes with offsets in groups under 128 (Q4_K, Q4_1,
+int4 with zero points; cfg.pre): there each group's scale and offset go onto its codes in bf16
+(the weight rounded once, as prefill's dequantize rounds it), a step's groups chain their
+wgmmas into one accumulator and x's sums are not needed: the per-group work on the
+accumulator costs more than the per-code multiply-add at such groups. The sum [64, Mp] f32
+goes out transposed ([N, Mp]); `splits` cuts K into that many ranges (a grid axis), summed in
+float32 by the wrapper.
 
 With norm_w (decode rows <= 8), each K step first rewrites x's tile in place: the residual
 add of a producer's K-range sums and the RMSNorm's weight (its scale left to the caller), so
@@ -86,11 +91,15 @@ class MgpuMatmulConfig:
     batch: int = 0
     wide: bool = False
     frag: bool = False  # int4 codes stored in fragment order (to_frag): no relayout
+    # groups under 128: each group's scale and offset applied to its codes in bf16 before the
+    # product (the weight rounded to bf16 once, as the prefill path's dequantize does), so a
+    # step's groups chain their wgmmas into one accumulator and x's group sums are not needed
+    pre: bool = False
 
     def __str__(self):
         return (f"g{self.gps}_s{self.stages}_k{self.splits}"
                 + (f"_b{self.batch}" if self.batch else "") + ("_w" if self.wide else "")
-                + ("_f" if self.frag else ""))
+                + ("_f" if self.frag else "") + ("_p" if self.pre else ""))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,9 +242,13 @@ def default_config(m: int, k: int, n: int, fmt: NkFormat = NkFormat(),
     stage = (BN * bk * code_bits // 8 + mp * bk * 2
              + per_step * 4 * (BN * (1 + fmt.offset) + mp * fmt.x_sums) + 2 * BN * 4)
     stages = max(2, min(3 if norm else 4, (_SMEM - BN * mp * 4) // stage))
+    # int4 codes with offsets in groups under 128 (Q4_K, Q4_1, int4 with zero points): the
+    # scales and offsets on the codes before the product (session 25, H100: 8-10% faster
+    # at the GEMV, a Q4_K_M step 4% faster; Q4_0 and the int8-coded formats were not)
+    pre = fmt.x_sums and code_bits == 4 and fmt.group < GROUP
     return MgpuMatmulConfig(gps=gps, stages=stages, splits=splits,
-                            batch=0 if batch == per_step else batch,
-                            wide=fmt.group < GROUP)
+                            batch=0 if batch == per_step or pre else batch,
+                            wide=fmt.group < GROUP, pre=pre)
 
 
 def quantized_matmul_mgpu(x, qw, *, experts=None, cfg: MgpuMatmulConfig | None = None,
@@ -248,7 +261,7 @@ def quantized_matmul_mgpu(x, qw, *, experts=None, cfg: MgpuMatmulConfig | None =
     a tuple of outputs. experts = (ids [A], rows [A]) for stacked experts' weights:
     assignment a's x row rows[a] times expert ids[a] -> [A, N] (int_matmul_mgpu).
 
-    norm_weight [K] (M <= NORM_ROWS; formats without offsets, `nk_norm_unfit`): the pre-norm
+    norm_weight [K] (M <= NORM_ROWS; formats with offsets only with cfg.pre, `nk_norm_unfit`): the pre-norm
     boundary in the kernel, x' = x + sum(deltas [S', M, K] float32) (None: x) ->
     (rms_norm(x', norm_weight, eps) @ w, x' [M, K], the sums of squares of x' [S, Mp]); with
     partials the K ranges' sums are left unscaled (rms_norm's scale, rsqrt(sum of squares / K
@@ -297,7 +310,7 @@ def nk_norm_unfit(x_rows: int, qw) -> str | None:
     qws = qw if isinstance(qw, tuple) else (qw,)
     if x_rows > NORM_ROWS:
         return f"{x_rows} rows (the kernel's boundary takes at most {NORM_ROWS})"
-    if any(nk_format(w).x_sums for w in qws):
+    if any(nk_format(w).x_sums for w in qws):  # (cfg.pre takes them: not yet measured)
         return "a format with offsets (x's group sums are taken before the kernel)"
     return None
 
@@ -478,7 +491,8 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_sca
     mp = max(8, -(-m // 8) * 8)
     x = x.astype(jnp.bfloat16)
     xin = [jnp.pad(x, ((0, mp - m), (0, 0))) if (interpret or m > 8) and mp != m else x]
-    if fmt.x_sums:  # X [G, Mp] float32: x's sum over each group (rows past M zero), the pad
+    xs_in = fmt.x_sums and not cfg.pre  # x's group sums an input (pre: offsets in the codes)
+    if xs_in:  # X [G, Mp] float32: x's sum over each group (rows past M zero), the pad
         # and transpose on the reduce's input: one XLA fusion before the launch, not a reduce
         # then a pad (a Q4_K_M step: 96 launches fewer, 1-2% faster; benchmarks/DECISIONS.md)
         xf = jnp.pad(x.astype(jnp.float32), ((0, mp - m), (0, 0)))
@@ -501,13 +515,13 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_sca
     fields = [f for f in given if wanted[f]]
     in_specs = [plgpu.BlockSpec((bn, bk), lambda i: (0, i), transforms=w_tr),
                 plgpu.BlockSpec((mp, bk), lambda i: (0, i), transforms=x_tr)]
-    if fmt.x_sums:
+    if xs_in:
         in_specs.append(plgpu.BlockSpec((gst, mp), lambda i: (i, 0)))
     norm = norm_w is not None
     nd = 0 if deltas is None else deltas.shape[0]
-    if norm and fmt.x_sums:  # x's group sums are taken before the kernel, of x, not the normed x
-        raise ValueError(f"int_matmul_mgpu: the boundary in the kernel takes no format with "
-                         f"offsets ({fmt})")
+    if norm and xs_in:  # x's group sums are taken before the kernel, of x, not the normed x
+        raise ValueError(f"int_matmul_mgpu: the boundary in the kernel takes a format with "
+                         f"offsets ({fmt}) only with cfg.pre")
     if norm:  # the norm weight's [bk] (then each delta's [S', M, bk]), unswizzled
         in_specs.append(plgpu.BlockSpec((bk,), lambda i: (i,)))
         if nd:
@@ -521,7 +535,7 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_sca
         if experts is not None:
             ids_gmem, refs = refs[0], refs[1:]
         x_gmem, refs = refs[0], refs[1:]
-        xs_gmem, refs = (refs[0], refs[1:]) if fmt.x_sums else (None, refs)
+        xs_gmem, refs = (refs[0], refs[1:]) if xs_in else (None, refs)
         if norm:
             nw_gmem, *refs = refs
             d_gmem, *refs = refs if nd else (None, *refs)
@@ -544,7 +558,7 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_sca
             cols = pl.ds(wb * bn, bn)
             ops = [arrays[0].at[pl.ds(e * n_w + wb * bn, bn), pl.ds(k0, kr)],
                    x_gmem.at[:, pl.ds(k0, kr)]]
-            if fmt.x_sums:
+            if xs_in:
                 ops.append(xs_gmem.at[pl.ds(k0 // group, kr // group)])
             if norm:
                 ops.append(nw_gmem.at[pl.ds(k0, kr)])
@@ -557,9 +571,17 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_sca
             pipe = functools.partial(plgpu.emit_pipeline, grid=(steps,), in_specs=in_specs,
                                      max_concurrent_steps=cfg.stages)
 
-            def products(w_smem, x_smem, js):  # [codes_j @ x_j^T for groups j]
+            def products(w_smem, x_smem, js, rows=None):  # [codes_j @ x_j^T for groups j]
+                """rows (cfg.pre): {j: (scale, offset) bf16 [bn] rows} -> [sum over j of
+                (codes_j * scale + offset) @ x_j^T], one accumulator."""
                 def xj(j):  # x [Mp, group] of group j
                     return x_smem.at[:, pl.ds(j * group, group)]
+
+                def weight(j, c):  # the group's bf16 operand
+                    if rows is None:
+                        return c
+                    sj, oj = (lax.broadcast_in_dim(v, (bn, group), [0]) for v in rows[j])
+                    return c * sj + oj
 
                 def codes_of_groups():  # group j's bf16 [bn, group] codes, a load per unit
                     units = {}
@@ -569,14 +591,17 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_sca
                             units[u] = _codes(w_smem, u, unit, cfg.frag, interpret)
                         yield j, units[u] if unit == group else units[u][:, r:r + group]
                 if interpret:  # the GPU interpreter takes no register operand for wgmma
-                    return [jnp.dot(c, xj(j)[...].T, preferred_element_type=jnp.float32)
-                            for j, c in codes_of_groups()]
+                    parts = [jnp.dot(weight(j, c), xj(j)[...].T,
+                                     preferred_element_type=jnp.float32)
+                             for j, c in codes_of_groups()]
+                    return parts if rows is None else [functools.reduce(jnp.add, parts)]
 
                 def scope(*accs):
-                    for (j, c), acc_ref in zip(codes_of_groups(), accs):
-                        plgpu.wgmma(acc_ref, c, xj(j).T)
+                    for i, (j, c) in enumerate(codes_of_groups()):
+                        plgpu.wgmma(accs[0 if rows else i], weight(j, c), xj(j).T)
                     return [acc_ref[...] for acc_ref in accs]  # one wait for the batch
-                return pl.run_scoped(scope, *[plgpu.ACC((bn, mp), jnp.float32)] * len(js))
+                n_acc = 1 if rows else len(js)
+                return pl.run_scoped(scope, *[plgpu.ACC((bn, mp), jnp.float32)] * n_acc)
 
             def boundary(step, x_smem, nw_smem, d_smem, sq):
                 """x_smem <- (x + sum(deltas)) * norm_w in bf16; -> sq + its squares (summed
@@ -610,7 +635,7 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_sca
                     nw_smem, *tiles = tiles  # (no x sums: refused with norm_w)
                     d_smem, *tiles = tiles if nd else (None, *tiles)
                     sq = boundary(idx[0], x_smem, nw_smem, d_smem, sq)
-                t = dict(zip(fields, tiles[fmt.x_sums:]))
+                t = dict(zip(fields, tiles[xs_in:]))
                 sup = {}
 
                 def super_row(f, j):  # super-group row of group j, loaded once a step
@@ -622,24 +647,35 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_sca
                 def bcast(v, dim):  # a row [64] or column [Mp] over [bn, Mp]
                     return lax.broadcast_in_dim(v, (bn, mp), [dim])
 
+                def scale_offset(j):  # group j's rows as dequantize forms them, float32
+                    s = _row(t["scale"], j)  # super * sub
+                    if fmt.super_scale:
+                        s = super_row("super_scale", j) * s
+                    o = None
+                    if fmt.offset:
+                        o = _row(t["offset"], j)
+                        if fmt.super_offset:
+                            o = -(super_row("super_offset", j) * o)
+                    if fmt.code_shift:
+                        o = fmt.code_shift * s if o is None else o + fmt.code_shift * s
+                    return s, o
+
                 for j0 in range(0, gst, batch):
                     js = range(j0, min(j0 + batch, gst))
+                    if cfg.pre:  # w = codes * s + o in bf16, the groups in one accumulator
+                        rows = {}
+                        for j in js:
+                            s, o = scale_offset(j)
+                            rows[j] = (s.astype(jnp.bfloat16), (jnp.zeros_like(s) if o is None
+                                                                else o).astype(jnp.bfloat16))
+                        acc = acc + products(w_smem, x_smem, js, rows)[0]
+                        continue
                     for j, part in zip(js, products(w_smem, x_smem, js)):
-                        s = _row(t["scale"], j)  # as dequantize: super * sub in float32
-                        if fmt.super_scale:
-                            s = super_row("super_scale", j) * s
+                        s, o = scale_offset(j)
                         acc = acc + part * bcast(s, 0)
-                        if not fmt.x_sums:
-                            continue
-                        o = None
-                        if fmt.offset:
-                            o = _row(t["offset"], j)
-                            if fmt.super_offset:
-                                o = -(super_row("super_offset", j) * o)
-                        if fmt.code_shift:
-                            o = fmt.code_shift * s if o is None else o + fmt.code_shift * s
-                        xsum = plgpu.load(tiles[0].at[j], layout=_WGMMA_COL)  # [Mp]
-                        acc = acc + bcast(o, 0) * bcast(xsum, 1)
+                        if o is not None:
+                            xsum = plgpu.load(tiles[0].at[j], layout=_WGMMA_COL)  # [Mp]
+                            acc = acc + bcast(o, 0) * bcast(xsum, 1)
                 return (acc, sq) if norm else acc
             zero = jnp.zeros((bn, mp), jnp.float32)
             init = zero if interpret else plgpu.layout_cast(zero, _WGMMA)

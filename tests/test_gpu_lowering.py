@@ -302,6 +302,14 @@ for _fmt in ("Q4_0", "Q6_K"):  # 128-code tiles, each group's codes sliced in re
         _fmt, 16, 4096, (14336,), pk.MgpuMatmulConfig(gps=2, stages=4, splits=4, wide=True))
 
 
+# Scales before the product (MgpuMatmulConfig.pre): each group's codes scaled in bf16, one
+# accumulator a step, no x sums (one- and two-level scales, 6-bit codes, int4 in fragment order)
+for _fmt, _m in (("Q4_K", 1), ("Q6_K", 1), ("Q8_0", 16)):
+    KERNEL_CASES[f"{_fmt} mosaic pre {_m}x4096x14336"] = nk_case(
+        _fmt, _m, 4096, (14336,), pk.MgpuMatmulConfig(gps=2, stages=4, splits=4, wide=True,
+                                                      frag=_fmt == "Q4_K", pre=True))
+
+
 @pytest.mark.parametrize("name", list(KERNEL_CASES))
 def test_kernel_lowers_for_h200(name):
     fn, args = KERNEL_CASES[name]

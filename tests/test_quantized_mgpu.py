@@ -121,8 +121,11 @@ def test_kernel_matches_reference_interpret(m, bf16_scales, bits, cfg):
     want = pk.quantized_matmul_mgpu_reference(x, nk, out_dtype=jnp.float32)
     got = pk.quantized_matmul_mgpu(x, nk, cfg=cfg, interpret=True, out_dtype=jnp.float32)
     assert got.shape == (m, 128) and got.dtype == jnp.float32
-    # Exact codes, each group's float32 product times its scale: float32 rounding only.
-    assert rel_err(got, want) < 1e-5
+    # Exact codes, each group's float32 product times its scale: float32 rounding only; with
+    # the scales before the product (int4 with offsets in small groups, cfg.pre) the weights'
+    # one bf16 rounding.
+    pre = (cfg or default_config(m, 512, 128, pk.nk_format(nk))).pre
+    assert rel_err(got, want) < (5e-3 if pre else 1e-5)
     # The check can fail: the scales of another weight are far off.
     other = nk.replace(scale=pk.to_nk(_int4(3, 512, 128, bf16_scales, bits)).scale)
     assert rel_err(pk.quantized_matmul_mgpu(x, other, cfg=cfg, interpret=True), want) > 0.1
@@ -140,8 +143,9 @@ def test_two_weights_in_one_launch(interpret, fmt):
     x = normal(8, (2, 512), jnp.bfloat16)
     ya, yb = pk.quantized_matmul_mgpu(x, (a, b), interpret=interpret, out_dtype=jnp.float32)
     assert ya.shape == (2, 128) and yb.shape == (2, 192)
+    tol = 5e-3 if fmt == "Q4_K" else 1e-4  # Q4_K: the weights rounded to bf16 (cfg.pre)
     for y, w in ((ya, a), (yb, b)):
-        assert rel_err(y, pk.quantized_matmul_mgpu_reference(x, w, out_dtype=jnp.float32)) < 1e-4
+        assert rel_err(y, pk.quantized_matmul_mgpu_reference(x, w, out_dtype=jnp.float32)) < tol
     # Left as the K ranges' float32 sums [S, M, N] (for a consumer kernel): they add up to it.
     pa, pb = pk.quantized_matmul_mgpu(x, (a, b), interpret=interpret, partials=True)
     assert pa.shape[1:] == (2, 128) and pb.shape[1:] == (2, 192) and pa.dtype == jnp.float32
@@ -238,6 +242,59 @@ def test_boundary_in_the_kernel_matches_reference(interpret, m, n_deltas, bits):
     with pytest.raises(ValueError, match="at most 8 rows"):
         pk.quantized_matmul_mgpu(normal(12, (9, k), jnp.bfloat16), nk, interpret=interpret,
                                  norm_weight=nw)
+
+
+@pytest.mark.parametrize("interpret", [
+    True, pytest.param(False, marks=[pytest.mark.gpu, pytest.mark.skipif(
+        jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")])], ids=["interpret", "gpu"])
+def test_scales_before_the_product(interpret):
+    """cfg.pre (groups under 128): each group's codes times its scale plus its offset in bf16,
+    the step's groups in one accumulator, no x sums: against x @ dequantize(w) rounded to bf16
+    (the weights' one rounding: an error of bf16's order against the float32 reference, which
+    a wrong scale or offset passes by far), for one-level, two-level and 6-bit formats, two
+    weights in one launch, and the boundary in the main loop on a format with offsets."""
+    import dataclasses
+    k, n = 1024, 128
+    for fmt, m in (("Q4_K", 1), ("Q4_1", 3), ("int4_asym_g32", 2), ("Q6_K", 1), ("Q8_0", 2)):
+        nk = pk.to_nk(_int4(21, k, n, bits=fmt), frag=True)
+        x = normal(22, (m, k), jnp.bfloat16)
+        cfg = dataclasses.replace(default_config(m, k, n, pk.nk_format(nk)), frag=nk.frag,
+                                  pre=True, batch=0)
+        w16 = dequantize(nk, jnp.bfloat16).reshape(k, n).astype(jnp.float32)
+        want = x.astype(jnp.float32) @ w16
+        got = pk.quantized_matmul_mgpu(x, nk, cfg=cfg, interpret=interpret,
+                                       out_dtype=jnp.float32)
+        assert rel_err(got, want) < 4e-3, fmt
+        other = dataclasses.replace(nk, scale=nk.scale[::-1])
+        assert rel_err(pk.quantized_matmul_mgpu(x, other, cfg=cfg, interpret=interpret,
+                                                out_dtype=jnp.float32), want) > 0.05, fmt
+    # two weights, one launch (gate and up)
+    a, b = (pk.to_nk(_int4(s, k, n, bits="Q4_K"), frag=True) for s in (23, 24))
+    cfg = dataclasses.replace(default_config(1, k, 2 * n, pk.nk_format(a)), frag=True,
+                              pre=True, batch=0)
+    x = normal(25, (1, k), jnp.bfloat16)
+    ga, gb = pk.quantized_matmul_mgpu(x, (a, b), cfg=cfg, interpret=interpret,
+                                      out_dtype=jnp.float32)
+    for got, w in ((ga, a), (gb, b)):
+        want = pk.quantized_matmul_mgpu_reference(x, w, out_dtype=jnp.float32)
+        assert rel_err(got, want) < 4e-3
+    # the boundary on Q4_K: offsets in the codes, so no x sums of the un-normed x
+    nk = pk.to_nk(_int4(26, k, n, bits="Q4_K"), frag=True)
+    nw = (1 + 0.2 * normal(27, (k,), jnp.float32)).astype(jnp.bfloat16)
+    deltas = normal(28, (2, 1, k), jnp.float32)
+    xf = pk.add_rms_norm_reference(x, deltas, nw, eps=1e-5)[0]
+    want = pk.quantized_matmul_mgpu_reference(pk.rms_norm_reference(xf, nw, eps=1e-5), nk,
+                                              out_dtype=jnp.float32)
+    cfg = dataclasses.replace(default_config(1, k, n, pk.nk_format(nk), norm=True), frag=True,
+                              pre=True, batch=0)
+    got, x_new, _ = pk.quantized_matmul_mgpu(x, nk, cfg=cfg, interpret=interpret,
+                                             out_dtype=jnp.float32, norm_weight=nw, eps=1e-5,
+                                             deltas=deltas)
+    np.testing.assert_array_equal(x_new, xf)
+    assert rel_err(got, want) < 6e-3
+    with pytest.raises(ValueError, match="cfg.pre"):
+        pk.quantized_matmul_mgpu(x, nk, cfg=dataclasses.replace(cfg, pre=False),
+                                 interpret=interpret, norm_weight=nw, eps=1e-5, deltas=deltas)
 
 
 def test_decode_path_takes_the_mosaic_kernel_and_matches_reference():
