@@ -383,7 +383,9 @@ def test_kernel_matches_reference_gpu(bits, m, k, n, cfg):
         with pytest.raises(ValueError, match="groups of 64"):
             pk.quantized_matmul_mgpu(x, nk, cfg=cfg)
         return
-    assert rel_err(pk.quantized_matmul_mgpu(x, nk, cfg=cfg, out_dtype=jnp.float32), want) < 1e-4
+    pre = (cfg or default_config(m, k, n, pk.nk_format(nk))).pre  # the weights in bf16
+    assert rel_err(pk.quantized_matmul_mgpu(x, nk, cfg=cfg, out_dtype=jnp.float32),
+                   want) < (5e-3 if pre else 1e-4)
 
 
 @pytest.mark.gpu
