@@ -23,8 +23,8 @@ dequantize-then-GEMM through XLA and the bf16 GEMM (TFLOP/s). Timing as benchmar
 times those Mosaic configurations beside the default for every format at every shape (a
 trailing "f": int4 codes in fragment order, skipped for other codes; without it, K order;
 "w": 128-code tiles for groups under 128; "p": scales and offsets applied to the codes before
-the product; the default's other configurations are then not timed: e.g. `--formats q4_k,int4_g32_asym --ms 1 --configs
-2-4-4fw,2-4-4f`).
+the product; the default's other configurations are then not timed: e.g. `--formats
+q4_k,int4_g32_asym --ms 1 --configs 2-4-4fw,2-4-4fwp`).
 """
 
 from __future__ import annotations

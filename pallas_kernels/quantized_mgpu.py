@@ -239,13 +239,14 @@ def default_config(m: int, k: int, n: int, fmt: NkFormat = NkFormat(),
     # A stage's bytes: codes, x, then per group a scale (and offset) row and x's sum, and
     # the super rows, counted at 4 bytes an element (at most).
     bk = gps * GROUP
-    stage = (BN * bk * code_bits // 8 + mp * bk * 2
-             + per_step * 4 * (BN * (1 + fmt.offset) + mp * fmt.x_sums) + 2 * BN * 4)
-    stages = max(2, min(3 if norm else 4, (_SMEM - BN * mp * 4) // stage))
     # int4 codes with offsets in groups under 128 (Q4_K, Q4_1, int4 with zero points): the
     # scales and offsets on the codes before the product (session 25, H100: 8-10% faster
     # at the GEMV, a Q4_K_M step 4% faster; Q4_0 and the int8-coded formats were not)
     pre = fmt.x_sums and code_bits == 4 and fmt.group < GROUP
+    stage = (BN * bk * code_bits // 8 + mp * bk * 2
+             + per_step * 4 * (BN * (1 + fmt.offset) + mp * (fmt.x_sums and not pre))
+             + 2 * BN * 4)
+    stages = max(2, min(3 if norm else 4, (_SMEM - BN * mp * 4) // stage))
     return MgpuMatmulConfig(gps=gps, stages=stages, splits=splits,
                             batch=0 if batch == per_step or pre else batch,
                             wide=fmt.group < GROUP, pre=pre)
@@ -261,8 +262,8 @@ def quantized_matmul_mgpu(x, qw, *, experts=None, cfg: MgpuMatmulConfig | None =
     a tuple of outputs. experts = (ids [A], rows [A]) for stacked experts' weights:
     assignment a's x row rows[a] times expert ids[a] -> [A, N] (int_matmul_mgpu).
 
-    norm_weight [K] (M <= NORM_ROWS; formats with offsets only with cfg.pre, `nk_norm_unfit`): the pre-norm
-    boundary in the kernel, x' = x + sum(deltas [S', M, K] float32) (None: x) ->
+    norm_weight [K] (M <= NORM_ROWS; formats with offsets only with cfg.pre, `nk_norm_unfit`):
+    the pre-norm boundary in the kernel, x' = x + sum(deltas [S', M, K] float32) (None: x) ->
     (rms_norm(x', norm_weight, eps) @ w, x' [M, K], the sums of squares of x' [S, Mp]); with
     partials the K ranges' sums are left unscaled (rms_norm's scale, rsqrt(sum of squares / K
     + eps), to the consumer)."""
@@ -572,16 +573,17 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_sca
                                      max_concurrent_steps=cfg.stages)
 
             def products(w_smem, x_smem, js, rows=None):  # [codes_j @ x_j^T for groups j]
-                """rows (cfg.pre): {j: (scale, offset) bf16 [bn] rows} -> [sum over j of
-                (codes_j * scale + offset) @ x_j^T], one accumulator."""
+                """rows (cfg.pre): {j: (scale, offset or None) bf16 [bn] rows} -> [sum over j
+                of (codes_j * scale + offset) @ x_j^T], one accumulator."""
                 def xj(j):  # x [Mp, group] of group j
                     return x_smem.at[:, pl.ds(j * group, group)]
 
                 def weight(j, c):  # the group's bf16 operand
                     if rows is None:
                         return c
-                    sj, oj = (lax.broadcast_in_dim(v, (bn, group), [0]) for v in rows[j])
-                    return c * sj + oj
+                    sj, oj = rows[j]
+                    w = c * lax.broadcast_in_dim(sj, (bn, group), [0])
+                    return w if oj is None else w + lax.broadcast_in_dim(oj, (bn, group), [0])
 
                 def codes_of_groups():  # group j's bf16 [bn, group] codes, a load per unit
                     units = {}
@@ -666,8 +668,8 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_sca
                         rows = {}
                         for j in js:
                             s, o = scale_offset(j)
-                            rows[j] = (s.astype(jnp.bfloat16), (jnp.zeros_like(s) if o is None
-                                                                else o).astype(jnp.bfloat16))
+                            rows[j] = (s.astype(jnp.bfloat16),
+                                       None if o is None else o.astype(jnp.bfloat16))
                         acc = acc + products(w_smem, x_smem, js, rows)[0]
                         continue
                     for j, part in zip(js, products(w_smem, x_smem, js)):
