@@ -6,6 +6,7 @@ decode path taking it (policy quant_matmul="mosaic") against the reference path.
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import gguf
 import jax
@@ -253,7 +254,6 @@ def test_scales_before_the_product(interpret):
     (the weights' one rounding: an error of bf16's order against the float32 reference, which
     a wrong scale or offset passes by far), for one-level, two-level and 6-bit formats, two
     weights in one launch, and the boundary in the main loop on a format with offsets."""
-    import dataclasses
     k, n = 1024, 128
     for fmt, m in (("Q4_K", 1), ("Q4_1", 3), ("int4_asym_g32", 2), ("Q6_K", 1), ("Q8_0", 2)):
         nk = pk.to_nk(_int4(21, k, n, bits=fmt), frag=True)
