@@ -239,10 +239,7 @@ def default_config(m: int, k: int, n: int, fmt: NkFormat = NkFormat(),
     # A stage's bytes: codes, x, then per group a scale (and offset) row and x's sum, and
     # the super rows, counted at 4 bytes an element (at most).
     bk = gps * GROUP
-    # int4 codes with offsets in groups under 128 (Q4_K, Q4_1, int4 with zero points): the
-    # scales and offsets on the codes before the product (session 25, H100: 8-10% faster
-    # at the GEMV, a Q4_K_M step 4% faster; Q4_0 and the int8-coded formats were not)
-    pre = fmt.x_sums and code_bits == 4 and fmt.group < GROUP
+    pre = _pre(fmt, code_bits)
     stage = (BN * bk * code_bits // 8 + mp * bk * 2
              + per_step * 4 * (BN * (1 + fmt.offset) + mp * (fmt.x_sums and not pre))
              + 2 * BN * 4)
@@ -311,9 +308,19 @@ def nk_norm_unfit(x_rows: int, qw) -> str | None:
     qws = qw if isinstance(qw, tuple) else (qw,)
     if x_rows > NORM_ROWS:
         return f"{x_rows} rows (the kernel's boundary takes at most {NORM_ROWS})"
-    if any(nk_format(w).x_sums for w in qws):  # (cfg.pre takes them: not yet measured)
-        return "a format with offsets (x's group sums are taken before the kernel)"
+    if any(nk_format(w).x_sums and not _pre(nk_format(w), _bits(w.planes[0].dtype))
+           for w in qws):
+        return "a format with offsets and 8-bit codes or groups of 128 (x's group sums are " \
+               "taken before the kernel)"
     return None
+
+
+def _pre(fmt: NkFormat, code_bits: int) -> bool:
+    """Whether the default config puts the scales and offsets on the codes before the
+    product (cfg.pre): int4 codes with offsets in groups under 128 (Q4_K, Q4_1, int4 with
+    zero points; session 25, H100: 8-10% faster at the GEMV, a Q4_K_M step 4% faster;
+    Q4_0 and the int8-coded formats were not)."""
+    return fmt.x_sums and code_bits == 4 and fmt.group < GROUP
 
 
 def _bits(dtype) -> int:

@@ -241,29 +241,38 @@ NK_FORMATS = {
 }
 
 
-def nk_case(fmt: str, m: int, k: int, ns: tuple, cfg=None, experts: tuple = ()):
+def nk_case(fmt: str, m: int, k: int, ns: tuple, cfg=None, experts: tuple = (),
+            deltas: int | None = None):
     """(fn, abstract args): x [m, k] @ one weight per N in ns of format fmt (several: one
     launch, as gate and up), in configuration cfg (None: the default). experts = (E, A): each
-    weight E stacked experts, A token-expert assignments (a MoE decode)."""
+    weight E stacked experts, A token-expert assignments (a MoE decode). deltas: the boundary
+    in the kernel (a norm weight, that many float32 deltas)."""
     codes, bits, group, sg, code_offset, *dtypes = NK_FORMATS[fmt]
     rows = (k // group, k // group, k // max(sg, 1), k // max(sg, 1))
     fields = ("scale", "offset", "super_scale", "super_offset")
     have = [f for f, dt in zip(fields, dtypes) if dt is not None]
     lead = experts[:1]
     args = [S((m, k), BF16)] + ([S((experts[1],), I32)] * 2 if experts else [])
+    if deltas is not None:
+        args += [S((k,), BF16), S((deltas, m, k), F32)]
     for n in ns:
         args += [S((*lead, n, k), codes)] + [S((*lead, r, n), dt)
                                              for r, dt in zip(rows, dtypes) if dt is not None]
 
     def fn(x, *arrays):
         routing, arrays = (arrays[:2], arrays[2:]) if experts else (None, arrays)
+        boundary, arrays = (arrays[:2], arrays[2:]) if deltas is not None else ((None, None),
+                                                                               arrays)
         per = 1 + len(have)
         ws = tuple(pk.QuantizedWeight(
             planes=(arrays[i],), **dict(zip(have, arrays[i + 1:i + per])), k=k,
             out_shape=(arrays[i].shape[-2],), bits=bits, group=group, super_group=sg,
             code_offset=code_offset, layout="nk", frag=bool(cfg and cfg.frag))
             for i in range(0, len(arrays), per))
-        return pk.quantized_matmul_mgpu(x, ws, cfg=cfg, experts=routing)
+        if deltas is None:
+            return pk.quantized_matmul_mgpu(x, ws, cfg=cfg, experts=routing)
+        return pk.quantized_matmul_mgpu(x, ws, cfg=cfg, norm_weight=boundary[0], eps=1e-5,
+                                        deltas=boundary[1] if deltas else None, partials=True)
     return fn, tuple(args)
 
 
@@ -308,6 +317,9 @@ for _fmt, _m in (("Q4_K", 1), ("Q6_K", 1), ("Q8_0", 16)):
     KERNEL_CASES[f"{_fmt} mosaic pre {_m}x4096x14336"] = nk_case(
         _fmt, _m, 4096, (14336,), pk.MgpuMatmulConfig(gps=2, stages=4, splits=4, wide=True,
                                                       frag=_fmt == "Q4_K", pre=True))
+KERNEL_CASES["Q4_K mosaic pre boundary 1x4096x14336+14336 4 deltas"] = nk_case(
+    "Q4_K", 1, 4096, (14336, 14336), pk.MgpuMatmulConfig(
+        gps=2, stages=3, splits=4, wide=True, frag=True, pre=True), deltas=4)
 
 
 @pytest.mark.parametrize("name", list(KERNEL_CASES))

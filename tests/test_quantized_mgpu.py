@@ -199,13 +199,14 @@ def test_fragment_order_codes_match_reference(interpret):
 @pytest.mark.parametrize("interpret", [
     True, pytest.param(False, marks=[pytest.mark.gpu, pytest.mark.skipif(
         jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")])], ids=["interpret", "gpu"])
-@pytest.mark.parametrize("m, n_deltas, bits", [(1, 4, 4), (3, 2, 8), (2, 0, 4)])
+@pytest.mark.parametrize("m, n_deltas, bits", [(1, 4, 4), (3, 2, 8), (2, 0, 4), (2, 2, "Q4_K")])
 def test_boundary_in_the_kernel_matches_reference(interpret, m, n_deltas, bits):
     """norm_weight (and deltas): the residual add and RMSNorm in the kernel's main loop. The
     residual stream bit for bit the reference's (the deltas summed in chunk order, then x,
     rounded once), the product the reference's rms_norm(x') @ w within float32 and one bf16
-    rounding of x' * norm_weight, as partials and finished; the check can fail (another norm
-    weight); too many rows and formats with offsets are refused."""
+    rounding of x' * norm_weight, as partials and finished (Q4_K: with the scales on the
+    codes, cfg.pre, the weights rounded to bf16 once more); the check can fail (another norm
+    weight); too many rows and formats whose offsets need x's group sums are refused."""
     k, n = 1024, 256
     nk = pk.to_nk(_int4(11, k, n, bits=bits))
     x = normal(12, (m, k), jnp.bfloat16)
@@ -214,7 +215,8 @@ def test_boundary_in_the_kernel_matches_reference(interpret, m, n_deltas, bits):
     x_new = x if deltas is None else pk.add_rms_norm_reference(x, deltas, nw, eps=1e-5)[0]
     want = pk.quantized_matmul_mgpu_reference(
         pk.rms_norm_reference(x_new, nw, eps=1e-5), nk, out_dtype=jnp.float32)
-    cfg = MgpuMatmulConfig(gps=2, stages=2, splits=2)
+    pre = bits == "Q4_K"
+    cfg = MgpuMatmulConfig(gps=2, stages=2, splits=2, pre=pre, wide=pre)
     y, got_x, ss = pk.quantized_matmul_mgpu(x, nk, cfg=cfg, interpret=interpret,
                                             out_dtype=jnp.float32, norm_weight=nw, eps=1e-5,
                                             deltas=deltas)
@@ -235,7 +237,8 @@ def test_boundary_in_the_kernel_matches_reference(interpret, m, n_deltas, bits):
                                            eps=1e-5, deltas=deltas)
     assert rel_err(other, want) > 0.05
     assert "rows" in pk.nk_norm_unfit(9, nk)
-    assert "offsets" in pk.nk_norm_unfit(1, pk.to_nk(_int4(11, k, n, bits="Q4_K")))
+    assert pk.nk_norm_unfit(1, pk.to_nk(_int4(11, k, n, bits="Q4_K"))) is None  # cfg.pre
+    assert "offsets" in pk.nk_norm_unfit(1, pk.to_nk(_int4(11, k, n, bits="Q5_1")))
     # by default three stages with the boundary (its staging would cap programs an SM), four
     # without (Llama-3-8B's q/k/v)
     assert default_config(1, 4096, 6144, norm=True).stages == 3
