@@ -199,14 +199,14 @@ def test_fragment_order_codes_match_reference(interpret):
 @pytest.mark.parametrize("interpret", [
     True, pytest.param(False, marks=[pytest.mark.gpu, pytest.mark.skipif(
         jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")])], ids=["interpret", "gpu"])
-@pytest.mark.parametrize("m, n_deltas, bits", [(1, 4, 4), (3, 2, 8), (2, 0, 4), (2, 2, "Q4_K")])
+@pytest.mark.parametrize("m, n_deltas, bits", [(1, 4, 4), (3, 2, 8), (2, 0, 4)])
 def test_boundary_in_the_kernel_matches_reference(interpret, m, n_deltas, bits):
     """norm_weight (and deltas): the residual add and RMSNorm in the kernel's main loop. The
     residual stream bit for bit the reference's (the deltas summed in chunk order, then x,
     rounded once), the product the reference's rms_norm(x') @ w within float32 and one bf16
-    rounding of x' * norm_weight, as partials and finished (Q4_K: with the scales on the
-    codes, cfg.pre, the weights rounded to bf16 once more); the check can fail (another norm
-    weight); too many rows and formats whose offsets need x's group sums are refused."""
+    rounding of x' * norm_weight, as partials and finished; the check can fail (another norm
+    weight); too many rows and formats whose offsets need x's group sums are refused (Q4_K's
+    boundary, with cfg.pre: test_scales_before_the_product)."""
     k, n = 1024, 256
     nk = pk.to_nk(_int4(11, k, n, bits=bits))
     x = normal(12, (m, k), jnp.bfloat16)
@@ -215,8 +215,7 @@ def test_boundary_in_the_kernel_matches_reference(interpret, m, n_deltas, bits):
     x_new = x if deltas is None else pk.add_rms_norm_reference(x, deltas, nw, eps=1e-5)[0]
     want = pk.quantized_matmul_mgpu_reference(
         pk.rms_norm_reference(x_new, nw, eps=1e-5), nk, out_dtype=jnp.float32)
-    pre = bits == "Q4_K"
-    cfg = MgpuMatmulConfig(gps=2, stages=2, splits=2, pre=pre, wide=pre)
+    cfg = MgpuMatmulConfig(gps=2, stages=2, splits=2)
     y, got_x, ss = pk.quantized_matmul_mgpu(x, nk, cfg=cfg, interpret=interpret,
                                             out_dtype=jnp.float32, norm_weight=nw, eps=1e-5,
                                             deltas=deltas)
@@ -281,18 +280,18 @@ def test_scales_before_the_product(interpret):
     for got, w in ((ga, a), (gb, b)):
         want = pk.quantized_matmul_mgpu_reference(x, w, out_dtype=jnp.float32)
         assert rel_err(got, want) < 4e-3
-    # the boundary on Q4_K: offsets in the codes, so no x sums of the un-normed x
+    # the boundary on Q4_K: offsets in the codes, so no x sums of the un-normed x (the
+    # default config with the boundary: nk_norm_unfit lets the model's path take it)
     nk = pk.to_nk(_int4(26, k, n, bits="Q4_K"), frag=True)
     nw = (1 + 0.2 * normal(27, (k,), jnp.float32)).astype(jnp.bfloat16)
     deltas = normal(28, (2, 1, k), jnp.float32)
     xf = pk.add_rms_norm_reference(x, deltas, nw, eps=1e-5)[0]
     want = pk.quantized_matmul_mgpu_reference(pk.rms_norm_reference(xf, nw, eps=1e-5), nk,
                                               out_dtype=jnp.float32)
-    cfg = dataclasses.replace(default_config(1, k, n, pk.nk_format(nk), norm=True), frag=True,
-                              pre=True, batch=0)
-    got, x_new, _ = pk.quantized_matmul_mgpu(x, nk, cfg=cfg, interpret=interpret,
-                                             out_dtype=jnp.float32, norm_weight=nw, eps=1e-5,
-                                             deltas=deltas)
+    cfg = dataclasses.replace(default_config(1, k, n, pk.nk_format(nk), norm=True), frag=True)
+    assert cfg.pre and pk.nk_norm_unfit(1, nk) is None
+    got, x_new, _ = pk.quantized_matmul_mgpu(x, nk, interpret=interpret, out_dtype=jnp.float32,
+                                             norm_weight=nw, eps=1e-5, deltas=deltas)
     np.testing.assert_array_equal(x_new, xf)
     assert rel_err(got, want) < 6e-3
     with pytest.raises(ValueError, match="cfg.pre"):
