@@ -318,8 +318,8 @@ def nk_norm_unfit(x_rows: int, qw) -> str | None:
 def _pre(fmt: NkFormat, code_bits: int) -> bool:
     """Whether the default config puts the scales and offsets on the codes before the
     product (cfg.pre): int4 codes with offsets in groups under 128 (Q4_K, Q4_1, int4 with
-    zero points; session 25, H100: 8-10% faster at the GEMV, a Q4_K_M step 4% faster;
-    Q4_0 and the int8-coded formats were not)."""
+    zero points), where it is faster; Q4_0 and the int8-coded formats are not
+    (benchmarks/DECISIONS.md, session 25)."""
     return fmt.x_sums and code_bits == 4 and fmt.group < GROUP
 
 
