@@ -170,6 +170,10 @@ class KernelPolicy:
     # ~1/8 more bytes (Mixtral 1, Qwen3-30B-A3B 4; benchmarks/moe.py measures both).
     moe: MoEImpl = MoEImpl.AUTO
     moe_decode_rows: int | None = None
+    # The most token rows (B * T) whose router (logits, scores, top-k, weights) runs as one
+    # kernel (pallas_kernels/moe_route.py) where the kernels are on, routers without groups
+    # or a score bias; more rows, or 0, take XLA's ops (~7 launches a layer at decode).
+    moe_route_rows: int = 0
     # The MoE kernels' tiles (None: pallas_kernels.moe's defaults for the shapes).
     moe_decode_blocks: MoEBlockSizes | None = None
     moe_grouped_blocks: MoEBlockSizes | None = None
@@ -194,6 +198,7 @@ class KernelPolicy:
         _check_int("fused_rows", self.fused_rows, 0)
         _check_int("mosaic_int_rows", self.mosaic_int_rows, 0)
         _check_int("mosaic_norm_rows", self.mosaic_norm_rows, 0)
+        _check_int("moe_route_rows", self.moe_route_rows, 0)
         if self.mosaic_norm_rows > 8:
             raise ValueError(f"KernelPolicy.mosaic_norm_rows={self.mosaic_norm_rows}: the "
                              f"Mosaic kernel's boundary takes at most 8 rows")

@@ -23,6 +23,7 @@ _MODULES = {
     "moe": ("MoEBlockSizes", "grouped_down", "grouped_down_reference", "grouped_swiglu",
             "grouped_swiglu_reference", "group_by_expert", "moe_decode", "moe_decode_reference",
             "moe_experts_reference", "moe_grouped", "moe_grouped_reference"),
+    "moe_route": ("moe_route", "moe_route_reference"),
     "norm_matmul": ("MatmulBlockSizes", "norm_matmul", "norm_matmul_reference"),
     "paged_attention": ("paged_decode_attention", "paged_decode_attention_append",
                         "paged_decode_attention_append_reference",

@@ -254,7 +254,7 @@ def quantized_matmul_mgpu(x, qw, *, experts=None, cfg: MgpuMatmulConfig | None =
                           norm_weight=None, eps: float = 0.0, deltas=None):
     """x [M, K] (M <= 64) @ dequantize(qw) for an "nk" weight -> [M, N] in out_dtype (x's);
     partials: the float32 sums of the K ranges unreduced, [S, M, N], for a consumer kernel
-    that adds them (S = 1 above ROWS_OUT rows; not with experts).
+    that adds them (S = 1 above ROWS_OUT rows; with experts [S, A, N]).
     qw a tuple of nk weights with the same K, format and code dtype (gate and up): one launch,
     a tuple of outputs. experts = (ids [A], rows [A]) for stacked experts' weights:
     assignment a's x row rows[a] times expert ids[a] -> [A, N] (int_matmul_mgpu).
@@ -408,7 +408,8 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_sca
     (a MoE layer's decode: only the chosen experts' codes are read). Each assignment's blocks
     multiply all M rows of x (the MMA's N side is 8 rows at least anyway) and keep row
     rows[a]'s column.
-    partials: the K ranges' float32 sums unreduced, a tuple of [S, M, N_i] (no experts).
+    partials: the K ranges' float32 sums unreduced, a tuple of [S, M, N_i]; with experts
+    [S, A, N_i] (each assignment's row).
 
     norm_w [K] (M <= NORM_ROWS, no experts): the sublayer boundary in the main loop. Each K
     step's x tile becomes x + sum(deltas) (deltas [S', M, K] float32, a producer's K-range
@@ -431,8 +432,6 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_sca
                                    or deltas.dtype != jnp.float32):
             raise ValueError(f"int_matmul_mgpu: deltas must be float32 [S, M, K] = [S, {m}, "
                              f"{k}], got {deltas.dtype} {deltas.shape}")
-    if partials and experts is not None:
-        raise ValueError("int_matmul_mgpu: partials are for one row set, not experts")
     nw = len(codes)
     lead = codes[0].shape[:-2] if codes else ()  # (E,) for stacked experts, else ()
     if (experts is None) != (lead == ()) or len(lead) > 1:
@@ -758,16 +757,21 @@ def int_matmul_mgpu(x, codes: tuple, scale: tuple, offset: tuple = (), super_sca
 def _int_matmul_outputs(out, m, mp, nw, starts, bn, assignments, rows, experts, rows_out,
                         partials, out_dtype):
     """The kernel's [S, M, A * N] (or [S, A * N, Mp]) sums -> each weight's output."""
-    if partials and rows_out:  # [S, M, N_i] each
+    if partials and rows_out and experts is None:  # [S, M, N_i] each
         return tuple(out[..., starts[i] * bn:starts[i + 1] * bn] for i in range(nw))
-    y = jnp.sum(out, axis=0)  # rows_out: [M, A * N], else [A * N, Mp] f32
-    if experts is not None:  # each assignment's row: [A, N]
-        if rows_out:  # [M, A, N]
-            y = y.reshape(m, assignments, -1)[rows, jnp.arange(assignments)]
-        else:  # [A, N, Mp]
-            y = jnp.take_along_axis(y.reshape(assignments, -1, mp), rows[:, None, None],
-                                    axis=2)[..., 0]
-    elif not rows_out:
+    if experts is not None:  # each assignment's row: [S, A, N]
+        s, a = out.shape[0], assignments
+        if rows_out:  # [S, M, A, N]
+            y = out.reshape(s, m, a, -1)[:, rows, jnp.arange(a)]
+        else:  # [S, A, N, Mp]
+            y = jnp.take_along_axis(out.reshape(s, a, -1, mp), rows[None, :, None, None],
+                                    axis=3)[..., 0]
+        if partials:
+            return tuple(y[..., starts[i] * bn:starts[i + 1] * bn] for i in range(nw))
+        y = jnp.sum(y, axis=0)
+    else:
+        y = jnp.sum(out, axis=0)  # rows_out: [M, N], else [N, Mp] f32
+    if experts is None and not rows_out:
         y = y[:, :m].T  # [M, N]
     if partials:  # one "K range": the sum [1, M, N_i]
         return tuple(y[None, :, starts[i] * bn:starts[i + 1] * bn] for i in range(nw))

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kernel_testing import pallas_kernels_in
 
 import jaxinfer
 from jaxinfer import ops
@@ -402,28 +403,39 @@ def test_int4_experts_through_the_mosaic_kernel(interpret):
     """int4 experts in groups of 128 in the nk layout (int_layout_params on a Mosaic plan)
     take the Mosaic GPU kernel with stacked experts at decode rows (interpret mode): gate and
     up in one launch, down in another, each assignment reading its expert; the sublayer
-    matches the dense reference on the same weights. Prefill rows take ragged_dot."""
+    matches the dense reference on the same weights, and at decode rows it routes in one
+    kernel (moe_route) and hands the next boundary down's K-range sums with the experts
+    weighted (Partials, one chunk per range). Prefill rows take ragged_dot and XLA's router."""
     from jaxinfer.generate import int_layout_params
     from jaxinfer.weights import quantize_params
 
     config = Config(vocab_size=64, hidden_size=128, intermediate_size=128, num_layers=1,
                     num_heads=4, num_kv_heads=2, head_dim=32, moe=MoEConfig(
-                        num_experts=4, experts_per_token=2, expert_intermediate_size=128,
-                        norm_topk_prob=True))
+                        num_experts=4, experts_per_token=2, expert_intermediate_size=512,
+                        norm_topk_prob=True))  # down's K 512: two K ranges
     specs = llama.param_specs(config)
     lp = quantize_params(tiny_layer(config, 5), "int4", 128, specs=specs["layers"][0])
-    policy = KernelPolicy(interpret=interpret, quant_matmul="mosaic", moe_decode_rows=2)
+    policy = KernelPolicy(interpret=interpret, quant_matmul="mosaic", moe_decode_rows=2,
+                          moe_route_rows=2)
     plan = Plan(config, policy)
     params = {name: jnp.zeros(spec.shape, jnp.float32) for name, spec in specs.items()
               if name != "layers"}  # embedding, norms, head: left as they are
     nk = int_layout_params({**params, "layers": [lp]}, plan)["layers"][0]
+    nk["mlp_norm"] = nk["mlp_norm"].astype(jnp.bfloat16)  # a bf16 model: h stays bf16
     assert all(nk[n].layout == "nk" for n in ("experts_gate", "experts_up", "experts_down"))
     w = nk["experts_gate"]
     for shape, impl in (((2, 1, 128), "mosaic_decode"), ((1, 3, 128), "ragged_dot")):
         x = jax.random.normal(jax.random.key(7), shape, jnp.float32).astype(jnp.bfloat16)
         assert EXPERTS.pick(x, None, None, w, w, nk["experts_down"], plan).name == impl
         want = _moe_out(config, lp, x, KernelPolicy(moe=MoEImpl.DENSE))[1]
-        got = _moe_array(nk, x, plan)
+        if impl == "mosaic_decode":  # the form the next boundary takes
+            names = pallas_kernels_in(lambda v: _moe_sublayer(nk, v, plan), x)
+            assert names["moe_route"] == 1, names  # the router in one kernel
+            _, parts = _moe_sublayer(nk, x, plan)
+            assert isinstance(parts, ops.Partials) and parts.parts.shape == (2, *shape)
+            got = parts.materialize(jnp.float32)
+        else:
+            got = _moe_array(nk, x, plan)
         assert rel_err(np.asarray(got, np.float32), np.asarray(want, np.float32)) < 1e-2, impl
 
 

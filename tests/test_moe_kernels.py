@@ -411,3 +411,49 @@ def test_quantized_kernels_on_the_gpu(fmt, n):
     for fn in (pk.moe_decode, pk.moe_grouped):
         out = jax.jit(fn)(x, w, ex, *qs)
         assert rel_err(out, ref) < 2e-2, fn.__name__
+
+
+def _route_cases():
+    """(h, router, k, scoring, norm, scaling): Mixtral's softmax top-2 renormalised, a
+    sigmoid router with a scaling, E not a power of two and D past a chunk; two identical
+    router columns (a tie: the lower index first, as lax.top_k)."""
+    rng = np.random.default_rng(5)
+    h = jnp.asarray(rng.standard_normal((3, 200)), jnp.bfloat16)
+    router = jnp.asarray(rng.standard_normal((200, 6)) / 14, jnp.float32)
+    tied = router.at[:, 4].set(router[:, 1])
+    wide = jnp.asarray(rng.standard_normal((200, 40)) / 14, jnp.float32)
+    return [(h, router, 2, "softmax", True, 1.0), (h, tied, 3, "softmax", False, 1.0),
+            (h, wide, 4, "sigmoid", True, 2.5)]
+
+
+@pytest.mark.parametrize("interpret", [
+    True, pytest.param(False, marks=[pytest.mark.gpu, pytest.mark.skipif(
+        jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")])], ids=["interpret", "gpu"])
+def test_router_kernel_chooses_as_the_routers_do(interpret):
+    """moe_route (one program per row) picks the experts of jaxinfer's route (transformers'
+    rule) and of its jnp reference, ties to the lower index, with their weights; bad k and a
+    non-float32 router are named."""
+    from jaxinfer.configs import MoEConfig
+    from jaxinfer.ops.moe import route, router_logits
+
+    for h, router, k, scoring, norm, scaling in _route_cases():
+        got_w, got_e = pk.moe_route(h, router, k=k, scoring=scoring, norm_topk_prob=norm,
+                                    scaling=scaling, interpret=interpret)
+        ref_w, ref_e = pk.moe_route_reference(h, router, k=k, scoring=scoring,
+                                              norm_topk_prob=norm, scaling=scaling)
+        moe = MoEConfig(num_experts=router.shape[1], experts_per_token=k,
+                        expert_intermediate_size=8, router=scoring, norm_topk_prob=norm,
+                        routed_scaling_factor=scaling)
+        want_w, want_e = route(router_logits(h, router), moe)
+        np.testing.assert_array_equal(got_e, want_e)
+        np.testing.assert_array_equal(ref_e, want_e)
+        np.testing.assert_allclose(got_w, want_w, rtol=1e-5)
+        np.testing.assert_allclose(ref_w, want_w, rtol=1e-6)
+        if router[0, 4] == router[0, 1]:  # the tie: both chosen, 1 before 4, equal weights
+            assert all(list(r).index(1) < list(r).index(4) for r in np.asarray(got_e)
+                       if 1 in r and 4 in r)
+    h, router = _route_cases()[0][:2]
+    with pytest.raises(ValueError, match="k=7 must be in 1..E=6"):
+        pk.moe_route(h, router, k=7, interpret=True)
+    with pytest.raises(ValueError, match="router must be float32"):
+        pk.moe_route(h, router.astype(jnp.bfloat16), k=2, interpret=True)

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 import pallas_kernels as pk
 from jaxinfer.configs import MoEConfig
-from jaxinfer.ops.dispatch import KERNEL_DTYPES, Registry, always, rows
+from jaxinfer.ops.dispatch import KERNEL_DTYPES, Registry, always, kernels_on, rows
 from jaxinfer.ops.linear import boundary, matmul
 from jaxinfer.ops.mlp import SWIGLU
 from jaxinfer.ops.sharded import experts_layout
@@ -219,10 +219,12 @@ def _mosaic_decode_supports(x, weights, experts, w_gate, w_up, w_down, plan) -> 
 
 
 @EXPERTS.register("mosaic_decode", _mosaic_decode_supports)
-def _mosaic_decode(x, weights, experts, w_gate, w_up, w_down, plan):
+def _mosaic_decode(x, weights, experts, w_gate, w_up, w_down, plan, partials: bool = False):
     """pallas_kernels.quantized_mgpu's kernel with stacked experts: gate and up of every
     token-expert assignment in one launch (each reads only its expert's codes), the SwiGLU,
-    the down projection in a second launch, the k experts weighted."""
+    the down projection in a second launch, the k experts weighted. partials: down's K-range
+    sums, each K range's k experts weighted and added (one small fusion), as the [S, B, T, D]
+    float32 chunks a consumer kernel adds (the next boundary: no add or norm launch)."""
     lead, d = x.shape[:-1], x.shape[-1]
     n, k = experts.shape
     ids = experts.reshape(-1)  # [A = N k]
@@ -230,7 +232,11 @@ def _mosaic_decode(x, weights, experts, w_gate, w_up, w_down, plan):
     g, u = pk.quantized_matmul_mgpu(x.reshape(n, d), (w_gate, w_up), experts=(
         ids, jnp.arange(n * k) // k), interpret=interpret, out_dtype=f32)  # [A, F] each
     y = pk.quantized_matmul_mgpu(_swiglu_act(g, u, x.dtype), w_down, experts=(
-        ids, jnp.arange(n * k)), interpret=interpret, out_dtype=f32)  # [A, D]
+        ids, jnp.arange(n * k)), interpret=interpret, out_dtype=f32,
+        partials=partials)  # [A, D]; partials: [S, A, D]
+    if partials:  # [S, N, k, D] -> [S, B, T, D]: as many chunks as down's K ranges
+        y = jnp.sum(y.reshape(-1, n, k, d) * weights[None, :, :, None], axis=2)  # a fusion
+        return y.reshape(-1, *lead, d)
     return jnp.einsum("nkd,nk->nd", y.reshape(n, k, d), weights).reshape(*lead, d)
 
 
@@ -340,6 +346,18 @@ def _check_layer(lp: dict, moe: MoEConfig, d: int) -> None:
                              f"{e} experts of {moe.expert_intermediate_size})")
 
 
+def _route_kernel_reason(h, lp: dict, plan: Plan) -> str | None:
+    """Why the router at h [B, T, D] does not run as pallas_kernels.moe_route, or None."""
+    moe = plan.config.moe
+    if not kernels_on(plan, h.dtype) or plan.sharded:
+        return "kernels off, or a sharded plan"
+    if rows(h) > plan.policy.moe_route_rows:
+        return f"{rows(h)} token rows > KernelPolicy.moe_route_rows={plan.policy.moe_route_rows}"
+    if lp.get("router_bias") is not None or (moe.n_group > 1 and moe.topk_group < moe.n_group):
+        return "a score bias or group-limited routing (XLA's route)"
+    return None
+
+
 def router_logits(h: jax.Array, router) -> jax.Array:
     """h [..., D] @ router [D, E] in float32 at full precision (no TF32: a near tie between
     two experts must not flip with the matmul's precision) -> [..., E] float32."""
@@ -362,21 +380,31 @@ def moe_mlp(stream: Residual, norm_weight, layer_params: dict, plan: Plan,
     x, h = boundary(x, delta, norm_weight, config.rms_norm_eps, plan,
                     policy.gated_mlp_boundary)  # h [B, T, D]
     with jax.named_scope("router"):
-        weights, experts = route(router_logits(h, lp["router"]).reshape(b * t, -1), moe,
-                                 lp.get("router_bias"))  # [N, k] each
+        if _route_kernel_reason(h, lp, plan) is None:
+            weights, experts = pk.moe_route(
+                h.reshape(b * t, d), getattr(lp["router"], "w", lp["router"]).astype(
+                    jnp.float32), k=moe.experts_per_token, scoring=moe.router,
+                norm_topk_prob=moe.norm_topk_prob, scaling=moe.routed_scaling_factor,
+                interpret=policy.interpret)  # [N, k] each
+        else:
+            weights, experts = route(router_logits(h, lp["router"]).reshape(b * t, -1), moe,
+                                     lp.get("router_bias"))  # [N, k] each
     if loads is not None:
         loads.append(expert_counts(experts, moe.num_experts))  # [E]
     rest = Residual(x, aval, spare=stream.spare, dead=stream.dead)
     experts_args = (h, weights, experts, lp["experts_gate"], lp["experts_up"],
                     lp["experts_down"], plan)
     kernel = EXPERTS.pick(*experts_args).name
-    if not moe.num_shared_experts and not plan.sharded and (kernel == "pallas_decode" or (
+    if not moe.num_shared_experts and not plan.sharded and (
+            kernel in ("pallas_decode", "mosaic_decode") or (
             kernel == "pallas_grouped" and b * t <= policy.fused_rows)):
         # The kernels' weighted chunks go to the consumer, which adds them to the stream in
         # its own kernel at decode (no combine, add or norm kernel in between). A sharded
         # plan keeps EXPERTS, whose dispatcher runs the kernels under shard_map.
         def emit(accept, prefetch):
             with jax.named_scope("experts"):
+                if Form.PARTIALS in accept and kernel == "mosaic_decode":
+                    return (Partials(_mosaic_decode(*experts_args, partials=True)),)
                 if Form.PARTIALS in accept:
                     decode = kernel == "pallas_decode"
                     parts = (pk.moe_decode if decode else pk.moe_grouped)(

@@ -1,0 +1,126 @@
+"""A MoE layer's router at decode rows in one kernel: logits, scores, top-k, weights.
+
+    moe_route(h, router, k=..., scoring="softmax", norm_topk_prob=..., scaling=1.0)
+        h [N, D] (the normed stream), router [D, E] float32 -> (weights [N, k] float32,
+        experts [N, k] int32, best first)
+
+The same choice as transformers' routers without groups or a score bias (Mixtral, Qwen3-MoE,
+DeepSeek-V2-Lite): scores = softmax (or sigmoid) of h @ router in float32, the k best
+(the lowest index first among equal scores, as lax.top_k), their scores renormalised to sum
+to 1 with norm_topk_prob, times `scaling`. XLA runs this as ~7 launches a layer (a reduce for
+the product, a softmax, a sort, a select, two copies, a second softmax: 10.9 us on the H100 at
+Mixtral's shapes, benchmarks/DECISIONS.md); here one program per row streams the router in
+chunks of K rows, every product in float32 (no TF32), and picks the k best by repeated maxima.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels._common import check_array, next_pow2
+
+SCORINGS = ("softmax", "sigmoid")
+_TILE = 8192  # router elements a chunk holds in registers ([chunk, Ep] float32)
+
+
+def _route_kernel(h_ref, w_ref, wo_ref, eo_ref, *, d: int, e: int, k: int, chunk: int,
+                  scoring: str, norm_topk_prob: bool, scaling: float):
+    # h_ref [Dp] (a row); w_ref [Dp, Ep] (Dp, Ep: powers of two >= D, E; masked past them);
+    # wo_ref, eo_ref [Kp] (the row's)
+    ep = w_ref.shape[1]
+    col = jnp.arange(ep)  # [Ep]
+    col_ok = col < e
+
+    def body(c, acc):  # acc [Ep] += h[c chunk] @ router[c chunk]
+        r = c * chunk + jnp.arange(chunk)  # [chunk]
+        hc = plgpu.load(h_ref.at[pl.ds(c * chunk, chunk)], mask=r < d, other=0)
+        wc = plgpu.load(w_ref.at[pl.ds(c * chunk, chunk), :],
+                        mask=(r < d)[:, None] & col_ok[None, :], other=0)  # [chunk, Ep]
+        return acc + jnp.sum(hc.astype(jnp.float32)[:, None] * wc, axis=0)
+
+    logits = lax.fori_loop(0, pl.cdiv(d, chunk), body, jnp.zeros((ep,), jnp.float32))
+    if scoring == "softmax":
+        z = jnp.where(col_ok, logits, -jnp.inf)
+        p = jnp.exp(z - jnp.max(z))
+        scores = p / jnp.sum(p)
+    else:
+        scores = jax.nn.sigmoid(logits)
+    choice = jnp.where(col_ok, scores, -jnp.inf)
+    kp = wo_ref.shape[0]
+    slot = jnp.arange(kp)
+    weights, experts = jnp.zeros((kp,), jnp.float32), jnp.zeros((kp,), jnp.int32)
+    for j in range(k):  # the j-th best: the largest score left, its lowest index
+        best = jnp.max(choice)
+        idx = jnp.min(jnp.where(choice == best, col, ep))
+        picked = col == idx
+        weights = jnp.where(slot == j, jnp.sum(jnp.where(picked, scores, 0.0)), weights)
+        experts = jnp.where(slot == j, idx, experts)
+        choice = jnp.where(picked, -jnp.inf, choice)
+    if norm_topk_prob:
+        total = jnp.sum(jnp.where(slot < k, weights, 0.0))
+        weights = weights / (total + 1e-20 if scoring == "sigmoid" else total)
+    plgpu.store(wo_ref, weights * scaling, mask=slot < k)
+    plgpu.store(eo_ref, experts, mask=slot < k)
+
+
+def _validate(h, router, k: int, scoring: str):
+    check_array("moe_route", "h", h, 2)
+    check_array("moe_route", "router", router, 2)
+    if router.shape[0] != h.shape[1] or router.dtype != jnp.float32:
+        raise ValueError(f"moe_route: router must be float32 [D, E] with D = h's {h.shape[1]}, "
+                         f"got {router.dtype} {tuple(router.shape)}")
+    if not 1 <= k <= router.shape[1]:
+        raise ValueError(f"moe_route: k={k} must be in 1..E={router.shape[1]}")
+    if scoring not in SCORINGS:
+        raise ValueError(f"moe_route: scoring must be one of {SCORINGS}, got {scoring!r}")
+
+
+def moe_route(h, router, *, k: int, scoring: str = "softmax", norm_topk_prob: bool = False,
+              scaling: float = 1.0, interpret: bool = False):
+    """(weights [N, k] float32, experts [N, k] int32) of h [N, D] under router [D, E] float32
+    (module docstring); one program per row."""
+    _validate(h, router, k, scoring)
+    return _route(h, router, k=int(k), scoring=scoring, norm_topk_prob=bool(norm_topk_prob),
+                  scaling=float(scaling), interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("k", "scoring", "norm_topk_prob", "scaling",
+                                             "interpret"))
+def _route(h, router, *, k, scoring, norm_topk_prob, scaling, interpret):
+    n, d = h.shape
+    e = router.shape[1]
+    dp, ep, kp = next_pow2(d), next_pow2(e), next_pow2(k)
+    chunk = min(dp, max(16, _TILE // ep))
+    kernel = functools.partial(_route_kernel, d=d, e=e, k=k, chunk=chunk, scoring=scoring,
+                               norm_topk_prob=norm_topk_prob, scaling=scaling)
+    return pl.pallas_call(
+        kernel,
+        grid=(n,),
+        in_specs=[pl.BlockSpec((None, dp), lambda i: (i, 0)),
+                  pl.BlockSpec((dp, ep), lambda i: (0, 0))],
+        out_specs=[pl.BlockSpec((None, kp), lambda i: (i, 0))] * 2,
+        out_shape=[jax.ShapeDtypeStruct((n, k), jnp.float32),
+                   jax.ShapeDtypeStruct((n, k), jnp.int32)],
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="moe_route",
+    )(h, router)
+
+
+def moe_route_reference(h, router, *, k: int, scoring: str = "softmax",
+                        norm_topk_prob: bool = False, scaling: float = 1.0, interpret=False):
+    """The same in plain jnp (XLA's float32 product at full precision, lax.top_k)."""
+    _validate(h, router, k, scoring)
+    logits = jnp.dot(h.astype(jnp.float32), router, precision=lax.Precision.HIGHEST)
+    scores = jax.nn.softmax(logits, axis=-1) if scoring == "softmax" else jax.nn.sigmoid(logits)
+    weights, experts = lax.top_k(scores, k)
+    if norm_topk_prob:
+        total = weights.sum(axis=-1, keepdims=True)
+        weights = weights / (total + 1e-20 if scoring == "sigmoid" else total)
+    return weights * scaling, experts.astype(jnp.int32)
