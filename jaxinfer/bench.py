@@ -481,6 +481,8 @@ def main(args) -> int:
     policy = POLICIES[args.policy]()
     if args.steps_per_sync is not None:
         policy = policy.replace(steps_per_sync_no_stop=args.steps_per_sync)
+    for setting in getattr(args, "policy_field", None) or ():
+        policy = policy.with_text(setting)
     mesh = getattr(args, "mesh", None)
     if args.preset and not args.random_weights:
         raise ValueError("--preset needs --random-weights (presets carry shapes, not weights)")

@@ -253,6 +253,43 @@ class KernelPolicy:
     def replace(self, **changes) -> KernelPolicy:
         return dataclasses.replace(self, **changes)
 
+    def with_text(self, setting: str) -> KernelPolicy:
+        """The policy with one field set from "FIELD=VALUE" (`jaxinfer bench --policy-field`):
+        a bool (true / false), an int, a float, a string, an enum member's name or value, or
+        "none" where the field may be None. Fields holding tiles or tuples are set in Python."""
+        name, sep, text = setting.partition("=")
+        name, text = name.strip(), text.strip()
+        fields = {f.name: f for f in dataclasses.fields(self)}
+        if not sep or name not in fields:
+            raise ValueError(f"policy setting {setting!r}: expected FIELD=VALUE with FIELD one "
+                             f"of KernelPolicy's: {', '.join(fields)}")
+        current, kind = getattr(self, name), str(fields[name].type)
+        if text.lower() == "none" and "None" in kind:
+            return self.replace(**{name: None})
+        try:
+            if isinstance(current, enum.Enum):
+                cls = type(current)
+                value = next((m for m in cls if text in (m.name, m.name.lower(), m.value)),
+                             None)
+                if value is None:
+                    raise ValueError(f"one of {', '.join(m.name.lower() for m in cls)}")
+            elif isinstance(current, bool) or kind == "bool":
+                if text.lower() not in ("true", "false"):
+                    raise ValueError("true or false")
+                value = text.lower() == "true"
+            elif isinstance(current, int) or kind.startswith("int"):
+                value = int(text)
+            elif isinstance(current, float) or kind.startswith("float"):
+                value = float(text)
+            elif isinstance(current, str):
+                value = text
+            else:
+                raise ValueError(f"a {kind} (set it in Python: KernelPolicy(...))")
+        except ValueError as e:
+            raise ValueError(f"policy setting {setting!r}: {name} takes {e}".replace(
+                "invalid literal for int() with base 10: ", "an integer, not ")) from None
+        return self.replace(**{name: value})
+
     @classmethod
     def reference(cls) -> KernelPolicy:
         """Pure jnp everywhere (the references the kernels are tested against)."""

@@ -70,6 +70,31 @@ def test_bad_prefetch_and_plan():
         Plan(PRESETS["llama3-8b"], "deterministic")
 
 
+def test_policy_fields_set_from_text():
+    """`jaxinfer bench --policy-field FIELD=VALUE`: ints, bools, enums (name or value),
+    strings, None where allowed; an unknown field, a bad value or a tile field is named."""
+    p = KernelPolicy()
+    for text, field, want in (("moe_route_rows=16", "moe_route_rows", 16),
+                              ("int4_fragment_order=false", "int4_fragment_order", False),
+                              ("lm_head=pallas", "lm_head", Impl.PALLAS),
+                              ("gated_mlp_boundary=KERNEL", "gated_mlp_boundary", Boundary.KERNEL),
+                              ("quant_matmul=triton", "quant_matmul", "triton"),
+                              ("prefetch_down=none", "prefetch_down", None),
+                              ("moe_decode_rows = 4", "moe_decode_rows", 4)):
+        assert getattr(p.with_text(text), field) == want, text
+    assert p.with_text("moe_route_rows=16") == p.replace(moe_route_rows=16)
+    for text, match in (("moe_rows=1", "FIELD one of KernelPolicy's: kernels"),
+                        ("moe_route_rows", "expected FIELD=VALUE"),
+                        ("moe_route_rows=lots", "moe_route_rows takes an integer, not 'lots'"),
+                        ("interpret=yes", "interpret takes true or false"),
+                        ("lm_head=cublas", "lm_head takes one of xla, pallas"),
+                        ("quant_matmul=cuda", "quant_matmul='cuda': one of"),
+                        ("fused_rows=none", "fused_rows takes an integer"),
+                        ("attention_blocks=4", "set it in Python")):
+        with pytest.raises(ValueError, match=match):
+            p.with_text(text)
+
+
 def test_deterministic_policy_refuses_the_references():
     with pytest.raises(ValueError, match="kernels=Kernels.AUTO or PALLAS"):
         KernelPolicy.deterministic(kernels=Kernels.REFERENCE)
