@@ -172,7 +172,8 @@ class KernelPolicy:
     moe_decode_rows: int | None = None
     # The most token rows (B * T) whose router (logits, scores, top-k, weights) runs as one
     # kernel (pallas_kernels/moe_route.py) where the kernels are on, routers without groups
-    # or a score bias; more rows, or 0, take XLA's ops (~7 launches a layer at decode).
+    # or a score bias; more rows, or 0, take XLA's ops (~7 launches a layer at decode). Under
+    # batch_invariant any value but 0 means every row count. 0 until measured on a GPU.
     moe_route_rows: int = 0
     # The MoE kernels' tiles (None: pallas_kernels.moe's defaults for the shapes).
     moe_decode_blocks: MoEBlockSizes | None = None

@@ -650,3 +650,25 @@ def test_expert_load_counts_the_routing():
     dense = jaxinfer.load(str(DATA / "hf" / "qwen2"))
     with pytest.raises(ValueError, match="has no experts"):
         dense.expert_load(tokens)
+
+
+def test_router_kernel_choice_follows_the_policy():
+    """moe_route_rows picks the router kernel up to that many rows (0: never); under
+    batch_invariant, for every row count (a row's experts then never depend on the batch or
+    on T); a score bias or group-limited routing keeps XLA's ops."""
+    from jaxinfer.ops.moe import _route_kernel_reason
+
+    config = tiny_config()
+    h = jax.ShapeDtypeStruct((2, 3, 32), jnp.bfloat16)  # 6 rows
+    lp = {"router": None}
+    for policy, takes in ((KernelPolicy(interpret=True, moe_route_rows=8), True),
+                          (KernelPolicy(interpret=True, moe_route_rows=4), False),
+                          (KernelPolicy(interpret=True), False),
+                          (KernelPolicy.deterministic(interpret=True, moe_route_rows=4), True),
+                          (KernelPolicy.deterministic(interpret=True), False),
+                          (KernelPolicy(kernels=Kernels.REFERENCE, moe_route_rows=8), False)):
+        assert (_route_kernel_reason(h, lp, Plan(config, policy)) is None) == takes, policy
+    on = Plan(config, KernelPolicy(interpret=True, moe_route_rows=8))
+    assert "score bias" in _route_kernel_reason(h, {"router_bias": jnp.zeros(6)}, on)
+    grouped = Plan(tiny_config(n_group=3, topk_group=2), on.policy)
+    assert "group-limited" in _route_kernel_reason(h, lp, grouped)

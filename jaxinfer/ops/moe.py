@@ -351,8 +351,11 @@ def _route_kernel_reason(h, lp: dict, plan: Plan) -> str | None:
     moe = plan.config.moe
     if not kernels_on(plan, h.dtype) or plan.sharded:
         return "kernels off, or a sharded plan"
-    if rows(h) > plan.policy.moe_route_rows:
-        return f"{rows(h)} token rows > KernelPolicy.moe_route_rows={plan.policy.moe_route_rows}"
+    limit = plan.policy.moe_route_rows
+    # batch_invariant: one path for every row count (the kernel's rows are independent), so a
+    # row's experts do not depend on the batch or on T (a verification's K + 1 tokens)
+    if limit == 0 or (rows(h) > limit and not plan.policy.batch_invariant):
+        return f"{rows(h)} token rows > KernelPolicy.moe_route_rows={limit}"
     if lp.get("router_bias") is not None or (moe.n_group > 1 and moe.topk_group < moe.n_group):
         return "a score bias or group-limited routing (XLA's route)"
     return None
