@@ -157,6 +157,26 @@ def test_two_weights_in_one_launch(interpret, fmt):
         pk.quantized_matmul_mgpu(x, (a, other), interpret=interpret)
 
 
+def test_stacked_experts_rows_and_their_k_range_sums():
+    """Stacked experts (a MoE decode): assignment a multiplies x's row rows[a] by expert
+    ids[a], with the sums stored as x's rows (M <= 16) and as [N, Mp] tiles (M 20); with
+    partials each assignment's K-range sums [S, A, N], which add up to it."""
+    w = pk.to_nk(pk.stack_experts([_int4(s, 512, 64) for s in (1, 2, 3)]))
+    for m in (4, 20):
+        x = normal(m, (m, 512), jnp.bfloat16)
+        ids = jnp.asarray(np.random.default_rng(m).integers(0, 3, m), jnp.int32)
+        rows = jnp.arange(m, dtype=jnp.int32)[::-1]  # not the identity
+        y = pk.quantized_matmul_mgpu(x, w, experts=(ids, rows), interpret=True,
+                                     out_dtype=jnp.float32)  # [A, N]
+        dense = dequantize(w, jnp.float32)  # [E, K, N]
+        want = jnp.einsum("ak,akn->an", x[rows].astype(jnp.float32), dense[ids])
+        assert y.shape == (m, 64) and rel_err(y, want) < 1e-4, m
+        parts = pk.quantized_matmul_mgpu(x, w, experts=(ids, rows), interpret=True,
+                                         partials=True)
+        assert parts.shape == (2, m, 64), parts.shape  # K 512: two ranges
+        np.testing.assert_array_equal(jnp.sum(parts, axis=0), y)
+
+
 @pytest.mark.parametrize("interpret", [
     True, pytest.param(False, marks=[pytest.mark.gpu, pytest.mark.skipif(
         jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")])], ids=["interpret", "gpu"])
