@@ -256,7 +256,7 @@ class KernelPolicy:
 
     def with_text(self, setting: str) -> KernelPolicy:
         """The policy with one field set from "FIELD=VALUE" (`jaxinfer bench --policy-field`):
-        a bool (true / false), an int, a float, a string, an enum member's name or value, or
+        a bool (true / false), an int, a string, an enum member's name or value, or
         "none" where the field may be None. Fields holding tiles or tuples are set in Python."""
         name, sep, text = setting.partition("=")
         name, text = name.strip(), text.strip()
@@ -279,16 +279,15 @@ class KernelPolicy:
                     raise ValueError("true or false")
                 value = text.lower() == "true"
             elif isinstance(current, int) or kind.startswith("int"):
+                if not text.lstrip("-").isdigit():
+                    raise ValueError(f"an integer, not {text!r}")
                 value = int(text)
-            elif isinstance(current, float) or kind.startswith("float"):
-                value = float(text)
             elif isinstance(current, str):
                 value = text
             else:
                 raise ValueError(f"a {kind} (set it in Python: KernelPolicy(...))")
         except ValueError as e:
-            raise ValueError(f"policy setting {setting!r}: {name} takes {e}".replace(
-                "invalid literal for int() with base 10: ", "an integer, not ")) from None
+            raise ValueError(f"policy setting {setting!r}: {name} takes {e}") from None
         return self.replace(**{name: value})
 
     @classmethod

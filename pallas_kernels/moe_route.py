@@ -7,10 +7,9 @@
 The same choice as transformers' routers without groups or a score bias (Mixtral, Qwen3-MoE,
 DeepSeek-V2-Lite): scores = softmax (or sigmoid) of h @ router in float32, the k best
 (the lowest index first among equal scores, as lax.top_k), their scores renormalised to sum
-to 1 with norm_topk_prob, times `scaling`. XLA runs this as ~7 launches a layer (a reduce for
-the product, a softmax, a sort, a select, two copies, a second softmax: 10.9 us on the H100 at
-Mixtral's shapes, benchmarks/DECISIONS.md); here one program per row streams the router in
-chunks of K rows, every product in float32 (no TF32), and picks the k best by repeated maxima.
+to 1 with norm_topk_prob, times `scaling`. XLA runs this as ~7 small launches a layer
+(benchmarks/DECISIONS.md); here one program per row streams the router in chunks of D rows,
+every product in float32 (no TF32), and picks the k best by repeated maxima.
 """
 
 from __future__ import annotations

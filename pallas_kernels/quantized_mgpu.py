@@ -771,8 +771,8 @@ def _int_matmul_outputs(out, m, mp, nw, starts, bn, assignments, rows, experts, 
         y = jnp.sum(y, axis=0)
     else:
         y = jnp.sum(out, axis=0)  # rows_out: [M, N], else [N, Mp] f32
-    if experts is None and not rows_out:
-        y = y[:, :m].T  # [M, N]
+        if not rows_out:
+            y = y[:, :m].T  # [M, N]
     if partials:  # one "K range": the sum [1, M, N_i]
         return tuple(y[None, :, starts[i] * bn:starts[i + 1] * bn] for i in range(nw))
     y = y.astype(out_dtype)

@@ -449,7 +449,7 @@ def test_router_kernel_chooses_as_the_routers_do(interpret):
         np.testing.assert_array_equal(ref_e, want_e)
         np.testing.assert_allclose(got_w, want_w, rtol=1e-5)
         np.testing.assert_allclose(ref_w, want_w, rtol=1e-6)
-        if router[0, 4] == router[0, 1]:  # the tie: both chosen, 1 before 4, equal weights
+        if router[0, 4] == router[0, 1]:  # the tie: where both are chosen, 1 comes first
             assert all(list(r).index(1) < list(r).index(4) for r in np.asarray(got_e)
                        if 1 in r and 4 in r)
     h, router = _route_cases()[0][:2]

@@ -361,10 +361,15 @@ def _route_kernel_reason(h, lp: dict, plan: Plan) -> str | None:
     return None
 
 
+def _router_weight(router) -> jax.Array:
+    """The router [D, E] (a Dense or an array) in float32."""
+    return getattr(router, "w", router).astype(jnp.float32)
+
+
 def router_logits(h: jax.Array, router) -> jax.Array:
     """h [..., D] @ router [D, E] in float32 at full precision (no TF32: a near tie between
     two experts must not flip with the matmul's precision) -> [..., E] float32."""
-    w = getattr(router, "w", router).astype(jnp.float32)
+    w = _router_weight(router)
     return jnp.dot(h.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST)
 
 
@@ -385,10 +390,9 @@ def moe_mlp(stream: Residual, norm_weight, layer_params: dict, plan: Plan,
     with jax.named_scope("router"):
         if _route_kernel_reason(h, lp, plan) is None:
             weights, experts = pk.moe_route(
-                h.reshape(b * t, d), getattr(lp["router"], "w", lp["router"]).astype(
-                    jnp.float32), k=moe.experts_per_token, scoring=moe.router,
-                norm_topk_prob=moe.norm_topk_prob, scaling=moe.routed_scaling_factor,
-                interpret=policy.interpret)  # [N, k] each
+                h.reshape(b * t, d), _router_weight(lp["router"]), k=moe.experts_per_token,
+                scoring=moe.router, norm_topk_prob=moe.norm_topk_prob,
+                scaling=moe.routed_scaling_factor, interpret=policy.interpret)  # [N, k] each
         else:
             weights, experts = route(router_logits(h, lp["router"]).reshape(b * t, -1), moe,
                                      lp.get("router_bias"))  # [N, k] each
