@@ -49,9 +49,10 @@
 #                                        #  at the decode shapes, pallas_{decode,grouped}_int4)
 #   bash benchmarks/run_h200.sh deepseek # jaxinfer bench at DeepSeek-V2-Lite and Qwen3-30B-A3B
 #                                        # shapes (random weights): B=1 and B=32 decode
-#   bash benchmarks/run_h200.sh route    # the MoE router as one kernel (moe_route_rows 16) or
-#                                        # XLA's ops (0), alternated: Mixtral int4 (and bf16
-#                                        # where it fits), Qwen3-30B-A3B int4; its GPU tests
+#   bash benchmarks/run_h200.sh route    # the MoE router as one kernel (moe_route_rows 16), with
+#                                        # the boundary in it or not, or XLA's ops (0),
+#                                        # alternated: Mixtral int4 (and bf16 where it fits),
+#                                        # Qwen3-30B-A3B int4; its GPU tests
 #   bash benchmarks/run_h200.sh gemma    # benchmarks/gemma_attention.py (soft-capped flash and
 #                                        # decode attention at D256 vs XLA / cuDNN), then
 #                                        # jaxinfer bench --preset gemma3-27b and gemma3-1b, B=1
@@ -253,25 +254,25 @@ deepseek() {  # DeepSeek-V2-Lite (MLA + MoE) and Qwen3-30B-A3B shapes at B=1 and
     bench . deepseek --preset "$preset" --batch 1 32 --prompt-len 512 --gen-len 64 --repeats 2
   done
 }
-route() {  # KernelPolicy.moe_route_rows end to end, B = 1 (128 + 256), then the GPU tests
-  local mem
+route() {  # the MoE router: XLA's ops (rows 0), its kernel (16 + kernel: add_rms_norm before it),
+  # its kernel with the boundary in it (16 + consumer), alternated, B = 1 (128 + 256); its tests
+  local mem variants="0,consumer 16,kernel 16,consumer"
   mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
-  for _ in $(seq "${ROUNDS:-2}"); do
-    for rows in 16 0; do
-      bench . "route$rows" --preset mixtral-8x7b $B1 --quantization int4 \
-        --policy-field moe_route_rows=$rows
+  route_bench() {  # PRESET ARGS...: every variant once
+    local preset=$1 v
+    shift
+    for v in $variants; do
+      bench . "route-${v/,/-}" --preset "$preset" $B1 "$@" --policy-field "moe_route_rows=${v%,*}" \
+        --policy-field "gated_mlp_boundary=${v#*,}"
     done
-  done
-  if [ "$mem" -gt 100000 ]; then  # Mixtral bf16 takes ~94 GB
-    for rows in 16 0; do
-      bench . "route$rows" --preset mixtral-8x7b $B1 --policy-field moe_route_rows=$rows
-    done
+  }
+  for _ in $(seq "${ROUNDS:-2}"); do route_bench mixtral-8x7b --quantization int4; done
+  if [ "$mem" -gt 100000 ] && [ "${ROUTE_BF16:-1}" = 1 ]; then  # bf16 takes ~94 GB
+    route_bench mixtral-8x7b
   fi
-  for rows in 16 0; do
-    bench . "route$rows" --preset qwen3-30b-a3b $B1 --quantization int4 \
-      --policy-field moe_route_rows=$rows
-  done
-  TESTS_TIMEOUT=150 gpu_tests tests/test_moe_kernels.py tests/test_moe.py -k "router or mosaic"
+  route_bench qwen3-30b-a3b --quantization int4
+  TESTS_TIMEOUT=150 gpu_tests tests/test_moe_kernels.py tests/test_moe.py \
+    -k "router or mosaic or boundary_and"
 }
 gemma() {  # Gemma: the attention kernels, then the two presets' B=1 decode against the floor
   timeout "${KERNELS_TIMEOUT:-300}" python3 benchmarks/gemma_attention.py \

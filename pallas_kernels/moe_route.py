@@ -10,6 +10,13 @@ DeepSeek-V2-Lite): scores = softmax (or sigmoid) of h @ router in float32, the k
 to 1 with norm_topk_prob, times `scaling`. XLA runs this as ~7 small launches a layer
 (benchmarks/DECISIONS.md); here one program per row streams the router in chunks of D rows,
 every product in float32 (no TF32), and picks the k best by repeated maxima.
+
+    add_rms_norm_route(x, deltas, norm_weight, router, eps=..., k=..., ...)
+        -> (x + sum(deltas), its RMSNorm h, weights, experts)
+
+The sublayer's boundary (rms_norm.add_rms_norm: the residual add of a split-K producer's
+chunks and the RMSNorm) and the router of its h in one launch: h is stored, then read back in
+chunks by the router's loop.
 """
 
 from __future__ import annotations
@@ -23,18 +30,16 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import check_array, next_pow2
+from pallas_kernels.rms_norm import _validate_add, add_rms_norm_reference
 
 SCORINGS = ("softmax", "sigmoid")
 _TILE = 8192  # router elements a chunk holds in registers ([chunk, Ep] float32)
 
 
-def _route_kernel(h_ref, w_ref, wo_ref, eo_ref, *, d: int, e: int, k: int, chunk: int,
-                  scoring: str, norm_topk_prob: bool, scaling: float):
-    # h_ref [Dp] (a row); w_ref [Dp, Ep] (Dp, Ep: powers of two >= D, E; masked past them);
-    # wo_ref, eo_ref [Kp] (the row's)
+def _logits(h_ref, w_ref, *, d: int, e: int, chunk: int):
+    """h_ref [Dp] @ w_ref [Dp, Ep] in float32, streamed in chunks of D rows -> [Ep]."""
     ep = w_ref.shape[1]
-    col = jnp.arange(ep)  # [Ep]
-    col_ok = col < e
+    col_ok = jnp.arange(ep) < e
 
     def body(c, acc):  # acc [Ep] += h[c chunk] @ router[c chunk]
         r = c * chunk + jnp.arange(chunk)  # [chunk]
@@ -43,7 +48,16 @@ def _route_kernel(h_ref, w_ref, wo_ref, eo_ref, *, d: int, e: int, k: int, chunk
                         mask=(r < d)[:, None] & col_ok[None, :], other=0)  # [chunk, Ep]
         return acc + jnp.sum(hc.astype(jnp.float32)[:, None] * wc, axis=0)
 
-    logits = lax.fori_loop(0, pl.cdiv(d, chunk), body, jnp.zeros((ep,), jnp.float32))
+    return lax.fori_loop(0, pl.cdiv(d, chunk), body, jnp.zeros((ep,), jnp.float32))
+
+
+def _pick(logits, wo_ref, eo_ref, *, e: int, k: int, scoring: str, norm_topk_prob: bool,
+          scaling: float):
+    """Scores of logits [Ep], the k best (lowest index among equals), stored to wo_ref and
+    eo_ref [Kp]."""
+    ep = logits.shape[0]
+    col = jnp.arange(ep)  # [Ep]
+    col_ok = col < e
     if scoring == "softmax":
         z = jnp.where(col_ok, logits, -jnp.inf)
         p = jnp.exp(z - jnp.max(z))
@@ -68,6 +82,37 @@ def _route_kernel(h_ref, w_ref, wo_ref, eo_ref, *, d: int, e: int, k: int, chunk
     plgpu.store(eo_ref, experts, mask=slot < k)
 
 
+def _route_kernel(h_ref, w_ref, wo_ref, eo_ref, *, d: int, e: int, chunk: int, **pick):
+    # h_ref [Dp] (a row); w_ref [Dp, Ep] (Dp, Ep: powers of two >= D, E; masked past them);
+    # wo_ref, eo_ref [Kp] (the row's)
+    _pick(_logits(h_ref, w_ref, d=d, e=e, chunk=chunk), wo_ref, eo_ref, e=e, **pick)
+
+
+def _add_norm_route_kernel(*refs, splits: int, eps: float, interpret: bool, d: int, e: int,
+                           chunk: int, **pick):
+    # refs: `splits` delta refs [Dp] (the row of each chunk), x_ref [Dp], nw_ref [Dp] (the
+    # norm's weight), w_ref [Dp, Ep]; outputs xo_ref, h_ref [Dp], wo_ref, eo_ref [Kp]
+    d_refs, (x_ref, nw_ref, w_ref, xo_ref, h_ref, wo_ref, eo_ref) = refs[:splits], \
+        refs[splits:]
+    dp = x_ref.shape[0]
+    ok = jnp.arange(dp) < d  # [Dp]
+    # add_rms_norm's arithmetic (rms_norm.py): the chunks in order, then x, one rounding
+    nw = plgpu.load(nw_ref, mask=ok, other=0)
+    acc = plgpu.load(d_refs[0], mask=ok, other=0).astype(jnp.float32)
+    for d_ref in d_refs[1:]:
+        acc += plgpu.load(d_ref, mask=ok, other=0).astype(jnp.float32)
+    acc += plgpu.load(x_ref, mask=ok, other=0).astype(jnp.float32)
+    x_new = acc.astype(xo_ref.dtype)
+    plgpu.store(xo_ref, x_new, mask=ok)
+    xf = x_new.astype(jnp.float32)
+    inv_rms = jax.lax.rsqrt(jnp.sum(xf * xf) / d + eps)
+    normed = (xf * inv_rms).astype(xo_ref.dtype)
+    plgpu.store(h_ref, nw.astype(h_ref.dtype) * normed.astype(h_ref.dtype), mask=ok)
+    if not interpret:  # the router's chunks read h back: every thread's part stored first
+        plgpu.debug_barrier()
+    _pick(_logits(h_ref, w_ref, d=d, e=e, chunk=chunk), wo_ref, eo_ref, e=e, **pick)
+
+
 def _validate(h, router, k: int, scoring: str):
     check_array("moe_route", "h", h, 2)
     check_array("moe_route", "router", router, 2)
@@ -81,21 +126,24 @@ def _validate(h, router, k: int, scoring: str):
 
 
 def moe_route(h, router, *, k: int, scoring: str = "softmax", norm_topk_prob: bool = False,
-              scaling: float = 1.0, interpret: bool = False):
+              scaling: float = 1.0, interpret: bool = False, tile: int = _TILE,
+              num_warps: int = 4, num_stages: int = 1):
     """(weights [N, k] float32, experts [N, k] int32) of h [N, D] under router [D, E] float32
     (module docstring); one program per row."""
     _validate(h, router, k, scoring)
     return _route(h, router, k=int(k), scoring=scoring, norm_topk_prob=bool(norm_topk_prob),
-                  scaling=float(scaling), interpret=interpret)
+                  scaling=float(scaling), interpret=interpret, tile=tile, num_warps=num_warps,
+                  num_stages=num_stages)
 
 
 @functools.partial(jax.jit, static_argnames=("k", "scoring", "norm_topk_prob", "scaling",
-                                             "interpret"))
-def _route(h, router, *, k, scoring, norm_topk_prob, scaling, interpret):
+                                             "interpret", "tile", "num_warps", "num_stages"))
+def _route(h, router, *, k, scoring, norm_topk_prob, scaling, interpret, tile, num_warps,
+           num_stages):
     n, d = h.shape
     e = router.shape[1]
     dp, ep, kp = next_pow2(d), next_pow2(e), next_pow2(k)
-    chunk = min(dp, max(16, _TILE // ep))
+    chunk = min(dp, max(16, tile // ep))
     kernel = functools.partial(_route_kernel, d=d, e=e, k=k, chunk=chunk, scoring=scoring,
                                norm_topk_prob=norm_topk_prob, scaling=scaling)
     return pl.pallas_call(
@@ -106,10 +154,55 @@ def _route(h, router, *, k, scoring, norm_topk_prob, scaling, interpret):
         out_specs=[pl.BlockSpec((None, kp), lambda i: (i, 0))] * 2,
         out_shape=[jax.ShapeDtypeStruct((n, k), jnp.float32),
                    jax.ShapeDtypeStruct((n, k), jnp.int32)],
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="moe_route",
     )(h, router)
+
+
+def add_rms_norm_route(x, deltas, norm_weight, router, *, eps: float, k: int,
+                       scoring: str = "softmax", norm_topk_prob: bool = False,
+                       scaling: float = 1.0, interpret: bool = False, tile: int = _TILE,
+                       num_warps: int = 4, num_stages: int = 1):
+    """The MoE sublayer's boundary and router in one kernel: x [N, D] + sum(deltas [S, N, D])
+    and its RMSNorm h (as rms_norm.add_rms_norm), then moe_route of h. Returns (x_new [N, D]
+    in x's dtype, h [N, D], weights [N, k] float32, experts [N, k] int32)."""
+    _validate_add(x, deltas, norm_weight)
+    _validate(x, router, k, scoring)
+    return _add_norm_route(x, deltas, norm_weight, router, eps=float(eps), k=int(k),
+                           scoring=scoring, norm_topk_prob=bool(norm_topk_prob),
+                           scaling=float(scaling), interpret=interpret, tile=tile,
+                           num_warps=num_warps, num_stages=num_stages)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "k", "scoring", "norm_topk_prob", "scaling",
+                                             "interpret", "tile", "num_warps", "num_stages"))
+def _add_norm_route(x, deltas, norm_weight, router, *, eps, k, scoring, norm_topk_prob,
+                    scaling, interpret, tile, num_warps, num_stages):
+    n, d = x.shape
+    s, e = deltas.shape[0], router.shape[1]
+    dp, ep, kp = next_pow2(d), next_pow2(e), next_pow2(k)
+    chunk = min(dp, max(16, tile // ep))
+    kernel = functools.partial(_add_norm_route_kernel, splits=s, eps=eps, interpret=interpret,
+                               d=d, e=e, k=k, chunk=chunk, scoring=scoring,
+                               norm_topk_prob=norm_topk_prob, scaling=scaling)
+    row = pl.BlockSpec((None, dp), lambda i: (i, 0))
+    chunks = [pl.BlockSpec((None, None, dp), lambda i, c=c: (c, i, 0)) for c in range(s)]
+    pick = pl.BlockSpec((None, kp), lambda i: (i, 0))
+    h_dtype = jnp.result_type(norm_weight.dtype, x.dtype)
+    return pl.pallas_call(
+        kernel,
+        grid=(n,),
+        in_specs=[*chunks, row, pl.BlockSpec((dp,), lambda i: (0,)),
+                  pl.BlockSpec((dp, ep), lambda i: (0, 0))],
+        out_specs=[row, row, pick, pick],
+        out_shape=[jax.ShapeDtypeStruct((n, d), x.dtype), jax.ShapeDtypeStruct((n, d), h_dtype),
+                   jax.ShapeDtypeStruct((n, k), jnp.float32),
+                   jax.ShapeDtypeStruct((n, k), jnp.int32)],
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="add_rms_norm_route",
+    )(*([deltas] * s), x, norm_weight, router)
 
 
 def moe_route_reference(h, router, *, k: int, scoring: str = "softmax",
@@ -123,3 +216,12 @@ def moe_route_reference(h, router, *, k: int, scoring: str = "softmax",
         total = weights.sum(axis=-1, keepdims=True)
         weights = weights / (total + 1e-20 if scoring == "sigmoid" else total)
     return weights * scaling, experts.astype(jnp.int32)
+
+
+def add_rms_norm_route_reference(x, deltas, norm_weight, router, *, eps: float, k: int,
+                                 scoring: str = "softmax", norm_topk_prob: bool = False,
+                                 scaling: float = 1.0, interpret: bool = False):
+    """The same in plain jnp: add_rms_norm_reference, then moe_route_reference of h."""
+    x_new, h = add_rms_norm_reference(x, deltas, norm_weight, eps=eps)
+    return (x_new, h, *moe_route_reference(h, router, k=k, scoring=scoring,
+                                           norm_topk_prob=norm_topk_prob, scaling=scaling))

@@ -94,6 +94,9 @@ KERNEL_CASES = {
                           (S((1, 4096), BF16), S((4096, 8), F32))),
     "moe_route qwen3-30b-a3b 4 rows": (lambda h, r: pk.moe_route(h, r, k=8, norm_topk_prob=True),
                                        (S((4, 2048), BF16), S((2048, 128), F32))),
+    "add_rms_norm_route mixtral": (
+        lambda x, d, n, r: pk.add_rms_norm_route(x, d, n, r, eps=1e-5, k=2, norm_topk_prob=True),
+        (S((1, 4096), BF16), S((4, 1, 4096), F32), S((4096,), BF16), S((4096, 8), F32))),
     "rope": (lambda x, p, f: pk.rope(x, p, f),
              (S((4, 4096, 32, 128), BF16), S((4, 4096), I32), S((64,), F32))),
     "decode_attention B8 S8k": (
@@ -631,10 +634,11 @@ def test_moe_decode_step_takes_the_experts_kernels(preset, batch):
 def test_moe_tiles_and_router_come_from_the_policy():
     """KernelPolicy.moe_decode_blocks reaches the decode kernels (the down projection's split
     in its name); moe_route_rows puts the router in its kernel (one lowering for the two
-    layers)."""
+    layers), with the sublayer's boundary."""
     blocks = pk.MoEBlockSizes(block_m=16, block_n=128, block_n_down=64, block_k=128,
                               split_k=4, num_warps=4)
     names = kernel_names(decode_step_module("mixtral-8x7b", 1, 512, ON_GPU.replace(
         moe_decode_blocks=blocks, moe_route_rows=1)))
     assert names["moe_decode_down_f14336_d4096_split4"] == 1, names
-    assert names["moe_route"] == 1, names
+    # the attention's chunks, the residual add and the norm in the router's kernel
+    assert names["add_rms_norm_route"] == 1 and "moe_route" not in names, names

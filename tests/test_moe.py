@@ -652,6 +652,38 @@ def test_expert_load_counts_the_routing():
         dense.expert_load(tokens)
 
 
+def test_router_kernel_takes_the_boundary():
+    """With the attention's output pending as float32 chunks, the router's kernel takes the
+    residual add and the norm as well (gated_mlp_boundary CONSUMER: add_rms_norm_route, one
+    launch where add_rms_norm and moe_route were two): the stream is bitwise add_rms_norm's
+    and the experts' output that of the two kernels (KERNEL)."""
+    from jaxinfer.ops.stream import ARRAY_ONLY
+    from jaxinfer.plan import Boundary
+
+    config = tiny_config()
+    lp = tiny_layer(config, 3)
+    lp["mlp_norm"] = jnp.asarray(lp["mlp_norm"], jnp.bfloat16)
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.standard_normal((1, 2, 32)), jnp.bfloat16)  # [B, T, D]
+    parts = jnp.asarray(rng.standard_normal((2, 1, 2, 32)), jnp.float32)  # [S, B, T, D]
+    out = {}
+    for where, kernels in ((Boundary.CONSUMER, {"add_rms_norm_route"}),
+                           (Boundary.KERNEL, {"add_rms_norm", "moe_route"})):
+        plan = Plan(config, KernelPolicy(interpret=True, moe_route_rows=4,
+                                         gated_mlp_boundary=where))
+
+        def sublayer(x, parts, plan=plan):
+            stream = ops.Residual.start(x).with_pending(ops.Partials(parts))
+            return ops.moe_mlp(stream, lp["mlp_norm"], lp, plan).take(ARRAY_ONLY)
+        names = pallas_kernels_in(sublayer, x, parts)
+        assert kernels <= set(names) and not ({"add_rms_norm_route", "add_rms_norm",
+                                               "moe_route"} - kernels) & set(names), names
+        out[where] = [np.asarray(a, np.float32) for a in jax.jit(sublayer)(x, parts)]
+    np.testing.assert_array_equal(out[Boundary.CONSUMER][0], out[Boundary.KERNEL][0])
+    np.testing.assert_allclose(out[Boundary.CONSUMER][1], out[Boundary.KERNEL][1],
+                               rtol=2e-2, atol=2e-2)
+
+
 def test_router_kernel_choice_follows_the_policy():
     """moe_route_rows picks the router kernel up to that many rows (0: never); under
     batch_invariant, for every row count (a row's experts then never depend on the batch or

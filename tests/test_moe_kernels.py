@@ -457,3 +457,38 @@ def test_router_kernel_chooses_as_the_routers_do(interpret):
         pk.moe_route(h, router, k=7, interpret=True)
     with pytest.raises(ValueError, match="router must be float32"):
         pk.moe_route(h, router.astype(jnp.bfloat16), k=2, interpret=True)
+
+
+@pytest.mark.parametrize("interpret", [
+    True, pytest.param(False, marks=[pytest.mark.gpu, pytest.mark.skipif(
+        jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")])], ids=["interpret", "gpu"])
+def test_boundary_and_router_in_one_kernel(interpret):
+    """add_rms_norm_route gives add_rms_norm's stream and h bitwise (the chunks summed in
+    order, then x, one rounding) and route's experts on that h (weights to float32 rounding);
+    deltas of the wrong shape are named."""
+    from jaxinfer.configs import MoEConfig
+    from jaxinfer.ops.moe import route, router_logits
+
+    rng = np.random.default_rng(6)
+    for h, router, k, scoring, norm, scaling in _route_cases():
+        x = jnp.asarray(rng.standard_normal(h.shape), jnp.bfloat16)  # [N, D]
+        deltas = jnp.asarray(rng.standard_normal((3, *h.shape)), jnp.float32)  # [S, N, D]
+        norm_w = jnp.asarray(1 + rng.standard_normal(h.shape[1]) / 8, jnp.bfloat16)
+        x_new, h_got, got_w, got_e = pk.add_rms_norm_route(
+            x, deltas, norm_w, router, eps=1e-5, k=k, scoring=scoring, norm_topk_prob=norm,
+            scaling=scaling, interpret=interpret)
+        x_want, h_want = pk.add_rms_norm(x, deltas, norm_w, eps=1e-5, interpret=interpret)
+        np.testing.assert_array_equal(np.asarray(x_new, np.float32), np.asarray(x_want, np.float32))
+        np.testing.assert_array_equal(np.asarray(h_got, np.float32), np.asarray(h_want, np.float32))
+        moe = MoEConfig(num_experts=router.shape[1], experts_per_token=k,
+                        expert_intermediate_size=8, router=scoring, norm_topk_prob=norm,
+                        routed_scaling_factor=scaling)
+        want_w, want_e = route(router_logits(h_want, router), moe)
+        np.testing.assert_array_equal(got_e, want_e)
+        np.testing.assert_allclose(got_w, want_w, rtol=1e-5)
+        ref = pk.add_rms_norm_route_reference(x, deltas, norm_w, router, eps=1e-5, k=k,
+                                              scoring=scoring, norm_topk_prob=norm,
+                                              scaling=scaling)
+        np.testing.assert_array_equal(ref[3], want_e)
+    with pytest.raises(ValueError, match=r"must be \[S, \*x.shape\]"):
+        pk.add_rms_norm_route(x, deltas[:, :1], norm_w, router, eps=1e-5, k=2, interpret=True)

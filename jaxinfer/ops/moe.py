@@ -34,7 +34,7 @@ from jaxinfer.ops.linear import boundary, matmul
 from jaxinfer.ops.mlp import SWIGLU
 from jaxinfer.ops.sharded import experts_layout
 from jaxinfer.ops.stream import ANY_SUM, Deferred, Form, Partials, Residual
-from jaxinfer.plan import Kernels, MoEImpl, Plan
+from jaxinfer.plan import Boundary, Kernels, MoEImpl, Plan
 from jaxinfer.weights import Kind, ParamSpec, QuantizedWeight
 from pallas_kernels.moe import take_dequantized
 from pallas_kernels.quantized import dequantize, num_experts
@@ -361,6 +361,35 @@ def _route_kernel_reason(h, lp: dict, plan: Plan) -> str | None:
     return None
 
 
+def _boundary_and_route(x, delta, norm_weight, lp: dict, plan: Plan):
+    """The sublayer's boundary and router: (x + delta, h = its RMSNorm [B, T, D], weights,
+    experts [B * T, k]). Where the boundary would be add_rms_norm's and the router a kernel,
+    one kernel does both (gated_mlp_boundary CONSUMER: the router is h's first reader)."""
+    config, policy, moe = plan.config, plan.policy, plan.config.moe
+    b, t, d = x.shape
+    pick = dict(k=moe.experts_per_token, scoring=moe.router, norm_topk_prob=moe.norm_topk_prob,
+                scaling=moe.routed_scaling_factor, interpret=policy.interpret)
+    if isinstance(delta, Partials) and delta.norm is None and not config.norm_offset \
+            and policy.gated_mlp_boundary is Boundary.CONSUMER \
+            and _route_kernel_reason(x, lp, plan) is None:
+        with jax.named_scope("router"):
+            s = delta.parts.shape[0]
+            x, h, weights, experts = pk.add_rms_norm_route(
+                x.reshape(b * t, d), delta.parts.reshape(s, b * t, d), norm_weight,
+                _router_weight(lp["router"]), eps=config.rms_norm_eps, **pick)
+        return x.reshape(b, t, d), h.reshape(b, t, d), weights, experts
+    x, h = boundary(x, delta, norm_weight, config.rms_norm_eps, plan,
+                    policy.gated_mlp_boundary)  # h [B, T, D]
+    with jax.named_scope("router"):
+        if _route_kernel_reason(h, lp, plan) is None:
+            weights, experts = pk.moe_route(h.reshape(b * t, d), _router_weight(lp["router"]),
+                                            **pick)  # [N, k] each
+        else:
+            weights, experts = route(router_logits(h, lp["router"]).reshape(b * t, -1), moe,
+                                     lp.get("router_bias"))  # [N, k] each
+    return x, h, weights, experts
+
+
 def _router_weight(router) -> jax.Array:
     """The router [D, E] (a Dense or an array) in float32."""
     return getattr(router, "w", router).astype(jnp.float32)
@@ -385,17 +414,7 @@ def moe_mlp(stream: Residual, norm_weight, layer_params: dict, plan: Plan,
     b, t, d = aval.shape
     _check_layer(lp, moe, d)
     x, delta = stream.take(ANY_SUM)
-    x, h = boundary(x, delta, norm_weight, config.rms_norm_eps, plan,
-                    policy.gated_mlp_boundary)  # h [B, T, D]
-    with jax.named_scope("router"):
-        if _route_kernel_reason(h, lp, plan) is None:
-            weights, experts = pk.moe_route(
-                h.reshape(b * t, d), _router_weight(lp["router"]), k=moe.experts_per_token,
-                scoring=moe.router, norm_topk_prob=moe.norm_topk_prob,
-                scaling=moe.routed_scaling_factor, interpret=policy.interpret)  # [N, k] each
-        else:
-            weights, experts = route(router_logits(h, lp["router"]).reshape(b * t, -1), moe,
-                                     lp.get("router_bias"))  # [N, k] each
+    x, h, weights, experts = _boundary_and_route(x, delta, norm_weight, lp, plan)
     if loads is not None:
         loads.append(expert_counts(experts, moe.num_experts))  # [E]
     rest = Residual(x, aval, spare=stream.spare, dead=stream.dead)
