@@ -49,8 +49,9 @@
 #                                        #  at the decode shapes, pallas_{decode,grouped}_int4)
 #   bash benchmarks/run_h200.sh deepseek # jaxinfer bench at DeepSeek-V2-Lite and Qwen3-30B-A3B
 #                                        # shapes (random weights): B=1 and B=32 decode
-#   bash benchmarks/run_h200.sh route    # the MoE router as one kernel (moe_route_rows 16), with
-#                                        # the boundary in it or not, or XLA's ops (0),
+#   bash benchmarks/run_h200.sh route    # the MoE router as one kernel (moe_route_rows 16, the
+#                                        # default), with the boundary in it (the default) or
+#                                        # not, or XLA's ops (0),
 #                                        # alternated: Mixtral int4 (and bf16 where it fits),
 #                                        # Qwen3-30B-A3B int4; its GPU tests
 #   bash benchmarks/run_h200.sh gemma    # benchmarks/gemma_attention.py (soft-capped flash and

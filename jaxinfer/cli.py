@@ -327,7 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "batch-invariant, or the pure-jnp references")
     b.add_argument("--policy-field", action="append", default=[], metavar="FIELD=VALUE",
                    help="one KernelPolicy field on top of --policy (repeatable), e.g. "
-                        "moe_route_rows=16 or mosaic_norm_rows=0: a kernel choice A/B'd "
+                        "moe_route_rows=0 or mosaic_norm_rows=0: a kernel choice A/B'd "
                         "without code")
     b.add_argument("--peer", choices=("llama.cpp", "none"), default="llama.cpp",
                    help="on a CPU with a GGUF file: also run llama.cpp (llama-cpp-python, "

@@ -126,24 +126,21 @@ def _validate(h, router, k: int, scoring: str):
 
 
 def moe_route(h, router, *, k: int, scoring: str = "softmax", norm_topk_prob: bool = False,
-              scaling: float = 1.0, interpret: bool = False, tile: int = _TILE,
-              num_warps: int = 4, num_stages: int = 1):
+              scaling: float = 1.0, interpret: bool = False):
     """(weights [N, k] float32, experts [N, k] int32) of h [N, D] under router [D, E] float32
     (module docstring); one program per row."""
     _validate(h, router, k, scoring)
     return _route(h, router, k=int(k), scoring=scoring, norm_topk_prob=bool(norm_topk_prob),
-                  scaling=float(scaling), interpret=interpret, tile=tile, num_warps=num_warps,
-                  num_stages=num_stages)
+                  scaling=float(scaling), interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("k", "scoring", "norm_topk_prob", "scaling",
-                                             "interpret", "tile", "num_warps", "num_stages"))
-def _route(h, router, *, k, scoring, norm_topk_prob, scaling, interpret, tile, num_warps,
-           num_stages):
+                                             "interpret"))
+def _route(h, router, *, k, scoring, norm_topk_prob, scaling, interpret):
     n, d = h.shape
     e = router.shape[1]
     dp, ep, kp = next_pow2(d), next_pow2(e), next_pow2(k)
-    chunk = min(dp, max(16, tile // ep))
+    chunk = min(dp, max(16, _TILE // ep))
     kernel = functools.partial(_route_kernel, d=d, e=e, k=k, chunk=chunk, scoring=scoring,
                                norm_topk_prob=norm_topk_prob, scaling=scaling)
     return pl.pallas_call(
@@ -154,7 +151,7 @@ def _route(h, router, *, k, scoring, norm_topk_prob, scaling, interpret, tile, n
         out_specs=[pl.BlockSpec((None, kp), lambda i: (i, 0))] * 2,
         out_shape=[jax.ShapeDtypeStruct((n, k), jnp.float32),
                    jax.ShapeDtypeStruct((n, k), jnp.int32)],
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="moe_route",
     )(h, router)
@@ -162,8 +159,7 @@ def _route(h, router, *, k, scoring, norm_topk_prob, scaling, interpret, tile, n
 
 def add_rms_norm_route(x, deltas, norm_weight, router, *, eps: float, k: int,
                        scoring: str = "softmax", norm_topk_prob: bool = False,
-                       scaling: float = 1.0, interpret: bool = False, tile: int = _TILE,
-                       num_warps: int = 4, num_stages: int = 1):
+                       scaling: float = 1.0, interpret: bool = False):
     """The MoE sublayer's boundary and router in one kernel: x [N, D] + sum(deltas [S, N, D])
     and its RMSNorm h (as rms_norm.add_rms_norm), then moe_route of h. Returns (x_new [N, D]
     in x's dtype, h [N, D], weights [N, k] float32, experts [N, k] int32)."""
@@ -171,18 +167,17 @@ def add_rms_norm_route(x, deltas, norm_weight, router, *, eps: float, k: int,
     _validate(x, router, k, scoring)
     return _add_norm_route(x, deltas, norm_weight, router, eps=float(eps), k=int(k),
                            scoring=scoring, norm_topk_prob=bool(norm_topk_prob),
-                           scaling=float(scaling), interpret=interpret, tile=tile,
-                           num_warps=num_warps, num_stages=num_stages)
+                           scaling=float(scaling), interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "k", "scoring", "norm_topk_prob", "scaling",
-                                             "interpret", "tile", "num_warps", "num_stages"))
+                                             "interpret"))
 def _add_norm_route(x, deltas, norm_weight, router, *, eps, k, scoring, norm_topk_prob,
-                    scaling, interpret, tile, num_warps, num_stages):
+                    scaling, interpret):
     n, d = x.shape
     s, e = deltas.shape[0], router.shape[1]
     dp, ep, kp = next_pow2(d), next_pow2(e), next_pow2(k)
-    chunk = min(dp, max(16, tile // ep))
+    chunk = min(dp, max(16, _TILE // ep))
     kernel = functools.partial(_add_norm_route_kernel, splits=s, eps=eps, interpret=interpret,
                                d=d, e=e, k=k, chunk=chunk, scoring=scoring,
                                norm_topk_prob=norm_topk_prob, scaling=scaling)
@@ -199,7 +194,7 @@ def _add_norm_route(x, deltas, norm_weight, router, *, eps, k, scoring, norm_top
         out_shape=[jax.ShapeDtypeStruct((n, d), x.dtype), jax.ShapeDtypeStruct((n, d), h_dtype),
                    jax.ShapeDtypeStruct((n, k), jnp.float32),
                    jax.ShapeDtypeStruct((n, k), jnp.int32)],
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="add_rms_norm_route",
     )(*([deltas] * s), x, norm_weight, router)

@@ -685,21 +685,28 @@ def test_router_kernel_takes_the_boundary():
 
 
 def test_router_kernel_choice_follows_the_policy():
-    """moe_route_rows picks the router kernel up to that many rows (0: never); under
-    batch_invariant, for every row count (a row's experts then never depend on the batch or
-    on T); a score bias or group-limited routing keeps XLA's ops."""
+    """moe_route_rows picks the router kernel up to that many rows (0: never; 16 by
+    default); under batch_invariant, for every row count (a row's experts then never depend
+    on the batch or on T); a router over moe_route_bytes, a score bias or group-limited
+    routing keeps XLA's ops."""
     from jaxinfer.ops.moe import _route_kernel_reason
 
-    config = tiny_config()
+    config = tiny_config()  # the router [32, 6]: 768 bytes in float32
     h = jax.ShapeDtypeStruct((2, 3, 32), jnp.bfloat16)  # 6 rows
+    many = jax.ShapeDtypeStruct((2, 9, 32), jnp.bfloat16)  # 18 rows
     lp = {"router": None}
-    for policy, takes in ((KernelPolicy(interpret=True, moe_route_rows=8), True),
-                          (KernelPolicy(interpret=True, moe_route_rows=4), False),
-                          (KernelPolicy(interpret=True), False),
-                          (KernelPolicy.deterministic(interpret=True, moe_route_rows=4), True),
-                          (KernelPolicy.deterministic(interpret=True), False),
-                          (KernelPolicy(kernels=Kernels.REFERENCE, moe_route_rows=8), False)):
-        assert (_route_kernel_reason(h, lp, Plan(config, policy)) is None) == takes, policy
+    for policy, x, takes in (
+            (KernelPolicy(interpret=True, moe_route_rows=8), h, True),
+            (KernelPolicy(interpret=True, moe_route_rows=4), h, False),
+            (KernelPolicy(interpret=True, moe_route_rows=0), h, False),
+            (KernelPolicy(interpret=True), h, True),
+            (KernelPolicy(interpret=True), many, False),
+            (KernelPolicy(interpret=True, moe_route_bytes=767), h, False),
+            (KernelPolicy.deterministic(interpret=True, moe_route_rows=4), h, True),
+            (KernelPolicy.deterministic(interpret=True), many, True),
+            (KernelPolicy.deterministic(interpret=True, moe_route_rows=0), h, False),
+            (KernelPolicy(kernels=Kernels.REFERENCE, moe_route_rows=8), h, False)):
+        assert (_route_kernel_reason(x, lp, Plan(config, policy)) is None) == takes, policy
     on = Plan(config, KernelPolicy(interpret=True, moe_route_rows=8))
     assert "score bias" in _route_kernel_reason(h, {"router_bias": jnp.zeros(6)}, on)
     grouped = Plan(tiny_config(n_group=3, topk_group=2), on.policy)

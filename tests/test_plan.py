@@ -74,7 +74,7 @@ def test_policy_fields_set_from_text():
     """`jaxinfer bench --policy-field FIELD=VALUE`: ints, bools, enums (name or value),
     strings, None where allowed; an unknown field, a bad value or a tile field is named."""
     p = KernelPolicy()
-    for text, field, want in (("moe_route_rows=16", "moe_route_rows", 16),
+    for text, field, want in (("moe_route_rows=8", "moe_route_rows", 8),
                               ("int4_fragment_order=false", "int4_fragment_order", False),
                               ("lm_head=pallas", "lm_head", Impl.PALLAS),
                               ("gated_mlp_boundary=KERNEL", "gated_mlp_boundary", Boundary.KERNEL),
@@ -82,7 +82,7 @@ def test_policy_fields_set_from_text():
                               ("prefetch_down=none", "prefetch_down", None),
                               ("moe_decode_rows = 4", "moe_decode_rows", 4)):
         assert getattr(p.with_text(text), field) == want, text
-    assert p.with_text("moe_route_rows=16") == p.replace(moe_route_rows=16)
+    assert p.with_text("moe_route_rows=8") == p.replace(moe_route_rows=8)
     for text, match in (("moe_rows=1", "FIELD one of KernelPolicy's: kernels"),
                         ("moe_route_rows", "expected FIELD=VALUE"),
                         ("moe_route_rows=lots", "moe_route_rows takes an integer, not 'lots'"),

@@ -358,6 +358,9 @@ def _route_kernel_reason(h, lp: dict, plan: Plan) -> str | None:
         return f"{rows(h)} token rows > KernelPolicy.moe_route_rows={limit}"
     if lp.get("router_bias") is not None or (moe.n_group > 1 and moe.topk_group < moe.n_group):
         return "a score bias or group-limited routing (XLA's route)"
+    size, most = 4 * h.shape[-1] * moe.num_experts, plan.policy.moe_route_bytes  # float32 [D, E]
+    if size > most:
+        return f"a {size}-byte router > KernelPolicy.moe_route_bytes={most}"
     return None
 
 
