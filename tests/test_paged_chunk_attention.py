@@ -59,27 +59,30 @@ def make_cache(seed, lengths, page_size, max_pages, hkv, d, dtype, kind=None, sh
         k[i, n:] = v[i, n:] = 0.0
     out = {}
     contiguous = []
+    # The pools are filled in numpy and sent once: eager scatters at each row's length
+    # compiled a program per length; the same values, bit for bit.
     for name, x in (("k", k), ("v", v)):
         if kind is None:
-            pool = jnp.full((n_pages, page_size, hkv, d), jnp.nan, dtype)
-            contiguous.append(jnp.asarray(x, dtype))
+            src = x.astype(np.dtype(dtype))  # numpy's (ml_dtypes') cast: XLA's rounding
+            pool = np.full((n_pages, page_size, hkv, d), np.nan, src.dtype)
+            contiguous.append(jnp.asarray(src))
         else:
             codes, scale = quantize_kv(jnp.asarray(x), CODES[kind])
             fill = rng.integers(-127, 128, (n_pages, page_size, hkv, d)).astype(np.int8)
-            pool = jnp.asarray(fill).astype(CODES[kind]) if kind == "int8" else jnp.full(
-                (n_pages, page_size, hkv, d), jnp.nan, FP8)
-            spool = jnp.full((n_pages, page_size, hkv), jnp.nan, jnp.float32)
+            pool = fill if kind == "int8" else np.full((n_pages, page_size, hkv, d), np.nan,
+                                                       FP8)
+            spool = np.full((n_pages, page_size, hkv), np.nan, np.float32)
             contiguous.append((codes, scale))
+            src, scale = np.asarray(codes), np.asarray(scale)
         for i, n in enumerate(lengths):
-            rows = jnp.asarray(bt[i, np.arange(n) // page_size])
-            slots = jnp.asarray(np.arange(n) % page_size)
-            src = contiguous[-1] if kind is None else contiguous[-1][0]
-            pool = pool.at[rows, slots].set(src[i, :n])
+            rows = bt[i, np.arange(n) // page_size]
+            slots = np.arange(n) % page_size
+            pool[rows, slots] = src[i, :n]
             if kind is not None:
-                spool = spool.at[rows, slots].set(contiguous[-1][1][i, :n])
-        out[f"{name}_pages"] = pool
+                spool[rows, slots] = scale[i, :n]
+        out[f"{name}_pages"] = jnp.asarray(pool)
         if kind is not None:
-            out[f"{name}_scale"] = spool
+            out[f"{name}_scale"] = jnp.asarray(spool)
     return out, jnp.asarray(bt), contiguous
 
 
