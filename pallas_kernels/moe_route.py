@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import check_array, next_pow2
-from pallas_kernels.rms_norm import _validate_add, add_rms_norm_reference
+from pallas_kernels.rms_norm import add_and_norm, add_rms_norm_reference, check_add
 
 SCORINGS = ("softmax", "sigmoid")
 _TILE = 8192  # router elements a chunk holds in registers ([chunk, Ep] float32)
@@ -94,35 +94,23 @@ def _add_norm_route_kernel(*refs, splits: int, eps: float, interpret: bool, d: i
     # norm's weight), w_ref [Dp, Ep]; outputs xo_ref, h_ref [Dp], wo_ref, eo_ref [Kp]
     d_refs, (x_ref, nw_ref, w_ref, xo_ref, h_ref, wo_ref, eo_ref) = refs[:splits], \
         refs[splits:]
-    dp = x_ref.shape[0]
-    ok = jnp.arange(dp) < d  # [Dp]
-    # add_rms_norm's arithmetic (rms_norm.py): the chunks in order, then x, one rounding
-    nw = plgpu.load(nw_ref, mask=ok, other=0)
-    acc = plgpu.load(d_refs[0], mask=ok, other=0).astype(jnp.float32)
-    for d_ref in d_refs[1:]:
-        acc += plgpu.load(d_ref, mask=ok, other=0).astype(jnp.float32)
-    acc += plgpu.load(x_ref, mask=ok, other=0).astype(jnp.float32)
-    x_new = acc.astype(xo_ref.dtype)
-    plgpu.store(xo_ref, x_new, mask=ok)
-    xf = x_new.astype(jnp.float32)
-    inv_rms = jax.lax.rsqrt(jnp.sum(xf * xf) / d + eps)
-    normed = (xf * inv_rms).astype(xo_ref.dtype)
-    plgpu.store(h_ref, nw.astype(h_ref.dtype) * normed.astype(h_ref.dtype), mask=ok)
+    ok = jnp.arange(x_ref.shape[0]) < d  # [Dp]
+    add_and_norm(d_refs, x_ref, nw_ref, xo_ref, h_ref, ok, ok, dim=d, eps=eps)  # add_rms_norm's
     if not interpret:  # the router's chunks read h back: every thread's part stored first
         plgpu.debug_barrier()
     _pick(_logits(h_ref, w_ref, d=d, e=e, chunk=chunk), wo_ref, eo_ref, e=e, **pick)
 
 
-def _validate(h, router, k: int, scoring: str):
-    check_array("moe_route", "h", h, 2)
-    check_array("moe_route", "router", router, 2)
+def _validate(h, router, k: int, scoring: str, op: str = "moe_route"):
+    check_array(op, "h", h, 2)
+    check_array(op, "router", router, 2)
     if router.shape[0] != h.shape[1] or router.dtype != jnp.float32:
-        raise ValueError(f"moe_route: router must be float32 [D, E] with D = h's {h.shape[1]}, "
+        raise ValueError(f"{op}: router must be float32 [D, E] with D = h's {h.shape[1]}, "
                          f"got {router.dtype} {tuple(router.shape)}")
     if not 1 <= k <= router.shape[1]:
-        raise ValueError(f"moe_route: k={k} must be in 1..E={router.shape[1]}")
+        raise ValueError(f"{op}: k={k} must be in 1..E={router.shape[1]}")
     if scoring not in SCORINGS:
-        raise ValueError(f"moe_route: scoring must be one of {SCORINGS}, got {scoring!r}")
+        raise ValueError(f"{op}: scoring must be one of {SCORINGS}, got {scoring!r}")
 
 
 def moe_route(h, router, *, k: int, scoring: str = "softmax", norm_topk_prob: bool = False,
@@ -163,8 +151,8 @@ def add_rms_norm_route(x, deltas, norm_weight, router, *, eps: float, k: int,
     """The MoE sublayer's boundary and router in one kernel: x [N, D] + sum(deltas [S, N, D])
     and its RMSNorm h (as rms_norm.add_rms_norm), then moe_route of h. Returns (x_new [N, D]
     in x's dtype, h [N, D], weights [N, k] float32, experts [N, k] int32)."""
-    _validate_add(x, deltas, norm_weight)
-    _validate(x, router, k, scoring)
+    check_add("add_rms_norm_route", x, deltas, norm_weight)
+    _validate(x, router, k, scoring, "add_rms_norm_route")
     return _add_norm_route(x, deltas, norm_weight, router, eps=float(eps), k=int(k),
                            scoring=scoring, norm_topk_prob=bool(norm_topk_prob),
                            scaling=float(scaling), interpret=interpret)

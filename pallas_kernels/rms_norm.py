@@ -94,20 +94,27 @@ def add_rms_norm_kernel(*refs, eps: float, rows: int, dim: int, block_m: int, sp
     r = pl.program_id(0) * block_m + jnp.arange(block_m)  # [block_m]
     dp = x_ref.shape[-1]
     col_ok = jnp.arange(dp) < dim  # [Dp]
-    mask = (r < rows)[:, None] & col_ok[None, :]
+    add_and_norm(d_refs, x_ref, w_ref, xo_ref, h_ref, (r < rows)[:, None] & col_ok[None, :],
+                 col_ok, dim=dim, eps=eps)
+
+
+def add_and_norm(d_refs, x_ref, w_ref, xo_ref, h_ref, mask, col_ok, *, dim: int, eps: float):
+    """A kernel's boundary over its rows: xo = x + sum(deltas) (float32, one rounding to x's
+    dtype), h = its RMSNorm. x_ref, xo_ref, h_ref and each delta ref [..., Dp] (one row [Dp]
+    or a block [block_m, Dp]) under mask; w_ref [Dp] under col_ok."""
     # Every load is issued before the first use: the weight would otherwise wait for the
     # reduction (one more memory round trip in a latency-bound kernel).
     w = plgpu.load(w_ref, mask=col_ok, other=0)  # [Dp]
-    acc = plgpu.load(d_refs[0], mask=mask, other=0).astype(jnp.float32)  # [block_m, Dp]
+    acc = plgpu.load(d_refs[0], mask=mask, other=0).astype(jnp.float32)  # [..., Dp]
     for d_ref in d_refs[1:]:  # the chunks in order, then the residual, as XLA sums them
         acc += plgpu.load(d_ref, mask=mask, other=0).astype(jnp.float32)
     acc += plgpu.load(x_ref, mask=mask, other=0).astype(jnp.float32)
     x_new = acc.astype(xo_ref.dtype)  # the residual stream keeps x's dtype (one rounding)
     plgpu.store(xo_ref, x_new, mask=mask)
     xf = x_new.astype(jnp.float32)
-    inv_rms = jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1) / dim + eps)  # [block_m]
-    normed = (xf * inv_rms[:, None]).astype(xo_ref.dtype)
-    plgpu.store(h_ref, w[None, :].astype(h_ref.dtype) * normed.astype(h_ref.dtype), mask=mask)
+    inv_rms = jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1) / dim + eps)[..., None]  # [..., 1]
+    normed = (xf * inv_rms).astype(xo_ref.dtype)
+    plgpu.store(h_ref, w.astype(h_ref.dtype) * normed.astype(h_ref.dtype), mask=mask)
 
 
 def check_deltas(op: str, x, deltas, *, float32_only: bool = False) -> None:
@@ -129,9 +136,10 @@ def add_deltas_reference(x, deltas):
     return (jnp.sum(deltas.astype(jnp.float32), axis=0) + x.astype(jnp.float32)).astype(x.dtype)
 
 
-def _validate_add(x, deltas, weight):
-    _validate(x, weight, "add_rms_norm")
-    check_deltas("add_rms_norm", x, deltas)
+def check_add(op: str, x, deltas, weight) -> None:
+    """x [..., D], deltas [S, ..., D] and a norm weight [D] for op's boundary."""
+    _validate(x, weight, op)
+    check_deltas(op, x, deltas)
 
 
 def add_rms_norm(x, deltas, weight, *, eps: float, interpret: bool = False,
@@ -139,7 +147,7 @@ def add_rms_norm(x, deltas, weight, *, eps: float, interpret: bool = False,
     """x + sum(deltas) and its HF RMSNorm, in one pass: x [..., D] (the residual stream),
     deltas [S, ..., D] (a sublayer's output, e.g. a split-K matmul's float32 partial sums),
     weight [D]. Returns (x_new in x's dtype, rms_norm(x_new, weight))."""
-    _validate_add(x, deltas, weight)
+    check_add("add_rms_norm", x, deltas, weight)
     d = x.shape[-1]
     if block_m is None:
         block_m = max(1, min(16, 4096 // next_pow2(d)))
@@ -176,6 +184,6 @@ def _add_rms_norm_triton(x, deltas, weight, *, eps, block_m, interpret):
 def add_rms_norm_reference(x, deltas, weight, *, eps: float, interpret: bool = False):
     """x + sum(deltas) (float32 sum, one rounding to x's dtype) and its RMSNorm, in plain jnp."""
     del interpret
-    _validate_add(x, deltas, weight)
+    check_add("add_rms_norm", x, deltas, weight)
     x_new = add_deltas_reference(x, deltas)
     return x_new, rms_norm_reference(x_new, weight, eps=eps)

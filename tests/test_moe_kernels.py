@@ -490,5 +490,8 @@ def test_boundary_and_router_in_one_kernel(interpret):
                                               scoring=scoring, norm_topk_prob=norm,
                                               scaling=scaling)
         np.testing.assert_array_equal(ref[3], want_e)
-    with pytest.raises(ValueError, match=r"must be \[S, \*x.shape\]"):
+    with pytest.raises(ValueError, match=r"add_rms_norm_route: deltas .* must be \[S, \*x.shape\]"):
         pk.add_rms_norm_route(x, deltas[:, :1], norm_w, router, eps=1e-5, k=2, interpret=True)
+    with pytest.raises(ValueError, match="add_rms_norm_route: k=9 must be in 1..E=6"):
+        pk.add_rms_norm_route(x, deltas, norm_w, _route_cases()[0][1], eps=1e-5, k=9,
+                              interpret=True)
