@@ -53,7 +53,8 @@
 #                                        # default), with the boundary in it (the default) or
 #                                        # not, or XLA's ops (0),
 #                                        # alternated: Mixtral int4 (and bf16 where it fits),
-#                                        # Qwen3-30B-A3B int4; its GPU tests
+#                                        # Qwen3-30B-A3B int4; its GPU tests ($ROUTE_VARIANTS:
+#                                        # a subset of "rows,boundary" pairs)
 #   bash benchmarks/run_h200.sh gemma    # benchmarks/gemma_attention.py (soft-capped flash and
 #                                        # decode attention at D256 vs XLA / cuDNN), then
 #                                        # jaxinfer bench --preset gemma3-27b and gemma3-1b, B=1
@@ -257,7 +258,7 @@ deepseek() {  # DeepSeek-V2-Lite (MLA + MoE) and Qwen3-30B-A3B shapes at B=1 and
 }
 route() {  # the MoE router: XLA's ops (rows 0), its kernel (16 + kernel: add_rms_norm before it),
   # its kernel with the boundary in it (16 + consumer), alternated, B = 1 (128 + 256); its tests
-  local mem variants="0,consumer 16,kernel 16,consumer"
+  local mem variants="${ROUTE_VARIANTS:-0,consumer 16,kernel 16,consumer}"
   mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
   route_bench() {  # PRESET ARGS...: every variant once
     local preset=$1 v
