@@ -175,9 +175,12 @@ class KernelPolicy:
     # add_rms_norm's) where the kernels are on, routers without groups or a score bias of at
     # most moe_route_bytes (float32 [D, E]: one program a row streams it); more rows, or 0,
     # take XLA's ops (~7 launches a layer at decode). Under batch_invariant any value but 0
-    # means every row count. Routers of 512 KB and more were slower than XLA's ops.
+    # means every row count. Routers of 512 KB and more were slower than XLA's ops in one
+    # program a row; moe_route_block_bytes > 0 splits those into D blocks of at most that many
+    # bytes, each a program, the partial logits summed by a second launch (0: XLA's ops).
     moe_route_rows: int = 16
     moe_route_bytes: int = 256 * 1024
+    moe_route_block_bytes: int = 0
     # The MoE kernels' tiles (None: pallas_kernels.moe's defaults for the shapes).
     moe_decode_blocks: MoEBlockSizes | None = None
     moe_grouped_blocks: MoEBlockSizes | None = None
@@ -204,6 +207,7 @@ class KernelPolicy:
         _check_int("mosaic_norm_rows", self.mosaic_norm_rows, 0)
         _check_int("moe_route_rows", self.moe_route_rows, 0)
         _check_int("moe_route_bytes", self.moe_route_bytes, 0)
+        _check_int("moe_route_block_bytes", self.moe_route_block_bytes, 0)
         if self.mosaic_norm_rows > 8:
             raise ValueError(f"KernelPolicy.mosaic_norm_rows={self.mosaic_norm_rows}: the "
                              f"Mosaic kernel's boundary takes at most 8 rows")

@@ -17,6 +17,12 @@ every product in float32 (no TF32), and picks the k best by repeated maxima.
 The sublayer's boundary (rms_norm.add_rms_norm: the residual add of a split-K producer's
 chunks and the RMSNorm) and the router of its h in one launch: h is stored, then read back in
 chunks by the router's loop.
+
+blocks > 1 (either op): D in that many row blocks, each row's blocks in programs of their
+own (a large router streamed by many SMs, not one), their float32 partial logits
+[blocks, N, E] summed in block order by a second launch that picks. With the boundary, every
+block's program sums the whole row's squares (rms_norm's scale) and stores its own rows of
+x + sum(deltas) and h.
 """
 
 from __future__ import annotations
@@ -36,19 +42,27 @@ SCORINGS = ("softmax", "sigmoid")
 _TILE = 8192  # router elements a chunk holds in registers ([chunk, Ep] float32)
 
 
-def _logits(h_ref, w_ref, *, d: int, e: int, chunk: int):
-    """h_ref [Dp] @ w_ref [Dp, Ep] in float32, streamed in chunks of D rows -> [Ep]."""
+def _logits(h_of, w_ref, *, e: int, chunk: int, rows: int, start=0, stop: int | None = None):
+    """h @ w_ref [Dp, Ep] over D rows start .. start + rows (and < stop) in float32, streamed
+    in chunks of D rows -> [Ep]; h_of(first row, row mask [chunk]) -> h's [chunk] there."""
     ep = w_ref.shape[1]
     col_ok = jnp.arange(ep) < e
+    limit = rows if stop is None else jnp.minimum(start + rows, stop)
 
     def body(c, acc):  # acc [Ep] += h[c chunk] @ router[c chunk]
-        r = c * chunk + jnp.arange(chunk)  # [chunk]
-        hc = plgpu.load(h_ref.at[pl.ds(c * chunk, chunk)], mask=r < d, other=0)
-        wc = plgpu.load(w_ref.at[pl.ds(c * chunk, chunk), :],
-                        mask=(r < d)[:, None] & col_ok[None, :], other=0)  # [chunk, Ep]
+        r0 = c * chunk if stop is None else start + c * chunk
+        r = r0 + jnp.arange(chunk)  # [chunk]
+        hc = h_of(r0, r < limit)
+        wc = plgpu.load(w_ref.at[pl.ds(r0, chunk), :],
+                        mask=(r < limit)[:, None] & col_ok[None, :], other=0)  # [chunk, Ep]
         return acc + jnp.sum(hc.astype(jnp.float32)[:, None] * wc, axis=0)
 
-    return lax.fori_loop(0, pl.cdiv(d, chunk), body, jnp.zeros((ep,), jnp.float32))
+    return lax.fori_loop(0, pl.cdiv(rows, chunk), body, jnp.zeros((ep,), jnp.float32))
+
+
+def _loaded(h_ref, chunk: int):
+    """h_of for _logits: h's chunk as stored in h_ref [Dp]."""
+    return lambda r0, ok: plgpu.load(h_ref.at[pl.ds(r0, chunk)], mask=ok, other=0)
 
 
 def _pick(logits, wo_ref, eo_ref, *, e: int, k: int, scoring: str, norm_topk_prob: bool,
@@ -85,7 +99,8 @@ def _pick(logits, wo_ref, eo_ref, *, e: int, k: int, scoring: str, norm_topk_pro
 def _route_kernel(h_ref, w_ref, wo_ref, eo_ref, *, d: int, e: int, chunk: int, **pick):
     # h_ref [Dp] (a row); w_ref [Dp, Ep] (Dp, Ep: powers of two >= D, E; masked past them);
     # wo_ref, eo_ref [Kp] (the row's)
-    _pick(_logits(h_ref, w_ref, d=d, e=e, chunk=chunk), wo_ref, eo_ref, e=e, **pick)
+    _pick(_logits(_loaded(h_ref, chunk), w_ref, e=e, chunk=chunk, rows=d), wo_ref, eo_ref,
+          e=e, **pick)
 
 
 def _add_norm_route_kernel(*refs, splits: int, eps: float, interpret: bool, d: int, e: int,
@@ -98,10 +113,42 @@ def _add_norm_route_kernel(*refs, splits: int, eps: float, interpret: bool, d: i
     add_and_norm(d_refs, x_ref, nw_ref, xo_ref, h_ref, ok, ok, dim=d, eps=eps)  # add_rms_norm's
     if not interpret:  # the router's chunks read h back: every thread's part stored first
         plgpu.debug_barrier()
-    _pick(_logits(h_ref, w_ref, d=d, e=e, chunk=chunk), wo_ref, eo_ref, e=e, **pick)
+    _pick(_logits(_loaded(h_ref, chunk), w_ref, e=e, chunk=chunk, rows=d), wo_ref, eo_ref,
+          e=e, **pick)
 
 
-def _validate(h, router, k: int, scoring: str, op: str = "moe_route"):
+def _block_logits_kernel(*refs, splits: int, eps: float, interpret: bool, d: int, e: int,
+                         chunk: int, rows: int):
+    # grid (row i, block c): the row's logits over D rows c * rows .. -> lo_ref [Ep].
+    # splits 0: refs h_ref [Dp], w_ref [Dp, Ep], lo_ref. splits > 0 (the boundary): `splits`
+    # delta refs, x_ref, nw_ref [Dp], w_ref; outputs lo_ref, xo_ref, h_ref [Dp]: each block
+    # sums the whole row's squares and stores its own rows of x + sum(deltas) and h, then
+    # reads its h back (the stored bf16 values, as the router's reference takes them)
+    c = pl.program_id(1)
+    if not splits:
+        h_ref, w_ref, lo_ref = refs
+    else:
+        d_refs, (x_ref, nw_ref, w_ref, lo_ref, xo_ref, h_ref) = refs[:splits], refs[splits:]
+        col = jnp.arange(x_ref.shape[0])  # [Dp]
+        add_and_norm(d_refs, x_ref, nw_ref, xo_ref, h_ref, col < d, col < d, dim=d, eps=eps,
+                     store=(col >= c * rows) & (col < (c + 1) * rows))
+        if not interpret:  # every thread's part of h stored before the loop reads it
+            plgpu.debug_barrier()
+    logits = _logits(_loaded(h_ref, chunk), w_ref, e=e, chunk=chunk, rows=rows,
+                     start=c * rows, stop=d)
+    plgpu.store(lo_ref, logits)
+
+
+def _sum_pick_kernel(*refs, e: int, **pick):
+    # refs: a row's partial logits [Ep] of each block, summed in block order; wo_ref, eo_ref [Kp]
+    *lo_refs, wo_ref, eo_ref = refs
+    logits = plgpu.load(lo_refs[0])
+    for lo_ref in lo_refs[1:]:
+        logits += plgpu.load(lo_ref)
+    _pick(logits, wo_ref, eo_ref, e=e, **pick)
+
+
+def _validate(h, router, k: int, scoring: str, op: str = "moe_route", blocks: int = 1):
     check_array(op, "h", h, 2)
     check_array(op, "router", router, 2)
     if router.shape[0] != h.shape[1] or router.dtype != jnp.float32:
@@ -111,15 +158,28 @@ def _validate(h, router, k: int, scoring: str, op: str = "moe_route"):
         raise ValueError(f"{op}: k={k} must be in 1..E={router.shape[1]}")
     if scoring not in SCORINGS:
         raise ValueError(f"{op}: scoring must be one of {SCORINGS}, got {scoring!r}")
+    d = router.shape[0]
+    if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1 \
+            or blocks & (blocks - 1) or d % blocks:
+        raise ValueError(f"{op}: blocks={blocks!r} must be a power of two that divides D={d}")
 
 
 def moe_route(h, router, *, k: int, scoring: str = "softmax", norm_topk_prob: bool = False,
-              scaling: float = 1.0, interpret: bool = False):
+              scaling: float = 1.0, blocks: int = 1, interpret: bool = False):
     """(weights [N, k] float32, experts [N, k] int32) of h [N, D] under router [D, E] float32
-    (module docstring); one program per row."""
-    _validate(h, router, k, scoring)
-    return _route(h, router, k=int(k), scoring=scoring, norm_topk_prob=bool(norm_topk_prob),
-                  scaling=float(scaling), interpret=interpret)
+    (module docstring); one program per row, or per row and block of D (blocks > 1)."""
+    _validate(h, router, k, scoring, blocks=blocks)
+    pick = dict(k=int(k), scoring=scoring, norm_topk_prob=bool(norm_topk_prob),
+                scaling=float(scaling), interpret=interpret)
+    if blocks > 1:
+        return _sum_pick(_block_logits(None, h, None, router, eps=0.0, blocks=blocks,
+                                       interpret=interpret)[0], e=router.shape[1], **pick)
+    return _route(h, router, **pick)
+
+
+def _tiles(d: int, e: int, k: int):
+    dp, ep, kp = next_pow2(d), next_pow2(e), next_pow2(k)
+    return dp, ep, kp, min(dp, max(16, _TILE // ep))  # ..., the chunk of D rows a step
 
 
 @functools.partial(jax.jit, static_argnames=("k", "scoring", "norm_topk_prob", "scaling",
@@ -127,8 +187,7 @@ def moe_route(h, router, *, k: int, scoring: str = "softmax", norm_topk_prob: bo
 def _route(h, router, *, k, scoring, norm_topk_prob, scaling, interpret):
     n, d = h.shape
     e = router.shape[1]
-    dp, ep, kp = next_pow2(d), next_pow2(e), next_pow2(k)
-    chunk = min(dp, max(16, _TILE // ep))
+    dp, ep, kp, chunk = _tiles(d, e, k)
     kernel = functools.partial(_route_kernel, d=d, e=e, k=k, chunk=chunk, scoring=scoring,
                                norm_topk_prob=norm_topk_prob, scaling=scaling)
     return pl.pallas_call(
@@ -145,17 +204,81 @@ def _route(h, router, *, k, scoring, norm_topk_prob, scaling, interpret):
     )(h, router)
 
 
+@functools.partial(jax.jit, static_argnames=("eps", "blocks", "interpret"))
+def _block_logits(x, h, deltas, router, *, eps, blocks, interpret):
+    """The partial logits [blocks, N, Ep] of h (deltas None), or of the RMSNorm of x +
+    sum(deltas) under the norm weight h (then also x_new, h: [N, D])."""
+    norm = deltas is not None
+    rows_in = x if norm else h
+    n, d = rows_in.shape
+    e = router.shape[1]
+    dp, ep, _, chunk = _tiles(d, e, 1)
+    rows = d // blocks
+    chunk = min(chunk, next_pow2(rows))
+    s = deltas.shape[0] if norm else 0
+    kernel = functools.partial(_block_logits_kernel, splits=s, eps=eps, interpret=interpret,
+                               d=d, e=e, chunk=chunk, rows=rows)
+    row = pl.BlockSpec((None, dp), lambda i, c: (i, 0))
+    logits = pl.BlockSpec((None, None, ep), lambda i, c: (c, i, 0))
+    out_shape = [jax.ShapeDtypeStruct((blocks, n, ep), jnp.float32)]
+    in_specs, args, out_specs = [row], [h], [logits]
+    if norm:
+        h_dtype = jnp.result_type(h.dtype, x.dtype)  # h here is the norm's weight
+        in_specs = [*[pl.BlockSpec((None, None, dp), lambda i, c, j=j: (j, i, 0))
+                      for j in range(s)], row, pl.BlockSpec((dp,), lambda i, c: (0,))]
+        args = [*[deltas] * s, x, h]
+        out_specs += [row, row]
+        out_shape += [jax.ShapeDtypeStruct((n, d), x.dtype),
+                      jax.ShapeDtypeStruct((n, d), h_dtype)]
+    return pl.pallas_call(
+        kernel,
+        grid=(n, blocks),
+        in_specs=[*in_specs, pl.BlockSpec((dp, ep), lambda i, c: (0, 0))],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="add_rms_norm_route_blocks" if norm else "moe_route_blocks",
+    )(*args, router)
+
+
+@functools.partial(jax.jit, static_argnames=("e", "k", "scoring", "norm_topk_prob", "scaling",
+                                             "interpret"))
+def _sum_pick(partial_logits, *, e, k, scoring, norm_topk_prob, scaling, interpret):
+    blocks, n, ep = partial_logits.shape
+    kp = next_pow2(k)
+    kernel = functools.partial(_sum_pick_kernel, e=e, k=k, scoring=scoring,
+                               norm_topk_prob=norm_topk_prob, scaling=scaling)
+    return pl.pallas_call(
+        kernel,
+        grid=(n,),
+        in_specs=[pl.BlockSpec((None, None, ep), lambda i, b=b: (b, i, 0))
+                  for b in range(blocks)],
+        out_specs=[pl.BlockSpec((None, kp), lambda i: (i, 0))] * 2,
+        out_shape=[jax.ShapeDtypeStruct((n, k), jnp.float32),
+                   jax.ShapeDtypeStruct((n, k), jnp.int32)],
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="moe_route_pick",
+    )(*[partial_logits] * blocks)
+
+
 def add_rms_norm_route(x, deltas, norm_weight, router, *, eps: float, k: int,
                        scoring: str = "softmax", norm_topk_prob: bool = False,
-                       scaling: float = 1.0, interpret: bool = False):
-    """The MoE sublayer's boundary and router in one kernel: x [N, D] + sum(deltas [S, N, D])
-    and its RMSNorm h (as rms_norm.add_rms_norm), then moe_route of h. Returns (x_new [N, D]
-    in x's dtype, h [N, D], weights [N, k] float32, experts [N, k] int32)."""
+                       scaling: float = 1.0, blocks: int = 1, interpret: bool = False):
+    """The MoE sublayer's boundary and router in one kernel (two with blocks > 1): x [N, D] +
+    sum(deltas [S, N, D]) and its RMSNorm h (as rms_norm.add_rms_norm), then moe_route of h.
+    Returns (x_new [N, D] in x's dtype, h [N, D], weights [N, k] float32, experts [N, k]
+    int32)."""
     check_add("add_rms_norm_route", x, deltas, norm_weight)
-    _validate(x, router, k, scoring, "add_rms_norm_route")
-    return _add_norm_route(x, deltas, norm_weight, router, eps=float(eps), k=int(k),
-                           scoring=scoring, norm_topk_prob=bool(norm_topk_prob),
-                           scaling=float(scaling), interpret=interpret)
+    _validate(x, router, k, scoring, "add_rms_norm_route", blocks)
+    pick = dict(k=int(k), scoring=scoring, norm_topk_prob=bool(norm_topk_prob),
+                scaling=float(scaling), interpret=interpret)
+    if blocks > 1:
+        logits, x_new, h = _block_logits(x, norm_weight, deltas, router, eps=float(eps),
+                                         blocks=blocks, interpret=interpret)
+        return (x_new, h, *_sum_pick(logits, e=router.shape[1], **pick))
+    return _add_norm_route(x, deltas, norm_weight, router, eps=float(eps), **pick)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "k", "scoring", "norm_topk_prob", "scaling",
@@ -164,8 +287,7 @@ def _add_norm_route(x, deltas, norm_weight, router, *, eps, k, scoring, norm_top
                     scaling, interpret):
     n, d = x.shape
     s, e = deltas.shape[0], router.shape[1]
-    dp, ep, kp = next_pow2(d), next_pow2(e), next_pow2(k)
-    chunk = min(dp, max(16, _TILE // ep))
+    dp, ep, kp, chunk = _tiles(d, e, k)
     kernel = functools.partial(_add_norm_route_kernel, splits=s, eps=eps, interpret=interpret,
                                d=d, e=e, k=k, chunk=chunk, scoring=scoring,
                                norm_topk_prob=norm_topk_prob, scaling=scaling)

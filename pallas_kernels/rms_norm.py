@@ -98,10 +98,12 @@ def add_rms_norm_kernel(*refs, eps: float, rows: int, dim: int, block_m: int, sp
                  col_ok, dim=dim, eps=eps)
 
 
-def add_and_norm(d_refs, x_ref, w_ref, xo_ref, h_ref, mask, col_ok, *, dim: int, eps: float):
+def add_and_norm(d_refs, x_ref, w_ref, xo_ref, h_ref, mask, col_ok, *, dim: int, eps: float,
+                 store=None):
     """A kernel's boundary over its rows: xo = x + sum(deltas) (float32, one rounding to x's
     dtype), h = its RMSNorm. x_ref, xo_ref, h_ref and each delta ref [..., Dp] (one row [Dp]
-    or a block [block_m, Dp]) under mask; w_ref [Dp] under col_ok."""
+    or a block [block_m, Dp]) under mask; w_ref [Dp] under col_ok; store (None: all): a mask
+    [..., Dp] of the columns this program stores."""
     # Every load is issued before the first use: the weight would otherwise wait for the
     # reduction (one more memory round trip in a latency-bound kernel).
     w = plgpu.load(w_ref, mask=col_ok, other=0)  # [Dp]
@@ -110,11 +112,12 @@ def add_and_norm(d_refs, x_ref, w_ref, xo_ref, h_ref, mask, col_ok, *, dim: int,
         acc += plgpu.load(d_ref, mask=mask, other=0).astype(jnp.float32)
     acc += plgpu.load(x_ref, mask=mask, other=0).astype(jnp.float32)
     x_new = acc.astype(xo_ref.dtype)  # the residual stream keeps x's dtype (one rounding)
-    plgpu.store(xo_ref, x_new, mask=mask)
+    smask = mask if store is None else mask & store
+    plgpu.store(xo_ref, x_new, mask=smask)
     xf = x_new.astype(jnp.float32)
     inv_rms = jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1) / dim + eps)[..., None]  # [..., 1]
     normed = (xf * inv_rms).astype(xo_ref.dtype)
-    plgpu.store(h_ref, w.astype(h_ref.dtype) * normed.astype(h_ref.dtype), mask=mask)
+    plgpu.store(h_ref, w.astype(h_ref.dtype) * normed.astype(h_ref.dtype), mask=smask)
 
 
 def check_deltas(op: str, x, deltas, *, float32_only: bool = False) -> None:

@@ -97,6 +97,12 @@ KERNEL_CASES = {
     "add_rms_norm_route mixtral": (
         lambda x, d, n, r: pk.add_rms_norm_route(x, d, n, r, eps=1e-5, k=2, norm_topk_prob=True),
         (S((1, 4096), BF16), S((4, 1, 4096), F32), S((4096,), BF16), S((4096, 8), F32))),
+    "moe_route qwen3-30b-a3b in 16 blocks": (
+        lambda h, r: pk.moe_route(h, r, k=8, norm_topk_prob=True, blocks=16),
+        (S((1, 2048), BF16), S((2048, 128), F32))),
+    "add_rms_norm_route deepseek-v2-lite in 8 blocks": (
+        lambda x, d, n, r: pk.add_rms_norm_route(x, d, n, r, eps=1e-6, k=6, blocks=8),
+        (S((1, 2048), BF16), S((4, 1, 2048), F32), S((2048,), BF16), S((2048, 64), F32))),
     "rope": (lambda x, p, f: pk.rope(x, p, f),
              (S((4, 4096, 32, 128), BF16), S((4, 4096), I32), S((64,), F32))),
     "decode_attention B8 S8k": (

@@ -655,8 +655,9 @@ def test_expert_load_counts_the_routing():
 def test_router_kernel_takes_the_boundary():
     """With the attention's output pending as float32 chunks, the router's kernel takes the
     residual add and the norm as well (gated_mlp_boundary CONSUMER: add_rms_norm_route, one
-    launch where add_rms_norm and moe_route were two): the stream is bitwise add_rms_norm's
-    and the experts' output that of the two kernels (KERNEL)."""
+    launch where add_rms_norm and moe_route were two; a router in D blocks, its blocks'
+    kernel): the stream is bitwise add_rms_norm's and the experts' output that of the
+    separate kernels (KERNEL)."""
     from jaxinfer.ops.stream import ARRAY_ONLY
     from jaxinfer.plan import Boundary
 
@@ -666,48 +667,61 @@ def test_router_kernel_takes_the_boundary():
     rng = np.random.default_rng(4)
     x = jnp.asarray(rng.standard_normal((1, 2, 32)), jnp.bfloat16)  # [B, T, D]
     parts = jnp.asarray(rng.standard_normal((2, 1, 2, 32)), jnp.float32)  # [S, B, T, D]
+    split = dict(moe_route_bytes=256, moe_route_block_bytes=256)  # 768 bytes: 4 blocks
+    names_all = {"add_rms_norm_route", "add_rms_norm", "moe_route", "add_rms_norm_route_blocks",
+                 "moe_route_blocks", "moe_route_pick"}
     out = {}
-    for where, kernels in ((Boundary.CONSUMER, {"add_rms_norm_route"}),
-                           (Boundary.KERNEL, {"add_rms_norm", "moe_route"})):
+    for where, blocks, kernels in (
+            (Boundary.CONSUMER, {}, {"add_rms_norm_route"}),
+            (Boundary.KERNEL, {}, {"add_rms_norm", "moe_route"}),
+            (Boundary.CONSUMER, split, {"add_rms_norm_route_blocks", "moe_route_pick"}),
+            (Boundary.KERNEL, split, {"add_rms_norm", "moe_route_blocks", "moe_route_pick"})):
         plan = Plan(config, KernelPolicy(interpret=True, moe_route_rows=4,
-                                         gated_mlp_boundary=where))
+                                         gated_mlp_boundary=where, **blocks))
 
         def sublayer(x, parts, plan=plan):
             stream = ops.Residual.start(x).with_pending(ops.Partials(parts))
             return ops.moe_mlp(stream, lp["mlp_norm"], lp, plan).take(ARRAY_ONLY)
         names = pallas_kernels_in(sublayer, x, parts)
-        assert kernels <= set(names) and not ({"add_rms_norm_route", "add_rms_norm",
-                                               "moe_route"} - kernels) & set(names), names
-        out[where] = [np.asarray(a, np.float32) for a in jax.jit(sublayer)(x, parts)]
-    np.testing.assert_array_equal(out[Boundary.CONSUMER][0], out[Boundary.KERNEL][0])
-    np.testing.assert_allclose(out[Boundary.CONSUMER][1], out[Boundary.KERNEL][1],
-                               rtol=2e-2, atol=2e-2)
+        assert kernels <= set(names) and not (names_all - kernels) & set(names), names
+        out[where, bool(blocks)] = [np.asarray(a, np.float32)
+                                    for a in jax.jit(sublayer)(x, parts)]
+    want = out[Boundary.KERNEL, False]
+    for key, got in out.items():
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_allclose(got[1], want[1], rtol=2e-2, atol=2e-2, err_msg=str(key))
 
 
 def test_router_kernel_choice_follows_the_policy():
     """moe_route_rows picks the router kernel up to that many rows (0: never; 16 by
     default); under batch_invariant, for every row count (a row's experts then never depend
-    on the batch or on T); a router over moe_route_bytes, a score bias or group-limited
-    routing keeps XLA's ops."""
-    from jaxinfer.ops.moe import _route_kernel_reason
+    on the batch or on T); a router over moe_route_bytes runs in D blocks of at most
+    moe_route_block_bytes (a power of two dividing D) or, with 0 or blocks that do not
+    divide D, keeps XLA's ops, as a score bias or group-limited routing does."""
+    from jaxinfer.ops.moe import _route_blocks
 
     config = tiny_config()  # the router [32, 6]: 768 bytes in float32
     h = jax.ShapeDtypeStruct((2, 3, 32), jnp.bfloat16)  # 6 rows
     many = jax.ShapeDtypeStruct((2, 9, 32), jnp.bfloat16)  # 18 rows
     lp = {"router": None}
-    for policy, x, takes in (
-            (KernelPolicy(interpret=True, moe_route_rows=8), h, True),
-            (KernelPolicy(interpret=True, moe_route_rows=4), h, False),
-            (KernelPolicy(interpret=True, moe_route_rows=0), h, False),
-            (KernelPolicy(interpret=True), h, True),
-            (KernelPolicy(interpret=True), many, False),
-            (KernelPolicy(interpret=True, moe_route_bytes=767), h, False),
-            (KernelPolicy.deterministic(interpret=True, moe_route_rows=4), h, True),
-            (KernelPolicy.deterministic(interpret=True), many, True),
-            (KernelPolicy.deterministic(interpret=True, moe_route_rows=0), h, False),
-            (KernelPolicy(kernels=Kernels.REFERENCE, moe_route_rows=8), h, False)):
-        assert (_route_kernel_reason(x, lp, Plan(config, policy)) is None) == takes, policy
+    for policy, x, blocks in (
+            (KernelPolicy(interpret=True, moe_route_rows=8), h, 1),
+            (KernelPolicy(interpret=True, moe_route_rows=4), h, None),
+            (KernelPolicy(interpret=True, moe_route_rows=0), h, None),
+            (KernelPolicy(interpret=True), h, 1),
+            (KernelPolicy(interpret=True), many, None),
+            (KernelPolicy(interpret=True, moe_route_bytes=767), h, None),
+            (KernelPolicy(interpret=True, moe_route_bytes=256, moe_route_block_bytes=256), h, 4),
+            (KernelPolicy(interpret=True, moe_route_bytes=256, moe_route_block_bytes=512), h, 2),
+            (KernelPolicy(interpret=True, moe_route_bytes=256, moe_route_block_bytes=16), h,
+             None),  # 64 blocks of a 32-row router
+            (KernelPolicy.deterministic(interpret=True, moe_route_rows=4), h, 1),
+            (KernelPolicy.deterministic(interpret=True), many, 1),
+            (KernelPolicy.deterministic(interpret=True, moe_route_rows=0), h, None),
+            (KernelPolicy(kernels=Kernels.REFERENCE, moe_route_rows=8), h, None)):
+        got = _route_blocks(x, lp, Plan(config, policy))
+        assert got == blocks if blocks else isinstance(got, str), (policy, got)
     on = Plan(config, KernelPolicy(interpret=True, moe_route_rows=8))
-    assert "score bias" in _route_kernel_reason(h, {"router_bias": jnp.zeros(6)}, on)
+    assert "score bias" in _route_blocks(h, {"router_bias": jnp.zeros(6)}, on)
     grouped = Plan(tiny_config(n_group=3, topk_group=2), on.policy)
-    assert "group-limited" in _route_kernel_reason(h, lp, grouped)
+    assert "group-limited" in _route_blocks(h, lp, grouped)

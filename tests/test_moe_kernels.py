@@ -3,6 +3,7 @@ references and an independent per-token loop, float and quantized experts (int8,
 blocks, GGUF K-quants), the grouped layout, bad inputs, the model's MoE fixtures through the
 kernels, and benchmarks/moe.py --quick."""
 
+import itertools
 import pathlib
 
 import jax
@@ -430,15 +431,17 @@ def _route_cases():
     True, pytest.param(False, marks=[pytest.mark.gpu, pytest.mark.skipif(
         jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")])], ids=["interpret", "gpu"])
 def test_router_kernel_chooses_as_the_routers_do(interpret):
-    """moe_route (one program per row) picks the experts of jaxinfer's route (transformers'
-    rule) and of its jnp reference, ties to the lower index, with their weights; bad k and a
-    non-float32 router are named."""
+    """moe_route (one program per row, or per row and block of D: 8 blocks of 25 rows)
+    picks the experts of jaxinfer's route (transformers' rule) and of its jnp reference, ties
+    to the lower index, with their weights; bad k, blocks and a non-float32 router are
+    named."""
     from jaxinfer.configs import MoEConfig
     from jaxinfer.ops.moe import route, router_logits
 
-    for h, router, k, scoring, norm, scaling in _route_cases():
+    for (h, router, k, scoring, norm, scaling), blocks in itertools.product(_route_cases(),
+                                                                            (1, 8)):
         got_w, got_e = pk.moe_route(h, router, k=k, scoring=scoring, norm_topk_prob=norm,
-                                    scaling=scaling, interpret=interpret)
+                                    scaling=scaling, blocks=blocks, interpret=interpret)
         ref_w, ref_e = pk.moe_route_reference(h, router, k=k, scoring=scoring,
                                               norm_topk_prob=norm, scaling=scaling)
         moe = MoEConfig(num_experts=router.shape[1], experts_per_token=k,
@@ -457,26 +460,30 @@ def test_router_kernel_chooses_as_the_routers_do(interpret):
         pk.moe_route(h, router, k=7, interpret=True)
     with pytest.raises(ValueError, match="router must be float32"):
         pk.moe_route(h, router.astype(jnp.bfloat16), k=2, interpret=True)
+    with pytest.raises(ValueError, match="blocks=16 must be a power of two that divides D=200"):
+        pk.moe_route(h, router, k=2, blocks=16, interpret=True)
 
 
 @pytest.mark.parametrize("interpret", [
     True, pytest.param(False, marks=[pytest.mark.gpu, pytest.mark.skipif(
         jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")])], ids=["interpret", "gpu"])
 def test_boundary_and_router_in_one_kernel(interpret):
-    """add_rms_norm_route gives add_rms_norm's stream and h bitwise (the chunks summed in
-    order, then x, one rounding) and route's experts on that h (weights to float32 rounding);
-    deltas of the wrong shape are named."""
+    """add_rms_norm_route (in one program a row, or in 4 blocks of D a row, each storing its
+    rows) gives add_rms_norm's stream and h bitwise (the chunks summed in order, then x, one
+    rounding) and route's experts on that h (weights to float32 rounding); deltas of the
+    wrong shape are named."""
     from jaxinfer.configs import MoEConfig
     from jaxinfer.ops.moe import route, router_logits
 
     rng = np.random.default_rng(6)
-    for h, router, k, scoring, norm, scaling in _route_cases():
+    for (h, router, k, scoring, norm, scaling), blocks in itertools.product(_route_cases(),
+                                                                            (1, 4)):
         x = jnp.asarray(rng.standard_normal(h.shape), jnp.bfloat16)  # [N, D]
         deltas = jnp.asarray(rng.standard_normal((3, *h.shape)), jnp.float32)  # [S, N, D]
         norm_w = jnp.asarray(1 + rng.standard_normal(h.shape[1]) / 8, jnp.bfloat16)
         x_new, h_got, got_w, got_e = pk.add_rms_norm_route(
             x, deltas, norm_w, router, eps=1e-5, k=k, scoring=scoring, norm_topk_prob=norm,
-            scaling=scaling, interpret=interpret)
+            scaling=scaling, blocks=blocks, interpret=interpret)
         x_want, h_want = pk.add_rms_norm(x, deltas, norm_w, eps=1e-5, interpret=interpret)
         np.testing.assert_array_equal(np.asarray(x_new, np.float32), np.asarray(x_want, np.float32))
         np.testing.assert_array_equal(np.asarray(h_got, np.float32), np.asarray(h_want, np.float32))

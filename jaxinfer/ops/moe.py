@@ -36,6 +36,7 @@ from jaxinfer.ops.sharded import experts_layout
 from jaxinfer.ops.stream import ANY_SUM, Deferred, Form, Partials, Residual
 from jaxinfer.plan import Boundary, Kernels, MoEImpl, Plan
 from jaxinfer.weights import Kind, ParamSpec, QuantizedWeight
+from pallas_kernels._common import next_pow2
 from pallas_kernels.moe import take_dequantized
 from pallas_kernels.quantized import dequantize, num_experts
 
@@ -227,8 +228,8 @@ def _mosaic_decode(x, weights, experts, w_gate, w_up, w_down, plan, partials: bo
     float32 chunks a consumer kernel adds (the next boundary: no add or norm launch)."""
     lead, d = x.shape[:-1], x.shape[-1]
     n, k = experts.shape
-    ids = experts.reshape(-1)  # [A = N k]
     interpret, f32 = plan.policy.interpret, jnp.float32
+    ids = experts.reshape(-1)  # [A = N k]
     g, u = pk.quantized_matmul_mgpu(x.reshape(n, d), (w_gate, w_up), experts=(
         ids, jnp.arange(n * k) // k), interpret=interpret, out_dtype=f32)  # [A, F] each
     y = pk.quantized_matmul_mgpu(_swiglu_act(g, u, x.dtype), w_down, experts=(
@@ -346,22 +347,31 @@ def _check_layer(lp: dict, moe: MoEConfig, d: int) -> None:
                              f"{e} experts of {moe.expert_intermediate_size})")
 
 
-def _route_kernel_reason(h, lp: dict, plan: Plan) -> str | None:
-    """Why the router at h [B, T, D] does not run as pallas_kernels.moe_route, or None."""
-    moe = plan.config.moe
+def _route_blocks(h, lp: dict, plan: Plan) -> int | str:
+    """How many D blocks the router at h [B, T, D] runs in as pallas_kernels.moe_route (1: one
+    program a row), or why it takes XLA's ops."""
+    moe, policy = plan.config.moe, plan.policy
     if not kernels_on(plan, h.dtype) or plan.sharded:
         return "kernels off, or a sharded plan"
-    limit = plan.policy.moe_route_rows
+    limit = policy.moe_route_rows
     # batch_invariant: one path for every row count (the kernel's rows are independent), so a
     # row's experts do not depend on the batch or on T (a verification's K + 1 tokens)
-    if limit == 0 or (rows(h) > limit and not plan.policy.batch_invariant):
+    if limit == 0 or (rows(h) > limit and not policy.batch_invariant):
         return f"{rows(h)} token rows > KernelPolicy.moe_route_rows={limit}"
     if lp.get("router_bias") is not None or (moe.n_group > 1 and moe.topk_group < moe.n_group):
         return "a score bias or group-limited routing (XLA's route)"
-    size, most = 4 * h.shape[-1] * moe.num_experts, plan.policy.moe_route_bytes  # float32 [D, E]
-    if size > most:
-        return f"a {size}-byte router > KernelPolicy.moe_route_bytes={most}"
-    return None
+    d = h.shape[-1]
+    size, most = 4 * d * moe.num_experts, policy.moe_route_bytes  # float32 [D, E]
+    if size <= most:
+        return 1
+    block = policy.moe_route_block_bytes
+    blocks = next_pow2(-(-size // block)) if block else 0
+    if not block or d % blocks:
+        return (f"a {size}-byte router > KernelPolicy.moe_route_bytes={most}, in blocks of "
+                f"moe_route_block_bytes={block} that do not divide D={d}" if block else
+                f"a {size}-byte router > KernelPolicy.moe_route_bytes={most} "
+                f"(moe_route_block_bytes=0)")
+    return blocks
 
 
 def _boundary_and_route(x, delta, norm_weight, lp: dict, plan: Plan):
@@ -374,19 +384,19 @@ def _boundary_and_route(x, delta, norm_weight, lp: dict, plan: Plan):
                 scaling=moe.routed_scaling_factor, interpret=policy.interpret)
     if isinstance(delta, Partials) and delta.norm is None and not config.norm_offset \
             and policy.gated_mlp_boundary is Boundary.CONSUMER \
-            and _route_kernel_reason(x, lp, plan) is None:
+            and isinstance(blocks := _route_blocks(x, lp, plan), int):
         with jax.named_scope("router"):
             s = delta.parts.shape[0]
             x, h, weights, experts = pk.add_rms_norm_route(
                 x.reshape(b * t, d), delta.parts.reshape(s, b * t, d), norm_weight,
-                _router_weight(lp["router"]), eps=config.rms_norm_eps, **pick)
+                _router_weight(lp["router"]), eps=config.rms_norm_eps, blocks=blocks, **pick)
         return x.reshape(b, t, d), h.reshape(b, t, d), weights, experts
     x, h = boundary(x, delta, norm_weight, config.rms_norm_eps, plan,
                     policy.gated_mlp_boundary)  # h [B, T, D]
     with jax.named_scope("router"):
-        if _route_kernel_reason(h, lp, plan) is None:
+        if isinstance(blocks := _route_blocks(h, lp, plan), int):
             weights, experts = pk.moe_route(h.reshape(b * t, d), _router_weight(lp["router"]),
-                                            **pick)  # [N, k] each
+                                            blocks=blocks, **pick)  # [N, k] each
         else:
             weights, experts = route(router_logits(h, lp["router"]).reshape(b * t, -1), moe,
                                      lp.get("router_bias"))  # [N, k] each
