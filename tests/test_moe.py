@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from host_arrays import host_normal, normal, put
 from kernel_testing import pallas_kernels_in
 
 import jaxinfer
@@ -50,7 +51,7 @@ def variant(request):
 def _router_case(name):
     moe = MoEConfig(expert_intermediate_size=1, **json.loads(str(ROUTERS[f"{name}/moe"])))
     bias = ROUTERS[f"{name}/bias"] if f"{name}/bias" in ROUTERS else None
-    return moe, jnp.asarray(ROUTERS[f"{name}/logits"]), bias
+    return moe, put(ROUTERS[f"{name}/logits"]), bias
 
 
 @pytest.mark.parametrize("name", ROUTER_CASES)
@@ -92,7 +93,7 @@ def test_router_cases_exercise_their_features():
 
 
 def test_expert_counts():
-    experts = jnp.asarray(np.random.default_rng(0).integers(0, 6, (20, 3)), jnp.int32)
+    experts = put(np.random.default_rng(0).integers(0, 6, (20, 3)), jnp.int32)
     counts = ops.expert_counts(experts, 8)
     assert counts.dtype == jnp.int32 and counts.shape == (8,)
     np.testing.assert_array_equal(counts, np.bincount(np.asarray(experts).ravel(), minlength=8))
@@ -102,9 +103,9 @@ def test_expert_counts():
 def test_route_rejects_wrong_shapes():
     moe = MoEConfig(num_experts=4, experts_per_token=2, expert_intermediate_size=8)
     with pytest.raises(ValueError, match=r"router_logits \(3, 5\).*num_experts=4"):
-        ops.route(jnp.zeros((3, 5)), moe)
+        ops.route(put(np.zeros((3, 5), np.float32)), moe)
     with pytest.raises(ValueError, match=r"bias \(3,\)"):
-        ops.route(jnp.zeros((3, 4)), moe, jnp.zeros(3))
+        ops.route(put(np.zeros((3, 4), np.float32)), moe, put(np.zeros(3, np.float32)))
 
 
 # ------------------------------------------------------------------- models vs transformers
@@ -248,7 +249,7 @@ def test_router_stays_float32_in_bfloat16():
 @pytest.fixture(scope="module")
 def mixtral_float_logits():
     ref = np.load(DATA / "hf" / "mixtral" / "ref.npz")
-    ids = jnp.asarray(ref["input_ids"][:1])  # [1, T]
+    ids = put(ref["input_ids"][:1])  # [1, T]
     return ids, np.asarray(jaxinfer.load(str(DATA / "hf" / "mixtral"), dtype="float32")(ids))
 
 
@@ -282,7 +283,7 @@ def test_quantize_on_load_keeps_experts_quantized(mixtral_float_logits, how, max
         return
     # The last token as a decode step through the kernels, after an XLA prefill.
     t = ids.shape[1]
-    pos = jnp.arange(t, dtype=jnp.int32)[None]
+    pos = put(np.arange(t, dtype=np.int32)[None])
     cache = KVCache.init(config, 1, t)
     _, cache = jax.jit(functools.partial(llama.forward, plan=model.plan))(
         model.params, ids[:, :-1], pos[:, :-1], cache=cache)
@@ -303,15 +304,14 @@ def test_bench_floor_counts_quantized_experts_bytes():
     codes and scales, not 3 * D * F elements of the model's dtype."""
     from jaxinfer import memory
     from jaxinfer.bench import decode_bytes_per_step
-    from jaxinfer.weights import param_bytes, quantize_params
+    from jaxinfer.weights import param_bytes
 
     config = tiny_config()
     assert not config.tie_word_embeddings
     specs = llama.param_specs(config)
     layer = tiny_layer(config, 5)
-    floats = {"embed": jnp.zeros((64, 32)), "layers": [layer]}
-    int4 = {"embed": floats["embed"],
-            "layers": [quantize_params(layer, "int4", specs=specs["layers"][0])]}
+    floats = {"embed": put(np.zeros((64, 32), np.float32)), "layers": [layer]}
+    int4 = {"embed": floats["embed"], "layers": [_quantizer(config, "int4")(layer)]}
     m = config.moe
     unused = m.num_experts * (1 - m.experts_per_token / m.num_experts)  # at batch 1
     row = config.hidden_size * jnp.dtype(config.dtype).itemsize + memory.kv_bytes_per_token(config)
@@ -337,8 +337,19 @@ def tiny_layer(config, seed):
         else:
             value = np.full(spec.shape, 1.0 if spec.init == "ones" else 0.0)
             value += 0.1 * rng.standard_normal(spec.shape) * (spec.init == "ones")
-        out[name] = spec.wrap(jnp.asarray(value, spec.dtype or jnp.float32))
+        out[name] = spec.wrap(put(value, spec.dtype or jnp.float32))  # jnp.asarray's bits
     return out
+
+
+@functools.cache
+def _quantizer(config, how, group_size=None):
+    """quantize_params(layer, how, group_size, specs=layer 0's specs) as one jitted program:
+    the same codes and scales bit for bit as op by op (each of whose ops compiles per shape:
+    ~90 compiles a layer), one compile per config."""
+    from jaxinfer.weights import quantize_params
+
+    specs = llama.param_specs(config)["layers"][0]
+    return jax.jit(lambda lp: quantize_params(lp, how, group_size, specs=specs))
 
 
 def tiny_config(**moe):
@@ -378,11 +389,11 @@ def test_quantized_experts_through_every_implementation():
 
     config = tiny_config()
     lp = tiny_layer(config, 3)
-    q = quantize_params(lp, "int4", specs=llama.param_specs(config)["layers"][0])
+    q = _quantizer(config, "int4")(lp)
     assert q["experts_gate"].group == 32 and q["experts_down"].groups == 1
     assert q["router"].w.dtype == jnp.float32  # declared float32: kept
     for shape in ((1, 1, 32), (2, 5, 32)):
-        x = jax.random.normal(jax.random.key(4), shape, jnp.float32)
+        x = normal(4, shape, jnp.float32)  # jax.random.normal(key(4), shape)'s bits
         want = _moe_out(config, q, x, KernelPolicy(moe=MoEImpl.DENSE))[1]
         float_out = _moe_out(config, lp, x, KernelPolicy(moe=MoEImpl.DENSE))[1]
         assert rel_err(want, float_out) < 0.3  # int4 (down: one scale per column of 24)
@@ -407,25 +418,25 @@ def test_int4_experts_through_the_mosaic_kernel(interpret):
     kernel (moe_route) and hands the next boundary down's K-range sums with the experts
     weighted (Partials, one chunk per range). Prefill rows take ragged_dot and XLA's router."""
     from jaxinfer.generate import int_layout_params
-    from jaxinfer.weights import quantize_params
 
     config = Config(vocab_size=64, hidden_size=128, intermediate_size=128, num_layers=1,
                     num_heads=4, num_kv_heads=2, head_dim=32, moe=MoEConfig(
                         num_experts=4, experts_per_token=2, expert_intermediate_size=512,
                         norm_topk_prob=True))  # down's K 512: two K ranges
     specs = llama.param_specs(config)
-    lp = quantize_params(tiny_layer(config, 5), "int4", 128, specs=specs["layers"][0])
+    lp = _quantizer(config, "int4", 128)(tiny_layer(config, 5))
     policy = KernelPolicy(interpret=interpret, quant_matmul="mosaic", moe_decode_rows=2,
                           moe_route_rows=2)
     plan = Plan(config, policy)
-    params = {name: jnp.zeros(spec.shape, jnp.float32) for name, spec in specs.items()
+    params = {name: put(np.zeros(spec.shape, np.float32)) for name, spec in specs.items()
               if name != "layers"}  # embedding, norms, head: left as they are
     nk = int_layout_params({**params, "layers": [lp]}, plan)["layers"][0]
     nk["mlp_norm"] = nk["mlp_norm"].astype(jnp.bfloat16)  # a bf16 model: h stays bf16
     assert all(nk[n].layout == "nk" for n in ("experts_gate", "experts_up", "experts_down"))
     w = nk["experts_gate"]
     for shape, impl in (((2, 1, 128), "mosaic_decode"), ((1, 3, 128), "ragged_dot")):
-        x = jax.random.normal(jax.random.key(7), shape, jnp.float32).astype(jnp.bfloat16)
+        # jax.random.normal(key(7), shape)'s bits, rounded to bf16 on the host (as XLA rounds)
+        x = put(host_normal(7, shape, jnp.float32).astype(jnp.bfloat16))
         assert EXPERTS.pick(x, None, None, w, w, nk["experts_down"], plan).name == impl
         want = _moe_out(config, lp, x, KernelPolicy(moe=MoEImpl.DENSE))[1]
         if impl == "mosaic_decode":  # the form the next boundary takes
@@ -447,7 +458,7 @@ def test_shared_experts_and_score_bias():
     lp = tiny_layer(config, 1)
     assert lp["shared_gate"].w.shape == (32, 48) and lp["router_bias"].dtype == jnp.float32
     lp["router_bias"] = jnp.linspace(-0.3, 0.3, 6, dtype=jnp.float32)
-    x = jax.random.normal(jax.random.key(2), (2, 5, 32), jnp.float32)
+    x = normal(2, (2, 5, 32), jnp.float32)  # jax.random.normal(key(2), ...)'s bits
     outs = {impl: _moe_out(config, lp, x, KernelPolicy(moe=impl))[1] for impl in MoEImpl}
     for impl, out in outs.items():
         np.testing.assert_allclose(out, outs[MoEImpl.DENSE], rtol=1e-5, atol=1e-5, err_msg=impl)
@@ -459,7 +470,8 @@ def test_shared_experts_and_score_bias():
                               lp["shared_down"].w)
     np.testing.assert_allclose(outs[MoEImpl.DENSE] - _moe_out(routed, no_shared, x)[1],
                                np.asarray(shared), rtol=1e-4, atol=1e-5)
-    unbiased = _moe_out(routed, {**no_shared, "router_bias": jnp.zeros(6)}, x)[1]
+    unbiased = _moe_out(routed, {**no_shared, "router_bias": put(np.zeros(6, np.float32))},
+                        x)[1]
     assert not np.allclose(unbiased, _moe_out(routed, no_shared, x)[1], atol=1e-4)
 
 
@@ -468,21 +480,22 @@ def test_moe_matches_a_per_token_loop():
     by one (numpy, float64), with tokens whose experts repeat across the batch."""
     config = tiny_config()
     lp = tiny_layer(config, 3)
-    x = jax.random.normal(jax.random.key(4), (3, 7, 32), jnp.float32)
+    x = normal(4, (3, 7, 32), jnp.float32)  # jax.random.normal(key(4), ...)'s bits
     _, out = _moe_out(config, lp, x, KernelPolicy(moe=MoEImpl.RAGGED_DOT))
     h = np.asarray(reference.rms_norm(x, lp["mlp_norm"], config.rms_norm_eps),
                    np.float64).reshape(-1, 32)
     logits = h @ np.asarray(lp["router"].w, np.float64)
-    weights, experts = ops.route(jnp.asarray(logits, jnp.float32), config.moe)
+    weights, experts = ops.route(put(logits, jnp.float32), config.moe)
+    weights, experts = np.asarray(weights), np.asarray(experts)  # rows read on the host
     g, u, d = (np.asarray(lp[k], np.float64) for k in ("experts_gate", "experts_up",
                                                           "experts_down"))
     want = np.zeros_like(h)
     for n in range(h.shape[0]):
-        for w, e in zip(np.asarray(weights[n]), np.asarray(experts[n])):
+        for w, e in zip(weights[n], experts[n]):
             a, b = h[n] @ g[e], h[n] @ u[e]
             want[n] += w * ((a / (1 + np.exp(-a)) * b) @ d[e])
     np.testing.assert_allclose(out.reshape(-1, 32), want, rtol=1e-4, atol=1e-5)
-    assert len(np.unique(np.asarray(experts))) == 6  # every expert took tokens
+    assert len(np.unique(experts)) == 6  # every expert took tokens
 
 
 def test_plan_picks_the_experts_implementation():
@@ -663,10 +676,10 @@ def test_router_kernel_takes_the_boundary():
 
     config = tiny_config()
     lp = tiny_layer(config, 3)
-    lp["mlp_norm"] = jnp.asarray(lp["mlp_norm"], jnp.bfloat16)
+    lp["mlp_norm"] = put(np.asarray(lp["mlp_norm"]).astype(jnp.bfloat16))  # as XLA rounds
     rng = np.random.default_rng(4)
-    x = jnp.asarray(rng.standard_normal((1, 2, 32)), jnp.bfloat16)  # [B, T, D]
-    parts = jnp.asarray(rng.standard_normal((2, 1, 2, 32)), jnp.float32)  # [S, B, T, D]
+    x = put(rng.standard_normal((1, 2, 32)), jnp.bfloat16)  # [B, T, D]
+    parts = put(rng.standard_normal((2, 1, 2, 32)), jnp.float32)  # [S, B, T, D]
     split = dict(moe_route_bytes=256, moe_route_block_bytes=256)  # 768 bytes: 4 blocks
     names_all = {"add_rms_norm_route", "add_rms_norm", "moe_route", "add_rms_norm_route_blocks",
                  "moe_route_blocks", "moe_route_pick"}
@@ -722,6 +735,6 @@ def test_router_kernel_choice_follows_the_policy():
         got = _route_blocks(x, lp, Plan(config, policy))
         assert got == blocks if blocks else isinstance(got, str), (policy, got)
     on = Plan(config, KernelPolicy(interpret=True, moe_route_rows=8))
-    assert "score bias" in _route_blocks(h, {"router_bias": jnp.zeros(6)}, on)
+    assert "score bias" in _route_blocks(h, {"router_bias": put(np.zeros(6, np.float32))}, on)
     grouped = Plan(tiny_config(n_group=3, topk_group=2), on.policy)
     assert "group-limited" in _route_blocks(h, lp, grouped)

@@ -3,6 +3,7 @@ references and an independent per-token loop, float and quantized experts (int8,
 blocks, GGUF K-quants), the grouped layout, bad inputs, the model's MoE fixtures through the
 kernels, and benchmarks/moe.py --quick."""
 
+import functools
 import itertools
 import pathlib
 
@@ -10,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from host_arrays import put, put_tree
 from kernel_testing import pallas_kernels_in, rel_err
 
 import pallas_kernels as pk
@@ -32,24 +34,26 @@ FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive
 
 
 def inputs(n, k, e, d, f, dtype, experts=None, seed=0):
-    """Random x, routing weights, experts (k distinct per token unless given) and weights."""
+    """Random x, routing weights, experts (k distinct per token unless given) and weights
+    (cast on the host and sent: jnp.asarray's bits without its per-shape programs)."""
     rng = np.random.default_rng(seed)
-    x = jnp.asarray(rng.standard_normal((n, d)), dtype)
+    x = put(rng.standard_normal((n, d)), dtype)
     if experts is None:
         experts = np.stack([rng.permutation(e)[:k] for _ in range(n)])
-    weights = jnp.asarray(rng.random((n, k)), jnp.float32)
-    ws = [jnp.asarray(rng.standard_normal(s) / np.sqrt(s[1]), dtype)
+    weights = put(rng.random((n, k)), jnp.float32)
+    ws = [put(rng.standard_normal(s) / np.sqrt(s[1]), dtype)
           for s in ((e, d, f), (e, d, f), (e, f, d))]
-    return x, weights, jnp.asarray(experts, jnp.int32), *ws
+    return x, weights, put(experts, jnp.int32), *ws
 
 
 def per_token_loop(x, weights, experts, wg, wu, wd):
     """Each token's k experts one by one in float64 numpy (SwiGLU unrounded)."""
-    x, wg, wu, wd = (np.asarray(jnp.asarray(a, jnp.float32), np.float64)
-                     for a in (x, wg, wu, wd))
+    # float32 / bfloat16 to float64 on the host: exact, as through jnp's float32
+    x, wg, wu, wd = (np.asarray(a).astype(np.float64) for a in (x, wg, wu, wd))
+    weights, experts = np.asarray(weights), np.asarray(experts)  # rows read on the host
     out = np.zeros_like(x)
     for n in range(x.shape[0]):
-        for w, e in zip(np.asarray(weights[n]), np.asarray(experts[n])):
+        for w, e in zip(weights[n], experts[n]):
             g, u = x[n] @ wg[e], x[n] @ wu[e]
             out[n] += w * ((g / (1 + np.exp(-g)) * u) @ wd[e])
     return out
@@ -111,7 +115,7 @@ def test_grouped_matches_reference(dtype, n, cases):
 def test_group_by_expert_layout():
     """Each assignment lands in a tile of its own expert, in token order within the group;
     the used tiles come first, the rest are -1; padding rows copy token 0."""
-    experts = jnp.asarray([[4, 1], [1, 3], [4, 3], [0, 4], [4, 1]], jnp.int32)
+    experts = put([[4, 1], [1, 3], [4, 3], [0, 4], [4, 1]], jnp.int32)
     groups = pk.group_by_expert(experts, 6, 2)
     tiles, dest = np.asarray(groups.tile_experts), np.asarray(groups.dest)
     assert tiles.shape == (max_tiles(10, 6, 2),) == (8,)
@@ -123,7 +127,7 @@ def test_group_by_expert_layout():
     assert len(set(dest.tolist())) == 10
     assert dest[0] < dest[4] < dest[7] < dest[8]  # expert 4's tokens 0, 2, 3, 4 in order
     # The bound holds with equality when every used expert has a ragged group.
-    worst = jnp.asarray(np.arange(6 * 3).reshape(9, 2) % 6, jnp.int32)  # 3 rows per expert
+    worst = put(np.arange(6 * 3).reshape(9, 2) % 6, jnp.int32)  # 3 rows per expert
     assert pk.group_by_expert(worst, 6, 2).tile_experts.shape == (max_tiles(18, 6, 2),)
     assert (np.asarray(pk.group_by_expert(worst, 6, 2).tile_experts) >= 0).all()
 
@@ -134,10 +138,10 @@ def test_grouped_kernels_match_their_references_and_skip_empty_tiles():
     mode fills unwritten outputs with NaN)."""
     rng = np.random.default_rng(3)
     e, d, f, bm = 3, 40, 24, 16
-    tiles = jnp.asarray([2, 2, 0, -1, -1], jnp.int32)
-    xs = jnp.asarray(rng.standard_normal((5 * bm, d)), jnp.float32)
-    wg, wu = (jnp.asarray(rng.standard_normal((e, d, f)), jnp.float32) for _ in range(2))
-    wd = jnp.asarray(rng.standard_normal((e, f, d)), jnp.float32)
+    tiles = put([2, 2, 0, -1, -1], jnp.int32)
+    xs = put(rng.standard_normal((5 * bm, d)), jnp.float32)
+    wg, wu = (put(rng.standard_normal((e, d, f)), jnp.float32) for _ in range(2))
+    wd = put(rng.standard_normal((e, f, d)), jnp.float32)
     act = pk.grouped_swiglu(xs, tiles, wg, wu, interpret=True, block_sizes=SMALL)
     want = pk.grouped_swiglu_reference(xs, tiles, wg, wu, block_sizes=SMALL)
     used = slice(0, 3 * bm)
@@ -148,7 +152,7 @@ def test_grouped_kernels_match_their_references_and_skip_empty_tiles():
     assert y.dtype == jnp.float32 and rel_err(y[used], want_y[used]) < 1e-5
     assert np.isnan(np.asarray(y[3 * bm:])).all()
     # A tile's expert is read from the map: swapping the map changes the rows.
-    other = pk.grouped_down(want, jnp.asarray([0, 2, 2, -1, -1], jnp.int32), wd,
+    other = pk.grouped_down(want, put([0, 2, 2, -1, -1], jnp.int32), wd,
                             interpret=True, block_sizes=SMALL)
     assert rel_err(other[:bm], want_y[:bm]) > 0.1
     np.testing.assert_allclose(other[bm:2 * bm], want_y[bm:2 * bm], rtol=1e-5, atol=1e-5)
@@ -159,8 +163,8 @@ def test_grouped_kernels_match_their_references_and_skip_empty_tiles():
 
 def stacked(w, make):
     """A stacked QuantizedWeight of w [E, K, N]: make(w_e float32 numpy [K, N]) per expert."""
-    w = np.asarray(jnp.asarray(w, jnp.float32))
-    return jax.tree.map(jnp.asarray, stack_experts([make(w[i]) for i in range(w.shape[0])]))
+    w = np.asarray(w).astype(np.float32)  # bfloat16 to float32 on the host: exact
+    return put_tree(stack_experts([make(w[i]) for i in range(w.shape[0])]))
 
 
 def fp8_blocks(w, block=32):
@@ -169,7 +173,7 @@ def fp8_blocks(w, block=32):
     amax = np.abs(w).reshape(k // block, block, n // block, block).max(axis=(1, 3))
     s = np.maximum(amax, 1e-12) / 448.0  # [K / b, N / b]
     full = np.repeat(np.repeat(s, block, 0), block, 1)
-    return from_fp8_blocks(jnp.asarray(w / full, jnp.float8_e4m3fn), jnp.asarray(s), block)
+    return from_fp8_blocks(put(w / full, jnp.float8_e4m3fn), put(s), block)
 
 
 def gguf_blocks(type_name: str, k: int, n: int, rng):
@@ -197,8 +201,7 @@ def quantized_case(name: str, n: int):
     if name == "gguf_q4k_q6k":  # GGUF Q4_K_M's experts: gate / up Q4_K, down Q6_K
         x, w, ex, *_ = inputs(n, 2, 4, 256, 256, jnp.float32, seed=n)
         rng = np.random.default_rng(1)
-        qs = [jax.tree.map(jnp.asarray, stack_experts([gguf_blocks(t, 256, 256, rng)
-                                                       for _ in range(4)]))
+        qs = [put_tree(stack_experts([gguf_blocks(t, 256, 256, rng) for _ in range(4)]))
               for t in ("Q4_K", "Q4_K", "Q6_K")]
         return (x, w, ex, *qs)
     d = 40 if name == "int8" else 64
@@ -336,9 +339,9 @@ def test_fixture_logits_through_the_kernels(variant):
     ref = np.load(DATA / "hf" / variant / "ref.npz")
     model = jaxinfer.load(str(DATA / "hf" / variant), dtype="float32")
     plan = model.with_policy(KernelPolicy(interpret=True)).plan
-    ids = jnp.asarray(ref["input_ids"][:1])  # [1, T]
+    ids = put(ref["input_ids"][:1])  # [1, T]
     t = ids.shape[1]
-    pos = jnp.arange(t, dtype=jnp.int32)[None]
+    pos = put(np.arange(t, dtype=np.int32)[None])
     cache = KVCache.init(model.config, 1, t)
 
     def forward(ids, pos, cache):
@@ -414,16 +417,18 @@ def test_quantized_kernels_on_the_gpu(fmt, n):
         assert rel_err(out, ref) < 2e-2, fn.__name__
 
 
+@functools.cache  # the same arrays each call (immutable): made once
 def _route_cases():
     """(h, router, k, scoring, norm, scaling): Mixtral's softmax top-2 renormalised, a
     sigmoid router with a scaling, E not a power of two and D past a chunk; two identical
     router columns (a tie: the lower index first, as lax.top_k)."""
     rng = np.random.default_rng(5)
-    h = jnp.asarray(rng.standard_normal((3, 200)), jnp.bfloat16)
-    router = jnp.asarray(rng.standard_normal((200, 6)) / 14, jnp.float32)
-    tied = router.at[:, 4].set(router[:, 1])
-    wide = jnp.asarray(rng.standard_normal((200, 40)) / 14, jnp.float32)
-    return [(h, router, 2, "softmax", True, 1.0), (h, tied, 3, "softmax", False, 1.0),
+    h = put(rng.standard_normal((3, 200)), jnp.bfloat16)
+    router = np.asarray(rng.standard_normal((200, 6)) / 14, np.float32)
+    tied = router.copy()
+    tied[:, 4] = router[:, 1]
+    wide = put(rng.standard_normal((200, 40)) / 14, jnp.float32)
+    return [(h, put(router), 2, "softmax", True, 1.0), (h, put(tied), 3, "softmax", False, 1.0),
             (h, wide, 4, "sigmoid", True, 2.5)]
 
 
@@ -452,7 +457,7 @@ def test_router_kernel_chooses_as_the_routers_do(interpret):
         np.testing.assert_array_equal(ref_e, want_e)
         np.testing.assert_allclose(got_w, want_w, rtol=1e-5)
         np.testing.assert_allclose(ref_w, want_w, rtol=1e-6)
-        if router[0, 4] == router[0, 1]:  # the tie: where both are chosen, 1 comes first
+        if np.asarray(router)[0, 4] == np.asarray(router)[0, 1]:  # the tie: where both are chosen, 1 comes first
             assert all(list(r).index(1) < list(r).index(4) for r in np.asarray(got_e)
                        if 1 in r and 4 in r)
     h, router = _route_cases()[0][:2]
@@ -478,9 +483,9 @@ def test_boundary_and_router_in_one_kernel(interpret):
     rng = np.random.default_rng(6)
     for (h, router, k, scoring, norm, scaling), blocks in itertools.product(_route_cases(),
                                                                             (1, 4)):
-        x = jnp.asarray(rng.standard_normal(h.shape), jnp.bfloat16)  # [N, D]
-        deltas = jnp.asarray(rng.standard_normal((3, *h.shape)), jnp.float32)  # [S, N, D]
-        norm_w = jnp.asarray(1 + rng.standard_normal(h.shape[1]) / 8, jnp.bfloat16)
+        x = put(rng.standard_normal(h.shape), jnp.bfloat16)  # [N, D]
+        deltas = put(rng.standard_normal((3, *h.shape)), jnp.float32)  # [S, N, D]
+        norm_w = put(1 + rng.standard_normal(h.shape[1]) / 8, jnp.bfloat16)
         x_new, h_got, got_w, got_e = pk.add_rms_norm_route(
             x, deltas, norm_w, router, eps=1e-5, k=k, scoring=scoring, norm_topk_prob=norm,
             scaling=scaling, blocks=blocks, interpret=interpret)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 
 import gguf
 import jax
@@ -23,7 +24,8 @@ from jaxinfer.weights import quantize_params, typed
 from jaxinfer.cache import KVCache
 from checkpoints import gguf as G
 from checkpoints import gguf_blocks
-from kernel_testing import _jaxprs, jitted_calls_in, normal, rel_err
+from host_arrays import host_normal, normal, put, put_tree
+from kernel_testing import _jaxprs, jitted_calls_in, rel_err
 from pallas_kernels.quantized import dequantize, quantize_weight
 from pallas_kernels.quantized_mgpu import MgpuMatmulConfig, default_config
 from test_gguf_blocks import QT, assert_bits_equal, mixed, random_blocks, tiny_llama
@@ -31,23 +33,36 @@ from test_kernel_wiring import (INTERPRET, assert_close, assert_close_to_referen
                                 random_params, tiny_config)
 
 GGUF = gguf_blocks.BLOCK_TYPES  # Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K
+# The kernels' pure-jnp reference (x @ dequantize(w), float32 at HIGHEST precision) as one
+# program: eager, each of its ops compiled for each shape and format.
+_reference = jax.jit(pk.quantized_matmul_mgpu_reference,
+                     static_argnames=("cfg", "interpret", "out_dtype"))
 
 
+@functools.partial(jax.jit, static_argnames="eps")
+def _normed_reference(x, nw, nk, eps):
+    """The reference product of rms_norm_reference(x, nw) (one program, as _reference)."""
+    return _reference(pk.rms_norm_reference(x, nw, eps=eps), nk, out_dtype=jnp.float32)
+
+
+@functools.cache  # a weight is immutable: each (seed, shape, format) made once a process
 def _int4(seed, k, n, bf16_scales=False, bits=4):
     """bits 4 or 8 (int, groups of 128), "fp8" (e4m3, groups of 128), "fp8_col" (e4m3, one
     scale per column), "int4_g32" / "int4_asym_g64" ... (int4 in groups of 32 / 64,
-    symmetric or with zero points) or a GGUF block type (random valid blocks, repacked)."""
+    symmetric or with zero points) or a GGUF block type (random valid blocks, repacked).
+    Made on the host (numpy) and sent once: no per-shape eager programs (host_arrays)."""
     if bits in GGUF:
         raw = random_blocks(bits, n, k, np.random.default_rng(seed))
-        return jax.tree.map(jnp.asarray, gguf_blocks.repack(raw, bits, k, n))
+        return put_tree(gguf_blocks.repack(raw, bits, k, n))
     fp8, symmetric = bits in ("fp8", "fp8_col"), "asym" not in str(bits)
     group = None if bits == "fp8_col" else 128
     if str(bits).startswith("int4"):
         bits, group = 4, int(bits.rsplit("_g", 1)[1])
-    qw = jax.tree.map(jnp.asarray, quantize_weight(
-        np.asarray(normal(seed, (k, n), jnp.float32)), bits=8 if fp8 else bits,
-        group_size=group, float8=fp8, symmetric=symmetric))
-    return qw.replace(scale=qw.scale.astype(jnp.bfloat16)) if bf16_scales else qw
+    qw = quantize_weight(host_normal(seed, (k, n), np.float32), bits=8 if fp8 else bits,
+                         group_size=group, float8=fp8, symmetric=symmetric)
+    if bf16_scales:  # the cast on the host: XLA's and ml_dtypes' round to nearest even agree
+        qw = qw.replace(scale=np.asarray(qw.scale).astype(jnp.bfloat16))
+    return put_tree(qw)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -119,7 +134,7 @@ def test_nk_layout_takes_fp8_bit_for_bit(fmt):
 def test_kernel_matches_reference_interpret(m, bf16_scales, bits, cfg):
     nk = pk.to_nk(_int4(1, 512, 128, bf16_scales, bits))
     x = normal(2, (m, 512), jnp.bfloat16)
-    want = pk.quantized_matmul_mgpu_reference(x, nk, out_dtype=jnp.float32)
+    want = _reference(x, nk, out_dtype=jnp.float32)
     got = pk.quantized_matmul_mgpu(x, nk, cfg=cfg, interpret=True, out_dtype=jnp.float32)
     assert got.shape == (m, 128) and got.dtype == jnp.float32
     # Exact codes, each group's float32 product times its scale: float32 rounding only; with
@@ -146,7 +161,7 @@ def test_two_weights_in_one_launch(interpret, fmt):
     assert ya.shape == (2, 128) and yb.shape == (2, 192)
     tol = 5e-3 if fmt == "Q4_K" else 1e-4  # Q4_K: the weights rounded to bf16 (cfg.pre)
     for y, w in ((ya, a), (yb, b)):
-        assert rel_err(y, pk.quantized_matmul_mgpu_reference(x, w, out_dtype=jnp.float32)) < tol
+        assert rel_err(y, _reference(x, w, out_dtype=jnp.float32)) < tol
     # Left as the K ranges' float32 sums [S, M, N] (for a consumer kernel): they add up to it.
     pa, pb = pk.quantized_matmul_mgpu(x, (a, b), interpret=interpret, partials=True)
     assert pa.shape[1:] == (2, 128) and pb.shape[1:] == (2, 192) and pa.dtype == jnp.float32
@@ -157,6 +172,12 @@ def test_two_weights_in_one_launch(interpret, fmt):
         pk.quantized_matmul_mgpu(x, (a, other), interpret=interpret)
 
 
+@jax.jit  # the pure-jnp reference as one program (eager, each op compiled on its own)
+def _stacked_reference(x, w, ids, rows):
+    dense = dequantize(w, jnp.float32)  # [E, K, N]
+    return jnp.einsum("ak,akn->an", x[rows].astype(jnp.float32), dense[ids])
+
+
 def test_stacked_experts_rows_and_their_k_range_sums():
     """Stacked experts (a MoE decode): assignment a multiplies x's row rows[a] by expert
     ids[a], with the sums stored as x's rows (M <= 16) and as [N, Mp] tiles (M 20); with
@@ -164,12 +185,11 @@ def test_stacked_experts_rows_and_their_k_range_sums():
     w = pk.to_nk(pk.stack_experts([_int4(s, 512, 64) for s in (1, 2, 3)]))
     for m in (4, 20):
         x = normal(m, (m, 512), jnp.bfloat16)
-        ids = jnp.asarray(np.random.default_rng(m).integers(0, 3, m), jnp.int32)
-        rows = jnp.arange(m, dtype=jnp.int32)[::-1]  # not the identity
+        ids = put(np.random.default_rng(m).integers(0, 3, m), jnp.int32)
+        rows = put(np.arange(m, dtype=np.int32)[::-1])  # not the identity
         y = pk.quantized_matmul_mgpu(x, w, experts=(ids, rows), interpret=True,
                                      out_dtype=jnp.float32)  # [A, N]
-        dense = dequantize(w, jnp.float32)  # [E, K, N]
-        want = jnp.einsum("ak,akn->an", x[rows].astype(jnp.float32), dense[ids])
+        want = _stacked_reference(x, w, ids, rows)
         assert y.shape == (m, 64) and rel_err(y, want) < 1e-4, m
         parts = pk.quantized_matmul_mgpu(x, w, experts=(ids, rows), interpret=True,
                                          partials=True)
@@ -189,7 +209,7 @@ def test_fragment_order_codes_match_reference(interpret):
     c = nk.planes[0]
     np.testing.assert_array_equal(from_frag(to_frag(c)), c)
     x = normal(2, (3, 512), jnp.bfloat16)
-    want = pk.quantized_matmul_mgpu_reference(x, nk, out_dtype=jnp.float32)
+    want = _reference(x, nk, out_dtype=jnp.float32)
     cfg = MgpuMatmulConfig(gps=1, stages=2, splits=2, frag=True)
     got = int_matmul_mgpu(x, (to_frag(c),), (nk.scale,), cfg=cfg, interpret=interpret,
                           out_dtype=jnp.float32)[0]
@@ -216,6 +236,13 @@ def test_fragment_order_codes_match_reference(interpret):
         pk.quantized_matmul_mgpu(x, nk, cfg=cfg, interpret=interpret)
 
 
+@functools.cache
+def _norm_weight(seed, k):
+    """(1 + 0.2 * normal(seed, (k,), float32)).astype(bfloat16) on the host: float32 products
+    and sums, then one round to nearest even, as XLA's ops give them (the same bits)."""
+    return put((1 + 0.2 * host_normal(seed, (k,), np.float32)).astype(jnp.bfloat16))
+
+
 @pytest.mark.parametrize("interpret", [
     True, pytest.param(False, marks=[pytest.mark.gpu, pytest.mark.skipif(
         jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")])], ids=["interpret", "gpu"])
@@ -231,10 +258,9 @@ def test_boundary_in_the_kernel_matches_reference(interpret, m, n_deltas, bits):
     nk = pk.to_nk(_int4(11, k, n, bits=bits))
     x = normal(12, (m, k), jnp.bfloat16)
     deltas = normal(13, (n_deltas, m, k), jnp.float32) if n_deltas else None
-    nw = (1 + 0.2 * normal(14, (k,), jnp.float32)).astype(jnp.bfloat16)
+    nw = _norm_weight(14, k)
     x_new = x if deltas is None else pk.add_rms_norm_reference(x, deltas, nw, eps=1e-5)[0]
-    want = pk.quantized_matmul_mgpu_reference(
-        pk.rms_norm_reference(x_new, nw, eps=1e-5), nk, out_dtype=jnp.float32)
+    want = _normed_reference(x_new, nw, nk, eps=1e-5)
     cfg = MgpuMatmulConfig(gps=2, stages=2, splits=2)
     y, got_x, ss = pk.quantized_matmul_mgpu(x, nk, cfg=cfg, interpret=interpret,
                                             out_dtype=jnp.float32, norm_weight=nw, eps=1e-5,
@@ -298,16 +324,15 @@ def test_scales_before_the_product(interpret):
     ga, gb = pk.quantized_matmul_mgpu(x, (a, b), cfg=cfg, interpret=interpret,
                                       out_dtype=jnp.float32)
     for got, w in ((ga, a), (gb, b)):
-        want = pk.quantized_matmul_mgpu_reference(x, w, out_dtype=jnp.float32)
+        want = _reference(x, w, out_dtype=jnp.float32)
         assert rel_err(got, want) < 4e-3
     # the boundary on Q4_K: offsets in the codes, so no x sums of the un-normed x (the
     # default config with the boundary: nk_norm_unfit lets the model's path take it)
     nk = pk.to_nk(_int4(26, k, n, bits="Q4_K"), frag=True)
-    nw = (1 + 0.2 * normal(27, (k,), jnp.float32)).astype(jnp.bfloat16)
+    nw = _norm_weight(27, k)
     deltas = normal(28, (2, 1, k), jnp.float32)
     xf = pk.add_rms_norm_reference(x, deltas, nw, eps=1e-5)[0]
-    want = pk.quantized_matmul_mgpu_reference(pk.rms_norm_reference(xf, nw, eps=1e-5), nk,
-                                              out_dtype=jnp.float32)
+    want = _normed_reference(xf, nw, nk, eps=1e-5)
     cfg = dataclasses.replace(default_config(1, k, n, pk.nk_format(nk), norm=True), frag=True)
     assert cfg.pre and pk.nk_norm_unfit(1, nk) is None
     got, x_new, _ = pk.quantized_matmul_mgpu(x, nk, interpret=interpret, out_dtype=jnp.float32,
@@ -323,7 +348,9 @@ def test_decode_path_takes_the_mosaic_kernel_and_matches_reference():
     """int4 g128 everywhere (q/k/v, o, gate/up, down, the LM head): each decode-path product
     through the kernel (counted in the traced step); logits against the reference path."""
     config = tiny_config(hidden_size=128, intermediate_size=256, num_layers=1, vocab_size=128)
-    params = quantize_params(typed(random_params(config), llama.param_specs(config)), "int4", 128)
+    # quantized in one program (op by op: ~60 eager compiles); the same codes and scales
+    params = jax.jit(quantize_params, static_argnums=(1, 2))(
+        typed(random_params(config), llama.param_specs(config)), "int4", 128)
     # the boundaries apart first (add_rms_norm before each matmul; the default below)
     plan = Plan(config, INTERPRET.replace(quant_matmul="mosaic", dequant_block_bytes=0,
                                           int4_fragment_order=False, mosaic_norm_rows=0))
@@ -337,7 +364,7 @@ def test_decode_path_takes_the_mosaic_kernel_and_matches_reference():
     ids = jax.random.randint(jax.random.key(2), (2, 5), 0, config.vocab_size)
     # decode_steps' cache length (T + 3): the single steps below reuse its compiled decode step
     cache = KVCache.init(config, 2, 8)
-    tokens = jnp.ones((2, 1), jnp.int32)
+    tokens = put(np.ones((2, 1), np.int32))
     calls = jitted_calls_in(lambda p, c: llama.forward(p, tokens, tokens, plan, c), nk, cache)
     # one decode step through the kernel: q/k/v, o, gate and up (one launch), down, the head
     assert calls["int_matmul_mgpu"] == 5, calls
@@ -442,7 +469,7 @@ def test_gguf_model_takes_the_mosaic_kernel(tmp_path, on_gpu):
     assert [p.layout for p in layer["wqkv"].parts] == ["nk"] * 3
     assert {layer[w].layout for w in ("wo", "w_gate", "w_up", "w_down")} == {"nk"}
     assert model.params["lm_head"].layout == "nk" and model.params["embed"].layout == "tiles"
-    tokens = jnp.ones((2, 1), jnp.int32)
+    tokens = put(np.ones((2, 1), np.int32))
     calls = jitted_calls_in(lambda p, c: llama.forward(p, tokens, tokens, plan, c),
                             model.params, KVCache.init(model.config, 2, 16))
     assert calls["int_matmul_mgpu"] == 6 * config.num_layers + 1, calls
