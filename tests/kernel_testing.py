@@ -16,7 +16,8 @@ import numpy as np
 # compiles one sampler per length (not one per shape, each with a multiply and a cast), and
 # scale and cast in numpy (the same IEEE float32 product, the same round-to-nearest-even
 # cast): the same bits as the jax.random calls they stand for (checked over seeds, shapes,
-# scales and f32 / bf16 / f16 / fp8).
+# scales and f32 / bf16 / f16 / fp8). The results go to the device by jax.device_put: a
+# jnp.asarray of a numpy array compiles a program (lax.stage) per shape and dtype.
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -41,7 +42,7 @@ def normal(seed: int, shape, dtype, scale=1.0):
         return (scale * jax.random.normal(jax.random.PRNGKey(seed), shape, jnp.float32)
                 ).astype(dtype)
     flat = np.asarray(_seed_draw(np.int32(seed), _length(n)))
-    return jnp.asarray((np.float32(scale) * flat[:n]).astype(jnp.dtype(dtype)).reshape(shape))
+    return jax.device_put((np.float32(scale) * flat[:n]).astype(jnp.dtype(dtype)).reshape(shape))
 
 
 def _key_normal(key, shape) -> np.ndarray:
@@ -51,7 +52,7 @@ def _key_normal(key, shape) -> np.ndarray:
 
 def random_normal(key, shape) -> jax.Array:
     """jax.random.normal(key, shape) (float32), bit for bit."""
-    return jnp.asarray(_key_normal(key, shape))
+    return jax.device_put(_key_normal(key, shape))
 
 
 def init_params(specs, key, dtype):
@@ -70,14 +71,16 @@ def init_params(specs, key, dtype):
             value = np.zeros(spec.shape, dt)
         else:
             value = (np.float32(spec.init_std) * _key_normal(keys[i], spec.shape)).astype(dt)
-        out.append(spec.wrap(jnp.asarray(value)))
+        out.append(spec.wrap(jax.device_put(value)))
     return jax.tree.unflatten(treedef, out)
 
 
 def rel_err(out, ref) -> float:
-    """||out - ref|| / ||ref|| in float64; fails on a shape mismatch or a non-finite output."""
-    out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
-    ref = np.asarray(jnp.asarray(ref, jnp.float32), np.float64)
+    """||out - ref|| / ||ref|| in float64; fails on a shape mismatch or a non-finite output.
+    Each side is taken as float32, then float64 (the float32 cast in numpy: the values of
+    jnp.asarray(x, jnp.float32) without compiling a cast per shape and dtype)."""
+    out = np.asarray(out).astype(np.float32).astype(np.float64)
+    ref = np.asarray(ref).astype(np.float32).astype(np.float64)
     assert out.shape == ref.shape, (out.shape, ref.shape)
     assert np.all(np.isfinite(out)), "kernel output has NaN/inf"
     return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))

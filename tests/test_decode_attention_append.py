@@ -19,15 +19,21 @@ from jaxinfer.ops import reference
 from pallas_kernels.decode_attention import DecodeBlockSizes, decode_attention_reference
 from pallas_kernels.decode_attention_append import (
     decode_attention_append as _append_qkv, decode_attention_append_reference as _append_ref)
+from kernel_inputs import device, one_program
 from kernel_testing import normal, rel_err
 
 
 def pack(q, k_new, v_new):
-    """q [B, Hq, D], k_new/v_new [B, Hkv, D] -> qkv [B, Hkv, G + 2, D] (the model's layout)."""
+    """q [B, Hq, D], k_new/v_new [B, Hkv, D] -> qkv [B, Hkv, G + 2, D] (the model's layout);
+    made in numpy when the inputs are concrete (eagerly, each jnp op compiles a program)."""
     b, hq, d = q.shape
     hkv = k_new.shape[1]
-    return jnp.concatenate([q.reshape(b, hkv, hq // hkv, d), k_new[:, :, None],
-                            v_new[:, :, None]], axis=2)
+    if any(isinstance(x, jax.core.Tracer) for x in (q, k_new, v_new)):
+        return jnp.concatenate([q.reshape(b, hkv, hq // hkv, d), k_new[:, :, None],
+                                v_new[:, :, None]], axis=2)
+    q, k_new, v_new = (np.asarray(x) for x in (q, k_new, v_new))
+    return device(np.concatenate([q.reshape(b, hkv, hq // hkv, d), k_new[:, :, None],
+                                  v_new[:, :, None]], axis=2))
 
 
 def decode_attention_append(q, k_new, v_new, *args, **kwargs):
@@ -36,6 +42,13 @@ def decode_attention_append(q, k_new, v_new, *args, **kwargs):
 
 def decode_attention_append_reference(q, k_new, v_new, *args, **kwargs):
     return _append_ref(pack(q, k_new, v_new), *args, **kwargs)
+
+
+# The CPU tests' references, each run as one jitted program of its jnp code (kernel_inputs):
+# op by op, a reference call compiled dozens of single-op programs for each new shape.
+append_ref = one_program(decode_attention_append_reference)  # q, k_new, v_new, ...
+qkv_append_ref = one_program(_append_ref)  # qkv (or its float32 chunks), ...
+decode_ref = one_program(decode_attention_reference)
 
 # Relative error ||out - ref|| / ||ref|| (as in test_kernels.py): float32 near 1e-7, bf16 near
 # 3e-3 (p rounded before the PV product, the result rounded).
@@ -78,12 +91,11 @@ CASES = [
 def test_matches_reference(case, dtype):
     b, s, hq, hkv, d, positions, splits = case
     q, k_new, v_new, k_cache, v_cache = inputs(s, b, s, hq, hkv, d, dtype)
-    positions = jnp.asarray(positions, jnp.int32)
+    positions = device(positions, np.int32)
     blocks = DecodeBlockSizes(block_k=16, num_splits=splits, num_stages=1)
     out, k_out, v_out = decode_attention_append(q, k_new, v_new, k_cache, v_cache, positions,
                                                 interpret=True, block_sizes=blocks)
-    ref, k_ref, v_ref = decode_attention_append_reference(q, k_new, v_new, k_cache, v_cache,
-                                                          positions)
+    ref, k_ref, v_ref = append_ref(q, k_new, v_new, k_cache, v_cache, positions)
     assert out.dtype == q.dtype and k_out.dtype == k_cache.dtype
     assert rel_err(out, ref) < TOL[dtype]
     check_caches(k_out, v_out, k_ref, v_ref, k_cache, v_cache, k_new, v_new, positions)
@@ -94,19 +106,19 @@ def test_sliding_window(window):
     """Window 1 sees the new token only (out = v_new); 20 starts mid-tile, crosses a chunk."""
     b, s, hq, hkv, d = 3, 60, 4, 2, 16
     q, k_new, v_new, k_cache, v_cache = inputs(7, b, s, hq, hkv, d, jnp.float32)
-    positions = jnp.asarray([59, 12, 36], jnp.int32)
+    positions = device([59, 12, 36], np.int32)
     blocks = DecodeBlockSizes(block_k=16, num_splits=2, num_stages=1)
     out, k_out, v_out = decode_attention_append(q, k_new, v_new, k_cache, v_cache, positions,
                                                 sliding_window=window, interpret=True,
                                                 block_sizes=blocks)
-    ref, k_ref, v_ref = decode_attention_append_reference(
-        q, k_new, v_new, k_cache, v_cache, positions, sliding_window=window)
+    ref, k_ref, v_ref = append_ref(q, k_new, v_new, k_cache, v_cache, positions,
+                                   sliding_window=window)
     assert rel_err(out, ref) < TOL[jnp.float32]
     check_caches(k_out, v_out, k_ref, v_ref, k_cache, v_cache, k_new, v_new, positions)
-    full, _, _ = decode_attention_append_reference(q, k_new, v_new, k_cache, v_cache, positions)
+    full, _, _ = append_ref(q, k_new, v_new, k_cache, v_cache, positions)
     assert rel_err(ref, full) > 1e-2  # the window changed the result
     if window == 1:
-        expect = jnp.repeat(v_new, hq // hkv, axis=1)  # [B, Hq, D]
+        expect = np.repeat(np.asarray(v_new), hq // hkv, axis=1)  # [B, Hq, D]
         assert rel_err(out, expect) < TOL[jnp.float32]
 
 
@@ -120,22 +132,23 @@ def test_never_reads_the_new_slot_or_stale_slots(blocks):
     reference."""
     b, s, hq, hkv, d = 2, 40, 4, 2, 16
     q, k_new, v_new, k_cache, v_cache = inputs(3, b, s, hq, hkv, d, jnp.float32)
-    positions = jnp.asarray([23, 16], jnp.int32)
-    stale = jnp.arange(s)[None, :, None, None] >= positions[:, None, None, None]
-    k_bad = jnp.where(stale, jnp.nan, k_cache)
-    v_bad = jnp.where(stale, jnp.nan, v_cache)
+    positions = np.asarray([23, 16], np.int32)
+    stale = np.arange(s)[None, :, None, None] >= positions[:, None, None, None]
+    k_bad = device(np.where(stale, np.float32(np.nan), np.asarray(k_cache)))
+    v_bad = device(np.where(stale, np.float32(np.nan), np.asarray(v_cache)))
+    positions = device(positions)
     out, k_out, v_out = decode_attention_append(q, k_new, v_new, k_bad, v_bad, positions,
                                                 interpret=True, block_sizes=blocks)
-    ref, _, _ = decode_attention_append_reference(q, k_new, v_new, k_cache, v_cache, positions)
+    ref, _, _ = append_ref(q, k_new, v_new, k_cache, v_cache, positions)
     assert rel_err(out, ref) < TOL[jnp.float32]
-    _, k_ref, v_ref = decode_attention_append_reference(q, k_new, v_new, k_bad, v_bad, positions)
+    _, k_ref, v_ref = append_ref(q, k_new, v_new, k_bad, v_bad, positions)
     check_caches(k_out, v_out, k_ref, v_ref, k_bad, v_bad, k_new, v_new, positions)
 
 
 def test_jit_with_donated_caches_updates_in_place():
     b, s, hq, hkv, d = 2, 40, 4, 2, 16
     q, k_new, v_new, k_cache, v_cache = inputs(5, b, s, hq, hkv, d, jnp.float32)
-    positions = jnp.asarray([39, 7], jnp.int32)
+    positions = device([39, 7], np.int32)
     step = jax.jit(functools.partial(
         decode_attention_append, interpret=True,
         block_sizes=DecodeBlockSizes(block_k=16, num_splits=2, num_stages=1)),
@@ -145,8 +158,7 @@ def test_jit_with_donated_caches_updates_in_place():
     out, k_out, v_out = step(q, k_new, v_new, k_in, v_in, positions)
     assert k_in.is_deleted() and v_in.is_deleted()  # the donation was accepted
     assert k_out.unsafe_buffer_pointer() == k_ptr  # the cache was updated where it lay
-    ref, k_ref, v_ref = decode_attention_append_reference(q, k_new, v_new, k_cache, v_cache,
-                                                          positions)
+    ref, k_ref, v_ref = append_ref(q, k_new, v_new, k_cache, v_cache, positions)
     assert rel_err(out, ref) < TOL[jnp.float32]
     check_caches(k_out, v_out, k_ref, v_ref, k_cache, v_cache, k_new, v_new, positions)
 
@@ -156,7 +168,19 @@ def rope_tables(positions, d, theta=10000.0):
     inv = 1.0 / theta ** (np.arange(0, d, 2) / d)
     f = np.asarray(positions)[:, None] * inv[None, :]
     emb = np.concatenate([f, f], axis=-1)
-    return jnp.asarray(np.cos(emb), jnp.float32), jnp.asarray(np.sin(emb), jnp.float32)
+    return device(np.cos(emb), np.float32), device(np.sin(emb), np.float32)
+
+
+@jax.jit
+def _model_path(q, k_new, v_new, k_cache, v_cache, positions, cos, sin):
+    """reference.apply_rope on q and k, an XLA scatter of k/v, then decode attention over the
+    written cache: (the output, the written k cache)."""
+    q_r = reference.apply_rope(q[:, None], cos[:, None], sin[:, None])[:, 0]
+    k_r = reference.apply_rope(k_new[:, None], cos[:, None], sin[:, None])[:, 0]
+    rows = jnp.arange(q.shape[0])
+    k_model = k_cache.at[rows, positions].set(k_r)
+    v_model = v_cache.at[rows, positions].set(v_new)
+    return decode_attention_reference(q_r, k_model, v_model, positions + 1), k_model
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
@@ -165,28 +189,23 @@ def test_rope_matches_the_model_path(dtype):
     scatter of k/v, then decode attention over the written cache."""
     b, s, hq, hkv, d = 3, 70, 8, 2, 32
     q, k_new, v_new, k_cache, v_cache = inputs(21, b, s, hq, hkv, d, dtype)
-    positions = jnp.asarray([69, 0, 40], jnp.int32)
+    positions = device([69, 0, 40], np.int32)
     cos, sin = rope_tables(positions, d)
     blocks = DecodeBlockSizes(block_k=16, num_splits=3, num_stages=1)
     out, k_out, v_out = decode_attention_append(q, k_new, v_new, k_cache, v_cache, positions,
                                                 rope=(cos, sin), interpret=True,
                                                 block_sizes=blocks)
-    ref, k_ref, v_ref = decode_attention_append_reference(q, k_new, v_new, k_cache, v_cache,
-                                                          positions, rope=(cos, sin))
+    ref, k_ref, v_ref = append_ref(q, k_new, v_new, k_cache, v_cache, positions,
+                                   rope=(cos, sin))
     assert rel_err(out, ref) < TOL[dtype]
     # The rotated key may differ from the reference's in the last bit (operation order).
     assert rel_err(k_out, k_ref) < {jnp.float32: 1e-6, jnp.bfloat16: 2e-3}[dtype]
     np.testing.assert_array_equal(np.asarray(v_out), np.asarray(v_ref))
     # The model's unfused path (rounding in x's dtype, as HF does).
-    q_r = reference.apply_rope(q[:, None], cos[:, None], sin[:, None])[:, 0]
-    k_r = reference.apply_rope(k_new[:, None], cos[:, None], sin[:, None])[:, 0]
-    rows = jnp.arange(b)
-    k_model = k_cache.at[rows, positions].set(k_r)
-    v_model = v_cache.at[rows, positions].set(v_new)
-    model = decode_attention_reference(q_r, k_model, v_model, positions + 1)
+    model, k_model = _model_path(q, k_new, v_new, k_cache, v_cache, positions, cos, sin)
     assert rel_err(out, model) < TOL[dtype]
     assert rel_err(k_out, k_model) < TOL[dtype] / 10
-    plain, _, _ = decode_attention_append_reference(q, k_new, v_new, k_cache, v_cache, positions)
+    plain, _, _ = append_ref(q, k_new, v_new, k_cache, v_cache, positions)
     assert rel_err(plain, ref) > 0.05  # RoPE changed the result: the check can fail
 
 
@@ -200,31 +219,35 @@ def test_fixed_size_chunks_make_a_row_independent_of_the_batch(kernel):
     blocks = DecodeBlockSizes(block_k=16, num_stages=1, split_keys=32)
     b, s, hq, hkv, d, dtype = 2, 128, 4, 2, 32, jnp.bfloat16
     q, k_new, v_new, k_cache, v_cache = inputs(31, b, s, hq, hkv, d, dtype)
-    positions = jnp.asarray([120, 50], jnp.int32)
+    positions = np.asarray([120, 50], np.int32)
+    # The rows and slots cut in numpy (eager slices compile a program each).
+    qn, kn, vn, kc, vc = (np.asarray(x) for x in (q, k_new, v_new, k_cache, v_cache))
 
     def run(rows, length):
         if kernel == "append":
-            return decode_attention_append(q[rows], k_new[rows], v_new[rows],
-                                           k_cache[rows, :length], v_cache[rows, :length],
-                                           positions[rows], interpret=True,
+            return decode_attention_append(device(qn[rows]), device(kn[rows]), device(vn[rows]),
+                                           device(kc[rows, :length]), device(vc[rows, :length]),
+                                           device(positions[rows]), interpret=True,
                                            block_sizes=blocks)[0]
-        return decode_attention(q[rows], k_cache[rows, :length], v_cache[rows, :length],
-                                positions[rows] + 1, interpret=True, block_sizes=blocks)
+        return decode_attention(device(qn[rows]), device(kc[rows, :length]),
+                                device(vc[rows, :length]), device(positions[rows] + 1),
+                                interpret=True, block_sizes=blocks)
 
     both, alone = run(slice(0, 2), s), run(slice(1, 2), 64)
-    np.testing.assert_array_equal(np.asarray(both[1]), np.asarray(alone[0]))
+    np.testing.assert_array_equal(np.asarray(both)[1], np.asarray(alone)[0])
     if kernel == "append":
-        ref = decode_attention_append_reference(q, k_new, v_new, k_cache, v_cache, positions)[0]
+        ref = append_ref(q, k_new, v_new, k_cache, v_cache, device(positions))[0]
     else:
-        ref = decode_attention_reference(q, k_cache, v_cache, positions + 1)
+        ref = decode_ref(q, k_cache, v_cache, device(positions + 1))
     assert rel_err(both, ref) < TOL[dtype]
 
 
 def split_chunks(qkv, seed):
     """qkv [B, Hkv, G + 2, D] as two float32 chunks [2, ...] whose sum is exactly qkv in float32
-    (as a split-K matmul's partials would be; two terms, so the order of the sum is moot)."""
-    a = normal(seed, qkv.shape, jnp.float32)
-    return jnp.stack([a, qkv.astype(jnp.float32) - a])
+    (as a split-K matmul's partials would be; two terms, so the order of the sum is moot).
+    Made in numpy (the same float32 difference)."""
+    a = np.asarray(normal(seed, qkv.shape, jnp.float32))
+    return device(np.stack([a, np.asarray(qkv).astype(np.float32) - a]))
 
 
 @pytest.mark.parametrize("splits", [1, 2])
@@ -233,14 +256,15 @@ def test_partials_input_is_summed_in_the_kernel(splits):
     the cache dtype; the result equals the kernel on the rounded sum, bit for bit in the caches."""
     b, s, hq, hkv, d, dtype = 2, 70, 8, 2, 32, jnp.bfloat16
     q, k_new, v_new, k_cache, v_cache = inputs(31, b, s, hq, hkv, d, dtype)
-    positions = jnp.asarray([69, 20], jnp.int32)
+    positions = device([69, 20], np.int32)
     rope = rope_tables(positions, d)
     blocks = DecodeBlockSizes(block_k=16, num_splits=splits, num_stages=1)
-    # float32 values between bfloat16 ones: the one rounding of the sum is exercised
-    qkv = pack(q, k_new, v_new).astype(jnp.float32) + 1e-3 * normal(32, (b, hkv, hq // hkv + 2, d),
-                                                                    jnp.float32)
+    # float32 values between bfloat16 ones: the one rounding of the sum is exercised (made in
+    # numpy: the same float32 product and sum)
+    qkv = device(np.asarray(pack(q, k_new, v_new)).astype(np.float32) + np.float32(1e-3)
+                 * np.asarray(normal(32, (b, hkv, hq // hkv + 2, d), jnp.float32)))
     parts = split_chunks(qkv, 33)
-    summed = jnp.sum(parts, axis=0).astype(dtype)
+    summed = device(np.asarray(parts).sum(axis=0).astype(dtype))
     call = functools.partial(_append_qkv, rope=rope, interpret=True, block_sizes=blocks)
     out, k_out, v_out = call(parts, k_cache, v_cache, positions)
     want, k_want, v_want = call(summed, k_cache, v_cache, positions)
@@ -248,7 +272,7 @@ def test_partials_input_is_summed_in_the_kernel(splits):
     np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
     np.testing.assert_array_equal(np.asarray(k_out), np.asarray(k_want))
     np.testing.assert_array_equal(np.asarray(v_out), np.asarray(v_want))
-    ref, k_ref, _ = _append_ref(parts, k_cache, v_cache, positions, rope=rope)
+    ref, k_ref, _ = qkv_append_ref(parts, k_cache, v_cache, positions, rope=rope)
     assert rel_err(out, ref) < TOL[dtype]
     assert rel_err(k_out, k_ref) < 2e-3
 
@@ -261,13 +285,17 @@ def test_deferred_norm_scales_the_summed_parts():
 
     b, s, hq, hkv, d, dtype = 2, 40, 4, 2, 32, jnp.bfloat16
     _, _, _, k_cache, v_cache = inputs(41, b, s, hq, hkv, d, dtype)
-    positions = jnp.asarray([39, 7], jnp.int32)
+    positions = device([39, 7], np.int32)
     rope = rope_tables(positions, d)
     hidden = 96
-    scale = jnp.asarray([[0.2], [3.0]])  # rows at different scales: the norm is per row
-    x = (scale * normal(42, (b, hidden), jnp.float32)).astype(dtype)
-    nw = (1.0 + 0.3 * normal(43, (hidden,), jnp.float32)).astype(dtype)
-    w = (normal(44, (hidden, hkv, hq // hkv + 2, d), jnp.float32) / np.sqrt(hidden)).astype(dtype)
+    # Made in numpy: the same float32 products and sums, cast once (round to nearest even).
+    f32 = np.float32
+    scale = np.asarray([[0.2], [3.0]], f32)  # rows at different scales: the norm is per row
+    x = device((scale * np.asarray(normal(42, (b, hidden), jnp.float32))).astype(dtype))
+    nw = device((f32(1.0) + f32(0.3) * np.asarray(normal(43, (hidden,), jnp.float32)))
+                .astype(dtype))
+    w = device((np.asarray(normal(44, (hidden, hkv, hq // hkv + 2, d), jnp.float32))
+                / f32(np.sqrt(hidden))).astype(dtype))
     blocks = MatmulBlockSizes(block_m=16, block_n=32, block_k=32, num_stages=1, split_k=2)
     parts, ss = norm_matmul(x, nw, w, eps=1e-5, partials=True, interpret=True,
                             block_sizes=blocks)
@@ -275,22 +303,23 @@ def test_deferred_norm_scales_the_summed_parts():
     call = functools.partial(_append_qkv, rope=rope, interpret=True,
                              block_sizes=DecodeBlockSizes(block_k=16, num_stages=1))
     out, k_out, _ = call(parts, k_cache, v_cache, positions, norm=norm)
-    want, k_want, _ = call(apply_norm_partials(parts, ss, hidden, 1e-5).astype(dtype), k_cache,
-                           v_cache, positions)
+    normed = one_program(lambda p, s: apply_norm_partials(p, s, hidden, 1e-5).astype(dtype))
+    want, k_want, _ = call(normed(parts, ss), k_cache, v_cache, positions)
     assert rel_err(out, want) < 1e-2 and rel_err(k_out, k_want) < 1e-2
-    ref, k_ref, _ = _append_ref(parts, k_cache, v_cache, positions, rope=rope, norm=norm)
+    ref, k_ref, _ = qkv_append_ref(parts, k_cache, v_cache, positions, rope=rope, norm=norm)
     assert rel_err(out, ref) < TOL[dtype] and rel_err(k_out, k_ref) < 1e-2
     unscaled, _, _ = call(parts, k_cache, v_cache, positions)
     assert rel_err(unscaled, want) > 0.05  # the scale matters
     # Sums of squares with more columns than rows (the Mosaic kernel's 8): the first B read.
-    wide = jnp.pad(ss, ((0, 0), (0, 3)), constant_values=1e9)
+    ssn = np.asarray(ss)
+    wide = device(np.pad(ssn, ((0, 0), (0, 3)), constant_values=1e9))
     np.testing.assert_array_equal(call(parts, k_cache, v_cache, positions,
                                        norm=(wide, hidden, 1e-5))[0], out)
-    wide_ref = _append_ref(parts, k_cache, v_cache, positions, rope=rope,
-                           norm=(wide, hidden, 1e-5))[0]
+    wide_ref = qkv_append_ref(parts, k_cache, v_cache, positions, rope=rope,
+                              norm=(wide, hidden, 1e-5))[0]
     np.testing.assert_array_equal(wide_ref, ref)
-    for bad, message in (((ss[:1], hidden, 1e-5), r"must be \[S, B'\]"),
-                         ((ss[:, :-1], hidden, 1e-5), r"B' >= B"),
+    for bad, message in (((device(ssn[:1]), hidden, 1e-5), r"must be \[S, B'\]"),
+                         ((device(ssn[:, :-1]), hidden, 1e-5), r"B' >= B"),
                          ((ss, 0, 1e-5), "K must be >= 1"), ((ss,), r"\(sums of squares")):
         with pytest.raises(ValueError, match=message):
             call(parts, k_cache, v_cache, positions, norm=bad)
@@ -300,39 +329,43 @@ def test_deferred_norm_scales_the_summed_parts():
     # a 128-wide row, the tail masked); the same result as from the matmul's sums.
     rows_out, rows_k, _ = call(parts, k_cache, v_cache, positions, norm=(x, 1e-5))
     assert rel_err(rows_out, out) < 1e-2 and rel_err(rows_k, k_out) < 1e-2
-    rows_ref = _append_ref(parts, k_cache, v_cache, positions, rope=rope, norm=(x, 1e-5))[0]
+    rows_ref = qkv_append_ref(parts, k_cache, v_cache, positions, rope=rope, norm=(x, 1e-5))[0]
     assert rel_err(rows_out, rows_ref) < TOL[dtype]
     with pytest.raises(ValueError, match=r"input rows must be \[B, K\]"):
-        call(parts, k_cache, v_cache, positions, norm=(x[:1], 1e-5))
+        call(parts, k_cache, v_cache, positions, norm=(device(np.asarray(x)[:1]), 1e-5))
 
 
 def test_bad_inputs_raise():
-    f32 = jnp.float32
+    # The bad operands are made in numpy (`d`): an eager slice or cast compiles a program.
+    f32, d = jnp.float32, device
     q, k_new, v_new, k_cache, v_cache = inputs(0, 2, 10, 4, 2, 16, f32)
     qkv = pack(q, k_new, v_new)
-    pos = jnp.asarray([3, 9], jnp.int32)
+    pos_n = np.asarray([3, 9], np.int32)
+    pos = d(pos_n)
     cos, sin = rope_tables(pos, 16)
+    qkv_n, kc, vc = (np.asarray(x) for x in (qkv, k_cache, v_cache))
     call = functools.partial(_append_qkv, interpret=True)
     cases = [
-        (lambda: call(qkv, k_cache, v_cache, jnp.asarray([3, 10], jnp.int32)),
+        (lambda: call(qkv, k_cache, v_cache, d([3, 10], np.int32)),
          r"positions must lie in \[0, 10\)"),
-        (lambda: call(qkv, k_cache, v_cache, jnp.asarray([-1, 2], jnp.int32)),
+        (lambda: call(qkv, k_cache, v_cache, d([-1, 2], np.int32)),
          "positions must lie"),
-        (lambda: call(qkv, k_cache, v_cache, pos.astype(f32)), "positions has dtype"),
-        (lambda: call(qkv, k_cache, v_cache, pos[:1]), "batch sizes differ"),
-        (lambda: call(qkv[:, :1], k_cache, v_cache, pos), "does not match the caches"),
-        (lambda: call(qkv[:, :, :2], k_cache, v_cache, pos), "G >= 1 query rows"),
-        (lambda: call(qkv[0], k_cache, v_cache, pos), "qkv must have rank 4"),
-        (lambda: call(qkv.astype(jnp.bfloat16), k_cache, v_cache, pos), "one dtype"),
-        (lambda: call(qkv, k_cache, v_cache[:, :5], pos), "one shape"),
-        (lambda: call(qkv[..., :8], k_cache[..., :8], v_cache[..., :8], pos), "head dim"),
+        (lambda: call(qkv, k_cache, v_cache, d(pos_n, np.float32)), "positions has dtype"),
+        (lambda: call(qkv, k_cache, v_cache, d(pos_n[:1])), "batch sizes differ"),
+        (lambda: call(d(qkv_n[:, :1]), k_cache, v_cache, pos), "does not match the caches"),
+        (lambda: call(d(qkv_n[:, :, :2]), k_cache, v_cache, pos), "G >= 1 query rows"),
+        (lambda: call(d(qkv_n[0]), k_cache, v_cache, pos), "qkv must have rank 4"),
+        (lambda: call(d(qkv_n, jnp.bfloat16), k_cache, v_cache, pos), "one dtype"),
+        (lambda: call(qkv, k_cache, d(vc[:, :5]), pos), "one shape"),
+        (lambda: call(d(qkv_n[..., :8]), d(kc[..., :8]), d(vc[..., :8]), pos), "head dim"),
         (lambda: call(qkv, k_cache, v_cache, pos, sliding_window=0), "sliding_window"),
-        (lambda: call(qkv, k_cache, v_cache, pos, rope=(cos[:, :8], sin)), "rope cos must have"),
+        (lambda: call(qkv, k_cache, v_cache, pos, rope=(d(np.asarray(cos)[:, :8]), sin)),
+         "rope cos must have"),
         (lambda: call(qkv, k_cache, v_cache, pos, rope=cos), r"\(cos, sin\) pair"),
-        (lambda: _append_ref(qkv, k_cache, v_cache, pos + 1), "positions must lie"),
-        (lambda: call(qkv[None].astype(jnp.bfloat16), k_cache, v_cache, pos),
+        (lambda: _append_ref(qkv, k_cache, v_cache, d(pos_n + 1)), "positions must lie"),
+        (lambda: call(d(qkv_n[None], jnp.bfloat16), k_cache, v_cache, pos),
          "float32 partial sums"),
-        (lambda: call(qkv[None, :, :1], k_cache, v_cache, pos), "does not match the caches"),
+        (lambda: call(d(qkv_n[None, :, :1]), k_cache, v_cache, pos), "does not match the caches"),
     ]
     for fn, message in cases:
         with pytest.raises(ValueError, match=message):

@@ -22,6 +22,7 @@ from pallas_kernels import (
     rms_norm_reference, rope, rope_reference, swiglu, swiglu_reference, add_rms_norm,
     add_rms_norm_reference)
 from pallas_kernels.flash_attention_mgpu import default_config as mosaic_default_config
+from kernel_inputs import device, one_program
 from kernel_testing import normal, rel_err
 
 ON_GPU = jax.devices()[0].platform == "gpu"
@@ -38,6 +39,22 @@ GPU_TOL = {jnp.float32: 1e-4, jnp.bfloat16: 1.5e-2}
 def qkv(seed, b, tq, tk, hq, hkv, d, dtype):
     return (normal(seed, (b, tq, hq, d), dtype), normal(seed + 1, (b, tk, hkv, d), dtype),
             normal(seed + 2, (b, tk, hkv, d), dtype))
+
+
+# The CPU tests' references, each run as one jitted program of its jnp code (kernel_inputs):
+# op by op, a reference call compiled ~20 single-op programs for each new shape.
+flash_ref = one_program(flash_attention_reference)
+decode_ref = one_program(decode_attention_reference)
+rope_ref = one_program(rope_reference)
+rms_norm_ref = one_program(rms_norm_reference)
+swiglu_ref = one_program(swiglu_reference)
+
+
+def plus_one(x):
+    """x + 1 in x's dtype, computed in numpy (in float32, rounded once to x's dtype: what
+    XLA's CPU add does for bfloat16)."""
+    a = np.asarray(x)
+    return device((a.astype(np.float32) + np.float32(1)).astype(a.dtype))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -66,7 +83,7 @@ def test_flash_attention_interpret(case, dtype):
     q, k, v = qkv(tq * 7 + tk, b, tq, tk, hq, hkv, d, dtype)
     out = flash_attention(q, k, v, causal=causal, sliding_window=window, interpret=True,
                           block_sizes=SMALL_FLASH)
-    ref = flash_attention_reference(q, k, v, causal=causal, sliding_window=window)
+    ref = flash_ref(q, k, v, causal=causal, sliding_window=window)
     assert out.dtype == q.dtype
     assert rel_err(out, ref) < TOL[dtype]
 
@@ -116,7 +133,7 @@ def test_flash_attention_mosaic_interpret(case, overlap, wg_ranges):
                             wg_ranges=wg_ranges)
     out = flash_attention(q, k, v, causal=causal, sliding_window=window, interpret=True,
                           backend="mosaic", mosaic_config=cfg)
-    ref = flash_attention_reference(q, k, v, causal=causal, sliding_window=window)
+    ref = flash_ref(q, k, v, causal=causal, sliding_window=window)
     assert rel_err(out, ref) < TOL[jnp.bfloat16]
 
 
@@ -136,7 +153,7 @@ def test_flash_attention_mosaic_wg_ranges_interpret(case, overlap):
                             overlap=overlap, wg_ranges=True)
     out = flash_attention(q, k, v, causal=causal, sliding_window=window, interpret=True,
                           backend="mosaic", mosaic_config=cfg)
-    ref = flash_attention_reference(q, k, v, causal=causal, sliding_window=window)
+    ref = flash_ref(q, k, v, causal=causal, sliding_window=window)
     assert rel_err(out, ref) < TOL[jnp.bfloat16]
 
 
@@ -146,7 +163,7 @@ def test_flash_attention_sm_scale_and_window_matter():
     base = flash_attention(q, k, v, **kw)
     scaled = flash_attention(q, k, v, sm_scale=0.05, **kw)
     windowed = flash_attention(q, k, v, sliding_window=4, **kw)
-    assert rel_err(scaled, flash_attention_reference(q, k, v, sm_scale=0.05)) < TOL[jnp.float32]
+    assert rel_err(scaled, flash_ref(q, k, v, sm_scale=0.05)) < TOL[jnp.float32]
     # The options must change the result, or the tests above could pass on a kernel ignoring them.
     assert rel_err(scaled, base) > 1e-2 and rel_err(windowed, base) > 1e-2
 
@@ -155,10 +172,10 @@ def test_flash_reference_matches_model_attention():
     """Cross-check our reference against the model's HF-semantics attention (independent code)."""
     from jaxinfer.ops.reference import attention_reference
     q, k, v = qkv(5, 2, 9, 23, 4, 2, 16, jnp.float32)
-    q_pos = jnp.broadcast_to(jnp.arange(14, 23), (2, 9))
-    kv_pos = jnp.broadcast_to(jnp.arange(23), (2, 23))
-    want = attention_reference(q, k, v, q_pos, kv_pos, window=6)
-    got = flash_attention_reference(q, k, v, causal=True, sliding_window=6)
+    q_pos = device(np.broadcast_to(np.arange(14, 23, dtype=np.int32), (2, 9)))
+    kv_pos = device(np.broadcast_to(np.arange(23, dtype=np.int32), (2, 23)))
+    want = one_program(attention_reference)(q, k, v, q_pos, kv_pos, window=6)
+    got = flash_ref(q, k, v, causal=True, sliding_window=6)
     assert rel_err(got, want) < 1e-5
 
 
@@ -184,11 +201,11 @@ def test_decode_attention_interpret(case, dtype):
     q = normal(s, (b, hq, d), dtype)
     k_cache = normal(s + 1, (b, s, hkv, d), dtype)
     v_cache = normal(s + 2, (b, s, hkv, d), dtype)
-    lengths = jnp.asarray(lengths, jnp.int32)
+    lengths = device(lengths, np.int32)
     out = decode_attention(q, k_cache, v_cache, lengths, interpret=True,
                            block_sizes=DecodeBlockSizes(block_k=16, num_splits=splits,
                                                         num_stages=1))
-    ref = decode_attention_reference(q, k_cache, v_cache, lengths)
+    ref = decode_ref(q, k_cache, v_cache, lengths)
     assert out.dtype == q.dtype
     empty = np.asarray(lengths) == 0
     if empty.any():
@@ -203,13 +220,13 @@ def test_decode_attention_sliding_window_interpret(window):
     q = normal(7, (b, hq, d), jnp.float32)
     k_cache = normal(8, (b, s, hkv, d), jnp.float32)
     v_cache = normal(9, (b, s, hkv, d), jnp.float32)
-    lengths = jnp.asarray([60, 13, 37], jnp.int32)
+    lengths = device([60, 13, 37], np.int32)
     blocks = DecodeBlockSizes(block_k=16, num_splits=3, num_stages=1)
     out = decode_attention(q, k_cache, v_cache, lengths, interpret=True, block_sizes=blocks,
                            sliding_window=window)
-    ref = decode_attention_reference(q, k_cache, v_cache, lengths, sliding_window=window)
+    ref = decode_ref(q, k_cache, v_cache, lengths, sliding_window=window)
     assert rel_err(out, ref) < TOL[jnp.float32]
-    full = decode_attention_reference(q, k_cache, v_cache, lengths)
+    full = decode_ref(q, k_cache, v_cache, lengths)
     assert rel_err(ref, full) > 1e-2  # the window changed the result
 
 
@@ -218,13 +235,14 @@ def test_decode_attention_ignores_stale_cache_slots():
     q = normal(1, (2, 4, 16), jnp.float32)
     k_cache = normal(2, (2, 40, 2, 16), jnp.float32)
     v_cache = normal(3, (2, 40, 2, 16), jnp.float32)
-    lengths = jnp.asarray([23, 7], jnp.int32)
-    stale = jnp.arange(40)[None, :, None, None] >= lengths[:, None, None, None]
-    k_bad = jnp.where(stale, jnp.nan, k_cache)
-    v_bad = jnp.where(stale, jnp.nan, v_cache)
+    lengths = np.asarray([23, 7], np.int32)
+    stale = np.arange(40)[None, :, None, None] >= lengths[:, None, None, None]
+    k_bad = device(np.where(stale, np.float32(np.nan), np.asarray(k_cache)))
+    v_bad = device(np.where(stale, np.float32(np.nan), np.asarray(v_cache)))
+    lengths = device(lengths)
     blocks = DecodeBlockSizes(block_k=16, num_splits=2, num_stages=1)
     out = decode_attention(q, k_bad, v_bad, lengths, interpret=True, block_sizes=blocks)
-    ref = decode_attention_reference(q, k_cache, v_cache, lengths)
+    ref = decode_ref(q, k_cache, v_cache, lengths)
     assert rel_err(out, ref) < TOL[jnp.float32]
 
 
@@ -237,13 +255,19 @@ def inv_freq(d: int, theta: float = 10000.0):
     return (1.0 / theta ** (np.arange(0, d, 2, dtype=np.float32) / d)).astype(np.float32)
 
 
+@jax.jit
+def _rope_positions():
+    """test_rope_interpret's positions, one program for both dtypes."""
+    return jax.random.randint(jax.random.PRNGKey(1), (2, 19), 0, 5000, jnp.int32)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_rope_interpret(dtype):
     x = normal(0, (2, 19, 3, 32), dtype)
-    positions = jax.random.randint(jax.random.PRNGKey(1), (2, 19), 0, 5000, jnp.int32)
-    out = rope(x, positions, jnp.asarray(inv_freq(32)), interpret=True, block_t=8,
+    positions = _rope_positions()
+    out = rope(x, positions, device(inv_freq(32)), interpret=True, block_t=8,
                attention_factor=1.2)
-    ref = rope_reference(x, positions, jnp.asarray(inv_freq(32)), attention_factor=1.2)
+    ref = rope_ref(x, positions, device(inv_freq(32)), attention_factor=1.2)
     assert out.dtype == x.dtype
     assert rel_err(out, ref) < TOL[dtype]
     assert rel_err(out, x) > 0.1  # rotation happened
@@ -252,11 +276,16 @@ def test_rope_interpret(dtype):
 def test_rope_reference_matches_model_rope():
     from jaxinfer.ops.reference import apply_rope
     x = normal(4, (1, 6, 2, 16), jnp.float32)
-    positions = jnp.arange(6, dtype=jnp.int32)[None] + 100
-    angle = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq(16))
-    emb = jnp.concatenate([angle, angle], axis=-1)
-    want = apply_rope(x, 1.3 * jnp.cos(emb), 1.3 * jnp.sin(emb))
-    got = rope_reference(x, positions, jnp.asarray(inv_freq(16)), attention_factor=1.3)
+    positions = device(np.arange(6, dtype=np.int32)[None] + 100)
+
+    @jax.jit
+    def model_rope(x, positions, inv):
+        angle = positions[..., None].astype(jnp.float32) * inv
+        emb = jnp.concatenate([angle, angle], axis=-1)
+        return apply_rope(x, 1.3 * jnp.cos(emb), 1.3 * jnp.sin(emb))
+
+    want = model_rope(x, positions, device(inv_freq(16)))
+    got = rope_ref(x, positions, device(inv_freq(16)), attention_factor=1.3)
     assert rel_err(got, want) < 1e-6
 
 
@@ -264,11 +293,21 @@ def test_rope_reference_matches_model_rope():
 @pytest.mark.parametrize("shape", [(3, 7, 40), (5, 24)], ids=["3d_d40", "2d_d24"])
 def test_rms_norm_interpret(shape, dtype):
     x = normal(0, shape, dtype, scale=3.0)
-    w = normal(1, shape[-1:], dtype, scale=0.2) + 1
+    w = plus_one(normal(1, shape[-1:], dtype, scale=0.2))
     out = rms_norm(x, w, eps=1e-6, interpret=True, block_m=4)
-    ref = rms_norm_reference(x, w, eps=1e-6)
+    ref = rms_norm_ref(x, w, eps=1e-6)
     assert out.dtype == ref.dtype and out.shape == x.shape
     assert rel_err(out, ref) < TOL[dtype]
+
+
+@jax.jit
+def _add_rms_norm_refs(x, deltas, w):
+    """add_rms_norm_reference; the model's unfused path (the sum rounded once to x's dtype)
+    and its rms_norm_reference; rms_norm_reference of x without the add: one program."""
+    x_ref, h_ref = add_rms_norm_reference(x, deltas, w, eps=1e-6)
+    unfused = (x.astype(jnp.float32) + deltas.sum(0)).astype(x.dtype)
+    return (x_ref, h_ref, unfused, rms_norm_reference(unfused, w, eps=1e-6),
+            rms_norm_reference(x, w, eps=1e-6))
 
 
 @pytest.mark.parametrize("splits", [1, 3])
@@ -277,24 +316,23 @@ def test_add_rms_norm_interpret(dtype, splits):
     """x + sum(deltas) and its norm in one kernel, deltas as float32 split-K partials."""
     x = normal(0, (5, 40), dtype, scale=2.0)
     deltas = normal(1, (splits, 5, 40), jnp.float32)
-    w = normal(2, (40,), dtype, scale=0.2) + 1
+    w = plus_one(normal(2, (40,), dtype, scale=0.2))
     x_new, h = add_rms_norm(x, deltas, w, eps=1e-6, interpret=True, block_m=2)
-    x_ref, h_ref = add_rms_norm_reference(x, deltas, w, eps=1e-6)
+    x_ref, h_ref, unfused, h_unfused, h_no_add = _add_rms_norm_refs(x, deltas, w)
     assert x_new.dtype == x.dtype and h.dtype == x.dtype and h.shape == x.shape
     assert rel_err(x_new, x_ref) < TOL[dtype] and rel_err(h, h_ref) < TOL[dtype]
     # The model's unfused path: the sum rounded once to x's dtype, then rms_norm.
-    unfused = (x.astype(jnp.float32) + deltas.sum(0)).astype(dtype)
     assert rel_err(x_new, unfused) < TOL[dtype]
-    assert rel_err(h, rms_norm_reference(unfused, w, eps=1e-6)) < TOL[dtype]
-    assert rel_err(h, rms_norm_reference(x, w, eps=1e-6)) > 0.1  # the add matters
+    assert rel_err(h, h_unfused) < TOL[dtype]
+    assert rel_err(h, h_no_add) > 0.1  # the add matters
 
 
 def test_add_rms_norm_bad_inputs():
     x = normal(0, (4, 24), jnp.float32)
-    w = jnp.ones((24,))
-    for deltas, needle in ((jnp.ones((4, 24)), "deltas must have rank 3"),
-                           (jnp.ones((2, 4, 20)), "must be [S, *x.shape]"),
-                           (jnp.ones((2, 4, 24), jnp.int32), "deltas has dtype int32")):
+    w = device(np.ones((24,), np.float32))
+    for deltas, needle in ((device(np.ones((4, 24), np.float32)), "deltas must have rank 3"),
+                           (device(np.ones((2, 4, 20), np.float32)), "must be [S, *x.shape]"),
+                           (device(np.ones((2, 4, 24), np.int32)), "deltas has dtype int32")):
         for fn in (add_rms_norm, add_rms_norm_reference):
             with pytest.raises(ValueError, match="add_rms_norm") as err:
                 fn(x, deltas, w, eps=1e-6)
@@ -303,10 +341,10 @@ def test_add_rms_norm_bad_inputs():
 
 def test_rms_norm_float32_weight_promotes():
     x = normal(0, (4, 24), jnp.bfloat16)
-    w = normal(1, (24,), jnp.float32) + 1
+    w = plus_one(normal(1, (24,), jnp.float32))
     out = rms_norm(x, w, eps=1e-5, interpret=True, block_m=2)
     assert out.dtype == jnp.float32
-    assert rel_err(out, rms_norm_reference(x, w, eps=1e-5)) < TOL[jnp.float32]
+    assert rel_err(out, rms_norm_ref(x, w, eps=1e-5)) < TOL[jnp.float32]
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
@@ -318,7 +356,7 @@ def test_swiglu_interpret(mkn, dtype):
     w_up = normal(2, (k, n), dtype, scale=k ** -0.5)
     out = swiglu(x, w_gate, w_up, interpret=True,
                  block_sizes=MatmulBlockSizes(16, 16, 16, num_warps=4, num_stages=1))
-    ref = swiglu_reference(x, w_gate, w_up)
+    ref = swiglu_ref(x, w_gate, w_up)
     assert out.dtype == x.dtype
     assert rel_err(out, ref) < TOL[dtype]
 
@@ -329,15 +367,17 @@ def test_swiglu_interpret(mkn, dtype):
 
 
 def test_bad_inputs_raise_clear_errors():
-    f32 = jnp.float32
+    # The bad operands are made in numpy (`d`): an eager slice or cast compiles a program.
+    f32, d = jnp.float32, device
     q, k, v = qkv(0, 1, 8, 8, 4, 2, 16, f32)
+    qn, kn, vn = (np.asarray(a) for a in (q, k, v))
     cases = [
-        (lambda: flash_attention(q, k[..., :8], v[..., :8]), "head dim"),
-        (lambda: flash_attention(q[:, :, :3], k, v), "multiple of KV heads"),
-        (lambda: flash_attention(q.astype(jnp.int32), k, v), "dtype"),
-        (lambda: flash_attention(q, k.astype(jnp.bfloat16), v), "one dtype"),
-        (lambda: flash_attention(q[0], k, v), "rank 4"),
-        (lambda: flash_attention(jnp.concatenate([q, q], 1), k, v), "Tq <= Tk"),
+        (lambda: flash_attention(q, d(kn[..., :8]), d(vn[..., :8])), "head dim"),
+        (lambda: flash_attention(d(qn[:, :, :3]), k, v), "multiple of KV heads"),
+        (lambda: flash_attention(d(qn, np.int32), k, v), "dtype"),
+        (lambda: flash_attention(q, d(kn, jnp.bfloat16), v), "one dtype"),
+        (lambda: flash_attention(d(qn[0]), k, v), "rank 4"),
+        (lambda: flash_attention(d(np.concatenate([qn, qn], 1)), k, v), "Tq <= Tk"),
         (lambda: flash_attention(q, k, v, causal=False, sliding_window=4), "causal"),
         (lambda: flash_attention(*qkv(0, 1, 8, 8, 2, 1, 24, f32)), "power of two"),
         (lambda: flash_attention(q, k, v, backend="mosaic"), "bfloat16 or float16"),
@@ -346,25 +386,31 @@ def test_bad_inputs_raise_clear_errors():
     ]
     qd = normal(0, (2, 4, 16), f32)
     kc = normal(1, (2, 10, 2, 16), f32)
-    ok_len = jnp.asarray([3, 10], jnp.int32)
+    qdn, ok_n = np.asarray(qd), np.asarray([3, 10], np.int32)
+    ok_len = d(ok_n)
     cases += [
-        (lambda: decode_attention(qd, kc, kc, jnp.asarray([3, 11], jnp.int32)), "lengths must lie"),
-        (lambda: decode_attention(qd, kc, kc, ok_len.astype(jnp.float32)), "lengths has dtype"),
-        (lambda: decode_attention(qd[:, :3], kc, kc, ok_len), "multiple of KV heads"),
-        (lambda: decode_attention(qd[..., :8], kc, kc, ok_len), "head dim"),
-        (lambda: decode_attention(qd[None], kc, kc, ok_len), "rank 3"),
-        (lambda: decode_attention(qd, kc, kc, ok_len[:1]), "batch sizes differ"),
+        (lambda: decode_attention(qd, kc, kc, d([3, 11], np.int32)), "lengths must lie"),
+        (lambda: decode_attention(qd, kc, kc, d(ok_n, np.float32)), "lengths has dtype"),
+        (lambda: decode_attention(d(qdn[:, :3]), kc, kc, ok_len), "multiple of KV heads"),
+        (lambda: decode_attention(d(qdn[..., :8]), kc, kc, ok_len), "head dim"),
+        (lambda: decode_attention(d(qdn[None]), kc, kc, ok_len), "rank 3"),
+        (lambda: decode_attention(qd, kc, kc, d(ok_n[:1])), "batch sizes differ"),
     ]
     x = normal(0, (1, 3, 2, 16), f32)
-    pos = jnp.zeros((1, 3), jnp.int32)
+    xn, pos_n = np.asarray(x), np.zeros((1, 3), np.int32)
+    pos = d(pos_n)
+
+    def ones(*shape):
+        return d(np.ones(shape, np.float32))
+
     cases += [
-        (lambda: rope(x, pos, jnp.asarray(inv_freq(8))), "inv_freq"),
-        (lambda: rope(x, pos[:, :2], jnp.asarray(inv_freq(16))), "positions"),
-        (lambda: rope(x, pos.astype(f32), jnp.asarray(inv_freq(16))), "positions has dtype"),
-        (lambda: rms_norm(x, jnp.ones((8,)), eps=1e-6), "weight has 8"),
-        (lambda: swiglu(x[0, 0, 0], jnp.ones((16, 4)), jnp.ones((16, 4))), "rank 2"),
-        (lambda: swiglu(x[0, 0], jnp.ones((8, 4)), jnp.ones((8, 4))), "K=16"),
-        (lambda: swiglu(x[0, 0], jnp.ones((16, 4)), jnp.ones((16, 5))), "one shape"),
+        (lambda: rope(x, pos, d(inv_freq(8))), "inv_freq"),
+        (lambda: rope(x, d(pos_n[:, :2]), d(inv_freq(16))), "positions"),
+        (lambda: rope(x, d(pos_n, np.float32), d(inv_freq(16))), "positions has dtype"),
+        (lambda: rms_norm(x, ones(8), eps=1e-6), "weight has 8"),
+        (lambda: swiglu(d(xn[0, 0, 0]), ones(16, 4), ones(16, 4)), "rank 2"),
+        (lambda: swiglu(d(xn[0, 0]), ones(8, 4), ones(8, 4)), "K=16"),
+        (lambda: swiglu(d(xn[0, 0]), ones(16, 4), ones(16, 5)), "one shape"),
     ]
     for fn, message in cases:
         with pytest.raises(ValueError, match=message):

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kernel_inputs import device, one_program
 from kernel_testing import normal, rel_err
 from pallas_kernels.decode_attention import DecodeBlockSizes, decode_attention
 from pallas_kernels.decode_attention_append import decode_attention_append
@@ -41,7 +42,7 @@ def block_tables(seed, lengths, page_size, *, extra=1, share=0):
     drawn from a random permutation of pages 1..P-1 (one spare page stays unused), `extra`
     unused entries past the longest row, row 2 reuses row 0's first `share` pages; unused
     entries point at the null page 0."""
-    need = [-(-int(n) // page_size) for n in lengths]
+    need = [-(-int(n) // page_size) for n in np.asarray(lengths)]
     max_pages = max(need) + extra
     pool = sum(need) + 2
     free = iter(np.random.default_rng(seed).permutation(np.arange(1, pool)))
@@ -49,7 +50,18 @@ def block_tables(seed, lengths, page_size, *, extra=1, share=0):
     for b, n in enumerate(need):
         for j in range(n):
             bt[b, j] = bt[0, j] if b == 2 and j < share else next(free)
-    return jnp.asarray(bt), pool
+    return device(bt), pool
+
+
+# Inputs are made in numpy and references run as one jitted program each (kernel_inputs):
+# eagerly, every .at[].set, cast, gather and reference op compiled a program per shape.
+
+
+def replaced(x, index, value):
+    """x.at[index].set(value), made in numpy."""
+    a = np.array(x)
+    a[index] = value
+    return device(a)
 
 
 def pools(seed, pool, page_size, hkv, d, dtype, code=None):
@@ -59,16 +71,29 @@ def pools(seed, pool, page_size, hkv, d, dtype, code=None):
     for i in (0, 1):
         x = normal(seed + i, (pool, page_size, hkv, d), F32)
         if code is None:
-            out.append(x.astype(dtype).at[0].set(jnp.nan))
+            out.append(replaced(np.asarray(x).astype(dtype), 0, np.nan))
         else:
-            codes, scale = quantize_kv(x, code)
-            out.append((codes, scale.at[0].set(jnp.nan)))
+            codes, scale = quantize(x, code)
+            out.append((codes, replaced(scale, 0, np.nan)))
     return out
 
 
 def clean(x):
     """The pool with a zeroed null page (what the references get)."""
-    return None if x is None else x.at[0].set(0)
+    return None if x is None else replaced(x, 0, 0)
+
+
+def gathered(pages, block_tables, to_device=True):
+    """gather_pages(pages, block_tables) in numpy: each row's pages as one contiguous view
+    [B, max_pages * page_size, ...] (pure data movement: the same bits)."""
+    p, bt = np.asarray(pages), np.asarray(block_tables)
+    rows = p[bt].reshape(bt.shape[0], bt.shape[1] * p.shape[1], *p.shape[2:])
+    return device(rows) if to_device else rows
+
+
+quantize = one_program(quantize_kv)
+paged_ref = one_program(paged_decode_attention_reference)
+paged_append_ref = one_program(paged_decode_attention_append_reference)
 
 
 def assert_same(a, b):
@@ -93,15 +118,15 @@ DECODE_CASES = [
                          f"{c[2].block_k if c[2] else 'default'}-d{c[3]}-g{c[4] // c[5]}")
 def test_paged_decode_matches_reference_and_contiguous(case):
     dtype, page_size, blocks, d, hq, hkv = case
-    lengths = jnp.asarray([45, 0, 77, 17], jnp.int32)
+    lengths = device([45, 0, 77, 17], np.int32)
     bt, pool = block_tables(1, lengths, page_size, share=1)
     k, v = pools(2, pool, page_size, hkv, d, dtype)
     q = normal(4, (4, hq, d), dtype)
     out = paged_decode_attention(q, k, v, bt, lengths, block_sizes=blocks, interpret=True)
-    ref = paged_decode_attention_reference(q, clean(k), clean(v), bt, lengths)
+    ref = paged_ref(q, clean(k), clean(v), bt, lengths)
     assert rel_err(out, ref) < TOL[dtype]
-    assert not np.asarray(out[1]).any()  # length 0: zeros
-    contiguous = decode_attention(q, gather_pages(k, bt), gather_pages(v, bt), lengths,
+    assert not np.asarray(out)[1].any()  # length 0: zeros
+    contiguous = decode_attention(q, gathered(k, bt), gathered(v, bt), lengths,
                                   block_sizes=blocks, interpret=True)
     assert_same(out, contiguous)
 
@@ -110,21 +135,19 @@ def test_paged_decode_window_and_softcap_read_only_the_window():
     """A sliding window skips whole pages below it: those pages are NaN here and the result is
     still the reference's (the one tile straddling the window's start is masked)."""
     page_size, hkv, d, window = 16, 2, 64, 20
-    lengths = jnp.asarray([70, 9, 33], jnp.int32)
+    lengths = device([70, 9, 33], np.int32)
     bt, pool = block_tables(5, lengths, page_size)
     k, v = pools(6, pool, page_size, hkv, d, F32)
     q = normal(8, (3, 4, d), F32, scale=3.0)
     call = functools.partial(paged_decode_attention, sliding_window=window, softcap=2.0,
                              block_sizes=DecodeBlockSizes(block_k=16), interpret=True)
-    ref = paged_decode_attention_reference(q, clean(k), clean(v), bt, lengths,
-                                           sliding_window=window, softcap=2.0)
-    unseen = np.asarray(bt[0, :(70 - window) // page_size])  # row 0's pages below its window
-    k_hidden, v_hidden = (x.at[unseen].set(jnp.nan) for x in (k, v))
+    ref = paged_ref(q, clean(k), clean(v), bt, lengths, sliding_window=window, softcap=2.0)
+    unseen = np.asarray(bt)[0, :(70 - window) // page_size]  # row 0's pages below its window
+    k_hidden, v_hidden = (replaced(x, unseen, np.nan) for x in (k, v))
     out = call(q, k_hidden, v_hidden, bt, lengths)
     assert rel_err(out, ref) < TOL[F32]
-    assert rel_err(out, paged_decode_attention_reference(q, clean(k), clean(v), bt,
-                                                         lengths)) > 1e-2  # the window matters
-    assert_same(out, decode_attention(q, gather_pages(k_hidden, bt), gather_pages(v_hidden, bt),
+    assert rel_err(out, paged_ref(q, clean(k), clean(v), bt, lengths)) > 1e-2  # the window matters
+    assert_same(out, decode_attention(q, gathered(k_hidden, bt), gathered(v_hidden, bt),
                                       lengths, sliding_window=window, softcap=2.0,
                                       block_sizes=DecodeBlockSizes(block_k=16), interpret=True))
 
@@ -132,17 +155,16 @@ def test_paged_decode_window_and_softcap_read_only_the_window():
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 def test_paged_decode_quantized(kind):
     page_size, hkv, d = 16, 2, 64
-    lengths = jnp.asarray([50, 3, 0], jnp.int32)
+    lengths = device([50, 3, 0], np.int32)
     bt, pool = block_tables(9, lengths, page_size)
     (k, ks), (v, vs) = pools(10, pool, page_size, hkv, d, None, CODES[kind])
     q = normal(12, (3, 4, d), BF16)
     blocks = DecodeBlockSizes(block_k=32)
     out = paged_decode_attention(q, k, v, bt, lengths, k_scale=ks, v_scale=vs,
                                  block_sizes=blocks, interpret=True)
-    ref = paged_decode_attention_reference(q, k, v, bt, lengths, k_scale=clean(ks),
-                                           v_scale=clean(vs))
+    ref = paged_ref(q, k, v, bt, lengths, k_scale=clean(ks), v_scale=clean(vs))
     assert rel_err(out, ref) < TOL[BF16]
-    g = functools.partial(gather_pages, block_tables=bt)
+    g = functools.partial(gathered, block_tables=bt)
     assert_same(out, decode_attention(q, g(k), g(v), lengths, k_scale=g(ks), v_scale=g(vs),
                                       block_sizes=blocks, interpret=True))
 
@@ -152,18 +174,20 @@ def test_split_keys_make_a_row_independent_of_the_batch_and_the_table():
     table's width (max_pages) or where its pages sit in the pool."""
     page_size, hkv, d = 16, 1, 64
     blocks = DecodeBlockSizes(block_k=16, split_keys=32)
-    lengths = jnp.asarray([61, 100, 5], jnp.int32)
+    lengths = np.asarray([61, 100, 5], np.int32)
     bt, pool = block_tables(13, lengths, page_size, extra=3)
     k, v = pools(14, pool, page_size, hkv, d, F32)
     q = normal(16, (3, 2, d), F32)
-    out = paged_decode_attention(q, k, v, bt, lengths, block_sizes=blocks, interpret=True)
+    out = paged_decode_attention(q, k, v, bt, device(lengths), block_sizes=blocks,
+                                 interpret=True)
     # Row 0 alone, its pages moved to other pool slots, a table just wide enough.
     moved = np.random.default_rng(17).permutation(pool - 1) + 1
-    k2, v2 = (x.at[moved].set(x[1:]) for x in (k, v))  # old page i now at moved[i - 1]
-    bt0 = jnp.asarray(moved[np.asarray(bt[:1, :4]) - 1], jnp.int32)
-    alone = paged_decode_attention(q[:1], k2, v2, bt0, lengths[:1], block_sizes=blocks,
-                                   interpret=True)
-    assert_same(alone, out[:1])
+    # old page i now at moved[i - 1]
+    k2, v2 = (replaced(x, moved, np.asarray(x)[1:]) for x in (k, v))
+    bt0 = device(moved[np.asarray(bt)[:1, :4] - 1], np.int32)
+    alone = paged_decode_attention(device(np.asarray(q)[:1]), k2, v2, bt0, device(lengths[:1]),
+                                   block_sizes=blocks, interpret=True)
+    assert_same(alone, np.asarray(out)[:1])
 
 
 def test_bad_inputs_raise():
@@ -171,21 +195,22 @@ def test_bad_inputs_raise():
 
     assert pk.paged_decode_attention is paged_decode_attention  # exported
     assert "paged_decode_attention_append_reference" in pk.__all__
-    q = jnp.zeros((2, 4, 64), F32)
-    k = jnp.zeros((5, 16, 2, 64), F32)
-    bt = jnp.zeros((2, 3), jnp.int32)
-    n = jnp.asarray([3, 48], jnp.int32)
+    # The bad operands are made in numpy: an eager slice, cast or .at[].set compiles a program.
+    qn, kn = np.zeros((2, 4, 64), np.float32), np.zeros((5, 16, 2, 64), np.float32)
+    q, k = device(qn), device(kn)
+    bt = device(np.zeros((2, 3), np.int32))
+    n = device([3, 48], np.int32)
     call = functools.partial(paged_decode_attention, interpret=True)
-    for args, message in (((q, k[:, :8], k[:, :8], bt, n), "page_size 8"),
-                          ((q, k, k, bt.at[0, 0].set(5), n), r"block_tables entries"),
-                          ((q, k, k, bt, n.at[1].set(49)), r"lengths must lie in \[0, 48\]"),
-                          ((q, k, k.astype(BF16), bt, n), "one shape|differ"),
-                          ((q[:1], k, k, bt, n), "batch sizes differ")):
+    for args, message in (((q, device(kn[:, :8]), device(kn[:, :8]), bt, n), "page_size 8"),
+                          ((q, k, k, replaced(bt, (0, 0), 5), n), r"block_tables entries"),
+                          ((q, k, k, bt, replaced(n, 1, 49)), r"lengths must lie in \[0, 48\]"),
+                          ((q, k, device(kn, BF16), bt, n), "one shape|differ"),
+                          ((device(qn[:1]), k, k, bt, n), "batch sizes differ")):
         with pytest.raises(ValueError, match=message):
             call(*args)
-    qkv = jnp.zeros((2, 2, 4, 64), F32)
+    qkv = device(np.zeros((2, 2, 4, 64), np.float32))
     with pytest.raises(ValueError, match="positions must lie"):
-        paged_decode_attention_append(qkv, k, k, bt, jnp.asarray([0, 48], jnp.int32),
+        paged_decode_attention_append(qkv, k, k, bt, device([0, 48], np.int32),
                                       interpret=True)
 
 
@@ -211,54 +236,54 @@ def check_append(got, want, contiguous, given, bt, positions, dtype):
     active = np.asarray(positions) >= 0
     assert not np.asarray(out)[~active].any()  # idle rows: zeros
     for x, r, x0 in zip(new, ref_new, given):
+        x, r, x0 = np.asarray(x), np.asarray(r), np.asarray(x0)
         assert_same(x[1:], r[1:])
         assert_same(x[0], x0[0])
     c_out, *c_new = contiguous
     assert_same(np.asarray(out)[active], np.asarray(c_out)[active])
     for x, c in zip(new, c_new):
-        assert_same(np.asarray(gather_pages(x, bt))[active], np.asarray(c)[active])
+        assert_same(gathered(x, bt, to_device=False)[active], np.asarray(c)[active])
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
 def test_paged_append_matches_reference_and_contiguous(dtype):
     """RoPE, GQA 4, page 16 under 64-key tiles: new slots at a page's first row, at 0, mid-page;
     an idle row (-1); rows 0 and 2 share their first page (read, never written)."""
-    positions = jnp.asarray([32, -1, 69, 0], jnp.int32)
+    positions = device([32, -1, 69, 0], np.int32)
     qkv, (k, v), bt = append_case(20, 16, 8, 2, 64, dtype, positions)
     rope = rope_tables(np.maximum(positions, 0), 64)
     call = functools.partial(paged_decode_attention_append, rope=rope, interpret=True)
     got = call(qkv, k, v, bt, positions)
-    want = paged_decode_attention_append_reference(qkv, clean(k), clean(v), bt, positions,
-                                                   rope=rope)
-    contiguous = decode_attention_append(qkv, gather_pages(k, bt), gather_pages(v, bt),
-                                         jnp.maximum(positions, 0), rope=rope, interpret=True)
+    want = paged_append_ref(qkv, clean(k), clean(v), bt, positions, rope=rope)
+    contiguous = decode_attention_append(qkv, gathered(k, bt), gathered(v, bt),
+                                         device(np.maximum(positions, 0)), rope=rope,
+                                         interpret=True)
     check_append(got, want, contiguous, (k, v), bt, positions, dtype)
 
 
 def test_paged_append_window_softcap_split():
     """Split-K with a window and a soft-cap: 6 chunks of 16 slots, each half a page of 32."""
-    positions = jnp.asarray([47, 20, -1], jnp.int32)
+    positions = device([47, 20, -1], np.int32)
     qkv, (k, v), bt = append_case(30, 32, 4, 2, 64, F32, positions, share=0)
     kw = dict(sliding_window=24, softcap=3.0,
               block_sizes=DecodeBlockSizes(block_k=16, num_splits=6))
     got = paged_decode_attention_append(qkv, k, v, bt, positions, interpret=True, **kw)
-    want = paged_decode_attention_append_reference(qkv, clean(k), clean(v), bt, positions, **kw)
-    contiguous = decode_attention_append(qkv, gather_pages(k, bt), gather_pages(v, bt),
-                                         jnp.maximum(positions, 0), interpret=True, **kw)
+    want = paged_append_ref(qkv, clean(k), clean(v), bt, positions, **kw)
+    contiguous = decode_attention_append(qkv, gathered(k, bt), gathered(v, bt),
+                                         device(np.maximum(positions, 0)), interpret=True, **kw)
     check_append(got, want, contiguous, (k, v), bt, positions, F32)
 
 
 def test_paged_append_quantized_split_keys_d256():
     """int8 codes at D 256 (GQA 2), fixed-size chunks of two pages, a page of two tiles."""
-    positions = jnp.asarray([40, -1, 63], jnp.int32)
+    positions = device([40, -1, 63], np.int32)
     qkv, ((k, ks), (v, vs)), bt = append_case(40, 32, 2, 1, 256, BF16, positions, CODES["int8"])
     blocks = DecodeBlockSizes(block_k=16, split_keys=64)
     got = paged_decode_attention_append(qkv, k, v, bt, positions, k_scale=ks, v_scale=vs,
                                         block_sizes=blocks, interpret=True)
-    want = paged_decode_attention_append_reference(qkv, k, v, bt, positions, k_scale=clean(ks),
-                                                   v_scale=clean(vs))
-    g = functools.partial(gather_pages, block_tables=bt)
-    contiguous = decode_attention_append(qkv, g(k), g(v), jnp.maximum(positions, 0),
+    want = paged_append_ref(qkv, k, v, bt, positions, k_scale=clean(ks), v_scale=clean(vs))
+    g = functools.partial(gathered, block_tables=bt)
+    contiguous = decode_attention_append(qkv, g(k), g(v), device(np.maximum(positions, 0)),
                                          k_scale=g(ks), v_scale=g(vs), block_sizes=blocks,
                                          interpret=True)
     check_append(got, want, contiguous, (k, v, ks, vs), bt, positions, BF16)
@@ -266,15 +291,14 @@ def test_paged_append_quantized_split_keys_d256():
 
 def test_paged_append_partials_with_deferred_norm():
     """qkv as a normed projection's float32 split-K chunks with their sums of squares."""
-    positions = jnp.asarray([16, 50], jnp.int32)
+    positions = device([16, 50], np.int32)
     qkv, (k, v), bt = append_case(50, 16, 4, 2, 64, BF16, positions, share=0)
-    parts = split_chunks(qkv.astype(F32), 53)
-    norm = (jnp.asarray([[3.0, 50.0], [4.0, 30.0]], F32), 96, 1e-5)  # [S, B]
+    parts = split_chunks(qkv, 53)  # float32 chunks
+    norm = (device([[3.0, 50.0], [4.0, 30.0]], np.float32), 96, 1e-5)  # [S, B]
     call = functools.partial(paged_decode_attention_append, norm=norm, interpret=True)
     got = call(parts, k, v, bt, positions)
-    want = paged_decode_attention_append_reference(parts, clean(k), clean(v), bt, positions,
-                                                   norm=norm)
-    contiguous = decode_attention_append(parts, gather_pages(k, bt), gather_pages(v, bt),
+    want = paged_append_ref(parts, clean(k), clean(v), bt, positions, norm=norm)
+    contiguous = decode_attention_append(parts, gathered(k, bt), gathered(v, bt),
                                          positions, norm=norm, interpret=True)
     check_append(got, want, contiguous, (k, v), bt, positions, BF16)
 

@@ -1,0 +1,51 @@
+"""Kernel test inputs and references without an XLA compile per eager jnp op.
+
+On the CPU every eager jnp op on a new shape or dtype compiles a program of its own (~20-80 ms
+each here): a test that builds its inputs with a few .at[].set, astype, slices and concatenates
+and runs a plain-jnp reference op by op compiles dozens of them. Here inputs are made in numpy
+(the same bits: data movement, IEEE float32 arithmetic, round-to-nearest-even casts) and sent
+once, and a reference runs as one jitted program of the same jnp code.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+
+
+def device(x, dtype=None) -> jax.Array:
+    """x (numpy, a jax array, nested lists) as a jax array, cast in numpy to `dtype` if given,
+    without compiling anything (jnp.asarray of a numpy array compiles a program per shape and
+    dtype, and one more for a cast or a list)."""
+    a = np.asarray(x)
+    if dtype is not None:
+        a = a.astype(dtype)
+    return jax.device_put(a)
+
+
+def one_program(fn):
+    """fn run as one jitted program: the arrays among its arguments (pytree leaves, nested in
+    tuples and dicts included) traced, every other leaf (Python numbers, strings, block-size
+    dataclasses) static, as fn would see them eagerly. The same jnp code as fn run op by op,
+    compiled once per argument structure instead of once per op."""
+    cache = {}
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        leaves, tree = jax.tree.flatten((args, kwargs))
+        traced = tuple(isinstance(x, (jax.Array, np.ndarray)) for x in leaves)
+        static = tuple(None if t else x for t, x in zip(traced, leaves))
+        key = (tree, traced, static)
+        if key not in cache:
+            def run(arrays):
+                it = iter(arrays)
+                a, kw = jax.tree.unflatten(tree, [next(it) if t else x
+                                                  for t, x in zip(traced, static)])
+                return fn(*a, **kw)
+
+            cache[key] = jax.jit(run)
+        return cache[key]([x for t, x in zip(traced, leaves) if t])
+
+    return call
