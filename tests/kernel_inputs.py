@@ -15,14 +15,18 @@ import jax
 import numpy as np
 
 
-def device(x, dtype=None) -> jax.Array:
-    """x (numpy, a jax array, nested lists) as a jax array, cast in numpy to `dtype` if given,
-    without compiling anything (jnp.asarray of a numpy array compiles a program per shape and
-    dtype, and one more for a cast or a list)."""
-    a = np.asarray(x)
-    if dtype is not None:
-        a = a.astype(dtype)
-    return jax.device_put(a)
+def put(x, dtype=None) -> jax.Array:
+    """jnp.asarray(x, dtype) for host values (numpy arrays, nested lists, scalars), bit for
+    bit, without compiling anything (jnp.asarray of a numpy array compiles a program per shape
+    and dtype, and one more for a cast or a list): the cast in numpy, then jax.device_put."""
+    a = np.asarray(x) if dtype is None else np.asarray(x, dtype)
+    canonical = jax.dtypes.canonicalize_dtype(a.dtype)
+    return jax.device_put(a if canonical == a.dtype else a.astype(canonical))
+
+
+def put_tree(tree):
+    """jax.tree.map(jnp.asarray, tree) of a tree of numpy arrays (a QuantizedWeight)."""
+    return jax.tree.map(put, tree)
 
 
 def one_program(fn):

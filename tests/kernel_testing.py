@@ -37,12 +37,18 @@ def _length(n: int) -> int:
 def normal(seed: int, shape, dtype, scale=1.0):
     """Standard normal values (times `scale`) drawn in float32, then cast to `dtype`: the
     values of (scale * jax.random.normal(PRNGKey(seed), shape)).astype(dtype), bit for bit."""
-    n = math.prod(shape)
     if not 0 <= seed < 2**31:
         return (scale * jax.random.normal(jax.random.PRNGKey(seed), shape, jnp.float32)
                 ).astype(dtype)
+    return jax.device_put(host_normal(seed, shape, dtype, scale))
+
+
+def host_normal(seed: int, shape, dtype, scale=1.0) -> np.ndarray:
+    """normal's values as a numpy array (0 <= seed < 2**31)."""
+    n = math.prod(shape)
+    assert 0 <= seed < 2**31, seed
     flat = np.asarray(_seed_draw(np.int32(seed), _length(n)))
-    return jax.device_put((np.float32(scale) * flat[:n]).astype(jnp.dtype(dtype)).reshape(shape))
+    return (np.float32(scale) * flat[:n]).astype(jnp.dtype(dtype)).reshape(shape)
 
 
 def _key_normal(key, shape) -> np.ndarray:

@@ -19,7 +19,7 @@ from jaxinfer.ops import reference
 from pallas_kernels.decode_attention import DecodeBlockSizes, decode_attention_reference
 from pallas_kernels.decode_attention_append import (
     decode_attention_append as _append_qkv, decode_attention_append_reference as _append_ref)
-from kernel_inputs import device, one_program
+from kernel_inputs import one_program, put
 from kernel_testing import normal, rel_err
 
 
@@ -32,7 +32,7 @@ def pack(q, k_new, v_new):
         return jnp.concatenate([q.reshape(b, hkv, hq // hkv, d), k_new[:, :, None],
                                 v_new[:, :, None]], axis=2)
     q, k_new, v_new = (np.asarray(x) for x in (q, k_new, v_new))
-    return device(np.concatenate([q.reshape(b, hkv, hq // hkv, d), k_new[:, :, None],
+    return put(np.concatenate([q.reshape(b, hkv, hq // hkv, d), k_new[:, :, None],
                                   v_new[:, :, None]], axis=2))
 
 
@@ -91,7 +91,7 @@ CASES = [
 def test_matches_reference(case, dtype):
     b, s, hq, hkv, d, positions, splits = case
     q, k_new, v_new, k_cache, v_cache = inputs(s, b, s, hq, hkv, d, dtype)
-    positions = device(positions, np.int32)
+    positions = put(positions, np.int32)
     blocks = DecodeBlockSizes(block_k=16, num_splits=splits, num_stages=1)
     out, k_out, v_out = decode_attention_append(q, k_new, v_new, k_cache, v_cache, positions,
                                                 interpret=True, block_sizes=blocks)
@@ -106,7 +106,7 @@ def test_sliding_window(window):
     """Window 1 sees the new token only (out = v_new); 20 starts mid-tile, crosses a chunk."""
     b, s, hq, hkv, d = 3, 60, 4, 2, 16
     q, k_new, v_new, k_cache, v_cache = inputs(7, b, s, hq, hkv, d, jnp.float32)
-    positions = device([59, 12, 36], np.int32)
+    positions = put([59, 12, 36], np.int32)
     blocks = DecodeBlockSizes(block_k=16, num_splits=2, num_stages=1)
     out, k_out, v_out = decode_attention_append(q, k_new, v_new, k_cache, v_cache, positions,
                                                 sliding_window=window, interpret=True,
@@ -134,9 +134,9 @@ def test_never_reads_the_new_slot_or_stale_slots(blocks):
     q, k_new, v_new, k_cache, v_cache = inputs(3, b, s, hq, hkv, d, jnp.float32)
     positions = np.asarray([23, 16], np.int32)
     stale = np.arange(s)[None, :, None, None] >= positions[:, None, None, None]
-    k_bad = device(np.where(stale, np.float32(np.nan), np.asarray(k_cache)))
-    v_bad = device(np.where(stale, np.float32(np.nan), np.asarray(v_cache)))
-    positions = device(positions)
+    k_bad = put(np.where(stale, np.float32(np.nan), np.asarray(k_cache)))
+    v_bad = put(np.where(stale, np.float32(np.nan), np.asarray(v_cache)))
+    positions = put(positions)
     out, k_out, v_out = decode_attention_append(q, k_new, v_new, k_bad, v_bad, positions,
                                                 interpret=True, block_sizes=blocks)
     ref, _, _ = append_ref(q, k_new, v_new, k_cache, v_cache, positions)
@@ -148,7 +148,7 @@ def test_never_reads_the_new_slot_or_stale_slots(blocks):
 def test_jit_with_donated_caches_updates_in_place():
     b, s, hq, hkv, d = 2, 40, 4, 2, 16
     q, k_new, v_new, k_cache, v_cache = inputs(5, b, s, hq, hkv, d, jnp.float32)
-    positions = device([39, 7], np.int32)
+    positions = put([39, 7], np.int32)
     step = jax.jit(functools.partial(
         decode_attention_append, interpret=True,
         block_sizes=DecodeBlockSizes(block_k=16, num_splits=2, num_stages=1)),
@@ -168,7 +168,7 @@ def rope_tables(positions, d, theta=10000.0):
     inv = 1.0 / theta ** (np.arange(0, d, 2) / d)
     f = np.asarray(positions)[:, None] * inv[None, :]
     emb = np.concatenate([f, f], axis=-1)
-    return device(np.cos(emb), np.float32), device(np.sin(emb), np.float32)
+    return put(np.cos(emb), np.float32), put(np.sin(emb), np.float32)
 
 
 @jax.jit
@@ -189,7 +189,7 @@ def test_rope_matches_the_model_path(dtype):
     scatter of k/v, then decode attention over the written cache."""
     b, s, hq, hkv, d = 3, 70, 8, 2, 32
     q, k_new, v_new, k_cache, v_cache = inputs(21, b, s, hq, hkv, d, dtype)
-    positions = device([69, 0, 40], np.int32)
+    positions = put([69, 0, 40], np.int32)
     cos, sin = rope_tables(positions, d)
     blocks = DecodeBlockSizes(block_k=16, num_splits=3, num_stages=1)
     out, k_out, v_out = decode_attention_append(q, k_new, v_new, k_cache, v_cache, positions,
@@ -225,20 +225,20 @@ def test_fixed_size_chunks_make_a_row_independent_of_the_batch(kernel):
 
     def run(rows, length):
         if kernel == "append":
-            return decode_attention_append(device(qn[rows]), device(kn[rows]), device(vn[rows]),
-                                           device(kc[rows, :length]), device(vc[rows, :length]),
-                                           device(positions[rows]), interpret=True,
+            return decode_attention_append(put(qn[rows]), put(kn[rows]), put(vn[rows]),
+                                           put(kc[rows, :length]), put(vc[rows, :length]),
+                                           put(positions[rows]), interpret=True,
                                            block_sizes=blocks)[0]
-        return decode_attention(device(qn[rows]), device(kc[rows, :length]),
-                                device(vc[rows, :length]), device(positions[rows] + 1),
+        return decode_attention(put(qn[rows]), put(kc[rows, :length]),
+                                put(vc[rows, :length]), put(positions[rows] + 1),
                                 interpret=True, block_sizes=blocks)
 
     both, alone = run(slice(0, 2), s), run(slice(1, 2), 64)
     np.testing.assert_array_equal(np.asarray(both)[1], np.asarray(alone)[0])
     if kernel == "append":
-        ref = append_ref(q, k_new, v_new, k_cache, v_cache, device(positions))[0]
+        ref = append_ref(q, k_new, v_new, k_cache, v_cache, put(positions))[0]
     else:
-        ref = decode_ref(q, k_cache, v_cache, device(positions + 1))
+        ref = decode_ref(q, k_cache, v_cache, put(positions + 1))
     assert rel_err(both, ref) < TOL[dtype]
 
 
@@ -247,7 +247,7 @@ def split_chunks(qkv, seed):
     (as a split-K matmul's partials would be; two terms, so the order of the sum is moot).
     Made in numpy (the same float32 difference)."""
     a = np.asarray(normal(seed, qkv.shape, jnp.float32))
-    return device(np.stack([a, np.asarray(qkv).astype(np.float32) - a]))
+    return put(np.stack([a, np.asarray(qkv).astype(np.float32) - a]))
 
 
 @pytest.mark.parametrize("splits", [1, 2])
@@ -256,15 +256,15 @@ def test_partials_input_is_summed_in_the_kernel(splits):
     the cache dtype; the result equals the kernel on the rounded sum, bit for bit in the caches."""
     b, s, hq, hkv, d, dtype = 2, 70, 8, 2, 32, jnp.bfloat16
     q, k_new, v_new, k_cache, v_cache = inputs(31, b, s, hq, hkv, d, dtype)
-    positions = device([69, 20], np.int32)
+    positions = put([69, 20], np.int32)
     rope = rope_tables(positions, d)
     blocks = DecodeBlockSizes(block_k=16, num_splits=splits, num_stages=1)
     # float32 values between bfloat16 ones: the one rounding of the sum is exercised (made in
     # numpy: the same float32 product and sum)
-    qkv = device(np.asarray(pack(q, k_new, v_new)).astype(np.float32) + np.float32(1e-3)
+    qkv = put(np.asarray(pack(q, k_new, v_new)).astype(np.float32) + np.float32(1e-3)
                  * np.asarray(normal(32, (b, hkv, hq // hkv + 2, d), jnp.float32)))
     parts = split_chunks(qkv, 33)
-    summed = device(np.asarray(parts).sum(axis=0).astype(dtype))
+    summed = put(np.asarray(parts).sum(axis=0).astype(dtype))
     call = functools.partial(_append_qkv, rope=rope, interpret=True, block_sizes=blocks)
     out, k_out, v_out = call(parts, k_cache, v_cache, positions)
     want, k_want, v_want = call(summed, k_cache, v_cache, positions)
@@ -285,16 +285,16 @@ def test_deferred_norm_scales_the_summed_parts():
 
     b, s, hq, hkv, d, dtype = 2, 40, 4, 2, 32, jnp.bfloat16
     _, _, _, k_cache, v_cache = inputs(41, b, s, hq, hkv, d, dtype)
-    positions = device([39, 7], np.int32)
+    positions = put([39, 7], np.int32)
     rope = rope_tables(positions, d)
     hidden = 96
     # Made in numpy: the same float32 products and sums, cast once (round to nearest even).
     f32 = np.float32
     scale = np.asarray([[0.2], [3.0]], f32)  # rows at different scales: the norm is per row
-    x = device((scale * np.asarray(normal(42, (b, hidden), jnp.float32))).astype(dtype))
-    nw = device((f32(1.0) + f32(0.3) * np.asarray(normal(43, (hidden,), jnp.float32)))
+    x = put((scale * np.asarray(normal(42, (b, hidden), jnp.float32))).astype(dtype))
+    nw = put((f32(1.0) + f32(0.3) * np.asarray(normal(43, (hidden,), jnp.float32)))
                 .astype(dtype))
-    w = device((np.asarray(normal(44, (hidden, hkv, hq // hkv + 2, d), jnp.float32))
+    w = put((np.asarray(normal(44, (hidden, hkv, hq // hkv + 2, d), jnp.float32))
                 / f32(np.sqrt(hidden))).astype(dtype))
     blocks = MatmulBlockSizes(block_m=16, block_n=32, block_k=32, num_stages=1, split_k=2)
     parts, ss = norm_matmul(x, nw, w, eps=1e-5, partials=True, interpret=True,
@@ -312,14 +312,14 @@ def test_deferred_norm_scales_the_summed_parts():
     assert rel_err(unscaled, want) > 0.05  # the scale matters
     # Sums of squares with more columns than rows (the Mosaic kernel's 8): the first B read.
     ssn = np.asarray(ss)
-    wide = device(np.pad(ssn, ((0, 0), (0, 3)), constant_values=1e9))
+    wide = put(np.pad(ssn, ((0, 0), (0, 3)), constant_values=1e9))
     np.testing.assert_array_equal(call(parts, k_cache, v_cache, positions,
                                        norm=(wide, hidden, 1e-5))[0], out)
     wide_ref = qkv_append_ref(parts, k_cache, v_cache, positions, rope=rope,
                               norm=(wide, hidden, 1e-5))[0]
     np.testing.assert_array_equal(wide_ref, ref)
-    for bad, message in (((device(ssn[:1]), hidden, 1e-5), r"must be \[S, B'\]"),
-                         ((device(ssn[:, :-1]), hidden, 1e-5), r"B' >= B"),
+    for bad, message in (((put(ssn[:1]), hidden, 1e-5), r"must be \[S, B'\]"),
+                         ((put(ssn[:, :-1]), hidden, 1e-5), r"B' >= B"),
                          ((ss, 0, 1e-5), "K must be >= 1"), ((ss,), r"\(sums of squares")):
         with pytest.raises(ValueError, match=message):
             call(parts, k_cache, v_cache, positions, norm=bad)
@@ -332,12 +332,12 @@ def test_deferred_norm_scales_the_summed_parts():
     rows_ref = qkv_append_ref(parts, k_cache, v_cache, positions, rope=rope, norm=(x, 1e-5))[0]
     assert rel_err(rows_out, rows_ref) < TOL[dtype]
     with pytest.raises(ValueError, match=r"input rows must be \[B, K\]"):
-        call(parts, k_cache, v_cache, positions, norm=(device(np.asarray(x)[:1]), 1e-5))
+        call(parts, k_cache, v_cache, positions, norm=(put(np.asarray(x)[:1]), 1e-5))
 
 
 def test_bad_inputs_raise():
     # The bad operands are made in numpy (`d`): an eager slice or cast compiles a program.
-    f32, d = jnp.float32, device
+    f32, d = jnp.float32, put
     q, k_new, v_new, k_cache, v_cache = inputs(0, 2, 10, 4, 2, 16, f32)
     qkv = pack(q, k_new, v_new)
     pos_n = np.asarray([3, 9], np.int32)

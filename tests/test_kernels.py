@@ -22,7 +22,7 @@ from pallas_kernels import (
     rms_norm_reference, rope, rope_reference, swiglu, swiglu_reference, add_rms_norm,
     add_rms_norm_reference)
 from pallas_kernels.flash_attention_mgpu import default_config as mosaic_default_config
-from kernel_inputs import device, one_program
+from kernel_inputs import one_program, put
 from kernel_testing import normal, rel_err
 
 ON_GPU = jax.devices()[0].platform == "gpu"
@@ -54,7 +54,7 @@ def plus_one(x):
     """x + 1 in x's dtype, computed in numpy (in float32, rounded once to x's dtype: what
     XLA's CPU add does for bfloat16)."""
     a = np.asarray(x)
-    return device((a.astype(np.float32) + np.float32(1)).astype(a.dtype))
+    return put((a.astype(np.float32) + np.float32(1)).astype(a.dtype))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,8 +172,8 @@ def test_flash_reference_matches_model_attention():
     """Cross-check our reference against the model's HF-semantics attention (independent code)."""
     from jaxinfer.ops.reference import attention_reference
     q, k, v = qkv(5, 2, 9, 23, 4, 2, 16, jnp.float32)
-    q_pos = device(np.broadcast_to(np.arange(14, 23, dtype=np.int32), (2, 9)))
-    kv_pos = device(np.broadcast_to(np.arange(23, dtype=np.int32), (2, 23)))
+    q_pos = put(np.broadcast_to(np.arange(14, 23, dtype=np.int32), (2, 9)))
+    kv_pos = put(np.broadcast_to(np.arange(23, dtype=np.int32), (2, 23)))
     want = one_program(attention_reference)(q, k, v, q_pos, kv_pos, window=6)
     got = flash_ref(q, k, v, causal=True, sliding_window=6)
     assert rel_err(got, want) < 1e-5
@@ -201,7 +201,7 @@ def test_decode_attention_interpret(case, dtype):
     q = normal(s, (b, hq, d), dtype)
     k_cache = normal(s + 1, (b, s, hkv, d), dtype)
     v_cache = normal(s + 2, (b, s, hkv, d), dtype)
-    lengths = device(lengths, np.int32)
+    lengths = put(lengths, np.int32)
     out = decode_attention(q, k_cache, v_cache, lengths, interpret=True,
                            block_sizes=DecodeBlockSizes(block_k=16, num_splits=splits,
                                                         num_stages=1))
@@ -220,7 +220,7 @@ def test_decode_attention_sliding_window_interpret(window):
     q = normal(7, (b, hq, d), jnp.float32)
     k_cache = normal(8, (b, s, hkv, d), jnp.float32)
     v_cache = normal(9, (b, s, hkv, d), jnp.float32)
-    lengths = device([60, 13, 37], np.int32)
+    lengths = put([60, 13, 37], np.int32)
     blocks = DecodeBlockSizes(block_k=16, num_splits=3, num_stages=1)
     out = decode_attention(q, k_cache, v_cache, lengths, interpret=True, block_sizes=blocks,
                            sliding_window=window)
@@ -237,9 +237,9 @@ def test_decode_attention_ignores_stale_cache_slots():
     v_cache = normal(3, (2, 40, 2, 16), jnp.float32)
     lengths = np.asarray([23, 7], np.int32)
     stale = np.arange(40)[None, :, None, None] >= lengths[:, None, None, None]
-    k_bad = device(np.where(stale, np.float32(np.nan), np.asarray(k_cache)))
-    v_bad = device(np.where(stale, np.float32(np.nan), np.asarray(v_cache)))
-    lengths = device(lengths)
+    k_bad = put(np.where(stale, np.float32(np.nan), np.asarray(k_cache)))
+    v_bad = put(np.where(stale, np.float32(np.nan), np.asarray(v_cache)))
+    lengths = put(lengths)
     blocks = DecodeBlockSizes(block_k=16, num_splits=2, num_stages=1)
     out = decode_attention(q, k_bad, v_bad, lengths, interpret=True, block_sizes=blocks)
     ref = decode_ref(q, k_cache, v_cache, lengths)
@@ -265,9 +265,9 @@ def _rope_positions():
 def test_rope_interpret(dtype):
     x = normal(0, (2, 19, 3, 32), dtype)
     positions = _rope_positions()
-    out = rope(x, positions, device(inv_freq(32)), interpret=True, block_t=8,
+    out = rope(x, positions, put(inv_freq(32)), interpret=True, block_t=8,
                attention_factor=1.2)
-    ref = rope_ref(x, positions, device(inv_freq(32)), attention_factor=1.2)
+    ref = rope_ref(x, positions, put(inv_freq(32)), attention_factor=1.2)
     assert out.dtype == x.dtype
     assert rel_err(out, ref) < TOL[dtype]
     assert rel_err(out, x) > 0.1  # rotation happened
@@ -276,7 +276,7 @@ def test_rope_interpret(dtype):
 def test_rope_reference_matches_model_rope():
     from jaxinfer.ops.reference import apply_rope
     x = normal(4, (1, 6, 2, 16), jnp.float32)
-    positions = device(np.arange(6, dtype=np.int32)[None] + 100)
+    positions = put(np.arange(6, dtype=np.int32)[None] + 100)
 
     @jax.jit
     def model_rope(x, positions, inv):
@@ -284,8 +284,8 @@ def test_rope_reference_matches_model_rope():
         emb = jnp.concatenate([angle, angle], axis=-1)
         return apply_rope(x, 1.3 * jnp.cos(emb), 1.3 * jnp.sin(emb))
 
-    want = model_rope(x, positions, device(inv_freq(16)))
-    got = rope_ref(x, positions, device(inv_freq(16)), attention_factor=1.3)
+    want = model_rope(x, positions, put(inv_freq(16)))
+    got = rope_ref(x, positions, put(inv_freq(16)), attention_factor=1.3)
     assert rel_err(got, want) < 1e-6
 
 
@@ -329,10 +329,10 @@ def test_add_rms_norm_interpret(dtype, splits):
 
 def test_add_rms_norm_bad_inputs():
     x = normal(0, (4, 24), jnp.float32)
-    w = device(np.ones((24,), np.float32))
-    for deltas, needle in ((device(np.ones((4, 24), np.float32)), "deltas must have rank 3"),
-                           (device(np.ones((2, 4, 20), np.float32)), "must be [S, *x.shape]"),
-                           (device(np.ones((2, 4, 24), np.int32)), "deltas has dtype int32")):
+    w = put(np.ones((24,), np.float32))
+    for deltas, needle in ((put(np.ones((4, 24), np.float32)), "deltas must have rank 3"),
+                           (put(np.ones((2, 4, 20), np.float32)), "must be [S, *x.shape]"),
+                           (put(np.ones((2, 4, 24), np.int32)), "deltas has dtype int32")):
         for fn in (add_rms_norm, add_rms_norm_reference):
             with pytest.raises(ValueError, match="add_rms_norm") as err:
                 fn(x, deltas, w, eps=1e-6)
@@ -368,7 +368,7 @@ def test_swiglu_interpret(mkn, dtype):
 
 def test_bad_inputs_raise_clear_errors():
     # The bad operands are made in numpy (`d`): an eager slice or cast compiles a program.
-    f32, d = jnp.float32, device
+    f32, d = jnp.float32, put
     q, k, v = qkv(0, 1, 8, 8, 4, 2, 16, f32)
     qn, kn, vn = (np.asarray(a) for a in (q, k, v))
     cases = [

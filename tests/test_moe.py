@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from host_arrays import host_normal, normal, put
-from kernel_testing import pallas_kernels_in
+from kernel_inputs import put
+from kernel_testing import host_normal, normal, pallas_kernels_in
 
 import jaxinfer
 from jaxinfer import ops

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from host_arrays import put, put_tree
+from kernel_inputs import put, put_tree
 from kernel_testing import pallas_kernels_in, rel_err
 
 import pallas_kernels as pk

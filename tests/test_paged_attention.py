@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernel_inputs import device, one_program
+from kernel_inputs import one_program, put
 from kernel_testing import normal, rel_err
 from pallas_kernels.decode_attention import DecodeBlockSizes, decode_attention
 from pallas_kernels.decode_attention_append import decode_attention_append
@@ -50,7 +50,7 @@ def block_tables(seed, lengths, page_size, *, extra=1, share=0):
     for b, n in enumerate(need):
         for j in range(n):
             bt[b, j] = bt[0, j] if b == 2 and j < share else next(free)
-    return device(bt), pool
+    return put(bt), pool
 
 
 # Inputs are made in numpy and references run as one jitted program each (kernel_inputs):
@@ -61,7 +61,7 @@ def replaced(x, index, value):
     """x.at[index].set(value), made in numpy."""
     a = np.array(x)
     a[index] = value
-    return device(a)
+    return put(a)
 
 
 def pools(seed, pool, page_size, hkv, d, dtype, code=None):
@@ -88,7 +88,7 @@ def gathered(pages, block_tables, to_device=True):
     [B, max_pages * page_size, ...] (pure data movement: the same bits)."""
     p, bt = np.asarray(pages), np.asarray(block_tables)
     rows = p[bt].reshape(bt.shape[0], bt.shape[1] * p.shape[1], *p.shape[2:])
-    return device(rows) if to_device else rows
+    return put(rows) if to_device else rows
 
 
 quantize = one_program(quantize_kv)
@@ -118,7 +118,7 @@ DECODE_CASES = [
                          f"{c[2].block_k if c[2] else 'default'}-d{c[3]}-g{c[4] // c[5]}")
 def test_paged_decode_matches_reference_and_contiguous(case):
     dtype, page_size, blocks, d, hq, hkv = case
-    lengths = device([45, 0, 77, 17], np.int32)
+    lengths = put([45, 0, 77, 17], np.int32)
     bt, pool = block_tables(1, lengths, page_size, share=1)
     k, v = pools(2, pool, page_size, hkv, d, dtype)
     q = normal(4, (4, hq, d), dtype)
@@ -135,7 +135,7 @@ def test_paged_decode_window_and_softcap_read_only_the_window():
     """A sliding window skips whole pages below it: those pages are NaN here and the result is
     still the reference's (the one tile straddling the window's start is masked)."""
     page_size, hkv, d, window = 16, 2, 64, 20
-    lengths = device([70, 9, 33], np.int32)
+    lengths = put([70, 9, 33], np.int32)
     bt, pool = block_tables(5, lengths, page_size)
     k, v = pools(6, pool, page_size, hkv, d, F32)
     q = normal(8, (3, 4, d), F32, scale=3.0)
@@ -155,7 +155,7 @@ def test_paged_decode_window_and_softcap_read_only_the_window():
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 def test_paged_decode_quantized(kind):
     page_size, hkv, d = 16, 2, 64
-    lengths = device([50, 3, 0], np.int32)
+    lengths = put([50, 3, 0], np.int32)
     bt, pool = block_tables(9, lengths, page_size)
     (k, ks), (v, vs) = pools(10, pool, page_size, hkv, d, None, CODES[kind])
     q = normal(12, (3, 4, d), BF16)
@@ -178,14 +178,14 @@ def test_split_keys_make_a_row_independent_of_the_batch_and_the_table():
     bt, pool = block_tables(13, lengths, page_size, extra=3)
     k, v = pools(14, pool, page_size, hkv, d, F32)
     q = normal(16, (3, 2, d), F32)
-    out = paged_decode_attention(q, k, v, bt, device(lengths), block_sizes=blocks,
+    out = paged_decode_attention(q, k, v, bt, put(lengths), block_sizes=blocks,
                                  interpret=True)
     # Row 0 alone, its pages moved to other pool slots, a table just wide enough.
     moved = np.random.default_rng(17).permutation(pool - 1) + 1
     # old page i now at moved[i - 1]
     k2, v2 = (replaced(x, moved, np.asarray(x)[1:]) for x in (k, v))
-    bt0 = device(moved[np.asarray(bt)[:1, :4] - 1], np.int32)
-    alone = paged_decode_attention(device(np.asarray(q)[:1]), k2, v2, bt0, device(lengths[:1]),
+    bt0 = put(moved[np.asarray(bt)[:1, :4] - 1], np.int32)
+    alone = paged_decode_attention(put(np.asarray(q)[:1]), k2, v2, bt0, put(lengths[:1]),
                                    block_sizes=blocks, interpret=True)
     assert_same(alone, np.asarray(out)[:1])
 
@@ -197,20 +197,20 @@ def test_bad_inputs_raise():
     assert "paged_decode_attention_append_reference" in pk.__all__
     # The bad operands are made in numpy: an eager slice, cast or .at[].set compiles a program.
     qn, kn = np.zeros((2, 4, 64), np.float32), np.zeros((5, 16, 2, 64), np.float32)
-    q, k = device(qn), device(kn)
-    bt = device(np.zeros((2, 3), np.int32))
-    n = device([3, 48], np.int32)
+    q, k = put(qn), put(kn)
+    bt = put(np.zeros((2, 3), np.int32))
+    n = put([3, 48], np.int32)
     call = functools.partial(paged_decode_attention, interpret=True)
-    for args, message in (((q, device(kn[:, :8]), device(kn[:, :8]), bt, n), "page_size 8"),
+    for args, message in (((q, put(kn[:, :8]), put(kn[:, :8]), bt, n), "page_size 8"),
                           ((q, k, k, replaced(bt, (0, 0), 5), n), r"block_tables entries"),
                           ((q, k, k, bt, replaced(n, 1, 49)), r"lengths must lie in \[0, 48\]"),
-                          ((q, k, device(kn, BF16), bt, n), "one shape|differ"),
-                          ((device(qn[:1]), k, k, bt, n), "batch sizes differ")):
+                          ((q, k, put(kn, BF16), bt, n), "one shape|differ"),
+                          ((put(qn[:1]), k, k, bt, n), "batch sizes differ")):
         with pytest.raises(ValueError, match=message):
             call(*args)
-    qkv = device(np.zeros((2, 2, 4, 64), np.float32))
+    qkv = put(np.zeros((2, 2, 4, 64), np.float32))
     with pytest.raises(ValueError, match="positions must lie"):
-        paged_decode_attention_append(qkv, k, k, bt, device([0, 48], np.int32),
+        paged_decode_attention_append(qkv, k, k, bt, put([0, 48], np.int32),
                                       interpret=True)
 
 
@@ -249,41 +249,41 @@ def check_append(got, want, contiguous, given, bt, positions, dtype):
 def test_paged_append_matches_reference_and_contiguous(dtype):
     """RoPE, GQA 4, page 16 under 64-key tiles: new slots at a page's first row, at 0, mid-page;
     an idle row (-1); rows 0 and 2 share their first page (read, never written)."""
-    positions = device([32, -1, 69, 0], np.int32)
+    positions = put([32, -1, 69, 0], np.int32)
     qkv, (k, v), bt = append_case(20, 16, 8, 2, 64, dtype, positions)
     rope = rope_tables(np.maximum(positions, 0), 64)
     call = functools.partial(paged_decode_attention_append, rope=rope, interpret=True)
     got = call(qkv, k, v, bt, positions)
     want = paged_append_ref(qkv, clean(k), clean(v), bt, positions, rope=rope)
     contiguous = decode_attention_append(qkv, gathered(k, bt), gathered(v, bt),
-                                         device(np.maximum(positions, 0)), rope=rope,
+                                         put(np.maximum(positions, 0)), rope=rope,
                                          interpret=True)
     check_append(got, want, contiguous, (k, v), bt, positions, dtype)
 
 
 def test_paged_append_window_softcap_split():
     """Split-K with a window and a soft-cap: 6 chunks of 16 slots, each half a page of 32."""
-    positions = device([47, 20, -1], np.int32)
+    positions = put([47, 20, -1], np.int32)
     qkv, (k, v), bt = append_case(30, 32, 4, 2, 64, F32, positions, share=0)
     kw = dict(sliding_window=24, softcap=3.0,
               block_sizes=DecodeBlockSizes(block_k=16, num_splits=6))
     got = paged_decode_attention_append(qkv, k, v, bt, positions, interpret=True, **kw)
     want = paged_append_ref(qkv, clean(k), clean(v), bt, positions, **kw)
     contiguous = decode_attention_append(qkv, gathered(k, bt), gathered(v, bt),
-                                         device(np.maximum(positions, 0)), interpret=True, **kw)
+                                         put(np.maximum(positions, 0)), interpret=True, **kw)
     check_append(got, want, contiguous, (k, v), bt, positions, F32)
 
 
 def test_paged_append_quantized_split_keys_d256():
     """int8 codes at D 256 (GQA 2), fixed-size chunks of two pages, a page of two tiles."""
-    positions = device([40, -1, 63], np.int32)
+    positions = put([40, -1, 63], np.int32)
     qkv, ((k, ks), (v, vs)), bt = append_case(40, 32, 2, 1, 256, BF16, positions, CODES["int8"])
     blocks = DecodeBlockSizes(block_k=16, split_keys=64)
     got = paged_decode_attention_append(qkv, k, v, bt, positions, k_scale=ks, v_scale=vs,
                                         block_sizes=blocks, interpret=True)
     want = paged_append_ref(qkv, k, v, bt, positions, k_scale=clean(ks), v_scale=clean(vs))
     g = functools.partial(gathered, block_tables=bt)
-    contiguous = decode_attention_append(qkv, g(k), g(v), device(np.maximum(positions, 0)),
+    contiguous = decode_attention_append(qkv, g(k), g(v), put(np.maximum(positions, 0)),
                                          k_scale=g(ks), v_scale=g(vs), block_sizes=blocks,
                                          interpret=True)
     check_append(got, want, contiguous, (k, v, ks, vs), bt, positions, BF16)
@@ -291,10 +291,10 @@ def test_paged_append_quantized_split_keys_d256():
 
 def test_paged_append_partials_with_deferred_norm():
     """qkv as a normed projection's float32 split-K chunks with their sums of squares."""
-    positions = device([16, 50], np.int32)
+    positions = put([16, 50], np.int32)
     qkv, (k, v), bt = append_case(50, 16, 4, 2, 64, BF16, positions, share=0)
     parts = split_chunks(qkv, 53)  # float32 chunks
-    norm = (device([[3.0, 50.0], [4.0, 30.0]], np.float32), 96, 1e-5)  # [S, B]
+    norm = (put([[3.0, 50.0], [4.0, 30.0]], np.float32), 96, 1e-5)  # [S, B]
     call = functools.partial(paged_decode_attention_append, norm=norm, interpret=True)
     got = call(parts, k, v, bt, positions)
     want = paged_append_ref(parts, clean(k), clean(v), bt, positions, norm=norm)

@@ -24,8 +24,8 @@ from jaxinfer.weights import quantize_params, typed
 from jaxinfer.cache import KVCache
 from checkpoints import gguf as G
 from checkpoints import gguf_blocks
-from host_arrays import host_normal, normal, put, put_tree
-from kernel_testing import _jaxprs, jitted_calls_in, rel_err
+from kernel_inputs import put, put_tree
+from kernel_testing import _jaxprs, host_normal, jitted_calls_in, normal, rel_err
 from pallas_kernels.quantized import dequantize, quantize_weight
 from pallas_kernels.quantized_mgpu import MgpuMatmulConfig, default_config
 from test_gguf_blocks import QT, assert_bits_equal, mixed, random_blocks, tiny_llama
