@@ -17,7 +17,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import jaxinfer
-from jaxinfer import draft_head
+from jaxinfer import draft_head, train_draft
 from jaxinfer.cache import KVCache
 from jaxinfer.models import llama, registry
 from jaxinfer.model import from_params
@@ -28,12 +28,16 @@ HF = pathlib.Path(__file__).parent / "fixtures" / "data" / "hf"
 PROMPTS = ["x", "the cat sat on the mat and the cat sat on", "hello world", "a b c a b c a b",
            "one two three four five six seven eight nine ten one two three", "zz",
            "the the the", "to be or not to be, that is"]
+# test_speculative's MIXED (logit_bias and logprobs rows too): its plain run at these shapes
+# is this file's (one program for both files in the session's compilation cache)
 MIXED = [SamplingParams(temperature=0.8), SamplingParams(temperature=0.0),
          SamplingParams(temperature=1.0, top_k=20, top_p=0.9, logprobs=True),
-         SamplingParams(temperature=0.7, repetition_penalty=1.3, seed=123),
-         SamplingParams(temperature=0.9, presence_penalty=0.5, frequency_penalty=0.4),
-         SamplingParams(temperature=0.6, min_p=0.05),
-         SamplingParams(temperature=0.0, repetition_penalty=1.2),
+         SamplingParams(temperature=0.7, repetition_penalty=1.3, seed=123,
+                        logit_bias={5: 3.0, 11: -100}),
+         SamplingParams(temperature=0.9, presence_penalty=0.5, frequency_penalty=0.4,
+                        logprobs=True),
+         SamplingParams(temperature=0.6, min_p=0.05, logit_bias={7: 2.5}),
+         SamplingParams(temperature=0.0, repetition_penalty=1.2, logprobs=True),
          SamplingParams(temperature=1.2, seed=7)]
 
 
@@ -79,8 +83,6 @@ def test_random_head_is_lossless_greedy_and_sampled(looping):
 def trained(looping):
     """(peaked, its outputs on PROMPTS, the TrainResult): a head trained on the target's own
     greedy text (looping with a peaked LM head: its argmax is learnable)."""
-    from jaxinfer import train_draft
-
     peaked = from_params(looping.config, {**looping.params, "embed": looping.params["embed"]
                                           .replace(w=8 * looping.params["embed"].w)},
                          looping.tokenizer, dtype="float32")
@@ -97,7 +99,7 @@ def test_trained_head_drafts_and_train_draft_cli(looping, trained, tiny_chat, ti
     gets drafts accepted with plain generate's tokens; a head for another model is refused.
     `jaxinfer train-draft` (windows at the texts' starts) writes the head and the loss curve
     beside the model, and `--speculative head` loads it."""
-    from jaxinfer import cli, train_draft
+    from jaxinfer import cli
 
     peaked, outs, result = trained
     assert np.mean(result.losses[-15:]) < 0.5 * result.losses[0]
@@ -105,10 +107,14 @@ def test_trained_head_drafts_and_train_draft_cli(looping, trained, tiny_chat, ti
     assert train_draft.plot_losses(result.losses, result.accuracy,
                                    tmp_path / "head.png").stat().st_size > 1000
     head = draft_head.load(path, peaked)
-    plain = jaxinfer.generate(peaked, PROMPTS[:4], max_new_tokens=24, chat=False)
-    spec = jaxinfer.generate(peaked, PROMPTS[:4], max_new_tokens=24, chat=False,
-                             speculative=head, num_speculative_tokens=3)
+    # A batch of 8 with a stop token (the 13th of row 0's greedy text), as the random head's
+    # test_random_head_is_lossless_greedy_and_sampled: its programs, not ones of their own.
+    kw = dict(max_new_tokens=24, chat=False, stop=[outs[0].token_ids[12]])
+    plain = jaxinfer.generate(peaked, PROMPTS, **kw)
+    spec = jaxinfer.generate(peaked, PROMPTS, speculative=head, num_speculative_tokens=3, **kw)
+    assert plain[0].finish_reason == "stop"
     assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
+    assert [s.finish_reason for s in spec] == [p.finish_reason for p in plain]
     accepted, drafted = sum(s.accepted_tokens for s in spec), sum(s.draft_tokens for s in spec)
     assert accepted > 0.3 * drafted, (accepted, drafted)  # a random head: ~0
     with pytest.raises(ValueError, match="made for another model"):
@@ -143,7 +149,6 @@ def test_draft_vocabulary_head(trained, tmp_path):
     trained on the same text: its logits are -inf past those tokens, it saves and loads with
     its readout and ids, and its drafts are accepted with plain generate's tokens in generate
     and the engine, each round's first draft the training forward's argmax (K = 1)."""
-    from jaxinfer import train_draft
     from test_engine import _engine
 
     peaked, outs, _ = trained
@@ -160,7 +165,7 @@ def test_draft_vocabulary_head(trained, tmp_path):
     assert head.spec.draft_vocab == 48 and np.array_equal(np.asarray(head.params["d2t"]), d2t)
     prompts = [peaked.tokenizer.encode(p) for p in PROMPTS[:4]]
     plain = jaxinfer.generate(peaked, prompts, max_new_tokens=24)
-    want = [_first_draft_hits(peaked, head, p, c.token_ids) for p, c in zip(prompts, plain)]
+    want = _first_draft_hits(peaked, head, prompts, [c.token_ids for c in plain])
     assert sum(want) > 10, want
     head = dataclasses.replace(head, adaptive=False)
     spec = jaxinfer.generate(peaked, prompts, max_new_tokens=24, speculative=head,
@@ -171,37 +176,61 @@ def test_draft_vocabulary_head(trained, tmp_path):
     got = engine.run(prompts, max_tokens=24)
     assert [c.token_ids for c in got] == [c.token_ids for c in plain]
     assert [c.accepted_tokens for c in got] == want
-    logits, _, _ = draft_head.forward(head.params, peaked.params, jnp.asarray([prompts[0]]),
-                                      jnp.zeros((1, len(prompts[0]), 64)),
-                                      jnp.arange(len(prompts[0]))[None], head.spec)
+    # jitted: one program (eagerly each op compiled alone); the inputs numpy, not device ops
+    t = len(prompts[0])
+    logits, _, _ = jax.jit(draft_head.forward, static_argnames="spec")(
+        head.params, peaked.params, np.asarray([prompts[0]], np.int32),
+        np.zeros((1, t, 64), np.float32), np.arange(t, dtype=np.int32)[None], head.spec)
     outside = np.setdiff1d(np.arange(peaked.config.vocab_size), d2t)
     assert np.all(np.isneginf(np.asarray(logits)[..., outside]))
     assert np.all(np.isfinite(np.asarray(logits)[..., d2t]))
 
 
-def _first_draft_hits(model, head, prompt: list[int], out: list[int]) -> int:
-    """Drafts a greedy K = 1 loop must get accepted on `out` (prompt's greedy output), if each
-    draft is the argmax of the training forward's logits (train_draft.teacher_forced) at the
-    newest token's position: a round at p with draft argmax_p == out's token at p + 1 emits
-    two tokens, otherwise one (the budget cuts the last round)."""
-    from jaxinfer import train_draft
+# The teacher-forced passes below take their sequences padded to this length, in one batch:
+# one target and one head program for all of them (one per sequence length took 20 compiles).
+TEACHER_LEN = 128
+# jitted, as training runs it (one program per shape instead of each op compiled alone)
+_teacher_forced = jax.jit(train_draft.teacher_forced, static_argnames="spec")
+
+
+def _teacher_drafts(model, head, seqs: list[list[int]]) -> list[np.ndarray]:
+    """For each sequence, the argmax of the training forward's logits
+    (train_draft.teacher_forced) at each of its positions: [T], the draft of token i + 1.
+    Both forwards are causal, so the zero padding after a sequence leaves its logits those
+    of the sequence alone."""
     from jaxinfer.generate import run_params
 
+    assert max(map(len, seqs)) <= TEACHER_LEN
     params = run_params(model, model.plan)
-    seq = jnp.asarray([prompt + out], jnp.int32)
-    f, _ = train_draft.target_features(params, seq, model.plan)
-    # jitted, as training runs it (one program per length instead of each op compiled alone)
-    logits, _ = jax.jit(train_draft.teacher_forced, static_argnames="spec")(
-        head.params, params, seq, f, spec=head.spec)
-    draft = np.asarray(jnp.argmax(logits[0], -1))  # [T]: the draft of token i + 1
-    seq = np.asarray(seq[0])
-    p, count, hits = len(prompt), 1, 0
-    while count < len(out):
-        hit = draft[p] == seq[p + 1]
-        hits += int(hit)
-        step = min(1 + int(hit), len(out) - count)
-        p, count = p + step, count + step
-    return hits
+    tokens = np.zeros((len(seqs), TEACHER_LEN), np.int32)
+    for i, seq in enumerate(seqs):
+        tokens[i, :len(seq)] = seq
+    tokens = jnp.asarray(tokens)
+    f, _ = train_draft.target_features(params, tokens, model.plan)
+    logits, _ = _teacher_forced(head.params, params, tokens, f, spec=head.spec)
+    draft = np.asarray(logits).argmax(-1)
+    return [draft[i, :len(seq)] for i, seq in enumerate(seqs)]
+
+
+def _first_draft_hits(model, head, prompts: list[list[int]],
+                      outs: list[list[int]]) -> list[int]:
+    """Per prompt, the drafts a greedy K = 1 loop must get accepted on its out (the prompt's
+    greedy output), if each draft is the argmax of the training forward's logits
+    (train_draft.teacher_forced) at the newest token's position: a round at p with draft
+    argmax_p == out's token at p + 1 emits two tokens, otherwise one (the budget cuts the
+    last round)."""
+    hits_per_prompt = []
+    for prompt, out, draft in zip(prompts, outs, _teacher_drafts(
+            model, head, [p + o for p, o in zip(prompts, outs)])):
+        seq = prompt + out
+        p, count, hits = len(prompt), 1, 0
+        while count < len(out):
+            hit = draft[p] == seq[p + 1]
+            hits += int(hit)
+            step = min(1 + int(hit), len(out) - count)
+            p, count = p + step, count + step
+        hits_per_prompt.append(hits)
+    return hits_per_prompt
 
 
 def test_drafting_is_the_training_forward_in_generate_and_the_engine(trained):
@@ -216,7 +245,7 @@ def test_drafting_is_the_training_forward_in_generate_and_the_engine(trained):
     head = result.head
     prompts = [peaked.tokenizer.encode(p) for p in PROMPTS[:4]]
     plain = jaxinfer.generate(peaked, prompts, max_new_tokens=24)
-    want = [_first_draft_hits(peaked, head, p, c.token_ids) for p, c in zip(prompts, plain)]
+    want = _first_draft_hits(peaked, head, prompts, [c.token_ids for c in plain])
     assert sum(want) > 10, want  # a trained head: most first drafts hit
     # every round a verification, as the engine's (no fallback to plain steps: MIN_GAIN)
     head = dataclasses.replace(head, adaptive=False)
@@ -243,8 +272,7 @@ def test_plain_rounds_skip_the_head_and_its_probe_catches_up(trained):
     forward writes every pair since the head's last one, so its draft is the training
     forward's at that position, as if the head had run every round (a hole or a shifted
     feature in its cache would change the trained head's drafts)."""
-    from jaxinfer import speculative, train_draft
-    from jaxinfer.generate import run_params
+    from jaxinfer import speculative
 
     peaked, _, result = trained
     prompts = [peaked.tokenizer.encode(p) for p in PROMPTS[:4]]
@@ -252,15 +280,10 @@ def test_plain_rounds_skip_the_head_and_its_probe_catches_up(trained):
     spec = jaxinfer.generate(peaked, prompts, max_new_tokens=40, num_speculative_tokens=1,
                              speculative=dataclasses.replace(result.head, min_gain=1e9))
     assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
-    params = run_params(peaked, peaked.plan)
-    # jitted, as training runs it (one program per length instead of each op compiled alone)
-    teacher_forced = jax.jit(train_draft.teacher_forced, static_argnames="spec")
     want = []
-    for prompt, c in zip(prompts, plain):
-        seq = jnp.asarray([prompt + c.token_ids], jnp.int32)
-        f, _ = train_draft.target_features(params, seq, peaked.plan)
-        logits, _ = teacher_forced(result.head.params, params, seq, f, spec=result.head.spec)
-        draft, seq = np.asarray(jnp.argmax(logits[0], -1)), np.asarray(seq[0])
+    for prompt, c, draft in zip(prompts, plain, _teacher_drafts(
+            peaked, result.head, [p + c.token_ids for p, c in zip(prompts, plain)])):
+        seq = prompt + c.token_ids
         # the batch's rounds: probes after 8, 16, 32 plain rounds (a hit: two tokens)
         p, count, idle, patience, hits, probes = len(prompt), 1, 0, speculative.PROBE, 0, 0
         while count < len(c.token_ids):
@@ -282,13 +305,14 @@ def test_engine_with_a_head_equals_generate(looping):
     enough to preempt, greedy and seeded sampled rows with logprobs: each request's tokens are
     generate()'s, and every page comes back (an aborted request's too). Bad arguments are
     refused before any compile."""
-    from test_engine import _engine, _reference, _requests, _serve
+    from test_engine import _engine, _prime, _reference, _requests, _serve
 
     reqs = _requests(looping, 16, seed=6)
     want = _reference(looping, reqs, batch=16)
     head = draft_head.init_eagle(looping, 2)
     engine = _engine(looping, pages=60, max_num_seqs=8, speculative=head,
                      num_speculative_tokens=3)
+    _prime(engine, reqs)  # every request's sampling flags from the start: each shape once
     got, reasons = _serve(engine, reqs, np.random.default_rng(1))
     assert engine.stats["draft_tokens"] > 0 and engine.prefix_cache_hit_rate() > 0
     assert engine.stats["plain_rounds"] > 0  # a random head's drafts: plain steps (MIN_GAIN)

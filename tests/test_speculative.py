@@ -37,18 +37,19 @@ def test_verification_forward_runs_a_kernel_and_matches_decode_steps(verify_quer
     path gives one token at a time."""
     config = tiny_bf16_config()
     params = init_params(llama.param_specs(config), jax.random.key(0), jnp.bfloat16)
-    ids = jax.random.randint(jax.random.key(1), (2, 12), 0, config.vocab_size)
-    lengths = jnp.array([5, 8], jnp.int32)  # rows hold prompts of different lengths
-    # jitted: one program per shape (eagerly each op compiled alone); the same computations
+    ids = np.asarray(jax.random.randint(jax.random.key(1), (2, 12), 0, config.vocab_size))
+    lengths = np.array([5, 8], np.int32)  # rows hold prompts of different lengths
+    # jitted: one program per shape (eagerly each op compiled alone); the same computations.
+    # The inputs built in numpy for the same reason.
     forward = jax.jit(llama.forward, static_argnames=("plan", "fresh"))
 
     def prompt_cache(plan):
-        pos = jnp.broadcast_to(jnp.arange(12, dtype=jnp.int32), (2, 12))
+        pos = np.broadcast_to(np.arange(12, dtype=np.int32), (2, 12))
         _, cache = forward(params, ids, pos, plan, KVCache.init(config, 2, 16), fresh=True)
         return cache  # slots past a row's length hold stale tokens, as after rejected drafts
 
-    verify_pos = lengths[:, None] + jnp.arange(3, dtype=jnp.int32)  # [B, 3]
-    verify_ids = jnp.take_along_axis(ids, verify_pos, axis=1)
+    verify_pos = lengths[:, None] + np.arange(3, dtype=np.int32)  # [B, 3]
+    verify_ids = np.take_along_axis(ids, verify_pos, axis=1)
     kernel_plan = Plan(config, KernelPolicy(interpret=True, verify_queries=verify_queries))
     ref_plan = Plan(config, KernelPolicy.reference())
     names = pallas_kernels_in(lambda c: llama.forward(params, verify_ids, verify_pos,
@@ -56,12 +57,14 @@ def test_verification_forward_runs_a_kernel_and_matches_decode_steps(verify_quer
                               prompt_cache(ref_plan))
     assert names[kernel] == config.num_layers, names
     got, _ = forward(params, verify_ids, verify_pos, kernel_plan, prompt_cache(ref_plan))
+    got = np.asarray(got).astype(np.float32)  # exact; compared on the host
     cache = prompt_cache(ref_plan)
     for t in range(3):  # one token at a time through the reference
         want, cache = forward(params, verify_ids[:, t:t + 1], verify_pos[:, t:t + 1],
                               ref_plan, cache)
+        want = np.asarray(want).astype(np.float32)
         assert rel_err(got[:, t], want[:, 0]) < 3e-2, t
-        assert np.mean(np.asarray(got[:, t].argmax(-1) == want[:, 0].argmax(-1))) == 1.0
+        assert np.mean(got[:, t].argmax(-1) == want[:, 0].argmax(-1)) == 1.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -146,7 +149,7 @@ MIXED = [SamplingParams(temperature=0.8), SamplingParams(temperature=0.0),
          SamplingParams(temperature=0.9, presence_penalty=0.5, frequency_penalty=0.4,
                         logprobs=True),
          SamplingParams(temperature=0.6, min_p=0.05, logit_bias={7: 2.5}),
-         SamplingParams(temperature=0.0, repetition_penalty=1.2),
+         SamplingParams(temperature=0.0, repetition_penalty=1.2, logprobs=True),
          SamplingParams(temperature=1.2, seed=7)]
 
 
@@ -191,21 +194,23 @@ def test_ngram_drafts_follow_the_latest_longest_match():
     Row 1: no earlier occurrence of its last token: the last token repeated. Row 2: only the
     1-gram (5) occurs earlier. Slots past a row's last position hold stale tokens, never
     matched."""
-    history = jnp.array([[7, 8, 1, 2, 7, 8, 9, 7, 8, 0, 7, 8],
-                         [1, 2, 3, 4, 0, 0, 0, 0, 0, 0, 4, 4],
-                         [5, 6, 1, 2, 3, 5, 0, 0, 0, 0, 0, 0]], jnp.int32)
-    last = jnp.array([8, 3, 5], jnp.int32)
-    drafts, found = speculative.ngram_drafts(history, last, 5,
-                                             speculative.NGram(max_n=3, min_n=1))
+    history = np.array([[7, 8, 1, 2, 7, 8, 9, 7, 8, 0, 7, 8],
+                        [1, 2, 3, 4, 0, 0, 0, 0, 0, 0, 4, 4],
+                        [5, 6, 1, 2, 3, 5, 0, 0, 0, 0, 0, 0]], np.int32)
+    last = np.array([8, 3, 5], np.int32)
+    # jitted, as spec_round runs it: one program (eagerly each of its ops compiled alone)
+    lookup = jax.jit(speculative.ngram_drafts, static_argnames=("k", "ngram"))
+    drafts, found = lookup(history, last, k=5, ngram=speculative.NGram(max_n=3, min_n=1))
     np.testing.assert_array_equal(found, [True, False, True])
     np.testing.assert_array_equal(drafts, [[9, 7, 8, 9, 7], [4, 4, 4, 4, 4],
                                            [6, 1, 2, 3, 5]])
 
 
 def test_stream_speculative_equals_generate(looping):
+    # test_cli_speculative's shapes and drafter (its --speculative draft run is this program)
     sp = SamplingParams(temperature=0.8, logprobs=True)
-    want = jaxinfer.generate(looping, PROMPTS[0], max_new_tokens=20, chat=False, sampling=sp)[0]
-    out = jaxinfer.stream(looping, PROMPTS[0], max_new_tokens=20, chat=False, sampling=sp,
+    want = jaxinfer.generate(looping, PROMPTS[1], max_new_tokens=20, chat=False, sampling=sp)[0]
+    out = jaxinfer.stream(looping, PROMPTS[1], max_new_tokens=20, chat=False, sampling=sp,
                           speculative=looping, num_speculative_tokens=3)
     text = "".join(out)
     assert text == want.text
@@ -353,16 +358,20 @@ def test_cli_speculative(tiny_chat, tiny_chat_dir, capsys, tmp_path):
 
     from jaxinfer import cli
 
-    sp = SamplingParams(temperature=0.7)
+    # With logprobs, and K = 3 for the draft model: test_stream_speculative_equals_generate's
+    # programs (the same shapes and flags), not ones of their own.
+    sp = SamplingParams(temperature=0.7, logprobs=True)
     (ref,) = jaxinfer.generate(tiny_chat, PROMPTS[1], max_new_tokens=12, chat=False,
                                sampling=sp, seed=3)
     base = ["generate", PROMPTS[1], "--no-chat", "-n", "12", "--temperature", "0.7", "--seed",
-            "3", "--model", str(tiny_chat_dir), "--json"]
-    for flags in (["--speculative", "draft", "--draft-model", str(tiny_chat_dir)],
+            "3", "--model", str(tiny_chat_dir), "--json", "--logprobs"]
+    for flags in (["--speculative", "draft", "--draft-model", str(tiny_chat_dir),
+                   "--num-speculative-tokens", "3"],
                   ["--speculative", "ngram", "--num-speculative-tokens", "2"]):
         assert cli.main(base + flags) == 0
         got = json.loads(capsys.readouterr().out)
         assert got["token_ids"] == ref.token_ids and got["text"] == ref.text
+        np.testing.assert_allclose(got["logprobs"], ref.logprobs, atol=1e-4)
         counts = got["speculative"]
         assert 0 <= counts["accepted_tokens"] <= counts["draft_tokens"]
     assert counts["draft_tokens"] % 2 == 0
@@ -449,14 +458,20 @@ def test_host_ngram_equals_device_ngram():
 def engine_requests(looping):
     """(requests, generate()'s output for each) of test_engine_speculative_equals_generate:
     the same for its four drafters, so the reference runs once (per worker), not four times."""
-    from test_engine import _reference, _requests
+    from test_engine import _reference
+
+    reqs = _engine_requests(looping)
+    return reqs, _reference(looping, reqs, batch=24)
+
+
+def _engine_requests(looping):
+    from test_engine import _requests
 
     reqs = _requests(looping, 24, seed=4)
     # Penalized greedy rows: this model repeats tokens unless its penalties count each one.
-    reqs = [(p, sp if i % 4 != 2 else SamplingParams(temperature=0.0, repetition_penalty=1.2,
+    return [(p, sp if i % 4 != 2 else SamplingParams(temperature=0.0, repetition_penalty=1.2,
                                                      frequency_penalty=0.4), n * 2)
             for i, (p, sp, n) in enumerate(reqs)]
-    return reqs, _reference(looping, reqs, batch=24)
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "oracle", "draft", "self"])
@@ -506,9 +521,13 @@ def test_engine_speculative_equals_generate(looping, tiny_chat, drafter, engine_
 def test_engine_run_reports_acceptance_per_request(looping):
     """Engine.run with speculation: generate()'s tokens, each Completion's draft and accepted
     counts, which add up to the engine's."""
-    from test_engine import _engine
+    from test_engine import _engine, _prime
 
-    engine = _engine(looping, speculative="ngram", num_speculative_tokens=2)
+    # test_engine_speculative_equals_generate[ngram]'s engine, primed with its requests'
+    # sampling flags: its programs (prefill, decode, verification), not ones of its own
+    engine = _engine(looping, pages=30, max_num_seqs=8, speculative="ngram",
+                     num_speculative_tokens=3)
+    _prime(engine, _engine_requests(looping))
     out = engine.run(PROMPTS[:4], max_tokens=20, chat=False)
     want = jaxinfer.generate(looping, PROMPTS[:4], max_new_tokens=20, chat=False)
     assert [c.token_ids for c in out] == [c.token_ids for c in want]
@@ -598,19 +617,19 @@ def test_bench_tasks_match_the_cli_choices():
     assert args.tasks == list(speculative_bench.TASKS)
 
 
-def test_rejection_mode_keeps_greedy_rows_plain(looping, tiny_chat):
-    """In a DraftModel(rejection=True) batch, greedy rows still take the argmax: plain
-    generate's tokens (sampled rows follow the law: the chi-square test above)."""
-    sp = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, logprobs=True),
-          SamplingParams(temperature=0.0, repetition_penalty=1.3, logprobs=True)]
-    plain = jaxinfer.generate(looping, PROMPTS[:3], max_new_tokens=16, chat=False, sampling=sp)
-    spec = jaxinfer.generate(looping, PROMPTS[:3], max_new_tokens=16, chat=False, sampling=sp,
-                             speculative=speculative.DraftModel(looping, rejection=True),
-                             num_speculative_tokens=3)
-    for row in (0, 2):
+def test_rejection_mode_keeps_greedy_rows_plain(looping):
+    """In a DraftModel(rejection=True) batch, greedy rows (MIXED's rows 1 and 6, the second
+    with a repetition penalty and logprobs) still take the argmax: plain generate's tokens
+    (sampled rows follow the law: the chi-square test above). MIXED at the coupled test's
+    shapes: its plain run (one program) is this test's."""
+    kw = dict(max_new_tokens=24, chat=False, sampling=MIXED, seed=5)
+    plain = jaxinfer.generate(looping, PROMPTS, **kw)
+    spec = jaxinfer.generate(looping, PROMPTS, **kw, num_speculative_tokens=3,
+                             speculative=speculative.DraftModel(looping, rejection=True))
+    for row in (1, 6):
         assert spec[row].token_ids == plain[row].token_ids
-    np.testing.assert_allclose(spec[2].logprobs, plain[2].logprobs, atol=1e-4)
-    assert len(spec[1].logprobs) == len(spec[1].token_ids)
+    np.testing.assert_allclose(spec[6].logprobs, plain[6].logprobs, atol=1e-4)
+    assert len(spec[2].logprobs) == len(spec[2].token_ids)
     assert sum(c.accepted_tokens for c in spec) > 0
 
 
