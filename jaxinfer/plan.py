@@ -170,17 +170,18 @@ class KernelPolicy:
     # ~1/8 more bytes (Mixtral 1, Qwen3-30B-A3B 4; benchmarks/moe.py measures both).
     moe: MoEImpl = MoEImpl.AUTO
     moe_decode_rows: int | None = None
-    # The most token rows (B * T) whose router (logits, scores, top-k, weights) runs as one
-    # kernel (pallas_kernels/moe_route.py; with the boundary before it where that is
-    # add_rms_norm's) where the kernels are on, routers without groups or a score bias of at
-    # most moe_route_bytes (float32 [D, E]: one program a row streams it); more rows, or 0,
-    # take XLA's ops (~7 launches a layer at decode). Under batch_invariant any value but 0
-    # means every row count. Routers of 512 KB and more were slower than XLA's ops in one
-    # program a row; moe_route_block_bytes > 0 splits those into D blocks of at most that many
-    # bytes, each a program, the partial logits summed by a second launch (0: XLA's ops).
+    # The most token rows (B * T) whose router (logits, scores, top-k, weights) runs as
+    # pallas_kernels/moe_route.py's kernels (with the boundary before it where that is
+    # add_rms_norm's) where the kernels are on, for routers without groups or a score bias;
+    # more rows, or 0, take XLA's ops (~7 launches a layer at decode). Under batch_invariant
+    # any value but 0 means every row count. A row's float32 router [D, E] is split into at
+    # least moe_route_blocks blocks of D rows, each of at most moe_route_block_bytes, one
+    # program each, and a second launch sums their logits and picks (1 block: one program a
+    # row, one launch). 16 blocks were the fastest or within 0.2% of it for Mixtral's,
+    # DeepSeek-V2-Lite's and Qwen3-30B-A3B's routers (benchmarks/DECISIONS.md).
     moe_route_rows: int = 16
-    moe_route_bytes: int = 256 * 1024
-    moe_route_block_bytes: int = 0
+    moe_route_blocks: int = 16
+    moe_route_block_bytes: int = 64 * 1024
     # The MoE kernels' tiles (None: pallas_kernels.moe's defaults for the shapes).
     moe_decode_blocks: MoEBlockSizes | None = None
     moe_grouped_blocks: MoEBlockSizes | None = None
@@ -206,8 +207,8 @@ class KernelPolicy:
         _check_int("mosaic_int_rows", self.mosaic_int_rows, 0)
         _check_int("mosaic_norm_rows", self.mosaic_norm_rows, 0)
         _check_int("moe_route_rows", self.moe_route_rows, 0)
-        _check_int("moe_route_bytes", self.moe_route_bytes, 0)
-        _check_int("moe_route_block_bytes", self.moe_route_block_bytes, 0)
+        _check_int("moe_route_blocks", self.moe_route_blocks, 1)
+        _check_int("moe_route_block_bytes", self.moe_route_block_bytes, 1)
         if self.mosaic_norm_rows > 8:
             raise ValueError(f"KernelPolicy.mosaic_norm_rows={self.mosaic_norm_rows}: the "
                              f"Mosaic kernel's boundary takes at most 8 rows")

@@ -36,7 +36,7 @@ _MODULES = {
     "quantized_matmul": ("quantized_matmul", "quantized_matmul_reference"),
     "quantized_mgpu": ("MgpuMatmulConfig", "nk_format", "nk_norm_unfit", "nk_unfit",
                        "quantized_matmul_mgpu",
-                       "quantized_matmul_mgpu_reference", "to_nk", "to_tiles"),
+                       "quantized_matmul_mgpu_reference", "to_nk", "to_tiles", "weight_config"),
     "rms_norm": ("add_rms_norm", "add_rms_norm_reference", "rms_norm", "rms_norm_reference"),
     "rope": ("rope", "rope_reference"),
     "swiglu": ("swiglu", "swiglu_down", "swiglu_down_reference", "swiglu_reference"),

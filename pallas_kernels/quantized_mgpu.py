@@ -249,6 +249,15 @@ def default_config(m: int, k: int, n: int, fmt: NkFormat = NkFormat(),
                             wide=fmt.group < GROUP, pre=pre)
 
 
+def weight_config(qw, rows: int, *, norm: bool = False) -> MgpuMatmulConfig:
+    """default_config for nk weight(s) qw (a tuple: one launch) at `rows` rows of x (or
+    token-expert assignments), in the codes' order."""
+    qws = qw if isinstance(qw, tuple) else (qw,)
+    return dataclasses.replace(
+        default_config(rows, qws[0].k, sum(w.n for w in qws), nk_format(qws[0]),
+                       _bits(qws[0].planes[0].dtype), norm=norm), frag=qws[0].frag)
+
+
 def quantized_matmul_mgpu(x, qw, *, experts=None, cfg: MgpuMatmulConfig | None = None,
                           interpret: bool = False, out_dtype=None, partials: bool = False,
                           norm_weight=None, eps: float = 0.0, deltas=None):
@@ -281,9 +290,7 @@ def quantized_matmul_mgpu(x, qw, *, experts=None, cfg: MgpuMatmulConfig | None =
                          f"in {'fragment' if qws[0].frag else 'K'} order (to_nk(frag=...))")
     rows = x.shape[0] if experts is None else experts[0].shape[0]
     norm = norm_weight is not None
-    cfg = cfg or dataclasses.replace(
-        default_config(rows, qws[0].k, sum(w.n for w in qws), fmt,
-                       _bits(qws[0].planes[0].dtype), norm=norm), frag=qws[0].frag)
+    cfg = cfg or weight_config(qws, rows, norm=norm)
 
     def arrays(name):
         return tuple(getattr(w, name) for w in qws) if getattr(fmt, name) else ()

@@ -639,12 +639,13 @@ def test_moe_decode_step_takes_the_experts_kernels(preset, batch):
 
 def test_moe_tiles_and_router_come_from_the_policy():
     """KernelPolicy.moe_decode_blocks reaches the decode kernels (the down projection's split
-    in its name); moe_route_rows puts the router in its kernel (one lowering for the two
-    layers), with the sublayer's boundary."""
+    in its name); moe_route_rows puts the router in its kernels (16 blocks of D, then the
+    pick; one lowering each for the two layers), with the sublayer's boundary."""
     blocks = pk.MoEBlockSizes(block_m=16, block_n=128, block_n_down=64, block_k=128,
                               split_k=4, num_warps=4)
     names = kernel_names(decode_step_module("mixtral-8x7b", 1, 512, ON_GPU.replace(
         moe_decode_blocks=blocks, moe_route_rows=1)))
     assert names["moe_decode_down_f14336_d4096_split4"] == 1, names
     # the attention's chunks, the residual add and the norm in the router's kernel
-    assert names["add_rms_norm_route"] == 1 and "moe_route" not in names, names
+    assert names["add_rms_norm_route_blocks"] == 1 and names["moe_route_pick"] == 1, names
+    assert not {"add_rms_norm_route", "moe_route", "moe_route_blocks"} & set(names), names

@@ -15,6 +15,7 @@ from kernel_inputs import put
 from kernel_testing import host_normal, normal, pallas_kernels_in
 
 import jaxinfer
+import pallas_kernels as pk
 from jaxinfer import ops
 from jaxinfer.cache import KVCache
 from jaxinfer.configs import PRESETS, Config, MoEConfig
@@ -410,19 +411,22 @@ def test_quantized_experts_through_every_implementation():
 @pytest.mark.parametrize("interpret", [
     True, pytest.param(False, marks=[pytest.mark.gpu, pytest.mark.skipif(
         jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")])], ids=["interpret", "gpu"])
-def test_int4_experts_through_the_mosaic_kernel(interpret):
+@pytest.mark.parametrize("f", [512, 1024])
+def test_int4_experts_through_the_mosaic_kernel(interpret, f, monkeypatch):
     """int4 experts in groups of 128 in the nk layout (int_layout_params on a Mosaic plan)
     take the Mosaic GPU kernel with stacked experts at decode rows (interpret mode): gate and
     up in one launch, down in another, each assignment reading its expert; the sublayer
-    matches the dense reference on the same weights, and at decode rows it routes in one
-    kernel (moe_route) and hands the next boundary down's K-range sums with the experts
-    weighted (Partials, one chunk per range). Prefill rows take ragged_dot and XLA's router."""
+    matches the dense reference on the same weights, and at decode rows it routes in its
+    kernels and hands the next boundary down's K-range sums with the experts weighted
+    (Partials): down's K 512 in two ranges, each range's two experts added (two chunks); K
+    1024 in four ranges, 2 k: two ranges an expert slot, the weights in the SwiGLU (four
+    chunks, as they are). Prefill rows take ragged_dot and XLA's router."""
     from jaxinfer.generate import int_layout_params
 
     config = Config(vocab_size=64, hidden_size=128, intermediate_size=128, num_layers=1,
                     num_heads=4, num_kv_heads=2, head_dim=32, moe=MoEConfig(
-                        num_experts=4, experts_per_token=2, expert_intermediate_size=512,
-                        norm_topk_prob=True))  # down's K 512: two K ranges
+                        num_experts=4, experts_per_token=2, expert_intermediate_size=f,
+                        norm_topk_prob=True))
     specs = llama.param_specs(config)
     lp = _quantizer(config, "int4", 128)(tiny_layer(config, 5))
     policy = KernelPolicy(interpret=interpret, quant_matmul="mosaic", moe_decode_rows=2,
@@ -440,10 +444,18 @@ def test_int4_experts_through_the_mosaic_kernel(interpret):
         assert EXPERTS.pick(x, None, None, w, w, nk["experts_down"], plan).name == impl
         want = _moe_out(config, lp, x, KernelPolicy(moe=MoEImpl.DENSE))[1]
         if impl == "mosaic_decode":  # the form the next boundary takes
+            calls = []  # down's configuration: its own K ranges where the weights go first
+            mgpu = pk.quantized_matmul_mgpu
+            monkeypatch.setattr(pk, "quantized_matmul_mgpu", lambda *a, **kw: (
+                calls.append(kw.get("cfg")), mgpu(*a, **kw))[1])
             names = pallas_kernels_in(lambda v: _moe_sublayer(nk, v, plan), x)
-            assert names["moe_route"] == 1, names  # the router in one kernel
+            monkeypatch.undo()
+            # the router in its kernels: D in 16 blocks, then the pick
+            assert names["moe_route_blocks"] == names["moe_route_pick"] == 1, names
             _, parts = _moe_sublayer(nk, x, plan)
-            assert isinstance(parts, ops.Partials) and parts.parts.shape == (2, *shape)
+            assert isinstance(parts, ops.Partials) and parts.parts.shape == (
+                f // 256, *shape), parts.parts.shape
+            assert [c and c.splits for c in calls] == [None, None if f == 512 else 2], calls
             got = parts.materialize(jnp.float32)
         else:
             got = _moe_array(nk, x, plan)
@@ -680,13 +692,14 @@ def test_router_kernel_takes_the_boundary():
     rng = np.random.default_rng(4)
     x = put(rng.standard_normal((1, 2, 32)), jnp.bfloat16)  # [B, T, D]
     parts = put(rng.standard_normal((2, 1, 2, 32)), jnp.float32)  # [S, B, T, D]
-    split = dict(moe_route_bytes=256, moe_route_block_bytes=256)  # 768 bytes: 4 blocks
+    split = dict(moe_route_blocks=4)
     names_all = {"add_rms_norm_route", "add_rms_norm", "moe_route", "add_rms_norm_route_blocks",
                  "moe_route_blocks", "moe_route_pick"}
     out = {}
+    one = dict(moe_route_blocks=1)
     for where, blocks, kernels in (
-            (Boundary.CONSUMER, {}, {"add_rms_norm_route"}),
-            (Boundary.KERNEL, {}, {"add_rms_norm", "moe_route"}),
+            (Boundary.CONSUMER, one, {"add_rms_norm_route"}),
+            (Boundary.KERNEL, one, {"add_rms_norm", "moe_route"}),
             (Boundary.CONSUMER, split, {"add_rms_norm_route_blocks", "moe_route_pick"}),
             (Boundary.KERNEL, split, {"add_rms_norm", "moe_route_blocks", "moe_route_pick"})):
         plan = Plan(config, KernelPolicy(interpret=True, moe_route_rows=4,
@@ -697,20 +710,20 @@ def test_router_kernel_takes_the_boundary():
             return ops.moe_mlp(stream, lp["mlp_norm"], lp, plan).take(ARRAY_ONLY)
         names = pallas_kernels_in(sublayer, x, parts)
         assert kernels <= set(names) and not (names_all - kernels) & set(names), names
-        out[where, bool(blocks)] = [np.asarray(a, np.float32)
-                                    for a in jax.jit(sublayer)(x, parts)]
-    want = out[Boundary.KERNEL, False]
+        out[where, blocks["moe_route_blocks"]] = [np.asarray(a, np.float32)
+                                                  for a in jax.jit(sublayer)(x, parts)]
+    want = out[Boundary.KERNEL, 1]
     for key, got in out.items():
         np.testing.assert_array_equal(got[0], want[0])
         np.testing.assert_allclose(got[1], want[1], rtol=2e-2, atol=2e-2, err_msg=str(key))
 
 
 def test_router_kernel_choice_follows_the_policy():
-    """moe_route_rows picks the router kernel up to that many rows (0: never; 16 by
+    """moe_route_rows picks the router kernels up to that many rows (0: never; 16 by
     default); under batch_invariant, for every row count (a row's experts then never depend
-    on the batch or on T); a router over moe_route_bytes runs in D blocks of at most
-    moe_route_block_bytes (a power of two dividing D) or, with 0 or blocks that do not
-    divide D, keeps XLA's ops, as a score bias or group-limited routing does."""
+    on the batch or on T); the router in at least moe_route_blocks blocks of D rows of at most
+    moe_route_block_bytes, a power of two dividing D in blocks of 8 rows or more; a score
+    bias or group-limited routing keeps XLA's ops."""
     from jaxinfer.ops.moe import _route_blocks
 
     config = tiny_config()  # the router [32, 6]: 768 bytes in float32
@@ -718,18 +731,17 @@ def test_router_kernel_choice_follows_the_policy():
     many = jax.ShapeDtypeStruct((2, 9, 32), jnp.bfloat16)  # 18 rows
     lp = {"router": None}
     for policy, x, blocks in (
-            (KernelPolicy(interpret=True, moe_route_rows=8), h, 1),
+            (KernelPolicy(interpret=True, moe_route_rows=8), h, 4),  # 16 blocks: 2 rows each
             (KernelPolicy(interpret=True, moe_route_rows=4), h, None),
             (KernelPolicy(interpret=True, moe_route_rows=0), h, None),
-            (KernelPolicy(interpret=True), h, 1),
+            (KernelPolicy(interpret=True), h, 4),
             (KernelPolicy(interpret=True), many, None),
-            (KernelPolicy(interpret=True, moe_route_bytes=767), h, None),
-            (KernelPolicy(interpret=True, moe_route_bytes=256, moe_route_block_bytes=256), h, 4),
-            (KernelPolicy(interpret=True, moe_route_bytes=256, moe_route_block_bytes=512), h, 2),
-            (KernelPolicy(interpret=True, moe_route_bytes=256, moe_route_block_bytes=16), h,
-             None),  # 64 blocks of a 32-row router
-            (KernelPolicy.deterministic(interpret=True, moe_route_rows=4), h, 1),
-            (KernelPolicy.deterministic(interpret=True), many, 1),
+            (KernelPolicy(interpret=True, moe_route_blocks=1), h, 1),
+            (KernelPolicy(interpret=True, moe_route_blocks=2), h, 2),
+            (KernelPolicy(interpret=True, moe_route_blocks=3), h, 4),  # a power of two
+            (KernelPolicy(interpret=True, moe_route_blocks=1, moe_route_block_bytes=384), h, 2),
+            (KernelPolicy.deterministic(interpret=True, moe_route_rows=4), h, 4),
+            (KernelPolicy.deterministic(interpret=True), many, 4),
             (KernelPolicy.deterministic(interpret=True, moe_route_rows=0), h, None),
             (KernelPolicy(kernels=Kernels.REFERENCE, moe_route_rows=8), h, None)):
         got = _route_blocks(x, lp, Plan(config, policy))

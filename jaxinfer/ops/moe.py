@@ -24,6 +24,8 @@ experts' slices, ragged_dot and dense the whole stacked weights (references, fal
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -223,12 +225,28 @@ def _mosaic_decode_supports(x, weights, experts, w_gate, w_up, w_down, plan) -> 
 def _mosaic_decode(x, weights, experts, w_gate, w_up, w_down, plan, partials: bool = False):
     """pallas_kernels.quantized_mgpu's kernel with stacked experts: gate and up of every
     token-expert assignment in one launch (each reads only its expert's codes), the SwiGLU,
-    the down projection in a second launch, the k experts weighted. partials: down's K-range
-    sums, each K range's k experts weighted and added (one small fusion), as the [S, B, T, D]
-    float32 chunks a consumer kernel adds (the next boundary: no add or norm launch)."""
+    the down projection in a second launch, the k experts weighted. partials: the [S, B, T, D]
+    float32 chunks a consumer kernel adds (the next boundary: no add or norm launch). Where
+    down's K ranges S are at least 2 k (Mixtral: 4 for k = 2), the assignments go slot by
+    slot, each one's routing weight in its SwiGLU (down is linear) and down in S / k ranges,
+    so its [S / k, k N, D] sums are the S chunks as they are (-2% a Mixtral int4 step on an
+    H100; fewer than 2 ranges an expert slow down more than that saves); else each K range's
+    k experts weighted and added (one small fusion)."""
     lead, d = x.shape[:-1], x.shape[-1]
     n, k = experts.shape
     interpret, f32 = plan.policy.interpret, jnp.float32
+    cfg = pk.weight_config(w_down, n * k) if partials else None
+    if partials and cfg.splits >= 2 * k:
+        ids = experts.T.reshape(-1)  # [A = k N]: assignment j N + r is row r's j-th expert
+        g, u = pk.quantized_matmul_mgpu(x.reshape(n, d), (w_gate, w_up), experts=(
+            ids, jnp.arange(n * k) % n), interpret=interpret, out_dtype=f32)  # [A, F] each
+        act = (_swiglu_act(g, u, x.dtype).astype(f32)
+               * weights.T.reshape(-1, 1)).astype(x.dtype)  # [A, F], weighted
+        y = pk.quantized_matmul_mgpu(act, w_down, experts=(ids, jnp.arange(n * k)),
+                                     cfg=dataclasses.replace(cfg, splits=cfg.splits // k),
+                                     interpret=interpret, out_dtype=f32,
+                                     partials=True)  # [S / k, k N, D]
+        return y.reshape(-1, *lead, d)
     ids = experts.reshape(-1)  # [A = N k]
     g, u = pk.quantized_matmul_mgpu(x.reshape(n, d), (w_gate, w_up), experts=(
         ids, jnp.arange(n * k) // k), interpret=interpret, out_dtype=f32)  # [A, F] each
@@ -347,6 +365,9 @@ def _check_layer(lp: dict, moe: MoEConfig, d: int) -> None:
                              f"{e} experts of {moe.expert_intermediate_size})")
 
 
+ROUTE_BLOCK_ROWS = 8  # the fewest D rows a router block takes
+
+
 def _route_blocks(h, lp: dict, plan: Plan) -> int | str:
     """How many D blocks the router at h [B, T, D] runs in as pallas_kernels.moe_route (1: one
     program a row), or why it takes XLA's ops."""
@@ -361,16 +382,11 @@ def _route_blocks(h, lp: dict, plan: Plan) -> int | str:
     if lp.get("router_bias") is not None or (moe.n_group > 1 and moe.topk_group < moe.n_group):
         return "a score bias or group-limited routing (XLA's route)"
     d = h.shape[-1]
-    size, most = 4 * d * moe.num_experts, policy.moe_route_bytes  # float32 [D, E]
-    if size <= most:
-        return 1
-    block = policy.moe_route_block_bytes
-    blocks = next_pow2(-(-size // block)) if block else 0
-    if not block or d % blocks:
-        return (f"a {size}-byte router > KernelPolicy.moe_route_bytes={most}, in blocks of "
-                f"moe_route_block_bytes={block} that do not divide D={d}" if block else
-                f"a {size}-byte router > KernelPolicy.moe_route_bytes={most} "
-                f"(moe_route_block_bytes=0)")
+    size = 4 * d * moe.num_experts  # float32 [D, E]
+    blocks = max(next_pow2(policy.moe_route_blocks),
+                 next_pow2(-(-size // policy.moe_route_block_bytes)))
+    while blocks > 1 and (d % blocks or d // blocks < ROUTE_BLOCK_ROWS):
+        blocks //= 2
     return blocks
 
 
