@@ -49,12 +49,11 @@
 #                                        #  at the decode shapes, pallas_{decode,grouped}_int4)
 #   bash benchmarks/run_h200.sh deepseek # jaxinfer bench at DeepSeek-V2-Lite and Qwen3-30B-A3B
 #                                        # shapes (random weights): B=1 and B=32 decode
-#   bash benchmarks/run_h200.sh route    # the MoE router as one kernel (moe_route_rows 16, the
-#                                        # default), with the boundary in it (the default) or
-#                                        # not, or XLA's ops (0),
-#                                        # alternated: Mixtral int4 (and bf16 where it fits),
-#                                        # Qwen3-30B-A3B int4; its GPU tests ($ROUTE_VARIANTS:
-#                                        # a subset of "rows,boundary" pairs)
+#   bash benchmarks/run_h200.sh route    # the MoE router: XLA's ops, one program a row, D in
+#                                        # 16 blocks (the default), with the boundary in its
+#                                        # kernel or not, alternated: Mixtral int4 (and bf16
+#                                        # where it fits), Qwen3-30B-A3B int4; its GPU tests
+#                                        # ($ROUTE_VARIANTS: "rows,boundary,blocks" triples)
 #   bash benchmarks/run_h200.sh gemma    # benchmarks/gemma_attention.py (soft-capped flash and
 #                                        # decode attention at D256 vs XLA / cuDNN), then
 #                                        # jaxinfer bench --preset gemma3-27b and gemma3-1b, B=1
@@ -256,16 +255,18 @@ deepseek() {  # DeepSeek-V2-Lite (MLA + MoE) and Qwen3-30B-A3B shapes at B=1 and
     bench . deepseek --preset "$preset" --batch 1 32 --prompt-len 512 --gen-len 64 --repeats 2
   done
 }
-route() {  # the MoE router: XLA's ops (rows 0), its kernel (16 + kernel: add_rms_norm before it),
-  # its kernel with the boundary in it (16 + consumer), alternated, B = 1 (128 + 256); its tests
-  local mem variants="${ROUTE_VARIANTS:-0,consumer 16,kernel 16,consumer}"
+route() {  # the MoE router: XLA's ops (rows 0), one program a row (blocks 1), D in 16 blocks
+  # (the default), with the boundary in the router's kernel (consumer) or not (kernel),
+  # alternated, B = 1 (128 + 256); its tests
+  local mem variants="${ROUTE_VARIANTS:-0,consumer,16 16,consumer,1 16,consumer,16 16,kernel,16}"
   mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
   route_bench() {  # PRESET ARGS...: every variant once
-    local preset=$1 v
+    local preset=$1 v rows boundary blocks
     shift
     for v in $variants; do
-      bench . "route-${v/,/-}" --preset "$preset" $B1 "$@" --policy-field "moe_route_rows=${v%,*}" \
-        --policy-field "gated_mlp_boundary=${v#*,}"
+      IFS=, read -r rows boundary blocks <<< "$v"
+      bench . "route-${v//,/-}" --preset "$preset" $B1 "$@" --policy-field "moe_route_rows=$rows" \
+        --policy-field "gated_mlp_boundary=$boundary" --policy-field "moe_route_blocks=$blocks"
     done
   }
   for _ in $(seq "${ROUNDS:-2}"); do route_bench mixtral-8x7b --quantization int4; done
