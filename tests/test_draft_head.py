@@ -23,22 +23,12 @@ from jaxinfer.models import llama, registry
 from jaxinfer.model import from_params
 from jaxinfer.sampling import SamplingParams
 from kernel_testing import init_params  # jaxinfer.weights.init_params's bits, fewer compiles
+from sampling_cases import MIXED
 
 HF = pathlib.Path(__file__).parent / "fixtures" / "data" / "hf"
 PROMPTS = ["x", "the cat sat on the mat and the cat sat on", "hello world", "a b c a b c a b",
            "one two three four five six seven eight nine ten one two three", "zz",
            "the the the", "to be or not to be, that is"]
-# test_speculative's MIXED (logit_bias and logprobs rows too): its plain run at these shapes
-# is this file's (one program for both files in the session's compilation cache)
-MIXED = [SamplingParams(temperature=0.8), SamplingParams(temperature=0.0),
-         SamplingParams(temperature=1.0, top_k=20, top_p=0.9, logprobs=True),
-         SamplingParams(temperature=0.7, repetition_penalty=1.3, seed=123,
-                        logit_bias={5: 3.0, 11: -100}),
-         SamplingParams(temperature=0.9, presence_penalty=0.5, frequency_penalty=0.4,
-                        logprobs=True),
-         SamplingParams(temperature=0.6, min_p=0.05, logit_bias={7: 2.5}),
-         SamplingParams(temperature=0.0, repetition_penalty=1.2, logprobs=True),
-         SamplingParams(temperature=1.2, seed=7)]
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ from jaxinfer.models import llama
 from jaxinfer.plan import KernelPolicy, Plan
 # init_params: jaxinfer.weights.init_params's bits, fewer compiles
 from kernel_testing import init_params, pallas_kernels_in, rel_err
+from sampling_cases import MIXED
 
 
 def tiny_bf16_config() -> Config:
@@ -140,17 +141,6 @@ def test_greedy_speculative_equals_plain_greedy(looping, tiny_chat, drafter, bat
             assert c.token_ids == spec[0].token_ids
             rounds = len(c.token_ids) - 1 - c.accepted_tokens
             assert 3 * (rounds - 1) <= c.draft_tokens <= 3 * rounds
-
-
-MIXED = [SamplingParams(temperature=0.8), SamplingParams(temperature=0.0),
-         SamplingParams(temperature=1.0, top_k=20, top_p=0.9, logprobs=True),
-         SamplingParams(temperature=0.7, repetition_penalty=1.3, seed=123,
-                        logit_bias={5: 3.0, 11: -100}),
-         SamplingParams(temperature=0.9, presence_penalty=0.5, frequency_penalty=0.4,
-                        logprobs=True),
-         SamplingParams(temperature=0.6, min_p=0.05, logit_bias={7: 2.5}),
-         SamplingParams(temperature=0.0, repetition_penalty=1.2, logprobs=True),
-         SamplingParams(temperature=1.2, seed=7)]
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "self"])
