@@ -69,8 +69,10 @@ def _greedy(params, ref, plan) -> list[list[int]]:
     assert buf.shape[0] == b and p + NEW_TOKENS <= buf.shape[1], (prompts.shape, buf.shape)
     buf[:, :p] = prompts
     for i in range(NEW_TOKENS):
-        logits = _full_forward(params, jnp.asarray(buf), plan)  # [B, T, V]
-        buf[:, p + i] = np.asarray(logits[:, p + i - 1].argmax(-1))
+        # the argmax on the host: an eager slice / argmax of the sharded logits would compile
+        # a program per mesh
+        logits = np.asarray(_full_forward(params, jnp.asarray(buf), plan))  # [B, T, V]
+        buf[:, p + i] = logits[:, p + i - 1].argmax(-1)
     return buf[:, p:p + NEW_TOKENS].tolist()
 
 
@@ -84,9 +86,11 @@ GENERATE_CASES = (("mixtral", '{"ep": 4, "tp": 2}'), ("deepseek_v3", '{"ep": 4, 
 _HLO = {}
 
 
-def _compare(model, ref, name: str, mesh_kw) -> dict:
+def _compare(model, ref, name: str, mesh_kw, host_params) -> dict:
     """One model on one mesh against one device: logits, greedy tokens, bytes per device;
-    for GENERATE_CASES generate's tokens; for HLO_CASES the decode loop's optimized HLO."""
+    for GENERATE_CASES generate's tokens; for HLO_CASES the decode loop's optimized HLO.
+    host_params: model.params as numpy arrays (placed from the host, device_put slices them
+    without compiling a program per weight shape and mesh as resharding a device array does)."""
     from jaxinfer import sharding
     from jaxinfer.models import registry
     from jaxinfer.plan import Plan
@@ -95,7 +99,7 @@ def _compare(model, ref, name: str, mesh_kw) -> dict:
     mesh = sharding.make_mesh(**mesh_kw)
     plan = Plan(model.config, model.policy, sharding.Sharding.create(mesh, model.config))
     specs = registry.family(model.config).param_specs(model.config)
-    params = sharding.shard_params(model.params, specs, plan.sharding)
+    params = sharding.shard_params(host_params, specs, plan.sharding)
     key = json.dumps(mesh_kw, sort_keys=True)
     got = {}
     if (name, key) in GENERATE_CASES:
@@ -136,8 +140,9 @@ def check_models(names=FIXTURES, meshes=MESHES, quantization=None) -> dict:
             # transformers' greedy tokens (one device's generate gives them: tests/test_moe.py,
             # tests/test_deepseek.py)
             entry["hf_tokens"] = ref["greedy_new"][:, :NEW_TOKENS].tolist()
+        host_params = jax.tree.map(np.asarray, model.params)
         for kw in meshes:
-            got = _compare(model, ref, name, kw)
+            got = _compare(model, ref, name, kw, host_params)
             logits = got.pop("logits")
             got["rel"] = _rel(logits, base)
             got["argmax_equal"] = bool((logits.argmax(-1) == base.argmax(-1)).all())
@@ -172,7 +177,8 @@ def check_quantized_moe() -> dict:
     config = model.config
     ids = jnp.asarray(np.load(HF / "mixtral" / "ref.npz")["input_ids"][:2, :9])
     b, t = 2, 8
-    pos = jnp.broadcast_to(jnp.arange(t + 1, dtype=jnp.int32), (b, t + 1))
+    # built on the host: eager iota / broadcast would each compile a program
+    pos = jnp.asarray(np.broadcast_to(np.arange(t + 1, dtype=np.int32), (b, t + 1)))
 
     def run(params, plan, cache):
         logits, cache = llama.forward(params, ids[:, :t], pos[:, :t], plan, cache, fresh=True)
@@ -183,10 +189,13 @@ def check_quantized_moe() -> dict:
                                          KVCache.init(config, b, 16))
     sharding = Sharding.create(make_mesh(tp=2, ep=2), config)
     plan = Plan(config, KernelPolicy(interpret=True), sharding)
-    params = shard_params(model.params, llama.param_specs(config), sharding)
+    params = shard_params(jax.tree.map(np.asarray, model.params), llama.param_specs(config),
+                          sharding)
     cache = KVCache.init(config, b, 16)
-    found = pallas_calls(jax.make_jaxpr(run, static_argnums=1)(params, plan, cache).jaxpr)
-    two = np.asarray(jax.jit(run, static_argnums=1)(params, plan, cache))
+    # one trace for both the jaxpr the pallas_calls are counted in and the executable
+    traced = jax.jit(run, static_argnums=1).trace(params, plan, cache)
+    found = pallas_calls(traced.jaxpr)
+    two = np.asarray(traced.lower().compile()(params, cache))
     one = np.asarray(one)
     out["interpret"] = {"rel": _rel(two, one), "pallas": found,
                         "argmax_equal": bool((one.argmax(-1) == two.argmax(-1)).all())}
@@ -224,7 +233,8 @@ def check_hlo() -> dict:
                         policy=KernelPolicy.reference())
     req = generate._prepare(model, [[1, 2, 3, 4], [5, 6, 7]], 4, None, 0, None, None, None,
                             None, None, make_mesh(tp=2))
-    params = shard_params(model.params, llama.param_specs(config), req.plan.sharding)
+    params = shard_params(jax.tree.map(np.asarray, model.params), llama.param_specs(config),
+                          req.plan.sharding)
     hlo = generate.decode_step.lower(params, req.state, req.plan).compile().as_text()
     out["int4 kept quantized"] = {
         "collectives": collectives(hlo), "layers": 2, "hidden": 256, "vocab": 512,
@@ -266,7 +276,7 @@ def check_interpret() -> dict:
                         policy=KernelPolicy(interpret=True))
     b, t, s = 2, 16, 32
     tokens = jax.random.randint(jax.random.key(1), (b, t + 1), 0, config.vocab_size)
-    pos = jnp.broadcast_to(jnp.arange(t + 1, dtype=jnp.int32), (b, t + 1))
+    pos = jnp.asarray(np.broadcast_to(np.arange(t + 1, dtype=np.int32), (b, t + 1)))
     forward = registry.family(config).forward
 
     def run(params, plan, cache):
@@ -280,10 +290,13 @@ def check_interpret() -> dict:
     one = jax.jit(run, static_argnums=1)(model.params, reference, KVCache.init(config, b, s))
     sharding = Sharding.create(make_mesh(tp=2), config)
     plan = Plan(config, model.policy, sharding)
-    params = shard_params(model.params, llama.param_specs(config), sharding)
+    params = shard_params(jax.tree.map(np.asarray, model.params), llama.param_specs(config),
+                          sharding)
     cache = KVCache.init(config, b, s)
-    found = pallas_calls(jax.make_jaxpr(run, static_argnums=1)(params, plan, cache).jaxpr)
-    two = jax.jit(run, static_argnums=1)(params, plan, cache)
+    # one trace for both the jaxpr the pallas_calls are counted in and the executable
+    traced = jax.jit(run, static_argnums=1).trace(params, plan, cache)
+    found = pallas_calls(traced.jaxpr)
+    two = traced.lower().compile()(params, cache)
     one, two = np.asarray(one, np.float32), np.asarray(two, np.float32)
     return {"rel": _rel(two, one), "argmax_agree": float((one.argmax(-1) == two.argmax(-1))
                                                          .mean()), "pallas": found}
