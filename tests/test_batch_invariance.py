@@ -19,6 +19,8 @@ from jaxinfer.ops.dispatch import decode_path
 from jaxinfer.ops.linear import MATMUL
 from jaxinfer.ops.mlp import SWIGLU
 from jaxinfer.plan import KernelPolicy, Plan
+from kernel_inputs import put
+from kernel_testing import host_normal
 from test_kernel_wiring import random_params, step_kernels, tiny_config
 
 CACHE = 32  # slots per row
@@ -27,22 +29,25 @@ DET = KernelPolicy.deterministic(interpret=True, attention_chunk=16)
 
 def _batch(config, b: int, seed: int, request: dict, at: tuple[int, ...]):
     """A decode step's inputs for b rows of random caches, tokens and positions, the
-    request's own at rows `at`."""
-    keys = jax.random.split(jax.random.key(seed), 4)
+    request's own at rows `at`. Built in numpy, then put on the device (eager jax.random and
+    .at[].set ops compiled a program each per batch size)."""
+    rng = np.random.default_rng(seed)
     shape = (b, CACHE, config.num_kv_heads, config.head_dim)
-    ks = [jax.random.normal(k, shape, jnp.float32).astype(jnp.bfloat16)
-          for k in jax.random.split(keys[0], config.num_layers)]
-    vs = [jax.random.normal(k, shape, jnp.float32).astype(jnp.bfloat16)
-          for k in jax.random.split(keys[1], config.num_layers)]
-    tokens = jax.random.randint(keys[2], (b, 1), 0, config.vocab_size)
-    positions = jax.random.randint(keys[3], (b, 1), 0, CACHE)
+    ks = [host_normal(int(s), shape, jnp.bfloat16)
+          for s in rng.integers(0, 2**31, config.num_layers)]
+    vs = [host_normal(int(s), shape, jnp.bfloat16)
+          for s in rng.integers(0, 2**31, config.num_layers)]
+    tokens = rng.integers(0, config.vocab_size, (b, 1)).astype(np.int32)
+    positions = rng.integers(0, CACHE, (b, 1)).astype(np.int32)
     for i in at:
-        ks = [k.at[i].set(r) for k, r in zip(ks, request["k"])]
-        vs = [v.at[i].set(r) for v, r in zip(vs, request["v"])]
-        tokens = tokens.at[i].set(request["token"])
-        positions = positions.at[i].set(request["position"])
-    cache = KVCache(tuple(ks), tuple(vs), positions[:, 0])
-    return tokens, positions, cache
+        for k, r in zip(ks, request["k"]):
+            k[i] = r
+        for v, r in zip(vs, request["v"]):
+            v[i] = r
+        tokens[i] = request["token"]
+        positions[i] = request["position"]
+    cache = KVCache(tuple(put(k) for k in ks), tuple(put(v) for v in vs), put(positions[:, 0]))
+    return put(tokens), put(positions), cache
 
 
 def test_decode_logits_bitwise_equal_at_batch_1_20_64():
@@ -50,8 +55,8 @@ def test_decode_logits_bitwise_equal_at_batch_1_20_64():
     params = random_params(config)
     plan = Plan(config, DET)
     tokens, positions, cache = _batch(config, 1, 7, None, ())
-    request = dict(k=[k[0] for k in cache.k], v=[v[0] for v in cache.v], token=tokens[0],
-                   position=jnp.array([21], jnp.int32))
+    request = dict(k=[np.asarray(k[0]) for k in cache.k], v=[np.asarray(v[0]) for v in cache.v],
+                   token=np.asarray(tokens[0]), position=np.array([21], np.int32))
     step = jax.jit(lambda p, t, pos, c: llama.forward(p, t, pos, plan, c))
     alone = step(params, *_batch(config, 1, 7, request, (0,)))
     for b, seed, at in ((20, 1, (13,)), (64, 2, (0, 47))):
@@ -76,8 +81,8 @@ def test_chunked_prefill_bitwise_equal_to_one_call():
     params = random_params(config)
     plan = Plan(config, DET)
     b, t = 2, 16
-    ids = jax.random.randint(jax.random.key(5), (b, t), 0, config.vocab_size)
-    last = jnp.full((b,), t - 1, jnp.int32)
+    ids = np.random.default_rng(5).integers(0, config.vocab_size, (b, t)).astype(np.int32)
+    last = np.full((b,), t - 1, np.int32)
 
     @jax.jit
     def chunk(tokens, start, cache, logits_at):
@@ -86,9 +91,9 @@ def test_chunked_prefill_bitwise_equal_to_one_call():
         return llama.forward(params, tokens, pos, plan, cache, logits_at=logits_at)
 
     empty = KVCache.init(config, b, CACHE)
-    one, one_cache = chunk(ids, 0, empty, last)
-    _, cache = chunk(ids[:, :7], 0, empty, jnp.zeros((b,), jnp.int32))
-    two, two_cache = chunk(ids[:, 7:], 7, cache, last - 7)
+    one, one_cache = chunk(put(ids), 0, empty, put(last))
+    _, cache = chunk(put(ids[:, :7]), 0, empty, put(np.zeros((b,), np.int32)))
+    two, two_cache = chunk(put(ids[:, 7:]), 7, cache, put(last - 7))
     np.testing.assert_array_equal(np.asarray(two), np.asarray(one))
     for a, ref in zip(two_cache.k + two_cache.v, one_cache.k + one_cache.v):
         np.testing.assert_array_equal(np.asarray(a[:, :t]), np.asarray(ref[:, :t]))

@@ -425,8 +425,13 @@ def test_constrained_rows_beside_free_rows(tiny_chat):
         if lps:
             np.testing.assert_allclose(got[i][1], lps, atol=1e-4)
     # Top logprobs of the first free row: the k most likely under log_softmax, descending.
+    # Full forwards padded to one length: the grammar rows' (prompt + 130), one compile
+    # (causal: the padding changes no earlier logit)
+    width = max(len(p) for p, _, _ in constrained) + 130
     p, toks = free[0][0], got[ids[0]][0]
-    logp = np.asarray(jax.nn.log_softmax(model(np.array([p + toks]))[0], axis=-1))
+    assert len(p + toks) <= width
+    logp = np.asarray(jax.nn.log_softmax(
+        model(np.array([p + toks + [0] * (width - len(p + toks))]))[0], axis=-1))
     for j, top in enumerate(got[ids[0]][2]):
         want = np.argsort(-logp[len(p) - 1 + j])[:3]
         assert [t for t, _ in top] == want.tolist()
@@ -443,9 +448,8 @@ def test_constrained_rows_beside_free_rows(tiny_chat):
                                      spec, defaults={"whitespace_pattern": JSON_WHITESPACE}))
         want, mask = [], llguidance.numpy.allocate_token_bitmask(1, tok.vocab_size)
         while len(want) < 130 and not m.is_stopped():
-            # padded to one length (one compile; causal: the padding changes no earlier logit)
             seq = prompt + want
-            logits = np.array(model(np.array([seq + [0] * (len(prompt) + 130 - len(seq))]))
+            logits = np.array(model(np.array([seq + [0] * (width - len(seq))]))
                               [0, len(seq) - 1:len(seq)], np.float32)
             llguidance.numpy.fill_next_token_bitmask(m, mask)
             llguidance.numpy.apply_token_bitmask_inplace(logits, mask)

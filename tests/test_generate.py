@@ -5,7 +5,6 @@ import re
 import pathlib
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -18,6 +17,7 @@ from jaxinfer.generate import decode_loop, init_state, prefill
 generate_module = __import__("sys").modules["jaxinfer.generate"]  # the name is the function
 from jaxinfer.models import registry
 from jaxinfer.plan import KernelPolicy
+from kernel_inputs import put
 from tests.xla_env import run_optimized
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "data"
@@ -89,21 +89,24 @@ def test_incremental_decoding_matches_full_forward(variant):
     """Prefill a prefix into the cache, then one token at a time: every step's logits equal the
     full forward's at that position (INCREMENTAL_SKIP: why three fixtures are left out)."""
     model = jaxinfer.load(str(variant), dtype="float32")
-    ids = jnp.asarray(np.load(variant / "ref.npz")["input_ids"])  # [B, T]
+    # ids, positions and their slices in numpy, put on the device as they are (eager ops on
+    # device arrays compiled a program each, per fixture shape)
+    ids = np.asarray(np.load(variant / "ref.npz")["input_ids"], np.int32)  # [B, T]
     b, t = ids.shape
-    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    pos = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
     # The family's forward (llama, gemma): one compile per query length.
     forward = jax.jit(registry.family(model.config).forward, static_argnums=(3,))
-    full, _ = forward(model.params, ids, pos, model.plan)
+    full, _ = forward(model.params, put(ids), put(pos), model.plan)
     split = t // 3
     cache = KVCache.init(model.config, b, t + 5)
-    logits, cache = forward(model.params, ids[:, :split], pos[:, :split], model.plan, cache)
-    steps = [logits]
+    logits, cache = forward(model.params, put(ids[:, :split]), put(pos[:, :split]), model.plan,
+                            cache)
+    steps = [np.asarray(logits)]
     for i in range(split, t):
-        logits, cache = forward(model.params, ids[:, i:i + 1], pos[:, i:i + 1], model.plan,
-                                cache)
-        steps.append(logits)
-    inc = np.asarray(jnp.concatenate(steps, axis=1))
+        logits, cache = forward(model.params, put(ids[:, i:i + 1]), put(pos[:, i:i + 1]),
+                                model.plan, cache)
+        steps.append(np.asarray(logits))
+    inc = np.concatenate(steps, axis=1)
     full = np.asarray(full)
     for i in range(t):
         rel = np.linalg.norm(inc[:, i] - full[:, i]) / np.linalg.norm(full[:, i])
@@ -121,8 +124,9 @@ def test_same_seed_same_tokens_and_batch_independence(tiny_chat):
     c = jaxinfer.generate(tiny_chat, ["Tell me a story.", "Why is the sky blue?"], max_new_tokens=16,
                           sampling=sp, seed=4, chat=True)
     assert [x.token_ids for x in c] != [x.token_ids for x in a]
-    # A request with its own seed draws the same tokens alone or at another row of a batch.
-    own = SamplingParams(temperature=1.0, top_p=0.95, seed=11)
+    # A request with its own seed draws the same tokens alone or at another row of a batch
+    # (sp's truncation: the batch's sampling stages, so its programs are a's).
+    own = SamplingParams(temperature=1.0, top_p=0.95, top_k=50, seed=11)
     (alone,) = jaxinfer.generate(tiny_chat, ["Why is the sky blue?"], max_new_tokens=16,
                                  sampling=own, chat=True)
     batch = jaxinfer.generate(tiny_chat, ["Hi", "Why is the sky blue?"], max_new_tokens=16,
@@ -326,14 +330,16 @@ def test_prefill_too_large_for_the_device_runs_in_chunks(tiny_chat, monkeypatch)
     chunks of 256 need), generate prefills in the largest chunk that fits, with one shot's
     tokens; an explicit prefill_chunk is kept, and a request that no chunk fits is refused
     with the smallest chunk's figures."""
-    rng = np.random.default_rng(1)
-    prompts = [rng.integers(3, 600, n).tolist() for n in (300, 40)]
+    # test_chunked_prefill_equals_one_shot's prompts, batch and sampling: its one-shot run's
+    # programs (prompts padded to 512, 512 cache slots, outputs of 64) serve `one` here too
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 600, n).tolist() for n in (300, 40, 129)]
     sp = SamplingParams(temperature=0.0, logprobs=True)
     one = jaxinfer.generate(tiny_chat, prompts, max_new_tokens=4, sampling=sp,
                             policy=KernelPolicy(prefill_chunk=0))
 
     def parts(chunk):  # the prompts padded to 512, a cache of 512 slots
-        return jaxinfer.memory.request_parts(tiny_chat.config, 2, 512, 512, chunk)
+        return jaxinfer.memory.request_parts(tiny_chat.config, 3, 512, 512, chunk)
 
     def need(chunk):
         return sum(parts(chunk).values())
@@ -343,8 +349,8 @@ def test_prefill_too_large_for_the_device_runs_in_chunks(tiny_chat, monkeypatch)
     assert need(256) < need(512) and workspace(256) != workspace(512)
     monkeypatch.setenv("JAXINFER_MEMORY_LIMIT", str(need(256)))
     state, tokens, _, plan = generate_module.fitting_state(
-        tiny_chat, prompts, 4, [sp] * 2, 0, [], tiny_chat.plan)
-    assert plan.policy.prefill_chunk == 256 and tokens.shape == (2, 512)
+        tiny_chat, prompts, 4, [sp] * 3, 0, [], tiny_chat.plan)
+    assert plan.policy.prefill_chunk == 256 and tokens.shape == (3, 512)
     got = jaxinfer.generate(tiny_chat, prompts, max_new_tokens=4, sampling=sp)
     for a, b in zip(got, one):
         assert a.token_ids == b.token_ids

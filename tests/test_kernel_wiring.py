@@ -23,6 +23,7 @@ from jaxinfer.configs import Config, MoEConfig, RopeScaling
 from jaxinfer.models import llama
 from jaxinfer.plan import Boundary, KernelPolicy, Plan
 # init_params: jaxinfer.weights.init_params's bits, fewer compiles
+from kernel_inputs import put
 from kernel_testing import init_params, pallas_kernels_in, rel_err
 
 C, K, X = Boundary.CONSUMER, Boundary.KERNEL, Boundary.XLA
@@ -71,16 +72,20 @@ def decode_steps(params, plan: Plan, ids, cache_len=None, forward=llama.forward)
     """Prefill a third of ids [B, T] (fresh), then one token per step -> logits [B, T, V].
     forward: llama.forward's signature (op by op by default: its compiles are shared by the
     tests around it)."""
+    # ids, positions and their slices in numpy, put on the device as they are: eager slices
+    # of device arrays compiled a program per slice (each step's start, each shape)
+    ids = np.asarray(ids, np.int32)
     b, t = ids.shape
-    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    pos = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
     split = t // 3
     cache = KVCache.init(plan.config, b, cache_len or t + 3)
-    logits, cache = forward(params, ids[:, :split], pos[:, :split], plan, cache, fresh=True)
-    out = [logits]
+    logits, cache = forward(params, put(ids[:, :split]), put(pos[:, :split]), plan, cache,
+                            fresh=True)
+    out = [np.asarray(logits)]
     for i in range(split, t):
-        logits, cache = forward(params, ids[:, i:i + 1], pos[:, i:i + 1], plan, cache)
-        out.append(logits)
-    return np.asarray(jnp.concatenate(out, axis=1)), cache
+        logits, cache = forward(params, put(ids[:, i:i + 1]), put(pos[:, i:i + 1]), plan, cache)
+        out.append(np.asarray(logits))
+    return np.concatenate(out, axis=1), cache
 
 
 def step_kernels(params, plan: Plan, batch: int) -> collections.Counter:
@@ -166,12 +171,13 @@ def test_deterministic_policy_is_batch_invariant_in_interpret_mode():
     config = tiny_config()
     params = random_params(config)
     plan = Plan(config, KernelPolicy.deterministic(interpret=True, attention_chunk=16))
-    ids = jax.random.randint(jax.random.key(3), (4, 7), 0, config.vocab_size)
+    ids = np.asarray(jax.random.randint(jax.random.key(3), (4, 7), 0, config.vocab_size))
     # jitted: one program per shape (op by op, the interpret-mode kernels' ops each compile
     # alone, and at two batch shapes); the same computations, as the engine runs them
     forward = jax.jit(llama.forward, static_argnames=("plan", "fresh"))
     alone, _ = decode_steps(params, plan, ids[1:2], cache_len=24, forward=forward)
-    batch = ids.at[3].set(ids[1])
+    batch = ids.copy()
+    batch[3] = ids[1]
     together, _ = decode_steps(params, plan, batch, cache_len=48, forward=forward)
     np.testing.assert_array_equal(together[3], alone[0])
     assert_close_to_reference(params, config, ids[1:2], alone, forward)
