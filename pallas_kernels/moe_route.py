@@ -42,27 +42,21 @@ SCORINGS = ("softmax", "sigmoid")
 _TILE = 8192  # router elements a chunk holds in registers ([chunk, Ep] float32)
 
 
-def _logits(h_of, w_ref, *, e: int, chunk: int, rows: int, start=0, stop: int | None = None):
-    """h @ w_ref [Dp, Ep] over D rows start .. start + rows (and < stop) in float32, streamed
-    in chunks of D rows -> [Ep]; h_of(first row, row mask [chunk]) -> h's [chunk] there."""
+def _logits(h_ref, w_ref, *, e: int, chunk: int, rows: int, start=0):
+    """h_ref [Dp] @ w_ref [Dp, Ep] over D rows start .. start + rows in float32, streamed in
+    chunks of D rows -> [Ep]."""
     ep = w_ref.shape[1]
     col_ok = jnp.arange(ep) < e
-    limit = rows if stop is None else jnp.minimum(start + rows, stop)
 
     def body(c, acc):  # acc [Ep] += h[c chunk] @ router[c chunk]
-        r0 = c * chunk if stop is None else start + c * chunk
+        r0 = start + c * chunk
         r = r0 + jnp.arange(chunk)  # [chunk]
-        hc = h_of(r0, r < limit)
+        hc = plgpu.load(h_ref.at[pl.ds(r0, chunk)], mask=r < start + rows, other=0)
         wc = plgpu.load(w_ref.at[pl.ds(r0, chunk), :],
-                        mask=(r < limit)[:, None] & col_ok[None, :], other=0)  # [chunk, Ep]
-        return acc + jnp.sum(hc.astype(jnp.float32)[:, None] * wc, axis=0)
+                        mask=(r < start + rows)[:, None] & col_ok[None, :], other=0)
+        return acc + jnp.sum(hc.astype(jnp.float32)[:, None] * wc, axis=0)  # wc [chunk, Ep]
 
     return lax.fori_loop(0, pl.cdiv(rows, chunk), body, jnp.zeros((ep,), jnp.float32))
-
-
-def _loaded(h_ref, chunk: int):
-    """h_of for _logits: h's chunk as stored in h_ref [Dp]."""
-    return lambda r0, ok: plgpu.load(h_ref.at[pl.ds(r0, chunk)], mask=ok, other=0)
 
 
 def _pick(logits, wo_ref, eo_ref, *, e: int, k: int, scoring: str, norm_topk_prob: bool,
@@ -99,8 +93,7 @@ def _pick(logits, wo_ref, eo_ref, *, e: int, k: int, scoring: str, norm_topk_pro
 def _route_kernel(h_ref, w_ref, wo_ref, eo_ref, *, d: int, e: int, chunk: int, **pick):
     # h_ref [Dp] (a row); w_ref [Dp, Ep] (Dp, Ep: powers of two >= D, E; masked past them);
     # wo_ref, eo_ref [Kp] (the row's)
-    _pick(_logits(_loaded(h_ref, chunk), w_ref, e=e, chunk=chunk, rows=d), wo_ref, eo_ref,
-          e=e, **pick)
+    _pick(_logits(h_ref, w_ref, e=e, chunk=chunk, rows=d), wo_ref, eo_ref, e=e, **pick)
 
 
 def _add_norm_route_kernel(*refs, splits: int, eps: float, interpret: bool, d: int, e: int,
@@ -113,8 +106,7 @@ def _add_norm_route_kernel(*refs, splits: int, eps: float, interpret: bool, d: i
     add_and_norm(d_refs, x_ref, nw_ref, xo_ref, h_ref, ok, ok, dim=d, eps=eps)  # add_rms_norm's
     if not interpret:  # the router's chunks read h back: every thread's part stored first
         plgpu.debug_barrier()
-    _pick(_logits(_loaded(h_ref, chunk), w_ref, e=e, chunk=chunk, rows=d), wo_ref, eo_ref,
-          e=e, **pick)
+    _pick(_logits(h_ref, w_ref, e=e, chunk=chunk, rows=d), wo_ref, eo_ref, e=e, **pick)
 
 
 def _block_logits_kernel(*refs, splits: int, eps: float, interpret: bool, d: int, e: int,
@@ -134,8 +126,7 @@ def _block_logits_kernel(*refs, splits: int, eps: float, interpret: bool, d: int
                      store=(col >= c * rows) & (col < (c + 1) * rows))
         if not interpret:  # every thread's part of h stored before the loop reads it
             plgpu.debug_barrier()
-    logits = _logits(_loaded(h_ref, chunk), w_ref, e=e, chunk=chunk, rows=rows,
-                     start=c * rows, stop=d)
+    logits = _logits(h_ref, w_ref, e=e, chunk=chunk, rows=rows, start=c * rows)
     plgpu.store(lo_ref, logits)
 
 
@@ -172,7 +163,7 @@ def moe_route(h, router, *, k: int, scoring: str = "softmax", norm_topk_prob: bo
     pick = dict(k=int(k), scoring=scoring, norm_topk_prob=bool(norm_topk_prob),
                 scaling=float(scaling), interpret=interpret)
     if blocks > 1:
-        return _sum_pick(_block_logits(None, h, None, router, eps=0.0, blocks=blocks,
+        return _sum_pick(_block_logits(h, None, None, router, eps=0.0, blocks=blocks,
                                        interpret=interpret)[0], e=router.shape[1], **pick)
     return _route(h, router, **pick)
 
@@ -205,12 +196,11 @@ def _route(h, router, *, k, scoring, norm_topk_prob, scaling, interpret):
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "blocks", "interpret"))
-def _block_logits(x, h, deltas, router, *, eps, blocks, interpret):
-    """The partial logits [blocks, N, Ep] of h (deltas None), or of the RMSNorm of x +
-    sum(deltas) under the norm weight h (then also x_new, h: [N, D])."""
+def _block_logits(x, norm_weight, deltas, router, *, eps, blocks, interpret):
+    """The partial logits [blocks, N, Ep] of the rows x [N, D] (deltas None: x is h), or of
+    the RMSNorm of x + sum(deltas) under norm_weight (then also x_new, h: [N, D])."""
     norm = deltas is not None
-    rows_in = x if norm else h
-    n, d = rows_in.shape
+    n, d = x.shape
     e = router.shape[1]
     dp, ep, _, chunk = _tiles(d, e, 1)
     rows = d // blocks
@@ -221,12 +211,12 @@ def _block_logits(x, h, deltas, router, *, eps, blocks, interpret):
     row = pl.BlockSpec((None, dp), lambda i, c: (i, 0))
     logits = pl.BlockSpec((None, None, ep), lambda i, c: (c, i, 0))
     out_shape = [jax.ShapeDtypeStruct((blocks, n, ep), jnp.float32)]
-    in_specs, args, out_specs = [row], [h], [logits]
+    in_specs, args, out_specs = [row], [x], [logits]
     if norm:
-        h_dtype = jnp.result_type(h.dtype, x.dtype)  # h here is the norm's weight
+        h_dtype = jnp.result_type(norm_weight.dtype, x.dtype)
         in_specs = [*[pl.BlockSpec((None, None, dp), lambda i, c, j=j: (j, i, 0))
                       for j in range(s)], row, pl.BlockSpec((dp,), lambda i, c: (0,))]
-        args = [*[deltas] * s, x, h]
+        args = [*[deltas] * s, x, norm_weight]
         out_specs += [row, row]
         out_shape += [jax.ShapeDtypeStruct((n, d), x.dtype),
                       jax.ShapeDtypeStruct((n, d), h_dtype)]

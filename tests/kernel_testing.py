@@ -123,6 +123,22 @@ def _count_jits(jaxpr, counts: collections.Counter) -> collections.Counter:
     return counts
 
 
+def _jit_outputs(jaxpr, name: str, out: list) -> list:
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("jit", "pjit") and eqn.params["name"] == name:
+            out.append([tuple(v.aval.shape) for v in eqn.outvars])
+        for v in eqn.params.values():
+            for sub in _jaxprs(v):
+                _jit_outputs(sub, name, out)
+    return out
+
+
+def jitted_call_shapes(fn, *args, name: str) -> list:
+    """The output shapes of each call of the jitted function `name` in fn(*args), in order
+    (traced, not run): a list of lists of shapes."""
+    return _jit_outputs(jax.make_jaxpr(fn)(*args).jaxpr, name, [])
+
+
 def jitted_calls_in(fn, *args) -> collections.Counter:
     """Names of the jitted functions fn(*args) calls, nested ones included (traced, not run):
     what a kernel whose lowering is not a pallas_call here (Mosaic GPU) is counted by."""

@@ -12,10 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from kernel_inputs import put
-from kernel_testing import host_normal, normal, pallas_kernels_in
+from kernel_testing import host_normal, jitted_call_shapes, normal, pallas_kernels_in
 
 import jaxinfer
-import pallas_kernels as pk
 from jaxinfer import ops
 from jaxinfer.cache import KVCache
 from jaxinfer.configs import PRESETS, Config, MoEConfig
@@ -412,7 +411,7 @@ def test_quantized_experts_through_every_implementation():
     True, pytest.param(False, marks=[pytest.mark.gpu, pytest.mark.skipif(
         jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")])], ids=["interpret", "gpu"])
 @pytest.mark.parametrize("f", [512, 1024])
-def test_int4_experts_through_the_mosaic_kernel(interpret, f, monkeypatch):
+def test_int4_experts_through_the_mosaic_kernel(interpret, f):
     """int4 experts in groups of 128 in the nk layout (int_layout_params on a Mosaic plan)
     take the Mosaic GPU kernel with stacked experts at decode rows (interpret mode): gate and
     up in one launch, down in another, each assignment reading its expert; the sublayer
@@ -444,18 +443,17 @@ def test_int4_experts_through_the_mosaic_kernel(interpret, f, monkeypatch):
         assert EXPERTS.pick(x, None, None, w, w, nk["experts_down"], plan).name == impl
         want = _moe_out(config, lp, x, KernelPolicy(moe=MoEImpl.DENSE))[1]
         if impl == "mosaic_decode":  # the form the next boundary takes
-            calls = []  # down's configuration: its own K ranges where the weights go first
-            mgpu = pk.quantized_matmul_mgpu
-            monkeypatch.setattr(pk, "quantized_matmul_mgpu", lambda *a, **kw: (
-                calls.append(kw.get("cfg")), mgpu(*a, **kw))[1])
             names = pallas_kernels_in(lambda v: _moe_sublayer(nk, v, plan), x)
-            monkeypatch.undo()
             # the router in its kernels: D in 16 blocks, then the pick
             assert names["moe_route_blocks"] == names["moe_route_pick"] == 1, names
+            # gate + up, then down's K-range sums [S, A, D]: two ranges either way, so K 1024's
+            # four chunks are two ranges of each expert slot (its weights applied before down)
+            calls = jitted_call_shapes(lambda v: _moe_sublayer(nk, v, plan), x,
+                                       name="int_matmul_mgpu")
+            assert [c[0] for c in calls] == [(4, f)] + [(2, 4, 128)], calls
             _, parts = _moe_sublayer(nk, x, plan)
             assert isinstance(parts, ops.Partials) and parts.parts.shape == (
                 f // 256, *shape), parts.parts.shape
-            assert [c and c.splits for c in calls] == [None, None if f == 512 else 2], calls
             got = parts.materialize(jnp.float32)
         else:
             got = _moe_array(nk, x, plan)
