@@ -12,10 +12,12 @@ from jaxinfer.model import load
 HF = pathlib.Path(__file__).parent / "fixtures" / "data" / "hf"
 
 
-def test_bench_a_checkpoint_on_cpu(capsys, monkeypatch):
+def test_bench_a_checkpoint_on_cpu(tiny_chat_dir, capsys, monkeypatch):
     """Bench reports its figures for a checkpoint on CPU (no floor there; the floor's
     bandwidth is the card's), and each timing makes its state with no earlier one alive (two
-    KV caches of a B=64 2k batch would not fit the 80 GB card where one does)."""
+    KV caches of a B=64 2k batch would not fit the 80 GB card where one does). The checkpoint
+    and shapes are test_cli's bench test's (an HF directory in float32; prompts of 16 and
+    outputs of 64 padded, batches 1 and 2): the same programs, compiled once in the session."""
     import jax
 
     live = []  # bytes of live arrays as each state is made
@@ -25,7 +27,7 @@ def test_bench_a_checkpoint_on_cpu(capsys, monkeypatch):
         return fitting(*args, **kw)
     fitting = bench.fitting_state
     monkeypatch.setattr(bench, "fitting_state", fitting_state)
-    model = str(HF / "llama_gqa_tied_llama3")
+    model = str(tiny_chat_dir)
     assert cli.main(["bench", "--model", model, "--batch", "1", "2", "--prompt-len", "16",
                      "--gen-len", "8", "--repeats", "1", "--json"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()

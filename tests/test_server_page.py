@@ -85,9 +85,12 @@ def test_chat_page_streams_an_answer(chromium, tmp_path):
             expect(answer).to_have_attribute("data-done", "true", timeout=240_000)
             text = answer.text_content()
             shown = page.evaluate("window.shown")
-            # Stop: a long answer cut short, its request aborted and its pages back.
+            # Stop: a long answer cut short, its request aborted and its pages back. The
+            # question's new tokens (past the first turn's cached pages: ~40) take the first
+            # turn's prefill width, as test_cli's chat does: no prefill program of its own.
             page.fill("#max-tokens", "400")
-            page.fill("#input", "Tell me a long story about a dragon.")
+            page.fill("#input", "Tell me a long story about a dragon who lived in the "
+                      "mountains above a small village.")
             page.click("#send")
             second = page.locator(".assistant").nth(1)
             expect(second).not_to_have_text("", timeout=240_000)

@@ -103,7 +103,8 @@ class Engine:
     prompt tokens of one request per step (a power of two; default 512, or max_model_len's
     power of two where less). decode_steps: decode steps dispatched per engine step before
     the host reads them (fewer host round trips; a finished request wastes up to
-    decode_steps - 1). max_prefill_rows: requests whose prompt chunks share a step.
+    decode_steps - 1). max_prefill_rows: requests whose prompt chunks share a step (at most
+    max_num_seqs).
     row_buckets: the batch sizes that get compiled programs, a step's rows padded up to the
     next (prefill rows capped at max_prefill_rows; max_num_seqs always one); default the
     powers of two (on a GPU 1, then 8 and up: a step reads the weights whatever its rows).
@@ -170,7 +171,10 @@ class Engine:
         budget = positive("max_num_batched_tokens",
                           max_num_batched_tokens or max(2048, self.chunk_size))
         self.max_pages = -(-self.max_model_len // page_size)
-        self.max_prefill_rows = positive("max_prefill_rows", max_prefill_rows)
+        # (at most max_num_seqs: a prefill row is a running request's, so more rows never
+        # come, and each prefill batch size is programs that warmup compiles)
+        self.max_prefill_rows = min(positive("max_prefill_rows", max_prefill_rows),
+                                    self.max_num_seqs)
         # Dispatch shapes, each compiled once: powers of two (a new shape compiled in ~3 s
         # for Llama-3-8B on the H200). On a GPU decode rows 2-4 run as 8 (a step reads the
         # weights whatever the rows) and chunks are >= 64 tokens; on CPU padded tokens cost
