@@ -103,6 +103,7 @@ def tiny_chat():
     import pathlib
 
     import jax.numpy as jnp
+    import numpy as np
 
     from checkpoints.tokenizer import Tokenizer
     from jaxinfer.configs import Config
@@ -117,7 +118,8 @@ def tiny_chat():
                     max_position_embeddings=512, tie_word_embeddings=True,
                     eos_token_ids=tokenizer.eos_token_ids)
     # Weights 4x the fan-in scale: peaked logits, so greedy text varies instead of looping.
-    params = jax.tree.map(lambda a: 4 * a if a.ndim > 1 else a,
+    # (Scaled in numpy: an eager multiply's bits, without a compile per weight shape.)
+    params = jax.tree.map(lambda a: jax.device_put(4 * np.asarray(a)) if a.ndim > 1 else a,
                           init_params(llama.param_specs(config), jax.random.key(7), jnp.float32))
     return from_params(config, params, tokenizer, dtype="float32")
 

@@ -23,6 +23,8 @@ from jaxinfer.ops import mla
 from jaxinfer.plan import KernelPolicy, MoEImpl, Plan
 from jaxinfer.weights import QuantizedWeight
 from pallas_kernels.kv_quant import quantize_latent
+from kernel_inputs import put
+from kernel_testing import pallas_kernels_in
 
 HF = pathlib.Path(__file__).parent / "fixtures" / "data" / "hf"
 VARIANTS = ("deepseek_v2", "deepseek_v2_qlora", "deepseek_v3")
@@ -109,14 +111,19 @@ def _tiny(q_lora=None, **mla_changes):
 
 
 def _mla_inputs(config, b, s, t, key=0):
+    """(q, latent, a LatentLayer of s slots, w_kv_b): standard normal float32 (w_kv_b / 4),
+    made in numpy (jax.random compiles a program per shape)."""
     m, h = config.mla, config.num_heads
-    k = jax.random.split(jax.random.key(key), 4)
-    w_kv_b = jax.random.normal(k[0], (m.kv_lora_rank, h, m.qk_nope_head_dim + m.v_head_dim)) / 4
+    rng = np.random.default_rng(key)
     from jaxinfer.weights import Dense
 
-    cache = LatentLayer(jax.random.normal(k[1], (b, s, m.latent_dim)))
-    q = jax.random.normal(k[2], (b, t, h, m.qk_head_dim))
-    latent = jax.random.normal(k[3], (b, t, m.latent_dim))
+    def normal(*shape):
+        return rng.standard_normal(shape, np.float32)
+
+    w_kv_b = put(normal(m.kv_lora_rank, h, m.qk_nope_head_dim + m.v_head_dim) / 4)
+    cache = LatentLayer(put(normal(b, s, m.latent_dim)))
+    q = put(normal(b, t, h, m.qk_head_dim))
+    latent = put(normal(b, t, m.latent_dim))
     return q, latent, cache, Dense(w_kv_b)
 
 
@@ -128,8 +135,8 @@ def test_absorbed_equals_expanded(t):
     plan = Plan(config)
     b, s = 2, 11
     q, latent, cache, w = _mla_inputs(config, b, s, t)
-    start = jnp.array([[5], [7]])  # the rows' first new positions
-    positions = (start + jnp.arange(t)).astype(jnp.int32)  # [B, T]
+    start = np.array([[5], [7]])  # the rows' first new positions
+    positions = put((start + np.arange(t)).astype(np.int32))  # [B, T]
     cache = cache.append(latent, positions)
     kw = dict(positions=positions, w_kv_b=w)
     assert mla.MLA_ATTEND.pick(q, latent, cache, plan, **kw).name == "absorbed"
@@ -157,9 +164,9 @@ def test_quantized_latent_append_and_absorbed_equals_expanded(kind):
     r = config.mla.kv_lora_rank
     cache = LatentCache.init(config, b, s, kv_dtype=kind).layer(0)
     assert isinstance(cache, QuantizedLatentLayer) and cache.scale.shape == (b, s, 2)
-    fill = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    fill = put(np.broadcast_to(np.arange(s, dtype=np.int32), (b, s)))
     cache = jax.jit(cache.append)(float_cache.latent, fill)
-    positions = (jnp.array([[5], [9]]) + jnp.arange(t)).astype(jnp.int32)  # row 1: 11 dropped
+    positions = put(np.array([[5], [9]]) + np.arange(t), np.int32)  # row 1: 11 dropped
     cache = jax.jit(cache.append)(latent, positions)
     float_cache = float_cache.append(latent, positions)
     codes_max = {"int8": 127.0, "fp8": 448.0}[kind]
@@ -222,19 +229,21 @@ def test_quantized_latent_cache_logits_and_greedy_tokens(name, kind):
 def test_mla_decode_attention_causal_among_new_tokens():
     """Query t of Tq sees slots < lengths - (Tq - 1 - t): against one query at a time."""
     b, s, h, c, r = 2, 9, 2, 12, 8
-    k = jax.random.split(jax.random.key(3), 2)
-    q = jax.random.normal(k[0], (b, 3, h, c))
-    latent = jax.random.normal(k[1], (b, s, c))
-    lengths = jnp.array([6, 9], jnp.int32)
+    # inputs and their slices in numpy (eagerly each jax.random draw, slice and subtraction
+    # compiled a program of its own)
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((b, 3, h, c), np.float32)
+    latent = rng.standard_normal((b, s, c), np.float32)
+    lengths = np.array([6, 9], np.int32)
     attend = jax.jit(lambda q, lengths: pk.mla_decode_attention_reference(
         q, latent, lengths, sm_scale=0.3, rope_dim=c - r))
-    out = attend(q, lengths)
+    out = np.asarray(attend(put(q), put(lengths)))
     assert out.shape == (b, 3, h, r)
     for t in range(3):
-        one = attend(q[:, t:t + 1], lengths - (2 - t))
+        one = attend(put(q[:, t:t + 1]), put(lengths - (2 - t)))
         np.testing.assert_allclose(out[:, t:t + 1], one, rtol=1e-6, atol=1e-6)
     # Length 1: the one visible slot's latent comes back.
-    first = attend(q[:, :1], jnp.ones((b,), jnp.int32))
+    first = np.asarray(attend(put(q[:, :1]), put(np.ones((b,), np.int32))))
     np.testing.assert_allclose(first[:, 0, 0], latent[:, 0, :r], rtol=1e-6)
 
 
@@ -245,20 +254,28 @@ def test_fresh_prefill_takes_expanded_and_flash_padded_matches_reference():
     plan = Plan(config, KernelPolicy(interpret=True))
     b, t = 2, 5
     q, latent, _, w = _mla_inputs(config, b, t, t, key=1)
-    q, latent = q.astype(jnp.bfloat16), latent.astype(jnp.bfloat16)
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    # bf16 inputs made in numpy, the kernel and its reference one jitted program (eagerly each
+    # op around the interpret-mode kernel compiled alone)
+    q, latent = (put(np.asarray(x).astype(ml_dtypes.bfloat16)) for x in (q, latent))
+    positions = put(np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)))
     assert mla.MLA_ATTEND.pick(q, latent, None, plan, positions=positions,
                                w_kv_b=w).name == "expanded"
-    k = jnp.ones((b, t, 3, 16), jnp.bfloat16)
-    v = jnp.ones((b, t, 3, 12), jnp.bfloat16)
+    rng = np.random.default_rng(5)
+    k = put(rng.standard_normal((b, t, 3, 16)).astype(ml_dtypes.bfloat16))
+    v = put(rng.standard_normal((b, t, 3, 12)).astype(ml_dtypes.bfloat16))
     assert mla.MLA_PREFILL.pick(q, k, v, plan, positions=positions,
                                 sm_scale=0.25).name == "flash_padded"
-    k = jax.random.normal(jax.random.key(5), (b, t, 3, 16)).astype(jnp.bfloat16)
-    v = jax.random.normal(jax.random.key(6), (b, t, 3, 12)).astype(jnp.bfloat16)
-    got = mla.MLA_PREFILL.get("flash_padded").run(q, k, v, plan, positions=positions,
-                                                  sm_scale=0.25)
-    want = mla.attention_reference(q.astype(jnp.float32), k.astype(jnp.float32),
-                                   v.astype(jnp.float32), positions, positions, sm_scale=0.25)
+
+    @jax.jit
+    def run(q, k, v, positions):
+        f32 = jnp.float32
+        return (mla.MLA_PREFILL.get("flash_padded").run(q, k, v, plan, positions=positions,
+                                                        sm_scale=0.25),
+                mla.attention_reference(q.astype(f32), k.astype(f32), v.astype(f32), positions,
+                                        positions, sm_scale=0.25))
+
+    assert sum(pallas_kernels_in(run, q, k, v, positions).values()) == 1  # the flash kernel
+    got, want = run(q, k, v, positions)
     assert got.shape == want.shape
     np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=3e-2, rtol=3e-2)
 
@@ -539,33 +556,50 @@ def test_absorbed_core_takes_the_kernel_where_its_tiles_fit():
 
     plan = Plan(PRESETS["deepseek-v2-lite"], KernelPolicy(interpret=True))
     b, s, h, r, dr = 2, 40, 4, 32, 16
-    k = jax.random.split(jax.random.key(5), 2)
-    q = jax.random.normal(k[0], (b, 1, h, r + dr), jnp.bfloat16)
-    latent = jax.random.normal(k[1], (b, s, r + dr), jnp.bfloat16)
-    lengths = jnp.array([17, 40], jnp.int32)
+    # Inputs made in numpy and the kernels with their references run as one jitted program
+    # (run eagerly, each op around the interpret-mode kernels compiled alone: ~100 compiles);
+    # the dispatchers' picks are checked on the same shapes, which the jitted calls take.
+    rng = np.random.default_rng(5)
+    q = put(rng.standard_normal((b, 1, h, r + dr)).astype(ml_dtypes.bfloat16))
+    latent = put(rng.standard_normal((b, s, r + dr)).astype(ml_dtypes.bfloat16))
+    lengths = put(np.array([17, 40], np.int32))
+    positions = put(np.array([[16], [31]], np.int32))
     kw = dict(sm_scale=0.2, kv_lora_rank=r)
     assert mla.MLA_CORE.pick(q, latent, lengths, plan, **kw).name == "pallas"
-    got = mla.MLA_CORE(q, latent, lengths, plan, **kw).astype(jnp.float32)
-    want = pk.mla_decode_attention_reference(q, latent, lengths, sm_scale=0.2, rope_dim=dr)
-    np.testing.assert_allclose(got, want.astype(jnp.float32), rtol=2e-2, atol=2e-2)
     # an int8 latent: the kernel reads the codes and their scales [B, S, 2]
-    codes, scale = quantize_latent(latent.astype(jnp.float32), r, jnp.int8)
+    codes, scale = jax.eval_shape(lambda x: quantize_latent(x.astype(jnp.float32), r, jnp.int8),
+                                  latent)
     qkw = dict(kw, latent_scale=scale)
     assert mla.MLA_CORE.pick(q, codes, lengths, plan, **qkw).name == "pallas"
-    got = mla.MLA_CORE(q, codes, lengths, plan, **qkw).astype(jnp.float32)
-    want = pk.mla_decode_attention_reference(q, codes, lengths, sm_scale=0.2, rope_dim=dr,
-                                             latent_scale=scale)
-    np.testing.assert_allclose(got, want.astype(jnp.float32), rtol=2e-2, atol=2e-2)
-    small = latent[..., : 16 + 8]
-    assert mla.MLA_CORE.pick(q[..., :24], small, lengths, plan, sm_scale=0.2,
-                             kv_lora_rank=16).name == "reference"
+    small = jax.ShapeDtypeStruct((b, s, 16 + 8), latent.dtype)
+    assert mla.MLA_CORE.pick(jax.ShapeDtypeStruct((b, 1, h, 24), q.dtype), small, lengths,
+                             plan, sm_scale=0.2, kv_lora_rank=16).name == "reference"
     # the engine's pages: the paged kernel from pages of 16 slots (its tiles), as its reference
-    rows, positions = latent[:, :32], jnp.array([[16], [31]], jnp.int32)  # [B, 32, R + Dr]
-    pages, tables = rows.reshape(8, 8, r + dr), jnp.arange(8, dtype=jnp.int32).reshape(b, 4)
+    rows = jax.ShapeDtypeStruct((b, 32, r + dr), latent.dtype)  # latent[:, :32]
+    pages = jax.ShapeDtypeStruct((8, 8, r + dr), latent.dtype)
+    tables = jax.ShapeDtypeStruct((b, 4), jnp.int32)
     assert mla.MLA_PAGED_CORE.pick(q, pages, tables, positions, plan, **kw).name == "reference"
-    pages, tables = rows.reshape(4, 16, r + dr), jnp.arange(4, dtype=jnp.int32).reshape(b, 2)
+    pages = jax.ShapeDtypeStruct((4, 16, r + dr), latent.dtype)
+    tables = jax.ShapeDtypeStruct((b, 2), jnp.int32)
     assert mla.MLA_PAGED_CORE.pick(q, pages, tables, positions, plan, **kw).name == "pallas"
-    got = mla.MLA_PAGED_CORE(q, pages, tables, positions, plan, **kw).astype(jnp.float32)
-    want = pk.mla_decode_attention_reference(q, rows, positions[:, 0] + 1, sm_scale=0.2,
-                                             rope_dim=dr)
-    np.testing.assert_allclose(got, want.astype(jnp.float32), rtol=2e-2, atol=2e-2)
+
+    @jax.jit
+    def run(q, latent, lengths, positions):
+        f32 = jnp.float32
+        codes, scale = quantize_latent(latent.astype(f32), r, jnp.int8)
+        rows = latent[:, :32]
+        pages, tables = rows.reshape(4, 16, r + dr), jnp.arange(4, dtype=jnp.int32).reshape(b, 2)
+        return [(mla.MLA_CORE(q, latent, lengths, plan, **kw).astype(f32),
+                 pk.mla_decode_attention_reference(q, latent, lengths, sm_scale=0.2,
+                                                   rope_dim=dr).astype(f32)),
+                (mla.MLA_CORE(q, codes, lengths, plan, **kw, latent_scale=scale).astype(f32),
+                 pk.mla_decode_attention_reference(q, codes, lengths, sm_scale=0.2, rope_dim=dr,
+                                                   latent_scale=scale).astype(f32)),
+                (mla.MLA_PAGED_CORE(q, pages, tables, positions, plan, **kw).astype(f32),
+                 pk.mla_decode_attention_reference(q, rows, positions[:, 0] + 1, sm_scale=0.2,
+                                                   rope_dim=dr).astype(f32))]
+
+    kernels = pallas_kernels_in(run, q, latent, lengths, positions)
+    assert sum(kernels.values()) == 3, kernels  # each of the three is the Pallas kernel
+    for got, want in run(q, latent, lengths, positions):
+        np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)

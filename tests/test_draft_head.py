@@ -359,31 +359,40 @@ def with_mtp(tmp_path_factory) -> pathlib.Path:
     return d
 
 
+@pytest.fixture(scope="module")
+def mtp_model(with_mtp):
+    """`with_mtp` loaded (float32), for both MTP tests: a model is read-only, so one load
+    (its tensors staged, each shape's eager ops compiled) serves both."""
+    return jaxinfer.load(str(with_mtp), dtype="float32")
+
+
 def _rms(x, w, eps):
     return x / jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
-def test_mtp_matches_its_definition_and_is_lossless(with_mtp, tiny_chat):
+def test_mtp_matches_its_definition_and_is_lossless(with_mtp, mtp_model, tiny_chat):
     """The MTP module read from the checkpoint, run incrementally on its cache (a prefill,
     then a token at a time), gives the logits of its published definition written out here
     from the raw tensors: shared_head(norm(block(eh_proj([enorm(emb t_i), hnorm(f_{i-1})]))));
     greedy mtp-speculative equals plain greedy (a batch of 3); a checkpoint without MTP
     weights, and a Llama model, are refused before anything compiles."""
-    d = with_mtp
-    model = jaxinfer.load(str(d), dtype="float32")
+    d, model = with_mtp, mtp_model
     head = draft_head.load_mtp(model)
     raw = load_file(d / "model.safetensors")
     eps = model.config.rms_norm_eps
     ref = np.load(d / "ref.npz")
-    tokens = jnp.asarray(ref["input_ids"][:1, :12], jnp.int32)  # [1, T]
+    # tokens, positions, features and their slices in numpy (eagerly each slice, zeros_like
+    # and concatenate compiled a program of its own); the jitted forwards take them as they are
+    tokens = np.asarray(ref["input_ids"][:1, :12], np.int32)  # [1, T]
     t = tokens.shape[1]
-    positions = jnp.arange(t, dtype=jnp.int32)[None]
+    positions = np.arange(t, dtype=np.int32)[None]
     # Each forward below jitted: one program each (run eagerly, each of the MoE layers' ops
     # compiled alone took most of this test's time); the same computations.
     fwd = jax.jit(registry.family(model.config).forward, static_argnames=("plan", "hidden"))
     logits, _, f = fwd(model.params, tokens, positions, model.plan, hidden=True)
-    np.testing.assert_allclose(logits, model(np.asarray(tokens)), rtol=1e-5, atol=1e-5)
-    before = jnp.concatenate([jnp.zeros_like(f[:, :1]), f[:, :-1]], axis=1)  # f_{i-1}
+    np.testing.assert_allclose(logits, model(tokens), rtol=1e-5, atol=1e-5)
+    f = np.asarray(f)
+    before = np.concatenate([np.zeros_like(f[:, :1]), f[:, :-1]], axis=1)  # f_{i-1}
 
     @jax.jit
     def definition(before):
@@ -410,7 +419,8 @@ def test_mtp_matches_its_definition_and_is_lossless(with_mtp, tiny_chat):
                                      before[:, i:i + 1], positions[:, i:i + 1], head.spec,
                                      cache)
         steps.append(got)
-    np.testing.assert_allclose(jnp.concatenate(steps, 1), want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.concatenate([np.asarray(x) for x in steps], 1), want,
+                               rtol=1e-4, atol=1e-4)
 
     prompts = [list(map(int, p)) for p in ref["greedy_prompt"]]
     # One batch of 3 rows (the two prompts, then the first again; it was also run alone as a
@@ -430,14 +440,14 @@ def test_mtp_matches_its_definition_and_is_lossless(with_mtp, tiny_chat):
         jaxinfer.generate(tiny_chat, "x", max_new_tokens=4, speculative="mtp")
 
 
-def test_engine_with_mtp_equals_generate(with_mtp):
+def test_engine_with_mtp_equals_generate(mtp_model):
     """DeepSeek-V3's MTP module drafting in the engine (its MLA layer's latent in pages at the
     target's page indices): requests arriving at random steps, sharing prefixes, chunked, in
     a pool small enough to preempt, greedy and seeded sampled rows: each request's tokens are
     generate()'s, drafts are accepted, and every page comes back."""
     from test_engine import _engine, _serve
 
-    model = jaxinfer.load(str(with_mtp), dtype="float32")
+    model = mtp_model
     rng = np.random.default_rng(2)
     shared = rng.integers(3, 256, 24).tolist()
     reqs = []

@@ -38,7 +38,7 @@ def test_verification_forward_runs_a_kernel_and_matches_decode_steps(verify_quer
     path gives one token at a time."""
     config = tiny_bf16_config()
     params = init_params(llama.param_specs(config), jax.random.key(0), jnp.bfloat16)
-    ids = np.asarray(jax.random.randint(jax.random.key(1), (2, 12), 0, config.vocab_size))
+    ids = np.random.default_rng(1).integers(0, config.vocab_size, (2, 12), dtype=np.int32)
     lengths = np.array([5, 8], np.int32)  # rows hold prompts of different lengths
     # jitted: one program per shape (eagerly each op compiled alone); the same computations.
     # The inputs built in numpy for the same reason.
@@ -270,27 +270,55 @@ def _chi_square_p(counts: np.ndarray, law: np.ndarray) -> float:
     return float(stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue)
 
 
+@pytest.fixture(scope="module")
+def law_models():
+    """test_rejection_sampling_follows_the_target_law's (target, draft, laws): two random
+    models (V = 16) and the target's exact laws (and the draft's for the second token),
+    made once for its four cases (the models are read-only; the laws depend on them alone)."""
+    config = Config(vocab_size=16, hidden_size=32, intermediate_size=64, num_layers=2,
+                    num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=16,
+                    eos_token_ids=())
+
+    def model(key):  # weights 3x the fan-in scale: laws far from uniform
+        # (scaled in numpy: the same bits as an eager multiply, without a compile per shape)
+        params = jax.tree.map(lambda a: jax.device_put(3 * np.asarray(a)) if a.ndim > 1 else a,
+                              init_params(llama.param_specs(config), jax.random.key(key),
+                                          jnp.float32))
+        return from_params(config, params, None, dtype="float32")
+
+    target, draft = model(1), model(2)
+    prompt, v = LAW_PROMPT, config.vocab_size
+
+    def laws(m, prefix_len):  # p(next | prompt + every prefix of that length) [V] * len, V
+        prefixes = np.array(list(itertools.product(range(v), repeat=prefix_len)),
+                            np.int64).reshape(v ** prefix_len, prefix_len)  # [V ** len, len]
+        ids = np.concatenate([np.tile(prompt, (len(prefixes), 1)), prefixes], axis=1)
+        logits = np.asarray(m(ids))[:, -1].astype(np.float64)  # softmax in numpy (float64)
+        e = np.exp(logits - logits.max(-1, keepdims=True))
+        return e / e.sum(-1, keepdims=True)  # [V ** len, V]
+
+    p1 = laws(target, 0)[0]  # [V]
+    p2 = laws(target, 1)  # [V, V]: row t1
+    p3 = laws(target, 2).reshape(v, v, v)  # [t1, t2, V]
+    return target, draft, dict(p1=p1, marginal2=p1 @ p2,
+                               marginal3=np.einsum("a,ab,abc->c", p1, p2, p3),
+                               always_accept=p1 @ laws(draft, 1))
+
+
+LAW_PROMPT = [3, 1, 4]
+
+
 @pytest.mark.parametrize("drafter,where", [("draft", "generate"), ("head", "generate"),
                                            ("draft", "engine"), ("head", "engine")])
-def test_rejection_sampling_follows_the_target_law(drafter, where):
+def test_rejection_sampling_follows_the_target_law(drafter, where, law_models):
     """DraftModel(rejection=True), or a random feature head with rejection=True, whose law
     differs from the target's, in generate or the engine: the first two tokens of the first
     round (one of an accepted draft, a residual draw, or the bonus token) follow the target's
     marginal laws, computed exactly from its full forward over all V and V * V continuations
     (V = 16). For the draft model, the same counts against the law an always-accepting rule
     would give are refused, so the sample size can tell the two apart."""
-    config = Config(vocab_size=16, hidden_size=32, intermediate_size=64, num_layers=2,
-                    num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=16,
-                    eos_token_ids=())
-
-    def model(key):  # weights 3x the fan-in scale: laws far from uniform
-        params = jax.tree.map(lambda a: 3 * a if a.ndim > 1 else a,
-                              init_params(llama.param_specs(config), jax.random.key(key),
-                                          jnp.float32))
-        return from_params(config, params, None, dtype="float32")
-
-    target, draft = model(1), model(2)
-    prompt, n, v = [3, 1, 4], 6000, config.vocab_size
+    target, draft, law = law_models
+    prompt, n, v = LAW_PROMPT, 6000, target.config.vocab_size
     spec_arg = speculative.DraftModel(draft, rejection=True) if drafter == "draft" else \
         dataclasses.replace(draft_head.init_eagle(target, 3), rejection=True)
     if where == "generate":
@@ -320,25 +348,13 @@ def test_rejection_sampling_follows_the_target_law(drafter, where):
             [prompt] * 64, sampling=SamplingParams(temperature=1.0), max_tokens=3, seed=11)
     assert (np.array([c.token_ids for c in plain]) != tokens[:64]).any()
 
-    def laws(m, prefix_len):  # p(next | prompt + every prefix of that length) [V] * len, V
-        prefixes = np.array(list(itertools.product(range(v), repeat=prefix_len)),
-                            np.int64).reshape(v ** prefix_len, prefix_len)  # [V ** len, len]
-        ids = np.concatenate([np.tile(prompt, (len(prefixes), 1)), prefixes], axis=1)
-        return np.asarray(jax.nn.softmax(m(ids)[:, -1], axis=-1))  # [V ** len, V]
-
-    p1 = laws(target, 0)[0]  # [V]
-    p2 = laws(target, 1)  # [V, V]: row t1
-    p3 = laws(target, 2).reshape(v, v, v)  # [t1, t2, V]
-    marginal2 = p1 @ p2
-    marginal3 = np.einsum("a,ab,abc->c", p1, p2, p3)
     count2 = np.bincount(tokens[:, 1], minlength=v)
     count3 = np.bincount(tokens[:, 2], minlength=v)
-    assert _chi_square_p(np.bincount(tokens[:, 0], minlength=v), p1) > 1e-3
-    assert _chi_square_p(count2, marginal2) > 1e-3
-    assert _chi_square_p(count3, marginal3) > 1e-3
-    if drafter == "draft":
-        always_accept = p1 @ laws(draft, 1)  # t2's law if every first draft were accepted
-        assert _chi_square_p(count2, always_accept) < 1e-6
+    assert _chi_square_p(np.bincount(tokens[:, 0], minlength=v), law["p1"]) > 1e-3
+    assert _chi_square_p(count2, law["marginal2"]) > 1e-3
+    assert _chi_square_p(count3, law["marginal3"]) > 1e-3
+    if drafter == "draft":  # t2's law if every first draft were accepted
+        assert _chi_square_p(count2, law["always_accept"]) < 1e-6
 
 
 def test_cli_speculative(tiny_chat, tiny_chat_dir, capsys, tmp_path):
