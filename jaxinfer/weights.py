@@ -22,6 +22,7 @@ from pallas_kernels.quantized import (
     check_quantized_experts,
     dequantize,
     num_experts,
+    quantize_weight,
     weight_format,
 )
 
@@ -290,10 +291,15 @@ QUANTIZATIONS = ("none", "int8", "int4", "fp8")  # and None: as the checkpoint s
 DEFAULT_GROUP = 128
 
 
+# A device weight is quantized in one program a shape (eagerly each of its ~20 ops compiled a
+# program of its own, ~90 for a model's few shapes, and held float32 temporaries of the whole
+# weight); the same ops, the same codes and scales. Host (numpy) weights stay in numpy.
+_quantize_on_device = jax.jit(quantize_weight,
+                              static_argnames=("bits", "group_size", "symmetric", "float8"))
+
+
 def _quantize_one(w, how: str, group_size: int | None, where: str) -> QuantizedWeight:
     """One Dense matmul weight -> a QuantizedWeight [K, *N] (a [V, D] table: [D, V])."""
-    from pallas_kernels.quantized import quantize_weight
-
     a = w.w.T if w.transposed else w.w  # [K, *N]
     k = a.shape[0]
     if how == "fp8" or group_size is not None:
@@ -304,8 +310,8 @@ def _quantize_one(w, how: str, group_size: int | None, where: str) -> QuantizedW
     else:  # the default: the largest of 128, 64, 32 that divides K, else one per column
         group = next((g for g in (DEFAULT_GROUP, 64, 32) if k % g == 0), None)
     try:
-        return quantize_weight(a, bits=4 if how == "int4" else 8, group_size=group,
-                               float8=how == "fp8")
+        quantize = _quantize_on_device if isinstance(a, jax.Array) else quantize_weight
+        return quantize(a, bits=4 if how == "int4" else 8, group_size=group, float8=how == "fp8")
     except ValueError as e:
         raise ValueError(f"{where} {list(a.shape)}: {e}") from None
 

@@ -262,6 +262,26 @@ def test_a_gguf_kept_quantized_is_budgeted_at_its_file_size_on_cpu(monkeypatch):
         assert "bfloat16" not in str(refused.value) and "quantized GGUF" in str(refused.value)
 
 
+def test_quantize_on_load_gives_quantize_weights_codes():
+    """Load quantizes each weight in one compiled program a shape: the same codes and scales,
+    bit for bit, as quantize_weight run op by op on the float load's weight."""
+    float_load = jaxinfer.load(str(HF / "qwen3"), dtype="float32")
+    for how, group, kw in (("int4", 32, dict(bits=4, group_size=32)),
+                           ("fp8", None, dict(bits=8, group_size=None, float8=True))):
+        model = jaxinfer.load(str(HF / "qwen3"), dtype="float32", quantization=how,
+                              group_size=group)
+        for name in ("wqkv", "w_down"):
+            w = float_load.params["layers"][1][name]
+            with jax.disable_jit():
+                want = quantize_weight(w.w.T if w.transposed else w.w, **kw)
+            got = model.params["layers"][1][name]
+            assert jax.tree.structure(got) == jax.tree.structure(want), (how, name)
+            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+                assert a.dtype == b.dtype and a.shape == b.shape, (how, name)
+                np.testing.assert_array_equal(np.asarray(a).view(np.uint8),
+                                              np.asarray(b).view(np.uint8))
+
+
 def test_quantize_on_load_reads_one_tensor_at_a_time(monkeypatch):
     """An HF checkpoint (here sharded in 5 files) quantized on load is read tensor by tensor
     (never all first), to the same weights as quantizing the float load."""
