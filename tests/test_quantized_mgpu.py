@@ -180,10 +180,11 @@ def _stacked_reference(x, w, ids, rows):
 
 def test_stacked_experts_rows_and_their_k_range_sums():
     """Stacked experts (a MoE decode): assignment a multiplies x's row rows[a] by expert
-    ids[a], with the sums stored as x's rows (M <= 16) and as [N, Mp] tiles (M 20); with
+    ids[a], with the sums stored as x's rows (M <= 16) and as [N, Mp] tiles (M 17); with
     partials each assignment's K-range sums [S, A, N], which add up to it."""
     w = pk.to_nk(pk.stack_experts([_int4(s, 512, 64) for s in (1, 2, 3)]))
-    for m in (4, 20):
+    # M 17: past ROWS_OUT (16), x's tile 24 rows as at 20, 17 assignments' programs (not 20)
+    for m in (4, 17):
         x = normal(m, (m, 512), jnp.bfloat16)
         ids = put(np.random.default_rng(m).integers(0, 3, m), jnp.int32)
         rows = put(np.arange(m, dtype=np.int32)[::-1])  # not the identity
