@@ -18,7 +18,7 @@ from pallas_kernels.norm_matmul import (MatmulBlockSizes, apply_norm_partials, n
 from pallas_kernels.rms_norm import add_rms_norm_reference
 from pallas_kernels.swiglu import (swiglu, swiglu_down, swiglu_down_reference,
                                    swiglu_reference)
-from kernel_testing import random_normal, rel_err  # random_normal: jax.random.normal's bits
+from kernel_testing import _key_normal, random_normal, rel_err  # jax.random.normal's bits
 
 EPS = 1e-5
 SMALL = MatmulBlockSizes(block_m=16, block_n=16, block_k=32, num_warps=4, num_stages=1)
@@ -29,15 +29,25 @@ TOL = {jnp.float32: 2e-5, jnp.bfloat16: 1.5e-2}
 
 
 def inputs(seed: int, m: int, k: int, n_dims: tuple[int, ...], dtype):
+    """x, the norm weight, w and a residual: jax.random.normal draws, scaled and cast on the
+    host in float32 (numpy's products and round-to-nearest-even casts are XLA's: the same
+    bits, without a compile per eager op, shape and dtype) and sent once."""
     keys = jax.random.split(jax.random.PRNGKey(seed), 4)
+    dt = jnp.dtype(dtype)
     # Rows at different scales: a kernel that normalises with the wrong row's (or the block's)
     # statistics is off by the scale ratio.
-    scale = jnp.exp(jnp.linspace(-2.0, 2.0, m))[:, None]
-    x = (scale * random_normal(keys[0], (m, k))).astype(dtype)
-    nw = (1.0 + 0.3 * random_normal(keys[1], (k,))).astype(dtype)
-    w = (random_normal(keys[2], (k, *n_dims)) / np.sqrt(k)).astype(dtype)
-    res = random_normal(keys[3], (m, *n_dims)).astype(dtype)
-    return x, nw, w, res
+    scale = np.exp(np.linspace(-2.0, 2.0, m, dtype=np.float32))[:, None]
+    x = (scale * _key_normal(keys[0], (m, k))).astype(dt)
+    nw = (np.float32(1.0) + np.float32(0.3) * _key_normal(keys[1], (k,))).astype(dt)
+    w = (_key_normal(keys[2], (k, *n_dims)) / np.float32(np.sqrt(k))).astype(dt)
+    res = _key_normal(keys[3], (m, *n_dims)).astype(dt)
+    return tuple(jax.device_put(a) for a in (x, nw, w, res))
+
+
+def _host_weight(key, shape, dtype):
+    """(random_normal(key, shape) / sqrt(K)).astype(dtype), scaled and cast on the host."""
+    return jax.device_put((_key_normal(key, shape) / np.float32(np.sqrt(shape[0])))
+                          .astype(jnp.dtype(dtype)))
 
 
 CASES = [(1, 64, (96,)), (3, 200, (2, 6, 16)), (37, 200, (96,)), (37, 64, (2, 6, 16))]
@@ -97,7 +107,7 @@ def test_swiglu_with_norm_prologue(blocks, dtype):
     # The pre-MLP RMSNorm fused into SwiGLU, against the model's unfused path.
     x, nw, _, _ = inputs(12, 5, 200, (1,), dtype)
     keys = jax.random.split(jax.random.PRNGKey(3), 2)
-    wg, wu = ((random_normal(kk, (200, 40)) / np.sqrt(200)).astype(dtype) for kk in keys)
+    wg, wu = (_host_weight(kk, (200, 40), dtype) for kk in keys)
     out = swiglu(x, wg, wu, norm_weight=nw, eps=EPS, interpret=True, block_sizes=blocks)
     ref = swiglu_reference(x, wg, wu, norm_weight=nw, eps=EPS)
     assert out.shape == (5, 40) and out.dtype == x.dtype
@@ -119,7 +129,8 @@ def test_default_blocks_and_norm_matters():
 
 def deltas_for(seed, x, chunks=2):
     """float32 partial sums [S, *x.shape] at x's scale (a split-K producer's chunks)."""
-    return 0.5 * random_normal(jax.random.PRNGKey(seed), (chunks, *x.shape))
+    return jax.device_put(np.float32(0.5) * _key_normal(jax.random.PRNGKey(seed),
+                                                        (chunks, *x.shape)))
 
 
 # Each of the blocks, the dtype and m (one row: the operand math runs on that row alone) takes
@@ -134,7 +145,7 @@ def test_swiglu_adds_deltas_to_the_residual_in_its_main_loop(blocks, dtype, m):
     x, nw, _, _ = inputs(14, m, 200, (1,), dtype)
     deltas = deltas_for(15, x, chunks=3)
     keys = jax.random.split(jax.random.PRNGKey(4), 2)
-    wg, wu = ((random_normal(kk, (200, 72)) / np.sqrt(200)).astype(dtype) for kk in keys)
+    wg, wu = (_host_weight(kk, (200, 72), dtype) for kk in keys)
     x_new, out = swiglu(x, wg, wu, norm_weight=nw, eps=EPS, deltas=deltas, interpret=True,
                         block_sizes=blocks)
     x_ref, ref = swiglu_reference(x, wg, wu, norm_weight=nw, eps=EPS, deltas=deltas)
@@ -189,8 +200,10 @@ def test_bad_deltas_raise_clear_errors():
 
 def mlp_weights(seed, k, f, d, dtype):
     keys = jax.random.split(jax.random.PRNGKey(seed), 3)
-    wg, wu = ((random_normal(kk, (k, f)) / np.sqrt(k)).astype(dtype) for kk in keys[:2])
-    wd = (random_normal(keys[2], (f, d)) / np.sqrt(f)).astype(dtype)
+    dt = jnp.dtype(dtype)  # scaled and cast on the host, as inputs()
+    wg, wu = (jax.device_put((_key_normal(kk, (k, f)) / np.float32(np.sqrt(k))).astype(dt))
+              for kk in keys[:2])
+    wd = jax.device_put((_key_normal(keys[2], (f, d)) / np.float32(np.sqrt(f))).astype(dt))
     return wg, wu, wd
 
 

@@ -25,7 +25,7 @@ from jaxinfer.cache import KVCache
 from checkpoints import gguf as G
 from checkpoints import gguf_blocks
 from kernel_inputs import put, put_tree
-from kernel_testing import _jaxprs, host_normal, jitted_calls_in, normal, rel_err
+from kernel_testing import _count_jits, _jaxprs, host_normal, jitted_calls_in, normal, rel_err
 from pallas_kernels.quantized import dequantize, quantize_weight
 from pallas_kernels.quantized_mgpu import MgpuMatmulConfig, default_config
 from test_gguf_blocks import QT, assert_bits_equal, mixed, random_blocks, tiny_llama
@@ -180,10 +180,11 @@ def _stacked_reference(x, w, ids, rows):
 
 def test_stacked_experts_rows_and_their_k_range_sums():
     """Stacked experts (a MoE decode): assignment a multiplies x's row rows[a] by expert
-    ids[a], with the sums stored as x's rows (M <= 16) and as [N, Mp] tiles (M 20); with
+    ids[a], with the sums stored as x's rows (M <= 16) and as [N, Mp] tiles (M 17); with
     partials each assignment's K-range sums [S, A, N], which add up to it."""
     w = pk.to_nk(pk.stack_experts([_int4(s, 512, 64) for s in (1, 2, 3)]))
-    for m in (4, 20):
+    # M 17: past ROWS_OUT (16), x's tile 24 rows as at 20, 17 assignments' programs (not 20)
+    for m in (4, 17):
         x = normal(m, (m, 512), jnp.bfloat16)
         ids = put(np.random.default_rng(m).integers(0, 3, m), jnp.int32)
         rows = put(np.arange(m, dtype=np.int32)[::-1])  # not the identity
@@ -243,6 +244,17 @@ def _norm_weight(seed, k):
     return put((1 + 0.2 * host_normal(seed, (k,), np.float32)).astype(jnp.bfloat16))
 
 
+@jax.jit
+def _boundary_reference(x, deltas, nw, nk):
+    """(x + sum(deltas) rounded once (x without deltas), the reference product of its
+    rms_norm, its rows' float32 sums of squares, its inverse RMS [M, 1]) as one program (op by
+    op: ~20-50 eager compiles a case)."""
+    x_new = x if deltas is None else pk.add_rms_norm_reference(x, deltas, nw, eps=1e-5)[0]
+    xf = x_new.astype(jnp.float32)
+    inv_rms = jax.lax.rsqrt(jnp.mean(xf * xf, axis=1) + 1e-5)[:, None]
+    return x_new, _normed_reference(x_new, nw, nk, eps=1e-5), jnp.sum(xf * xf, 1), inv_rms
+
+
 @pytest.mark.parametrize("interpret", [
     True, pytest.param(False, marks=[pytest.mark.gpu, pytest.mark.skipif(
         jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")])], ids=["interpret", "gpu"])
@@ -254,20 +266,22 @@ def test_boundary_in_the_kernel_matches_reference(interpret, m, n_deltas, bits):
     rounding of x' * norm_weight, as partials and finished; the check can fail (another norm
     weight); too many rows and formats whose offsets need x's group sums are refused (Q4_K's
     boundary, with cfg.pre: test_scales_before_the_product)."""
-    k, n = 1024, 256
+    # N 128: two 64-wide blocks, so the first block's stores (nb == 0: x + deltas, the sums
+    # of squares) and a later block's skipping them both run (N 256's four blocks took no
+    # other branch and twice the interpreter's time); K 1024 in two splits of two steps (cfg)
+    # and in four splits of one step (the default config)
+    k, n = 1024, 128
     nk = pk.to_nk(_int4(11, k, n, bits=bits))
     x = normal(12, (m, k), jnp.bfloat16)
     deltas = normal(13, (n_deltas, m, k), jnp.float32) if n_deltas else None
     nw = _norm_weight(14, k)
-    x_new = x if deltas is None else pk.add_rms_norm_reference(x, deltas, nw, eps=1e-5)[0]
-    want = _normed_reference(x_new, nw, nk, eps=1e-5)
+    x_new, want, sumsq, inv_rms = _boundary_reference(x, deltas, nw, nk)
     cfg = MgpuMatmulConfig(gps=2, stages=2, splits=2)
     y, got_x, ss = pk.quantized_matmul_mgpu(x, nk, cfg=cfg, interpret=interpret,
                                             out_dtype=jnp.float32, norm_weight=nw, eps=1e-5,
                                             deltas=deltas)
     np.testing.assert_array_equal(got_x, x_new)
-    xf = x_new.astype(jnp.float32)
-    assert ss.shape == (2, 8) and rel_err(jnp.sum(ss, 0)[:m], jnp.sum(xf * xf, 1)) < 1e-5
+    assert ss.shape == (2, 8) and rel_err(np.asarray(ss, np.float64).sum(0)[:m], sumsq) < 1e-5
     assert rel_err(y, want) < 5e-3
     # the default config with the boundary (three stages where it fits)
     y, _, _ = pk.quantized_matmul_mgpu(x, nk, interpret=interpret, out_dtype=jnp.float32,
@@ -275,10 +289,10 @@ def test_boundary_in_the_kernel_matches_reference(interpret, m, n_deltas, bits):
     assert rel_err(y, want) < 5e-3
     parts, _, _ = pk.quantized_matmul_mgpu(x, nk, cfg=cfg, interpret=interpret, partials=True,
                                            norm_weight=nw, eps=1e-5, deltas=deltas)
-    inv_rms = jax.lax.rsqrt(jnp.mean(xf * xf, axis=1) + 1e-5)[:, None]
-    assert rel_err(jnp.sum(parts, 0) * inv_rms, want) < 5e-3
+    assert rel_err(np.asarray(parts, np.float64).sum(0) * inv_rms, want) < 5e-3
     other, _, _ = pk.quantized_matmul_mgpu(x, nk, cfg=cfg, interpret=interpret,
-                                           out_dtype=jnp.float32, norm_weight=nw[::-1],
+                                           out_dtype=jnp.float32,
+                                           norm_weight=put(np.asarray(nw)[::-1].copy()),
                                            eps=1e-5, deltas=deltas)
     assert rel_err(other, want) > 0.05
     assert "rows" in pk.nk_norm_unfit(9, nk)
@@ -293,6 +307,14 @@ def test_boundary_in_the_kernel_matches_reference(interpret, m, n_deltas, bits):
                                  norm_weight=nw)
 
 
+@jax.jit
+def _bf16_weight_reference(x, nk):
+    """x @ dequantize(nk) rounded to bf16, in float32: one program (op by op: ~10 eager
+    compiles a format)."""
+    w16 = dequantize(nk, jnp.bfloat16).reshape(nk.k, nk.n).astype(jnp.float32)
+    return x.astype(jnp.float32) @ w16
+
+
 @pytest.mark.parametrize("interpret", [
     True, pytest.param(False, marks=[pytest.mark.gpu, pytest.mark.skipif(
         jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")])], ids=["interpret", "gpu"])
@@ -302,18 +324,20 @@ def test_scales_before_the_product(interpret):
     (the weights' one rounding: an error of bf16's order against the float32 reference, which
     a wrong scale or offset passes by far), for one-level, two-level and 6-bit formats, two
     weights in one launch, and the boundary in the main loop on a format with offsets."""
-    k, n = 1024, 128
+    # K 512: the default configs split it in two K ranges of one 256-wide step each (K 1024:
+    # four of the same step), a K-quant's super-group one step; two N blocks
+    k, n = 512, 128
     for fmt, m in (("Q4_K", 1), ("Q4_1", 3), ("int4_asym_g32", 2), ("Q6_K", 1), ("Q8_0", 2)):
         nk = pk.to_nk(_int4(21, k, n, bits=fmt), frag=True)
         x = normal(22, (m, k), jnp.bfloat16)
         cfg = dataclasses.replace(default_config(m, k, n, pk.nk_format(nk)), frag=nk.frag,
                                   pre=True, batch=0)
-        w16 = dequantize(nk, jnp.bfloat16).reshape(k, n).astype(jnp.float32)
-        want = x.astype(jnp.float32) @ w16
+        assert cfg.splits == 2 and k // cfg.splits == cfg.gps * 128, cfg
+        want = _bf16_weight_reference(x, nk)
         got = pk.quantized_matmul_mgpu(x, nk, cfg=cfg, interpret=interpret,
                                        out_dtype=jnp.float32)
         assert rel_err(got, want) < 4e-3, fmt
-        other = dataclasses.replace(nk, scale=nk.scale[::-1])
+        other = dataclasses.replace(nk, scale=put(np.asarray(nk.scale)[::-1].copy()))
         assert rel_err(pk.quantized_matmul_mgpu(x, other, cfg=cfg, interpret=interpret,
                                                 out_dtype=jnp.float32), want) > 0.05, fmt
     # two weights, one launch (gate and up)
@@ -365,7 +389,10 @@ def test_decode_path_takes_the_mosaic_kernel_and_matches_reference():
     # decode_steps' cache length (T + 3): the single steps below reuse its compiled decode step
     cache = KVCache.init(config, 2, 8)
     tokens = put(np.ones((2, 1), np.int32))
-    calls = jitted_calls_in(lambda p, c: llama.forward(p, tokens, tokens, plan, c), nk, cache)
+    # the step traced once for both counts below (a trace runs the five kernels' Python)
+    step_jaxpr = jax.make_jaxpr(lambda p, c: llama.forward(p, tokens, tokens, plan, c))(
+        nk, cache).jaxpr
+    calls = _count_jits(step_jaxpr, collections.Counter())  # = jitted_calls_in
     # one decode step through the kernel: q/k/v, o, gate and up (one launch), down, the head
     assert calls["int_matmul_mgpu"] == 5, calls
     # q/k/v, o and down hand their K ranges' float32 sums [S, M, N] to the kernels after them
@@ -378,7 +405,7 @@ def test_decode_path_takes_the_mosaic_kernel_and_matches_reference():
                 outs[tuple(v.aval.ndim for v in eqn.outvars)] += 1
             for sub in _jaxprs(tuple(eqn.params.values())):
                 walk(sub)
-    walk(jax.make_jaxpr(lambda p, c: llama.forward(p, tokens, tokens, plan, c))(nk, cache).jaxpr)
+    walk(step_jaxpr)
     assert outs == {(3,): 3, (2, 2): 1, (2,): 1}, outs
     # Each forward one jitted program, awaited: op-by-op dispatch beside the GPU interpreter's
     # callbacks hung twice on this 2-core machine (the main thread on a lock in the next op's
