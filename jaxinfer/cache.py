@@ -270,7 +270,10 @@ def _scatter_pages(pool: jax.Array, slots: jax.Array, x: jax.Array) -> jax.Array
     flat = pool.reshape(p * ps, *pool.shape[2:])
     flat = flat.at[slots.reshape(-1)].set(x.reshape(-1, *x.shape[2:]).astype(pool.dtype),
                                           mode="drop")
-    return flat.reshape(pool.shape)
+    # The written pool as one value: for one row (a dynamic-update-slice) XLA's CPU backend
+    # otherwise fused the write into each reader (the output, the references' gather), each on
+    # a copy of the whole pool: ~2 s a decode step for the embedded model's 3 GB of pages
+    return jax.lax.optimization_barrier(flat.reshape(pool.shape))
 
 
 def gather_pages(pool: jax.Array, block_tables: jax.Array) -> jax.Array:
