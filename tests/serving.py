@@ -16,9 +16,7 @@ import pytest
 # test_server_load, test_server_runner): one pool and one set of shapes, so that the programs
 # one server compiled load from the session's compilation cache (tests/conftest.py) in the next.
 # A 2 MB pool: 243 pages of 16 tokens, room for all 4 rows at the full 512 tokens (128 pages)
-# and a prefix cache besides. Not more: on the CPU a decode step's time grows with the pool
-# (~11 ms a token here against ~85 ms with 64 MB, 7811 pages), and these tests decode
-# thousands of tokens.
+# and a prefix cache besides.
 TINY_ENGINE = ("--dtype", "float32", "--max-num-seqs", "4", "--max-model-len", "512",
                "--kv-memory", "2MB")
 

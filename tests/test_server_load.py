@@ -2,10 +2,8 @@
 of the tiny chat model, with early disconnects and malformed requests among them; no
 well-formed request fails and the pages in use go back to zero.
 
-The load's seconds are few: with tests/serving.py's TINY_ENGINE (a 2 MB pool, ~11 ms a decode
-step on the CPU) 2 s of it measured ~220 chat requests (~130 completed, ~45 disconnected early,
-~45 malformed) and ~70 token-id requests on this 2-core machine: more than 4 s and 3 s gave with
-the 64 MB pool before (109 and 27)."""
+The load's seconds are few: 2 s of it measured ~220 chat requests (~130 completed, ~45
+disconnected early, ~45 malformed) and ~70 token-id requests on this 2-core machine."""
 
 import json
 
