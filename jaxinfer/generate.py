@@ -489,6 +489,7 @@ def prefill_prompts(params, tokens: jax.Array, lengths: jax.Array, state: Decode
     chunk by chunk against the cache (fitting_state padded T to whole chunks), a tick of
     `bar` (tqdm) per chunk."""
     chunk = prefill_chunk_size(plan)
+    plan = plan.loop_free()
     b, t = tokens.shape
     if not chunk or longest <= chunk:
         return prefill(params, tokens, lengths, state, plan)
@@ -738,7 +739,7 @@ def _pieces(model, req: _Request, progress: bool, out: TextStream, t0: float) ->
     while True:
         peek = _newest(state)  # fresh arrays: `state` may be donated to the next step
         if ids and len(ids) + 2 <= req.max_new_tokens:
-            nxt = decode_step(req.params, state, req.plan)
+            nxt = decode_step(req.params, state, req.plan.loop_free())
         col, new, done, lp = jax.device_get(peek)
         new = int(new)
         out.token_times.append(time.perf_counter() - t0)
@@ -755,5 +756,5 @@ def _pieces(model, req: _Request, progress: bool, out: TextStream, t0: float) ->
             yield piece
         if stopped or finished:
             return
-        state = nxt if nxt is not None else decode_step(req.params, state, req.plan)
+        state = nxt if nxt is not None else decode_step(req.params, state, req.plan.loop_free())
         nxt = None

@@ -361,3 +361,12 @@ class Plan:
     def local(self) -> Plan:
         """The plan of one device's shard (inside shard_map: no sharding)."""
         return dataclasses.replace(self, sharding=None)
+
+    def loop_free(self) -> Plan:
+        """The plan with the device loop's host-sync fields at their defaults: the programs that
+        run no decode loop (a prefill, one step) do not read them, so a plan that changes only
+        those fields reuses their executables (the plan is their jit key)."""
+        default = KernelPolicy()
+        return dataclasses.replace(self, policy=self.policy.replace(
+            steps_per_sync=default.steps_per_sync,
+            steps_per_sync_no_stop=default.steps_per_sync_no_stop))

@@ -165,8 +165,10 @@ def test_steps_per_sync_same_tokens(tiny_chat):
     stop_tok = free[0].token_ids[6]
     assert any(stop_tok not in c.token_ids for c in free)  # some rows run their budget
     one = jaxinfer.generate(tiny_chat, prompts, max_new_tokens=n, chat=True, stop=[stop_tok])
+    compiled = prefill._cache_size()
     five = jaxinfer.generate(tiny_chat, prompts, max_new_tokens=n, chat=True, stop=[stop_tok],
                              policy=KernelPolicy(steps_per_sync=5))
+    assert prefill._cache_size() == compiled  # the prefill does not depend on the loop's k
     assert {c.finish_reason for c in one} == {"stop", "length"}
     assert [(c.token_ids, c.finish_reason) for c in five] == \
         [(c.token_ids, c.finish_reason) for c in one]
