@@ -326,11 +326,11 @@ def test_rejection_sampling_follows_the_target_law(drafter, where, law_models):
                                 sampling=SamplingParams(temperature=1.0), seed=11,
                                 speculative=spec_arg, num_speculative_tokens=2)
     else:  # request i's seed 11 + i; rows of one verification drawn apart
-        # Prompts prefilled 64 rows a dispatch (~100 engine steps, not ~1500 of 4 rows): a
-        # request's draws follow its keys alone, so the same tokens. One batch size each
-        # (512 decode rows, 64 prefill rows): two programs, not ten and seven.
+        # Prompts prefilled 512 rows a dispatch, the decode batch's (~36 engine steps, not
+        # ~1500 of 4 rows): a request's draws follow its keys alone, so the same tokens. One
+        # batch size each (512 rows): two programs, not ten and seven.
         engine = jaxinfer.Engine(target, max_num_seqs=512, page_size=8, max_model_len=16,
-                                 max_prefill_rows=64, speculative=spec_arg,
+                                 max_prefill_rows=512, speculative=spec_arg,
                                  num_speculative_tokens=2, row_buckets=[512])
         out = engine.run([prompt] * n, sampling=SamplingParams(temperature=1.0),
                          max_tokens=3, seed=11)
@@ -338,14 +338,13 @@ def test_rejection_sampling_follows_the_target_law(drafter, where, law_models):
     accepted = sum(c.accepted_tokens for c in out)
     assert 0.1 * n < accepted < 1.9 * n  # drafts are accepted and rejected
     # The coupled rule would give plain sampling's very tokens (the target's law too): the
-    # rejection rule draws others.
+    # rejection rule draws others. Plain sampling from generate's one program for all four
+    # cases (not a plain engine's two more).
     if where == "generate":
-        plain = jaxinfer.generate(target, [prompt] * 64, max_new_tokens=3,
-                                  sampling=SamplingParams(temperature=1.0), seed=11)
-    else:
-        plain = jaxinfer.Engine(target, max_num_seqs=64, page_size=8, max_model_len=16,
-                                max_prefill_rows=64, row_buckets=[64]).run(
-            [prompt] * 64, sampling=SamplingParams(temperature=1.0), max_tokens=3, seed=11)
+        kw = dict(sampling=SamplingParams(temperature=1.0), seed=11)
+    else:  # the engine's request i draws generate's with seed 11 + i (Engine.run)
+        kw = dict(sampling=[SamplingParams(temperature=1.0, seed=11 + i) for i in range(64)])
+    plain = jaxinfer.generate(target, [prompt] * 64, max_new_tokens=3, **kw)
     assert (np.array([c.token_ids for c in plain]) != tokens[:64]).any()
 
     count2 = np.bincount(tokens[:, 1], minlength=v)
