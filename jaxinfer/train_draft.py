@@ -122,6 +122,33 @@ def head_loss(head_params, target_params, tokens, f, p, spec: draft_head.HeadSpe
     return reg + CLS_WEIGHT * cls, (reg, cls, agree)
 
 
+def optimizer(lr: float, steps: int) -> optax.GradientTransformation:
+    """AdamW with warmup (a tenth of the steps, at most 100) and cosine decay to lr / 10,
+    gradients clipped to norm 1."""
+    warmup = max(1, min(100, steps // 10))
+    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1),
+                                                  end_value=lr / 10)
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
+
+
+# The target's weights are an argument, not closed over: a closure would put them in the
+# program as constants (an 8B model's 16 GB) and compile it afresh at every train().
+@functools.partial(jax.jit, static_argnames=("plan", "spec", "lr", "steps"))
+def train_step(trained: dict, opt_state, ids: dict, params: dict, tokens: jax.Array, *,
+               plan: Plan, spec: draft_head.HeadSpec, lr: float, steps: int):
+    """One step of the head's trained weights on windows tokens [B, T] (ids: its draft
+    vocabulary's d2t, or empty; lr, steps: optimizer()'s) -> (trained, opt_state, loss,
+    (regression, classification, agreement))."""
+    def loss_of(trained, f, p):
+        return head_loss({**trained, **ids}, params, tokens, f, p, spec)
+
+    f, p = target_features(params, tokens, plan)
+    (loss, aux), grads = jax.value_and_grad(loss_of, has_aux=True)(trained,
+                                                                   f.astype(jnp.float32), p)
+    updates, opt_state = optimizer(lr, steps).update(grads, opt_state, trained)
+    return optax.apply_updates(trained, updates), opt_state, loss, aux
+
+
 def train(model, data: np.ndarray, steps: int, *, lr: float = 1e-3, seq_len: int = 128,
           batch: int = 8, seed: int = 0, progress: bool = True,
           starts: np.ndarray | None = None, draft_vocab: int = 0) -> TrainResult:
@@ -148,25 +175,9 @@ def train(model, data: np.ndarray, steps: int, *, lr: float = 1e-3, seq_len: int
     spec = head.spec
     plan = model.plan
     params = run_params(model, plan)
-    warmup = max(1, min(100, steps // 10))
-    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1),
-                                                  end_value=lr / 10)
-    optimizer = optax.chain(optax.clip_by_global_norm(1.0),
-                            optax.adamw(schedule, weight_decay=0.01))
     trained = {k: w for k, w in head.params.items() if k != "d2t"}  # the ids stay as they are
     ids = {k: w for k, w in head.params.items() if k == "d2t"}
-    opt_state = optimizer.init(trained)
-
-    def loss_of(trained, tokens, f, p):
-        return head_loss({**trained, **ids}, params, tokens, f, p, spec)
-
-    @jax.jit
-    def step(trained, opt_state, tokens):
-        f, p = target_features(params, tokens, plan)
-        (loss, aux), grads = jax.value_and_grad(loss_of, has_aux=True)(
-            trained, tokens, f.astype(jnp.float32), p)
-        updates, opt_state = optimizer.update(grads, opt_state, trained)
-        return optax.apply_updates(trained, updates), opt_state, loss, aux
+    opt_state = optimizer(lr, steps).init(trained)
 
     rng = np.random.default_rng(seed)
     if starts is not None:
@@ -180,8 +191,9 @@ def train(model, data: np.ndarray, steps: int, *, lr: float = 1e-3, seq_len: int
             at = (rng.integers(0, len(data) - seq_len, size=batch) if starts is None
                   else rng.choice(starts, size=batch))
             windows = np.stack([data[s:s + seq_len] for s in at])  # [B, T]
-            trained, opt_state, loss, (reg, cls, agree) = step(trained, opt_state,
-                                                               jnp.asarray(windows))
+            trained, opt_state, loss, (reg, cls, agree) = train_step(
+                trained, opt_state, ids, params, jnp.asarray(windows), plan=plan, spec=spec,
+                lr=lr, steps=steps)
             losses.append(float(loss))
             accuracy.append(float(agree))
             bar.set_postfix(loss=f"{losses[-1]:.3f}", reg=f"{float(reg):.3f}",

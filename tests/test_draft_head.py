@@ -93,6 +93,24 @@ def test_trained_head_drafts_and_train_draft_cli(looping, trained, tiny_chat, ti
 
     peaked, outs, result = trained
     assert np.mean(result.losses[-15:]) < 0.5 * result.losses[0]
+    # Training again the same way repeats the losses bit for bit and compiles nothing: the
+    # target's weights are the step's argument, not constants of a program per call.
+    data = np.asarray([t for p, o in zip(PROMPTS, outs)
+                       for t in peaked.tokenizer.encode(p) + o.token_ids], np.int32)
+    compiles = []
+
+    def count(event, duration, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        again = train_draft.train(peaked, data, 150, lr=3e-3, seq_len=32, batch=8,
+                                  progress=False)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    assert not compiles, f"{len(compiles)} programs compiled"
+    assert again.losses == result.losses
     path = draft_head.save(result.head, tmp_path / "head.safetensors")
     assert train_draft.plot_losses(result.losses, result.accuracy,
                                    tmp_path / "head.png").stat().st_size > 1000
