@@ -49,6 +49,10 @@ if not _cuda_plugin_installed() and "xla_backend_optimization_level" not in _fla
                                         "--xla_cpu_parallel_codegen_split_count=1")).strip()
 
 import jax  # noqa: E402
+# The first interpret-mode pallas_call imports Pallas' fuser, which registers a config value
+# in JAX's trace context: every program traced before (that first kernel program included)
+# then misses its cache and compiles again. Registered up front, nothing is compiled twice.
+import jax.experimental.pallas.fuser  # noqa: E402,F401
 import pytest  # noqa: E402
 
 
