@@ -2,10 +2,12 @@
 
 import json
 import pathlib
+import weakref
 
 import pytest
 
 from jaxinfer import bench, cli
+from jaxinfer.engine import bench as engine_bench
 from jaxinfer.configs import PRESETS
 from jaxinfer.model import load
 
@@ -70,10 +72,21 @@ def test_bench_prefills_in_chunks_where_one_shot_would_not_fit(tiny_chat_dir, ca
     assert "needs about" in capsys.readouterr().err
 
 
-def test_bench_engine_replays_a_trace_on_an_mla_model(capsys):
+def test_bench_engine_replays_a_trace_on_an_mla_model(capsys, monkeypatch):
     """`jaxinfer bench --engine` on DeepSeek-V3's fixture (latent pages; a 64-token context:
     the shared-prompt TTFT's system prompt shrinks to fit): the trace's tokens all come out,
-    and the static batches and the shared-prefix TTFT are reported, the prefix cache hit."""
+    and the static batches and the shared-prefix TTFT are reported, the prefix cache hit.
+    Each engine is gone before the next one takes its pages (on a GPU two pools of the
+    default size do not fit)."""
+    made = []
+
+    class Engine(engine_bench.Engine):
+        def __init__(self, *args, **kwargs):
+            assert not [e for e in made if e() is not None], "an earlier engine is alive"
+            super().__init__(*args, **kwargs)
+            made.append(weakref.ref(self))
+
+    monkeypatch.setattr(engine_bench, "Engine", Engine)
     assert cli.main(["bench", "--engine", "--model", str(HF / "deepseek_v3"), "--dtype",
                      "float32", "--requests", "4", "--rate", "50", "--prompt-lens", "8", "24",
                      "--output-lens", "4", "8", "--shared-len", "8", "--batch", "2",
@@ -86,6 +99,7 @@ def test_bench_engine_replays_a_trace_on_an_mla_model(capsys):
     assert shared["system_len"] == 48 and shared["on"]["hit_rate"] > 0.5
     assert shared["off"]["hit_rate"] == 0
     assert any(line.startswith("TTFT with a 48-token shared system prompt") for line in out)
+    assert len(made) == 3
 
 
 def test_decode_bytes_count_weights_once_and_valid_kv():
