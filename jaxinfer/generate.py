@@ -736,10 +736,11 @@ def _pieces(model, req: _Request, progress: bool, out: TextStream, t0: float) ->
     # host's work per token (the read, detokenizing, the next dispatch) overlaps the device's.
     # Costs one unused step when a stop token ends the stream; none at the token budget.
     nxt = None
+    plan = req.plan.loop_free()  # one step a call: no loop
     while True:
         peek = _newest(state)  # fresh arrays: `state` may be donated to the next step
         if ids and len(ids) + 2 <= req.max_new_tokens:
-            nxt = decode_step(req.params, state, req.plan.loop_free())
+            nxt = decode_step(req.params, state, plan)
         col, new, done, lp = jax.device_get(peek)
         new = int(new)
         out.token_times.append(time.perf_counter() - t0)
@@ -756,5 +757,5 @@ def _pieces(model, req: _Request, progress: bool, out: TextStream, t0: float) ->
             yield piece
         if stopped or finished:
             return
-        state = nxt if nxt is not None else decode_step(req.params, state, req.plan.loop_free())
+        state = nxt if nxt is not None else decode_step(req.params, state, plan)
         nxt = None

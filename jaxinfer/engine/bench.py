@@ -130,9 +130,7 @@ def shared_prefix_ttft(engine_factory, vocab: int, system_len: int = 2000,
     system = rng.integers(0, vocab, system_len).tolist()
     prompts = [system + rng.integers(0, vocab, user_len).tolist() for _ in range(requests + 1)]
     out = {}
-    engine = None
     for caching in (True, False):
-        del engine  # the last engine's pages go before the next one takes its own
         engine = engine_factory(prefix_caching=caching)
         times = []
         for i, p in enumerate(prompts):
@@ -147,6 +145,7 @@ def shared_prefix_ttft(engine_factory, vocab: int, system_len: int = 2000,
                 engine.step()
         out["on" if caching else "off"] = {"ttft_p50_s": _pct(times, 50),
                                            "hit_rate": engine.prefix_cache_hit_rate()}
+        del engine  # its pages go before the next engine takes its own
     out["system_len"] = system_len
     return out
 
