@@ -147,6 +147,12 @@ def _decode_step(params: dict, state: DecodeState, plan: Plan) -> DecodeState:
 decode_step = jax.jit(_decode_step, static_argnames=("plan",), donate_argnames=("state",))
 
 
+def steps_per_sync(plan: Plan, state: DecodeState) -> int:
+    """Decode steps between the host's checks for the end (static: the state's stop ids)."""
+    policy = plan.policy
+    return policy.steps_per_sync_no_stop if state.stop_ids.shape[0] == 0 else policy.steps_per_sync
+
+
 @functools.partial(jax.jit, static_argnames=("plan",), donate_argnames=("state",))
 def decode_loop(params: dict, state: DecodeState, plan: Plan,
                 until: jax.Array | None = None) -> DecodeState:
@@ -158,8 +164,7 @@ def decode_loop(params: dict, state: DecodeState, plan: Plan,
     overshoots) while k more fit in the output and the largest row budget, then once per step:
     no step runs past the token budget; only an early stop of every row (a stop id) can leave
     up to k - 1 no-op steps (a finished row rewrites its last slot)."""
-    policy = plan.policy
-    k = policy.steps_per_sync_no_stop if state.stop_ids.shape[0] == 0 else policy.steps_per_sync
+    k = steps_per_sync(plan, state)
     step = functools.partial(_decode_step, params, plan=plan)
     n = state.output.shape[1]
 

@@ -41,7 +41,7 @@ from jaxinfer import draft_head, memory, pytree, sampling
 from jaxinfer import sharding as sharding_lib
 from jaxinfer.cache import KVCache
 from jaxinfer.generate import (PROGRESS_STEPS, Completion, DecodeState, StreamText, _bar,
-                               _finish, _plan, _Request, run_params)
+                               _finish, _plan, _Request, run_params, steps_per_sync)
 from jaxinfer.generate import _prepare as _prepare_request
 from jaxinfer.generate import _run_prefill as _target_prefill
 from jaxinfer.model import Model
@@ -385,8 +385,11 @@ def _verify_round(params, state: SpecState, drafts: jax.Array, draft_laws, plan:
 
 
 def _spec_round(params, draft_params, state: SpecState, plan: Plan, k: int,
-                drafter: NGram | _DraftPlan | draft_head.HeadSpec) -> SpecState:
-    """One round for every row (module docstring): draft, verify, accept, record."""
+                drafter: NGram | _DraftPlan | draft_head.HeadSpec, running=None,
+                block: int = 1) -> SpecState:
+    """One round for every row (module docstring): draft, verify, accept, record. Inside
+    spec_loop (`running(s, room)`: its predicate), an adaptive drafter's plain branch runs
+    plain rounds until a probe is due or the loop ends, `block` at a time while they fit."""
     if isinstance(drafter, NGram):
         drafts, found = ngram_drafts(state.history, state.decode.positions, k, drafter)
         # No live row found a match: a plain decode step (T = 1) costs less than verifying
@@ -433,12 +436,26 @@ def _spec_round(params, draft_params, state: SpecState, plan: Plan, k: int,
         return out.replace(gain=jnp.where(hit, 0.5 * s.gain + 0.5 * k, out.gain),
                            patience=jnp.minimum(2 * s.patience, MAX_PROBE))
 
+    def plains(s: SpecState) -> SpecState:
+        # XLA's GPU while loop and switch each copy their predicate to the host, so a plain
+        # round per trip of spec_loop cost two host checks a token where plain decoding's loop
+        # costs one (or one per steps_per_sync): ~2% of a step on the H200. These are the
+        # rounds one at a time would run: gain does not move in plain rounds, so they last
+        # until a probe is due (or the loop's end), in blocks while some live row needs them.
+        if running is None:  # spec_round: one round a call
+            return plain(s)
+        if block > 1:
+            s = jax.lax.while_loop(
+                lambda s: running(s, block) & (s.idle + block <= s.patience),
+                lambda s: jax.lax.fori_loop(0, block, lambda _, s: plain(s), s), s)
+        return jax.lax.while_loop(lambda s: running(s, 1) & (s.idle < s.patience), plain, s)
+
     live = ~state.decode.done
     hitting = jnp.any(live & (state.gain >= min_gain(drafter)))
     # a probe (drafts still rejected) doubles the wait for the next; a hit resets it
     branch = jnp.where(hitting, 2, jnp.where(state.idle >= state.patience, 1, 0))
     return jax.lax.switch(branch, (
-        plain, probe, lambda s: verify(s).replace(patience=jnp.full((), PROBE, jnp.int32))),
+        plains, probe, lambda s: verify(s).replace(patience=jnp.full((), PROBE, jnp.int32))),
         state)
 
 
@@ -463,14 +480,15 @@ def spec_loop(params, draft_params, state: SpecState, plan: Plan, k: int,
               until: jax.Array | None = None) -> SpecState:
     """Rounds until every row is done (or, with `until` [] int32, until every live row has
     that many tokens out), inside one executable."""
-    def running(s: SpecState):
-        live = ~s.decode.done
+    def running(s: SpecState, room: int = 1):  # some live row has `room` more tokens to go
+        left = s.decode.budget - s.count  # [B]; a live row's is >= 1
         if until is not None:
-            live &= s.count < until
-        return jnp.any(live)
+            left = jnp.minimum(left, until - s.count)
+        return jnp.any(~s.decode.done & (left >= room))
 
     return jax.lax.while_loop(running, functools.partial(
-        _spec_round, params, draft_params, plan=plan, k=k, drafter=drafter), state)
+        _spec_round, params, draft_params, plan=plan, k=k, drafter=drafter, running=running,
+        block=steps_per_sync(plan, state.decode)), state)
 
 
 @functools.partial(jax.jit, static_argnames=("plan",), donate_argnames=("cache",))

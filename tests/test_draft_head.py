@@ -21,6 +21,7 @@ from jaxinfer import draft_head, train_draft
 from jaxinfer.cache import KVCache
 from jaxinfer.models import llama, registry
 from jaxinfer.model import from_params
+from jaxinfer.plan import KernelPolicy
 from jaxinfer.sampling import SamplingParams
 from kernel_testing import init_params  # jaxinfer.weights.init_params's bits, fewer compiles
 from sampling_cases import MIXED
@@ -275,18 +276,23 @@ def test_drafting_is_the_training_forward_in_generate_and_the_engine(trained):
         assert engine.free_pages == engine.total_pages
 
 
-def test_plain_rounds_skip_the_head_and_its_probe_catches_up(trained):
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_plain_rounds_skip_the_head_and_its_probe_catches_up(trained, ignore_eos):
     """Plain rounds (forced: a min_gain out of reach) run no head forward; a probe's first
     forward writes every pair since the head's last one, so its draft is the training
     forward's at that position, as if the head had run every round (a hole or a shifted
-    feature in its cache would change the trained head's drafts)."""
+    feature in its cache would change the trained head's drafts). Without stop ids the plain
+    rounds run in blocks of steps_per_sync_no_stop (8, 5 here: blocks that do not divide the
+    probes' waits) with the same probes."""
     from jaxinfer import speculative
 
     peaked, _, result = trained
     prompts = [peaked.tokenizer.encode(p) for p in PROMPTS[:4]]
-    plain = jaxinfer.generate(peaked, prompts, max_new_tokens=40)
+    policy = KernelPolicy(steps_per_sync_no_stop=5)
+    plain = jaxinfer.generate(peaked, prompts, max_new_tokens=40, ignore_eos=ignore_eos)
     spec = jaxinfer.generate(peaked, prompts, max_new_tokens=40, num_speculative_tokens=1,
-                             speculative=dataclasses.replace(result.head, min_gain=1e9))
+                             speculative=dataclasses.replace(result.head, min_gain=1e9),
+                             ignore_eos=ignore_eos, policy=policy)
     assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
     want = []
     for prompt, c, draft in zip(prompts, plain, _teacher_drafts(
