@@ -388,19 +388,31 @@ def _spec_round(params, draft_params, state: SpecState, plan: Plan, k: int,
                 drafter: NGram | _DraftPlan | draft_head.HeadSpec, running=None,
                 block: int = 1) -> SpecState:
     """One round for every row (module docstring): draft, verify, accept, record. Inside
-    spec_loop (`running(s, room)`: its predicate), an adaptive drafter's plain branch runs
-    plain rounds until a probe is due or the loop ends, `block` at a time while they fit."""
+    spec_loop (`running(s, room)`: its predicate), the plain branch runs plain rounds until a
+    drafter's rows may hit again (an n-gram match; a probe due) or the loop ends, an adaptive
+    drafter's `block` at a time while they fit."""
     if isinstance(drafter, NGram):
-        drafts, found = ngram_drafts(state.history, state.decode.positions, k, drafter)
         # No live row found a match: a plain decode step (T = 1) costs less than verifying
-        # guesses that are almost surely wrong.
+        # guesses that are almost surely wrong; inside spec_loop such steps run in an inner
+        # loop until a row finds one (one host check a token, as plain decoding's loop).
+        def lookup(s: SpecState):  # -> drafts [B, K], whether a live row found a match
+            drafts, found = ngram_drafts(s.history, s.decode.positions, k, drafter)
+            return drafts, jnp.any(found & ~s.decode.done)
+
+        drafts, found = lookup(state)
+
         def verify(s: SpecState) -> SpecState:
             return _verify_round(params, s, drafts, None, plan)
 
         def plain(s: SpecState) -> SpecState:
             return _verify_round(params, s, drafts[:, :0], None, plan)
 
-        return jax.lax.cond(jnp.any(found & ~state.decode.done), verify, plain, state)
+        def plains(s: SpecState) -> SpecState:
+            if running is None:
+                return plain(s)
+            return jax.lax.while_loop(lambda s: running(s, 1) & ~lookup(s)[1], plain, s)
+
+        return jax.lax.cond(found, verify, plains, state)
     is_head = isinstance(drafter, draft_head.HeadSpec)
 
     def verify(s: SpecState, k: int = k) -> SpecState:
