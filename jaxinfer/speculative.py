@@ -449,11 +449,11 @@ def _spec_round(params, draft_params, state: SpecState, plan: Plan, k: int,
                            patience=jnp.minimum(2 * s.patience, MAX_PROBE))
 
     def plains(s: SpecState) -> SpecState:
-        # XLA's GPU while loop and switch each copy their predicate to the host, so a plain
-        # round per trip of spec_loop cost two host checks a token where plain decoding's loop
-        # costs one (or one per steps_per_sync): ~2% of a step on the H200. These are the
-        # rounds one at a time would run: gain does not move in plain rounds, so they last
-        # until a probe is due (or the loop's end), in blocks while some live row needs them.
+        # XLA's GPU while loop and switch each copy their predicate to the host: a plain round
+        # per trip of spec_loop cost two host checks a token where plain decoding's loop costs
+        # one (or one per steps_per_sync). These are the rounds one at a time would run: gain
+        # does not move in plain rounds, so they last until a probe is due (or the loop's
+        # end), in blocks while some live row needs them (benchmarks/DECISIONS.md).
         if running is None:  # spec_round: one round a call
             return plain(s)
         if block > 1:
