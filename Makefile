@@ -15,7 +15,7 @@ PROMPT ?= What is the capital of France?
 # `make run V=1`: also the load time, time to first token and decode speed (jaxinfer -v).
 V ?=
 
-.PHONY: run test venv clean test-packages
+.PHONY: run test venv clean test-packages compiler
 
 $(VENV)/.created:
 	@base=$$($(FIND_PYTHON)) || { echo "error: no Python >= 3.12 found (jax >= 0.11 needs it); install one, e.g. 'pyenv install 3.12'" >&2; exit 1; }; \
@@ -33,7 +33,17 @@ $(VENV)/.installed-test: $(VENV)/.installed
 
 venv: $(VENV)/.installed
 
-run: $(VENV)/.installed
+# A C++ compiler: the CPU's quantized matmul kernel (pallas_kernels/cpu_quantized.cc) is built
+# with it on first use; without one, quantized weights run on XLA's ~3x slower tiles.
+compiler:
+	@command -v c++ >/dev/null 2>&1 || command -v g++ >/dev/null 2>&1 || { \
+	  if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ \
+	      || echo "note: could not install g++"; \
+	  else echo "note: no C++ compiler (apt-get install g++): quantized weights on the CPU \
+	run on XLA's slower path"; fi; }
+
+run: $(VENV)/.installed compiler
 	$(VENV)/bin/jaxinfer $(if $(V),-v) generate "$(PROMPT)"
 
 # Debian packages the tests use, installed here when missing and we are root with apt-get:
@@ -58,7 +68,7 @@ test-packages:
 # Two workers for the two cores. (The worker crashes once seen in XLA CPU compiles were the
 # process running out of memory maps: tests/conftest.py keeps it under vm.max_map_count.)
 # The suite's processes (and those they start) under jemalloc where it is installed.
-test: $(VENV)/.installed-test test-packages
+test: $(VENV)/.installed-test test-packages compiler
 	@lib=$$($(JEMALLOC_LIB)); \
 	env $${lib:+LD_PRELOAD="$$lib"} $(PY) -m pytest -n 2 --dist worksteal -q
 

@@ -29,6 +29,7 @@ from jaxinfer.generate import (CACHE_ROUND, PROMPT_BUCKETS, bucket, decode_loop,
                                prefill_chunk_size, prefill_prompts, run_params)
 from jaxinfer.model import Model, default_dtype, load
 from jaxinfer.models import registry
+from jaxinfer.ops import blocked
 from jaxinfer.ops.blocked import dequant_block_bytes
 from jaxinfer.plan import KernelPolicy, Plan
 from jaxinfer.sampling import SamplingParams
@@ -429,12 +430,17 @@ def cpu_peak_estimate(model: Model, plan, batch: int, prompt_len: int, gen_len: 
     cache = max(bucket(prompt_len + gen_len, (CACHE_ROUND,)), padded)
     request = memory.request_parts(config, batch, padded, cache, padded, kv_cache_dtype,
                                    quantized=quantized)
-    # run() compiles the decode step beside generate's two (the prefill and the decode loop)
-    kquants = any(isinstance(w, QuantizedWeight) and w.super_scale is not None
-                  for w in jax.tree.leaves(model.params,
-                                           is_leaf=lambda a: isinstance(a, QuantizedWeight)))
+    # run() compiles the decode step beside generate's two (the prefill and the decode loop);
+    # where the CPU kernel takes the decode rows (KernelPolicy.cpu_quantized_rows) only the
+    # prefill holds a layer's dequantization code
+    weights = [w for w in jax.tree.leaves(model.params,
+                                          is_leaf=lambda a: isinstance(a, QuantizedWeight))
+               if isinstance(w, QuantizedWeight)]
+    kquants = any(w.super_scale is not None for w in weights)
+    kernel = (weights and plan.policy.cpu_quantized_rows >= batch
+              and all(blocked.cpu_kernel_takes(w) for w in weights))
     return memory.cpu_peak_bytes(config, held, load, request, model.tokenizer is not None,
-                                 executables=3, kquants=kquants)
+                                 executables=1 if kernel else 3, kquants=kquants)
 
 
 def llama_cpp_peer(model: Model, args, ours: BenchResult | None) -> str | None:

@@ -163,6 +163,11 @@ class KernelPolicy:
     # CPU half the last-level cache within 8-32 MiB (blocked.cpu_block_bytes), 0 elsewhere;
     # 0: the whole model dequantized once per request (run_params).
     dequant_block_bytes: int | None = None
+    # On the CPU, at most this many rows (B * T) of a quantized weight's matmul run
+    # pallas_kernels/cpu_quantized.cc (built on first use) where it takes the format: 1.7-5x
+    # the tiles above at one row, even with them at 16-32 (benchmarks/DECISIONS.md). More
+    # rows, 0, or where it cannot be built: the tiles.
+    cpu_quantized_rows: int = 16
     # MoE experts: the implementation, and the most token rows (B * T) that take the decode
     # path (one kernel row per token-expert assignment: experts that tokens share are read
     # once per token) rather than the grouped GEMM (rows sorted by expert: each expert read
@@ -225,6 +230,7 @@ class KernelPolicy:
             _check_int("prefill_chunk", self.prefill_chunk, 0)
         if self.dequant_block_bytes is not None:
             _check_int("dequant_block_bytes", self.dequant_block_bytes, 0)
+        _check_int("cpu_quantized_rows", self.cpu_quantized_rows, 0)
         if self.attention_chunk & (self.attention_chunk - 1):
             raise ValueError(f"KernelPolicy.attention_chunk={self.attention_chunk}: must be a "
                              f"power of two (whole key tiles)")

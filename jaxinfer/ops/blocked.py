@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jaxinfer.ops import reference
 from jaxinfer.plan import KernelPolicy, Plan
 from jaxinfer.weights import Parts, QuantizedWeight, as_array, is_transposed
+from pallas_kernels import cpu_quantized
 from pallas_kernels.quantized import group_scales, unpack_plane
 
 # The CPU's float32 tile: half the last-level cache, so the tile the dequantization writes is
@@ -185,14 +186,27 @@ def blocked_matmul(x: jax.Array, qw: QuantizedWeight, block_bytes: int) -> jax.A
     return y.reshape(*lead, *qw.out_shape)
 
 
+def cpu_kernel_takes(w: QuantizedWeight) -> bool:
+    """Whether pallas_kernels/cpu_quantized.cc can take w here: on the CPU, a format it
+    takes, the kernel built."""
+    return (jax.default_backend() == "cpu" and cpu_quantized.fits(w) is None
+            and cpu_quantized.available())
+
+
 def linear(x: jax.Array, w, plan: Plan, bias=None, out_dtype=None) -> jax.Array:
     """The reference x [..., K] @ w (+ bias) -> [..., *N] in out_dtype (default x's), with
     QuantizedWeights (alone or among Parts) dequantized a tile at a time where the plan
     says (dequant_block_bytes), else whole."""
     block = plan_block_bytes(plan)
     if block and isinstance(w, QuantizedWeight) and w.layout == "tiles":
-        if math.prod(x.shape[:-1]) <= TILED_ROWS:
-            y = blocked_matmul(x, w, block)
+        rows = math.prod(x.shape[:-1])
+        if rows <= TILED_ROWS:
+            # one pass over the codes, no float tile written (KernelPolicy.cpu_quantized_rows)
+            if rows <= plan.policy.cpu_quantized_rows and cpu_kernel_takes(w):
+                y = cpu_quantized.quantized_matmul_cpu(x.reshape(-1, w.k), w)
+                y = y.reshape(*x.shape[:-1], *w.out_shape)
+            else:
+                y = blocked_matmul(x, w, block)
         else:  # a prefill: the weight whole (see TILED_ROWS), once its input is there, so
             # that XLA cannot dequantize every layer's weights up front and hold them all
             w, x = jax.lax.optimization_barrier((w, x))

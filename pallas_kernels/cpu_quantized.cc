@@ -1,0 +1,459 @@
+// x [M, K] @ dequantize(qw) [K, N] -> y [M, N] float32 on the CPU, for QuantizedWeights in the
+// "tiles" layout (pallas_kernels/quantized.py's module docstring), as an XLA FFI handler
+// (pallas_kernels/cpu_quantized.py builds, loads and calls it).
+//
+// Why a kernel: XLA's CPU dot takes float32 only at speed, so the XLA path writes every
+// weight's float32 tile to the cache and reads it back each step (8 bytes of traffic a weight
+// for ~0.6 bytes of codes). Here each thread dequantizes a [rows, NB] slab of columns into a
+// buffer that stays in L1 and multiplies it into the rows' accumulators at once.
+//
+// Every row of x is computed by the same sequence of operations whatever M is (each row's
+// accumulators are its own, K is walked in the same order), so a row's result does not depend
+// on the batch it is in (speculative verification, the engine's ragged batches).
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t NB = 64;    // columns a work item holds in registers / L1
+constexpr int64_t PB = 8;     // column blocks a work item reads across a row (a panel), at most
+constexpr int64_t RB = 16;    // rows of K dequantized at a time (divides every tile: >= 16)
+
+
+struct Args {
+  const float* x;  // [M, K]
+  float* y;        // [M, N]
+  const uint8_t* p0;  // [rows0, N]: low bits (or the 8-bit codes, int8 when signed0)
+  const uint8_t* p1;  // [rows1, N]: high bits, or null
+  const void* scale;         // [G, N]: scales, or sub-scales under super_scale
+  const void* super_scale;   // [G', N] or null
+  const void* offset;        // [G, N]: offsets, or sub-mins under super_offset; or null
+  const void* super_offset;  // [G', N] or null
+  int64_t scale_type, super_scale_type, offset_type, super_offset_type;  // DType
+  int64_t rows0, rows1;  // byte rows of p0, p1
+  int64_t m, k, n, bits0, bits1, tile, group, super_group, code_offset;
+  bool signed0;
+};
+
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+inline f32x16 load16(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
+// 16 bytes widened to int32, zero- or sign-extended (GCC's __builtin_convertvector does it a
+// byte at a time).
+template <bool Signed>
+inline i32x16 bytes16(const uint8_t* p) {
+  i32x16 v;
+#if defined(__AVX512F__)
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m512i w = Signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
+  std::memcpy(&v, &w, sizeof v);
+#elif defined(__AVX2__)
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256i lo = Signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
+  const __m256i hi = Signed ? _mm256_cvtepi8_epi32(_mm_srli_si128(b, 8))
+                            : _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
+  std::memcpy(&v, &lo, 32);
+  std::memcpy(reinterpret_cast<char*>(&v) + 32, &hi, 32);
+#else
+  for (int i = 0; i < 16; ++i) v[i] = Signed ? int32_t(int8_t(p[i])) : int32_t(p[i]);
+#endif
+  return v;
+}
+
+// Where rows k .. of a slab (rows <= RB, within one tile) are: the byte rows and shifts of the
+// planes, the same for the slab's every row.
+struct Slab {
+  int64_t row0, row1;
+  int sh0, sh1, hi;
+  int32_t mask0, mask1;
+  Slab(const Args& a, int64_t k) {
+    const int64_t t = k / a.tile, in_tile = k % a.tile;
+    const int64_t r0 = 8 / a.bits0;
+    row0 = a.bits0 == 8 ? k : (t / r0) * a.tile + in_tile;
+    sh0 = a.bits0 == 8 ? 0 : int(a.bits0 * (t % r0));
+    mask0 = a.bits0 == 8 ? 0xFF : (1 << a.bits0) - 1;
+    row1 = sh1 = hi = mask1 = 0;
+    if (a.bits1) {
+      const int64_t r1 = 8 / a.bits1;
+      row1 = (t / r1) * a.tile + in_tile;
+      sh1 = int(a.bits1 * (t % r1));
+      mask1 = (1 << a.bits1) - 1;
+      hi = int(a.bits0);
+    }
+  }
+};
+
+enum Planes { kUnsigned = 0, kSigned = 1, kTwo = 2 };  // one uint8 plane, one int8, two
+
+// The codes (as stored: code_offset not taken off) of columns 16q .. 16q + 15 of the slab's
+// row r, as floats (exact).
+template <int P>
+inline f32x16 codes16(const uint8_t* p0, const uint8_t* p1, int64_t ld, const Slab& sl,
+                      int64_t r, int q) {
+  const uint8_t* lo = p0 + (sl.row0 + r) * ld + 16 * q;
+  i32x16 c;
+  if (P == kSigned) {
+    c = bytes16<true>(lo);
+  } else {
+    c = (bytes16<false>(lo) >> sl.sh0) & sl.mask0;
+    if (P == kTwo)
+      c |= ((bytes16<false>(p1 + (sl.row1 + r) * ld + 16 * q) >> sl.sh1) & sl.mask1) << sl.hi;
+  }
+  return __builtin_convertvector(c, f32x16);
+}
+
+// Element types of the scale arrays (DType in cpu_quantized.py).
+enum DType : int64_t { kF32 = 0, kF16 = 1, kBF16 = 2, kI8 = 3, kU8 = 4 };
+
+inline int64_t dtype_bytes(int64_t t) { return t == kF32 ? 4 : t <= kBF16 ? 2 : 1; }
+
+inline float to_float(const void* p, int64_t i, int64_t t) {
+  switch (t) {
+    case kF32: return static_cast<const float*>(p)[i];
+    case kF16: return _cvtsh_ss(static_cast<const uint16_t*>(p)[i]);
+    case kBF16: {
+      const uint32_t bits = uint32_t(static_cast<const uint16_t*>(p)[i]) << 16;
+      float f;
+      std::memcpy(&f, &bits, 4);
+      return f;
+    }
+    case kI8: return float(static_cast<const int8_t*>(p)[i]);
+    default: return float(static_cast<const uint8_t*>(p)[i]);
+  }
+}
+
+// 16 elements from p + i as floats.
+inline f32x16 load_as_float(const void* p, int64_t i, int64_t t) {
+  switch (t) {
+    case kF32: return load16(static_cast<const float*>(p) + i);
+    case kF16: {
+      f32x16 v;
+#if defined(__AVX512F__)
+      const __m512 f = _mm512_cvtph_ps(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + i)));
+      std::memcpy(&v, &f, sizeof v);
+#else
+      for (int j = 0; j < 16; ++j) v[j] = to_float(p, i + j, t);
+#endif
+      return v;
+    }
+    case kBF16: {
+      f32x16 v;
+      for (int j = 0; j < 16; ++j) v[j] = to_float(p, i + j, t);
+      return v;
+    }
+    case kI8: return __builtin_convertvector(bytes16<true>(static_cast<const uint8_t*>(p) + i),
+                                             f32x16);
+    default: return __builtin_convertvector(bytes16<false>(static_cast<const uint8_t*>(p) + i),
+                                            f32x16);
+  }
+}
+
+// The group's scale and offset of columns n0 .. n0 + nb - 1, in float32 as group_scales forms
+// them (s = scale or super_scale * sub-scale; o = offset or -(super_offset * sub-min)); o then
+// takes s * code_offset off, so that s * c + o applies to the codes as stored. width: nb
+// rounded up to 16 (the last block's tail is read one element at a time).
+inline void group_scales(const Args& a, int64_t g, int64_t n0, int64_t nb, int64_t width,
+                         float* s, float* o) {
+  const int64_t at = g * a.n + n0;
+  const int64_t sat = (a.super_group ? (g * a.group) / a.super_group : 0) * a.n + n0;
+  const f32x16 off = f32x16{} + float(a.code_offset);
+  if (nb < width) {
+    for (int64_t j = 0; j < nb; ++j) {
+      s[j] = to_float(a.scale, at + j, a.scale_type);
+      if (a.super_scale) s[j] = to_float(a.super_scale, sat + j, a.super_scale_type) * s[j];
+      o[j] = a.offset ? to_float(a.offset, at + j, a.offset_type) : 0.0f;
+      if (a.super_offset) o[j] = -(to_float(a.super_offset, sat + j, a.super_offset_type) * o[j]);
+      o[j] -= s[j] * float(a.code_offset);
+    }
+    return;
+  }
+  for (int64_t j = 0; j < width; j += 16) {
+    f32x16 sv = load_as_float(a.scale, at + j, a.scale_type);
+    if (a.super_scale) sv = load_as_float(a.super_scale, sat + j, a.super_scale_type) * sv;
+    f32x16 ov = f32x16{};
+    if (a.offset) ov = load_as_float(a.offset, at + j, a.offset_type);
+    if (a.super_offset) ov = -(load_as_float(a.super_offset, sat + j, a.super_offset_type) * ov);
+    store16(s + j, sv);
+    store16(o + j, ov - sv * off);
+  }
+}
+
+constexpr int64_t PF = 2;  // slabs ahead whose rows are prefetched (strided rows defeat the
+                           // hardware prefetcher: each row of a slab is another page)
+
+// Prefetch the byte rows of the slab at k (and its group's scales when it starts a group).
+// (Each cache line of width bytes from p.)
+inline void prefetch_span(const void* p, int64_t width) {
+  for (int64_t i = 0; i < width; i += 64) __builtin_prefetch(static_cast<const char*>(p) + i);
+}
+
+// Prefetch the byte rows (width bytes from the panel's first column) of the slab at k, and
+// its group's scale and offset rows when it starts a group.
+inline void prefetch_rows(const Args& a, const uint8_t* p0, const uint8_t* p1, int64_t ld,
+                          int64_t n0, int64_t width, int64_t k) {
+  if (k >= a.k) return;
+  const Slab sl(a, k);
+  const int64_t rows = std::min(RB, a.k - k);
+  for (int64_t r = 0; r < rows; ++r) prefetch_span(p0 + (sl.row0 + r) * ld, width);
+  if (p1)
+    for (int64_t r = 0; r < rows; ++r) prefetch_span(p1 + (sl.row1 + r) * ld, width);
+  if (k % a.group == 0) {
+    const int64_t at = (k / a.group) * a.n + n0;
+    const int64_t sb = dtype_bytes(a.scale_type), ob = dtype_bytes(a.offset_type);
+    prefetch_span(static_cast<const char*>(a.scale) + at * sb, width * sb);
+    if (a.offset) prefetch_span(static_cast<const char*>(a.offset) + at * ob, width * ob);
+  }
+}
+
+constexpr int MR = 4;  // rows of x whose accumulators stay in registers at once
+
+// acc [R][NB] (stride lda) += x [R] rows (stride ldx) . w [rows][NB]: R x NB / 16 accumulators
+// in registers.
+template <int R>
+inline void multiply_rows(const float* x, int64_t ldx, const float* w, int64_t rows,
+                          float* acc, int64_t lda) {
+  f32x16 v[R][NB / 16];
+  for (int i = 0; i < R; ++i)
+    for (int q = 0; q < NB / 16; ++q) v[i][q] = load16(acc + i * lda + 16 * q);
+  for (int64_t r = 0; r < rows; ++r) {
+    f32x16 wr[NB / 16];
+    for (int q = 0; q < NB / 16; ++q) wr[q] = load16(w + r * NB + 16 * q);
+    for (int i = 0; i < R; ++i) {
+      const f32x16 xv = f32x16{} + x[i * ldx + r];
+      for (int q = 0; q < NB / 16; ++q) v[i][q] += xv * wr[q];
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int q = 0; q < NB / 16; ++q) store16(acc + i * lda + 16 * q, v[i][q]);
+}
+
+// Columns n0 .. n0 + blocks * NB - 1 of every row of y (a panel of column blocks, read a slab
+// of rows at a time across the panel: a row's bytes are then blocks * NB contiguous ones, not
+// NB bytes from every page), those below N stored. Per group of K and row of x: the codes'
+// products summed (gacc), then y += s * gacc + o * (the group's sum of x): one multiply-add a
+// code, the scales once a group.
+template <int P>
+void panel(const Args& a, int64_t n0, int64_t blocks, float* gacc /* [M][blocks * NB] */,
+           float* yacc /* [M][blocks * NB] */, float* so /* [2][blocks * NB] */,
+           std::vector<uint8_t>& tail) {
+  alignas(64) float w[RB * NB];
+  const int64_t width = blocks * NB;
+  const int64_t nb = std::min(width, a.n - n0);  // columns to store (< width: the last block)
+  const uint8_t* p0 = a.p0 + n0;
+  const uint8_t* p1 = a.p1 ? a.p1 + n0 : nullptr;
+  int64_t ld = a.n;
+  if (nb < width) {  // the matrix's last, narrower block (alone): copied to rows of NB bytes
+    tail.assign((a.rows0 + a.rows1) * NB, 0);
+    for (int64_t r = 0; r < a.rows0; ++r) std::memcpy(&tail[r * NB], p0 + r * a.n, nb);
+    for (int64_t r = 0; r < a.rows1; ++r)
+      std::memcpy(&tail[(a.rows0 + r) * NB], p1 + r * a.n, nb);
+    p0 = tail.data();
+    p1 = a.p1 ? tail.data() + a.rows0 * NB : nullptr;
+    ld = NB;
+  }
+  float* s = so;
+  float* o = so + width;
+  std::fill(yacc, yacc + a.m * width, 0.0f);
+  std::fill(gacc, gacc + a.m * width, 0.0f);
+  std::fill(so, so + 2 * width, 0.0f);
+  for (int64_t k = 0; k < a.k; k += RB) {
+    if (k % a.group == 0) group_scales(a, k / a.group, n0, nb, width, s, o);
+    const int64_t rows = std::min(RB, a.k - k);
+    prefetch_rows(a, p0, p1, ld, n0, std::min(width, ld), k + PF * RB);
+    const Slab sl(a, k);
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* b0 = p0 + b * NB;
+      const uint8_t* b1 = p1 ? p1 + b * NB : nullptr;
+      if (a.m == 1) {  // the block's sums in registers over the slab
+        f32x16 g[NB / 16];
+        for (int q = 0; q < NB / 16; ++q) g[q] = load16(gacc + b * NB + 16 * q);
+        for (int64_t r = 0; r < rows; ++r) {
+          const f32x16 xv = f32x16{} + a.x[k + r];
+          for (int q = 0; q < NB / 16; ++q) g[q] += xv * codes16<P>(b0, b1, ld, sl, r, q);
+        }
+        for (int q = 0; q < NB / 16; ++q) store16(gacc + b * NB + 16 * q, g[q]);
+        continue;
+      }
+      for (int64_t r = 0; r < rows; ++r)
+        for (int q = 0; q < NB / 16; ++q)
+          store16(w + r * NB + 16 * q, codes16<P>(b0, b1, ld, sl, r, q));
+      for (int64_t i0 = 0; i0 < a.m; i0 += MR) {  // MR rows at a time, each its own sums
+        float* gi = gacc + i0 * width + b * NB;
+        const float* x = a.x + i0 * a.k + k;
+        switch (std::min<int64_t>(MR, a.m - i0)) {
+          case 1: multiply_rows<1>(x, a.k, w, rows, gi, width); break;
+          case 2: multiply_rows<2>(x, a.k, w, rows, gi, width); break;
+          case 3: multiply_rows<3>(x, a.k, w, rows, gi, width); break;
+          default: multiply_rows<4>(x, a.k, w, rows, gi, width);
+        }
+      }
+    }
+    const int64_t end = k + rows;
+    if (end % a.group && end < a.k) continue;
+    const int64_t g0 = (k / a.group) * a.group;  // the group ends: its scales applied
+    for (int64_t i = 0; i < a.m; ++i) {
+      const float* x = a.x + i * a.k;
+      float xs = 0.0f;
+      for (int64_t j = g0; j < end; ++j) xs += x[j];
+      const f32x16 xsv = f32x16{} + xs;
+      float* gi = gacc + i * width;
+      float* yi = yacc + i * width;
+      for (int64_t q = 0; q < width; q += 16) {
+        store16(yi + q, load16(yi + q) + load16(gi + q) * load16(s + q) + xsv * load16(o + q));
+        store16(gi + q, f32x16{});
+      }
+    }
+  }
+  for (int64_t i = 0; i < a.m; ++i)
+    std::memcpy(a.y + i * a.n + n0, yacc + i * width, nb * sizeof(float));
+}
+
+// Work items (column blocks) shared by the calling thread and the pool's: each takes the next
+// block until none is left; the caller then waits for the blocks others are still on.
+struct Shared {
+  Args a;
+  int64_t blocks;   // work items: panels of PB column blocks, the last block alone if narrower
+  int64_t full;     // column blocks of NB whole columns
+  int64_t pb;       // column blocks a panel
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  std::mutex mu;
+  std::condition_variable cv;
+};
+
+void work(Shared& sh) {
+  const Args& a = sh.a;
+  const int64_t pb = sh.pb;
+  std::vector<float> buf(2 * (a.m + 1) * pb * NB);
+  std::vector<uint8_t> tail;
+  const int planes = a.p1 ? kTwo : a.signed0 ? kSigned : kUnsigned;
+  auto run = planes == kTwo ? panel<kTwo> : planes == kSigned ? panel<kSigned> : panel<kUnsigned>;
+  float* gacc = buf.data();
+  float* yacc = gacc + a.m * pb * NB;
+  float* so = yacc + a.m * pb * NB;
+  const int64_t panels = (sh.full + pb - 1) / pb;
+  int64_t mine = 0;
+  for (int64_t i; (i = sh.next.fetch_add(1)) < sh.blocks; ++mine) {
+    if (i < panels)
+      run(a, i * pb * NB, std::min(pb, sh.full - i * pb), gacc, yacc, so, tail);
+    else  // the narrower last block
+      run(a, sh.full * NB, 1, gacc, yacc, so, tail);
+  }
+  if (mine && sh.done.fetch_add(mine) + mine == sh.blocks) {
+    std::lock_guard<std::mutex> lock(sh.mu);
+    sh.cv.notify_all();
+  }
+}
+
+// The DType of a scale array, or -1.
+int64_t dtype_of(ffi::AnyBuffer b) {
+  switch (b.element_type()) {
+    case ffi::DataType::F32: return kF32;
+    case ffi::DataType::F16: return kF16;
+    case ffi::DataType::BF16: return kBF16;
+    case ffi::DataType::S8: return kI8;
+    case ffi::DataType::U8: return kU8;
+    default: return -1;
+  }
+}
+
+// Absent arrays (has_* = 0) are passed as any one-element array.
+ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer p0,
+                           ffi::AnyBuffer p1, ffi::AnyBuffer scale, ffi::AnyBuffer super_scale,
+                           ffi::AnyBuffer offset, ffi::AnyBuffer super_offset,
+                           ffi::ResultBuffer<ffi::F32> y, int64_t bits0, int64_t bits1,
+                           int64_t tile, int64_t group, int64_t super_group,
+                           int64_t code_offset, int64_t has_super_scale, int64_t has_offset,
+                           int64_t has_super_offset, int64_t threads) {
+  auto xd = x.dimensions();
+  auto yd = y->dimensions();
+  if (xd.size() != 2 || yd.size() != 2 || xd[0] != yd[0])
+    return ffi::Error::InvalidArgument("x must be [M, K] and y [M, N]");
+  if (tile % RB || (group % RB && group < xd[1]))
+    return ffi::Error::InvalidArgument("tile and group must be multiples of 16 rows");
+  auto sh = std::make_shared<Shared>();
+  Args& a = sh->a;
+  a.x = x.typed_data();
+  a.y = y->typed_data();
+  a.m = xd[0];
+  a.k = xd[1];
+  a.n = yd[1];
+  a.p0 = static_cast<const uint8_t*>(p0.untyped_data());
+  a.p1 = bits1 ? static_cast<const uint8_t*>(p1.untyped_data()) : nullptr;
+  a.rows0 = p0.dimensions()[0];
+  a.rows1 = bits1 ? p1.dimensions()[0] : 0;
+  a.signed0 = p0.element_type() == ffi::DataType::S8;
+  a.scale = scale.untyped_data();
+  a.super_scale = has_super_scale ? super_scale.untyped_data() : nullptr;
+  a.offset = has_offset ? offset.untyped_data() : nullptr;
+  a.super_offset = has_super_offset ? super_offset.untyped_data() : nullptr;
+  a.scale_type = dtype_of(scale);
+  a.super_scale_type = dtype_of(super_scale);
+  a.offset_type = dtype_of(offset);
+  a.super_offset_type = dtype_of(super_offset);
+  if (a.scale_type < 0 || (a.super_scale && a.super_scale_type < 0) ||
+      (a.offset && a.offset_type < 0) || (a.super_offset && a.super_offset_type < 0))
+    return ffi::Error::InvalidArgument("scales must be float32, float16, bfloat16, int8 or uint8");
+  a.bits0 = bits0;
+  a.bits1 = bits1;
+  a.tile = tile;
+  a.group = group >= a.k ? INT64_MAX / 2 : group;  // one group (per-column scales): g = 0
+  a.super_group = super_group;
+  a.code_offset = code_offset;
+  if (threads <= 0) threads = std::max<int64_t>(pool.num_threads(), 1);
+  sh->full = a.n / NB;  // panels: at most PB blocks, at least 4 a thread where N allows
+  sh->pb = std::clamp<int64_t>(sh->full / (4 * threads), 1, PB);
+  sh->blocks = (sh->full + sh->pb - 1) / sh->pb + (a.n % NB ? 1 : 0);
+  const int64_t helpers = std::min<int64_t>(threads - 1, sh->blocks - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([sh] { work(*sh); });
+  work(*sh);
+  std::unique_lock<std::mutex> lock(sh->mu);
+  sh->cv.wait(lock, [&] { return sh->done.load() == sh->blocks; });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferQuantizedMatmul, QuantizedMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("bits0")
+                                  .Attr<int64_t>("bits1")
+                                  .Attr<int64_t>("tile")
+                                  .Attr<int64_t>("group")
+                                  .Attr<int64_t>("super_group")
+                                  .Attr<int64_t>("code_offset")
+                                  .Attr<int64_t>("has_super_scale")
+                                  .Attr<int64_t>("has_offset")
+                                  .Attr<int64_t>("has_super_offset")
+                                  .Attr<int64_t>("threads"));

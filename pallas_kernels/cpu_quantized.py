@@ -1,0 +1,139 @@
+"""The CPU's quantized matmul for decode rows: x [M, K] @ dequantize(qw) in one pass over the codes.
+
+    available()                 whether the kernel is built and loaded here (built on first use)
+    fits(qw)                    None if the kernel takes qw, else why not
+    quantized_matmul_cpu(x, qw, threads=0)   x [M, K] float32 -> [M, *N] float32
+
+`cpu_quantized.cc` is an XLA FFI handler that dequantizes a slab of a weight's columns into a
+buffer that stays in L1 and multiplies it into every row at once, on the calling thread and
+XLA's intra-op pool. XLA's own CPU path (`jaxinfer/ops/blocked.py`) writes each float32 tile to
+the cache and reads it back: its dot takes no integer or half-precision weights at speed.
+
+The handler is compiled on first use with the machine's C++ compiler (`$CXX`, else `c++`) for
+the machine's own instruction set, against the FFI headers jaxlib ships, into a cache folder
+(`$JAXINFER_CACHE`, else `~/.cache/jaxinfer`) keyed by the source, jaxlib's version, the CPU and
+the flags; a failed build is reported once and the XLA path stays.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.quantized import QuantizedWeight
+
+log = logging.getLogger(__name__)
+
+TARGET = "jaxinfer_quantized_matmul_cpu"
+_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_quantized.cc")
+_FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w"]
+_SCALE_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16, jnp.int8, jnp.uint8)  # the source's DType
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "flags")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _library_path() -> str:
+    with open(_SOURCE, "rb") as f:
+        source = f.read()
+    key = hashlib.sha256(b"\0".join([source, jax.lib.__version__.encode(), _cpu_name().encode(),
+                                     " ".join(_FLAGS).encode()])).hexdigest()[:16]
+    root = os.environ.get("JAXINFER_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                            "jaxinfer")
+    return os.path.join(root, f"cpu_quantized-{key}.so")
+
+
+def _build(path: str) -> None:
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if not compiler:
+        raise RuntimeError("no C++ compiler found (install g++, or set $CXX)")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
+    os.close(fd)
+    try:
+        cmd = [compiler, *_FLAGS, "-I", jax.ffi.include_dir(), _SOURCE, "-o", tmp]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
+        os.replace(tmp, path)  # atomic: concurrent first uses each build, one wins
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the kernel is built (now, if need be) and registered with XLA's CPU backend."""
+    try:
+        path = _library_path()
+        if not os.path.exists(path):
+            _build(path)
+        lib = ctypes.cdll.LoadLibrary(path)
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxinferQuantizedMatmul),
+                                    platform="cpu")
+        return True
+    except (OSError, RuntimeError) as e:
+        log.warning("the CPU quantized matmul kernel is unavailable, so quantized weights run "
+                    "on XLA's slower tiled path: %s", e)
+        return False
+
+
+def fits(qw: QuantizedWeight) -> str | None:
+    """None if quantized_matmul_cpu takes qw, else the reason it does not."""
+    if not isinstance(qw, QuantizedWeight) or qw.layout != "tiles":
+        return "not a QuantizedWeight in the tiles layout"
+    if len(qw.planes[0].shape) != 2:
+        return "stacked experts"
+    if qw.float8:
+        return "fp8 values"
+    if len(qw.bits) > 2 or (len(qw.bits) == 2 and qw.bits[0] != 4):
+        return f"bit planes {qw.bits}"
+    if qw.tile % 16 or (qw.groups > 1 and qw.group % 16):
+        return f"tile {qw.tile} / group {qw.group} not a multiple of 16 rows"
+    for a in (qw.scale, qw.offset, qw.super_scale, qw.super_offset):
+        if a is not None and a.dtype not in _SCALE_DTYPES:
+            return f"scales of dtype {a.dtype}"
+    return None
+
+
+def quantized_matmul_cpu(x: jax.Array, qw: QuantizedWeight, threads: int = 0) -> jax.Array:
+    """x [M, K] float32 @ dequantize(qw) [K, *N] -> [M, *N] float32 (fits(qw) must hold).
+    threads: how many of XLA's intra-op threads share the columns (0: all of them)."""
+    m, k = x.shape
+    if k != qw.k:
+        raise ValueError(f"x has K={k}, the weight {qw.name} K={qw.k}")
+    f32 = jnp.float32
+    dummy = jnp.zeros((1,), jnp.uint8)
+
+    def given(a):
+        return dummy if a is None else a
+    p1 = qw.planes[1] if len(qw.planes) > 1 else dummy
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((m, qw.n), f32))
+    y = call(x.astype(f32), qw.planes[0], p1, qw.scale, given(qw.super_scale), given(qw.offset),
+             given(qw.super_offset), bits0=np.int64(qw.bits[0]),
+             bits1=np.int64(qw.bits[1] if len(qw.bits) > 1 else 0), tile=np.int64(qw.tile),
+             group=np.int64(qw.group), super_group=np.int64(qw.super_group),
+             code_offset=np.int64(qw.code_offset),
+             has_super_scale=np.int64(qw.super_scale is not None),
+             has_offset=np.int64(qw.offset is not None),
+             has_super_offset=np.int64(qw.super_offset is not None), threads=np.int64(threads))
+    return y.reshape(m, *qw.out_shape)

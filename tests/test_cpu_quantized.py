@@ -1,0 +1,102 @@
+"""The CPU's quantized matmul kernel (pallas_kernels/cpu_quantized.cc) against x @ the weights'
+values: gguf.quants' for every GGUF block type, `dequantize` for our int8 / int4 formats; a
+row's result whatever the batch and thread count; the formats it leaves to XLA's tiles."""
+
+from __future__ import annotations
+
+import functools
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from checkpoints import gguf_blocks
+from jaxinfer.ops import blocked
+from jaxinfer.plan import KernelPolicy, Plan
+from pallas_kernels import cpu_quantized as cq
+from pallas_kernels.quantized import dequantize, quantize_weight
+from test_gguf_blocks import random_blocks
+from test_kernel_wiring import tiny_config
+
+pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU's kernel")
+QT = gguf.GGMLQuantizationType
+matmul = jax.jit(cq.quantized_matmul_cpu, static_argnames="threads")
+
+
+def _check(qw, want: np.ndarray, m: int, seed: int = 1) -> np.ndarray:
+    """The kernel's x [m, K] @ qw against x @ want in float64; returns the kernel's rows."""
+    x = np.random.default_rng(seed).standard_normal((m, qw.k)).astype(np.float32)
+    got = np.asarray(matmul(jnp.asarray(x), qw))
+    ref = x.astype(np.float64) @ want.astype(np.float64)
+    assert got.shape == ref.shape
+    assert np.abs(got - ref).max() <= 2e-6 * np.abs(ref).max() * np.sqrt(qw.k)
+    return got
+
+
+@pytest.mark.parametrize("type_name", gguf_blocks.BLOCK_TYPES)
+def test_gguf_blocks_match_gguf_quants(type_name):
+    """Every GGUF block type: x @ gguf.quants' values, at 1 and 5 rows (a decode step, a
+    verification), over N = 600 columns (whole blocks of 64, in panels, and a narrower
+    last one) and K = 512 (two K-quant super-blocks)."""
+    assert cq.available()
+    n, k = 600, 512
+    raw = random_blocks(type_name, n, k, np.random.default_rng(0))
+    want = gguf.quants.dequantize(raw, QT[type_name]).reshape(n, k).T
+    qw = jax.tree.map(jnp.asarray, gguf_blocks.repack(raw, type_name, k, n))
+    assert cq.fits(qw) is None
+    for m in (1, 5):
+        _check(qw, want, m)
+
+
+@pytest.mark.parametrize("bits, group, symmetric", [
+    (4, 32, True), (4, 64, False), (4, 128, True), (8, 128, True), (8, 64, False),
+    (8, None, True), (4, None, False)])
+def test_our_formats_match_dequantize(bits, group, symmetric):
+    """int4 / int8 from quantize_weight (float16 scales, zero points or not, groups of 32-128
+    or one per column at a K that is no multiple of 16): x @ dequantize(qw), 1 and 3 rows."""
+    k = 208 if group is None else 256
+    w = np.random.default_rng(2).standard_normal((k, 130)).astype(np.float32)
+    qw = jax.tree.map(jnp.asarray, quantize_weight(w, bits=bits, group_size=group,
+                                                   symmetric=symmetric))
+    assert cq.fits(qw) is None
+    want = np.asarray(dequantize(qw))
+    for m in (1, 3):
+        _check(qw, want, m)
+
+
+def test_a_rows_result_is_the_same_bits_in_any_batch_and_thread_count():
+    """Each row runs the same operations whatever M (speculative verification, the engine's
+    batches) and whichever thread takes its columns."""
+    raw = random_blocks("Q4_K", 1000, 256, np.random.default_rng(3))
+    qw = jax.tree.map(jnp.asarray, gguf_blocks.repack(raw, "Q4_K", 256, 1000))
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((7, 256)), jnp.float32)
+    batch = np.asarray(matmul(x, qw))
+    for i in (0, 3, 6):
+        np.testing.assert_array_equal(np.asarray(matmul(x[i:i + 1], qw))[0], batch[i])
+    np.testing.assert_array_equal(np.asarray(matmul(x, qw, threads=1)), batch)
+
+
+def test_the_formats_it_leaves_to_the_tiles():
+    """fp8 values and stacked experts are not the kernel's: fits says why, and
+    blocked.linear gives them XLA's tiles (the same product as dequantize's)."""
+    w = np.random.default_rng(5).standard_normal((128, 64)).astype(np.float32)
+    fp8 = jax.tree.map(jnp.asarray, quantize_weight(w, bits=8, float8=True))
+    assert "fp8" in cq.fits(fp8)
+    stacked = jax.tree.map(lambda a: a[None], fp8)
+    assert cq.fits(stacked)
+    plan = Plan(tiny_config(dtype="float32"), KernelPolicy())
+    x = jnp.asarray(np.random.default_rng(6).standard_normal((2, 128)), jnp.float32)
+    got = np.asarray(jax.jit(functools.partial(blocked.linear, plan=plan))(x, fp8))
+    np.testing.assert_allclose(got, np.asarray(x) @ np.asarray(dequantize(fp8)), rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_a_failed_build_names_the_command_and_the_compiler_output(tmp_path, monkeypatch):
+    """No working compiler: the build raises with the command and its error output (which
+    available() logs once, leaving the tiles)."""
+    monkeypatch.setenv("CXX", "false")
+    with pytest.raises(RuntimeError, match="false .*failed"):
+        cq._build(str(tmp_path / "k.so"))
+    assert not list(tmp_path.iterdir())  # no half-written library left
