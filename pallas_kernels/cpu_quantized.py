@@ -105,7 +105,7 @@ def fits(qw: QuantizedWeight) -> str | None:
         return "stacked experts"
     if qw.float8:
         return "fp8 values"
-    if len(qw.bits) > 2 or (len(qw.bits) == 2 and qw.bits[0] != 4):
+    if qw.bits not in ((4,), (8,), (4, 1), (4, 2)):
         return f"bit planes {qw.bits}"
     if qw.tile % 16 or (qw.groups > 1 and qw.group % 16):
         return f"tile {qw.tile} / group {qw.group} not a multiple of 16 rows"
@@ -121,6 +121,12 @@ def quantized_matmul_cpu(x: jax.Array, qw: QuantizedWeight, threads: int = 0) ->
     m, k = x.shape
     if k != qw.k:
         raise ValueError(f"x has K={k}, the weight {qw.name} K={qw.k}")
+    why = fits(qw)
+    if why:
+        raise ValueError(f"quantized_matmul_cpu does not take this weight ({why})")
+    if not available():
+        raise RuntimeError("the CPU quantized matmul kernel could not be built (see the "
+                           "warning logged); install a C++ compiler (g++) or use the tiles")
     f32 = jnp.float32
     dummy = jnp.zeros((1,), jnp.uint8)
 
