@@ -4,8 +4,11 @@
 //
 // Why a kernel: XLA's CPU dot takes float32 only at speed, so the XLA path writes every
 // weight's float32 tile to the cache and reads it back each step (8 bytes of traffic a weight
-// for ~0.6 bytes of codes). Here each thread dequantizes a [rows, NB] slab of columns into a
-// buffer that stays in L1 and multiplies it into the rows' accumulators at once.
+// for ~0.6 bytes of codes). Here the threads share panels of columns; a slab of RB rows of a
+// panel's codes becomes floats in registers and is multiplied into the rows' accumulators,
+// each group's sums scaled once at the group's end. (Measurements: benchmarks/DECISIONS.md,
+// "CPU quantized matmuls".) Portable C++ with AVX-512 / AVX2 paths where the compiler targets
+// them.
 //
 // Every row of x is computed by the same sequence of operations whatever M is (each row's
 // accumulators are its own, K is walked in the same order), so a row's result does not depend
@@ -156,10 +159,28 @@ enum DType : int64_t { kF32 = 0, kF16 = 1, kBF16 = 2, kI8 = 3, kU8 = 4 };
 
 inline int64_t dtype_bytes(int64_t t) { return t == kF32 ? 4 : t <= kBF16 ? 2 : 1; }
 
+// IEEE half -> float, exactly (subnormals, infinities and NaNs included).
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+  uint32_t bits;
+  if (exp == 0x1F) {
+    bits = sign | 0x7F800000 | (man << 13);
+  } else if (exp) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else {  // zero or subnormal: man * 2^-24
+    const float f = float(man) * 5.9604644775390625e-8f;
+    std::memcpy(&bits, &f, 4);
+    bits |= sign;
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
 inline float to_float(const void* p, int64_t i, int64_t t) {
   switch (t) {
     case kF32: return static_cast<const float*>(p)[i];
-    case kF16: return _cvtsh_ss(static_cast<const uint16_t*>(p)[i]);
+    case kF16: return half_to_float(static_cast<const uint16_t*>(p)[i]);
     case kBF16: {
       const uint32_t bits = uint32_t(static_cast<const uint16_t*>(p)[i]) << 16;
       float f;

@@ -4,10 +4,11 @@
     fits(qw)                    None if the kernel takes qw, else why not
     quantized_matmul_cpu(x, qw, threads=0)   x [M, K] float32 -> [M, *N] float32
 
-`cpu_quantized.cc` is an XLA FFI handler that dequantizes a slab of a weight's columns into a
-buffer that stays in L1 and multiplies it into every row at once, on the calling thread and
-XLA's intra-op pool. XLA's own CPU path (`jaxinfer/ops/blocked.py`) writes each float32 tile to
-the cache and reads it back: its dot takes no integer or half-precision weights at speed.
+`cpu_quantized.cc` is an XLA FFI handler: the calling thread and XLA's intra-op pool share
+panels of the weight's columns, turn a slab of its codes at a time into floats in registers and
+multiply them into every row, scaling each group's sums once. XLA's own CPU path
+(`jaxinfer/ops/blocked.py`) writes each float32 tile to the cache and reads it back: its dot
+takes no integer or half-precision weights at speed.
 
 The handler is compiled on first use with the machine's C++ compiler (`$CXX`, else `c++`) for
 the machine's own instruction set, against the FFI headers jaxlib ships, into a cache folder
@@ -42,14 +43,17 @@ _SCALE_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16, jnp.int8, jnp.uint8)  #
 
 
 def _cpu_name() -> str:
+    """The CPU's model and instruction-set flags (what -march=native compiles for)."""
+    seen = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith(("model name", "flags")):
-                    return line
+                key = line.split(":", 1)[0].strip()
+                if key in ("model name", "flags", "Features", "CPU part") and key not in seen:
+                    seen[key] = line
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return "".join(seen.values()) or platform.processor() or platform.machine()
 
 
 def _library_path() -> str:
