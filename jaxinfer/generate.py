@@ -366,9 +366,11 @@ class _Request:
 
 def _read_whole(path, spec) -> bool:
     """Whether an op reads this weight whole rather than through the matmul ops (which
-    dequantize a tile at a time, ops/blocked.py): stacked experts (ops/moe.py) and MLA's
-    absorbed kv_b (ops/mla.py)."""
-    return spec.kind is Kind.EXPERTS or jax.tree_util.keystr(path).endswith("['wkv_b']")
+    dequantize a tile at a time, ops/blocked.py): MLA's absorbed kv_b (ops/mla.py). Stacked
+    experts stay codes: ops/moe.py's paths dequantize the chosen experts' slices (decode) or
+    a layer's experts (prefill) inside the step."""
+    del spec
+    return jax.tree_util.keystr(path).endswith("['wkv_b']")
 
 
 @functools.partial(jax.jit, static_argnames=("plan", "blocked"))
@@ -428,7 +430,7 @@ def run_params(model, plan: Plan):
     """The params a request's compiled functions take. Where the ops take the references
     (the CPU; KernelPolicy.reference()) the matmuls dequantize their weights a tile at a time
     inside each step where the plan says (KernelPolicy.dequant_block_bytes, the CPU's
-    default; not on a sharded plan), so only weights an op reads whole (experts, MLA's kv_b) are dequantized here,
+    default; not on a sharded plan), so only weights an op reads whole (MLA's kv_b) are dequantized here,
     once per request; with 0 every quantized weight is, in one jitted call, rather than in
     every prefill and decode step: the model keeps its codes between requests, and a
     step-by-step stream does not dequantize per token."""

@@ -153,3 +153,34 @@ def test_cpu_speculative_on_quantized_weights_equals_plain(quantized_model):
     spec = jaxinfer.generate(model, prompts, speculative="ngram", num_speculative_tokens=3, **kw)
     assert sum(c.draft_tokens for c in spec) > 0  # verification rounds ran
     assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU path")
+def test_cpu_moe_requests_hold_the_experts_codes():
+    """A quantized MoE model (the Mixtral fixture, int4) on the CPU: a request's params keep
+    the stacked experts as codes (the decode step dequantizes the chosen experts' slices, a
+    prefill one layer's experts after its input), the decode loop's temporaries stay under
+    every layer's float experts, and the tokens and logprobs are those of the model
+    dequantized whole per request (dequant_block_bytes=0)."""
+    import pathlib
+
+    import jaxinfer
+    from pallas_kernels.quantized import num_experts
+
+    path = pathlib.Path(__file__).parent / "fixtures" / "data" / "hf" / "mixtral"
+    model = jaxinfer.load(str(path), dtype="float32", quantization="int4", group_size=32)
+    params, _, loop = _compiled(model, KernelPolicy(), prompt_len=20)
+    experts = [lp[n] for lp in params["layers"] for n in ("experts_gate", "experts_up",
+                                                          "experts_down")]
+    assert all(num_experts(w) for w in experts)  # still stacked QuantizedWeights
+    float_experts = sum(w.k * w.n * num_experts(w) * 4 for w in experts)
+    assert param_bytes(params) == param_bytes(model.params)
+    assert loop.memory_analysis().temp_size_in_bytes < float_experts
+    prompts = [list(range(1, 21)), list(range(5, 100))]  # decode steps; a prefill of 128 rows
+    sampling = SamplingParams(temperature=0.0, logprobs=True)
+    kept = jaxinfer.generate(model, prompts, max_new_tokens=6, sampling=sampling)
+    whole = jaxinfer.generate(model, prompts, max_new_tokens=6, sampling=sampling,
+                              policy=KernelPolicy(dequant_block_bytes=0))
+    for a, b in zip(kept, whole):
+        assert a.token_ids == b.token_ids
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)

@@ -134,10 +134,15 @@ def experts_shape(w) -> tuple[int, ...]:
     return tuple(w.shape)
 
 
-def _whole(w, dtype):
+def _whole(w, dtype, x):
     """A stacked weight as an array [E, K, N] in dtype (a QuantizedWeight dequantized whole:
-    the XLA paths that run every expert)."""
-    return dequantize(w, dtype) if isinstance(w, QuantizedWeight) else w.astype(dtype)
+    the XLA paths that run every expert), made after x is: tied to the layer's input, a
+    layer's float experts are a temporary of that layer, never every layer's at once (XLA
+    would otherwise dequantize them up front or hoist them out of a decode loop)."""
+    if not isinstance(w, QuantizedWeight):
+        return w.astype(dtype)
+    w, _ = jax.lax.optimization_barrier((w, x))
+    return dequantize(w, dtype)
 
 
 def _swiglu_act(g, u, dtype):
@@ -314,7 +319,7 @@ def _ragged(x, weights, experts, w_gate, w_up, w_down, plan):
     experts dequantized whole to the activations' dtype first)."""
     lead, d = x.shape[:-1], x.shape[-1]
     n, k = experts.shape
-    w_gate, w_up, w_down = (_whole(w, x.dtype) for w in (w_gate, w_up, w_down))
+    w_gate, w_up, w_down = (_whole(w, x.dtype, x) for w in (w_gate, w_up, w_down))
     order = jnp.argsort(experts.reshape(-1), stable=True)  # [N * k] assignments by expert
     token = order // k  # each sorted assignment's token
     sizes = expert_counts(experts, w_gate.shape[0])  # [E] group sizes
@@ -337,10 +342,10 @@ def _dense(x, weights, experts, w_gate, w_up, w_down, plan):
     # bf16 -> f32 batched dot
     h = x.reshape(n, d).astype(f32)
     combine = jnp.zeros((n, e), f32).at[jnp.arange(n)[:, None], experts].add(weights)
-    g = jnp.einsum("nd,edf->nef", h, _whole(w_gate, f32))
-    u = jnp.einsum("nd,edf->nef", h, _whole(w_up, f32))
+    g = jnp.einsum("nd,edf->nef", h, _whole(w_gate, f32, h))
+    u = jnp.einsum("nd,edf->nef", h, _whole(w_up, f32, h))
     act = _swiglu_act(g, u, x.dtype).astype(f32)
-    y = jnp.einsum("nef,efd->ned", act, _whole(w_down, f32))
+    y = jnp.einsum("nef,efd->ned", act, _whole(w_down, f32, act))
     return jnp.einsum("ned,ne->nd", y, combine).reshape(*lead, d)
 
 
