@@ -383,7 +383,10 @@ void panel(const Args& a, int64_t n0, int64_t blocks, float* gacc /* [M][blocks 
 // Work items (column blocks) shared by the calling thread and the pool's: each takes the next
 // block until none is left; the caller then waits for the blocks others are still on.
 struct Shared {
-  Args a;
+  Args a;           // all rows (units = 1), or one row's expert slices (units = M: stacked)
+  int64_t units;    // the rows taken one at a time with their expert (stacked), else 1
+  const int32_t* ids;      // [M] each row's expert (stacked), else null
+  int64_t stride[6];       // bytes an expert of p0, p1, scale, super_scale, offset, super_offset
   int64_t blocks;   // work items: panels of PB column blocks, the last block alone if narrower
   int64_t full;     // column blocks of NB whole columns
   int64_t pb;       // column blocks a panel
@@ -393,21 +396,45 @@ struct Shared {
   std::condition_variable cv;
 };
 
+// The Args of work unit u: all rows, or (stacked experts) row u with its expert's slices.
+Args unit_args(const Shared& sh, int64_t u) {
+  Args a = sh.a;
+  if (!sh.ids) return a;
+  const int64_t e = sh.ids[u];
+  auto at = [&](const void* p, int i) -> const void* {
+    return p ? static_cast<const char*>(p) + e * sh.stride[i] : nullptr;
+  };
+  a.x += u * a.k;
+  a.y += u * a.n;
+  a.m = 1;
+  a.p0 = static_cast<const uint8_t*>(at(a.p0, 0));
+  a.p1 = static_cast<const uint8_t*>(at(a.p1, 1));
+  a.scale = at(a.scale, 2);
+  a.super_scale = at(a.super_scale, 3);
+  a.offset = at(a.offset, 4);
+  a.super_offset = at(a.super_offset, 5);
+  return a;
+}
+
 void work(Shared& sh) {
-  const Args& a = sh.a;
   const int64_t pb = sh.pb;
-  std::vector<float> buf(2 * (a.m + 1) * pb * NB);
+  const int64_t m = sh.ids ? 1 : sh.a.m;
+  std::vector<float> buf(2 * (m + 1) * pb * NB);
   std::vector<uint8_t> tail;
-  auto run = a.p1 ? panel<kTwo> : a.signed0 ? panel<kSigned>
-             : a.bits0 == 4 ? panel<kNibble> : panel<kByte>;
+  const Args& a0 = sh.a;
+  auto run = a0.p1 ? panel<kTwo> : a0.signed0 ? panel<kSigned>
+             : a0.bits0 == 4 ? panel<kNibble> : panel<kByte>;
   float* gacc = buf.data();
-  float* yacc = gacc + a.m * pb * NB;
-  float* so = yacc + a.m * pb * NB;
+  float* yacc = gacc + m * pb * NB;
+  float* so = yacc + m * pb * NB;
   const int64_t panels = (sh.full + pb - 1) / pb;
+  const int64_t per_unit = sh.blocks / sh.units;
   int64_t mine = 0;
   for (int64_t i; (i = sh.next.fetch_add(1)) < sh.blocks; ++mine) {
-    if (i < panels)
-      run(a, i * pb * NB, std::min(pb, sh.full - i * pb), gacc, yacc, so, tail);
+    const Args a = unit_args(sh, i / per_unit);
+    const int64_t j = i % per_unit;
+    if (j < panels)
+      run(a, j * pb * NB, std::min(pb, sh.full - j * pb), gacc, yacc, so, tail);
     else  // the narrower last block
       run(a, sh.full * NB, 1, gacc, yacc, so, tail);
   }
@@ -429,11 +456,13 @@ int64_t dtype_of(ffi::AnyBuffer b) {
   }
 }
 
-// Absent arrays (has_* = 0) are passed as any one-element array.
+// Absent arrays (has_* = 0) are passed as any one-element array. Stacked experts (every
+// array [E, ...]): row m of x takes expert ids[m]'s weight; else ids is any one-element array.
 ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer p0,
                            ffi::AnyBuffer p1, ffi::AnyBuffer scale, ffi::AnyBuffer super_scale,
                            ffi::AnyBuffer offset, ffi::AnyBuffer super_offset,
-                           ffi::ResultBuffer<ffi::F32> y, int64_t bits0, int64_t bits1,
+                           ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::F32> y,
+                           int64_t stacked, int64_t bits0, int64_t bits1,
                            int64_t tile, int64_t group, int64_t super_group,
                            int64_t code_offset, int64_t has_super_scale, int64_t has_offset,
                            int64_t has_super_offset, int64_t threads) {
@@ -452,8 +481,8 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   a.n = yd[1];
   a.p0 = static_cast<const uint8_t*>(p0.untyped_data());
   a.p1 = bits1 ? static_cast<const uint8_t*>(p1.untyped_data()) : nullptr;
-  a.rows0 = p0.dimensions()[0];
-  a.rows1 = bits1 ? p1.dimensions()[0] : 0;
+  a.rows0 = p0.dimensions()[stacked ? 1 : 0];
+  a.rows1 = bits1 ? p1.dimensions()[stacked ? 1 : 0] : 0;
   a.signed0 = p0.element_type() == ffi::DataType::S8;
   a.scale = scale.untyped_data();
   a.super_scale = has_super_scale ? super_scale.untyped_data() : nullptr;
@@ -476,6 +505,21 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   sh->full = a.n / NB;  // panels: at most PB blocks, at least 4 a thread where N allows
   sh->pb = std::clamp<int64_t>(sh->full / (4 * threads), 1, PB);
   sh->blocks = (sh->full + sh->pb - 1) / sh->pb + (a.n % NB ? 1 : 0);
+  sh->units = 1;
+  sh->ids = nullptr;
+  if (stacked) {  // a unit per row, each with its expert's slices
+    const int64_t experts = p0.dimensions()[0];
+    if (ids.element_count() != size_t(a.m))
+      return ffi::Error::InvalidArgument("stacked experts need one expert id a row of x");
+    for (int64_t i = 0; i < a.m; ++i)
+      if (ids.typed_data()[i] < 0 || ids.typed_data()[i] >= experts)
+        return ffi::Error::InvalidArgument("an expert id is out of range");
+    const ffi::AnyBuffer arrays[6] = {p0, p1, scale, super_scale, offset, super_offset};
+    for (int i = 0; i < 6; ++i) sh->stride[i] = arrays[i].size_bytes() / experts;
+    sh->units = a.m;
+    sh->ids = ids.typed_data();
+    sh->blocks *= a.m;
+  }
   const int64_t helpers = std::min<int64_t>(threads - 1, sh->blocks - 1);
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([sh] { work(*sh); });
   work(*sh);
@@ -496,7 +540,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferQuantizedMatmul, QuantizedMatmul,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("stacked")
                                   .Attr<int64_t>("bits0")
                                   .Attr<int64_t>("bits1")
                                   .Attr<int64_t>("tile")

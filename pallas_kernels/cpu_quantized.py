@@ -2,7 +2,9 @@
 
     available()                 whether the kernel is built and loaded here (built on first use)
     fits(qw)                    None if the kernel takes qw, else why not
-    quantized_matmul_cpu(x, qw, threads=0)   x [M, K] float32 -> [M, *N] float32
+    quantized_matmul_cpu(x, qw, experts=None, threads=0)
+                                x [M, K] float32 -> [M, *N] float32; stacked experts
+                                (arrays [E, ...]): row m through expert experts[m]
 
 `cpu_quantized.cc` is an XLA FFI handler: the calling thread and XLA's intra-op pool share
 panels of the weight's columns, turn a slab of its codes at a time into floats in registers and
@@ -105,8 +107,8 @@ def fits(qw: QuantizedWeight) -> str | None:
     """None if quantized_matmul_cpu takes qw, else the reason it does not."""
     if not isinstance(qw, QuantizedWeight) or qw.layout != "tiles":
         return "not a QuantizedWeight in the tiles layout"
-    if len(qw.planes[0].shape) != 2:
-        return "stacked experts"
+    if len(qw.planes[0].shape) not in (2, 3):
+        return "experts stacked on more than one axis"
     if qw.float8:
         return "fp8 values"
     if qw.bits not in ((4,), (8,), (4, 1), (4, 2)):
@@ -119,12 +121,18 @@ def fits(qw: QuantizedWeight) -> str | None:
     return None
 
 
-def quantized_matmul_cpu(x: jax.Array, qw: QuantizedWeight, threads: int = 0) -> jax.Array:
-    """x [M, K] float32 @ dequantize(qw) [K, *N] -> [M, *N] float32 (fits(qw) must hold).
-    threads: how many of XLA's intra-op threads share the columns (0: all of them)."""
+def quantized_matmul_cpu(x: jax.Array, qw: QuantizedWeight, experts: jax.Array | None = None,
+                         threads: int = 0) -> jax.Array:
+    """x [M, K] float32 @ dequantize(qw) [K, *N] -> [M, *N] float32 (fits(qw) must hold); for
+    stacked experts (qw's arrays [E, ...]) row m of x through expert experts[m] (experts [M]
+    int). threads: how many of XLA's intra-op threads share the work (0: all of them)."""
     m, k = x.shape
     if k != qw.k:
         raise ValueError(f"x has K={k}, the weight {qw.name} K={qw.k}")
+    stacked = len(qw.planes[0].shape) == 3
+    if stacked != (experts is not None) or (stacked and experts.shape != (m,)):
+        raise ValueError("stacked experts take one expert id a row of x (experts [M]); a "
+                         "single weight takes none")
     why = fits(qw)
     if why:
         raise ValueError(f"quantized_matmul_cpu does not take this weight ({why})")
@@ -138,8 +146,9 @@ def quantized_matmul_cpu(x: jax.Array, qw: QuantizedWeight, threads: int = 0) ->
         return dummy if a is None else a
     p1 = qw.planes[1] if len(qw.planes) > 1 else dummy
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((m, qw.n), f32))
+    ids = experts.astype(jnp.int32) if stacked else jnp.zeros((1,), jnp.int32)
     y = call(x.astype(f32), qw.planes[0], p1, qw.scale, given(qw.super_scale), given(qw.offset),
-             given(qw.super_offset), bits0=np.int64(qw.bits[0]),
+             given(qw.super_offset), ids, stacked=np.int64(stacked), bits0=np.int64(qw.bits[0]),
              bits1=np.int64(qw.bits[1] if len(qw.bits) > 1 else 0), tile=np.int64(qw.tile),
              group=np.int64(qw.group), super_group=np.int64(qw.super_group),
              code_offset=np.int64(qw.code_offset),

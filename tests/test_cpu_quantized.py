@@ -79,18 +79,38 @@ def test_a_rows_result_is_the_same_bits_in_any_batch_and_thread_count():
 
 
 def test_the_formats_it_leaves_to_the_tiles():
-    """fp8 values and stacked experts are not the kernel's: fits says why, and
-    blocked.linear gives them XLA's tiles (the same product as dequantize's)."""
+    """fp8 values are not the kernel's: fits says why, and blocked.linear gives them XLA's
+    tiles (the same product as dequantize's)."""
     w = np.random.default_rng(5).standard_normal((128, 64)).astype(np.float32)
     fp8 = jax.tree.map(jnp.asarray, quantize_weight(w, bits=8, float8=True))
     assert "fp8" in cq.fits(fp8)
-    stacked = jax.tree.map(lambda a: a[None], fp8)
-    assert cq.fits(stacked)
     plan = Plan(tiny_config(dtype="float32"), KernelPolicy())
     x = jnp.asarray(np.random.default_rng(6).standard_normal((2, 128)), jnp.float32)
     got = np.asarray(jax.jit(functools.partial(blocked.linear, plan=plan))(x, fp8))
     np.testing.assert_allclose(got, np.asarray(x) @ np.asarray(dequantize(fp8)), rtol=1e-5,
                                atol=1e-5)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
+def test_stacked_experts_take_each_rows_expert(type_name):
+    """Stacked experts (a MoE layer's): row m of x through expert experts[m], each expert's
+    product gguf.quants' values; ids out of place are refused before any call."""
+    from pallas_kernels.quantized import stack_experts
+
+    n, k, e = 200, 256, 3
+    raws = [random_blocks(type_name, n, k, np.random.default_rng(10 + i)) for i in range(e)]
+    want = [gguf.quants.dequantize(r, QT[type_name]).reshape(n, k).T for r in raws]
+    qw = jax.tree.map(jnp.asarray, stack_experts([gguf_blocks.repack(r, type_name, k, n)
+                                                  for r in raws]))
+    assert cq.fits(qw) is None
+    ids = np.array([2, 0, 2, 1, 0], np.int32)
+    x = np.random.default_rng(7).standard_normal((5, k)).astype(np.float32)
+    got = np.asarray(jax.jit(cq.quantized_matmul_cpu)(jnp.asarray(x), qw, jnp.asarray(ids)))
+    for m, i in enumerate(ids):
+        ref = x[m].astype(np.float64) @ want[i].astype(np.float64)
+        assert np.abs(got[m] - ref).max() <= 1e-5 * np.abs(ref).max(), m
+    with pytest.raises(ValueError, match="one expert id a row"):
+        cq.quantized_matmul_cpu(jnp.asarray(x), qw)
 
 
 def test_a_failed_build_names_the_command_and_the_compiler_output(tmp_path, monkeypatch):

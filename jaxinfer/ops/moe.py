@@ -17,9 +17,11 @@ rows: one program row per token-expert assignment; above: a grouped GEMM over th
 by expert); "ragged_dot" sorts the assignments by expert and runs each projection as one
 jax.lax.ragged_dot (no token dropping, no capacity); "gather" takes each token's k chosen
 experts' weights, so a decode step reads only those; "dense" runs every expert on every token
-with the unchosen weights zero (the reference, E / k times the work). Quantized experts: the
-kernels dequantize the chosen experts' tiles in registers; gather dequantizes the chosen
-experts' slices, ragged_dot and dense the whole stacked weights (references, fallbacks).
+with the unchosen weights zero (the reference, E / k times the work); "cpu_kernel" takes a CPU
+decode step's quantized experts (pallas_kernels/cpu_quantized.cc: an assignment a row, through
+its expert's codes). Quantized experts: the kernels dequantize the chosen experts' tiles in
+registers; gather dequantizes the chosen experts' slices, ragged_dot and dense the whole
+stacked weights (references, fallbacks).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from jaxinfer.ops.sharded import experts_layout
 from jaxinfer.ops.stream import ANY_SUM, Deferred, Form, Partials, Residual
 from jaxinfer.plan import Boundary, Kernels, MoEImpl, Plan
 from jaxinfer.weights import Kind, ParamSpec, QuantizedWeight
+from pallas_kernels import cpu_quantized
 from pallas_kernels._common import next_pow2
 from pallas_kernels.moe import take_dequantized
 from pallas_kernels.quantized import dequantize, num_experts
@@ -287,6 +290,39 @@ def _gather_supports(x, weights, experts, w_gate, w_up, w_down, plan) -> str | N
     if policy.moe not in (MoEImpl.AUTO, MoEImpl.PALLAS):
         return f"the plan asks for {policy.moe.value}"
     return _decode_rows_reason(x, w_gate, plan)
+
+
+def _cpu_supports(x, weights, experts, w_gate, w_up, w_down, plan) -> str | None:
+    if jax.default_backend() != "cpu" or plan.sharded:
+        return "not on one CPU device"
+    if plan.policy.moe is not MoEImpl.AUTO:
+        return f"the plan asks for {plan.policy.moe.value}"
+    for w in (w_gate, w_up, w_down):
+        why = cpu_quantized.fits(w) if isinstance(w, QuantizedWeight) else "not quantized"
+        if why:
+            return f"experts the CPU kernel does not take ({why})"
+    if experts.size > plan.policy.cpu_quantized_rows:
+        return (f"{experts.size} token-expert rows > KernelPolicy.cpu_quantized_rows="
+                f"{plan.policy.cpu_quantized_rows}")
+    if not cpu_quantized.available():
+        return "the CPU kernel could not be built here"
+    return None
+
+
+@EXPERTS.register("cpu_kernel", _cpu_supports)
+def _cpu_kernel(x, weights, experts, w_gate, w_up, w_down, plan):
+    """Quantized experts on the CPU (pallas_kernels/cpu_quantized.cc): each token-expert
+    assignment one row through its expert's codes, read once with no float copy (a decode
+    step's few rows; more take ragged_dot)."""
+    lead, d = x.shape[:-1], x.shape[-1]
+    n, k = experts.shape
+    ids = experts.reshape(-1)  # [N * k] assignments, token by token
+    h = jnp.repeat(x.reshape(n, d).astype(jnp.float32), k, axis=0)  # [N * k, D]
+    g = cpu_quantized.quantized_matmul_cpu(h, w_gate, ids)  # [N * k, F] float32
+    u = cpu_quantized.quantized_matmul_cpu(h, w_up, ids)
+    act = _swiglu_act(g, u, x.dtype).astype(jnp.float32)
+    y = cpu_quantized.quantized_matmul_cpu(act, w_down, ids)  # [N * k, D]
+    return jnp.einsum("nkd,nk->nd", y.reshape(n, k, d), weights).reshape(*lead, d)
 
 
 @EXPERTS.register("gather", _gather_supports)
