@@ -502,12 +502,14 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   a.super_group = super_group;
   a.code_offset = code_offset;
   if (threads <= 0) threads = std::max<int64_t>(pool.num_threads(), 1);
-  sh->full = a.n / NB;  // panels: at most PB blocks, at least 4 a thread where N allows
-  sh->pb = std::clamp<int64_t>(sh->full / (4 * threads), 1, PB);
+  const int64_t units = stacked ? a.m : 1;  // stacked: a unit per row, with its expert
+  sh->full = a.n / NB;  // panels: at most PB blocks, at least 4 work items a thread if N allows
+  sh->pb = std::clamp<int64_t>(sh->full * units / (4 * threads), 1,
+                               std::max<int64_t>(std::min(PB, sh->full), 1));
   sh->blocks = (sh->full + sh->pb - 1) / sh->pb + (a.n % NB ? 1 : 0);
   sh->units = 1;
   sh->ids = nullptr;
-  if (stacked) {  // a unit per row, each with its expert's slices
+  if (stacked) {
     const int64_t experts = p0.dimensions()[0];
     if (ids.element_count() != size_t(a.m))
       return ffi::Error::InvalidArgument("stacked experts need one expert id a row of x");
@@ -516,9 +518,9 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
         return ffi::Error::InvalidArgument("an expert id is out of range");
     const ffi::AnyBuffer arrays[6] = {p0, p1, scale, super_scale, offset, super_offset};
     for (int i = 0; i < 6; ++i) sh->stride[i] = arrays[i].size_bytes() / experts;
-    sh->units = a.m;
+    sh->units = units;
     sh->ids = ids.typed_data();
-    sh->blocks *= a.m;
+    sh->blocks *= units;
   }
   const int64_t helpers = std::min<int64_t>(threads - 1, sh->blocks - 1);
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([sh] { work(*sh); });
