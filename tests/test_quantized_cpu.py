@@ -122,21 +122,28 @@ def test_cpu_decode_holds_the_codes_not_every_layers_float_weights(quantized_mod
     assert held.argument_size_in_bytes + held.temp_size_in_bytes > all_layers
 
 
-@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU path")
-def test_cpu_tiles_give_the_whole_weights_tokens(quantized_model):
-    """Generating from the codes tile by tile gives the tokens (and logprobs to float32
-    rounding) of the same model dequantized whole once per request."""
+def _assert_as_dequantized_whole(model, prompts):
+    """Greedy tokens (and logprobs to float32 rounding) of prompts (a short one: decode
+    steps; one of ~100 tokens: a prefill of 128 rows) as the model gives them dequantized
+    whole once per request (dequant_block_bytes=0)."""
     import jaxinfer
 
-    model, _, _ = quantized_model
-    prompts = [[5, 6, 7, 8], list(range(1, 101))]  # decode tiles; a prefill of 128 rows
     sampling = SamplingParams(temperature=0.0, logprobs=True)
-    tiled = jaxinfer.generate(model, prompts, max_new_tokens=6, sampling=sampling)
+    got = jaxinfer.generate(model, prompts, max_new_tokens=6, sampling=sampling)
     whole = jaxinfer.generate(model, prompts, max_new_tokens=6, sampling=sampling,
                               policy=KernelPolicy(dequant_block_bytes=0))
-    for a, b in zip(tiled, whole):
+    for a, b in zip(got, whole):
         assert a.token_ids == b.token_ids
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU path")
+def test_cpu_tiles_give_the_whole_weights_tokens(quantized_model):
+    """Generating from the codes (decode steps on the C++ kernel, a prefill's weights
+    dequantized one at a time) gives the tokens (and logprobs to float32 rounding) of the
+    same model dequantized whole once per request."""
+    model, _, _ = quantized_model
+    _assert_as_dequantized_whole(model, [[5, 6, 7, 8], list(range(1, 101))])
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU path")
@@ -176,11 +183,4 @@ def test_cpu_moe_requests_hold_the_experts_codes():
     float_experts = sum(w.k * w.n * num_experts(w) * 4 for w in experts)
     assert param_bytes(params) == param_bytes(model.params)
     assert loop.memory_analysis().temp_size_in_bytes < float_experts
-    prompts = [list(range(1, 21)), list(range(5, 100))]  # decode steps; a prefill of 128 rows
-    sampling = SamplingParams(temperature=0.0, logprobs=True)
-    kept = jaxinfer.generate(model, prompts, max_new_tokens=6, sampling=sampling)
-    whole = jaxinfer.generate(model, prompts, max_new_tokens=6, sampling=sampling,
-                              policy=KernelPolicy(dequant_block_bytes=0))
-    for a, b in zip(kept, whole):
-        assert a.token_ids == b.token_ids
-        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
+    _assert_as_dequantized_whole(model, [list(range(1, 21)), list(range(5, 100))])
