@@ -29,7 +29,6 @@ from jaxinfer.generate import (CACHE_ROUND, PROMPT_BUCKETS, bucket, decode_loop,
                                prefill_chunk_size, prefill_prompts, run_params)
 from jaxinfer.model import Model, default_dtype, load
 from jaxinfer.models import registry
-from jaxinfer.ops import blocked
 from jaxinfer.ops.blocked import dequant_block_bytes
 from jaxinfer.plan import KernelPolicy, Plan
 from jaxinfer.sampling import SamplingParams
@@ -44,6 +43,7 @@ from jaxinfer.weights import (
     param_bytes,
     quantize_params,
 )
+from pallas_kernels import cpu_quantized
 
 log = logging.getLogger(__name__)
 
@@ -438,7 +438,7 @@ def cpu_peak_estimate(model: Model, plan, batch: int, prompt_len: int, gen_len: 
                if isinstance(w, QuantizedWeight)]
     kquants = any(w.super_scale is not None for w in weights)
     kernel = (weights and plan.policy.cpu_quantized_rows >= batch
-              and all(blocked.cpu_kernel_takes(w) for w in weights))
+              and all(cpu_quantized.unfit(w) is None for w in weights))
     return memory.cpu_peak_bytes(config, held, load, request, model.tokenizer is not None,
                                  executables=1 if kernel else 3, kquants=kquants)
 

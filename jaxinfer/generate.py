@@ -364,12 +364,11 @@ class _Request:
     params: dict  # what the compiled functions take (run_params)
 
 
-def _read_whole(path, spec) -> bool:
+def _read_whole(path) -> bool:
     """Whether an op reads this weight whole rather than through the matmul ops (which
     dequantize a tile at a time, ops/blocked.py): MLA's absorbed kv_b (ops/mla.py). Stacked
     experts stay codes: ops/moe.py's paths dequantize the chosen experts' slices (decode) or
     a layer's experts (prefill) inside the step."""
-    del spec
     return jax.tree_util.keystr(path).endswith("['wkv_b']")
 
 
@@ -381,7 +380,7 @@ def _dequantized(params, plan: Plan, blocked: bool = False):
     specs = registry.family(config).param_specs(config)
     if blocked:
         def one(path, spec, p):
-            if not _read_whole(path, spec):
+            if not _read_whole(path):
                 return p
             return cast_floating(dequantize_params(p, spec), config.dtype, spec)
         return jax.tree_util.tree_map_with_path(one, specs, params,
@@ -440,7 +439,7 @@ def run_params(model, plan: Plan):
     if has_quantized(params) and not kernels_on(plan, plan.config.dtype):
         blocked = plan_block_bytes(plan) > 0
         specs = registry.family(plan.config).param_specs(plan.config)
-        whole = any(_read_whole(path, spec) for path, spec in
+        whole = any(_read_whole(path) for path, _ in
                     jax.tree_util.tree_leaves_with_path(
                         specs, is_leaf=lambda s: isinstance(s, ParamSpec)))
         if not blocked or whole:

@@ -33,10 +33,9 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t NB = 64;    // columns a work item holds in registers / L1
+constexpr int64_t NB = 64;    // columns a block's accumulators hold in registers
 constexpr int64_t PB = 8;     // column blocks a work item reads across a row (a panel), at most
 constexpr int64_t RB = 16;    // rows of K dequantized at a time (divides every tile: >= 16)
-
 
 struct Args {
   const float* x;  // [M, K]
@@ -252,8 +251,7 @@ inline void group_scales(const Args& a, int64_t g, int64_t n0, int64_t nb, int64
 constexpr int64_t PF = 2;  // slabs ahead whose rows are prefetched (strided rows defeat the
                            // hardware prefetcher: each row of a slab is another page)
 
-// Prefetch the byte rows of the slab at k (and its group's scales when it starts a group).
-// (Each cache line of width bytes from p.)
+// Each cache line of width bytes from p.
 inline void prefetch_span(const void* p, int64_t width) {
   for (int64_t i = 0; i < width; i += 64) __builtin_prefetch(static_cast<const char*>(p) + i);
 }

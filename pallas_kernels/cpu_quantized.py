@@ -1,7 +1,8 @@
 """The CPU's quantized matmul for decode rows: x [M, K] @ dequantize(qw) in one pass over the codes.
 
     available()                 whether the kernel is built and loaded here (built on first use)
-    fits(qw)                    None if the kernel takes qw, else why not
+    fits(qw)                    None if the kernel takes qw's format, else why not
+    unfit(qw)                   None if it runs qw here (the CPU, fits, built), else why not
     quantized_matmul_cpu(x, qw, experts=None, threads=0)
                                 x [M, K] float32 -> [M, *N] float32; stacked experts
                                 (arrays [E, ...]): row m through expert experts[m]
@@ -119,6 +120,17 @@ def fits(qw: QuantizedWeight) -> str | None:
         if a is not None and a.dtype not in _SCALE_DTYPES:
             return f"scales of dtype {a.dtype}"
     return None
+
+
+def unfit(qw) -> str | None:
+    """None if quantized_matmul_cpu runs qw here: on the CPU, a format it takes (fits), the
+    kernel built (available); else why not."""
+    if jax.default_backend() != "cpu":
+        return "not on the CPU"
+    why = fits(qw)
+    if why is None and not available():
+        why = "the CPU kernel could not be built here"
+    return why
 
 
 def quantized_matmul_cpu(x: jax.Array, qw: QuantizedWeight, experts: jax.Array | None = None,

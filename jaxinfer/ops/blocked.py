@@ -186,23 +186,17 @@ def blocked_matmul(x: jax.Array, qw: QuantizedWeight, block_bytes: int) -> jax.A
     return y.reshape(*lead, *qw.out_shape)
 
 
-def cpu_kernel_takes(w: QuantizedWeight) -> bool:
-    """Whether pallas_kernels/cpu_quantized.cc can take w here: on the CPU, a format it
-    takes, the kernel built."""
-    return (jax.default_backend() == "cpu" and cpu_quantized.fits(w) is None
-            and cpu_quantized.available())
-
-
 def linear(x: jax.Array, w, plan: Plan, bias=None, out_dtype=None) -> jax.Array:
     """The reference x [..., K] @ w (+ bias) -> [..., *N] in out_dtype (default x's), with
-    QuantizedWeights (alone or among Parts) dequantized a tile at a time where the plan
-    says (dequant_block_bytes), else whole."""
+    QuantizedWeights (alone or among Parts) where the plan says (dequant_block_bytes) on the
+    CPU kernel (at most cpu_quantized_rows rows) or dequantized a tile at a time, else
+    dequantized whole."""
     block = plan_block_bytes(plan)
     if block and isinstance(w, QuantizedWeight) and w.layout == "tiles":
         rows = math.prod(x.shape[:-1])
         if rows <= TILED_ROWS:
             # one pass over the codes, no float tile written (KernelPolicy.cpu_quantized_rows)
-            if rows <= plan.policy.cpu_quantized_rows and cpu_kernel_takes(w):
+            if rows <= plan.policy.cpu_quantized_rows and cpu_quantized.unfit(w) is None:
                 y = cpu_quantized.quantized_matmul_cpu(x.reshape(-1, w.k), w)
                 y = y.reshape(*x.shape[:-1], *w.out_shape)
             else:

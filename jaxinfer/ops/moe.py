@@ -293,19 +293,18 @@ def _gather_supports(x, weights, experts, w_gate, w_up, w_down, plan) -> str | N
 
 
 def _cpu_supports(x, weights, experts, w_gate, w_up, w_down, plan) -> str | None:
-    if jax.default_backend() != "cpu" or plan.sharded:
-        return "not on one CPU device"
+    if plan.sharded:
+        return "a sharded plan"
     if plan.policy.moe is not MoEImpl.AUTO:
         return f"the plan asks for {plan.policy.moe.value}"
     for w in (w_gate, w_up, w_down):
-        why = cpu_quantized.fits(w) if isinstance(w, QuantizedWeight) else "not quantized"
+        why = cpu_quantized.unfit(w) if isinstance(w, QuantizedWeight) else "not quantized"
         if why:
             return f"experts the CPU kernel does not take ({why})"
-    if experts.size > plan.policy.cpu_quantized_rows:
-        return (f"{experts.size} token-expert rows > KernelPolicy.cpu_quantized_rows="
+    assignments = rows(x) * plan.config.moe.experts_per_token
+    if assignments > plan.policy.cpu_quantized_rows:
+        return (f"{assignments} token-expert rows > KernelPolicy.cpu_quantized_rows="
                 f"{plan.policy.cpu_quantized_rows}")
-    if not cpu_quantized.available():
-        return "the CPU kernel could not be built here"
     return None
 
 
