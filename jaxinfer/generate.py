@@ -72,8 +72,10 @@ class Completion:
     finish_reason: str  # "stop" (EOS, stop token or stop string) or "length"
     logprobs: list[float] | None = None
     prompt_tokens: int = 0  # the prompt's length in tokens (after the chat template)
-    # With speculative decoding: drafts proposed to this request, those accepted, and the
-    # rounds that verified drafts (a probe drafts 1 token, a verification K).
+    # With speculative decoding: drafts proposed to this request, those accepted (emitted as
+    # proposed), and the rounds that checked drafts: verifications (K drafts each) and the
+    # fallback's probes (a plain step checking the drafter's 1; never accepted: the step
+    # emits its own token).
     draft_tokens: int | None = None
     accepted_tokens: int | None = None
     verifications: int | None = None

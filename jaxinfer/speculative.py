@@ -92,15 +92,16 @@ class _DraftPlan:
 
 
 # A draft model's or a head's rounds verify while some live row's recent rounds accepted at
-# least MIN_GAIN drafts on average (an average halving each round); below, rounds are plain
-# decode steps (T = 1), with a verification after PROBE plain rounds to see whether drafts
-# hit again, the wait doubling after each probe that finds them still rejected (up to
-# MAX_PROBE: a probe every 8 rounds cost ~6% of a useless head's wall time on the H200). A
-# probe drafts one token (K = 1): whether the first draft is accepted is all it asks, and a
-# draft costs a head or draft-model forward (the head's K = 4 drafts made a probe ~1.57
-# decode steps on the H200, of which ~0.4 its drafting). A
-# verification costs 1.1-1.4 decode steps on the H200 (Llama-3-8B shapes) and 1.5-1.7 on a
-# CPU (benchmarks/DECISIONS.md): it pays from about half a draft accepted.
+# least MIN_GAIN drafts on average (an average halving each round, from start_gain: two
+# verifications with nothing accepted end the first rounds' verifying); below, rounds are plain
+# decode steps (T = 1), with a probe after PROBE plain rounds to see whether drafts hit again,
+# the wait doubling after each probe that finds them still rejected (up to MAX_PROBE: a probe
+# every 8 rounds cost ~6% of a useless head's wall time on the H200). A probe is a plain round
+# beside the drafter's first draft: whether that draft equals the token the round emits is all
+# it asks (for greedy and coupled rows, what a verification of it would accept), so it costs a
+# drafter forward, not a verification (1.15 decode steps at K = 1 on the H200, Llama-3-8B
+# shapes). A verification costs 1.1-1.4 decode steps on the H200 and 1.5-1.7 on a CPU
+# (benchmarks/DECISIONS.md): it pays from about half a draft accepted.
 MIN_GAIN = 0.5
 PROBE = 8
 MAX_PROBE = 64
@@ -133,7 +134,7 @@ class SpecState:
     head: HeadState | None  # a feature head's state (None for the other drafters)
     drafted: jax.Array  # [B] int32: drafts proposed to the row
     accepted: jax.Array  # [B] int32: drafts accepted (emitted as they were proposed)
-    verified: jax.Array  # [B] int32: rounds that verified drafts for the row (probes too)
+    verified: jax.Array  # [B] int32: rounds that checked drafts for the row (probes too)
     gain: jax.Array  # [B] float32: drafts accepted per verification, recent rounds weighted
     idle: jax.Array  # [] int32: plain rounds since the last verification (MIN_GAIN)
     patience: jax.Array  # [] int32: plain rounds before the next probe (PROBE .. MAX_PROBE)
@@ -428,24 +429,42 @@ def _spec_round(params, draft_params, state: SpecState, plan: Plan, k: int,
     if not drafter.adaptive:
         return verify(state)
 
+    def drafted_plain(s: SpecState):
+        """A plain round beside the drafter's first draft for the position it emits
+        -> (that draft [B], the state after the round). A head's first forward writes every
+        pair since its last one (the plain rounds before skipped it), and the round's feature
+        starts its kept ones (as a verification of no drafts); a draft model's writes this
+        round's last two tokens."""
+        if is_head:
+            drafts, _, head = head_drafts(params, draft_params, s, 1, drafter)
+            s = s.replace(head=head)
+        else:
+            drafts, _, draft_cache = model_drafts(draft_params, s, 1, drafter)
+            s = s.replace(draft_cache=draft_cache)
+        return drafts[:, 0], _verify_round(params, s, drafts[:, :0], None, plan)
+
     def plain(s: SpecState) -> SpecState:
-        # No head forward: the step's feature is kept, and the next verification's first
-        # forward writes every pair since (no hole in its cache). A draft model's first
-        # forward writes this round's last two tokens.
+        # No head forward: the step's feature is kept, and the next head forward writes every
+        # pair since (no hole in its cache). A draft model runs every round (its cache).
         if is_head:
             none = jnp.zeros((s.count.shape[0], 0), jnp.int32)
-            return _verify_round(params, s, none, None, plan, append=True).replace(
-                idle=s.idle + 1)
-        drafts, _, draft_cache = model_drafts(draft_params, s, 1, drafter)
-        s = s.replace(draft_cache=draft_cache)
-        return _verify_round(params, s, drafts[:, :0], None, plan).replace(idle=s.idle + 1)
+            out = _verify_round(params, s, none, None, plan, append=True)
+        else:
+            out = drafted_plain(s)[1]
+        return out.replace(idle=s.idle + 1)
 
     def probe(s: SpecState) -> SpecState:
-        # One draft; a hit counts as a round whose K drafts were all accepted (the most a
-        # probe of K could have shown), so any reachable min_gain lets the rows verify again.
-        out = verify(s, 1)
-        hit = out.accepted > s.accepted  # [B]
-        return out.replace(gain=jnp.where(hit, 0.5 * s.gain + 0.5 * k, out.gain),
+        # A plain round that checks the drafter's first draft against its token: a hit counts
+        # as a round whose K drafts were all accepted (the most a verification could have
+        # shown), so any reachable min_gain lets the rows verify again; a miss as a
+        # verification accepting none. The draft counts as proposed, not accepted (the round
+        # emits its own token). A probe that finds them still rejected doubles the wait.
+        draft, out = drafted_plain(s)
+        live = ~s.decode.done
+        hit = live & (out.decode.tokens == draft)  # [B]: the round's token, at p + 1
+        gain = jnp.where(live, 0.5 * s.gain + 0.5 * jnp.where(hit, k, 0), s.gain)
+        return out.replace(gain=gain, drafted=s.drafted + live, verified=s.verified + live,
+                           idle=jnp.zeros((), jnp.int32),
                            patience=jnp.minimum(2 * s.patience, MAX_PROBE))
 
     def plains(s: SpecState) -> SpecState:
@@ -469,6 +488,15 @@ def _spec_round(params, draft_params, state: SpecState, plan: Plan, k: int,
     return jax.lax.switch(branch, (
         plains, probe, lambda s: verify(s).replace(patience=jnp.full((), PROBE, jnp.int32))),
         state)
+
+
+def start_gain(drafter, k: int) -> float:
+    """A row's gain before its first verification: min(K, 2 min_gain), so that two
+    verifications accepting nothing end the first rounds' verifying (from K, a useless
+    drafter's decay took log2(K) + 2 of them)."""
+    if isinstance(drafter, NGram):  # no fallback: every round with a match verifies
+        return float(k)
+    return min(float(k), 2.0 * min_gain(drafter))
 
 
 def min_gain(drafter) -> float:
@@ -672,7 +700,7 @@ def _run_prefill(model, sreq: _SpecRequest, progress: bool) -> SpecState:
     return SpecState(decode=state, count=count, history=history, draft_cache=draft_cache,
                      head=head, drafted=jnp.zeros((b,), jnp.int32),
                      accepted=jnp.zeros((b,), jnp.int32), verified=jnp.zeros((b,), jnp.int32),
-                     gain=jnp.full((b,), float(sreq.k), jnp.float32),
+                     gain=jnp.full((b,), start_gain(sreq.drafter, sreq.k), jnp.float32),
                      idle=jnp.zeros((), jnp.int32), patience=jnp.full((), PROBE, jnp.int32))
 
 

@@ -45,15 +45,16 @@ def test_random_head_is_lossless_greedy_and_sampled(looping):
     head = draft_head.init_eagle(looping, 1)
     # Batch 1: the drafts are rejected, so rounds fall back to plain steps (MIN_GAIN), and
     # each probe that finds them still rejected doubles the wait for the next: over 64
-    # tokens 3 verifications of 3 drafts while the gain decays, then probes of one draft
-    # after 8, 16 and 32 plain rounds (the 13th, 30th and 63rd tokens; a probe every 8
-    # rounds: 9 verifications).
+    # tokens 2 verifications of 3 drafts while the gain decays from its start (1) (the 2nd
+    # and 3rd tokens), probes of one draft after 8 and 16 plain rounds (the 12th and 29th);
+    # the 29th is the head's one first-draft hit in these tokens, so 2 verifications follow
+    # (the 30th, 31st), then probes after 8 and 16 plain rounds (the 40th, 57th).
     (plain,) = jaxinfer.generate(looping, PROMPTS[:1], max_new_tokens=64, chat=False)
     (s,) = jaxinfer.generate(looping, PROMPTS[:1], max_new_tokens=64, chat=False,
                              speculative=head, num_speculative_tokens=3)
     assert s.token_ids == plain.token_ids and len(s.token_ids) == 64
-    assert (s.draft_tokens, s.accepted_tokens) == (3 * 3 + 3, 0)
-    assert s.verifications == 3 + 3  # the 3 verifications and the 3 probes
+    assert (s.draft_tokens, s.accepted_tokens) == (4 * 3 + 4, 0)
+    assert s.verifications == 4 + 4  # the 4 verifications and the 4 probes
     # Batch 8 with a stop token mid-round: the 13th of the first prompt's greedy text
     stop = plain.token_ids[12]
     plain = jaxinfer.generate(looping, PROMPTS[:8], max_new_tokens=20, chat=False,
@@ -277,40 +278,59 @@ def test_drafting_is_the_training_forward_in_generate_and_the_engine(trained):
 
 
 @pytest.mark.parametrize("ignore_eos", [False, True])
-def test_plain_rounds_skip_the_head_and_its_probe_catches_up(trained, ignore_eos):
-    """Plain rounds (forced: a min_gain out of reach) run no head forward; a probe's first
-    forward writes every pair since the head's last one, so its draft is the training
-    forward's at that position, as if the head had run every round (a hole or a shifted
-    feature in its cache would change the trained head's drafts). Without stop ids the plain
-    rounds run in blocks of steps_per_sync_no_stop (8, 5 here: blocks that do not divide the
-    probes' waits) with the same probes."""
+def test_plain_rounds_skip_the_head_and_its_probes_catch_up(trained, ignore_eos):
+    """Plain rounds (the gain under min_gain) run no head forward; a probe's or a
+    verification's first head forward writes every pair since the head's last one, so its
+    draft is the training forward's at that position, as if the head had run every round (a
+    hole or a shifted feature in the head's cache would change the trained head's drafts,
+    and with them the rounds). The batch's rounds follow the schedule: verifications from
+    the start gain while drafts hit, plain rounds below min_gain, probes (plain rounds
+    checking one draft) after 8, 16, 32 plain rounds, a probe's hit bringing verifications
+    back. Without stop ids the plain rounds run in blocks of steps_per_sync_no_stop (8, 5
+    here: blocks that do not divide the probes' waits) with the same rounds."""
     from jaxinfer import speculative
 
     peaked, _, result = trained
     prompts = [peaked.tokenizer.encode(p) for p in PROMPTS[:4]]
     policy = KernelPolicy(steps_per_sync_no_stop=5)
+    # a miss from the start gain (1) falls under min_gain, a probe's hit mostly lifts it back
+    head = dataclasses.replace(result.head, min_gain=0.55)
     plain = jaxinfer.generate(peaked, prompts, max_new_tokens=40, ignore_eos=ignore_eos)
-    spec = jaxinfer.generate(peaked, prompts, max_new_tokens=40, num_speculative_tokens=1,
-                             speculative=dataclasses.replace(result.head, min_gain=1e9),
-                             ignore_eos=ignore_eos, policy=policy)
+    spec = [jaxinfer.generate(peaked, [q], max_new_tokens=40, num_speculative_tokens=1,
+                              speculative=head, ignore_eos=ignore_eos, policy=policy)[0]
+            for q in prompts]  # batch 1: a row's rounds its own (a batch verifies for any row)
     assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
-    want = []
-    for prompt, c, draft in zip(prompts, plain, _teacher_drafts(
-            peaked, result.head, [p + c.token_ids for p, c in zip(prompts, plain)])):
-        seq = prompt + c.token_ids
-        # the batch's rounds: probes after 8, 16, 32 plain rounds (a hit: two tokens)
-        p, count, idle, patience, hits, probes = len(prompt), 1, 0, speculative.PROBE, 0, 0
-        while count < len(c.token_ids):
-            if idle < patience:
-                p, count, idle = p + 1, count + 1, idle + 1
-                continue
+    # speculative._spec_round's schedule at K = 1, from the teacher's drafts
+    seqs = [q + c.token_ids for q, c in zip(prompts, plain)]
+    want, plains, probe_hits = [], 0, 0
+    for q, c, seq, draft in zip(prompts, plain, seqs, _teacher_drafts(peaked, result.head,
+                                                                        seqs)):
+        p, count, n, gain = len(q), 1, len(c.token_ids), speculative.start_gain(head, 1)
+        drafted = accepted = idle = 0
+        patience = speculative.PROBE
+        while count < n:
             hit = int(draft[p] == seq[p + 1])
-            hits, probes = hits + hit, probes + 1
-            p, count = p + 1 + hit, count + 1 + hit
-            idle, patience = 0, min(2 * patience, speculative.MAX_PROBE)
-        want.append((hits, probes))
-    assert [(c.accepted_tokens, c.draft_tokens) for c in spec] == want
-    assert sum(h for h, _ in want) >= 3  # the trained head's probes hit
+            if gain >= head.min_gain:  # a verification
+                step = min(1 + hit, n - count)
+                drafted, accepted, gain = drafted + 1, accepted + min(hit, step), (gain + hit) / 2
+                idle, patience = 0, speculative.PROBE
+            elif idle >= patience:  # a probe: a plain round checking its draft
+                step, drafted, gain, probe_hits = 1, drafted + 1, (gain + hit) / 2, probe_hits + hit
+                idle, patience = 0, min(2 * patience, speculative.MAX_PROBE)
+            else:
+                step, idle, plains = 1, idle + 1, plains + 1
+            p, count = p + step, count + step
+        want.append((accepted, drafted, drafted))
+    assert [(c.accepted_tokens, c.draft_tokens, c.verifications) for c in spec] == want
+    # drafts were accepted, rounds fell back to plain ones, and probes brought them back
+    assert sum(a for a, _, _ in want) >= 3 and plains >= 8 and probe_hits >= 1
+    if not ignore_eos:  # the engine's rounds alike (its probes: a head's plain step's draft)
+        from test_engine import _engine
+
+        engine = _engine(peaked, speculative=head, num_speculative_tokens=1, chunk_size=16)
+        got = [engine.run([q], max_tokens=40)[0] for q in prompts]
+        assert [c.token_ids for c in got] == [c.token_ids for c in plain]
+        assert [(c.accepted_tokens, c.draft_tokens) for c in got] == [w[:2] for w in want]
 
 
 def test_engine_with_a_head_equals_generate(looping):
@@ -341,14 +361,14 @@ def test_engine_with_a_head_equals_generate(looping):
         engine.step()
     engine.abort(rid)
     assert engine.free_pages == engine.total_pages
-    # Alone, its rounds are generate's: verifications while the gain decays, then probes of
-    # one draft after 8, 16 and 32 plain rounds (the 13th, 30th and 63rd tokens). 64 tokens:
+    # Alone, its rounds are generate's: 2 verifications while the gain decays, then probes
+    # of one draft after 8, 16 and 32 plain rounds (this head misses all three). 64 tokens:
     # generate's program is test_random_head_is_lossless_greedy_and_sampled's batch 1.
     (want,) = jaxinfer.generate(looping, ["x"], max_new_tokens=64, chat=False,
                                 speculative=head, num_speculative_tokens=3)
     (got,) = engine.run(["x"], max_tokens=64, chat=False)
     assert got.token_ids == want.token_ids
-    assert (got.draft_tokens, got.accepted_tokens) == (want.draft_tokens, 0) == (3 * 3 + 3, 0)
+    assert (got.draft_tokens, got.accepted_tokens) == (want.draft_tokens, 0) == (2 * 3 + 3, 0)
     with pytest.raises(ValueError, match="made for another model"):
         _engine(looping, speculative=draft_head.init_eagle(
             from_params(looping.config, init_params(llama.param_specs(looping.config),

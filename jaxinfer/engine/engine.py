@@ -253,7 +253,7 @@ class Engine:
         # The last dispatch's (params, flags, SamplingTensors): a steady decode batch reuses
         # its tensors instead of rebuilding and uploading 9 arrays per step.
         self._tensors: tuple | None = None
-        self._inflight: list = []  # dispatches not read yet: (kind, rows, tokens, logprobs, top)
+        self._inflight: list = []  # dispatches not read yet (_read says what they hold)
         self.stats = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "preemptions": 0,
                       "draft_tokens": 0, "accepted_tokens": 0, "plain_rounds": 0}
         self._idle = 0  # plain rounds in a row while the drafter's drafts are rejected
@@ -418,12 +418,9 @@ class Engine:
         if self.num_speculative_tokens:
             shapes += [("verify", b, self.num_speculative_tokens + 1, w)
                        for b in self.decode_buckets for w in widths]
-        if self._draft_adaptive and self.ngram is None:  # a draft model's or a head's probes
-            shapes += [("probe", b, 2, w) for b in self.decode_buckets for w in widths]
         # Rows with a grammar verify nothing: a head's plain step takes their masks.
         variants = [(shape, top, mask) for shape in shapes for top in tops for mask in masks
-                    if not (mask and shape[0] in ("verify", "probe")
-                            and (self.head is None or shape[0] == "probe"))]
+                    if not (mask and shape[0] == "verify" and self.head is None)]
         r = self.max_num_seqs
         words = -(-self.model.config.vocab_size // 32)
         dispatched = 0
@@ -455,10 +452,10 @@ class Engine:
                 self.state, new, _, _ = step_lib.decode_step(self.params, self.state, rows,
                                                              self.plan)
             elif mask:  # a head's plain step under a grammar's mask
-                self.state, new, _, _ = step_lib.verify_step(
+                self.state, new, *_ = step_lib.verify_step(
                     self.params, self.state, None, rows, self.plan, **self._verify_args,
                     plain=True)
-            else:  # a verification of c - 1 drafts, or a probe's of one
+            else:  # a verification of c - 1 drafts
                 tokens = jnp.zeros((b, c), jnp.int32)
                 if self.draft is not None:
                     _, plan, dparams = self.draft
@@ -466,20 +463,20 @@ class Engine:
                         dparams, self.draft_cache, jnp.zeros((b, 2), jnp.int32), rows, plan,
                         c - 1, self._draft_laws)
                     dispatched += 1
-                    if self._draft_adaptive and kind == "verify":  # a plain round's
+                    if self._draft_adaptive:  # a plain round's (and a probe's)
                         self.draft_cache, _, _ = step_lib.draft_step(
                             dparams, self.draft_cache, jnp.zeros((b, 2), jnp.int32), rows,
                             plan, 1)
                         dispatched += 1
                 if self.head is not None:  # the head drafts inside the verification
                     tokens = None
-                    if self._draft_adaptive and kind == "verify":  # and its plain step
-                        self.state, new, _, _ = step_lib.verify_step(
+                    if self._draft_adaptive:  # and its plain step (and a probe's)
+                        self.state, new, *_ = step_lib.verify_step(
                             self.params, self.state, tokens, rows, self.plan,
                             **self._verify_args, plain=True)
                         new.block_until_ready()
                         dispatched += 1
-                self.state, new, _, _ = step_lib.verify_step(
+                self.state, new, *_ = step_lib.verify_step(
                     self.params, self.state, tokens, rows, self.plan, **self._head_k(c - 1),
                     **self._laws_arg(laws if self.draft is not None else None))
             new.block_until_ready()
@@ -699,7 +696,7 @@ class Engine:
                 row.request.inflight += 1
         self.stats["prompt_tokens"] += sum(len(row.tokens) for row in rows)
         return ("prefill", [row.request if row.final else None for row in rows], [new],
-                [logprobs], [top])
+                [logprobs], [top], None)
 
     def _dispatch_decode(self, rows) -> list:
         if not self.num_speculative_tokens:
@@ -737,7 +734,7 @@ class Engine:
             tops.append(top)
         for req in reqs:
             req.inflight += 1
-        return ("decode", reqs, news, lps, tops)
+        return ("decode", reqs, news, lps, tops, None)
 
     def _speculative(self, speculative, k, policy):
         """(NGram or None, (draft model, its plan, its params) or None, (head params, its
@@ -747,10 +744,10 @@ class Engine:
         from jaxinfer.generate import _plan, run_params
         from jaxinfer.model import Model
         from jaxinfer.speculative import (DraftModel, NGram, check_same_vocabulary, min_gain,
-                                          resolve_drafter)
+                                          resolve_drafter, start_gain)
 
         self._draft_adaptive = self._draft_laws = False
-        self._min_gain = 0.0
+        self._min_gain = self._start_gain = 0.0
         if speculative is None:
             return None, None, None, 0
         head = None
@@ -773,7 +770,7 @@ class Engine:
                              "already yields several tokens per step)")
         if head is not None:
             self._draft_adaptive = head.adaptive  # plain rounds while drafts are rejected
-            self._min_gain = min_gain(head)
+            self._min_gain, self._start_gain = min_gain(head), start_gain(head, k)
             head = draft_head.for_model(head, self.model)  # its layer in the model's dtype
             spec = dataclasses.replace(
                 head.spec, plan=dataclasses.replace(self.plan, config=head.spec.plan.config),
@@ -783,7 +780,7 @@ class Engine:
             return speculative, None, None, int(k)
         draft = speculative.model
         self._draft_adaptive = speculative.adaptive  # plain rounds while drafts are rejected
-        self._min_gain = min_gain(speculative)
+        self._min_gain, self._start_gain = min_gain(speculative), start_gain(speculative, k)
         self._draft_laws = speculative.rejection  # sampled rows: rejection sampling
         check_same_vocabulary(self.model, draft)
         plan = _plan(draft, policy)
@@ -797,9 +794,10 @@ class Engine:
         from jaxinfer.speculative import ngram_drafts_host
 
         reqs = [row.request for row in rows]
-        # a draft model's or a head's round: plain, a probe (one draft) or a verification
+        # a draft model's or a head's round: plain, a probe (a plain step checking the
+        # drafter's first draft) or a verification
         kind = "plain" if plain else (self._round(reqs) if self.ngram is None else "verify")
-        k = 1 if kind == "probe" else self.num_speculative_tokens
+        k = self.num_speculative_tokens
         b = _bucket(len(rows), self.decode_buckets)
         width = self._width(len(r.pages) for r in reqs)
         positions = np.array([row.position for row in rows] + [-1] * (b - len(rows)), np.int32)
@@ -810,13 +808,14 @@ class Engine:
             for i, req in enumerate(reqs):
                 last_two[i] = req.tokens()[-2:]  # a decode row has >= 1 prompt + 1 output
             _, plan, params = self.draft
-            if kind == "plain":
+            if kind in ("plain", "probe"):
                 # A plain step; the draft model's first forward only, so that its pages
-                # hold this step's tokens.
-                self.draft_cache, _, _ = step_lib.draft_step(
+                # hold this step's tokens (its draft [B, 2]: x, d_1, a probe's).
+                self.draft_cache, drafted, _ = step_lib.draft_step(
                     params, self.draft_cache, jnp.asarray(last_two),
                     batch.replace(token_bitmask=None), plan, 1)
-                return self._dispatch_plain(rows)
+                step = self._dispatch_plain(rows)
+                return step if kind == "plain" else ("probe", *step[1:5], drafted[:, 1])
             self.draft_cache, tokens, laws = step_lib.draft_step(
                 params, self.draft_cache, jnp.asarray(last_two), batch, plan, k,
                 self._draft_laws)
@@ -830,17 +829,19 @@ class Engine:
             for i, (req, (draft, _)) in enumerate(zip(reqs, drafts)):
                 tokens[i] = [req.tokens()[-1]] + draft
             tokens = jnp.asarray(tokens)
-        plain = self.head is not None and kind == "plain"
+        plain = self.head is not None and kind in ("plain", "probe")
         # (plain passed only when set: a jit keyed as warmup's calls)
-        self.state, new, logprobs, top = step_lib.verify_step(
+        self.state, new, logprobs, top, drafts = step_lib.verify_step(
             self.params, self.state, tokens, batch, self.plan, **self._head_k(k),
             **({"plain": True} if plain else {}), **self._laws_arg(laws))
         for req in reqs:
             req.inflight += 1
         t = new.shape[1]
         tops = [None] * t if top is None else [(top[0][:, j], top[1][:, j]) for j in range(t)]
-        # per column [B], as decode (a head's plain step: one column, a decode)
-        return ("decode" if plain else kind, reqs, list(new.T), list(logprobs.T), tops)
+        # per column [B], as decode (a head's plain step: one column, a decode; a probe's
+        # also its head's draft)
+        return ("decode" if kind == "plain" else kind, reqs, list(new.T),
+                list(logprobs.T), tops, drafts[:, 0] if kind == "probe" else None)
 
     def _head_k(self, k: int) -> dict:
         """verify_step's head arguments with k drafts (none without a head)."""
@@ -854,12 +855,13 @@ class Engine:
     def _round(self, reqs) -> str:
         """This round of a draft model or a head, as generate's: "verify" while some row's
         recent drafts were accepted (the drafter's min_gain), else "plain", with a "probe"
-        (one draft) when due (a probe that finds them still rejected doubles the wait for the
-        next, up to MAX_PROBE). Counts the round."""
+        (a plain step checking the drafter's first draft) when due (a probe that finds them
+        still rejected doubles the wait for the next, up to MAX_PROBE). Counts the round."""
         from jaxinfer.speculative import MAX_PROBE, PROBE
 
         if not self._draft_adaptive or any(
-                r.draft_gain is None or r.draft_gain >= self._min_gain for r in reqs):
+                (self._start_gain if r.draft_gain is None else r.draft_gain) >= self._min_gain
+                for r in reqs):
             self._idle, self._patience = 0, PROBE
             return "verify"
         if self._idle >= self._patience:
@@ -874,10 +876,11 @@ class Engine:
     def _read(self, dispatched) -> list[RequestOutput]:
         if not dispatched:
             return []
-        values = jax.device_get([(new, lps, tops) for _, _, new, lps, tops in dispatched])
+        # (kind, requests, tokens, logprobs, top logprobs, a probe's drafts [B] or None)
+        values = jax.device_get([d[2:] for d in dispatched])
         now = time.perf_counter()
         outputs: dict[str, RequestOutput] = {}
-        for (kind, reqs, _, _, _), (new, lps, tops) in zip(dispatched, values):
+        for (kind, reqs, *_), (new, lps, tops, probe) in zip(dispatched, values):
             # [B, steps]; a verification's [B, K + 1] has -1 after its kept tokens
             new, lps = np.stack(new, axis=1), np.stack(lps, axis=1)
             if tops[0] is not None:  # [B, steps, K]
@@ -900,14 +903,16 @@ class Engine:
                 if self.num_speculative_tokens:
                     req.scheduled = len(req.output)  # the scheduler counted K + 1
                 if kind in ("verify", "probe"):  # as generate: drafts cut by a stop or the
-                    k = self.num_speculative_tokens  # budget do not count (min(a, emitted))
-                    drafted = new.shape[1] - 1  # the dispatch's: K, or a probe's one
-                    hits = int(kept.sum()) - 1  # drafts the verification accepted
-                    accepted = min(hits, len(got))
-                    gain = k if req.draft_gain is None else req.draft_gain
-                    # a probe's hit counts as a round of K accepted drafts (generate's rule)
-                    req.draft_gain = 0.5 * gain + 0.5 * (k if kind == "probe" and hits
-                                                         else hits)
+                    spec_k = self.num_speculative_tokens  # budget do not count (min(a, emitted))
+                    gain = self._start_gain if req.draft_gain is None else req.draft_gain
+                    if kind == "probe":  # a plain step checking one draft: a hit counts as
+                        drafted = 1  # a round of K accepted drafts (generate's rule)
+                        hits = spec_k * int(bool(kept[0]) and probe[row] == new[row, 0])
+                    else:
+                        drafted = new.shape[1] - 1  # the dispatch's K
+                        hits = int(kept.sum()) - 1  # drafts the verification accepted
+                        accepted = min(hits, len(got))
+                    req.draft_gain = 0.5 * gain + 0.5 * hits
                     self.stats["draft_tokens"] += drafted
                     self.stats["accepted_tokens"] += accepted
                 if req.first_token_time is None and got:

@@ -171,20 +171,21 @@ def verify_step(params: dict, state: EngineState, tokens: jax.Array | None, rows
     and the accepted drafts' pairs go to its pages. -> (state, tokens [B, K + 1]: the accepted
     drafts then the target's next token, -1 after them; logprobs [B, K + 1]; top: (ids
     [B, K + 1, N], logprobs [B, K + 1, N]) of each position's most likely tokens when some
-    row asked for top_logprobs, else None). Rows carry a token bitmask only in a plain step
-    (rows with a grammar: their drafter's plain round). plain (with a head): a decode step,
-    T = 1, that still writes
-    the head's pair at the newest token and its feature (the head's first forward, its draft
-    dropped), so the head's pages have no hole when rounds verify again. draft_laws [B, K, V]
-    (a draft model's, from draft_step; a head with head_spec.rejection makes its own): sampled
-    rows accept by rejection sampling (speculative._rejection), greedy rows as above."""
+    row asked for top_logprobs, else None; the drafts [B, K], or a plain step's head draft
+    [B, 1]). Rows carry a token bitmask only in a plain step (rows with a grammar: their
+    drafter's plain round). plain (with a head): a decode step, T = 1, that still writes the
+    head's pair at the newest token and its feature (the head's first forward; its draft, not
+    scored, is a probe's), so the head's pages have no hole when rounds verify again.
+    draft_laws [B, K, V] (a draft model's, from draft_step; a head with head_spec.rejection
+    makes its own): sampled rows accept by rejection sampling (speculative._rejection), greedy
+    rows as above."""
     from jaxinfer.speculative import _leading, _rejection
 
     if head_spec is not None:
         state, tokens, draft_laws = _head_drafts(head_params, params, state, rows, head_spec,
                                                  1 if plain else k)
-        if plain:
-            tokens, draft_laws = tokens[:, :1], None
+        if plain:  # the head's draft is a probe's (speculative.py): returned, not scored
+            probe, tokens, draft_laws = tokens[:, 1:], tokens[:, :1], None
     b, t = tokens.shape
     if rows.token_bitmask is not None and t != 1:
         raise ValueError("verify_step: a grammar's token bitmask takes a plain step (T = 1)")
@@ -226,7 +227,8 @@ def verify_step(params: dict, state: EngineState, tokens: jax.Array | None, rows
         state = state.replace(head=_head_verified(head_params, params, state.head, tokens,
                                                   positions, f[0], a, rows, head_spec))
     top = None if out.top_ids is None else (out.top_ids, out.top_logprobs)
-    return state, jnp.where(kept, ys, -1), lps, top
+    drafts = probe if head_spec is not None and plain else tokens[:, 1:]
+    return state, jnp.where(kept, ys, -1), lps, top, drafts
 
 
 # -- a feature head's work (speculative decoding with an EAGLE head; jaxinfer/draft_head.py) --
