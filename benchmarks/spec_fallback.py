@@ -40,6 +40,11 @@ def main(argv=None) -> int:
                     help="more K (e.g. 3,5): the draft-vocabulary head, every round verifying, "
                          "at each (a verification's cost in decode steps at that K)")
     ap.add_argument("--no-ngram", action="store_true", help="skip prompt lookup")
+    ap.add_argument("--only", default="",
+                    help="these runs only: names' starts separated by ';' (e.g. 'head 32768 "
+                         "tokens, fallback;ngram'; plain always runs)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="the runs this many times over, plain first each time (same process)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     dtype = "bfloat16" if jax.default_backend() == "gpu" else "float32"
@@ -60,29 +65,35 @@ def main(argv=None) -> int:
             runs.append(time.perf_counter() - t0)
         return statistics.median(runs), out
 
-    plain_s, plain = timed()
-    rows = [{"method": "plain", "ms_per_token": plain_s * 1e3 / args.new}]
-    print(f"{args.preset} plain: {rows[0]['ms_per_token']:.3f} ms/token", flush=True)
     every = dataclasses.replace(small, adaptive=False)
     extra = [int(k) for k in args.verify_ks.split(",") if k]
-    for name, spec, k in (("head, fallback", head, args.k),
-                          ("head, every round verifies", dataclasses.replace(head, adaptive=False),
-                           args.k),
-                          (f"head {n} tokens, fallback", small, args.k),
-                          (f"head {n} tokens, every round verifies", every, args.k),
-                          ("ngram", "ngram", args.k),
-                          *((f"head {n} tokens, every round verifies, K={k}", every, k)
-                            for k in extra)):
-        if name == "ngram" and args.no_ngram:
-            continue
-        s, out = timed(speculative=spec, num_speculative_tokens=k)
-        row = {"method": name, "k": k, "ms_per_token": s * 1e3 / args.new, "vs_plain": plain_s / s,
-               "drafted": out.draft_tokens, "accepted": out.accepted_tokens,
-               "same_tokens": out.token_ids == plain.token_ids}
-        rows.append(row)
-        print(f"{args.preset} {name}: {row['ms_per_token']:.3f} ms/token = "
-              f"{row['vs_plain']:.3f}x plain; {out.accepted_tokens}/{out.draft_tokens} drafts "
-              f"accepted; plain greedy's tokens: {row['same_tokens']}", flush=True)
+    only = [o.strip() for o in args.only.split(";") if o.strip()]
+    rows = []
+    for r in range(args.rounds):
+        plain_s, plain = timed()
+        rows.append({"method": "plain", "round": r, "ms_per_token": plain_s * 1e3 / args.new})
+        print(f"{args.preset} plain: {rows[-1]['ms_per_token']:.3f} ms/token", flush=True)
+        for name, spec, k in (("head, fallback", head, args.k),
+                              ("head, every round verifies",
+                               dataclasses.replace(head, adaptive=False), args.k),
+                              (f"head {n} tokens, fallback", small, args.k),
+                              (f"head {n} tokens, every round verifies", every, args.k),
+                              ("ngram", "ngram", args.k),
+                              *((f"head {n} tokens, every round verifies, K={k}", every, k)
+                                for k in extra)):
+            if (name == "ngram" and args.no_ngram) or (only and not any(
+                    name.startswith(o) for o in only)):
+                continue
+            s, out = timed(speculative=spec, num_speculative_tokens=k)
+            row = {"method": name, "round": r, "k": k, "ms_per_token": s * 1e3 / args.new,
+                   "vs_plain": plain_s / s, "drafted": out.draft_tokens,
+                   "accepted": out.accepted_tokens, "checks": out.verifications,
+                   "same_tokens": out.token_ids == plain.token_ids}
+            rows.append(row)
+            print(f"{args.preset} {name}: {row['ms_per_token']:.3f} ms/token = "
+                  f"{row['vs_plain']:.3f}x plain; {out.accepted_tokens}/{out.draft_tokens} "
+                  f"drafts accepted in {out.verifications} checks; plain greedy's tokens: "
+                  f"{row['same_tokens']}", flush=True)
     if args.json:
         for r in rows:
             print(json.dumps({"preset": args.preset, "k": args.k, "policy": args.policy, **r}))
