@@ -160,6 +160,43 @@ inline fvec codesv(const uint8_t* p0, const uint8_t* p1, int64_t ld, const Slab&
   return __builtin_convertvector(c, fvec);
 }
 
+// Calls f(q, codesv<P>(..., r, q)) for each q < NB / VL: the slab's row r of a block. With AVX2
+// (256-bit operations that a Zen 1 runs as two halves) 16 columns' planes are shifted, masked
+// and joined as bytes in one 128-bit register each, then widened in two halves.
+template <int P, class F>
+inline void row_codes(const uint8_t* p0, const uint8_t* p1, int64_t ld, const Slab& sl,
+                      const Tables& tb, int64_t r, F f) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  (void)tb;
+  for (int h = 0; h < NB / 16; ++h) {
+    __m128i b =
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(p0 + (sl.row0 + r) * ld + 16 * h));
+    if (P == kNibble || P == kTwo)  // 16-bit shifts: the bits they carry across are masked off
+      b = _mm_and_si128(_mm_srl_epi16(b, _mm_cvtsi32_si128(sl.sh0)),
+                        _mm_set1_epi8(char(sl.mask0)));
+    if (P == kTwo) {  // the high bits (< 256 once shifted up: they stay in their byte)
+      __m128i c =
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(p1 + (sl.row1 + r) * ld + 16 * h));
+      c = _mm_and_si128(_mm_srl_epi16(c, _mm_cvtsi32_si128(sl.sh1)),
+                        _mm_set1_epi8(char(sl.mask1)));
+      b = _mm_or_si128(b, _mm_sll_epi16(c, _mm_cvtsi32_si128(sl.hi)));
+    }
+    const __m128i b8 = _mm_srli_si128(b, 8);
+    const __m256 f0 = _mm256_cvtepi32_ps(P == kSigned ? _mm256_cvtepi8_epi32(b)
+                                                      : _mm256_cvtepu8_epi32(b));
+    const __m256 f1 = _mm256_cvtepi32_ps(P == kSigned ? _mm256_cvtepi8_epi32(b8)
+                                                      : _mm256_cvtepu8_epi32(b8));
+    fvec c0, c1;
+    std::memcpy(&c0, &f0, sizeof c0);
+    std::memcpy(&c1, &f1, sizeof c1);
+    f(2 * h, c0);
+    f(2 * h + 1, c1);
+  }
+#else
+  for (int q = 0; q < NB / VL; ++q) f(q, codesv<P>(p0, p1, ld, sl, tb, r, q));
+#endif
+}
+
 // Element types of the scale arrays (DType in cpu_quantized.py).
 enum DType : int64_t { kF32 = 0, kF16 = 1, kBF16 = 2, kI8 = 3, kU8 = 4 };
 
@@ -353,14 +390,14 @@ void panel(const Args& a, int64_t n0, int64_t blocks, float* gacc /* [M][blocks 
         for (int q = 0; q < NB / VL; ++q) g[q] = loadv(gacc + b * NB + VL * q);
         for (int64_t r = 0; r < rows; ++r) {
           const fvec xv = fvec{} + a.x[k + r];
-          for (int q = 0; q < NB / VL; ++q) g[q] += xv * codesv<P>(b0, b1, ld, sl, tb, r, q);
+          row_codes<P>(b0, b1, ld, sl, tb, r, [&](int q, fvec c) { g[q] += xv * c; });
         }
         for (int q = 0; q < NB / VL; ++q) storev(gacc + b * NB + VL * q, g[q]);
         continue;
       }
       for (int64_t r = 0; r < rows; ++r)
-        for (int q = 0; q < NB / VL; ++q)
-          storev(w + r * NB + VL * q, codesv<P>(b0, b1, ld, sl, tb, r, q));
+        row_codes<P>(b0, b1, ld, sl, tb, r,
+                     [&](int q, fvec c) { storev(w + r * NB + VL * q, c); });
       for (int64_t i0 = 0; i0 < a.m; i0 += MR) {  // MR rows at a time, each its own sums
         float* gi = gacc + i0 * width + b * NB;
         const float* x = a.x + i0 * a.k + k;
