@@ -416,13 +416,15 @@ def _spec_round(params, draft_params, state: SpecState, plan: Plan, k: int,
         return jax.lax.cond(found, verify, plains, state)
     is_head = isinstance(drafter, draft_head.HeadSpec)
 
-    def verify(s: SpecState, k: int = k) -> SpecState:
+    def draft(s: SpecState, n: int):  # -> drafts [B, n], their laws or None, the state
         if is_head:
-            drafts, draft_laws, head = head_drafts(params, draft_params, s, k, drafter)
-            s = s.replace(head=head)
-        else:
-            drafts, draft_laws, draft_cache = model_drafts(draft_params, s, k, drafter)
-            s = s.replace(draft_cache=draft_cache)
+            drafts, laws, head = head_drafts(params, draft_params, s, n, drafter)
+            return drafts, laws, s.replace(head=head)
+        drafts, laws, draft_cache = model_drafts(draft_params, s, n, drafter)
+        return drafts, laws, s.replace(draft_cache=draft_cache)
+
+    def verify(s: SpecState) -> SpecState:
+        drafts, draft_laws, s = draft(s, k)
         return _verify_round(params, s, drafts, draft_laws, plan).replace(
             idle=jnp.zeros((), jnp.int32))
 
@@ -435,12 +437,7 @@ def _spec_round(params, draft_params, state: SpecState, plan: Plan, k: int,
         pair since its last one (the plain rounds before skipped it), and the round's feature
         starts its kept ones (as a verification of no drafts); a draft model's writes this
         round's last two tokens."""
-        if is_head:
-            drafts, _, head = head_drafts(params, draft_params, s, 1, drafter)
-            s = s.replace(head=head)
-        else:
-            drafts, _, draft_cache = model_drafts(draft_params, s, 1, drafter)
-            s = s.replace(draft_cache=draft_cache)
+        drafts, _, s = draft(s, 1)
         return drafts[:, 0], _verify_round(params, s, drafts[:, :0], None, plan)
 
     def plain(s: SpecState) -> SpecState:
@@ -459,9 +456,9 @@ def _spec_round(params, draft_params, state: SpecState, plan: Plan, k: int,
         # shown), so any reachable min_gain lets the rows verify again; a miss as a
         # verification accepting none. The draft counts as proposed, not accepted (the round
         # emits its own token). A probe that finds them still rejected doubles the wait.
-        draft, out = drafted_plain(s)
+        first, out = drafted_plain(s)
         live = ~s.decode.done
-        hit = live & (out.decode.tokens == draft)  # [B]: the round's token, at p + 1
+        hit = live & (out.decode.tokens == first)  # [B]: the round's token, at p + 1
         gain = jnp.where(live, 0.5 * s.gain + 0.5 * jnp.where(hit, k, 0), s.gain)
         return out.replace(gain=gain, drafted=s.drafted + live, verified=s.verified + live,
                            idle=jnp.zeros((), jnp.int32),
