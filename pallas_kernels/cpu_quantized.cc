@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
@@ -50,6 +51,9 @@ struct Args {
   int64_t rows0, rows1;  // byte rows of p0, p1
   int64_t m, k, n, bits0, bits1, tile, group, super_group, code_offset;
   bool signed0;
+  const int8_t* xq;  // [M, K]: x rounded to int8 per RB rows of K (int8_x), or null
+  const float* xd;   // [M, K / RB]: each such block's scale (x ~ xq * xd)
+  const float* xs;   // [M, K / RB]: each such block's sum of xq * xd (offsets' products)
 };
 
 // Vectors of VL lanes, the target's register width: GCC keeps a wider vector type in memory
@@ -196,6 +200,156 @@ inline void row_codes(const uint8_t* p0, const uint8_t* p1, int64_t ld, const Sl
   for (int q = 0; q < NB / VL; ++q) f(q, codesv<P>(p0, p1, ld, sl, tb, r, q));
 #endif
 }
+
+#if defined(__AVX2__)
+// x rounded to int8 (int8_x): a slab's products as integer dots, as llama.cpp's CPU kernels take
+// them (_mm256_maddubs_epi16: 32 unsigned codes times 32 signed x bytes, summed in pairs to
+// int16) in place of a float conversion and a multiply-add a code. The planes hold a row of K per
+// byte row, so two rows' codes are interleaved into byte pairs (unpacklo / unpackhi within each
+// 128-bit lane) against x's pair of the same rows.
+// 32 columns (from 32 h) of the slab's row r as bytes: codes as stored.
+template <int P>
+inline __m256i codes32(const uint8_t* p0, const uint8_t* p1, int64_t ld, const Slab& sl,
+                       int64_t r, int h) {
+  __m256i b =
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p0 + (sl.row0 + r) * ld + 32 * h));
+  if (P == kNibble || P == kTwo) {  // 16-bit shifts: the bits they carry across are masked off
+    if (sl.sh0) b = _mm256_srl_epi16(b, _mm_cvtsi32_si128(sl.sh0));
+    b = _mm256_and_si256(b, _mm256_set1_epi8(char(sl.mask0)));
+  }
+  if (P == kTwo) {
+    __m256i c = _mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(p1 + (sl.row1 + r) * ld + 32 * h));
+    c = _mm256_and_si256(_mm256_srl_epi16(c, _mm_cvtsi32_si128(sl.sh1)),
+                         _mm256_set1_epi8(char(sl.mask1)));
+    b = _mm256_or_si256(b, _mm256_sll_epi16(c, _mm_cvtsi32_si128(sl.hi)));
+  }
+  return b;
+}
+
+// Row pairs whose int16 sums stay exact before they are widened: maddubs saturates a pair's
+// sum at 32767 and the adds wrap, so pairs * 2 * 127 * the largest code <= 32767.
+inline int pairs_exact(const Args& a, int P) {
+  const int cmax = (1 << (a.bits0 + (P == kTwo ? a.bits1 : 0))) - 1;
+  return std::max(1, int(32767 / (2 * 127 * cmax)));
+}
+
+// Vectors a pair of rows' codes of 32 columns takes: two of byte pairs, or four of int16 pairs.
+template <int P>
+constexpr int pair_vectors() {
+  return P == kByte || P == kSigned ? 4 : 2;
+}
+
+// Two rows' codes (r, r + 1) of 32 columns (from 32 h) into v: byte pairs by unpacklo /
+// unpackhi, which work within each 128-bit lane (v[0] columns 0-7 | 16-23, v[1] 8-15 | 24-31);
+// 8-bit codes go on widened to int16 pairs (v[j] columns 8 j .. 8 j + 7).
+template <int P>
+inline void pair_codes(const uint8_t* p0, const uint8_t* p1, int64_t ld, const Slab& sl,
+                       int64_t r, int h, __m256i* v) {
+  const __m256i c0 = codes32<P>(p0, p1, ld, sl, r, h), c1 = codes32<P>(p0, p1, ld, sl, r + 1, h);
+  const __m256i lo = _mm256_unpacklo_epi8(c0, c1), hi = _mm256_unpackhi_epi8(c0, c1);
+  if (pair_vectors<P>() == 2) {
+    v[0] = lo;
+    v[1] = hi;
+    return;
+  }
+  auto wide = [](__m128i c) {
+    return P == kSigned ? _mm256_cvtepi8_epi16(c) : _mm256_cvtepu8_epi16(c);
+  };
+  v[0] = wide(_mm256_castsi256_si128(lo));
+  v[1] = wide(_mm256_castsi256_si128(hi));
+  v[2] = wide(_mm256_extracti128_si256(lo, 1));
+  v[3] = wide(_mm256_extracti128_si256(hi, 1));
+}
+
+// g [NB] (a block's float sums of one row of x) += xd * the slab's integer dots of the block's
+// codes with xq [RB] (x's int8 over the slab's rows); the codes' pairs made here, or (buf:
+// [RB / 2][2][pair_vectors]) once for every row. Sub-8-bit codes: maddubs (unsigned codes x
+// signed x, pairs summed to int16), widened to int32 every E pairs; 8-bit codes: madd of
+// int16 pairs to int32.
+template <int P, int E, bool Buffered>
+inline void slab_dots(const uint8_t* p0, const uint8_t* p1, int64_t ld, const Slab& sl,
+                      const __m256i* buf, const int8_t* xq, float xd, float* g) {
+  constexpr int V = pair_vectors<P>();
+  const __m256 d = _mm256_set1_ps(xd);
+  for (int h = 0; h < 2; ++h) {
+    __m256i acc[4], lo16 = _mm256_setzero_si256(), hi16 = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) acc[j] = _mm256_setzero_si256();
+    for (int p = 0; p < RB / 2; ++p) {
+      __m256i v[V];
+      if (Buffered)
+        for (int j = 0; j < V; ++j) v[j] = buf[(2 * p + h) * V + j];
+      else
+        pair_codes<P>(p0, p1, ld, sl, 2 * p, h, v);
+      if (V == 4) {
+        const __m256i xp = _mm256_set1_epi32(int32_t(uint32_t(uint16_t(int16_t(xq[2 * p]))) |
+                                                     (uint32_t(uint16_t(int16_t(xq[2 * p + 1]))) << 16)));
+        for (int j = 0; j < V; ++j) acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(v[j], xp));
+        continue;
+      }
+      int16_t x2;  // x's bytes 2 p, 2 p + 1 as they lie in memory: the pair to broadcast
+      std::memcpy(&x2, xq + 2 * p, 2);
+      const __m256i xp = _mm256_set1_epi16(x2);
+      lo16 = _mm256_add_epi16(lo16, _mm256_maddubs_epi16(v[0], xp));
+      hi16 = _mm256_add_epi16(hi16, _mm256_maddubs_epi16(v[1], xp));
+      if ((p + 1) % E && p + 1 < RB / 2) continue;
+      acc[0] = _mm256_add_epi32(acc[0], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(lo16)));
+      acc[1] = _mm256_add_epi32(acc[1], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(hi16)));
+      acc[2] = _mm256_add_epi32(acc[2], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(lo16, 1)));
+      acc[3] = _mm256_add_epi32(acc[3], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(hi16, 1)));
+      lo16 = hi16 = _mm256_setzero_si256();
+    }
+    for (int j = 0; j < 4; ++j) {
+      float* gj = g + 32 * h + 8 * j;
+      _mm256_storeu_ps(gj, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[j]), d, _mm256_loadu_ps(gj)));
+    }
+  }
+}
+
+// A block's slab for every row of x (integer dots).
+template <int P, int E>
+inline void block_dots(const Args& a, const uint8_t* b0, const uint8_t* b1, int64_t ld,
+                       const Slab& sl, int64_t k, float* gacc, int64_t width) {
+  if (a.m == 1) {
+    slab_dots<P, E, false>(b0, b1, ld, sl, nullptr, a.xq + k, a.xd[k / RB], gacc);
+    return;
+  }
+  constexpr int V = pair_vectors<P>();
+  alignas(32) __m256i buf[RB * V];  // [RB / 2][2][V]
+  for (int p = 0; p < RB / 2; ++p)
+    for (int h = 0; h < 2; ++h) pair_codes<P>(b0, b1, ld, sl, 2 * p, h, buf + (2 * p + h) * V);
+  for (int64_t i = 0; i < a.m; ++i)
+    slab_dots<P, E, true>(b0, b1, ld, sl, buf, a.xq + i * a.k + k, a.xd[(i * a.k + k) / RB],
+                          gacc + i * width);
+}
+#else
+// Without AVX2 the same integer dots a column at a time (the same sums: int32 is exact).
+inline int pairs_exact(const Args&, int) { return 1; }
+
+template <int P, int E>
+inline void block_dots(const Args& a, const uint8_t* b0, const uint8_t* b1, int64_t ld,
+                       const Slab& sl, int64_t k, float* gacc, int64_t width) {
+  int32_t c[RB][NB];
+  for (int64_t r = 0; r < RB; ++r)
+    for (int64_t j = 0; j < NB; ++j) {
+      const uint8_t lo = b0[(sl.row0 + r) * ld + j];
+      if (P == kSigned) c[r][j] = int8_t(lo);
+      else if (P == kByte) c[r][j] = lo;
+      else c[r][j] = (lo >> sl.sh0) & sl.mask0;
+      if (P == kTwo) c[r][j] |= ((b1[(sl.row1 + r) * ld + j] >> sl.sh1) & sl.mask1) << sl.hi;
+    }
+  for (int64_t i = 0; i < a.m; ++i) {
+    const int8_t* xq = a.xq + i * a.k + k;
+    const float xd = a.xd[(i * a.k + k) / RB];
+    float* g = gacc + i * width;
+    for (int64_t j = 0; j < NB; ++j) {
+      int32_t sum = 0;
+      for (int64_t r = 0; r < RB; ++r) sum += c[r][j] * xq[r];
+      g[j] = std::fma(float(sum), xd, g[j]);
+    }
+  }
+}
+#endif
 
 // Element types of the scale arrays (DType in cpu_quantized.py).
 enum DType : int64_t { kF32 = 0, kF16 = 1, kBF16 = 2, kI8 = 3, kU8 = 4 };
@@ -374,6 +528,7 @@ void panel(const Args& a, int64_t n0, int64_t blocks, float* gacc /* [M][blocks 
   float* s = so;
   float* o = so + width;
   const Tables tb;
+  const int every = pairs_exact(a, P);
   std::fill(yacc, yacc + a.m * width, 0.0f);
   std::fill(gacc, gacc + a.m * width, 0.0f);
   std::fill(so, so + 2 * width, 0.0f);
@@ -385,6 +540,16 @@ void panel(const Args& a, int64_t n0, int64_t blocks, float* gacc /* [M][blocks 
     for (int64_t b = 0; b < blocks; ++b) {
       const uint8_t* b0 = p0 + b * NB;
       const uint8_t* b1 = p1 ? p1 + b * NB : nullptr;
+      if (a.xq) {  // integer dots (rows == RB: K % RB == 0)
+        float* g = gacc + b * NB;
+        switch (every) {  // pairs_exact: 8 at 4 bits, 4 at 5, 2 at 6 (8-bit codes: unused)
+          case 8: block_dots<P, 8>(a, b0, b1, ld, sl, k, g, width); break;
+          case 4: block_dots<P, 4>(a, b0, b1, ld, sl, k, g, width); break;
+          case 2: block_dots<P, 2>(a, b0, b1, ld, sl, k, g, width); break;
+          default: block_dots<P, 1>(a, b0, b1, ld, sl, k, g, width);
+        }
+        continue;
+      }
       if (a.m == 1) {  // the block's sums in registers over the slab
         fvec g[NB / VL];
         for (int q = 0; q < NB / VL; ++q) g[q] = loadv(gacc + b * NB + VL * q);
@@ -414,8 +579,11 @@ void panel(const Args& a, int64_t n0, int64_t blocks, float* gacc /* [M][blocks 
     const int64_t g0 = (k / a.group) * a.group;  // the group ends: its scales applied
     for (int64_t i = 0; i < a.m; ++i) {
       const float* x = a.x + i * a.k;
-      float xs = 0.0f;
-      for (int64_t j = g0; j < end; ++j) xs += x[j];
+      float xs = 0.0f;  // the group's sum of x as its products took it
+      if (a.xq)
+        for (int64_t j = g0; j < end; j += RB) xs += a.xs[(i * a.k + j) / RB];
+      else
+        for (int64_t j = g0; j < end; ++j) xs += x[j];
       const fvec xsv = fvec{} + xs;
       float* gi = gacc + i * width;
       float* yi = yacc + i * width;
@@ -439,6 +607,8 @@ struct Shared {
   int64_t blocks;   // work items: panels of PB column blocks, the last block alone if narrower
   int64_t full;     // column blocks of NB whole columns
   int64_t pb;       // column blocks a panel
+  std::vector<int8_t> xq;  // a.xq's and a.xd's storage
+  std::vector<float> xd, xs;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
   std::mutex mu;
@@ -455,6 +625,11 @@ Args unit_args(const Shared& sh, int64_t u) {
   };
   a.x += u * a.k;
   a.y += u * a.n;
+  if (a.xq) {
+    a.xq += u * a.k;
+    a.xd += u * (a.k / RB);
+    a.xs += u * (a.k / RB);
+  }
   a.m = 1;
   a.p0 = static_cast<const uint8_t*>(at(a.p0, 0));
   a.p1 = static_cast<const uint8_t*>(at(a.p1, 1));
@@ -514,7 +689,7 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
                            int64_t stacked, int64_t bits0, int64_t bits1,
                            int64_t tile, int64_t group, int64_t super_group,
                            int64_t code_offset, int64_t has_super_scale, int64_t has_offset,
-                           int64_t has_super_offset, int64_t threads) {
+                           int64_t has_super_offset, int64_t int8_x, int64_t threads) {
   auto xd = x.dimensions();
   auto yd = y->dimensions();
   if (xd.size() != 2 || yd.size() != 2 || xd[0] != yd[0])
@@ -550,6 +725,29 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   a.group = group >= a.k ? INT64_MAX / 2 : group;  // one group (per-column scales): g = 0
   a.super_group = super_group;
   a.code_offset = code_offset;
+  a.xq = nullptr;
+  a.xd = a.xs = nullptr;
+  if (int8_x && a.k % RB == 0) {
+    // x rounded to int8 per RB rows of K, as llama.cpp's Q8 blocks
+    sh->xq.resize(a.m * a.k);
+    sh->xd.resize(a.m * a.k / RB);
+    sh->xs.resize(a.m * a.k / RB);
+    for (int64_t j = 0; j < a.m * a.k; j += RB) {
+      float amax = 0.0f;
+      for (int64_t r = 0; r < RB; ++r) amax = std::max(amax, std::fabs(a.x[j + r]));
+      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      int32_t sum = 0;
+      for (int64_t r = 0; r < RB; ++r) {
+        sh->xq[j + r] = int8_t(std::nearbyint(a.x[j + r] * inv));
+        sum += sh->xq[j + r];
+      }
+      sh->xd[j / RB] = amax / 127.0f;
+      sh->xs[j / RB] = float(sum) * sh->xd[j / RB];
+    }
+    a.xq = sh->xq.data();
+    a.xd = sh->xd.data();
+    a.xs = sh->xs.data();
+  }
   if (threads <= 0) threads = std::max<int64_t>(pool.num_threads(), 1);
   const int64_t units = stacked ? a.m : 1;  // stacked: a unit per row, with its expert
   sh->full = a.n / NB;  // panels: at most PB blocks, at least 4 work items a thread if N allows
@@ -603,4 +801,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferQuantizedMatmul, QuantizedMatmul,
                                   .Attr<int64_t>("has_super_scale")
                                   .Attr<int64_t>("has_offset")
                                   .Attr<int64_t>("has_super_offset")
+                                  .Attr<int64_t>("int8_x")
                                   .Attr<int64_t>("threads"));

@@ -1,6 +1,7 @@
 """The CPU's quantized matmul kernel (pallas_kernels/cpu_quantized.cc) against x @ the weights'
-values: gguf.quants' for every GGUF block type, `dequantize` for our int8 / int4 formats; a
-row's result whatever the batch and thread count; the formats it leaves to XLA's tiles."""
+values (and, with int8_x, round_to_int8(x) @ them): gguf.quants' for every GGUF block type,
+`dequantize` for our int8 / int4 formats; a row's result whatever the batch and thread count;
+the formats it leaves to XLA's tiles."""
 
 from __future__ import annotations
 
@@ -22,17 +23,20 @@ from test_kernel_wiring import tiny_config
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU's kernel")
 QT = gguf.GGMLQuantizationType
-matmul = jax.jit(cq.quantized_matmul_cpu, static_argnames="threads")
+matmul = jax.jit(cq.quantized_matmul_cpu, static_argnames=("threads", "int8_x"))
 
 
-def _check(qw, want: np.ndarray, m: int, seed: int = 1) -> np.ndarray:
-    """The kernel's x [m, K] @ qw against x @ want in float64; returns the kernel's rows."""
+def _check(qw, want: np.ndarray, m: int, seed: int = 1) -> None:
+    """The kernel's x [m, K] @ qw against x @ want in float64, and with int8_x against
+    round_to_int8(x) @ want (which is not x @ want)."""
     x = np.random.default_rng(seed).standard_normal((m, qw.k)).astype(np.float32)
-    got = np.asarray(matmul(jnp.asarray(x), qw))
-    ref = x.astype(np.float64) @ want.astype(np.float64)
-    assert got.shape == ref.shape
-    assert np.abs(got - ref).max() <= 2e-6 * np.abs(ref).max() * np.sqrt(qw.k)
-    return got
+    rounded = np.asarray(cq.round_to_int8(jnp.asarray(x)))
+    assert np.abs(rounded - x).max() > 1e-3  # far from x's own products at this bound
+    for int8_x, xs in ((False, x), (True, rounded)):
+        got = np.asarray(matmul(jnp.asarray(x), qw, int8_x=int8_x))
+        ref = xs.astype(np.float64) @ want.astype(np.float64)
+        assert got.shape == ref.shape
+        assert np.abs(got - ref).max() <= 2e-6 * np.abs(ref).max() * np.sqrt(qw.k), int8_x
 
 
 @pytest.mark.parametrize("type_name", gguf_blocks.BLOCK_TYPES)
@@ -66,29 +70,33 @@ def test_our_formats_match_dequantize(bits, group, symmetric):
         _check(qw, want, m)
 
 
-def test_a_rows_result_is_the_same_bits_in_any_batch_and_thread_count():
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q8_0"])
+@pytest.mark.parametrize("int8_x", [False, True])
+def test_a_rows_result_is_the_same_bits_in_any_batch_and_thread_count(type_name, int8_x):
     """Each row runs the same operations whatever M (speculative verification, the engine's
-    batches) and whichever thread takes its columns."""
-    raw = random_blocks("Q4_K", 1000, 256, np.random.default_rng(3))
-    qw = jax.tree.map(jnp.asarray, gguf_blocks.repack(raw, "Q4_K", 256, 1000))
+    batches: with int8_x one row's codes are paired in registers, several rows' once into a
+    buffer) and whichever thread takes its columns."""
+    raw = random_blocks(type_name, 1000, 256, np.random.default_rng(3))
+    qw = jax.tree.map(jnp.asarray, gguf_blocks.repack(raw, type_name, 256, 1000))
     x = jnp.asarray(np.random.default_rng(4).standard_normal((7, 256)), jnp.float32)
-    batch = np.asarray(matmul(x, qw))
+    batch = np.asarray(matmul(x, qw, int8_x=int8_x))
     for i in (0, 3, 6):
-        np.testing.assert_array_equal(np.asarray(matmul(x[i:i + 1], qw))[0], batch[i])
-    np.testing.assert_array_equal(np.asarray(matmul(x, qw, threads=1)), batch)
+        np.testing.assert_array_equal(np.asarray(matmul(x[i:i + 1], qw, int8_x=int8_x))[0],
+                                      batch[i])
+    np.testing.assert_array_equal(np.asarray(matmul(x, qw, threads=1, int8_x=int8_x)), batch)
 
 
 def test_the_formats_it_leaves_to_the_tiles():
     """fp8 values are not the kernel's: fits says why, and blocked.linear gives them XLA's
-    tiles (the same product as dequantize's)."""
+    tiles (the same product as dequantize's, of x rounded as the kernel would round it)."""
     w = np.random.default_rng(5).standard_normal((128, 64)).astype(np.float32)
     fp8 = jax.tree.map(jnp.asarray, quantize_weight(w, bits=8, float8=True))
     assert "fp8" in cq.fits(fp8)
     plan = Plan(tiny_config(dtype="float32"), KernelPolicy())
     x = jnp.asarray(np.random.default_rng(6).standard_normal((2, 128)), jnp.float32)
     got = np.asarray(jax.jit(functools.partial(blocked.linear, plan=plan))(x, fp8))
-    np.testing.assert_allclose(got, np.asarray(x) @ np.asarray(dequantize(fp8)), rtol=1e-5,
-                               atol=1e-5)
+    np.testing.assert_allclose(got, np.asarray(cq.round_to_int8(x)) @ np.asarray(dequantize(fp8)),
+                               rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
@@ -105,10 +113,12 @@ def test_stacked_experts_take_each_rows_expert(type_name):
     assert cq.fits(qw) is None
     ids = np.array([2, 0, 2, 1, 0], np.int32)
     x = np.random.default_rng(7).standard_normal((5, k)).astype(np.float32)
-    got = np.asarray(jax.jit(cq.quantized_matmul_cpu)(jnp.asarray(x), qw, jnp.asarray(ids)))
-    for m, i in enumerate(ids):
-        ref = x[m].astype(np.float64) @ want[i].astype(np.float64)
-        assert np.abs(got[m] - ref).max() <= 1e-5 * np.abs(ref).max(), m
+    rounded = np.asarray(cq.round_to_int8(jnp.asarray(x)))
+    for int8_x, xs in ((False, x), (True, rounded)):
+        got = np.asarray(matmul(jnp.asarray(x), qw, jnp.asarray(ids), int8_x=int8_x))
+        for m, i in enumerate(ids):
+            ref = xs[m].astype(np.float64) @ want[i].astype(np.float64)
+            assert np.abs(got[m] - ref).max() <= 1e-5 * np.abs(ref).max(), (m, int8_x)
     with pytest.raises(ValueError, match="one expert id a row"):
         cq.quantized_matmul_cpu(jnp.asarray(x), qw)
 

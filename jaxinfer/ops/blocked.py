@@ -186,6 +186,15 @@ def blocked_matmul(x: jax.Array, qw: QuantizedWeight, block_bytes: int) -> jax.A
     return y.reshape(*lead, *qw.out_shape)
 
 
+def int8_rows(x: jax.Array, w, plan: Plan) -> jax.Array:
+    """x as a CPU matmul of the quantized weight w takes it (KernelPolicy.cpu_int8_activations:
+    rounded to int8 per 16 values, as the C++ kernel rounds it), else x."""
+    if (plan_block_bytes(plan) and plan.policy.cpu_int8_activations
+            and isinstance(w, QuantizedWeight) and w.layout == "tiles"):
+        return cpu_quantized.round_to_int8(x).astype(x.dtype)
+    return x
+
+
 def linear(x: jax.Array, w, plan: Plan, bias=None, out_dtype=None) -> jax.Array:
     """The reference x [..., K] @ w (+ bias) -> [..., *N] in out_dtype (default x's), with
     QuantizedWeights (alone or among Parts) where the plan says (dequant_block_bytes) on the
@@ -197,14 +206,16 @@ def linear(x: jax.Array, w, plan: Plan, bias=None, out_dtype=None) -> jax.Array:
         if rows <= TILED_ROWS:
             # one pass over the codes, no float tile written (KernelPolicy.cpu_quantized_rows)
             if rows <= plan.policy.cpu_quantized_rows and cpu_quantized.unfit(w) is None:
-                y = cpu_quantized.quantized_matmul_cpu(x.reshape(-1, w.k), w)
+                y = cpu_quantized.quantized_matmul_cpu(
+                    x.reshape(-1, w.k), w, int8_x=plan.policy.cpu_int8_activations)
                 y = y.reshape(*x.shape[:-1], *w.out_shape)
             else:
-                y = blocked_matmul(x, w, block)
+                y = blocked_matmul(int8_rows(x, w, plan), w, block)
         else:  # a prefill: the weight whole (see TILED_ROWS), once its input is there, so
             # that XLA cannot dequantize every layer's weights up front and hold them all
             w, x = jax.lax.optimization_barrier((w, x))
-            y = reference.linear(x, dequantize_tile(w, x.dtype), out_dtype=jnp.float32)
+            y = reference.linear(int8_rows(x, w, plan), dequantize_tile(w, x.dtype),
+                                 out_dtype=jnp.float32)
             y = y.reshape(*x.shape[:-1], *w.out_shape)
     elif block and isinstance(w, Parts):
         y = w.combine([linear(x, p, plan, out_dtype=jnp.float32).reshape(*x.shape[:-1], -1)

@@ -27,6 +27,7 @@ stacked weights (references, fallbacks).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +35,7 @@ import jax.numpy as jnp
 import pallas_kernels as pk
 from jaxinfer.configs import MoEConfig
 from jaxinfer.ops.dispatch import KERNEL_DTYPES, Registry, always, kernels_on, rows
+from jaxinfer.ops.blocked import int8_rows
 from jaxinfer.ops.linear import boundary, matmul
 from jaxinfer.ops.mlp import SWIGLU
 from jaxinfer.ops.sharded import experts_layout
@@ -317,10 +319,11 @@ def _cpu_kernel(x, weights, experts, w_gate, w_up, w_down, plan):
     n, k = experts.shape
     ids = experts.reshape(-1)  # [N * k] assignments, token by token
     h = jnp.repeat(x.reshape(n, d).astype(jnp.float32), k, axis=0)  # [N * k, D]
-    g = cpu_quantized.quantized_matmul_cpu(h, w_gate, ids)  # [N * k, F] float32
-    u = cpu_quantized.quantized_matmul_cpu(h, w_up, ids)
+    int8_x = plan.policy.cpu_int8_activations
+    g = cpu_quantized.quantized_matmul_cpu(h, w_gate, ids, int8_x=int8_x)  # [N * k, F] float32
+    u = cpu_quantized.quantized_matmul_cpu(h, w_up, ids, int8_x=int8_x)
     act = _swiglu_act(g, u, x.dtype).astype(jnp.float32)
-    y = cpu_quantized.quantized_matmul_cpu(act, w_down, ids)  # [N * k, D]
+    y = cpu_quantized.quantized_matmul_cpu(act, w_down, ids, int8_x=int8_x)  # [N * k, D]
     return jnp.einsum("nkd,nk->nd", y.reshape(n, k, d), weights).reshape(*lead, d)
 
 
@@ -330,12 +333,12 @@ def _gather(x, weights, experts, w_gate, w_up, w_down, plan):
     experts are read (the decode path, where N * k is below E or near it); quantized ones
     are dequantized from the chosen experts' codes and scales only."""
     lead, d = x.shape[:-1], x.shape[-1]
-    h = x.reshape(-1, d)  # [N, D]
+    h = int8_rows(x.reshape(-1, d), w_gate, plan)  # [N, D]
     g = jnp.einsum("nd,nkdf->nkf", h, take_dequantized(w_gate, experts, x.dtype),
                    preferred_element_type=jnp.float32)
     u = jnp.einsum("nd,nkdf->nkf", h, take_dequantized(w_up, experts, x.dtype),
                    preferred_element_type=jnp.float32)
-    y = jnp.einsum("nkf,nkfd->nkd", _swiglu_act(g, u, x.dtype),
+    y = jnp.einsum("nkf,nkfd->nkd", int8_rows(_swiglu_act(g, u, x.dtype), w_down, plan),
                    take_dequantized(w_down, experts, x.dtype),
                    preferred_element_type=jnp.float32)
     return jnp.einsum("nkd,nk->nd", y, weights).reshape(*lead, d)
@@ -354,14 +357,16 @@ def _ragged(x, weights, experts, w_gate, w_up, w_down, plan):
     experts dequantized whole to the activations' dtype first)."""
     lead, d = x.shape[:-1], x.shape[-1]
     n, k = experts.shape
+    xs = int8_rows(x.reshape(n, d), w_gate, plan)  # [N, D]
+    act_rows = functools.partial(int8_rows, w=w_down, plan=plan)
     w_gate, w_up, w_down = (_whole(w, x.dtype, x) for w in (w_gate, w_up, w_down))
     order = jnp.argsort(experts.reshape(-1), stable=True)  # [N * k] assignments by expert
     token = order // k  # each sorted assignment's token
     sizes = expert_counts(experts, w_gate.shape[0])  # [E] group sizes
-    xs = x.reshape(n, d)[token]  # [N * k, D]
+    xs = xs[token]  # [N * k, D]
     g = jax.lax.ragged_dot(xs, w_gate, sizes, preferred_element_type=jnp.float32)  # [N*k, F]
     u = jax.lax.ragged_dot(xs, w_up, sizes, preferred_element_type=jnp.float32)
-    y = jax.lax.ragged_dot(_swiglu_act(g, u, x.dtype), w_down, sizes,
+    y = jax.lax.ragged_dot(act_rows(_swiglu_act(g, u, x.dtype)), w_down, sizes,
                            preferred_element_type=jnp.float32)  # [N * k, D]
     y = y * weights.reshape(-1)[order][:, None]
     return jnp.zeros((n, d), jnp.float32).at[token].add(y).reshape(*lead, d)
@@ -375,11 +380,11 @@ def _dense(x, weights, experts, w_gate, w_up, w_down, plan):
     n, e = experts.shape[0], experts_shape(w_gate)[0]
     f32 = jnp.float32  # operands upcast: exact for 16-bit ones, and XLA:CPU has no bf16 x
     # bf16 -> f32 batched dot
-    h = x.reshape(n, d).astype(f32)
+    h = int8_rows(x.reshape(n, d).astype(f32), w_gate, plan)
     combine = jnp.zeros((n, e), f32).at[jnp.arange(n)[:, None], experts].add(weights)
     g = jnp.einsum("nd,edf->nef", h, _whole(w_gate, f32, h))
     u = jnp.einsum("nd,edf->nef", h, _whole(w_up, f32, h))
-    act = _swiglu_act(g, u, x.dtype).astype(f32)
+    act = int8_rows(_swiglu_act(g, u, x.dtype).astype(f32), w_down, plan)
     y = jnp.einsum("nef,efd->ned", act, _whole(w_down, f32, act))
     return jnp.einsum("ned,ne->nd", y, combine).reshape(*lead, d)
 
