@@ -487,6 +487,8 @@ def main(args) -> int:
     policy = POLICIES[args.policy]()
     if args.steps_per_sync is not None:
         policy = policy.replace(steps_per_sync_no_stop=args.steps_per_sync)
+    if getattr(args, "int8_activations", False):
+        policy = policy.replace(cpu_int8_activations=True)
     for setting in getattr(args, "policy_field", None) or ():
         policy = policy.with_text(setting)
     mesh = getattr(args, "mesh", None)

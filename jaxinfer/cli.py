@@ -130,6 +130,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--group-size", type=_positive("--group-size"), default=None, metavar="G",
                    help="rows of K per scale for --quantization int8/int4 (default 128, "
                         "or 64 / 32 where 128 does not divide K)")
+    p.add_argument("--int8-activations", action="store_true",
+                   help="on a CPU, quantized weights' matmuls take the activations rounded to "
+                        "int8 per 16 values, as llama.cpp does: decode ~1.4x faster, outputs "
+                        "llama.cpp's rather than the dequantized weights' (their logprobs move "
+                        "~1%%, near-ties flip)")
     p.add_argument("--kv-cache-dtype", choices=("auto", "int8", "fp8"), default="auto",
                    help="KV cache storage: the model's dtype (auto, default), or int8 / fp8 "
                         "(e4m3) codes with a scale per token and head: about half the bytes")
@@ -488,13 +493,21 @@ def _check_checkpoint(args, needs_chat_template: str | None = None) -> None:
                     args.quantization)
 
 
+def _policy(args):
+    """The KernelPolicy the model flags ask for (--int8-activations), or None: the default."""
+    from jaxinfer.plan import KernelPolicy
+
+    return KernelPolicy(cpu_int8_activations=True) if args.int8_activations else None
+
+
 def _load(args):
     import jaxinfer
 
     t0 = time.perf_counter()
     with _waiting(f"loading {args.model}"):
         model = jaxinfer.load(args.model, dtype=args.dtype, quantization=args.quantization,
-                              group_size=args.group_size, mesh=args.mesh)
+                              group_size=args.group_size, mesh=args.mesh,
+                              policy=_policy(args))
     args.load_s = time.perf_counter() - t0
     log.info("loaded %s in %.2f s", args.model, args.load_s)
     return model

@@ -168,11 +168,13 @@ class KernelPolicy:
     # the tiles above at one row, even with them at 16-32 (benchmarks/DECISIONS.md). More
     # rows, 0, or where it cannot be built: the tiles.
     cpu_quantized_rows: int = 16
-    # On the CPU, a quantized weight's matmul takes x rounded to int8 per 16 values (as
-    # llama.cpp rounds its activations to Q8 blocks): the C++ kernel's products are then
-    # integer dots (1.2-1.6x faster at one row with AVX2), and the tiles and prefills take the
-    # same rounded x, so every row count gives the same values to float rounding. False: x.
-    cpu_int8_activations: bool = True
+    # On the CPU, a quantized weight's matmul takes x rounded to int8 per 16 values, as
+    # llama.cpp rounds its activations: the C++ kernel's products are then integer dots
+    # (1.2-1.6x faster at one row with AVX2) and the tiles and prefills take the same rounded
+    # x. Off by default: outputs are then those of the dequantized weights, as transformers
+    # gives them (the rounding moves logprobs ~1% and flips near-ties: the embedded model's
+    # first answer token to llama.cpp's). `jaxinfer ... --int8-activations` turns it on.
+    cpu_int8_activations: bool = False
     # MoE experts: the implementation, and the most token rows (B * T) that take the decode
     # path (one kernel row per token-expert assignment: experts that tokens share are read
     # once per token) rather than the grouped GEMM (rows sorted by expert: each expert read

@@ -207,19 +207,18 @@ inline void row_codes(const uint8_t* p0, const uint8_t* p1, int64_t ld, const Sl
 // int16) in place of a float conversion and a multiply-add a code. The planes hold a row of K per
 // byte row, so two rows' codes are interleaved into byte pairs (unpacklo / unpackhi within each
 // 128-bit lane) against x's pair of the same rows.
-// 32 columns (from 32 h) of the slab's row r as bytes: codes as stored.
+// 32 columns (from 32 h) of the slab's row r as bytes: codes as stored (q0, q1: the planes'
+// byte rows of the slab's first row, sl.row0 and sl.row1).
 template <int P>
-inline __m256i codes32(const uint8_t* p0, const uint8_t* p1, int64_t ld, const Slab& sl,
+inline __m256i codes32(const uint8_t* q0, const uint8_t* q1, int64_t ld, const Slab& sl,
                        int64_t r, int h) {
-  __m256i b =
-      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p0 + (sl.row0 + r) * ld + 32 * h));
+  __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q0 + r * ld + 32 * h));
   if (P == kNibble || P == kTwo) {  // 16-bit shifts: the bits they carry across are masked off
     if (sl.sh0) b = _mm256_srl_epi16(b, _mm_cvtsi32_si128(sl.sh0));
     b = _mm256_and_si256(b, _mm256_set1_epi8(char(sl.mask0)));
   }
   if (P == kTwo) {
-    __m256i c = _mm256_loadu_si256(
-        reinterpret_cast<const __m256i*>(p1 + (sl.row1 + r) * ld + 32 * h));
+    __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q1 + r * ld + 32 * h));
     c = _mm256_and_si256(_mm256_srl_epi16(c, _mm_cvtsi32_si128(sl.sh1)),
                          _mm256_set1_epi8(char(sl.mask1)));
     b = _mm256_or_si256(b, _mm256_sll_epi16(c, _mm_cvtsi32_si128(sl.hi)));
@@ -244,9 +243,9 @@ constexpr int pair_vectors() {
 // unpackhi, which work within each 128-bit lane (v[0] columns 0-7 | 16-23, v[1] 8-15 | 24-31);
 // 8-bit codes go on widened to int16 pairs (v[j] columns 8 j .. 8 j + 7).
 template <int P>
-inline void pair_codes(const uint8_t* p0, const uint8_t* p1, int64_t ld, const Slab& sl,
+inline void pair_codes(const uint8_t* q0, const uint8_t* q1, int64_t ld, const Slab& sl,
                        int64_t r, int h, __m256i* v) {
-  const __m256i c0 = codes32<P>(p0, p1, ld, sl, r, h), c1 = codes32<P>(p0, p1, ld, sl, r + 1, h);
+  const __m256i c0 = codes32<P>(q0, q1, ld, sl, r, h), c1 = codes32<P>(q0, q1, ld, sl, r + 1, h);
   const __m256i lo = _mm256_unpacklo_epi8(c0, c1), hi = _mm256_unpackhi_epi8(c0, c1);
   if (pair_vectors<P>() == 2) {
     v[0] = lo;
@@ -264,62 +263,92 @@ inline void pair_codes(const uint8_t* p0, const uint8_t* p1, int64_t ld, const S
 
 // g [NB] (a block's float sums of one row of x) += xd * the slab's integer dots of the block's
 // codes with xq [RB] (x's int8 over the slab's rows); the codes' pairs made here, or (buf:
-// [RB / 2][2][pair_vectors]) once for every row. Sub-8-bit codes: maddubs (unsigned codes x
-// signed x, pairs summed to int16), widened to int32 every E pairs; 8-bit codes: madd of
-// int16 pairs to int32.
+// [RB / 2][2][pair_vectors]) once for every row.
+//
+// Sub-8-bit codes: maddubs (unsigned codes x signed x, a pair summed to int16) into int16
+// sums of the whole block (s16[2 h + s]: lane l columns 32 h + 16 l + 8 s ..), widened to
+// int32 every E pairs (at 4 bits once, at the end).
 template <int P, int E, bool Buffered>
-inline void slab_dots(const uint8_t* p0, const uint8_t* p1, int64_t ld, const Slab& sl,
+inline void slab_dots(const uint8_t* q0, const uint8_t* q1, int64_t ld, const Slab& sl,
                       const __m256i* buf, const int8_t* xq, float xd, float* g) {
-  constexpr int V = pair_vectors<P>();
   const __m256 d = _mm256_set1_ps(xd);
-  for (int h = 0; h < 2; ++h) {
-    __m256i acc[4], lo16 = _mm256_setzero_si256(), hi16 = _mm256_setzero_si256();
-    for (int j = 0; j < 4; ++j) acc[j] = _mm256_setzero_si256();
-    for (int p = 0; p < RB / 2; ++p) {
+  constexpr int V = pair_vectors<P>();
+  if (V == 4) {  // 8-bit codes: madd of int16 pairs to int32, 32 columns at a time
+    for (int h = 0; h < 2; ++h) {
+      __m256i acc[4];
+      for (int j = 0; j < 4; ++j) acc[j] = _mm256_setzero_si256();
+      for (int p = 0; p < RB / 2; ++p) {
+        __m256i v[V];
+        if (Buffered)
+          for (int j = 0; j < V; ++j) v[j] = buf[(2 * p + h) * V + j];
+        else
+          pair_codes<P>(q0, q1, ld, sl, 2 * p, h, v);
+        const __m256i xp = _mm256_set1_epi32(int32_t(uint32_t(uint16_t(int16_t(xq[2 * p]))) |
+                                                     (uint32_t(uint16_t(int16_t(xq[2 * p + 1]))) << 16)));
+        for (int j = 0; j < 4; ++j) acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(v[j], xp));
+      }
+      for (int j = 0; j < 4; ++j) {
+        float* gj = g + 32 * h + 8 * j;
+        _mm256_storeu_ps(gj, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[j]), d, _mm256_loadu_ps(gj)));
+      }
+    }
+    return;
+  }
+  __m256i s16[4];
+  for (int j = 0; j < 4; ++j) s16[j] = _mm256_setzero_si256();
+  alignas(32) int32_t acc[NB];  // the int32 sums so far, where E < RB / 2
+  if (E < RB / 2) std::memset(acc, 0, sizeof acc);
+  auto widen = [&](int j, int l) {  // s16[j]'s lane l as int32, with acc's
+    const __m256i w = _mm256_cvtepi16_epi32(l ? _mm256_extracti128_si256(s16[j], 1)
+                                              : _mm256_castsi256_si128(s16[j]));
+    if (E >= RB / 2) return w;
+    const int c = 32 * (j / 2) + 16 * l + 8 * (j % 2);
+    return _mm256_add_epi32(w, _mm256_load_si256(reinterpret_cast<const __m256i*>(acc + c)));
+  };
+  for (int p = 0; p < RB / 2; ++p) {
+    int16_t x2;  // x's bytes 2 p, 2 p + 1 as they lie in memory: the pair to broadcast
+    std::memcpy(&x2, xq + 2 * p, 2);
+    const __m256i xp = _mm256_set1_epi16(x2);
+    for (int h = 0; h < 2; ++h) {
       __m256i v[V];
       if (Buffered)
         for (int j = 0; j < V; ++j) v[j] = buf[(2 * p + h) * V + j];
       else
-        pair_codes<P>(p0, p1, ld, sl, 2 * p, h, v);
-      if (V == 4) {
-        const __m256i xp = _mm256_set1_epi32(int32_t(uint32_t(uint16_t(int16_t(xq[2 * p]))) |
-                                                     (uint32_t(uint16_t(int16_t(xq[2 * p + 1]))) << 16)));
-        for (int j = 0; j < V; ++j) acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(v[j], xp));
-        continue;
+        pair_codes<P>(q0, q1, ld, sl, 2 * p, h, v);
+      s16[2 * h] = _mm256_add_epi16(s16[2 * h], _mm256_maddubs_epi16(v[0], xp));
+      s16[2 * h + 1] = _mm256_add_epi16(s16[2 * h + 1], _mm256_maddubs_epi16(v[1], xp));
+    }
+    if (E >= RB / 2 || (p + 1) % E || p + 1 == RB / 2) continue;
+    for (int j = 0; j < 4; ++j)
+      for (int l = 0; l < 2; ++l) {
+        const int c = 32 * (j / 2) + 16 * l + 8 * (j % 2);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(acc + c), widen(j, l));
       }
-      int16_t x2;  // x's bytes 2 p, 2 p + 1 as they lie in memory: the pair to broadcast
-      std::memcpy(&x2, xq + 2 * p, 2);
-      const __m256i xp = _mm256_set1_epi16(x2);
-      lo16 = _mm256_add_epi16(lo16, _mm256_maddubs_epi16(v[0], xp));
-      hi16 = _mm256_add_epi16(hi16, _mm256_maddubs_epi16(v[1], xp));
-      if ((p + 1) % E && p + 1 < RB / 2) continue;
-      acc[0] = _mm256_add_epi32(acc[0], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(lo16)));
-      acc[1] = _mm256_add_epi32(acc[1], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(hi16)));
-      acc[2] = _mm256_add_epi32(acc[2], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(lo16, 1)));
-      acc[3] = _mm256_add_epi32(acc[3], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(hi16, 1)));
-      lo16 = hi16 = _mm256_setzero_si256();
-    }
-    for (int j = 0; j < 4; ++j) {
-      float* gj = g + 32 * h + 8 * j;
-      _mm256_storeu_ps(gj, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[j]), d, _mm256_loadu_ps(gj)));
-    }
+    for (int j = 0; j < 4; ++j) s16[j] = _mm256_setzero_si256();
   }
+  for (int j = 0; j < 4; ++j)
+    for (int l = 0; l < 2; ++l) {
+      float* gc = g + 32 * (j / 2) + 16 * l + 8 * (j % 2);
+      _mm256_storeu_ps(gc, _mm256_fmadd_ps(_mm256_cvtepi32_ps(widen(j, l)), d, _mm256_loadu_ps(gc)));
+    }
 }
 
 // A block's slab for every row of x (integer dots).
 template <int P, int E>
 inline void block_dots(const Args& a, const uint8_t* b0, const uint8_t* b1, int64_t ld,
                        const Slab& sl, int64_t k, float* gacc, int64_t width) {
+  const uint8_t* q0 = b0 + sl.row0 * ld;
+  const uint8_t* q1 = b1 ? b1 + sl.row1 * ld : nullptr;
   if (a.m == 1) {
-    slab_dots<P, E, false>(b0, b1, ld, sl, nullptr, a.xq + k, a.xd[k / RB], gacc);
+    slab_dots<P, E, false>(q0, q1, ld, sl, nullptr, a.xq + k, a.xd[k / RB], gacc);
     return;
   }
   constexpr int V = pair_vectors<P>();
   alignas(32) __m256i buf[RB * V];  // [RB / 2][2][V]
   for (int p = 0; p < RB / 2; ++p)
-    for (int h = 0; h < 2; ++h) pair_codes<P>(b0, b1, ld, sl, 2 * p, h, buf + (2 * p + h) * V);
+    for (int h = 0; h < 2; ++h) pair_codes<P>(q0, q1, ld, sl, 2 * p, h, buf + (2 * p + h) * V);
   for (int64_t i = 0; i < a.m; ++i)
-    slab_dots<P, E, true>(b0, b1, ld, sl, buf, a.xq + i * a.k + k, a.xd[(i * a.k + k) / RB],
+    slab_dots<P, E, true>(q0, q1, ld, sl, buf, a.xq + i * a.k + k, a.xd[(i * a.k + k) / RB],
                           gacc + i * width);
 }
 #else

@@ -465,3 +465,13 @@ def test_waits_show_on_a_terminal_only():
     with cli._waiting("loading a model", after=1.0, stream=quick):
         pass  # a wait under the threshold shows nothing
     assert quick.getvalue() == ""
+
+
+def test_int8_activations_flag_sets_the_policy():
+    """--int8-activations (generate, chat, serve, bench) asks for KernelPolicy's
+    cpu_int8_activations; without it the default policy (None) loads."""
+    from jaxinfer import cli
+
+    on = cli.build_parser().parse_args(["generate", "hi", "--int8-activations"])
+    assert cli._policy(on).cpu_int8_activations
+    assert cli._policy(cli.build_parser().parse_args(["generate", "hi"])) is None

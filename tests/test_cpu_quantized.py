@@ -88,15 +88,18 @@ def test_a_rows_result_is_the_same_bits_in_any_batch_and_thread_count(type_name,
 
 def test_the_formats_it_leaves_to_the_tiles():
     """fp8 values are not the kernel's: fits says why, and blocked.linear gives them XLA's
-    tiles (the same product as dequantize's, of x rounded as the kernel would round it)."""
+    tiles (the same product as dequantize's; with cpu_int8_activations of x rounded as the
+    kernel would round it)."""
     w = np.random.default_rng(5).standard_normal((128, 64)).astype(np.float32)
     fp8 = jax.tree.map(jnp.asarray, quantize_weight(w, bits=8, float8=True))
     assert "fp8" in cq.fits(fp8)
-    plan = Plan(tiny_config(dtype="float32"), KernelPolicy())
     x = jnp.asarray(np.random.default_rng(6).standard_normal((2, 128)), jnp.float32)
-    got = np.asarray(jax.jit(functools.partial(blocked.linear, plan=plan))(x, fp8))
-    np.testing.assert_allclose(got, np.asarray(cq.round_to_int8(x)) @ np.asarray(dequantize(fp8)),
-                               rtol=1e-5, atol=1e-5)
+    for xs, policy in ((x, KernelPolicy()),
+                       (cq.round_to_int8(x), KernelPolicy(cpu_int8_activations=True))):
+        plan = Plan(tiny_config(dtype="float32"), policy)
+        got = np.asarray(jax.jit(functools.partial(blocked.linear, plan=plan))(x, fp8))
+        np.testing.assert_allclose(got, np.asarray(xs) @ np.asarray(dequantize(fp8)), rtol=1e-5,
+                                   atol=1e-5)
 
 
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])

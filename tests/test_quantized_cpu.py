@@ -125,8 +125,8 @@ def test_cpu_decode_holds_the_codes_not_every_layers_float_weights(quantized_mod
 def _assert_as_dequantized_whole(model, prompts):
     """Greedy tokens (and logprobs to float32 rounding) of prompts (a short one: decode
     steps; one of ~100 tokens: a prefill of 128 rows) as the model gives them dequantized
-    whole once per request (dequant_block_bytes=0), with x as it is
-    (cpu_int8_activations=False). With x rounded to int8 (the default) the C++ kernel's rows
+    whole once per request (dequant_block_bytes=0), with x as it is (the default). With x
+    rounded to int8 (cpu_int8_activations) the C++ kernel's rows
     and XLA's tiles (cpu_quantized_rows=0) give each other's tokens and logprobs (to a
     rounding step: x that differs in its last bits may round to the next int8), and the
     whole model's tokens, their logprobs moved by the rounding (up to ~3% on these random
@@ -138,9 +138,9 @@ def _assert_as_dequantized_whole(model, prompts):
     def run(**policy):
         return jaxinfer.generate(model, prompts, max_new_tokens=6, sampling=sampling,
                                  policy=KernelPolicy(**policy))
-    whole = run(dequant_block_bytes=0)
-    as_is = run(cpu_int8_activations=False)
-    rounded, tiles = run(), run(cpu_quantized_rows=0)
+    whole, as_is = run(dequant_block_bytes=0), run()
+    rounded = run(cpu_int8_activations=True)
+    tiles = run(cpu_int8_activations=True, cpu_quantized_rows=0)
     for a, b, r, t in zip(as_is, whole, rounded, tiles):
         assert a.token_ids == b.token_ids == r.token_ids == t.token_ids
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
@@ -159,15 +159,18 @@ def test_cpu_tiles_give_the_whole_weights_tokens(quantized_model):
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU path")
-def test_cpu_speculative_on_quantized_weights_equals_plain(quantized_model):
+@pytest.mark.parametrize("int8", [False, True], ids=["x", "int8-x"])
+def test_cpu_speculative_on_quantized_weights_equals_plain(quantized_model, int8):
     """Greedy prompt lookup on a quantized model: verifications of 8 rows x 4 queries (32
     rows: XLA's tiles, KernelPolicy.cpu_quantized_rows = 16) give the tokens plain decoding's
-    8 rows (the C++ kernel) give."""
+    8 rows (the C++ kernel) give, with x as it is and rounded to int8 (both paths round it
+    alike)."""
     import jaxinfer
 
     model, _, _ = quantized_model
     prompts = [[3 + i, 9, 4, 3 + i, 9, 4, 3 + i, 9] for i in range(8)]  # lookups find matches
-    kw = dict(max_new_tokens=12, sampling=SamplingParams(temperature=0.0))
+    kw = dict(max_new_tokens=12, sampling=SamplingParams(temperature=0.0),
+              policy=KernelPolicy(cpu_int8_activations=int8))
     plain = jaxinfer.generate(model, prompts, **kw)
     spec = jaxinfer.generate(model, prompts, speculative="ngram", num_speculative_tokens=3, **kw)
     assert sum(c.draft_tokens for c in spec) > 0  # verification rounds ran
