@@ -164,50 +164,9 @@ inline fvec codesv(const uint8_t* p0, const uint8_t* p1, int64_t ld, const Slab&
   return __builtin_convertvector(c, fvec);
 }
 
-// Calls f(q, codesv<P>(..., r, q)) for each q < NB / VL: the slab's row r of a block. With AVX2
-// (256-bit operations that a Zen 1 runs as two halves) 16 columns' planes are shifted, masked
-// and joined as bytes in one 128-bit register each, then widened in two halves.
-template <int P, class F>
-inline void row_codes(const uint8_t* p0, const uint8_t* p1, int64_t ld, const Slab& sl,
-                      const Tables& tb, int64_t r, F f) {
-#if defined(__AVX2__) && !defined(__AVX512F__)
-  (void)tb;
-  for (int h = 0; h < NB / 16; ++h) {
-    __m128i b =
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(p0 + (sl.row0 + r) * ld + 16 * h));
-    if (P == kNibble || P == kTwo)  // 16-bit shifts: the bits they carry across are masked off
-      b = _mm_and_si128(_mm_srl_epi16(b, _mm_cvtsi32_si128(sl.sh0)),
-                        _mm_set1_epi8(char(sl.mask0)));
-    if (P == kTwo) {  // the high bits (< 256 once shifted up: they stay in their byte)
-      __m128i c =
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(p1 + (sl.row1 + r) * ld + 16 * h));
-      c = _mm_and_si128(_mm_srl_epi16(c, _mm_cvtsi32_si128(sl.sh1)),
-                        _mm_set1_epi8(char(sl.mask1)));
-      b = _mm_or_si128(b, _mm_sll_epi16(c, _mm_cvtsi32_si128(sl.hi)));
-    }
-    const __m128i b8 = _mm_srli_si128(b, 8);
-    const __m256 f0 = _mm256_cvtepi32_ps(P == kSigned ? _mm256_cvtepi8_epi32(b)
-                                                      : _mm256_cvtepu8_epi32(b));
-    const __m256 f1 = _mm256_cvtepi32_ps(P == kSigned ? _mm256_cvtepi8_epi32(b8)
-                                                      : _mm256_cvtepu8_epi32(b8));
-    fvec c0, c1;
-    std::memcpy(&c0, &f0, sizeof c0);
-    std::memcpy(&c1, &f1, sizeof c1);
-    f(2 * h, c0);
-    f(2 * h + 1, c1);
-  }
-#else
-  for (int q = 0; q < NB / VL; ++q) f(q, codesv<P>(p0, p1, ld, sl, tb, r, q));
-#endif
-}
-
 #if defined(__AVX2__)
-// x rounded to int8 (int8_x): a slab's products as integer dots, as llama.cpp's CPU kernels take
-// them (_mm256_maddubs_epi16: 32 unsigned codes times 32 signed x bytes, summed in pairs to
-// int16) in place of a float conversion and a multiply-add a code. The planes hold a row of K per
-// byte row, so two rows' codes are interleaved into byte pairs (unpacklo / unpackhi within each
-// 128-bit lane) against x's pair of the same rows.
-// 32 columns (from 32 h) of the slab's row r as bytes: codes as stored (q0, q1: the planes'
+// 32 columns (from 32 h) of the slab's row r as bytes, the planes shifted, masked and joined
+// (the float path widens them, the integer dots pair them): codes as stored (q0, q1: the planes'
 // byte rows of the slab's first row, sl.row0 and sl.row1).
 template <int P>
 inline __m256i codes32(const uint8_t* q0, const uint8_t* q1, int64_t ld, const Slab& sl,
@@ -226,6 +185,45 @@ inline __m256i codes32(const uint8_t* q0, const uint8_t* q1, int64_t ld, const S
   return b;
 }
 
+#endif
+
+// Calls f(q, codesv<P>(..., r, q)) for each q < NB / VL: the slab's row r of a block. With AVX2
+// 32 columns' planes are shifted, masked and joined as bytes (codes32), then widened 8 at a
+// time.
+template <int P, class F>
+inline void row_codes(const uint8_t* p0, const uint8_t* p1, int64_t ld, const Slab& sl,
+                      const Tables& tb, int64_t r, F f) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  (void)tb;
+  const uint8_t* q0 = p0 + sl.row0 * ld;
+  const uint8_t* q1 = p1 ? p1 + sl.row1 * ld : nullptr;
+  for (int h = 0; h < NB / 32; ++h) {
+    const __m256i b = codes32<P>(q0, q1, ld, sl, r, h);
+    for (int l = 0; l < 2; ++l) {  // 16 columns' bytes, widened in two halves
+      const __m128i c = l ? _mm256_extracti128_si256(b, 1) : _mm256_castsi256_si128(b);
+      const __m128i c8 = _mm_srli_si128(c, 8);
+      const __m256 f0 = _mm256_cvtepi32_ps(P == kSigned ? _mm256_cvtepi8_epi32(c)
+                                                        : _mm256_cvtepu8_epi32(c));
+      const __m256 f1 = _mm256_cvtepi32_ps(P == kSigned ? _mm256_cvtepi8_epi32(c8)
+                                                        : _mm256_cvtepu8_epi32(c8));
+      fvec v0, v1;
+      std::memcpy(&v0, &f0, sizeof v0);
+      std::memcpy(&v1, &f1, sizeof v1);
+      f(4 * h + 2 * l, v0);
+      f(4 * h + 2 * l + 1, v1);
+    }
+  }
+#else
+  for (int q = 0; q < NB / VL; ++q) f(q, codesv<P>(p0, p1, ld, sl, tb, r, q));
+#endif
+}
+
+#if defined(__AVX2__)
+// x rounded to int8 (int8_x): a slab's products as integer dots, as llama.cpp's CPU kernels take
+// them (_mm256_maddubs_epi16: 32 unsigned codes times 32 signed x bytes, summed in pairs to
+// int16) in place of a float conversion and a multiply-add a code. The planes hold a row of K per
+// byte row, so two rows' codes are interleaved into byte pairs (unpacklo / unpackhi within each
+// 128-bit lane) against x's pair of the same rows.
 // Row pairs whose int16 sums stay exact before they are widened: maddubs saturates a pair's
 // sum at 32767 and the adds wrap, so pairs * 2 * 127 * the largest code <= 32767.
 inline int pairs_exact(const Args& a, int P) {

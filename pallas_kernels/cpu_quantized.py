@@ -15,9 +15,9 @@ multiply them into every row, scaling each group's sums once. XLA's own CPU path
 (`jaxinfer/ops/blocked.py`) writes each float32 tile to the cache and reads it back: its dot
 takes no integer or half-precision weights at speed.
 
-With int8_x (and AVX2), x is rounded to int8 per 16 values of K, as llama.cpp rounds its
-activations to Q8 blocks, and a slab's products are integer dot products (32 codes a maddubs)
-scaled once: 1.2-1.6x faster at one row on a Zen 1, and the result is round_to_int8(x) @ the
+With int8_x, x is rounded to int8 per 16 values of K, as llama.cpp rounds its activations to
+Q8 blocks, and a slab's products are integer dot products (with AVX2 32 codes a maddubs; else
+a column at a time) scaled once: 1.2-1.6x faster at one row on a Zen 1, and the result is round_to_int8(x) @ the
 weights' values, within ~0.5% of x's own (the weights' 4-6-bit codes are far coarser).
 
 The handler is compiled on first use with the machine's C++ compiler (`$CXX`, else `c++`) for
@@ -158,8 +158,8 @@ def quantized_matmul_cpu(x: jax.Array, qw: QuantizedWeight, experts: jax.Array |
     """x [M, K] float32 @ dequantize(qw) [K, *N] -> [M, *N] float32 (fits(qw) must hold); for
     stacked experts (qw's arrays [E, ...]) row m of x through expert experts[m] (experts [M]
     int). threads: how many of XLA's intra-op threads share the work (0: all of them).
-    int8_x: round_to_int8(x) @ the weights, as integer dot products (where the CPU has AVX2;
-    else float products of x itself)."""
+    int8_x: round_to_int8(x) @ the weights, as integer dot products (x itself where K % 16 != 0,
+    as round_to_int8 leaves it)."""
     m, k = x.shape
     if k != qw.k:
         raise ValueError(f"x has K={k}, the weight {qw.name} K={qw.k}")
